@@ -1,0 +1,80 @@
+#include "core/engine.hpp"
+
+#include <chrono>
+#include <cmath>
+
+namespace loom {
+namespace {
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+}  // namespace
+
+double AccumulateSchedule::run(StepContext& ctx) {
+  double total = 0;
+  const float dloss = 1.0f / static_cast<float>(ctx.micro_batches);
+  for (int k = 0; k < ctx.micro_batches; ++k) {
+    double t0 = now();
+    ctx.fetch(ctx.step, static_cast<std::int64_t>(k) * ctx.rows_per_micro, ctx.rows_per_micro, ctx.inputs, ctx.targets);
+    double t1 = now();
+    total += ctx.model.forward(ctx.inputs.data(), ctx.targets.data(), ctx.rows_per_micro);
+    double t2 = now();
+    ctx.model.backward(dloss);
+    double t3 = now();
+    ctx.times.data += t1 - t0;
+    ctx.times.forward += t2 - t1;
+    ctx.times.backward += t3 - t2;
+  }
+  return total / ctx.micro_batches;
+}
+
+Engine::Engine(const EngineConfig& cfg, GPT& model, Backend& backend, std::unique_ptr<Schedule> schedule,
+               std::unique_ptr<GradSync> sync)
+    : cfg_(cfg),
+      model_(model),
+      be_(backend),
+      optimizer_(cfg.optimizer, backend, model.params()),
+      schedule_(schedule ? std::move(schedule) : std::make_unique<AccumulateSchedule>()),
+      sync_(sync ? std::move(sync) : std::make_unique<GradSync>()) {}
+
+StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
+                            const std::function<void(const StepStats&)>& before_update) {
+  Ledger::global().reset_peaks();
+  StepStats st;
+  st.step = step;
+  const double t0 = now();
+  model_.zero_grad();
+  StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, std::move(inputs_), std::move(targets_)};
+  const double local_loss = schedule_->run(ctx);
+  inputs_ = std::move(ctx.inputs);
+  targets_ = std::move(ctx.targets);
+
+  double t1 = now();
+  sync_->finish(model_);
+  st.loss = sync_->global_mean(local_loss);
+  const double sq = sync_->global_sum(be_.sum_squares(model_.grad_data(), model_.num_params()));
+  st.grad_norm = std::sqrt(sq);
+  double t2 = now();
+  st.times.sync = t2 - t1;
+  st.lr = lr_at(cfg_.optimizer, step);
+  if (before_update) before_update(st);
+
+  st.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);
+  if (st.clip_coef < 1.0) be_.scale(model_.grad_data(), static_cast<float>(st.clip_coef), model_.num_params());
+  optimizer_.step(model_.param_data(), model_.grad_data(), st.lr);
+  const double t3 = now();
+  st.times.optimizer = t3 - t2;
+  st.seconds = t3 - t0;
+  for (int i = 0; i < kMemCategories; ++i) st.peak_bytes[i] = Ledger::global().peak(static_cast<Mem>(i));
+  st.peak_total = Ledger::global().peak_total();
+  return st;
+}
+
+double Engine::evaluate(int batches, const BatchFn& fetch) {
+  double total = 0;
+  for (int e = 0; e < batches; ++e) {
+    fetch(e, 0, cfg_.rows_per_micro, inputs_, targets_);
+    total += model_.forward(inputs_.data(), targets_.data(), cfg_.rows_per_micro);
+  }
+  return sync_->global_mean(total / batches);
+}
+
+}  // namespace loom

@@ -1,0 +1,106 @@
+#pragma once
+// The engine runs one training step (DESIGN.md "The training step and the strategy roles"):
+//   schedule the micro-batches (forward, backward) -> finish gradient synchronisation ->
+//   clip by the global norm -> optimizer step.
+// Strategies plug into the step through roles; this header declares the roles this engine calls
+// and the core's single-process default of each. (Partition, state sharding and precision roles
+// join when the plugins that fill them land; their single-process defaults are the plain model.)
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/gpt.hpp"
+#include "core/ledger.hpp"
+#include "core/optimizer.hpp"
+
+namespace loom {
+
+// Fills `rows` rows of global step `step` starting at row `first_row`: inputs and targets [rows, T].
+using BatchFn = std::function<void(std::int64_t step, std::int64_t first_row, int rows,
+                                   std::vector<std::int32_t>& inputs, std::vector<std::int32_t>& targets)>;
+
+struct PhaseTimes {  // seconds, per step
+  double data = 0, forward = 0, backward = 0, sync = 0, optimizer = 0;
+};
+
+struct StepContext {
+  GPT& model;
+  std::int64_t step;
+  int micro_batches;
+  int rows_per_micro;  // rows of one micro-batch on this rank
+  const BatchFn& fetch;
+  PhaseTimes& times;
+  std::vector<std::int32_t> inputs, targets;  // reused batch storage
+};
+
+// Role "gradient sync": what happens to gradients at the end of backward, and how per-rank scalars
+// become global ones. Default: one process, nothing to do.
+class GradSync {
+ public:
+  virtual ~GradSync() = default;
+  virtual std::string name() const { return "none (single process)"; }
+  virtual void finish(GPT& /*model*/) {}
+  virtual double global_sum(double local) { return local; }
+  virtual double global_mean(double local) { return local; }
+};
+
+// Role "schedule": in what order the micro-batch forwards and backwards of a step run. Returns the
+// step's mean loss on this rank. Default: gradient accumulation over the micro-batches.
+class Schedule {
+ public:
+  virtual ~Schedule() = default;
+  virtual std::string name() const = 0;
+  virtual double run(StepContext& ctx) = 0;
+};
+
+class AccumulateSchedule final : public Schedule {
+ public:
+  std::string name() const override { return "accumulate"; }
+  double run(StepContext& ctx) override;
+};
+
+struct StepStats {
+  std::int64_t step = 0;
+  double loss = 0, lr = 0, grad_norm = 0, clip_coef = 1;
+  double seconds = 0;
+  PhaseTimes times;
+  std::array<std::size_t, kMemCategories> peak_bytes{};  // ledger peaks during the step
+  std::size_t peak_total = 0;
+};
+
+struct EngineConfig {
+  int micro_batches = 1;
+  int rows_per_micro = 1;
+  OptimizerConfig optimizer;
+};
+
+class Engine {
+ public:
+  Engine(const EngineConfig& cfg, GPT& model, Backend& backend, std::unique_ptr<Schedule> schedule = nullptr,
+         std::unique_ptr<GradSync> sync = nullptr);
+  // One training step. `before_update`, when given, runs after gradient synchronisation and before
+  // clipping and the optimizer (the exporter reads the raw gradients there).
+  StepStats train_step(std::int64_t step, const BatchFn& fetch,
+                       const std::function<void(const StepStats&)>& before_update = {});
+  // Mean loss over `batches` batches of rows_per_micro rows drawn by `fetch` (step = batch number).
+  double evaluate(int batches, const BatchFn& fetch);
+  GPT& model() { return model_; }
+  AdamW& optimizer() { return optimizer_; }
+  const Schedule& schedule() const { return *schedule_; }
+  const GradSync& grad_sync() const { return *sync_; }
+
+ private:
+  EngineConfig cfg_;
+  GPT& model_;
+  Backend& be_;
+  AdamW optimizer_;
+  std::unique_ptr<Schedule> schedule_;
+  std::unique_ptr<GradSync> sync_;
+  std::vector<std::int32_t> inputs_, targets_;
+};
+
+}  // namespace loom

@@ -1,0 +1,104 @@
+#pragma once
+// The GPT-2 model: parameters with stable global names, their initialisation from
+// (seed, name, element index), and the forward and backward passes of a micro-batch on a Backend.
+//
+// Shape letters: B micro-batch rows, T sequence length, C d_model, NH heads, V vocabulary,
+// L layers, N = B*T rows of a flattened activation.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/buffer.hpp"
+
+namespace loom {
+
+struct GPTConfig {
+  int layers = 4;     // L
+  int d_model = 128;  // C
+  int heads = 4;      // NH
+  int seq_len = 64;   // T (also the number of learned positions)
+  int vocab = 256;    // V
+  bool recompute = false;  // keep only each block's input; recompute its activations in backward
+  // Throws InputError naming the deck keys when the shape is inconsistent.
+  void validate() const;
+};
+
+struct ParamInfo {
+  enum class Init { normal, ones, zeros };
+  std::string name;                  // "blocks.3.attn.qkv.weight"
+  std::vector<std::int64_t> shape;   // full logical shape
+  std::int64_t offset = 0;           // into the flat parameter / gradient buffers
+  std::int64_t numel = 0;
+  bool decay = false;                // AdamW weight decay applies (matrices)
+  Init init = Init::zeros;
+  double init_std = 0.0;             // for Init::normal
+};
+
+class GPT {
+ public:
+  // Allocates parameters, gradients and the activations of micro-batches of up to `max_rows` rows.
+  GPT(const GPTConfig& cfg, Backend& backend, int max_rows);
+
+  const GPTConfig& config() const { return cfg_; }
+  const std::vector<ParamInfo>& params() const { return params_; }
+  const ParamInfo& param(const std::string& name) const;  // throws std::out_of_range
+  std::int64_t num_params() const { return num_params_; }
+  float* param_data() { return params_buf_.data(); }
+  float* grad_data() { return grads_buf_.data(); }
+  const float* param_data() const { return params_buf_.data(); }
+  const float* grad_data() const { return grads_buf_.data(); }
+  int max_rows() const { return max_rows_; }
+
+  // GPT-2 initialisation: normal(0, 0.02), residual projections scaled by 1/sqrt(2L), LayerNorm
+  // weights 1, biases 0; element i of parameter p is drawn from (seed, name of p, i).
+  void init_weights(std::uint64_t seed);
+
+  // Forward pass on B rows of T tokens; returns the mean cross-entropy over the B*T targets.
+  double forward(const std::int32_t* inputs, const std::int32_t* targets, int B);  // [B,T], [B,T]
+  // Backward pass of the last forward, accumulating parameter gradients. `dloss` is the derivative
+  // of the training objective with respect to this forward's mean loss (1/micro_batches when the
+  // step averages over micro-batches).
+  void backward(float dloss);
+  void zero_grad();
+
+  // Model FLOPs per trained token (forward + backward = 3 x forward): 6 x (weights in matrix
+  // products, the tied head included) + 12 x L x T x C for attention (PaLM's convention).
+  double flops_per_token() const;
+
+ private:
+  struct BlockParams {  // pointers into a flat buffer (parameters or their gradients)
+    float *ln1w, *ln1b, *qkvw, *qkvb, *projw, *projb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+  };
+  struct BlockActs {  // what one block saves for its backward
+    float *ln1, *ln1_mean, *ln1_rstd;  // [N,C], [N], [N]
+    float *qkv;                        // [N,3C]
+    float *att;                        // [B,NH,T,T]
+    float *atty;                       // [N,C]
+    float *xmid;                       // [N,C]  residual after attention
+    float *ln2, *ln2_mean, *ln2_rstd;  // [N,C], [N], [N]
+    float *fch, *fch_gelu;             // [N,4C], [N,4C]
+  };
+  BlockParams block_params(float* base, int layer) const;
+  BlockActs block_acts(int layer) const;
+  float* residual(int layer) const;  // block `layer`'s input, [N,C]; residual(L) is the last block's output
+  void block_forward(int layer, int B);
+  void block_backward(int layer, int B, float* dres, float* dscratch);
+
+  GPTConfig cfg_;
+  Backend& be_;
+  int max_rows_;
+  int rows_ = 0;  // rows of the last forward
+  std::vector<ParamInfo> params_;
+  std::int64_t num_params_ = 0;
+  Buffer<float> params_buf_, grads_buf_;
+  // activations
+  std::int64_t block_act_floats_ = 0;
+  Buffer<float> residual_buf_;   // [(L+1), N, C]
+  Buffer<float> block_buf_;      // [L or 1 (recompute), block_act_floats_]
+  Buffer<float> head_buf_;       // lnf [N,C], lnf_mean/rstd [N], logits [N,V], probs [N,V], losses [N]
+  Buffer<float> scratch_buf_;    // forward tmp and backward gradients of activations
+  Buffer<std::int32_t> tokens_buf_;  // inputs, targets [2, N]
+};
+
+}  // namespace loom

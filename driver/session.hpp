@@ -1,0 +1,42 @@
+#pragma once
+// A training session built from a resolved deck: back end, model, data, engine. `loom run` and
+// `loom export` both drive one.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "core/backend.hpp"
+#include "core/engine.hpp"
+#include "core/gpt.hpp"
+#include "io/data.hpp"
+#include "io/deck.hpp"
+
+namespace loom {
+
+struct Session {
+  // Validates the layout and opens the data; throws InputError naming deck keys or files.
+  explicit Session(const Deck& deck);
+
+  const Deck& deck;
+  GPTConfig model_cfg;
+  EngineConfig engine_cfg;
+  std::int64_t steps = 0, eval_every = 0, log_every = 1;
+  int global_batch = 0, eval_batches = 0;
+  std::uint64_t seed = 0;
+  std::string run_dir;
+
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Dataset> train_data;
+  std::unique_ptr<Dataset> val_owned;  // data.val_source, when given
+  const Dataset* val_data = nullptr;   // null when there is no validation split
+  Split val_split = Split::val;        // which split of val_data holds the validation tokens
+  std::unique_ptr<GPT> model;
+  std::unique_ptr<Engine> engine;
+  BatchFn train_batches, val_batches;
+
+  // Lines for the start-up banner: modules, model, data, layout.
+  std::string banner() const;
+};
+
+}  // namespace loom

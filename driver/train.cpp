@@ -1,0 +1,176 @@
+// `loom run`: the training loop, its per-step lines, metrics.jsonl, summary and report.
+#include <mpi.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "driver/commands.hpp"
+#include "driver/session.hpp"
+#include "io/report.hpp"
+
+namespace loom {
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+nlohmann::json memory_json(const std::array<std::size_t, kMemCategories>& bytes, std::size_t total) {
+  nlohmann::json m;
+  for (int i = 0; i < kMemCategories; ++i) m[mem_name(static_cast<Mem>(i))] = bytes[i];
+  m["total"] = total;
+  return m;
+}
+
+std::string memory_line(const std::array<std::size_t, kMemCategories>& bytes, std::size_t total) {
+  std::string s = format_bytes(static_cast<double>(total)) + " (";
+  const char* shortname[kMemCategories] = {"par", "grad", "opt", "master", "act", "comm", "work"};
+  bool first = true;
+  for (int i = 0; i < kMemCategories; ++i) {
+    if (bytes[i] == 0) continue;
+    s += (first ? "" : " ") + std::string(shortname[i]) + " " + format_bytes(static_cast<double>(bytes[i]));
+    first = false;
+  }
+  return s + ")";
+}
+
+}  // namespace
+
+int command_run(const Deck& deck) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const double t_start = now();
+  Session s(deck);
+  const bool io = rank == 0;
+  JsonLines metrics;
+  if (io) {
+    make_run_dir(s.run_dir);
+    metrics.open(s.run_dir + "/metrics.jsonl");
+    std::cout << s.banner() << std::flush;
+  }
+  const double tokens_per_step = static_cast<double>(s.global_batch) * s.model_cfg.seq_len;
+  const double flops_per_token = s.model->flops_per_token();
+  const double t_init = now() - t_start;
+
+  double train_time = 0, steady_time = 0, eval_time = 0, last_loss = NAN;
+  std::int64_t steady_steps = 0;
+  PhaseTimes phase_sum;
+  std::array<std::size_t, kMemCategories> peak_bytes{};
+  std::size_t peak_total = 0;
+  std::optional<double> last_val;
+
+  auto evaluate = [&]() {
+    const double t0 = now();
+    const double v = s.engine->evaluate(s.eval_batches, s.val_batches);
+    eval_time += now() - t0;
+    last_val = v;
+    return v;
+  };
+
+  for (std::int64_t step = 0; step < s.steps; ++step) {
+    const StepStats st = s.engine->train_step(step, s.train_batches);
+    train_time += st.seconds;
+    if (step > 0) {  // the first step pays for first-touch allocation: not steady state
+      steady_time += st.seconds;
+      ++steady_steps;
+    }
+    phase_sum.data += st.times.data;
+    phase_sum.forward += st.times.forward;
+    phase_sum.backward += st.times.backward;
+    phase_sum.sync += st.times.sync;
+    phase_sum.optimizer += st.times.optimizer;
+    for (int i = 0; i < kMemCategories; ++i) peak_bytes[i] = std::max(peak_bytes[i], st.peak_bytes[i]);
+    peak_total = std::max(peak_total, st.peak_total);
+    last_loss = st.loss;
+    if (!std::isfinite(st.loss)) {
+      if (io) std::cerr << "loom: rank 0: loss is " << st.loss << " at step " << step << "; stopping (lower train.lr?)\n";
+      return 1;
+    }
+
+    const bool last = step + 1 == s.steps;
+    std::optional<double> val;
+    if (s.val_data && ((s.eval_every > 0 && (step + 1) % s.eval_every == 0) || last)) val = evaluate();
+    if (!io) continue;
+    const bool log = step % s.log_every == 0 || last || val;
+    if (!log) continue;
+    const double tps = tokens_per_step / st.seconds;
+    const double tflops = tps * flops_per_token / 1e12;
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "step %6lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.0f tok/s | %.4f TFLOP/s | %7.1f ms | mem %s",
+                  static_cast<long long>(step + 1), static_cast<long long>(s.steps), st.loss, st.lr, st.grad_norm, tps,
+                  tflops, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
+    std::cout << line;
+    if (val) std::printf(" | val %.4f", *val);
+    std::cout << std::endl;
+    nlohmann::json rec = {{"step", step + 1},
+                          {"loss", st.loss},
+                          {"lr", st.lr},
+                          {"grad_norm", st.grad_norm},
+                          {"clip_coef", st.clip_coef},
+                          {"tokens_per_s", tps},
+                          {"tflops", tflops},
+                          {"step_ms", st.seconds * 1e3},
+                          {"times_ms",
+                           {{"data", st.times.data * 1e3},
+                            {"forward", st.times.forward * 1e3},
+                            {"backward", st.times.backward * 1e3},
+                            {"sync", st.times.sync * 1e3},
+                            {"optimizer", st.times.optimizer * 1e3}}},
+                          {"mem_peak_bytes", memory_json(st.peak_bytes, st.peak_total)}};
+    if (val) rec["val_loss"] = *val;
+    metrics.write(rec);
+  }
+
+  if (!io) return 0;
+  const double mean_step = steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, s.steps);
+  const double tps = tokens_per_step / mean_step;
+  nlohmann::json summary = {{"steps", s.steps},
+                            {"time_s", now() - t_start},
+                            {"train_time_s", train_time},
+                            {"eval_time_s", eval_time},
+                            {"tokens_per_s", tps},
+                            {"model_flops_per_token", flops_per_token},
+                            {"tflops", tps * flops_per_token / 1e12},
+                            {"final_loss", last_loss},
+                            {"parameters", s.model->num_params()},
+                            {"mem_peak_bytes", memory_json(peak_bytes, peak_total)}};
+  if (last_val) summary["final_val_loss"] = *last_val;
+  if (auto best = s.train_data->best_loss()) summary["best_possible_loss"] = *best;
+  write_json(s.run_dir + "/summary.json", summary);
+
+  nlohmann::json params;
+  for (const auto& [k, v] : deck.values()) params[k] = v;
+  nlohmann::json report = {{"deck", deck.path()},
+                           {"parameters", params},
+                           {"resolved_deck", deck.resolved_text()},
+                           {"platform", platform_info()},
+                           {"build", build_info()},
+                           {"backend", s.backend->description()},
+                           {"timings_s",
+                            {{"total", now() - t_start},
+                             {"init", t_init},
+                             {"train", train_time},
+                             {"eval", eval_time},
+                             {"data", phase_sum.data},
+                             {"forward", phase_sum.forward},
+                             {"backward", phase_sum.backward},
+                             {"sync", phase_sum.sync},
+                             {"optimizer", phase_sum.optimizer}}},
+                           {"summary", summary}};
+  write_json(s.run_dir + "/report.json", report);
+
+  std::printf("\nsummary: %lld steps in %.1f s | final loss %.4f", static_cast<long long>(s.steps), train_time, last_loss);
+  if (last_val) std::printf(" | val loss %.4f", *last_val);
+  if (auto best = s.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
+  std::printf("\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | steady step %.1f ms\n", tps,
+              tps * flops_per_token / 1e12, flops_per_token, mean_step * 1e3);
+  std::printf("         time: forward %.1f s, backward %.1f s, optimizer %.1f s, data %.2f s, eval %.1f s\n",
+              phase_sum.forward, phase_sum.backward, phase_sum.optimizer, phase_sum.data, eval_time);
+  std::printf("         peak memory per rank: %s\n", memory_line(peak_bytes, peak_total).c_str());
+  std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s.run_dir.c_str());
+  return 0;
+}
+
+}  // namespace loom

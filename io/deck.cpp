@@ -1,0 +1,636 @@
+// Input decks: schema, INI reading (Boost.Program_options) with our own line map, typed checks,
+// --set overrides, the resolved deck and the key table.
+//
+// Boost.Program_options does the INI syntax (sections, "key = value", '#' comments, trimming) but
+// reports no line numbers, so the text is also scanned here with the same rules: every line is
+// mapped to its section.key, and lines Boost would refuse, keys outside a section, unknown sections
+// and keys and keys given twice are refused naming file:line before Boost sees the text.
+#include "io/deck.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include <boost/program_options/errors.hpp>
+#include <boost/program_options/options_description.hpp>
+#include <boost/program_options/parsers.hpp>
+#include <boost/program_options/value_semantic.hpp>
+#include <boost/program_options/variables_map.hpp>
+
+#include "io/util.hpp"
+
+namespace loom {
+
+namespace {
+
+namespace po = boost::program_options;
+
+// The characters Boost's config parser trims around names and values.
+const char* const kSpace = " \t\r\n";
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(kSpace);
+  if (b == std::string::npos) return "";
+  const auto e = s.find_last_not_of(kSpace);
+  return s.substr(b, e - b + 1);
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// "model.layers" -> {"model", "layers"} (the section is everything before the last '.').
+std::pair<std::string, std::string> split_name(const std::string& name) {
+  const auto dot = name.rfind('.');
+  if (dot == std::string::npos) return {"", name};
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    if (i) out += sep;
+    out += parts[i];
+  }
+  return out;
+}
+
+// Shortest text that reads back as `x`, exponent without '+' or leading zeros ("1e-8", "1e12").
+std::string format_double(double x) {
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buf[64];
+  if (x == std::floor(x) && std::fabs(x) < 1e6) {  // small whole numbers in plain digits: 10, not 1e1
+    std::snprintf(buf, sizeof buf, "%.0f", x);
+    return buf;
+  }
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
+  std::string s = buf;
+  const auto e = s.find('e');
+  if (e == std::string::npos) return s;
+  std::string mant = s.substr(0, e), exp = s.substr(e + 1);
+  std::string sign;
+  if (!exp.empty() && (exp[0] == '+' || exp[0] == '-')) {
+    if (exp[0] == '-') sign = "-";
+    exp = exp.substr(1);
+  }
+  const auto nz = exp.find_first_not_of('0');
+  exp = nz == std::string::npos ? "0" : exp.substr(nz);
+  return mant + "e" + sign + exp;
+}
+
+// Inclusive integer bounds of an Int key, clamped to int64.
+std::pair<std::int64_t, std::int64_t> int_bounds(const KeySpec& spec) {
+  constexpr double two63 = 9223372036854775808.0;
+  const std::int64_t lo = spec.min <= -two63 ? std::numeric_limits<std::int64_t>::min()
+                                             : static_cast<std::int64_t>(std::ceil(spec.min));
+  const std::int64_t hi = spec.max >= two63 ? std::numeric_limits<std::int64_t>::max()
+                                            : static_cast<std::int64_t>(std::floor(spec.max));
+  return {lo, hi};
+}
+
+const char* type_name(KeyType t) {
+  switch (t) {
+    case KeyType::Int: return "integer";
+    case KeyType::Float: return "float";
+    case KeyType::Bool: return "bool";
+    case KeyType::String: return "string";
+    case KeyType::Choice: return "choice";
+  }
+  return "?";
+}
+
+// What is allowed, as shown in messages and in describe(): "1 .. 1024", "[0, 10]", "a | b".
+std::string allowed_text(const KeySpec& spec) {
+  switch (spec.type) {
+    case KeyType::Int: {
+      const auto [lo, hi] = int_bounds(spec);
+      return std::to_string(lo) + " .. " + std::to_string(hi);
+    }
+    case KeyType::Float: return "[" + format_double(spec.min) + ", " + format_double(spec.max) + "]";
+    case KeyType::Bool: return "true/false, 1/0, yes/no, on/off";
+    case KeyType::Choice: return join(spec.choices, " | ");
+    case KeyType::String: return "";
+  }
+  return "";
+}
+
+// The decimal number syntax accepted for Int and Float: [+-] digits [. digits] [e [+-] digits]
+// (at least one digit in the mantissa). No hex, inf or nan.
+struct NumberParts {
+  bool negative = false;
+  std::string int_digits, frac_digits;
+  long long exponent = 0;  // saturated at +-1e9
+};
+
+bool split_number(const std::string& s, NumberParts* out) {
+  std::size_t i = 0;
+  NumberParts p;
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) p.negative = s[i++] == '-';
+  while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) p.int_digits += s[i++];
+  if (i < s.size() && s[i] == '.') {
+    ++i;
+    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) p.frac_digits += s[i++];
+  }
+  if (p.int_digits.empty() && p.frac_digits.empty()) return false;
+  if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    ++i;
+    bool eneg = false;
+    if (i < s.size() && (s[i] == '+' || s[i] == '-')) eneg = s[i++] == '-';
+    const std::size_t start = i;
+    long long e = 0;
+    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) {
+      e = std::min<long long>(e * 10 + (s[i] - '0'), 1000000000LL);
+      ++i;
+    }
+    if (i == start) return false;
+    p.exponent = eneg ? -e : e;
+  }
+  if (i != s.size()) return false;
+  *out = p;
+  return true;
+}
+
+enum class IntResult { ok, not_integer, out_of_range };
+
+// Exact: "4096", "-3", "1e6", "2.5e3", "1.0" are integers; "1.5" and "1e-3" are not.
+IntResult parse_int(const std::string& s, std::int64_t* out) {
+  NumberParts p;
+  if (!split_number(s, &p)) return IntResult::not_integer;
+  std::string digits = p.int_digits + p.frac_digits;
+  long long shift = p.exponent - static_cast<long long>(p.frac_digits.size());
+  const auto nz = digits.find_first_not_of('0');
+  if (nz == std::string::npos) {
+    *out = 0;
+    return IntResult::ok;
+  }
+  digits = digits.substr(nz);
+  if (shift < 0) {
+    const auto drop = static_cast<std::size_t>(-shift);
+    if (drop >= digits.size()) return IntResult::not_integer;  // nonzero digits after the point
+    if (digits.find_first_not_of('0', digits.size() - drop) != std::string::npos)
+      return IntResult::not_integer;
+    digits.resize(digits.size() - drop);
+  } else {
+    if (static_cast<long long>(digits.size()) + shift > 19) return IntResult::out_of_range;
+    digits.append(static_cast<std::size_t>(shift), '0');
+  }
+  if (digits.size() > 19) return IntResult::out_of_range;
+  errno = 0;
+  const long long v = std::strtoll(((p.negative ? "-" : "") + digits).c_str(), nullptr, 10);
+  if (errno == ERANGE) return IntResult::out_of_range;
+  *out = v;
+  return IntResult::ok;
+}
+
+enum class FloatResult { ok, not_number, out_of_range };
+
+FloatResult parse_float(const std::string& s, double* out) {
+  NumberParts p;
+  if (!split_number(s, &p)) return FloatResult::not_number;
+  const double v = std::strtod(s.c_str(), nullptr);
+  if (!std::isfinite(v)) return FloatResult::out_of_range;
+  *out = v;
+  return FloatResult::ok;
+}
+
+bool parse_bool(const std::string& s, bool* out) {
+  const std::string l = lower(s);
+  if (l == "true" || l == "1" || l == "yes" || l == "on") {
+    *out = true;
+    return true;
+  }
+  if (l == "false" || l == "0" || l == "no" || l == "off") {
+    *out = false;
+    return true;
+  }
+  return false;
+}
+
+// Checks `text` against `spec`. Returns "" and the normalized value (integers in plain decimal,
+// booleans as true/false, everything else as given) or the reason it is refused, e.g.
+// "train.lr = 'abc' is not a number (float, allowed range [0, 10])".
+std::string check_value(const KeySpec& spec, const std::string& text, std::string* normalized) {
+  const std::string& n = spec.name;
+  std::string value = text;
+  switch (spec.type) {
+    case KeyType::Int: {
+      const std::string what = " (integer, allowed " + allowed_text(spec) + ")";
+      std::int64_t v = 0;
+      const IntResult r = parse_int(text, &v);
+      if (r == IntResult::not_integer) return n + " = '" + text + "' is not an integer" + what;
+      const auto [lo, hi] = int_bounds(spec);
+      if (r == IntResult::out_of_range || v < lo || v > hi)
+        return n + " = " + text + " is out of range" + what;
+      value = std::to_string(v);
+      break;
+    }
+    case KeyType::Float: {
+      const std::string what = " (float, allowed range " + allowed_text(spec) + ")";
+      double v = 0;
+      const FloatResult r = parse_float(text, &v);
+      if (r == FloatResult::not_number) return n + " = '" + text + "' is not a number" + what;
+      if (r == FloatResult::out_of_range || v < spec.min || v > spec.max)
+        return n + " = " + text + " is out of range" + what;
+      break;
+    }
+    case KeyType::Bool: {
+      bool b = false;
+      if (!parse_bool(text, &b))
+        return n + " = '" + text + "' is not a boolean (allowed: " + allowed_text(spec) + ")";
+      value = b ? "true" : "false";
+      break;
+    }
+    case KeyType::Choice:
+      if (std::find(spec.choices.begin(), spec.choices.end(), text) == spec.choices.end())
+        return n + " = '" + text + "' is not one of: " + join(spec.choices, ", ");
+      break;
+    case KeyType::String: break;
+  }
+  if (spec.validate) {
+    const std::string allowed = spec.validate(value);
+    if (!allowed.empty()) return n + " = '" + text + "' is not allowed (allowed: " + allowed + ")";
+  }
+  *normalized = value;
+  return "";
+}
+
+// Initials of the '_'-separated words: "learning_rate" -> "lr".
+std::string initials(const std::string& s) {
+  std::string out;
+  bool start = true;
+  for (char c : s) {
+    if (c == '_' || c == '-') {
+      start = true;
+    } else {
+      if (start) out += c;
+      start = false;
+    }
+  }
+  return out;
+}
+
+// How far a mistyped name is from a declared one: 0 for the same (ignoring case), 1 for an
+// abbreviation by initials ("learning_rate" for "lr") or a prefix of at least 3 characters
+// ("sched" for "schedule"), otherwise the edit distance.
+int name_distance(const std::string& given, const std::string& declared) {
+  const std::string a = lower(given), b = lower(declared);
+  if (a == b) return 0;
+  const int d = edit_distance(a, b);
+  if (d <= 1) return d;
+  if ((a.find('_') != std::string::npos && initials(a) == b) ||
+      (b.find('_') != std::string::npos && initials(b) == a))
+    return 1;
+  const std::size_t m = std::min(a.size(), b.size());
+  if (m >= 3 && a.compare(0, m, b, 0, m) == 0) return 1;
+  return d;
+}
+
+// Where a line of the deck put a key.
+struct Entry {
+  std::string name;  // section.key
+  int line = 0;
+};
+
+std::string at(const std::string& file, int line) { return file + ":" + std::to_string(line); }
+
+// The line map: every key of `text` with its line, in order. Refuses (naming file:line) what
+// Boost would refuse, keys outside a section, unknown sections and keys, and keys given twice.
+std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const std::string& file) {
+  std::vector<Entry> entries;
+  std::map<std::string, int> seen;
+  const std::vector<std::string> sections = schema.sections();
+  const std::string valid_sections = join(sections, ", ");
+  std::string section;
+  std::istringstream in(text);
+  std::string raw;
+  int line = 0;
+  while (std::getline(in, raw)) {
+    ++line;
+    const std::string where = at(file, line) + ": ";
+    std::string s = raw;
+    const auto hash = s.find('#');
+    if (hash != std::string::npos) s.resize(hash);
+    s = trim(s);
+    if (s.empty()) continue;
+    if (s.front() == '[' && s.back() == ']') {
+      const std::string name = s.substr(1, s.size() - 2);
+      if (trim(name).empty())
+        throw InputError(where + "empty section name '" + s + "' (valid sections: " + valid_sections + ")");
+      if (name.find_first_of(kSpace) != std::string::npos)
+        throw InputError(where + "section header '" + s + "' contains spaces; write [" + trim(name) +
+                         "] (valid sections: " + valid_sections + ")");
+      if (std::find(sections.begin(), sections.end(), name) == sections.end())
+        throw InputError(where + "unknown section [" + name + "]; did you mean [" +
+                         schema.nearest_section(name) + "]? (valid sections: " + valid_sections + ")");
+      section = name;
+      continue;
+    }
+    const auto eq = s.find('=');
+    if (eq == std::string::npos || trim(s.substr(0, eq)).empty())
+      throw InputError(where + "cannot read line '" + trim(raw) +
+                       "' (expected [section], key = value, a # comment or a blank line)");
+    const std::string key = trim(s.substr(0, eq));
+    if (section.empty()) {
+      std::vector<std::string> homes;
+      for (const auto& spec : schema.keys())
+        if (split_name(spec.name).second == key) homes.push_back("[" + split_name(spec.name).first + "]");
+      std::string hint = homes.empty() ? "" : " ('" + key + "' belongs in " + join(homes, " or ") + ")";
+      throw InputError(where + "key '" + key + "' is outside any section; put it under a [section] header" +
+                       hint + " (valid sections: " + valid_sections + ")");
+    }
+    const std::string name = section + "." + key;
+    if (!schema.find(name)) {
+      std::vector<std::string> valid;
+      for (const auto& spec : schema.keys())
+        if (split_name(spec.name).first == section) valid.push_back(split_name(spec.name).second);
+      throw InputError(where + "unknown key '" + name + "' in section [" + section + "]; did you mean '" +
+                       schema.nearest_key(name) + "'? (valid keys: " + join(valid, ", ") + ")");
+    }
+    const auto [it, fresh] = seen.emplace(name, line);
+    if (!fresh)
+      throw InputError(where + "key '" + name + "' given twice (first at " + at(file, it->second) +
+                       ", again at " + at(file, line) + ")");
+    entries.push_back({name, line});
+  }
+  return entries;
+}
+
+const KeySpec& spec_of(const DeckSchema* schema, const std::string& name) {
+  if (!schema) throw std::logic_error("deck: no schema (default-constructed Deck), asked for '" + name + "'");
+  const KeySpec* spec = schema->find(name);
+  if (!spec) throw std::logic_error("deck: '" + name + "' is not a declared key");
+  return *spec;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// DeckSchema
+
+void DeckSchema::add(KeySpec spec) {
+  const auto [section, key] = split_name(spec.name);
+  if (section.empty() || key.empty())
+    throw std::logic_error("deck schema: key '" + spec.name + "' is not of the form section.key");
+  for (char c : spec.name)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.'))
+      throw std::logic_error("deck schema: key '" + spec.name + "' has a character other than [A-Za-z0-9_.-]");
+  if (section.front() == '.' || section.back() == '.' || section.find("..") != std::string::npos)
+    throw std::logic_error("deck schema: key '" + spec.name + "' has an empty name part");
+  if (find(spec.name)) throw std::logic_error("deck schema: key '" + spec.name + "' declared twice");
+  if ((spec.type == KeyType::Int || spec.type == KeyType::Float) && !(spec.min <= spec.max))
+    throw std::logic_error("deck schema: key '" + spec.name + "' has min > max");
+  if (spec.type == KeyType::Choice && spec.choices.empty())
+    throw std::logic_error("deck schema: choice key '" + spec.name + "' has no choices");
+  std::string normalized;
+  const std::string err = check_value(spec, spec.default_value, &normalized);
+  if (!err.empty()) throw std::logic_error("deck schema: bad default: " + err);
+  spec.default_value = normalized;
+  keys_.push_back(std::move(spec));
+}
+
+const KeySpec* DeckSchema::find(const std::string& name) const {
+  for (const auto& k : keys_)
+    if (k.name == name) return &k;
+  return nullptr;
+}
+
+std::vector<std::string> DeckSchema::sections() const {
+  std::vector<std::string> out;
+  for (const auto& k : keys_) {
+    const std::string s = split_name(k.name).first;
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  }
+  return out;
+}
+
+std::string DeckSchema::nearest_key(const std::string& name) const {
+  const auto [section, key] = split_name(name);
+  std::string best;
+  int best_score = std::numeric_limits<int>::max();
+  for (const auto& k : keys_) {
+    const auto [ks, kk] = split_name(k.name);
+    // A key in the right section wins over the same key elsewhere, which wins over a poor match.
+    const int score = name_distance(key, kk) + (lower(section) == lower(ks) ? 0 : 2);
+    if (score < best_score) {
+      best_score = score;
+      best = k.name;
+    }
+  }
+  return best;
+}
+
+std::string DeckSchema::nearest_section(const std::string& section) const {
+  std::string best;
+  int best_score = std::numeric_limits<int>::max();
+  for (const auto& s : sections()) {
+    const int score = name_distance(section, s);
+    if (score < best_score) {
+      best_score = score;
+      best = s;
+    }
+  }
+  return best;
+}
+
+std::string DeckSchema::describe() const {
+  struct Row {
+    std::string name, type, def, allowed, help;
+  };
+  std::vector<Row> rows;
+  Row head{"key", "type", "default", "allowed", "help"};
+  std::size_t w[4] = {head.name.size(), head.type.size(), head.def.size(), head.allowed.size()};
+  for (const auto& k : keys_) {
+    Row r{k.name, type_name(k.type), k.default_value.empty() ? "\"\"" : k.default_value,
+          k.type == KeyType::Bool ? "true | false" : allowed_text(k), k.help};
+    if (r.allowed.empty()) r.allowed = "-";
+    w[0] = std::max(w[0], r.name.size());
+    w[1] = std::max(w[1], r.type.size());
+    w[2] = std::max(w[2], r.def.size());
+    w[3] = std::max(w[3], r.allowed.size());
+    rows.push_back(std::move(r));
+  }
+  auto pad = [](const std::string& s, std::size_t n) { return s + std::string(n - s.size() + 2, ' '); };
+  std::ostringstream out;
+  out << "Deck keys. A deck is an INI file: [section] headers, then 'key = value' lines; '#' starts a\n"
+         "comment (a whole line, or the rest of a line after a value, so values cannot hold '#').\n"
+         "Each key may be given once; --set section.key=value overrides it (later --set wins).\n"
+         "  integer  a whole number: 4096, -3, or exponent form when the value is exactly whole\n"
+         "           (1e6, 2.5e3); 1.5 and 1e-3 are refused\n"
+         "  float    decimal or exponent form: 0.1, 3e-4 (no inf or nan)\n"
+         "  bool     true/false, 1/0, yes/no, on/off (any case)\n"
+         "  choice   exactly one of the listed words\n\n";
+  out << pad(head.name, w[0]) << pad(head.type, w[1]) << pad(head.def, w[2]) << pad(head.allowed, w[3])
+      << head.help << "\n";
+  std::string last_section;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const std::string section = split_name(keys_[i].name).first;
+    if (section != last_section) {
+      out << "[" << section << "]\n";
+      last_section = section;
+    }
+    const Row& r = rows[i];
+    out << pad(r.name, w[0]) << pad(r.type, w[1]) << pad(r.def, w[2]) << pad(r.allowed, w[3]) << r.help
+        << "\n";
+  }
+  return out.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deck
+
+Deck Deck::load(const DeckSchema& schema, const std::string& path, const std::vector<std::string>& sets) {
+  return parse(schema, read_file(path, "deck"), path, sets);
+}
+
+Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std::string& name,
+                 const std::vector<std::string>& sets) {
+  Deck deck;
+  deck.schema_ = &schema;
+  deck.path_ = name;
+
+  std::string text = text_in;
+  if (text.compare(0, 3, "\xEF\xBB\xBF") == 0) text.erase(0, 3);  // UTF-8 byte order mark
+
+  // Our line map first: it refuses structural problems naming file:line.
+  const std::vector<Entry> entries = scan(schema, text, name);
+
+  // Boost does the INI reading; every declared key is registered as a string.
+  po::options_description desc;
+  for (const auto& k : schema.keys()) desc.add_options()(k.name.c_str(), po::value<std::string>());
+  po::variables_map vm;
+  try {
+    std::istringstream in(text);
+    po::store(po::parse_config_file(in, desc, /*allow_unregistered=*/true), vm);
+  } catch (const po::error& e) {
+    throw InputError(name + ": " + e.what());
+  }
+
+  for (const Entry& e : entries) {
+    const KeySpec& spec = *schema.find(e.name);
+    if (!vm.count(e.name))  // cannot happen: the scan and Boost read the same lines
+      throw std::logic_error("deck: Boost did not read '" + e.name + "' of " + at(name, e.line));
+    std::string value;
+    const std::string err = check_value(spec, vm[e.name].as<std::string>(), &value);
+    if (!err.empty()) throw InputError(at(name, e.line) + ": " + err);
+    deck.values_[e.name] = value;
+    deck.origins_[e.name] = at(name, e.line);
+  }
+
+  for (const std::string& set : sets) {
+    const std::string where = "--set " + set + ": ";
+    const auto eq = set.find('=');
+    if (eq == std::string::npos)
+      throw InputError(where + "expected section.key=value (no '='); nearest key: '" +
+                       schema.nearest_key(trim(set)) + "'");
+    const std::string key = trim(set.substr(0, eq));
+    const std::string text_value = trim(set.substr(eq + 1));
+    const KeySpec* spec = schema.find(key);
+    if (!spec) {
+      const auto [section, short_key] = split_name(key);
+      const auto sections = schema.sections();
+      std::string msg = "unknown key '" + key + "'";
+      if (std::find(sections.begin(), sections.end(), section) != sections.end()) {
+        std::vector<std::string> valid;
+        for (const auto& k : schema.keys())
+          if (split_name(k.name).first == section) valid.push_back(split_name(k.name).second);
+        msg += " in section [" + section + "]; did you mean '" + schema.nearest_key(key) +
+               "'? (valid keys: " + join(valid, ", ") + ")";
+      } else {
+        msg += "; did you mean '" + schema.nearest_key(key) + "'? (valid sections: " + join(sections, ", ") + ")";
+      }
+      throw InputError(where + msg);
+    }
+    if (text_value.find_first_of("#\n\r") != std::string::npos)
+      throw InputError(where + key + " = '" + text_value +
+                       "' holds a '#' or a line break, which a deck cannot hold");
+    std::string value;
+    const std::string err = check_value(*spec, text_value, &value);
+    if (!err.empty()) throw InputError(where + err);
+    deck.values_[key] = value;
+    deck.origins_[key] = "--set";
+  }
+
+  for (const auto& k : schema.keys()) {
+    if (deck.values_.count(k.name)) continue;
+    deck.values_[k.name] = k.default_value;
+    deck.origins_[k.name] = "default";
+  }
+  return deck;
+}
+
+std::int64_t Deck::get_int(const std::string& name) const {
+  const KeySpec& spec = spec_of(schema_, name);
+  if (spec.type != KeyType::Int)
+    throw std::logic_error("deck: get_int on '" + name + "', a " + type_name(spec.type) + " key");
+  std::int64_t v = 0;
+  if (parse_int(values_.at(name), &v) != IntResult::ok)
+    throw std::logic_error("deck: stored value of '" + name + "' is not an integer");
+  return v;
+}
+
+double Deck::get_float(const std::string& name) const {
+  const KeySpec& spec = spec_of(schema_, name);
+  if (spec.type != KeyType::Float)
+    throw std::logic_error("deck: get_float on '" + name + "', a " + type_name(spec.type) + " key");
+  return std::strtod(values_.at(name).c_str(), nullptr);
+}
+
+bool Deck::get_bool(const std::string& name) const {
+  const KeySpec& spec = spec_of(schema_, name);
+  if (spec.type != KeyType::Bool)
+    throw std::logic_error("deck: get_bool on '" + name + "', a " + type_name(spec.type) + " key");
+  return values_.at(name) == "true";
+}
+
+std::string Deck::get_string(const std::string& name) const {
+  const KeySpec& spec = spec_of(schema_, name);
+  if (spec.type != KeyType::String && spec.type != KeyType::Choice)
+    throw std::logic_error("deck: get_string on '" + name + "', a " + type_name(spec.type) + " key");
+  return values_.at(name);
+}
+
+bool Deck::is_default(const std::string& name) const { return origin(name) == "default"; }
+
+std::string Deck::origin(const std::string& name) const {
+  spec_of(schema_, name);
+  return origins_.at(name);
+}
+
+std::string Deck::resolved_text() const {
+  if (!schema_) throw std::logic_error("deck: resolved_text on a default-constructed Deck");
+  std::size_t nsets = 0;
+  for (const auto& [k, o] : origins_)
+    if (o == "--set") ++nsets;
+  std::ostringstream out;
+  out << "# loom deck, resolved: every declared key with the value in effect.\n"
+      << "# Read from " << (path_.empty() ? "(nothing)" : path_);
+  if (nsets) out << ", then " << nsets << " key(s) set by --set";
+  out << ". Keys marked '# default' were not given.\n";
+  std::string section;
+  for (const auto& k : schema_->keys()) {
+    const auto [s, key] = split_name(k.name);
+    if (s != section) {
+      out << "\n[" << s << "]\n";
+      section = s;
+    }
+    out << key << " = " << values_.at(k.name);
+    if (origins_.at(k.name) == "default") out << "  # default";
+    out << "\n";
+  }
+  return out.str();
+}
+
+std::map<std::string, std::string> Deck::values() const { return values_; }
+
+}  // namespace loom

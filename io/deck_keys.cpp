@@ -1,0 +1,135 @@
+// The deck keys of the core: model, data, train, parallel, run.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "io/deck.hpp"
+
+namespace loom {
+
+namespace {
+
+KeySpec int_key(std::string name, std::string def, double lo, double hi, std::string help) {
+  KeySpec k;
+  k.name = std::move(name);
+  k.type = KeyType::Int;
+  k.default_value = std::move(def);
+  k.min = lo;
+  k.max = hi;
+  k.help = std::move(help);
+  return k;
+}
+
+KeySpec float_key(std::string name, std::string def, double lo, double hi, std::string help) {
+  KeySpec k = int_key(std::move(name), std::move(def), lo, hi, std::move(help));
+  k.type = KeyType::Float;
+  return k;
+}
+
+KeySpec bool_key(std::string name, std::string def, std::string help) {
+  KeySpec k;
+  k.name = std::move(name);
+  k.type = KeyType::Bool;
+  k.default_value = std::move(def);
+  k.help = std::move(help);
+  return k;
+}
+
+KeySpec string_key(std::string name, std::string def, std::string help,
+                   std::function<std::string(const std::string&)> validate = {}) {
+  KeySpec k;
+  k.name = std::move(name);
+  k.type = KeyType::String;
+  k.default_value = std::move(def);
+  k.help = std::move(help);
+  k.validate = std::move(validate);
+  return k;
+}
+
+KeySpec choice_key(std::string name, std::string def, std::vector<std::string> choices, std::string help) {
+  KeySpec k;
+  k.name = std::move(name);
+  k.type = KeyType::Choice;
+  k.default_value = std::move(def);
+  k.choices = std::move(choices);
+  k.help = std::move(help);
+  return k;
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
+
+// synthetic, text:PATH or tokens:GLOB with a non-empty PATH/GLOB.
+bool is_data_source(const std::string& v) {
+  if (v == "synthetic") return true;
+  if (starts_with(v, "text:")) return v.size() > 5;
+  if (starts_with(v, "tokens:")) return v.size() > 7;
+  return false;
+}
+
+std::string check_source(const std::string& v) {
+  return is_data_source(v) ? "" : "synthetic, text:PATH or tokens:GLOB (PATH/GLOB not empty)";
+}
+
+std::string check_val_source(const std::string& v) {
+  return v.empty() || is_data_source(v)
+             ? ""
+             : "empty (held-out split of data.source), synthetic, text:PATH or tokens:GLOB (PATH/GLOB not empty)";
+}
+
+}  // namespace
+
+void add_core_keys(DeckSchema& schema) {
+  // model
+  schema.add(int_key("model.layers", "4", 1, 1024, "number of transformer blocks"));
+  schema.add(int_key("model.d_model", "128", 1, 65536, "width of the residual stream (embedding size)"));
+  schema.add(int_key("model.heads", "4", 1, 1024, "attention heads per block (must divide d_model)"));
+  schema.add(int_key("model.seq_len", "64", 1, 1048576, "context length in tokens"));
+  schema.add(int_key("model.vocab", "256", 2, 1048576, "vocabulary size (256 for text:PATH bytes)"));
+  schema.add(bool_key("model.recompute", "false",
+                      "recompute each block's activations in backward instead of keeping them"));
+
+  // data
+  schema.add(string_key("data.source", "synthetic",
+                        "training data: synthetic (Markov chain), text:PATH (bytes of a file) or "
+                        "tokens:GLOB (llm.c uint16 shards)",
+                        check_source));
+  schema.add(float_key("data.val_fraction", "0.1", 0.0, 0.9,
+                       "share of the token stream held out for validation (text/tokens)"));
+  schema.add(float_key("data.synthetic_noise", "0.1", 0.0, 1.0,
+                       "probability a synthetic token is drawn uniformly instead of following the chain"));
+  schema.add(string_key("data.val_source", "",
+                        "optional separate validation source, same syntax as data.source; empty = "
+                        "held-out split of data.source",
+                        check_val_source));
+
+  // train
+  schema.add(int_key("train.steps", "100", 1, 1e12, "optimizer steps to run"));
+  schema.add(int_key("train.batch", "8", 1, 1e9, "global batch in sequences (over all data-parallel ranks)"));
+  schema.add(int_key("train.micro_batches", "1", 1, 1e6,
+                     "micro-batches per step (gradient accumulation / pipeline micro-batches)"));
+  schema.add(float_key("train.lr", "3e-4", 0, 10, "peak learning rate"));
+  schema.add(float_key("train.lr_min", "0", 0, 10, "floor of the cosine schedule"));
+  schema.add(choice_key("train.schedule", "cosine", {"constant", "cosine"},
+                        "learning-rate schedule after warmup"));
+  schema.add(int_key("train.warmup", "0", 0, 1e12, "steps of linear learning-rate warmup from 0"));
+  schema.add(float_key("train.weight_decay", "0.1", 0, 10, "AdamW decoupled weight decay"));
+  schema.add(float_key("train.beta1", "0.9", 0, 0.999999, "AdamW first-moment decay"));
+  schema.add(float_key("train.beta2", "0.95", 0, 0.999999, "AdamW second-moment decay"));
+  schema.add(float_key("train.eps", "1e-8", 0, 1, "AdamW epsilon"));
+  schema.add(float_key("train.grad_clip", "1.0", 0, 1e6, "clip the global gradient norm to this (0 = no clipping)"));
+  schema.add(int_key("train.seed", "1337", 0, 9.2e18, "seed of initialization and data order"));
+  schema.add(int_key("train.eval_every", "0", 0, 1e12, "steps between validation evaluations (0 = only at the end)"));
+  schema.add(int_key("train.eval_batches", "4", 1, 1e6, "batches averaged per validation evaluation"));
+  schema.add(int_key("train.log_every", "1", 1, 1e12, "steps between progress lines"));
+
+  // parallel
+  schema.add(int_key("parallel.dp", "1", 1, 1e6, "data-parallel degree"));
+  schema.add(int_key("parallel.tp", "1", 1, 1e6, "tensor-parallel degree"));
+  schema.add(int_key("parallel.pp", "1", 1, 1e6, "pipeline-parallel degree (stages)"));
+
+  // run
+  schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));
+  schema.add(int_key("run.threads", "1", 1, 1024, "BLAS threads per rank"));
+}
+
+}  // namespace loom

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Runs one loom regression case (a JSON file in regression/cases/) and checks it.
+
+    python3 regression/run_case.py --loom build/loom --case regression/cases/golden-synthetic.json \
+        --workdir build/regression [--regenerate]
+
+A case records its deck lines and what to check, LAMMPS-style:
+  "deck":     the deck, as a list of lines (so the case is self-contained)
+  "sets":     --set overrides for the run under test
+  "ranks":    MPI ranks (default 1; launched with mpirun -n R when R > 1)
+  "check":    one of
+     "golden"   compare the per-step losses (and the final val loss) with "golden", values recorded at
+                full precision by --regenerate; nobody types golden numbers by hand
+     "same_as"  run the deck again with "reference_sets" and compare the loss curves step by step
+                (e.g. accumulation over 4 micro-batches against the whole batch)
+     "learns"   the final loss must fall below "max_final_loss" and below the first loss by "min_drop"
+     "error"    the run must fail with exit status "exit" and stderr matching every regex in "stderr"
+  "epsilon":  {"base": e, "scale": {"loss": s, "val_loss": s}}: tolerance for a quantity is
+              base * scale[quantity] relative to the reference (|a - b| <= eps * max(1, |b|)).
+Standard library only: runs with any python3.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+
+def write_deck(path, lines):
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def run_loom(args, case, workdir, tag, sets):
+    """Runs loom on the case's deck; returns (exit status, stdout, stderr, metrics records)."""
+    rundir = os.path.join(workdir, tag)
+    shutil.rmtree(rundir, ignore_errors=True)
+    os.makedirs(rundir)
+    deck = os.path.join(rundir, "case.deck")
+    write_deck(deck, case["deck"])
+    cmd = [args.loom, case.get("command", "run"), deck, "--set", "run.dir=" + rundir]
+    for s in sets:
+        cmd += ["--set", s]
+    ranks = int(case.get("ranks", 1))
+    if ranks > 1:
+        cmd = [args.mpirun, "-n", str(ranks)] + cmd
+    print("$ " + " ".join(cmd), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=case.get("timeout", 600))
+    records = []
+    mpath = os.path.join(rundir, "metrics.jsonl")
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    return p.returncode, p.stdout, p.stderr, records
+
+
+def curve(records):
+    loss = [r["loss"] for r in records]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    return {"loss": loss, "val_loss": val[-1] if val else None}
+
+
+def tolerance(case, quantity):
+    eps = case.get("epsilon", {})
+    return eps.get("base", 1e-6) * eps.get("scale", {}).get(quantity, 1.0)
+
+
+def compare(case, got, ref):
+    """Step-by-step comparison; returns a list of failure strings and prints a table."""
+    failures = []
+    tol = tolerance(case, "loss")
+    if len(got["loss"]) != len(ref["loss"]):
+        return ["loss curve has %d steps, reference %d" % (len(got["loss"]), len(ref["loss"]))]
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(got["loss"], ref["loss"])):
+        err = abs(a - b) / max(1.0, abs(b))
+        worst = max(worst, err)
+        if err > tol:
+            failures.append("step %d: loss %.10g, reference %.10g (rel. error %.3g > %.3g)" % (i + 1, a, b, err, tol))
+    print("loss curve: %d steps, worst relative error %.3g (tolerance %.3g)" % (len(ref["loss"]), worst, tol))
+    if ref.get("val_loss") is not None:
+        tv = tolerance(case, "val_loss")
+        if got.get("val_loss") is None:
+            failures.append("no val_loss in this run")
+        else:
+            err = abs(got["val_loss"] - ref["val_loss"]) / max(1.0, abs(ref["val_loss"]))
+            print("val loss: %.10g vs %.10g, relative error %.3g (tolerance %.3g)" % (got["val_loss"], ref["val_loss"], err, tv))
+            if err > tv:
+                failures.append("val_loss %.10g, reference %.10g (rel. error %.3g > %.3g)" % (got["val_loss"], ref["val_loss"], err, tv))
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--case", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--regenerate", action="store_true", help="rewrite the case's golden values from this run")
+    args = ap.parse_args()
+
+    with open(args.case) as f:
+        case = json.load(f)
+    name = os.path.splitext(os.path.basename(args.case))[0]
+    workdir = os.path.join(args.workdir, name)
+    print("case %s: %s" % (name, case.get("description", "")))
+    check = case["check"]
+    status, out, err, records = run_loom(args, case, workdir, "run", case.get("sets", []))
+    sys.stdout.write(out[-4000:])
+    failures = []
+
+    if check == "error":
+        want = case.get("exit", 2)
+        if status != want:
+            failures.append("exit status %d, expected %d" % (status, want))
+        for rx in case.get("stderr", []):
+            if not re.search(rx, err):
+                failures.append("stderr does not match /%s/" % rx)
+        print("stderr: " + err.strip())
+    else:
+        if status != 0:
+            sys.stderr.write(err)
+            print("FAIL: loom exited with %d" % status)
+            return 1
+        got = curve(records)
+        if check == "golden":
+            if args.regenerate:
+                case["golden"] = got
+                with open(args.case, "w") as f:
+                    json.dump(case, f, indent=2)
+                    f.write("\n")
+                print("regenerated %s (%d steps)" % (args.case, len(got["loss"])))
+                return 0
+            if "golden" not in case:
+                failures.append("no golden values: run with --regenerate")
+            else:
+                failures += compare(case, got, case["golden"])
+        elif check == "same_as":
+            st, _, err2, rec2 = run_loom(args, case, workdir, "reference", case.get("reference_sets", []))
+            if st != 0:
+                sys.stderr.write(err2)
+                failures.append("reference run exited with %d" % st)
+            else:
+                failures += compare(case, got, curve(rec2))
+        elif check == "learns":
+            first, last = got["loss"][0], got["loss"][-1]
+            final = got["val_loss"] if got["val_loss"] is not None else last
+            print("first loss %.4f, final loss %.4f, final val loss %s" % (first, last, got["val_loss"]))
+            if final > case["max_final_loss"]:
+                failures.append("final loss %.4f above %.4f" % (final, case["max_final_loss"]))
+            if first - last < case.get("min_drop", 0.0):
+                failures.append("loss fell by %.4f, expected at least %.4f" % (first - last, case["min_drop"]))
+        else:
+            failures.append("unknown check '%s'" % check)
+
+    for f_ in failures:
+        print("FAIL: " + f_)
+    print("case %s: %s" % (name, "FAILED" if failures else "passed"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

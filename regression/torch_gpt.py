@@ -1,0 +1,240 @@
+"""A PyTorch GPT-2 that mirrors loom's model, optimizer and schedule exactly.
+
+Used by regression/oracle.py (in float64, as the independent reference) and by
+bench/gpt_vs_torch.py (in float32, as the speed peer).
+
+The contract (DESIGN.md and the oracle spec):
+  parameters  wte.weight [V,C], wpe.weight [T,C], blocks.{l}.{ln1,attn.qkv,attn.proj,ln2,mlp.fc,mlp.proj},
+              ln_f; linear weights are [out, in] (y = x @ W.T + b)
+  forward     x = wte[idx] + wpe[:T]; x += attn.proj(attn(ln1(x))); x += mlp.proj(gelu_tanh(mlp.fc(ln2(x))));
+              ln_f; logits = x @ wte.T (tied head, no bias); loss = mean cross-entropy over B*T tokens.
+              LayerNorm eps 1e-5; q,k,v split in that order along the last dim of qkv; causal
+              softmax(q k^T / sqrt(hs)) v; no dropout.
+  optimizer   torch.optim.AdamW; weight decay only on parameters with dim >= 2.
+  clipping    global L2 norm over all gradients, exactly torch.nn.utils.clip_grad_norm_; 0 = off.
+  schedule    linear warm-up over `warmup` steps, then constant or cosine down to lr_min.
+"""
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Model shape keys, training keys and their defaults (the deck's defaults do not matter here: the
+# oracle always reads every value from the export file).
+MODEL_KEYS = ("layers", "d_model", "heads", "seq_len", "vocab")
+TRAIN_DEFAULTS = dict(
+    batch=8, micro_batches=1, steps=1, warmup=0, lr=1e-3, lr_min=0.0, weight_decay=0.1,
+    beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0, schedule="cosine",
+)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model, heads, seq_len):
+        super().__init__()
+        assert d_model % heads == 0
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.register_buffer(
+            "mask", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hs = C // self.heads
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.heads, hs).transpose(1, 2)  # [B, NH, T, hs]
+        k = k.view(B, T, self.heads, hs).transpose(1, 2)
+        v = v.view(B, T, self.heads, hs).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
+        att = att.masked_fill(self.mask[:T, :T], float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, heads, seq_len):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model, eps=1e-5)
+        self.attn = CausalSelfAttention(d_model, heads, seq_len)
+        self.ln2 = nn.LayerNorm(d_model, eps=1e-5)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, d_model, heads, seq_len, vocab):
+        super().__init__()
+        self.seq_len = seq_len
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList([Block(d_model, heads, seq_len) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d_model, eps=1e-5)
+        # GPT-2 style initial values; the oracle overwrites them with loom's.
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            elif name.endswith("ln1.weight") or name.endswith("ln2.weight") or name == "ln_f.weight":
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        assert T <= self.seq_len
+        pos = torch.arange(T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        logits = x @ self.wte.weight.t()
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+        return logits, loss
+
+
+def _get(cfg, key):
+    if isinstance(cfg, dict):
+        return cfg[key] if key in cfg else TRAIN_DEFAULTS[key]
+    return getattr(cfg, key) if hasattr(cfg, key) else TRAIN_DEFAULTS[key]
+
+
+def build_model(cfg, dtype=torch.float32):
+    """cfg: dict (or object) with layers, d_model, heads, seq_len, vocab."""
+    m = GPT(*(int(_get(cfg, k)) for k in MODEL_KEYS))
+    return m.to(dtype)
+
+
+def param_names(layers):
+    """loom's parameter names in loom's order (identical to GPT.named_parameters())."""
+    names = ["wte.weight", "wpe.weight"]
+    for l in range(layers):
+        for sub in ("ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
+                    "attn.proj.bias", "ln2.weight", "ln2.bias", "mlp.fc.weight", "mlp.fc.bias",
+                    "mlp.proj.weight", "mlp.proj.bias"):
+            names.append(f"blocks.{l}.{sub}")
+    names += ["ln_f.weight", "ln_f.bias"]
+    return names
+
+
+@torch.no_grad()
+def load_params(model, params):
+    """Copy a {name: numpy array} dict into the model; every parameter must be present with its shape."""
+    own = dict(model.named_parameters())
+    missing = sorted(set(own) - set(params))
+    extra = sorted(set(params) - set(own))
+    if missing or extra:
+        raise KeyError(f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, p in own.items():
+        a = np.asarray(params[name])
+        if tuple(a.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(p.shape)}")
+        p.copy_(torch.from_numpy(a.astype(np.float64)).to(p.dtype))
+
+
+def lr_at(step, cfg):
+    """Learning rate of 0-based step `step`."""
+    lr, warmup = float(_get(cfg, "lr")), int(_get(cfg, "warmup"))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if str(_get(cfg, "schedule")) == "constant":
+        return lr
+    steps, lr_min = int(_get(cfg, "steps")), float(_get(cfg, "lr_min"))
+    ratio = (step - warmup) / max(1, steps - warmup)
+    return lr_min + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - lr_min)
+
+
+def param_groups(model, weight_decay):
+    """Weight decay on every parameter of dim >= 2 (all matrices incl. wte and wpe), none on the rest."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [dict(params=decay, weight_decay=float(weight_decay)),
+            dict(params=no_decay, weight_decay=0.0)]
+
+
+def make_optimizer(model, cfg, **kw):
+    """torch.optim.AdamW with loom's groups and hyper-parameters; set the lr per step with set_lr."""
+    return torch.optim.AdamW(
+        param_groups(model, _get(cfg, "weight_decay")), lr=float(_get(cfg, "lr")),
+        betas=(float(_get(cfg, "beta1")), float(_get(cfg, "beta2"))), eps=float(_get(cfg, "eps")), **kw)
+
+
+def set_lr(opt, lr):
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def grad_norm(params):
+    """Global L2 norm over all gradients (computed in the gradients' dtype, like clip_grad_norm_)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.norm(torch.stack([torch.norm(g.detach(), 2.0) for g in grads]), 2.0)
+
+
+def clip_grad_norm(params, grad_clip):
+    """Returns the global norm before clipping, as a float. grad_clip > 0: scale every gradient by
+    min(1, grad_clip / (norm + 1e-6)) exactly as torch.nn.utils.clip_grad_norm_; 0: no clipping."""
+    params = list(params)
+    if grad_clip and grad_clip > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, float(grad_clip)))
+    return float(grad_norm(params))
+
+
+def clip_coef(norm, grad_clip):
+    """The factor clip_grad_norm applies (1.0 when clipping is off or does not engage)."""
+    if not grad_clip or grad_clip <= 0:
+        return 1.0
+    return min(1.0, float(grad_clip) / (norm + 1e-6))
+
+
+def adam_update_bound(cfg, steps=None):
+    """Largest possible |change| of one element over `steps` AdamW steps, ignoring weight decay:
+    sum_t lr_t * max|m_hat_t / (sqrt(v_hat_t) + eps)|, with the ratio bounded by Cauchy-Schwarz:
+    |m_hat_t| / sqrt(v_hat_t) <= sqrt((1-b2^t) sum_k (1-b1)^2 b1^2k / ((1-b2) b2^k)) / (1-b1^t)
+    (k = 0..t-1; equals 1 at t = 1). Two runs whose gradients differ can therefore end at most
+    2 * bound apart in any element (plus the weight-decay term, which only shrinks differences)."""
+    steps = int(_get(cfg, "steps")) if steps is None else steps
+    b1, b2 = float(_get(cfg, "beta1")), float(_get(cfg, "beta2"))
+    total = 0.0
+    for s in range(steps):
+        t = s + 1
+        acc = sum((1 - b1) ** 2 * b1 ** (2 * k) / ((1 - b2) * b2 ** k) for k in range(t))
+        ratio = math.sqrt((1 - b2 ** t) * acc) / (1 - b1 ** t)
+        total += lr_at(s, cfg) * ratio
+    return total
+
+
+def train_step(model, opt, inputs, targets, step, cfg, micro_batches=1):
+    """One loom step: mean loss over the global batch (optionally accumulated over micro-batches),
+    global-norm clip, AdamW at lr_at(step). Returns (loss, grad_norm_before_clip, lr)."""
+    opt.zero_grad(set_to_none=True)
+    B = inputs.shape[0]
+    assert B % micro_batches == 0
+    mb = B // micro_batches
+    total = 0.0
+    for i in range(micro_batches):
+        _, loss = model(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
+        (loss / micro_batches).backward()
+        total += float(loss.detach()) / micro_batches
+    norm = clip_grad_norm(model.parameters(), float(_get(cfg, "grad_clip")))
+    lr = lr_at(step, cfg)
+    set_lr(opt, lr)
+    opt.step()
+    return total, norm, lr
