@@ -69,12 +69,16 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
 }
 
 double Engine::evaluate(int batches, const BatchFn& fetch) {
+  // Whole global batches, in micro-batch chunks: the validation loss means the same whatever the
+  // micro-batching (and, with data parallelism, whatever the number of ranks).
   double total = 0;
   for (int e = 0; e < batches; ++e) {
-    fetch(e, 0, cfg_.rows_per_micro, inputs_, targets_);
-    total += model_.forward(inputs_.data(), targets_.data(), cfg_.rows_per_micro);
+    for (int k = 0; k < cfg_.micro_batches; ++k) {
+      fetch(e, static_cast<std::int64_t>(k) * cfg_.rows_per_micro, cfg_.rows_per_micro, inputs_, targets_);
+      total += model_.forward(inputs_.data(), targets_.data(), cfg_.rows_per_micro);
+    }
   }
-  return sync_->global_mean(total / batches);
+  return sync_->global_mean(total / (static_cast<double>(batches) * cfg_.micro_batches));
 }
 
 }  // namespace loom

@@ -86,7 +86,7 @@ class Engine {
   // clipping and the optimizer (the exporter reads the raw gradients there).
   StepStats train_step(std::int64_t step, const BatchFn& fetch,
                        const std::function<void(const StepStats&)>& before_update = {});
-  // Mean loss over `batches` batches of rows_per_micro rows drawn by `fetch` (step = batch number).
+  // Mean loss over `batches` global batches drawn by `fetch` (step = batch number), forward only.
   double evaluate(int batches, const BatchFn& fetch);
   GPT& model() { return model_; }
   AdamW& optimizer() { return optimizer_; }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "driver/blas_core.hpp"
 #include "driver/commands.hpp"
 #include "io/deck.hpp"
 #include "loom/build_info.hpp"
@@ -104,6 +105,7 @@ int dispatch(int argc, char** argv, int rank) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  select_openblas_core(argv);  // may re-execute this program with a better OpenBLAS kernel set
   MPI_Init(&argc, &argv);
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

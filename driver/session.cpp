@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "driver/blas_core.hpp"
 #include "io/report.hpp"
 #include "loom/build_info.hpp"
 
@@ -129,6 +130,7 @@ std::string Session::banner() const {
     << KOKKOS_VERSION % 100 << " [" << Kokkos::DefaultHostExecutionSpace::name() << "] via " << build::kokkos_origin
     << "\n";
   s << "            HDF5 " << build::hdf5_version << "; backend " << backend->description() << "\n";
+  if (*openblas_core_note()) s << "            " << openblas_core_note() << "\n";
   s << "  deck    : " << deck.path() << "\n";
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "driver/blas_core.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/report.hpp"
@@ -148,6 +149,7 @@ int command_run(const Deck& deck) {
                            {"platform", platform_info()},
                            {"build", build_info()},
                            {"backend", s.backend->description()},
+                           {"openblas_core_note", openblas_core_note()},
                            {"timings_s",
                             {{"total", now() - t_start},
                              {"init", t_init},

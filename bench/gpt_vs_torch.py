@@ -1,0 +1,239 @@
+#!/usr/bin/python3
+"""loom against PyTorch on one CPU thread: the same GPT (bench/bench.deck), fp32, one rank.
+
+Usage:
+  /usr/bin/python3 bench/gpt_vs_torch.py --loom build/loom --sgemm build/bench/sgemm_peak [--steps N]
+
+  1. build/bench/sgemm_peak: single-thread cblas_sgemm GFLOP/s on the model's GEMM shapes (the peak).
+  2. OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 loom run bench/bench.deck --set train.steps=N
+     --set run.dir=DIR, then DIR/summary.json: tokens_per_s (steady state, first step excluded),
+     model_flops_per_token, tflops.
+  3. The same architecture and AdamW hyper-parameters (read from the deck) in PyTorch float32 with
+     torch.set_num_threads(1): 2 warm-up steps, then N timed steps on random token batches.
+  4. A table (loom/torch tokens/s ratio, target >= 0.8; loom GFLOP/s and its fraction of the sgemm
+     peak) and one JSON line with every number.
+A benchmark, not a test: the exit status is 0 when every part ran (whatever the ratio), 1 otherwise.
+--torch-only / --no-sgemm skip parts.
+"""
+import argparse
+import configparser
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# One thread for PyTorch's own pools and for whatever BLAS it links, before torch is imported.
+for _k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_k] = "1"
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(HERE, "..", "regression"))
+import torch_gpt  # noqa: E402
+
+TARGET_RATIO = 0.8
+
+
+def read_deck(path, sets):
+    """The deck's keys as {'section.key': 'value'}, after --set overrides (both loom and torch
+    use the same numbers)."""
+    cp = configparser.ConfigParser(inline_comment_prefixes=("#", ";"), interpolation=None)
+    with open(path) as f:
+        cp.read_file(f)
+    v = {f"{s}.{k}": val.strip() for s in cp.sections() for k, val in cp[s].items()}
+    for s in sets:
+        k, val = s.split("=", 1)
+        v[k.strip()] = val.strip()
+    return v
+
+
+def torch_cfg(deck):
+    need_int = ("model.layers", "model.d_model", "model.heads", "model.seq_len", "model.vocab",
+                "train.batch", "train.warmup", "train.micro_batches")
+    need_float = ("train.lr", "train.lr_min", "train.weight_decay", "train.beta1", "train.beta2",
+                  "train.eps", "train.grad_clip")
+    missing = [k for k in need_int + need_float + ("train.schedule",) if k not in deck]
+    if missing:
+        raise SystemExit(f"bench deck lacks {missing}: keep every model/optimizer key explicit")
+    cfg = {k.split(".")[1]: int(deck[k]) for k in need_int}
+    cfg.update({k.split(".")[1]: float(deck[k]) for k in need_float})
+    cfg["schedule"] = deck["train.schedule"]
+    return cfg
+
+
+def model_flops_per_token(c):
+    """Matmul FLOPs per trained token (forward + backward = 3x forward): per layer qkv, proj, fc,
+    mlp.proj (24 C^2) and attention scores and values over the full T x T (4 T C), plus the tied
+    head (2 C V). Used only when loom's summary is unavailable."""
+    L, C, T, V = c["layers"], c["d_model"], c["seq_len"], c["vocab"]
+    return 3 * (L * (24 * C * C + 4 * T * C) + 2 * C * V)
+
+
+def run_sgemm(path):
+    p = subprocess.run([path], capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    if p.returncode != 0:
+        raise RuntimeError(f"{path} exited with {p.returncode}: {p.stderr.strip()[-500:]}")
+    line = [ln for ln in p.stdout.splitlines() if ln.strip().startswith("{")][-1]
+    return json.loads(line)
+
+
+def run_loom(loom, deck_path, steps, run_dir, sets):
+    os.makedirs(run_dir, exist_ok=True)
+    summary = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary):
+        os.remove(summary)
+    cmd = [loom, "run", deck_path, "--set", f"train.steps={steps}", "--set", f"run.dir={run_dir}"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    print("$ OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 " + " ".join(cmd), flush=True)
+    log = os.path.join(run_dir, "bench.log")
+    t0 = time.time()
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    wall = time.time() - t0
+    if p.returncode != 0 or not os.path.exists(summary):
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"loom run exited with {p.returncode}"
+                           + ("" if os.path.exists(summary) else f", no {summary}") + f"; log {log}:\n{tail}")
+    with open(summary) as f:
+        s = json.load(f)
+    for k in ("tokens_per_s", "model_flops_per_token"):
+        if k not in s:
+            raise RuntimeError(f"{summary} lacks '{k}'")
+    s["_wall_s"] = wall
+    return s
+
+
+def run_torch(cfg, steps, seed=0):
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = torch_gpt.build_model(cfg, torch.float32)
+    model.train()
+    # foreach=False: the single-tensor AdamW is faster than the multi-tensor one on one CPU thread.
+    opt = torch_gpt.make_optimizer(model, cfg, foreach=False)
+    B, T, V = cfg["batch"], cfg["seq_len"], cfg["vocab"]
+    sched = dict(cfg, steps=steps + 2)
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, V, (2, B, T), generator=g) for _ in range(steps + 2)]
+    losses = []
+
+    def step(s):
+        x, y = batches[s][0], batches[s][1]
+        loss, _, _ = torch_gpt.train_step(model, opt, x, y, s, sched, cfg["micro_batches"])
+        losses.append(loss)
+
+    for s in range(2):  # warm-up: allocator, BLAS buffers, optimizer state
+        step(s)
+    t0 = time.perf_counter()
+    for s in range(2, steps + 2):
+        step(s)
+    dt = time.perf_counter() - t0
+    return dict(tokens_per_s=steps * B * T / dt, step_ms=dt / steps * 1e3, seconds=dt,
+                loss_first=losses[0], loss_last=losses[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", default="build/loom")
+    ap.add_argument("--sgemm", default="build/bench/sgemm_peak")
+    ap.add_argument("--deck", default=os.path.join(HERE, "bench.deck"))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--run-dir", default="build/bench-run")
+    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                    help="deck override, applied to loom and torch alike")
+    ap.add_argument("--torch-only", action="store_true", help="skip loom")
+    ap.add_argument("--no-sgemm", action="store_true", help="skip the sgemm peak")
+    args = ap.parse_args()
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (loom's tokens_per_s excludes the first step)")
+
+    deck = read_deck(args.deck, args.sets)
+    cfg = torch_cfg(deck)
+    tokens_per_step = cfg["batch"] * cfg["seq_len"]
+    print(f"bench: layers {cfg['layers']} d_model {cfg['d_model']} heads {cfg['heads']} seq_len "
+          f"{cfg['seq_len']} vocab {cfg['vocab']} batch {cfg['batch']} ({tokens_per_step} tokens/step), "
+          f"fp32, {args.steps} timed steps")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()} (interop "
+          f"{torch.get_num_interop_threads()}), python {platform.python_version()}, "
+          f"cpu {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible")
+
+    ok = True
+    res = dict(steps=args.steps, tokens_per_step=tokens_per_step, torch_version=torch.__version__,
+               torch_threads=torch.get_num_threads())
+
+    sg = None
+    if not args.no_sgemm:
+        try:
+            sg = run_sgemm(os.path.abspath(args.sgemm))
+            res["sgemm_gflops"] = sg["sgemm_gflops"]
+            print(f"sgemm peak: {sg['sgemm_gflops']:.1f} GFLOP/s single thread "
+                  f"(best of {len(sg.get('shapes', []))} shape/layout cases)")
+        except (OSError, RuntimeError, ValueError, IndexError, KeyError) as e:
+            print(f"sgemm_peak failed: {e}")
+            ok = False
+
+    lo = None
+    if not args.torch_only:
+        try:
+            lo = run_loom(os.path.abspath(args.loom), os.path.abspath(args.deck), args.steps,
+                          os.path.abspath(args.run_dir), args.sets)
+            res["loom_tokens_per_s"] = float(lo["tokens_per_s"])
+            res["model_flops_per_token"] = float(lo["model_flops_per_token"])
+            res["loom_gflops"] = res["loom_tokens_per_s"] * res["model_flops_per_token"] / 1e9
+            if "tflops" in lo:
+                res["loom_summary_tflops"] = float(lo["tflops"])
+        except (OSError, RuntimeError, ValueError) as e:
+            print(f"loom failed: {e}")
+            ok = False
+
+    print("torch: training ...", flush=True)
+    to = run_torch(cfg, args.steps)
+    res["torch_tokens_per_s"] = to["tokens_per_s"]
+    res["torch_step_ms"] = to["step_ms"]
+    flops_tok = res.get("model_flops_per_token")
+    flops_src = "loom summary"
+    if flops_tok is None:
+        flops_tok, flops_src = float(model_flops_per_token(cfg)), "bench estimate"
+        res["model_flops_per_token_estimate"] = flops_tok
+    res["torch_gflops"] = to["tokens_per_s"] * flops_tok / 1e9
+    if "loom_tokens_per_s" in res:
+        res["ratio_loom_over_torch"] = res["loom_tokens_per_s"] / res["torch_tokens_per_s"]
+    if "loom_gflops" in res and "sgemm_gflops" in res:
+        res["loom_fraction_of_sgemm_peak"] = res["loom_gflops"] / res["sgemm_gflops"]
+    if "sgemm_gflops" in res:
+        res["torch_fraction_of_sgemm_peak"] = res["torch_gflops"] / res["sgemm_gflops"]
+
+    def f(key, fmt):
+        return format(res[key], fmt) if key in res else "-"
+
+    rows = [
+        ("loom tokens/s", f("loom_tokens_per_s", ".1f")),
+        ("torch tokens/s", f("torch_tokens_per_s", ".1f")),
+        (f"ratio loom/torch (target >= {TARGET_RATIO})", f("ratio_loom_over_torch", ".3f")),
+        ("model FLOPs/token (" + flops_src + ")", format(flops_tok, ".4g")),
+        ("loom achieved GFLOP/s", f("loom_gflops", ".2f")),
+        ("torch achieved GFLOP/s", f("torch_gflops", ".2f")),
+        ("sgemm peak GFLOP/s (1 thread)", f("sgemm_gflops", ".2f")),
+        ("loom fraction of sgemm peak", f("loom_fraction_of_sgemm_peak", ".3f")),
+        ("torch fraction of sgemm peak", f("torch_fraction_of_sgemm_peak", ".3f")),
+    ]
+    w = max(len(r[0]) for r in rows)
+    print()
+    for name, val in rows:
+        print(f"  {name:<{w}}  {val:>12}")
+    if "ratio_loom_over_torch" in res:
+        met = res["ratio_loom_over_torch"] >= TARGET_RATIO
+        res["target_met"] = met
+        print(f"\n  loom/torch = {res['ratio_loom_over_torch']:.3f}: target >= {TARGET_RATIO} "
+              + ("met" if met else "NOT met"))
+    print(json.dumps(res, sort_keys=True))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
