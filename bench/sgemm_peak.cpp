@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
 #else
   const char* threads_note = "not OpenBLAS: threads follow OMP_NUM_THREADS/OPENBLAS_NUM_THREADS";
 #endif
-  int reps = 7;
+  int reps = 10;
   if (argc > 1) reps = std::max(1, std::atoi(argv[1]));
 
   const std::vector<Shape> shapes = {
