@@ -25,7 +25,52 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# One thread for PyTorch's own pools and for whatever BLAS it links, before torch is imported.
+OPENBLAS_SONAME = "libopenblas.so.0"
+
+
+def _corename_probe():
+    """The core OpenBLAS picks by itself here (without OPENBLAS_CORETYPE), probed in a child process
+    because the choice is fixed when the library loads. None when OpenBLAS cannot be loaded."""
+    code = ("import ctypes; l = ctypes.CDLL(%r); l.openblas_get_corename.restype = ctypes.c_char_p; "
+            "print(l.openblas_get_corename().decode())" % OPENBLAS_SONAME)
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (p.stdout.strip() or None) if p.returncode == 0 else None
+
+
+def select_openblas_core():
+    """loom's rule (driver/blas_core.cpp, also in bench/sgemm_peak.cpp): when OPENBLAS_CORETYPE is
+    unset and OpenBLAS picked a pre-AVX core (common on virtual machines) although the CPU has
+    AVX-512 or AVX2+FMA, use SkylakeX or Haswell. PyTorch here calls the same OpenBLAS, so it gets
+    the same kernels as loom and sgemm_peak. Returns a note for the output."""
+    if os.environ.get("OPENBLAS_CORETYPE"):
+        return f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} (set by the caller)"
+    core = _corename_probe()
+    if core not in ("Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Sandybridge"):
+        return f"OpenBLAS core {core or 'unknown'} (own detection)"
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    better = ("SkylakeX" if {"avx512f", "avx512bw", "avx512vl"} <= flags else
+              "Haswell" if {"avx2", "fma"} <= flags else None)
+    if not better:
+        return f"OpenBLAS core {core} (own detection)"
+    os.environ["OPENBLAS_CORETYPE"] = better
+    return f"OPENBLAS_CORETYPE={better} set like loom does (OpenBLAS detected {core})"
+
+
+# Before torch loads OpenBLAS: the kernel set loom uses, and one thread for PyTorch's own pools and
+# for the BLAS it links.
+CORE_NOTE = select_openblas_core()
 for _k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_k] = "1"
 import torch  # noqa: E402
@@ -69,6 +114,17 @@ def model_flops_per_token(c):
     head (2 C V). Used only when loom's summary is unavailable."""
     L, C, T, V = c["layers"], c["d_model"], c["seq_len"], c["vocab"]
     return 3 * (L * (24 * C * C + 4 * T * C) + 2 * C * V)
+
+
+def torch_blas_core():
+    """The OpenBLAS core this (torch) process actually runs with."""
+    try:
+        import ctypes
+        lib = ctypes.CDLL(OPENBLAS_SONAME)
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        return lib.openblas_get_corename().decode()
+    except (OSError, AttributeError):
+        return "unknown"
 
 
 def run_sgemm(path):
@@ -161,18 +217,21 @@ def main():
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()} (interop "
           f"{torch.get_num_interop_threads()}), python {platform.python_version()}, "
           f"cpu {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible")
+    res_core = torch_blas_core()
+    print(f"BLAS: {CORE_NOTE}; torch runs OpenBLAS core {res_core}")
 
     ok = True
     res = dict(steps=args.steps, tokens_per_step=tokens_per_step, torch_version=torch.__version__,
-               torch_threads=torch.get_num_threads())
+               torch_threads=torch.get_num_threads(), torch_blas_core=res_core)
 
     sg = None
     if not args.no_sgemm:
         try:
             sg = run_sgemm(os.path.abspath(args.sgemm))
             res["sgemm_gflops"] = sg["sgemm_gflops"]
-            print(f"sgemm peak: {sg['sgemm_gflops']:.1f} GFLOP/s single thread "
-                  f"(best of {len(sg.get('shapes', []))} shape/layout cases)")
+            res["sgemm_blas_core"] = sg.get("core", "unknown")
+            print(f"sgemm peak: {sg['sgemm_gflops']:.1f} GFLOP/s single thread, OpenBLAS core "
+                  f"{res['sgemm_blas_core']} (best of {len(sg.get('shapes', []))} shape/layout cases)")
         except (OSError, RuntimeError, ValueError, IndexError, KeyError) as e:
             print(f"sgemm_peak failed: {e}")
             ok = False

@@ -2,7 +2,13 @@
 // bench model (bench/bench.deck: B*T = 1024 rows, d_model 256, 4*d_model 1024, 3*d_model 768).
 // Prints one JSON line: {"sgemm_gflops": best over shapes, "shapes": [per shape and layout]}.
 // bench/gpt_vs_torch.py divides loom's achieved GFLOP/s by sgemm_gflops.
+//
+// OpenBLAS built with DYNAMIC_ARCH picks its kernels from the CPU model id, and on virtual machines
+// often falls back to Prescott (SSE3) on an AVX-512 CPU. loom then re-executes itself with
+// OPENBLAS_CORETYPE set (driver/blas_core.cpp); this program applies the same rule, so that the
+// peak is measured with the kernels loom uses, and reports the core in the JSON line.
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,7 +17,29 @@
 #include <string>
 #include <vector>
 
+extern "C" char* openblas_get_corename(void) __attribute__((weak));
+
 namespace {
+
+// Same rule as loom's select_openblas_core: only when OPENBLAS_CORETYPE is unset and OpenBLAS chose
+// a pre-AVX core although the CPU has AVX-512 (SkylakeX) or AVX2+FMA (Haswell).
+void select_openblas_core(char** argv) {
+  if (!openblas_get_corename || std::getenv("OPENBLAS_CORETYPE")) return;
+  const std::string core = openblas_get_corename();
+  const bool generic = core == "Prescott" || core == "Core2" || core == "Penryn" || core == "Dunnington" ||
+                       core == "Nehalem" || core == "Sandybridge";
+  if (!generic) return;
+  __builtin_cpu_init();
+  const char* better = nullptr;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    better = "SkylakeX";
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    better = "Haswell";
+  if (!better) return;
+  setenv("OPENBLAS_CORETYPE", better, 1);
+  execv("/proc/self/exe", argv);  // returns only on failure: measure with the detected core
+}
 
 struct Shape {
   int m, n, k;
@@ -30,6 +58,8 @@ double time_once(const Shape& s, const std::vector<float>& a, const std::vector<
 }  // namespace
 
 int main(int argc, char** argv) {
+  select_openblas_core(argv);
+  const std::string core = openblas_get_corename ? openblas_get_corename() : "unknown";
 #ifdef OPENBLAS_VERSION
   openblas_set_num_threads(1);
   const char* threads_note = "openblas_set_num_threads(1)";
@@ -69,7 +99,7 @@ int main(int argc, char** argv) {
                   rows.empty() ? "" : ", ", s.m, s.n, s.k, s.trans_b ? "T" : "N", gflops);
     rows += buf;
   }
-  std::printf("{\"sgemm_gflops\": %.3f, \"threads\": \"%s\", \"reps\": %d, \"shapes\": [%s]}\n", peak,
-              threads_note, reps, rows.c_str());
+  std::printf("{\"sgemm_gflops\": %.3f, \"core\": \"%s\", \"threads\": \"%s\", \"reps\": %d, \"shapes\": [%s]}\n",
+              peak, core.c_str(), threads_note, reps, rows.c_str());
   return 0;
 }
