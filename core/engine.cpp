@@ -17,6 +17,7 @@ double AccumulateSchedule::run(StepContext& ctx) {
     double t1 = now();
     total += ctx.model.forward(ctx.inputs.data(), ctx.targets.data(), ctx.rows_per_micro);
     double t2 = now();
+    ctx.sync.begin_micro_batch(ctx.model, k, ctx.micro_batches);
     ctx.model.backward(dloss);
     double t3 = now();
     ctx.times.data += t1 - t0;
@@ -33,7 +34,11 @@ Engine::Engine(const EngineConfig& cfg, GPT& model, Backend& backend, std::uniqu
       be_(backend),
       optimizer_(cfg.optimizer, backend, model.params()),
       schedule_(schedule ? std::move(schedule) : std::make_unique<AccumulateSchedule>()),
-      sync_(sync ? std::move(sync) : std::make_unique<GradSync>()) {}
+      sync_(sync ? std::move(sync) : std::make_unique<GradSync>()) {
+  model_.set_grad_ready_hook([this](int first, int end) { sync_->grads_ready(model_, first, end); });
+}
+
+Engine::~Engine() { model_.set_grad_ready_hook({}); }
 
 StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
                             const std::function<void(const StepStats&)>& before_update) {
@@ -42,15 +47,15 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   st.step = step;
   const double t0 = now();
   model_.zero_grad();
-  StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, std::move(inputs_), std::move(targets_)};
+  StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_)};
   const double local_loss = schedule_->run(ctx);
   inputs_ = std::move(ctx.inputs);
   targets_ = std::move(ctx.targets);
 
   double t1 = now();
   sync_->finish(model_);
-  st.loss = sync_->global_mean(local_loss);
-  const double sq = sync_->global_sum(be_.sum_squares(model_.grad_data(), model_.num_params()));
+  st.loss = sync_->mean_over_replicas(local_loss);
+  const double sq = sync_->grad_sq_norm(be_.sum_squares(model_.grad_data(), model_.num_params()));
   st.grad_norm = std::sqrt(sq);
   double t2 = now();
   st.times.sync = t2 - t1;
@@ -78,7 +83,7 @@ double Engine::evaluate(int batches, const BatchFn& fetch) {
       total += model_.forward(inputs_.data(), targets_.data(), cfg_.rows_per_micro);
     }
   }
-  return sync_->global_mean(total / (static_cast<double>(batches) * cfg_.micro_batches));
+  return sync_->mean_over_replicas(total / (static_cast<double>(batches) * cfg_.micro_batches));
 }
 
 }  // namespace loom

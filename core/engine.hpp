@@ -27,6 +27,27 @@ struct PhaseTimes {  // seconds, per step
   double data = 0, forward = 0, backward = 0, sync = 0, optimizer = 0;
 };
 
+
+// Role "gradient sync": what happens to a gradient when backward has produced it and at the end of
+// backward, and how per-rank scalars become global ones. Default: one process, nothing to do.
+class GradSync {
+ public:
+  virtual ~GradSync() = default;
+  virtual std::string name() const { return "none (one replica)"; }
+  // Before the backward of micro-batch k of m.
+  virtual void begin_micro_batch(GPT& /*model*/, int /*k*/, int /*m*/) {}
+  // During backward: the gradients of parameters [first, end) are complete for this micro-batch.
+  virtual void grads_ready(GPT& /*model*/, int /*first*/, int /*end*/) {}
+  // After the last backward of the step: gradients must be final (synchronised, averaged) on return.
+  virtual void finish(GPT& /*model*/) {}
+  // The loss of the whole global batch from this rank's share (the mean over replicas).
+  virtual double mean_over_replicas(double local) { return local; }
+  // The squared global gradient norm from this rank's gradients.
+  virtual double grad_sq_norm(double local) { return local; }
+  // Numbers for the metrics of the last step (name -> value), e.g. measured vs textbook volume.
+  virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+};
+
 struct StepContext {
   GPT& model;
   std::int64_t step;
@@ -34,18 +55,8 @@ struct StepContext {
   int rows_per_micro;  // rows of one micro-batch on this rank
   const BatchFn& fetch;
   PhaseTimes& times;
+  GradSync& sync;
   std::vector<std::int32_t> inputs, targets;  // reused batch storage
-};
-
-// Role "gradient sync": what happens to gradients at the end of backward, and how per-rank scalars
-// become global ones. Default: one process, nothing to do.
-class GradSync {
- public:
-  virtual ~GradSync() = default;
-  virtual std::string name() const { return "none (single process)"; }
-  virtual void finish(GPT& /*model*/) {}
-  virtual double global_sum(double local) { return local; }
-  virtual double global_mean(double local) { return local; }
 };
 
 // Role "schedule": in what order the micro-batch forwards and backwards of a step run. Returns the
@@ -82,6 +93,9 @@ class Engine {
  public:
   Engine(const EngineConfig& cfg, GPT& model, Backend& backend, std::unique_ptr<Schedule> schedule = nullptr,
          std::unique_ptr<GradSync> sync = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
   // One training step. `before_update`, when given, runs after gradient synchronisation and before
   // clipping and the optimizer (the exporter reads the raw gradients there).
   StepStats train_step(std::int64_t step, const BatchFn& fetch,
@@ -92,6 +106,7 @@ class Engine {
   AdamW& optimizer() { return optimizer_; }
   const Schedule& schedule() const { return *schedule_; }
   const GradSync& grad_sync() const { return *sync_; }
+  GradSync& grad_sync() { return *sync_; }
 
  private:
   EngineConfig cfg_;

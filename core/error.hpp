@@ -8,4 +8,14 @@ namespace loom {
 struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// A deck or command line that cannot be used: read alike on every rank, so reported once.
+struct DeckError : InputError {
+  using InputError::InputError;
+};
+
+// Bad input that has already been reported on the ranks that found it (after the ranks agreed that
+// setup failed): the driver exits with status 2 without printing it again.
+struct ReportedError : InputError {
+  using InputError::InputError;
+};
 }  // namespace loom

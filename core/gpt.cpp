@@ -229,8 +229,14 @@ void GPT::backward(float dloss) {
   be_.matmul_backward(dlnf, dwte, nullptr, dlogits, lnf, wte, N, C, V);
   be_.fill(dres, 0.0f, static_cast<std::int64_t>(N) * C);
   be_.layernorm_backward(dres, dlnfw, dlnfb, dlnf, residual(L), lnfw, lnf_mean, lnf_rstd, N, C);
-  for (int l = L - 1; l >= 0; --l) block_backward(l, B, dres, dother);
+  const int n_params = static_cast<int>(params_.size());
+  if (grad_ready_) grad_ready_(n_params - 2, n_params);  // ln_f
+  for (int l = L - 1; l >= 0; --l) {
+    block_backward(l, B, dres, dother);
+    if (grad_ready_) grad_ready_(2 + 12 * l, 2 + 12 * (l + 1));
+  }
   be_.encoder_backward(dwte, dwpe, dres, inp, B, T, C);
+  if (grad_ready_) grad_ready_(0, 2);  // wte (tied head included), wpe
   rows_ = 0;
 }
 

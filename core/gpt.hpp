@@ -5,6 +5,7 @@
 // Shape letters: B micro-batch rows, T sequence length, C d_model, NH heads, V vocabulary,
 // L layers, N = B*T rows of a flattened activation.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,10 @@ class GPT {
   // step averages over micro-batches).
   void backward(float dloss);
   void zero_grad();
+  // Called during backward each time the gradients of parameters [first, end) (indices into
+  // params()) are complete for this micro-batch, in backward order: ln_f, the blocks from last to
+  // first, then the embeddings. Gradient sync uses it to start communication early.
+  void set_grad_ready_hook(std::function<void(int first, int end)> hook) { grad_ready_ = std::move(hook); }
 
   // Model FLOPs per trained token (forward + backward = 3 x forward): 6 x (weights in matrix
   // products, the tied head included) + 12 x L x T x C for attention (PaLM's convention).
@@ -99,6 +104,7 @@ class GPT {
   Buffer<float> head_buf_;       // lnf [N,C], lnf_mean/rstd [N], logits [N,V], probs [N,V], losses [N]
   Buffer<float> scratch_buf_;    // forward tmp and backward gradients of activations
   Buffer<std::int32_t> tokens_buf_;  // inputs, targets [2, N]
+  std::function<void(int, int)> grad_ready_;
 };
 
 }  // namespace loom

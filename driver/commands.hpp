@@ -2,9 +2,10 @@
 // The subcommands of the driver. Each returns the process exit status.
 #include <string>
 
+#include "core/plugin.hpp"
 #include "io/deck.hpp"
 
 namespace loom {
-int command_run(const Deck& deck);                                // loom run DECK
-int command_export(const Deck& deck, const std::string& out);     // loom export DECK OUT.h5
+int command_run(const Deck& deck, const StrategyRegistry& registry);                             // loom run DECK
+int command_export(const Deck& deck, const StrategyRegistry& registry, const std::string& out);  // loom export DECK OUT.h5
 }  // namespace loom

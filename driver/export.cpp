@@ -17,11 +17,11 @@ void write_params(h5::File& f, const std::string& group, const GPT& model, const
 }
 }  // namespace
 
-int command_export(const Deck& deck, const std::string& out) {
+int command_export(const Deck& deck, const StrategyRegistry& registry, const std::string& out) {
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   if (world != 1) throw InputError("loom export runs on one process; launched on " + std::to_string(world));
-  Session s(deck);
+  Session s(deck, registry);
   const int B = s.global_batch, T = s.model_cfg.seq_len;
   const auto& o = s.engine_cfg.optimizer;
   auto f = h5::File::create(out);

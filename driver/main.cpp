@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/plugin.hpp"
 #include "driver/blas_core.hpp"
 #include "driver/commands.hpp"
 #include "io/deck.hpp"
@@ -30,6 +31,8 @@ const char* kUsage =
     "                 train on one process and write weights, batches, losses and gradients for the PyTorch\n"
     "                 oracle (regression/oracle.py)\n"
     "  keys           list every deck key with its type, default, range and help\n"
+    "  plugins        list the strategies found (built-in and libloom_<name>.so on the plugin path) with\n"
+    "                 their versions and deck options\n"
     "\n"
     "Launch with mpirun/srun for more ranks (mpirun -n 1 build/loom run inputs/quickstart.deck), or directly.\n"
     "--set may be repeated; later values win. Exit status: 0 done, 2 bad input (deck, data, layout), 1 failure.\n";
@@ -50,7 +53,7 @@ Args parse_subcommand(const std::string& command, const std::vector<std::string>
   try {
     po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
   } catch (const po::error& e) {
-    throw InputError(std::string("loom ") + command + ": " + e.what() + "\n" + kUsage);
+    throw DeckError(std::string("loom ") + command + ": " + e.what() + "\n" + kUsage);
   }
   Args a;
   a.command = command;
@@ -62,7 +65,7 @@ Args parse_subcommand(const std::string& command, const std::vector<std::string>
 
 void need_positional(const Args& a, std::size_t n, const char* what) {
   if (a.positional.size() != n)
-    throw InputError("loom " + a.command + " expects " + what + " (got " + std::to_string(a.positional.size()) +
+    throw DeckError("loom " + a.command + " expects " + what + " (got " + std::to_string(a.positional.size()) +
                      " arguments)\n" + kUsage);
 }
 
@@ -78,8 +81,36 @@ int dispatch(int argc, char** argv, int rank) {
   }
   const std::string command = args[0];
   const Args a = parse_subcommand(command, {args.begin() + 1, args.end()});
+  // Built-in strategies and every plugin on the search path register first, so that their deck
+  // keys are part of the schema every deck is checked against.
+  StrategyRegistry registry;
+  register_builtin_strategies(registry);
+  discover_plugins(registry, plugin_search_path());
   DeckSchema schema;
   add_core_keys(schema);
+  for (const auto& [name, info] : registry.all())
+    for (const auto& key : info.keys) schema.add(key);
+
+  if (command == "plugins") {
+    if (rank != 0) return 0;
+    std::cout << "plugin search path:";
+    for (const auto& d : plugin_search_path()) std::cout << " " << d;
+    std::cout << "\nplugin ABI " << LOOM_PLUGIN_ABI_VERSION << "\n";
+    for (const auto& line : registry.log) std::cout << "  " << line << "\n";
+    for (const auto& [name, info] : registry.all()) {
+      std::cout << "\n" << name << " " << info.version << " (" << info.origin << ")\n  " << info.description << "\n";
+      if (!info.incompatible.empty()) {
+        std::cout << "  cannot be combined with:";
+        for (const auto& other : info.incompatible) std::cout << " " << other;
+        std::cout << "\n";
+      }
+      DeckSchema own;
+      for (const auto& key : info.keys) own.add(key);
+      if (!info.keys.empty()) std::cout << own.describe();
+    }
+    for (const auto& [name, why] : registry.unusable) std::cout << "\n" << name << ": unusable: " << why << "\n";
+    return 0;
+  }
 
   if (command == "keys" || a.help_deck) {
     if (rank == 0) std::cout << schema.describe();
@@ -93,13 +124,13 @@ int dispatch(int argc, char** argv, int rank) {
   }
   if (command == "run") {
     need_positional(a, 1, "DECK");
-    return command_run(Deck::load(schema, a.positional[0], a.sets));
+    return command_run(Deck::load(schema, a.positional[0], a.sets), registry);
   }
   if (command == "export") {
     need_positional(a, 2, "DECK OUT.h5");
-    return command_export(Deck::load(schema, a.positional[0], a.sets), a.positional[1]);
+    return command_export(Deck::load(schema, a.positional[0], a.sets), registry, a.positional[1]);
   }
-  throw InputError("unknown command '" + command + "'\n" + kUsage);
+  throw DeckError("unknown command '" + command + "'\n" + kUsage);
 }
 
 }  // namespace
@@ -115,14 +146,22 @@ int main(int argc, char** argv) {
     Kokkos::ScopeGuard kokkos;
     try {
       status = dispatch(argc, argv, rank);
-    } catch (const InputError& e) {
-      // Bad input is found alike on every rank (all read the same deck and files): report once.
+    } catch (const ReportedError&) {
+      status = 2;  // setup failed; the ranks agreed and the ones that found it said why
+    } catch (const DeckError& e) {
+      // A deck (or command line) is read alike on every rank before anything else: report once.
       if (rank == 0) std::cerr << "loom: error: " << e.what() << std::endl;
       status = 2;
     } catch (const std::exception& e) {
+      // Anything else may have happened on this rank alone, while the others wait in a collective:
+      // say which rank and why, then take the whole job down. Never a hang.
+      const bool input = dynamic_cast<const InputError*>(&e) != nullptr;
       std::cerr << "loom: rank " << rank << ": error: " << e.what() << std::endl;
-      if (world > 1) MPI_Abort(MPI_COMM_WORLD, 1);  // take the job down, never hang
-      status = 1;
+      status = input ? 2 : 1;
+      if (world > 1) {
+        std::cerr << "loom: rank " << rank << ": aborting all " << world << " ranks" << std::endl;
+        MPI_Abort(MPI_COMM_WORLD, status);
+      }
     }
   }
   MPI_Finalize();

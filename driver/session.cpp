@@ -2,30 +2,47 @@
 
 #include <mpi.h>
 
+#include <iostream>
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "driver/blas_core.hpp"
 #include "io/report.hpp"
 #include "loom/build_info.hpp"
 
 namespace loom {
-namespace {
 
-std::string divisors_of(std::int64_t n) {
-  std::ostringstream s;
-  bool first = true;
-  for (std::int64_t d = 1; d <= n; ++d)
-    if (n % d == 0) {
-      s << (first ? "" : ", ") << d;
-      first = false;
-    }
-  return s.str();
+Session::Session(const Deck& d, const StrategyRegistry& reg) : deck(d), registry(reg) {
+  // Phase 1 checks everything on every rank without communicating; then the ranks agree, so that a
+  // rank that alone cannot read its data never leaves the others waiting in a collective.
+  std::string local_error;
+  try {
+    setup_local();
+  } catch (const InputError& e) {
+    local_error = e.what();
+  }
+  agree_on_setup(local_error);
+  setup_collective();
 }
 
-}  // namespace
+void Session::agree_on_setup(const std::string& local_error) {
+  int rank = 0, world = 1, failed = local_error.empty() ? 0 : 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  int failures = failed;
+  MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  if (failures == 0) return;
+  if (failures == world) {  // the same deck fails alike everywhere: say it once
+    if (rank == 0) std::cerr << "loom: error: " << local_error << std::endl;
+  } else if (failed) {
+    std::cerr << "loom: rank " << rank << ": error: " << local_error << std::endl;
+  }
+  throw ReportedError(local_error.empty() ? "setup failed on another rank" : local_error);
+}
 
-Session::Session(const Deck& d) : deck(d) {
+void Session::setup_local() {
+  const Deck& d = deck;
   model_cfg.layers = static_cast<int>(d.get_int("model.layers"));
   model_cfg.d_model = static_cast<int>(d.get_int("model.d_model"));
   model_cfg.heads = static_cast<int>(d.get_int("model.heads"));
@@ -34,27 +51,35 @@ Session::Session(const Deck& d) : deck(d) {
   model_cfg.recompute = d.get_bool("model.recompute");
   model_cfg.validate();
 
-  // The process grid: until the strategy plugins land, the only layout is one process.
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  const auto dp = d.get_int("parallel.dp"), tp = d.get_int("parallel.tp"), pp = d.get_int("parallel.pp");
-  for (auto [key, value] : {std::pair{"parallel.dp", dp}, {"parallel.tp", tp}, {"parallel.pp", pp}})
-    if (value != 1)
-      throw InputError(std::string(key) + " = " + std::to_string(value) +
-                       ": this build trains on one process only (the data, tensor and pipeline plugins are not "
-                       "built yet); allowed: 1");
-  if (world != dp * tp * pp)
-    throw InputError("launched on " + std::to_string(world) + " MPI ranks, but parallel.dp x parallel.tp x parallel.pp = " +
-                     std::to_string(dp * tp * pp) + "; launch with mpirun -n " + std::to_string(dp * tp * pp));
-
   steps = d.get_int("train.steps");
   global_batch = static_cast<int>(d.get_int("train.batch"));
   const int micro = static_cast<int>(d.get_int("train.micro_batches"));
-  if (global_batch % micro != 0)
-    throw InputError("train.batch = " + std::to_string(global_batch) + " is not divisible by train.micro_batches = " +
-                     std::to_string(micro) + "; micro_batches that divide it: " + divisors_of(global_batch));
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  layout.dp = static_cast<int>(d.get_int("parallel.dp"));
+  layout.tp = static_cast<int>(d.get_int("parallel.tp"));
+  layout.pp = static_cast<int>(d.get_int("parallel.pp"));
+  check_layout(layout, world, model_cfg, global_batch, micro);
+  rows_per_rank = global_batch / layout.dp;
   engine_cfg.micro_batches = micro;
-  engine_cfg.rows_per_micro = global_batch / micro;
+  engine_cfg.rows_per_micro = rows_per_rank / micro;
+
+  // The strategies this run needs, each with the deck setting that asks for it.
+  std::vector<std::pair<std::string, std::string>> wanted;
+  if (layout.dp > 1) wanted.push_back({"data", "parallel.dp = " + std::to_string(layout.dp)});
+  if (layout.tp > 1) wanted.push_back({"tensor", "parallel.tp = " + std::to_string(layout.tp)});
+  if (layout.pp > 1) wanted.push_back({"pipeline", "parallel.pp = " + std::to_string(layout.pp)});
+  {
+    std::stringstream list(d.get_string("run.plugins"));
+    std::string name;
+    while (std::getline(list, name, ',')) {
+      name.erase(0, name.find_first_not_of(" \t"));
+      name.erase(name.find_last_not_of(" \t") + 1);
+      if (!name.empty()) wanted.push_back({name, "run.plugins = " + d.get_string("run.plugins")});
+    }
+  }
+  if (wanted.empty()) wanted.push_back({"local", "one replica"});
+  strategies = resolve_strategies(registry, wanted);
   auto& o = engine_cfg.optimizer;
   o.lr = d.get_float("train.lr");
   o.lr_min = d.get_float("train.lr_min");
@@ -84,6 +109,7 @@ Session::Session(const Deck& d) : deck(d) {
   dc.synthetic_noise = d.get_float("data.synthetic_noise");
   const std::string val_source = d.get_string("data.val_source");
   if (!val_source.empty()) dc.val_fraction = 0.0;  // all of data.source trains
+  d_source_ = dc.source;
   train_data = open_dataset(dc);
   if (!val_source.empty()) {
     DataConfig vc = dc;
@@ -97,24 +123,38 @@ Session::Session(const Deck& d) : deck(d) {
     val_split = Split::val;
   }
 
+}
+
+void Session::setup_collective() {
+  const Deck& d = deck;
   backend = make_host_backend(static_cast<int>(d.get_int("run.threads")));
   model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro);
   model->init_weights(seed);
-  engine = std::make_unique<Engine>(engine_cfg, *model, *backend);
+  grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
+  Roles roles;
+  for (const StrategyInfo* strategy : strategies) {
+    StrategyContext ctx{deck, *grid, *model, *backend, engine_cfg};
+    strategy->create(ctx, roles);
+  }
+  engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(roles.schedule), std::move(roles.grad_sync));
 
+  // Each dp rank reads only its rows of every global batch: rows [dp_i * rows_per_rank, ...).
   const int T = model_cfg.seq_len;
-  train_batches = [this, T](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
-                            std::vector<std::int32_t>& tgt) {
+  const std::int64_t row0 = static_cast<std::int64_t>(grid->dp_rank()) * rows_per_rank;
+  train_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
+                                  std::vector<std::int32_t>& tgt) {
+    if (inject_fault("data", step))
+      throw InputError(d_source_ + ": cannot be read on this rank (LOOM_INJECT_FAULT)");
     Batch b;
-    load_batch(*train_data, Split::train, step, first_row, rows, T, b);
+    load_batch(*train_data, Split::train, step, row0 + first_row, rows, T, b);
     in = std::move(b.inputs);
     tgt = std::move(b.targets);
   };
   if (val_data) {
-    val_batches = [this, T](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
-                            std::vector<std::int32_t>& tgt) {
+    val_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
+                                  std::vector<std::int32_t>& tgt) {
       Batch b;
-      load_batch(*val_data, val_split, step, first_row, rows, T, b);
+      load_batch(*val_data, val_split, step, row0 + first_row, rows, T, b);
       in = std::move(b.inputs);
       tgt = std::move(b.targets);
     };
@@ -138,9 +178,14 @@ std::string Session::banner() const {
   s << "  data    : " << train_data->describe() << "\n";
   if (val_owned) s << "  val     : " << val_owned->describe() << "\n";
   if (auto best = train_data->best_loss()) s << "  best possible loss: " << *best << " nats/token\n";
-  s << "  layout  : 1 rank (dp 1 x tp 1 x pp 1); batch " << global_batch << " = " << engine_cfg.micro_batches
-    << " micro-batch" << (engine_cfg.micro_batches == 1 ? "" : "es") << " of " << engine_cfg.rows_per_micro
-    << " sequences; schedule " << engine->schedule().name() << "\n";
+  s << "  batch   : " << global_batch << " sequences = dp " << layout.dp << " x " << engine_cfg.micro_batches
+    << " micro-batch" << (engine_cfg.micro_batches == 1 ? "" : "es") << " x " << engine_cfg.rows_per_micro
+    << " sequences per rank\n";
+  for (const auto& line : registry.log) s << "  " << line << "\n";
+  for (const StrategyInfo* st : strategies)
+    s << "  strategy: " << st->name << " " << st->version << " (" << st->origin << "): " << st->description << "\n";
+  s << "  roles   : schedule " << engine->schedule().name() << "; gradient sync " << engine->grad_sync().name() << "\n";
+  s << "  " << grid->describe();
   s << "  run.dir : " << run_dir << "\n";
   return s.str();
 }

@@ -9,6 +9,8 @@
 #include "core/backend.hpp"
 #include "core/engine.hpp"
 #include "core/gpt.hpp"
+#include "core/grid.hpp"
+#include "core/plugin.hpp"
 #include "io/data.hpp"
 #include "io/deck.hpp"
 
@@ -16,7 +18,7 @@ namespace loom {
 
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.
-  explicit Session(const Deck& deck);
+  Session(const Deck& deck, const StrategyRegistry& registry);
 
   const Deck& deck;
   GPTConfig model_cfg;
@@ -26,6 +28,12 @@ struct Session {
   std::uint64_t seed = 0;
   std::string run_dir;
 
+  Layout layout;
+  std::unique_ptr<ProcessGrid> grid;
+  std::vector<const StrategyInfo*> strategies;
+  const StrategyRegistry& registry;
+  int rows_per_rank = 0;  // this dp rank's share of the global batch
+
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Dataset> train_data;
   std::unique_ptr<Dataset> val_owned;  // data.val_source, when given
@@ -34,6 +42,12 @@ struct Session {
   std::unique_ptr<GPT> model;
   std::unique_ptr<Engine> engine;
   BatchFn train_batches, val_batches;
+
+  std::string d_source_;  // data.source, for messages
+
+  void setup_local();
+  void agree_on_setup(const std::string& local_error);
+  void setup_collective();
 
   // Lines for the start-up banner: modules, model, data, layout.
   std::string banner() const;

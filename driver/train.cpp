@@ -38,11 +38,11 @@ std::string memory_line(const std::array<std::size_t, kMemCategories>& bytes, st
 
 }  // namespace
 
-int command_run(const Deck& deck) {
+int command_run(const Deck& deck, const StrategyRegistry& registry) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const double t_start = now();
-  Session s(deck);
+  Session s(deck, registry);
   const bool io = rank == 0;
   JsonLines metrics;
   if (io) {
@@ -69,8 +69,42 @@ int command_run(const Deck& deck) {
     return v;
   };
 
+  // Communication, per group (dp, tp, pp): counted by the communicators, read after every step.
+  auto groups = s.grid->groups();
+  std::vector<double> group_bytes_total(groups.size(), 0.0), group_wait_total(groups.size(), 0.0);
+  double wait_total = 0, ratio_sum = 0;
+  std::int64_t ratio_steps = 0;
+  const int world = s.layout.ranks();
+
   for (std::int64_t step = 0; step < s.steps; ++step) {
+    for (auto* g : groups) g->reset_stats();
     const StepStats st = s.engine->train_step(step, s.train_batches);
+    nlohmann::json comm = nlohmann::json::object();
+    double step_wait = 0;
+    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+      const CommStats& cs = groups[gi]->stats();
+      if (groups[gi]->size() == 1) continue;
+      nlohmann::json by_op = nlohmann::json::object();
+      for (int op = 0; op < kCommOps; ++op)
+        if (cs.calls[op]) by_op[comm_op_name(static_cast<CommOp>(op))] = {{"bytes", cs.bytes_sent[op]}, {"wait_ms", cs.wait_s[op] * 1e3}, {"calls", cs.calls[op]}};
+      comm[groups[gi]->name()] = {{"bytes_sent", cs.total_bytes()}, {"wait_ms", cs.total_wait() * 1e3}, {"ops", by_op}};
+      group_bytes_total[gi] += static_cast<double>(cs.total_bytes());
+      group_wait_total[gi] += cs.total_wait();
+      step_wait += cs.total_wait();
+    }
+    wait_total += step_wait;
+    // The slowest and the fastest rank's step time (a straggler shows): a metrics-only reduction.
+    double t_min = st.seconds, t_max = st.seconds;
+    if (world > 1) {
+      MPI_Allreduce(MPI_IN_PLACE, &t_min, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+      MPI_Allreduce(MPI_IN_PLACE, &t_max, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    }
+    const auto report_values = s.engine->grad_sync().step_report();
+    for (const auto& [k, v] : report_values)
+      if (k == "dp_allreduce_ratio") {
+        ratio_sum += v;
+        ++ratio_steps;
+      }
     train_time += st.seconds;
     if (step > 0) {  // the first step pays for first-touch allocation: not steady state
       steady_time += st.seconds;
@@ -103,6 +137,12 @@ int command_run(const Deck& deck) {
                   static_cast<long long>(step + 1), static_cast<long long>(s.steps), st.loss, st.lr, st.grad_norm, tps,
                   tflops, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
     std::cout << line;
+    if (world > 1) {
+      double bytes = 0;
+      for (auto* g : groups) bytes += g->size() > 1 ? static_cast<double>(g->stats().total_bytes()) : 0.0;
+      std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(bytes).c_str(),
+                  100.0 * step_wait / st.seconds, t_min * 1e3, t_max * 1e3);
+    }
     if (val) std::printf(" | val %.4f", *val);
     std::cout << std::endl;
     nlohmann::json rec = {{"step", step + 1},
@@ -119,7 +159,12 @@ int command_run(const Deck& deck) {
                             {"backward", st.times.backward * 1e3},
                             {"sync", st.times.sync * 1e3},
                             {"optimizer", st.times.optimizer * 1e3}}},
-                          {"mem_peak_bytes", memory_json(st.peak_bytes, st.peak_total)}};
+                          {"mem_peak_bytes", memory_json(st.peak_bytes, st.peak_total)},
+                          {"comm", comm},
+                          {"comm_wait_share", step_wait / st.seconds},
+                          {"step_ms_min", t_min * 1e3},
+                          {"step_ms_max", t_max * 1e3}};
+    for (const auto& [k, v] : report_values) rec[k] = v;
     if (val) rec["val_loss"] = *val;
     metrics.write(rec);
   }
@@ -136,7 +181,19 @@ int command_run(const Deck& deck) {
                             {"tflops", tps * flops_per_token / 1e12},
                             {"final_loss", last_loss},
                             {"parameters", s.model->num_params()},
-                            {"mem_peak_bytes", memory_json(peak_bytes, peak_total)}};
+                            {"mem_peak_bytes", memory_json(peak_bytes, peak_total)},
+                            {"ranks", world},
+                            {"layout", {{"dp", s.layout.dp}, {"tp", s.layout.tp}, {"pp", s.layout.pp}}},
+                            {"comm_wait_share", train_time > 0 ? wait_total / train_time : 0.0}};
+  {
+    nlohmann::json comm = nlohmann::json::object();
+    for (std::size_t gi = 0; gi < groups.size(); ++gi)
+      if (groups[gi]->size() > 1)
+        comm[groups[gi]->name()] = {{"bytes_sent_per_step", group_bytes_total[gi] / s.steps},
+                                    {"wait_s", group_wait_total[gi]}};
+    summary["comm"] = comm;
+    if (ratio_steps) summary["dp_allreduce_ratio"] = ratio_sum / ratio_steps;
+  }
   if (last_val) summary["final_val_loss"] = *last_val;
   if (auto best = s.train_data->best_loss()) summary["best_possible_loss"] = *best;
   write_json(s.run_dir + "/summary.json", summary);
@@ -171,6 +228,14 @@ int command_run(const Deck& deck) {
   std::printf("         time: forward %.1f s, backward %.1f s, optimizer %.1f s, data %.2f s, eval %.1f s\n",
               phase_sum.forward, phase_sum.backward, phase_sum.optimizer, phase_sum.data, eval_time);
   std::printf("         peak memory per rank: %s\n", memory_line(peak_bytes, peak_total).c_str());
+  for (std::size_t gi = 0; gi < groups.size(); ++gi)
+    if (groups[gi]->size() > 1)
+      std::printf("         comm %s (%d ranks): %s sent per rank per step, %.2f s waiting (%.1f%% of training)\n",
+                  groups[gi]->name().c_str(), groups[gi]->size(),
+                  format_bytes(group_bytes_total[gi] / s.steps).c_str(), group_wait_total[gi],
+                  100.0 * group_wait_total[gi] / train_time);
+  if (ratio_steps)
+    std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", ratio_sum / ratio_steps);
   std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s.run_dir.c_str());
   return 0;
 }

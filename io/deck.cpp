@@ -326,19 +326,19 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
     if (s.front() == '[' && s.back() == ']') {
       const std::string name = s.substr(1, s.size() - 2);
       if (trim(name).empty())
-        throw InputError(where + "empty section name '" + s + "' (valid sections: " + valid_sections + ")");
+        throw DeckError(where + "empty section name '" + s + "' (valid sections: " + valid_sections + ")");
       if (name.find_first_of(kSpace) != std::string::npos)
-        throw InputError(where + "section header '" + s + "' contains spaces; write [" + trim(name) +
+        throw DeckError(where + "section header '" + s + "' contains spaces; write [" + trim(name) +
                          "] (valid sections: " + valid_sections + ")");
       if (std::find(sections.begin(), sections.end(), name) == sections.end())
-        throw InputError(where + "unknown section [" + name + "]; did you mean [" +
+        throw DeckError(where + "unknown section [" + name + "]; did you mean [" +
                          schema.nearest_section(name) + "]? (valid sections: " + valid_sections + ")");
       section = name;
       continue;
     }
     const auto eq = s.find('=');
     if (eq == std::string::npos || trim(s.substr(0, eq)).empty())
-      throw InputError(where + "cannot read line '" + trim(raw) +
+      throw DeckError(where + "cannot read line '" + trim(raw) +
                        "' (expected [section], key = value, a # comment or a blank line)");
     const std::string key = trim(s.substr(0, eq));
     if (section.empty()) {
@@ -346,7 +346,7 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
       for (const auto& spec : schema.keys())
         if (split_name(spec.name).second == key) homes.push_back("[" + split_name(spec.name).first + "]");
       std::string hint = homes.empty() ? "" : " ('" + key + "' belongs in " + join(homes, " or ") + ")";
-      throw InputError(where + "key '" + key + "' is outside any section; put it under a [section] header" +
+      throw DeckError(where + "key '" + key + "' is outside any section; put it under a [section] header" +
                        hint + " (valid sections: " + valid_sections + ")");
     }
     const std::string name = section + "." + key;
@@ -354,12 +354,12 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
       std::vector<std::string> valid;
       for (const auto& spec : schema.keys())
         if (split_name(spec.name).first == section) valid.push_back(split_name(spec.name).second);
-      throw InputError(where + "unknown key '" + name + "' in section [" + section + "]; did you mean '" +
+      throw DeckError(where + "unknown key '" + name + "' in section [" + section + "]; did you mean '" +
                        schema.nearest_key(name) + "'? (valid keys: " + join(valid, ", ") + ")");
     }
     const auto [it, fresh] = seen.emplace(name, line);
     if (!fresh)
-      throw InputError(where + "key '" + name + "' given twice (first at " + at(file, it->second) +
+      throw DeckError(where + "key '" + name + "' given twice (first at " + at(file, it->second) +
                        ", again at " + at(file, line) + ")");
     entries.push_back({name, line});
   }
@@ -490,7 +490,13 @@ std::string DeckSchema::describe() const {
 // Deck
 
 Deck Deck::load(const DeckSchema& schema, const std::string& path, const std::vector<std::string>& sets) {
-  return parse(schema, read_file(path, "deck"), path, sets);
+  std::string text;
+  try {
+    text = read_file(path, "deck");
+  } catch (const InputError& e) {
+    throw DeckError(e.what());
+  }
+  return parse(schema, text, path, sets);
 }
 
 Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std::string& name,
@@ -513,7 +519,7 @@ Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std
     std::istringstream in(text);
     po::store(po::parse_config_file(in, desc, /*allow_unregistered=*/true), vm);
   } catch (const po::error& e) {
-    throw InputError(name + ": " + e.what());
+    throw DeckError(name + ": " + e.what());
   }
 
   for (const Entry& e : entries) {
@@ -522,7 +528,7 @@ Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std
       throw std::logic_error("deck: Boost did not read '" + e.name + "' of " + at(name, e.line));
     std::string value;
     const std::string err = check_value(spec, vm[e.name].as<std::string>(), &value);
-    if (!err.empty()) throw InputError(at(name, e.line) + ": " + err);
+    if (!err.empty()) throw DeckError(at(name, e.line) + ": " + err);
     deck.values_[e.name] = value;
     deck.origins_[e.name] = at(name, e.line);
   }
@@ -531,7 +537,7 @@ Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std
     const std::string where = "--set " + set + ": ";
     const auto eq = set.find('=');
     if (eq == std::string::npos)
-      throw InputError(where + "expected section.key=value (no '='); nearest key: '" +
+      throw DeckError(where + "expected section.key=value (no '='); nearest key: '" +
                        schema.nearest_key(trim(set)) + "'");
     const std::string key = trim(set.substr(0, eq));
     const std::string text_value = trim(set.substr(eq + 1));
@@ -549,14 +555,14 @@ Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std
       } else {
         msg += "; did you mean '" + schema.nearest_key(key) + "'? (valid sections: " + join(sections, ", ") + ")";
       }
-      throw InputError(where + msg);
+      throw DeckError(where + msg);
     }
     if (text_value.find_first_of("#\n\r") != std::string::npos)
-      throw InputError(where + key + " = '" + text_value +
+      throw DeckError(where + key + " = '" + text_value +
                        "' holds a '#' or a line break, which a deck cannot hold");
     std::string value;
     const std::string err = check_value(*spec, text_value, &value);
-    if (!err.empty()) throw InputError(where + err);
+    if (!err.empty()) throw DeckError(where + err);
     deck.values_[key] = value;
     deck.origins_[key] = "--set";
   }

@@ -130,6 +130,8 @@ void add_core_keys(DeckSchema& schema) {
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));
   schema.add(int_key("run.threads", "1", 1, 1024, "BLAS threads per rank"));
+  schema.add(string_key("run.plugins", "",
+                        "extra strategy plugins to use, comma-separated (the layout adds data/tensor/pipeline itself)"));
 }
 
 }  // namespace loom

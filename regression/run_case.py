@@ -7,12 +7,14 @@
 A case records its deck lines and what to check, LAMMPS-style:
   "deck":     the deck, as a list of lines (so the case is self-contained)
   "sets":     --set overrides for the run under test
-  "ranks":    MPI ranks (default 1; launched with mpirun -n R when R > 1)
+  "ranks":    MPI ranks (default 1; launched with mpirun -n R when R > 1 or "mpirun" is true)
+  "env":      extra environment (@BUILD@ stands for the directory of the loom binary)
+  "timeout":  seconds before the run counts as hung (default 600)
   "check":    one of
      "golden"   compare the per-step losses (and the final val loss) with "golden", values recorded at
                 full precision by --regenerate; nobody types golden numbers by hand
      "same_as"  run the deck again with "reference_sets" and compare the loss curves step by step
-                (e.g. accumulation over 4 micro-batches against the whole batch)
+                on "reference_ranks" (default 1) ranks, e.g. dp = 4 against one process
      "learns"   the final loss must fall below "max_final_loss" and below the first loss by "min_drop"
      "error"    the run must fail with exit status "exit" and stderr matching every regex in "stderr"
   "epsilon":  {"base": e, "scale": {"loss": s, "val_loss": s}}: tolerance for a quantity is
@@ -33,7 +35,7 @@ def write_deck(path, lines):
         f.write("\n".join(lines) + "\n")
 
 
-def run_loom(args, case, workdir, tag, sets):
+def run_loom(args, case, workdir, tag, sets, ranks=None):
     """Runs loom on the case's deck; returns (exit status, stdout, stderr, metrics records)."""
     rundir = os.path.join(workdir, tag)
     shutil.rmtree(rundir, ignore_errors=True)
@@ -43,12 +45,17 @@ def run_loom(args, case, workdir, tag, sets):
     cmd = [args.loom, case.get("command", "run"), deck, "--set", "run.dir=" + rundir]
     for s in sets:
         cmd += ["--set", s]
-    ranks = int(case.get("ranks", 1))
-    if ranks > 1:
+    ranks = int(case.get("ranks", 1) if ranks is None else ranks)
+    if ranks > 1 or case.get("mpirun", False):
         cmd = [args.mpirun, "-n", str(ranks)] + cmd
-    print("$ " + " ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=case.get("timeout", 600))
+    for k, v in case.get("env", {}).items():
+        env[k] = v.replace("@BUILD@", os.path.dirname(os.path.abspath(args.loom)))
+    print("$ " + " ".join("%s=%s" % kv for kv in case.get("env", {}).items()) + (" " if case.get("env") else "") + " ".join(cmd), flush=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=case.get("timeout", 600))
+    except subprocess.TimeoutExpired as e:
+        return 124, e.stdout or "", "timed out after %s s (a hang?)\n" % case.get("timeout", 600), []
     records = []
     mpath = os.path.join(rundir, "metrics.jsonl")
     if os.path.exists(mpath):
@@ -114,7 +121,10 @@ def main():
 
     if check == "error":
         want = case.get("exit", 2)
-        if status != want:
+        if want == "nonzero":
+            if status == 0 or status == 124:
+                failures.append("exit status %d, expected a failure (not a hang)" % status)
+        elif status != want:
             failures.append("exit status %d, expected %d" % (status, want))
         for rx in case.get("stderr", []):
             if not re.search(rx, err):
@@ -139,7 +149,8 @@ def main():
             else:
                 failures += compare(case, got, case["golden"])
         elif check == "same_as":
-            st, _, err2, rec2 = run_loom(args, case, workdir, "reference", case.get("reference_sets", []))
+            st, _, err2, rec2 = run_loom(args, case, workdir, "reference", case.get("reference_sets", []),
+                                         ranks=case.get("reference_ranks", 1))
             if st != 0:
                 sys.stderr.write(err2)
                 failures.append("reference run exited with %d" % st)

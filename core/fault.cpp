@@ -1,0 +1,31 @@
+#include "core/fault.hpp"
+
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace loom {
+
+bool inject_fault(const char* where, std::int64_t step) {
+  struct Plan {
+    bool active = false;
+    int rank = -1;
+    long long step = -1;
+    char where[32] = {0};
+  };
+  static const Plan plan = [] {
+    Plan p;
+    const char* env = std::getenv("LOOM_INJECT_FAULT");
+    if (env && std::sscanf(env, "rank=%d,step=%lld,where=%31s", &p.rank, &p.step, p.where) == 3) p.active = true;
+    return p;
+  }();
+  if (!plan.active || plan.step != step || std::strcmp(plan.where, where) != 0) return false;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank == plan.rank;
+}
+
+}  // namespace loom

@@ -1,0 +1,116 @@
+#include "core/grid.hpp"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace loom {
+namespace {
+
+std::string divisors(long n) {
+  std::ostringstream s;
+  bool first = true;
+  for (long d = 1; d <= n; ++d)
+    if (n % d == 0) {
+      s << (first ? "" : ", ") << d;
+      first = false;
+    }
+  return s.str();
+}
+
+std::string s(long v) { return std::to_string(v); }
+
+}  // namespace
+
+void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int micro) {
+  if (l.ranks() != world) {
+    std::ostringstream msg;
+    msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = "
+        << l.ranks() << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s")
+        << "; either launch with mpirun -n " << l.ranks() << ", or choose a layout whose product is " << world;
+    if (l.tp == 1 && l.pp == 1) msg << " (e.g. parallel.dp = " << world << ")";
+    throw InputError(msg.str());
+  }
+  if (m.heads % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.heads = " + s(m.heads) +
+                     "; tp sizes that work: " + divisors(std::__gcd(m.heads, m.d_model)));
+  if (m.d_model % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.d_model = " + s(m.d_model) +
+                     "; tp sizes that work: " + divisors(std::__gcd(m.heads, m.d_model)));
+  if (l.pp > m.layers)
+    throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
+                     "; pp sizes that work: 1 .. " + s(m.layers));
+  if (batch % (l.dp * micro) != 0) {
+    std::ostringstream msg;
+    msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp << " ranks x train.micro_batches = "
+        << micro << " micro-batches (" << l.dp * micro << " must divide it)";
+    if (batch % l.dp == 0) msg << "; micro_batches that work with this dp: " << divisors(batch / l.dp);
+    else msg << "; dp sizes that divide the batch: " << divisors(batch);
+    throw InputError(msg.str());
+  }
+}
+
+ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout) : layout_(layout) {
+  int size = 1;
+  MPI_Comm_rank(world, &rank_);
+  MPI_Comm_size(world, &size);
+  tp_i_ = rank_ % layout.tp;
+  dp_i_ = (rank_ / layout.tp) % layout.dp;
+  pp_i_ = rank_ / (layout.tp * layout.dp);
+
+  world_ = make_mpi_communicator(world, "world");
+  MPI_Comm c;
+  // tp group: same (pp, dp), ordered by tp; dp group: same (pp, tp); pp group: same (dp, tp).
+  MPI_Comm_split(world, pp_i_ * layout.dp + dp_i_, tp_i_, &c);
+  tp_ = make_mpi_communicator(c, "tp");
+  MPI_Comm_free(&c);
+  MPI_Comm_split(world, pp_i_ * layout.tp + tp_i_, dp_i_, &c);
+  dp_ = make_mpi_communicator(c, "dp");
+  MPI_Comm_free(&c);
+  MPI_Comm_split(world, dp_i_ * layout.tp + tp_i_, pp_i_, &c);
+  pp_ = make_mpi_communicator(c, "pp");
+  MPI_Comm_free(&c);
+
+  // Node boundaries: ranks that share memory form a node, named by its lowest world rank.
+  MPI_Comm local;
+  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
+  int leader = rank_;
+  MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, local);
+  MPI_Comm_free(&local);
+  std::vector<int> leaders(size);
+  MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, world);
+  std::map<int, int> node_index;
+  for (int r = 0; r < size; ++r) node_index.emplace(leaders[r], 0);
+  int k = 0;
+  for (auto& [lead, idx] : node_index) idx = k++;
+  nodes_ = k;
+  node_ = node_index[leader];
+
+  std::ostringstream d;
+  d << "process grid: " << size << " rank" << (size == 1 ? "" : "s") << " = dp " << layout.dp << " x tp " << layout.tp
+    << " x pp " << layout.pp << " on " << nodes_ << " node" << (nodes_ == 1 ? "" : "s")
+    << " (rank = (pp_i * dp + dp_i) * tp + tp_i)\n";
+  for (int p = 0; p < layout.pp; ++p) {
+    if (layout.pp > 1) d << "  stage pp " << p << ":\n";
+    for (int q = 0; q < layout.dp; ++q) {
+      d << "    dp " << q << ": ";
+      for (int t = 0; t < layout.tp; ++t) {
+        const int r = layout.rank_of(q, t, p);
+        d << (t ? "  " : "") << "rank " << r << " [node " << node_index[leaders[r]] << "]";
+      }
+      d << "\n";
+      const int first_node = node_index[leaders[layout.rank_of(q, 0, p)]];
+      for (int t = 1; t < layout.tp; ++t)
+        if (node_index[leaders[layout.rank_of(q, t, p)]] != first_node) {
+          d << "    warning: the tp group of dp " << q << (layout.pp > 1 ? ", pp " + std::to_string(p) : "")
+            << " spans nodes: its all-reduces cross the network on every layer\n";
+          break;
+        }
+    }
+  }
+  description_ = d.str();
+}
+
+}  // namespace loom

@@ -1,0 +1,140 @@
+#include "core/plugin.hpp"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+
+void StrategyRegistry::add(const loom_plugin_v1& plugin, const std::string& origin) {
+  const std::string name = plugin.name ? plugin.name : "";
+  if (plugin.abi_version != LOOM_PLUGIN_ABI_VERSION)
+    throw InputError("plugin '" + name + "' (" + origin + ") was built for plugin ABI " +
+                     std::to_string(plugin.abi_version) + ", this loom speaks ABI " +
+                     std::to_string(LOOM_PLUGIN_ABI_VERSION) + "; rebuild the plugin against this loom");
+  if (name.empty() || !plugin.register_strategy)
+    throw InputError("plugin at " + origin + " has no name or no register_strategy function");
+  if (strategies_.count(name))
+    throw InputError("strategy '" + name + "' registered twice: " + strategies_.at(name).origin + " and " + origin);
+  StrategyInfo info;
+  info.name = name;
+  info.version = plugin.version ? plugin.version : "?";
+  info.description = plugin.description ? plugin.description : "";
+  info.origin = origin;
+  plugin.register_strategy(&info);
+  if (!info.create) throw InputError("plugin '" + name + "' (" + origin + ") registered no factory");
+  strategies_.emplace(name, std::move(info));
+}
+
+const StrategyInfo* StrategyRegistry::find(const std::string& name) const {
+  auto it = strategies_.find(name);
+  return it == strategies_.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> StrategyRegistry::names() const {
+  std::vector<std::string> n;
+  for (const auto& [k, v] : strategies_) n.push_back(k);
+  return n;
+}
+
+std::vector<std::string> plugin_search_path() {
+  std::vector<std::string> dirs;
+  if (const char* env = std::getenv("LOOM_PLUGIN_PATH")) {
+    std::stringstream ss(env);
+    std::string d;
+    while (std::getline(ss, d, ':'))
+      if (!d.empty()) dirs.push_back(d);
+  }
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    dirs.push_back((exe.parent_path() / "lib").string());               // build tree: build/loom, build/lib/
+    dirs.push_back((exe.parent_path() / ".." / "lib" / "loom").lexically_normal().string());  // install prefix
+  }
+  return dirs;
+}
+
+void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>& dirs) {
+  std::set<std::string> seen;
+  for (const auto& dir : dirs) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) continue;
+    std::vector<fs::path> libs;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string f = e.path().filename().string();
+      if (f.rfind("libloom_", 0) == 0 && e.path().extension() == ".so" && f != "libloom_core.so" &&
+          f != "libloom_io.so")
+        libs.push_back(e.path());
+    }
+    std::sort(libs.begin(), libs.end());
+    for (const auto& lib : libs) {
+      const std::string stem = lib.stem().string().substr(8);  // libloom_<name>
+      if (!seen.insert(stem).second) continue;                 // an earlier directory wins
+      void* handle = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (!handle) {
+        registry.unusable[stem] = lib.string() + ": cannot be loaded (" + dlerror() + ")";
+        registry.log.push_back("plugin " + stem + ": " + registry.unusable[stem]);
+        continue;
+      }
+      auto entry = reinterpret_cast<loom_plugin_entry_fn>(dlsym(handle, LOOM_PLUGIN_ENTRY_SYMBOL));
+      if (!entry) {
+        registry.unusable[stem] = lib.string() + ": no " LOOM_PLUGIN_ENTRY_SYMBOL " entry point";
+        registry.log.push_back("plugin " + stem + ": " + registry.unusable[stem]);
+        dlclose(handle);
+        continue;
+      }
+      const loom_plugin_v1* p = entry();
+      const std::string name = p && p->name ? p->name : stem;
+      try {
+        if (!p) throw InputError(lib.string() + ": entry point returned nothing");
+        registry.add(*p, lib.string());
+        registry.log.push_back("plugin " + name + " " + (p->version ? p->version : "?") + " (ABI " +
+                               std::to_string(p->abi_version) + ") from " + lib.string());
+        // The library stays loaded for the life of the process: its code backs the registered factory.
+      } catch (const InputError& e) {
+        registry.unusable[name] = e.what();
+        registry.log.push_back("plugin " + name + ": refused: " + e.what());
+      }
+    }
+  }
+}
+
+std::vector<const StrategyInfo*> resolve_strategies(const StrategyRegistry& registry,
+                                                    const std::vector<std::pair<std::string, std::string>>& requested) {
+  std::vector<const StrategyInfo*> out;
+  std::vector<std::string> reasons;
+  for (const auto& [name, reason] : requested) {
+    if (std::any_of(out.begin(), out.end(), [&](const StrategyInfo* s) { return s->name == name; })) continue;
+    const StrategyInfo* s = registry.find(name);
+    if (!s) {
+      auto bad = registry.unusable.find(name);
+      if (bad != registry.unusable.end()) throw InputError(reason + " needs strategy plugin '" + name + "', which cannot be used: " + bad->second);
+      std::string avail;
+      for (const auto& n : registry.names()) avail += (avail.empty() ? "" : ", ") + n;
+      std::string where;
+      for (const auto& d : plugin_search_path()) where += (where.empty() ? "" : ":") + d;
+      throw InputError(reason + " needs strategy plugin '" + name + "' (libloom_" + name +
+                       ".so), which was not found; available: " + avail + " (searched LOOM_PLUGIN_PATH, then " +
+                       where + ")");
+    }
+    out.push_back(s);
+    reasons.push_back(reason);
+  }
+  for (std::size_t i = 0; i < out.size(); ++i)
+    for (std::size_t j = 0; j < out.size(); ++j)
+      if (i != j && std::count(out[i]->incompatible.begin(), out[i]->incompatible.end(), out[j]->name))
+        throw InputError("strategy '" + out[i]->name + "' (" + reasons[i] + ") cannot be combined with '" +
+                         out[j]->name + "' (" + reasons[j] + "): plugin " + out[i]->name + " declares them incompatible");
+  return out;
+}
+
+}  // namespace loom

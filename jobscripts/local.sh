@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run a deck on this machine with mpirun: the rank count comes from the deck's layout.
+#   jobscripts/local.sh inputs/data_parallel.deck
+#   jobscripts/local.sh inputs/quickstart.deck --set parallel.dp=2 --set train.steps=50
+# Environment: LOOM (default build/loom), MPIRUN (default mpirun), RANKS (override the rank count).
+set -euo pipefail
+if [ $# -lt 1 ]; then
+  sed -n '2,5p' "$0" >&2
+  exit 2
+fi
+deck=$1
+shift
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+loom=${LOOM:-$here/build/loom}
+# The layout is dp x tp x pp: ask loom for the resolved deck (with the overrides) and multiply.
+resolved=$("$loom" check "$deck" "$@")
+section_get() {  # section key
+  echo "$resolved" | awk -v s="[$1]" -v k="$2" '
+    $0 == s {in_s = 1; next} /^\[/ {in_s = 0}
+    in_s && $1 == k {print $3; exit}'
+}
+dp=$(section_get parallel dp); tp=$(section_get parallel tp); pp=$(section_get parallel pp)
+ranks=${RANKS:-$((dp * tp * pp))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+echo "jobscripts/local.sh: $ranks ranks (dp $dp x tp $tp x pp $pp)"
+exec "${MPIRUN:-mpirun}" -n "$ranks" "$loom" run "$deck" "$@"
