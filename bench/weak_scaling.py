@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Weak scaling of data parallelism on this machine, measured in one run.
+
+    python3 bench/weak_scaling.py --loom build/loom [--steps 20] [--ranks 2]
+
+Trains the bench model (bench/bench.deck) at dp = 1 and dp = N with the per-rank batch fixed (so
+the global batch grows with N), one BLAS thread per rank, and prints:
+  - tokens/s at each size and the scaling efficiency  tokens/s(N) / (N * tokens/s(1))  (target >= 0.85);
+  - the all-reduce bytes each rank measured sending per step against the ring's 2(N-1)/N * M
+    (target within 5%), and the share of the step spent waiting on communication.
+Standard library only. A benchmark, not a test: numbers depend on what else the machine is doing.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(loom, mpirun, ranks, steps, per_rank_batch, workdir):
+    rundir = os.path.join(workdir, "dp%d" % ranks)
+    cmd = [mpirun, "-n", str(ranks), loom, "run", os.path.join(HERE, "bench.deck"),
+           "--set", "parallel.dp=%d" % ranks, "--set", "train.batch=%d" % (per_rank_batch * ranks),
+           "--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir, "--set", "data.bucket_mb=4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    print("$ " + " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout[-3000:] + p.stderr)
+        sys.exit("loom failed at dp = %d" % ranks)
+    with open(os.path.join(rundir, "summary.json")) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", default="build/loom")
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--per-rank-batch", type=int, default=8)
+    ap.add_argument("--workdir", default="build/bench-weak")
+    args = ap.parse_args()
+
+    one = run(args.loom, args.mpirun, 1, args.steps, args.per_rank_batch, args.workdir)
+    many = run(args.loom, args.mpirun, args.ranks, args.steps, args.per_rank_batch, args.workdir)
+    n = args.ranks
+    eff = many["tokens_per_s"] / (n * one["tokens_per_s"])
+    ratio = many.get("dp_allreduce_ratio", float("nan"))
+    params = many["parameters"]
+    grad_bytes = params * 4
+    ring = 2.0 * (n - 1) / n * grad_bytes
+    measured = many["comm"]["dp"]["bytes_sent_per_step"]
+    print()
+    print("weak scaling, bench model (%d parameters, %.1f MiB of fp32 gradients), per-rank batch %d, %d steps"
+          % (params, grad_bytes / 2**20, args.per_rank_batch, args.steps))
+    print("  %-44s %12.1f" % ("tokens/s at dp = 1", one["tokens_per_s"]))
+    print("  %-44s %12.1f" % ("tokens/s at dp = %d" % n, many["tokens_per_s"]))
+    print("  %-44s %12.3f   (target >= 0.85: %s)" % ("scaling efficiency tok/s(N) / (N tok/s(1))", eff,
+                                                      "met" if eff >= 0.85 else "NOT met"))
+    print("  %-44s %12.0f" % ("all-reduce bytes sent per rank per step", measured))
+    print("  %-44s %12.0f" % ("ring formula 2(N-1)/N * M", ring))
+    print("  %-44s %12.4f   (target within 5%%: %s)" % ("measured / ring (gradient buckets only)", ratio,
+                                                       "met" if abs(ratio - 1) <= 0.05 else "NOT met"))
+    print("  %-44s %12.1f%%" % ("step time waiting on communication", 100 * many["comm_wait_share"]))
+    print(json.dumps({"ranks": n, "tokens_per_s_dp1": one["tokens_per_s"], "tokens_per_s_dpN": many["tokens_per_s"],
+                      "efficiency": eff, "allreduce_bytes_per_step": measured, "ring_bytes": ring,
+                      "allreduce_ratio": ratio, "comm_wait_share": many["comm_wait_share"]}, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
