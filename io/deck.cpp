@@ -623,16 +623,16 @@ std::string Deck::resolved_text() const {
       << "# Read from " << (path_.empty() ? "(nothing)" : path_);
   if (nsets) out << ", then " << nsets << " key(s) set by --set";
   out << ". Keys marked '# default' were not given.\n";
-  std::string section;
-  for (const auto& k : schema_->keys()) {
-    const auto [s, key] = split_name(k.name);
-    if (s != section) {
-      out << "\n[" << s << "]\n";
-      section = s;
+  // Grouped by section (a plugin's keys join the section they name), sections in schema order.
+  for (const auto& section : schema_->sections()) {
+    out << "\n[" << section << "]\n";
+    for (const auto& k : schema_->keys()) {
+      const auto [s, key] = split_name(k.name);
+      if (s != section) continue;
+      out << key << " = " << values_.at(k.name);
+      if (origins_.at(k.name) == "default") out << "  # default";
+      out << "\n";
     }
-    out << key << " = " << values_.at(k.name);
-    if (origins_.at(k.name) == "default") out << "  # default";
-    out << "\n";
   }
   return out.str();
 }
