@@ -74,8 +74,12 @@ inline T exp_k(T x) {
 template <class T>
 inline T tanh_k(T x) {
   if constexpr (std::is_same_v<T, float>) {
-    // tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly for large |x|.
-    return 1.0f - 2.0f / (exp_fast(2.0f * x) + 1.0f);
+    // tanh(x) = 1 - 2 / (exp(2x) + 1) saturates cleanly for large |x| but cancels near 0, so small
+    // |x| takes the odd Taylor series instead (both computed: the select vectorises, a branch would not).
+    const float big = 1.0f - 2.0f / (exp_fast(2.0f * x) + 1.0f);
+    const float x2 = x * x;
+    const float small = x * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f + x2 * (62.0f / 2835.0f)))));
+    return (x < 0.125f && x > -0.125f) ? small : big;
   } else {
     return std::tanh(x);
   }

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <string>
 
 namespace {
 
@@ -12,15 +13,20 @@ namespace {
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  // (UnitTest::current_test_info() would deadlock inside OnTestPartResult: gtest holds its lock.)
+  void OnTestStart(const ::testing::TestInfo& t) override { test_ = std::string(t.test_suite_name()) + "." + t.name(); }
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     if (!r.failed()) return;
-    const ::testing::TestInfo* t = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::fprintf(stderr, "[rank %d] %s.%s: %s:%d: failure\n%s\n", rank_, t ? t->test_suite_name() : "?",
-                 t ? t->name() : "?", r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
+    std::fprintf(stderr, "[rank %d] %s: %s:%d: failure\n%s\n", rank_, test_.c_str(),
+                 r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
+  }
+  void OnTestEnd(const ::testing::TestInfo& t) override {
+    if (t.result()->Failed()) std::fprintf(stderr, "[rank %d] FAILED %s\n", rank_, test_.c_str());
   }
 
  private:
   int rank_;
+  std::string test_;
 };
 
 }  // namespace

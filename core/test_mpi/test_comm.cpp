@@ -537,4 +537,3 @@ TEST(Comm, SumAndSubCommunicators) {
 
 }  // namespace
 }  // namespace loom
-namespace loom { namespace { TEST(TempFail, Rank1) { EXPECT_NE(world_rank(), 1) << "deliberate"; } } }

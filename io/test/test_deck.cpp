@@ -40,7 +40,7 @@ TEST(DeckSchema, CoreKeysAndSections) {
   EXPECT_EQ(s.find("train.schedule")->type, KeyType::Choice);
   EXPECT_EQ(s.find("nope.key"), nullptr);
   EXPECT_EQ(s.keys().front().name, "model.layers");
-  EXPECT_EQ(s.keys().back().name, "run.threads");
+  EXPECT_EQ(s.keys().back().name, "run.plugins");
 }
 
 TEST(DeckSchema, AddRefusesDuplicatesAndBadDefaults) {
