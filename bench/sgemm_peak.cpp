@@ -5,9 +5,11 @@
 //
 // OpenBLAS built with DYNAMIC_ARCH picks its kernels from the CPU model id, and on virtual machines
 // often falls back to Prescott (SSE3) on an AVX-512 CPU. loom then re-executes itself with
-// OPENBLAS_CORETYPE set (driver/blas_core.cpp); this program applies the same rule, so that the
+// OPENBLAS_CORETYPE set (driver/blas_core.cpp); this program applies that very code, so that the
 // peak is measured with the kernels loom uses, and reports the core in the JSON line.
 #include <cblas.h>
+
+#include "driver/blas_core.hpp"  // the same kernel-set rule as loom itself
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,26 +22,6 @@
 extern "C" char* openblas_get_corename(void) __attribute__((weak));
 
 namespace {
-
-// Same rule as loom's select_openblas_core: only when OPENBLAS_CORETYPE is unset and OpenBLAS chose
-// a pre-AVX core although the CPU has AVX-512 (SkylakeX) or AVX2+FMA (Haswell).
-void select_openblas_core(char** argv) {
-  if (!openblas_get_corename || std::getenv("OPENBLAS_CORETYPE")) return;
-  const std::string core = openblas_get_corename();
-  const bool generic = core == "Prescott" || core == "Core2" || core == "Penryn" || core == "Dunnington" ||
-                       core == "Nehalem" || core == "Sandybridge";
-  if (!generic) return;
-  __builtin_cpu_init();
-  const char* better = nullptr;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    better = "SkylakeX";
-  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    better = "Haswell";
-  if (!better) return;
-  setenv("OPENBLAS_CORETYPE", better, 1);
-  execv("/proc/self/exe", argv);  // returns only on failure: measure with the detected core
-}
 
 struct Shape {
   int m, n, k;
@@ -58,7 +40,7 @@ double time_once(const Shape& s, const std::vector<float>& a, const std::vector<
 }  // namespace
 
 int main(int argc, char** argv) {
-  select_openblas_core(argv);
+  loom::select_openblas_core(argv);
   const std::string core = openblas_get_corename ? openblas_get_corename() : "unknown";
 #ifdef OPENBLAS_VERSION
   openblas_set_num_threads(1);

@@ -406,33 +406,29 @@ void adamw_update(T* params, T* m, T* v,                              // [n] eac
 // ---------------------------------------------------------------------------------------------
 // Reductions and fills used by the engine.
 
-template <class T>
-double sum_squares(const T* x, std::int64_t n) {
+// Sum of f(x[i]) over [0, n): partial sums per chunk in `Partial`, accumulated in double.
+template <class Partial, class T, class F>
+double reduce_chunks(const char* label, const T* x, std::int64_t n, F f) {
   double s = 0;
-  // Per-chunk partial sums in T, accumulated in double across chunks.
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
-  Kokkos::parallel_reduce("Reduce::sum_squares", Range64(0, chunks), [=](std::int64_t c, double& acc) {
+  Kokkos::parallel_reduce(label, Range64(0, chunks), [=](std::int64_t c, double& acc) {
     const T* __restrict in = x;
     const std::int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
-    T part = 0;
-    for (std::int64_t i = begin; i < end; ++i) part += in[i] * in[i];
+    Partial part = 0;
+    for (std::int64_t i = begin; i < end; ++i) part += f(in[i]);
     acc += static_cast<double>(part);
   }, s);
   return s;
 }
 
 template <class T>
+double sum_squares(const T* x, std::int64_t n) {
+  return reduce_chunks<T>("Reduce::sum_squares", x, n, [](T v) { return v * v; });
+}
+
+template <class T>
 double sum(const T* x, std::int64_t n) {
-  double s = 0;
-  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
-  Kokkos::parallel_reduce("Reduce::sum", Range64(0, chunks), [=](std::int64_t c, double& acc) {
-    const T* __restrict in = x;
-    const std::int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
-    double part = 0;
-    for (std::int64_t i = begin; i < end; ++i) part += in[i];
-    acc += part;
-  }, s);
-  return s;
+  return reduce_chunks<double>("Reduce::sum", x, n, [](T v) { return static_cast<double>(v); });
 }
 
 template <class T>
