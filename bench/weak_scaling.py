@@ -62,7 +62,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", default="build/loom")
     ap.add_argument("--mpirun", default="mpirun")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--per-rank-batch", type=int, default=8)
     ap.add_argument("--workdir", default="build/bench-weak")
