@@ -15,10 +15,11 @@ class Backend {
   virtual std::string name() const = 0;         // "host"
   virtual std::string description() const = 0;  // execution space, BLAS, threads
 
+  // wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor parallelism).
   virtual void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe,
-                               int B, int T, int C) = 0;
+                               int B, int T, int C, int vocab_begin, int vocab_end, bool add_pos) = 0;
   virtual void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp,
-                                int B, int T, int C) = 0;
+                                int B, int T, int C, int vocab_begin, int vocab_end) = 0;
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
                                  const float* weight, const float* bias, int N, int C) = 0;
   virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
@@ -26,6 +27,8 @@ class Backend {
                                   const float* rstd, int N, int C) = 0;
   virtual void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                               int N, int C, int OC) = 0;
+  virtual void bias_add(float* out, const float* bias, int N, int OC) = 0;
+  virtual void bias_backward(float* dbias, const float* dout, int N, int OC) = 0;
   virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                const float* inp, const float* weight, int N, int C, int OC) = 0;
   virtual void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) = 0;

@@ -53,9 +53,10 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   targets_ = std::move(ctx.targets);
 
   double t1 = now();
+  model_.partition().finish_grads(model_);
   sync_->finish(model_);
   st.loss = sync_->mean_over_replicas(local_loss);
-  const double sq = sync_->grad_sq_norm(be_.sum_squares(model_.grad_data(), model_.num_params()));
+  const double sq = sync_->grad_sq_norm(model_.partition().grad_sq_norm(model_, be_));
   st.grad_norm = std::sqrt(sq);
   double t2 = now();
   st.times.sync = t2 - t1;

@@ -11,6 +11,7 @@
 
 #include "core/backend.hpp"
 #include "core/buffer.hpp"
+#include "core/partition.hpp"
 
 namespace loom {
 
@@ -29,8 +30,11 @@ struct ParamInfo {
   enum class Init { normal, ones, zeros };
   std::string name;                  // "blocks.3.attn.qkv.weight"
   std::vector<std::int64_t> shape;   // full logical shape
+  std::vector<std::int64_t> local_shape;  // this rank's shard of it (= shape when not split)
+  TpSplit split = TpSplit::none;        // how the tp group splits it
+  bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
   std::int64_t offset = 0;           // into the flat parameter / gradient buffers
-  std::int64_t numel = 0;
+  std::int64_t numel = 0;            // elements of the local shard
   bool decay = false;                // AdamW weight decay applies (matrices)
   Init init = Init::zeros;
   double init_std = 0.0;             // for Init::normal
@@ -38,8 +42,12 @@ struct ParamInfo {
 
 class GPT {
  public:
-  // Allocates parameters, gradients and the activations of micro-batches of up to `max_rows` rows.
-  GPT(const GPTConfig& cfg, Backend& backend, int max_rows);
+  // Allocates this rank's shard of the parameters and gradients, and the activations of
+  // micro-batches of up to `max_rows` rows. `partition` decides the shards (default: whole).
+  GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr);
+  // Flat index into the full logical tensor of element `i` of this rank's shard of `p`.
+  std::int64_t global_index(const ParamInfo& p, std::int64_t i) const;
+  Partition& partition() { return *part_; }
 
   const GPTConfig& config() const { return cfg_; }
   const std::vector<ParamInfo>& params() const { return params_; }
@@ -67,8 +75,9 @@ class GPT {
   // first, then the embeddings. Gradient sync uses it to start communication early.
   void set_grad_ready_hook(std::function<void(int first, int end)> hook) { grad_ready_ = std::move(hook); }
 
-  // Model FLOPs per trained token (forward + backward = 3 x forward): 6 x (weights in matrix
-  // products, the tied head included) + 12 x L x T x C for attention (PaLM's convention).
+  // Model FLOPs per trained token (forward + backward = 3 x forward) of the whole model, whatever
+  // the layout: 6 x (weights in matrix products, the tied head included) + 12 x L x T x C for
+  // attention (PaLM's convention).
   double flops_per_token() const;
 
  private:
@@ -84,14 +93,30 @@ class GPT {
     float *ln2, *ln2_mean, *ln2_rstd;  // [N,C], [N], [N]
     float *fch, *fch_gelu;             // [N,4C], [N,4C]
   };
+  struct Scratch {  // not saved across kernels: forward temporaries and backward gradients
+    float *full, *partial, *local;                       // [N,C], [N,C], [Nl,C]
+    float *dres, *dother, *dlocal, *dfull, *dpartial;    // [Nl,C] x3, [N,C] x2
+    float *dqkv, *datt, *datty, *dfch, *dfch_gelu;       // [N,3Cl], [T,T], [N,Cl], [N,Fl], [N,Fl]
+  };
+  struct Head {
+    float *lnf, *lnf_mean, *lnf_rstd;  // [Nl,C], [Nl], [Nl]
+    float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
+  };
   BlockParams block_params(float* base, int layer) const;
   BlockActs block_acts(int layer) const;
-  float* residual(int layer) const;  // block `layer`'s input, [N,C]; residual(L) is the last block's output
+  Scratch scratch() const;
+  Head head() const;
+  float* residual(int layer) const;  // block `layer`'s input, [Nl,C]; residual(L) is the last block's output
   void block_forward(int layer, int B);
-  void block_backward(int layer, int B, float* dres, float* dscratch);
+  void block_backward(int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
 
   GPTConfig cfg_;
   Backend& be_;
+  Partition default_partition_;
+  Partition* part_;
+  int tp_ = 1, tp_rank_ = 0;
+  bool sp_ = false;
+  int vocab_begin_ = 0, vocab_local_ = 0;  // this rank's rows of the token table
   int max_rows_;
   int rows_ = 0;  // rows of the last forward
   std::vector<ParamInfo> params_;

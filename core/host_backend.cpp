@@ -26,14 +26,16 @@ class HostBackend final : public Backend {
       << (threads_ == 1 ? "" : "s") << ")";
     return s.str();
   }
-  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B,
-                       int T, int C) override {
-    k::encoder_forward(out, inp, wte, wpe, B, T, C);
+  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T,
+                       int C, int vocab_begin, int vocab_end, bool add_pos) override {
+    k::encoder_forward(out, inp, wte, wpe, B, T, C, vocab_begin, vocab_end, add_pos);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B,
-                        int T, int C) override {
-    k::encoder_backward(dwte, dwpe, dout, inp, B, T, C);
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T,
+                        int C, int vocab_begin, int vocab_end) override {
+    k::encoder_backward(dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end);
   }
+  void bias_add(float* out, const float* bias, int N, int OC) override { k::bias_add(out, bias, N, OC); }
+  void bias_backward(float* dbias, const float* dout, int N, int OC) override { k::bias_backward(dbias, dout, N, OC); }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                          const float* bias, int N, int C) override {
     k::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);

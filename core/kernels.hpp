@@ -102,35 +102,41 @@ inline void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const doub
 // ---------------------------------------------------------------------------------------------
 // Token + position embedding.
 
+// With tensor parallelism the token table is split by vocabulary: this rank holds rows
+// [vocab_begin, vocab_end) and contributes zeros for other tokens (the tp all-reduce completes the
+// sum); the position embedding is added by one rank only (add_pos).
 template <class T>
 void encoder_forward(T* out,                                        // [B,T,C]
                      const std::int32_t* inp,                       // [B,T]
-                     const T* wte, const T* wpe,                    // [V,C], [T,C]
-                     int B, int Tn, int C) {
+                     const T* wte, const T* wpe,                    // [V or V/tp, C], [T,C]
+                     int B, int Tn, int C,
+                     int vocab_begin = 0, int vocab_end = 1 << 30, bool add_pos = true) {
   Kokkos::parallel_for("Encoder::forward", Range(0, B * Tn), [=](int bt) {
-    const int t = bt % Tn;
-    const T* te = wte + static_cast<std::int64_t>(inp[bt]) * C;
+    const int t = bt % Tn, tok = inp[bt];
+    const bool mine = tok >= vocab_begin && tok < vocab_end;
+    const T* te = wte + static_cast<std::int64_t>(mine ? tok - vocab_begin : 0) * C;
     const T* pe = wpe + static_cast<std::int64_t>(t) * C;
     T* o = out + static_cast<std::int64_t>(bt) * C;
-    for (int c = 0; c < C; ++c) o[c] = te[c] + pe[c];
+    for (int c = 0; c < C; ++c) o[c] = (mine ? te[c] : T(0)) + (add_pos ? pe[c] : T(0));
   });
 }
 
 template <class T>
-void encoder_backward(T* dwte, T* dwpe,                             // [V,C], [T,C]
+void encoder_backward(T* dwte, T* dwpe,                             // [V or V/tp, C] (+=), [T,C] (+=)
                       const T* dout,                                // [B,T,C]
                       const std::int32_t* inp,                      // [B,T]
-                      int B, int Tn, int C) {
+                      int B, int Tn, int C,
+                      int vocab_begin = 0, int vocab_end = 1 << 30) {
   // Serial over rows: two rows may hit the same token, so rows must not race.
   Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
     for (int bt = 0; bt < B * Tn; ++bt) {
       const T* d = dout + static_cast<std::int64_t>(bt) * C;
-      T* te = dwte + static_cast<std::int64_t>(inp[bt]) * C;
+      const int tok = inp[bt];
       T* pe = dwpe + static_cast<std::int64_t>(bt % Tn) * C;
-      for (int c = 0; c < C; ++c) {
-        te[c] += d[c];
-        pe[c] += d[c];
-      }
+      for (int c = 0; c < C; ++c) pe[c] += d[c];
+      if (tok < vocab_begin || tok >= vocab_end) continue;
+      T* te = dwte + static_cast<std::int64_t>(tok - vocab_begin) * C;
+      for (int c = 0; c < C; ++c) te[c] += d[c];
     }
   });
 }
@@ -192,17 +198,32 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=
 // ---------------------------------------------------------------------------------------------
 // Linear layer y = x W^T + b, weights [OC, C] as torch.nn.Linear. bias may be null.
 
+// out[n, :] += bias: the bias of a row-parallel layer is added once, after the tp reduction.
+template <class T>
+void bias_add(T* out, const T* bias, int N, int OC) {  // [N,OC], [OC]
+  Kokkos::parallel_for("Matmul::bias", Range(0, N), [=](int n) {
+    T* o = out + static_cast<std::int64_t>(n) * OC;
+    for (int j = 0; j < OC; ++j) o[j] += bias[j];
+  });
+}
+
+// dbias += sum over rows of dout: the backward of bias_add.
+template <class T>
+void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,OC]
+  Kokkos::parallel_for("Matmul::backward_bias", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+    for (int n = 0; n < N; ++n) {
+      const T* d = dout + static_cast<std::int64_t>(n) * OC;
+      for (int j = 0; j < OC; ++j) dbias[j] += d[j];
+    }
+  });
+}
+
 template <class T>
 void matmul_forward(T* out,                                          // [N,OC]
                     const T* inp, const T* weight, const T* bias,    // [N,C], [OC,C], [OC] or null
                     int N, int C, int OC) {
   gemm(false, true, N, OC, C, T(1), inp, C, weight, C, T(0), out, OC);
-  if (bias) {
-    Kokkos::parallel_for("Matmul::bias", Range(0, N), [=](int n) {
-      T* o = out + static_cast<std::int64_t>(n) * OC;
-      for (int j = 0; j < OC; ++j) o[j] += bias[j];
-    });
-  }
+  if (bias) bias_add(out, bias, N, OC);
 }
 
 template <class T>
@@ -211,14 +232,7 @@ void matmul_backward(T* dinp, T* dweight, T* dbias,                  // [N,C] (=
                      int N, int C, int OC) {
   gemm(false, false, N, C, OC, T(1), dout, OC, weight, C, T(0), dinp, C);       // dinp = dout W
   gemm(true, false, OC, C, N, T(1), dout, OC, inp, C, T(1), dweight, C);        // dW += dout^T x
-  if (dbias) {
-    Kokkos::parallel_for("Matmul::backward_bias", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
-      for (int n = 0; n < N; ++n) {
-        const T* d = dout + static_cast<std::int64_t>(n) * OC;
-        for (int j = 0; j < OC; ++j) dbias[j] += d[j];
-      }
-    });
-  }
+  if (dbias) bias_backward(dbias, dout, N, OC);
 }
 
 // ---------------------------------------------------------------------------------------------
