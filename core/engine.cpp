@@ -53,8 +53,10 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   targets_ = std::move(ctx.targets);
 
   double t1 = now();
-  model_.partition().finish_grads(model_);
+  // Gradient sync first: its all-reduces may still be in flight on the gradient buffer. Both steps
+  // are sums over disjoint groups, so the order does not change the result.
   sync_->finish(model_);
+  model_.partition().finish_grads(model_);
   st.loss = sync_->mean_over_replicas(local_loss);
   const double sq = sync_->grad_sq_norm(model_.partition().grad_sq_norm(model_, be_));
   st.grad_norm = std::sqrt(sq);

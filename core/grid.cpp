@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <sstream>
 
 #include "core/error.hpp"
@@ -33,12 +34,17 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
     if (l.tp == 1 && l.pp == 1) msg << " (e.g. parallel.dp = " << world << ")";
     throw InputError(msg.str());
   }
+  // tp splits heads, channels and the vocabulary: it must divide all three.
+  const long tp_ok = std::gcd(std::gcd(m.heads, m.d_model), m.vocab);
   if (m.heads % l.tp != 0)
     throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.heads = " + s(m.heads) +
-                     "; tp sizes that work: " + divisors(std::__gcd(m.heads, m.d_model)));
+                     "; tp sizes that work: " + divisors(tp_ok));
   if (m.d_model % l.tp != 0)
     throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.d_model = " + s(m.d_model) +
-                     "; tp sizes that work: " + divisors(std::__gcd(m.heads, m.d_model)));
+                     "; tp sizes that work: " + divisors(tp_ok));
+  if (m.vocab % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.vocab = " + s(m.vocab) +
+                     " (the token embedding is split by vocabulary); tp sizes that work: " + divisors(tp_ok));
   if (l.pp > m.layers)
     throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
                      "; pp sizes that work: 1 .. " + s(m.layers));

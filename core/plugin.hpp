@@ -15,11 +15,13 @@
 #include <vector>
 
 #include "core/engine.hpp"
+#include "core/grid.hpp"
+#include "core/partition.hpp"
 #include "io/deck.hpp"  // KeySpec: a plugin declares its deck keys like the core does
 
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, or
 // the role interfaces in core/engine.hpp.
-#define LOOM_PLUGIN_ABI_VERSION 1
+#define LOOM_PLUGIN_ABI_VERSION 2
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -53,10 +55,31 @@ struct Roles {
   std::unique_ptr<Schedule> schedule;
 };
 
+// What a strategy may check before any work (every rank alike, no communication).
+struct LayoutContext {
+  const Deck& deck;
+  const Layout& layout;
+  const GPTConfig& model;
+  int rows_per_micro;  // sequences per micro-batch on one rank
+};
+
+// What the partition factory sees: the model is not built yet (the partition decides its shards).
+struct PartitionContext {
+  const Deck& deck;
+  ProcessGrid& grid;
+  Backend& backend;
+  const GPTConfig& model;
+};
+
 struct StrategyInfo {
   std::string name, version, description, origin;  // origin: "built-in" or the library path
   std::vector<KeySpec> keys;                        // the deck keys it declares
   std::vector<std::string> incompatible;            // strategies it cannot be combined with
+  // Optional: refuse a layout this strategy cannot run (throw InputError naming keys and what works).
+  std::function<void(const LayoutContext&)> check;
+  // Optional: the partition role (at most one strategy of a run fills it).
+  std::function<std::unique_ptr<Partition>(PartitionContext&)> make_partition;
+  // The other roles, once the model exists.
   std::function<void(StrategyContext&, Roles&)> create;
 };
 

@@ -13,7 +13,7 @@
 namespace loom {
 namespace {
 void write_params(h5::File& f, const std::string& group, const GPT& model, const float* base) {
-  for (const auto& p : model.params()) f.write(group + "/" + p.name, base + p.offset, p.shape);
+  for (const auto& p : model.params()) f.write(group + "/" + p.name, base + p.offset, p.local_shape);
 }
 }  // namespace
 

@@ -80,6 +80,8 @@ void Session::setup_local() {
   }
   if (wanted.empty()) wanted.push_back({"local", "one replica"});
   strategies = resolve_strategies(registry, wanted);
+  for (const StrategyInfo* strategy : strategies)
+    if (strategy->check) strategy->check(LayoutContext{d, layout, model_cfg, engine_cfg.rows_per_micro});
   auto& o = engine_cfg.optimizer;
   o.lr = d.get_float("train.lr");
   o.lr_min = d.get_float("train.lr_min");
@@ -128,9 +130,15 @@ void Session::setup_local() {
 void Session::setup_collective() {
   const Deck& d = deck;
   backend = make_host_backend(static_cast<int>(d.get_int("run.threads")));
-  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro);
-  model->init_weights(seed);
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
+  for (const StrategyInfo* strategy : strategies) {
+    if (!strategy->make_partition) continue;
+    if (partition) throw InputError("two strategies want to split the weights: " + strategy->name + " and another");
+    PartitionContext pctx{deck, *grid, *backend, model_cfg};
+    partition = strategy->make_partition(pctx);
+  }
+  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get());
+  model->init_weights(seed);
   Roles roles;
   for (const StrategyInfo* strategy : strategies) {
     StrategyContext ctx{deck, *grid, *model, *backend, engine_cfg};
@@ -184,7 +192,8 @@ std::string Session::banner() const {
   for (const auto& line : registry.log) s << "  " << line << "\n";
   for (const StrategyInfo* st : strategies)
     s << "  strategy: " << st->name << " " << st->version << " (" << st->origin << "): " << st->description << "\n";
-  s << "  roles   : schedule " << engine->schedule().name() << "; gradient sync " << engine->grad_sync().name() << "\n";
+  s << "  roles   : partition " << model->partition().name() << "; schedule " << engine->schedule().name()
+    << "; gradient sync " << engine->grad_sync().name() << "\n";
   s << "  " << grid->describe();
   s << "  run.dir : " << run_dir << "\n";
   return s.str();

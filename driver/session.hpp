@@ -39,6 +39,7 @@ struct Session {
   std::unique_ptr<Dataset> val_owned;  // data.val_source, when given
   const Dataset* val_data = nullptr;   // null when there is no validation split
   Split val_split = Split::val;        // which split of val_data holds the validation tokens
+  std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
   std::unique_ptr<GPT> model;
   std::unique_ptr<Engine> engine;
   BatchFn train_batches, val_batches;

@@ -32,7 +32,8 @@ TEST(PluginLoader, LoadsDataPluginAndBuiltins) {
   ASSERT_NE(r.find("local"), nullptr);
   EXPECT_EQ(r.find("local")->origin, "built-in");
   bool logged = false;
-  for (const auto& line : r.log) logged |= line.find("plugin data 0.1.0 (ABI 1)") != std::string::npos;
+  const std::string abi = "(ABI " + std::to_string(LOOM_PLUGIN_ABI_VERSION) + ")";
+  for (const auto& line : r.log) logged |= line.find("plugin data 0.1.0 " + abi) != std::string::npos;
   EXPECT_TRUE(logged);
   // Its deck section is declared like the core's.
   bool has_bucket = false;
@@ -46,8 +47,8 @@ TEST(PluginLoader, RefusesAbiMismatch) {
   EXPECT_EQ(r.find("badabi"), nullptr);
   const auto msg = error_of(r, {{"badabi", "run.plugins = badabi"}});
   EXPECT_NE(msg.find("run.plugins = badabi"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("ABI 99"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("this loom speaks ABI 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("ABI " + std::to_string(LOOM_PLUGIN_ABI_VERSION + 98)), std::string::npos) << msg;
+  EXPECT_NE(msg.find("this loom speaks ABI " + std::to_string(LOOM_PLUGIN_ABI_VERSION)), std::string::npos) << msg;
 }
 
 TEST(PluginLoader, RefusesLibraryWithoutEntryPoint) {
@@ -58,9 +59,9 @@ TEST(PluginLoader, RefusesLibraryWithoutEntryPoint) {
 
 TEST(PluginLoader, RefusesUnknownNameListingAvailable) {
   auto r = load_all();
-  const auto msg = error_of(r, {{"tensor", "parallel.tp = 2"}});
-  EXPECT_NE(msg.find("parallel.tp = 2 needs strategy plugin 'tensor'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("available: data, exclusive, local"), std::string::npos) << msg;
+  const auto msg = error_of(r, {{"pipeline", "parallel.pp = 2"}});
+  EXPECT_NE(msg.find("parallel.pp = 2 needs strategy plugin 'pipeline'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("available: data, exclusive, local, tensor"), std::string::npos) << msg;
 }
 
 TEST(PluginLoader, RefusesIncompatibleCombination) {

@@ -1,0 +1,185 @@
+// The `tensor` strategy plugin (libloom_tensor.so): Megatron-style tensor parallelism, filling the
+// partition role. Attention heads and the MLP's inner dimension are split over the tp group: qkv
+// and the first MLP projection column-parallel, the attention output and second MLP projections
+// row-parallel, so a block needs one all-reduce forward and one backward for attention and again for
+// the MLP. The token embedding is vocabulary-parallel (each rank holds vocab/tp rows) and the
+// cross-entropy is computed vocabulary-parallel without gathering the logits. LayerNorms stay
+// replicated. With tensor.sequence_parallel the residual stream and LayerNorms are split by rows
+// (tokens), and each all-reduce becomes a reduce-scatter / all-gather pair.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/comm.hpp"
+#include "core/error.hpp"
+#include "core/gpt.hpp"
+#include "core/kernels.hpp"
+#include "core/plugin.hpp"
+
+namespace loom {
+namespace {
+
+class TensorPartition final : public Partition {
+ public:
+  TensorPartition(Communicator& tp, bool sequence_parallel) : tp_(tp), sp_(sequence_parallel) {}
+
+  std::string name() const override {
+    return "tensor parallel over tp " + std::to_string(tp_.size()) + " (heads, MLP width, vocabulary split" +
+           (sp_ ? "; sequence parallel)" : ")");
+  }
+  int size() const override { return tp_.size(); }
+  int rank() const override { return tp_.rank(); }
+  bool sequence_parallel() const override { return sp_; }
+
+  const float* to_full(const float* local, float* full, std::int64_t rows, int C) override {
+    if (!sp_) return local;
+    tp_.all_gather(local, full, rows / tp_.size() * C);
+    return full;
+  }
+  float* reduce_partial(float* partial, float* local, std::int64_t rows, int C) override {
+    if (!sp_) {
+      tp_.all_reduce(partial, rows * C);
+      return partial;
+    }
+    tp_.reduce_scatter(partial, local, rows / tp_.size() * C);
+    return local;
+  }
+  const float* grad_to_full(const float* dlocal, float* dfull, std::int64_t rows, int C) override {
+    return to_full(dlocal, dfull, rows, C);  // the backward of a reduce-scatter is an all-gather
+  }
+  float* reduce_partial_grad(float* dpartial, float* dlocal, std::int64_t rows, int C) override {
+    return reduce_partial(dpartial, dlocal, rows, C);  // the backward of an all-gather is a reduce-scatter
+  }
+
+  // Vocabulary-parallel softmax cross-entropy: the row maximum, the sum of exponentials and the
+  // target's logit are reduced over the group (N floats each); the [N, V] logits never travel.
+  void crossentropy_forward(Backend&, float* losses, float* probs, const float* logits, const std::int32_t* targets,
+                            int N, int Vl, int vocab_begin) override {
+    const int n = tp_.size();
+    row_max_.resize(N);
+    gathered_.resize(static_cast<std::size_t>(N) * n);
+    sum_exp_.resize(N);
+    target_logit_.resize(N);
+    for (int r = 0; r < N; ++r) {
+      const float* l = logits + static_cast<std::int64_t>(r) * Vl;
+      row_max_[r] = *std::max_element(l, l + Vl);
+    }
+    tp_.all_gather(row_max_.data(), gathered_.data(), N);
+    for (int r = 0; r < N; ++r) {
+      float m = gathered_[r];
+      for (int q = 1; q < n; ++q) m = std::max(m, gathered_[static_cast<std::size_t>(q) * N + r]);
+      row_max_[r] = m;
+    }
+    for (int r = 0; r < N; ++r) {
+      const float* l = logits + static_cast<std::int64_t>(r) * Vl;
+      float* p = probs + static_cast<std::int64_t>(r) * Vl;
+      double s = 0;
+      for (int v = 0; v < Vl; ++v) {
+        p[v] = kernels::exp_k(l[v] - row_max_[r]);
+        s += p[v];
+      }
+      sum_exp_[r] = s;
+      const int t = targets[r] - vocab_begin;
+      target_logit_[r] = (t >= 0 && t < Vl) ? l[t] : 0.0;
+    }
+    tp_.all_reduce(sum_exp_.data(), N);
+    tp_.all_reduce(target_logit_.data(), N);
+    for (int r = 0; r < N; ++r) {
+      const float inv = static_cast<float>(1.0 / sum_exp_[r]);
+      float* p = probs + static_cast<std::int64_t>(r) * Vl;
+      for (int v = 0; v < Vl; ++v) p[v] *= inv;
+      losses[r] = static_cast<float>(std::log(sum_exp_[r]) + row_max_[r] - target_logit_[r]);
+    }
+  }
+  void crossentropy_backward(Backend&, float* dlogits, const float* probs, const std::int32_t* targets, float dloss,
+                             int N, int Vl, int vocab_begin) override {
+    for (int r = 0; r < N; ++r) {
+      const float* p = probs + static_cast<std::int64_t>(r) * Vl;
+      float* d = dlogits + static_cast<std::int64_t>(r) * Vl;
+      const int t = targets[r] - vocab_begin;
+      for (int v = 0; v < Vl; ++v) d[v] = (p[v] - (v == t ? 1.0f : 0.0f)) * dloss;
+    }
+  }
+
+  // With sequence parallelism each rank's LayerNorm and row-parallel bias gradients cover only its
+  // rows: sum them over the group (packed into one all-reduce).
+  void finish_grads(GPT& model) override {
+    if (!sp_) return;
+    std::int64_t total = 0;
+    for (const auto& p : model.params())
+      if (p.sp_partial) total += p.numel;
+    pack_.resize(total);
+    std::int64_t at = 0;
+    for (const auto& p : model.params())
+      if (p.sp_partial) {
+        std::copy_n(model.grad_data() + p.offset, p.numel, pack_.data() + at);
+        at += p.numel;
+      }
+    tp_.all_reduce(pack_.data(), total);
+    at = 0;
+    for (const auto& p : model.params())
+      if (p.sp_partial) {
+        std::copy_n(pack_.data() + at, p.numel, model.grad_data() + p.offset);
+        at += p.numel;
+      }
+  }
+
+  // Split parameters add up over the group; replicated ones are the same on every rank: count once.
+  double grad_sq_norm(GPT& model, Backend& be) override {
+    double split = 0, replicated = 0;
+    for (const auto& p : model.params()) {
+      const double sq = be.sum_squares(model.grad_data() + p.offset, p.numel);
+      (p.split == TpSplit::none ? replicated : split) += sq;
+    }
+    return tp_.sum(split + replicated / tp_.size());
+  }
+
+ private:
+  Communicator& tp_;
+  bool sp_;
+  std::vector<float> row_max_, gathered_, pack_;
+  std::vector<double> sum_exp_, target_logit_;
+};
+
+std::string divisors(long n) {
+  std::string s;
+  for (long d = 1; d <= n; ++d)
+    if (n % d == 0) s += (s.empty() ? "" : ", ") + std::to_string(d);
+  return s;
+}
+
+void register_tensor(void* p) {
+  auto& info = *static_cast<StrategyInfo*>(p);
+  KeySpec sp;
+  sp.name = "tensor.sequence_parallel";
+  sp.type = KeyType::Bool;
+  sp.default_value = "false";
+  sp.help = "tensor parallel: split LayerNorm and the residual stream by tokens; all-reduces become "
+            "reduce-scatter/all-gather pairs";
+  info.keys.push_back(sp);
+  info.check = [](const LayoutContext& ctx) {
+    // heads, d_model and vocab divisibility is the core's layout check; sequence parallelism also
+    // splits the rows of every micro-batch.
+    const long rows = static_cast<long>(ctx.rows_per_micro) * ctx.model.seq_len;
+    if (ctx.deck.get_bool("tensor.sequence_parallel") && rows % ctx.layout.tp != 0)
+      throw InputError("tensor.sequence_parallel = true splits the " + std::to_string(rows) +
+                       " tokens of a micro-batch (micro-batch rows x model.seq_len) over parallel.tp = " +
+                       std::to_string(ctx.layout.tp) + ", which does not divide them; tp sizes that do: " +
+                       divisors(rows));
+  };
+  info.make_partition = [](PartitionContext& ctx) -> std::unique_ptr<Partition> {
+    return std::make_unique<TensorPartition>(ctx.grid.tp(), ctx.deck.get_bool("tensor.sequence_parallel"));
+  };
+  info.create = [](StrategyContext&, Roles&) {};
+}
+
+}  // namespace
+}  // namespace loom
+
+extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
+  static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "tensor", "0.1.0",
+                                        "tensor parallelism (Megatron): column/row-parallel linears, "
+                                        "vocabulary-parallel embedding and cross-entropy, optional sequence parallelism",
+                                        loom::register_tensor};
+  return &plugin;
+}
