@@ -33,6 +33,11 @@ class AdamW {
   // One update of every parameter with learning rate `lr`.
   void step(float* params, const float* grads, double lr);
   std::int64_t steps_taken() const { return t_; }
+  // The state a checkpoint holds: first and second moments (laid out like the parameters) and the
+  // number of updates taken (AdamW's bias correction depends on it).
+  float* first_moment() { return m_.data(); }
+  float* second_moment() { return v_.data(); }
+  void set_steps_taken(std::int64_t t) { t_ = t; }
   const OptimizerConfig& config() const { return cfg_; }
 
  private:

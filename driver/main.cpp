@@ -11,6 +11,7 @@
 #include "core/plugin.hpp"
 #include "driver/blas_core.hpp"
 #include "driver/commands.hpp"
+#include "io/checkpoint.hpp"
 #include "io/deck.hpp"
 #include "loom/build_info.hpp"
 
@@ -30,6 +31,7 @@ const char* kUsage =
     "  export DECK OUT.h5 [--set section.key=value ...]\n"
     "                 train on one process and write weights, batches, losses and gradients for the PyTorch\n"
     "                 oracle (regression/oracle.py)\n"
+    "  ckpt info FILE print a checkpoint's step, layout, deck, and every tensor with its shape and dtype\n"
     "  keys           list every deck key with its type, default, range and help\n"
     "  plugins        list the strategies found (built-in and libloom_<name>.so on the plugin path) with\n"
     "                 their versions and deck options\n"
@@ -112,6 +114,11 @@ int dispatch(int argc, char** argv, int rank) {
     return 0;
   }
 
+  if (command == "ckpt") {
+    if (a.positional.size() != 2 || a.positional[0] != "info") throw DeckError("usage: loom ckpt info FILE\n" + std::string(kUsage));
+    if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
+    return 0;
+  }
   if (command == "keys" || a.help_deck) {
     if (rank == 0) std::cout << schema.describe();
     return 0;
@@ -156,7 +163,8 @@ int main(int argc, char** argv) {
       // Anything else may have happened on this rank alone, while the others wait in a collective:
       // say which rank and why, then take the whole job down. Never a hang.
       const bool input = dynamic_cast<const InputError*>(&e) != nullptr;
-      std::cerr << "loom: rank " << rank << ": error: " << e.what() << std::endl;
+      if (world > 1) std::cerr << "loom: rank " << rank << ": error: " << e.what() << std::endl;
+      else std::cerr << "loom: error: " << e.what() << std::endl;
       status = input ? 2 : 1;
       if (world > 1) {
         std::cerr << "loom: rank " << rank << ": aborting all " << world << " ranks" << std::endl;

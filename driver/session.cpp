@@ -22,11 +22,11 @@ Session::Session(const Deck& d, const StrategyRegistry& reg) : deck(d), registry
   } catch (const InputError& e) {
     local_error = e.what();
   }
-  agree_on_setup(local_error);
+  agree_on_error(local_error);
   setup_collective();
 }
 
-void Session::agree_on_setup(const std::string& local_error) {
+void agree_on_error(const std::string& local_error) {
   int rank = 0, world = 1, failed = local_error.empty() ? 0 : 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -38,7 +38,17 @@ void Session::agree_on_setup(const std::string& local_error) {
   } else if (failed) {
     std::cerr << "loom: rank " << rank << ": error: " << local_error << std::endl;
   }
-  throw ReportedError(local_error.empty() ? "setup failed on another rank" : local_error);
+  throw ReportedError(local_error.empty() ? "failed on another rank" : local_error);
+}
+
+void run_agreed(const std::function<void()>& fn) {
+  std::string local_error;
+  try {
+    fn();
+  } catch (const InputError& e) {
+    local_error = e.what();
+  }
+  agree_on_error(local_error);
 }
 
 void Session::setup_local() {

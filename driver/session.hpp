@@ -2,6 +2,7 @@
 // A training session built from a resolved deck: back end, model, data, engine. `loom run` and
 // `loom export` both drive one.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,11 +48,17 @@ struct Session {
   std::string d_source_;  // data.source, for messages
 
   void setup_local();
-  void agree_on_setup(const std::string& local_error);
   void setup_collective();
 
   // Lines for the start-up banner: modules, model, data, layout.
   std::string banner() const;
 };
+
+// The ranks agree whether something failed (a collective: every rank must call it). If any rank
+// failed, the error is reported once when all failed alike, otherwise by each failing rank, and
+// every rank throws ReportedError (exit status 2), so nobody is left waiting in a collective.
+void agree_on_error(const std::string& local_error);
+// Runs `fn` (which must not communicate before it could throw), then agrees as above.
+void run_agreed(const std::function<void()>& fn);
 
 }  // namespace loom

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "driver/blas_core.hpp"
+#include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/report.hpp"
@@ -50,6 +51,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     metrics.open(s.run_dir + "/metrics.jsonl");
     std::cout << s.banner() << std::flush;
   }
+  Checkpointing checkpoints(s);
+  const std::int64_t start_step = checkpoints.resume();
   const double tokens_per_step = static_cast<double>(s.global_batch) * s.model_cfg.seq_len;
   const double flops_per_token = s.model->flops_per_token();
   const double t_init = now() - t_start;
@@ -76,7 +79,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   std::int64_t ratio_steps = 0;
   const int world = s.layout.ranks();
 
-  for (std::int64_t step = 0; step < s.steps; ++step) {
+  std::int64_t steps_run = 0;
+  for (std::int64_t step = start_step; step < s.steps; ++step) {
     for (auto* g : groups) g->reset_stats();
     const StepStats st = s.engine->train_step(step, s.train_batches);
     nlohmann::json comm = nlohmann::json::object();
@@ -106,7 +110,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
         ++ratio_steps;
       }
     train_time += st.seconds;
-    if (step > 0) {  // the first step pays for first-touch allocation: not steady state
+    ++steps_run;
+    if (step > start_step) {  // the first step pays for first-touch allocation: not steady state
       steady_time += st.seconds;
       ++steady_steps;
     }
@@ -126,8 +131,13 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     const bool last = step + 1 == s.steps;
     std::optional<double> val;
     if (s.val_data && ((s.eval_every > 0 && (step + 1) % s.eval_every == 0) || last)) val = evaluate();
-    if (!io) continue;
-    const bool log = step % s.log_every == 0 || last || val;
+    nlohmann::json saved = nlohmann::json::object();
+    const bool stop = checkpoints.after_step(step + 1, saved);  // collective
+    if (!io) {
+      if (stop) break;
+      continue;
+    }
+    const bool log = step % s.log_every == 0 || last || val || stop || !saved.empty();
     if (!log) continue;
     const double tps = tokens_per_step / st.seconds;
     const double tflops = tps * flops_per_token / 1e12;
@@ -166,13 +176,18 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                           {"step_ms_max", t_max * 1e3}};
     for (const auto& [k, v] : report_values) rec[k] = v;
     if (val) rec["val_loss"] = *val;
+    for (const auto& [k, v] : saved.items()) rec[k] = v;
     metrics.write(rec);
+    if (stop) break;
   }
 
   if (!io) return 0;
-  const double mean_step = steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, s.steps);
+  const double mean_step = steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, steps_run);
   const double tps = tokens_per_step / mean_step;
   nlohmann::json summary = {{"steps", s.steps},
+                            {"start_step", start_step},
+                            {"steps_run", steps_run},
+                            {"checkpoint", checkpoints.summary()},
                             {"time_s", now() - t_start},
                             {"train_time_s", train_time},
                             {"eval_time_s", eval_time},
@@ -220,7 +235,9 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                            {"summary", summary}};
   write_json(s.run_dir + "/report.json", report);
 
-  std::printf("\nsummary: %lld steps in %.1f s | final loss %.4f", static_cast<long long>(s.steps), train_time, last_loss);
+  std::printf("\nsummary: %lld steps (%lld .. %lld) in %.1f s | final loss %.4f", static_cast<long long>(steps_run),
+              static_cast<long long>(start_step + 1), static_cast<long long>(start_step + steps_run), train_time,
+              last_loss);
   if (last_val) std::printf(" | val loss %.4f", *last_val);
   if (auto best = s.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
   std::printf("\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | steady step %.1f ms\n", tps,

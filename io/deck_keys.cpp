@@ -130,6 +130,12 @@ void add_core_keys(DeckSchema& schema) {
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));
   schema.add(int_key("run.threads", "1", 1, 1024, "BLAS threads per rank"));
+  schema.add(string_key("checkpoint.dir", "",
+                        "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
+  schema.add(int_key("checkpoint.every", "0", 0, 1e12, "save a checkpoint every this many steps (0: only on SIGTERM)"));
+  schema.add(int_key("checkpoint.keep", "2", 1, 1e6, "how many checkpoints to keep (older ones are deleted once a newer one is complete)"));
+  schema.add(string_key("checkpoint.resume", "",
+                        "start from this checkpoint file, or `latest` in checkpoint.dir (empty: start fresh)"));
   schema.add(string_key("run.plugins", "",
                         "extra strategy plugins to use, comma-separated (the layout adds data/tensor/pipeline itself)"));
 }

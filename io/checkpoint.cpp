@@ -1,0 +1,321 @@
+#include "io/checkpoint.hpp"
+
+#include <hdf5.h>
+
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "core/error.hpp"
+#include "core/fault.hpp"
+#include "core/rng.hpp"
+
+namespace loom {
+namespace {
+
+// HDF5 prints its own error stack by default; loom reports errors itself, naming the file.
+struct QuietHdf5 {
+  QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+};
+
+struct Handle {  // closes an HDF5 id with the matching function
+  hid_t id;
+  herr_t (*close)(hid_t);
+  ~Handle() {
+    if (id >= 0) close(id);
+  }
+};
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw InputError("checkpoint '" + path + "': " + what);
+}
+
+std::string shape_text(const std::vector<hsize_t>& d) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+std::string shape_text(const std::vector<std::int64_t>& d) {
+  return shape_text(std::vector<hsize_t>(d.begin(), d.end()));
+}
+
+// Selects in `space` (the full logical tensor) the elements this rank's shard of `p` holds, in the
+// order of the shard's memory (row-major local layout). Rank `r` of a tp group of `n`.
+void select_shard(hid_t space, const ParamInfo& p, int n, int r) {
+  const bool matrix = p.shape.size() == 2;
+  const hsize_t R = static_cast<hsize_t>(p.shape[0]), K = matrix ? static_cast<hsize_t>(p.shape[1]) : 1;
+  std::vector<hsize_t> start(p.shape.size(), 0), count(p.shape.begin(), p.shape.end());
+  switch (p.split) {
+    case TpSplit::none:
+      H5Sselect_all(space);
+      return;
+    case TpSplit::rows:
+      start[0] = static_cast<hsize_t>(r) * (R / n);
+      count[0] = R / n;
+      break;
+    case TpSplit::cols:
+      start[1] = static_cast<hsize_t>(r) * (K / n);
+      count[1] = K / n;
+      break;
+    case TpSplit::qkv_rows: {
+      // q, k and v each split by heads: three row blocks, in file order = the shard's order.
+      const hsize_t C = R / 3, Cl = C / n;
+      for (int part = 0; part < 3; ++part) {
+        start[0] = part * C + static_cast<hsize_t>(r) * Cl;
+        count[0] = Cl;
+        H5Sselect_hyperslab(space, part == 0 ? H5S_SELECT_SET : H5S_SELECT_OR, start.data(), nullptr, count.data(),
+                            nullptr);
+      }
+      return;
+    }
+  }
+  H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+}
+
+template <class T>
+void write_attr(hid_t obj, const char* name, hid_t type, const T& value) {
+  Handle space{H5Screate(H5S_SCALAR), H5Sclose};
+  Handle a{H5Acreate2(obj, name, type, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose};
+  H5Awrite(a.id, type, &value);
+}
+void write_attr_string(hid_t obj, const char* name, const std::string& value) {
+  Handle type{H5Tcopy(H5T_C_S1), H5Tclose};
+  H5Tset_size(type.id, value.size() + 1);
+  H5Tset_strpad(type.id, H5T_STR_NULLTERM);
+  Handle space{H5Screate(H5S_SCALAR), H5Sclose};
+  Handle a{H5Acreate2(obj, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose};
+  H5Awrite(a.id, type.id, value.c_str());
+}
+
+bool read_attr_i64(hid_t obj, const char* name, std::int64_t& out) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  Handle a{H5Aopen(obj, name, H5P_DEFAULT), H5Aclose};
+  return H5Aread(a.id, H5T_NATIVE_INT64, &out) >= 0;
+}
+bool read_attr_f64(hid_t obj, const char* name, double& out) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  Handle a{H5Aopen(obj, name, H5P_DEFAULT), H5Aclose};
+  return H5Aread(a.id, H5T_NATIVE_DOUBLE, &out) >= 0;
+}
+bool read_attr_string(hid_t obj, const char* name, std::string& out) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  Handle a{H5Aopen(obj, name, H5P_DEFAULT), H5Aclose};
+  Handle type{H5Aget_type(a.id), H5Tclose};
+  const std::size_t n = H5Tget_size(type.id);
+  std::vector<char> buf(n + 1, 0);
+  Handle mem{H5Tcopy(H5T_C_S1), H5Tclose};
+  H5Tset_size(mem.id, n);
+  if (H5Aread(a.id, mem.id, buf.data()) < 0) return false;
+  out.assign(buf.data());
+  return true;
+}
+
+// A layout-independent checksum of a logical tensor: the sum over its elements of a hash of
+// (index in the full tensor, value bits). Each element is counted by its one owner rank, so the
+// partial sums of any layout add up (MPI_SUM over the world) to the same number.
+std::uint64_t checksum(const GPT& model, const ParamInfo& p, const float* shard, bool owner) {
+  std::uint64_t sum = 0;
+  if (owner) {
+    for (std::int64_t i = 0; i < p.numel; ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, shard + i, sizeof bits);
+      sum += rng::mix64(static_cast<std::uint64_t>(model.global_index(p, i)) * 0x9e3779b97f4a7c15ULL ^ bits);
+    }
+  }
+  MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD);
+  return sum;
+}
+
+// The owner of an element under a layout: data-parallel replica 0, and for a tensor replicated
+// over the tp group, tp rank 0.
+bool is_owner(const ProcessGrid& grid, const ParamInfo& p) {
+  return grid.dp_rank() == 0 && (p.split != TpSplit::none || grid.tp_rank() == 0);
+}
+
+// The three tensor groups a checkpoint holds, and where each one's data lives on this rank.
+struct Group {
+  const char* name;
+  float* base;
+};
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer,
+                     const CheckpointState& state) {
+  static QuietHdf5 quiet;
+  const std::string tmp = path + ".tmp";
+  Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
+  H5Pset_fapl_mpio(fapl.id, MPI_COMM_WORLD, MPI_INFO_NULL);
+  Handle file{H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.id), H5Fclose};
+  if (file.id < 0) fail(tmp, "cannot be created (check checkpoint.dir)");
+  Handle dxpl{H5Pcreate(H5P_DATASET_XFER), H5Pclose};
+  H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_COLLECTIVE);
+  Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
+  H5Pset_create_intermediate_group(lcpl.id, 1);
+
+  // Attributes: every rank writes the same values (HDF5 requires attribute writes to be collective).
+  write_attr(file.id, "format_version", H5T_NATIVE_INT64, kCheckpointFormatVersion);
+  write_attr(file.id, "step", H5T_NATIVE_INT64, state.step);
+  write_attr(file.id, "optimizer_steps", H5T_NATIVE_INT64, state.optimizer_steps);
+  const std::int64_t seed = static_cast<std::int64_t>(state.seed);
+  write_attr(file.id, "seed", H5T_NATIVE_INT64, seed);
+  write_attr(file.id, "data_next_step", H5T_NATIVE_INT64, state.step);
+  write_attr(file.id, "loss_scale", H5T_NATIVE_DOUBLE, state.loss_scale);
+  const std::int64_t dp = state.layout.dp, tp = state.layout.tp, pp = state.layout.pp;
+  write_attr(file.id, "layout_dp", H5T_NATIVE_INT64, dp);
+  write_attr(file.id, "layout_tp", H5T_NATIVE_INT64, tp);
+  write_attr(file.id, "layout_pp", H5T_NATIVE_INT64, pp);
+  write_attr_string(file.id, "generator", "counter-based (seed, name, index) for weights; (seed, split, step, row) for data");
+  write_attr_string(file.id, "deck", state.deck);
+
+  // A shard is written by the ranks of data-parallel replica 0; a tensor replicated over the tp
+  // group by tp rank 0 only. Everyone else selects nothing but joins the collective write.
+  const int n = grid.layout().tp, r = grid.tp_rank();
+  const Group groups[] = {{"/params/", model.param_data()},
+                          {"/optimizer/m/", optimizer.first_moment()},
+                          {"/optimizer/v/", optimizer.second_moment()}};
+  int written = 0;
+  for (const Group& g : groups) {
+    for (const ParamInfo& p : model.params()) {
+      std::vector<hsize_t> dims(p.shape.begin(), p.shape.end());
+      Handle fspace{H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose};
+      const std::string name = g.name + p.name;
+      Handle ds{H5Dcreate2(file.id, name.c_str(), H5T_NATIVE_FLOAT, fspace.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
+                H5Dclose};
+      if (ds.id < 0) fail(tmp, "cannot create dataset " + name);
+      const bool owner = is_owner(grid, p);
+      hsize_t local = owner ? static_cast<hsize_t>(p.numel) : 0;
+      Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
+      if (owner) select_shard(fspace.id, p, n, r);
+      else {
+        H5Sselect_none(fspace.id);
+        H5Sselect_none(mspace.id);
+      }
+      if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, g.base + p.offset) < 0)
+        fail(tmp, "cannot write dataset " + name);
+      const std::int64_t sum = static_cast<std::int64_t>(checksum(model, p, g.base + p.offset, owner));
+      write_attr(ds.id, "checksum", H5T_NATIVE_INT64, sum);
+      // Regression cases kill a rank here, half-way through the file, to prove that the previous
+      // checkpoint and `latest` survive.
+      if (++written == static_cast<int>(model.params().size()) && inject_fault("checkpoint", state.step))
+        throw std::runtime_error("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)");
+    }
+  }
+  H5Fflush(file.id, H5F_SCOPE_GLOBAL);
+  H5Fclose(file.id);
+  file.id = -1;
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank's data is in the file before it gets its name
+  if (grid.rank() == 0 && std::rename(tmp.c_str(), path.c_str()) != 0) fail(path, "cannot rename " + tmp + " to it");
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer) {
+  static QuietHdf5 quiet;
+  if (H5Fis_hdf5(path.c_str()) <= 0) {
+    FILE* f = std::fopen(path.c_str(), "rb");
+    if (!f) fail(path, "cannot be read (no such file, or no permission)");
+    std::fclose(f);
+    fail(path, "is not a readable HDF5 file (truncated or corrupt)");
+  }
+  Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
+  H5Pset_fapl_mpio(fapl.id, MPI_COMM_WORLD, MPI_INFO_NULL);
+  Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.id), H5Fclose};
+  if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
+
+  CheckpointState st;
+  std::int64_t version = 0;
+  if (!read_attr_i64(file.id, "format_version", version))
+    fail(path, "has no format_version attribute: not a loom checkpoint");
+  if (version != kCheckpointFormatVersion)
+    fail(path, "is format version " + std::to_string(version) + "; this loom reads version " +
+                   std::to_string(kCheckpointFormatVersion));
+  std::int64_t seed = 0, dp = 1, tp = 1, pp = 1;
+  if (!read_attr_i64(file.id, "step", st.step) || !read_attr_i64(file.id, "optimizer_steps", st.optimizer_steps) ||
+      !read_attr_i64(file.id, "seed", seed) || !read_attr_f64(file.id, "loss_scale", st.loss_scale) ||
+      !read_attr_string(file.id, "deck", st.deck) || !read_attr_i64(file.id, "layout_dp", dp) ||
+      !read_attr_i64(file.id, "layout_tp", tp) || !read_attr_i64(file.id, "layout_pp", pp))
+    fail(path, "is missing metadata (step, optimizer_steps, seed, loss_scale, deck or layout): corrupt");
+  st.seed = static_cast<std::uint64_t>(seed);
+  st.layout.dp = static_cast<int>(dp);
+  st.layout.tp = static_cast<int>(tp);
+  st.layout.pp = static_cast<int>(pp);
+
+  Handle dxpl{H5Pcreate(H5P_DATASET_XFER), H5Pclose};
+  H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_COLLECTIVE);
+  const int n = grid.layout().tp, r = grid.tp_rank();
+  const Group groups[] = {{"/params/", model.param_data()},
+                          {"/optimizer/m/", optimizer.first_moment()},
+                          {"/optimizer/v/", optimizer.second_moment()}};
+  for (const Group& g : groups) {
+    for (const ParamInfo& p : model.params()) {
+      const std::string name = g.name + p.name;
+      if (H5Lexists(file.id, "/params", H5P_DEFAULT) <= 0 || H5Lexists(file.id, name.c_str(), H5P_DEFAULT) <= 0)
+        fail(path, "has no tensor " + name + " (a checkpoint of another model?)");
+      Handle ds{H5Dopen2(file.id, name.c_str(), H5P_DEFAULT), H5Dclose};
+      if (ds.id < 0) fail(path, "cannot open tensor " + name + " (corrupt)");
+      Handle fspace{H5Dget_space(ds.id), H5Sclose};
+      std::vector<hsize_t> dims(H5Sget_simple_extent_ndims(fspace.id));
+      H5Sget_simple_extent_dims(fspace.id, dims.data(), nullptr);
+      if (dims != std::vector<hsize_t>(p.shape.begin(), p.shape.end()))
+        fail(path, "tensor " + name + " has shape " + shape_text(dims) + ", but the deck's model needs " +
+                       shape_text(p.shape) + " (model.* keys differ from the run that wrote it)");
+      hsize_t local = static_cast<hsize_t>(p.numel);
+      Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
+      select_shard(fspace.id, p, n, r);
+      if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, g.base + p.offset) < 0)
+        fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
+      std::int64_t want = 0;
+      if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no checksum attribute (corrupt)");
+      const auto got = static_cast<std::int64_t>(checksum(model, p, g.base + p.offset, is_owner(grid, p)));
+      if (got != want) fail(path, "tensor " + name + " does not match its checksum: the file is corrupt");
+    }
+  }
+  optimizer.set_steps_taken(st.optimizer_steps);
+  return st;
+}
+
+std::string checkpoint_info(const std::string& path) {
+  static QuietHdf5 quiet;
+  if (H5Fis_hdf5(path.c_str()) <= 0) fail(path, "is missing or not a readable HDF5 file");
+  Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
+  if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
+  std::ostringstream out;
+  std::int64_t v = 0;
+  std::string deck;
+  out << "checkpoint " << path << "\n";
+  for (const char* key : {"format_version", "step", "optimizer_steps", "seed", "data_next_step"})
+    if (read_attr_i64(file.id, key, v)) out << "  " << key << ": " << v << "\n";
+  std::int64_t dp = 0, tp = 0, pp = 0;
+  if (read_attr_i64(file.id, "layout_dp", dp) && read_attr_i64(file.id, "layout_tp", tp) &&
+      read_attr_i64(file.id, "layout_pp", pp))
+    out << "  layout: dp " << dp << " x tp " << tp << " x pp " << pp << "\n";
+  double scale = 0;
+  if (read_attr_f64(file.id, "loss_scale", scale)) out << "  loss_scale: " << scale << "\n";
+  out << "  tensors:\n";
+  struct Visit {
+    std::ostringstream* out;
+  } visit{&out};
+  H5Ovisit(
+      file.id, H5_INDEX_NAME, H5_ITER_INC,
+      [](hid_t root, const char* name, const H5O_info_t* info, void* data) -> herr_t {
+        if (info->type != H5O_TYPE_DATASET) return 0;
+        auto& o = *static_cast<Visit*>(data)->out;
+        Handle ds{H5Dopen2(root, name, H5P_DEFAULT), H5Dclose};
+        Handle space{H5Dget_space(ds.id), H5Sclose};
+        std::vector<hsize_t> dims(H5Sget_simple_extent_ndims(space.id));
+        H5Sget_simple_extent_dims(space.id, dims.data(), nullptr);
+        Handle type{H5Dget_type(ds.id), H5Tclose};
+        const char* dtype = H5Tequal(type.id, H5T_NATIVE_FLOAT) > 0    ? "float32"
+                            : H5Tequal(type.id, H5T_NATIVE_DOUBLE) > 0 ? "float64"
+                                                                       : "other";
+        o << "    /" << name << "  " << shape_text(dims) << "  " << dtype << "\n";
+        return 0;
+      },
+      &visit);
+  if (read_attr_string(file.id, "deck", deck)) out << "  deck:\n" << deck;
+  return out.str();
+}
+
+}  // namespace loom

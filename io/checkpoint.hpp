@@ -1,0 +1,43 @@
+#pragma once
+// Sharded parallel HDF5 checkpoints (DESIGN.md "Checkpoints"). One file per checkpoint, written
+// collectively through MPI-IO: every parameter and optimizer-state tensor is one dataset of its
+// full logical shape under a group named for its role (/params, /optimizer/m, /optimizer/v); each
+// rank writes only its hyperslab, and a replicated tensor is written by one owner. Attributes carry
+// the format version, the step, the resolved deck, the layout, the generator and data-loader state
+// and the loss scale. Because the files hold logical tensors, a run restarts on any layout.
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/gpt.hpp"
+#include "core/grid.hpp"
+#include "core/optimizer.hpp"
+
+namespace loom {
+
+inline constexpr std::int64_t kCheckpointFormatVersion = 1;
+
+struct CheckpointState {
+  std::int64_t step = 0;            // steps completed; training resumes at this step (0-based)
+  std::int64_t optimizer_steps = 0; // AdamW updates taken
+  std::uint64_t seed = 0;           // the counter-based generators' state is (seed, step)
+  double loss_scale = 1.0;
+  std::string deck;                 // the resolved deck text of the run that wrote it
+  Layout layout;                    // the layout that wrote it
+};
+
+// Collective over the grid's world. Writes `path` + ".tmp", closes it (every rank's data flushed),
+// then rank 0 renames it to `path`; a crash before the rename leaves any earlier file untouched.
+void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer,
+                     const CheckpointState& state);
+
+// Collective. Every rank reads its own hyperslabs (and the replicated tensors whole). Throws
+// InputError naming the file and the mismatch: not HDF5 / truncated / corrupt, another format
+// version, a tensor missing or of another shape than the deck's model.
+CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer);
+
+// `loom ckpt info`: step, layout, deck, and every tensor with its shape and dtype (one process).
+std::string checkpoint_info(const std::string& path);
+
+}  // namespace loom
