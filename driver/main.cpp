@@ -3,7 +3,9 @@
 
 #include <Kokkos_Core.hpp>
 #include <boost/program_options.hpp>
+#include <chrono>
 #include <iostream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -168,6 +170,9 @@ int main(int argc, char** argv) {
       status = input ? 2 : 1;
       if (world > 1) {
         std::cerr << "loom: rank " << rank << ": aborting all " << world << " ranks" << std::endl;
+        // The launcher forwards stderr through a pipe; give it a moment to carry the message out
+        // before the abort tears the job down (otherwise the reason can be lost).
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
         MPI_Abort(MPI_COMM_WORLD, status);
       }
     }

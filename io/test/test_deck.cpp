@@ -34,7 +34,7 @@ std::string error_of(const std::string& text, const std::vector<std::string>& se
 
 TEST(DeckSchema, CoreKeysAndSections) {
   const DeckSchema s = core_schema();
-  EXPECT_EQ(s.sections(), (std::vector<std::string>{"model", "data", "train", "parallel", "run"}));
+  EXPECT_EQ(s.sections(), (std::vector<std::string>{"model", "data", "train", "parallel", "run", "checkpoint"}));
   ASSERT_NE(s.find("train.lr"), nullptr);
   EXPECT_EQ(s.find("train.lr")->type, KeyType::Float);
   EXPECT_EQ(s.find("train.schedule")->type, KeyType::Choice);
@@ -259,7 +259,7 @@ TEST(Deck, UnknownKey) {
 
 TEST(Deck, UnknownSection) {
   const std::string e = error_of("# x\n\n[modle]\nlayers = 2\n");
-  EXPECT_HAS(e, "deck.ini:3: unknown section [modle]; did you mean [model]? (valid sections: model, data, train, parallel, run)");
+  EXPECT_HAS(e, "deck.ini:3: unknown section [modle]; did you mean [model]? (valid sections: model, data, train, parallel, run, checkpoint)");
   EXPECT_HAS(error_of("[Train]\n"), "deck.ini:1: unknown section [Train]; did you mean [train]?");
   EXPECT_HAS(error_of("[ model ]\n"), "deck.ini:1: section header '[ model ]' contains spaces; write [model]");
   EXPECT_HAS(error_of("[]\n"), "deck.ini:1: empty section name");
