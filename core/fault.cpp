@@ -5,7 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
+#include <iostream>
 #include <string>
+#include <thread>
 
 namespace loom {
 
@@ -26,6 +29,19 @@ bool inject_fault(const char* where, std::int64_t step) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   return rank == plan.rank;
+}
+
+void abort_job(const std::string& why, int status) {
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  std::cerr << "loom: rank " << rank << ": error: " << why << std::endl;
+  std::cerr << "loom: rank " << rank << ": aborting all " << world << " ranks" << std::endl;
+  // The launcher forwards stderr through a pipe; give it a moment to carry the message out before
+  // the abort tears the job down (otherwise the reason can be lost).
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  MPI_Abort(MPI_COMM_WORLD, status);
+  std::abort();
 }
 
 }  // namespace loom

@@ -3,13 +3,12 @@
 
 #include <Kokkos_Core.hpp>
 #include <boost/program_options.hpp>
-#include <chrono>
 #include <iostream>
-#include <thread>
 #include <string>
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/plugin.hpp"
 #include "driver/blas_core.hpp"
 #include "driver/commands.hpp"
@@ -165,16 +164,9 @@ int main(int argc, char** argv) {
       // Anything else may have happened on this rank alone, while the others wait in a collective:
       // say which rank and why, then take the whole job down. Never a hang.
       const bool input = dynamic_cast<const InputError*>(&e) != nullptr;
-      if (world > 1) std::cerr << "loom: rank " << rank << ": error: " << e.what() << std::endl;
-      else std::cerr << "loom: error: " << e.what() << std::endl;
       status = input ? 2 : 1;
-      if (world > 1) {
-        std::cerr << "loom: rank " << rank << ": aborting all " << world << " ranks" << std::endl;
-        // The launcher forwards stderr through a pipe; give it a moment to carry the message out
-        // before the abort tears the job down (otherwise the reason can be lost).
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));
-        MPI_Abort(MPI_COMM_WORLD, status);
-      }
+      if (world > 1) abort_job(e.what(), status);
+      std::cerr << "loom: error: " << e.what() << std::endl;
     }
   }
   MPI_Finalize();

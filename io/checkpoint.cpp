@@ -184,7 +184,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
       const std::string name = g.name + p.name;
       Handle ds{H5Dcreate2(file.id, name.c_str(), H5T_NATIVE_FLOAT, fspace.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
                 H5Dclose};
-      if (ds.id < 0) fail(tmp, "cannot create dataset " + name);
+      if (ds.id < 0) abort_job("checkpoint '" + tmp + "': cannot create dataset " + name, 1);
       const bool owner = is_owner(grid, p);
       hsize_t local = owner ? static_cast<hsize_t>(p.numel) : 0;
       Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
@@ -193,14 +193,16 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
         H5Sselect_none(fspace.id);
         H5Sselect_none(mspace.id);
       }
+      // Mid-file, a rank that fails cannot unwind (closing the file is collective): it takes the
+      // job down, and the previous checkpoint and `latest` stay as they were.
       if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, g.base + p.offset) < 0)
-        fail(tmp, "cannot write dataset " + name);
+        abort_job("checkpoint '" + tmp + "': cannot write dataset " + name, 1);
       const std::int64_t sum = static_cast<std::int64_t>(checksum(model, p, g.base + p.offset, owner));
       write_attr(ds.id, "checksum", H5T_NATIVE_INT64, sum);
       // Regression cases kill a rank here, half-way through the file, to prove that the previous
       // checkpoint and `latest` survive.
       if (++written == static_cast<int>(model.params().size()) && inject_fault("checkpoint", state.step))
-        throw std::runtime_error("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)");
+        abort_job("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)", 1);
     }
   }
   H5Fflush(file.id, H5F_SCOPE_GLOBAL);
@@ -252,7 +254,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     for (const ParamInfo& p : model.params()) {
       const std::string name = g.name + p.name;
       if (H5Lexists(file.id, "/params", H5P_DEFAULT) <= 0 || H5Lexists(file.id, name.c_str(), H5P_DEFAULT) <= 0)
-        fail(path, "has no tensor " + name + " (a checkpoint of another model?)");
+        fail(path, "has no readable tensor " + name + " (corrupt, or a checkpoint of another model)");
       Handle ds{H5Dopen2(file.id, name.c_str(), H5P_DEFAULT), H5Dclose};
       if (ds.id < 0) fail(path, "cannot open tensor " + name + " (corrupt)");
       Handle fspace{H5Dget_space(ds.id), H5Sclose};

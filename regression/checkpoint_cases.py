@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Checkpoint regression cases: restart exactly, restart on another layout, refuse bad files, survive
+a crash mid-write and a SIGTERM.
+
+    python3 regression/checkpoint_cases.py --loom build/loom --workdir build/ckpt CASE
+
+CASE is one of:
+  bitwise_dp2        dp = 2, saved at step 4 of 8, resumed on dp = 2: steps 5..8 have the same losses,
+                     bit for bit, as the uninterrupted run
+  layout_dp2_to_dp1, layout_dp2_to_dp4, layout_tp2_to_tp1, layout_tp1_to_dp2_tp2_sp
+                     saved on one layout, resumed on another: the same model continues (losses within
+                     the cross-layout tolerance of the uninterrupted run)
+  refuse_truncated, refuse_corrupt, refuse_version, refuse_shape, refuse_missing_latest
+                     each refused with exit status 2 and a message naming the file and the mismatch,
+                     the file read left unchanged (refuse_corrupt and refuse_version use h5py: run
+                     them with /usr/bin/python3, which has it)
+  kill_mid_write     rank 1 dies while the step-4 checkpoint is being written: the step-2 checkpoint
+                     is intact, `latest` still names it, and a resume from `latest` continues the run
+  sigterm            SIGTERM to a running job: it saves a checkpoint, points `latest` at it and exits;
+                     a resume from `latest` reproduces the uninterrupted run
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+DECK = """[model]
+layers = 2
+d_model = 32
+heads = 4
+seq_len = 16
+vocab = 64
+[train]
+steps = 8
+batch = 8
+lr = 3e-3
+warmup = 2
+seed = 42
+eval_every = 0
+[data]
+val_fraction = 0
+"""
+CROSS_LAYOUT_TOL = 1e-5  # relative, per step: reduction order is the only difference between layouts
+
+
+class Case:
+    def __init__(self, args, name):
+        self.args = args
+        self.dir = os.path.join(args.workdir, name)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        self.deck = os.path.join(self.dir, "ckpt.deck")
+        with open(self.deck, "w") as f:
+            f.write(DECK)
+        self.failures = []
+
+    def loom(self, tag, ranks, sets, env=None, expect=0, popen=False):
+        rundir = os.path.join(self.dir, tag)
+        cmd = (["mpirun", "-n", str(ranks)] if ranks > 1 else []) + [self.args.loom, "run", self.deck,
+                                                                    "--set", "run.dir=" + rundir]
+        for s in sets:
+            cmd += ["--set", s]
+        e = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        e.update(env or {})
+        print("$ " + " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd), flush=True)
+        if popen:
+            return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), rundir
+        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
+        if expect is not None and p.returncode != expect:
+            sys.stdout.write(p.stdout[-2000:])
+            sys.stdout.write(p.stderr)
+            self.failures.append("%s: exit status %d, expected %d" % (tag, p.returncode, expect))
+        return p, rundir
+
+    def losses(self, rundir):
+        with open(os.path.join(rundir, "metrics.jsonl")) as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+    def compare(self, got, ref, tol):
+        worst = 0.0
+        for step, loss in sorted(got.items()):
+            err = abs(loss - ref[step]) / max(1.0, abs(ref[step]))
+            worst = max(worst, err)
+            if err > tol:
+                self.failures.append("step %d: loss %.10g, uninterrupted run %.10g (rel. error %.3g > %.3g)"
+                                     % (step, loss, ref[step], err, tol))
+        print("steps %s: worst relative error against the uninterrupted run %.3g (tolerance %.3g)"
+              % (sorted(got), worst, tol))
+        if not got:
+            self.failures.append("the resumed run logged no steps")
+
+    def expect_error(self, p, patterns):
+        print("stderr: " + p.stderr.strip())
+        for rx in patterns:
+            if not re.search(rx, p.stderr):
+                self.failures.append("stderr does not match /%s/" % rx)
+
+    def done(self, name):
+        for f in self.failures:
+            print("FAIL: " + f)
+        print("checkpoint case %s: %s" % (name, "FAILED" if self.failures else "passed"))
+        return 1 if self.failures else 0
+
+
+def saved(c, ranks, sets, tag="full"):
+    """The uninterrupted run, saving every 4 steps; returns (losses, path of the step-4 checkpoint)."""
+    c.loom(tag, ranks, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
+    rundir = os.path.join(c.dir, tag)
+    return c.losses(rundir), os.path.join(rundir, "checkpoints", "ckpt-00000004.h5")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("case")
+    args = ap.parse_args()
+    name = args.case
+    c = Case(args, name)
+
+    layouts = {
+        "layout_dp2_to_dp1": ((2, ["parallel.dp=2"]), (1, [])),
+        "layout_dp2_to_dp4": ((2, ["parallel.dp=2"]), (4, ["parallel.dp=4"])),
+        "layout_tp2_to_tp1": ((2, ["parallel.tp=2"]), (1, [])),
+        "layout_tp1_to_dp2_tp2_sp": ((1, []), (4, ["parallel.dp=2", "parallel.tp=2", "tensor.sequence_parallel=true"])),
+    }
+    if name == "bitwise_dp2":
+        ref, ckpt = saved(c, 2, ["parallel.dp=2"])
+        c.loom("resumed", 2, ["parallel.dp=2", "checkpoint.resume=" + ckpt])
+        c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, 0.0)
+    elif name in layouts:
+        (r0, s0), (r1, s1) = layouts[name]
+        ref, ckpt = saved(c, r0, s0)
+        c.loom("resumed", r1, s1 + ["checkpoint.resume=" + ckpt])
+        c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, CROSS_LAYOUT_TOL)
+    elif name.startswith("refuse_"):
+        _, ckpt = saved(c, 1, [])
+        bad = os.path.join(c.dir, "bad.h5")
+        sets = ["checkpoint.resume=" + bad]
+        if name == "refuse_truncated":
+            data = open(ckpt, "rb").read()
+            open(bad, "wb").write(data[: len(data) // 2])
+            patterns = [re.escape(bad), r"truncated or corrupt"]
+        elif name == "refuse_corrupt":
+            import h5py  # to find where a tensor's bytes lie; run this case with /usr/bin/python3
+            shutil.copy(ckpt, bad)
+            with h5py.File(bad, "r") as f:
+                offset = f["params/blocks.1.mlp.fc.weight"].id.get_offset()
+            with open(bad, "r+b") as f:  # garbage over the tensor's data, the file structure intact
+                f.seek(offset + 1000)
+                f.write(b"\x5a" * 256)
+            patterns = [re.escape(bad), r"tensor /params/blocks\.1\.mlp\.fc\.weight does not match its checksum: the file is corrupt"]
+        elif name == "refuse_version":
+            import h5py  # Debian's python3-h5py: run this case with /usr/bin/python3
+            shutil.copy(ckpt, bad)
+            with h5py.File(bad, "r+") as f:
+                f.attrs["format_version"] = 99
+            patterns = [re.escape(bad), r"format version 99; this loom reads version 1"]
+        elif name == "refuse_shape":
+            bad = ckpt
+            sets = ["checkpoint.resume=" + ckpt, "model.d_model=64"]
+            patterns = [re.escape(ckpt), r"wte\.weight has shape \[64, 32\], but the deck's model needs \[64, 64\]"]
+        elif name == "refuse_missing_latest":
+            sets = ["checkpoint.resume=latest", "checkpoint.dir=" + os.path.join(c.dir, "empty")]
+            patterns = [r"checkpoint\.resume = latest, but '.*empty/latest' does not exist"]
+        else:
+            sys.exit("unknown case " + name)
+        before = open(ckpt, "rb").read()
+        p, _ = c.loom("refused", 1, sets, expect=2)
+        c.expect_error(p, patterns)
+        if open(ckpt, "rb").read() != before:
+            c.failures.append("the checkpoint that was read changed")
+    elif name == "kill_mid_write":
+        ref, _ = saved(c, 2, ["parallel.dp=2"], tag="reference")
+        sets = ["parallel.dp=2", "checkpoint.every=2", "checkpoint.keep=1"]
+        p, rundir = c.loom("killed", 2, sets, env={"LOOM_INJECT_FAULT": "rank=1,step=4,where=checkpoint"}, expect=None)
+        print("stderr: " + p.stderr.strip())
+        if p.returncode == 0:
+            c.failures.append("the job did not fail")
+        if not re.search(r"rank 1: error: injected fault while writing checkpoint", p.stderr):
+            c.failures.append("no message from rank 1 about the failed write")
+        ckdir = os.path.join(rundir, "checkpoints")
+        latest = open(os.path.join(ckdir, "latest")).read().strip() if os.path.exists(os.path.join(ckdir, "latest")) else ""
+        print("after the crash: %s; latest -> %s" % (sorted(os.listdir(ckdir)), latest))
+        if latest != "ckpt-00000002.h5":
+            c.failures.append("latest names %r, expected the intact ckpt-00000002.h5" % latest)
+        if os.path.exists(os.path.join(ckdir, "ckpt-00000004.h5")):
+            c.failures.append("a half-written ckpt-00000004.h5 carries a final name")
+        c.loom("resumed", 2, ["parallel.dp=2", "checkpoint.resume=latest", "checkpoint.dir=" + ckdir])
+        c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, 0.0)
+    elif name == "sigterm":
+        ref, _ = saved(c, 1, ["train.steps=400"], tag="reference")
+        proc, rundir = c.loom("signalled", 1, ["train.steps=400"], popen=True)
+        metrics = os.path.join(rundir, "metrics.jsonl")
+        deadline = time.time() + 60
+        while time.time() < deadline and (not os.path.exists(metrics) or sum(1 for _ in open(metrics)) < 3):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        print(out[-600:] + err)
+        if proc.returncode != 0:
+            c.failures.append("exit status %d after SIGTERM, expected 0 (saved and stopped)" % proc.returncode)
+        ckdir = os.path.join(rundir, "checkpoints")
+        latest = open(os.path.join(ckdir, "latest")).read().strip() if os.path.exists(os.path.join(ckdir, "latest")) else ""
+        m = re.match(r"ckpt-(\d+)\.h5$", latest)
+        if not m or "on SIGTERM; stopping" not in out:
+            c.failures.append("no checkpoint saved on SIGTERM (latest = %r)" % latest)
+        else:
+            step = int(m.group(1))
+            print("SIGTERM: saved at step %d, latest -> %s" % (step, latest))
+            c.loom("resumed", 1, ["train.steps=400", "checkpoint.resume=latest", "checkpoint.dir=" + ckdir])
+            got = c.losses(os.path.join(c.dir, "resumed"))
+            c.compare({k: v for k, v in got.items() if k <= step + 5}, ref, 0.0)
+    else:
+        sys.exit("unknown case " + name)
+    return c.done(name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
