@@ -32,7 +32,13 @@ void select_openblas_core(char** argv) {
                            "; set OPENBLAS_CORETYPE yourself to choose)";
   setenv("OPENBLAS_CORETYPE", better, 1);
   setenv("LOOM_OPENBLAS_CORE_NOTE", note.c_str(), 1);
-  execv("/proc/self/exe", argv);  // returns only on failure: carry on with the slow kernels
+  // Exec the real path (not /proc/self/exe) so the process keeps its name for ps, top and pkill.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    execv(self, argv);  // returns only on failure: carry on with the slow kernels
+  }
   g_note = "OpenBLAS core " + core + " (re-exec with OPENBLAS_CORETYPE failed)";
 }
 
