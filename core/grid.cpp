@@ -8,8 +8,6 @@
 #include "core/error.hpp"
 
 namespace loom {
-namespace {
-
 std::string divisors(long n) {
   std::ostringstream s;
   bool first = true;
@@ -20,6 +18,8 @@ std::string divisors(long n) {
     }
   return s.str();
 }
+
+namespace {
 
 std::string s(long v) { return std::to_string(v); }
 

@@ -20,6 +20,9 @@ struct Layout {
   int rank_of(int dp_i, int tp_i, int pp_i) const { return (pp_i * dp + dp_i) * tp + tp_i; }
 };
 
+// "1, 2, 4, 8": the divisors of n, for messages that say which sizes would work.
+std::string divisors(long n);
+
 // Checks the layout against the job and the model before any work; throws InputError naming the
 // deck keys and the values that would work.
 void check_layout(const Layout& layout, int world_size, const GPTConfig& model, int batch, int micro_batches);

@@ -44,8 +44,16 @@ class DeckSchema {
   std::vector<KeySpec> keys_;
 };
 
-// The keys of the core (model, data, train, parallel, run).
+// The keys of the core (model, data, train, parallel, run, checkpoint).
 void add_core_keys(DeckSchema& schema);
+
+// Key declarations, for the core and for plugins alike. Bounds are inclusive.
+KeySpec int_key(std::string name, std::string def, double lo, double hi, std::string help);
+KeySpec float_key(std::string name, std::string def, double lo, double hi, std::string help);
+KeySpec bool_key(std::string name, std::string def, std::string help);
+KeySpec string_key(std::string name, std::string def, std::string help,
+                   std::function<std::string(const std::string&)> validate = {});
+KeySpec choice_key(std::string name, std::string def, std::vector<std::string> choices, std::string help);
 
 class Deck {
  public:

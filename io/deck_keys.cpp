@@ -7,8 +7,6 @@
 
 namespace loom {
 
-namespace {
-
 KeySpec int_key(std::string name, std::string def, double lo, double hi, std::string help) {
   KeySpec k;
   k.name = std::move(name);
@@ -36,7 +34,7 @@ KeySpec bool_key(std::string name, std::string def, std::string help) {
 }
 
 KeySpec string_key(std::string name, std::string def, std::string help,
-                   std::function<std::string(const std::string&)> validate = {}) {
+                   std::function<std::string(const std::string&)> validate) {
   KeySpec k;
   k.name = std::move(name);
   k.type = KeyType::String;
@@ -55,6 +53,8 @@ KeySpec choice_key(std::string name, std::string def, std::vector<std::string> c
   k.help = std::move(help);
   return k;
 }
+
+namespace {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
 

@@ -112,20 +112,11 @@ class DataParallelSync final : public GradSync {
 
 void register_data(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
-  KeySpec bucket;
-  bucket.name = "data.bucket_mb";
-  bucket.type = KeyType::Float;
-  bucket.default_value = "25";
-  bucket.min = 0.001;
-  bucket.max = 1e6;
-  bucket.help = "data parallel: gradient bucket size in MiB; each bucket's all-reduce starts when its gradients are done";
-  info.keys.push_back(bucket);
-  KeySpec overlap;
-  overlap.name = "data.overlap";
-  overlap.type = KeyType::Bool;
-  overlap.default_value = "true";
-  overlap.help = "data parallel: start bucket all-reduces during backward (false: all after backward)";
-  info.keys.push_back(overlap);
+  info.keys.push_back(float_key("data.bucket_mb", "25", 0.001, 1e6,
+                                "data parallel: gradient bucket size in MiB; each bucket's all-reduce starts "
+                                "when its gradients are done"));
+  info.keys.push_back(bool_key("data.overlap", "true",
+                               "data parallel: start bucket all-reduces during backward (false: all after backward)"));
   info.create = [](StrategyContext& ctx, Roles& roles) {
     roles.grad_sync = std::make_unique<DataParallelSync>(ctx.grid.dp(), ctx.backend, ctx.model,
                                                          ctx.deck.get_float("data.bucket_mb"),

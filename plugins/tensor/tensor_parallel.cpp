@@ -141,22 +141,11 @@ class TensorPartition final : public Partition {
   std::vector<double> sum_exp_, target_logit_;
 };
 
-std::string divisors(long n) {
-  std::string s;
-  for (long d = 1; d <= n; ++d)
-    if (n % d == 0) s += (s.empty() ? "" : ", ") + std::to_string(d);
-  return s;
-}
-
 void register_tensor(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
-  KeySpec sp;
-  sp.name = "tensor.sequence_parallel";
-  sp.type = KeyType::Bool;
-  sp.default_value = "false";
-  sp.help = "tensor parallel: split LayerNorm and the residual stream by tokens; all-reduces become "
-            "reduce-scatter/all-gather pairs";
-  info.keys.push_back(sp);
+  info.keys.push_back(bool_key("tensor.sequence_parallel", "false",
+                               "tensor parallel: split LayerNorm and the residual stream by tokens; all-reduces "
+                               "become reduce-scatter/all-gather pairs"));
   info.check = [](const LayoutContext& ctx) {
     // heads, d_model and vocab divisibility is the core's layout check; sequence parallelism also
     // splits the rows of every micro-batch.
