@@ -103,7 +103,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       MPI_Allreduce(MPI_IN_PLACE, &t_min, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
       MPI_Allreduce(MPI_IN_PLACE, &t_max, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     }
-    const auto report_values = s.engine->grad_sync().step_report();
+    auto report_values = s.engine->grad_sync().step_report();
+    for (auto& kv : s.model->partition().step_report()) report_values.push_back(kv);
     for (const auto& [k, v] : report_values)
       if (k == "dp_allreduce_ratio") {
         ratio_sum += v;

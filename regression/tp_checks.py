@@ -17,7 +17,10 @@ then checks, step by step:
          vocabulary-parallel cross-entropy: an all-gather of the row maxima (N floats) and two
          all-reduces of N doubles; with SP, one all-reduce of the replicated gradients that each
          rank saw only in part ((6L + 2) C floats);
-       plus the scalar all-reduce of the gradient norm (at most 2(N-1) x 8 bytes);
+       plus the replica check (an all-gather of 2 floats: a hash of the replicated parameters and
+       gradients) and the scalar all-reduce of the gradient norm (at most 2(N-1) x 8 bytes);
+  0. the replicated tensors (LayerNorms, row-parallel biases, position embedding) stay identical
+     on every rank of the group at every step (tp_replicas_identical);
   2. parameters, gradients and optimizer state per rank are the split share (1/N) of the one-process
      figure plus the replicated LayerNorms, biases of row-parallel layers and position embedding;
   3. sequence parallelism lowers the activation memory the ledger reports.
@@ -64,9 +67,10 @@ def main():
     ar = lambda m: 2.0 * (n - 1) / n * m      # ring all-reduce, per rank
     half = lambda m: 1.0 * (n - 1) / n * m    # ring reduce-scatter or all-gather of m bytes in all
     ce = half(rows * n * 4) + 2 * ar(rows * 8)
+    replica_check = half(2 * n * 4)
     expected = {
-        False: (1 + 2 * L) * ar(M) + (1 + 2 * L) * ar(M) + ce,
-        True: ((1 + 4 * L + 1) + (2 + 6 * L + 1)) * half(M) + ce + ar((6 * L + 2) * C * 4),
+        False: (1 + 2 * L) * ar(M) + (1 + 2 * L) * ar(M) + ce + replica_check,
+        True: ((1 + 4 * L + 1) + (2 + 6 * L + 1)) * half(M) + ce + ar((6 * L + 2) * C * 4) + replica_check,
     }
     scalar_slack = 2 * (n - 1) * 8
 
@@ -77,6 +81,8 @@ def main():
         recs = run(args.loom, n, ["parallel.tp=%d" % n, "tensor.sequence_parallel=%s" % str(sp).lower()],
                    args.workdir, "tp%d-sp%d" % (n, sp))
         for r in recs:
+            if r.get("tp_replicas_identical") != 1:
+                failures.append("sp=%s step %d: replicated tensors differ across the tp group" % (sp, r["step"]))
             got = r["comm"]["tp"]["bytes_sent"]
             want = expected[sp]
             ok = want <= got <= want + scalar_slack

@@ -125,13 +125,32 @@ class TensorPartition final : public Partition {
   }
 
   // Split parameters add up over the group; replicated ones are the same on every rank: count once.
+  // Also checks that claim: a hash of every replicated parameter and gradient must agree across
+  // the group (reported in the step's metrics as tp_replicas_identical).
   double grad_sq_norm(GPT& model, Backend& be) override {
     double split = 0, replicated = 0;
+    std::uint64_t h = 0xcbf29ce484222325ULL;
     for (const auto& p : model.params()) {
       const double sq = be.sum_squares(model.grad_data() + p.offset, p.numel);
       (p.split == TpSplit::none ? replicated : split) += sq;
+      if (p.split != TpSplit::none) continue;
+      for (const float* base : {static_cast<const float*>(model.param_data()), static_cast<const float*>(model.grad_data())}) {
+        const auto* bytes = reinterpret_cast<const unsigned char*>(base + p.offset);
+        for (std::int64_t i = 0; i < p.numel * static_cast<std::int64_t>(sizeof(float)); ++i) h = (h ^ bytes[i]) * 0x100000001b3ULL;
+      }
     }
+    // Two floats carry 48 bits of the hash exactly (24 bits each, within a float's mantissa).
+    const float mine[2] = {static_cast<float>(h >> 40), static_cast<float>((h >> 16) & 0xffffff)};
+    std::vector<float> all(2 * tp_.size());
+    tp_.all_gather(mine, all.data(), 2);
+    identical_ = 1.0;
+    for (int q = 0; q < tp_.size(); ++q)
+      if (all[2 * q] != mine[0] || all[2 * q + 1] != mine[1]) identical_ = 0.0;
     return tp_.sum(split + replicated / tp_.size());
+  }
+
+  std::vector<std::pair<std::string, double>> step_report() const override {
+    return {{"tp_replicas_identical", identical_}};
   }
 
  private:
@@ -139,6 +158,7 @@ class TensorPartition final : public Partition {
   bool sp_;
   std::vector<float> row_max_, gathered_, pack_;
   std::vector<double> sum_exp_, target_logit_;
+  double identical_ = 1.0;
 };
 
 void register_tensor(void* p) {
