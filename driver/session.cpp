@@ -121,7 +121,7 @@ void Session::setup_local() {
   dc.synthetic_noise = d.get_float("data.synthetic_noise");
   const std::string val_source = d.get_string("data.val_source");
   if (!val_source.empty()) dc.val_fraction = 0.0;  // all of data.source trains
-  d_source_ = dc.source;
+  data_source = dc.source;
   train_data = open_dataset(dc);
   if (!val_source.empty()) {
     DataConfig vc = dc;
@@ -162,7 +162,7 @@ void Session::setup_collective() {
   train_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
                                   std::vector<std::int32_t>& tgt) {
     if (inject_fault("data", step))
-      throw InputError(d_source_ + ": cannot be read on this rank (LOOM_INJECT_FAULT)");
+      throw InputError("data.source = " + data_source + ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
     Batch b;
     load_batch(*train_data, Split::train, step, row0 + first_row, rows, T, b);
     in = std::move(b.inputs);

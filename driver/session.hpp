@@ -45,7 +45,7 @@ struct Session {
   std::unique_ptr<Engine> engine;
   BatchFn train_batches, val_batches;
 
-  std::string d_source_;  // data.source, for messages
+  std::string data_source;  // data.source, for messages
 
   void setup_local();
   void setup_collective();
