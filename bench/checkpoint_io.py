@@ -7,9 +7,9 @@ read of the same bytes, measured in the same run.
 For each rank count, loom trains the bench model (bench/bench.deck, deepened with --layers so the
 file is large enough to time) for two steps, saving a checkpoint after each; then a second run
 resumes from the last one. loom reports the bytes and seconds of every write and of the read. The
-peer is Python writing the same number of bytes to one file in 4 MiB blocks, then reading them back,
-in the same directory. Neither side calls fsync: both measure the path through the page cache that a
-checkpoint takes in practice. Standard library only. A benchmark, not a test.
+peer is Python writing the same number of bytes to one file in 4 MiB blocks and syncing it (loom's
+file is flushed to disk, MPI_File_sync, before it is renamed), then reading them back, in the same
+directory; both reads come from the page cache. Standard library only. A benchmark, not a test.
 """
 import argparse
 import json
@@ -42,6 +42,8 @@ def plain_io(path, nbytes):
             n = min(left, len(block))
             f.write(block[:n])
             left -= n
+        f.flush()
+        os.fsync(f.fileno())  # loom's checkpoint is synced to disk before it is renamed: so is the peer
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with open(path, "rb") as f:

@@ -118,10 +118,18 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
 std::uint64_t checksum(const GPT& model, const ParamInfo& p, const float* shard, bool owner) {
   std::uint64_t sum = 0;
   if (owner) {
-    for (std::int64_t i = 0; i < p.numel; ++i) {
-      std::uint32_t bits;
-      std::memcpy(&bits, shard + i, sizeof bits);
-      sum += rng::mix64(static_cast<std::uint64_t>(model.global_index(p, i)) * 0x9e3779b97f4a7c15ULL ^ bits);
+    // Every split keeps each local row contiguous in the full tensor: one index lookup per row.
+    const std::int64_t cols = p.local_shape.size() > 1 ? p.local_shape[1] : p.numel;
+    for (std::int64_t row0 = 0; row0 < p.numel; row0 += cols) {
+      const std::uint64_t g0 = static_cast<std::uint64_t>(model.global_index(p, row0));
+      const float* x = shard + row0;
+      std::uint64_t part = 0;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        std::uint32_t bits;
+        std::memcpy(&bits, x + c, sizeof bits);
+        part += rng::mix64((g0 + static_cast<std::uint64_t>(c)) * 0x9e3779b97f4a7c15ULL ^ bits);
+      }
+      sum += part;
     }
   }
   MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD);
@@ -205,7 +213,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
         abort_job("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)", 1);
     }
   }
-  H5Fflush(file.id, H5F_SCOPE_GLOBAL);
+  H5Fflush(file.id, H5F_SCOPE_GLOBAL);  // MPI_File_sync: on disk before the file gets its final name
   H5Fclose(file.id);
   file.id = -1;
   MPI_Barrier(MPI_COMM_WORLD);  // every rank's data is in the file before it gets its name
