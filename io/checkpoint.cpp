@@ -118,8 +118,9 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
 std::uint64_t checksum(const GPT& model, const ParamInfo& p, const float* shard, bool owner) {
   std::uint64_t sum = 0;
   if (owner) {
-    // Every split keeps each local row contiguous in the full tensor: one index lookup per row.
-    const std::int64_t cols = p.local_shape.size() > 1 ? p.local_shape[1] : p.numel;
+    // Every split keeps each local row of a matrix contiguous in the full tensor: one index lookup
+    // per row. (A split vector, e.g. the qkv bias, is not contiguous: one lookup per element.)
+    const std::int64_t cols = p.local_shape.size() > 1 ? p.local_shape[1] : (p.split == TpSplit::none ? p.numel : 1);
     for (std::int64_t row0 = 0; row0 < p.numel; row0 += cols) {
       const std::uint64_t g0 = static_cast<std::uint64_t>(model.global_index(p, row0));
       const float* x = shard + row0;
