@@ -16,13 +16,7 @@ namespace loom {
 Session::Session(const Deck& d, const StrategyRegistry& reg) : deck(d), registry(reg) {
   // Phase 1 checks everything on every rank without communicating; then the ranks agree, so that a
   // rank that alone cannot read its data never leaves the others waiting in a collective.
-  std::string local_error;
-  try {
-    setup_local();
-  } catch (const InputError& e) {
-    local_error = e.what();
-  }
-  agree_on_error(local_error);
+  run_agreed([this] { setup_local(); });
   setup_collective();
 }
 
