@@ -27,6 +27,15 @@ double AccumulateSchedule::run(StepContext& ctx) {
   return total / ctx.micro_batches;
 }
 
+double Schedule::forward_only(StepContext& ctx) {
+  double total = 0;
+  for (int k = 0; k < ctx.micro_batches; ++k) {
+    ctx.fetch(ctx.step, static_cast<std::int64_t>(k) * ctx.rows_per_micro, ctx.rows_per_micro, ctx.inputs, ctx.targets);
+    total += ctx.model.forward(ctx.inputs.data(), ctx.targets.data(), ctx.rows_per_micro);
+  }
+  return total / ctx.micro_batches;
+}
+
 Engine::Engine(const EngineConfig& cfg, GPT& model, Backend& backend, std::unique_ptr<Schedule> schedule,
                std::unique_ptr<GradSync> sync)
     : cfg_(cfg),
@@ -57,8 +66,9 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   // are sums over disjoint groups, so the order does not change the result.
   sync_->finish(model_);
   model_.partition().finish_grads(model_);
+  schedule_->finish_grads(model_);
   st.loss = sync_->mean_over_replicas(local_loss);
-  const double sq = sync_->grad_sq_norm(model_.partition().grad_sq_norm(model_, be_));
+  const double sq = schedule_->grad_sq_norm(sync_->grad_sq_norm(model_.partition().grad_sq_norm(model_, be_)));
   st.grad_norm = std::sqrt(sq);
   double t2 = now();
   st.times.sync = t2 - t1;
@@ -80,13 +90,14 @@ double Engine::evaluate(int batches, const BatchFn& fetch) {
   // Whole global batches, in micro-batch chunks: the validation loss means the same whatever the
   // micro-batching (and, with data parallelism, whatever the number of ranks).
   double total = 0;
+  PhaseTimes times;
   for (int e = 0; e < batches; ++e) {
-    for (int k = 0; k < cfg_.micro_batches; ++k) {
-      fetch(e, static_cast<std::int64_t>(k) * cfg_.rows_per_micro, cfg_.rows_per_micro, inputs_, targets_);
-      total += model_.forward(inputs_.data(), targets_.data(), cfg_.rows_per_micro);
-    }
+    StepContext ctx{model_, e, cfg_.micro_batches, cfg_.rows_per_micro, fetch, times, *sync_, std::move(inputs_), std::move(targets_)};
+    total += schedule_->forward_only(ctx);
+    inputs_ = std::move(ctx.inputs);
+    targets_ = std::move(ctx.targets);
   }
-  return sync_->mean_over_replicas(total / (static_cast<double>(batches) * cfg_.micro_batches));
+  return sync_->mean_over_replicas(total / batches);
 }
 
 }  // namespace loom

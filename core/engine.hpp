@@ -59,13 +59,24 @@ struct StepContext {
   std::vector<std::int32_t> inputs, targets;  // reused batch storage
 };
 
-// Role "schedule": in what order the micro-batch forwards and backwards of a step run. Returns the
-// step's mean loss on this rank. Default: gradient accumulation over the micro-batches.
+// Role "schedule": in what order the micro-batch forwards and backwards of a step run, and what
+// travels between pipeline stages. Default: gradient accumulation over the micro-batches.
 class Schedule {
  public:
   virtual ~Schedule() = default;
   virtual std::string name() const = 0;
+  // Forward and backward of every micro-batch of step ctx.step; returns the step's mean loss (the
+  // same on every rank of a replica).
   virtual double run(StepContext& ctx) = 0;
+  // Forward only over the micro-batches of global batch ctx.step (evaluation); returns the mean loss.
+  virtual double forward_only(StepContext& ctx);
+  // After gradient sync and the partition's finish_grads: e.g. sum the tied embedding's gradient
+  // between the first and last pipeline stage.
+  virtual void finish_grads(GPT& /*model*/) {}
+  // The squared gradient norm of the whole model from this rank's share (summed over stages).
+  virtual double grad_sq_norm(double local) { return local; }
+  // Numbers for the metrics of the last step.
+  virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
 };
 
 class AccumulateSchedule final : public Schedule {
@@ -105,6 +116,7 @@ class Engine {
   GPT& model() { return model_; }
   AdamW& optimizer() { return optimizer_; }
   const Schedule& schedule() const { return *schedule_; }
+  Schedule& schedule() { return *schedule_; }
   const GradSync& grad_sync() const { return *sync_; }
   GradSync& grad_sync() { return *sync_; }
 

@@ -14,9 +14,16 @@ void GPTConfig::validate() const {
                      std::to_string(heads) + " (each head needs d_model/heads channels)");
 }
 
-GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition)
-    : cfg_(cfg), be_(backend), part_(partition ? partition : &default_partition_), max_rows_(max_rows) {
+GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage)
+    : cfg_(cfg), be_(backend), part_(partition ? partition : &default_partition_), max_rows_(max_rows), stage_(stage) {
   cfg_.validate();
+  if (stage_.end_layer < 0) stage_.end_layer = cfg.layers;
+  if (stage_.first_layer < 0 || stage_.first_layer >= stage_.end_layer || stage_.end_layer > cfg.layers ||
+      stage_.activation_slots < 1)
+    throw std::logic_error("GPT: stage " + std::to_string(stage_.index) + " holds layers [" +
+                           std::to_string(stage_.first_layer) + ", " + std::to_string(stage_.end_layer) + ") of " +
+                           std::to_string(cfg.layers));
+  layers_here_ = stage_.end_layer - stage_.first_layer;
   tp_ = part_->size();
   tp_rank_ = part_->rank();
   sp_ = part_->sequence_parallel();
@@ -25,6 +32,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   vocab_local_ = static_cast<int>(Vl);
   vocab_begin_ = static_cast<int>(tp_rank_ * Vl);
   const double resid_std = 0.02 / std::sqrt(2.0 * L);
+  // Every tensor of the whole model, then this stage's share of them.
   auto add = [&](std::string name, std::vector<std::int64_t> shape, std::vector<std::int64_t> local, TpSplit split,
                  ParamInfo::Init init, double std) {
     ParamInfo p;
@@ -36,11 +44,9 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     p.local_shape = std::move(local);
     p.split = tp > 1 ? split : TpSplit::none;
     p.sp_partial = sp_ && split == TpSplit::none && p.name != "wpe.weight";
-    p.offset = num_params_;
     p.init = init;
     p.init_std = std;
-    num_params_ += p.numel;
-    params_.push_back(std::move(p));
+    all_params_.push_back(std::move(p));
   };
   using I = ParamInfo::Init;
   add("wte.weight", {V, C}, {Vl, C}, TpSplit::rows, I::normal, 0.02);
@@ -62,23 +68,49 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   }
   add("ln_f.weight", {C}, {C}, TpSplit::none, I::ones, 0);
   add("ln_f.bias", {C}, {C}, TpSplit::none, I::zeros, 0);
+  // The first stage holds the embeddings, the last ln_f and the head, whose weight is wte (tied):
+  // a last stage that is not also the first holds a shadow copy of wte.
+  const int n_all = static_cast<int>(all_params_.size());
+  for (int i = 0; i < n_all; ++i) {
+    ParamInfo& p = all_params_[i];
+    const int block = i < 2 || i >= n_all - 2 ? -1 : (i - 2) / 12;
+    const bool here = i == 0   ? stage_.first() || stage_.last()
+                      : i == 1 ? stage_.first()
+                      : block < 0 ? stage_.last()
+                                  : block >= stage_.first_layer && block < stage_.end_layer;
+    if (!here) {
+      p.offset = -1;
+      p.numel = 0;
+      continue;
+    }
+    if (block == stage_.first_layer && (i - 2) % 12 == 0) block_param0_ = static_cast<int>(params_.size());
+    ParamInfo local = p;
+    local.shadow = i == 0 && !stage_.first();
+    local.offset = num_params_;
+    num_params_ += local.numel;
+    params_.push_back(std::move(local));
+  }
 
   params_buf_ = Buffer<float>("GPT::params", num_params_, Mem::params);
   grads_buf_ = Buffer<float>("GPT::grads", num_params_, Mem::grads);
 
-  // Activations. Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism).
+  // Activations. Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one
+  // set per slot (in-flight micro-batch).
+  const std::int64_t slots = stage_.activation_slots, Ls = layers_here_;
   const std::int64_t N = static_cast<std::int64_t>(max_rows) * T, Nl = sp_ ? N / tp : N, NHl = cfg.heads / tp;
   block_act_floats_ = Nl * C * 3 + Nl * 4 + N * 3 * Cl + static_cast<std::int64_t>(max_rows) * NHl * T * T + N * Cl +
                       N * 2 * Fl;
-  const int saved_blocks = cfg.recompute ? 1 : cfg.layers;
-  residual_buf_ = Buffer<float>("GPT::residual", (L + 1) * Nl * C, Mem::activations);
+  const std::int64_t saved_blocks = cfg.recompute ? 1 : slots * Ls;
+  head_floats_ = stage_.last() ? Nl * C + 2 * Nl + 2 * N * Vl + N : 0;
+  residual_buf_ = Buffer<float>("GPT::residual", slots * (Ls + 1) * Nl * C, Mem::activations);
   block_buf_ = Buffer<float>("GPT::block_activations", saved_blocks * block_act_floats_, Mem::activations);
-  head_buf_ = Buffer<float>("GPT::head_activations", Nl * C + 2 * Nl + 2 * N * Vl + N, Mem::activations);
+  head_buf_ = Buffer<float>("GPT::head_activations", slots * head_floats_, Mem::activations);
   // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
   // [N,C], dqkv [N,3Cl], datt [T,T], datty [N,Cl], dfch, dfch_gelu [N,Fl]
   scratch_buf_ = Buffer<float>("GPT::scratch", N * C * 4 + Nl * C * 4 + N * 3 * Cl + T * T + N * Cl + N * 2 * Fl,
                                Mem::activations);
-  tokens_buf_ = Buffer<std::int32_t>("GPT::tokens", 2 * N, Mem::workspace);
+  tokens_buf_ = Buffer<std::int32_t>("GPT::tokens", slots * 2 * N, Mem::workspace);
+  slot_rows_.assign(static_cast<std::size_t>(slots), 0);
 }
 
 std::int64_t GPT::global_index(const ParamInfo& p, std::int64_t i) const {
@@ -97,10 +129,15 @@ std::int64_t GPT::global_index(const ParamInfo& p, std::int64_t i) const {
   return i;
 }
 
-const ParamInfo& GPT::param(const std::string& name) const {
+const ParamInfo* GPT::find_param(const std::string& name) const {
   for (const auto& p : params_)
-    if (p.name == name) return p;
-  throw std::out_of_range("GPT: no parameter named '" + name + "'");
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+const ParamInfo& GPT::param(const std::string& name) const {
+  if (const ParamInfo* p = find_param(name)) return *p;
+  throw std::out_of_range("GPT: no parameter named '" + name + "' on this rank");
 }
 
 void GPT::init_weights(std::uint64_t seed) {
@@ -121,17 +158,18 @@ void GPT::init_weights(std::uint64_t seed) {
 }
 
 GPT::BlockParams GPT::block_params(float* base, int layer) const {
-  // The 12 tensors of a block are consecutive in params_, after wte and wpe.
-  const ParamInfo* p = &params_[2 + 12 * static_cast<std::size_t>(layer)];
+  // The 12 tensors of a block are consecutive in params_, after the embeddings (first stage).
+  const ParamInfo* p = &params_[block_param0_ + 12 * static_cast<std::size_t>(layer - stage_.first_layer)];
   float* q[12];
   for (int i = 0; i < 12; ++i) q[i] = base + p[i].offset;
   return {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
 }
 
-GPT::BlockActs GPT::block_acts(int layer) const {
+GPT::BlockActs GPT::block_acts(int slot, int layer) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
   const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, NHl = cfg_.heads / tp_, Cl = C / tp_, Fl = 4 * C / tp_;
-  float* p = block_buf_.data() + (cfg_.recompute ? 0 : layer) * block_act_floats_;
+  const std::int64_t index = cfg_.recompute ? 0 : static_cast<std::int64_t>(slot) * layers_here_ + layer - stage_.first_layer;
+  float* p = block_buf_.data() + index * block_act_floats_;
   BlockActs a;
   a.ln1 = p;            p += Nl * C;
   a.ln1_mean = p;       p += Nl;
@@ -148,10 +186,18 @@ GPT::BlockActs GPT::block_acts(int layer) const {
   return a;
 }
 
-float* GPT::residual(int layer) const {
+float* GPT::residual(int slot, int layer) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
-  return residual_buf_.data() + layer * Nl * cfg_.d_model;
+  const std::int64_t index = static_cast<std::int64_t>(slot) * (layers_here_ + 1) + layer - stage_.first_layer;
+  return residual_buf_.data() + index * Nl * cfg_.d_model;
 }
+
+std::int64_t GPT::stage_boundary_floats(int B) const {
+  const std::int64_t N = static_cast<std::int64_t>(B) * cfg_.seq_len;
+  return (sp_ ? N / tp_ : N) * cfg_.d_model;
+}
+
+const float* GPT::stage_output(int slot) const { return residual(slot, stage_.end_layer); }
 
 GPT::Scratch GPT::scratch() const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
@@ -174,14 +220,14 @@ GPT::Scratch GPT::scratch() const {
   return s;
 }
 
-void GPT::block_forward(int l, int B) {
+void GPT::block_forward(int slot, int l, int B) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const BlockParams w = block_params(params_buf_.data(), l);
-  const BlockActs a = block_acts(l);
+  const BlockActs a = block_acts(slot, l);
   const Scratch s = scratch();
-  float* x = residual(l);         // [Nl,C] block input
-  float* xout = residual(l + 1);  // [Nl,C] block output
+  float* x = residual(slot, l);         // [Nl,C] block input
+  float* xout = residual(slot, l + 1);  // [Nl,C] block output
   // attention: column-parallel qkv (this rank's heads), row-parallel output projection
   be_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
   const float* ln1 = part_->to_full(a.ln1, s.full, N, C);                     // [N,C]
@@ -203,14 +249,14 @@ void GPT::block_forward(int l, int B) {
 }
 
 // s.dres [Nl,C]: gradient of the block's output on entry, of its input on return.
-void GPT::block_backward(int l, int B) {
+void GPT::block_backward(int slot, int l, int B) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
-  if (cfg_.recompute) block_forward(l, B);  // rebuild this block's activations from its saved input
+  if (cfg_.recompute) block_forward(slot, l, B);  // rebuild this block's activations from its saved input
   const BlockParams w = block_params(params_buf_.data(), l);
   const BlockParams dw = block_params(grads_buf_.data(), l);
-  const BlockActs a = block_acts(l);
+  const BlockActs a = block_acts(slot, l);
   const Scratch s = scratch();
   float* dres = s.dres;
   float* dxmid = s.dother;
@@ -234,76 +280,102 @@ void GPT::block_backward(int l, int B) {
   be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, ln1, w.qkvw, N, C, 3 * Cl);
   const float* dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
   be_.copy(dres, dxmid, NlC);  // the residual branch
-  be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
+  be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
 }
 
 double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int B) {
+  if (!stage_.first() || !stage_.last()) throw std::logic_error("GPT::forward on a pipeline stage: use forward_stage");
+  return forward_stage(0, inputs, nullptr, targets, B);
+}
+
+void GPT::backward(float dloss) { backward_stage(0, dloss, nullptr); }
+
+double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B) {
   if (B < 1 || B > max_rows_)
     throw std::logic_error("GPT::forward: " + std::to_string(B) + " rows, allocated for " + std::to_string(max_rows_));
-  rows_ = B;
-  const int T = cfg_.seq_len, C = cfg_.d_model, L = cfg_.layers, N = B * T, Nl = sp_ ? N / tp_ : N;
-  std::int32_t* inp = tokens_buf_.data();
+  if (slot < 0 || slot >= stage_.activation_slots)
+    throw std::logic_error("GPT::forward: slot " + std::to_string(slot) + " of " + std::to_string(stage_.activation_slots));
+  slot_rows_[slot] = B;
+  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int l0 = stage_.first_layer, l1 = stage_.end_layer;
+  std::int32_t* inp = tokens_buf_.data() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
   std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
-  for (int i = 0; i < N; ++i) {
-    inp[i] = inputs[i];
-    tgt[i] = targets[i];
-  }
-  const float* wte = params_buf_.data() + params_[0].offset;  // [Vl,C] this rank's vocabulary rows
-  const float* wpe = params_buf_.data() + params_[1].offset;
-  const float* lnfw = params_buf_.data() + params_[params_.size() - 2].offset;
-  const float* lnfb = params_buf_.data() + params_[params_.size() - 1].offset;
   const Scratch s = scratch();
 
-  // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
-  be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
-  be_.copy(residual(0), part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
-  for (int l = 0; l < L; ++l) block_forward(l, B);
+  if (stage_.first()) {
+    // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
+    for (int i = 0; i < N; ++i) inp[i] = inputs[i];
+    const float* wte = params_buf_.data() + params_[0].offset;  // [Vl,C] this rank's vocabulary rows
+    const float* wpe = params_buf_.data() + params_[1].offset;  // [T,C]
+    be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
+    be_.copy(residual(slot, l0), part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
+  } else {
+    be_.copy(residual(slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous stage's output
+  }
+  for (int l = l0; l < l1; ++l) block_forward(slot, l, B);
+  if (!stage_.last()) return 0.0;
 
-  const Head h = head();
-  be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(L), lnfw, lnfb, Nl, C);
+  for (int i = 0; i < N; ++i) tgt[i] = targets[i];
+  const float* wte = params_buf_.data() + params_[0].offset;
+  const float* lnfw = params_buf_.data() + params_[params_.size() - 2].offset;
+  const float* lnfb = params_buf_.data() + params_[params_.size() - 1].offset;
+  const Head h = head(slot);
+  be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(slot, l1), lnfw, lnfb, Nl, C);
   const float* lnf = part_->to_full(h.lnf, s.full, N, C);                       // [N,C]
   be_.matmul_forward(h.logits, lnf, wte, nullptr, N, C, vocab_local_);          // tied head: [N,Vl]
   part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
   return be_.sum(h.losses, N) / N;
 }
 
-void GPT::backward(float dloss) {
-  const int B = rows_, T = cfg_.seq_len, C = cfg_.d_model, L = cfg_.layers, N = B * T, Nl = sp_ ? N / tp_ : N;
-  if (B == 0) throw std::logic_error("GPT::backward without a forward");
-  const std::int32_t* inp = tokens_buf_.data();
+const float* GPT::backward_stage(int slot, float dloss, const float* dout) {
+  if (slot < 0 || slot >= stage_.activation_slots || slot_rows_[slot] == 0)
+    throw std::logic_error("GPT::backward: no forward held in slot " + std::to_string(slot));
+  const int B = slot_rows_[slot], T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int l0 = stage_.first_layer, l1 = stage_.end_layer;
+  const std::int32_t* inp = tokens_buf_.data() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
   const std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
-  const float* wte = params_buf_.data() + params_[0].offset;
-  const float* lnfw = params_buf_.data() + params_[params_.size() - 2].offset;
+  const Scratch s = scratch();
+  const int n_params = static_cast<int>(params_.size());
+
+  if (stage_.last()) {
+    const float* wte = params_buf_.data() + params_[0].offset;
+    const float* lnfw = params_buf_.data() + params_[n_params - 2].offset;
+    float* dwte = grads_buf_.data() + params_[0].offset;
+    float* dlnfw = grads_buf_.data() + params_[n_params - 2].offset;
+    float* dlnfb = grads_buf_.data() + params_[n_params - 1].offset;
+    const Head h = head(slot);
+    float* dlogits = h.probs;  // in place
+    part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_, vocab_begin_);
+    const float* lnf = part_->to_full(h.lnf, s.full, N, C);
+    be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, lnf, wte, N, C, vocab_local_);
+    if (grad_ready_ && !stage_.first()) grad_ready_(0, 1);  // the head's wte (a shadow here) is done
+    const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
+    be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);
+    be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
+    if (grad_ready_) grad_ready_(n_params - 2, n_params);  // ln_f
+  } else {
+    be_.copy(s.dres, dout, static_cast<std::int64_t>(Nl) * C);  // from the next stage
+  }
+  for (int l = l1 - 1; l >= l0; --l) {
+    block_backward(slot, l, B);
+    const int p0 = block_param0_ + 12 * (l - l0);
+    if (grad_ready_) grad_ready_(p0, p0 + 12);
+  }
+  slot_rows_[slot] = 0;
+  if (!stage_.first()) return s.dres;  // to the previous stage
+
   float* dwte = grads_buf_.data() + params_[0].offset;
   float* dwpe = grads_buf_.data() + params_[1].offset;
-  float* dlnfw = grads_buf_.data() + params_[params_.size() - 2].offset;
-  float* dlnfb = grads_buf_.data() + params_[params_.size() - 1].offset;
-  const Scratch s = scratch();
-  const Head h = head();
-
-  float* dlogits = h.probs;  // in place
-  part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_, vocab_begin_);
-  const float* lnf = part_->to_full(h.lnf, s.full, N, C);
-  be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, lnf, wte, N, C, vocab_local_);
-  const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
-  be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);
-  be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(L), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
-  const int n_params = static_cast<int>(params_.size());
-  if (grad_ready_) grad_ready_(n_params - 2, n_params);  // ln_f
-  for (int l = L - 1; l >= 0; --l) {
-    block_backward(l, B);
-    if (grad_ready_) grad_ready_(2 + 12 * l, 2 + 12 * (l + 1));
-  }
   const float* demb = part_->grad_to_full(s.dres, s.dfull, N, C);  // [N,C]
   be_.encoder_backward(dwte, dwpe, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
   if (grad_ready_) grad_ready_(0, 2);  // wte (tied head included), wpe
-  rows_ = 0;
+  return nullptr;
 }
 
-GPT::Head GPT::head() const {
+GPT::Head GPT::head(int slot) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
   Head h;
-  h.lnf = head_buf_.data();                   // [Nl,C]
+  h.lnf = head_buf_.data() + slot * head_floats_;  // [Nl,C]
   h.lnf_mean = h.lnf + Nl * cfg_.d_model;     // [Nl]
   h.lnf_rstd = h.lnf_mean + Nl;               // [Nl]
   h.logits = h.lnf_rstd + Nl;                 // [N,Vl]

@@ -3,7 +3,8 @@
 // (seed, name, element index), and the forward and backward passes of a micro-batch on a Backend.
 //
 // Shape letters: B micro-batch rows, T sequence length, C d_model, NH heads, V vocabulary,
-// L layers, N = B*T rows of a flattened activation.
+// L layers, N = B*T rows of a flattened activation, Nl rows on this rank (N/tp with sequence
+// parallelism), Ls layers on this pipeline stage.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -26,6 +27,16 @@ struct GPTConfig {
   void validate() const;
 };
 
+// Which part of the model this rank holds (the layer half of the partition role, filled by the
+// `pipeline` strategy). Default: the whole model, one micro-batch of activations.
+struct Stage {
+  int index = 0, count = 1;               // this stage of `count`
+  int first_layer = 0, end_layer = -1;    // blocks [first_layer, end_layer); -1: to the last
+  int activation_slots = 1;               // micro-batches whose activations are held at once
+  bool first() const { return index == 0; }            // holds the embeddings (wte, wpe)
+  bool last() const { return index == count - 1; }     // holds ln_f, the tied head and the loss
+};
+
 struct ParamInfo {
   enum class Init { normal, ones, zeros };
   std::string name;                  // "blocks.3.attn.qkv.weight"
@@ -33,6 +44,8 @@ struct ParamInfo {
   std::vector<std::int64_t> local_shape;  // this rank's shard of it (= shape when not split)
   TpSplit split = TpSplit::none;        // how the tp group splits it
   bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
+  bool shadow = false;               // a copy of a tensor another stage owns (the tied head's wte on the
+                                     // last stage): kept equal to it, not counted in norms or checkpoints
   std::int64_t offset = 0;           // into the flat parameter / gradient buffers
   std::int64_t numel = 0;            // elements of the local shard
   bool decay = false;                // AdamW weight decay applies (matrices)
@@ -43,15 +56,22 @@ struct ParamInfo {
 class GPT {
  public:
   // Allocates this rank's shard of the parameters and gradients, and the activations of
-  // micro-batches of up to `max_rows` rows. `partition` decides the shards (default: whole).
-  GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr);
+  // `stage.activation_slots` micro-batches of up to `max_rows` rows. `partition` decides the shards
+  // (default: whole), `stage` the layers (default: all).
+  GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {});
   // Flat index into the full logical tensor of element `i` of this rank's shard of `p`.
   std::int64_t global_index(const ParamInfo& p, std::int64_t i) const;
   Partition& partition() { return *part_; }
 
   const GPTConfig& config() const { return cfg_; }
+  const Stage& stage() const { return stage_; }
+  // This rank's parameters (its stage's, in its tp shard), in forward order.
   const std::vector<ParamInfo>& params() const { return params_; }
+  // Every parameter of the whole model, whichever stage holds it (offset and numel: -1 and 0 when
+  // not held here); the checkpoint writes them all.
+  const std::vector<ParamInfo>& all_params() const { return all_params_; }
   const ParamInfo& param(const std::string& name) const;  // throws std::out_of_range
+  const ParamInfo* find_param(const std::string& name) const;  // null when this rank does not hold it
   std::int64_t num_params() const { return num_params_; }
   float* param_data() { return params_buf_.data(); }
   float* grad_data() { return grads_buf_.data(); }
@@ -64,11 +84,22 @@ class GPT {
   void init_weights(std::uint64_t seed);
 
   // Forward pass on B rows of T tokens; returns the mean cross-entropy over the B*T targets.
+  // (The whole model only: one stage.)
   double forward(const std::int32_t* inputs, const std::int32_t* targets, int B);  // [B,T], [B,T]
   // Backward pass of the last forward, accumulating parameter gradients. `dloss` is the derivative
   // of the training objective with respect to this forward's mean loss (1/micro_batches when the
   // step averages over micro-batches).
   void backward(float dloss);
+
+  // The same for one pipeline stage, on the activations of slot `slot` (one in-flight micro-batch).
+  // inputs [B,T] (first stage), x_in [Nl,C] the previous stage's output (other stages), targets
+  // [B,T] (last stage). Returns the mean loss on the last stage, 0 elsewhere.
+  double forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B);
+  const float* stage_output(int slot) const;  // [Nl,C] the last block's output (not on the last stage)
+  std::int64_t stage_boundary_floats(int B) const;  // Nl*C of a micro-batch of B rows
+  // dout [Nl,C]: gradient of stage_output (not on the last stage). Returns the gradient of x_in
+  // [Nl,C] (valid until the next backward), or null on the first stage.
+  const float* backward_stage(int slot, float dloss, const float* dout);
   void zero_grad();
   // Called during backward each time the gradients of parameters [first, end) (indices into
   // params()) are complete for this micro-batch, in backward order: ln_f, the blocks from last to
@@ -103,12 +134,13 @@ class GPT {
     float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
   };
   BlockParams block_params(float* base, int layer) const;
-  BlockActs block_acts(int layer) const;
+  BlockActs block_acts(int slot, int layer) const;
   Scratch scratch() const;
-  Head head() const;
-  float* residual(int layer) const;  // block `layer`'s input, [Nl,C]; residual(L) is the last block's output
-  void block_forward(int layer, int B);
-  void block_backward(int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
+  Head head(int slot) const;
+  // block `layer`'s input in slot `slot`, [Nl,C]; residual(s, end_layer) is the stage's output
+  float* residual(int slot, int layer) const;
+  void block_forward(int slot, int layer, int B);
+  void block_backward(int slot, int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
 
   GPTConfig cfg_;
   Backend& be_;
@@ -118,17 +150,21 @@ class GPT {
   bool sp_ = false;
   int vocab_begin_ = 0, vocab_local_ = 0;  // this rank's rows of the token table
   int max_rows_;
-  int rows_ = 0;  // rows of the last forward
-  std::vector<ParamInfo> params_;
+  Stage stage_;
+  int layers_here_ = 0;                 // Ls
+  int block_param0_ = 0;                // index in params_ of the first block's first tensor
+  std::vector<int> slot_rows_;          // rows of the forward held in each slot (0: free)
+  std::vector<ParamInfo> params_, all_params_;
   std::int64_t num_params_ = 0;
   Buffer<float> params_buf_, grads_buf_;
   // activations
   std::int64_t block_act_floats_ = 0;
-  Buffer<float> residual_buf_;   // [(L+1), N, C]
-  Buffer<float> block_buf_;      // [L or 1 (recompute), block_act_floats_]
-  Buffer<float> head_buf_;       // lnf [N,C], lnf_mean/rstd [N], logits [N,V], probs [N,V], losses [N]
+  std::int64_t head_floats_ = 0;
+  Buffer<float> residual_buf_;   // [slots, Ls+1, Nl, C]
+  Buffer<float> block_buf_;      // [slots x Ls, or 1 (recompute), block_act_floats_]
+  Buffer<float> head_buf_;       // last stage, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits, probs [N,Vl], losses [N]
   Buffer<float> scratch_buf_;    // forward tmp and backward gradients of activations
-  Buffer<std::int32_t> tokens_buf_;  // inputs, targets [2, N]
+  Buffer<std::int32_t> tokens_buf_;  // [slots, 2, N] inputs, targets
   std::function<void(int, int)> grad_ready_;
 };
 

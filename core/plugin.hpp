@@ -21,7 +21,7 @@
 
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, or
 // the role interfaces in core/engine.hpp.
-#define LOOM_PLUGIN_ABI_VERSION 2
+#define LOOM_PLUGIN_ABI_VERSION 3
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -79,6 +79,9 @@ struct StrategyInfo {
   std::function<void(const LayoutContext&)> check;
   // Optional: the partition role (at most one strategy of a run fills it).
   std::function<std::unique_ptr<Partition>(PartitionContext&)> make_partition;
+  // Optional: the layer half of the partition role: which layers this rank's pipeline stage holds
+  // and how many micro-batches' activations it keeps (at most one strategy fills it).
+  std::function<Stage(PartitionContext&)> assign_stage;
   // The other roles, once the model exists.
   std::function<void(StrategyContext&, Roles&)> create;
 };

@@ -141,7 +141,16 @@ void Session::setup_collective() {
     PartitionContext pctx{deck, *grid, *backend, model_cfg};
     partition = strategy->make_partition(pctx);
   }
-  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get());
+  Stage stage;
+  bool staged = false;
+  for (const StrategyInfo* strategy : strategies) {
+    if (!strategy->assign_stage) continue;
+    if (staged) throw InputError("two strategies want to assign layers to stages: " + strategy->name + " and another");
+    PartitionContext pctx{deck, *grid, *backend, model_cfg};
+    stage = strategy->assign_stage(pctx);
+    staged = true;
+  }
+  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), stage);
   model->init_weights(seed);
   Roles roles;
   for (const StrategyInfo* strategy : strategies) {

@@ -75,8 +75,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   // Communication, per group (dp, tp, pp): counted by the communicators, read after every step.
   auto groups = s.grid->groups();
   std::vector<double> group_bytes_total(groups.size(), 0.0), group_wait_total(groups.size(), 0.0);
-  double wait_total = 0, ratio_sum = 0;
-  std::int64_t ratio_steps = 0;
+  double wait_total = 0, ratio_sum = 0, bubble_sum = 0, textbook_bubble = 0;
+  std::int64_t ratio_steps = 0, bubble_steps = 0;
   const int world = s.layout.ranks();
 
   std::int64_t steps_run = 0;
@@ -105,11 +105,21 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     }
     auto report_values = s.engine->grad_sync().step_report();
     for (auto& kv : s.model->partition().step_report()) report_values.push_back(kv);
-    for (const auto& [k, v] : report_values)
+    for (auto& kv : s.engine->schedule().step_report()) report_values.push_back(kv);
+    std::optional<double> bubble, bubble_textbook;
+    for (const auto& [k, v] : report_values) {
       if (k == "dp_allreduce_ratio") {
         ratio_sum += v;
         ++ratio_steps;
       }
+      if (k == "pp_bubble") bubble = v;
+      if (k == "pp_bubble_textbook") bubble_textbook = v;
+    }
+    if (bubble && step > start_step) {  // steady steps, like the throughput
+      bubble_sum += *bubble;
+      textbook_bubble = bubble_textbook.value_or(0.0);
+      ++bubble_steps;
+    }
     train_time += st.seconds;
     ++steps_run;
     if (step > start_step) {  // the first step pays for first-touch allocation: not steady state
@@ -154,6 +164,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(bytes).c_str(),
                   100.0 * step_wait / st.seconds, t_min * 1e3, t_max * 1e3);
     }
+    if (bubble) std::printf(" | bubble %.2f (textbook %.2f)", *bubble, bubble_textbook.value_or(0.0));
     if (val) std::printf(" | val %.4f", *val);
     std::cout << std::endl;
     nlohmann::json rec = {{"step", step + 1},
@@ -209,6 +220,10 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                                     {"wait_s", group_wait_total[gi]}};
     summary["comm"] = comm;
     if (ratio_steps) summary["dp_allreduce_ratio"] = ratio_sum / ratio_steps;
+    if (bubble_steps) {
+      summary["pp_bubble"] = bubble_sum / bubble_steps;
+      summary["pp_bubble_textbook"] = textbook_bubble;
+    }
   }
   if (last_val) summary["final_val_loss"] = *last_val;
   if (auto best = s.train_data->best_loss()) summary["best_possible_loss"] = *best;
@@ -254,6 +269,9 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                   100.0 * group_wait_total[gi] / train_time);
   if (ratio_steps)
     std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", ratio_sum / ratio_steps);
+  if (bubble_steps)
+    std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps), textbook (p-1)/(m+p-1) = %.3f\n",
+                bubble_sum / bubble_steps, textbook_bubble);
   std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s.run_dir.c_str());
   return 0;
 }

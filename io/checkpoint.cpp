@@ -115,9 +115,10 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
 // A layout-independent checksum of a logical tensor: the sum over its elements of a hash of
 // (index in the full tensor, value bits). Each element is counted by its one owner rank, so the
 // partial sums of any layout add up (MPI_SUM over the world) to the same number.
-std::uint64_t checksum(const GPT& model, const ParamInfo& p, const float* shard, bool owner) {
+std::uint64_t checksum(const GPT& model, const ParamInfo* held, const float* shard, bool owner) {
   std::uint64_t sum = 0;
   if (owner) {
+    const ParamInfo& p = *held;
     // Every split keeps each local row of a matrix contiguous in the full tensor: one index lookup
     // per row. (A split vector, e.g. the qkv bias, is not contiguous: one lookup per element.)
     const std::int64_t cols = p.local_shape.size() > 1 ? p.local_shape[1] : (p.split == TpSplit::none ? p.numel : 1);
@@ -137,10 +138,11 @@ std::uint64_t checksum(const GPT& model, const ParamInfo& p, const float* shard,
   return sum;
 }
 
-// The owner of an element under a layout: data-parallel replica 0, and for a tensor replicated
-// over the tp group, tp rank 0.
-bool is_owner(const ProcessGrid& grid, const ParamInfo& p) {
-  return grid.dp_rank() == 0 && (p.split != TpSplit::none || grid.tp_rank() == 0);
+// The owner of an element under a layout: the pipeline stage that holds the tensor (for wte the
+// first stage, not the last stage's shadow copy for the tied head), data-parallel replica 0, and
+// for a tensor replicated over the tp group, tp rank 0. `p` is null where this rank does not hold it.
+bool is_owner(const ProcessGrid& grid, const ParamInfo* p) {
+  return p && !p->shadow && grid.dp_rank() == 0 && (p->split != TpSplit::none || grid.tp_rank() == 0);
 }
 
 // The three tensor groups a checkpoint holds, and where each one's data lives on this rank.
@@ -187,30 +189,34 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
                           {"/optimizer/v/", optimizer.second_moment()}};
   int written = 0;
   for (const Group& g : groups) {
-    for (const ParamInfo& p : model.params()) {
-      std::vector<hsize_t> dims(p.shape.begin(), p.shape.end());
+    // Every rank creates every dataset of the whole model (creation is collective); the pipeline
+    // stage that holds a tensor writes it.
+    for (const ParamInfo& whole : model.all_params()) {
+      const ParamInfo* p = model.find_param(whole.name);
+      std::vector<hsize_t> dims(whole.shape.begin(), whole.shape.end());
       Handle fspace{H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose};
-      const std::string name = g.name + p.name;
+      const std::string name = g.name + whole.name;
       Handle ds{H5Dcreate2(file.id, name.c_str(), H5T_NATIVE_FLOAT, fspace.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
                 H5Dclose};
       if (ds.id < 0) abort_job("checkpoint '" + tmp + "': cannot create dataset " + name, 1);
       const bool owner = is_owner(grid, p);
-      hsize_t local = owner ? static_cast<hsize_t>(p.numel) : 0;
+      hsize_t local = owner ? static_cast<hsize_t>(p->numel) : 0;
       Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
-      if (owner) select_shard(fspace.id, p, n, r);
+      if (owner) select_shard(fspace.id, *p, n, r);
       else {
         H5Sselect_none(fspace.id);
         H5Sselect_none(mspace.id);
       }
+      const float* data = p ? g.base + p->offset : g.base;
       // Mid-file, a rank that fails cannot unwind (closing the file is collective): it takes the
       // job down, and the previous checkpoint and `latest` stay as they were.
-      if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, g.base + p.offset) < 0)
+      if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
         abort_job("checkpoint '" + tmp + "': cannot write dataset " + name, 1);
-      const std::int64_t sum = static_cast<std::int64_t>(checksum(model, p, g.base + p.offset, owner));
+      const std::int64_t sum = static_cast<std::int64_t>(checksum(model, p, data, owner));
       write_attr(ds.id, "checksum", H5T_NATIVE_INT64, sum);
       // Regression cases kill a rank here, half-way through the file, to prove that the previous
       // checkpoint and `latest` survive.
-      if (++written == static_cast<int>(model.params().size()) && inject_fault("checkpoint", state.step))
+      if (++written == static_cast<int>(model.all_params().size()) && inject_fault("checkpoint", state.step))
         abort_job("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)", 1);
     }
   }
@@ -260,8 +266,9 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
                           {"/optimizer/m/", optimizer.first_moment()},
                           {"/optimizer/v/", optimizer.second_moment()}};
   for (const Group& g : groups) {
-    for (const ParamInfo& p : model.params()) {
-      const std::string name = g.name + p.name;
+    for (const ParamInfo& whole : model.all_params()) {
+      const ParamInfo* p = model.find_param(whole.name);  // null: another stage's tensor
+      const std::string name = g.name + whole.name;
       if (H5Lexists(file.id, "/params", H5P_DEFAULT) <= 0 || H5Lexists(file.id, name.c_str(), H5P_DEFAULT) <= 0)
         fail(path, "has no readable tensor " + name + " (corrupt, or a checkpoint of another model)");
       Handle ds{H5Dopen2(file.id, name.c_str(), H5P_DEFAULT), H5Dclose};
@@ -269,17 +276,24 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
       Handle fspace{H5Dget_space(ds.id), H5Sclose};
       std::vector<hsize_t> dims(H5Sget_simple_extent_ndims(fspace.id));
       H5Sget_simple_extent_dims(fspace.id, dims.data(), nullptr);
-      if (dims != std::vector<hsize_t>(p.shape.begin(), p.shape.end()))
+      if (dims != std::vector<hsize_t>(whole.shape.begin(), whole.shape.end()))
         fail(path, "tensor " + name + " has shape " + shape_text(dims) + ", but the deck's model needs " +
-                       shape_text(p.shape) + " (model.* keys differ from the run that wrote it)");
-      hsize_t local = static_cast<hsize_t>(p.numel);
+                       shape_text(whole.shape) + " (model.* keys differ from the run that wrote it)");
+      // Every rank that holds the tensor reads its shard (the last stage's shadow of wte too); the
+      // others join the collective read with nothing selected.
+      hsize_t local = p ? static_cast<hsize_t>(p->numel) : 0;
       Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
-      select_shard(fspace.id, p, n, r);
-      if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, g.base + p.offset) < 0)
+      if (p) select_shard(fspace.id, *p, n, r);
+      else {
+        H5Sselect_none(fspace.id);
+        H5Sselect_none(mspace.id);
+      }
+      float* data = p ? g.base + p->offset : g.base;
+      if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
         fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
       std::int64_t want = 0;
       if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no checksum attribute (corrupt)");
-      const auto got = static_cast<std::int64_t>(checksum(model, p, g.base + p.offset, is_owner(grid, p)));
+      const auto got = static_cast<std::int64_t>(checksum(model, p, data, is_owner(grid, p)));
       if (got != want) fail(path, "tensor " + name + " does not match its checksum: the file is corrupt");
     }
   }

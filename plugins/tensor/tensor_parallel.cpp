@@ -131,6 +131,7 @@ class TensorPartition final : public Partition {
     double split = 0, replicated = 0;
     std::uint64_t h = 0xcbf29ce484222325ULL;
     for (const auto& p : model.params()) {
+      if (p.shadow) continue;  // the tied head's copy of wte on the last pipeline stage
       const double sq = be.sum_squares(model.grad_data() + p.offset, p.numel);
       (p.split == TpSplit::none ? replicated : split) += sq;
       if (p.split != TpSplit::none) continue;

@@ -1,0 +1,492 @@
+// The `pipeline` strategy plugin (libloom_pipeline.so): pipeline parallelism. Fills the layer half
+// of the partition role (which contiguous blocks each of the parallel.pp stages holds; the first
+// stage also the embeddings, the last ln_f, the tied head and the loss) and the schedule role (in
+// what order each stage runs the forwards and backwards of the step's micro-batches):
+//   gpipe  all forwards, then all backwards: a stage holds the activations of all m micro-batches;
+//   1f1b   warm-up forwards, then one forward / one backward, then cool-down backwards
+//          (PipeDream-flush): stage i holds at most p - i micro-batches.
+// Activations travel to the next stage and their gradients back by asynchronous send/recv on the pp
+// communicator: the receive of micro-batch k+1 is posted before micro-batch k is computed, sends do
+// not block. The tied embedding's gradient is summed between the first and last stage. Every
+// stage times its forward, backward, send, receive-wait and data intervals; the measured bubble
+// (1 - compute / schedule span) goes in the metrics next to the textbook (p-1)/(m+p-1), and
+// pipeline.trace writes the intervals of every rank as a Chrome-trace timeline.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/buffer.hpp"
+#include "core/comm.hpp"
+#include "core/error.hpp"
+#include "core/grid.hpp"
+#include "core/ledger.hpp"
+#include "core/plugin.hpp"
+
+namespace loom {
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// ---- layers to stages ---------------------------------------------------------------------------
+
+// Forward FLOPs per token of one block (matrix products 24 C^2, attention 4 T C) and of the head
+// (ln_f is negligible, the tied projection 2 C V); the embedding lookup costs next to nothing.
+double block_cost(const GPTConfig& m) { return 24.0 * m.d_model * m.d_model + 4.0 * m.seq_len * m.d_model; }
+double head_cost(const GPTConfig& m) { return 2.0 * m.d_model * m.vocab; }
+
+std::string example_list(int L, int pp) {
+  std::string s;
+  for (int i = 0; i < pp; ++i) s += (i ? "," : "") + std::to_string(L / pp + (i < L % pp ? 1 : 0));
+  return s;
+}
+
+// Layer counts per stage for pipeline.partition = uniform | balanced | "n0,n1,...".
+// Throws InputError naming the key and what would work.
+std::vector<int> stage_layers(const std::string& spec, const GPTConfig& m, int pp) {
+  const int L = m.layers;
+  std::vector<int> counts;
+  if (spec == "uniform") {
+    // Equal counts; a remainder goes to the earliest stages (the last one carries the head).
+    for (int i = 0; i < pp; ++i) counts.push_back(L / pp + (i < L % pp ? 1 : 0));
+    return counts;
+  }
+  if (spec == "balanced") {
+    // Contiguous blocks minimising the most expensive stage, the head counted on the last one
+    // (dynamic programme over (stages, layers); ties keep more layers on earlier stages).
+    const double b = block_cost(m), h = head_cost(m), inf = std::numeric_limits<double>::infinity();
+    std::vector<std::vector<double>> best(pp + 1, std::vector<double>(L + 1, inf));
+    std::vector<std::vector<int>> take(pp + 1, std::vector<int>(L + 1, 0));
+    best[0][0] = 0;
+    for (int s = 1; s <= pp; ++s)
+      for (int l = s; l <= L; ++l)
+        for (int k = 1; k <= l - (s - 1); ++k) {
+          const double cost = std::max(best[s - 1][l - k], k * b + (s == pp ? h : 0.0));
+          if (cost < best[s][l] - 1e-9 * std::abs(cost)) {
+            best[s][l] = cost;
+            take[s][l] = k;
+          }
+        }
+    counts.assign(pp, 0);
+    for (int s = pp, l = L; s >= 1; --s) {
+      counts[s - 1] = take[s][l];
+      l -= take[s][l];
+    }
+    return counts;
+  }
+  std::stringstream list(spec);
+  std::string item;
+  int sum = 0;
+  while (std::getline(list, item, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    while (end && (*end == ' ' || *end == '\t')) ++end;
+    if (item.find_first_not_of(" \t") == std::string::npos || !end || *end != '\0' || v < 1)
+      throw InputError("pipeline.partition = " + spec + ": '" + item + "' is not a positive layer count; give " +
+                       "uniform, balanced, or one count per stage adding up to model.layers, e.g. " +
+                       example_list(L, pp));
+    counts.push_back(static_cast<int>(v));
+    sum += static_cast<int>(v);
+  }
+  if (static_cast<int>(counts.size()) != pp || sum != L)
+    throw InputError("pipeline.partition = " + spec + " gives " + std::to_string(counts.size()) + " stage" +
+                     (counts.size() == 1 ? "" : "s") + " with " + std::to_string(sum) + " layers, but parallel.pp = " +
+                     std::to_string(pp) + " stages must hold model.layers = " + std::to_string(L) +
+                     ": give " + std::to_string(pp) + " positive counts that add up to " + std::to_string(L) +
+                     " (e.g. " + example_list(L, pp) + "), or uniform, or balanced");
+  return counts;
+}
+
+std::string validate_partition_syntax(const std::string& v) {
+  if (v == "uniform" || v == "balanced") return {};
+  if (v.empty() || v.find_first_not_of("0123456789, \t") != std::string::npos)
+    return "expected uniform, balanced, or a comma-separated list of layer counts per stage (e.g. 3,2,2,1)";
+  return {};
+}
+
+enum class Kind { gpipe, one_f_one_b };
+
+// The order of work on stage `i` of `p`: ('F', k) forward of micro-batch k, ('B', k) its backward.
+std::vector<std::pair<char, int>> stage_order(Kind kind, int m, int p, int i) {
+  std::vector<std::pair<char, int>> ops;
+  if (kind == Kind::gpipe) {
+    for (int k = 0; k < m; ++k) ops.push_back({'F', k});
+    for (int k = 0; k < m; ++k) ops.push_back({'B', k});
+    return ops;
+  }
+  const int warm = std::min(p - i - 1, m);
+  for (int k = 0; k < warm; ++k) ops.push_back({'F', k});
+  for (int j = 0; j < m - warm; ++j) {
+    ops.push_back({'F', warm + j});
+    ops.push_back({'B', j});
+  }
+  for (int k = m - warm; k < m; ++k) ops.push_back({'B', k});
+  return ops;
+}
+
+int activation_slots(Kind kind, int m, int p, int i) { return kind == Kind::gpipe ? m : std::min(m, p - i); }
+
+// ---- the schedule --------------------------------------------------------------------------------
+
+struct Interval {
+  const char* kind;  // "forward", "backward", "send", "recv", "data"
+  int micro;         // micro-batch, -1 for none
+  double t0, t1;     // seconds (steady clock)
+};
+
+// Per-stage numbers of one step, gathered over the pp group by one all-reduce.
+enum Stat { kBubble = 0, kInflight, kActBytes, kForwardMs, kBackwardMs, kRecvMs, kSendMs, kSpanMs, kStats };
+
+class PipelineSchedule final : public Schedule {
+ public:
+  PipelineSchedule(ProcessGrid& grid, GPT& model, Kind kind, int micro_batches, int rows, bool trace, int trace_steps,
+                   std::int64_t total_steps, std::string run_dir, std::vector<int> layers)
+      : grid_(grid), pp_(grid.pp()), kind_(kind), m_(micro_batches), p_(pp_.size()), i_(pp_.rank()),
+        first_(i_ == 0), last_(i_ == p_ - 1), slots_(model.stage().activation_slots),
+        boundary_(model.stage_boundary_floats(rows)), trace_(trace), trace_steps_(trace_steps),
+        total_steps_(total_steps), run_dir_(std::move(run_dir)), layers_(std::move(layers)) {
+    // Two buffers each way: the receive of micro-batch k+1 lands in one while k is read from the other.
+    act_in_ = Buffer<float>("Pipeline::activations_in", first_ ? 0 : 2 * boundary_, Mem::comm);
+    grad_in_ = Buffer<float>("Pipeline::gradients_in", last_ ? 0 : 2 * boundary_, Mem::comm);
+    grad_out_ = Buffer<float>("Pipeline::gradients_out", first_ ? 0 : 2 * boundary_, Mem::comm);
+    const Stage& st = model.stage();
+    describe_ = std::string(kind_ == Kind::gpipe ? "gpipe" : "1f1b") + " over pp " + std::to_string(p_) + ", " +
+                std::to_string(m_) + " micro-batches; stage " + std::to_string(i_) + " holds layers " +
+                std::to_string(st.first_layer) + ".." + std::to_string(st.end_layer - 1) +
+                (first_ ? " + embeddings" : "") + (last_ ? " + head" : "") + ", activations of " +
+                std::to_string(slots_) + " micro-batch" + (slots_ == 1 ? "" : "es") + "; layers per stage ";
+    for (std::size_t s = 0; s < layers_.size(); ++s) describe_ += (s ? "," : "") + std::to_string(layers_[s]);
+  }
+
+  std::string name() const override { return "pipeline " + describe_; }
+
+  double run(StepContext& ctx) override {
+    if (trace_ && traced_ == 0 && !trace_origin_set_) {
+      MPI_Barrier(MPI_COMM_WORLD);  // one time origin for every rank's timeline
+      trace_origin_ = now();
+      trace_origin_set_ = true;
+    }
+    events_.clear();
+    const double t_start = now();
+    begin(true);
+    double loss_sum = 0;
+    int inflight = 0, inflight_max = 0;
+    for (const auto& [op, k] : stage_order(kind_, m_, p_, i_)) {
+      if (op == 'F') {
+        loss_sum += forward(ctx, k);
+        inflight_max = std::max(inflight_max, ++inflight);
+      } else {
+        backward(ctx, k);
+        --inflight;
+      }
+      pp_.progress();
+    }
+    finish_sends();
+    const double span = now() - t_start;
+
+    // One all-reduce carries the loss (from the last stage) and every stage's numbers.
+    std::vector<double> v(1 + kStats * p_, 0.0);
+    if (last_) v[0] = loss_sum / m_;
+    double* mine = v.data() + 1 + kStats * i_;
+    double fwd = 0, bwd = 0, recv = 0, send = 0;
+    for (const Interval& e : events_) {
+      const double d = e.t1 - e.t0;
+      if (e.kind[0] == 'f') fwd += d;
+      else if (e.kind[0] == 'b') bwd += d;
+      else if (e.kind[0] == 'r') recv += d;
+      else if (e.kind[0] == 's') send += d;
+    }
+    mine[kBubble] = span > 0 ? 1.0 - (fwd + bwd) / span : 0.0;
+    mine[kInflight] = inflight_max;
+    mine[kActBytes] = static_cast<double>(Ledger::global().peak(Mem::activations));
+    mine[kForwardMs] = fwd * 1e3;
+    mine[kBackwardMs] = bwd * 1e3;
+    mine[kRecvMs] = recv * 1e3;
+    mine[kSendMs] = send * 1e3;
+    mine[kSpanMs] = span * 1e3;
+    if (p_ > 1) pp_.all_reduce(v.data(), static_cast<std::int64_t>(v.size()));
+    stats_.assign(v.begin() + 1, v.end());
+    if (trace_) record_trace(ctx.step);
+    return v[0];
+  }
+
+  double forward_only(StepContext& ctx) override {
+    begin(false);
+    double loss_sum = 0;
+    for (int k = 0; k < m_; ++k) {
+      // Without backwards a slot is free again once the activations it sent have left.
+      if (k >= slots_ && act_send_[k - slots_]) act_send_[k - slots_]->wait();
+      loss_sum += forward(ctx, k);
+      pp_.progress();
+    }
+    finish_sends();
+    double loss = last_ ? loss_sum / m_ : 0.0;
+    if (p_ > 1) loss = pp_.sum(loss);
+    return loss;
+  }
+
+  // The tied embedding: the first stage's wte and the last stage's shadow of it (the head) each
+  // hold part of the gradient. Both get first + last (the same sum, bit for bit, on both).
+  void finish_grads(GPT& model) override {
+    if (p_ == 1 || (!first_ && !last_)) return;
+    const ParamInfo& wte = model.params()[0];
+    float* g = model.grad_data() + wte.offset;
+    tied_.resize(static_cast<std::size_t>(wte.numel));
+    const int peer = first_ ? p_ - 1 : 0;
+    auto r = pp_.recv_async(tied_.data(), wte.numel, peer, kTiedTag);
+    auto s = pp_.send_async(g, wte.numel, peer, kTiedTag);
+    s->wait();
+    r->wait();
+    for (std::int64_t j = 0; j < wte.numel; ++j) g[j] += tied_[j];
+  }
+
+  double grad_sq_norm(double local) override { return p_ > 1 ? pp_.sum(local) : local; }
+
+  std::vector<std::pair<std::string, double>> step_report() const override {
+    std::vector<std::pair<std::string, double>> r;
+    if (stats_.empty()) return r;
+    double mean = 0, worst = 0;
+    for (int s = 0; s < p_; ++s) {
+      mean += stats_[kStats * s + kBubble] / p_;
+      worst = std::max(worst, stats_[kStats * s + kBubble]);
+    }
+    r.push_back({"pp_bubble", mean});
+    r.push_back({"pp_bubble_max", worst});
+    r.push_back({"pp_bubble_textbook", static_cast<double>(p_ - 1) / (m_ + p_ - 1)});
+    const char* names[kStats] = {"bubble", "inflight_max", "activation_bytes", "forward_ms",
+                                 "backward_ms", "recv_wait_ms", "send_ms", "span_ms"};
+    for (int s = 0; s < p_; ++s)
+      for (int q = 0; q < kStats; ++q)
+        r.push_back({"pp_stage" + std::to_string(s) + "_" + names[q], stats_[kStats * s + q]});
+    return r;
+  }
+
+ private:
+  static constexpr int kTiedTag = 999;  // below the communicator's collective tags (1000+)
+  // Activations of micro-batch k travel with tag 2(k mod 499), their gradients with that + 1; a tag
+  // reused after 499 micro-batches is still matched in order (MPI does not overtake).
+  static int tag(int k, int direction) { return 2 * (k % 499) + direction; }
+
+  void begin(bool backward) {
+    for (auto* v : {&act_send_, &act_recv_, &grad_recv_}) {
+      v->clear();
+      v->resize(static_cast<std::size_t>(m_));
+    }
+    if (!first_) act_recv_[0] = pp_.recv_async(act_in_.data(), boundary_, i_ - 1, tag(0, 0));
+    if (!last_ && backward) grad_recv_[0] = pp_.recv_async(grad_in_.data(), boundary_, i_ + 1, tag(0, 1));
+  }
+
+  void timed(const char* kind, int k, double t0) { events_.push_back({kind, k, t0, now()}); }
+
+  double forward(StepContext& ctx, int k) {
+    GPT& model = ctx.model;
+    const int slot = k % slots_;
+    double t0 = now();
+    if (first_ || last_) {
+      ctx.fetch(ctx.step, static_cast<std::int64_t>(k) * ctx.rows_per_micro, ctx.rows_per_micro, ctx.inputs,
+                ctx.targets);
+      ctx.times.data += now() - t0;
+      timed("data", k, t0);
+    }
+    const float* x_in = nullptr;
+    if (!first_) {
+      t0 = now();
+      act_recv_[k]->wait();
+      timed("recv", k, t0);
+      x_in = act_in_.data() + (k % 2) * boundary_;
+      if (k + 1 < m_)  // the next micro-batch's activations arrive while this one computes
+        act_recv_[k + 1] = pp_.recv_async(act_in_.data() + ((k + 1) % 2) * boundary_, boundary_, i_ - 1, tag(k + 1, 0));
+    }
+    t0 = now();
+    const double loss = model.forward_stage(slot, first_ ? ctx.inputs.data() : nullptr, x_in,
+                                            last_ ? ctx.targets.data() : nullptr, ctx.rows_per_micro);
+    ctx.times.forward += now() - t0;
+    timed("forward", k, t0);
+    if (!last_) {
+      t0 = now();
+      act_send_[k] = pp_.send_async(model.stage_output(slot), boundary_, i_ + 1, tag(k, 0));
+      timed("send", k, t0);
+    }
+    return loss;
+  }
+
+  void backward(StepContext& ctx, int k) {
+    GPT& model = ctx.model;
+    const int slot = k % slots_;
+    const float* dout = nullptr;
+    double t0 = now();
+    if (!last_) {
+      grad_recv_[k]->wait();
+      timed("recv", k, t0);
+      dout = grad_in_.data() + (k % 2) * boundary_;
+      if (k + 1 < m_)
+        grad_recv_[k + 1] = pp_.recv_async(grad_in_.data() + ((k + 1) % 2) * boundary_, boundary_, i_ + 1, tag(k + 1, 1));
+      // The next stage has the activations (it sent their gradient): the slot's send is done.
+      act_send_[k]->wait();
+    }
+    ctx.sync.begin_micro_batch(model, k, m_);
+    t0 = now();
+    const float* dx = model.backward_stage(slot, 1.0f / static_cast<float>(m_), dout);
+    ctx.times.backward += now() - t0;
+    timed("backward", k, t0);
+    if (!first_) {
+      t0 = now();
+      CommRequestPtr& older = grad_send_[k % 2];
+      if (older) older->wait();
+      float* out = grad_out_.data() + (k % 2) * boundary_;
+      std::copy_n(dx, boundary_, out);
+      older = pp_.send_async(out, boundary_, i_ - 1, tag(k, 1));
+      timed("send", k, t0);
+    }
+  }
+
+  void finish_sends() {
+    const double t0 = now();
+    for (auto& r : act_send_)
+      if (r) r->wait();
+    for (auto& r : grad_send_)
+      if (r) r->wait();
+    for (auto& r : act_send_) r.reset();
+    grad_send_[0].reset();
+    grad_send_[1].reset();
+    timed("send", -1, t0);
+  }
+
+  // Keeps this step's intervals; after pipeline.trace_steps steps (or the run's last step) every
+  // rank's intervals go to world rank 0, which writes <run.dir>/pipeline_trace.json.
+  void record_trace(std::int64_t step) {
+    if (traced_ >= trace_steps_) return;
+    std::ostringstream out;
+    const int rank = grid_.rank();
+    for (const Interval& e : events_) {
+      out << (trace_text_.empty() && out.tellp() == 0 ? "" : ",\n") << "{\"name\":\"";
+      if (e.micro >= 0) out << static_cast<char>(std::toupper(e.kind[0])) << e.micro;
+      else out << e.kind;
+      out << "\",\"cat\":\"" << e.kind << "\",\"ph\":\"X\",\"pid\":" << rank << ",\"tid\":0,\"ts\":"
+          << (e.t0 - trace_origin_) * 1e6 << ",\"dur\":" << (e.t1 - e.t0) * 1e6 << ",\"args\":{\"step\":" << step + 1
+          << ",\"micro_batch\":" << e.micro << "}}";
+    }
+    trace_text_ += out.str();
+    ++traced_;
+    if (traced_ == trace_steps_ || step + 1 == total_steps_) write_trace();
+  }
+
+  void write_trace() {
+    const int rank = grid_.rank();
+    std::ostringstream meta;
+    meta << (trace_text_.empty() ? "" : ",\n") << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << rank
+         << ",\"args\":{\"name\":\"rank " << rank << ": stage " << i_ << " (dp " << grid_.dp_rank() << ", tp "
+         << grid_.tp_rank() << ")\"}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" << rank
+         << ",\"args\":{\"sort_index\":" << rank << "}}";
+    const std::string mine = trace_text_ + meta.str();
+    int world = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    int len = static_cast<int>(mine.size());
+    std::vector<int> lens(world), displs(world, 0);
+    MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+    std::string all;
+    if (rank == 0) {
+      for (int r = 1; r < world; ++r) displs[r] = displs[r - 1] + lens[r - 1];
+      all.resize(static_cast<std::size_t>(displs[world - 1] + lens[world - 1]));
+    }
+    MPI_Gatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0, MPI_COMM_WORLD);
+    trace_text_.clear();
+    trace_steps_ = traced_;  // written once
+    if (rank != 0) return;
+    std::string body;
+    for (int r = 0; r < world; ++r) {
+      if (lens[r] == 0) continue;
+      if (!body.empty()) body += ",\n";
+      body.append(all, static_cast<std::size_t>(displs[r]), static_cast<std::size_t>(lens[r]));
+    }
+    const std::string path = run_dir_ + "/pipeline_trace.json";
+    std::ofstream f(path);
+    f << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n" << body << "\n]}\n";
+    if (!f) throw InputError("pipeline.trace: cannot write " + path + " (check run.dir)");
+    std::cout << "pipeline: wrote " << path << " (" << traced_ << " step" << (traced_ == 1 ? "" : "s")
+              << "; open it in https://ui.perfetto.dev or chrome://tracing)" << std::endl;
+  }
+
+  ProcessGrid& grid_;
+  Communicator& pp_;
+  Kind kind_;
+  int m_, p_, i_;
+  bool first_, last_;
+  int slots_;
+  std::int64_t boundary_;  // floats of one micro-batch's stage-boundary activations on this rank
+  bool trace_;
+  int trace_steps_;
+  std::int64_t total_steps_;
+  std::string run_dir_;
+  std::vector<int> layers_;
+  std::string describe_;
+  Buffer<float> act_in_, grad_in_, grad_out_;
+  std::vector<CommRequestPtr> act_send_, act_recv_, grad_recv_;
+  CommRequestPtr grad_send_[2];
+  std::vector<float> tied_;
+  std::vector<Interval> events_;
+  std::vector<double> stats_;
+  int traced_ = 0;
+  bool trace_origin_set_ = false;
+  double trace_origin_ = 0;
+  std::string trace_text_;
+};
+
+Kind kind_of(const Deck& deck) { return deck.get_string("pipeline.schedule") == "gpipe" ? Kind::gpipe : Kind::one_f_one_b; }
+
+void register_pipeline(void* p) {
+  auto& info = *static_cast<StrategyInfo*>(p);
+  info.keys.push_back(choice_key("pipeline.schedule", "1f1b", {"1f1b", "gpipe"},
+                                 "pipeline parallel: gpipe (all forwards, then all backwards) or 1f1b (warm-up, "
+                                 "one forward one backward, cool-down: at most pp micro-batches in flight)"));
+  info.keys.push_back(string_key("pipeline.partition", "uniform",
+                                 "pipeline parallel: layers per stage: uniform, balanced (by compute, the head "
+                                 "counted on the last stage) or a list of counts, e.g. 3,3,2",
+                                 validate_partition_syntax));
+  info.keys.push_back(bool_key("pipeline.trace", "false",
+                               "pipeline parallel: write <run.dir>/pipeline_trace.json, a Chrome-trace timeline of "
+                               "every rank's forward, backward, send and receive intervals"));
+  info.keys.push_back(int_key("pipeline.trace_steps", "3", 1, 1000,
+                              "pipeline parallel: steps recorded in the trace (from the first step run)"));
+  info.check = [](const LayoutContext& ctx) {
+    stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, ctx.layout.pp);  // throws if it cannot
+  };
+  info.assign_stage = [](PartitionContext& ctx) {
+    const int pp = ctx.grid.layout().pp, i = ctx.grid.pp_rank();
+    const std::vector<int> counts = stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, pp);
+    Stage st;
+    st.index = i;
+    st.count = pp;
+    for (int s = 0; s < i; ++s) st.first_layer += counts[s];
+    st.end_layer = st.first_layer + counts[i];
+    st.activation_slots = activation_slots(kind_of(ctx.deck), static_cast<int>(ctx.deck.get_int("train.micro_batches")), pp, i);
+    return st;
+  };
+  info.create = [](StrategyContext& ctx, Roles& roles) {
+    const std::vector<int> counts =
+        stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model.config(), ctx.grid.layout().pp);
+    roles.schedule = std::make_unique<PipelineSchedule>(
+        ctx.grid, ctx.model, kind_of(ctx.deck), ctx.engine.micro_batches, ctx.engine.rows_per_micro,
+        ctx.deck.get_bool("pipeline.trace"), static_cast<int>(ctx.deck.get_int("pipeline.trace_steps")),
+        ctx.engine.optimizer.steps, ctx.deck.get_string("run.dir"), counts);
+  };
+}
+
+}  // namespace
+}  // namespace loom
+
+extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
+  static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "pipeline", "0.1.0",
+                                        "pipeline parallelism: contiguous layer stages, GPipe and 1F1B micro-batch "
+                                        "schedules, asynchronous stage-to-stage send/recv, measured bubble",
+                                        loom::register_pipeline};
+  return &plugin;
+}
