@@ -7,7 +7,9 @@ a crash mid-write and a SIGTERM.
 CASE is one of:
   bitwise_dp2        dp = 2, saved at step 4 of 8, resumed on dp = 2: steps 5..8 have the same losses,
                      bit for bit, as the uninterrupted run
-  layout_dp2_to_dp1, layout_dp2_to_dp4, layout_tp2_to_tp1, layout_tp1_to_dp2_tp2_sp
+  bitwise_pp2        the same at pp = 2 (1F1B, 2 micro-batches): every stage writes its own layers
+  layout_dp2_to_dp1, layout_dp2_to_dp4, layout_tp2_to_tp1, layout_tp1_to_dp2_tp2_sp,
+  layout_pp2_to_pp1, layout_pp1_to_pp2_dp2
                      saved on one layout, resumed on another: the same model continues (losses within
                      the cross-layout tolerance of the uninterrupted run)
   refuse_truncated, refuse_corrupt, refuse_version, refuse_shape, refuse_missing_latest
@@ -128,10 +130,13 @@ def main():
         "layout_dp2_to_dp4": ((2, ["parallel.dp=2"]), (4, ["parallel.dp=4"])),
         "layout_tp2_to_tp1": ((2, ["parallel.tp=2"]), (1, [])),
         "layout_tp1_to_dp2_tp2_sp": ((1, []), (4, ["parallel.dp=2", "parallel.tp=2", "tensor.sequence_parallel=true"])),
+        "layout_pp2_to_pp1": ((2, ["parallel.pp=2", "train.micro_batches=2"]), (1, [])),
+        "layout_pp1_to_pp2_dp2": ((1, []), (4, ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=gpipe"])),
     }
-    if name == "bitwise_dp2":
-        ref, ckpt = saved(c, 2, ["parallel.dp=2"])
-        c.loom("resumed", 2, ["parallel.dp=2", "checkpoint.resume=" + ckpt])
+    bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"]}
+    if name in bitwise:
+        ref, ckpt = saved(c, 2, bitwise[name])
+        c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])
         c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, 0.0)
     elif name in layouts:
         (r0, s0), (r1, s1) = layouts[name]

@@ -9,7 +9,8 @@
 // communicator: the receive of micro-batch k+1 is posted before micro-batch k is computed, sends do
 // not block. The tied embedding's gradient is summed between the first and last stage. Every
 // stage times its forward, backward, send, receive-wait and data intervals; the measured bubble
-// (1 - compute / schedule span) goes in the metrics next to the textbook (p-1)/(m+p-1), and
+// (the share of the pipeline's span, its longest stage's, that a stage spends not computing,
+// averaged over stages) goes in the metrics next to the textbook (p-1)/(m+p-1), and
 // pipeline.trace writes the intervals of every rank as a Chrome-trace timeline.
 #include <mpi.h>
 
@@ -204,7 +205,6 @@ class PipelineSchedule final : public Schedule {
       else if (e.kind[0] == 'r') recv += d;
       else if (e.kind[0] == 's') send += d;
     }
-    mine[kBubble] = span > 0 ? 1.0 - (fwd + bwd) / span : 0.0;
     mine[kInflight] = inflight_max;
     mine[kActBytes] = static_cast<double>(Ledger::global().peak(Mem::activations));
     mine[kForwardMs] = fwd * 1e3;
@@ -214,6 +214,7 @@ class PipelineSchedule final : public Schedule {
     mine[kSpanMs] = span * 1e3;
     if (p_ > 1) pp_.all_reduce(v.data(), static_cast<std::int64_t>(v.size()));
     stats_.assign(v.begin() + 1, v.end());
+    bubbles();
     if (trace_) record_trace(ctx.step);
     return v[0];
   }
@@ -253,13 +254,8 @@ class PipelineSchedule final : public Schedule {
   std::vector<std::pair<std::string, double>> step_report() const override {
     std::vector<std::pair<std::string, double>> r;
     if (stats_.empty()) return r;
-    double mean = 0, worst = 0;
-    for (int s = 0; s < p_; ++s) {
-      mean += stats_[kStats * s + kBubble] / p_;
-      worst = std::max(worst, stats_[kStats * s + kBubble]);
-    }
-    r.push_back({"pp_bubble", mean});
-    r.push_back({"pp_bubble_max", worst});
+    r.push_back({"pp_bubble", bubble_mean_});
+    r.push_back({"pp_bubble_max", bubble_max_});
     r.push_back({"pp_bubble_textbook", static_cast<double>(p_ - 1) / (m_ + p_ - 1)});
     const char* names[kStats] = {"bubble", "inflight_max", "activation_bytes", "forward_ms",
                                  "backward_ms", "recv_wait_ms", "send_ms", "span_ms"};
@@ -282,6 +278,21 @@ class PipelineSchedule final : public Schedule {
     }
     if (!first_) act_recv_[0] = pp_.recv_async(act_in_.data(), boundary_, i_ - 1, tag(0, 0));
     if (!last_ && backward) grad_recv_[0] = pp_.recv_async(grad_in_.data(), boundary_, i_ + 1, tag(0, 1));
+  }
+
+  // The pipeline's span is the longest stage's (the stages start together: the previous step ended
+  // in collectives); a stage's bubble is the share of that span it spent not computing.
+  void bubbles() {
+    double span = 0;
+    bubble_mean_ = bubble_max_ = 0;
+    for (int s = 0; s < p_; ++s) span = std::max(span, stats_[kStats * s + kSpanMs]);
+    for (int s = 0; s < p_; ++s) {
+      const double compute = stats_[kStats * s + kForwardMs] + stats_[kStats * s + kBackwardMs];
+      const double bubble = span > 0 ? 1.0 - compute / span : 0.0;
+      stats_[kStats * s + kBubble] = bubble;
+      bubble_mean_ += bubble / p_;
+      bubble_max_ = std::max(bubble_max_, bubble);
+    }
   }
 
   void timed(const char* kind, int k, double t0) { events_.push_back({kind, k, t0, now()}); }
@@ -433,7 +444,8 @@ class PipelineSchedule final : public Schedule {
   CommRequestPtr grad_send_[2];
   std::vector<float> tied_;
   std::vector<Interval> events_;
-  std::vector<double> stats_;
+  std::vector<double> stats_;  // per stage, Stat order
+  double bubble_mean_ = 0, bubble_max_ = 0;
   int traced_ = 0;
   bool trace_origin_set_ = false;
   double trace_origin_ = 0;
