@@ -312,7 +312,10 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   } else {
     be_.copy(residual(slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous stage's output
   }
-  for (int l = l0; l < l1; ++l) block_forward(slot, l, B);
+  for (int l = l0; l < l1; ++l) {
+    block_forward(slot, l, B);
+    if (progress_) progress_();
+  }
   if (!stage_.last()) return 0.0;
 
   for (int i = 0; i < N; ++i) tgt[i] = targets[i];
@@ -360,6 +363,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout) {
     block_backward(slot, l, B);
     const int p0 = block_param0_ + 12 * (l - l0);
     if (grad_ready_) grad_ready_(p0, p0 + 12);
+    if (progress_) progress_();
   }
   slot_rows_[slot] = 0;
   if (!stage_.first()) return s.dres;  // to the previous stage

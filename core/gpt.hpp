@@ -105,6 +105,9 @@ class GPT {
   // params()) are complete for this micro-batch, in backward order: ln_f, the blocks from last to
   // first, then the embeddings. Gradient sync uses it to start communication early.
   void set_grad_ready_hook(std::function<void(int first, int end)> hook) { grad_ready_ = std::move(hook); }
+  // Called after every block's forward and backward: a strategy with messages in flight advances
+  // them there (MPI moves a large message only while one of its ends is inside an MPI call).
+  void set_progress_hook(std::function<void()> hook) { progress_ = std::move(hook); }
 
   // Model FLOPs per trained token (forward + backward = 3 x forward) of the whole model, whatever
   // the layout: 6 x (weights in matrix products, the tied head included) + 12 x L x T x C for
@@ -166,6 +169,7 @@ class GPT {
   Buffer<float> scratch_buf_;    // forward tmp and backward gradients of activations
   Buffer<std::int32_t> tokens_buf_;  // [slots, 2, N] inputs, targets
   std::function<void(int, int)> grad_ready_;
+  std::function<void()> progress_;
 };
 
 }  // namespace loom

@@ -12,6 +12,7 @@
 #include "core/plugin.hpp"
 #include "driver/blas_core.hpp"
 #include "driver/commands.hpp"
+#include "driver/session.hpp"
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
 #include "loom/build_info.hpp"
@@ -28,7 +29,8 @@ const char* kUsage =
     "  run DECK [--set section.key=value ...] [--help-deck]\n"
     "                 train the model the deck describes; writes run.dir/{metrics.jsonl,summary.json,report.json}\n"
     "  check DECK [--set section.key=value ...]\n"
-    "                 validate the deck and print it resolved, with every default\n"
+    "                 validate the deck and its layout (for as many ranks as it needs) and print it\n"
+    "                 resolved, with every default\n"
     "  export DECK OUT.h5 [--set section.key=value ...]\n"
     "                 train on one process and write weights, batches, losses and gradients for the PyTorch\n"
     "                 oracle (regression/oracle.py)\n"
@@ -127,7 +129,11 @@ int dispatch(int argc, char** argv, int rank) {
   if (command == "check") {
     need_positional(a, 1, "DECK");
     const Deck deck = Deck::load(schema, a.positional[0], a.sets);
-    if (rank == 0) std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << "\n";
+    // The layout as the job that runs the deck would see it (as many ranks as it needs).
+    const LayoutPlan plan = plan_layout(deck, registry, -1);
+    if (rank == 0)
+      std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
+                << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks)\n";
     return 0;
   }
   if (command == "run") {

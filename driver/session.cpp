@@ -45,34 +45,32 @@ void run_agreed(const std::function<void()>& fn) {
   agree_on_error(local_error);
 }
 
-void Session::setup_local() {
-  const Deck& d = deck;
-  model_cfg.layers = static_cast<int>(d.get_int("model.layers"));
-  model_cfg.d_model = static_cast<int>(d.get_int("model.d_model"));
-  model_cfg.heads = static_cast<int>(d.get_int("model.heads"));
-  model_cfg.seq_len = static_cast<int>(d.get_int("model.seq_len"));
-  model_cfg.vocab = static_cast<int>(d.get_int("model.vocab"));
-  model_cfg.recompute = d.get_bool("model.recompute");
-  model_cfg.validate();
+LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int world) {
+  LayoutPlan plan;
+  GPTConfig& m = plan.model;
+  m.layers = static_cast<int>(d.get_int("model.layers"));
+  m.d_model = static_cast<int>(d.get_int("model.d_model"));
+  m.heads = static_cast<int>(d.get_int("model.heads"));
+  m.seq_len = static_cast<int>(d.get_int("model.seq_len"));
+  m.vocab = static_cast<int>(d.get_int("model.vocab"));
+  m.recompute = d.get_bool("model.recompute");
+  m.validate();
 
-  steps = d.get_int("train.steps");
-  global_batch = static_cast<int>(d.get_int("train.batch"));
-  const int micro = static_cast<int>(d.get_int("train.micro_batches"));
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  layout.dp = static_cast<int>(d.get_int("parallel.dp"));
-  layout.tp = static_cast<int>(d.get_int("parallel.tp"));
-  layout.pp = static_cast<int>(d.get_int("parallel.pp"));
-  check_layout(layout, world, model_cfg, global_batch, micro);
-  rows_per_rank = global_batch / layout.dp;
-  engine_cfg.micro_batches = micro;
-  engine_cfg.rows_per_micro = rows_per_rank / micro;
+  plan.global_batch = static_cast<int>(d.get_int("train.batch"));
+  plan.micro_batches = static_cast<int>(d.get_int("train.micro_batches"));
+  plan.layout.dp = static_cast<int>(d.get_int("parallel.dp"));
+  plan.layout.tp = static_cast<int>(d.get_int("parallel.tp"));
+  plan.layout.pp = static_cast<int>(d.get_int("parallel.pp"));
+  check_layout(plan.layout, world < 0 ? plan.layout.ranks() : world, m, plan.global_batch, plan.micro_batches);
+  plan.rows_per_rank = plan.global_batch / plan.layout.dp;
+  plan.rows_per_micro = plan.rows_per_rank / plan.micro_batches;
 
   // The strategies this run needs, each with the deck setting that asks for it.
   std::vector<std::pair<std::string, std::string>> wanted;
-  if (layout.dp > 1) wanted.push_back({"data", "parallel.dp = " + std::to_string(layout.dp)});
-  if (layout.tp > 1) wanted.push_back({"tensor", "parallel.tp = " + std::to_string(layout.tp)});
-  if (layout.pp > 1) wanted.push_back({"pipeline", "parallel.pp = " + std::to_string(layout.pp)});
+  const Layout& l = plan.layout;
+  if (l.dp > 1) wanted.push_back({"data", "parallel.dp = " + std::to_string(l.dp)});
+  if (l.tp > 1) wanted.push_back({"tensor", "parallel.tp = " + std::to_string(l.tp)});
+  if (l.pp > 1) wanted.push_back({"pipeline", "parallel.pp = " + std::to_string(l.pp)});
   {
     std::stringstream list(d.get_string("run.plugins"));
     std::string name;
@@ -83,9 +81,25 @@ void Session::setup_local() {
     }
   }
   if (wanted.empty()) wanted.push_back({"local", "one replica"});
-  strategies = resolve_strategies(registry, wanted);
-  for (const StrategyInfo* strategy : strategies)
-    if (strategy->check) strategy->check(LayoutContext{d, layout, model_cfg, engine_cfg.rows_per_micro});
+  plan.strategies = resolve_strategies(registry, wanted);
+  for (const StrategyInfo* strategy : plan.strategies)
+    if (strategy->check) strategy->check(LayoutContext{d, l, m, plan.rows_per_micro});
+  return plan;
+}
+
+void Session::setup_local() {
+  const Deck& d = deck;
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  LayoutPlan plan = plan_layout(d, registry, world);
+  model_cfg = plan.model;
+  layout = plan.layout;
+  global_batch = plan.global_batch;
+  rows_per_rank = plan.rows_per_rank;
+  engine_cfg.micro_batches = plan.micro_batches;
+  engine_cfg.rows_per_micro = plan.rows_per_micro;
+  strategies = std::move(plan.strategies);
+  steps = d.get_int("train.steps");
   auto& o = engine_cfg.optimizer;
   o.lr = d.get_float("train.lr");
   o.lr_min = d.get_float("train.lr_min");

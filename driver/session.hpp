@@ -17,6 +17,17 @@
 
 namespace loom {
 
+// What a deck asks of the layout, checked without communicating: the model, the layout (against a
+// job of `world` ranks; -1: as many as the layout needs), the batch split, and the strategies it
+// needs, each of which has checked the layout. Throws InputError naming keys and what would work.
+struct LayoutPlan {
+  GPTConfig model;
+  Layout layout;
+  int global_batch = 0, micro_batches = 1, rows_per_rank = 0, rows_per_micro = 0;
+  std::vector<const StrategyInfo*> strategies;
+};
+LayoutPlan plan_layout(const Deck& deck, const StrategyRegistry& registry, int world);
+
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.
   Session(const Deck& deck, const StrategyRegistry& registry);

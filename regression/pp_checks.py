@@ -6,8 +6,10 @@
 CHECK is one of:
   bubble     pp = 2, GPipe and 1F1B, m = 1, 4, 8 micro-batches: the measured bubble (median over
              steps; each step's is the share of the pipeline's span a stage spends not computing,
-             averaged over stages) lies within BUBBLE_TOL of the textbook (p-1)/(m+p-1), and falls
-             as m grows
+             averaged over stages) lies within BUBBLE_TOL of (p-1)/(m+p-1) evaluated with the stages'
+             measured compute times (for equal stages, the textbook value; at m = 1 it is the
+             textbook value whatever the stages' speeds, and is checked against it), and falls as
+             m grows
   memory     what the ledger and the schedule report at pp = 2: GPipe holds the activations of all m
              micro-batches on every stage, 1F1B at most p - stage; the activation bytes grow by the
              same amount per held micro-batch (GPipe m = 8 minus 1F1B m = 8 on stage 0 is exactly
@@ -30,8 +32,8 @@ import statistics
 import subprocess
 import sys
 
-BUBBLE_TOL = 0.08  # absolute, on a fraction; the shared 2-core test machine is noisy
-SKEW_US = 200      # how far apart two ranks' trace clocks may start (they leave one barrier)
+BUBBLE_TOL = 0.05  # absolute, on a fraction: the send/receive and data time the formula leaves out
+SKEW_US = 1        # rounding: on one node both timelines share the steady clock's origin
 
 # Compute-bound micro-batches (64 tokens x d_model 128) so that the schedule, not the overhead, shows.
 DECK = """[model]
@@ -100,12 +102,23 @@ def check_bubble(c):
                                                           "train.batch=32"])
             steady = recs[1:]  # the first step pays for first-touch allocation
             bubble = statistics.median(r["pp_bubble"] for r in steady)
+            expected = statistics.median(r["pp_bubble_expected"] for r in steady)
             textbook = steady[0]["pp_bubble_textbook"]
             measured.append(bubble)
             c.expect(abs(textbook - (2 - 1) / (m + 2 - 1)) < 1e-12, "%s m=%d: textbook bubble reported as %.4f" % (schedule, m, textbook))
-            c.expect(abs(bubble - textbook) <= BUBBLE_TOL,
-                     "%s m=%d: measured bubble %.3f vs textbook (p-1)/(m+p-1) = %.3f (|diff| %.3f <= %.2f)"
-                     % (schedule, m, bubble, textbook, abs(bubble - textbook), BUBBLE_TOL))
+            if m == 1:
+                # One micro-batch: the span is every stage's work end to end whatever the stages'
+                # speeds, so the bubble is exactly (p-1)/p in theory.
+                c.expect(abs(bubble - textbook) <= BUBBLE_TOL,
+                         "%s m=1: measured bubble %.3f vs textbook (p-1)/(m+p-1) = %.3f (|diff| %.3f <= %.2f)"
+                         % (schedule, bubble, textbook, abs(bubble - textbook), BUBBLE_TOL))
+            # The formula with this run's measured stage times (equal stages: the textbook value). The
+            # machine may run one rank slower than the other; that imbalance is a real bubble, and the
+            # formula accounts for it; what it leaves out is communication and overhead.
+            c.expect(abs(bubble - expected) <= BUBBLE_TOL,
+                     "%s m=%d: measured bubble %.3f vs the formula with the measured stage times %.3f "
+                     "(|diff| %.3f <= %.2f; textbook for equal stages %.3f)"
+                     % (schedule, m, bubble, expected, abs(bubble - expected), BUBBLE_TOL, textbook))
         c.expect(measured[0] > measured[1] > measured[2] - 0.02,
                  "%s: the bubble falls as micro-batches grow: %s" % (schedule, ", ".join("%.3f" % b for b in measured)))
 
@@ -162,7 +175,6 @@ def check_trace(c):
             b0, b1 = ends.get((0, "B%d" % k)), ends.get((1, "B%d" % k))
             if None in (f0, f1, b0, b1):
                 continue
-            # (the two timelines share an origin taken after a barrier: allow its skew)
             c.expect(f1[0] >= f0[1] - SKEW_US and b0[0] >= b1[1] - SKEW_US,
                      "step %d micro-batch %d: stage 1 forwards it after stage 0 (%.0f >= %.0f us), stage 0 "
                      "backwards it after stage 1 (%.0f >= %.0f us)" % (step, k, f1[0], f0[1], b0[0], b1[1]))

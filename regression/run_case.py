@@ -9,6 +9,7 @@ A case records its deck lines and what to check, LAMMPS-style:
   "sets":     --set overrides for the run under test
   "ranks":    MPI ranks (default 1; launched with mpirun -n R when R > 1 or "mpirun" is true)
   "env":      extra environment (@BUILD@ stands for the directory of the loom binary)
+  "command":  the loom command (default "run"; "check" validates the deck and its layout only)
   "timeout":  seconds before the run counts as hung (default 600)
   "check":    one of
      "golden"   compare the per-step losses (and the final val loss) with "golden", values recorded at

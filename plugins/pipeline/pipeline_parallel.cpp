@@ -165,14 +165,24 @@ class PipelineSchedule final : public Schedule {
                 (first_ ? " + embeddings" : "") + (last_ ? " + head" : "") + ", activations of " +
                 std::to_string(slots_) + " micro-batch" + (slots_ == 1 ? "" : "es") + "; layers per stage ";
     for (std::size_t s = 0; s < layers_.size(); ++s) describe_ += (s ? "," : "") + std::to_string(layers_[s]);
+    // Between blocks, move the stage-boundary messages in flight: a large message travels only
+    // while one of its ends is inside MPI, and the neighbour stage is waiting for it.
+    model.set_progress_hook([this] { pp_.progress(); });
+    model_ = &model;
   }
+  ~PipelineSchedule() override { model_->set_progress_hook({}); }
 
   std::string name() const override { return "pipeline " + describe_; }
 
   double run(StepContext& ctx) override {
     if (trace_ && traced_ == 0 && !trace_origin_set_) {
-      MPI_Barrier(MPI_COMM_WORLD);  // one time origin for every rank's timeline
+      // One time origin for every rank's timeline: on one node the steady clock is shared, so rank
+      // 0's reading is exact for all; across nodes, each rank's reading as it leaves a barrier.
+      MPI_Barrier(MPI_COMM_WORLD);
       trace_origin_ = now();
+      double origin0 = trace_origin_;
+      MPI_Bcast(&origin0, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+      if (grid_.nodes() == 1) trace_origin_ = origin0;
       trace_origin_set_ = true;
     }
     events_.clear();
@@ -257,6 +267,7 @@ class PipelineSchedule final : public Schedule {
     r.push_back({"pp_bubble", bubble_mean_});
     r.push_back({"pp_bubble_max", bubble_max_});
     r.push_back({"pp_bubble_textbook", static_cast<double>(p_ - 1) / (m_ + p_ - 1)});
+    r.push_back({"pp_bubble_expected", bubble_expected_});
     const char* names[kStats] = {"bubble", "inflight_max", "activation_bytes", "forward_ms",
                                  "backward_ms", "recv_wait_ms", "send_ms", "span_ms"};
     for (int s = 0; s < p_; ++s)
@@ -281,11 +292,25 @@ class PipelineSchedule final : public Schedule {
   }
 
   // The pipeline's span is the longest stage's (the stages start together: the previous step ended
-  // in collectives); a stage's bubble is the share of that span it spent not computing.
+  // in collectives); a stage's bubble is the share of that span it spent not computing. The
+  // textbook (p-1)/(m+p-1) assumes equal stages; `expected` is the same model with this step's
+  // measured per-micro-batch forward f_i and backward b_i of each stage and free communication:
+  // span = sum_i (f_i + b_i) + (m-1) x the slowest stage's rate: GPipe streams all forwards then all
+  // backwards (max_i f_i + max_i b_i), 1F1B alternates them (max_i (f_i + b_i)); both give
+  // (m+p-1)(f+b) for equal stages.
+  // measured - expected is what communication and overheads cost; expected - textbook, imbalance.
   void bubbles() {
-    double span = 0;
+    double span = 0, fmax = 0, bmax = 0, fbmax = 0, fb_sum = 0, compute_sum = 0;
     bubble_mean_ = bubble_max_ = 0;
-    for (int s = 0; s < p_; ++s) span = std::max(span, stats_[kStats * s + kSpanMs]);
+    for (int s = 0; s < p_; ++s) {
+      const double* st = &stats_[kStats * s];
+      span = std::max(span, st[kSpanMs]);
+      fmax = std::max(fmax, st[kForwardMs] / m_);
+      bmax = std::max(bmax, st[kBackwardMs] / m_);
+      fbmax = std::max(fbmax, (st[kForwardMs] + st[kBackwardMs]) / m_);
+      fb_sum += (st[kForwardMs] + st[kBackwardMs]) / m_;
+      compute_sum += st[kForwardMs] + st[kBackwardMs];
+    }
     for (int s = 0; s < p_; ++s) {
       const double compute = stats_[kStats * s + kForwardMs] + stats_[kStats * s + kBackwardMs];
       const double bubble = span > 0 ? 1.0 - compute / span : 0.0;
@@ -293,6 +318,8 @@ class PipelineSchedule final : public Schedule {
       bubble_mean_ += bubble / p_;
       bubble_max_ = std::max(bubble_max_, bubble);
     }
+    const double model_span = fb_sum + (m_ - 1) * (kind_ == Kind::gpipe ? fmax + bmax : fbmax);
+    bubble_expected_ = model_span > 0 ? 1.0 - compute_sum / (p_ * model_span) : 0.0;
   }
 
   void timed(const char* kind, int k, double t0) { events_.push_back({kind, k, t0, now()}); }
@@ -428,6 +455,7 @@ class PipelineSchedule final : public Schedule {
 
   ProcessGrid& grid_;
   Communicator& pp_;
+  GPT* model_ = nullptr;
   Kind kind_;
   int m_, p_, i_;
   bool first_, last_;
@@ -445,7 +473,7 @@ class PipelineSchedule final : public Schedule {
   std::vector<float> tied_;
   std::vector<Interval> events_;
   std::vector<double> stats_;  // per stage, Stat order
-  double bubble_mean_ = 0, bubble_max_ = 0;
+  double bubble_mean_ = 0, bubble_max_ = 0, bubble_expected_ = 0;
   int traced_ = 0;
   bool trace_origin_set_ = false;
   double trace_origin_ = 0;
