@@ -4,9 +4,10 @@
     python3 bench/pipeline.py --loom build/loom [--steps 12]
 
 Trains bench/bench.deck (the same global batch of 8 every time) at pp = 1, then at pp = 2 with the
-GPipe and 1F1B schedules and m = 1, 2, 4, 8 micro-batches, one BLAS thread per rank, and prints for
+GPipe and 1F1B schedules and m = 1, 2, 4, 8 micro-batches (and interleaved 1F1B with 2 virtual
+stages at m = 2, 4, 8), one BLAS thread per rank, and prints for
 each: tokens/s and the ratio to pp = 1, the measured pipeline bubble (median over steps after the
-first of the per-step bubble) next to the textbook (p-1)/(m+p-1), the peak activation memory of
+first of the per-step bubble) next to the textbook (p-1)/(vm+p-1), the peak activation memory of
 stage 0 and stage 1 from the ledger, and the most micro-batches each stage held activations for at
 once. GPipe holds all m on stage 0; 1F1B holds at most p, so its activation memory stops growing
 with m while the bubble still shrinks. Standard library only. A benchmark, not a test.
@@ -25,11 +26,11 @@ MICRO_BATCHES = (1, 2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def run(loom, mpirun, pp, schedule, m, steps, workdir, timeout):
-    rundir = os.path.join(workdir, "pp1" if pp == 1 else "pp%d-%s-m%d" % (pp, schedule, m))
+def run(loom, mpirun, pp, schedule, m, steps, workdir, timeout, virtual=1):
+    rundir = os.path.join(workdir, "pp1" if pp == 1 else "pp%d-%s-v%d-m%d" % (pp, schedule, virtual, m))
     cmd = [mpirun, "-n", str(pp), loom, "run", os.path.join(HERE, "bench.deck"), "--set", "parallel.pp=%d" % pp]
     if pp > 1:
-        cmd += ["--set", "pipeline.schedule=" + schedule]
+        cmd += ["--set", "pipeline.schedule=" + schedule, "--set", "pipeline.virtual_stages=%d" % virtual]
     cmd += ["--set", "train.micro_batches=%d" % m, "--set", "train.steps=%d" % steps,
             "--set", "train.log_every=1", "--set", "run.dir=" + rundir]
     print("$ " + " ".join(cmd), flush=True)
@@ -67,16 +68,20 @@ def main():
 
     base, _ = run(args.loom, args.mpirun, 1, None, 1, args.steps, args.workdir, args.timeout)
     rows = []
-    for schedule in SCHEDULES:
-        for m in MICRO_BATCHES:
-            s, recs = run(args.loom, args.mpirun, PP, schedule, m, args.steps, args.workdir, args.timeout)
+    # GPipe and 1F1B at every m; interleaved 1F1B (2 virtual stages: 4 chunks of one layer) where m is
+    # a multiple of pp, as it requires.
+    plan = [(sch, 1, m) for sch in SCHEDULES for m in MICRO_BATCHES] + \
+           [("1f1b", 2, m) for m in MICRO_BATCHES if m % PP == 0]
+    for schedule, virtual, m in plan:
+            s, recs = run(args.loom, args.mpirun, PP, schedule, m, args.steps, args.workdir, args.timeout, virtual)
             steady = recs[1:]  # the first step pays for first-touch allocation
             last = recs[-1]
             rows.append({
-                "schedule": schedule, "m": m, "tokens_per_s": s["tokens_per_s"],
+                "schedule": schedule if virtual == 1 else "1f1b v%d" % virtual, "m": m,
+                "tokens_per_s": s["tokens_per_s"],
                 "ratio_vs_pp1": s["tokens_per_s"] / base["tokens_per_s"],
                 "bubble": statistics.median(r["pp_bubble"] for r in steady),
-                "bubble_textbook": (PP - 1) / (m + PP - 1),
+                "bubble_textbook": (PP - 1) / (virtual * m + PP - 1),
                 "activation_bytes": [last["pp_stage%d_activation_bytes" % st] for st in range(PP)],
                 "inflight_max": [int(last["pp_stage%d_inflight_max" % st]) for st in range(PP)],
             })

@@ -17,13 +17,16 @@ void GPTConfig::validate() const {
 GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage)
     : cfg_(cfg), be_(backend), part_(partition ? partition : &default_partition_), max_rows_(max_rows), stage_(stage) {
   cfg_.validate();
-  if (stage_.end_layer < 0) stage_.end_layer = cfg.layers;
-  if (stage_.first_layer < 0 || stage_.first_layer >= stage_.end_layer || stage_.end_layer > cfg.layers ||
-      stage_.activation_slots < 1)
-    throw std::logic_error("GPT: stage " + std::to_string(stage_.index) + " holds layers [" +
-                           std::to_string(stage_.first_layer) + ", " + std::to_string(stage_.end_layer) + ") of " +
-                           std::to_string(cfg.layers));
-  layers_here_ = stage_.end_layer - stage_.first_layer;
+  if (stage_.chunks.empty()) stage_.chunks.push_back({0, cfg.layers, 1});
+  layer_pos_.assign(static_cast<std::size_t>(cfg.layers), -1);
+  int held = 0, prev_end = 0;
+  for (const Stage::Chunk& c : stage_.chunks) {
+    if (c.first_layer < prev_end || c.first_layer >= c.end_layer || c.end_layer > cfg.layers || c.activation_slots < 1)
+      throw std::logic_error("GPT: stage " + std::to_string(stage_.index) + " chunk [" + std::to_string(c.first_layer) +
+                             ", " + std::to_string(c.end_layer) + ") of " + std::to_string(cfg.layers) + " layers");
+    for (int l = c.first_layer; l < c.end_layer; ++l) layer_pos_[l] = held++;
+    prev_end = c.end_layer;
+  }
   tp_ = part_->size();
   tp_rank_ = part_->rank();
   sp_ = part_->sequence_parallel();
@@ -77,13 +80,13 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     const bool here = i == 0   ? stage_.first() || stage_.last()
                       : i == 1 ? stage_.first()
                       : block < 0 ? stage_.last()
-                                  : block >= stage_.first_layer && block < stage_.end_layer;
+                                  : layer_pos_[block] >= 0;
     if (!here) {
       p.offset = -1;
       p.numel = 0;
       continue;
     }
-    if (block == stage_.first_layer && (i - 2) % 12 == 0) block_param0_ = static_cast<int>(params_.size());
+    if (block >= 0 && layer_pos_[block] == 0 && (i - 2) % 12 == 0) block_param0_ = static_cast<int>(params_.size());
     ParamInfo local = p;
     local.shadow = i == 0 && !stage_.first();
     local.offset = num_params_;
@@ -95,22 +98,31 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   grads_buf_ = Buffer<float>("GPT::grads", num_params_, Mem::grads);
 
   // Activations. Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one
-  // set per slot (in-flight micro-batch).
-  const std::int64_t slots = stage_.activation_slots, Ls = layers_here_;
+  // set per slot (in-flight micro-batch) of each chunk.
   const std::int64_t N = static_cast<std::int64_t>(max_rows) * T, Nl = sp_ ? N / tp : N, NHl = cfg.heads / tp;
   block_act_floats_ = Nl * C * 3 + Nl * 4 + N * 3 * Cl + static_cast<std::int64_t>(max_rows) * NHl * T * T + N * Cl +
                       N * 2 * Fl;
-  const std::int64_t saved_blocks = cfg.recompute ? 1 : slots * Ls;
-  head_floats_ = stage_.last() ? Nl * C + 2 * Nl + 2 * N * Vl + N : 0;
-  residual_buf_ = Buffer<float>("GPT::residual", slots * (Ls + 1) * Nl * C, Mem::activations);
+  std::int64_t residuals = 0, acts = 0;
+  int max_slots = 1;
+  for (const Stage::Chunk& c : stage_.chunks) {
+    residual0_.push_back(residuals);
+    acts0_.push_back(acts);
+    residuals += static_cast<std::int64_t>(c.activation_slots) * (c.end_layer - c.first_layer + 1);
+    acts += static_cast<std::int64_t>(c.activation_slots) * (c.end_layer - c.first_layer);
+    max_slots = std::max(max_slots, c.activation_slots);
+    slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
+  }
+  const std::int64_t saved_blocks = cfg.recompute ? 1 : acts;
+  const std::int64_t head_slots = stage_.last() ? stage_.chunks.back().activation_slots : 0;
+  head_floats_ = Nl * C + 2 * Nl + 2 * N * Vl + N;
+  residual_buf_ = Buffer<float>("GPT::residual", residuals * Nl * C, Mem::activations);
   block_buf_ = Buffer<float>("GPT::block_activations", saved_blocks * block_act_floats_, Mem::activations);
-  head_buf_ = Buffer<float>("GPT::head_activations", slots * head_floats_, Mem::activations);
+  head_buf_ = Buffer<float>("GPT::head_activations", head_slots * head_floats_, Mem::activations);
   // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
   // [N,C], dqkv [N,3Cl], datt [T,T], datty [N,Cl], dfch, dfch_gelu [N,Fl]
   scratch_buf_ = Buffer<float>("GPT::scratch", N * C * 4 + Nl * C * 4 + N * 3 * Cl + T * T + N * Cl + N * 2 * Fl,
                                Mem::activations);
-  tokens_buf_ = Buffer<std::int32_t>("GPT::tokens", slots * 2 * N, Mem::workspace);
-  slot_rows_.assign(static_cast<std::size_t>(slots), 0);
+  tokens_buf_ = Buffer<std::int32_t>("GPT::tokens", max_slots * 2 * N, Mem::workspace);
 }
 
 std::int64_t GPT::global_index(const ParamInfo& p, std::int64_t i) const {
@@ -159,16 +171,18 @@ void GPT::init_weights(std::uint64_t seed) {
 
 GPT::BlockParams GPT::block_params(float* base, int layer) const {
   // The 12 tensors of a block are consecutive in params_, after the embeddings (first stage).
-  const ParamInfo* p = &params_[block_param0_ + 12 * static_cast<std::size_t>(layer - stage_.first_layer)];
+  const ParamInfo* p = &params_[block_param0_ + 12 * static_cast<std::size_t>(layer_pos_[layer])];
   float* q[12];
   for (int i = 0; i < 12; ++i) q[i] = base + p[i].offset;
   return {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
 }
 
-GPT::BlockActs GPT::block_acts(int slot, int layer) const {
+GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
   const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, NHl = cfg_.heads / tp_, Cl = C / tp_, Fl = 4 * C / tp_;
-  const std::int64_t index = cfg_.recompute ? 0 : static_cast<std::int64_t>(slot) * layers_here_ + layer - stage_.first_layer;
+  const Stage::Chunk& c = stage_.chunks[chunk];
+  const std::int64_t index =
+      cfg_.recompute ? 0 : acts0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer) + layer - c.first_layer;
   float* p = block_buf_.data() + index * block_act_floats_;
   BlockActs a;
   a.ln1 = p;            p += Nl * C;
@@ -186,9 +200,11 @@ GPT::BlockActs GPT::block_acts(int slot, int layer) const {
   return a;
 }
 
-float* GPT::residual(int slot, int layer) const {
+float* GPT::residual(int chunk, int slot, int layer) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
-  const std::int64_t index = static_cast<std::int64_t>(slot) * (layers_here_ + 1) + layer - stage_.first_layer;
+  const Stage::Chunk& c = stage_.chunks[chunk];
+  const std::int64_t index =
+      residual0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer + 1) + layer - c.first_layer;
   return residual_buf_.data() + index * Nl * cfg_.d_model;
 }
 
@@ -197,7 +213,14 @@ std::int64_t GPT::stage_boundary_floats(int B) const {
   return (sp_ ? N / tp_ : N) * cfg_.d_model;
 }
 
-const float* GPT::stage_output(int slot) const { return residual(slot, stage_.end_layer); }
+const float* GPT::stage_output(int slot, int chunk) const { return residual(chunk, slot, stage_.chunks[chunk].end_layer); }
+
+void GPT::check_slot(int chunk, int slot, const char* what) const {
+  if (chunk < 0 || chunk >= static_cast<int>(stage_.chunks.size()) || slot < 0 ||
+      slot >= stage_.chunks[chunk].activation_slots)
+    throw std::logic_error(std::string("GPT::") + what + ": no slot " + std::to_string(slot) + " in chunk " +
+                           std::to_string(chunk));
+}
 
 GPT::Scratch GPT::scratch() const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
@@ -220,14 +243,14 @@ GPT::Scratch GPT::scratch() const {
   return s;
 }
 
-void GPT::block_forward(int slot, int l, int B) {
+void GPT::block_forward(int chunk, int slot, int l, int B) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const BlockParams w = block_params(params_buf_.data(), l);
-  const BlockActs a = block_acts(slot, l);
+  const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
-  float* x = residual(slot, l);         // [Nl,C] block input
-  float* xout = residual(slot, l + 1);  // [Nl,C] block output
+  float* x = residual(chunk, slot, l);         // [Nl,C] block input
+  float* xout = residual(chunk, slot, l + 1);  // [Nl,C] block output
   // attention: column-parallel qkv (this rank's heads), row-parallel output projection
   be_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
   const float* ln1 = part_->to_full(a.ln1, s.full, N, C);                     // [N,C]
@@ -249,14 +272,14 @@ void GPT::block_forward(int slot, int l, int B) {
 }
 
 // s.dres [Nl,C]: gradient of the block's output on entry, of its input on return.
-void GPT::block_backward(int slot, int l, int B) {
+void GPT::block_backward(int chunk, int slot, int l, int B) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
-  if (cfg_.recompute) block_forward(slot, l, B);  // rebuild this block's activations from its saved input
+  if (cfg_.recompute) block_forward(chunk, slot, l, B);  // rebuild this block's activations from its saved input
   const BlockParams w = block_params(params_buf_.data(), l);
   const BlockParams dw = block_params(grads_buf_.data(), l);
-  const BlockActs a = block_acts(slot, l);
+  const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
   float* dres = s.dres;
   float* dxmid = s.dother;
@@ -280,7 +303,7 @@ void GPT::block_backward(int slot, int l, int B) {
   be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, ln1, w.qkvw, N, C, 3 * Cl);
   const float* dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
   be_.copy(dres, dxmid, NlC);  // the residual branch
-  be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
+  be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
 }
 
 double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int B) {
@@ -290,57 +313,59 @@ double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int
 
 void GPT::backward(float dloss) { backward_stage(0, dloss, nullptr); }
 
-double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B) {
+double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B,
+                          int chunk) {
   if (B < 1 || B > max_rows_)
     throw std::logic_error("GPT::forward: " + std::to_string(B) + " rows, allocated for " + std::to_string(max_rows_));
-  if (slot < 0 || slot >= stage_.activation_slots)
-    throw std::logic_error("GPT::forward: slot " + std::to_string(slot) + " of " + std::to_string(stage_.activation_slots));
-  slot_rows_[slot] = B;
+  check_slot(chunk, slot, "forward");
+  slot_rows_[chunk][slot] = B;
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
-  const int l0 = stage_.first_layer, l1 = stage_.end_layer;
+  const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
   std::int32_t* inp = tokens_buf_.data() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
   std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
   const Scratch s = scratch();
 
-  if (stage_.first()) {
+  if (holds_embeddings(chunk)) {
     // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
     for (int i = 0; i < N; ++i) inp[i] = inputs[i];
     const float* wte = params_buf_.data() + params_[0].offset;  // [Vl,C] this rank's vocabulary rows
     const float* wpe = params_buf_.data() + params_[1].offset;  // [T,C]
     be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
-    be_.copy(residual(slot, l0), part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
+    be_.copy(residual(chunk, slot, l0), part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
   } else {
-    be_.copy(residual(slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous stage's output
+    be_.copy(residual(chunk, slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous chunk's output
   }
   for (int l = l0; l < l1; ++l) {
-    block_forward(slot, l, B);
+    block_forward(chunk, slot, l, B);
     if (progress_) progress_();
   }
-  if (!stage_.last()) return 0.0;
+  if (!holds_head(chunk)) return 0.0;
 
   for (int i = 0; i < N; ++i) tgt[i] = targets[i];
   const float* wte = params_buf_.data() + params_[0].offset;
   const float* lnfw = params_buf_.data() + params_[params_.size() - 2].offset;
   const float* lnfb = params_buf_.data() + params_[params_.size() - 1].offset;
   const Head h = head(slot);
-  be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(slot, l1), lnfw, lnfb, Nl, C);
+  be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
   const float* lnf = part_->to_full(h.lnf, s.full, N, C);                       // [N,C]
   be_.matmul_forward(h.logits, lnf, wte, nullptr, N, C, vocab_local_);          // tied head: [N,Vl]
   part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
   return be_.sum(h.losses, N) / N;
 }
 
-const float* GPT::backward_stage(int slot, float dloss, const float* dout) {
-  if (slot < 0 || slot >= stage_.activation_slots || slot_rows_[slot] == 0)
-    throw std::logic_error("GPT::backward: no forward held in slot " + std::to_string(slot));
-  const int B = slot_rows_[slot], T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
-  const int l0 = stage_.first_layer, l1 = stage_.end_layer;
+const float* GPT::backward_stage(int slot, float dloss, const float* dout, int chunk) {
+  check_slot(chunk, slot, "backward");
+  if (slot_rows_[chunk][slot] == 0)
+    throw std::logic_error("GPT::backward: no forward held in slot " + std::to_string(slot) + " of chunk " +
+                           std::to_string(chunk));
+  const int B = slot_rows_[chunk][slot], T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
   const std::int32_t* inp = tokens_buf_.data() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
   const std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
   const Scratch s = scratch();
   const int n_params = static_cast<int>(params_.size());
 
-  if (stage_.last()) {
+  if (holds_head(chunk)) {
     const float* wte = params_buf_.data() + params_[0].offset;
     const float* lnfw = params_buf_.data() + params_[n_params - 2].offset;
     float* dwte = grads_buf_.data() + params_[0].offset;
@@ -354,19 +379,19 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout) {
     if (grad_ready_ && !stage_.first()) grad_ready_(0, 1);  // the head's wte (a shadow here) is done
     const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
     be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);
-    be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
+    be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
     if (grad_ready_) grad_ready_(n_params - 2, n_params);  // ln_f
   } else {
-    be_.copy(s.dres, dout, static_cast<std::int64_t>(Nl) * C);  // from the next stage
+    be_.copy(s.dres, dout, static_cast<std::int64_t>(Nl) * C);  // from the next chunk
   }
   for (int l = l1 - 1; l >= l0; --l) {
-    block_backward(slot, l, B);
-    const int p0 = block_param0_ + 12 * (l - l0);
+    block_backward(chunk, slot, l, B);
+    const int p0 = block_param0_ + 12 * layer_pos_[l];
     if (grad_ready_) grad_ready_(p0, p0 + 12);
     if (progress_) progress_();
   }
-  slot_rows_[slot] = 0;
-  if (!stage_.first()) return s.dres;  // to the previous stage
+  slot_rows_[chunk][slot] = 0;
+  if (!holds_embeddings(chunk)) return s.dres;  // to the previous chunk
 
   float* dwte = grads_buf_.data() + params_[0].offset;
   float* dwpe = grads_buf_.data() + params_[1].offset;

@@ -30,11 +30,15 @@ struct GPTConfig {
 // Which part of the model this rank holds (the layer half of the partition role, filled by the
 // `pipeline` strategy). Default: the whole model, one micro-batch of activations.
 struct Stage {
-  int index = 0, count = 1;               // this stage of `count`
-  int first_layer = 0, end_layer = -1;    // blocks [first_layer, end_layer); -1: to the last
-  int activation_slots = 1;               // micro-batches whose activations are held at once
-  bool first() const { return index == 0; }            // holds the embeddings (wte, wpe)
-  bool last() const { return index == count - 1; }     // holds ln_f, the tied head and the loss
+  // A run of consecutive blocks [first_layer, end_layer) and how many micro-batches' activations it
+  // holds at once. One chunk per virtual stage (interleaved pipelines hold several), in model order.
+  struct Chunk {
+    int first_layer = 0, end_layer = 0, activation_slots = 1;
+  };
+  int index = 0, count = 1;  // this stage of `count`
+  std::vector<Chunk> chunks; // empty: every block, one slot
+  bool first() const { return index == 0; }            // chunk 0 holds the embeddings (wte, wpe)
+  bool last() const { return index == count - 1; }     // the last chunk holds ln_f, the tied head and the loss
 };
 
 struct ParamInfo {
@@ -55,8 +59,8 @@ struct ParamInfo {
 
 class GPT {
  public:
-  // Allocates this rank's shard of the parameters and gradients, and the activations of
-  // `stage.activation_slots` micro-batches of up to `max_rows` rows. `partition` decides the shards
+  // Allocates this rank's shard of the parameters and gradients, and for each chunk of its stage the
+  // activations of that chunk's activation_slots micro-batches of up to `max_rows` rows. `partition` decides the shards
   // (default: whole), `stage` the layers (default: all).
   GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {});
   // Flat index into the full logical tensor of element `i` of this rank's shard of `p`.
@@ -91,15 +95,19 @@ class GPT {
   // step averages over micro-batches).
   void backward(float dloss);
 
-  // The same for one pipeline stage, on the activations of slot `slot` (one in-flight micro-batch).
-  // inputs [B,T] (first stage), x_in [Nl,C] the previous stage's output (other stages), targets
-  // [B,T] (last stage). Returns the mean loss on the last stage, 0 elsewhere.
-  double forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B);
-  const float* stage_output(int slot) const;  // [Nl,C] the last block's output (not on the last stage)
+  // The same for chunk `chunk` of a pipeline stage, on the activations of slot `slot` (one
+  // in-flight micro-batch). inputs [B,T] (chunk 0 of the first stage), x_in [Nl,C] the previous
+  // chunk's output (elsewhere), targets [B,T] (the last chunk of the last stage). Returns the mean
+  // loss on the model's last chunk, 0 elsewhere.
+  double forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B,
+                       int chunk = 0);
+  const float* stage_output(int slot, int chunk = 0) const;  // [Nl,C] the chunk's last block's output
   std::int64_t stage_boundary_floats(int B) const;  // Nl*C of a micro-batch of B rows
-  // dout [Nl,C]: gradient of stage_output (not on the last stage). Returns the gradient of x_in
-  // [Nl,C] (valid until the next backward), or null on the first stage.
-  const float* backward_stage(int slot, float dloss, const float* dout);
+  // dout [Nl,C]: gradient of stage_output (not on the model's last chunk). Returns the gradient of
+  // x_in [Nl,C] (valid until the next backward), or null on the model's first chunk.
+  const float* backward_stage(int slot, float dloss, const float* dout, int chunk = 0);
+  bool holds_embeddings(int chunk) const { return stage_.first() && chunk == 0; }
+  bool holds_head(int chunk) const { return stage_.last() && chunk == static_cast<int>(stage_.chunks.size()) - 1; }
   void zero_grad();
   // Called during backward each time the gradients of parameters [first, end) (indices into
   // params()) are complete for this micro-batch, in backward order: ln_f, the blocks from last to
@@ -137,13 +145,14 @@ class GPT {
     float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
   };
   BlockParams block_params(float* base, int layer) const;
-  BlockActs block_acts(int slot, int layer) const;
+  BlockActs block_acts(int chunk, int slot, int layer) const;
   Scratch scratch() const;
   Head head(int slot) const;
-  // block `layer`'s input in slot `slot`, [Nl,C]; residual(s, end_layer) is the stage's output
-  float* residual(int slot, int layer) const;
-  void block_forward(int slot, int layer, int B);
-  void block_backward(int slot, int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
+  // block `layer`'s input in slot `slot` of chunk `chunk`, [Nl,C]; at the chunk's end_layer, its output
+  float* residual(int chunk, int slot, int layer) const;
+  void block_forward(int chunk, int slot, int layer, int B);
+  void block_backward(int chunk, int slot, int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
+  void check_slot(int chunk, int slot, const char* what) const;
 
   GPTConfig cfg_;
   Backend& be_;
@@ -154,20 +163,21 @@ class GPT {
   int vocab_begin_ = 0, vocab_local_ = 0;  // this rank's rows of the token table
   int max_rows_;
   Stage stage_;
-  int layers_here_ = 0;                 // Ls
-  int block_param0_ = 0;                // index in params_ of the first block's first tensor
-  std::vector<int> slot_rows_;          // rows of the forward held in each slot (0: free)
+  std::vector<int> layer_pos_;           // per layer of the model: its position among this rank's, or -1
+  int block_param0_ = 0;                 // index in params_ of the first block's first tensor
+  std::vector<std::int64_t> residual0_, acts0_;  // per chunk: its first residual / block-activation index
+  std::vector<std::vector<int>> slot_rows_;     // per chunk and slot: rows of the forward held (0: free)
   std::vector<ParamInfo> params_, all_params_;
   std::int64_t num_params_ = 0;
   Buffer<float> params_buf_, grads_buf_;
   // activations
   std::int64_t block_act_floats_ = 0;
   std::int64_t head_floats_ = 0;
-  Buffer<float> residual_buf_;   // [slots, Ls+1, Nl, C]
-  Buffer<float> block_buf_;      // [slots x Ls, or 1 (recompute), block_act_floats_]
-  Buffer<float> head_buf_;       // last stage, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits, probs [N,Vl], losses [N]
+  Buffer<float> residual_buf_;   // per chunk [slots, Lc+1, Nl, C]
+  Buffer<float> block_buf_;      // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
+  Buffer<float> head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits, probs [N,Vl], losses [N]
   Buffer<float> scratch_buf_;    // forward tmp and backward gradients of activations
-  Buffer<std::int32_t> tokens_buf_;  // [slots, 2, N] inputs, targets
+  Buffer<std::int32_t> tokens_buf_;  // [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
   std::function<void(int, int)> grad_ready_;
   std::function<void()> progress_;
 };

@@ -9,7 +9,7 @@ CASE is one of:
                      bit for bit, as the uninterrupted run
   bitwise_pp2        the same at pp = 2 (1F1B, 2 micro-batches): every stage writes its own layers
   layout_dp2_to_dp1, layout_dp2_to_dp4, layout_tp2_to_tp1, layout_tp1_to_dp2_tp2_sp,
-  layout_pp2_to_pp1, layout_pp1_to_pp2_dp2
+  layout_pp2_to_pp1, layout_pp1_to_pp2_dp2, layout_pp2_interleaved_to_pp1 (4 layers, 2 virtual stages)
                      saved on one layout, resumed on another: the same model continues (losses within
                      the cross-layout tolerance of the uninterrupted run)
   refuse_truncated, refuse_corrupt, refuse_version, refuse_shape, refuse_missing_latest
@@ -132,6 +132,8 @@ def main():
         "layout_tp1_to_dp2_tp2_sp": ((1, []), (4, ["parallel.dp=2", "parallel.tp=2", "tensor.sequence_parallel=true"])),
         "layout_pp2_to_pp1": ((2, ["parallel.pp=2", "train.micro_batches=2"]), (1, [])),
         "layout_pp1_to_pp2_dp2": ((1, []), (4, ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=gpipe"])),
+        "layout_pp2_interleaved_to_pp1": ((2, ["model.layers=4", "parallel.pp=2", "pipeline.virtual_stages=2",
+                                               "train.micro_batches=2"]), (1, ["model.layers=4"])),
     }
     bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"]}
     if name in bitwise:

@@ -50,10 +50,18 @@ std::string example_list(int L, int pp) {
   return s;
 }
 
-// Layer counts per stage for pipeline.partition = uniform | balanced | "n0,n1,...".
-// Throws InputError naming the key and what would work.
-std::vector<int> stage_layers(const std::string& spec, const GPTConfig& m, int pp) {
-  const int L = m.layers;
+// Layer counts per model chunk for pipeline.partition = uniform | balanced | "n0,n1,...": pp chunks,
+// or pp x v with v virtual stages (chunk j of stage i is model chunk j pp + i). Throws InputError
+// naming the keys and what would work.
+std::vector<int> stage_layers(const std::string& spec, const GPTConfig& m, int stages, int v) {
+  const int L = m.layers, pp = stages * v;
+  const std::string what = v == 1 ? "parallel.pp = " + std::to_string(stages) + " stages"
+                                  : "parallel.pp x pipeline.virtual_stages = " + std::to_string(stages) + " x " +
+                                        std::to_string(v) + " = " + std::to_string(pp) + " model chunks";
+  if (pp > L)
+    throw InputError(what + " is more than model.layers = " + std::to_string(L) +
+                     " (every chunk needs a layer); virtual_stages that work with this pp: 1 .. " +
+                     std::to_string(std::max(1, L / stages)));
   std::vector<int> counts;
   if (spec == "uniform") {
     // Equal counts; a remainder goes to the earliest stages (the last one carries the head).
@@ -99,10 +107,10 @@ std::vector<int> stage_layers(const std::string& spec, const GPTConfig& m, int p
   }
   if (static_cast<int>(counts.size()) != pp || sum != L)
     throw InputError("pipeline.partition = " + spec + " gives " + std::to_string(counts.size()) + " stage" +
-                     (counts.size() == 1 ? "" : "s") + " with " + std::to_string(sum) + " layers, but parallel.pp = " +
-                     std::to_string(pp) + " stages must hold model.layers = " + std::to_string(L) +
-                     ": give " + std::to_string(pp) + " positive counts that add up to " + std::to_string(L) +
-                     " (e.g. " + example_list(L, pp) + "), or uniform, or balanced");
+                     (counts.size() == 1 ? "" : "s") + " with " + std::to_string(sum) + " layers, but " + what +
+                     " must hold model.layers = " + std::to_string(L) + ": give " + std::to_string(pp) +
+                     " positive counts that add up to " + std::to_string(L) + " (e.g. " + example_list(L, pp) +
+                     "), or uniform, or balanced");
   return counts;
 }
 
@@ -115,31 +123,54 @@ std::string validate_partition_syntax(const std::string& v) {
 
 enum class Kind { gpipe, one_f_one_b };
 
-// The order of work on stage `i` of `p`: ('F', k) forward of micro-batch k, ('B', k) its backward.
-std::vector<std::pair<char, int>> stage_order(Kind kind, int m, int p, int i) {
-  std::vector<std::pair<char, int>> ops;
+// One unit of a stage's work: the forward ('F') or backward ('B') of micro-batch k on chunk c.
+struct Op {
+  char kind;
+  int chunk, k;
+};
+
+// The order of work on stage i of p with v chunks (virtual stages) per stage and m micro-batches.
+//   gpipe: every forward, then every backward (v = 1).
+//   1f1b, v = 1: p-i-1 warm-up forwards, then one forward / one backward, then the cool-down.
+//   1f1b, v > 1 (Megatron's interleaved schedule; m a multiple of p): forwards go through the
+//   chunks in groups of p micro-batches, backwards through the chunks in reverse; warm-up
+//   2(p-i-1) + (v-1)p forwards.
+std::vector<Op> stage_order(Kind kind, int m, int p, int i, int v) {
+  std::vector<Op> ops;
   if (kind == Kind::gpipe) {
-    for (int k = 0; k < m; ++k) ops.push_back({'F', k});
-    for (int k = 0; k < m; ++k) ops.push_back({'B', k});
+    for (int k = 0; k < m; ++k) ops.push_back({'F', 0, k});
+    for (int k = 0; k < m; ++k) ops.push_back({'B', 0, k});
     return ops;
   }
-  const int warm = std::min(p - i - 1, m);
-  for (int k = 0; k < warm; ++k) ops.push_back({'F', k});
-  for (int j = 0; j < m - warm; ++j) {
-    ops.push_back({'F', warm + j});
-    ops.push_back({'B', j});
+  const int total = m * v;
+  auto forward = [&](int j) { return Op{'F', (j % (p * v)) / p, (j / (p * v)) * p + j % p}; };
+  auto backward = [&](int j) { return Op{'B', v - 1 - (j % (p * v)) / p, (j / (p * v)) * p + j % p}; };
+  const int warm = std::min(v == 1 ? p - i - 1 : 2 * (p - i - 1) + (v - 1) * p, total);
+  for (int j = 0; j < warm; ++j) ops.push_back(forward(j));
+  for (int j = 0; j < total - warm; ++j) {
+    ops.push_back(forward(warm + j));
+    ops.push_back(backward(j));
   }
-  for (int k = m - warm; k < m; ++k) ops.push_back({'B', k});
+  for (int j = total - warm; j < total; ++j) ops.push_back(backward(j));
   return ops;
 }
 
-int activation_slots(Kind kind, int m, int p, int i) { return kind == Kind::gpipe ? m : std::min(m, p - i); }
+// The most micro-batches each chunk holds activations for at once under that order.
+std::vector<int> activation_slots(const std::vector<Op>& ops, int v) {
+  std::vector<int> held(v, 0), most(v, 1);
+  for (const Op& op : ops) {
+    held[op.chunk] += op.kind == 'F' ? 1 : -1;
+    most[op.chunk] = std::max(most[op.chunk], held[op.chunk]);
+  }
+  return most;
+}
 
 // ---- the schedule --------------------------------------------------------------------------------
 
 struct Interval {
   const char* kind;  // "forward", "backward", "send", "recv", "data"
   int micro;         // micro-batch, -1 for none
+  int chunk;         // virtual stage
   double t0, t1;     // seconds (steady clock)
 };
 
@@ -151,24 +182,35 @@ class PipelineSchedule final : public Schedule {
   PipelineSchedule(ProcessGrid& grid, GPT& model, Kind kind, int micro_batches, int rows, bool trace, int trace_steps,
                    std::int64_t total_steps, std::string run_dir, std::vector<int> layers)
       : grid_(grid), pp_(grid.pp()), kind_(kind), m_(micro_batches), p_(pp_.size()), i_(pp_.rank()),
-        first_(i_ == 0), last_(i_ == p_ - 1), slots_(model.stage().activation_slots),
+        v_(static_cast<int>(model.stage().chunks.size())), first_(i_ == 0), last_(i_ == p_ - 1),
         boundary_(model.stage_boundary_floats(rows)), trace_(trace), trace_steps_(trace_steps),
         total_steps_(total_steps), run_dir_(std::move(run_dir)), layers_(std::move(layers)) {
-    // Two buffers each way: the receive of micro-batch k+1 lands in one while k is read from the other.
-    act_in_ = Buffer<float>("Pipeline::activations_in", first_ ? 0 : 2 * boundary_, Mem::comm);
-    grad_in_ = Buffer<float>("Pipeline::gradients_in", last_ ? 0 : 2 * boundary_, Mem::comm);
-    grad_out_ = Buffer<float>("Pipeline::gradients_out", first_ ? 0 : 2 * boundary_, Mem::comm);
     const Stage& st = model.stage();
-    describe_ = std::string(kind_ == Kind::gpipe ? "gpipe" : "1f1b") + " over pp " + std::to_string(p_) + ", " +
-                std::to_string(m_) + " micro-batches; stage " + std::to_string(i_) + " holds layers " +
-                std::to_string(st.first_layer) + ".." + std::to_string(st.end_layer - 1) +
-                (first_ ? " + embeddings" : "") + (last_ ? " + head" : "") + ", activations of " +
-                std::to_string(slots_) + " micro-batch" + (slots_ == 1 ? "" : "es") + "; layers per stage ";
+    bool takes_input = false, takes_gradient = false;
+    for (int c = 0; c < v_; ++c) {
+      slots_.push_back(st.chunks[c].activation_slots);
+      takes_input |= !model.holds_embeddings(c);
+      takes_gradient |= !model.holds_head(c);
+    }
+    // Two buffers each way: the next receive lands in one while the current one is read from the other.
+    act_in_ = Buffer<float>("Pipeline::activations_in", takes_input ? 2 * boundary_ : 0, Mem::comm);
+    grad_in_ = Buffer<float>("Pipeline::gradients_in", takes_gradient ? 2 * boundary_ : 0, Mem::comm);
+    grad_out_ = Buffer<float>("Pipeline::gradients_out", takes_input ? 2 * boundary_ : 0, Mem::comm);
+    describe_ = std::string(kind_ == Kind::gpipe ? "gpipe" : v_ > 1 ? "interleaved 1f1b" : "1f1b") + " over pp " +
+                std::to_string(p_) + (v_ > 1 ? " x " + std::to_string(v_) + " virtual stages" : "") + ", " +
+                std::to_string(m_) + " micro-batches; stage " + std::to_string(i_) + " holds layers ";
+    for (int c = 0; c < v_; ++c)
+      describe_ += (c ? ", " : "") + std::to_string(st.chunks[c].first_layer) + ".." +
+                   std::to_string(st.chunks[c].end_layer - 1);
+    describe_ += std::string(first_ ? " + embeddings" : "") + (last_ ? " + head" : "") + ", activations of ";
+    for (int c = 0; c < v_; ++c) describe_ += (c ? "+" : "") + std::to_string(slots_[c]);
+    describe_ += " micro-batch(es); layers per " + std::string(v_ > 1 ? "virtual stage " : "stage ");
     for (std::size_t s = 0; s < layers_.size(); ++s) describe_ += (s ? "," : "") + std::to_string(layers_[s]);
     // Between blocks, move the stage-boundary messages in flight: a large message travels only
     // while one of its ends is inside MPI, and the neighbour stage is waiting for it.
     model.set_progress_hook([this] { pp_.progress(); });
     model_ = &model;
+    order_ = stage_order(kind_, m_, p_, i_, v_);
   }
   ~PipelineSchedule() override { model_->set_progress_hook({}); }
 
@@ -190,12 +232,13 @@ class PipelineSchedule final : public Schedule {
     begin(true);
     double loss_sum = 0;
     int inflight = 0, inflight_max = 0;
-    for (const auto& [op, k] : stage_order(kind_, m_, p_, i_)) {
-      if (op == 'F') {
-        loss_sum += forward(ctx, k);
+    int backwards = 0;
+    for (const Op& op : order_) {
+      if (op.kind == 'F') {
+        loss_sum += forward(ctx, op.chunk, op.k);
         inflight_max = std::max(inflight_max, ++inflight);
       } else {
-        backward(ctx, k);
+        backward(ctx, op.chunk, op.k, backwards++);
         --inflight;
       }
       pp_.progress();
@@ -232,10 +275,12 @@ class PipelineSchedule final : public Schedule {
   double forward_only(StepContext& ctx) override {
     begin(false);
     double loss_sum = 0;
-    for (int k = 0; k < m_; ++k) {
+    for (const Op& op : order_) {
+      if (op.kind != 'F') continue;  // the training order's forwards, in order
       // Without backwards a slot is free again once the activations it sent have left.
-      if (k >= slots_ && act_send_[k - slots_]) act_send_[k - slots_]->wait();
-      loss_sum += forward(ctx, k);
+      const int older = op.k - slots_[op.chunk];
+      if (older >= 0 && act_send_[op.chunk * m_ + older]) act_send_[op.chunk * m_ + older]->wait();
+      loss_sum += forward(ctx, op.chunk, op.k);
       pp_.progress();
     }
     finish_sends();
@@ -266,7 +311,7 @@ class PipelineSchedule final : public Schedule {
     if (stats_.empty()) return r;
     r.push_back({"pp_bubble", bubble_mean_});
     r.push_back({"pp_bubble_max", bubble_max_});
-    r.push_back({"pp_bubble_textbook", static_cast<double>(p_ - 1) / (m_ + p_ - 1)});
+    r.push_back({"pp_bubble_textbook", static_cast<double>(p_ - 1) / (v_ * m_ + p_ - 1)});
     r.push_back({"pp_bubble_expected", bubble_expected_});
     const char* names[kStats] = {"bubble", "inflight_max", "activation_bytes", "forward_ms",
                                  "backward_ms", "recv_wait_ms", "send_ms", "span_ms"};
@@ -278,17 +323,39 @@ class PipelineSchedule final : public Schedule {
 
  private:
   static constexpr int kTiedTag = 999;  // below the communicator's collective tags (1000+)
-  // Activations of micro-batch k travel with tag 2(k mod 499), their gradients with that + 1; a tag
-  // reused after 499 micro-batches is still matched in order (MPI does not overtake).
-  static int tag(int k, int direction) { return 2 * (k % 499) + direction; }
+  // Activations of micro-batch k for chunk c of the receiving stage travel with tag
+  // 2((k v + c) mod 499), their gradients with that + 1; a tag reused after 499 messages is still
+  // matched in order (MPI does not overtake).
+  int tag(int k, int chunk, int direction) const { return 2 * ((k * v_ + chunk) % 499) + direction; }
+  int next_rank() const { return (i_ + 1) % p_; }
+  int prev_rank() const { return (i_ + p_ - 1) % p_; }
 
+  // Receives are posted one ahead, in the order the stage will need them: activations for each
+  // forward that does not start at the embeddings, gradients for each backward that does not start
+  // at the loss.
   void begin(bool backward) {
-    for (auto* v : {&act_send_, &act_recv_, &grad_recv_}) {
-      v->clear();
-      v->resize(static_cast<std::size_t>(m_));
+    const GPT& model = *model_;
+    act_send_.clear();
+    act_send_.resize(static_cast<std::size_t>(m_ * v_));
+    act_needs_.clear();
+    grad_needs_.clear();
+    for (const Op& op : order_) {
+      if (op.kind == 'F' && !model.holds_embeddings(op.chunk)) act_needs_.push_back(op);
+      if (op.kind == 'B' && backward && !model.holds_head(op.chunk)) grad_needs_.push_back(op);
     }
-    if (!first_) act_recv_[0] = pp_.recv_async(act_in_.data(), boundary_, i_ - 1, tag(0, 0));
-    if (!last_ && backward) grad_recv_[0] = pp_.recv_async(grad_in_.data(), boundary_, i_ + 1, tag(0, 1));
+    act_next_ = grad_next_ = 0;
+    post_act_recv();
+    post_grad_recv();
+  }
+  void post_act_recv() {
+    if (act_next_ >= act_needs_.size()) return;
+    const Op& op = act_needs_[act_next_];
+    act_recv_ = pp_.recv_async(act_in_.data() + (act_next_ % 2) * boundary_, boundary_, prev_rank(), tag(op.k, op.chunk, 0));
+  }
+  void post_grad_recv() {
+    if (grad_next_ >= grad_needs_.size()) return;
+    const Op& op = grad_needs_[grad_next_];
+    grad_recv_ = pp_.recv_async(grad_in_.data() + (grad_next_ % 2) * boundary_, boundary_, next_rank(), tag(op.k, op.chunk, 1));
   }
 
   // The pipeline's span is the longest stage's (the stages start together: the previous step ended
@@ -297,7 +364,9 @@ class PipelineSchedule final : public Schedule {
   // measured per-micro-batch forward f_i and backward b_i of each stage and free communication:
   // span = sum_i (f_i + b_i) + (m-1) x the slowest stage's rate: GPipe streams all forwards then all
   // backwards (max_i f_i + max_i b_i), 1F1B alternates them (max_i (f_i + b_i)); both give
-  // (m+p-1)(f+b) for equal stages.
+  // (m+p-1)(f+b) for equal stages. With v virtual stages the fill and drain take a chunk's time,
+  // (f+b)/v per stage: span = (m-1) max_i t_i + (sum_i t_i + (v-1) max_i t_i) / v, t_i = f_i + b_i,
+  // which is (m + (p-1)/v) t for equal stages: the textbook (p-1)/(vm+p-1).
   // measured - expected is what communication and overheads cost; expected - textbook, imbalance.
   void bubbles() {
     double span = 0, fmax = 0, bmax = 0, fbmax = 0, fb_sum = 0, compute_sum = 0;
@@ -318,71 +387,75 @@ class PipelineSchedule final : public Schedule {
       bubble_mean_ += bubble / p_;
       bubble_max_ = std::max(bubble_max_, bubble);
     }
-    const double model_span = fb_sum + (m_ - 1) * (kind_ == Kind::gpipe ? fmax + bmax : fbmax);
+    const double model_span = kind_ == Kind::gpipe ? fb_sum + (m_ - 1) * (fmax + bmax)
+                              : (m_ - 1) * fbmax + (fb_sum + (v_ - 1) * fbmax) / v_;
     bubble_expected_ = model_span > 0 ? 1.0 - compute_sum / (p_ * model_span) : 0.0;
   }
 
-  void timed(const char* kind, int k, double t0) { events_.push_back({kind, k, t0, now()}); }
+  void timed(const char* kind, int k, int chunk, double t0) { events_.push_back({kind, k, chunk, t0, now()}); }
 
-  double forward(StepContext& ctx, int k) {
+  double forward(StepContext& ctx, int c, int k) {
     GPT& model = ctx.model;
-    const int slot = k % slots_;
+    const int slot = k % slots_[c];
     double t0 = now();
-    if (first_ || last_) {
+    if (model.holds_embeddings(c) || model.holds_head(c)) {
       ctx.fetch(ctx.step, static_cast<std::int64_t>(k) * ctx.rows_per_micro, ctx.rows_per_micro, ctx.inputs,
                 ctx.targets);
       ctx.times.data += now() - t0;
-      timed("data", k, t0);
+      timed("data", k, c, t0);
     }
     const float* x_in = nullptr;
-    if (!first_) {
+    if (!model.holds_embeddings(c)) {
       t0 = now();
-      act_recv_[k]->wait();
-      timed("recv", k, t0);
-      x_in = act_in_.data() + (k % 2) * boundary_;
-      if (k + 1 < m_)  // the next micro-batch's activations arrive while this one computes
-        act_recv_[k + 1] = pp_.recv_async(act_in_.data() + ((k + 1) % 2) * boundary_, boundary_, i_ - 1, tag(k + 1, 0));
+      act_recv_->wait();
+      timed("recv", k, c, t0);
+      x_in = act_in_.data() + (act_next_ % 2) * boundary_;
+      ++act_next_;
+      post_act_recv();  // the next activations arrive while this micro-batch computes
     }
     t0 = now();
-    const double loss = model.forward_stage(slot, first_ ? ctx.inputs.data() : nullptr, x_in,
-                                            last_ ? ctx.targets.data() : nullptr, ctx.rows_per_micro);
+    const double loss = model.forward_stage(slot, model.holds_embeddings(c) ? ctx.inputs.data() : nullptr, x_in,
+                                            model.holds_head(c) ? ctx.targets.data() : nullptr, ctx.rows_per_micro, c);
     ctx.times.forward += now() - t0;
-    timed("forward", k, t0);
-    if (!last_) {
+    timed("forward", k, c, t0);
+    if (!model.holds_head(c)) {
       t0 = now();
-      act_send_[k] = pp_.send_async(model.stage_output(slot), boundary_, i_ + 1, tag(k, 0));
-      timed("send", k, t0);
+      const int to_chunk = i_ + 1 < p_ ? c : c + 1;  // the last stage feeds the first stage's next chunk
+      act_send_[c * m_ + k] = pp_.send_async(model.stage_output(slot, c), boundary_, next_rank(), tag(k, to_chunk, 0));
+      timed("send", k, c, t0);
     }
     return loss;
   }
 
-  void backward(StepContext& ctx, int k) {
+  // `j`: this backward's place among the stage's m x v backwards (the gradient sync's micro-batch).
+  void backward(StepContext& ctx, int c, int k, int j) {
     GPT& model = ctx.model;
-    const int slot = k % slots_;
+    const int slot = k % slots_[c];
     const float* dout = nullptr;
     double t0 = now();
-    if (!last_) {
-      grad_recv_[k]->wait();
-      timed("recv", k, t0);
-      dout = grad_in_.data() + (k % 2) * boundary_;
-      if (k + 1 < m_)
-        grad_recv_[k + 1] = pp_.recv_async(grad_in_.data() + ((k + 1) % 2) * boundary_, boundary_, i_ + 1, tag(k + 1, 1));
+    if (!model.holds_head(c)) {
+      grad_recv_->wait();
+      timed("recv", k, c, t0);
+      dout = grad_in_.data() + (grad_next_ % 2) * boundary_;
+      ++grad_next_;
+      post_grad_recv();
       // The next stage has the activations (it sent their gradient): the slot's send is done.
-      act_send_[k]->wait();
+      act_send_[c * m_ + k]->wait();
     }
-    ctx.sync.begin_micro_batch(model, k, m_);
+    ctx.sync.begin_micro_batch(model, j, m_ * v_);
     t0 = now();
-    const float* dx = model.backward_stage(slot, 1.0f / static_cast<float>(m_), dout);
+    const float* dx = model.backward_stage(slot, 1.0f / static_cast<float>(m_), dout, c);
     ctx.times.backward += now() - t0;
-    timed("backward", k, t0);
-    if (!first_) {
+    timed("backward", k, c, t0);
+    if (!model.holds_embeddings(c)) {
       t0 = now();
-      CommRequestPtr& older = grad_send_[k % 2];
+      CommRequestPtr& older = grad_send_[j % 2];
       if (older) older->wait();
-      float* out = grad_out_.data() + (k % 2) * boundary_;
+      float* out = grad_out_.data() + (j % 2) * boundary_;
       std::copy_n(dx, boundary_, out);
-      older = pp_.send_async(out, boundary_, i_ - 1, tag(k, 1));
-      timed("send", k, t0);
+      const int to_chunk = i_ > 0 ? c : c - 1;  // the first stage sends back to the last stage's previous chunk
+      older = pp_.send_async(out, boundary_, prev_rank(), tag(k, to_chunk, 1));
+      timed("send", k, c, t0);
     }
   }
 
@@ -395,7 +468,7 @@ class PipelineSchedule final : public Schedule {
     for (auto& r : act_send_) r.reset();
     grad_send_[0].reset();
     grad_send_[1].reset();
-    timed("send", -1, t0);
+    timed("send", -1, 0, t0);
   }
 
   // Keeps this step's intervals; after pipeline.trace_steps steps (or the run's last step) every
@@ -406,11 +479,12 @@ class PipelineSchedule final : public Schedule {
     const int rank = grid_.rank();
     for (const Interval& e : events_) {
       out << (trace_text_.empty() && out.tellp() == 0 ? "" : ",\n") << "{\"name\":\"";
-      if (e.micro >= 0) out << static_cast<char>(std::toupper(e.kind[0])) << e.micro;
-      else out << e.kind;
+      if (e.micro < 0) out << e.kind;
+      else out << static_cast<char>(std::toupper(e.kind[0])) << e.micro;  // "F3": forward of micro-batch 3
+      if (e.micro >= 0 && v_ > 1) out << "." << e.chunk;                     // "F3.1": on chunk 1
       out << "\",\"cat\":\"" << e.kind << "\",\"ph\":\"X\",\"pid\":" << rank << ",\"tid\":0,\"ts\":"
           << (e.t0 - trace_origin_) * 1e6 << ",\"dur\":" << (e.t1 - e.t0) * 1e6 << ",\"args\":{\"step\":" << step + 1
-          << ",\"micro_batch\":" << e.micro << "}}";
+          << ",\"micro_batch\":" << e.micro << ",\"chunk\":" << e.chunk << "}}";
     }
     trace_text_ += out.str();
     ++traced_;
@@ -457,9 +531,9 @@ class PipelineSchedule final : public Schedule {
   Communicator& pp_;
   GPT* model_ = nullptr;
   Kind kind_;
-  int m_, p_, i_;
+  int m_, p_, i_, v_;
   bool first_, last_;
-  int slots_;
+  std::vector<int> slots_;  // per chunk
   std::int64_t boundary_;  // floats of one micro-batch's stage-boundary activations on this rank
   bool trace_;
   int trace_steps_;
@@ -468,7 +542,10 @@ class PipelineSchedule final : public Schedule {
   std::vector<int> layers_;
   std::string describe_;
   Buffer<float> act_in_, grad_in_, grad_out_;
-  std::vector<CommRequestPtr> act_send_, act_recv_, grad_recv_;
+  std::vector<Op> order_, act_needs_, grad_needs_;
+  std::size_t act_next_ = 0, grad_next_ = 0;  // the receive in flight in each direction
+  CommRequestPtr act_recv_, grad_recv_;
+  std::vector<CommRequestPtr> act_send_;      // per (chunk, micro-batch)
   CommRequestPtr grad_send_[2];
   std::vector<float> tied_;
   std::vector<Interval> events_;
@@ -496,23 +573,46 @@ void register_pipeline(void* p) {
                                "every rank's forward, backward, send and receive intervals"));
   info.keys.push_back(int_key("pipeline.trace_steps", "3", 1, 1000,
                               "pipeline parallel: steps recorded in the trace (from the first step run)"));
+  info.keys.push_back(int_key("pipeline.virtual_stages", "1", 1, 64,
+                              "pipeline parallel: model chunks per stage (interleaved 1F1B, Megatron): stage i "
+                              "holds chunks i, i+pp, ...; the bubble shrinks by this factor; needs schedule = 1f1b "
+                              "and train.micro_batches a multiple of parallel.pp"));
   info.check = [](const LayoutContext& ctx) {
-    stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, ctx.layout.pp);  // throws if it cannot
+    const int v = static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages"));
+    const int m = static_cast<int>(ctx.deck.get_int("train.micro_batches")), pp = ctx.layout.pp;
+    if (v > 1 && kind_of(ctx.deck) == Kind::gpipe)
+      throw InputError("pipeline.virtual_stages = " + std::to_string(v) +
+                       " interleaves the 1F1B schedule; set pipeline.schedule = 1f1b (or virtual_stages = 1 for gpipe)");
+    if (v > 1 && m % pp != 0)
+      throw InputError("pipeline.virtual_stages = " + std::to_string(v) + " (interleaved 1F1B) runs micro-batches in "
+                       "groups of parallel.pp = " + std::to_string(pp) + ", but train.micro_batches = " +
+                       std::to_string(m) + " is not a multiple of it; micro_batches that work: " + std::to_string(pp) +
+                       ", " + std::to_string(2 * pp) + ", ... (dividing the batch per dp rank)");
+    stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, pp, v);  // throws if it cannot
   };
   info.assign_stage = [](PartitionContext& ctx) {
     const int pp = ctx.grid.layout().pp, i = ctx.grid.pp_rank();
-    const std::vector<int> counts = stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, pp);
+    const int v = static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages"));
+    const int m = static_cast<int>(ctx.deck.get_int("train.micro_batches"));
+    const std::vector<int> counts = stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, pp, v);
+    const std::vector<int> slots = activation_slots(stage_order(kind_of(ctx.deck), m, pp, i, v), v);
     Stage st;
     st.index = i;
     st.count = pp;
-    for (int s = 0; s < i; ++s) st.first_layer += counts[s];
-    st.end_layer = st.first_layer + counts[i];
-    st.activation_slots = activation_slots(kind_of(ctx.deck), static_cast<int>(ctx.deck.get_int("train.micro_batches")), pp, i);
+    for (int c = 0; c < v; ++c) {
+      const int chunk = c * pp + i;  // in model order
+      Stage::Chunk ch;
+      for (int s = 0; s < chunk; ++s) ch.first_layer += counts[s];
+      ch.end_layer = ch.first_layer + counts[chunk];
+      ch.activation_slots = slots[c];
+      st.chunks.push_back(ch);
+    }
     return st;
   };
   info.create = [](StrategyContext& ctx, Roles& roles) {
-    const std::vector<int> counts =
-        stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model.config(), ctx.grid.layout().pp);
+    const std::vector<int> counts = stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model.config(),
+                                                 ctx.grid.layout().pp,
+                                                 static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages")));
     roles.schedule = std::make_unique<PipelineSchedule>(
         ctx.grid, ctx.model, kind_of(ctx.deck), ctx.engine.micro_batches, ctx.engine.rows_per_micro,
         ctx.deck.get_bool("pipeline.trace"), static_cast<int>(ctx.deck.get_int("pipeline.trace_steps")),
@@ -525,8 +625,8 @@ void register_pipeline(void* p) {
 
 extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
   static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "pipeline", "0.1.0",
-                                        "pipeline parallelism: contiguous layer stages, GPipe and 1F1B micro-batch "
-                                        "schedules, asynchronous stage-to-stage send/recv, measured bubble",
+                                        "pipeline parallelism: layer stages, GPipe, 1F1B and interleaved 1F1B "
+                                        "micro-batch schedules, asynchronous stage-to-stage send/recv, measured bubble",
                                         loom::register_pipeline};
   return &plugin;
 }
