@@ -175,7 +175,7 @@ struct Interval {
 };
 
 // Per-stage numbers of one step, gathered over the pp group by one all-reduce.
-enum Stat { kBubble = 0, kInflight, kActBytes, kForwardMs, kBackwardMs, kRecvMs, kSendMs, kSpanMs, kStats };
+enum Stat { kBubble = 0, kInflight, kActBytes, kForwardMs, kBackwardMs, kRecvMs, kSendMs, kDataMs, kIdleMs, kSpanMs, kStats };
 
 class PipelineSchedule final : public Schedule {
  public:
@@ -250,13 +250,14 @@ class PipelineSchedule final : public Schedule {
     std::vector<double> v(1 + kStats * p_, 0.0);
     if (last_) v[0] = loss_sum / m_;
     double* mine = v.data() + 1 + kStats * i_;
-    double fwd = 0, bwd = 0, recv = 0, send = 0;
+    double fwd = 0, bwd = 0, recv = 0, send = 0, data = 0;
     for (const Interval& e : events_) {
       const double d = e.t1 - e.t0;
       if (e.kind[0] == 'f') fwd += d;
       else if (e.kind[0] == 'b') bwd += d;
       else if (e.kind[0] == 'r') recv += d;
       else if (e.kind[0] == 's') send += d;
+      else if (e.kind[0] == 'd') data += d;
     }
     mine[kInflight] = inflight_max;
     mine[kActBytes] = static_cast<double>(Ledger::global().peak(Mem::activations));
@@ -264,6 +265,7 @@ class PipelineSchedule final : public Schedule {
     mine[kBackwardMs] = bwd * 1e3;
     mine[kRecvMs] = recv * 1e3;
     mine[kSendMs] = send * 1e3;
+    mine[kDataMs] = data * 1e3;
     mine[kSpanMs] = span * 1e3;
     if (p_ > 1) pp_.all_reduce(v.data(), static_cast<std::int64_t>(v.size()));
     stats_.assign(v.begin() + 1, v.end());
@@ -313,8 +315,8 @@ class PipelineSchedule final : public Schedule {
     r.push_back({"pp_bubble_max", bubble_max_});
     r.push_back({"pp_bubble_textbook", static_cast<double>(p_ - 1) / (v_ * m_ + p_ - 1)});
     r.push_back({"pp_bubble_expected", bubble_expected_});
-    const char* names[kStats] = {"bubble", "inflight_max", "activation_bytes", "forward_ms",
-                                 "backward_ms", "recv_wait_ms", "send_ms", "span_ms"};
+    const char* names[kStats] = {"bubble",   "inflight_max", "activation_bytes", "forward_ms", "backward_ms",
+                                 "recv_wait_ms", "send_ms",   "data_ms",          "idle_ms",    "span_ms"};
     for (int s = 0; s < p_; ++s)
       for (int q = 0; q < kStats; ++q)
         r.push_back({"pp_stage" + std::to_string(s) + "_" + names[q], stats_[kStats * s + q]});
@@ -381,6 +383,10 @@ class PipelineSchedule final : public Schedule {
       compute_sum += st[kForwardMs] + st[kBackwardMs];
     }
     for (int s = 0; s < p_; ++s) {
+      double* st = &stats_[kStats * s];
+      // Idle: the pipeline's span less everything this stage was seen doing (receive waits are
+      // reported on their own).
+      st[kIdleMs] = span - st[kForwardMs] - st[kBackwardMs] - st[kRecvMs] - st[kSendMs] - st[kDataMs];
       const double compute = stats_[kStats * s + kForwardMs] + stats_[kStats * s + kBackwardMs];
       const double bubble = span > 0 ? 1.0 - compute / span : 0.0;
       stats_[kStats * s + kBubble] = bubble;
