@@ -1,5 +1,6 @@
 // Unit tests of the GPT model (core/gpt.hpp) on the host back end: whole-model gradient check in
-// float, activation recompute, initialisation, micro-batch equivalence, training, FLOP count.
+// float, activation recompute, initialisation, micro-batch equivalence, training, FLOP count, and
+// the model split into pipeline stages against the whole.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -458,4 +459,97 @@ TEST(GPT, FlopsPerTokenFollowsTheDocumentedFormula) {
     if (p.shape.size() == 2 && p.name != "wpe.weight") matrix_weights += static_cast<double>(p.numel);
   EXPECT_DOUBLE_EQ(matrix_weights, 6352.0);
   EXPECT_DOUBLE_EQ(m.flops_per_token(), 6 * matrix_weights + 12.0 * cfg.layers * cfg.seq_len * cfg.d_model);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pipeline stages in one process.
+//
+// The model split into stages (the pipeline plugin's layer half of the partition role), run
+// stage after stage by hand, computes what the whole model computes: the stage boundary is the
+// residual stream, so the loss and every gradient are the same bits; the tied embedding's gradient
+// is the sum of the first stage's wte (lookup) and the last stage's shadow of it (head). Also an
+// interleaved split (rank 0 holds chunks {0}, {2}, rank 1 {1}, {3}) and two slots in flight.
+
+namespace {
+
+Stage stage_of(int index, int count, std::vector<std::pair<int, int>> chunks, int slots = 1) {
+  Stage s;
+  s.index = index;
+  s.count = count;
+  for (auto [a, b] : chunks) s.chunks.push_back({a, b, slots});
+  return s;
+}
+
+std::vector<float> grad_of(const GPT& m, const std::string& name) {
+  const ParamInfo& p = m.param(name);
+  return {m.grad_data() + p.offset, m.grad_data() + p.offset + p.numel};
+}
+
+}  // namespace
+
+TEST(GPT, PipelineStagesComputeTheWholeModel) {
+  auto be = make_host_backend(1);
+  GPTConfig cfg = tiny_config();
+  cfg.layers = 4;
+  const int rows = 2;
+  Batch b(cfg, rows, 91);
+  GPT whole(cfg, *be, rows);
+  whole.init_weights(5);
+  whole.zero_grad();
+  const double loss = whole.forward(b.inputs.data(), b.targets.data(), rows);
+  whole.backward(1.0f);
+
+  for (bool interleaved : {false, true}) {
+    SCOPED_TRACE(interleaved ? "interleaved: stage 0 holds layers 0, 2; stage 1 layers 1, 3" : "stages 0-1 | 2-3");
+    GPT s0(cfg, *be, rows, nullptr, interleaved ? stage_of(0, 2, {{0, 1}, {2, 3}}, 2) : stage_of(0, 2, {{0, 2}}, 2));
+    GPT s1(cfg, *be, rows, nullptr, interleaved ? stage_of(1, 2, {{1, 2}, {3, 4}}, 2) : stage_of(1, 2, {{2, 4}}, 2));
+    for (GPT* m : {&s0, &s1}) {
+      m->init_weights(5);
+      m->zero_grad();
+    }
+    EXPECT_TRUE(s1.param("wte.weight").shadow);
+    EXPECT_FALSE(s0.param("wte.weight").shadow);
+    EXPECT_EQ(s0.find_param("ln_f.weight"), nullptr);
+    EXPECT_EQ(s1.find_param("wpe.weight"), nullptr);
+    EXPECT_EQ(s0.all_params().size(), whole.params().size());
+    EXPECT_EQ(s0.num_params() + s1.num_params(), whole.num_params() + s1.param("wte.weight").numel);
+
+    // Two micro-batches in flight (slots 0 and 1), the second the same rows with dloss 0. Model
+    // chunk j runs on stage j % 2 as its chunk j / 2.
+    double got = 0;
+    const int chunks = interleaved ? 2 : 1;
+    GPT* stage[2] = {&s0, &s1};
+    for (int slot = 0; slot < 2; ++slot) {
+      const float* x = nullptr;
+      for (int j = 0; j < 2 * chunks; ++j) {
+        GPT& m = *stage[j % 2];
+        const double l = m.forward_stage(slot, b.inputs.data(), x, b.targets.data(), rows, j / 2);
+        if (j + 1 < 2 * chunks) x = m.stage_output(slot, j / 2);
+        else if (slot == 0) got = l;
+      }
+    }
+    EXPECT_EQ(got, loss);
+    for (int slot = 1; slot >= 0; --slot) {
+      std::vector<float> d;
+      for (int j = 2 * chunks - 1; j >= 0; --j) {
+        const float* dx = stage[j % 2]->backward_stage(slot, slot == 0 ? 1.0f : 0.0f, j + 1 < 2 * chunks ? d.data() : nullptr, j / 2);
+        if (j == 0) EXPECT_EQ(dx, nullptr);
+        else d.assign(dx, dx + s0.stage_boundary_floats(rows));
+      }
+    }
+    for (const ParamInfo& p : whole.params()) {
+      if (p.name == "wte.weight") continue;
+      const GPT& holder = s0.find_param(p.name) ? s0 : s1;
+      EXPECT_EQ(grad_of(holder, p.name), grad_of(whole, p.name)) << p.name;
+    }
+    // The tied embedding: lookup gradient on stage 0 plus head gradient on stage 1, as the
+    // pipeline plugin sums them (the whole model adds them in the other order: within rounding).
+    const std::vector<float> g0 = grad_of(s0, "wte.weight"), g1 = grad_of(s1, "wte.weight"), g = grad_of(whole, "wte.weight");
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      worst = std::max(worst, static_cast<double>(std::abs(g0[i] + g1[i] - g[i])));
+      scale = std::max(scale, static_cast<double>(std::abs(g[i])));
+    }
+    EXPECT_LE(worst, 1e-6 * scale);
+  }
 }
