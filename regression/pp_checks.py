@@ -37,7 +37,8 @@ import statistics
 import subprocess
 import sys
 
-BUBBLE_TOL = 0.05  # absolute, on a fraction: the send/receive and data time the formula leaves out
+BUBBLE_TOL = 0.07  # absolute, on a fraction: the send/receive and data time the formula leaves out,
+                   # which this shared 2-core machine sometimes stretches (0.04 seen at m = 8)
 SKEW_US = 1        # rounding: on one node both timelines share the steady clock's origin
 
 # Compute-bound micro-batches (64 tokens x d_model 128) so that the schedule, not the overhead, shows.
@@ -106,7 +107,8 @@ def check_bubble(c):
         for m in ms:
             # 32 sequences: even at m = 8 a micro-batch (4 x 64 tokens) is mostly compute
             _, recs, _ = c.run("%s-v%d-m%d" % (schedule, v, m), ["pipeline.schedule=" + schedule, "train.micro_batches=%d" % m,
-                                                                 "pipeline.virtual_stages=%d" % v, "train.batch=32"])
+                                                                 "pipeline.virtual_stages=%d" % v, "train.batch=32",
+                                                                 "train.steps=12"])
             steady = recs[1:]  # the first step pays for first-touch allocation
             bubble = statistics.median(r["pp_bubble"] for r in steady)
             expected = statistics.median(r["pp_bubble_expected"] for r in steady)
