@@ -20,9 +20,13 @@ struct QuietHdf5 {
   QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
 };
 
-struct Handle {  // closes an HDF5 id with the matching function
+struct Handle {  // closes an HDF5 id with the matching function; movable, not copyable
   hid_t id;
   herr_t (*close)(hid_t);
+  Handle(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
+  Handle(Handle&& o) noexcept : id(o.id), close(o.close) { o.id = -1; }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
   ~Handle() {
     if (id >= 0) close(id);
   }
@@ -72,6 +76,20 @@ void select_shard(hid_t space, const ParamInfo& p, int n, int r) {
     }
   }
   H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+}
+
+// Selects in the file space what this rank moves of a tensor, and returns the matching memory
+// space: its shard of `p` when `take`, else nothing (a rank still joins every collective transfer).
+Handle transfer_spaces(hid_t fspace, const ParamInfo* p, bool take, int n, int r) {
+  hsize_t local = take ? static_cast<hsize_t>(p->numel) : 0;
+  Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
+  if (take) {
+    select_shard(fspace, *p, n, r);
+  } else {
+    H5Sselect_none(fspace);
+    H5Sselect_none(mspace.id);
+  }
+  return mspace;
 }
 
 template <class T>
@@ -200,13 +218,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
                 H5Dclose};
       if (ds.id < 0) abort_job("checkpoint '" + tmp + "': cannot create dataset " + name, 1);
       const bool owner = is_owner(grid, p);
-      hsize_t local = owner ? static_cast<hsize_t>(p->numel) : 0;
-      Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
-      if (owner) select_shard(fspace.id, *p, n, r);
-      else {
-        H5Sselect_none(fspace.id);
-        H5Sselect_none(mspace.id);
-      }
+      const Handle mspace = transfer_spaces(fspace.id, p, owner, n, r);
       const float* data = p ? g.base + p->offset : g.base;
       // Mid-file, a rank that fails cannot unwind (closing the file is collective): it takes the
       // job down, and the previous checkpoint and `latest` stay as they were.
@@ -281,13 +293,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
                        shape_text(whole.shape) + " (model.* keys differ from the run that wrote it)");
       // Every rank that holds the tensor reads its shard (the last stage's shadow of wte too); the
       // others join the collective read with nothing selected.
-      hsize_t local = p ? static_cast<hsize_t>(p->numel) : 0;
-      Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
-      if (p) select_shard(fspace.id, *p, n, r);
-      else {
-        H5Sselect_none(fspace.id);
-        H5Sselect_none(mspace.id);
-      }
+      const Handle mspace = transfer_spaces(fspace.id, p, p != nullptr, n, r);
       float* data = p ? g.base + p->offset : g.base;
       if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
         fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
