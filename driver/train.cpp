@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <optional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -35,6 +37,27 @@ std::string memory_line(const std::array<std::size_t, kMemCategories>& bytes, st
     first = false;
   }
   return s + ")";
+}
+
+// Sums of the roles' per-step report values, for their means over a run.
+struct ReportMeans {
+  std::map<std::string, double> sum;
+  std::int64_t steps = 0;
+  void add(const std::vector<std::pair<std::string, double>>& values) {
+    for (const auto& [k, v] : values) sum[k] += v;
+    ++steps;
+  }
+  std::map<std::string, double> means() const {
+    std::map<std::string, double> m;
+    for (const auto& [k, v] : sum) m[k] = v / static_cast<double>(steps);
+    return m;
+  }
+};
+
+std::optional<double> value_of(const std::vector<std::pair<std::string, double>>& values, const std::string& key) {
+  for (const auto& [k, v] : values)
+    if (k == key) return v;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -75,8 +98,10 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   // Communication, per group (dp, tp, pp): counted by the communicators, read after every step.
   auto groups = s.grid->groups();
   std::vector<double> group_bytes_total(groups.size(), 0.0), group_wait_total(groups.size(), 0.0);
-  double wait_total = 0, ratio_sum = 0, bubble_sum = 0, expected_bubble_sum = 0, textbook_bubble = 0;
-  std::int64_t ratio_steps = 0, bubble_steps = 0;
+  double wait_total = 0;
+  // Every value the roles report per step (measured vs textbook volumes, bubbles, ...), summed over
+  // the steady steps (all steps if there is only one) for the summary.
+  ReportMeans report_steady, report_all;
   const int world = s.layout.ranks();
 
   std::int64_t steps_run = 0;
@@ -106,22 +131,9 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     auto report_values = s.engine->grad_sync().step_report();
     for (auto& kv : s.model->partition().step_report()) report_values.push_back(kv);
     for (auto& kv : s.engine->schedule().step_report()) report_values.push_back(kv);
-    std::optional<double> bubble, bubble_textbook, bubble_expected;
-    for (const auto& [k, v] : report_values) {
-      if (k == "dp_allreduce_ratio") {
-        ratio_sum += v;
-        ++ratio_steps;
-      }
-      if (k == "pp_bubble") bubble = v;
-      if (k == "pp_bubble_textbook") bubble_textbook = v;
-      if (k == "pp_bubble_expected") bubble_expected = v;
-    }
-    if (bubble && step > start_step) {  // steady steps, like the throughput
-      bubble_sum += *bubble;
-      expected_bubble_sum += bubble_expected.value_or(0.0);
-      textbook_bubble = bubble_textbook.value_or(0.0);
-      ++bubble_steps;
-    }
+    report_all.add(report_values);
+    if (step > start_step) report_steady.add(report_values);  // steady steps, like the throughput
+    const auto bubble = value_of(report_values, "pp_bubble");
     train_time += st.seconds;
     ++steps_run;
     if (step > start_step) {  // the first step pays for first-touch allocation: not steady state
@@ -166,7 +178,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(bytes).c_str(),
                   100.0 * step_wait / st.seconds, t_min * 1e3, t_max * 1e3);
     }
-    if (bubble) std::printf(" | bubble %.2f (textbook %.2f)", *bubble, bubble_textbook.value_or(0.0));
+    if (bubble)
+      std::printf(" | bubble %.2f (textbook %.2f)", *bubble, value_of(report_values, "pp_bubble_textbook").value_or(0.0));
     if (val) std::printf(" | val %.4f", *val);
     std::cout << std::endl;
     nlohmann::json rec = {{"step", step + 1},
@@ -196,6 +209,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   }
 
   if (!io) return 0;
+  std::map<std::string, double> report_means = (report_steady.steps ? report_steady : report_all).means();
   const double mean_step = steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, steps_run);
   const double tps = tokens_per_step / mean_step;
   nlohmann::json summary = {{"steps", s.steps},
@@ -221,12 +235,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
         comm[groups[gi]->name()] = {{"bytes_sent_per_step", group_bytes_total[gi] / s.steps},
                                     {"wait_s", group_wait_total[gi]}};
     summary["comm"] = comm;
-    if (ratio_steps) summary["dp_allreduce_ratio"] = ratio_sum / ratio_steps;
-    if (bubble_steps) {
-      summary["pp_bubble"] = bubble_sum / bubble_steps;
-      summary["pp_bubble_expected"] = expected_bubble_sum / bubble_steps;
-      summary["pp_bubble_textbook"] = textbook_bubble;
-    }
+    for (const auto& [k, v] : report_means) summary[k] = v;
   }
   if (last_val) summary["final_val_loss"] = *last_val;
   if (auto best = s.train_data->best_loss()) summary["best_possible_loss"] = *best;
@@ -270,12 +279,12 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                   groups[gi]->name().c_str(), groups[gi]->size(),
                   format_bytes(group_bytes_total[gi] / s.steps).c_str(), group_wait_total[gi],
                   100.0 * group_wait_total[gi] / train_time);
-  if (ratio_steps)
-    std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", ratio_sum / ratio_steps);
-  if (bubble_steps)
+  if (report_means.count("dp_allreduce_ratio"))
+    std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", report_means["dp_allreduce_ratio"]);
+  if (report_means.count("pp_bubble"))
     std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); from the stages' measured\n"
-                "         compute times with free communication %.3f; textbook (p-1)/(m+p-1) for equal stages %.3f\n",
-                bubble_sum / bubble_steps, expected_bubble_sum / bubble_steps, textbook_bubble);
+                "         compute times with free communication %.3f; textbook (p-1)/(vm+p-1) for equal stages %.3f\n",
+                report_means["pp_bubble"], report_means["pp_bubble_expected"], report_means["pp_bubble_textbook"]);
   std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s.run_dir.c_str());
   return 0;
 }

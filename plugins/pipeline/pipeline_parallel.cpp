@@ -211,6 +211,12 @@ class PipelineSchedule final : public Schedule {
     model.set_progress_hook([this] { pp_.progress(); });
     model_ = &model;
     order_ = stage_order(kind_, m_, p_, i_, v_);
+    // The receives this stage makes, in the order it needs them: activations for each forward that
+    // does not start at the embeddings, gradients for each backward that does not start at the loss.
+    for (const Op& op : order_) {
+      if (op.kind == 'F' && !model.holds_embeddings(op.chunk)) act_needs_.push_back(op);
+      if (op.kind == 'B' && !model.holds_head(op.chunk)) grad_needs_.push_back(op);
+    }
   }
   ~PipelineSchedule() override { model_->set_progress_hook({}); }
 
@@ -332,22 +338,14 @@ class PipelineSchedule final : public Schedule {
   int next_rank() const { return (i_ + 1) % p_; }
   int prev_rank() const { return (i_ + p_ - 1) % p_; }
 
-  // Receives are posted one ahead, in the order the stage will need them: activations for each
-  // forward that does not start at the embeddings, gradients for each backward that does not start
-  // at the loss.
+  // Receives are posted one ahead, in the order the stage will need them (gradients only when the
+  // step has backwards).
   void begin(bool backward) {
-    const GPT& model = *model_;
     act_send_.clear();
     act_send_.resize(static_cast<std::size_t>(m_ * v_));
-    act_needs_.clear();
-    grad_needs_.clear();
-    for (const Op& op : order_) {
-      if (op.kind == 'F' && !model.holds_embeddings(op.chunk)) act_needs_.push_back(op);
-      if (op.kind == 'B' && backward && !model.holds_head(op.chunk)) grad_needs_.push_back(op);
-    }
     act_next_ = grad_next_ = 0;
     post_act_recv();
-    post_grad_recv();
+    if (backward) post_grad_recv();
   }
   void post_act_recv() {
     if (act_next_ >= act_needs_.size()) return;
