@@ -282,8 +282,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   if (report_means.count("dp_allreduce_ratio"))
     std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", report_means["dp_allreduce_ratio"]);
   if (report_means.count("pp_bubble"))
-    std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); from the stages' measured\n"
-                "         compute times with free communication %.3f; textbook (p-1)/(vm+p-1) for equal stages %.3f\n",
+    std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); the schedule replayed\n"
+                "         with the measured op times and free communication %.3f; textbook (p-1)/(vm+p-1) %.3f\n",
                 report_means["pp_bubble"], report_means["pp_bubble_expected"], report_means["pp_bubble_textbook"]);
   std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s.run_dir.c_str());
   return 0;

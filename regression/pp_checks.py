@@ -5,15 +5,14 @@
 
 CHECK is one of:
   bubble     pp = 2, GPipe and 1F1B at m = 1, 4, 8 micro-batches, interleaved 1F1B with 2 virtual
-             stages at m = 2, 4, 8: the measured bubble (median over
-             steps; each step's is the share of the pipeline's span a stage spends not computing,
-             averaged over stages) lies within BUBBLE_TOL of (p-1)/(m+p-1) evaluated with the stages'
-             measured compute times (for equal stages, the textbook value; at m = 1 it is the
-             textbook value whatever the stages' speeds, and is checked against it; with virtual
-             stages the formula, which lets the slowest stage pace every micro-batch, is checked as an
-             upper bound and the textbook value as a lower one); less the stage imbalance
-             (formula with measured times - textbook), it falls as m grows and is smaller with
-             virtual stages (textbook (p-1)/(vm+p-1))
+             stages at m = 2, 4, 8: the measured bubble (median over steps; each step's is the share
+             of the pipeline's span a stage spends not computing, averaged over stages) is at most
+             BUBBLE_TOL above the bubble the schedule leaves with the step's measured op times and
+             free communication (pp_bubble_expected, a replay of the step; for equal stages and
+             equal op times, the textbook (p-1)/(vm+p-1)) and not below it (less SKEW_TOL); at m = 1
+             it is the textbook 1/2 whatever the stages' speeds, and is checked against it; less the
+             stage imbalance (expected - textbook), it falls as m grows and is smaller with virtual
+             stages
   memory     what the ledger and the schedule report at pp = 2: GPipe holds the activations of all m
              micro-batches on every stage, 1F1B at most p - stage, interleaved 1F1B (v = 2) its
              warm-up 2(p-stage-1) + (v-1)p plus one; the activation bytes grow by the
@@ -26,7 +25,9 @@ CHECK is one of:
              (balanced moves layers off the last stage when the head is expensive)
 
 The bubble is a ratio of two times measured in the same step, not a wall-clock time; the tolerance
-covers the send/receive and data-loading time that the textbook formula leaves out.
+covers the message time that the replay leaves out. The machine's noise only ever adds time, while a
+schedule that serialises its stages adds it in every run: a configuration outside its bounds is run
+again, up to ATTEMPTS times, and fails only if no run is within them.
 """
 import argparse
 import json
@@ -37,8 +38,11 @@ import statistics
 import subprocess
 import sys
 
-BUBBLE_TOL = 0.07  # absolute, on a fraction: the send/receive and data time the formula leaves out,
-                   # which this shared 2-core machine sometimes stretches (0.04 seen at m = 8)
+BUBBLE_TOL = 0.07  # absolute, on a fraction: the message time the replay leaves out (0.005 on a
+                   # quiet machine), which this shared 2-core machine sometimes stretches
+SKEW_TOL = 0.02    # the stages start a step a little apart (the optimizer ran between), which the
+                   # replay, starting them together, does not see
+ATTEMPTS = 3
 SKEW_US = 1        # rounding: on one node both timelines share the steady clock's origin
 
 # Compute-bound micro-batches (64 tokens x d_model 128) so that the schedule, not the overhead, shows.
@@ -105,37 +109,36 @@ def check_bubble(c):
         name = schedule if v == 1 else "interleaved 1f1b v=%d" % v
         measured = []
         for m in ms:
-            # 32 sequences: even at m = 8 a micro-batch (4 x 64 tokens) is mostly compute
-            _, recs, _ = c.run("%s-v%d-m%d" % (schedule, v, m), ["pipeline.schedule=" + schedule, "train.micro_batches=%d" % m,
-                                                                 "pipeline.virtual_stages=%d" % v, "train.batch=32",
-                                                                 "train.steps=12"])
-            steady = recs[1:]  # the first step pays for first-touch allocation
-            bubble = statistics.median(r["pp_bubble"] for r in steady)
-            expected = statistics.median(r["pp_bubble_expected"] for r in steady)
-            textbook = steady[0]["pp_bubble_textbook"]
+            want = (2 - 1) / (v * m + 2 - 1)
+            for attempt in range(1, ATTEMPTS + 1):
+                # 32 sequences: even at m = 8 a micro-batch (4 x 64 tokens) is mostly compute
+                _, recs, _ = c.run("%s-v%d-m%d-%d" % (schedule, v, m, attempt),
+                                   ["pipeline.schedule=" + schedule, "train.micro_batches=%d" % m,
+                                    "pipeline.virtual_stages=%d" % v, "train.batch=32", "train.steps=12"])
+                steady = recs[1:]  # the first step pays for first-touch allocation
+                bubble = statistics.median(r["pp_bubble"] for r in steady)
+                expected = statistics.median(r["pp_bubble_expected"] for r in steady)
+                textbook = steady[0]["pp_bubble_textbook"]
+                # One micro-batch: the span is every stage's work end to end whatever the stages'
+                # speeds, so the bubble is exactly (p-1)/p in theory.
+                textbook_ok = m > 1 or abs(bubble - textbook) <= BUBBLE_TOL
+                replay_ok = expected - SKEW_TOL <= bubble <= expected + BUBBLE_TOL
+                if textbook_ok and replay_ok:
+                    break
+                print("again %s m=%d: measured bubble %.3f, replay %.3f, textbook %.3f (attempt %d of %d)"
+                      % (name, m, bubble, expected, textbook, attempt, ATTEMPTS))
+            c.expect(abs(textbook - want) < 1e-12, "%s m=%d: textbook bubble (p-1)/(vm+p-1) reported as %.4f" % (name, m, textbook))
+            if m == 1:
+                c.expect(textbook_ok, "%s m=1: measured bubble %.3f vs textbook (p-1)/(m+p-1) = %.3f (|diff| %.3f <= %.2f)"
+                         % (name, bubble, textbook, abs(bubble - textbook), BUBBLE_TOL))
+            c.expect(replay_ok, "%s m=%d: measured bubble %.3f vs the replay of the step with its measured op times "
+                     "and free communication %.3f (within [%.3f, %.3f]; textbook for equal stages %.3f)"
+                     % (name, m, bubble, expected, expected - SKEW_TOL, expected + BUBBLE_TOL, textbook))
             # The machine sometimes runs one rank much slower than the other for a while; the
             # comparisons between runs below take out that imbalance (expected - textbook).
             corrected = bubble - (expected - textbook)
             measured.append(corrected)
             at[(name, m)] = corrected
-            want = (2 - 1) / (v * m + 2 - 1)
-            c.expect(abs(textbook - want) < 1e-12, "%s m=%d: textbook bubble (p-1)/(vm+p-1) reported as %.4f" % (name, m, textbook))
-            if m == 1:
-                # One micro-batch: the span is every stage's work end to end whatever the stages'
-                # speeds, so the bubble is exactly (p-1)/p in theory.
-                c.expect(abs(bubble - textbook) <= BUBBLE_TOL,
-                         "%s m=1: measured bubble %.3f vs textbook (p-1)/(m+p-1) = %.3f (|diff| %.3f <= %.2f)"
-                         % (name, bubble, textbook, abs(bubble - textbook), BUBBLE_TOL))
-            # The formula with this run's measured stage times (equal stages: the textbook value). The
-            # machine may run one rank slower than the other; that imbalance is a real bubble, and the
-            # formula accounts for it; what it leaves out is communication and overhead.
-            # With virtual stages the formula (the slowest stage sets the pace of every micro-batch)
-            # is an upper bound when the stages run at different speeds: check it as one.
-            low = expected - BUBBLE_TOL if v == 1 else textbook - 0.02
-            c.expect(low <= bubble <= expected + BUBBLE_TOL,
-                     "%s m=%d: measured bubble %.3f vs the formula with the measured stage times %.3f "
-                     "(within [%.3f, %.3f]; textbook for equal stages %.3f)"
-                     % (name, m, bubble, expected, low, expected + BUBBLE_TOL, textbook))
         c.expect(measured[0] > measured[1] > measured[2] - 0.02,
                  "%s: the bubble (less the stage imbalance) falls as micro-batches grow: %s"
                  % (name, ", ".join("%.3f" % b for b in measured)))

@@ -10,8 +10,9 @@
 // not block. The tied embedding's gradient is summed between the first and last stage. Every
 // stage times its forward, backward, send, receive-wait and data intervals; the measured bubble
 // (the share of the pipeline's span, its longest stage's, that a stage spends not computing,
-// averaged over stages) goes in the metrics next to the textbook (p-1)/(m+p-1), and
-// pipeline.trace writes the intervals of every rank as a Chrome-trace timeline.
+// averaged over stages) goes in the metrics next to the textbook (p-1)/(m+p-1) and next to the
+// bubble the schedule leaves with the step's measured op times and free communication (a replay),
+// and pipeline.trace writes the intervals of every rank as a Chrome-trace timeline.
 #include <mpi.h>
 
 #include <algorithm>
@@ -31,9 +32,16 @@
 #include "core/grid.hpp"
 #include "core/ledger.hpp"
 #include "core/plugin.hpp"
+#include "plugins/pipeline/schedule.hpp"
 
 namespace loom {
 namespace {
+
+using pipeline::activation_slots;
+using pipeline::Kind;
+using pipeline::Op;
+using pipeline::replay_span;
+using pipeline::stage_order;
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -121,50 +129,6 @@ std::string validate_partition_syntax(const std::string& v) {
   return {};
 }
 
-enum class Kind { gpipe, one_f_one_b };
-
-// One unit of a stage's work: the forward ('F') or backward ('B') of micro-batch k on chunk c.
-struct Op {
-  char kind;
-  int chunk, k;
-};
-
-// The order of work on stage i of p with v chunks (virtual stages) per stage and m micro-batches.
-//   gpipe: every forward, then every backward (v = 1).
-//   1f1b, v = 1: p-i-1 warm-up forwards, then one forward / one backward, then the cool-down.
-//   1f1b, v > 1 (Megatron's interleaved schedule; m a multiple of p): forwards go through the
-//   chunks in groups of p micro-batches, backwards through the chunks in reverse; warm-up
-//   2(p-i-1) + (v-1)p forwards.
-std::vector<Op> stage_order(Kind kind, int m, int p, int i, int v) {
-  std::vector<Op> ops;
-  if (kind == Kind::gpipe) {
-    for (int k = 0; k < m; ++k) ops.push_back({'F', 0, k});
-    for (int k = 0; k < m; ++k) ops.push_back({'B', 0, k});
-    return ops;
-  }
-  const int total = m * v;
-  auto forward = [&](int j) { return Op{'F', (j % (p * v)) / p, (j / (p * v)) * p + j % p}; };
-  auto backward = [&](int j) { return Op{'B', v - 1 - (j % (p * v)) / p, (j / (p * v)) * p + j % p}; };
-  const int warm = std::min(v == 1 ? p - i - 1 : 2 * (p - i - 1) + (v - 1) * p, total);
-  for (int j = 0; j < warm; ++j) ops.push_back(forward(j));
-  for (int j = 0; j < total - warm; ++j) {
-    ops.push_back(forward(warm + j));
-    ops.push_back(backward(j));
-  }
-  for (int j = total - warm; j < total; ++j) ops.push_back(backward(j));
-  return ops;
-}
-
-// The most micro-batches each chunk holds activations for at once under that order.
-std::vector<int> activation_slots(const std::vector<Op>& ops, int v) {
-  std::vector<int> held(v, 0), most(v, 1);
-  for (const Op& op : ops) {
-    held[op.chunk] += op.kind == 'F' ? 1 : -1;
-    most[op.chunk] = std::max(most[op.chunk], held[op.chunk]);
-  }
-  return most;
-}
-
 // ---- the schedule --------------------------------------------------------------------------------
 
 struct Interval {
@@ -210,7 +174,8 @@ class PipelineSchedule final : public Schedule {
     // while one of its ends is inside MPI, and the neighbour stage is waiting for it.
     model.set_progress_hook([this] { pp_.progress(); });
     model_ = &model;
-    order_ = stage_order(kind_, m_, p_, i_, v_);
+    for (int s = 0; s < p_; ++s) orders_.push_back(stage_order(kind_, m_, p_, s, v_));
+    order_ = orders_[i_];
     // The receives this stage makes, in the order it needs them: activations for each forward that
     // does not start at the embeddings, gradients for each backward that does not start at the loss.
     for (const Op& op : order_) {
@@ -239,7 +204,14 @@ class PipelineSchedule final : public Schedule {
     double loss_sum = 0;
     int inflight = 0, inflight_max = 0;
     int backwards = 0;
-    for (const Op& op : order_) {
+    // What each op takes on this stage, waits for its input excluded: the replay's durations.
+    const std::size_t ops = order_.size();
+    std::vector<double> v(1 + (kStats + ops) * p_, 0.0);
+    double* op_ms = v.data() + 1 + kStats * p_ + ops * i_;
+    for (std::size_t q = 0; q < ops; ++q) {
+      const Op& op = order_[q];
+      const std::size_t first_event = events_.size();
+      const double t_op = now();
       if (op.kind == 'F') {
         loss_sum += forward(ctx, op.chunk, op.k);
         inflight_max = std::max(inflight_max, ++inflight);
@@ -247,13 +219,16 @@ class PipelineSchedule final : public Schedule {
         backward(ctx, op.chunk, op.k, backwards++);
         --inflight;
       }
+      double waited = 0;
+      for (std::size_t e = first_event; e < events_.size(); ++e)
+        if (events_[e].kind[0] == 'r') waited += events_[e].t1 - events_[e].t0;
+      op_ms[q] = (now() - t_op - waited) * 1e3;
       pp_.progress();
     }
     finish_sends();
     const double span = now() - t_start;
 
-    // One all-reduce carries the loss (from the last stage) and every stage's numbers.
-    std::vector<double> v(1 + kStats * p_, 0.0);
+    // One all-reduce carries the loss (from the last stage) and every stage's numbers and op times.
     if (last_) v[0] = loss_sum / m_;
     double* mine = v.data() + 1 + kStats * i_;
     double fwd = 0, bwd = 0, recv = 0, send = 0, data = 0;
@@ -274,8 +249,13 @@ class PipelineSchedule final : public Schedule {
     mine[kDataMs] = data * 1e3;
     mine[kSpanMs] = span * 1e3;
     if (p_ > 1) pp_.all_reduce(v.data(), static_cast<std::int64_t>(v.size()));
-    stats_.assign(v.begin() + 1, v.end());
-    bubbles();
+    stats_.assign(v.begin() + 1, v.begin() + 1 + kStats * p_);
+    std::vector<std::vector<double>> all_op_ms(p_);
+    for (int s = 0; s < p_; ++s) {
+      const double* from = v.data() + 1 + kStats * p_ + ops * s;
+      all_op_ms[s].assign(from, from + ops);
+    }
+    bubbles(replay_span(orders_, all_op_ms, m_, v_));
     if (trace_) record_trace(ctx.step);
     return v[0];
   }
@@ -360,24 +340,16 @@ class PipelineSchedule final : public Schedule {
 
   // The pipeline's span is the longest stage's (the stages start together: the previous step ended
   // in collectives); a stage's bubble is the share of that span it spent not computing. The
-  // textbook (p-1)/(m+p-1) assumes equal stages; `expected` is the same model with this step's
-  // measured per-micro-batch forward f_i and backward b_i of each stage and free communication:
-  // span = sum_i (f_i + b_i) + (m-1) x the slowest stage's rate: GPipe streams all forwards then all
-  // backwards (max_i f_i + max_i b_i), 1F1B alternates them (max_i (f_i + b_i)); both give
-  // (m+p-1)(f+b) for equal stages. With v virtual stages the fill and drain take a chunk's time,
-  // (f+b)/v per stage: span = (m-1) max_i t_i + (sum_i t_i + (v-1) max_i t_i) / v, t_i = f_i + b_i,
-  // which is (m + (p-1)/v) t for equal stages: the textbook (p-1)/(vm+p-1).
-  // measured - expected is what communication and overheads cost; expected - textbook, imbalance.
-  void bubbles() {
-    double span = 0, fmax = 0, bmax = 0, fbmax = 0, fb_sum = 0, compute_sum = 0;
+  // textbook (p-1)/(vm+p-1) assumes equal stages, equal micro-batches and free communication;
+  // `expected` is the bubble of the replayed span (`replay_ms`: this step's schedule with every
+  // op's measured time, messages free), so measured - expected is what communication and overheads
+  // cost, and expected - textbook what unequal stages and uneven op times cost.
+  void bubbles(double replay_ms) {
+    double span = 0, compute_sum = 0;
     bubble_mean_ = bubble_max_ = 0;
     for (int s = 0; s < p_; ++s) {
       const double* st = &stats_[kStats * s];
       span = std::max(span, st[kSpanMs]);
-      fmax = std::max(fmax, st[kForwardMs] / m_);
-      bmax = std::max(bmax, st[kBackwardMs] / m_);
-      fbmax = std::max(fbmax, (st[kForwardMs] + st[kBackwardMs]) / m_);
-      fb_sum += (st[kForwardMs] + st[kBackwardMs]) / m_;
       compute_sum += st[kForwardMs] + st[kBackwardMs];
     }
     for (int s = 0; s < p_; ++s) {
@@ -391,9 +363,7 @@ class PipelineSchedule final : public Schedule {
       bubble_mean_ += bubble / p_;
       bubble_max_ = std::max(bubble_max_, bubble);
     }
-    const double model_span = kind_ == Kind::gpipe ? fb_sum + (m_ - 1) * (fmax + bmax)
-                              : (m_ - 1) * fbmax + (fb_sum + (v_ - 1) * fbmax) / v_;
-    bubble_expected_ = model_span > 0 ? 1.0 - compute_sum / (p_ * model_span) : 0.0;
+    bubble_expected_ = replay_ms > 0 ? 1.0 - compute_sum / (p_ * replay_ms) : 0.0;
   }
 
   void timed(const char* kind, int k, int chunk, double t0) { events_.push_back({kind, k, chunk, t0, now()}); }
@@ -546,6 +516,7 @@ class PipelineSchedule final : public Schedule {
   std::vector<int> layers_;
   std::string describe_;
   Buffer<float> act_in_, grad_in_, grad_out_;
+  std::vector<std::vector<Op>> orders_;  // every stage's, for the replay
   std::vector<Op> order_, act_needs_, grad_needs_;
   std::size_t act_next_ = 0, grad_next_ = 0;  // the receive in flight in each direction
   CommRequestPtr act_recv_, grad_recv_;
