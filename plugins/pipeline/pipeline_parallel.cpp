@@ -206,8 +206,8 @@ class PipelineSchedule final : public Schedule {
     int backwards = 0;
     // What each op takes on this stage, waits for its input excluded: the replay's durations.
     const std::size_t ops = order_.size();
-    std::vector<double> v(1 + (kStats + ops) * p_, 0.0);
-    double* op_ms = v.data() + 1 + kStats * p_ + ops * i_;
+    std::vector<double> gathered(1 + (kStats + ops) * p_, 0.0);
+    double* op_ms = gathered.data() + 1 + kStats * p_ + ops * i_;
     for (std::size_t q = 0; q < ops; ++q) {
       const Op& op = order_[q];
       const std::size_t first_event = events_.size();
@@ -229,8 +229,8 @@ class PipelineSchedule final : public Schedule {
     const double span = now() - t_start;
 
     // One all-reduce carries the loss (from the last stage) and every stage's numbers and op times.
-    if (last_) v[0] = loss_sum / m_;
-    double* mine = v.data() + 1 + kStats * i_;
+    if (last_) gathered[0] = loss_sum / m_;
+    double* mine = gathered.data() + 1 + kStats * i_;
     double fwd = 0, bwd = 0, recv = 0, send = 0, data = 0;
     for (const Interval& e : events_) {
       const double d = e.t1 - e.t0;
@@ -248,16 +248,16 @@ class PipelineSchedule final : public Schedule {
     mine[kSendMs] = send * 1e3;
     mine[kDataMs] = data * 1e3;
     mine[kSpanMs] = span * 1e3;
-    if (p_ > 1) pp_.all_reduce(v.data(), static_cast<std::int64_t>(v.size()));
-    stats_.assign(v.begin() + 1, v.begin() + 1 + kStats * p_);
+    if (p_ > 1) pp_.all_reduce(gathered.data(), static_cast<std::int64_t>(gathered.size()));
+    stats_.assign(gathered.begin() + 1, gathered.begin() + 1 + kStats * p_);
     std::vector<std::vector<double>> all_op_ms(p_);
     for (int s = 0; s < p_; ++s) {
-      const double* from = v.data() + 1 + kStats * p_ + ops * s;
+      const double* from = gathered.data() + 1 + kStats * p_ + ops * s;
       all_op_ms[s].assign(from, from + ops);
     }
     bubbles(replay_span(orders_, all_op_ms, m_, v_));
     if (trace_) record_trace(ctx.step);
-    return v[0];
+    return gathered[0];
   }
 
   double forward_only(StepContext& ctx) override {
