@@ -2,6 +2,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
+
+#include "core/fault.hpp"
 
 namespace loom {
 namespace {
@@ -56,10 +59,17 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   st.step = step;
   const double t0 = now();
   model_.zero_grad();
+  // Regression cases poison one weight element of one rank for this step only (a bad batch's NaN).
+  const bool poison = inject_fault("nan", step) && !model_.params().empty();
+  float* poisoned = poison ? model_.param_data() + model_.params().front().offset : nullptr;
+  const float kept = poison ? *poisoned : 0.0f;
+  if (poison) *poisoned = std::numeric_limits<float>::quiet_NaN();
   StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_)};
   const double local_loss = schedule_->run(ctx);
   inputs_ = std::move(ctx.inputs);
   targets_ = std::move(ctx.targets);
+
+  if (poison) *poisoned = kept;
 
   double t1 = now();
   // Gradient sync first: its all-reduces may still be in flight on the gradient buffer. Both steps
@@ -75,9 +85,16 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   st.lr = lr_at(cfg_.optimizer, step);
   if (before_update) before_update(st);
 
-  st.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);
-  if (st.clip_coef < 1.0) be_.scale(model_.grad_data(), static_cast<float>(st.clip_coef), model_.num_params());
-  optimizer_.step(model_.param_data(), model_.grad_data(), st.lr);
+  // Loss and norm are global (reduced over every group), so every rank takes the same branch.
+  st.nonfinite = !std::isfinite(st.loss) || !std::isfinite(st.grad_norm);
+  if (!st.nonfinite) {
+    st.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);
+    if (st.clip_coef < 1.0) be_.scale(model_.grad_data(), static_cast<float>(st.clip_coef), model_.num_params());
+    optimizer_.step(model_.param_data(), model_.grad_data(), st.lr);
+    // Regression cases make the weights themselves non-finite (as an overflowing update would).
+    if (inject_fault("nan_weights", step) && !model_.params().empty())
+      model_.param_data()[model_.params().back().offset] = std::numeric_limits<float>::quiet_NaN();
+  }
   const double t3 = now();
   st.times.optimizer = t3 - t2;
   st.seconds = t3 - t0;

@@ -88,6 +88,9 @@ class AccumulateSchedule final : public Schedule {
 struct StepStats {
   std::int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0, clip_coef = 1;
+  // The loss or the gradient norm was not finite: the update was not applied (on every rank alike,
+  // since both are global values); the driver reports it and stops or skips (train.on_nonfinite).
+  bool nonfinite = false;
   double seconds = 0;
   PhaseTimes times;
   std::array<std::size_t, kMemCategories> peak_bytes{};  // ledger peaks during the step
@@ -108,7 +111,8 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
   // One training step. `before_update`, when given, runs after gradient synchronisation and before
-  // clipping and the optimizer (the exporter reads the raw gradients there).
+  // clipping and the optimizer (the exporter reads the raw gradients there). A step whose loss or
+  // gradient norm is not finite leaves parameters and optimizer state as they were.
   StepStats train_step(std::int64_t step, const BatchFn& fetch,
                        const std::function<void(const StepStats&)>& before_update = {});
   // Mean loss over `batches` global batches drawn by `fetch` (step = batch number), forward only.

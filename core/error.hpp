@@ -13,6 +13,12 @@ struct DeckError : InputError {
   using InputError::InputError;
 };
 
+// A failure that every rank knows about alike (the ranks agreed on it, e.g. a checkpoint write that
+// failed on one rank): rank 0 reports it once and every rank exits with status 1, without aborting.
+struct AgreedFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // Bad input that has already been reported on the ranks that found it (after the ranks agreed that
 // setup failed): the driver exits with status 2 without printing it again.
 struct ReportedError : InputError {

@@ -5,7 +5,10 @@
 // read fails as if its file were unreadable). Unset: no cost beyond one branch.
 #include <cstdint>
 
+#include <functional>
 #include <string>
+
+#include "core/grid.hpp"
 
 namespace loom {
 bool inject_fault(const char* where, std::int64_t step);
@@ -14,4 +17,14 @@ bool inject_fault(const char* where, std::int64_t step);
 // `status` through MPI_Abort. For failures in the middle of a collective (a checkpoint write), where
 // unwinding would run collective clean-up that the other ranks never join.
 [[noreturn]] void abort_job(const std::string& why, int status);
+
+// Writes `text` (one or more whole lines) to stderr with one write(2), so that lines from several
+// ranks sharing the launcher's stderr do not interleave mid-line.
+void write_stderr(const std::string& text);
+
+// Collective over the grid's world: the ranks agree whether any of them failed (`local_failure`
+// non-empty). If one did, each failing rank prints its reason, rank 0 runs `clean_up`, and every rank
+// throws AgreedFailure("<consequence>: it failed on K of N rank(s), first on rank R").
+void agree_on_failure(ProcessGrid& grid, const std::string& local_failure, const std::function<void()>& clean_up,
+                      const std::string& consequence);
 }  // namespace loom

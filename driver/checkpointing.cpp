@@ -1,25 +1,39 @@
 #include "driver/checkpointing.hpp"
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <vector>
 
 #include "core/error.hpp"
-#include "io/checkpoint.hpp"
+#include "core/fault.hpp"
+#include "driver/health.hpp"
+#include "driver/run_dir.hpp"
 
 namespace fs = std::filesystem;
 
 namespace loom {
 namespace {
 
-volatile std::sig_atomic_t g_sigterm = 0;
-extern "C" void on_sigterm(int) { g_sigterm = 1; }
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) {  // the second signal: the user does not want to wait for the save
+    static const char msg[] = "loom: second signal: stopping now, without saving a checkpoint\n";
+    ssize_t ignored = ::write(2, msg, sizeof msg - 1);
+    (void)ignored;
+    _exit(128 + sig);
+  }
+  g_stop_signal = sig;
+}
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -35,35 +49,115 @@ std::string checkpoint_name(std::int64_t step) {
   return buf;
 }
 
+bool is_checkpoint_file(const std::string& f) {
+  return f.rfind("ckpt-", 0) == 0 && f.size() > 3 && f.compare(f.size() - 3, 3, ".h5") == 0;
+}
+
+// What a fresh run would overwrite: checkpoint files (also half-written .tmp ones) and `latest`.
+std::vector<std::string> earlier_checkpoints(const std::string& dir) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return found;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string f = e.path().filename().string();
+    if (is_checkpoint_file(f) || f == "latest" || (f.rfind("ckpt-", 0) == 0 && e.path().extension() == ".tmp"))
+      found.push_back(f);
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+std::string list_names(const std::vector<std::string>& names, std::size_t most = 4) {
+  std::string s;
+  for (std::size_t i = 0; i < names.size() && i < most; ++i) s += (i ? ", " : "") + names[i];
+  if (names.size() > most) s += ", ... (" + std::to_string(names.size()) + " in all)";
+  return s;
+}
+
+std::string read_latest(const std::string& dir) {
+  const std::string pointer = dir + "/latest";
+  std::ifstream in(pointer);
+  if (!in)
+    throw InputError("checkpoint.resume = latest, but '" + pointer +
+                     "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir +
+                     "; checkpoint.resume = auto starts fresh in that case)");
+  std::string name;
+  std::getline(in, name);
+  if (name.empty()) throw InputError("'" + pointer + "' is empty: it should name a checkpoint file in " + dir);
+  return dir + "/" + name;
+}
+
+bool same_value(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  char *ea = nullptr, *eb = nullptr;
+  const double x = std::strtod(a.c_str(), &ea), y = std::strtod(b.c_str(), &eb);
+  return ea && eb && *ea == '\0' && *eb == '\0' && !a.empty() && !b.empty() && x == y;
+}
+
 }  // namespace
 
+int Checkpointing::stop_signal() { return g_stop_signal; }
+
 Checkpointing::Checkpointing(Session& session) : s_(session) {
-  dir_ = s_.deck.get_string("checkpoint.dir");
-  if (dir_.empty()) dir_ = s_.run_dir + "/checkpoints";
+  const std::string given_dir = s_.deck.get_string("checkpoint.dir");
+  dir_ = given_dir.empty() ? s_.run_dir + "/checkpoints" : given_dir;
   every_ = s_.deck.get_int("checkpoint.every");
   keep_ = s_.deck.get_int("checkpoint.keep");
   resume_ = s_.deck.get_string("checkpoint.resume");
-  std::signal(SIGTERM, on_sigterm);
+  at_end_ = s_.deck.get_bool("checkpoint.at_end");
+  configured_ = every_ > 0 || !given_dir.empty() || !resume_.empty();
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+void Checkpointing::prepare() {
+  // Every rank resolves the file it will read (the file system is shared: MPI-IO needs it).
+  run_agreed([&] {
+    if (resume_ == "auto") {
+      std::error_code ec;
+      if (fs::exists(dir_ + "/latest", ec)) resume_path_ = read_latest(dir_);
+    } else if (resume_ == "latest") {
+      resume_path_ = read_latest(dir_);
+    } else {
+      resume_path_ = resume_;
+    }
+  });
+  // Rank 0 alone looks at and changes the directory.
+  run_agreed([&] {
+    if (world_rank() != 0) return;
+    const auto earlier = earlier_checkpoints(dir_);
+    if (resume_path_.empty() && !earlier.empty()) {
+      if (!s_.deck.get_bool("run.overwrite"))
+        throw InputError("checkpoint.dir = '" + dir_ + "' holds an earlier run's checkpoints (" + list_names(earlier) +
+                         "), which a fresh run would overwrite: continue it with --set checkpoint.resume=auto, "
+                         "choose another run.dir or checkpoint.dir, or set run.overwrite = true to replace them");
+      std::error_code ec;
+      for (const auto& f : earlier)
+        if (!fs::remove(dir_ + "/" + f, ec) && ec)
+          throw InputError("run.overwrite = true: cannot remove " + dir_ + "/" + f + " (" + ec.message() + ")");
+      std::cout << "run.overwrite = true: removed the earlier run's checkpoints in " << dir_ << " ("
+                << list_names(earlier) << ")" << std::endl;
+    }
+    // Created and probed now, so that an unwritable directory is found before any training.
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    if (ec) throw InputError("checkpoint.dir = '" + dir_ + "': cannot create the directory (" + ec.message() + ")");
+    const std::string probe = dir_ + "/.loom-write-probe-" + std::to_string(getpid());
+    try {
+      write_file_atomic(probe, "loom checks that checkpoint.dir is writable\n");
+    } catch (const WriteError& e) {
+      throw InputError("checkpoint.dir = '" + dir_ + "' is not writable: " + e.what());
+    }
+    fs::remove(probe, ec);
+  });
 }
 
 std::int64_t Checkpointing::resume() {
-  if (resume_.empty()) return 0;
-  std::string path;
-  run_agreed([&] {
-    if (resume_ != "latest") {
-      path = resume_;
-      return;
-    }
-    const std::string pointer = dir_ + "/latest";
-    std::ifstream in(pointer);
-    if (!in)
-      throw InputError("checkpoint.resume = latest, but '" + pointer +
-                       "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir_ + ")");
-    std::string name;
-    std::getline(in, name);
-    if (name.empty()) throw InputError("'" + pointer + "' is empty: it should name a checkpoint file in " + dir_);
-    path = dir_ + "/" + name;
-  });
+  if (resume_path_.empty()) return 0;
+  const std::string& path = resume_path_;
   CheckpointState st;
   const double t0 = now();
   run_agreed([&] { st = load_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer()); });
@@ -73,75 +167,113 @@ std::int64_t Checkpointing::resume() {
   if (st.step >= s_.steps)
     throw DeckError("checkpoint '" + path + "' is at step " + std::to_string(st.step) + ", and train.steps = " +
                     std::to_string(s_.steps) + ": nothing left to train (raise train.steps)");
-  if (world_rank() == 0)
-    std::cout << "resumed from " << path << " at step " << st.step << " (written by dp " << st.layout.dp << " x tp "
-              << st.layout.tp << " x pp " << st.layout.pp << "; read " << load_bytes_ / 1e6 << " MB in "
-              << load_seconds_ << " s)" << std::endl;
+  if (world_rank() != 0) return st.step;
+  std::cout << "resumed from " << path << " at step " << st.step << " (written by dp " << st.layout.dp << " x tp "
+            << st.layout.tp << " x pp " << st.layout.pp << "; read " << load_bytes_ / 1e6 << " MB in "
+            << load_seconds_ << " s)" << std::endl;
+  // The training keys of the run that wrote it, against this deck's: a change is allowed, and shown.
+  const auto before = resolved_deck_values(st.deck);
+  const auto after = s_.deck.values();
+  std::string diff;
+  for (const auto& [key, value] : after) {
+    if (key.rfind("train.", 0) != 0 && key.rfind("data.", 0) != 0) continue;
+    const auto it = before.find(key);
+    if (it == before.end() || same_value(it->second, value)) continue;
+    diff += "  " + key + ": " + it->second + " -> " + value + "\n";
+  }
+  if (!diff.empty()) {
+    std::cout << "resume: training keys differ from the run that wrote the checkpoint:\n" << diff;
+    const auto old_steps = before.find("train.steps");
+    if (old_steps != before.end() && !same_value(old_steps->second, after.at("train.steps"))) {
+      OptimizerConfig was = s_.engine_cfg.optimizer;
+      was.steps = std::atoll(old_steps->second.c_str());
+      std::printf("resume: the learning-rate schedule is a function of the step and train.steps, so it continues on "
+                  "the curve for %lld steps: at step %lld the rate is %.4e (%.4e on the curve for %lld steps)\n",
+                  static_cast<long long>(s_.steps), static_cast<long long>(st.step + 1),
+                  lr_at(s_.engine_cfg.optimizer, st.step), lr_at(was, st.step), static_cast<long long>(was.steps));
+    }
+    std::cout << std::flush;
+  }
   return st.step;
 }
 
 bool Checkpointing::after_step(std::int64_t steps_done, nlohmann::json& record) {
-  int stop = g_sigterm ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &stop, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);  // any rank signalled: all save
+  // Any rank signalled: all save. A sum over the world communicator (watched like every collective).
+  double stop = g_stop_signal ? 1.0 : 0.0;
+  s_.grid->world().all_reduce(&stop, 1);
   const bool due = every_ > 0 && steps_done % every_ == 0;
-  if (!due && !stop) return false;
+  if (due || stop > 0) save(steps_done, record, stop > 0 ? " on a stop signal; stopping" : "");
+  return stop > 0;
+}
+
+void Checkpointing::at_end(std::int64_t steps_done, nlohmann::json& record) {
+  if (configured_ && at_end_ && last_saved_ != steps_done) save(steps_done, record, " at the end of training");
+}
+
+void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const char* why) {
+  const bool root = world_rank() == 0;
+  // Never save a diverged state: the last good checkpoint (and `latest`) stay as they are.
+  if (const auto bad = find_nonfinite(*s_.grid, *s_.model,
+                                      {{"parameter", s_.model->param_data()},
+                                       {"AdamW first moment", s_.engine->optimizer().first_moment()},
+                                       {"AdamW second moment", s_.engine->optimizer().second_moment()}})) {
+    std::string latest = "none yet";
+    std::ifstream in(dir_ + "/latest");
+    if (in) std::getline(in, latest);
+    throw AgreedFailure("not saving the checkpoint of step " + std::to_string(steps_done) + ": " + bad->describe() +
+                        " is not finite; the last good checkpoint stays (" + dir_ + "/latest -> " + latest + ")");
+  }
+  const std::string name = checkpoint_name(steps_done);
+  const std::string path = dir_ + "/" + name;
+  CheckpointState st;
+  st.step = steps_done;
+  st.optimizer_steps = s_.engine->optimizer().steps_taken();
+  st.skipped_steps = st.step - st.optimizer_steps;
+  st.seed = s_.seed;
+  st.deck = s_.deck.resolved_text();
+  st.layout = s_.layout;
   const double t0 = now();
-  const std::string path = save(steps_done);
+  save_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), st);
+  std::string failure;
+  if (root) {
+    try {
+      // `latest` is replaced atomically, and only now that the file it names is complete.
+      write_file_atomic(dir_ + "/latest", name + "\n");
+    } catch (const WriteError& e) {
+      failure = e.what();
+    }
+  }
+  agree_on_failure(*s_.grid, failure, {},
+                   "checkpoint '" + path + "' was written but `latest` could not be pointed at it");
+  if (root) {
+    // Older checkpoints go only after a newer one is complete and named by `latest`.
+    std::vector<std::string> all;
+    for (const auto& e : fs::directory_iterator(dir_)) {
+      const std::string f = e.path().filename().string();
+      if (is_checkpoint_file(f)) all.push_back(f);
+    }
+    std::sort(all.begin(), all.end());
+    for (std::size_t i = 0; i + keep_ < all.size(); ++i) fs::remove(dir_ + "/" + all[i]);
+  }
   const double dt = now() - t0;
   std::error_code ec;
   const double bytes = static_cast<double>(fs::file_size(path, ec));
   save_seconds_ += dt;
   save_bytes_ += bytes;
   ++saves_;
+  last_saved_ = steps_done;
   record["checkpoint"] = {{"path", path}, {"bytes", bytes}, {"write_s", dt}, {"mb_per_s", bytes / 1e6 / dt}};
-  if (world_rank() == 0) {
+  if (root)
     std::cout << "checkpoint: " << path << " (" << bytes / 1e6 << " MB in " << dt << " s, " << bytes / 1e6 / dt
-              << " MB/s)" << (stop ? " on SIGTERM; stopping" : "") << std::endl;
-  }
-  return stop != 0;
-}
-
-std::string Checkpointing::save(std::int64_t steps_done) {
-  const bool root = world_rank() == 0;
-  if (root) {
-    std::error_code ec;
-    fs::create_directories(dir_, ec);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  const std::string name = checkpoint_name(steps_done);
-  const std::string path = dir_ + "/" + name;
-  CheckpointState st;
-  st.step = steps_done;
-  st.optimizer_steps = s_.engine->optimizer().steps_taken();
-  st.seed = s_.seed;
-  st.deck = s_.deck.resolved_text();
-  st.layout = s_.layout;
-  save_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), st);
-  if (root) {
-    // `latest` is replaced atomically, and only now that the file it names is complete.
-    const std::string tmp = dir_ + "/latest.tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << name << "\n";
-    }
-    std::rename(tmp.c_str(), (dir_ + "/latest").c_str());
-    // Older checkpoints go only after a newer one is complete.
-    std::vector<std::string> all;
-    for (const auto& e : fs::directory_iterator(dir_)) {
-      const std::string f = e.path().filename().string();
-      if (f.rfind("ckpt-", 0) == 0 && e.path().extension() == ".h5") all.push_back(f);
-    }
-    std::sort(all.begin(), all.end());
-    for (std::size_t i = 0; i + keep_ < all.size(); ++i) fs::remove(dir_ + "/" + all[i]);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  return path;
+              << " MB/s)" << why << std::endl;
 }
 
 nlohmann::json Checkpointing::summary() const {
   nlohmann::json j = {{"dir", dir_}, {"saves", saves_}, {"write_s", save_seconds_}, {"write_bytes", save_bytes_}};
+  if (last_saved_ >= 0) j["last_saved_step"] = last_saved_;
   if (save_seconds_ > 0) j["write_mb_per_s"] = save_bytes_ / 1e6 / save_seconds_;
   if (load_seconds_ > 0) {
+    j["resumed_from"] = resume_path_;
     j["read_s"] = load_seconds_;
     j["read_bytes"] = load_bytes_;
     j["read_mb_per_s"] = load_bytes_ / 1e6 / load_seconds_;

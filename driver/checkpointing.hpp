@@ -1,33 +1,59 @@
 #pragma once
-// Checkpoint policy of a run: resume at start, save every checkpoint.every steps and on SIGTERM
-// (as Slurm sends before the time limit), keep checkpoint.keep files, maintain `latest`.
+// Checkpoint policy of a run (DESIGN.md "Checkpoints"): where it starts (checkpoint.resume = FILE,
+// latest or auto), saving every checkpoint.every steps, at the end (checkpoint.at_end) and on SIGTERM
+// or SIGINT (as Slurm sends before the time limit, or Ctrl-C), keeping checkpoint.keep files and
+// `latest`. Nothing non-finite is ever saved, and the last good checkpoint is never deleted for it.
 #include <csignal>
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "driver/session.hpp"
+#include "io/checkpoint.hpp"
 
 namespace loom {
 
+// Exit status of a run stopped by SIGTERM or SIGINT after saving a checkpoint: not finished, resumable.
+inline constexpr int kExitInterrupted = 3;
+
 class Checkpointing {
  public:
-  explicit Checkpointing(Session& session);  // installs the SIGTERM handler
-  // Loads checkpoint.resume if set (collective); returns the step to start from. Errors (a missing
-  // `latest`, a bad file, another model) are agreed over the ranks and reported once.
+  // Installs the SIGTERM/SIGINT handlers: the first signal saves and stops after the current step,
+  // a second one stops at once (exit status 128 + signal).
+  explicit Checkpointing(Session& session);
+  // Before anything is written (collective, errors agreed and reported once): resolves
+  // checkpoint.resume (auto: `latest` if it exists, else a fresh start), refuses a fresh run into a
+  // checkpoint.dir that holds checkpoints unless run.overwrite (which removes them), and creates
+  // checkpoint.dir and probes it for writing.
+  void prepare();
+  // Loads the checkpoint prepare() chose (collective); returns the step to start from. A checkpoint
+  // of another model, with inconsistent steps or non-finite values is refused; training keys that
+  // differ from the checkpoint's deck are printed as a diff.
   std::int64_t resume();
-  // After `steps_done` steps. Saves when due or when any rank got SIGTERM; returns true when the
-  // run must stop now (SIGTERM). Adds what it did to `record` (the step's metrics).
+  // After `steps_done` steps. Saves when due or when any rank got a stop signal; returns true when the
+  // run must stop now (interrupted). Adds what it did to `record` (the step's metrics). Throws
+  // AgreedFailure when the state is not finite or the write failed (nothing saved, nothing deleted).
   bool after_step(std::int64_t steps_done, nlohmann::json& record);
+  // After the last step: saves a final checkpoint if checkpointing is configured and
+  // checkpoint.at_end (unless the last step was just saved).
+  void at_end(std::int64_t steps_done, nlohmann::json& record);
   nlohmann::json summary() const;
   const std::string& dir() const { return dir_; }
+  bool resuming() const { return !resume_path_.empty(); }
+  // The signal that stopped the run (0: none).
+  static int stop_signal();
 
  private:
-  std::string save(std::int64_t steps_done);
+  void save(std::int64_t steps_done, nlohmann::json& record, const char* why);
   Session& s_;
   std::string dir_;
   std::int64_t every_, keep_;
-  std::string resume_;
+  std::string resume_;       // checkpoint.resume as given
+  std::string resume_path_;  // the file prepare() chose ("" = fresh)
+  bool configured_ = false;  // checkpoint.every, checkpoint.dir or checkpoint.resume given
+  bool at_end_ = true;
+  std::int64_t last_saved_ = -1;
   int saves_ = 0;
   double save_seconds_ = 0, save_bytes_ = 0, load_seconds_ = 0, load_bytes_ = 0;
 };

@@ -2,6 +2,7 @@
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <csignal>
 #include <boost/program_options.hpp>
 #include <iostream>
 #include <string>
@@ -15,6 +16,7 @@
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
+#include "io/report.hpp"
 #include "loom/build_info.hpp"
 
 namespace po = boost::program_options;
@@ -151,6 +153,10 @@ int dispatch(int argc, char** argv, int rank) {
 
 int main(int argc, char** argv) {
   select_openblas_core(argv);  // may re-execute this program with a better OpenBLAS kernel set
+  // A file-size limit (ulimit -f) must fail the write that crosses it (EFBIG, reported with the file's
+  // name), not kill the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
+  set_command_line(argc, argv);
   MPI_Init(&argc, &argv);
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -160,6 +166,10 @@ int main(int argc, char** argv) {
     Kokkos::ScopeGuard kokkos;
     try {
       status = dispatch(argc, argv, rank);
+    } catch (const AgreedFailure& e) {
+      // Every rank knows (the ranks agreed on it): said once, and nobody is left in a collective.
+      if (rank == 0) write_stderr(std::string("loom: error: ") + e.what());
+      status = 1;
     } catch (const ReportedError&) {
       status = 2;  // setup failed; the ranks agreed and the ones that found it said why
     } catch (const DeckError& e) {

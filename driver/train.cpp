@@ -4,14 +4,21 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
+#include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "core/error.hpp"
+#include "core/fault.hpp"
 #include "driver/blas_core.hpp"
 #include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
+#include "driver/health.hpp"
+#include "driver/run_dir.hpp"
 #include "driver/session.hpp"
 #include "io/report.hpp"
 
@@ -54,6 +61,38 @@ struct ReportMeans {
   }
 };
 
+// "2026-11-22T04:37:56Z"
+std::string utc_timestamp() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+// "42 s", "3m07s", "2h05m"
+std::string duration_text(double seconds) {
+  char buf[32];
+  const long long s = static_cast<long long>(seconds + 0.5);
+  if (s < 100) std::snprintf(buf, sizeof buf, "%lld s", s);
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
+  else std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, s / 60 % 60);
+  return buf;
+}
+
+// This rank's matrix-product rate in FLOP/s on a square product of 512, best of 8 after a warm-up:
+// the peak the MFU figure is measured against when run.peak_tflops is not given.
+double measured_matmul_flops(Backend& be) {
+  constexpr int n = 512;
+  std::vector<float> a(static_cast<std::size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  double best = 1e30;
+  for (int rep = 0; rep < 10; ++rep) {
+    const double t0 = now();
+    be.matmul_forward(c.data(), a.data(), b.data(), nullptr, n, n, n);
+    if (rep >= 2) best = std::min(best, now() - t0);
+  }
+  return 2.0 * n * n * n / best;
+}
+
 std::optional<double> value_of(const std::vector<std::pair<std::string, double>>& values, const std::string& key) {
   for (const auto& [k, v] : values)
     if (k == key) return v;
@@ -68,16 +107,58 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   const double t_start = now();
   Session s(deck, registry);
   const bool io = rank == 0;
-  JsonLines metrics;
-  if (io) {
-    make_run_dir(s.run_dir);
-    metrics.open(s.run_dir + "/metrics.jsonl");
-    std::cout << s.banner() << std::flush;
-  }
   Checkpointing checkpoints(s);
+  // One run at a time per directory: rank 0 locks run.dir (and checkpoint.dir when it lies
+  // elsewhere) before anything is written there. A run refused before it wrote anything leaves the
+  // directories as they were (a directory it created for the lock is removed again).
+  std::unique_ptr<DirLock> run_lock, checkpoint_lock;
+  bool writing = false;
+  struct Abandon {
+    std::unique_ptr<DirLock>*a, *b;
+    const bool* writing;
+    ~Abandon() {
+      if (*writing) return;
+      if (*b) (*b)->abandon();
+      if (*a) (*a)->abandon();
+    }
+  } abandon{&run_lock, &checkpoint_lock, &writing};
+  run_agreed([&] {
+    if (!io) return;
+    run_lock = std::make_unique<DirLock>(s.run_dir, "run.dir");
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path run_abs = fs::weakly_canonical(s.run_dir, ec), ckpt_abs = fs::weakly_canonical(checkpoints.dir(), ec);
+    if (ckpt_abs.parent_path() != run_abs) checkpoint_lock = std::make_unique<DirLock>(checkpoints.dir(), "checkpoint.dir");
+  });
+  if (io) std::cout << s.banner() << std::flush;
+  checkpoints.prepare();
   const std::int64_t start_step = checkpoints.resume();
+  const std::string metrics_path = s.run_dir + "/metrics.jsonl";
+  MetricsFile metrics;
+  if (io) {
+    if (checkpoints.resuming()) {
+      const int aside = metrics.resume(metrics_path, start_step);
+      if (aside > 0)
+        std::cout << "metrics: " << aside << " row(s) past step " << start_step << " from the earlier run moved to "
+                  << metrics_path << ".superseded; " << metrics_path << " continues from step " << start_step + 1
+                  << std::endl;
+    } else {
+      metrics.start(metrics_path);
+    }
+  }
+  writing = true;
   const double tokens_per_step = static_cast<double>(s.global_batch) * s.model_cfg.seq_len;
   const double flops_per_token = s.model->flops_per_token();
+  const int world = s.layout.ranks();
+  // MFU is measured against every rank's peak: run.peak_tflops, or the matrix-product rate each rank
+  // measures now (all ranks at once, as they will train).
+  double peak_flops = deck.get_float("run.peak_tflops") * 1e12;
+  const std::string peak_source = peak_flops > 0 ? "run.peak_tflops" : "measured matrix-product rate";
+  if (peak_flops <= 0) peak_flops = measured_matmul_flops(*s.backend);
+  s.grid->world().all_reduce(&peak_flops, 1);
+  if (io)
+    std::printf("  MFU     : against %.3f TFLOP/s (%s, summed over %d rank%s)\n", peak_flops / 1e12,
+                peak_source.c_str(), world, world == 1 ? "" : "s");
   const double t_init = now() - t_start;
 
   double train_time = 0, steady_time = 0, eval_time = 0, last_loss = NAN;
@@ -102,7 +183,12 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   // Every value the roles report per step (measured vs textbook volumes, bubbles, ...), summed over
   // the steady steps (all steps if there is only one) for the summary.
   ReportMeans report_steady, report_all;
-  const int world = s.layout.ranks();
+  const bool skip_nonfinite = deck.get_string("train.on_nonfinite") == "skip";
+  const std::int64_t max_skipped = deck.get_int("train.max_skipped");
+  std::int64_t skipped_total = 0, skipped_in_row = 0;
+  std::string failure;  // why the run failed (the same on every rank); empty while it goes well
+  bool interrupted = false;
+  const double t_loop = now();
 
   std::int64_t steps_run = 0;
   for (std::int64_t step = start_step; step < s.steps; ++step) {
@@ -148,29 +234,61 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     for (int i = 0; i < kMemCategories; ++i) peak_bytes[i] = std::max(peak_bytes[i], st.peak_bytes[i]);
     peak_total = std::max(peak_total, st.peak_total);
     last_loss = st.loss;
-    if (!std::isfinite(st.loss)) {
-      if (io) std::cerr << "loom: rank 0: loss is " << st.loss << " at step " << step << "; stopping (lower train.lr?)\n";
-      return 1;
+
+    // A non-finite loss or gradient norm (the same on every rank): the engine applied no update.
+    std::string nonfinite_note;
+    if (st.nonfinite) {
+      ++skipped_total;
+      ++skipped_in_row;
+      const auto bad = find_nonfinite(*s.grid, *s.model, {{"gradient", s.model->grad_data()}});  // collective
+      char what[160];
+      std::snprintf(what, sizeof what, "step %lld: loss %g, gradient norm %g: not finite",
+                    static_cast<long long>(step + 1), st.loss, st.grad_norm);
+      nonfinite_note = std::string(what) + (bad ? "; first non-finite: " + bad->describe() : "");
+      if (!skip_nonfinite)
+        failure = nonfinite_note + "; stopped without applying it (train.on_nonfinite = stop; lower train.lr, or "
+                                   "set train.on_nonfinite = skip to drop such steps)";
+      else if (skipped_in_row > max_skipped)
+        failure = nonfinite_note + "; " + std::to_string(skipped_in_row) +
+                  " steps in a row were not finite (train.max_skipped = " + std::to_string(max_skipped) + "): stopping";
+      else if (io)
+        std::cout << "loom: warning: " << nonfinite_note << "; update skipped (train.on_nonfinite = skip; "
+                  << skipped_in_row << " in a row, " << skipped_total << " in all)" << std::endl;
+    } else {
+      skipped_in_row = 0;
     }
 
     const bool last = step + 1 == s.steps;
     std::optional<double> val;
-    if (s.val_data && ((s.eval_every > 0 && (step + 1) % s.eval_every == 0) || last)) val = evaluate();
     nlohmann::json saved = nlohmann::json::object();
-    const bool stop = checkpoints.after_step(step + 1, saved);  // collective
+    bool stop = false;
+    if (failure.empty()) {
+      if (s.val_data && ((s.eval_every > 0 && (step + 1) % s.eval_every == 0) || last)) val = evaluate();
+      try {
+        stop = checkpoints.after_step(step + 1, saved);  // collective
+        if (last && !stop) checkpoints.at_end(step + 1, saved);
+      } catch (const AgreedFailure& e) {
+        failure = e.what();
+      }
+    }
+    interrupted = stop;
+    const bool end = !failure.empty() || stop;
     if (!io) {
-      if (stop) break;
+      if (end) break;
       continue;
     }
-    const bool log = step % s.log_every == 0 || last || val || stop || !saved.empty();
+    const bool log = step % s.log_every == 0 || last || val || end || !saved.empty() || st.nonfinite;
     if (!log) continue;
     const double tps = tokens_per_step / st.seconds;
     const double tflops = tps * flops_per_token / 1e12;
+    const double mfu = tps * flops_per_token / peak_flops;
+    const double elapsed = now() - t_start;
+    const double eta = (now() - t_loop) / static_cast<double>(steps_run) * static_cast<double>(s.steps - step - 1);
     char line[512];
     std::snprintf(line, sizeof line,
-                  "step %6lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.0f tok/s | %.4f TFLOP/s | %7.1f ms | mem %s",
+                  "step %6lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.0f tok/s | %.4f TFLOP/s | MFU %.1f%% | %7.1f ms | mem %s",
                   static_cast<long long>(step + 1), static_cast<long long>(s.steps), st.loss, st.lr, st.grad_norm, tps,
-                  tflops, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
+                  tflops, 100.0 * mfu, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
     std::cout << line;
     if (world > 1) {
       double bytes = 0;
@@ -181,6 +299,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     if (bubble)
       std::printf(" | bubble %.2f (textbook %.2f)", *bubble, value_of(report_values, "pp_bubble_textbook").value_or(0.0));
     if (val) std::printf(" | val %.4f", *val);
+    if (st.nonfinite) std::printf(" | update skipped");
+    std::printf(" | %s in, ETA %s", duration_text(elapsed).c_str(), duration_text(eta).c_str());
     std::cout << std::endl;
     nlohmann::json rec = {{"step", step + 1},
                           {"loss", st.loss},
@@ -189,7 +309,11 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                           {"clip_coef", st.clip_coef},
                           {"tokens_per_s", tps},
                           {"tflops", tflops},
+                          {"mfu", mfu},
                           {"step_ms", st.seconds * 1e3},
+                          {"elapsed_s", elapsed},
+                          {"eta_s", eta},
+                          {"time", utc_timestamp()},
                           {"times_ms",
                            {{"data", st.times.data * 1e3},
                             {"forward", st.times.forward * 1e3},
@@ -203,18 +327,40 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                           {"step_ms_max", t_max * 1e3}};
     for (const auto& [k, v] : report_values) rec[k] = v;
     if (val) rec["val_loss"] = *val;
+    if (st.nonfinite) rec["skipped"] = true;
     for (const auto& [k, v] : saved.items()) rec[k] = v;
     metrics.write(rec);
-    if (stop) break;
+    if (end) break;
   }
 
-  if (!io) return 0;
+  // A run that trained to the end must end with finite weights and a finite validation loss.
+  if (failure.empty() && !interrupted) {
+    if (const auto bad = find_nonfinite(*s.grid, *s.model, {{"parameter", s.model->param_data()}}))
+      failure = "training ended with non-finite weights: " + bad->describe();
+    else if (last_val && !std::isfinite(*last_val))
+      failure = "training ended with a non-finite validation loss (" + std::to_string(*last_val) + ")";
+  }
+  const std::string status = !failure.empty() ? "failed" : interrupted ? "interrupted" : "finished";
+  const int exit_status = !failure.empty() ? 1 : interrupted ? kExitInterrupted : 0;
+  if (!failure.empty() && io) write_stderr("loom: error: " + failure);
+  if (!io) return exit_status;
+
   std::map<std::string, double> report_means = (report_steady.steps ? report_steady : report_all).means();
   const double mean_step = steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, steps_run);
   const double tps = tokens_per_step / mean_step;
-  nlohmann::json summary = {{"steps", s.steps},
+  const std::int64_t per_step_divisor = std::max<std::int64_t>(1, steps_run);
+  std::int64_t model_params = 0;
+  for (const ParamInfo& p : s.model->all_params()) {
+    std::int64_t n = 1;
+    for (auto d : p.shape) n *= d;
+    model_params += n;
+  }
+  nlohmann::json summary = {{"status", status},
+                            {"exit_status", exit_status},
+                            {"steps", s.steps},
                             {"start_step", start_step},
                             {"steps_run", steps_run},
+                            {"skipped_steps", skipped_total},
                             {"checkpoint", checkpoints.summary()},
                             {"time_s", now() - t_start},
                             {"train_time_s", train_time},
@@ -222,28 +368,39 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                             {"tokens_per_s", tps},
                             {"model_flops_per_token", flops_per_token},
                             {"tflops", tps * flops_per_token / 1e12},
+                            {"mfu", tps * flops_per_token / peak_flops},
+                            {"peak_tflops", peak_flops / 1e12},
+                            {"peak_source", peak_source},
                             {"final_loss", last_loss},
-                            {"parameters", s.model->num_params()},
+                            {"parameters", model_params},
+                            {"parameters_rank0", s.model->num_params()},
                             {"mem_peak_bytes", memory_json(peak_bytes, peak_total)},
                             {"ranks", world},
                             {"layout", {{"dp", s.layout.dp}, {"tp", s.layout.tp}, {"pp", s.layout.pp}}},
                             {"comm_wait_share", train_time > 0 ? wait_total / train_time : 0.0}};
+  if (!failure.empty()) summary["error"] = failure;
+  if (interrupted) summary["stop_signal"] = Checkpointing::stop_signal();
   {
     nlohmann::json comm = nlohmann::json::object();
     for (std::size_t gi = 0; gi < groups.size(); ++gi)
       if (groups[gi]->size() > 1)
-        comm[groups[gi]->name()] = {{"bytes_sent_per_step", group_bytes_total[gi] / s.steps},
+        comm[groups[gi]->name()] = {{"bytes_sent_per_step", group_bytes_total[gi] / per_step_divisor},
                                     {"wait_s", group_wait_total[gi]}};
     summary["comm"] = comm;
     for (const auto& [k, v] : report_means) summary[k] = v;
   }
   if (last_val) summary["final_val_loss"] = *last_val;
   if (auto best = s.train_data->best_loss()) summary["best_possible_loss"] = *best;
-  write_json(s.run_dir + "/summary.json", summary);
+  write_json_atomic(s.run_dir + "/summary.json", summary);
 
-  nlohmann::json params;
-  for (const auto& [k, v] : deck.values()) params[k] = v;
+  nlohmann::json params, from_command_line = nlohmann::json::object();
+  for (const auto& [k, v] : deck.values()) {
+    params[k] = v;
+    if (deck.origin(k) == "--set") from_command_line[k] = v;
+  }
   nlohmann::json report = {{"deck", deck.path()},
+                           {"command_line", command_line()},
+                           {"set_on_command_line", from_command_line},
                            {"parameters", params},
                            {"resolved_deck", deck.resolved_text()},
                            {"platform", platform_info()},
@@ -261,15 +418,19 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                              {"sync", phase_sum.sync},
                              {"optimizer", phase_sum.optimizer}}},
                            {"summary", summary}};
-  write_json(s.run_dir + "/report.json", report);
+  write_json_atomic(s.run_dir + "/report.json", report);
 
-  std::printf("\nsummary: %lld steps (%lld .. %lld) in %.1f s | final loss %.4f", static_cast<long long>(steps_run),
-              static_cast<long long>(start_step + 1), static_cast<long long>(start_step + steps_run), train_time,
-              last_loss);
+  std::printf("\nsummary: %s: %lld steps (%lld .. %lld) in %.1f s | final loss %.4f", status.c_str(),
+              static_cast<long long>(steps_run), static_cast<long long>(start_step + 1),
+              static_cast<long long>(start_step + steps_run), train_time, last_loss);
   if (last_val) std::printf(" | val loss %.4f", *last_val);
   if (auto best = s.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
-  std::printf("\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | steady step %.1f ms\n", tps,
-              tps * flops_per_token / 1e12, flops_per_token, mean_step * 1e3);
+  std::printf("\n         %lld parameters (%lld on rank 0)", static_cast<long long>(model_params),
+              static_cast<long long>(s.model->num_params()));
+  if (skipped_total) std::printf(" | %lld step(s) skipped as non-finite", static_cast<long long>(skipped_total));
+  std::printf("\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | MFU %.1f%% of %.3f TFLOP/s (%s) | steady step %.1f ms\n",
+              tps, tps * flops_per_token / 1e12, flops_per_token, 100.0 * tps * flops_per_token / peak_flops,
+              peak_flops / 1e12, peak_source.c_str(), mean_step * 1e3);
   std::printf("         time: forward %.1f s, backward %.1f s, optimizer %.1f s, data %.2f s, eval %.1f s\n",
               phase_sum.forward, phase_sum.backward, phase_sum.optimizer, phase_sum.data, eval_time);
   std::printf("         peak memory per rank: %s\n", memory_line(peak_bytes, peak_total).c_str());
@@ -277,7 +438,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     if (groups[gi]->size() > 1)
       std::printf("         comm %s (%d ranks): %s sent per rank per step, %.2f s waiting (%.1f%% of training)\n",
                   groups[gi]->name().c_str(), groups[gi]->size(),
-                  format_bytes(group_bytes_total[gi] / s.steps).c_str(), group_wait_total[gi],
+                  format_bytes(group_bytes_total[gi] / per_step_divisor).c_str(), group_wait_total[gi],
                   100.0 * group_wait_total[gi] / train_time);
   if (report_means.count("dp_allreduce_ratio"))
     std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", report_means["dp_allreduce_ratio"]);
@@ -285,8 +446,12 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); the schedule replayed\n"
                 "         with the measured op times and free communication %.3f; textbook (p-1)/(vm+p-1) %.3f\n",
                 report_means["pp_bubble"], report_means["pp_bubble_expected"], report_means["pp_bubble_textbook"]);
+  if (interrupted)
+    std::printf("         interrupted by signal %d after a checkpoint: exit status %d; continue with --set "
+                "checkpoint.resume=auto\n", Checkpointing::stop_signal(), kExitInterrupted);
   std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s.run_dir.c_str());
-  return 0;
+  std::fflush(stdout);
+  return exit_status;
 }
 
 }  // namespace loom

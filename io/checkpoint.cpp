@@ -2,8 +2,13 @@
 
 #include <hdf5.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <cstring>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -130,6 +135,46 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
   return true;
 }
 
+// The model.* keys a checkpoint records as attributes ("model_layers", ...): a checkpoint continues
+// only a model of the same shape.
+struct ModelKey {
+  const char* key;
+  const char* attr;
+  int GPTConfig::*field;
+};
+const ModelKey kModelKeys[] = {{"model.layers", "model_layers", &GPTConfig::layers},
+                               {"model.d_model", "model_d_model", &GPTConfig::d_model},
+                               {"model.heads", "model_heads", &GPTConfig::heads},
+                               {"model.seq_len", "model_seq_len", &GPTConfig::seq_len},
+                               {"model.vocab", "model_vocab", &GPTConfig::vocab}};
+
+// "key = value" of a resolved deck's text, by section.key ('#' starts a comment; decks hold no '#').
+}  // namespace
+
+std::map<std::string, std::string> resolved_deck_values(const std::string& text) {
+  std::map<std::string, std::string> values;
+  std::istringstream in(text);
+  std::string line, section;
+  auto trim = [](std::string s) {
+    s.erase(0, s.find_first_not_of(" \t\r"));
+    s.erase(s.find_last_not_of(" \t\r") + 1);
+    return s;
+  };
+  while (std::getline(in, line)) {
+    line = trim(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    if (line.front() == '[' && line.back() == ']') {
+      section = line.substr(1, line.size() - 2);
+      continue;
+    }
+    const auto eq = line.find('=');
+    if (eq != std::string::npos) values[section + "." + trim(line.substr(0, eq))] = trim(line.substr(eq + 1));
+  }
+  return values;
+}
+
+namespace {
+
 // A layout-independent checksum of a logical tensor: the sum over its elements of a hash of
 // (index in the full tensor, value bits). Each element is counted by its one owner rank, so the
 // partial sums of any layout add up (MPI_SUM over the world) to the same number.
@@ -198,6 +243,11 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
   write_attr(file.id, "layout_pp", H5T_NATIVE_INT64, pp);
   write_attr_string(file.id, "generator", "counter-based (seed, name, index) for weights; (seed, split, step, row) for data");
   write_attr_string(file.id, "deck", state.deck);
+  write_attr(file.id, "skipped_steps", H5T_NATIVE_INT64, state.skipped_steps);
+  for (const ModelKey& k : kModelKeys) {
+    const std::int64_t v = model.config().*k.field;
+    write_attr(file.id, k.attr, H5T_NATIVE_INT64, v);
+  }
 
   // A shard is written by the ranks of data-parallel replica 0; a tensor replicated over the tp
   // group by tp rank 0 only. Everyone else selects nothing but joins the collective write.
@@ -206,6 +256,12 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
                           {"/optimizer/m/", optimizer.first_moment()},
                           {"/optimizer/v/", optimizer.second_moment()}};
   int written = 0;
+  // A failed write (no space, quota, file size limit) is noted and the rank goes on joining every
+  // collective call, so that all ranks can close the file and agree on the failure afterwards.
+  std::string failure;
+  auto note_failure = [&](const std::string& what) {
+    if (failure.empty()) failure = "checkpoint '" + tmp + "': " + what + " (" + std::strerror(errno ? errno : EIO) + ")";
+  };
   for (const Group& g : groups) {
     // Every rank creates every dataset of the whole model (creation is collective); the pipeline
     // stage that holds a tensor writes it.
@@ -216,28 +272,35 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
       const std::string name = g.name + whole.name;
       Handle ds{H5Dcreate2(file.id, name.c_str(), H5T_NATIVE_FLOAT, fspace.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
                 H5Dclose};
-      if (ds.id < 0) abort_job("checkpoint '" + tmp + "': cannot create dataset " + name, 1);
+      errno = 0;
+      if (ds.id < 0) note_failure("cannot create dataset " + name);
       const bool owner = is_owner(grid, p);
       const Handle mspace = transfer_spaces(fspace.id, p, owner, n, r);
       const float* data = p ? g.base + p->offset : g.base;
-      // Mid-file, a rank that fails cannot unwind (closing the file is collective): it takes the
-      // job down, and the previous checkpoint and `latest` stay as they were.
-      if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
-        abort_job("checkpoint '" + tmp + "': cannot write dataset " + name, 1);
+      errno = 0;
+      if (ds.id >= 0 && H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
+        note_failure("cannot write dataset " + name);
       const std::int64_t sum = static_cast<std::int64_t>(checksum(model, p, data, owner));
-      write_attr(ds.id, "checksum", H5T_NATIVE_INT64, sum);
+      if (ds.id >= 0) write_attr(ds.id, "checksum", H5T_NATIVE_INT64, sum);
       // Regression cases kill a rank here, half-way through the file, to prove that the previous
       // checkpoint and `latest` survive.
       if (++written == static_cast<int>(model.all_params().size()) && inject_fault("checkpoint", state.step))
         abort_job("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)", 1);
     }
   }
-  H5Fflush(file.id, H5F_SCOPE_GLOBAL);  // MPI_File_sync: on disk before the file gets its final name
-  H5Fclose(file.id);
+  errno = 0;
+  // MPI_File_sync: on disk before the file gets its final name.
+  if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) note_failure("cannot flush the file");
+  errno = 0;
+  if (H5Fclose(file.id) < 0) note_failure("cannot close the file");
   file.id = -1;
-  MPI_Barrier(MPI_COMM_WORLD);  // every rank's data is in the file before it gets its name
-  if (grid.rank() == 0 && std::rename(tmp.c_str(), path.c_str()) != 0) fail(path, "cannot rename " + tmp + " to it");
-  MPI_Barrier(MPI_COMM_WORLD);
+  // Every rank's data is in the file before it gets its name, and every rank knows whether it is.
+  errno = 0;
+  if (failure.empty() && grid.rank() == 0 && std::rename(tmp.c_str(), path.c_str()) != 0)
+    note_failure("cannot rename it to " + path);
+  agree_on_failure(grid, failure, [&] { std::remove(tmp.c_str()); },
+                   "checkpoint '" + tmp + "' was not written, and the earlier checkpoints and `latest` are "
+                   "unchanged");
 }
 
 CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer) {
@@ -270,6 +333,32 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
   st.layout.dp = static_cast<int>(dp);
   st.layout.tp = static_cast<int>(tp);
   st.layout.pp = static_cast<int>(pp);
+  if (!read_attr_i64(file.id, "skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // written before skipping existed
+
+  // The whole model shape, before any tensor: a checkpoint of fewer layers or other heads would
+  // otherwise load the tensors it shares with the deck's model and silently train another model.
+  const auto recorded = resolved_deck_values(st.deck);
+  std::string mismatches;
+  for (const ModelKey& k : kModelKeys) {
+    std::int64_t v = -1;
+    if (!read_attr_i64(file.id, k.attr, v)) {  // written before the shape attributes: the deck has it
+      const auto it = recorded.find(k.key);
+      if (it == recorded.end()) fail(path, std::string("records no ") + k.key + " (neither attribute " + k.attr + " nor its deck): corrupt");
+      v = std::atoll(it->second.c_str());
+    }
+    st.model.*k.field = static_cast<int>(v);
+    const int here = model.config().*k.field;
+    if (v != here)
+      mismatches += std::string(mismatches.empty() ? "" : "; ") + k.key + " = " + std::to_string(v) +
+                    " in the checkpoint, " + std::to_string(here) + " in this deck";
+  }
+  if (!mismatches.empty())
+    fail(path, "holds another model: " + mismatches + " (a checkpoint continues only the model it holds)");
+  if (st.step < 0 || st.optimizer_steps < 0 || st.skipped_steps < 0 ||
+      st.step != st.optimizer_steps + st.skipped_steps)
+    fail(path, "has step = " + std::to_string(st.step) + ", optimizer_steps = " + std::to_string(st.optimizer_steps) +
+                   " and skipped_steps = " + std::to_string(st.skipped_steps) +
+                   ": step must be optimizer_steps + skipped_steps, none negative (corrupt)");
 
   Handle dxpl{H5Pcreate(H5P_DATASET_XFER), H5Pclose};
   H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_COLLECTIVE);
@@ -297,6 +386,14 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
       float* data = p ? g.base + p->offset : g.base;
       if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
         fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
+      // Finite first: a checkpoint of a run that diverged is refused as such, not as corrupt. Every
+      // rank learns of a non-finite value any rank read, so all refuse alike.
+      int nonfinite = 0;
+      for (std::int64_t i = 0; p && i < p->numel && !nonfinite; ++i) nonfinite = !std::isfinite(data[i]);
+      MPI_Allreduce(MPI_IN_PLACE, &nonfinite, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+      if (nonfinite)
+        fail(path, "tensor " + name + " holds non-finite values (nan or inf): the run that wrote it had diverged; "
+                   "resume from an earlier checkpoint");
       std::int64_t want = 0;
       if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no checksum attribute (corrupt)");
       const auto got = static_cast<std::int64_t>(checksum(model, p, data, is_owner(grid, p)));
@@ -316,7 +413,8 @@ std::string checkpoint_info(const std::string& path) {
   std::int64_t v = 0;
   std::string deck;
   out << "checkpoint " << path << "\n";
-  for (const char* key : {"format_version", "step", "optimizer_steps", "seed", "data_next_step"})
+  for (const char* key : {"format_version", "step", "optimizer_steps", "skipped_steps", "seed", "data_next_step",
+                          "model_layers", "model_d_model", "model_heads", "model_seq_len", "model_vocab"})
     if (read_attr_i64(file.id, key, v)) out << "  " << key << ": " << v << "\n";
   std::int64_t dp = 0, tp = 0, pp = 0;
   if (read_attr_i64(file.id, "layout_dp", dp) && read_attr_i64(file.id, "layout_tp", tp) &&

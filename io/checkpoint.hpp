@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "core/gpt.hpp"
@@ -21,6 +22,8 @@ inline constexpr std::int64_t kCheckpointFormatVersion = 1;
 struct CheckpointState {
   std::int64_t step = 0;            // steps completed; training resumes at this step (0-based)
   std::int64_t optimizer_steps = 0; // AdamW updates taken
+  std::int64_t skipped_steps = 0;   // steps whose update was skipped (non-finite); step = optimizer_steps + skipped
+  GPTConfig model;                  // the model's shape (attributes model_layers, ...)
   std::uint64_t seed = 0;           // the counter-based generators' state is (seed, step)
   double loss_scale = 1.0;
   std::string deck;                 // the resolved deck text of the run that wrote it
@@ -29,13 +32,20 @@ struct CheckpointState {
 
 // Collective over the grid's world. Writes `path` + ".tmp", closes it (every rank's data flushed),
 // then rank 0 renames it to `path`; a crash before the rename leaves any earlier file untouched.
+// A write that fails on any rank (no space, quota, file size limit, I/O error) removes the .tmp and
+// throws AgreedFailure on every rank, naming the file, the rank and the system's reason.
 void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer,
                      const CheckpointState& state);
 
 // Collective. Every rank reads its own hyperslabs (and the replicated tensors whole). Throws
 // InputError naming the file and the mismatch: not HDF5 / truncated / corrupt, another format
-// version, a tensor missing or of another shape than the deck's model.
+// version, a model shape (model.* keys) other than the deck's, a step that disagrees with the
+// optimizer's step count, a tensor missing, of another shape, not matching its checksum or holding
+// non-finite values.
 CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer);
+
+// section.key -> value of a resolved deck's text (the `deck` attribute), comments dropped.
+std::map<std::string, std::string> resolved_deck_values(const std::string& text);
 
 // `loom ckpt info`: step, layout, deck, and every tensor with its shape and dtype (one process).
 std::string checkpoint_info(const std::string& path);

@@ -121,6 +121,11 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("train.eval_every", "0", 0, 1e12, "steps between validation evaluations (0 = only at the end)"));
   schema.add(int_key("train.eval_batches", "4", 1, 1e6, "batches averaged per validation evaluation"));
   schema.add(int_key("train.log_every", "1", 1, 1e12, "steps between progress lines"));
+  schema.add(choice_key("train.on_nonfinite", "stop", {"stop", "skip"},
+                        "a step whose loss or gradient norm is nan/inf: stop (exit 1) or skip its update on every "
+                        "rank and go on (counted; stops after train.max_skipped in a row)"));
+  schema.add(int_key("train.max_skipped", "10", 1, 1e9,
+                     "with train.on_nonfinite = skip: stop after this many skipped steps in a row"));
 
   // parallel
   schema.add(int_key("parallel.dp", "1", 1, 1e6, "data-parallel degree"));
@@ -130,12 +135,23 @@ void add_core_keys(DeckSchema& schema) {
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));
   schema.add(int_key("run.threads", "1", 1, 1024, "BLAS threads per rank"));
+  schema.add(bool_key("run.overwrite", "false",
+                      "a fresh run may replace an earlier run's checkpoints in checkpoint.dir (they are removed "
+                      "at start); otherwise such a run is refused"));
+  schema.add(float_key("run.peak_tflops", "0", 0, 1e6,
+                       "peak TFLOP/s of one rank for the MFU figure (0: the back end's matrix-product rate, "
+                       "measured at start-up)"));
   schema.add(string_key("checkpoint.dir", "",
                         "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
-  schema.add(int_key("checkpoint.every", "0", 0, 1e12, "save a checkpoint every this many steps (0: only on SIGTERM)"));
+  schema.add(int_key("checkpoint.every", "0", 0, 1e12,
+                     "save a checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT)"));
+  schema.add(bool_key("checkpoint.at_end", "true",
+                      "save a final checkpoint when training ends, if checkpointing is configured "
+                      "(checkpoint.every, checkpoint.dir or checkpoint.resume given)"));
   schema.add(int_key("checkpoint.keep", "2", 1, 1e6, "how many checkpoints to keep (older ones are deleted once a newer one is complete)"));
   schema.add(string_key("checkpoint.resume", "",
-                        "start from this checkpoint file, or `latest` in checkpoint.dir (empty: start fresh)"));
+                        "start from this checkpoint file, `latest` in checkpoint.dir, or `auto` (latest if it "
+                        "exists, else fresh: one job script for every job of a chain); empty: start fresh"));
   schema.add(string_key("run.plugins", "",
                         "extra strategy plugins to use, comma-separated (the layout adds data/tensor/pipeline itself)"));
 }

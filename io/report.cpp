@@ -35,6 +35,16 @@ void write_json(const std::string& path, const nlohmann::json& value) {
   out << value.dump(2) << '\n';
 }
 
+namespace {
+std::vector<std::string>& command_line_storage() {
+  static std::vector<std::string> args;
+  return args;
+}
+}  // namespace
+
+void set_command_line(int argc, char** argv) { command_line_storage().assign(argv, argv + argc); }
+const std::vector<std::string>& command_line() { return command_line_storage(); }
+
 std::string mpi_library() {
   char buf[MPI_MAX_LIBRARY_VERSION_STRING];
   int len = 0;

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace loom {
 
@@ -23,6 +24,10 @@ class JsonLines {
 };
 
 void write_json(const std::string& path, const nlohmann::json& value);
+
+// The process's command line, as main() saw it (recorded once, for report.json).
+void set_command_line(int argc, char** argv);
+const std::vector<std::string>& command_line();
 
 // Host name, OS, CPU model and cores, MPI library.
 nlohmann::json platform_info();

@@ -1,0 +1,30 @@
+#pragma once
+// Finding non-finite values across the ranks (DESIGN.md "Runs a user can trust"): which tensor holds
+// the first one, in model order, and which rank found it. Used when a step's loss or gradient norm
+// is not finite, before a checkpoint is written, and at the end of a run.
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/gpt.hpp"
+#include "core/grid.hpp"
+
+namespace loom {
+
+struct NonFiniteAt {
+  std::string kind;    // "gradient", "parameter", "AdamW first moment", ...
+  std::string tensor;  // the parameter's global name
+  float value = 0;     // the first non-finite value (nan, inf or -inf)
+  int rank = -1;       // the world rank that holds it (the lowest one, if several do)
+  int dp = 0, tp = 0, pp = 0;
+  std::string describe() const;  // "gradient blocks.0.attn.qkv.weight (nan on rank 1: dp 1, tp 0, pp 0)"
+};
+
+// Collective over the grid's world. `buffers` are flat buffers laid out like the parameters (kind,
+// base pointer); the first non-finite element is searched for kind by kind, tensor by tensor in the
+// model's order. The same answer on every rank.
+std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model,
+                                          const std::vector<std::pair<std::string, const float*>>& buffers);
+
+}  // namespace loom
