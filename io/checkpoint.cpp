@@ -22,7 +22,7 @@ namespace {
 
 // HDF5 prints its own error stack by default; loom reports errors itself, naming the file.
 struct QuietHdf5 {
-  QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+  QuietHdf5() { init_hdf5(); }
 };
 
 struct Handle {  // closes an HDF5 id with the matching function; movable, not copyable
@@ -214,7 +214,22 @@ struct Group {
   float* base;
 };
 
+bool g_file_left_open = false;
+
 }  // namespace
+
+bool checkpoint_file_left_open() { return g_file_left_open; }
+
+void init_hdf5() {
+  // Before the library starts: no atexit clean-up, which would try to close a file a failed write
+  // left open and crash when a rank is taken down by MPI_Abort (the MPI_Finalize hook stays).
+  static const bool once = [] {
+    H5dont_atexit();
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    return true;
+  }();
+  (void)once;
+}
 
 void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer,
                      const CheckpointState& state) {
@@ -259,8 +274,14 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
   // A failed write (no space, quota, file size limit) is noted and the rank goes on joining every
   // collective call, so that all ranks can close the file and agree on the failure afterwards.
   std::string failure;
+  // With several ranks, a rank whose write failed has left HDF5's collective calls early and the others
+  // wait for it inside them: nothing collective can follow, so it takes the job down, naming the file
+  // and the reason (the .tmp is left; the earlier checkpoints and `latest` are untouched).
   auto note_failure = [&](const std::string& what) {
-    if (failure.empty()) failure = "checkpoint '" + tmp + "': " + what + " (" + std::strerror(errno ? errno : EIO) + ")";
+    if (!failure.empty()) return;
+    failure = "checkpoint '" + tmp + "': " + what + " (" + std::strerror(errno ? errno : EIO) + ")";
+    if (grid.layout().ranks() > 1)
+      abort_job(failure + "; the earlier checkpoints and `latest` are unchanged", 1);
   };
   for (const Group& g : groups) {
     // Every rank creates every dataset of the whole model (creation is collective); the pipeline
@@ -292,12 +313,20 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
   // MPI_File_sync: on disk before the file gets its final name.
   if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) note_failure("cannot flush the file");
   errno = 0;
-  if (H5Fclose(file.id) < 0) note_failure("cannot close the file");
+  if (H5Fclose(file.id) < 0) {
+    note_failure("cannot close the file");
+    g_file_left_open = true;
+  }
   file.id = -1;
   // Every rank's data is in the file before it gets its name, and every rank knows whether it is.
   errno = 0;
   if (failure.empty() && grid.rank() == 0 && std::rename(tmp.c_str(), path.c_str()) != 0)
     note_failure("cannot rename it to " + path);
+  // HDF5 keeps a file it could not close in its tables and closes it again when MPI finalizes, which
+  // crashes inside HDF5: every rank then leaves without finalizing (exit_without_finalize()).
+  int left_open = g_file_left_open ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &left_open, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  g_file_left_open = left_open != 0;
   agree_on_failure(grid, failure, [&] { std::remove(tmp.c_str()); },
                    "checkpoint '" + tmp + "' was not written, and the earlier checkpoints and `latest` are "
                    "unchanged");

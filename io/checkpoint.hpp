@@ -47,6 +47,14 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
 // section.key -> value of a resolved deck's text (the `deck` attribute), comments dropped.
 std::map<std::string, std::string> resolved_deck_values(const std::string& text);
 
+// Called first thing in main: HDF5 reports errors through loom's messages only, and registers no
+// atexit clean-up (see io/checkpoint.cpp).
+void init_hdf5();
+
+// True on every rank once a failed checkpoint write left HDF5 holding a file it could not close: the
+// process must then end without MPI_Finalize (which would make HDF5 close it again, and crash).
+bool checkpoint_file_left_open();
+
 // `loom ckpt info`: step, layout, deck, and every tensor with its shape and dtype (one process).
 std::string checkpoint_info(const std::string& path);
 
