@@ -130,6 +130,8 @@ void add_core_keys(DeckSchema& schema) {
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));
   schema.add(int_key("run.threads", "1", 1, 1024, "BLAS threads per rank"));
+  schema.add(float_key("run.comm_timeout", "300", 0, 1e7,
+                       "seconds a rank waits for a peer's message before it ends the job naming that peer (0: forever)"));
   schema.add(string_key("checkpoint.dir", "",
                         "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
   schema.add(int_key("checkpoint.every", "0", 0, 1e12, "save a checkpoint every this many steps (0: only on SIGTERM)"));
