@@ -81,8 +81,8 @@ std::int64_t Checkpointing::resume() {
 }
 
 bool Checkpointing::after_step(std::int64_t steps_done, nlohmann::json& record) {
-  int stop = g_sigterm ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &stop, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);  // any rank signalled: all save
+  // Any rank signalled: all save (summed over the world communicator, which a stalled rank cannot hang).
+  const bool stop = s_.grid->world().sum(g_sigterm ? 1.0 : 0.0) > 0;
   const bool due = every_ > 0 && steps_done % every_ == 0;
   if (!due && !stop) return false;
   const double t0 = now();
