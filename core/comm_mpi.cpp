@@ -53,8 +53,8 @@
 // the 32767 that MPI guarantees for MPI_TAG_UB. The communicator is an MPI_Comm_dup of the one it was
 // made from, so nothing else shares its message space.
 //
-// Messages go out as MPI_BYTE; one larger than kMaxMessageBytes is split into pieces of that size
-// (both sides split the same way), so element counts beyond INT_MAX work.
+// Messages go out as MPI_BYTE in pieces of at most kMessagePieceBytes (both sides split the same
+// way): element counts beyond INT_MAX work, and a wait sees a large transfer move piece by piece.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -115,7 +115,9 @@ namespace {
 
 constexpr int kCollectiveTagBase = 1000;
 constexpr int kCollectiveTagRange = 30000;
-constexpr std::size_t kMaxMessageBytes = std::size_t{1} << 30;
+// Small enough that a transfer which starts while its wait is sleeping completes a piece within a few
+// sleeps, which puts the wait back to polling flat out.
+constexpr std::size_t kMessagePieceBytes = std::size_t{4} << 20;
 constexpr std::int64_t kBroadcastSegment = std::int64_t{1} << 18;  // floats: 1 MiB
 
 // Pacing of waits (see Pacer). Polled once a millisecond, a 256 MiB shared-memory transfer takes
@@ -233,20 +235,20 @@ class MpiRequest : public CommRequest {
   void wait() override {
     if (done_ || !comm_) return;
     const double t0 = now();
-    double last_step_done = t0;  // the timeout counts from here
+    double last_arrival = t0;  // the timeout counts from here
     Pacer pacer(step_bytes_);
     // Poll this request and keep the communicator's other requests moving, so that ranks waiting
     // on outstanding operations in different orders cannot deadlock each other.
-    for (int step = step_; !advance();) {
+    for (std::uint64_t seen = messages_done_; !advance();) {
       const bool others = comm_->advance_others(this);
-      if (step_ != step) {
-        step = step_;
-        last_step_done = now();
+      if (messages_done_ != seen) {
+        seen = messages_done_;
+        last_arrival = now();
         pacer.restart(step_bytes_);
       } else if (others) {
         pacer.restart(step_bytes_);
       } else {
-        const double still = now() - last_step_done, timeout = comm_timeout();
+        const double still = now() - last_arrival, timeout = comm_timeout();
         if (timeout > 0 && still > timeout) stalled(still, timeout);
         pacer.pause();
       }
@@ -262,9 +264,16 @@ class MpiRequest : public CommRequest {
   bool advance() {
     while (!done_) {
       if (!reqs_.empty()) {
-        int flag = 0;
-        MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE);
-        if (!flag) return false;
+        // Testsome rather than Testall: each message that completes counts as progress for wait(),
+        // and is set to MPI_REQUEST_NULL, so what stays pending is known.
+        int completed = 0;
+        completed_.resize(reqs_.size());
+        MPI_Testsome(static_cast<int>(reqs_.size()), reqs_.data(), &completed, completed_.data(), MPI_STATUSES_IGNORE);
+        if (completed != MPI_UNDEFINED) {
+          messages_done_ += static_cast<std::uint64_t>(completed);
+          pending_ -= completed;
+        }
+        if (pending_ > 0) return false;
         reqs_.clear();
         peers_.clear();
         step_bytes_ = 0;
@@ -281,6 +290,7 @@ class MpiRequest : public CommRequest {
   }
 
   bool done() const { return done_; }
+  std::uint64_t messages_done() const { return messages_done_; }
   void detach() { comm_ = nullptr; }  // the communicator is going away (after completing us)
 
   // For destructors: a request dropped before it completed waits (keeping the communicator's other
@@ -299,9 +309,10 @@ class MpiRequest : public CommRequest {
     step_bytes_ += bytes;
     const char* p = static_cast<const char*>(buf);
     do {
-      const std::size_t n = std::min(bytes, kMaxMessageBytes);
+      const std::size_t n = std::min(bytes, kMessagePieceBytes);
       reqs_.emplace_back();
       peers_.push_back({peer, false});
+      ++pending_;
       MPI_Isend(p, static_cast<int>(n), MPI_BYTE, peer, tag_, comm_->comm(), &reqs_.back());
       p += n;
       bytes -= n;
@@ -311,9 +322,10 @@ class MpiRequest : public CommRequest {
     step_bytes_ += bytes;
     char* p = static_cast<char*>(buf);
     do {
-      const std::size_t n = std::min(bytes, kMaxMessageBytes);
+      const std::size_t n = std::min(bytes, kMessagePieceBytes);
       reqs_.emplace_back();
       peers_.push_back({peer, true});
+      ++pending_;
       MPI_Irecv(p, static_cast<int>(n), MPI_BYTE, peer, tag_, comm_->comm(), &reqs_.back());
       p += n;
       bytes -= n;
@@ -337,10 +349,8 @@ class MpiRequest : public CommRequest {
   [[noreturn]] void stalled(double still, double timeout) {
     std::vector<int> silent, deaf;
     for (std::size_t i = 0; i < reqs_.size(); ++i) {
-      int complete = 0;
-      MPI_Request_get_status(reqs_[i], &complete, MPI_STATUS_IGNORE);
       std::vector<int>& culprits = peers_[i].receiving ? silent : deaf;
-      if (!complete && std::find(culprits.begin(), culprits.end(), peers_[i].rank) == culprits.end())
+      if (reqs_[i] != MPI_REQUEST_NULL && std::find(culprits.begin(), culprits.end(), peers_[i].rank) == culprits.end())
         culprits.push_back(peers_[i].rank);
     }
     const bool receiving = !silent.empty();
@@ -366,9 +376,12 @@ class MpiRequest : public CommRequest {
   int tag_;
   int step_ = -1;
   bool done_ = false;
-  std::vector<MPI_Request> reqs_;  // the current step's messages
+  std::vector<MPI_Request> reqs_;  // the current step's messages (MPI_REQUEST_NULL once complete)
   std::vector<Peer> peers_;        // ... and whom each is with
   std::size_t step_bytes_ = 0;     // ... and their payload, sent and received
+  int pending_ = 0;                // ... and how many are not complete yet
+  std::vector<int> completed_;     // MPI_Testsome's indices
+  std::uint64_t messages_done_ = 0;
 };
 
 template <class T>
@@ -560,7 +573,11 @@ bool MpiCommunicator::advance_others(const MpiRequest* except) {
   bool moved = false;
   const std::vector<MpiRequest*> live = live_;
   for (MpiRequest* r : live)
-    if (r != except && !r->done()) moved |= r->test();
+    if (r != except && !r->done()) {
+      const std::uint64_t before = r->messages_done();
+      r->test();
+      moved |= r->messages_done() != before;
+    }
   return moved;
 }
 
