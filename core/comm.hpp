@@ -9,6 +9,11 @@
 // sends itself; that is what makes the byte counts measurements rather than formulas. Requests
 // advance when they are tested or waited on, or when progress() is called (the engine calls it
 // between backward kernels).
+//
+// Waiting is watched: a wait polls flat out only while messages may be moving, then sleeps between
+// polls (an idle rank costs no core), and when none of its messages has completed for
+// comm_timeout() seconds it ends the whole job (abort_job), naming the operation, the communicator
+// and the ranks whose messages never came: a stalled or dead rank never leaves the others spinning.
 #include <mpi.h>
 
 #include <array>
@@ -78,6 +83,11 @@ class Communicator {
  protected:
   CommStats stats_;
 };
+
+// How long a wait may see none of its messages complete before it ends the job, in seconds (0: wait
+// forever). Process-wide, for every communicator; the driver sets it from run.comm_timeout.
+void set_comm_timeout(double seconds);
+double comm_timeout();
 
 // A communicator over `comm` (duplicated, so loom's traffic never mixes with anyone else's).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name);

@@ -14,6 +14,15 @@
 // its destructor, and a communicator destroyed with live requests completes them first, so no MPI
 // request is ever left dangling.
 //
+// Every wait is watched (Pacer, MpiRequest::wait). MPI moves a large message only while it is polled,
+// so a wait polls flat out for kSpinSeconds after its last progress, plus the time its step's bytes
+// take on a slow link; past that it sleeps between polls (kFirstSleep doubling to kLongestSleep), so
+// a rank waiting on a busy or stalled peer costs no core and a wait ends at most ~1 ms after its
+// message lands. When none of its messages has completed for comm_timeout() seconds, the wait ends
+// the job through abort_job, naming the operation, the communicator, and the peers (world rank and
+// rank here) whose messages never arrived or that never took ours. It never throws: requests wait
+// again in their destructors while an exception unwinds, which would hang.
+//
 // Algorithms and per-rank send volumes (M = payload bytes, N = ranks, r = this rank):
 //   all_reduce      ring reduce-scatter then ring all-gather over N chunks whose sizes differ by at
 //                   most one element (chunk i has count/N elements, +1 for i < count % N; chunks are
@@ -44,16 +53,20 @@
 // the 32767 that MPI guarantees for MPI_TAG_UB. The communicator is an MPI_Comm_dup of the one it was
 // made from, so nothing else shares its message space.
 //
-// Messages go out as MPI_BYTE; one larger than kMaxMessageBytes is split into pieces of that size
-// (both sides split the same way), so element counts beyond INT_MAX work.
+// Messages go out as MPI_BYTE in pieces of at most kMessagePieceBytes (both sides split the same
+// way): element counts beyond INT_MAX work, and a wait sees a large transfer move piece by piece.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <iomanip>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include "core/comm.hpp"
+#include "core/fault.hpp"
 
 namespace loom {
 
@@ -82,6 +95,18 @@ double CommStats::total_wait() const {
   return t;
 }
 
+namespace {
+double g_comm_timeout = 300;  // seconds; the default of run.comm_timeout
+}  // namespace
+
+void set_comm_timeout(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0)
+    throw std::invalid_argument("communicator timeout must be >= 0 seconds (0: off), got " + std::to_string(seconds));
+  g_comm_timeout = seconds;
+}
+
+double comm_timeout() { return g_comm_timeout; }
+
 double ring_all_reduce_bytes(double M, int N) { return N <= 1 ? 0.0 : 2.0 * (N - 1) * M / N; }
 double ring_reduce_scatter_bytes(double M, int N) { return N <= 1 ? 0.0 : (N - 1) * M / N; }
 double ring_all_gather_bytes(double M, int N) { return N <= 1 ? 0.0 : (N - 1) * M / N; }
@@ -90,8 +115,17 @@ namespace {
 
 constexpr int kCollectiveTagBase = 1000;
 constexpr int kCollectiveTagRange = 30000;
-constexpr std::size_t kMaxMessageBytes = std::size_t{1} << 30;
+// Small enough that a transfer which starts while its wait is sleeping completes a piece within a few
+// sleeps, which puts the wait back to polling flat out.
+constexpr std::size_t kMessagePieceBytes = std::size_t{4} << 20;
 constexpr std::int64_t kBroadcastSegment = std::int64_t{1} << 18;  // floats: 1 MiB
+
+// Pacing of waits (see Pacer). Polled once a millisecond, a 256 MiB shared-memory transfer takes
+// ~12x as long as polled flat out (MPICH 4 over UCX), hence the spin while bytes may be moving.
+constexpr double kSpinSeconds = 0.02;
+constexpr double kSlowLinkBytesPerSecond = 1e9;
+constexpr std::chrono::microseconds kFirstSleep{20};
+constexpr std::chrono::microseconds kLongestSleep{1000};
 
 inline int ring_mod(std::int64_t a, int n) { return static_cast<int>(((a % n) + n) % n); }
 
@@ -102,6 +136,31 @@ bool mpi_finalized() {
 }
 
 double now() { return MPI_Wtime(); }
+
+// Paces a wait's polling loop: flat out until `spin` seconds after the last progress, then sleeps
+// growing from kFirstSleep to kLongestSleep.
+class Pacer {
+ public:
+  explicit Pacer(std::size_t bytes_in_flight) { restart(bytes_in_flight); }
+  // Something moved: poll flat out again for as long as `bytes_in_flight` may take to arrive.
+  void restart(std::size_t bytes_in_flight) {
+    since_ = now();
+    spin_ = kSpinSeconds + static_cast<double>(bytes_in_flight) / kSlowLinkBytesPerSecond;
+    sleep_ = kFirstSleep;
+  }
+  void pause() {
+    if (now() - since_ < spin_) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(sleep_);
+    sleep_ = std::min(2 * sleep_, kLongestSleep);
+  }
+
+ private:
+  double since_ = 0, spin_ = 0;
+  std::chrono::microseconds sleep_ = kFirstSleep;
+};
 
 class MpiRequest;
 
@@ -126,7 +185,12 @@ class MpiCommunicator final : public Communicator {
   CommRequestPtr send_async(const float* data, std::int64_t count, int peer, int tag) override;
   CommRequestPtr recv_async(float* data, std::int64_t count, int peer, int tag) override;
   void progress() override;
-  void barrier() override { MPI_Barrier(comm_); }
+  // A one-element all-reduce completes on no rank before every rank has joined it: a barrier that is
+  // watched like any wait (it counts as an all_reduce).
+  void barrier() override {
+    double token = 0;
+    all_reduce(&token, 1);
+  }
 
   // For the requests.
   MPI_Comm comm() const { return comm_; }
@@ -139,6 +203,7 @@ class MpiCommunicator final : public Communicator {
   void enroll(MpiRequest* r) { live_.push_back(r); }
   void withdraw(MpiRequest* r) { live_.erase(std::remove(live_.begin(), live_.end(), r), live_.end()); }
   bool advance_others(const MpiRequest* except);  // true if any other request moved
+  int world_rank(int rank) const;                 // a rank of this communicator in MPI_COMM_WORLD
 
  private:
   template <class T>
@@ -165,37 +230,53 @@ class MpiRequest : public CommRequest {
   MpiRequest(const MpiRequest&) = delete;
   MpiRequest& operator=(const MpiRequest&) = delete;
 
-  bool test() override { return advance(false); }
+  bool test() override { return advance(); }
 
   void wait() override {
     if (done_ || !comm_) return;
     const double t0 = now();
+    double last_arrival = t0;  // the timeout counts from here
+    Pacer pacer(step_bytes_);
     // Poll this request and keep the communicator's other requests moving, so that ranks waiting
     // on outstanding operations in different orders cannot deadlock each other.
-    while (!advance(false)) {
+    for (std::uint64_t seen = messages_done_; !advance();) {
       const bool others = comm_->advance_others(this);
-      if (!others) std::this_thread::yield();
+      if (messages_done_ != seen) {
+        seen = messages_done_;
+        last_arrival = now();
+        pacer.restart(step_bytes_);
+      } else if (others) {
+        pacer.restart(step_bytes_);
+      } else {
+        const double still = now() - last_arrival, timeout = comm_timeout();
+        if (timeout > 0 && still > timeout) stalled(still, timeout);
+        pacer.pause();
+      }
     }
     comm_->counters().wait_s[static_cast<int>(op_)] += now() - t0;
   }
 
   // Posts the first step (called once the object is fully constructed).
-  void begin() { advance(false); }
+  void begin() { advance(); }
 
-  // Completes the current step if its messages are done (or blocks for them), then posts the next;
-  // true once every step is done.
-  bool advance(bool block) {
+  // Completes the current step if its messages are done, then posts the next; true once every step
+  // is done.
+  bool advance() {
     while (!done_) {
       if (!reqs_.empty()) {
-        const int n = static_cast<int>(reqs_.size());
-        if (block) {
-          MPI_Waitall(n, reqs_.data(), MPI_STATUSES_IGNORE);
-        } else {
-          int flag = 0;
-          MPI_Testall(n, reqs_.data(), &flag, MPI_STATUSES_IGNORE);
-          if (!flag) return false;
+        // Testsome rather than Testall: each message that completes counts as progress for wait(),
+        // and is set to MPI_REQUEST_NULL, so what stays pending is known.
+        int completed = 0;
+        completed_.resize(reqs_.size());
+        MPI_Testsome(static_cast<int>(reqs_.size()), reqs_.data(), &completed, completed_.data(), MPI_STATUSES_IGNORE);
+        if (completed != MPI_UNDEFINED) {
+          messages_done_ += static_cast<std::uint64_t>(completed);
+          pending_ -= completed;
         }
+        if (pending_ > 0) return false;
         reqs_.clear();
+        peers_.clear();
+        step_bytes_ = 0;
       }
       if (step_ >= 0) complete(step_);
       ++step_;
@@ -209,6 +290,7 @@ class MpiRequest : public CommRequest {
   }
 
   bool done() const { return done_; }
+  std::uint64_t messages_done() const { return messages_done_; }
   void detach() { comm_ = nullptr; }  // the communicator is going away (after completing us)
 
   // For destructors: a request dropped before it completed waits (keeping the communicator's other
@@ -224,20 +306,26 @@ class MpiRequest : public CommRequest {
 
   void isend(const void* buf, std::size_t bytes, int peer) {
     comm_->counters().bytes_sent[static_cast<int>(op_)] += bytes;
+    step_bytes_ += bytes;
     const char* p = static_cast<const char*>(buf);
     do {
-      const std::size_t n = std::min(bytes, kMaxMessageBytes);
+      const std::size_t n = std::min(bytes, kMessagePieceBytes);
       reqs_.emplace_back();
+      peers_.push_back({peer, false});
+      ++pending_;
       MPI_Isend(p, static_cast<int>(n), MPI_BYTE, peer, tag_, comm_->comm(), &reqs_.back());
       p += n;
       bytes -= n;
     } while (bytes > 0);
   }
   void irecv(void* buf, std::size_t bytes, int peer) {
+    step_bytes_ += bytes;
     char* p = static_cast<char*>(buf);
     do {
-      const std::size_t n = std::min(bytes, kMaxMessageBytes);
+      const std::size_t n = std::min(bytes, kMessagePieceBytes);
       reqs_.emplace_back();
+      peers_.push_back({peer, true});
+      ++pending_;
       MPI_Irecv(p, static_cast<int>(n), MPI_BYTE, peer, tag_, comm_->comm(), &reqs_.back());
       p += n;
       bytes -= n;
@@ -250,12 +338,50 @@ class MpiRequest : public CommRequest {
   int right() const { return ring_mod(rank() + 1, size()); }
 
  private:
+  struct Peer {
+    int rank;        // in this communicator
+    bool receiving;  // an MPI_Irecv from it (else an MPI_Isend to it)
+  };
+
+  // Ends the job: nothing of this step has completed for `still` seconds. Names the peers whose
+  // messages are still outstanding; those we receive from are the likelier culprits, so they are
+  // named when there are any, else those that never took what we sent.
+  [[noreturn]] void stalled(double still, double timeout) {
+    std::vector<int> silent, deaf;
+    for (std::size_t i = 0; i < reqs_.size(); ++i) {
+      std::vector<int>& culprits = peers_[i].receiving ? silent : deaf;
+      if (reqs_[i] != MPI_REQUEST_NULL && std::find(culprits.begin(), culprits.end(), peers_[i].rank) == culprits.end())
+        culprits.push_back(peers_[i].rank);
+    }
+    const bool receiving = !silent.empty();
+    const std::vector<int>& culprits = receiving ? silent : deaf;
+    const bool one = culprits.size() == 1;
+    std::ostringstream why;
+    why << comm_->name() << ' ' << comm_op_name(op_) << " waited " << std::fixed << std::setprecision(1) << still
+        << " s (run.comm_timeout = " << std::defaultfloat << timeout << ") for world rank" << (one ? "" : "s");
+    const bool in_world = comm_->name() == "world";
+    for (std::size_t i = 0; i < culprits.size(); ++i) {
+      why << (i ? ", " : " ") << comm_->world_rank(culprits[i]);
+      if (!in_world) why << " (" << comm_->name() << " rank " << culprits[i] << ")";
+    }
+    if (receiving) why << (one ? ": its message never arrived" : ": their messages never arrived");
+    else why << (one ? ": it never took the message sent to it" : ": they never took the messages sent to them");
+    why << (one ? "; that rank is stalled or dead (or itself waiting on one that is)"
+                : "; those ranks are stalled or dead (or themselves waiting on ones that are)");
+    abort_job(why.str(), 1);
+  }
+
   MpiCommunicator* comm_;
   CommOp op_;
   int tag_;
   int step_ = -1;
   bool done_ = false;
-  std::vector<MPI_Request> reqs_;
+  std::vector<MPI_Request> reqs_;  // the current step's messages (MPI_REQUEST_NULL once complete)
+  std::vector<Peer> peers_;        // ... and whom each is with
+  std::size_t step_bytes_ = 0;     // ... and their payload, sent and received
+  int pending_ = 0;                // ... and how many are not complete yet
+  std::vector<int> completed_;     // MPI_Testsome's indices
+  std::uint64_t messages_done_ = 0;
 };
 
 template <class T>
@@ -434,15 +560,10 @@ class Finishing final : public Op {
 
 MpiCommunicator::~MpiCommunicator() {
   const bool finalized = mpi_finalized();
-  // Complete what is still outstanding (the requests outlive us only as empty shells).
-  if (!finalized) {
-    for (;;) {
-      bool pending = false;
-      for (MpiRequest* r : std::vector<MpiRequest*>(live_)) pending |= !r->test();
-      if (!pending) break;
-      std::this_thread::yield();
-    }
-  }
+  // Complete what is still outstanding (the requests outlive us only as empty shells); each wait
+  // keeps the others moving, so the order does not matter.
+  if (!finalized)
+    for (MpiRequest* r : std::vector<MpiRequest*>(live_)) r->wait();
   for (MpiRequest* r : live_) r->detach();
   live_.clear();
   if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
@@ -452,8 +573,23 @@ bool MpiCommunicator::advance_others(const MpiRequest* except) {
   bool moved = false;
   const std::vector<MpiRequest*> live = live_;
   for (MpiRequest* r : live)
-    if (r != except && !r->done()) moved |= r->test();
+    if (r != except && !r->done()) {
+      const std::uint64_t before = r->messages_done();
+      r->test();
+      moved |= r->messages_done() != before;
+    }
   return moved;
+}
+
+int MpiCommunicator::world_rank(int rank) const {
+  MPI_Group mine, world;
+  MPI_Comm_group(comm_, &mine);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  int in_world = MPI_UNDEFINED;
+  MPI_Group_translate_ranks(mine, 1, &rank, world, &in_world);
+  MPI_Group_free(&mine);
+  MPI_Group_free(&world);
+  return in_world;
 }
 
 void MpiCommunicator::progress() {

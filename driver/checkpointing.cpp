@@ -198,12 +198,11 @@ std::int64_t Checkpointing::resume() {
 }
 
 bool Checkpointing::after_step(std::int64_t steps_done, nlohmann::json& record) {
-  // Any rank signalled: all save. A sum over the world communicator (watched like every collective).
-  double stop = g_stop_signal ? 1.0 : 0.0;
-  s_.grid->world().all_reduce(&stop, 1);
+  // Any rank signalled: all save (summed over the world communicator, which a stalled rank cannot hang).
+  const bool stop = s_.grid->world().sum(g_stop_signal ? 1.0 : 0.0) > 0;
   const bool due = every_ > 0 && steps_done % every_ == 0;
-  if (due || stop > 0) save(steps_done, record, stop > 0 ? " on a stop signal; stopping" : "");
-  return stop > 0;
+  if (due || stop) save(steps_done, record, stop ? " on a stop signal; stopping" : "");
+  return stop;
 }
 
 void Checkpointing::at_end(std::int64_t steps_done, nlohmann::json& record) {

@@ -148,6 +148,7 @@ void Session::setup_local() {
 void Session::setup_collective() {
   const Deck& d = deck;
   backend = make_host_backend(static_cast<int>(d.get_int("run.threads")));
+  set_comm_timeout(d.get_float("run.comm_timeout"));
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
   for (const StrategyInfo* strategy : strategies) {
     if (!strategy->make_partition) continue;

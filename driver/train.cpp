@@ -1,6 +1,7 @@
 // `loom run`: the training loop, its per-step lines, metrics.jsonl, summary and report.
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -208,11 +209,16 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       step_wait += cs.total_wait();
     }
     wait_total += step_wait;
-    // The slowest and the fastest rank's step time (a straggler shows): a metrics-only reduction.
+    // The slowest and the fastest rank's step time (a straggler shows): a metrics-only reduction,
+    // through the world communicator so that a stalled rank is caught here too. It only sums: every
+    // rank puts its time at its own index.
     double t_min = st.seconds, t_max = st.seconds;
     if (world > 1) {
-      MPI_Allreduce(MPI_IN_PLACE, &t_min, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
-      MPI_Allreduce(MPI_IN_PLACE, &t_max, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      std::vector<double> step_times(world, 0.0);
+      step_times[s.grid->rank()] = st.seconds;
+      s.grid->world().all_reduce(step_times.data(), world);
+      t_min = *std::min_element(step_times.begin(), step_times.end());
+      t_max = *std::max_element(step_times.begin(), step_times.end());
     }
     auto report_values = s.engine->grad_sync().step_report();
     for (auto& kv : s.model->partition().step_report()) report_values.push_back(kv);

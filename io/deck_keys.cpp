@@ -141,6 +141,8 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(float_key("run.peak_tflops", "0", 0, 1e6,
                        "peak TFLOP/s of one rank for the MFU figure (0: the back end's matrix-product rate, "
                        "measured at start-up)"));
+  schema.add(float_key("run.comm_timeout", "300", 0, 1e7,
+                       "seconds a rank waits for a peer's message before it ends the job naming that peer (0: forever)"));
   schema.add(string_key("checkpoint.dir", "",
                         "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
   schema.add(int_key("checkpoint.every", "0", 0, 1e12,

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Collective watchdog cases: a rank that stalls mid-training ends the job within run.comm_timeout,
+named by the rank that waited for it, and the waiting rank does not burn a core meanwhile.
+
+    python3 regression/watchdog_cases.py --loom build/loom --workdir build/watchdog CASE
+
+CASE is one of:
+  stalled_rank_dp2   dp = 2: once training runs, world rank 1 is stopped (SIGSTOP). The job must exit
+                     non-zero no sooner than run.comm_timeout and within run.comm_timeout + 20 s after
+                     the stop, rank 0's message must name the communicator and operation it waited in
+                     and world rank 1 as the rank whose part never came, and rank 0 must use well under
+                     a core while it waits (CPU time over 2 s of the wait < 30% of the wall time)
+  stalled_stage_pp2  the same at pp = 2 (8 micro-batches): stage 0 waits in the pipeline's send/recv
+                     (or the pp all-reduce of the loss and the gradient norm)
+  timeout_off        run.comm_timeout = 0 (wait forever) is accepted and a short dp = 2 run trains;
+                     a negative value is refused naming the key
+
+A stop that lands after rank 1's last message of a step leaves rank 0 waiting in the world
+all-reduce at the step's end: that is a right answer too, and the cases accept it.
+"""
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+DECK = """[model]
+layers = 2
+d_model = 64
+heads = 4
+seq_len = 64
+vocab = 64
+[train]
+steps = 100000000
+batch = 8
+lr = 3e-3
+warmup = 2
+seed = 42
+eval_every = 0
+[data]
+val_fraction = 0
+"""
+TIMEOUT = 6          # run.comm_timeout of the stalled cases: long enough to measure the CPU inside it
+GRACE = 20           # seconds past the timeout by which the job must be gone
+CPU_WINDOW = (1, 3)  # seconds after the stop: past the wait's flat-out polling, before the timeout
+MAX_CPU_SHARE = 0.30
+
+
+def children_of(root):
+    """Every process below `root`, from /proc."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # gone meanwhile
+    found, frontier = [], [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def loom_ranks(mpirun_pid):
+    """{world rank: pid} of the loom processes under this mpirun (the launcher tells each its rank in
+    PMI_RANK)."""
+    ranks = {}
+    for pid in children_of(mpirun_pid):
+        try:
+            with open("/proc/%d/comm" % pid) as f:
+                if f.read().strip() != "loom":
+                    continue
+            with open("/proc/%d/environ" % pid, "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        rank = env.get(b"PMI_RANK") or env.get(b"PMIX_RANK") or env.get(b"OMPI_COMM_WORLD_RANK")
+        if rank is not None:
+            ranks[int(rank)] = pid
+    return ranks
+
+
+def cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class Case:
+    def __init__(self, args, name):
+        self.args = args
+        self.dir = os.path.join(args.workdir, name)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        self.deck = os.path.join(self.dir, "watchdog.deck")
+        with open(self.deck, "w") as f:
+            f.write(DECK)
+        self.failures = []
+
+    def command(self, ranks, sets):
+        cmd = ([self.args.mpirun, "-n", str(ranks)] if ranks > 1 else []) + [
+            self.args.loom, "run", self.deck, "--set", "run.dir=" + os.path.join(self.dir, "run")]
+        for s in sets:
+            cmd += ["--set", s]
+        print("$ " + " ".join(cmd), flush=True)
+        return cmd
+
+    def stalled(self, sets, waited_in):
+        """Stops world rank 1 of a 2-rank run once it trains; checks how the job ends."""
+        out_path, err_path = os.path.join(self.dir, "stdout"), os.path.join(self.dir, "stderr")
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            job = subprocess.Popen(self.command(2, sets + ["run.comm_timeout=%d" % TIMEOUT]), stdout=out, stderr=err,
+                                   env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"))
+        ranks = {}
+        try:
+            # Training is under way once rank 0 has logged a few steps.
+            deadline = time.time() + 120
+            while time.time() < deadline and job.poll() is None:
+                with open(out_path) as f:
+                    steps = len(re.findall(r"^step\s+\d+", f.read(), re.M))
+                ranks = loom_ranks(job.pid)
+                if steps >= 3 and len(ranks) == 2:
+                    break
+                time.sleep(0.1)
+            else:
+                self.failures.append("the job never started training (exit status %s)" % job.poll())
+                return
+            os.kill(ranks[1], signal.SIGSTOP)
+            stopped_at = time.time()
+            print("world rank 1 (pid %d) stopped; rank 0 is pid %d" % (ranks[1], ranks[0]))
+
+            time.sleep(CPU_WINDOW[0])
+            t0, c0 = time.time(), cpu_seconds(ranks[0])
+            time.sleep(CPU_WINDOW[1] - CPU_WINDOW[0])
+            share = (cpu_seconds(ranks[0]) - c0) / (time.time() - t0)
+            print("rank 0 while it waits: %.1f%% of a core" % (100 * share))
+            if share >= MAX_CPU_SHARE:
+                self.failures.append("rank 0 used %.0f%% of a core while waiting (limit %.0f%%)"
+                                     % (100 * share, 100 * MAX_CPU_SHARE))
+
+            try:
+                status = job.wait(timeout=max(0.0, stopped_at + TIMEOUT + GRACE - time.time()))
+            except subprocess.TimeoutExpired:
+                self.failures.append("the job was still running %d s after the stop (run.comm_timeout = %d)"
+                                     % (TIMEOUT + GRACE, TIMEOUT))
+                return
+            took = time.time() - stopped_at
+            print("the job exited with status %d %.1f s after the stop" % (status, took))
+            if status == 0:
+                self.failures.append("the job exited with status 0")
+            if took < TIMEOUT:
+                self.failures.append("the job ended %.1f s after the stop, before run.comm_timeout = %d" % (took, TIMEOUT))
+            with open(err_path) as f:
+                stderr = f.read()
+            print("stderr: " + stderr.strip())
+            named = (r"rank 0: error: (?:%s) waited [0-9.]+ s \(run\.comm_timeout = %d\) for world rank 1"
+                     r"(?: \((?:dp|pp) rank 1\))?: (?:its message never arrived|it never took the message sent to it)"
+                     % (waited_in, TIMEOUT))
+            if not re.search(named, stderr):
+                self.failures.append("stderr does not match /%s/" % named)
+        finally:
+            for pid in ranks.values():  # nothing of this job may outlive the case
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+
+    def done(self, name):
+        for f in self.failures:
+            print("FAIL: " + f)
+        print("watchdog case %s: %s" % (name, "FAILED" if self.failures else "passed"))
+        return 1 if self.failures else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("case")
+    args = ap.parse_args()
+    name = args.case
+    c = Case(args, name)
+    world_all_reduce = "world all_reduce"
+    if name == "stalled_rank_dp2":
+        c.stalled(["parallel.dp=2"], "dp all_reduce|" + world_all_reduce)
+    elif name == "stalled_stage_pp2":
+        c.stalled(["parallel.pp=2", "train.micro_batches=8"], "pp (?:send|recv|all_reduce)|" + world_all_reduce)
+    elif name == "timeout_off":
+        p = subprocess.run(c.command(2, ["parallel.dp=2", "train.steps=4", "run.comm_timeout=0"]),
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+        print(p.stdout[-600:] + p.stderr)
+        if p.returncode != 0:
+            c.failures.append("run.comm_timeout = 0: exit status %d, expected 0" % p.returncode)
+        elif not re.search(r"^step\s+4/4", p.stdout, re.M):
+            c.failures.append("run.comm_timeout = 0: step 4 of 4 was not logged")
+        p = subprocess.run([args.loom, "check", c.deck, "--set", "run.comm_timeout=-1"], capture_output=True, text=True,
+                           timeout=60)
+        print("run.comm_timeout = -1: exit status %d: %s" % (p.returncode, p.stderr.strip()))
+        if p.returncode != 2 or "run.comm_timeout" not in p.stderr:
+            c.failures.append("run.comm_timeout = -1 was not refused with exit status 2 naming the key")
+    else:
+        sys.exit("unknown case " + name)
+    return c.done(name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
