@@ -1,6 +1,8 @@
 #pragma once
+#include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace loom {
 // Input the user can fix (deck, data file, layout): reported without a stack of context and
@@ -18,4 +20,10 @@ struct DeckError : InputError {
 struct ReportedError : InputError {
   using InputError::InputError;
 };
+
+// A value the user gave (deck value or key, --set text, file name), as every message echoes it:
+// in single quotes, bytes that would not print as themselves escaped (\n, \t, \r, \\ and \xNN:
+// control bytes, a NUL that would end the message early, bytes that are not UTF-8), cut after
+// `max_chars` characters with "..." and its full length: 'aaaa...' (1048576 bytes).
+std::string quote_value(std::string_view value, std::size_t max_chars = 80);
 }  // namespace loom
