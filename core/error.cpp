@@ -16,11 +16,10 @@ std::size_t utf8_sequence(std::string_view s, std::size_t i) {
   return n;
 }
 
-}  // namespace
-
-std::string quote_value(std::string_view value, std::size_t max_chars) {
+// The value escaped and cut to `max_chars` shown characters; `cut` says whether it was.
+std::string escaped(std::string_view value, std::size_t max_chars, bool* cut) {
   static const char hex[] = "0123456789abcdef";
-  std::string out = "'";
+  std::string out;
   std::size_t width = 0, i = 0;  // characters shown so far: an escape counts its length
   while (i < value.size() && width < max_chars) {
     const auto c = static_cast<unsigned char>(value[i]);
@@ -40,12 +39,24 @@ std::string quote_value(std::string_view value, std::size_t max_chars) {
     width += shown.size();
     ++i;
   }
-  out += "'";
-  if (i < value.size()) {
-    out.insert(out.size() - 1, "...");
-    out += " (" + std::to_string(value.size()) + " bytes)";
-  }
+  *cut = i < value.size();
   return out;
+}
+
+std::string full_length(std::string_view value) { return " (" + std::to_string(value.size()) + " bytes)"; }
+
+}  // namespace
+
+std::string quote_value(std::string_view value, std::size_t max_chars) {
+  bool cut = false;
+  const std::string shown = escaped(value, max_chars, &cut);
+  return cut ? "'" + shown + "...'" + full_length(value) : "'" + shown + "'";
+}
+
+std::string escape_value(std::string_view value, std::size_t max_chars) {
+  bool cut = false;
+  const std::string shown = escaped(value, max_chars, &cut);
+  return cut ? shown + "..." + full_length(value) : shown;
 }
 
 }  // namespace loom

@@ -22,8 +22,10 @@ struct ReportedError : InputError {
 };
 
 // A value the user gave (deck value or key, --set text, file name), as every message echoes it:
-// in single quotes, bytes that would not print as themselves escaped (\n, \t, \r, \\ and \xNN:
-// control bytes, a NUL that would end the message early, bytes that are not UTF-8), cut after
-// `max_chars` characters with "..." and its full length: 'aaaa...' (1048576 bytes).
+// bytes that would not print as themselves escaped (\n, \t, \r, \\ and \xNN: control bytes, a NUL
+// that would end the message early, bytes that are not UTF-8), cut after `max_chars` characters
+// with "..." and its full length. quote_value: 'aaaa...' (1048576 bytes); escape_value, where the
+// message's own syntax delimits the value (--set X: ..., [section], a number): aaaa... (1048576 bytes).
 std::string quote_value(std::string_view value, std::size_t max_chars = 80);
+std::string escape_value(std::string_view value, std::size_t max_chars = 80);
 }  // namespace loom

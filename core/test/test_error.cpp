@@ -1,10 +1,11 @@
-// quote_value(): how every message echoes a value the user gave.
+// quote_value() and escape_value(): how every message echoes a value the user gave.
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "core/error.hpp"
 
+using loom::escape_value;
 using loom::quote_value;
 
 TEST(QuoteValue, ShortPrintableValuesAreQuotedAsGiven) {
@@ -31,4 +32,10 @@ TEST(QuoteValue, LongValuesAreCutWithTheirFullLength) {
   EXPECT_LE(q.size(), 80u + 30u) << q;
   EXPECT_NE(q.find("...' (1000 bytes)"), std::string::npos) << q;
   EXPECT_EQ(quote_value("abcdef", 3), "'abc...' (6 bytes)");
+}
+
+TEST(EscapeValue, SameEscapesAndCutWithoutQuotes) {
+  EXPECT_EQ(escape_value("train.lr=3e-4"), "train.lr=3e-4");
+  EXPECT_EQ(escape_value(std::string("a\0b", 3)), "a\\x00b");
+  EXPECT_EQ(escape_value(std::string(100, '9'), 4), "9999... (100 bytes)");
 }
