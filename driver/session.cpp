@@ -134,6 +134,7 @@ void Session::setup_local() {
   if (!val_source.empty()) {
     DataConfig vc = dc;
     vc.source = val_source;
+    vc.key = "data.val_source";
     vc.seed = seed ^ 0x5eed5eedULL;
     val_owned = open_dataset(vc);
     val_data = val_owned.get();
@@ -179,7 +180,8 @@ void Session::setup_collective() {
   train_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
                                   std::vector<std::int32_t>& tgt) {
     if (inject_fault("data", step))
-      throw InputError("data.source = " + data_source + ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
+      throw InputError("data.source = " + quote_value(data_source) +
+                       ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
     Batch b;
     load_batch(*train_data, Split::train, step, row0 + first_row, rows, T, b);
     in = std::move(b.inputs);
