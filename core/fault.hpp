@@ -1,14 +1,27 @@
 #pragma once
 // Fault injection for the regression cases that prove a failing rank takes the job down cleanly.
 // LOOM_INJECT_FAULT="rank=R,step=S,where=W" makes world rank R fail at training step S (0-based) in
-// place W: "plugin" (an exception thrown inside the gradient-sync role) or "data" (the rank's data
-// read fails as if its file were unreadable). Unset: no cost beyond one branch.
+// place W: "plugin" (an exception thrown inside the step's work of a strategy plugin: the data
+// plugin's gradient sync, the tensor plugin's partition, the pipeline plugin's schedule; the data
+// and tensor plugins count S from the first step of this run), "data" (the rank's data read fails as if its file were unreadable)
+// or "checkpoint" (the rank dies in the middle of writing the checkpoint of step S). Unset: no cost
+// beyond one branch.
 #include <cstdint>
 
 #include <string>
 
 namespace loom {
 bool inject_fault(const char* where, std::int64_t step);
+
+// Refuses (DeckError: exit 2 before any work, alike on every rank) a LOOM_INJECT_FAULT that is set
+// but is not of the form above or names a rank outside a job of `world` ranks: a fault that would
+// silently never fire would make a regression case prove nothing.
+void check_fault_injection(int world);
+
+// Writes `text` to stderr in one write, so that the lines of ranks failing at once do not interleave.
+void write_stderr(const std::string& text);
+// "loom: rank R: error: " before every line of `why`, each line ended by a newline.
+std::string rank_error_text(int rank, const std::string& why);
 
 // Takes the whole job down from this rank: prints "loom: rank R: error: <why>" and exits with
 // `status` through MPI_Abort. For failures in the middle of a collective (a checkpoint write), where

@@ -28,9 +28,9 @@ void agree_on_error(const std::string& local_error) {
   MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (failures == 0) return;
   if (failures == world) {  // the same deck fails alike everywhere: say it once
-    if (rank == 0) std::cerr << "loom: error: " << local_error << std::endl;
+    if (rank == 0) write_stderr("loom: error: " + local_error + "\n");
   } else if (failed) {
-    std::cerr << "loom: rank " << rank << ": error: " << local_error << std::endl;
+    write_stderr(rank_error_text(rank, local_error));
   }
   throw ReportedError(local_error.empty() ? "failed on another rank" : local_error);
 }
