@@ -10,7 +10,7 @@
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/plugin.hpp"
-#include "driver/blas_core.hpp"
+#include "core/blas_core.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"

@@ -7,7 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/fault.hpp"
-#include "driver/blas_core.hpp"
+#include "core/blas_core.hpp"
 #include "io/report.hpp"
 #include "loom/build_info.hpp"
 

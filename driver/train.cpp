@@ -9,7 +9,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "driver/blas_core.hpp"
+#include "core/blas_core.hpp"
 #include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
