@@ -57,11 +57,12 @@ std::int64_t Checkpointing::resume() {
     const std::string pointer = dir_ + "/latest";
     std::ifstream in(pointer);
     if (!in)
-      throw InputError("checkpoint.resume = latest, but '" + pointer +
-                       "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir_ + ")");
+      throw InputError("checkpoint.resume = latest, but " + quote_value(pointer) +
+                       " does not exist (no checkpoint was completed in checkpoint.dir = " + escape_value(dir_) + ")");
     std::string name;
     std::getline(in, name);
-    if (name.empty()) throw InputError("'" + pointer + "' is empty: it should name a checkpoint file in " + dir_);
+    if (name.empty())
+      throw InputError(quote_value(pointer) + " is empty: it should name a checkpoint file in " + escape_value(dir_));
     path = dir_ + "/" + name;
   });
   CheckpointState st;
@@ -71,7 +72,7 @@ std::int64_t Checkpointing::resume() {
   std::error_code ec;
   load_bytes_ = static_cast<double>(fs::file_size(path, ec));
   if (st.step >= s_.steps)
-    throw DeckError("checkpoint '" + path + "' is at step " + std::to_string(st.step) + ", and train.steps = " +
+    throw DeckError("checkpoint " + quote_value(path) + " is at step " + std::to_string(st.step) + ", and train.steps = " +
                     std::to_string(s_.steps) + ": nothing left to train (raise train.steps)");
   if (world_rank() == 0)
     std::cout << "resumed from " << path << " at step " << st.step << " (written by dp " << st.layout.dp << " x tp "

@@ -77,7 +77,7 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
     while (std::getline(list, name, ',')) {
       name.erase(0, name.find_first_not_of(" \t"));
       name.erase(name.find_last_not_of(" \t") + 1);
-      if (!name.empty()) wanted.push_back({name, "run.plugins = " + d.get_string("run.plugins")});
+      if (!name.empty()) wanted.push_back({name, "run.plugins = " + escape_value(d.get_string("run.plugins"))});
     }
   }
   if (wanted.empty()) wanted.push_back({"local", "one replica"});
