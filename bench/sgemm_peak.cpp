@@ -5,11 +5,11 @@
 //
 // OpenBLAS built with DYNAMIC_ARCH picks its kernels from the CPU model id, and on virtual machines
 // often falls back to Prescott (SSE3) on an AVX-512 CPU. loom then re-executes itself with
-// OPENBLAS_CORETYPE set (driver/blas_core.cpp); this program applies that very code, so that the
+// OPENBLAS_CORETYPE set (core/blas_core.cpp); this program applies that very code, so that the
 // peak is measured with the kernels loom uses, and reports the core in the JSON line.
 #include <cblas.h>
 
-#include "driver/blas_core.hpp"  // the same kernel-set rule as loom itself
+#include "core/blas_core.hpp"  // the same kernel-set rule as loom itself
 #include <unistd.h>
 
 #include <algorithm>

@@ -1,6 +1,8 @@
 #pragma once
+#include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace loom {
 // Input the user can fix (deck, data file, layout): reported without a stack of context and
@@ -24,4 +26,12 @@ struct AgreedFailure : std::runtime_error {
 struct ReportedError : InputError {
   using InputError::InputError;
 };
+
+// A value the user gave (deck value or key, --set text, file name), as every message echoes it:
+// bytes that would not print as themselves escaped (\n, \t, \r, \\ and \xNN: control bytes, a NUL
+// that would end the message early, bytes that are not UTF-8), cut after `max_chars` characters
+// with "..." and its full length. quote_value: 'aaaa...' (1048576 bytes); escape_value, where the
+// message's own syntax delimits the value (--set X: ..., [section], a number): aaaa... (1048576 bytes).
+std::string quote_value(std::string_view value, std::size_t max_chars = 80);
+std::string escape_value(std::string_view value, std::size_t max_chars = 80);
 }  // namespace loom

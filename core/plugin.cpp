@@ -117,12 +117,12 @@ std::vector<const StrategyInfo*> resolve_strategies(const StrategyRegistry& regi
     const StrategyInfo* s = registry.find(name);
     if (!s) {
       auto bad = registry.unusable.find(name);
-      if (bad != registry.unusable.end()) throw InputError(reason + " needs strategy plugin '" + name + "', which cannot be used: " + bad->second);
+      if (bad != registry.unusable.end()) throw InputError(reason + " needs strategy plugin " + quote_value(name) + ", which cannot be used: " + bad->second);
       std::string avail;
       for (const auto& n : registry.names()) avail += (avail.empty() ? "" : ", ") + n;
       std::string where;
       for (const auto& d : plugin_search_path()) where += (where.empty() ? "" : ":") + d;
-      throw InputError(reason + " needs strategy plugin '" + name + "' (libloom_" + name +
+      throw InputError(reason + " needs strategy plugin " + quote_value(name) + " (libloom_" + escape_value(name) +
                        ".so), which was not found; available: " + avail + " (searched LOOM_PLUGIN_PATH, then " +
                        where + ")");
     }

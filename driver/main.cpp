@@ -13,7 +13,7 @@
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/plugin.hpp"
-#include "driver/blas_core.hpp"
+#include "core/blas_core.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"
@@ -140,6 +140,11 @@ int dispatch(int argc, char** argv, int rank) {
                 << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks)\n";
     return 0;
   }
+  if (command == "run" || command == "export") {
+    int world = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    check_fault_injection(world);
+  }
   if (command == "run") {
     need_positional(a, 1, "DECK");
     return command_run(Deck::load(schema, a.positional[0], a.sets), registry);
@@ -148,7 +153,7 @@ int dispatch(int argc, char** argv, int rank) {
     need_positional(a, 2, "DECK OUT.h5");
     return command_export(Deck::load(schema, a.positional[0], a.sets), registry, a.positional[1]);
   }
-  throw DeckError("unknown command '" + command + "'\n" + kUsage);
+  throw DeckError("unknown command " + quote_value(command) + "\n" + kUsage);
 }
 
 }  // namespace
@@ -177,7 +182,7 @@ int main(int argc, char** argv) {
       status = 2;  // setup failed; the ranks agreed and the ones that found it said why
     } catch (const DeckError& e) {
       // A deck (or command line) is read alike on every rank before anything else: report once.
-      if (rank == 0) std::cerr << "loom: error: " << e.what() << std::endl;
+      if (rank == 0) write_stderr("loom: error: " + std::string(e.what()) + "\n");
       status = 2;
     } catch (const std::exception& e) {
       // Anything else may have happened on this rank alone, while the others wait in a collective:
@@ -185,7 +190,7 @@ int main(int argc, char** argv) {
       const bool input = dynamic_cast<const InputError*>(&e) != nullptr;
       status = input ? 2 : 1;
       if (world > 1) abort_job(e.what(), status);
-      std::cerr << "loom: error: " << e.what() << std::endl;
+      write_stderr("loom: error: " + std::string(e.what()) + "\n");
     }
   }
   if (checkpoint_file_left_open()) {

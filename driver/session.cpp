@@ -7,7 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/fault.hpp"
-#include "driver/blas_core.hpp"
+#include "core/blas_core.hpp"
 #include "io/report.hpp"
 #include "loom/build_info.hpp"
 
@@ -28,9 +28,9 @@ void agree_on_error(const std::string& local_error) {
   MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (failures == 0) return;
   if (failures == world) {  // the same deck fails alike everywhere: say it once
-    if (rank == 0) std::cerr << "loom: error: " << local_error << std::endl;
+    if (rank == 0) write_stderr("loom: error: " + local_error + "\n");
   } else if (failed) {
-    std::cerr << "loom: rank " << rank << ": error: " << local_error << std::endl;
+    write_stderr(rank_error_text(rank, local_error));
   }
   throw ReportedError(local_error.empty() ? "failed on another rank" : local_error);
 }
@@ -77,7 +77,7 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
     while (std::getline(list, name, ',')) {
       name.erase(0, name.find_first_not_of(" \t"));
       name.erase(name.find_last_not_of(" \t") + 1);
-      if (!name.empty()) wanted.push_back({name, "run.plugins = " + d.get_string("run.plugins")});
+      if (!name.empty()) wanted.push_back({name, "run.plugins = " + escape_value(d.get_string("run.plugins"))});
     }
   }
   if (wanted.empty()) wanted.push_back({"local", "one replica"});
@@ -134,6 +134,7 @@ void Session::setup_local() {
   if (!val_source.empty()) {
     DataConfig vc = dc;
     vc.source = val_source;
+    vc.key = "data.val_source";
     vc.seed = seed ^ 0x5eed5eedULL;
     val_owned = open_dataset(vc);
     val_data = val_owned.get();
@@ -180,7 +181,8 @@ void Session::setup_collective() {
   train_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
                                   std::vector<std::int32_t>& tgt) {
     if (inject_fault("data", step))
-      throw InputError("data.source = " + data_source + ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
+      throw InputError("data.source = " + quote_value(data_source) +
+                       ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
     Batch b;
     load_batch(*train_data, Split::train, step, row0 + first_row, rows, T, b);
     in = std::move(b.inputs);

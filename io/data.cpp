@@ -162,15 +162,15 @@ class StreamDataset final : public Dataset {
 };
 
 std::unique_ptr<Dataset> open_text(const DataConfig& cfg, const std::string& path) {
-  const std::string what = "data.source text file '" + path + "'";
+  const std::string what = cfg.key + " text file " + quote_value(path);
   if (cfg.vocab < 256) {
-    throw InputError(what + ": data.source text needs model.vocab >= 256 (bytes are tokens 0..255), but model.vocab = " +
+    throw InputError(what + ": " + cfg.key + " text needs model.vocab >= 256 (bytes are tokens 0..255), but model.vocab = " +
                      std::to_string(cfg.vocab));
   }
-  const std::string bytes = read_file(path, "data.source text file");
+  const std::string bytes = read_file(path, cfg.key + " text file");
   if (bytes.empty()) throw InputError(what + ": the file is empty (0 bytes)");
   std::vector<std::uint8_t> toks(bytes.begin(), bytes.end());
-  const std::string header = "text:" + path + " (" + std::to_string(bytes.size()) + " bytes";
+  const std::string header = "text:" + escape_value(path) + " (" + std::to_string(bytes.size()) + " bytes";
   return std::make_unique<StreamDataset<std::uint8_t>>(cfg, std::move(toks), what, header);
 }
 
@@ -182,7 +182,7 @@ std::int32_t le32(const unsigned char* p) {
 
 // Appends the tokens of one llm.c shard to `toks`.
 void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std::uint16_t>& toks) {
-  const std::string what = "data.source tokens file '" + path + "'";
+  const std::string what = cfg.key + " tokens file " + quote_value(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(what + ": cannot be read (" + std::strerror(errno) + ")");
   in.seekg(0, std::ios::end);
@@ -216,6 +216,15 @@ void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std:
                      std::to_string(n) + " tokens (" + std::to_string(kHeaderBytes + 2 * n) +
                      " bytes), the file holds " + std::to_string(held) + " (" + std::to_string(size) + " bytes)");
   }
+  // Like llm.c, refuse any size other than the header's: extra bytes mean a wrong count or two
+  // shards run together, and reading only the counted tokens would hide it.
+  if (size != kHeaderBytes + 2 * n) {
+    const bool odd = (size - kHeaderBytes) % 2 != 0;
+    throw InputError(what + ": longer than its header says: the token count at byte offset 8 promises " +
+                     std::to_string(n) + " tokens (" + std::to_string(kHeaderBytes + 2 * n) + " bytes), the file has " +
+                     std::to_string(size) + " bytes, which hold " + std::to_string(held) + (odd ? ".5" : "") +
+                     " tokens");
+  }
   std::vector<unsigned char> raw(static_cast<std::size_t>(2 * n));
   if (!in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size())))
     throw InputError(what + ": cannot read the tokens (" + std::strerror(errno) + ")");
@@ -233,7 +242,7 @@ void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std:
 }
 
 std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& pattern) {
-  const std::string what = "data.source tokens:" + pattern;
+  const std::string what = cfg.key + " tokens:" + escape_value(pattern);
   glob_t g{};
   const int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
   std::vector<std::string> files;
@@ -242,16 +251,16 @@ std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& p
   }
   globfree(&g);
   if (rc == GLOB_NOMATCH || (rc == 0 && files.empty()))
-    throw InputError(what + ": the pattern '" + pattern + "' matches no file");
-  if (rc != 0) throw InputError(what + ": the pattern '" + pattern + "' cannot be expanded (glob error " +
+    throw InputError(what + ": the pattern " + quote_value(pattern) + " matches no file");
+  if (rc != 0) throw InputError(what + ": the pattern " + quote_value(pattern) + " cannot be expanded (glob error " +
                                 std::to_string(rc) + ")");
   std::sort(files.begin(), files.end());
   std::vector<std::uint16_t> toks;
   for (const auto& f : files) read_shard(cfg, f, toks);
   std::string desc_what = what;
-  if (files.size() == 1) desc_what = "data.source tokens file '" + files[0] + "'";
+  if (files.size() == 1) desc_what = cfg.key + " tokens file " + quote_value(files[0]);
   std::ostringstream header;
-  header << "tokens:" << pattern << " (" << files.size() << (files.size() == 1 ? " file, " : " files, ")
+  header << "tokens:" << escape_value(pattern) << " (" << files.size() << (files.size() == 1 ? " file, " : " files, ")
          << toks.size() << " tokens";
   return std::make_unique<StreamDataset<std::uint16_t>>(cfg, std::move(toks), desc_what, header.str());
 }
@@ -276,7 +285,7 @@ std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg) {
     if (kind == "text") return open_text(cfg, arg);
     if (kind == "tokens") return open_tokens(cfg, arg);
   }
-  throw InputError("data.source = '" + src + "': unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
+  throw InputError(cfg.key + " = " + quote_value(src) + ": unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
 }
 
 void load_batch(const Dataset& ds, Split split, std::int64_t step, std::int64_t first_row, int rows, int seq_len,

@@ -29,6 +29,7 @@ struct DataConfig {
   std::uint64_t seed = 1337;
   double val_fraction = 0.1;     // held-out share of the token stream (text/tokens)
   double synthetic_noise = 0.1;  // synthetic: probability that the next token is uniform instead of the chain's
+  std::string key = "data.source";  // the deck key the source came from, as messages name it
 };
 
 class Dataset {
@@ -44,9 +45,10 @@ class Dataset {
   virtual std::int64_t tokens(Split split) const = 0;
 };
 
-// Opens the source named by cfg.source. Throws InputError naming the file and, for bad contents,
-// the byte offset: missing or unreadable file, empty file, a glob that matches nothing, a file
-// shorter than its header or than its header's token count (truncated), a wrong magic or version,
+// Opens the source named by cfg.source. Throws InputError naming cfg.key, the file and, for bad
+// contents, the byte offset: missing or unreadable file, a directory, empty file, a glob that matches
+// nothing, a file shorter than its header, a size other than its header's token count implies
+// (truncated or longer), a wrong magic or version,
 // a token id >= cfg.vocab, too few tokens for one sequence of seq_len + 1 in either split, an
 // unknown source kind.
 std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg);

@@ -228,10 +228,10 @@ std::string check_value(const KeySpec& spec, const std::string& text, std::strin
       const std::string what = " (integer, allowed " + allowed_text(spec) + ")";
       std::int64_t v = 0;
       const IntResult r = parse_int(text, &v);
-      if (r == IntResult::not_integer) return n + " = '" + text + "' is not an integer" + what;
+      if (r == IntResult::not_integer) return n + " = " + quote_value(text) + " is not an integer" + what;
       const auto [lo, hi] = int_bounds(spec);
       if (r == IntResult::out_of_range || v < lo || v > hi)
-        return n + " = " + text + " is out of range" + what;
+        return n + " = " + escape_value(text) + " is out of range" + what;
       value = std::to_string(v);
       break;
     }
@@ -239,27 +239,27 @@ std::string check_value(const KeySpec& spec, const std::string& text, std::strin
       const std::string what = " (float, allowed range " + allowed_text(spec) + ")";
       double v = 0;
       const FloatResult r = parse_float(text, &v);
-      if (r == FloatResult::not_number) return n + " = '" + text + "' is not a number" + what;
+      if (r == FloatResult::not_number) return n + " = " + quote_value(text) + " is not a number" + what;
       if (r == FloatResult::out_of_range || v < spec.min || v > spec.max)
-        return n + " = " + text + " is out of range" + what;
+        return n + " = " + escape_value(text) + " is out of range" + what;
       break;
     }
     case KeyType::Bool: {
       bool b = false;
       if (!parse_bool(text, &b))
-        return n + " = '" + text + "' is not a boolean (allowed: " + allowed_text(spec) + ")";
+        return n + " = " + quote_value(text) + " is not a boolean (allowed: " + allowed_text(spec) + ")";
       value = b ? "true" : "false";
       break;
     }
     case KeyType::Choice:
       if (std::find(spec.choices.begin(), spec.choices.end(), text) == spec.choices.end())
-        return n + " = '" + text + "' is not one of: " + join(spec.choices, ", ");
+        return n + " = " + quote_value(text) + " is not one of: " + join(spec.choices, ", ");
       break;
     case KeyType::String: break;
   }
   if (spec.validate) {
     const std::string allowed = spec.validate(value);
-    if (!allowed.empty()) return n + " = '" + text + "' is not allowed (allowed: " + allowed + ")";
+    if (!allowed.empty()) return n + " = " + quote_value(text) + " is not allowed (allowed: " + allowed + ")";
   }
   *normalized = value;
   return "";
@@ -284,6 +284,9 @@ std::string initials(const std::string& s) {
 // abbreviation by initials ("learning_rate" for "lr") or a prefix of at least 3 characters
 // ("sched" for "schedule"), otherwise the edit distance.
 int name_distance(const std::string& given, const std::string& declared) {
+  // A name far longer than any key (a megabyte pasted by mistake) is no near miss; the length
+  // difference bounds the edit distance, which would cost length x key length to compute.
+  if (given.size() > declared.size() + 16) return static_cast<int>(std::min<std::size_t>(given.size() - declared.size(), 1 << 20));
   const std::string a = lower(given), b = lower(declared);
   if (a == b) return 0;
   const int d = edit_distance(a, b);
@@ -326,27 +329,27 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
     if (s.front() == '[' && s.back() == ']') {
       const std::string name = s.substr(1, s.size() - 2);
       if (trim(name).empty())
-        throw DeckError(where + "empty section name '" + s + "' (valid sections: " + valid_sections + ")");
+        throw DeckError(where + "empty section name " + quote_value(s) + " (valid sections: " + valid_sections + ")");
       if (name.find_first_of(kSpace) != std::string::npos)
-        throw DeckError(where + "section header '" + s + "' contains spaces; write [" + trim(name) +
-                         "] (valid sections: " + valid_sections + ")");
+        throw DeckError(where + "section header '" + escape_value(s) + "' contains spaces; write [" +
+                         escape_value(trim(name)) + "] (valid sections: " + valid_sections + ")");
       if (std::find(sections.begin(), sections.end(), name) == sections.end())
-        throw DeckError(where + "unknown section [" + name + "]; did you mean [" +
+        throw DeckError(where + "unknown section [" + escape_value(name) + "]; did you mean [" +
                          schema.nearest_section(name) + "]? (valid sections: " + valid_sections + ")");
       section = name;
       continue;
     }
     const auto eq = s.find('=');
     if (eq == std::string::npos || trim(s.substr(0, eq)).empty())
-      throw DeckError(where + "cannot read line '" + trim(raw) +
-                       "' (expected [section], key = value, a # comment or a blank line)");
+      throw DeckError(where + "cannot read line " + quote_value(trim(raw)) +
+                       " (expected [section], key = value, a # comment or a blank line)");
     const std::string key = trim(s.substr(0, eq));
     if (section.empty()) {
       std::vector<std::string> homes;
       for (const auto& spec : schema.keys())
         if (split_name(spec.name).second == key) homes.push_back("[" + split_name(spec.name).first + "]");
-      std::string hint = homes.empty() ? "" : " ('" + key + "' belongs in " + join(homes, " or ") + ")";
-      throw DeckError(where + "key '" + key + "' is outside any section; put it under a [section] header" +
+      std::string hint = homes.empty() ? "" : " (" + quote_value(key) + " belongs in " + join(homes, " or ") + ")";
+      throw DeckError(where + "key " + quote_value(key) + " is outside any section; put it under a [section] header" +
                        hint + " (valid sections: " + valid_sections + ")");
     }
     const std::string name = section + "." + key;
@@ -354,7 +357,7 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
       std::vector<std::string> valid;
       for (const auto& spec : schema.keys())
         if (split_name(spec.name).first == section) valid.push_back(split_name(spec.name).second);
-      throw DeckError(where + "unknown key '" + name + "' in section [" + section + "]; did you mean '" +
+      throw DeckError(where + "unknown key " + quote_value(name) + " in section [" + section + "]; did you mean '" +
                        schema.nearest_key(name) + "'? (valid keys: " + join(valid, ", ") + ")");
     }
     const auto [it, fresh] = seen.emplace(name, line);
@@ -496,7 +499,18 @@ Deck Deck::load(const DeckSchema& schema, const std::string& path, const std::ve
   } catch (const InputError& e) {
     throw DeckError(e.what());
   }
-  return parse(schema, text, path, sets);
+  Deck deck = parse(schema, text, path, sets);
+  // A deck file that sets nothing would train the defaults in silence: almost certainly the wrong file.
+  const bool sets_something = std::any_of(deck.origins_.begin(), deck.origins_.end(), [](const auto& origin) {
+    return origin.second != "default" && origin.second != "--set";
+  });
+  if (!sets_something) {
+    const std::string what = "deck " + quote_value(path) + ": ";
+    if (text.empty()) throw DeckError(what + "is empty (0 bytes); a deck sets at least one key (build/loom keys lists them)");
+    throw DeckError(what + "has no settings (only comments, blank lines or section headers); a deck sets at least "
+                    "one key as 'key = value' under a [section] (build/loom keys lists them)");
+  }
+  return deck;
 }
 
 Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std::string& name,
@@ -534,7 +548,7 @@ Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std
   }
 
   for (const std::string& set : sets) {
-    const std::string where = "--set " + set + ": ";
+    const std::string where = "--set " + escape_value(set) + ": ";
     const auto eq = set.find('=');
     if (eq == std::string::npos)
       throw DeckError(where + "expected section.key=value (no '='); nearest key: '" +
@@ -545,7 +559,7 @@ Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std
     if (!spec) {
       const auto [section, short_key] = split_name(key);
       const auto sections = schema.sections();
-      std::string msg = "unknown key '" + key + "'";
+      std::string msg = "unknown key " + quote_value(key);
       if (std::find(sections.begin(), sections.end(), section) != sections.end()) {
         std::vector<std::string> valid;
         for (const auto& k : schema.keys())
@@ -558,8 +572,8 @@ Deck Deck::parse(const DeckSchema& schema, const std::string& text_in, const std
       throw DeckError(where + msg);
     }
     if (text_value.find_first_of("#\n\r") != std::string::npos)
-      throw DeckError(where + key + " = '" + text_value +
-                       "' holds a '#' or a line break, which a deck cannot hold");
+      throw DeckError(where + key + " = " + quote_value(text_value) +
+                       " holds a '#' or a line break, which a deck cannot hold");
     std::string value;
     const std::string err = check_value(*spec, text_value, &value);
     if (!err.empty()) throw DeckError(where + err);

@@ -10,6 +10,13 @@ A case records its deck lines and what to check, LAMMPS-style:
   "ranks":    MPI ranks (default 1; launched with mpirun -n R when R > 1 or "mpirun" is true)
   "env":      extra environment (@BUILD@ stands for the directory of the loom binary)
   "command":  the loom command (default "run"; "check" validates the deck and its layout only)
+  "files":    files made in the run's directory before the run (bad input cases), name -> one of
+                {"text": "..."}   a file holding that text ("" for an empty file)
+                {"dir": true}     a directory
+                {"llmc_shard": {"header_tokens": N, "tokens": M}}  an llm.c token shard whose
+                                  header counts N tokens and which holds M (token i is i % 64)
+              "@RUN@" in "sets" stands for that directory
+  "deck_file": the name of one of "files" to run as the deck instead of "deck"
   "timeout":  seconds before the run counts as hung (default 600)
   "check":    one of
      "golden"   compare the per-step losses (and the final val loss) with "golden", values recorded at
@@ -27,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -36,16 +44,35 @@ def write_deck(path, lines):
         f.write("\n".join(lines) + "\n")
 
 
+def make_file(path, spec):
+    if spec.get("dir"):
+        os.makedirs(path)
+    elif "text" in spec:
+        with open(path, "w") as f:
+            f.write(spec["text"])
+    elif "llmc_shard" in spec:
+        shard = spec["llmc_shard"]
+        header = struct.pack("<3i", 20240520, 1, shard["header_tokens"]) + bytes(1024 - 12)
+        tokens = struct.pack("<%dH" % shard["tokens"], *(i % 64 for i in range(shard["tokens"])))
+        with open(path, "wb") as f:
+            f.write(header + tokens)
+    else:
+        raise ValueError("unknown file spec %r" % spec)
+
+
 def run_loom(args, case, workdir, tag, sets, ranks=None):
     """Runs loom on the case's deck; returns (exit status, stdout, stderr, metrics records)."""
     rundir = os.path.join(workdir, tag)
     shutil.rmtree(rundir, ignore_errors=True)
     os.makedirs(rundir)
-    deck = os.path.join(rundir, "case.deck")
-    write_deck(deck, case["deck"])
+    for name, spec in case.get("files", {}).items():
+        make_file(os.path.join(rundir, name), spec)
+    deck = os.path.join(rundir, case.get("deck_file", "case.deck"))
+    if "deck_file" not in case:
+        write_deck(deck, case["deck"])
     cmd = [args.loom, case.get("command", "run"), deck, "--set", "run.dir=" + rundir]
     for s in sets:
-        cmd += ["--set", s]
+        cmd += ["--set", s.replace("@RUN@", rundir)]
     ranks = int(case.get("ranks", 1) if ranks is None else ranks)
     if ranks > 1 or case.get("mpirun", False):
         cmd = [args.mpirun, "-n", str(ranks)] + cmd

@@ -56,6 +56,20 @@ double forward_rows(GPT& m, const Batch& b, int first, int rows) {
 std::vector<float> grads_of(const GPT& m) { return {m.grad_data(), m.grad_data() + m.num_params()}; }
 std::vector<float> params_of(const GPT& m) { return {m.param_data(), m.param_data() + m.num_params()}; }
 
+// max_i |a_i - b_i| / max_i |b_i| over one parameter's gradient: two float computations that differ
+// only in summation order (or in BLAS kernel set: SSE3, Haswell, SkylakeX block their sums
+// differently) differ by rounding relative to the operands' magnitudes, not to each element's,
+// which can cancel to ~0; so the bound is relative to the tensor's largest gradient.
+double tensor_rel_diff(const std::vector<float>& a, const std::vector<float>& b, const ParamInfo& p) {
+  double diff = 0, scale = 0;
+  for (std::int64_t i = p.offset; i < p.offset + p.numel; ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
+    scale = std::max(scale, std::abs(double(b[i])));
+  }
+  EXPECT_GT(scale, 0.0) << p.name << ": the gradient is identically zero, the comparison would be vacuous";
+  return scale > 0 ? diff / scale : diff;
+}
+
 // Moves the model away from GPT-2's initialisation so that every gradient path carries
 // non-trivial values: matrices x5 (std 0.1: attention is no longer near-uniform), LayerNorm
 // weights 1 + N(0, 0.1), every bias N(0, 0.1).
@@ -210,15 +224,16 @@ TEST(GPT, RecomputeGivesTheSameGradientsWithFewerActivations) {
   }
   EXPECT_EQ(loss[0], loss[1]);
   std::int64_t differ = 0;
+  for (std::size_t i = 0; i < g[0].size(); ++i) differ += g[0][i] != g[1][i];
+  // Recomputation repeats the same operations on the same inputs; 1e-6 of each tensor's largest
+  // gradient leaves room for a BLAS that blocks a recomputed product differently.
   double worst = 0;
-  for (std::size_t i = 0; i < g[0].size(); ++i) {
-    const double a = g[0][i], r = g[1][i];
-    if (a != r) ++differ;
-    const double err = std::abs(a - r) / std::max(1e-30, std::abs(a) + std::abs(r));
+  for (const auto& p : full.params()) {
+    const double err = tensor_rel_diff(g[1], g[0], p);
     worst = std::max(worst, err);
-    EXPECT_LE(std::abs(a - r), 1e-6 * (std::abs(a) + std::abs(r))) << "gradient " << i;
+    EXPECT_LE(err, 1e-6) << p.name;
   }
-  std::printf("[ recomp  ] %lld of %zu gradients differ from the non-recompute ones (worst rel %.2e)\n",
+  std::printf("[ recomp  ] %lld of %zu gradients differ from the non-recompute ones (worst max|diff| / max|g| %.2e)\n",
               static_cast<long long>(differ), g[0].size(), worst);
   // The recompute model's block activations must not be stale after backward: a fresh forward
   // gives the same loss in both.
@@ -372,8 +387,8 @@ TEST(GPT, InitialisationHasGPT2Statistics) {
 // One forward/backward of 4 rows with dloss = 1 against two of 2 rows with dloss = 0.5 each,
 // accumulated. Only the float summation order differs (parameter gradients sum 32 rows at once
 // vs 16 + 16), so per tensor the difference is ~N * eps * max|g| ~ 1e-6 of the tensor's largest
-// gradient. Asserted per element: |a - b| <= 1e-5 * max(|a| + |b|, 1e-2 * max|a| of the tensor)
-// (elements a hundred times smaller than their tensor's largest carry its absolute rounding).
+// gradient. Asserted per tensor: max|a - b| <= 1e-5 * max|b| (an element-wise relative bound failed
+// on an AMD EPYC with OpenBLAS's Haswell kernels: 1.06e-5 on one element near zero).
 
 TEST(GPT, MicroBatchesAccumulateToTheFullBatchGradient) {
   auto be = make_host_backend(1);
@@ -398,17 +413,11 @@ TEST(GPT, MicroBatchesAccumulateToTheFullBatchGradient) {
   EXPECT_NEAR(l22, l4, 1e-6 * l4);
   double worst = 0;
   for (const auto& p : m.params()) {
-    double scale = 0;
-    for (std::int64_t i = p.offset; i < p.offset + p.numel; ++i) scale = std::max(scale, std::abs(double(g4[i])));
-    ASSERT_GT(scale, 0.0) << p.name;
-    for (std::int64_t i = p.offset; i < p.offset + p.numel; ++i) {
-      const double a = g4[i], c = g22[i];
-      const double err = std::abs(a - c) / std::max(std::abs(a) + std::abs(c), 1e-2 * scale);
-      worst = std::max(worst, err);
-      EXPECT_LE(err, 1e-5) << p.name << "[" << i - p.offset << "]: 4 rows " << a << ", 2 x 2 rows " << c;
-    }
+    const double err = tensor_rel_diff(g22, g4, p);
+    worst = std::max(worst, err);
+    EXPECT_LE(err, 1e-5) << p.name;
   }
-  std::printf("[ ubatch  ] losses %.7f vs %.7f; worst gradient err %.2e\n", l4, l22, worst);
+  std::printf("[ ubatch  ] losses %.7f vs %.7f; worst max|diff| / max|g| over tensors %.2e\n", l4, l22, worst);
 }
 
 // ---------------------------------------------------------------------------------------------

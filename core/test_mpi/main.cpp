@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <string>
 
+#include "core/blas_core.hpp"
+
 namespace {
 
 // On ranks other than 0, replaces the default printer: reports failed assertions only.
@@ -32,6 +34,7 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::select_openblas_core(argv);  // the driver's kernel-set rule: the tests check what loom runs
   MPI_Init(&argc, &argv);
   ::testing::InitGoogleTest(&argc, argv);
   int rank = 0;

@@ -332,6 +332,14 @@ TEST(DataText, RefusesEmptyFile) {
   EXPECT_HAS(msg, "empty");
 }
 
+TEST(DataText, RefusesADirectory) {
+  const auto dir = tmp_dir("text_directory");
+  const auto msg = input_error([&] { open_dataset(text_cfg(dir)); });
+  EXPECT_HAS(msg, "'" + dir.string() + "'");
+  EXPECT_HAS(msg, "is a directory");
+  EXPECT_EQ(msg.find("empty"), std::string::npos) << msg;
+}
+
 TEST(DataText, RefusesSplitShorterThanOneSequence) {
   const auto dir = tmp_dir("text_short");
   write_bytes(dir / "t.txt", random_text(100, 5));
@@ -465,6 +473,22 @@ TEST(DataTokens, RefusesTruncatedTokens) {
   EXPECT_HAS(msg, "holds 50");
 }
 
+// llm.c refuses a shard whose size is not the header's 1024 bytes plus 2 per token it counts; a
+// longer file is as suspect as a shorter one (two shards run together, a wrong count).
+TEST(DataTokens, RefusesShardLongerThanItsHeaderSays) {
+  const auto dir = tmp_dir("tokens_longer");
+  const auto p = dir / "a.bin";
+  write_bytes(p, shard_bytes(iota16(0, 150), 20240520, 1, 100));  // says 100, holds 150
+  auto msg = input_error([&] { open_dataset(tokens_cfg(p.string())); });
+  EXPECT_HAS(msg, "'" + p.string() + "'");
+  EXPECT_HAS(msg, "promises 100 tokens (1224 bytes)");
+  EXPECT_HAS(msg, "1324 bytes, which hold 150 tokens");
+  EXPECT_HAS(msg, "offset 8");
+  write_bytes(p, shard_bytes(iota16(0, 100), 20240520, 1, 100) + "x");  // one stray byte
+  msg = input_error([&] { open_dataset(tokens_cfg(p.string())); });
+  EXPECT_HAS(msg, "1225 bytes, which hold 100.5 tokens");
+}
+
 TEST(DataTokens, RefusesEmptyShard) {
   const auto dir = tmp_dir("tokens_empty");
   const auto p = dir / "a.bin";
@@ -498,4 +522,22 @@ TEST(DataTokens, RefusesSplitShorterThanOneSequence) {
   EXPECT_HAS(msg, p.string());
   EXPECT_HAS(msg, "val split holds 8 tokens");
   EXPECT_HAS(msg, "seq_len + 1 = 9");
+}
+
+// data.val_source is opened with the same code: its errors name data.val_source, not data.source.
+TEST(DataSource, ErrorsNameTheKeyTheSourceCameFrom) {
+  const auto dir = tmp_dir("val_source_key");
+  DataConfig c = text_cfg(dir / "nope.txt");
+  c.key = "data.val_source";
+  auto msg = input_error([&] { open_dataset(c); });
+  EXPECT_HAS(msg, "data.val_source text file '" + (dir / "nope.txt").string() + "'");
+  EXPECT_EQ(msg.find("data.source"), std::string::npos) << msg;
+  c = tokens_cfg((dir / "*.bin").string());
+  c.key = "data.val_source";
+  msg = input_error([&] { open_dataset(c); });
+  EXPECT_HAS(msg, "data.val_source tokens:");
+  EXPECT_EQ(msg.find("data.source"), std::string::npos) << msg;
+  c.source = "nonsense";
+  msg = input_error([&] { open_dataset(c); });
+  EXPECT_HAS(msg, "data.val_source = 'nonsense'");
 }

@@ -1,6 +1,8 @@
 // Decks: schema, INI reading, typed checks, --set, messages naming file:line, resolved text.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -384,6 +386,72 @@ TEST(Deck, LoadMissingFile) {
   } catch (const InputError& e) {
     EXPECT_EQ(std::string(e.what()), "deck 'x.deck': cannot be read (No such file or directory)");
   }
+}
+
+// The DeckError thrown by loading the deck file `path` (fails the test when none is thrown).
+std::string load_error(const std::string& path) {
+  static const DeckSchema schema = core_schema();
+  try {
+    Deck::load(schema, path);
+  } catch (const DeckError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no DeckError for deck file " << path;
+  return "";
+}
+
+std::string deck_file(const std::string& name, const std::string& text) {
+  const auto dir = std::filesystem::path(LOOM_TEST_TMP) / "deck";
+  std::filesystem::create_directories(dir);
+  const auto path = (dir / name).string();
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+// A deck file that sets nothing would silently train the defaults: it is refused, naming the file.
+TEST(Deck, LoadRefusesAnEmptyFile) {
+  const std::string path = deck_file("empty.deck", "");
+  const std::string e = load_error(path);
+  EXPECT_HAS(e, "deck '" + path + "'");
+  EXPECT_HAS(e, "is empty (0 bytes)");
+}
+
+TEST(Deck, LoadRefusesOnlyCommentsAndBlankLines) {
+  const std::string path = deck_file("comments.deck", "# nothing here\n\n   # still nothing\n[model]\n");
+  const std::string e = load_error(path);
+  EXPECT_HAS(e, "deck '" + path + "'");
+  EXPECT_HAS(e, "no settings");
+}
+
+TEST(Deck, LoadRefusesADirectory) {
+  const auto dir = std::filesystem::path(LOOM_TEST_TMP) / "deck" / "a_directory.deck";
+  std::filesystem::create_directories(dir);
+  const std::string e = load_error(dir.string());
+  EXPECT_HAS(e, "deck '" + dir.string() + "'");
+  EXPECT_HAS(e, "is a directory");
+}
+
+// Values are echoed escaped and cut: a megabyte value does not flood the terminal, binary bytes do
+// not reach it, and a NUL does not end the message before its reason.
+TEST(Deck, LongAndBinaryValuesAreEchoedShortAndEscaped) {
+  const std::string mb(1 << 20, '7');
+  std::string e = error_of("[train]\nlr = " + mb + "x\n");
+  EXPECT_HAS(e, "deck.ini:2: train.lr = '" + std::string(80, '7') + "...' (1048577 bytes) is not a number");
+  EXPECT_LT(e.size(), 400u);
+  e = error_of(std::string("[train]\nlr = 1\x01\xff") + "\n");
+  EXPECT_HAS(e, "train.lr = '1\\x01\\xff' is not a number");
+  const char nul_value[] = "[train]\nschedule = cos\0ine\n";
+  e = error_of(std::string(nul_value, sizeof nul_value - 1));
+  EXPECT_HAS(e, "train.schedule = 'cos\\x00ine' is not one of: constant, cosine");
+  e = error_of("", {"train.lr=" + mb});
+  EXPECT_HAS(e, "--set train.lr=" + std::string(71, '7') + "... (1048585 bytes): ");
+  EXPECT_HAS(e, "train.lr = " + std::string(80, '7') + "... (1048576 bytes) is out of range");
+  EXPECT_LT(e.size(), 600u);
+  e = error_of(std::string("[train]\n") + mb + "\n");
+  EXPECT_HAS(e, "cannot read line '777");
+  EXPECT_LT(e.size(), 400u);
+  e = error_of(std::string("[train]\nl\x02r = 1\n"));
+  EXPECT_HAS(e, "unknown key 'train.l\\x02r'");
 }
 
 }  // namespace

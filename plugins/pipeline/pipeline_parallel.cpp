@@ -29,6 +29,7 @@
 #include "core/buffer.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/grid.hpp"
 #include "core/ledger.hpp"
 #include "core/plugin.hpp"
@@ -198,6 +199,10 @@ class PipelineSchedule final : public Schedule {
       if (grid_.nodes() == 1) trace_origin_ = origin0;
       trace_origin_set_ = true;
     }
+    // Before micro-batch 0's first op, when the other stages may already wait on this one.
+    if (inject_fault("plugin", ctx.step))
+      throw std::runtime_error("pipeline plugin: injected fault at step " + std::to_string(ctx.step) +
+                               " (LOOM_INJECT_FAULT)");
     events_.clear();
     const double t_start = now();
     begin(true);

@@ -8,10 +8,13 @@
 // (tokens), and each all-reduce becomes a reduce-scatter / all-gather pair.
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "core/comm.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/gpt.hpp"
 #include "core/kernels.hpp"
 #include "core/plugin.hpp"
@@ -48,6 +51,14 @@ class TensorPartition final : public Partition {
     return to_full(dlocal, dfull, rows, C);  // the backward of a reduce-scatter is an all-gather
   }
   float* reduce_partial_grad(float* dpartial, float* dlocal, std::int64_t rows, int C) override {
+    // The partition sees no step number: it counts steps by finish_grads, and the first backward
+    // collective after one is the step's first micro-batch (evaluation runs no backward).
+    if (!step_started_) {
+      step_started_ = true;
+      if (inject_fault("plugin", steps_done_))
+        throw std::runtime_error("tensor plugin: injected fault at step " + std::to_string(steps_done_) +
+                                 " (LOOM_INJECT_FAULT)");
+    }
     return reduce_partial(dpartial, dlocal, rows, C);  // the backward of an all-gather is a reduce-scatter
   }
 
@@ -104,6 +115,8 @@ class TensorPartition final : public Partition {
   // With sequence parallelism each rank's LayerNorm and row-parallel bias gradients cover only its
   // rows: sum them over the group (packed into one all-reduce).
   void finish_grads(GPT& model) override {
+    ++steps_done_;
+    step_started_ = false;
     if (!sp_) return;
     std::int64_t total = 0;
     for (const auto& p : model.params())
@@ -160,6 +173,8 @@ class TensorPartition final : public Partition {
   std::vector<float> row_max_, gathered_, pack_;
   std::vector<double> sum_exp_, target_logit_;
   double identical_ = 1.0;
+  std::int64_t steps_done_ = 0;  // steps of this run, for LOOM_INJECT_FAULT
+  bool step_started_ = false;
 };
 
 void register_tensor(void* p) {

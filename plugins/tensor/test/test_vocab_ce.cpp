@@ -9,6 +9,7 @@
 #include <random>
 
 #include "core/backend.hpp"
+#include "core/blas_core.hpp"
 #include "core/error.hpp"
 #include "core/grid.hpp"
 #include "core/plugin.hpp"
@@ -79,6 +80,7 @@ TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
 }
 
 int main(int argc, char** argv) {
+  loom::select_openblas_core(argv);  // the driver's kernel-set rule: the tests check what loom runs
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -1,4 +1,4 @@
-#include "driver/blas_core.hpp"
+#include "core/blas_core.hpp"
 
 #include <unistd.h>
 
