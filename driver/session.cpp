@@ -2,6 +2,7 @@
 
 #include <mpi.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 
@@ -9,6 +10,7 @@
 #include "core/fault.hpp"
 #include "driver/blas_core.hpp"
 #include "io/report.hpp"
+#include "io/threads.hpp"
 #include "loom/build_info.hpp"
 
 namespace loom {
@@ -119,6 +121,7 @@ void Session::setup_local() {
   eval_batches = static_cast<int>(d.get_int("train.eval_batches"));
   log_every = d.get_int("train.log_every");
   run_dir = d.get_string("run.dir");
+  threads = resolve_threads(d.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
 
   DataConfig dc;
   dc.source = d.get_string("data.source");
@@ -146,8 +149,7 @@ void Session::setup_local() {
 }
 
 void Session::setup_collective() {
-  const Deck& d = deck;
-  backend = make_host_backend(static_cast<int>(d.get_int("run.threads")));
+  backend = make_host_backend(threads.threads);
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
   for (const StrategyInfo* strategy : strategies) {
     if (!strategy->make_partition) continue;
@@ -206,6 +208,7 @@ std::string Session::banner() const {
     << "\n";
   s << "            HDF5 " << build::hdf5_version << "; backend " << backend->description() << "\n";
   if (*openblas_core_note()) s << "            " << openblas_core_note() << "\n";
+  s << "  threads : " << threads.origin << "\n";
   s << "  deck    : " << deck.path() << "\n";
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()

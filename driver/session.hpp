@@ -14,6 +14,7 @@
 #include "core/plugin.hpp"
 #include "io/data.hpp"
 #include "io/deck.hpp"
+#include "io/threads.hpp"
 
 namespace loom {
 
@@ -39,6 +40,7 @@ struct Session {
   int global_batch = 0, eval_batches = 0;
   std::uint64_t seed = 0;
   std::string run_dir;
+  ThreadCount threads;  // run.threads resolved, with where the count came from
 
   Layout layout;
   std::unique_ptr<ProcessGrid> grid;

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "io/deck.hpp"
+#include "io/threads.hpp"
 
 namespace loom {
 
@@ -129,7 +130,9 @@ void add_core_keys(DeckSchema& schema) {
 
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));
-  schema.add(int_key("run.threads", "1", 1, 1024, "BLAS threads per rank"));
+  schema.add(string_key("run.threads", "auto",
+                        "BLAS threads per rank: a number, or auto (OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK, else 1)",
+                        check_threads_setting));
   schema.add(string_key("checkpoint.dir", "",
                         "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
   schema.add(int_key("checkpoint.every", "0", 0, 1e12, "save a checkpoint every this many steps (0: only on SIGTERM)"));
