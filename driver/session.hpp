@@ -29,6 +29,14 @@ struct LayoutPlan {
 };
 LayoutPlan plan_layout(const Deck& deck, const StrategyRegistry& registry, int world);
 
+// The datasets a run of the deck trains and validates on, opened (and so checked) as the run opens
+// them: data.source, and data.val_source when given (else `val` is null). Throws InputError naming
+// the key and the file.
+struct DeckData {
+  std::unique_ptr<Dataset> train, val;
+};
+DeckData open_deck_data(const Deck& deck, const GPTConfig& model);
+
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.
   Session(const Deck& deck, const StrategyRegistry& registry);

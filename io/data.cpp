@@ -162,12 +162,12 @@ class StreamDataset final : public Dataset {
 };
 
 std::unique_ptr<Dataset> open_text(const DataConfig& cfg, const std::string& path) {
-  const std::string what = "data.source text file '" + path + "'";
+  const std::string what = cfg.key + " text file '" + path + "'";
   if (cfg.vocab < 256) {
-    throw InputError(what + ": data.source text needs model.vocab >= 256 (bytes are tokens 0..255), but model.vocab = " +
+    throw InputError(what + ": " + cfg.key + " text needs model.vocab >= 256 (bytes are tokens 0..255), but model.vocab = " +
                      std::to_string(cfg.vocab));
   }
-  const std::string bytes = read_file(path, "data.source text file");
+  const std::string bytes = read_file(path, cfg.key + " text file");
   if (bytes.empty()) throw InputError(what + ": the file is empty (0 bytes)");
   std::vector<std::uint8_t> toks(bytes.begin(), bytes.end());
   const std::string header = "text:" + path + " (" + std::to_string(bytes.size()) + " bytes";
@@ -182,7 +182,7 @@ std::int32_t le32(const unsigned char* p) {
 
 // Appends the tokens of one llm.c shard to `toks`.
 void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std::uint16_t>& toks) {
-  const std::string what = "data.source tokens file '" + path + "'";
+  const std::string what = cfg.key + " tokens file '" + path + "'";
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(what + ": cannot be read (" + std::strerror(errno) + ")");
   in.seekg(0, std::ios::end);
@@ -233,7 +233,7 @@ void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std:
 }
 
 std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& pattern) {
-  const std::string what = "data.source tokens:" + pattern;
+  const std::string what = cfg.key + " tokens:" + pattern;
   glob_t g{};
   const int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
   std::vector<std::string> files;
@@ -249,7 +249,7 @@ std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& p
   std::vector<std::uint16_t> toks;
   for (const auto& f : files) read_shard(cfg, f, toks);
   std::string desc_what = what;
-  if (files.size() == 1) desc_what = "data.source tokens file '" + files[0] + "'";
+  if (files.size() == 1) desc_what = cfg.key + " tokens file '" + files[0] + "'";
   std::ostringstream header;
   header << "tokens:" << pattern << " (" << files.size() << (files.size() == 1 ? " file, " : " files, ")
          << toks.size() << " tokens";
@@ -276,7 +276,7 @@ std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg) {
     if (kind == "text") return open_text(cfg, arg);
     if (kind == "tokens") return open_tokens(cfg, arg);
   }
-  throw InputError("data.source = '" + src + "': unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
+  throw InputError(cfg.key + " = '" + src + "': unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
 }
 
 void load_batch(const Dataset& ds, Split split, std::int64_t step, std::int64_t first_row, int rows, int seq_len,

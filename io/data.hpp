@@ -23,6 +23,7 @@ namespace loom {
 enum class Split { train, val };
 
 struct DataConfig {
+  std::string key = "data.source";  // the deck key that names the source, for messages
   std::string source = "synthetic";
   int vocab = 256;
   int seq_len = 64;
