@@ -28,7 +28,7 @@ sets=(${SETS:-})
 
 # True when the arguments give KEY with --set ("--set KEY=..." or "--set=KEY=...").
 sets_key() {
-  local key=$1 previous= arg
+  local key=$1 previous='' arg
   shift
   for arg in "$@"; do
     case "$previous:$arg" in
