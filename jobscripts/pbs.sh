@@ -23,8 +23,8 @@
 set -euo pipefail
 cd "${PBS_O_WORKDIR:-.}"
 : "${DECK:?set DECK=path/to/deck with qsub -v DECK=...}"
-# shellcheck disable=SC2206  # SETS is a list of --set arguments, split on blanks
-sets=(${SETS:-})
+# SETS is a list of --set arguments, split on blanks (and not glob-expanded: tokens:data/*.bin is loom's).
+read -r -a sets <<< "${SETS:-}"
 
 # True when the arguments give KEY with --set ("--set KEY=..." or "--set=KEY=...").
 sets_key() {

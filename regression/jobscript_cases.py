@@ -40,7 +40,7 @@ OPEN_MPI_VERSION = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mp
 class Job:
     """One run of a job script in its own submit directory, with the fakes first on PATH."""
 
-    def __init__(self, workdir, tag, script, args=(), env=None, deck_lines=("[train]", "steps = 4")):
+    def __init__(self, workdir, tag, script, args=(), env=None, deck_lines=("[train]", "steps = 4"), files=()):
         self.dir = os.path.join(workdir, tag)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.bin = os.path.join(self.dir, "bin")
@@ -52,6 +52,8 @@ class Job:
             with open(path, "w") as f:
                 f.write(FAKE)
             os.chmod(path, 0o755)
+        for name in files:  # empty files in the submit directory, for globs to match
+            open(os.path.join(self.dir, name), "w").close()
         self.deck = os.path.join(self.dir, "tiny.deck")
         with open(self.deck, "w") as f:
             f.write("\n".join(deck_lines) + "\n")
@@ -207,14 +209,14 @@ def case_slurm_mpi_flavour(workdir, failures):
            "srun runs build/loom run DECK: %s" % argv)
 
 
-def pbs_job(workdir, tag, version, env=None):
+def pbs_job(workdir, tag, version, env=None, files=()):
     nodefile = os.path.join(workdir, tag + ".nodes")
     os.makedirs(workdir, exist_ok=True)
     with open(nodefile, "w") as f:
         f.write("node1\nnode1\nnode2\nnode2\n")
     full = {"PBS_NODEFILE": nodefile, "PBS_JOBID": "77.server", "FAKE_MPIRUN_VERSION": version}
     full.update(env or {})
-    return Job(workdir, tag, PBS, [], full), nodefile
+    return Job(workdir, tag, PBS, [], full, files=files), nodefile
 
 
 def case_pbs_hostfile_flag(workdir, failures):
@@ -235,11 +237,14 @@ def case_pbs_defaults(workdir, failures):
         expect(failures, env.get("OMP_NUM_THREADS") == "1", "OMP_NUM_THREADS=1 by default")
     expect(failures, dirs[0] is not None and dirs[0] == dirs[1], "checkpoint.dir is the same for two jobs: %s" % dirs)
     job, _ = pbs_job(workdir, "pbs_user_sets", HYDRA_VERSION,
-                     {"SETS": "--set run.dir=mine --set checkpoint.resume=latest", "THREADS": "2"})
+                     {"SETS": "--set run.dir=mine --set checkpoint.resume=latest --set data.source=tokens:*.bin",
+                      "THREADS": "2"}, files=["data.source=tokens:shard.bin"])
     argv, env = job.launch()
     expect(failures, set_values(argv, "run.dir") == ["mine"], "the user's run.dir wins: %s" % set_values(argv, "run.dir"))
     expect(failures, set_values(argv, "checkpoint.resume") == ["latest"], "the user's checkpoint.resume is the only one")
     expect(failures, env.get("OMP_NUM_THREADS") == "2", "THREADS=2 -> OMP_NUM_THREADS=2")
+    expect(failures, set_values(argv, "data.source") == ["tokens:*.bin"],
+           "a glob in SETS reaches loom unexpanded: %s" % set_values(argv, "data.source"))
     job, _ = pbs_job(workdir, "pbs_interrupted", HYDRA_VERSION, {"FAKE_MPIRUN_STATUS": "3"})
     expect(failures, job.status == 3, "mpirun exit 3 -> script exit 3 (releases an afternotok chain): %d" % job.status)
 
