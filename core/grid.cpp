@@ -31,7 +31,12 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
     msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = "
         << l.ranks() << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s")
         << "; either launch with mpirun -n " << l.ranks() << ", or choose a layout whose product is " << world;
-    if (l.tp == 1 && l.pp == 1) msg << " (e.g. parallel.dp = " << world << ")";
+    // Suggest the dp that fills the job with the deck's tp and pp, when the batch splits over it.
+    const int tp_pp = l.tp * l.pp;
+    if (world % tp_pp == 0) {
+      const int dp_fit = world / tp_pp;
+      if (batch % (dp_fit * micro) == 0) msg << " (e.g. parallel.dp = " << dp_fit << ")";
+    }
     throw InputError(msg.str());
   }
   // tp splits heads, channels and the vocabulary: it must divide all three.
@@ -53,7 +58,14 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
     msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp << " ranks x train.micro_batches = "
         << micro << " micro-batches (" << l.dp * micro << " must divide it)";
     if (batch % l.dp == 0) msg << "; micro_batches that work with this dp: " << divisors(batch / l.dp);
-    else msg << "; dp sizes that divide the batch: " << divisors(batch);
+    // A dp works when each rank's share of the batch still splits into the micro-batches.
+    if (batch % micro == 0)
+      msg << "; dp sizes that work with train.micro_batches = " << micro << ": " << divisors(batch / micro);
+    else if (batch % l.dp == 0)
+      msg << "; no dp works with train.micro_batches = " << micro << " (it does not divide train.batch)";
+    else
+      msg << "; no dp works with train.micro_batches = " << micro
+          << " (it does not divide train.batch); micro_batches that do: " << divisors(batch);
     throw InputError(msg.str());
   }
 }

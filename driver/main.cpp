@@ -33,8 +33,8 @@ const char* kUsage =
     "  run DECK [--set section.key=value ...] [--help-deck]\n"
     "                 train the model the deck describes; writes run.dir/{metrics.jsonl,summary.json,report.json}\n"
     "  check DECK [--set section.key=value ...]\n"
-    "                 validate the deck and its layout (for as many ranks as it needs) and print it\n"
-    "                 resolved, with every default\n"
+    "                 validate the deck, its layout (for as many ranks as it needs), its data files, the\n"
+    "                 checkpoint directory and checkpoint.resume, and print the deck resolved, with every default\n"
     "  export DECK OUT.h5 [--set section.key=value ...]\n"
     "                 train on one process and write weights, batches, losses and gradients for the PyTorch\n"
     "                 oracle (regression/oracle.py)\n"
@@ -132,13 +132,7 @@ int dispatch(int argc, char** argv, int rank) {
   }
   if (command == "check") {
     need_positional(a, 1, "DECK");
-    const Deck deck = Deck::load(schema, a.positional[0], a.sets);
-    // The layout as the job that runs the deck would see it (as many ranks as it needs).
-    const LayoutPlan plan = plan_layout(deck, registry, -1);
-    if (rank == 0)
-      std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
-                << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks)\n";
-    return 0;
+    return command_check(Deck::load(schema, a.positional[0], a.sets), registry, rank);
   }
   if (command == "run" || command == "export") {
     int world = 1;

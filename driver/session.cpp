@@ -2,6 +2,7 @@
 
 #include <mpi.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 
@@ -9,6 +10,7 @@
 #include "core/fault.hpp"
 #include "core/blas_core.hpp"
 #include "io/report.hpp"
+#include "io/threads.hpp"
 #include "loom/build_info.hpp"
 
 namespace loom {
@@ -87,6 +89,28 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   return plan;
 }
 
+DeckData open_deck_data(const Deck& d, const GPTConfig& model) {
+  DataConfig dc;
+  dc.source = d.get_string("data.source");
+  dc.vocab = model.vocab;
+  dc.seq_len = model.seq_len;
+  dc.seed = static_cast<std::uint64_t>(d.get_int("train.seed"));
+  dc.val_fraction = d.get_float("data.val_fraction");
+  dc.synthetic_noise = d.get_float("data.synthetic_noise");
+  const std::string val_source = d.get_string("data.val_source");
+  if (!val_source.empty()) dc.val_fraction = 0.0;  // all of data.source trains
+  DeckData data;
+  data.train = open_dataset(dc);
+  if (!val_source.empty()) {
+    DataConfig vc = dc;
+    vc.key = "data.val_source";
+    vc.source = val_source;
+    vc.seed = dc.seed ^ 0x5eed5eedULL;
+    data.val = open_dataset(vc);
+  }
+  return data;
+}
+
 void Session::setup_local() {
   const Deck& d = deck;
   int world = 1;
@@ -119,37 +143,24 @@ void Session::setup_local() {
   eval_batches = static_cast<int>(d.get_int("train.eval_batches"));
   log_every = d.get_int("train.log_every");
   run_dir = d.get_string("run.dir");
+  threads = resolve_threads(d.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
 
-  DataConfig dc;
-  dc.source = d.get_string("data.source");
-  dc.vocab = model_cfg.vocab;
-  dc.seq_len = model_cfg.seq_len;
-  dc.seed = seed;
-  dc.val_fraction = d.get_float("data.val_fraction");
-  dc.synthetic_noise = d.get_float("data.synthetic_noise");
-  const std::string val_source = d.get_string("data.val_source");
-  if (!val_source.empty()) dc.val_fraction = 0.0;  // all of data.source trains
-  data_source = dc.source;
-  train_data = open_dataset(dc);
-  if (!val_source.empty()) {
-    DataConfig vc = dc;
-    vc.source = val_source;
-    vc.key = "data.val_source";
-    vc.seed = seed ^ 0x5eed5eedULL;
-    val_owned = open_dataset(vc);
+  data_source = d.get_string("data.source");
+  DeckData data = open_deck_data(d, model_cfg);
+  train_data = std::move(data.train);
+  val_owned = std::move(data.val);
+  if (val_owned) {
     val_data = val_owned.get();
     val_split = Split::train;
-  } else if (dc.val_fraction > 0.0) {
+  } else if (d.get_float("data.val_fraction") > 0.0) {
     val_data = train_data.get();
     val_split = Split::val;
   }
-
 }
 
 void Session::setup_collective() {
-  const Deck& d = deck;
-  backend = make_host_backend(static_cast<int>(d.get_int("run.threads")));
-  set_comm_timeout(d.get_float("run.comm_timeout"));
+  backend = make_host_backend(threads.threads);
+  set_comm_timeout(deck.get_float("run.comm_timeout"));
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
   for (const StrategyInfo* strategy : strategies) {
     if (!strategy->make_partition) continue;
@@ -209,6 +220,7 @@ std::string Session::banner() const {
     << "\n";
   s << "            HDF5 " << build::hdf5_version << "; backend " << backend->description() << "\n";
   if (*openblas_core_note()) s << "            " << openblas_core_note() << "\n";
+  s << "  threads : " << threads.origin << "\n";
   s << "  deck    : " << deck.path() << "\n";
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()

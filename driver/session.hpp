@@ -14,6 +14,7 @@
 #include "core/plugin.hpp"
 #include "io/data.hpp"
 #include "io/deck.hpp"
+#include "io/threads.hpp"
 
 namespace loom {
 
@@ -28,6 +29,14 @@ struct LayoutPlan {
 };
 LayoutPlan plan_layout(const Deck& deck, const StrategyRegistry& registry, int world);
 
+// The datasets a run of the deck trains and validates on, opened (and so checked) as the run opens
+// them: data.source, and data.val_source when given (else `val` is null). Throws InputError naming
+// the key and the file.
+struct DeckData {
+  std::unique_ptr<Dataset> train, val;
+};
+DeckData open_deck_data(const Deck& deck, const GPTConfig& model);
+
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.
   Session(const Deck& deck, const StrategyRegistry& registry);
@@ -39,6 +48,7 @@ struct Session {
   int global_batch = 0, eval_batches = 0;
   std::uint64_t seed = 0;
   std::string run_dir;
+  ThreadCount threads;  // run.threads resolved, with where the count came from
 
   Layout layout;
   std::unique_ptr<ProcessGrid> grid;

@@ -23,13 +23,13 @@ namespace loom {
 enum class Split { train, val };
 
 struct DataConfig {
+  std::string key = "data.source";  // the deck key that names the source, for messages
   std::string source = "synthetic";
   int vocab = 256;
   int seq_len = 64;
   std::uint64_t seed = 1337;
   double val_fraction = 0.1;     // held-out share of the token stream (text/tokens)
   double synthetic_noise = 0.1;  // synthetic: probability that the next token is uniform instead of the chain's
-  std::string key = "data.source";  // the deck key the source came from, as messages name it
 };
 
 class Dataset {

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "io/deck.hpp"
+#include "io/threads.hpp"
 
 namespace loom {
 
@@ -134,7 +135,9 @@ void add_core_keys(DeckSchema& schema) {
 
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));
-  schema.add(int_key("run.threads", "1", 1, 1024, "BLAS threads per rank"));
+  schema.add(string_key("run.threads", "auto",
+                        "BLAS threads per rank: a number, or auto (OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK, else 1)",
+                        check_threads_setting));
   schema.add(bool_key("run.overwrite", "false",
                       "a fresh run may replace an earlier run's checkpoints in checkpoint.dir (they are removed "
                       "at start); otherwise such a run is refused"));

@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
 # PBS / Torque batch script: one loom run of a deck.
 #   qsub -l select=2:ncpus=4:mpiprocs=4 -v DECK=inputs/data_parallel.deck,SETS="--set parallel.dp=8" jobscripts/pbs.sh
+# A chain of jobs, each going on from the previous one's checkpoint when it was interrupted:
+#   id=$(qsub -v DECK=... jobscripts/pbs.sh); qsub -W depend=afternotok:$id -v DECK=... jobscripts/pbs.sh
 # The deck's parallel.dp x tp x pp must equal the number of MPI processes PBS grants.
+#
+# Defaults, each only when neither SETS nor (for the checkpoint keys) the deck gives the key:
+#   run.dir            runs/RUN_NAME/pbs-JOBID (per job)
+#   checkpoint.dir     runs/RUN_NAME/checkpoints (the same for every job of a chain)
+#   checkpoint.resume  auto: go on from `latest` in checkpoint.dir, or start fresh when there is none
+# Environment (qsub -v): DECK (required), SETS (--set arguments), RUN_NAME (default: the deck's file
+#   name without .deck), THREADS (BLAS threads per rank, default 1: ask for ncpus = mpiprocs x THREADS),
+#   LOOM (default build/loom), MPIRUN (default mpirun).
+# Interruption: loom exits 3 after saving a checkpoint on SIGTERM, and so does this script. PBS has
+# no requeue a job may ask for itself (qrerun needs operator rights), so interrupted runs continue in
+# the next job of an afternotok chain as above (a failed job, exit 1 or 2, also releases it; that job
+# then resumes from the latest checkpoint or fails the same way at once).
 #PBS -N loom
 #PBS -l select=1:ncpus=2:mpiprocs=2
 #PBS -l walltime=01:00:00
@@ -9,9 +23,65 @@
 set -euo pipefail
 cd "${PBS_O_WORKDIR:-.}"
 : "${DECK:?set DECK=path/to/deck with qsub -v DECK=...}"
+# SETS is a list of --set arguments, split on blanks (and not glob-expanded: tokens:data/*.bin is loom's).
+read -r -a sets <<< "${SETS:-}"
+
+# True when the arguments give KEY with --set ("--set KEY=..." or "--set=KEY=...").
+sets_key() {
+  local key=$1 previous='' arg
+  shift
+  for arg in "$@"; do
+    case "$previous:$arg" in
+      --set:"$key"=* | *:--set="$key"=*) return 0 ;;
+    esac
+    previous=$arg
+  done
+  return 1
+}
+
+# True when the deck file sets SECTION.KEY itself.
+deck_sets_key() {
+  awk -v section="[${2%%.*}]" -v key="${2#*.}" '
+    { sub(/#.*/, ""); gsub(/^[ \t]+|[ \t]+$/, "") }
+    /^\[/ { inside = ($0 == section); next }
+    inside && index($0, "=") { name = substr($0, 1, index($0, "=") - 1); gsub(/[ \t]+$/, "", name); if (name == key) found = 1 }
+    END { exit !found }' "$1"
+}
+
+run_name=${RUN_NAME:-$(basename "$DECK" .deck)}
+defaults=()
+if ! sets_key run.dir ${sets[@]+"${sets[@]}"}; then
+  defaults+=(--set "run.dir=runs/$run_name/pbs-${PBS_JOBID:-local}")
+fi
+if ! sets_key checkpoint.dir ${sets[@]+"${sets[@]}"} && ! deck_sets_key "$DECK" checkpoint.dir; then
+  defaults+=(--set "checkpoint.dir=runs/$run_name/checkpoints")
+fi
+if ! sets_key checkpoint.resume ${sets[@]+"${sets[@]}"} && ! deck_sets_key "$DECK" checkpoint.resume; then
+  defaults+=(--set checkpoint.resume=auto)
+fi
+
 ranks=$(wc -l < "${PBS_NODEFILE:-/dev/null}" 2>/dev/null || echo 1)
 [ "$ranks" -ge 1 ] || ranks=1
-export OMP_NUM_THREADS=1
-# shellcheck disable=SC2086  # SETS is a list of --set arguments
-mpirun -n "$ranks" ${PBS_NODEFILE:+-f "$PBS_NODEFILE"} "${LOOM:-build/loom}" run "$DECK" ${SETS:-} \
-  --set run.dir="runs/pbs-${PBS_JOBID:-local}"
+export OMP_NUM_THREADS=${THREADS:-1}
+mpirun=${MPIRUN:-mpirun}
+# The host file flag depends on the MPI: MPICH's hydra takes -f, Open MPI --hostfile; -machinefile
+# is understood by both and by Intel MPI, for anything else.
+hostfile=()
+if [ -n "${PBS_NODEFILE:-}" ]; then
+  case "$("$mpirun" --version 2>&1 || true)" in
+    *HYDRA*) hostfile=(-f "$PBS_NODEFILE") ;;
+    *"Open MPI"* | *OpenRTE*) hostfile=(--hostfile "$PBS_NODEFILE") ;;
+    *) hostfile=(-machinefile "$PBS_NODEFILE") ;;
+  esac
+fi
+
+# The user's SETS come last, so they would win even over a default added by mistake.
+command=("$mpirun" -n "$ranks" ${hostfile[@]+"${hostfile[@]}"} "${LOOM:-build/loom}" run "$DECK"
+         ${defaults[@]+"${defaults[@]}"} ${sets[@]+"${sets[@]}"})
+echo "pbs.sh: job ${PBS_JOBID:-local}: ${command[*]}"
+status=0
+"${command[@]}" || status=$?
+if [ "$status" -eq 3 ]; then
+  echo "pbs.sh: loom was interrupted and saved a checkpoint; the next job of the chain (or the same qsub again) resumes from it"
+fi
+exit "$status"

@@ -5,10 +5,12 @@
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/error.hpp"
 #include "io/deck.hpp"
+#include "io/threads.hpp"
 
 namespace loom {
 namespace {
@@ -108,7 +110,7 @@ TEST(Deck, DefaultsWhenEmpty) {
   EXPECT_EQ(d.get_string("train.schedule"), "cosine");
   EXPECT_EQ(d.get_int("train.seed"), 1337);
   EXPECT_EQ(d.get_string("run.dir"), "runs/loom");
-  EXPECT_EQ(d.get_int("run.threads"), 1);
+  EXPECT_EQ(d.get_string("run.threads"), "auto");
   EXPECT_TRUE(d.is_default("train.lr"));
   EXPECT_EQ(d.origin("train.lr"), "default");
   EXPECT_EQ(d.path(), "deck.ini");
@@ -248,6 +250,54 @@ TEST(Deck, ChoiceAndValidate) {
   EXPECT_HAS(e, "deck.ini:2: data.val_source = 'tokens:' is not allowed");
   e = error_of("[data]\nval_fraction = 0.95\n");
   EXPECT_HAS(e, "data.val_fraction = 0.95 is out of range (float, allowed range [0, 0.9])");
+}
+
+TEST(Deck, ThreadsAutoOrCount) {
+  const DeckSchema s = core_schema();
+  EXPECT_EQ(Deck::parse(s, "[run]\nthreads = auto\n", "d").get_string("run.threads"), "auto");
+  EXPECT_EQ(Deck::parse(s, "[run]\nthreads = 8\n", "d").get_string("run.threads"), "8");
+  EXPECT_EQ(Deck::parse(s, "", "d", {"run.threads=1024"}).get_string("run.threads"), "1024");
+  for (const char* bad : {"0", "-2", "1025", "2.5", "Auto", "four", "8 threads"}) {
+    const std::string e = error_of(std::string("[run]\nthreads = ") + bad + "\n");
+    EXPECT_HAS(e, std::string("deck.ini:2: run.threads = '") + bad + "' is not allowed (allowed: auto, or an integer in [1, 1024])");
+  }
+}
+
+TEST(Threads, CountIgnoresTheEnvironment) {
+  const ThreadCount t = resolve_threads("6", "2", "3");
+  EXPECT_EQ(t.threads, 6);
+  EXPECT_EQ(t.origin, "run.threads = 6");
+}
+
+TEST(Threads, AutoPrefersOmpThenSlurmThenOne) {
+  ThreadCount t = resolve_threads("auto", "4", "8");
+  EXPECT_EQ(t.threads, 4);
+  EXPECT_EQ(t.origin, "run.threads = auto: OMP_NUM_THREADS = 4");
+  t = resolve_threads("auto", "3,2", nullptr);  // a nesting list: the outer level counts
+  EXPECT_EQ(t.threads, 3);
+  t = resolve_threads("auto", nullptr, "8");
+  EXPECT_EQ(t.threads, 8);
+  EXPECT_EQ(t.origin, "run.threads = auto: SLURM_CPUS_PER_TASK = 8");
+  t = resolve_threads("auto", "", "5");  // an empty variable counts as unset
+  EXPECT_EQ(t.threads, 5);
+  t = resolve_threads("auto", nullptr, nullptr);
+  EXPECT_EQ(t.threads, 1);
+  EXPECT_HAS(t.origin, "neither OMP_NUM_THREADS nor SLURM_CPUS_PER_TASK is set");
+}
+
+TEST(Threads, AutoRefusesABadVariableNamingIt) {
+  for (const auto& [omp, slurm, named] : std::vector<std::tuple<const char*, const char*, std::string>>{
+           {"many", "4", "OMP_NUM_THREADS = 'many'"},
+           {"0", nullptr, "OMP_NUM_THREADS = '0'"},
+           {nullptr, "2(x3)", "SLURM_CPUS_PER_TASK = '2(x3)'"},
+           {nullptr, "5000", "SLURM_CPUS_PER_TASK = '5000'"}}) {
+    try {
+      resolve_threads("auto", omp, slurm);
+      ADD_FAILURE() << "no InputError for " << named;
+    } catch (const InputError& e) {
+      EXPECT_HAS(e.what(), "run.threads = auto: " + named + " is not a thread count in [1, 1024]");
+    }
+  }
 }
 
 TEST(Deck, UnknownKey) {

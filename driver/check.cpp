@@ -1,0 +1,100 @@
+// loom check DECK: everything a run of the deck would refuse before training, found without
+// launching the job: the deck, the layout for as many ranks as it needs, the data files, the thread
+// count, the checkpoint directory and the checkpoint to resume from. Nothing is created.
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "core/error.hpp"
+#include "driver/commands.hpp"
+#include "driver/session.hpp"
+#include "io/checkpoint.hpp"
+#include "io/threads.hpp"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool writable_directory(const fs::path& p) { return ::access(p.c_str(), W_OK | X_OK) == 0; }
+
+// The checkpoint directory exists as a writable directory, or its nearest existing ancestor is one,
+// so that the run can create it. `named` says which deck key (and default) gave `dir`.
+void check_checkpoint_dir(const std::string& dir, const std::string& named) {
+  std::error_code ec;
+  const fs::path path(dir);
+  if (fs::exists(path, ec)) {
+    if (!fs::is_directory(path, ec)) throw InputError(named + ": '" + dir + "' exists and is not a directory");
+    if (!writable_directory(path))
+      throw InputError(named + ": the directory '" + dir + "' is not writable (" + std::strerror(errno) + ")");
+    return;
+  }
+  fs::path ancestor = path.parent_path();
+  while (!ancestor.empty() && !fs::exists(ancestor, ec)) ancestor = ancestor.parent_path();
+  if (ancestor.empty()) ancestor = ".";
+  if (!fs::is_directory(ancestor, ec))
+    throw InputError(named + ": '" + dir + "' cannot be created: '" + ancestor.string() + "' is not a directory");
+  if (!writable_directory(ancestor))
+    throw InputError(named + ": '" + dir + "' cannot be created: '" + ancestor.string() + "' is not writable (" +
+                     std::strerror(errno) + ")");
+}
+
+// checkpoint.resume names a readable checkpoint: a file, or the one `latest` in `dir` names. With
+// `auto` a missing `latest` means a fresh start; a `latest` that is there must name a checkpoint.
+void check_resume(const std::string& resume, const std::string& dir) {
+  if (resume.empty()) return;
+  std::string file = resume;
+  std::string named = "checkpoint.resume = " + resume;
+  if (resume == "latest" || resume == "auto") {
+    const std::string pointer = dir + "/latest";
+    std::ifstream in(pointer);
+    if (!in) {
+      if (resume == "auto") return;
+      throw InputError("checkpoint.resume = latest, but '" + pointer +
+                       "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir + ")");
+    }
+    std::string name;
+    std::getline(in, name);
+    if (name.empty())
+      throw InputError(named + ": '" + pointer + "' is empty: it should name a checkpoint file in " + dir);
+    file = dir + "/" + name;
+    named += " ('" + pointer + "' names " + name + ")";
+  }
+  try {
+    checkpoint_info(file);
+  } catch (const InputError& e) {
+    throw InputError(named + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) {
+  // The layout as the job that runs the deck would see it (as many ranks as it needs).
+  const LayoutPlan plan = plan_layout(deck, registry, -1);
+  open_deck_data(deck, plan.model);
+  const ThreadCount threads =
+      resolve_threads(deck.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
+  std::string dir = deck.get_string("checkpoint.dir");
+  std::string named = "checkpoint.dir = " + dir;
+  if (dir.empty()) {
+    dir = deck.get_string("run.dir") + "/checkpoints";
+    named = "checkpoint.dir (default <run.dir>/checkpoints = " + dir + ")";
+  }
+  check_checkpoint_dir(dir, named);
+  check_resume(deck.get_string("checkpoint.resume"), dir);
+  if (rank == 0)
+    std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
+              << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks; "
+              << threads.threads << " BLAS thread" << (threads.threads == 1 ? "" : "s") << " per rank; checkpoints in "
+              << dir << ")\n";
+  return 0;
+}
+
+}  // namespace loom
