@@ -67,7 +67,7 @@ std::vector<std::string> earlier_checkpoints(const std::string& dir) {
   return found;
 }
 
-std::string list_names(const std::vector<std::string>& names, std::size_t most = 4) {
+std::string list_names(const std::vector<std::string>& names, std::size_t most = 6) {
   std::string s;
   for (std::size_t i = 0; i < names.size() && i < most; ++i) s += (i ? ", " : "") + names[i];
   if (names.size() > most) s += ", ... (" + std::to_string(names.size()) + " in all)";

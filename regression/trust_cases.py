@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""Regression cases for runs a cluster user can trust: non-finite values, the run directory, write
+failures, interruption, resume checks and the numbers a run reports.
+
+    /usr/bin/python3 regression/trust_cases.py --loom build/loom --workdir build/trust CASE
+
+CASE is one of:
+  nonfinite_stop_dp2        a NaN in one rank's step 4 (LOOM_INJECT_FAULT where=nan) with checkpoint.every = 1
+                            and keep = 1: exit 1 naming step 4, the tensor and the rank; latest still names
+                            the step-3 checkpoint; summary.json says failed
+  nonfinite_weights_never_saved  a NaN written into rank 1's weights after step 4's update: the step-4
+                            checkpoint is not written (named tensor, rank 1), the step-3 one stays and loads
+  nonfinite_skip_dp2        train.on_nonfinite = skip: the NaN step is dropped on both ranks alike (the loss
+                            curve equals one process's with the same skipped step), counted, exit 0
+  nonfinite_skip_limit      with skip, weights that stay NaN stop the run after train.max_skipped in a row
+  nonfinite_last_step       a NaN on the last step exits 1 (not 0 with "val loss -nan")
+  resume_refuses_nonfinite  a checkpoint holding a NaN is refused naming the tensor; run.dir byte-identical
+  resume_refuses_other_model  model.heads or model.layers other than the checkpoint's: refused naming both
+                            values; the directory (metrics.jsonl included) byte-identical
+  resume_refuses_bad_step   a step attribute that disagrees with optimizer_steps, or is negative: refused
+  resume_keeps_metrics      a resume from an earlier checkpoint keeps the metrics rows up to it, sets the
+                            later rows aside in metrics.jsonl.superseded, and prints the training-key diff
+  fresh_refused_over_checkpoints  a fresh run into a directory with checkpoints is refused naming them and
+                            leaves it byte-identical; run.overwrite = true replaces them
+  resume_auto_and_at_end    checkpoint.resume = auto starts fresh, then resumes; checkpoint.at_end saves the
+                            last step when train.steps is not a multiple of checkpoint.every
+  lock_one_run_per_dir      a second run in a directory in use is refused naming the holder's host and pid;
+                            the lock goes with the holder when it is killed
+  write_failure_np1, write_failure_np2  a checkpoint write that crosses a file-size limit exits 1 naming
+                            the file and "File too large", no segmentation fault; earlier checkpoint intact
+  write_failure_metrics     a metrics.jsonl write that crosses the limit exits 1 naming the file
+  interrupt_exit_status     SIGTERM to a 2-rank job (through mpirun) and SIGINT to one process: a checkpoint,
+                            exit status 3, summary.json status interrupted; resume = auto continues
+  numbers                   per-step comm bytes of a resumed run equal the uninterrupted run's; parameters
+                            is the model's count at tp = 2; report.json has the command line and the --set
+                            keys; metrics rows carry elapsed_s, eta_s, time and mfu
+The file edits use h5py: run with /usr/bin/python3 (Debian's python3-h5py).
+"""
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+DECK = """[model]
+layers = 2
+d_model = 32
+heads = 4
+seq_len = 16
+vocab = 64
+[train]
+steps = 8
+batch = 8
+lr = 3e-3
+warmup = 2
+seed = 42
+eval_every = 0
+[data]
+val_fraction = 0.1
+"""
+
+
+def snapshot(path):
+    """Every file under `path` with its bytes' hash: equal snapshots mean a byte-identical tree."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            out[os.path.relpath(p, path)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+class Case:
+    def __init__(self, args, name):
+        self.args = args
+        self.dir = os.path.join(args.workdir, name)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        self.deck = os.path.join(self.dir, "trust.deck")
+        with open(self.deck, "w") as f:
+            f.write(DECK)
+        self.failures = []
+
+    def command(self, tag, ranks, sets):
+        rundir = os.path.join(self.dir, tag)
+        cmd = ([self.args.mpirun, "-n", str(ranks)] if ranks > 1 else []) + [self.args.loom, "run", self.deck,
+                                                                           "--set", "run.dir=" + rundir]
+        for s in sets:
+            cmd += ["--set", s]
+        return cmd, rundir
+
+    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None):
+        cmd, rundir = self.command(tag, ranks, sets)
+        e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        e.update(env or {})
+        shown = " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd)
+        if shell_prefix:  # e.g. a file-size limit, set in a shell that then runs loom
+            cmd = ["bash", "-c", shell_prefix + ' && exec "$@"', "bash"] + cmd
+            shown = shell_prefix + "; " + shown
+        print("$ " + shown.strip(), flush=True)
+        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
+        if expect is not None and p.returncode != expect:
+            sys.stdout.write(p.stdout[-3000:])
+            sys.stdout.write(p.stderr[-3000:])
+            self.failures.append("%s: exit status %d, expected %d" % (tag, p.returncode, expect))
+        return p, rundir
+
+    def expect(self, text, patterns, what):
+        for rx in patterns:
+            if not re.search(rx, text):
+                self.failures.append("%s does not match /%s/" % (what, rx))
+
+    def check(self, ok, message):
+        if not ok:
+            self.failures.append(message)
+
+    def done(self, name):
+        for f in self.failures:
+            print("FAIL: " + f)
+        print("case %s: %s" % (name, "FAILED" if self.failures else "passed"))
+        return 1 if self.failures else 0
+
+
+def rows(rundir, name="metrics.jsonl"):
+    path = os.path.join(rundir, name)
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def losses(rundir):
+    return [r["loss"] for r in rows(rundir)]
+
+
+def summary(rundir):
+    return json.load(open(os.path.join(rundir, "summary.json")))
+
+
+def latest(ckdir):
+    p = os.path.join(ckdir, "latest")
+    return open(p).read().strip() if os.path.exists(p) else ""
+
+
+def close(a, b, tol):
+    return len(a) == len(b) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def case_nonfinite(c, name):
+    ck = ["checkpoint.every=1", "checkpoint.keep=1"]
+    if name == "nonfinite_stop_dp2":
+        p, rundir = c.loom("run", 2, ["parallel.dp=2"] + ck, env={"LOOM_INJECT_FAULT": "rank=1,step=3,where=nan"}, expect=1)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [r"step 4: loss nan, gradient norm nan: not finite; first non-finite: gradient \S+ \(nan on rank \d: dp \d, tp 0, pp 0\)",
+                            r"train\.on_nonfinite = stop"], "stderr")
+        ckdir = os.path.join(rundir, "checkpoints")
+        print("checkpoints: %s, latest -> %s" % (sorted(os.listdir(ckdir)), latest(ckdir)))
+        c.check(latest(ckdir) == "ckpt-00000003.h5", "latest should still name ckpt-00000003.h5")
+        c.check(os.path.exists(os.path.join(ckdir, "ckpt-00000003.h5")), "the last good checkpoint was deleted")
+        c.check(not os.path.exists(os.path.join(ckdir, "ckpt-00000004.h5")), "the non-finite step was checkpointed")
+        s = summary(rundir)
+        c.check(s["status"] == "failed" and s["exit_status"] == 1, "summary.json: %s/%s" % (s["status"], s["exit_status"]))
+    elif name == "nonfinite_weights_never_saved":
+        p, rundir = c.loom("run", 2, ["parallel.dp=2"] + ck, env={"LOOM_INJECT_FAULT": "rank=1,step=3,where=nan_weights"}, expect=1)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [r"not saving the checkpoint of step 4: parameter \S+ \(nan on rank 1: dp 1, tp 0, pp 0\) is not finite; "
+                            r"the last good checkpoint stays \(.*latest -> ckpt-00000003\.h5\)"], "stderr")
+        ckdir = os.path.join(rundir, "checkpoints")
+        c.check(latest(ckdir) == "ckpt-00000003.h5", "latest names %r" % latest(ckdir))
+        c.check(not os.path.exists(os.path.join(ckdir, "ckpt-00000004.h5")), "non-finite weights were checkpointed")
+        # The checkpoint that stayed is good: a resume from it continues.
+        c.loom("resumed", 2, ["parallel.dp=2", "checkpoint.resume=latest", "checkpoint.dir=" + ckdir])
+    elif name == "nonfinite_skip_dp2":
+        skip = ["train.on_nonfinite=skip"]
+        p, rundir = c.loom("dp2", 2, ["parallel.dp=2"] + skip, env={"LOOM_INJECT_FAULT": "rank=1,step=3,where=nan"})
+        print(p.stdout[-1500:])
+        c.expect(p.stdout, [r"step 4: loss nan, gradient norm nan: not finite.*update skipped \(train\.on_nonfinite = skip; 1 in a row, 1 in all\)"], "stdout")
+        s = summary(rundir)
+        c.check(s["status"] == "finished" and s["skipped_steps"] == 1, "summary.json: %s, skipped %s" % (s["status"], s["skipped_steps"]))
+        r = rows(rundir)
+        c.check(r[3].get("skipped") is True, "metrics row of step 4 is not marked skipped")
+        # One process skipping the same step: the same model continues (both replicas dropped the update).
+        _, one = c.loom("one", 1, skip, env={"LOOM_INJECT_FAULT": "rank=0,step=3,where=nan"})
+        a, b = losses(rundir), losses(one)
+        after = [x for i, x in enumerate(a) if i != 3], [x for i, x in enumerate(b) if i != 3]
+        print("losses dp 2: %s\nlosses one : %s" % (a, b))
+        c.check(close(after[0], after[1], 1e-5), "dp 2 with a skipped step does not train the same model as one process")
+    elif name == "nonfinite_skip_limit":
+        p, rundir = c.loom("run", 1, ["train.on_nonfinite=skip", "train.max_skipped=2"],
+                           env={"LOOM_INJECT_FAULT": "rank=0,step=2,where=nan_weights"}, expect=1)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [r"3 steps in a row were not finite \(train\.max_skipped = 2\): stopping"], "stderr")
+        c.check(summary(rundir)["status"] == "failed", "summary.json does not say failed")
+    elif name == "nonfinite_last_step":
+        p, rundir = c.loom("run", 1, [], env={"LOOM_INJECT_FAULT": "rank=0,step=7,where=nan"}, expect=1)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [r"step 8: loss nan"], "stderr")
+        c.check(summary(rundir)["status"] == "failed", "summary.json does not say failed")
+
+
+def saved_run(c, tag="first", sets=(), ranks=1):
+    """8 steps with checkpoints every 2 (keep 4): returns the run directory."""
+    _, rundir = c.loom(tag, ranks, ["checkpoint.every=2", "checkpoint.keep=4"] + list(sets))
+    return rundir
+
+
+def case_resume(c, name):
+    rundir = saved_run(c)
+    ckdir = os.path.join(rundir, "checkpoints")
+    ckpt = os.path.join(ckdir, "ckpt-00000004.h5")
+    if name == "resume_refuses_nonfinite":
+        import h5py
+        with h5py.File(ckpt, "r+") as f:
+            d = f["params/wte.weight"]
+            v = d[...]
+            v[3, 5] = float("nan")
+            d[...] = v
+        before = snapshot(rundir)
+        p, _ = c.loom("first", 1, ["checkpoint.resume=" + ckpt], expect=2)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [re.escape(ckpt), r"tensor /params/wte\.weight holds non-finite values"], "stderr")
+        c.check(snapshot(rundir) == before, "the refused resume changed the run directory")
+    elif name == "resume_refuses_other_model":
+        before = snapshot(rundir)
+        for sets, rx in ((["model.heads=2"], r"model\.heads = 4 in the checkpoint, 2 in this deck"),
+                         (["model.layers=1"], r"model\.layers = 2 in the checkpoint, 1 in this deck")):
+            p, _ = c.loom("first", 1, sets + ["checkpoint.resume=latest"], expect=2)
+            print(p.stderr.strip())
+            c.expect(p.stderr, [rx, r"holds another model"], "stderr")
+        c.check(snapshot(rundir) == before, "a refused resume changed the run directory (metrics.jsonl?)")
+    elif name == "resume_refuses_bad_step":
+        import h5py
+        for step, rx in ((5, r"has step = 5, optimizer_steps = 4"), (-1, r"has step = -1")):
+            bad = os.path.join(c.dir, "bad%d.h5" % step)
+            shutil.copy(ckpt, bad)
+            with h5py.File(bad, "r+") as f:
+                f.attrs["step"] = step
+            p, _ = c.loom("bad%d" % step, 1, ["checkpoint.resume=" + bad], expect=2)
+            print(p.stderr.strip())
+            c.expect(p.stderr, [rx, r"step must be optimizer_steps \+ skipped_steps"], "stderr")
+    elif name == "resume_keeps_metrics":
+        first = rows(rundir)
+        p, _ = c.loom("first", 1, ["checkpoint.resume=" + ckpt, "train.lr=2e-3", "train.steps=10"])
+        print(p.stdout[-2500:])
+        c.expect(p.stdout, [r"train\.lr: 3e-3 -> 2e-3", r"train\.steps: 8 -> 10",
+                            r"continues on the curve for 10 steps: at step 5 the rate is",
+                            r"4 row\(s\) past step 4 from the earlier run moved to .*metrics\.jsonl\.superseded"], "stdout")
+        now = rows(rundir)
+        aside = rows(rundir, "metrics.jsonl.superseded")
+        print("steps now %s; set aside %s" % ([r["step"] for r in now], [r["step"] for r in aside]))
+        c.check([r["step"] for r in now] == list(range(1, 11)), "metrics.jsonl does not hold steps 1..10")
+        c.check(now[:4] == first[:4], "the rows up to the resumed step changed")
+        c.check(aside == first[4:], "the earlier run's rows 5..8 were not set aside whole")
+
+
+def case_directory(c, name):
+    if name == "fresh_refused_over_checkpoints":
+        rundir = saved_run(c)
+        before = snapshot(rundir)
+        p, _ = c.loom("first", 1, [], expect=2)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [r"holds an earlier run's checkpoints \(ckpt-00000002\.h5, ckpt-00000004\.h5, ckpt-00000006\.h5, ckpt-00000008\.h5, latest\)",
+                            r"checkpoint\.resume=auto", r"run\.overwrite = true"], "stderr")
+        c.check(snapshot(rundir) == before, "the refused run changed the directory")
+        p, _ = c.loom("first", 1, ["run.overwrite=true", "train.steps=3", "checkpoint.every=3"])
+        left = sorted(os.listdir(os.path.join(rundir, "checkpoints")))
+        print("after run.overwrite = true: %s" % left)
+        c.check(left == ["ckpt-00000003.h5", "latest"], "run.overwrite left %s" % left)
+    elif name == "resume_auto_and_at_end":
+        auto = ["checkpoint.resume=auto", "train.steps=6", "checkpoint.every=4"]
+        p, rundir = c.loom("run", 1, auto)
+        ckdir = os.path.join(rundir, "checkpoints")
+        files = sorted(os.listdir(ckdir))
+        print("first job: %s, latest -> %s" % (files, latest(ckdir)))
+        c.check(files == ["ckpt-00000004.h5", "ckpt-00000006.h5", "latest"] and latest(ckdir) == "ckpt-00000006.h5",
+                "checkpoint.at_end did not save step 6")
+        p, _ = c.loom("run", 1, ["checkpoint.resume=auto", "train.steps=8", "checkpoint.every=4"])
+        c.expect(p.stdout, [r"resumed from .*ckpt-00000006\.h5 at step 6"], "stdout")
+        c.check([r["step"] for r in rows(rundir)] == list(range(1, 9)), "the chain's metrics are not steps 1..8")
+    elif name == "lock_one_run_per_dir":
+        cmd, rundir = c.command("shared", 1, ["train.steps=100000000", "train.schedule=constant"])
+        holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline and len(rows(rundir)) < 3:
+                time.sleep(0.05)
+            before = rows(rundir)
+            p, _ = c.loom("shared", 1, [], expect=2)
+            print(p.stderr.strip())
+            c.expect(p.stderr, [r"run\.dir = '.*shared' is in use by another loom run \(host \S+ pid %d since " % holder.pid],
+                     "stderr")
+            c.check(holder.poll() is None, "the first run stopped")
+            c.check(rows(rundir)[: len(before)] == before, "the refused run touched the holder's metrics")
+        finally:
+            holder.kill()
+            holder.communicate()
+        # Killed without a chance to clean up: the kernel released the lock, a new run may start.
+        p, _ = c.loom("shared", 1, ["train.steps=2"])
+        c.check(not os.path.exists(os.path.join(rundir, "loom.lock")), "loom.lock left behind after a finished run")
+
+
+def case_write_failure(c, name):
+    # UCX (MPICH's transport) keeps shared-memory segments as files: keep them out of the file-size
+    # limit by using its TCP transport, which works within one node too.
+    env = {"UCX_TLS": "self,tcp"}
+    if name == "write_failure_metrics":
+        p, rundir = c.loom("run", 1, [], env=env, expect=1, shell_prefix="ulimit -f 2")
+        print(p.stderr.strip())
+        c.expect(p.stderr, [r"cannot write '.*metrics\.jsonl': File too large"], "stderr")
+        c.check("Segmentation" not in p.stderr, "a crash")
+        return
+    ranks = 2 if name.endswith("np2") else 1
+    dp = ["parallel.dp=%d" % ranks]
+    rundir = saved_run(c, sets=dp, ranks=ranks)
+    ckdir = os.path.join(rundir, "checkpoints")
+    before = {f: open(os.path.join(ckdir, f), "rb").read() for f in ("ckpt-00000008.h5", "latest")}
+    p, _ = c.loom("first", ranks, dp + ["checkpoint.resume=latest", "train.steps=10", "checkpoint.every=1"],
+                  env=env, expect=1, shell_prefix="ulimit -f 150")
+    print(p.stderr.strip())
+    c.expect(p.stderr, [r"checkpoint '.*ckpt-00000009\.h5\.tmp': cannot write dataset \S+ \(File too large\)",
+                        r"the earlier checkpoints and `latest` are unchanged"], "stderr")
+    c.check("Segmentation" not in p.stderr and "signal 11" not in p.stderr, "a crash")
+    for f, data in before.items():
+        c.check(open(os.path.join(ckdir, f), "rb").read() == data, "%s changed" % f)
+    if ranks == 1:
+        c.check(not os.path.exists(os.path.join(ckdir, "ckpt-00000009.h5.tmp")), "the .tmp was left behind")
+        c.check(summary(rundir)["status"] == "failed", "summary.json does not say failed")
+
+
+def case_interrupt(c, name):
+    const = ["train.schedule=constant", "train.steps=100000000"]
+    for tag, ranks, sig in (("sigterm_np2", 2, signal.SIGTERM), ("sigint_np1", 1, signal.SIGINT)):
+        sets = ["parallel.dp=%d" % ranks] + const
+        cmd, rundir = c.command(tag, ranks, sets)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+        deadline = time.time() + 60
+        while time.time() < deadline and len(rows(rundir)) < 3:
+            time.sleep(0.05)
+        proc.send_signal(sig)  # to mpirun for 2 ranks: MPICH's hydra passes it on to the ranks
+        out, err = proc.communicate(timeout=120)
+        print("%s: exit %d\n%s%s" % (tag, proc.returncode, out[-700:], err[-700:]))
+        c.check(proc.returncode == 3, "%s: exit status %d, expected 3" % (tag, proc.returncode))
+        s = summary(rundir)
+        c.check(s["status"] == "interrupted", "%s: summary.json status %r" % (tag, s["status"]))
+        ckdir = os.path.join(rundir, "checkpoints")
+        c.check(re.match(r"ckpt-\d+\.h5$", latest(ckdir)) is not None, "%s: no checkpoint on the signal" % tag)
+        # The next job of the chain: the same command with resume = auto continues.
+        p, _ = c.loom(tag, ranks, ["parallel.dp=%d" % ranks, "train.schedule=constant", "checkpoint.resume=auto",
+                                   "train.steps=%d" % (int(latest(ckdir)[5:13]) + 2)])
+        c.expect(p.stdout, [r"resumed from"], "%s resume stdout" % tag)
+
+
+def case_numbers(c, name):
+    dp2 = ["parallel.dp=2"]
+    _, full = c.loom("full", 2, dp2 + ["checkpoint.every=4"])
+    _, part = c.loom("part", 2, dp2 + ["checkpoint.resume=" + os.path.join(full, "checkpoints", "ckpt-00000004.h5")])
+    a, b = summary(full)["comm"]["dp"]["bytes_sent_per_step"], summary(part)["comm"]["dp"]["bytes_sent_per_step"]
+    print("dp bytes per step: uninterrupted %.0f, resumed for 4 of 8 steps %.0f" % (a, b))
+    c.check(abs(a - b) <= 1e-3 * a, "per-step bytes of the resumed run are not the uninterrupted run's")
+    _, one = c.loom("one", 1, [])
+    p, tp = c.loom("tp2", 2, ["parallel.tp=2"])
+    s1, s2 = summary(one), summary(tp)
+    print("parameters: one process %d; tp 2 %d (rank 0 holds %d)" % (s1["parameters"], s2["parameters"], s2["parameters_rank0"]))
+    c.check(s1["parameters"] == s2["parameters"] == s1["parameters_rank0"], "parameters is not the model's count")
+    c.check(s2["parameters_rank0"] < s2["parameters"], "rank 0's shard at tp 2 is not smaller than the model")
+    report = json.load(open(os.path.join(tp, "report.json")))
+    c.check("run" in report["command_line"] and report["set_on_command_line"].get("parallel.tp") == "2",
+            "report.json lacks the command line or the --set keys")
+    for r in rows(tp):
+        for k in ("elapsed_s", "eta_s", "time", "mfu"):
+            c.check(k in r, "metrics row of step %d has no %s" % (r["step"], k))
+    c.check(rows(tp)[-1]["eta_s"] == 0, "the last row's ETA is not 0")
+    c.expect(p.stdout, [r"MFU +: against [0-9.]+ TFLOP/s \(measured matrix-product rate, summed over 2 ranks\)",
+                        r"\| MFU [0-9.]+% \|", r"ETA 0 s"], "stdout")
+
+
+CASES = {
+    "nonfinite_stop_dp2": case_nonfinite, "nonfinite_weights_never_saved": case_nonfinite,
+    "nonfinite_skip_dp2": case_nonfinite, "nonfinite_skip_limit": case_nonfinite, "nonfinite_last_step": case_nonfinite,
+    "resume_refuses_nonfinite": case_resume, "resume_refuses_other_model": case_resume,
+    "resume_refuses_bad_step": case_resume, "resume_keeps_metrics": case_resume,
+    "fresh_refused_over_checkpoints": case_directory, "resume_auto_and_at_end": case_directory,
+    "lock_one_run_per_dir": case_directory,
+    "write_failure_np1": case_write_failure, "write_failure_np2": case_write_failure,
+    "write_failure_metrics": case_write_failure,
+    "interrupt_exit_status": case_interrupt,
+    "numbers": case_numbers,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("case", choices=sorted(CASES))
+    args = ap.parse_args()
+    c = Case(args, args.case)
+    CASES[args.case](c, args.case)
+    return c.done(args.case)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
