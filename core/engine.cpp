@@ -77,6 +77,7 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   sync_->finish(model_);
   model_.partition().finish_grads(model_);
   schedule_->finish_grads(model_);
+  st.local_loss = local_loss;
   st.loss = sync_->mean_over_replicas(local_loss);
   const double sq = schedule_->grad_sq_norm(sync_->grad_sq_norm(model_.partition().grad_sq_norm(model_, be_)));
   st.grad_norm = std::sqrt(sq);

@@ -91,6 +91,7 @@ struct StepStats {
   // The loss or the gradient norm was not finite: the update was not applied (on every rank alike,
   // since both are global values); the driver reports it and stops or skips (train.on_nonfinite).
   bool nonfinite = false;
+  double local_loss = 0;  // this rank's own share of the loss, before the mean over replicas
   double seconds = 0;
   PhaseTimes times;
   std::array<std::size_t, kMemCategories> peak_bytes{};  // ledger peaks during the step

@@ -251,6 +251,15 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       std::snprintf(what, sizeof what, "step %lld: loss %g, gradient norm %g: not finite",
                     static_cast<long long>(step + 1), st.loss, st.grad_norm);
       nonfinite_note = std::string(what) + (bad ? "; first non-finite: " + bad->describe() : "");
+      // Gradient sync spreads a NaN to every replica; the ranks whose own loss was not finite are
+      // where it came from (pipeline stages other than the last compute no loss).
+      std::vector<double> own(static_cast<std::size_t>(world), 0.0);
+      own[s.grid->rank()] = std::isfinite(st.local_loss) ? 0.0 : 1.0;
+      s.grid->world().all_reduce(own.data(), world);
+      std::string origin;
+      for (int r = 0; r < world; ++r)
+        if (own[r] > 0) origin += (origin.empty() ? "" : ", ") + std::to_string(r);
+      if (!origin.empty()) nonfinite_note += "; the loss was not finite on rank(s) " + origin;
       if (!skip_nonfinite)
         failure = nonfinite_note + "; stopped without applying it (train.on_nonfinite = stop; lower train.lr, or "
                                    "set train.on_nonfinite = skip to drop such steps)";
