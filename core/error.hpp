@@ -33,5 +33,7 @@ struct ReportedError : InputError {
 // with "..." and its full length. quote_value: 'aaaa...' (1048576 bytes); escape_value, where the
 // message's own syntax delimits the value (--set X: ..., [section], a number): aaaa... (1048576 bytes).
 std::string quote_value(std::string_view value, std::size_t max_chars = 80);
+// A file or directory name: escaped like any value, but never cut short (a cut path names no file).
+inline std::string quote_path(std::string_view path) { return quote_value(path, 4096); }
 std::string escape_value(std::string_view value, std::size_t max_chars = 80);
 }  // namespace loom

@@ -165,7 +165,7 @@ std::int64_t Checkpointing::resume() {
   std::error_code ec;
   load_bytes_ = static_cast<double>(fs::file_size(path, ec));
   if (st.step >= s_.steps)
-    throw DeckError("checkpoint " + quote_value(path) + " is at step " + std::to_string(st.step) + ", and train.steps = " +
+    throw DeckError("checkpoint " + quote_path(path) + " is at step " + std::to_string(st.step) + ", and train.steps = " +
                     std::to_string(s_.steps) + ": nothing left to train (raise train.steps)");
   if (world_rank() != 0) return st.step;
   std::cout << "resumed from " << path << " at step " << st.step << " (written by dp " << st.layout.dp << " x tp "

@@ -192,7 +192,7 @@ void Session::setup_collective() {
   train_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
                                   std::vector<std::int32_t>& tgt) {
     if (inject_fault("data", step))
-      throw InputError("data.source = " + quote_value(data_source) +
+      throw InputError("data.source = " + quote_path(data_source) +
                        ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
     Batch b;
     load_batch(*train_data, Split::train, step, row0 + first_row, rows, T, b);

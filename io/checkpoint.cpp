@@ -38,7 +38,7 @@ struct Handle {  // closes an HDF5 id with the matching function; movable, not c
 };
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw InputError("checkpoint " + quote_value(path) + ": " + what);
+  throw InputError("checkpoint " + quote_path(path) + ": " + what);
 }
 
 std::string shape_text(const std::vector<hsize_t>& d) {

@@ -162,7 +162,7 @@ class StreamDataset final : public Dataset {
 };
 
 std::unique_ptr<Dataset> open_text(const DataConfig& cfg, const std::string& path) {
-  const std::string what = cfg.key + " text file " + quote_value(path);
+  const std::string what = cfg.key + " text file " + quote_path(path);
   if (cfg.vocab < 256) {
     throw InputError(what + ": " + cfg.key + " text needs model.vocab >= 256 (bytes are tokens 0..255), but model.vocab = " +
                      std::to_string(cfg.vocab));
@@ -182,7 +182,7 @@ std::int32_t le32(const unsigned char* p) {
 
 // Appends the tokens of one llm.c shard to `toks`.
 void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std::uint16_t>& toks) {
-  const std::string what = cfg.key + " tokens file " + quote_value(path);
+  const std::string what = cfg.key + " tokens file " + quote_path(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(what + ": cannot be read (" + std::strerror(errno) + ")");
   in.seekg(0, std::ios::end);
@@ -251,14 +251,14 @@ std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& p
   }
   globfree(&g);
   if (rc == GLOB_NOMATCH || (rc == 0 && files.empty()))
-    throw InputError(what + ": the pattern " + quote_value(pattern) + " matches no file");
-  if (rc != 0) throw InputError(what + ": the pattern " + quote_value(pattern) + " cannot be expanded (glob error " +
+    throw InputError(what + ": the pattern " + quote_path(pattern) + " matches no file");
+  if (rc != 0) throw InputError(what + ": the pattern " + quote_path(pattern) + " cannot be expanded (glob error " +
                                 std::to_string(rc) + ")");
   std::sort(files.begin(), files.end());
   std::vector<std::uint16_t> toks;
   for (const auto& f : files) read_shard(cfg, f, toks);
   std::string desc_what = what;
-  if (files.size() == 1) desc_what = cfg.key + " tokens file " + quote_value(files[0]);
+  if (files.size() == 1) desc_what = cfg.key + " tokens file " + quote_path(files[0]);
   std::ostringstream header;
   header << "tokens:" << escape_value(pattern) << " (" << files.size() << (files.size() == 1 ? " file, " : " files, ")
          << toks.size() << " tokens";
@@ -285,7 +285,7 @@ std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg) {
     if (kind == "text") return open_text(cfg, arg);
     if (kind == "tokens") return open_tokens(cfg, arg);
   }
-  throw InputError(cfg.key + " = " + quote_value(src) + ": unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
+  throw InputError(cfg.key + " = " + quote_path(src) + ": unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
 }
 
 void load_batch(const Dataset& ds, Split split, std::int64_t step, std::int64_t first_row, int rows, int seq_len,

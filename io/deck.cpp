@@ -505,7 +505,7 @@ Deck Deck::load(const DeckSchema& schema, const std::string& path, const std::ve
     return origin.second != "default" && origin.second != "--set";
   });
   if (!sets_something) {
-    const std::string what = "deck " + quote_value(path) + ": ";
+    const std::string what = "deck " + quote_path(path) + ": ";
     if (text.empty()) throw DeckError(what + "is empty (0 bytes); a deck sets at least one key (build/loom keys lists them)");
     throw DeckError(what + "has no settings (only comments, blank lines or section headers); a deck sets at least "
                     "one key as 'key = value' under a [section] (build/loom keys lists them)");

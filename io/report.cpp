@@ -15,13 +15,13 @@ namespace loom {
 void make_run_dir(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) throw InputError("run.dir = " + quote_value(dir) + ": cannot create the directory (" + ec.message() + ")");
+  if (ec) throw InputError("run.dir = " + quote_path(dir) + ": cannot create the directory (" + ec.message() + ")");
 }
 
 void JsonLines::open(const std::string& path) {
   path_ = path;
   out_.open(path, std::ios::trunc);
-  if (!out_) throw InputError("cannot write " + quote_value(path) + " (check run.dir)");
+  if (!out_) throw InputError("cannot write " + quote_path(path) + " (check run.dir)");
 }
 
 void JsonLines::write(const nlohmann::json& record) {
@@ -31,7 +31,7 @@ void JsonLines::write(const nlohmann::json& record) {
 
 void write_json(const std::string& path, const nlohmann::json& value) {
   std::ofstream out(path, std::ios::trunc);
-  if (!out) throw InputError("cannot write " + quote_value(path) + " (check run.dir)");
+  if (!out) throw InputError("cannot write " + quote_path(path) + " (check run.dir)");
   out << value.dump(2) << '\n';
 }
 
