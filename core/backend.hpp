@@ -7,6 +7,10 @@
 #include <memory>
 #include <string>
 
+#include "core/buffer.hpp"
+#include "core/dtype.hpp"
+#include "core/ledger.hpp"
+
 namespace loom {
 
 class Backend {
@@ -14,6 +18,13 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;         // "host"
   virtual std::string description() const = 0;  // execution space, BLAS, threads
+  // Where this back end's tensors live, and a zeroed buffer there, filed in the ledger under
+  // `category`. Every tensor of a run (parameters, gradients, optimizer state, activations,
+  // communication scratch) is allocated here, so that a device back end places them all.
+  virtual MemSpace space() const { return MemSpace::host; }
+  virtual TypedBuffer allocate(const std::string& label, DType type, std::int64_t count, Mem category) {
+    return TypedBuffer(label, type, count, category);
+  }
 
   // wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor parallelism).
   virtual void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe,
