@@ -39,62 +39,116 @@ double Schedule::forward_only(StepContext& ctx) {
   return total / ctx.micro_batches;
 }
 
-Engine::Engine(const EngineConfig& cfg, GPT& model, Backend& backend, std::unique_ptr<Schedule> schedule,
-               std::unique_ptr<GradSync> sync)
+const char* step_phase_name(StepPhase p) {
+  switch (p) {
+    case StepPhase::micro_batches: return "micro_batches";
+    case StepPhase::grads_final: return "grads_final";
+    case StepPhase::unscale_check: return "unscale_check";
+    case StepPhase::norm: return "norm";
+    case StepPhase::clip: return "clip";
+    case StepPhase::optimize: return "optimize";
+    case StepPhase::refresh: return "refresh";
+    case StepPhase::count_: break;
+  }
+  return "?";
+}
+
+Engine::Engine(const EngineConfig& cfg, GPT& model, Backend& backend, EngineRoles roles)
     : cfg_(cfg),
       model_(model),
       be_(backend),
-      optimizer_(cfg.optimizer, backend, model.params()),
-      schedule_(schedule ? std::move(schedule) : std::make_unique<AccumulateSchedule>()),
-      sync_(sync ? std::move(sync) : std::make_unique<GradSync>()) {
-  model_.set_grad_ready_hook([this](int first, int end) { sync_->grads_ready(model_, first, end); });
+      optimizer_(roles.optimizer ? std::move(roles.optimizer) : std::make_unique<AdamW>(cfg.optimizer, backend)),
+      schedule_(roles.schedule ? std::move(roles.schedule) : std::make_unique<AccumulateSchedule>()),
+      sync_(roles.grad_sync ? std::move(roles.grad_sync) : std::make_unique<GradSync>()),
+      world_(roles.world) {
+  optimizer_->build(model_.params(), model_.store().owned());
+  for (PhaseHook& h : roles.hooks) add_hook(std::move(h));
+  model_.set_grad_ready_hook([this](int unit) { sync_->grads_ready(model_, unit); });
 }
 
 Engine::~Engine() { model_.set_grad_ready_hook({}); }
+
+void Engine::run_hooks(StepPhase p, StepState& s) {
+  for (const PhaseHook& h : hooks_[static_cast<std::size_t>(p)]) h.run(s);
+}
+
+double Engine::owned_sq_norm() {
+  double sq = 0;
+  ParamStore& store = model_.store();
+  for (const OwnedSlice& o : store.owned())
+    if (o.primary) sq += be_.sum_squares(store.grad(o.param).as<float>() + o.begin, o.size());
+  return sq;
+}
 
 StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
                             const std::function<void(const StepStats&)>& before_update) {
   Ledger::global().reset_peaks();
   StepStats st;
-  st.step = step;
+  StepState s;
+  st.step = s.step = step;
   const double t0 = now();
+
+  // micro_batches: the schedule's forwards and backwards.
   model_.zero_grad();
   // Regression cases poison one weight element of one rank for this step only (a bad batch's NaN).
   const bool poison = inject_fault("nan", step) && !model_.params().empty();
-  float* poisoned = poison ? model_.param_data() + model_.params().front().offset : nullptr;
+  float* poisoned = poison ? model_.param_ptr(0) : nullptr;
   const float kept = poison ? *poisoned : 0.0f;
   if (poison) *poisoned = std::numeric_limits<float>::quiet_NaN();
   StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_)};
-  const double local_loss = schedule_->run(ctx);
+  s.local_loss = schedule_->run(ctx);
   inputs_ = std::move(ctx.inputs);
   targets_ = std::move(ctx.targets);
-
   if (poison) *poisoned = kept;
+  run_hooks(StepPhase::micro_batches, s);
 
+  // grads_final. Gradient sync first: its all-reduces may still be in flight on the gradient
+  // buffer. Both steps are sums over disjoint groups, so the order does not change the result.
   double t1 = now();
-  // Gradient sync first: its all-reduces may still be in flight on the gradient buffer. Both steps
-  // are sums over disjoint groups, so the order does not change the result.
   sync_->finish(model_);
   model_.partition().finish_grads(model_);
   schedule_->finish_grads(model_);
-  st.local_loss = local_loss;
-  st.loss = sync_->mean_over_replicas(local_loss);
-  const double sq = schedule_->grad_sq_norm(sync_->grad_sq_norm(model_.partition().grad_sq_norm(model_, be_)));
-  st.grad_norm = std::sqrt(sq);
+  s.loss = sync_->mean_over_replicas(s.local_loss);
+  run_hooks(StepPhase::grads_final, s);
+
+  // unscale_check: nothing to unscale in fp32; a precision strategy's hook runs here.
+  run_hooks(StepPhase::unscale_check, s);
+
+  // norm: every element is counted by its one primary owner, summed over the world.
+  s.sq_norm = owned_sq_norm();
+  if (world_ && world_->size() > 1) s.sq_norm = world_->sum(s.sq_norm);
+  run_hooks(StepPhase::norm, s);
+  st.local_loss = s.local_loss;
+  st.loss = s.loss;
+  st.grad_norm = std::sqrt(s.sq_norm);
   double t2 = now();
   st.times.sync = t2 - t1;
-  st.lr = lr_at(cfg_.optimizer, step);
+  st.lr = s.lr = lr_at(cfg_.optimizer, step);
   if (before_update) before_update(st);
 
   // Loss and norm are global (reduced over every group), so every rank takes the same branch.
-  st.nonfinite = !std::isfinite(st.loss) || !std::isfinite(st.grad_norm);
-  if (!st.nonfinite) {
-    st.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);
-    if (st.clip_coef < 1.0) be_.scale(model_.grad_data(), static_cast<float>(st.clip_coef), model_.num_params());
-    optimizer_.step(model_.param_data(), model_.grad_data(), st.lr);
+  s.nonfinite = s.nonfinite || !std::isfinite(st.loss) || !std::isfinite(st.grad_norm);
+  st.nonfinite = s.nonfinite;
+  st.skip_reason = s.skip_reason;
+  if (!s.nonfinite && s.skip_reason.empty()) {
+    // clip: the slices this rank updates (replicas scale their copies alike).
+    s.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);
+    if (s.clip_coef < 1.0) {
+      ParamStore& store = model_.store();
+      for (const OwnedSlice& o : store.owned())
+        be_.scale(store.grad(o.param).as<float>() + o.begin, static_cast<float>(s.clip_coef), o.size());
+    }
+    run_hooks(StepPhase::clip, s);
+    st.clip_coef = s.clip_coef;
+    // optimize: the optimizer role on the owned slices.
+    optimizer_->step(model_.store(), st.lr);
     // Regression cases make the weights themselves non-finite (as an overflowing update would).
     if (inject_fault("nan_weights", step) && !model_.params().empty())
-      model_.param_data()[model_.params().back().offset] = std::numeric_limits<float>::quiet_NaN();
+      model_.param_ptr(static_cast<int>(model_.params().size()) - 1)[0] = std::numeric_limits<float>::quiet_NaN();
+    run_hooks(StepPhase::optimize, s);
+    // refresh: gather updated shards, refresh compute copies.
+    model_.store().refresh();
+    run_hooks(StepPhase::refresh, s);
   }
   const double t3 = now();
   st.times.optimizer = t3 - t2;

@@ -1,10 +1,11 @@
 #pragma once
-// The engine runs one training step (DESIGN.md "The training step and the strategy roles"):
-//   schedule the micro-batches (forward, backward) -> finish gradient synchronisation ->
-//   clip by the global norm -> optimizer step.
-// Strategies plug into the step through roles; this header declares the roles this engine calls
-// and the core's single-process default of each. (Partition, state sharding and precision roles
-// join when the plugins that fill them land; their single-process defaults are the plain model.)
+// The engine runs one training step (DESIGN.md "The training step") as explicit phases:
+//   micro_batches (schedule) -> grads_final (gradient sync, the partition's and the schedule's
+//   finish_grads) -> unscale_check -> norm (over the elements each rank owns, summed over the world)
+//   -> clip -> optimize (the optimizer role on the owned slices) -> refresh (the store's refresh).
+// Each phase runs the core's built-in work, then the hooks strategies registered for it (a mixed
+// precision strategy unscales in unscale_check and may skip the update; ZeRO gathers in refresh).
+// This header declares the roles the engine calls and the core's single-process default of each.
 #include <array>
 #include <cstdint>
 #include <functional>
@@ -16,6 +17,7 @@
 #include "core/gpt.hpp"
 #include "core/ledger.hpp"
 #include "core/optimizer.hpp"
+#include "core/reducer.hpp"
 
 namespace loom {
 
@@ -36,14 +38,14 @@ class GradSync {
   virtual std::string name() const { return "none (one replica)"; }
   // Before the backward of micro-batch k of m.
   virtual void begin_micro_batch(GPT& /*model*/, int /*k*/, int /*m*/) {}
-  // During backward: the gradients of parameters [first, end) are complete for this micro-batch.
-  virtual void grads_ready(GPT& /*model*/, int /*first*/, int /*end*/) {}
+  // During backward: the gradients of unit `unit` (model.units()) are complete for this micro-batch.
+  virtual void grads_ready(GPT& /*model*/, int /*unit*/) {}
   // After the last backward of the step: gradients must be final (synchronised, averaged) on return.
   virtual void finish(GPT& /*model*/) {}
   // The loss of the whole global batch from this rank's share (the mean over replicas).
   virtual double mean_over_replicas(double local) { return local; }
-  // The squared global gradient norm from this rank's gradients.
-  virtual double grad_sq_norm(double local) { return local; }
+  // The reducer its buckets go through, once the run has composed it (wrappers included).
+  virtual void use_reducer(Reducer* /*reducer*/) {}
   // Numbers for the metrics of the last step (name -> value), e.g. measured vs textbook volume.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
 };
@@ -73,8 +75,6 @@ class Schedule {
   // After gradient sync and the partition's finish_grads: e.g. sum the tied embedding's gradient
   // between the first and last pipeline stage.
   virtual void finish_grads(GPT& /*model*/) {}
-  // The squared gradient norm of the whole model from this rank's share (summed over stages).
-  virtual double grad_sq_norm(double local) { return local; }
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
 };
@@ -91,11 +91,35 @@ struct StepStats {
   // The loss or the gradient norm was not finite: the update was not applied (on every rank alike,
   // since both are global values); the driver reports it and stops or skips (train.on_nonfinite).
   bool nonfinite = false;
+  // A phase hook skipped the update on purpose (e.g. a loss-scale overflow): why; empty otherwise.
+  std::string skip_reason;
   double local_loss = 0;  // this rank's own share of the loss, before the mean over replicas
   double seconds = 0;
   PhaseTimes times;
   std::array<std::size_t, kMemCategories> peak_bytes{};  // ledger peaks during the step
   std::size_t peak_total = 0;
+};
+
+// The phases of a step, in order.
+enum class StepPhase : int { micro_batches = 0, grads_final, unscale_check, norm, clip, optimize, refresh, count_ };
+inline constexpr int kStepPhases = static_cast<int>(StepPhase::count_);
+const char* step_phase_name(StepPhase p);  // "micro_batches", ...
+
+// What the phases of one step share. Hooks may read everything and change what their phase owns:
+// unscale_check may set skip_reason (no clip, optimize or refresh follows) or mark `nonfinite`.
+struct StepState {
+  std::int64_t step = 0;
+  double local_loss = 0, loss = 0;  // this rank's share; the mean over the global batch
+  double sq_norm = 0;               // the squared global gradient norm (after norm)
+  double clip_coef = 1, lr = 0;
+  bool nonfinite = false;
+  std::string skip_reason;
+};
+
+struct PhaseHook {
+  StepPhase phase;
+  std::string owner;  // the strategy that registered it, for messages
+  std::function<void(StepState&)> run;
 };
 
 struct EngineConfig {
@@ -104,34 +128,53 @@ struct EngineConfig {
   OptimizerConfig optimizer;
 };
 
+// The roles an engine runs with; null members take the core's defaults (accumulation over
+// micro-batches, no gradient sync, AdamW over the store's owned slices, no world to sum over).
+struct EngineRoles {
+  std::unique_ptr<Schedule> schedule;
+  std::unique_ptr<GradSync> grad_sync;
+  std::unique_ptr<Optimizer> optimizer;
+  std::vector<PhaseHook> hooks;
+  // Sums the gradient norm's owned parts over every rank (the grid's world); null: one process.
+  Communicator* world = nullptr;
+};
+
 class Engine {
  public:
-  Engine(const EngineConfig& cfg, GPT& model, Backend& backend, std::unique_ptr<Schedule> schedule = nullptr,
-         std::unique_ptr<GradSync> sync = nullptr);
+  Engine(const EngineConfig& cfg, GPT& model, Backend& backend, EngineRoles roles = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
-  // One training step. `before_update`, when given, runs after gradient synchronisation and before
-  // clipping and the optimizer (the exporter reads the raw gradients there). A step whose loss or
-  // gradient norm is not finite leaves parameters and optimizer state as they were.
+  // One training step. `before_update`, when given, runs after the norm phase and before clipping
+  // and the optimizer (the exporter reads the raw gradients there). A step whose loss or gradient
+  // norm is not finite leaves parameters and optimizer state as they were.
   StepStats train_step(std::int64_t step, const BatchFn& fetch,
                        const std::function<void(const StepStats&)>& before_update = {});
   // Mean loss over `batches` global batches drawn by `fetch` (step = batch number), forward only.
   double evaluate(int batches, const BatchFn& fetch);
   GPT& model() { return model_; }
-  AdamW& optimizer() { return optimizer_; }
+  Optimizer& optimizer() { return *optimizer_; }
   const Schedule& schedule() const { return *schedule_; }
   Schedule& schedule() { return *schedule_; }
   const GradSync& grad_sync() const { return *sync_; }
   GradSync& grad_sync() { return *sync_; }
+  // Registers `hook` to run after the built-in work of its phase (in registration order).
+  void add_hook(PhaseHook hook) { hooks_[static_cast<std::size_t>(hook.phase)].push_back(std::move(hook)); }
+  const std::vector<PhaseHook>& hooks(StepPhase p) const { return hooks_[static_cast<std::size_t>(p)]; }
 
  private:
+  void run_hooks(StepPhase p, StepState& s);
+  // The squared norm of the gradient elements this rank is the primary owner of.
+  double owned_sq_norm();
+
   EngineConfig cfg_;
   GPT& model_;
   Backend& be_;
-  AdamW optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Schedule> schedule_;
   std::unique_ptr<GradSync> sync_;
+  Communicator* world_ = nullptr;
+  std::array<std::vector<PhaseHook>, kStepPhases> hooks_;
   std::vector<std::int32_t> inputs_, targets_;
 };
 

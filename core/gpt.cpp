@@ -14,8 +14,14 @@ void GPTConfig::validate() const {
                      std::to_string(heads) + " (each head needs d_model/heads channels)");
 }
 
-GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage)
-    : cfg_(cfg), be_(backend), part_(partition ? partition : &default_partition_), max_rows_(max_rows), stage_(stage) {
+GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage,
+         ParamStore* store, int dp, int dp_rank)
+    : cfg_(cfg),
+      be_(backend),
+      part_(partition ? partition : &default_partition_),
+      max_rows_(max_rows),
+      stage_(stage),
+      store_(store ? store : &own_store_) {
   cfg_.validate();
   if (stage_.chunks.empty()) stage_.chunks.push_back({0, cfg.layers, 1});
   layer_pos_.assign(static_cast<std::size_t>(cfg.layers), -1);
@@ -46,6 +52,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     p.shape = std::move(shape);
     p.local_shape = std::move(local);
     p.split = tp > 1 ? split : TpSplit::none;
+    p.shard = ShardDesc::make(p.shape, p.split, static_cast<int>(tp), tp_rank_);
     p.sp_partial = sp_ && split == TpSplit::none && p.name != "wpe.weight";
     p.init = init;
     p.init_std = std;
@@ -72,30 +79,55 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   add("ln_f.weight", {C}, {C}, TpSplit::none, I::ones, 0);
   add("ln_f.bias", {C}, {C}, TpSplit::none, I::zeros, 0);
   // The first stage holds the embeddings, the last ln_f and the head, whose weight is wte (tied):
-  // a last stage that is not also the first holds a shadow copy of wte.
-  const int n_all = static_cast<int>(all_params_.size());
-  for (int i = 0; i < n_all; ++i) {
-    ParamInfo& p = all_params_[i];
-    const int block = i < 2 || i >= n_all - 2 ? -1 : (i - 2) / 12;
-    const bool here = i == 0   ? stage_.first() || stage_.last()
-                      : i == 1 ? stage_.first()
-                      : block < 0 ? stage_.last()
-                                  : layer_pos_[block] >= 0;
-    if (!here) {
+  // a last stage that is not also the first holds a shadow copy of wte, in its head unit.
+  block_unit_.assign(static_cast<std::size_t>(L), -1);
+  auto unit_of = [&](const std::string& name) -> int {
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].name == name) return static_cast<int>(u);
+    units_.push_back({name, {}});
+    return static_cast<int>(units_.size()) - 1;
+  };
+  auto hold = [&](const ParamInfo& whole, const std::string& unit, bool shadow) {
+    ParamInfo local = whole;
+    local.shadow = shadow;
+    local.offset = num_params_;
+    local.unit = unit_of(unit);
+    num_params_ += local.numel;
+    const int index = static_cast<int>(params_.size());
+    units_[static_cast<std::size_t>(local.unit)].params.push_back(index);
+    pos_in_unit_.push_back(static_cast<int>(units_[static_cast<std::size_t>(local.unit)].params.size()) - 1);
+    params_.push_back(std::move(local));
+    return index;
+  };
+  const std::string block_prefix = "blocks.";
+  for (ParamInfo& p : all_params_) {
+    const std::string& n = p.name;
+    int held = -1;
+    if (n == "wte.weight") {
+      if (stage_.first()) held = wte_ = hold(p, "embeddings", false);
+      else if (stage_.last()) held = wte_ = -2;  // added to the head unit below, after ln_f
+    } else if (n == "wpe.weight") {
+      if (stage_.first()) held = wpe_ = hold(p, "embeddings", false);
+    } else if (n.compare(0, block_prefix.size(), block_prefix) == 0) {
+      const int layer = std::stoi(n.substr(block_prefix.size()));
+      if (layer_pos_[static_cast<std::size_t>(layer)] >= 0) {
+        held = hold(p, "blocks." + std::to_string(layer), false);
+        block_unit_[static_cast<std::size_t>(layer)] = params_[static_cast<std::size_t>(held)].unit;
+      }
+    } else if (stage_.last()) {
+      held = hold(p, "head", false);
+      (n == "ln_f.weight" ? lnfw_ : lnfb_) = held;
+    }
+    if (held == -1) {
       p.offset = -1;
       p.numel = 0;
-      continue;
     }
-    if (block >= 0 && layer_pos_[block] == 0 && (i - 2) % 12 == 0) block_param0_ = static_cast<int>(params_.size());
-    ParamInfo local = p;
-    local.shadow = i == 0 && !stage_.first();
-    local.offset = num_params_;
-    num_params_ += local.numel;
-    params_.push_back(std::move(local));
   }
-
-  params_buf_ = Buffer<float>("GPT::params", num_params_, Mem::params);
-  grads_buf_ = Buffer<float>("GPT::grads", num_params_, Mem::grads);
+  if (wte_ == -2) wte_ = hold(all_params_.front(), "head", true);
+  emb_unit_ = stage_.first() ? params_[static_cast<std::size_t>(wpe_)].unit : -1;
+  head_unit_ = stage_.last() ? params_[static_cast<std::size_t>(lnfw_)].unit : -1;
+  StoreContext sctx{backend, dp, dp_rank, tp_rank_};
+  store_->build(sctx, params_, units_);
 
   // Activations. Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one
   // set per slot (in-flight micro-batch) of each chunk.
@@ -125,26 +157,16 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   tokens_buf_ = Buffer<std::int32_t>("GPT::tokens", max_slots * 2 * N, Mem::workspace);
 }
 
-std::int64_t GPT::global_index(const ParamInfo& p, std::int64_t i) const {
-  if (p.split == TpSplit::none) return i;
-  const std::int64_t rows_l = p.local_shape[0], cols_l = p.local_shape.size() > 1 ? p.local_shape[1] : 1;
-  const std::int64_t r = i / cols_l, c = i % cols_l;
-  switch (p.split) {
-    case TpSplit::rows: return (tp_rank_ * rows_l + r) * cols_l + c;
-    case TpSplit::qkv_rows: {
-      const std::int64_t Cl = rows_l / 3, part = r / Cl, within = r % Cl;
-      return (part * (Cl * tp_) + tp_rank_ * Cl + within) * cols_l + c;
-    }
-    case TpSplit::cols: return r * (cols_l * tp_) + tp_rank_ * cols_l + c;
-    case TpSplit::none: break;
-  }
-  return i;
-}
-
 const ParamInfo* GPT::find_param(const std::string& name) const {
   for (const auto& p : params_)
     if (p.name == name) return &p;
   return nullptr;
+}
+
+int GPT::param_index(const std::string& name) const {
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].name == name) return static_cast<int>(i);
+  return -1;
 }
 
 const ParamInfo& GPT::param(const std::string& name) const {
@@ -153,15 +175,15 @@ const ParamInfo& GPT::param(const std::string& name) const {
 }
 
 void GPT::init_weights(std::uint64_t seed) {
-  float* base = params_buf_.data();
-  for (const auto& p : params_) {
-    float* w = base + p.offset;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const ParamInfo& p = params_[i];
+    float* w = param_ptr(static_cast<int>(i));
     const std::uint64_t stream = rng::hash_name(p.name);
     switch (p.init) {
       case ParamInfo::Init::normal:
         // Each rank draws exactly its own elements, by their index in the full tensor.
         for (std::int64_t i = 0; i < p.numel; ++i)
-          w[i] = static_cast<float>(p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(global_index(p, i))));
+          w[i] = static_cast<float>(p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(p.shard.global_index(i))));
         break;
       case ParamInfo::Init::ones: be_.fill(w, 1.0f, p.numel); break;
       case ParamInfo::Init::zeros: be_.fill(w, 0.0f, p.numel); break;
@@ -169,11 +191,11 @@ void GPT::init_weights(std::uint64_t seed) {
   }
 }
 
-GPT::BlockParams GPT::block_params(float* base, int layer) const {
-  // The 12 tensors of a block are consecutive in params_, after the embeddings (first stage).
-  const ParamInfo* p = &params_[block_param0_ + 12 * static_cast<std::size_t>(layer_pos_[layer])];
+GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads) const {
+  // A block's unit lists its 12 tensors in the order they are declared above.
+  const std::vector<BufferRef>& t = grads ? view.grads : view.params;
   float* q[12];
-  for (int i = 0; i < 12; ++i) q[i] = base + p[i].offset;
+  for (int i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(i)].as<float>();
   return {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
 }
 
@@ -246,7 +268,11 @@ GPT::Scratch GPT::scratch() const {
 void GPT::block_forward(int chunk, int slot, int l, int B) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
-  const BlockParams w = block_params(params_buf_.data(), l);
+  const int unit = block_unit_[static_cast<std::size_t>(l)];
+  const int next = l + 1 < stage_.chunks[chunk].end_layer ? block_unit_[static_cast<std::size_t>(l + 1)]
+                   : holds_head(chunk)                    ? head_unit_
+                                                          : -1;
+  const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), false);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
   float* x = residual(chunk, slot, l);         // [Nl,C] block input
@@ -269,6 +295,7 @@ void GPT::block_forward(int chunk, int slot, int l, int B) {
   y = part_->reduce_partial(s.partial, s.local, N, C);                        // [Nl,C]
   be_.bias_add(y, w.fcprojb, Nl, C);
   be_.residual_forward(xout, a.xmid, y, static_cast<std::int64_t>(Nl) * C);
+  store_->release(unit, ParamStore::Use::forward);
 }
 
 // s.dres [Nl,C]: gradient of the block's output on entry, of its input on return.
@@ -277,8 +304,13 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
   if (cfg_.recompute) block_forward(chunk, slot, l, B);  // rebuild this block's activations from its saved input
-  const BlockParams w = block_params(params_buf_.data(), l);
-  const BlockParams dw = block_params(grads_buf_.data(), l);
+  const int unit = block_unit_[static_cast<std::size_t>(l)];
+  const int next = l > stage_.chunks[chunk].first_layer ? block_unit_[static_cast<std::size_t>(l - 1)]
+                   : holds_embeddings(chunk)            ? emb_unit_
+                                                        : -1;
+  const ParamStore::UnitView& view = store_->acquire(unit, ParamStore::Use::backward, next);
+  const BlockParams w = block_params(view, false);
+  const BlockParams dw = block_params(view, true);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
   float* dres = s.dres;
@@ -304,6 +336,7 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   const float* dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
   be_.copy(dres, dxmid, NlC);  // the residual branch
   be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
+  store_->release(unit, ParamStore::Use::backward);
 }
 
 double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int B) {
@@ -328,9 +361,11 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   if (holds_embeddings(chunk)) {
     // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
     for (int i = 0; i < N; ++i) inp[i] = inputs[i];
-    const float* wte = params_buf_.data() + params_[0].offset;  // [Vl,C] this rank's vocabulary rows
-    const float* wpe = params_buf_.data() + params_[1].offset;  // [T,C]
+    const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
+    const float* wte = tensor(e, wte_);  // [Vl,C] this rank's vocabulary rows
+    const float* wpe = tensor(e, wpe_);  // [T,C]
     be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
+    store_->release(emb_unit_, ParamStore::Use::forward);
     be_.copy(residual(chunk, slot, l0), part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
   } else {
     be_.copy(residual(chunk, slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous chunk's output
@@ -342,14 +377,18 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   if (!holds_head(chunk)) return 0.0;
 
   for (int i = 0; i < N; ++i) tgt[i] = targets[i];
-  const float* wte = params_buf_.data() + params_[0].offset;
-  const float* lnfw = params_buf_.data() + params_[params_.size() - 2].offset;
-  const float* lnfb = params_buf_.data() + params_[params_.size() - 1].offset;
+  const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, -1);
+  const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
+  const float* wte = tensor(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
+  const float* lnfw = tensor(hv, lnfw_);
+  const float* lnfb = tensor(hv, lnfb_);
   const Head h = head(slot);
   be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
   const float* lnf = part_->to_full(h.lnf, s.full, N, C);                       // [N,C]
   be_.matmul_forward(h.logits, lnf, wte, nullptr, N, C, vocab_local_);          // tied head: [N,Vl]
   part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
+  if (wte_apart) store_->release(emb_unit_, ParamStore::Use::forward);
+  store_->release(head_unit_, ParamStore::Use::forward);
   return be_.sum(h.losses, N) / N;
 }
 
@@ -363,41 +402,46 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   const std::int32_t* inp = tokens_buf_.data() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
   const std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
   const Scratch s = scratch();
-  const int n_params = static_cast<int>(params_.size());
 
   if (holds_head(chunk)) {
-    const float* wte = params_buf_.data() + params_[0].offset;
-    const float* lnfw = params_buf_.data() + params_[n_params - 2].offset;
-    float* dwte = grads_buf_.data() + params_[0].offset;
-    float* dlnfw = grads_buf_.data() + params_[n_params - 2].offset;
-    float* dlnfb = grads_buf_.data() + params_[n_params - 1].offset;
+    const int next = l1 > l0 ? block_unit_[static_cast<std::size_t>(l1 - 1)] : -1;
+    const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::backward, next);
+    const bool wte_apart = wte_unit() != head_unit_;
+    const ParamStore::UnitView& wv = wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::backward, next) : hv;
+    const float* wte = tensor(wv, wte_);
+    const float* lnfw = tensor(hv, lnfw_);
+    float* dwte = tensor_grad(wv, wte_);
+    float* dlnfw = tensor_grad(hv, lnfw_);
+    float* dlnfb = tensor_grad(hv, lnfb_);
     const Head h = head(slot);
     float* dlogits = h.probs;  // in place
     part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_, vocab_begin_);
     const float* lnf = part_->to_full(h.lnf, s.full, N, C);
     be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, lnf, wte, N, C, vocab_local_);
-    if (grad_ready_ && !stage_.first()) grad_ready_(0, 1);  // the head's wte (a shadow here) is done
     const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
     be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);
     be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
-    if (grad_ready_) grad_ready_(n_params - 2, n_params);  // ln_f
+    if (wte_apart) store_->release(emb_unit_, ParamStore::Use::backward);
+    store_->release(head_unit_, ParamStore::Use::backward);
+    if (grad_ready_) grad_ready_(head_unit_);  // ln_f, and the shadow of wte on a last stage
   } else {
     be_.copy(s.dres, dout, static_cast<std::int64_t>(Nl) * C);  // from the next chunk
   }
   for (int l = l1 - 1; l >= l0; --l) {
     block_backward(chunk, slot, l, B);
-    const int p0 = block_param0_ + 12 * layer_pos_[l];
-    if (grad_ready_) grad_ready_(p0, p0 + 12);
+    if (grad_ready_) grad_ready_(block_unit_[static_cast<std::size_t>(l)]);
     if (progress_) progress_();
   }
   slot_rows_[chunk][slot] = 0;
   if (!holds_embeddings(chunk)) return s.dres;  // to the previous chunk
 
-  float* dwte = grads_buf_.data() + params_[0].offset;
-  float* dwpe = grads_buf_.data() + params_[1].offset;
+  const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::backward, -1);
+  float* dwte = tensor_grad(e, wte_);
+  float* dwpe = tensor_grad(e, wpe_);
   const float* demb = part_->grad_to_full(s.dres, s.dfull, N, C);  // [N,C]
   be_.encoder_backward(dwte, dwpe, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
-  if (grad_ready_) grad_ready_(0, 2);  // wte (tied head included), wpe
+  store_->release(emb_unit_, ParamStore::Use::backward);
+  if (grad_ready_) grad_ready_(emb_unit_);  // wte (tied head included), wpe
   return nullptr;
 }
 
@@ -413,7 +457,7 @@ GPT::Head GPT::head(int slot) const {
   return h;
 }
 
-void GPT::zero_grad() { be_.fill(grads_buf_.data(), 0.0f, num_params_); }
+void GPT::zero_grad() { store_->zero_grads(); }
 
 double GPT::flops_per_token() const {
   const double L = cfg_.layers, C = cfg_.d_model, T = cfg_.seq_len, V = cfg_.vocab;

@@ -12,6 +12,7 @@
 
 #include "core/backend.hpp"
 #include "core/buffer.hpp"
+#include "core/param_store.hpp"
 #include "core/partition.hpp"
 
 namespace loom {
@@ -41,31 +42,20 @@ struct Stage {
   bool last() const { return index == count - 1; }     // the last chunk holds ln_f, the tied head and the loss
 };
 
-struct ParamInfo {
-  enum class Init { normal, ones, zeros };
-  std::string name;                  // "blocks.3.attn.qkv.weight"
-  std::vector<std::int64_t> shape;   // full logical shape
-  std::vector<std::int64_t> local_shape;  // this rank's shard of it (= shape when not split)
-  TpSplit split = TpSplit::none;        // how the tp group splits it
-  bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
-  bool shadow = false;               // a copy of a tensor another stage owns (the tied head's wte on the
-                                     // last stage): kept equal to it, not counted in norms or checkpoints
-  std::int64_t offset = 0;           // into the flat parameter / gradient buffers
-  std::int64_t numel = 0;            // elements of the local shard
-  bool decay = false;                // AdamW weight decay applies (matrices)
-  Init init = Init::zeros;
-  double init_std = 0.0;             // for Init::normal
-};
-
 class GPT {
  public:
-  // Allocates this rank's shard of the parameters and gradients, and for each chunk of its stage the
-  // activations of that chunk's activation_slots micro-batches of up to `max_rows` rows. `partition` decides the shards
-  // (default: whole), `stage` the layers (default: all).
-  GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {});
-  // Flat index into the full logical tensor of element `i` of this rank's shard of `p`.
-  std::int64_t global_index(const ParamInfo& p, std::int64_t i) const;
+  // Declares this rank's tensors and units to the parameter store (which allocates them), and
+  // allocates for each chunk of its stage the activations of that chunk's activation_slots
+  // micro-batches of up to `max_rows` rows. `partition` decides the tp shards (default: whole),
+  // `stage` the layers (default: all), `store` where parameters and gradients live (default: a flat
+  // store the model owns); `dp`, `dp_rank` place this rank in its data-parallel group (ownership).
+  GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {},
+      ParamStore* store = nullptr, int dp = 1, int dp_rank = 0);
   Partition& partition() { return *part_; }
+  ParamStore& store() { return *store_; }
+  const ParamStore& store() const { return *store_; }
+  // The units this rank holds ("embeddings", "blocks.<l>", "head"), each listing its tensors.
+  const std::vector<Unit>& units() const { return units_; }
 
   const GPTConfig& config() const { return cfg_; }
   const Stage& stage() const { return stage_; }
@@ -76,11 +66,11 @@ class GPT {
   const std::vector<ParamInfo>& all_params() const { return all_params_; }
   const ParamInfo& param(const std::string& name) const;  // throws std::out_of_range
   const ParamInfo* find_param(const std::string& name) const;  // null when this rank does not hold it
+  int param_index(const std::string& name) const;              // index into params(), -1 when not held
   std::int64_t num_params() const { return num_params_; }
-  float* param_data() { return params_buf_.data(); }
-  float* grad_data() { return grads_buf_.data(); }
-  const float* param_data() const { return params_buf_.data(); }
-  const float* grad_data() const { return grads_buf_.data(); }
+  // Tensor i of params(), through the store (see ParamStore::param/grad).
+  float* param_ptr(int i) { return store_->param(i).as<float>(); }
+  float* grad_ptr(int i) { return store_->grad(i).as<float>(); }
   int max_rows() const { return max_rows_; }
 
   // GPT-2 initialisation: normal(0, 0.02), residual projections scaled by 1/sqrt(2L), LayerNorm
@@ -109,10 +99,10 @@ class GPT {
   bool holds_embeddings(int chunk) const { return stage_.first() && chunk == 0; }
   bool holds_head(int chunk) const { return stage_.last() && chunk == static_cast<int>(stage_.chunks.size()) - 1; }
   void zero_grad();
-  // Called during backward each time the gradients of parameters [first, end) (indices into
-  // params()) are complete for this micro-batch, in backward order: ln_f, the blocks from last to
-  // first, then the embeddings. Gradient sync uses it to start communication early.
-  void set_grad_ready_hook(std::function<void(int first, int end)> hook) { grad_ready_ = std::move(hook); }
+  // Called during backward each time the gradients of a unit's tensors (units()[unit].params) are
+  // complete for this micro-batch, in backward order: the head, the blocks from last to first, then
+  // the embeddings. Gradient sync uses it to start communication early.
+  void set_grad_ready_hook(std::function<void(int unit)> hook) { grad_ready_ = std::move(hook); }
   // Called after every block's forward and backward: a strategy with messages in flight advances
   // them there (MPI moves a large message only while one of its ends is inside an MPI call).
   void set_progress_hook(std::function<void()> hook) { progress_ = std::move(hook); }
@@ -144,7 +134,16 @@ class GPT {
     float *lnf, *lnf_mean, *lnf_rstd;  // [Nl,C], [Nl], [Nl]
     float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
   };
-  BlockParams block_params(float* base, int layer) const;
+  // The block's tensors from the store's view of its unit.
+  BlockParams block_params(const ParamStore::UnitView& view, bool grads) const;
+  float* tensor(const ParamStore::UnitView& view, int param) const {
+    return view.params[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])].as<float>();
+  }
+  float* tensor_grad(const ParamStore::UnitView& view, int param) const {
+    return view.grads[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])].as<float>();
+  }
+  // The unit holding the tied wte on this rank: the embeddings on the first stage, else the head.
+  int wte_unit() const { return params_[static_cast<std::size_t>(wte_)].unit; }
   BlockActs block_acts(int chunk, int slot, int layer) const;
   Scratch scratch() const;
   Head head(int slot) const;
@@ -164,12 +163,18 @@ class GPT {
   int max_rows_;
   Stage stage_;
   std::vector<int> layer_pos_;           // per layer of the model: its position among this rank's, or -1
-  int block_param0_ = 0;                 // index in params_ of the first block's first tensor
+  // Handles: indices into params_ (-1: not on this rank) and units_.
+  int wte_ = -1, wpe_ = -1, lnfw_ = -1, lnfb_ = -1;
+  int emb_unit_ = -1, head_unit_ = -1;
+  std::vector<int> block_unit_;          // per layer of the model, -1 when not on this rank
+  std::vector<int> pos_in_unit_;         // per tensor: its position in its unit
+  std::vector<Unit> units_;
+  FlatParamStore own_store_;
+  ParamStore* store_ = nullptr;
   std::vector<std::int64_t> residual0_, acts0_;  // per chunk: its first residual / block-activation index
   std::vector<std::vector<int>> slot_rows_;     // per chunk and slot: rows of the forward held (0: free)
   std::vector<ParamInfo> params_, all_params_;
   std::int64_t num_params_ = 0;
-  Buffer<float> params_buf_, grads_buf_;
   // activations
   std::int64_t block_act_floats_ = 0;
   std::int64_t head_floats_ = 0;
@@ -178,7 +183,7 @@ class GPT {
   Buffer<float> head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits, probs [N,Vl], losses [N]
   Buffer<float> scratch_buf_;    // forward tmp and backward gradients of activations
   Buffer<std::int32_t> tokens_buf_;  // [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
-  std::function<void(int, int)> grad_ready_;
+  std::function<void(int)> grad_ready_;
   std::function<void()> progress_;
 };
 

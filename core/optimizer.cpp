@@ -18,21 +18,37 @@ double clip_coefficient(double norm, double grad_clip) {
   return std::min(1.0, grad_clip / (norm + 1e-6));
 }
 
-AdamW::AdamW(const OptimizerConfig& cfg, Backend& backend, const std::vector<ParamInfo>& params)
-    : cfg_(cfg), be_(backend), params_(params) {
+std::int64_t Optimizer::layout_slices(const std::vector<OwnedSlice>& owned) {
+  owned_ = owned;
+  slice_offset_.clear();
   std::int64_t n = 0;
-  for (const auto& p : params_) n = std::max(n, p.offset + p.numel);
-  m_ = Buffer<float>("AdamW::m", n, Mem::optimizer);
-  v_ = Buffer<float>("AdamW::v", n, Mem::optimizer);
+  for (const OwnedSlice& s : owned_) {
+    slice_offset_.push_back(n);
+    n += s.size();
+  }
+  return n;
 }
 
-void AdamW::step(float* params, const float* grads, double lr) {
+void AdamW::build(const std::vector<ParamInfo>& params, const std::vector<OwnedSlice>& owned) {
+  const std::int64_t n = layout_slices(owned);
+  decay_.clear();
+  for (const OwnedSlice& s : owned_) decay_.push_back(params[static_cast<std::size_t>(s.param)].decay);
+  m_ = be_.allocate("AdamW::m", DType::f32, n, Mem::optimizer);
+  v_ = be_.allocate("AdamW::v", DType::f32, n, Mem::optimizer);
+}
+
+void AdamW::step(ParamStore& store, double lr) {
   ++t_;
-  for (const auto& p : params_) {
-    const double wd = p.decay ? cfg_.weight_decay : 0.0;
-    be_.adamw_update(params + p.offset, m_.data() + p.offset, v_.data() + p.offset, grads + p.offset, p.numel,
-                     static_cast<float>(lr), static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
-                     static_cast<float>(cfg_.eps), static_cast<float>(wd), t_);
+  float* m = m_.data<float>();
+  float* v = v_.data<float>();
+  for (std::size_t s = 0; s < owned_.size(); ++s) {
+    const OwnedSlice& o = owned_[s];
+    const double wd = decay_[s] ? cfg_.weight_decay : 0.0;
+    float* params = store.param(o.param).as<float>() + o.begin;
+    const float* grads = store.grad(o.param).as<float>() + o.begin;
+    be_.adamw_update(params, m + slice_offset_[s], v + slice_offset_[s], grads, o.size(), static_cast<float>(lr),
+                     static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps),
+                     static_cast<float>(wd), t_);
   }
 }
 

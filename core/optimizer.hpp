@@ -1,12 +1,13 @@
 #pragma once
-// AdamW with decay on matrices only, the learning-rate schedule, and clipping by global norm.
+// The optimizer role and its default, AdamW with decay on matrices only; the learning-rate
+// schedule; clipping by global norm.
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/backend.hpp"
 #include "core/buffer.hpp"
-#include "core/gpt.hpp"
+#include "core/param_store.hpp"
 
 namespace loom {
 
@@ -26,25 +27,61 @@ double lr_at(const OptimizerConfig& cfg, std::int64_t step);
 // torch.nn.utils.clip_grad_norm_: clip/(norm + 1e-6), at most 1).
 double clip_coefficient(double norm, double grad_clip);
 
-class AdamW {
+// Role "optimizer": updates the slices of parameters this rank owns (ParamStore::owned()) from
+// their gradients, keeping its state compactly, one entry per owned element (ZeRO-1 shrinks that
+// state by owning less, nothing else). The core's default is AdamW.
+class Optimizer {
  public:
-  // Moments for every parameter in `params` (offsets into the flat buffers).
-  AdamW(const OptimizerConfig& cfg, Backend& backend, const std::vector<ParamInfo>& params);
-  // One update of every parameter with learning rate `lr`.
-  void step(float* params, const float* grads, double lr);
-  std::int64_t steps_taken() const { return t_; }
-  // The state a checkpoint holds: first and second moments (laid out like the parameters) and the
-  // number of updates taken (AdamW's bias correction depends on it).
-  float* first_moment() { return m_.data(); }
-  float* second_moment() { return v_.data(); }
-  void set_steps_taken(std::int64_t t) { t_ = t; }
+  virtual ~Optimizer() = default;
+  virtual std::string name() const = 0;
+  // Allocates the state of the owned slices (called once, after the store is built).
+  virtual void build(const std::vector<ParamInfo>& params, const std::vector<OwnedSlice>& owned) = 0;
+  // One update of every owned slice, parameters and gradients read through the store.
+  virtual void step(ParamStore& store, double lr) = 0;
+  virtual std::int64_t steps_taken() const = 0;
+  virtual void set_steps_taken(std::int64_t t) = 0;
+  // The state a checkpoint holds, per kind ("m", "v"): element k of owned slice s is at
+  // slice_offset(s) + k of each tensor.
+  struct StateTensor {
+    std::string kind;  // dataset group: /optimizer/<kind>/<parameter name>
+    std::string what;  // for messages: "AdamW first moment"
+    BufferRef data;
+  };
+  virtual std::vector<StateTensor> state() = 0;
+  const std::vector<OwnedSlice>& owned() const { return owned_; }
+  std::int64_t slice_offset(std::size_t s) const { return slice_offset_[s]; }
+
+ protected:
+  // Records the slices and their offsets into compact state; returns the state's length.
+  std::int64_t layout_slices(const std::vector<OwnedSlice>& owned);
+  std::vector<OwnedSlice> owned_;
+  std::vector<std::int64_t> slice_offset_;
+};
+
+class AdamW final : public Optimizer {
+ public:
+  AdamW(const OptimizerConfig& cfg, Backend& backend) : cfg_(cfg), be_(backend) {}
+  // Built at once for these slices.
+  AdamW(const OptimizerConfig& cfg, Backend& backend, const std::vector<ParamInfo>& params,
+        const std::vector<OwnedSlice>& owned)
+      : AdamW(cfg, backend) {
+    build(params, owned);
+  }
+  std::string name() const override { return "AdamW"; }
+  void build(const std::vector<ParamInfo>& params, const std::vector<OwnedSlice>& owned) override;
+  void step(ParamStore& store, double lr) override;
+  std::int64_t steps_taken() const override { return t_; }
+  void set_steps_taken(std::int64_t t) override { t_ = t; }
+  std::vector<StateTensor> state() override {
+    return {{"m", "AdamW first moment", m_.ref()}, {"v", "AdamW second moment", v_.ref()}};
+  }
   const OptimizerConfig& config() const { return cfg_; }
 
  private:
   OptimizerConfig cfg_;
   Backend& be_;
-  std::vector<ParamInfo> params_;
-  Buffer<float> m_, v_;
+  std::vector<bool> decay_;  // per owned slice
+  TypedBuffer m_, v_;
   std::int64_t t_ = 0;
 };
 

@@ -13,18 +13,12 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/shard.hpp"  // TpSplit
 
 namespace loom {
 
 class GPT;
 
-// How the tp group splits a parameter (its rows or columns in torch.nn.Linear's [out, in] layout).
-enum class TpSplit {
-  none,      // replicated on every tp rank
-  rows,      // output rows split (column-parallel linear, vocabulary-parallel embedding)
-  cols,      // input columns split (row-parallel linear)
-  qkv_rows,  // the fused qkv projection: each of q, k, v split by heads
-};
 
 class Partition {
  public:
@@ -62,9 +56,6 @@ class Partition {
   // After the last backward of a step: make the gradients of replicated parameters whole (with
   // sequence parallelism each rank saw only its rows).
   virtual void finish_grads(GPT& /*model*/) {}
-  // The squared norm of the whole model's gradient: split parameters counted on every rank,
-  // replicated ones once.
-  virtual double grad_sq_norm(GPT& model, Backend& be);
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
 };

@@ -32,6 +32,11 @@ void StrategyRegistry::add(const loom_plugin_v1& plugin, const std::string& orig
   info.origin = origin;
   plugin.register_strategy(&info);
   if (!info.create) throw InputError("plugin '" + name + "' (" + origin + ") registered no factory");
+  std::vector<Role> factories;
+  if (info.make_partition) factories.push_back(Role::partition);
+  if (info.assign_stage) factories.push_back(Role::stage);
+  if (info.make_store) factories.push_back(Role::store);
+  check_filled_roles(info, factories);
   strategies_.emplace(name, std::move(info));
 }
 
@@ -134,7 +139,103 @@ std::vector<const StrategyInfo*> resolve_strategies(const StrategyRegistry& regi
       if (i != j && std::count(out[i]->incompatible.begin(), out[i]->incompatible.end(), out[j]->name))
         throw InputError("strategy '" + out[i]->name + "' (" + reasons[i] + ") cannot be combined with '" +
                          out[j]->name + "' (" + reasons[j] + "): plugin " + out[i]->name + " declares them incompatible");
+  check_role_claims(out, reasons);
   return out;
+}
+
+const char* role_name(Role r) {
+  switch (r) {
+    case Role::partition: return "partition";
+    case Role::stage: return "stage";
+    case Role::store: return "parameter store";
+    case Role::schedule: return "schedule";
+    case Role::grad_sync: return "gradient sync";
+    case Role::reducer: return "reducer";
+    case Role::optimizer: return "optimizer";
+    case Role::phase_hooks: return "phase hooks";
+    case Role::count_: break;
+  }
+  return "?";
+}
+
+namespace {
+const char* claim_word(Claim c) { return c == Claim::provides ? "provides" : c == Claim::replaces ? "replaces" : "wraps"; }
+}  // namespace
+
+void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const std::vector<std::string>& reasons) {
+  auto in_run = [&](const std::string& name) -> int {
+    for (std::size_t i = 0; i < strategies.size(); ++i)
+      if (strategies[i]->name == name) return static_cast<int>(i);
+    return -1;
+  };
+  auto claim_of = [&](const StrategyInfo& s, Role role) -> const RoleClaim* {
+    for (const RoleClaim& c : s.claims)
+      if (c.role == role) return &c;
+    return nullptr;
+  };
+  auto who = [&](std::size_t i) { return "'" + strategies[i]->name + "' (" + reasons[i] + ")"; };
+  for (int r = 0; r < kRoles; ++r) {
+    const Role role = static_cast<Role>(r);
+    if (role == Role::phase_hooks) continue;  // any number of strategies may add hooks
+    // The strategies that fill this role for the run: providers, minus those replaced.
+    std::vector<std::size_t> fillers;
+    for (std::size_t i = 0; i < strategies.size(); ++i) {
+      const RoleClaim* c = claim_of(*strategies[i], role);
+      if (!c) continue;
+      if (c->claim == Claim::provides) {
+        fillers.push_back(i);
+        continue;
+      }
+      const int t = in_run(c->target);
+      const RoleClaim* tc = t >= 0 ? claim_of(*strategies[static_cast<std::size_t>(t)], role) : nullptr;
+      if (c->claim == Claim::wraps && role != Role::reducer)
+        throw InputError("strategy " + who(i) + " declares that it wraps the " + role_name(role) + " of '" + c->target +
+                         "', but only the reducer can be wrapped; declare that it replaces it instead");
+      if (t < 0)
+        throw InputError("strategy " + who(i) + " " + claim_word(c->claim) + " the " + role_name(role) + " of '" +
+                         c->target + "', which is not in this run");
+      if (!tc)
+        throw InputError("strategy " + who(i) + " " + claim_word(c->claim) + " the " + role_name(role) + " of '" +
+                         c->target + "', which does not fill that role");
+      if (c->claim == Claim::replaces) fillers.push_back(i);
+    }
+    // Drop the strategies another one replaces.
+    std::vector<std::size_t> effective;
+    for (std::size_t i : fillers) {
+      bool replaced = false;
+      for (std::size_t j : fillers) {
+        const RoleClaim* c = claim_of(*strategies[j], role);
+        if (j != i && c->claim == Claim::replaces && c->target == strategies[i]->name) replaced = true;
+      }
+      if (!replaced) effective.push_back(i);
+    }
+    if (effective.size() > 1)
+      throw InputError("strategies " + who(effective[0]) + " and " + who(effective[1]) + " both fill the " +
+                       role_name(role) + " role, and neither declares that it replaces or wraps the other; a strategy "
+                       "that takes a role over declares {" + role_name(role) + ", replaces, \"" +
+                       strategies[effective[0]]->name + "\"} in its claims");
+  }
+}
+
+std::vector<Role> filled_roles(const Roles& roles) {
+  std::vector<Role> r;
+  if (roles.schedule) r.push_back(Role::schedule);
+  if (roles.grad_sync) r.push_back(Role::grad_sync);
+  if (roles.reducer || roles.wrap_reducer) r.push_back(Role::reducer);
+  if (roles.optimizer) r.push_back(Role::optimizer);
+  if (!roles.hooks.empty()) r.push_back(Role::phase_hooks);
+  return r;
+}
+
+void check_filled_roles(const StrategyInfo& strategy, const std::vector<Role>& filled) {
+  for (Role role : filled) {
+    bool declared = false;
+    for (const RoleClaim& c : strategy.claims) declared = declared || c.role == role;
+    if (!declared)
+      throw InputError("strategy '" + strategy.name + "' (" + strategy.origin + ") fills the " + role_name(role) +
+                       " role without declaring it; add {" + role_name(role) +
+                       ", provides | replaces | wraps, ...} to its StrategyInfo::claims");
+  }
 }
 
 }  // namespace loom

@@ -16,12 +16,15 @@
 
 #include "core/engine.hpp"
 #include "core/grid.hpp"
+#include "core/param_store.hpp"
 #include "core/partition.hpp"
+#include "core/reducer.hpp"
 #include "io/deck.hpp"  // KeySpec: a plugin declares its deck keys like the core does
 
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, or
-// the role interfaces in core/engine.hpp.
-#define LOOM_PLUGIN_ABI_VERSION 3
+// the role interfaces (core/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
+// checkpoint_part.hpp). ABI 4: declared role claims, the parameter store, step phases, the reducer.
+#define LOOM_PLUGIN_ABI_VERSION 4
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -49,10 +52,41 @@ struct StrategyContext {
   const EngineConfig& engine;
 };
 
-// The roles a strategy fills; null members keep the core's default (or another strategy's).
+// The roles of a run. Every one a strategy fills it must declare (StrategyInfo::claims).
+enum class Role : int {
+  partition = 0,  // StrategyInfo::make_partition: the tp split of every weight, the activation collectives
+  stage,          // StrategyInfo::assign_stage: which layers this rank's pipeline stage holds
+  store,          // StrategyInfo::make_store: where parameters, gradients (and master weights) live
+  schedule,       // Roles::schedule: the order of micro-batch forwards and backwards
+  grad_sync,      // Roles::grad_sync: what happens to gradients during and after backward
+  reducer,        // Roles::reducer (provides) or Roles::wrap_reducer (wraps): the gradient collective
+  optimizer,      // Roles::optimizer: the update of the owned slices
+  phase_hooks,    // Roles::hooks: work in a phase of the step (unscale, refresh, ...); any number may add
+  count_
+};
+inline constexpr int kRoles = static_cast<int>(Role::count_);
+const char* role_name(Role r);  // "gradient sync", ...
+
+// How a strategy fills a role: it provides it (no other strategy of the run may), it replaces the
+// named strategy's (which must be in the run and provide it), or it wraps the named strategy's
+// (only the reducer can be wrapped). A second filler that declared neither is refused before any
+// work, naming both.
+enum class Claim { provides, replaces, wraps };
+struct RoleClaim {
+  Role role;
+  Claim claim = Claim::provides;
+  std::string target;  // the strategy replaced or wrapped
+};
+
+// The roles a strategy fills once the model exists; null members keep the core's default (or another
+// strategy's).
 struct Roles {
   std::unique_ptr<GradSync> grad_sync;
   std::unique_ptr<Schedule> schedule;
+  std::unique_ptr<Reducer> reducer;
+  ReducerWrapper wrap_reducer;
+  std::unique_ptr<Optimizer> optimizer;
+  std::vector<PhaseHook> hooks;
 };
 
 // What a strategy may check before any work (every rank alike, no communication).
@@ -63,7 +97,8 @@ struct LayoutContext {
   int rows_per_micro;  // sequences per micro-batch on one rank
 };
 
-// What the partition factory sees: the model is not built yet (the partition decides its shards).
+// What the partition, stage and store factories see: the model is not built yet (they decide its
+// shards, its layers and where its tensors live).
 struct PartitionContext {
   const Deck& deck;
   ProcessGrid& grid;
@@ -75,6 +110,7 @@ struct StrategyInfo {
   std::string name, version, description, origin;  // origin: "built-in" or the library path
   std::vector<KeySpec> keys;                        // the deck keys it declares
   std::vector<std::string> incompatible;            // strategies it cannot be combined with
+  std::vector<RoleClaim> claims;                    // the roles it fills, and how
   // Optional: refuse a layout this strategy cannot run (throw InputError naming keys and what works).
   std::function<void(const LayoutContext&)> check;
   // Optional: the partition role (at most one strategy of a run fills it).
@@ -82,6 +118,8 @@ struct StrategyInfo {
   // Optional: the layer half of the partition role: which layers this rank's pipeline stage holds
   // and how many micro-batches' activations it keeps (at most one strategy fills it).
   std::function<Stage(PartitionContext&)> assign_stage;
+  // Optional: the parameter store, created before the model (at most one strategy fills it).
+  std::function<std::unique_ptr<ParamStore>(PartitionContext&)> make_store;
   // The other roles, once the model exists.
   std::function<void(StrategyContext&, Roles&)> create;
 };
@@ -119,8 +157,21 @@ void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>
 
 // The strategies a run needs: each requested name with the reason it is needed (e.g. "parallel.dp
 // = 2"). Throws InputError naming the reason for: a name not found (listing those that are), an
-// unusable library (why), and a pair that one of them declares incompatible.
+// unusable library (why), a pair that one of them declares incompatible, and role claims that do
+// not compose (check_role_claims).
 std::vector<const StrategyInfo*> resolve_strategies(const StrategyRegistry& registry,
                                                     const std::vector<std::pair<std::string, std::string>>& requested);
+
+// Refuses (InputError naming both strategies and the role) a role filled by two strategies where
+// neither declared that it replaces or wraps the other, a replace or wrap of a strategy that is not
+// in the run or does not fill that role, and a wrap of a role that cannot be wrapped. `reasons[i]`
+// says why strategies[i] is in the run.
+void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const std::vector<std::string>& reasons);
+
+// Refuses (InputError) a strategy whose factories filled a role it did not declare: after
+// StrategyInfo::create, `filled` lists the roles its Roles came back with.
+void check_filled_roles(const StrategyInfo& strategy, const std::vector<Role>& filled);
+// The roles a Roles holds.
+std::vector<Role> filled_roles(const Roles& roles);
 
 }  // namespace loom

@@ -160,7 +160,7 @@ std::int64_t Checkpointing::resume() {
   const std::string& path = resume_path_;
   CheckpointState st;
   const double t0 = now();
-  run_agreed([&] { st = load_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer()); });
+  run_agreed([&] { st = load_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), s_.checkpoint_parts); });
   load_seconds_ = now() - t0;
   std::error_code ec;
   load_bytes_ = static_cast<double>(fs::file_size(path, ec));
@@ -212,10 +212,9 @@ void Checkpointing::at_end(std::int64_t steps_done, nlohmann::json& record) {
 void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const char* why) {
   const bool root = world_rank() == 0;
   // Never save a diverged state: the last good checkpoint (and `latest`) stay as they are.
-  if (const auto bad = find_nonfinite(*s_.grid, *s_.model,
-                                      {{"parameter", s_.model->param_data()},
-                                       {"AdamW first moment", s_.engine->optimizer().first_moment()},
-                                       {"AdamW second moment", s_.engine->optimizer().second_moment()}})) {
+  std::vector<TensorSource> sources = {parameters(*s_.model)};
+  for (TensorSource& t : optimizer_state(s_.engine->optimizer())) sources.push_back(std::move(t));
+  if (const auto bad = find_nonfinite(*s_.grid, *s_.model, sources)) {
     std::string latest = "none yet";
     std::ifstream in(dir_ + "/latest");
     if (in) std::getline(in, latest);
@@ -232,7 +231,7 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
   st.deck = s_.deck.resolved_text();
   st.layout = s_.layout;
   const double t0 = now();
-  save_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), st);
+  save_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), st, s_.checkpoint_parts);
   std::string failure;
   if (root) {
     try {

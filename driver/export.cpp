@@ -12,8 +12,13 @@
 
 namespace loom {
 namespace {
-void write_params(h5::File& f, const std::string& group, const GPT& model, const float* base) {
-  for (const auto& p : model.params()) f.write(group + "/" + p.name, base + p.offset, p.local_shape);
+// Every tensor of the model (one process holds them all), parameters or gradients, from the store.
+void write_params(h5::File& f, const std::string& group, GPT& model, bool grads) {
+  for (std::size_t i = 0; i < model.params().size(); ++i) {
+    const ParamInfo& p = model.params()[i];
+    const int index = static_cast<int>(i);
+    f.write(group + "/" + p.name, grads ? model.grad_ptr(index) : model.param_ptr(index), p.local_shape);
+  }
 }
 }  // namespace
 
@@ -45,7 +50,7 @@ int command_export(const Deck& deck, const StrategyRegistry& registry, const std
   f.attr("loom_version", std::string(build::version));
   f.attr("deck", deck.resolved_text());
 
-  write_params(f, "/params/init", *s.model, s.model->param_data());
+  write_params(f, "/params/init", *s.model, false);
   std::vector<std::int32_t> inputs(static_cast<std::size_t>(s.steps) * B * T), targets(inputs.size());
   std::vector<double> loss(s.steps), lr(s.steps), norm(s.steps);
   // Record the rows each micro-batch reads, where the engine asked for them.
@@ -58,14 +63,14 @@ int command_export(const Deck& deck, const StrategyRegistry& registry, const std
   };
   for (std::int64_t step = 0; step < s.steps; ++step) {
     const StepStats st = s.engine->train_step(step, recording, [&](const StepStats& pre) {
-      if (step == 0) write_params(f, "/grads/step0", *s.model, s.model->grad_data());
+      if (step == 0) write_params(f, "/grads/step0", *s.model, true);
       norm[step] = pre.grad_norm;
     });
     loss[step] = st.loss;
     lr[step] = st.lr;
     std::cout << "export: step " << step + 1 << "/" << s.steps << " loss " << st.loss << "\n";
   }
-  write_params(f, "/params/final", *s.model, s.model->param_data());
+  write_params(f, "/params/final", *s.model, false);
   f.write("/batches/inputs", inputs.data(), {s.steps, B, T});
   f.write("/batches/targets", targets.data(), {s.steps, B, T});
   f.write("/metrics/loss", loss.data(), {s.steps});

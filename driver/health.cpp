@@ -12,17 +12,36 @@ std::string NonFiniteAt::describe() const {
   return s.str();
 }
 
-std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model,
-                                          const std::vector<std::pair<std::string, const float*>>& buffers) {
+TensorSource gradients(GPT& model) {
+  return {"gradient", [&model](int i) { return model.store().grad(i); }};
+}
+TensorSource parameters(GPT& model) {
+  return {"parameter", [&model](int i) { return model.store().param(i); }};
+}
+std::vector<TensorSource> optimizer_state(Optimizer& optimizer) {
+  std::vector<TensorSource> out;
+  for (const Optimizer::StateTensor& st : optimizer.state()) {
+    out.push_back({st.what, [&optimizer, data = st.data](int i) {
+                     const auto& owned = optimizer.owned();
+                     for (std::size_t k = 0; k < owned.size(); ++k)
+                       if (owned[k].param == i) return data.slice(optimizer.slice_offset(k), owned[k].size());
+                     return BufferRef();
+                   }});
+  }
+  return out;
+}
+
+std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, const std::vector<TensorSource>& buffers) {
   const auto& all = model.all_params();
   // This rank's first hit as one position (kind-major, then model order) and its value.
   double position = -1, value = 0;
   for (std::size_t k = 0; k < buffers.size() && position < 0; ++k) {
     for (std::size_t i = 0; i < all.size() && position < 0; ++i) {
-      const ParamInfo* p = model.find_param(all[i].name);
-      if (!p) continue;
-      const float* x = buffers[k].second + p->offset;
-      for (std::int64_t j = 0; j < p->numel; ++j)
+      const int index = model.param_index(all[i].name);
+      if (index < 0) continue;
+      const BufferRef ref = buffers[k].of(index);
+      const float* x = ref.empty() ? nullptr : ref.as<float>();
+      for (std::int64_t j = 0; j < ref.count; ++j)
         if (!std::isfinite(x[j])) {
           position = static_cast<double>(k * all.size() + i);
           value = x[j];
@@ -42,7 +61,7 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model,
   if (best < 0) return std::nullopt;
   const auto pos = static_cast<std::size_t>(found[2 * best] - 1);
   NonFiniteAt at;
-  at.kind = buffers[pos / all.size()].first;
+  at.kind = buffers[pos / all.size()].kind;
   at.tensor = all[pos % all.size()].name;
   at.value = static_cast<float>(found[2 * best + 1]);
   at.rank = best;

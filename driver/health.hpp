@@ -2,6 +2,7 @@
 // Finding non-finite values across the ranks (DESIGN.md "Runs a user can trust"): which tensor holds
 // the first one, in model order, and which rank found it. Used when a step's loss or gradient norm
 // is not finite, before a checkpoint is written, and at the end of a run.
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -9,6 +10,7 @@
 
 #include "core/gpt.hpp"
 #include "core/grid.hpp"
+#include "core/optimizer.hpp"
 
 namespace loom {
 
@@ -21,10 +23,19 @@ struct NonFiniteAt {
   std::string describe() const;  // "gradient blocks.0.attn.qkv.weight (nan on rank 1: dp 1, tp 0, pp 0)"
 };
 
-// Collective over the grid's world. `buffers` are flat buffers laid out like the parameters (kind,
-// base pointer); the first non-finite element is searched for kind by kind, tensor by tensor in the
-// model's order. The same answer on every rank.
-std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model,
-                                          const std::vector<std::pair<std::string, const float*>>& buffers);
+// A kind of per-tensor data to search: `of(i)` is this rank's part of tensor i of the model's
+// params() (empty when it holds none), e.g. the store's gradient of it.
+struct TensorSource {
+  std::string kind;  // "gradient", "parameter", "AdamW first moment", ...
+  std::function<BufferRef(int)> of;
+};
+TensorSource gradients(GPT& model);
+TensorSource parameters(GPT& model);
+// Each kind of optimizer state, over the slices this rank owns.
+std::vector<TensorSource> optimizer_state(Optimizer& optimizer);
+
+// Collective over the grid's world: the first non-finite element, searched kind by kind, tensor by
+// tensor in the model's order. The same answer on every rank.
+std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, const std::vector<TensorSource>& sources);
 
 }  // namespace loom

@@ -162,29 +162,52 @@ void Session::setup_collective() {
   backend = make_host_backend(threads.threads);
   set_comm_timeout(deck.get_float("run.comm_timeout"));
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
-  for (const StrategyInfo* strategy : strategies) {
-    if (!strategy->make_partition) continue;
-    if (partition) throw InputError("two strategies want to split the weights: " + strategy->name + " and another");
-    PartitionContext pctx{deck, *grid, *backend, model_cfg};
-    partition = strategy->make_partition(pctx);
-  }
+  // The roles decided before the model: its tp split, its layers, where its tensors live. Which
+  // strategy fills each was settled by the role claims (check_role_claims).
+  PartitionContext pctx{deck, *grid, *backend, model_cfg};
   Stage stage;
-  bool staged = false;
   for (const StrategyInfo* strategy : strategies) {
-    if (!strategy->assign_stage) continue;
-    if (staged) throw InputError("two strategies want to assign layers to stages: " + strategy->name + " and another");
-    PartitionContext pctx{deck, *grid, *backend, model_cfg};
-    stage = strategy->assign_stage(pctx);
-    staged = true;
+    if (strategy->make_partition) partition = strategy->make_partition(pctx);
+    if (strategy->assign_stage) stage = strategy->assign_stage(pctx);
+    if (strategy->make_store) store = strategy->make_store(pctx);
   }
-  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), stage);
+  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), stage, store.get(),
+                                layout.dp, grid->dp_rank());
   model->init_weights(seed);
-  Roles roles;
+  // The other roles, strategy by strategy: each may fill only what it declared.
+  EngineRoles engine_roles;
+  std::vector<std::pair<std::string, ReducerWrapper>> wrappers;
   for (const StrategyInfo* strategy : strategies) {
+    Roles roles;
     StrategyContext ctx{deck, *grid, *model, *backend, engine_cfg};
     strategy->create(ctx, roles);
+    check_filled_roles(*strategy, filled_roles(roles));
+    if (roles.schedule) engine_roles.schedule = std::move(roles.schedule);
+    if (roles.grad_sync) engine_roles.grad_sync = std::move(roles.grad_sync);
+    if (roles.optimizer) engine_roles.optimizer = std::move(roles.optimizer);
+    if (roles.reducer) reducer = std::move(roles.reducer);
+    if (roles.wrap_reducer) wrappers.push_back({strategy->name, std::move(roles.wrap_reducer)});
+    for (PhaseHook& h : roles.hooks) {
+      if (h.owner.empty()) h.owner = strategy->name;
+      engine_roles.hooks.push_back(std::move(h));
+    }
   }
-  engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(roles.schedule), std::move(roles.grad_sync));
+  for (auto& [name, wrap] : wrappers) {
+    if (!reducer) throw InputError("strategy '" + name + "' wraps the gradient reducer, but no strategy of this run provides one");
+    reducer = wrap(std::move(reducer));
+  }
+  if (reducer && engine_roles.grad_sync) engine_roles.grad_sync->use_reducer(reducer.get());
+  engine_roles.world = &grid->world();
+  engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(engine_roles));
+  // Role objects that keep state of their own for checkpoints.
+  auto contributes = [this](auto* role) {
+    if (auto* c = dynamic_cast<CheckpointContributor*>(role)) checkpoint_parts.push_back(c);
+  };
+  contributes(&model->partition());
+  contributes(&model->store());
+  contributes(&engine->schedule());
+  contributes(&engine->grad_sync());
+  for (Reducer* r = reducer.get(); r; r = r->inner()) contributes(r);
 
   // Each dp rank reads only its rows of every global batch: rows [dp_i * rows_per_rank, ...).
   const int T = model_cfg.seq_len;
@@ -234,8 +257,9 @@ std::string Session::banner() const {
   for (const auto& line : registry.log) s << "  " << line << "\n";
   for (const StrategyInfo* st : strategies)
     s << "  strategy: " << st->name << " " << st->version << " (" << st->origin << "): " << st->description << "\n";
-  s << "  roles   : partition " << model->partition().name() << "; schedule " << engine->schedule().name()
-    << "; gradient sync " << engine->grad_sync().name() << "\n";
+  s << "  roles   : partition " << model->partition().name() << "; store " << model->store().name() << "; schedule "
+    << engine->schedule().name() << "; gradient sync " << engine->grad_sync().name() << "; optimizer "
+    << engine->optimizer().name() << "\n";
   s << "  " << grid->describe();
   s << "  run.dir : " << run_dir << "\n";
   return s.str();

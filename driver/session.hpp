@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/backend.hpp"
+#include "core/checkpoint_part.hpp"
 #include "core/engine.hpp"
 #include "core/gpt.hpp"
 #include "core/grid.hpp"
@@ -62,8 +63,13 @@ struct Session {
   const Dataset* val_data = nullptr;   // null when there is no validation split
   Split val_split = Split::val;        // which split of val_data holds the validation tokens
   std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
+  std::unique_ptr<ParamStore> store;     // null: the model's own flat store
   std::unique_ptr<GPT> model;
+  std::unique_ptr<Reducer> reducer;      // the composed gradient reducer (wrappers outermost), if any
   std::unique_ptr<Engine> engine;
+  // Every role object of the run that contributes to checkpoints (the optimizer's state and the
+  // model's parameters are written by the checkpoint itself).
+  std::vector<CheckpointContributor*> checkpoint_parts;
   BatchFn train_batches, val_batches;
 
   std::string data_source;  // data.source, for messages

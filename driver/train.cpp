@@ -246,7 +246,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     if (st.nonfinite) {
       ++skipped_total;
       ++skipped_in_row;
-      const auto bad = find_nonfinite(*s.grid, *s.model, {{"gradient", s.model->grad_data()}});  // collective
+      const auto bad = find_nonfinite(*s.grid, *s.model, {gradients(*s.model)});  // collective
       char what[160];
       std::snprintf(what, sizeof what, "step %lld: loss %g, gradient norm %g: not finite",
                     static_cast<long long>(step + 1), st.loss, st.grad_norm);
@@ -350,7 +350,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
 
   // A run that trained to the end must end with finite weights and a finite validation loss.
   if (failure.empty() && !interrupted) {
-    if (const auto bad = find_nonfinite(*s.grid, *s.model, {{"parameter", s.model->param_data()}}))
+    if (const auto bad = find_nonfinite(*s.grid, *s.model, {parameters(*s.model)}))
       failure = "training ended with non-finite weights: " + bad->describe();
     else if (last_val && !std::isfinite(*last_val))
       failure = "training ended with a non-finite validation loss (" + std::to_string(*last_val) + ")";

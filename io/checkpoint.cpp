@@ -51,48 +51,26 @@ std::string shape_text(const std::vector<std::int64_t>& d) {
 }
 
 // Selects in `space` (the full logical tensor) the elements this rank's shard of `p` holds, in the
-// order of the shard's memory (row-major local layout). Rank `r` of a tp group of `n`.
-void select_shard(hid_t space, const ParamInfo& p, int n, int r) {
-  const bool matrix = p.shape.size() == 2;
-  const hsize_t R = static_cast<hsize_t>(p.shape[0]), K = matrix ? static_cast<hsize_t>(p.shape[1]) : 1;
-  std::vector<hsize_t> start(p.shape.size(), 0), count(p.shape.begin(), p.shape.end());
-  switch (p.split) {
-    case TpSplit::none:
-      H5Sselect_all(space);
-      return;
-    case TpSplit::rows:
-      start[0] = static_cast<hsize_t>(r) * (R / n);
-      count[0] = R / n;
-      break;
-    case TpSplit::cols:
-      start[1] = static_cast<hsize_t>(r) * (K / n);
-      count[1] = K / n;
-      break;
-    case TpSplit::qkv_rows: {
-      // q, k and v each split by heads: three row blocks, in file order = the shard's order.
-      const hsize_t C = R / 3, Cl = C / n;
-      for (int part = 0; part < 3; ++part) {
-        start[0] = part * C + static_cast<hsize_t>(r) * Cl;
-        count[0] = Cl;
-        H5Sselect_hyperslab(space, part == 0 ? H5S_SELECT_SET : H5S_SELECT_OR, start.data(), nullptr, count.data(),
-                            nullptr);
-      }
-      return;
-    }
-  }
-  H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
-}
-
-// Selects in the file space what this rank moves of a tensor, and returns the matching memory
-// space: its shard of `p` when `take`, else nothing (a rank still joins every collective transfer).
-Handle transfer_spaces(hid_t fspace, const ParamInfo* p, bool take, int n, int r) {
-  hsize_t local = take ? static_cast<hsize_t>(p->numel) : 0;
+// Selects in the file space the elements `shard` describes (its boxes, OR'ed in file order) and
+// returns the matching memory space; with `take` false nothing (a rank still joins every
+// collective transfer).
+Handle transfer_spaces(hid_t fspace, const ShardDesc* shard, bool take) {
+  hsize_t local = take ? static_cast<hsize_t>(shard->numel()) : 0;
   Handle mspace{H5Screate_simple(1, &local, nullptr), H5Sclose};
-  if (take) {
-    select_shard(fspace, *p, n, r);
-  } else {
+  if (!take || local == 0) {
     H5Sselect_none(fspace);
     H5Sselect_none(mspace.id);
+    return mspace;
+  }
+  if (shard->whole()) {
+    H5Sselect_all(fspace);
+    return mspace;
+  }
+  bool first = true;
+  for (const ShardDesc::Box& b : shard->boxes()) {
+    std::vector<hsize_t> start(b.start.begin(), b.start.end()), count(b.count.begin(), b.count.end());
+    H5Sselect_hyperslab(fspace, first ? H5S_SELECT_SET : H5S_SELECT_OR, start.data(), nullptr, count.data(), nullptr);
+    first = false;
   }
   return mspace;
 }
@@ -176,43 +154,98 @@ std::map<std::string, std::string> resolved_deck_values(const std::string& text)
 namespace {
 
 // A layout-independent checksum of a logical tensor: the sum over its elements of a hash of
-// (index in the full tensor, value bits). Each element is counted by its one owner rank, so the
+// (index in the full tensor, value bits). Each element is counted by its one primary owner, so the
 // partial sums of any layout add up (MPI_SUM over the world) to the same number.
-std::uint64_t checksum(const GPT& model, const ParamInfo* held, const float* shard, bool owner) {
+std::uint64_t checksum(const ShardDesc* shard, const float* data, bool owner) {
   std::uint64_t sum = 0;
-  if (owner) {
-    const ParamInfo& p = *held;
-    // Every split keeps each local row of a matrix contiguous in the full tensor: one index lookup
-    // per row. (A split vector, e.g. the qkv bias, is not contiguous: one lookup per element.)
-    const std::int64_t cols = p.local_shape.size() > 1 ? p.local_shape[1] : (p.split == TpSplit::none ? p.numel : 1);
-    for (std::int64_t row0 = 0; row0 < p.numel; row0 += cols) {
-      const std::uint64_t g0 = static_cast<std::uint64_t>(model.global_index(p, row0));
-      const float* x = shard + row0;
+  if (owner && shard)
+    shard->for_each_run([&](std::int64_t local, std::int64_t global, std::int64_t count) {
+      const float* x = data + local;
+      const std::uint64_t g0 = static_cast<std::uint64_t>(global);
       std::uint64_t part = 0;
-      for (std::int64_t c = 0; c < cols; ++c) {
+      for (std::int64_t c = 0; c < count; ++c) {
         std::uint32_t bits;
         std::memcpy(&bits, x + c, sizeof bits);
         part += rng::mix64((g0 + static_cast<std::uint64_t>(c)) * 0x9e3779b97f4a7c15ULL ^ bits);
       }
       sum += part;
-    }
-  }
+    });
   MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD);
   return sum;
 }
 
-// The owner of an element under a layout: the pipeline stage that holds the tensor (for wte the
-// first stage, not the last stage's shadow copy for the tied head), data-parallel replica 0, and
-// for a tensor replicated over the tp group, tp rank 0. `p` is null where this rank does not hold it.
-bool is_owner(const ProcessGrid& grid, const ParamInfo* p) {
-  return p && !p->shadow && grid.dp_rank() == 0 && (p->split != TpSplit::none || grid.tp_rank() == 0);
+// Whether every link of an absolute path exists (H5Lexists needs each parent to exist).
+bool path_exists(hid_t file, const std::string& path) {
+  for (std::size_t at = path.find('/', 1); ; at = path.find('/', at + 1)) {
+    const std::string prefix = at == std::string::npos ? path : path.substr(0, at);
+    if (H5Lexists(file, prefix.c_str(), H5P_DEFAULT) <= 0) return false;
+    if (at == std::string::npos) return true;
+  }
 }
 
-// The three tensor groups a checkpoint holds, and where each one's data lives on this rank.
-struct Group {
-  const char* name;
-  float* base;
-};
+// Everything a checkpoint holds as tensors, in file order: the parameters (through the store),
+// each kind of optimizer state, then what the run's other roles contribute. Ownership comes from
+// the store's owned slices (primary), never from a rank number.
+std::vector<CheckpointTensor> checkpoint_tensors(GPT& model, Optimizer& optimizer,
+                                                 const std::vector<CheckpointContributor*>& parts) {
+  std::vector<CheckpointTensor> out;
+  const auto& owned = optimizer.owned();
+  auto slice_of = [&](int param) -> int {  // this rank's owned slice of a tensor (one at most), or -1
+    for (std::size_t k = 0; k < owned.size(); ++k)
+      if (owned[k].param == param) return static_cast<int>(k);
+    return -1;
+  };
+  const auto shape_only = [](const ParamInfo& whole) {
+    ShardDesc d = ShardDesc::make(whole.shape, TpSplit::none, 1, 0);
+    return d;
+  };
+  for (const ParamInfo& whole : model.all_params()) {
+    CheckpointTensor t;
+    t.path = "/params/" + whole.name;
+    const int i = model.param_index(whole.name);
+    const int k = i >= 0 ? slice_of(i) : -1;
+    if (i < 0) {
+      t.shard = shape_only(whole);
+    } else {
+      const ParamInfo& p = model.params()[static_cast<std::size_t>(i)];
+      t.shard = p.shard;
+      t.data = model.store().param(i);
+      t.holds = true;
+      if (k >= 0 && owned[static_cast<std::size_t>(k)].primary) {
+        t.primary_begin = owned[static_cast<std::size_t>(k)].begin;
+        t.primary_end = owned[static_cast<std::size_t>(k)].end;
+      }
+    }
+    out.push_back(std::move(t));
+  }
+  for (const Optimizer::StateTensor& st : optimizer.state())
+    for (const ParamInfo& whole : model.all_params()) {
+      CheckpointTensor t;
+      t.path = "/optimizer/" + st.kind + "/" + whole.name;
+      const int i = model.param_index(whole.name);
+      const int k = i >= 0 ? slice_of(i) : -1;
+      if (k < 0) {
+        t.shard = i >= 0 ? model.params()[static_cast<std::size_t>(i)].shard.cut(0, 0) : shape_only(whole);
+      } else {
+        const OwnedSlice& o = owned[static_cast<std::size_t>(k)];
+        t.shard = model.params()[static_cast<std::size_t>(i)].shard.cut(o.begin, o.end);
+        t.data = st.data.slice(optimizer.slice_offset(static_cast<std::size_t>(k)), o.size());
+        t.holds = true;
+        if (o.primary) t.primary_end = o.size();
+      }
+      out.push_back(std::move(t));
+    }
+  for (CheckpointContributor* c : parts)
+    for (CheckpointTensor& t : c->checkpoint_tensors()) out.push_back(std::move(t));
+  return out;
+}
+
+std::map<std::string, double> contributed_attributes(const std::vector<CheckpointContributor*>& parts) {
+  std::map<std::string, double> all;
+  for (const CheckpointContributor* c : parts)
+    for (const auto& kv : c->checkpoint_attributes()) all[kv.first] = kv.second;
+  return all;
+}
 
 bool g_file_left_open = false;
 
@@ -231,8 +264,8 @@ void init_hdf5() {
   (void)once;
 }
 
-void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer,
-                     const CheckpointState& state) {
+void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
+                     const CheckpointState& state, const std::vector<CheckpointContributor*>& parts) {
   static QuietHdf5 quiet;
   const std::string tmp = path + ".tmp";
   Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
@@ -263,13 +296,13 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
     const std::int64_t v = model.config().*k.field;
     write_attr(file.id, k.attr, H5T_NATIVE_INT64, v);
   }
+  for (const auto& [name, value] : contributed_attributes(parts)) write_attr(file.id, name.c_str(), H5T_NATIVE_DOUBLE, value);
 
-  // A shard is written by the ranks of data-parallel replica 0; a tensor replicated over the tp
-  // group by tp rank 0 only. Everyone else selects nothing but joins the collective write.
-  const int n = grid.layout().tp, r = grid.tp_rank();
-  const Group groups[] = {{"/params/", model.param_data()},
-                          {"/optimizer/m/", optimizer.first_moment()},
-                          {"/optimizer/v/", optimizer.second_moment()}};
+  // Each element is written by its primary owner (the store decides: by default data-parallel
+  // replica 0, and for a tensor replicated over the tp group tp rank 0). Everyone else selects
+  // nothing but joins the collective write.
+  const std::vector<CheckpointTensor> tensors = checkpoint_tensors(model, optimizer, parts);
+  const int n_params = static_cast<int>(model.all_params().size());
   int written = 0;
   // A failed write (no space, quota, file size limit) is noted and the rank goes on joining every
   // collective call, so that all ranks can close the file and agree on the failure afterwards.
@@ -283,31 +316,28 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
     if (grid.layout().ranks() > 1)
       abort_job(failure + "; the earlier checkpoints and `latest` are unchanged", 1);
   };
-  for (const Group& g : groups) {
-    // Every rank creates every dataset of the whole model (creation is collective); the pipeline
-    // stage that holds a tensor writes it.
-    for (const ParamInfo& whole : model.all_params()) {
-      const ParamInfo* p = model.find_param(whole.name);
-      std::vector<hsize_t> dims(whole.shape.begin(), whole.shape.end());
-      Handle fspace{H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose};
-      const std::string name = g.name + whole.name;
-      Handle ds{H5Dcreate2(file.id, name.c_str(), H5T_NATIVE_FLOAT, fspace.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
-                H5Dclose};
-      errno = 0;
-      if (ds.id < 0) note_failure("cannot create dataset " + name);
-      const bool owner = is_owner(grid, p);
-      const Handle mspace = transfer_spaces(fspace.id, p, owner, n, r);
-      const float* data = p ? g.base + p->offset : g.base;
-      errno = 0;
-      if (ds.id >= 0 && H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
-        note_failure("cannot write dataset " + name);
-      const std::int64_t sum = static_cast<std::int64_t>(checksum(model, p, data, owner));
-      if (ds.id >= 0) write_attr(ds.id, "checksum", H5T_NATIVE_INT64, sum);
-      // Regression cases kill a rank here, half-way through the file, to prove that the previous
-      // checkpoint and `latest` survive.
-      if (++written == static_cast<int>(model.all_params().size()) && inject_fault("checkpoint", state.step))
-        abort_job("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)", 1);
-    }
+  for (const CheckpointTensor& t : tensors) {
+    // Every rank creates every dataset of the whole model (creation is collective); the owners write.
+    std::vector<hsize_t> dims(t.shard.shape.begin(), t.shard.shape.end());
+    Handle fspace{H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose};
+    Handle ds{H5Dcreate2(file.id, t.path.c_str(), H5T_NATIVE_FLOAT, fspace.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
+              H5Dclose};
+    errno = 0;
+    if (ds.id < 0) note_failure("cannot create dataset " + t.path);
+    const bool owner = t.holds && t.primary_end > t.primary_begin;
+    const ShardDesc mine = owner ? t.shard.cut(t.primary_begin, t.primary_end) : t.shard;
+    const float* data = owner ? t.data.as<float>() + t.primary_begin : nullptr;
+    const Handle mspace = transfer_spaces(fspace.id, &mine, owner);
+    errno = 0;
+    float none = 0;
+    if (ds.id >= 0 && H5Dwrite(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data ? data : &none) < 0)
+      note_failure("cannot write dataset " + t.path);
+    const std::int64_t sum = static_cast<std::int64_t>(checksum(&mine, data, owner));
+    if (ds.id >= 0) write_attr(ds.id, "checksum", H5T_NATIVE_INT64, sum);
+    // Regression cases kill a rank here, half-way through the file, to prove that the previous
+    // checkpoint and `latest` survive.
+    if (++written == n_params && inject_fault("checkpoint", state.step))
+      abort_job("injected fault while writing checkpoint " + tmp + " (LOOM_INJECT_FAULT)", 1);
   }
   errno = 0;
   // MPI_File_sync: on disk before the file gets its final name.
@@ -332,7 +362,8 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Ada
                    "unchanged");
 }
 
-CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer) {
+CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
+                                const std::vector<CheckpointContributor*>& parts) {
   static QuietHdf5 quiet;
   if (H5Fis_hdf5(path.c_str()) <= 0) {
     FILE* f = std::fopen(path.c_str(), "rb");
@@ -391,43 +422,50 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
 
   Handle dxpl{H5Pcreate(H5P_DATASET_XFER), H5Pclose};
   H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_COLLECTIVE);
-  const int n = grid.layout().tp, r = grid.tp_rank();
-  const Group groups[] = {{"/params/", model.param_data()},
-                          {"/optimizer/m/", optimizer.first_moment()},
-                          {"/optimizer/v/", optimizer.second_moment()}};
-  for (const Group& g : groups) {
-    for (const ParamInfo& whole : model.all_params()) {
-      const ParamInfo* p = model.find_param(whole.name);  // null: another stage's tensor
-      const std::string name = g.name + whole.name;
-      if (H5Lexists(file.id, "/params", H5P_DEFAULT) <= 0 || H5Lexists(file.id, name.c_str(), H5P_DEFAULT) <= 0)
-        fail(path, "has no readable tensor " + name + " (corrupt, or a checkpoint of another model)");
-      Handle ds{H5Dopen2(file.id, name.c_str(), H5P_DEFAULT), H5Dclose};
-      if (ds.id < 0) fail(path, "cannot open tensor " + name + " (corrupt)");
-      Handle fspace{H5Dget_space(ds.id), H5Sclose};
-      std::vector<hsize_t> dims(H5Sget_simple_extent_ndims(fspace.id));
-      H5Sget_simple_extent_dims(fspace.id, dims.data(), nullptr);
-      if (dims != std::vector<hsize_t>(whole.shape.begin(), whole.shape.end()))
-        fail(path, "tensor " + name + " has shape " + shape_text(dims) + ", but the deck's model needs " +
-                       shape_text(whole.shape) + " (model.* keys differ from the run that wrote it)");
-      // Every rank that holds the tensor reads its shard (the last stage's shadow of wte too); the
-      // others join the collective read with nothing selected.
-      const Handle mspace = transfer_spaces(fspace.id, p, p != nullptr, n, r);
-      float* data = p ? g.base + p->offset : g.base;
-      if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
-        fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
-      // Finite first: a checkpoint of a run that diverged is refused as such, not as corrupt. Every
-      // rank learns of a non-finite value any rank read, so all refuse alike.
-      int nonfinite = 0;
-      for (std::int64_t i = 0; p && i < p->numel && !nonfinite; ++i) nonfinite = !std::isfinite(data[i]);
-      MPI_Allreduce(MPI_IN_PLACE, &nonfinite, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-      if (nonfinite)
-        fail(path, "tensor " + name + " holds non-finite values (nan or inf): the run that wrote it had diverged; "
-                   "resume from an earlier checkpoint");
-      std::int64_t want = 0;
-      if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no checksum attribute (corrupt)");
-      const auto got = static_cast<std::int64_t>(checksum(model, p, data, is_owner(grid, p)));
-      if (got != want) fail(path, "tensor " + name + " does not match its checksum: the file is corrupt");
+  (void)grid;
+  for (const CheckpointTensor& t : checkpoint_tensors(model, optimizer, parts)) {
+    const std::string& name = t.path;
+    if (H5Lexists(file.id, "/params", H5P_DEFAULT) <= 0 || !path_exists(file.id, name)) {
+      if (!t.required) continue;  // state this run adds (the same answer on every rank: the same file)
+      fail(path, "has no readable tensor " + name + " (corrupt, or a checkpoint of another model)");
     }
+    Handle ds{H5Dopen2(file.id, name.c_str(), H5P_DEFAULT), H5Dclose};
+    if (ds.id < 0) fail(path, "cannot open tensor " + name + " (corrupt)");
+    Handle fspace{H5Dget_space(ds.id), H5Sclose};
+    std::vector<hsize_t> dims(H5Sget_simple_extent_ndims(fspace.id));
+    H5Sget_simple_extent_dims(fspace.id, dims.data(), nullptr);
+    if (dims != std::vector<hsize_t>(t.shard.shape.begin(), t.shard.shape.end()))
+      fail(path, "tensor " + name + " has shape " + shape_text(dims) + ", but the deck's model needs " +
+                     shape_text(t.shard.shape) + " (model.* keys differ from the run that wrote it)");
+    // Every rank that holds elements of the tensor reads them (replicas and the last stage's shadow
+    // of wte too); the others join the collective read with nothing selected.
+    const Handle mspace = transfer_spaces(fspace.id, &t.shard, t.holds);
+    float none = 0;
+    float* data = t.holds ? t.data.as<float>() : &none;
+    if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
+      fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
+    // Finite first: a checkpoint of a run that diverged is refused as such, not as corrupt. Every
+    // rank learns of a non-finite value any rank read, so all refuse alike.
+    int nonfinite = 0;
+    for (std::int64_t i = 0; t.holds && i < t.shard.numel() && !nonfinite; ++i) nonfinite = !std::isfinite(data[i]);
+    MPI_Allreduce(MPI_IN_PLACE, &nonfinite, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (nonfinite)
+      fail(path, "tensor " + name + " holds non-finite values (nan or inf): the run that wrote it had diverged; "
+                 "resume from an earlier checkpoint");
+    std::int64_t want = 0;
+    if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no checksum attribute (corrupt)");
+    const bool owner = t.holds && t.primary_end > t.primary_begin;
+    const ShardDesc mine = owner ? t.shard.cut(t.primary_begin, t.primary_end) : t.shard;
+    const auto got = static_cast<std::int64_t>(checksum(&mine, owner ? data + t.primary_begin : nullptr, owner));
+    if (got != want) fail(path, "tensor " + name + " does not match its checksum: the file is corrupt");
+  }
+  for (CheckpointContributor* c : parts) {
+    std::map<std::string, double> found;
+    for (const auto& kv : c->checkpoint_attributes()) {
+      double v = 0;
+      if (read_attr_f64(file.id, kv.first.c_str(), v)) found[kv.first] = v;
+    }
+    c->restore_attributes(found);
   }
   optimizer.set_steps_taken(st.optimizer_steps);
   return st;

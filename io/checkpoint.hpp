@@ -11,6 +11,9 @@
 #include <map>
 #include <string>
 
+#include <vector>
+
+#include "core/checkpoint_part.hpp"
 #include "core/gpt.hpp"
 #include "core/grid.hpp"
 #include "core/optimizer.hpp"
@@ -34,15 +37,18 @@ struct CheckpointState {
 // then rank 0 renames it to `path`; a crash before the rename leaves any earlier file untouched.
 // A write that fails on any rank (no space, quota, file size limit, I/O error) removes the .tmp and
 // throws AgreedFailure on every rank, naming the file, the rank and the system's reason.
-void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer,
-                     const CheckpointState& state);
+// `parts`: the run's other roles that keep state (CheckpointContributor), written after the
+// parameters and the optimizer state.
+void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
+                     const CheckpointState& state, const std::vector<CheckpointContributor*>& parts = {});
 
 // Collective. Every rank reads its own hyperslabs (and the replicated tensors whole). Throws
 // InputError naming the file and the mismatch: not HDF5 / truncated / corrupt, another format
 // version, a model shape (model.* keys) other than the deck's, a step that disagrees with the
 // optimizer's step count, a tensor missing, of another shape, not matching its checksum or holding
 // non-finite values.
-CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, AdamW& optimizer);
+CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
+                                const std::vector<CheckpointContributor*>& parts = {});
 
 // section.key -> value of a resolved deck's text (the `deck` attribute), comments dropped.
 std::map<std::string, std::string> resolved_deck_values(const std::string& text);

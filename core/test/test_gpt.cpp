@@ -23,6 +23,11 @@ using namespace loom;
 
 namespace {
 
+// The flat store's buffers (every GPT here keeps the default store): this rank's parameters and
+// gradients, tensor p at p.offset.
+float* flat_params(const GPT& m) { return dynamic_cast<const FlatParamStore&>(m.store()).flat_params(); }
+float* flat_grads(const GPT& m) { return dynamic_cast<const FlatParamStore&>(m.store()).flat_grads(); }
+
 GPTConfig tiny_config() {
   GPTConfig c;
   c.layers = 2;
@@ -53,8 +58,8 @@ double forward_rows(GPT& m, const Batch& b, int first, int rows) {
   return m.forward(b.inputs.data() + off, b.targets.data() + off, rows);
 }
 
-std::vector<float> grads_of(const GPT& m) { return {m.grad_data(), m.grad_data() + m.num_params()}; }
-std::vector<float> params_of(const GPT& m) { return {m.param_data(), m.param_data() + m.num_params()}; }
+std::vector<float> grads_of(const GPT& m) { return {flat_grads(m), flat_grads(m) + m.num_params()}; }
+std::vector<float> params_of(const GPT& m) { return {flat_params(m), flat_params(m) + m.num_params()}; }
 
 // max_i |a_i - b_i| / max_i |b_i| over one parameter's gradient: two float computations that differ
 // only in summation order (or in BLAS kernel set: SSE3, Haswell, SkylakeX block their sums
@@ -76,7 +81,7 @@ double tensor_rel_diff(const std::vector<float>& a, const std::vector<float>& b,
 void perturb(GPT& m, std::uint64_t seed) {
   std::mt19937_64 gen(seed);
   std::normal_distribution<float> d(0.0f, 0.1f);
-  float* w = m.param_data();
+  float* w = flat_params(m);
   for (const auto& p : m.params())
     for (std::int64_t i = 0; i < p.numel; ++i) {
       float& x = w[p.offset + i];
@@ -129,8 +134,8 @@ struct GradCheckFixture {
   // Loss at p0 + s * u, moving only the elements [first, end). (Rounding p0 + s u to float
   // changes the step by < 1e-5 relative at s = 1e-2: negligible here.)
   double loss_along(const std::vector<double>& u, std::int64_t first, std::int64_t end, double s) {
-    std::copy(p0.begin(), p0.end(), m.param_data());
-    for (std::int64_t i = first; i < end; ++i) m.param_data()[i] = static_cast<float>(p0[i] + s * u[i]);
+    std::copy(p0.begin(), p0.end(), flat_params(m));
+    for (std::int64_t i = first; i < end; ++i) flat_params(m)[i] = static_cast<float>(p0[i] + s * u[i]);
     return forward_rows(m, b, 0, rows);
   }
   double richardson(const std::vector<double>& u, std::int64_t first, std::int64_t end, double h) {
@@ -250,17 +255,17 @@ TEST(GPT, InitialisationIsDeterministicPerSeed) {
   a.init_weights(7);
   b.init_weights(7);
   c.init_weights(8);
-  EXPECT_EQ(std::memcmp(a.param_data(), b.param_data(), sizeof(float) * a.num_params()), 0);
+  EXPECT_EQ(std::memcmp(flat_params(a), flat_params(b), sizeof(float) * a.num_params()), 0);
   for (const auto& p : a.params()) {
     if (p.init != ParamInfo::Init::normal) continue;
     std::int64_t same = 0;
-    for (std::int64_t i = 0; i < p.numel; ++i) same += a.param_data()[p.offset + i] == c.param_data()[p.offset + i];
+    for (std::int64_t i = 0; i < p.numel; ++i) same += flat_params(a)[p.offset + i] == flat_params(c)[p.offset + i];
     EXPECT_EQ(same, 0) << p.name << ": another seed gives equal elements";
   }
   // Re-initialising overwrites whatever was there (e.g. after training).
   perturb(b, 1);
   b.init_weights(7);
-  EXPECT_EQ(std::memcmp(a.param_data(), b.param_data(), sizeof(float) * a.num_params()), 0);
+  EXPECT_EQ(std::memcmp(flat_params(a), flat_params(b), sizeof(float) * a.num_params()), 0);
 }
 
 TEST(GPT, InitialisationFollowsGPT2AndTheCounterBasedGenerator) {
@@ -269,7 +274,7 @@ TEST(GPT, InitialisationFollowsGPT2AndTheCounterBasedGenerator) {
   GPT m(cfg, *be, 1);
   const std::uint64_t seed = 2024;
   m.init_weights(seed);
-  const float* w = m.param_data();
+  const float* w = flat_params(m);
   int normals = 0;
   for (const auto& p : m.params()) {
     const float* x = w + p.offset;
@@ -318,7 +323,7 @@ TEST(GPT, InitialisationIsLayoutIndependent) {
     }
     const double ratio = expected_std(p.name, 3) / expected_std(p.name, 2);
     for (std::int64_t i = 0; i < p.numel; ++i) {
-      const float a = m2.param_data()[p.offset + i], b = m3.param_data()[q.offset + i];
+      const float a = flat_params(m2)[p.offset + i], b = flat_params(m3)[q.offset + i];
       if (ratio == 1.0) {
         ASSERT_EQ(a, b) << p.name << "[" << i << "]";
       } else {
@@ -350,7 +355,7 @@ TEST(GPT, InitialisationHasGPT2Statistics) {
     const double sd = expected_std(p.name, cfg.layers);
     Acc& a = sd == 0.02 ? base : resid;
     for (std::int64_t i = 0; i < p.numel; ++i) {
-      const double x = m.param_data()[p.offset + i];
+      const double x = flat_params(m)[p.offset + i];
       a.n += 1;
       a.s += x / sd;  // standardised, so both pools are N(0,1) if the scales are right
       a.ss += (x / sd) * (x / sd);
@@ -370,7 +375,7 @@ TEST(GPT, InitialisationHasGPT2Statistics) {
     const ParamInfo& p = m.param(name);
     double s = 0, ss = 0;
     for (std::int64_t i = 0; i < p.numel; ++i) {
-      const double x = m.param_data()[p.offset + i];
+      const double x = flat_params(m)[p.offset + i];
       s += x;
       ss += x * x;
     }
@@ -434,13 +439,13 @@ TEST(GPT, AdamWStepsOnAFixedBatchReduceTheLoss) {
   oc.schedule = "constant";
   oc.steps = 30;
   oc.weight_decay = 0.1;
-  AdamW opt(oc, *be, m.params());
+  AdamW opt(oc, *be, m.params(), m.store().owned());
   std::vector<double> losses;
   for (int s = 0; s < oc.steps; ++s) {
     m.zero_grad();
     losses.push_back(forward_rows(m, b, 0, 2));
     m.backward(1.0f);
-    opt.step(m.param_data(), m.grad_data(), lr_at(oc, s));
+    opt.step(m.store(), lr_at(oc, s));
   }
   losses.push_back(forward_rows(m, b, 0, 2));
   std::printf("[ train   ] loss %.4f -> %.4f -> %.4f -> %.4f (steps 0, 1, 10, %lld)\n", losses[0], losses[1],
@@ -491,7 +496,7 @@ Stage stage_of(int index, int count, std::vector<std::pair<int, int>> chunks, in
 
 std::vector<float> grad_of(const GPT& m, const std::string& name) {
   const ParamInfo& p = m.param(name);
-  return {m.grad_data() + p.offset, m.grad_data() + p.offset + p.numel};
+  return {flat_grads(m) + p.offset, flat_grads(m) + p.offset + p.numel};
 }
 
 }  // namespace

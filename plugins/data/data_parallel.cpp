@@ -19,32 +19,59 @@ namespace {
 
 class DataParallelSync final : public GradSync {
  public:
+  // Buckets in backward order (units in reverse, tensors in reverse), each a run of tensors whose
+  // gradients are adjacent in the store's memory, closed once it holds at least bucket_mb (or where
+  // the next tensor is not adjacent: a store that keeps units apart gets buckets per unit).
   DataParallelSync(Communicator& dp, Backend& backend, GPT& model, double bucket_mb, bool overlap)
       : dp_(dp), be_(backend), overlap_(overlap) {
-    // Buckets in backward order (parameters in reverse), each a contiguous range of the flat
-    // gradient buffer, closed once it holds at least bucket_mb.
     const auto& params = model.params();
     const double limit = bucket_mb * 1024.0 * 1024.0;
     bucket_of_.assign(params.size(), -1);
+    std::vector<int> order;  // backward order
+    for (auto u = model.units().rbegin(); u != model.units().rend(); ++u)
+      for (auto i = u->params.rbegin(); i != u->params.rend(); ++i) order.push_back(*i);
     Bucket cur;
-    for (int p = static_cast<int>(params.size()) - 1; p >= 0; --p) {
-      if (cur.params == 0) {
-        cur.hi = params[p].offset + params[p].numel;
+    const float* lo_ptr = nullptr;
+    auto close = [&] {
+      if (cur.tensors.empty()) return;
+      cur.data = BufferRef(const_cast<float*>(lo_ptr), cur.hi_count);
+      buckets_.push_back(std::move(cur));
+      cur = Bucket{};
+    };
+    for (int p : order) {
+      const float* g = model.grad_ptr(p);
+      const std::int64_t n = params[static_cast<std::size_t>(p)].numel;
+      // Backward order walks the flat layout downwards: a tensor joins the bucket if it ends where
+      // the bucket starts.
+      if (!cur.tensors.empty() && g + n != lo_ptr) close();
+      if (cur.tensors.empty()) cur.hi_count = 0;
+      lo_ptr = g;
+      cur.hi_count += n;
+      cur.tensors.insert(cur.tensors.begin(), {p, params[static_cast<std::size_t>(p)].name,
+                                                params[static_cast<std::size_t>(p)].local_shape, 0, n});
+      bucket_of_[static_cast<std::size_t>(p)] = static_cast<int>(buckets_.size());
+      if (static_cast<double>(cur.hi_count) * sizeof(float) >= limit) close();
+    }
+    close();
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& k = buckets_[b];
+      k.index = static_cast<int>(b);
+      std::int64_t at = 0;
+      for (auto& t : k.tensors) {
+        t.offset = at;
+        at += t.count;
       }
-      cur.lo = params[p].offset;
-      ++cur.params;
-      bucket_of_[p] = static_cast<int>(buckets_.size());
-      if (static_cast<double>(cur.hi - cur.lo) * sizeof(float) >= limit || p == 0) {
-        buckets_.push_back(std::move(cur));
-        cur = Bucket{};
-      }
+      k.params = static_cast<int>(k.tensors.size());
     }
   }
 
   std::string name() const override {
-    return "data-parallel all-reduce over dp " + std::to_string(dp_.size()) + ", " + std::to_string(buckets_.size()) +
-           " bucket" + (buckets_.size() == 1 ? "" : "s") + (overlap_ ? ", overlapped with backward" : ", after backward");
+    return "data-parallel " + (reducer_ ? reducer_->name() : std::string("(no reducer)")) + ", " +
+           std::to_string(buckets_.size()) + " bucket" + (buckets_.size() == 1 ? "" : "s") +
+           (overlap_ ? ", overlapped with backward" : ", after backward");
   }
+
+  void use_reducer(Reducer* reducer) override { reducer_ = reducer; }
 
   void begin_micro_batch(GPT&, int k, int m) override {
     if (k == 0 && inject_fault("plugin", step_))
@@ -56,14 +83,14 @@ class DataParallelSync final : public GradSync {
       b.pending = b.params;
       b.req.reset();
     }
-    bytes_before_ = dp_.stats().bytes_sent[static_cast<int>(CommOp::all_reduce)];
+    bytes_before_ = dp_.stats().total_bytes();
   }
 
-  void grads_ready(GPT& model, int first, int end) override {
+  void grads_ready(GPT& model, int unit) override {
     if (!last_micro_ || !overlap_ || dp_.size() == 1) return;
-    for (int p = first; p < end; ++p) {
-      Bucket& b = buckets_[bucket_of_[p]];
-      if (--b.pending == 0) start(model, b);
+    for (int p : model.units()[static_cast<std::size_t>(unit)].params) {
+      Bucket& b = buckets_[static_cast<std::size_t>(bucket_of_[static_cast<std::size_t>(p)])];
+      if (--b.pending == 0) start(b);
     }
     dp_.progress();
   }
@@ -71,37 +98,43 @@ class DataParallelSync final : public GradSync {
   void finish(GPT& model) override {
     if (dp_.size() == 1) return;
     for (auto& b : buckets_)
-      if (!b.req) start(model, b);
+      if (!b.req) start(b);
     for (auto& b : buckets_) b.req->wait();
-    be_.scale(model.grad_data(), 1.0f / static_cast<float>(dp_.size()), model.num_params());
-    const auto after = dp_.stats().bytes_sent[static_cast<int>(CommOp::all_reduce)];
-    measured_bytes_ = static_cast<double>(after - bytes_before_);
-    gradient_bytes_ = static_cast<double>(model.num_params()) * sizeof(float);
+    gradient_bytes_ = 0;
+    for (auto& b : buckets_) {
+      be_.scale(b.data.as<float>(), 1.0f / static_cast<float>(dp_.size()), b.data.count);
+      gradient_bytes_ += static_cast<double>(b.data.bytes());
+    }
+    (void)model;
+    measured_bytes_ = static_cast<double>(dp_.stats().total_bytes() - bytes_before_);
     last_micro_ = false;
   }
 
   double mean_over_replicas(double local) override { return dp_.size() == 1 ? local : dp_.sum(local) / dp_.size(); }
-  double grad_sq_norm(double local) override { return local; }  // gradients are replicated after finish()
 
   std::vector<std::pair<std::string, double>> step_report() const override {
     if (dp_.size() == 1) return {};
     const double ring = ring_all_reduce_bytes(gradient_bytes_, dp_.size());
-    return {{"dp_allreduce_bytes", measured_bytes_},
-            {"dp_allreduce_ring_bytes", ring},
-            {"dp_allreduce_ratio", ring > 0 ? measured_bytes_ / ring : 0.0}};
+    std::vector<std::pair<std::string, double>> r = {{"dp_allreduce_bytes", measured_bytes_},
+                                                     {"dp_allreduce_ring_bytes", ring},
+                                                     {"dp_allreduce_ratio", ring > 0 ? measured_bytes_ / ring : 0.0}};
+    for (Reducer* k = reducer_; k; k = k->inner())
+      for (auto& kv : k->step_report()) r.push_back(kv);
+    return r;
   }
 
  private:
-  struct Bucket {
-    std::int64_t lo = 0, hi = 0;
+  struct Bucket : GradBucket {
+    std::int64_t hi_count = 0;
     int params = 0, pending = 0;
     CommRequestPtr req;
   };
-  void start(GPT& model, Bucket& b) { b.req = dp_.all_reduce_async(model.grad_data() + b.lo, b.hi - b.lo); }
+  void start(Bucket& b) { b.req = reducer_->reduce_async(b); }
 
   Communicator& dp_;
   Backend& be_;
   bool overlap_;
+  Reducer* reducer_ = nullptr;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;
   bool last_micro_ = false;
@@ -117,7 +150,9 @@ void register_data(void* p) {
                                 "when its gradients are done"));
   info.keys.push_back(bool_key("data.overlap", "true",
                                "data parallel: start bucket all-reduces during backward (false: all after backward)"));
+  info.claims = {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}};
   info.create = [](StrategyContext& ctx, Roles& roles) {
+    roles.reducer = std::make_unique<AllReduceReducer>(ctx.grid.dp());
     roles.grad_sync = std::make_unique<DataParallelSync>(ctx.grid.dp(), ctx.backend, ctx.model,
                                                          ctx.deck.get_float("data.bucket_mb"),
                                                          ctx.deck.get_bool("data.overlap"));

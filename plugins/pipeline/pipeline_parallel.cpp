@@ -286,8 +286,9 @@ class PipelineSchedule final : public Schedule {
   // hold part of the gradient. Both get first + last (the same sum, bit for bit, on both).
   void finish_grads(GPT& model) override {
     if (p_ == 1 || (!first_ && !last_)) return;
-    const ParamInfo& wte = model.params()[0];
-    float* g = model.grad_data() + wte.offset;
+    const int index = model.param_index("wte.weight");  // the first stage's, or the last stage's shadow
+    const ParamInfo& wte = model.params()[static_cast<std::size_t>(index)];
+    float* g = model.grad_ptr(index);
     tied_.resize(static_cast<std::size_t>(wte.numel));
     const int peer = first_ ? p_ - 1 : 0;
     auto r = pp_.recv_async(tied_.data(), wte.numel, peer, kTiedTag);
@@ -296,8 +297,6 @@ class PipelineSchedule final : public Schedule {
     r->wait();
     for (std::int64_t j = 0; j < wte.numel; ++j) g[j] += tied_[j];
   }
-
-  double grad_sq_norm(double local) override { return p_ > 1 ? pp_.sum(local) : local; }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
     std::vector<std::pair<std::string, double>> r;
@@ -570,6 +569,7 @@ void register_pipeline(void* p) {
                        ", " + std::to_string(2 * pp) + ", ... (dividing the batch per dp rank)");
     stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, pp, v);  // throws if it cannot
   };
+  info.claims = {{Role::stage, Claim::provides, ""}, {Role::schedule, Claim::provides, ""}};
   info.assign_stage = [](PartitionContext& ctx) {
     const int pp = ctx.grid.layout().pp, i = ctx.grid.pp_rank();
     const int v = static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages"));

@@ -113,44 +113,40 @@ class TensorPartition final : public Partition {
   }
 
   // With sequence parallelism each rank's LayerNorm and row-parallel bias gradients cover only its
-  // rows: sum them over the group (packed into one all-reduce).
+  // rows: sum them over the group (packed into one all-reduce). Then check the claim that replicated
+  // tensors are the same on every rank: a hash of every replicated parameter and gradient must
+  // agree across the group (reported in the step's metrics as tp_replicas_identical).
   void finish_grads(GPT& model) override {
     ++steps_done_;
     step_started_ = false;
-    if (!sp_) return;
-    std::int64_t total = 0;
-    for (const auto& p : model.params())
-      if (p.sp_partial) total += p.numel;
-    pack_.resize(total);
-    std::int64_t at = 0;
-    for (const auto& p : model.params())
-      if (p.sp_partial) {
-        std::copy_n(model.grad_data() + p.offset, p.numel, pack_.data() + at);
-        at += p.numel;
-      }
-    tp_.all_reduce(pack_.data(), total);
-    at = 0;
-    for (const auto& p : model.params())
-      if (p.sp_partial) {
-        std::copy_n(pack_.data() + at, p.numel, model.grad_data() + p.offset);
-        at += p.numel;
-      }
-  }
-
-  // Split parameters add up over the group; replicated ones are the same on every rank: count once.
-  // Also checks that claim: a hash of every replicated parameter and gradient must agree across
-  // the group (reported in the step's metrics as tp_replicas_identical).
-  double grad_sq_norm(GPT& model, Backend& be) override {
-    double split = 0, replicated = 0;
+    const auto& params = model.params();
+    if (sp_) {
+      std::int64_t total = 0;
+      for (const auto& p : params)
+        if (p.sp_partial) total += p.numel;
+      pack_.resize(total);
+      std::int64_t at = 0;
+      for (std::size_t i = 0; i < params.size(); ++i)
+        if (params[i].sp_partial) {
+          std::copy_n(model.grad_ptr(static_cast<int>(i)), params[i].numel, pack_.data() + at);
+          at += params[i].numel;
+        }
+      tp_.all_reduce(pack_.data(), total);
+      at = 0;
+      for (std::size_t i = 0; i < params.size(); ++i)
+        if (params[i].sp_partial) {
+          std::copy_n(pack_.data() + at, params[i].numel, model.grad_ptr(static_cast<int>(i)));
+          at += params[i].numel;
+        }
+    }
     std::uint64_t h = 0xcbf29ce484222325ULL;
-    for (const auto& p : model.params()) {
-      if (p.shadow) continue;  // the tied head's copy of wte on the last pipeline stage
-      const double sq = be.sum_squares(model.grad_data() + p.offset, p.numel);
-      (p.split == TpSplit::none ? replicated : split) += sq;
-      if (p.split != TpSplit::none) continue;
-      for (const float* base : {static_cast<const float*>(model.param_data()), static_cast<const float*>(model.grad_data())}) {
-        const auto* bytes = reinterpret_cast<const unsigned char*>(base + p.offset);
-        for (std::int64_t i = 0; i < p.numel * static_cast<std::int64_t>(sizeof(float)); ++i) h = (h ^ bytes[i]) * 0x100000001b3ULL;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const ParamInfo& p = params[i];
+      if (p.shadow || p.split != TpSplit::none) continue;
+      for (const float* base : {static_cast<const float*>(model.param_ptr(static_cast<int>(i))),
+                                static_cast<const float*>(model.grad_ptr(static_cast<int>(i)))}) {
+        const auto* bytes = reinterpret_cast<const unsigned char*>(base);
+        for (std::int64_t k = 0; k < p.numel * static_cast<std::int64_t>(sizeof(float)); ++k) h = (h ^ bytes[k]) * 0x100000001b3ULL;
       }
     }
     // Two floats carry 48 bits of the hash exactly (24 bits each, within a float's mantissa).
@@ -160,7 +156,6 @@ class TensorPartition final : public Partition {
     identical_ = 1.0;
     for (int q = 0; q < tp_.size(); ++q)
       if (all[2 * q] != mine[0] || all[2 * q + 1] != mine[1]) identical_ = 0.0;
-    return tp_.sum(split + replicated / tp_.size());
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
@@ -192,6 +187,7 @@ void register_tensor(void* p) {
                        std::to_string(ctx.layout.tp) + ", which does not divide them; tp sizes that do: " +
                        divisors(rows));
   };
+  info.claims = {{Role::partition, Claim::provides, ""}};
   info.make_partition = [](PartitionContext& ctx) -> std::unique_ptr<Partition> {
     return std::make_unique<TensorPartition>(ctx.grid.tp(), ctx.deck.get_bool("tensor.sequence_parallel"));
   };

@@ -1,0 +1,122 @@
+#pragma once
+// The parameter store (DESIGN.md "The parameter store"): who owns the storage of parameters and
+// their gradients (and, with mixed precision, master weights). It is created before the model; the
+// model declares its tensors grouped into units (the embeddings, each block, the head) and asks the
+// store for a unit's tensors before it uses them and hands them back after, naming the unit it will
+// use next so that a store can fetch ahead (ZeRO-3 gathers a block's parameters there). The core's
+// default is one flat buffer of parameters and one of gradients, every unit always resident.
+//
+// The store also says which slices of which tensors this rank updates (the optimizer's work) and of
+// which it is the one owner (counted in the gradient norm, written to checkpoints).
+#include <cstdint>
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/dtype.hpp"
+#include "core/shard.hpp"
+
+namespace loom {
+
+struct ParamInfo {
+  enum class Init { normal, ones, zeros };
+  std::string name;                  // "blocks.3.attn.qkv.weight"
+  std::vector<std::int64_t> shape;   // full logical shape
+  std::vector<std::int64_t> local_shape;  // this rank's tp piece of it (= shape when not split)
+  TpSplit split = TpSplit::none;     // how the tp group splits it
+  ShardDesc shard;                   // which elements of the full tensor this rank holds
+  int unit = -1;                     // the unit it belongs to (index into GPT::units()), -1 when not held
+  bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
+  bool shadow = false;               // a copy of a tensor another stage owns (the tied head's wte on the
+                                     // last stage): kept equal to it, not counted in norms or checkpoints
+  std::int64_t offset = 0;           // position among this rank's parameter elements (the flat store's layout)
+  std::int64_t numel = 0;            // elements of the local shard
+  bool decay = false;                // AdamW weight decay applies (matrices)
+  Init init = Init::zeros;
+  double init_std = 0.0;             // for Init::normal
+};
+
+// A group of tensors used together: "embeddings", "blocks.3", "head".
+struct Unit {
+  std::string name;
+  std::vector<int> params;  // indices into the model's params(), in the order the model uses them
+};
+
+// Elements [begin, end) of a tensor's local shard that this rank updates with the optimizer.
+// `primary`: this rank is the one owner of those elements in the whole job (counted in the gradient
+// norm, written to checkpoints); replicas of a tensor update it too but are not primary.
+struct OwnedSlice {
+  int param = -1;
+  std::int64_t begin = 0, end = 0;
+  bool primary = false;
+  std::int64_t size() const { return end - begin; }
+};
+
+// What a store knows of the run when it is built.
+struct StoreContext {
+  Backend& backend;
+  int dp = 1, dp_rank = 0;  // the data-parallel group
+  int tp_rank = 0;          // a tensor replicated over the tp group is owned by tp rank 0
+};
+
+class ParamStore {
+ public:
+  enum class Use { forward, backward };
+  // A unit's tensors, in Unit::params order; `grads` only for Use::backward.
+  struct UnitView {
+    std::vector<BufferRef> params, grads;
+  };
+  virtual ~ParamStore() = default;
+  virtual std::string name() const = 0;
+  // Called once by the model, with this rank's tensors and its units.
+  virtual void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) = 0;
+  // The tensors of `unit` until release(unit, use). `next_unit` (-1: none) is the unit the model
+  // will acquire next, so a store may start fetching it.
+  virtual const UnitView& acquire(int unit, Use use, int next_unit) = 0;
+  virtual void release(int /*unit*/, Use /*use*/) {}
+  // Tensor i's parameter or gradient (its local shard); for roles that work per tensor between the
+  // micro-batches and the refresh phase (gradient sync, norms, checkpoints).
+  virtual BufferRef param(int i) = 0;
+  virtual BufferRef grad(int i) = 0;
+  virtual void zero_grads() = 0;
+  // The slices this rank updates, each with whether it is their primary owner.
+  virtual const std::vector<OwnedSlice>& owned() const = 0;
+  // The refresh phase, after the optimizer (gather updated shards, refresh compute copies).
+  virtual void refresh() {}
+  // Parameter elements this rank holds.
+  virtual std::int64_t local_numel() const = 0;
+};
+
+// The default: one flat buffer of parameters and one of gradients (ParamInfo::offset into both),
+// every tensor updated whole by the ranks that hold it.
+class FlatParamStore final : public ParamStore {
+ public:
+  std::string name() const override { return "flat (one buffer of parameters, one of gradients)"; }
+  void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override;
+  const UnitView& acquire(int unit, Use use, int) override {
+    return use == Use::forward ? forward_[static_cast<std::size_t>(unit)] : backward_[static_cast<std::size_t>(unit)];
+  }
+  BufferRef param(int i) override { return params_.ref().slice(info_[i].offset, info_[i].numel); }
+  BufferRef grad(int i) override { return grads_.ref().slice(info_[i].offset, info_[i].numel); }
+  void zero_grads() override;
+  const std::vector<OwnedSlice>& owned() const override { return owned_; }
+  std::int64_t local_numel() const override { return params_.count(); }
+  // The flat buffers themselves (for tests and tools that read a layout's whole state).
+  float* flat_params() const { return params_.data<float>(); }
+  float* flat_grads() const { return grads_.data<float>(); }
+
+ private:
+  Backend* be_ = nullptr;
+  std::vector<ParamInfo> info_;
+  TypedBuffer params_, grads_;
+  std::vector<UnitView> forward_, backward_;
+  std::vector<OwnedSlice> owned_;
+};
+
+// Whether this rank is the primary owner of a tensor it holds whole under the default rule: not a
+// pipeline shadow, data-parallel replica 0, and for a tensor replicated over tp, tp rank 0.
+bool default_primary(const ParamInfo& p, const StoreContext& ctx);
+
+}  // namespace loom

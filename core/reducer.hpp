@@ -1,0 +1,58 @@
+#pragma once
+// The gradient reducer (DESIGN.md "Declared composition"): the collective that data parallelism runs
+// on each bucket of gradients. The `data` strategy provides one (a ring all-reduce over the dp
+// group); another strategy may wrap it (gradient compression) and then sees every bucket, with the
+// tensors and shapes it holds, before the collective does.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/comm.hpp"
+#include "core/dtype.hpp"
+
+namespace loom {
+
+// A bucket: contiguous gradient storage holding whole tensors (or, with a sharded store, slices).
+struct GradBucket {
+  struct Tensor {
+    int param = -1;                   // index into the model's params()
+    std::string name;                 // "blocks.3.mlp.fc.weight"
+    std::vector<std::int64_t> shape;  // this rank's local shape of it
+    std::int64_t offset = 0, count = 0;  // where it lies in `data`
+  };
+  int index = 0;            // 0 is the first bucket backward completes
+  BufferRef data;           // the gradients, reduced in place
+  std::vector<Tensor> tensors;
+};
+
+class Reducer {
+ public:
+  virtual ~Reducer() = default;
+  virtual std::string name() const = 0;
+  // Starts the sum of `bucket` over the group, in place; the request completes it. Buckets of a
+  // step are started in order, each once, and all are waited on before the step's gradients are used.
+  virtual CommRequestPtr reduce_async(const GradBucket& bucket) = 0;
+  // The reducer this one wraps (null: none), so the run can find every layer of a chain.
+  virtual Reducer* inner() { return nullptr; }
+  // Numbers for the metrics of the last step.
+  virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+};
+
+// The plain one: a sum all-reduce on `comm`.
+class AllReduceReducer final : public Reducer {
+ public:
+  explicit AllReduceReducer(Communicator& comm) : comm_(comm) {}
+  std::string name() const override { return "all-reduce over " + comm_.name() + " " + std::to_string(comm_.size()); }
+  CommRequestPtr reduce_async(const GradBucket& b) override { return comm_.all_reduce_async(b.data.as<float>(), b.data.count); }
+
+ private:
+  Communicator& comm_;
+};
+
+// What a wrapping strategy supplies: given the reducer it wraps, the one that replaces it.
+using ReducerWrapper = std::function<std::unique_ptr<Reducer>(std::unique_ptr<Reducer> inner)>;
+
+}  // namespace loom
