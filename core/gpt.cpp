@@ -265,13 +265,15 @@ GPT::Scratch GPT::scratch() const {
   return s;
 }
 
-void GPT::block_forward(int chunk, int slot, int l, int B) {
+void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
-  const int next = l + 1 < stage_.chunks[chunk].end_layer ? block_unit_[static_cast<std::size_t>(l + 1)]
-                   : holds_head(chunk)                    ? head_unit_
-                                                          : -1;
+  // Next: the following block's forward, or (recomputing in backward) this block's backward.
+  const int next = recompute                               ? unit
+                   : l + 1 < stage_.chunks[chunk].end_layer ? block_unit_[static_cast<std::size_t>(l + 1)]
+                   : holds_head(chunk)                      ? head_unit_
+                                                            : -1;
   const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), false);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
@@ -303,7 +305,7 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
-  if (cfg_.recompute) block_forward(chunk, slot, l, B);  // rebuild this block's activations from its saved input
+  if (cfg_.recompute) block_forward(chunk, slot, l, B, true);  // rebuild this block's activations from its saved input
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   const int next = l > stage_.chunks[chunk].first_layer ? block_unit_[static_cast<std::size_t>(l - 1)]
                    : holds_embeddings(chunk)            ? emb_unit_
@@ -377,8 +379,8 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   if (!holds_head(chunk)) return 0.0;
 
   for (int i = 0; i < N; ++i) tgt[i] = targets[i];
-  const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, -1);
   const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
+  const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, wte_apart ? emb_unit_ : -1);
   const float* wte = tensor(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
   const float* lnfw = tensor(hv, lnfw_);
   const float* lnfb = tensor(hv, lnfb_);
@@ -405,8 +407,8 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
 
   if (holds_head(chunk)) {
     const int next = l1 > l0 ? block_unit_[static_cast<std::size_t>(l1 - 1)] : -1;
-    const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::backward, next);
     const bool wte_apart = wte_unit() != head_unit_;
+    const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);
     const ParamStore::UnitView& wv = wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::backward, next) : hv;
     const float* wte = tensor(wv, wte_);
     const float* lnfw = tensor(hv, lnfw_);

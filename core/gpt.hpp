@@ -149,7 +149,7 @@ class GPT {
   Head head(int slot) const;
   // block `layer`'s input in slot `slot` of chunk `chunk`, [Nl,C]; at the chunk's end_layer, its output
   float* residual(int chunk, int slot, int layer) const;
-  void block_forward(int chunk, int slot, int layer, int B);
+  void block_forward(int chunk, int slot, int layer, int B, bool recompute = false);
   void block_backward(int chunk, int slot, int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
   void check_slot(int chunk, int slot, const char* what) const;
 
