@@ -181,7 +181,8 @@ void Session::setup_collective() {
     Roles roles;
     StrategyContext ctx{deck, *grid, *model, *backend, engine_cfg};
     strategy->create(ctx, roles);
-    check_filled_roles(*strategy, filled_roles(roles));
+    // The same on every rank: said once, exit 2, before any training.
+    run_agreed([&] { check_filled_roles(*strategy, filled_roles(roles)); });
     if (roles.schedule) engine_roles.schedule = std::move(roles.schedule);
     if (roles.grad_sync) engine_roles.grad_sync = std::move(roles.grad_sync);
     if (roles.optimizer) engine_roles.optimizer = std::move(roles.optimizer);

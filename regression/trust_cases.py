@@ -37,7 +37,6 @@ CASE is one of:
 The file edits use h5py: run with /usr/bin/python3 (Debian's python3-h5py).
 """
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -46,6 +45,10 @@ import signal
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import losses, rows, snapshot, summary  # noqa: E402
 
 DECK = """[model]
 layers = 2
@@ -65,80 +68,9 @@ val_fraction = 0.1
 """
 
 
-def snapshot(path):
-    """Every file under `path` with its bytes' hash: equal snapshots mean a byte-identical tree."""
-    out = {}
-    for root, _, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            out[os.path.relpath(p, path)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
-    return out
-
-
-class Case:
+class Case(common.Case):
     def __init__(self, args, name):
-        self.args = args
-        self.dir = os.path.join(args.workdir, name)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        os.makedirs(self.dir)
-        self.deck = os.path.join(self.dir, "trust.deck")
-        with open(self.deck, "w") as f:
-            f.write(DECK)
-        self.failures = []
-
-    def command(self, tag, ranks, sets):
-        rundir = os.path.join(self.dir, tag)
-        cmd = ([self.args.mpirun, "-n", str(ranks)] if ranks > 1 else []) + [self.args.loom, "run", self.deck,
-                                                                           "--set", "run.dir=" + rundir]
-        for s in sets:
-            cmd += ["--set", s]
-        return cmd, rundir
-
-    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None):
-        cmd, rundir = self.command(tag, ranks, sets)
-        e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        e.update(env or {})
-        shown = " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd)
-        if shell_prefix:  # e.g. a file-size limit, set in a shell that then runs loom
-            cmd = ["bash", "-c", shell_prefix + ' && exec "$@"', "bash"] + cmd
-            shown = shell_prefix + "; " + shown
-        print("$ " + shown.strip(), flush=True)
-        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
-        if expect is not None and p.returncode != expect:
-            sys.stdout.write(p.stdout[-3000:])
-            sys.stdout.write(p.stderr[-3000:])
-            self.failures.append("%s: exit status %d, expected %d" % (tag, p.returncode, expect))
-        return p, rundir
-
-    def expect(self, text, patterns, what):
-        for rx in patterns:
-            if not re.search(rx, text):
-                self.failures.append("%s does not match /%s/" % (what, rx))
-
-    def check(self, ok, message):
-        if not ok:
-            self.failures.append(message)
-
-    def done(self, name):
-        for f in self.failures:
-            print("FAIL: " + f)
-        print("case %s: %s" % (name, "FAILED" if self.failures else "passed"))
-        return 1 if self.failures else 0
-
-
-def rows(rundir, name="metrics.jsonl"):
-    path = os.path.join(rundir, name)
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in open(path) if line.strip()]
-
-
-def losses(rundir):
-    return [r["loss"] for r in rows(rundir)]
-
-
-def summary(rundir):
-    return json.load(open(os.path.join(rundir, "summary.json")))
+        super().__init__(args, name, DECK, "trust.deck")
 
 
 def latest(ckdir):
