@@ -131,9 +131,8 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
 
   // Activations. Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one
   // set per slot (in-flight micro-batch) of each chunk.
-  const std::int64_t N = static_cast<std::int64_t>(max_rows) * T, Nl = sp_ ? N / tp : N, NHl = cfg.heads / tp;
-  block_act_floats_ = Nl * C * 3 + Nl * 4 + N * 3 * Cl + static_cast<std::int64_t>(max_rows) * NHl * T * T + N * Cl +
-                      N * 2 * Fl;
+  const std::int64_t N = static_cast<std::int64_t>(max_rows) * T, Nl = sp_ ? N / tp : N;
+  block_act_floats_ = carve_block(nullptr).floats;
   std::int64_t residuals = 0, acts = 0;
   int max_slots = 1;
   for (const Stage::Chunk& c : stage_.chunks) {
@@ -146,15 +145,14 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   }
   const std::int64_t saved_blocks = cfg.recompute ? 1 : acts;
   const std::int64_t head_slots = stage_.last() ? stage_.chunks.back().activation_slots : 0;
-  head_floats_ = Nl * C + 2 * Nl + 2 * N * Vl + N;
-  residual_buf_ = Buffer<float>("GPT::residual", residuals * Nl * C, Mem::activations);
-  block_buf_ = Buffer<float>("GPT::block_activations", saved_blocks * block_act_floats_, Mem::activations);
-  head_buf_ = Buffer<float>("GPT::head_activations", head_slots * head_floats_, Mem::activations);
+  head_floats_ = carve_head(nullptr).floats;
+  residual_buf_ = be_.allocate("GPT::residual", DType::f32, residuals * Nl * C, Mem::activations);
+  block_buf_ = be_.allocate("GPT::block_activations", DType::f32, saved_blocks * block_act_floats_, Mem::activations);
+  head_buf_ = be_.allocate("GPT::head_activations", DType::f32, head_slots * head_floats_, Mem::activations);
   // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
   // [N,C], dqkv [N,3Cl], datt [T,T], datty [N,Cl], dfch, dfch_gelu [N,Fl]
-  scratch_buf_ = Buffer<float>("GPT::scratch", N * C * 4 + Nl * C * 4 + N * 3 * Cl + T * T + N * Cl + N * 2 * Fl,
-                               Mem::activations);
-  tokens_buf_ = Buffer<std::int32_t>("GPT::tokens", max_slots * 2 * N, Mem::workspace);
+  scratch_buf_ = be_.allocate("GPT::scratch", DType::f32, carve_scratch(nullptr).floats, Mem::activations);
+  tokens_buf_ = be_.allocate("GPT::tokens", DType::i32, max_slots * 2 * N, Mem::workspace);
 }
 
 const ParamInfo* GPT::find_param(const std::string& name) const {
@@ -199,27 +197,82 @@ GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads)
   return {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
 }
 
-GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
+// Activation tables (llm.c's habit): each group's tensors are carved from one run of floats by one
+// function, which also sizes the group (carving from a null base only counts).
+namespace {
+struct Carver {
+  float* base;
+  std::int64_t used = 0;
+  float* take(std::int64_t n) {
+    float* p = base ? base + used : nullptr;
+    used += n;
+    return p;
+  }
+};
+}  // namespace
+
+GPT::BlockActs GPT::carve_block(float* base) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
   const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, NHl = cfg_.heads / tp_, Cl = C / tp_, Fl = 4 * C / tp_;
+  Carver c{base};
+  BlockActs a;
+  a.ln1 = c.take(Nl * C);
+  a.ln1_mean = c.take(Nl);
+  a.ln1_rstd = c.take(Nl);
+  a.qkv = c.take(N * 3 * Cl);
+  a.att = c.take(static_cast<std::int64_t>(max_rows_) * NHl * T * T);
+  a.atty = c.take(N * Cl);
+  a.xmid = c.take(Nl * C);
+  a.ln2 = c.take(Nl * C);
+  a.ln2_mean = c.take(Nl);
+  a.ln2_rstd = c.take(Nl);
+  a.fch = c.take(N * Fl);
+  a.fch_gelu = c.take(N * Fl);
+  a.floats = c.used;
+  return a;
+}
+
+GPT::Scratch GPT::carve_scratch(float* base) const {
+  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
+  const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, Cl = C / tp_, Fl = 4 * C / tp_;
+  Carver c{base};
+  Scratch s;
+  s.full = c.take(N * C);
+  s.partial = c.take(N * C);
+  s.local = c.take(Nl * C);
+  s.dres = c.take(Nl * C);
+  s.dother = c.take(Nl * C);
+  s.dlocal = c.take(Nl * C);
+  s.dfull = c.take(N * C);
+  s.dpartial = c.take(N * C);
+  s.dqkv = c.take(N * 3 * Cl);
+  s.datt = c.take(T * T);
+  s.datty = c.take(N * Cl);
+  s.dfch = c.take(N * Fl);
+  s.dfch_gelu = c.take(N * Fl);
+  s.floats = c.used;
+  return s;
+}
+
+GPT::Head GPT::carve_head(float* base) const {
+  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
+  Carver c{base};
+  Head h;
+  h.lnf = c.take(Nl * cfg_.d_model);
+  h.lnf_mean = c.take(Nl);
+  h.lnf_rstd = c.take(Nl);
+  h.logits = c.take(N * vocab_local_);
+  h.probs = c.take(N * vocab_local_);
+  h.losses = c.take(N);
+  h.floats = c.used;
+  return h;
+}
+
+GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
   const Stage::Chunk& c = stage_.chunks[chunk];
   const std::int64_t index =
       cfg_.recompute ? 0 : acts0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer) + layer - c.first_layer;
-  float* p = block_buf_.data() + index * block_act_floats_;
-  BlockActs a;
-  a.ln1 = p;            p += Nl * C;
-  a.ln1_mean = p;       p += Nl;
-  a.ln1_rstd = p;       p += Nl;
-  a.qkv = p;            p += N * 3 * Cl;
-  a.att = p;            p += static_cast<std::int64_t>(max_rows_) * NHl * T * T;
-  a.atty = p;           p += N * Cl;
-  a.xmid = p;           p += Nl * C;
-  a.ln2 = p;            p += Nl * C;
-  a.ln2_mean = p;       p += Nl;
-  a.ln2_rstd = p;       p += Nl;
-  a.fch = p;            p += N * Fl;
-  a.fch_gelu = p;
-  return a;
+  return carve_block(block_buf_.data<float>() + index * block_act_floats_);
 }
 
 float* GPT::residual(int chunk, int slot, int layer) const {
@@ -227,7 +280,7 @@ float* GPT::residual(int chunk, int slot, int layer) const {
   const Stage::Chunk& c = stage_.chunks[chunk];
   const std::int64_t index =
       residual0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer + 1) + layer - c.first_layer;
-  return residual_buf_.data() + index * Nl * cfg_.d_model;
+  return residual_buf_.data<float>() + index * Nl * cfg_.d_model;
 }
 
 std::int64_t GPT::stage_boundary_floats(int B) const {
@@ -244,26 +297,7 @@ void GPT::check_slot(int chunk, int slot, const char* what) const {
                            std::to_string(chunk));
 }
 
-GPT::Scratch GPT::scratch() const {
-  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
-  const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, Cl = C / tp_, Fl = 4 * C / tp_;
-  float* p = scratch_buf_.data();
-  Scratch s;
-  s.full = p;       p += N * C;
-  s.partial = p;    p += N * C;
-  s.local = p;      p += Nl * C;
-  s.dres = p;       p += Nl * C;
-  s.dother = p;     p += Nl * C;
-  s.dlocal = p;     p += Nl * C;
-  s.dfull = p;      p += N * C;
-  s.dpartial = p;   p += N * C;
-  s.dqkv = p;       p += N * 3 * Cl;
-  s.datt = p;       p += T * T;
-  s.datty = p;      p += N * Cl;
-  s.dfch = p;       p += N * Fl;
-  s.dfch_gelu = p;
-  return s;
-}
+GPT::Scratch GPT::scratch() const { return carve_scratch(scratch_buf_.data<float>()); }
 
 void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
@@ -356,7 +390,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   slot_rows_[chunk][slot] = B;
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
-  std::int32_t* inp = tokens_buf_.data() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
+  std::int32_t* inp = tokens_buf_.data<std::int32_t>() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
   std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
   const Scratch s = scratch();
 
@@ -401,7 +435,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
                            std::to_string(chunk));
   const int B = slot_rows_[chunk][slot], T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
-  const std::int32_t* inp = tokens_buf_.data() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
+  const std::int32_t* inp = tokens_buf_.data<std::int32_t>() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
   const std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
   const Scratch s = scratch();
 
@@ -447,17 +481,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   return nullptr;
 }
 
-GPT::Head GPT::head(int slot) const {
-  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
-  Head h;
-  h.lnf = head_buf_.data() + slot * head_floats_;  // [Nl,C]
-  h.lnf_mean = h.lnf + Nl * cfg_.d_model;     // [Nl]
-  h.lnf_rstd = h.lnf_mean + Nl;               // [Nl]
-  h.logits = h.lnf_rstd + Nl;                 // [N,Vl]
-  h.probs = h.logits + N * vocab_local_;      // [N,Vl]
-  h.losses = h.probs + N * vocab_local_;      // [N]
-  return h;
-}
+GPT::Head GPT::head(int slot) const { return carve_head(head_buf_.data<float>() + slot * head_floats_); }
 
 void GPT::zero_grad() { store_->zero_grads(); }
 

@@ -124,16 +124,23 @@ class GPT {
     float *xmid;                       // [N,C]  residual after attention
     float *ln2, *ln2_mean, *ln2_rstd;  // [N,C], [N], [N]
     float *fch, *fch_gelu;             // [N,4C], [N,4C]
+    std::int64_t floats;               // the whole table
   };
   struct Scratch {  // not saved across kernels: forward temporaries and backward gradients
     float *full, *partial, *local;                       // [N,C], [N,C], [Nl,C]
     float *dres, *dother, *dlocal, *dfull, *dpartial;    // [Nl,C] x3, [N,C] x2
     float *dqkv, *datt, *datty, *dfch, *dfch_gelu;       // [N,3Cl], [T,T], [N,Cl], [N,Fl], [N,Fl]
+    std::int64_t floats;
   };
   struct Head {
     float *lnf, *lnf_mean, *lnf_rstd;  // [Nl,C], [Nl], [Nl]
     float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
+    std::int64_t floats;
   };
+  // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
+  BlockActs carve_block(float* base) const;
+  Scratch carve_scratch(float* base) const;
+  Head carve_head(float* base) const;
   // The block's tensors from the store's view of its unit.
   BlockParams block_params(const ParamStore::UnitView& view, bool grads) const;
   float* tensor(const ParamStore::UnitView& view, int param) const {
@@ -178,11 +185,11 @@ class GPT {
   // activations
   std::int64_t block_act_floats_ = 0;
   std::int64_t head_floats_ = 0;
-  Buffer<float> residual_buf_;   // per chunk [slots, Lc+1, Nl, C]
-  Buffer<float> block_buf_;      // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
-  Buffer<float> head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits, probs [N,Vl], losses [N]
-  Buffer<float> scratch_buf_;    // forward tmp and backward gradients of activations
-  Buffer<std::int32_t> tokens_buf_;  // [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
+  TypedBuffer residual_buf_;   // per chunk [slots, Lc+1, Nl, C]
+  TypedBuffer block_buf_;      // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
+  TypedBuffer head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits, probs [N,Vl], losses [N]
+  TypedBuffer scratch_buf_;    // forward tmp and backward gradients of activations
+  TypedBuffer tokens_buf_;     // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
   std::function<void(int)> grad_ready_;
   std::function<void()> progress_;
 };
