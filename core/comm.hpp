@@ -5,10 +5,34 @@
 // counts the bytes it sends and the time it waits, per operation kind, so the metrics can compare
 // measured traffic with the textbook volumes (a ring all-reduce sends 2(N-1)/N * M bytes per rank).
 //
-// The MPI back end runs its collectives as ring algorithms over point-to-point messages that it
-// sends itself; that is what makes the byte counts measurements rather than formulas. Requests
-// advance when they are tested or waited on, or when progress() is called (the engine calls it
-// between backward kernels).
+// Operations are typed: they take BufferRefs (core/dtype.hpp: element type, count, memory space).
+//   all_reduce, reduce_scatter   sum or max (ReduceOp) of every element type:
+//                                fp32, fp64  native arithmetic; max propagates NaN.
+//                                bf16, fp16  each ring step converts both operands to float, adds
+//                                            (or compares) there, and rounds the result to storage
+//                                            once: a sum over N ranks is rounded N-1 times, in the
+//                                            ring's order (see comm_mpi.cpp). max propagates NaN.
+//                                int8, uint8 sums add in int32 and saturate to the type's range at
+//                                            every step (exact while every partial sum fits;
+//                                            otherwise the result depends on the ring's order).
+//                                int32, int64 sums wrap modulo 2^32 / 2^64 (two's complement).
+//                                Every element is reduced on one rank and copied to the others,
+//                                so all ranks get bitwise identical results.
+//   all_gather, broadcast,       any element type: the bytes are moved unchanged.
+//   send, recv
+// reduce_scatter and all_gather come in an equal-count form and a variable-count form (counts[r]
+// elements for rank r, blocks in rank order, every rank passing the same counts; zeros allowed);
+// shard_counts / padded_shard below split a tensor for them. send and recv buffers must hold the
+// same element type and lie in the same memory space (std::logic_error, naming both, otherwise).
+// The float* / double* signatures are the typed operations on fp32 / fp64 buffers.
+//
+// The MPI back end moves host buffers only: it refuses device buffers (std::logic_error; those go
+// through the NCCL back end). It runs its collectives as ring algorithms over point-to-point
+// messages that it sends itself; that is what makes the byte counts measurements rather than
+// formulas, in the element type's size (a bf16 all-reduce sends half the bytes of an fp32 one).
+// Requests advance when they are tested or waited on, or when progress() is called (the engine
+// calls it between backward kernels). Its ring scratch buffers are filed in the memory ledger under
+// Mem::comm and kept for later operations of the same communicator.
 //
 // Waiting is watched: a wait polls flat out only while messages may be moving, then sleeps between
 // polls (an idle rank costs no core), and when none of its messages has completed for
@@ -17,15 +41,22 @@
 #include <mpi.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
 
 namespace loom {
 
 enum class CommOp : int { all_reduce = 0, reduce_scatter, all_gather, broadcast, send, recv, count_ };
 inline constexpr int kCommOps = static_cast<int>(CommOp::count_);
 const char* comm_op_name(CommOp op);  // "all_reduce", ...
+
+enum class ReduceOp : int { sum = 0, max };
+const char* reduce_op_name(ReduceOp op);  // "sum", "max"
 
 struct CommStats {
   std::array<std::uint64_t, kCommOps> bytes_sent{};  // payload bytes this rank handed to the network
@@ -50,21 +81,71 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
 
-  // Sum all-reduce in place over `count` elements.
-  virtual CommRequestPtr all_reduce_async(float* data, std::int64_t count) = 0;
-  virtual CommRequestPtr all_reduce_async(double* data, std::int64_t count) = 0;
+  // --- Typed operations. Arguments are checked here, for every back end (std::invalid_argument for
+  // counts, peers and roots; std::logic_error for mismatched element types or memory spaces), before
+  // anything is sent or counted.
+
+  // All-reduce in place over data.count elements.
+  CommRequestPtr all_reduce_async(BufferRef data, ReduceOp op = ReduceOp::sum);
+  // Reduce-scatter, equal counts: `send` holds size() * recv.count elements; rank r receives block r.
+  CommRequestPtr reduce_scatter_async(BufferRef send, BufferRef recv, ReduceOp op = ReduceOp::sum);
+  // Reduce-scatter, variable counts: rank r receives counts[r] elements (recv.count == counts[rank()]);
+  // `send` holds their sum, the blocks in rank order.
+  CommRequestPtr reduce_scatter_async(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts,
+                                      ReduceOp op = ReduceOp::sum);
+  // All-gather, equal counts: every rank contributes send.count elements; `recv` gets size() * send.count,
+  // block r from rank r.
+  CommRequestPtr all_gather_async(BufferRef send, BufferRef recv);
+  // All-gather, variable counts (all-gatherv): rank r contributes counts[r] elements (send.count ==
+  // counts[rank()]); `recv` holds their sum, the blocks in rank order.
+  CommRequestPtr all_gather_async(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts);
+  CommRequestPtr broadcast_async(BufferRef data, int root);
+  // Point to point; tags lie in [0, 1000) (higher ones are the collectives').
+  CommRequestPtr send_async(BufferRef data, int peer, int tag);
+  CommRequestPtr recv_async(BufferRef data, int peer, int tag);
+
+  // --- The fp32 / fp64 forms (sums), the typed operations on those buffers.
+  CommRequestPtr all_reduce_async(float* data, std::int64_t count) { return all_reduce_async(BufferRef(data, count)); }
+  CommRequestPtr all_reduce_async(double* data, std::int64_t count) { return all_reduce_async(BufferRef(data, count)); }
   // Sum reduce-scatter: `send` holds size() * recv_count elements; rank r receives block r.
-  virtual CommRequestPtr reduce_scatter_async(const float* send, float* recv, std::int64_t recv_count) = 0;
+  CommRequestPtr reduce_scatter_async(const float* send, float* recv, std::int64_t recv_count) {
+    return reduce_scatter_async(BufferRef(send, recv_count * size()), BufferRef(recv, recv_count));
+  }
   // All-gather: every rank contributes send_count elements; `recv` gets size() * send_count, block r from rank r.
-  virtual CommRequestPtr all_gather_async(const float* send, float* recv, std::int64_t send_count) = 0;
-  virtual CommRequestPtr broadcast_async(float* data, std::int64_t count, int root) = 0;
-  virtual CommRequestPtr send_async(const float* data, std::int64_t count, int peer, int tag) = 0;
-  virtual CommRequestPtr recv_async(float* data, std::int64_t count, int peer, int tag) = 0;
+  CommRequestPtr all_gather_async(const float* send, float* recv, std::int64_t send_count) {
+    return all_gather_async(BufferRef(send, send_count), BufferRef(recv, send_count * size()));
+  }
+  CommRequestPtr broadcast_async(float* data, std::int64_t count, int root) {
+    return broadcast_async(BufferRef(data, count), root);
+  }
+  CommRequestPtr send_async(const float* data, std::int64_t count, int peer, int tag) {
+    return send_async(BufferRef(data, count), peer, tag);
+  }
+  CommRequestPtr recv_async(float* data, std::int64_t count, int peer, int tag) {
+    return recv_async(BufferRef(data, count), peer, tag);
+  }
+
   // Advances every outstanding request of this communicator without blocking.
   virtual void progress() = 0;
   virtual void barrier() = 0;
 
   // Blocking forms: issue, then wait.
+  void all_reduce(BufferRef data, ReduceOp op = ReduceOp::sum) { all_reduce_async(data, op)->wait(); }
+  void reduce_scatter(BufferRef send, BufferRef recv, ReduceOp op = ReduceOp::sum) {
+    reduce_scatter_async(send, recv, op)->wait();
+  }
+  void reduce_scatter(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts,
+                      ReduceOp op = ReduceOp::sum) {
+    reduce_scatter_async(send, recv, counts, op)->wait();
+  }
+  void all_gather(BufferRef send, BufferRef recv) { all_gather_async(send, recv)->wait(); }
+  void all_gather(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts) {
+    all_gather_async(send, recv, counts)->wait();
+  }
+  void broadcast(BufferRef data, int root) { broadcast_async(data, root)->wait(); }
+  void send(BufferRef data, int peer, int tag) { send_async(data, peer, tag)->wait(); }
+  void recv(BufferRef data, int peer, int tag) { recv_async(data, peer, tag)->wait(); }
+
   void all_reduce(float* data, std::int64_t count) { all_reduce_async(data, count)->wait(); }
   void all_reduce(double* data, std::int64_t count) { all_reduce_async(data, count)->wait(); }
   void reduce_scatter(const float* send, float* recv, std::int64_t n) { reduce_scatter_async(send, recv, n)->wait(); }
@@ -81,7 +162,25 @@ class Communicator {
   void reset_stats() { stats_ = CommStats{}; }
 
  protected:
+  // What a back end implements, called with checked arguments: counts has size() entries, each >= 0,
+  // send and recv have one element type and memory space and the counts the operation needs;
+  // peers and roots are ranks of this communicator. The back end checks what only it knows (memory
+  // spaces it can move, its tag range).
+  virtual CommRequestPtr start_all_reduce(BufferRef data, ReduceOp op) = 0;
+  virtual CommRequestPtr start_reduce_scatter(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts,
+                                              ReduceOp op) = 0;
+  virtual CommRequestPtr start_all_gather(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts) = 0;
+  virtual CommRequestPtr start_broadcast(BufferRef data, int root) = 0;
+  virtual CommRequestPtr start_send(BufferRef data, int peer, int tag) = 0;
+  virtual CommRequestPtr start_recv(BufferRef data, int peer, int tag) = 0;
+
   CommStats stats_;
+
+ private:
+  void check_count(const char* op, const char* what, const BufferRef& b) const;
+  void check_pair(const char* op, const BufferRef& send, const BufferRef& recv) const;
+  void check_counts(const char* op, const std::vector<std::int64_t>& counts) const;
+  void check_rank(const char* op, const char* what, int rank) const;
 };
 
 // How long a wait may see none of its messages complete before it ends the job, in seconds (0: wait
@@ -92,9 +191,25 @@ double comm_timeout();
 // A communicator over `comm` (duplicated, so loom's traffic never mixes with anyone else's).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name);
 
+// Splitting `total` elements over `n` ranks (ZeRO shards; the counts of the variable-count
+// reduce-scatter and all-gather):
+//   shard_counts   total/n each, one more on the first total % n ranks (the chunks of the ring
+//                  all-reduce); e.g. shard_counts(10, 4) = {3, 3, 2, 2}, shard_counts(2, 4) = {1, 1, 0, 0}.
+//   shard_offsets  where each block starts: n + 1 prefix sums of counts, the last one their total.
+//   padded_shard   ceil(total / n): the count per rank of the equal-count forms when the tensor is
+//                  padded to n * padded_shard(total, n) elements.
+std::vector<std::int64_t> shard_counts(std::int64_t total, int n);
+std::vector<std::int64_t> shard_offsets(const std::vector<std::int64_t>& counts);
+std::int64_t padded_shard(std::int64_t total, int n);
+
 // Textbook per-rank send volumes, in bytes, for an operation on M bytes over N ranks.
 double ring_all_reduce_bytes(double M, int N);       // 2 (N-1)/N M
 double ring_reduce_scatter_bytes(double M, int N);   // (N-1)/N M   (M = the whole input)
 double ring_all_gather_bytes(double M, int N);       // (N-1)/N M   (M = the whole output)
+// With variable counts (counts[r] elements of elem_bytes for rank r), what rank `rank` sends in the
+// rings: a reduce-scatter sends every block but its own once, an all-gather every block but its
+// right neighbour's ((rank + 1) mod N). Summed over the ranks, each is (N-1) times the whole payload.
+std::uint64_t ring_reduce_scatter_bytes(const std::vector<std::int64_t>& counts, int rank, std::size_t elem_bytes);
+std::uint64_t ring_all_gather_bytes(const std::vector<std::int64_t>& counts, int rank, std::size_t elem_bytes);
 
 }  // namespace loom

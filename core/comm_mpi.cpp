@@ -5,7 +5,7 @@
 //
 // Requests are state machines. An operation is a sequence of steps; a step posts a few
 // MPI_Irecv/MPI_Isend (receives first), and once all of them have completed the request does the
-// step's local work (e.g. adds the received chunk into the data) and posts the next step. A request
+// step's local work (e.g. reduces the received chunk into the data) and posts the next step. A request
 // advances only when it is tested, waited on, or when progress() is called on its communicator; a
 // rank that blocks in wait() on one request keeps advancing the other outstanding requests of the
 // same communicator, so ranks may wait on their outstanding operations in different orders.
@@ -23,26 +23,52 @@
 // rank here) whose messages never arrived or that never took ours. It never throws: requests wait
 // again in their destructors while an exception unwinds, which would hang.
 //
-// Algorithms and per-rank send volumes (M = payload bytes, N = ranks, r = this rank):
+// Algorithms and per-rank send volumes (M = payload bytes, in the element type's size, N = ranks,
+// r = this rank):
 //   all_reduce      ring reduce-scatter then ring all-gather over N chunks whose sizes differ by at
 //                   most one element (chunk i has count/N elements, +1 for i < count % N; chunks are
-//                   empty when count < N). Reduce-scatter step s (0..N-2) sends chunk (r-s) and adds
-//                   the incoming chunk (r-s-1) into the data; afterwards rank r owns the reduced chunk
-//                   (r+1). All-gather step s (0..N-2) sends chunk (r+1-s) and receives chunk (r-s)
-//                   straight into the data. 2(N-1) messages: every chunk except (r+1) and every
-//                   chunk except (r+2) once each, i.e. 2(N-1)/N * M up to chunk rounding. Each chunk
-//                   is reduced on exactly one rank and then copied, so all ranks end with bitwise
-//                   identical results.
-//   reduce_scatter  ring, N-1 messages of recv_count elements: (N-1)/N * M (M = the whole input).
-//   all_gather      ring, N-1 messages of send_count elements: (N-1)/N * M (M = the whole output).
+//                   empty when count < N). Reduce-scatter step s (0..N-2) sends chunk (r-s) and
+//                   reduces the incoming chunk (r-s-1) into the data (data = data op incoming);
+//                   afterwards rank r owns the reduced chunk (r+1): chunk c is
+//                   ((v[c] op v[c+1]) op v[c+2]) ... op v[c-1], v[q] being rank q's elements, each
+//                   step's result rounded to the element type. All-gather step s (0..N-2) sends chunk
+//                   (r+1-s) and receives chunk (r-s) straight into the data. 2(N-1) messages: every
+//                   chunk except (r+1) and every chunk except (r+2) once each, i.e. 2(N-1)/N * M up
+//                   to chunk rounding. Each chunk is reduced on exactly one rank and then copied, so
+//                   all ranks end with bitwise identical results.
+//   reduce_scatter  ring over the blocks (counts[b] elements for rank b, in rank order). Step s
+//                   (0..N-2) sends the partial result of block (r-s-1) (at step 0 this rank's own
+//                   elements) and combines the incoming partial result of block (r-s-2) with this
+//                   rank's elements (result = incoming op own): block b is
+//                   ((v[b+1] op v[b+2]) op ...) op v[b], ending on rank b. N-1 messages: every block
+//                   but its own, sum(counts) - counts[r] elements; (N-1)/N * M with equal counts
+//                   (M = the whole input).
+//   all_gather      ring: this rank's block is copied into place at issue; step s (0..N-2) sends
+//                   block (r-s) and receives block (r-s-1). N-1 messages: every block but that of
+//                   rank r+1, sum(counts) - counts[r+1] elements; (N-1)/N * M with equal counts
+//                   (M = the whole output).
 //   broadcast       pipelined chain root -> root+1 -> ... -> root+N-1 (mod N) in segments of
-//                   kBroadcastSegment floats: every rank but the last in the chain sends M once, the
+//                   kBroadcastSegment bytes: every rank but the last in the chain sends M once, the
 //                   last sends nothing ((N-1) M in total, the minimum). A chain rather than a tree:
 //                   the volume per rank is at most M and, pipelined, the time is ~ M/bandwidth +
 //                   N * segment latency, which suits the large parameter broadcasts loom does.
 //   send / recv     one message; recv sends no bytes but counts its calls and wait time.
-// Operations with zero elements (all ranks agree on the count) and every collective on one rank
-// send no messages and complete at once; send/recv always exchange a (possibly empty) message.
+// Operations with zero elements in all (all ranks agree on the counts) and every collective on one
+// rank send no messages and complete at once; send/recv always exchange a (possibly empty) message,
+// and so do the ring steps of an empty block of a variable-count operation.
+//
+// Reductions (Reducer): fp32 and fp64 in their own arithmetic (max propagates NaN); bf16 and fp16
+// converted to float, combined, and rounded back to storage (round to nearest even) once per step;
+// int8 and uint8 sums in int32, saturated to the type's range once per step; int32 and int64 sums
+// wrap (two's complement); integer max exactly. The operands of the fp32 sum are in the order this
+// file always used (data + incoming in the all-reduce, incoming + own in the reduce-scatter): the
+// regression suite's bit-for-bit restarts and golden values rest on the ring's order of additions.
+//
+// Scratch: the rings receive partial results into scratch buffers that the communicator keeps
+// (ScratchPool): filed in the memory ledger under Mem::comm, taken by an operation at issue and
+// handed back when it completes, so that later operations reuse them. The pool holds at most as
+// many buffers as operations were ever outstanding at once; one too small for an operation is
+// replaced by one of the size needed.
 //
 // Tags: collectives use kCollectiveTagBase + (seq % kCollectiveTagRange), with seq a per-communicator
 // sequence number of collectives. All ranks issue the collectives of a communicator in the same
@@ -60,57 +86,18 @@
 #include <cmath>
 #include <cstring>
 #include <iomanip>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
+#include "core/buffer.hpp"
 #include "core/comm.hpp"
 #include "core/fault.hpp"
 
 namespace loom {
-
-const char* comm_op_name(CommOp op) {
-  switch (op) {
-    case CommOp::all_reduce: return "all_reduce";
-    case CommOp::reduce_scatter: return "reduce_scatter";
-    case CommOp::all_gather: return "all_gather";
-    case CommOp::broadcast: return "broadcast";
-    case CommOp::send: return "send";
-    case CommOp::recv: return "recv";
-    case CommOp::count_: break;
-  }
-  return "unknown";
-}
-
-std::uint64_t CommStats::total_bytes() const {
-  std::uint64_t t = 0;
-  for (auto b : bytes_sent) t += b;
-  return t;
-}
-
-double CommStats::total_wait() const {
-  double t = 0;
-  for (auto w : wait_s) t += w;
-  return t;
-}
-
-namespace {
-double g_comm_timeout = 300;  // seconds; the default of run.comm_timeout
-}  // namespace
-
-void set_comm_timeout(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0)
-    throw std::invalid_argument("communicator timeout must be >= 0 seconds (0: off), got " + std::to_string(seconds));
-  g_comm_timeout = seconds;
-}
-
-double comm_timeout() { return g_comm_timeout; }
-
-double ring_all_reduce_bytes(double M, int N) { return N <= 1 ? 0.0 : 2.0 * (N - 1) * M / N; }
-double ring_reduce_scatter_bytes(double M, int N) { return N <= 1 ? 0.0 : (N - 1) * M / N; }
-double ring_all_gather_bytes(double M, int N) { return N <= 1 ? 0.0 : (N - 1) * M / N; }
-
 namespace {
 
 constexpr int kCollectiveTagBase = 1000;
@@ -118,7 +105,7 @@ constexpr int kCollectiveTagRange = 30000;
 // Small enough that a transfer which starts while its wait is sleeping completes a piece within a few
 // sleeps, which puts the wait back to polling flat out.
 constexpr std::size_t kMessagePieceBytes = std::size_t{4} << 20;
-constexpr std::int64_t kBroadcastSegment = std::int64_t{1} << 18;  // floats: 1 MiB
+constexpr std::size_t kBroadcastSegment = std::size_t{1} << 20;  // bytes
 
 // Pacing of waits (see Pacer). Polled once a millisecond, a 256 MiB shared-memory transfer takes
 // ~12x as long as polled flat out (MPICH 4 over UCX), hence the spin while bytes may be moving.
@@ -162,11 +149,119 @@ class Pacer {
   std::chrono::microseconds sleep_ = kFirstSleep;
 };
 
+// out[i] = a[i] op b[i] for n elements; out may be a or b (see "Reductions" above).
+using Reducer = void (*)(void* out, const void* a, const void* b, std::int64_t n);
+
+template <class T>
+T saturate(std::int32_t v) {
+  return static_cast<T>(std::min<std::int32_t>(std::max<std::int32_t>(v, std::numeric_limits<T>::min()),
+                                               std::numeric_limits<T>::max()));
+}
+template <class T>
+T wrapping_add(T a, T b) {
+  using U = std::make_unsigned_t<T>;
+  return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+}
+template <class F>
+F nan_max(F a, F b) {
+  return std::isnan(a) ? a : std::isnan(b) ? b : (a < b ? b : a);
+}
+template <class H>
+H half_nan_max(H a, H b) {
+  const float x = to_float(a), y = to_float(b);
+  return std::isnan(x) ? a : std::isnan(y) ? b : (x < y ? b : a);
+}
+
+struct Sum {
+  static float apply(float a, float b) { return a + b; }
+  static double apply(double a, double b) { return a + b; }
+  static bf16 apply(bf16 a, bf16 b) { return to_bf16(to_float(a) + to_float(b)); }
+  static f16 apply(f16 a, f16 b) { return to_f16(to_float(a) + to_float(b)); }
+  static std::int8_t apply(std::int8_t a, std::int8_t b) { return saturate<std::int8_t>(std::int32_t{a} + b); }
+  static std::uint8_t apply(std::uint8_t a, std::uint8_t b) { return saturate<std::uint8_t>(std::int32_t{a} + b); }
+  static std::int32_t apply(std::int32_t a, std::int32_t b) { return wrapping_add(a, b); }
+  static std::int64_t apply(std::int64_t a, std::int64_t b) { return wrapping_add(a, b); }
+};
+struct Max {
+  static float apply(float a, float b) { return nan_max(a, b); }
+  static double apply(double a, double b) { return nan_max(a, b); }
+  static bf16 apply(bf16 a, bf16 b) { return half_nan_max(a, b); }
+  static f16 apply(f16 a, f16 b) { return half_nan_max(a, b); }
+  template <class I>
+  static I apply(I a, I b) { return a < b ? b : a; }
+};
+
+template <class T, class Op>
+void reduce_elements(void* out, const void* a, const void* b, std::int64_t n) {
+  T* o = static_cast<T*>(out);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
+  for (std::int64_t i = 0; i < n; ++i) o[i] = Op::apply(x[i], y[i]);
+}
+
+template <class Op>
+Reducer reducer_for(DType t) {
+  switch (t) {
+    case DType::f32: return reduce_elements<float, Op>;
+    case DType::f64: return reduce_elements<double, Op>;
+    case DType::bf16: return reduce_elements<bf16, Op>;
+    case DType::f16: return reduce_elements<f16, Op>;
+    case DType::i8: return reduce_elements<std::int8_t, Op>;
+    case DType::u8: return reduce_elements<std::uint8_t, Op>;
+    case DType::i32: return reduce_elements<std::int32_t, Op>;
+    case DType::i64: return reduce_elements<std::int64_t, Op>;
+    case DType::count_: break;
+  }
+  return nullptr;
+}
+
+Reducer reducer(DType t, ReduceOp op) {
+  Reducer f = nullptr;
+  switch (op) {
+    case ReduceOp::sum: f = reducer_for<Sum>(t); break;
+    case ReduceOp::max: f = reducer_for<Max>(t); break;
+  }
+  if (!f)
+    throw std::logic_error(std::string("no ") + reduce_op_name(op) + " reduction of element type " +
+                           std::to_string(static_cast<int>(t)));
+  return f;
+}
+
+// The ring scratch of one communicator (see "Scratch" above): host buffers filed under Mem::comm,
+// 8-byte aligned.
+class ScratchPool {
+ public:
+  explicit ScratchPool(std::string label) : label_(std::move(label)) {}
+  // The smallest free buffer of at least `bytes`; else a new one, replacing the largest free one
+  // (which is too small).
+  TypedBuffer take(std::size_t bytes) {
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->bytes() >= bytes && (best == free_.end() || it->bytes() < best->bytes())) best = it;
+    if (best != free_.end()) {
+      TypedBuffer b = std::move(*best);
+      free_.erase(best);
+      return b;
+    }
+    if (!free_.empty())
+      free_.erase(std::max_element(free_.begin(), free_.end(),
+                                   [](const TypedBuffer& a, const TypedBuffer& b) { return a.bytes() < b.bytes(); }));
+    return TypedBuffer(label_, DType::u8, static_cast<std::int64_t>(bytes), Mem::comm);
+  }
+  void give_back(TypedBuffer b) {
+    if (!b.empty()) free_.push_back(std::move(b));
+  }
+
+ private:
+  std::string label_;
+  std::vector<TypedBuffer> free_;
+};
+
 class MpiRequest;
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, std::string name) : name_(std::move(name)) {
+  MpiCommunicator(MPI_Comm comm, std::string name) : name_(std::move(name)), scratch_("loom.comm." + name_) {
     MPI_Comm_dup(comm, &comm_);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -177,13 +272,6 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  CommRequestPtr all_reduce_async(float* data, std::int64_t count) override;
-  CommRequestPtr all_reduce_async(double* data, std::int64_t count) override;
-  CommRequestPtr reduce_scatter_async(const float* send, float* recv, std::int64_t recv_count) override;
-  CommRequestPtr all_gather_async(const float* send, float* recv, std::int64_t send_count) override;
-  CommRequestPtr broadcast_async(float* data, std::int64_t count, int root) override;
-  CommRequestPtr send_async(const float* data, std::int64_t count, int peer, int tag) override;
-  CommRequestPtr recv_async(float* data, std::int64_t count, int peer, int tag) override;
   void progress() override;
   // A one-element all-reduce completes on no rank before every rank has joined it: a barrier that is
   // watched like any wait (it counts as an all_reduce).
@@ -204,12 +292,21 @@ class MpiCommunicator final : public Communicator {
   void withdraw(MpiRequest* r) { live_.erase(std::remove(live_.begin(), live_.end(), r), live_.end()); }
   bool advance_others(const MpiRequest* except);  // true if any other request moved
   int world_rank(int rank) const;                 // a rank of this communicator in MPI_COMM_WORLD
+  ScratchPool& scratch() { return scratch_; }
+
+ protected:
+  CommRequestPtr start_all_reduce(BufferRef data, ReduceOp op) override;
+  CommRequestPtr start_reduce_scatter(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts,
+                                      ReduceOp op) override;
+  CommRequestPtr start_all_gather(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts) override;
+  CommRequestPtr start_broadcast(BufferRef data, int root) override;
+  CommRequestPtr start_send(BufferRef data, int peer, int tag) override;
+  CommRequestPtr start_recv(BufferRef data, int peer, int tag) override;
 
  private:
-  template <class T>
-  CommRequestPtr all_reduce_impl(T* data, std::int64_t count);
-  CommRequestPtr start(std::unique_ptr<MpiRequest> r);
-  void check_peer(int peer, const char* what) const;
+  CommRequestPtr start(CommOp op, std::unique_ptr<MpiRequest> r);
+  void check_host(const char* op, const char* what, const BufferRef& b) const;
+  void check_tag(const char* op, int tag) const;
 
   std::string name_;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -217,6 +314,7 @@ class MpiCommunicator final : public Communicator {
   int size_ = 1;
   std::uint64_t seq_ = 0;
   std::vector<MpiRequest*> live_;
+  ScratchPool scratch_;  // requests hand theirs back as they complete, which ~MpiCommunicator sees to
 };
 
 // The step machine shared by every operation.
@@ -282,6 +380,7 @@ class MpiRequest : public CommRequest {
       ++step_;
       if (step_ >= steps()) {
         done_ = true;
+        comm_->scratch().give_back(std::move(scratch_));
         break;
       }
       post(step_);
@@ -337,6 +436,12 @@ class MpiRequest : public CommRequest {
   int left() const { return ring_mod(rank() - 1, size()); }
   int right() const { return ring_mod(rank() + 1, size()); }
 
+  // `bytes` of scratch (8-byte aligned) from the communicator's pool, held until the operation completes.
+  char* scratch(std::size_t bytes) {
+    scratch_ = comm_->scratch().take(bytes);
+    return static_cast<char*>(scratch_.ref().data);
+  }
+
  private:
   struct Peer {
     int rank;        // in this communicator
@@ -382,16 +487,21 @@ class MpiRequest : public CommRequest {
   int pending_ = 0;                // ... and how many are not complete yet
   std::vector<int> completed_;     // MPI_Testsome's indices
   std::uint64_t messages_done_ = 0;
+  TypedBuffer scratch_;
 };
 
-template <class T>
 class RingAllReduce : public MpiRequest {
  public:
-  RingAllReduce(MpiCommunicator* c, int tag, T* data, std::int64_t count)
-      : MpiRequest(c, CommOp::all_reduce, tag), data_(data), count_(count), n_(c->size()) {
-    base_ = count / n_;
-    rem_ = count % n_;
-    if (n_ > 1 && count > 0) tmp_.resize(static_cast<std::size_t>(base_ + (rem_ > 0 ? 1 : 0)));
+  RingAllReduce(MpiCommunicator* c, int tag, BufferRef data, Reducer reduce)
+      : MpiRequest(c, CommOp::all_reduce, tag),
+        data_(static_cast<char*>(data.data)),
+        elem_(dtype_size(data.type)),
+        count_(data.count),
+        n_(c->size()),
+        reduce_(reduce) {
+    base_ = count_ / n_;
+    rem_ = count_ % n_;
+    if (n_ > 1 && count_ > 0) tmp_ = scratch(static_cast<std::size_t>(base_ + (rem_ > 0 ? 1 : 0)) * elem_);
   }
 
  protected:
@@ -400,107 +510,132 @@ class RingAllReduce : public MpiRequest {
     const int r = rank();
     if (s < n_ - 1) {  // reduce-scatter
       const int out = ring_mod(r - s, n_), in = ring_mod(r - s - 1, n_);
-      irecv(tmp_.data(), bytes(in), left());
-      isend(data_ + offset(out), bytes(out), right());
+      irecv(tmp_, bytes(in), left());
+      isend(chunk(out), bytes(out), right());
     } else {  // all-gather
       const int g = s - (n_ - 1);
       const int out = ring_mod(r + 1 - g, n_), in = ring_mod(r - g, n_);
-      irecv(data_ + offset(in), bytes(in), left());
-      isend(data_ + offset(out), bytes(out), right());
+      irecv(chunk(in), bytes(in), left());
+      isend(chunk(out), bytes(out), right());
     }
   }
   void complete(int s) override {
     if (s >= n_ - 1) return;
     const int in = ring_mod(rank() - s - 1, n_);
-    T* d = data_ + offset(in);
-    const T* t = tmp_.data();
-    const std::int64_t n = elems(in);
-    for (std::int64_t i = 0; i < n; ++i) d[i] += t[i];
+    reduce_(chunk(in), chunk(in), tmp_, elems(in));  // data = data op incoming
   }
 
  private:
-  std::int64_t elems(int chunk) const { return base_ + (chunk < rem_ ? 1 : 0); }
-  std::int64_t offset(int chunk) const { return chunk * base_ + std::min<std::int64_t>(chunk, rem_); }
-  std::size_t bytes(int chunk) const { return static_cast<std::size_t>(elems(chunk)) * sizeof(T); }
+  std::int64_t elems(int c) const { return base_ + (c < rem_ ? 1 : 0); }
+  char* chunk(int c) const {
+    return data_ + static_cast<std::size_t>(c * base_ + std::min<std::int64_t>(c, rem_)) * elem_;
+  }
+  std::size_t bytes(int c) const { return static_cast<std::size_t>(elems(c)) * elem_; }
 
-  T* data_;
+  char* data_;
+  std::size_t elem_;
   std::int64_t count_;
   int n_;
+  Reducer reduce_;
   std::int64_t base_ = 0, rem_ = 0;
-  std::vector<T> tmp_;
+  char* tmp_ = nullptr;
 };
 
-// Step s: send the partial sum of block (r-s-1) to the right, receive the partial sum of block
-// (r-s-2) from the left and add this rank's block to it; the last step's block is r itself.
+// Blocks of counts[b] elements, in rank order. Step s: send the partial result of block (r-s-1) to
+// the right, receive the partial result of block (r-s-2) from the left and combine this rank's block
+// with it; the last step's block is r itself, combined straight into `recv`.
 class RingReduceScatter : public MpiRequest {
  public:
-  RingReduceScatter(MpiCommunicator* c, int tag, const float* send, float* recv, std::int64_t count)
-      : MpiRequest(c, CommOp::reduce_scatter, tag), send_(send), recv_(recv), count_(count), n_(c->size()) {
+  RingReduceScatter(MpiCommunicator* c, int tag, BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts,
+                    Reducer reduce)
+      : MpiRequest(c, CommOp::reduce_scatter, tag),
+        send_(static_cast<const char*>(send.data)),
+        recv_(static_cast<char*>(recv.data)),
+        elem_(dtype_size(send.type)),
+        counts_(counts),
+        offsets_(shard_offsets(counts)),
+        n_(c->size()),
+        reduce_(reduce) {
     if (n_ == 1) {
-      if (count > 0 && recv != send) std::memmove(recv, send, bytes());
-    } else if (count > 0) {
-      acc_.resize(static_cast<std::size_t>(count));
-      tmp_.resize(static_cast<std::size_t>(count));
+      if (bytes(0) > 0 && recv_ != send_) std::memmove(recv_, send_, bytes(0));
+    } else if (total() > 0) {
+      // Two block-sized halves, the second 8-byte aligned: the partial result and the incoming one.
+      const std::size_t most = *std::max_element(counts_.begin(), counts_.end()) * elem_;
+      const std::size_t half = (most + 7) / 8 * 8;
+      acc_ = scratch(2 * half);
+      tmp_ = acc_ + half;
     }
   }
 
  protected:
-  int steps() const override { return (n_ == 1 || count_ == 0) ? 0 : n_ - 1; }
+  int steps() const override { return (n_ == 1 || total() == 0) ? 0 : n_ - 1; }
   void post(int s) override {
-    irecv(tmp_.data(), bytes(), left());
-    const float* out = s == 0 ? send_ + ring_mod(rank() - 1, n_) * count_ : acc_.data();
-    isend(out, bytes(), right());
+    const int out = ring_mod(rank() - s - 1, n_), in = ring_mod(rank() - s - 2, n_);
+    irecv(tmp_, bytes(in), left());
+    isend(s == 0 ? own(out) : acc_, bytes(out), right());
   }
   void complete(int s) override {
     const int block = ring_mod(rank() - s - 2, n_);
-    const float* own = send_ + block * count_;
-    const float* t = tmp_.data();
-    float* d = s == n_ - 2 ? recv_ : acc_.data();
-    for (std::int64_t i = 0; i < count_; ++i) d[i] = t[i] + own[i];
+    char* d = s == n_ - 2 ? recv_ : acc_;
+    reduce_(d, tmp_, own(block), counts_[static_cast<std::size_t>(block)]);  // incoming op own
   }
 
  private:
-  std::size_t bytes() const { return static_cast<std::size_t>(count_) * sizeof(float); }
+  std::int64_t total() const { return offsets_.back(); }
+  const char* own(int b) const { return send_ + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(b)]) * elem_; }
+  std::size_t bytes(int b) const { return static_cast<std::size_t>(counts_[static_cast<std::size_t>(b)]) * elem_; }
 
-  const float* send_;
-  float* recv_;
-  std::int64_t count_;
+  const char* send_;
+  char* recv_;
+  std::size_t elem_;
+  std::vector<std::int64_t> counts_, offsets_;
   int n_;
-  std::vector<float> acc_, tmp_;
+  Reducer reduce_;
+  char *acc_ = nullptr, *tmp_ = nullptr;
 };
 
-// Own block copied into place at issue; step s sends block (r-s), receives block (r-s-1).
+// Blocks of counts[b] elements, in rank order. Own block copied into place at issue; step s sends
+// block (r-s), receives block (r-s-1).
 class RingAllGather : public MpiRequest {
  public:
-  RingAllGather(MpiCommunicator* c, int tag, const float* send, float* recv, std::int64_t count)
-      : MpiRequest(c, CommOp::all_gather, tag), recv_(recv), count_(count), n_(c->size()) {
-    float* own = recv + c->rank() * count;
-    if (count > 0 && own != send) std::memmove(own, send, bytes());
+  RingAllGather(MpiCommunicator* c, int tag, BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts)
+      : MpiRequest(c, CommOp::all_gather, tag),
+        recv_(static_cast<char*>(recv.data)),
+        elem_(dtype_size(recv.type)),
+        counts_(counts),
+        offsets_(shard_offsets(counts)),
+        n_(c->size()) {
+    char* own = block(c->rank());
+    if (bytes(c->rank()) > 0 && own != send.data) std::memmove(own, send.data, bytes(c->rank()));
   }
 
  protected:
-  int steps() const override { return (n_ == 1 || count_ == 0) ? 0 : n_ - 1; }
+  int steps() const override { return (n_ == 1 || offsets_.back() == 0) ? 0 : n_ - 1; }
   void post(int s) override {
-    irecv(recv_ + ring_mod(rank() - s - 1, n_) * count_, bytes(), left());
-    isend(recv_ + ring_mod(rank() - s, n_) * count_, bytes(), right());
+    const int in = ring_mod(rank() - s - 1, n_), out = ring_mod(rank() - s, n_);
+    irecv(block(in), bytes(in), left());
+    isend(block(out), bytes(out), right());
   }
 
  private:
-  std::size_t bytes() const { return static_cast<std::size_t>(count_) * sizeof(float); }
+  char* block(int b) const { return recv_ + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(b)]) * elem_; }
+  std::size_t bytes(int b) const { return static_cast<std::size_t>(counts_[static_cast<std::size_t>(b)]) * elem_; }
 
-  float* recv_;
-  std::int64_t count_;
+  char* recv_;
+  std::size_t elem_;
+  std::vector<std::int64_t> counts_, offsets_;
   int n_;
 };
 
 // Pipelined chain in virtual ranks v = (r - root) mod N: the root sends segment t at step t; a middle
-// rank receives segment t and forwards segment t-1 at step t; the last rank only receives.
+// rank receives segment t and forwards segment t-1 at step t; the last rank only receives. Segments
+// are kBroadcastSegment bytes, whatever the element type.
 class ChainBroadcast : public MpiRequest {
  public:
-  ChainBroadcast(MpiCommunicator* c, int tag, float* data, std::int64_t count, int root)
-      : MpiRequest(c, CommOp::broadcast, tag), data_(data), count_(count), n_(c->size()) {
+  ChainBroadcast(MpiCommunicator* c, int tag, BufferRef data, int root)
+      : MpiRequest(c, CommOp::broadcast, tag), data_(static_cast<char*>(data.data)), bytes_(data.bytes()), n_(c->size()) {
     v_ = ring_mod(c->rank() - root, n_);
-    segments_ = static_cast<int>((count + kBroadcastSegment - 1) / kBroadcastSegment);
+    segments_ = static_cast<int>((bytes_ + kBroadcastSegment - 1) / kBroadcastSegment);
   }
 
  protected:
@@ -516,14 +651,13 @@ class ChainBroadcast : public MpiRequest {
   }
 
  private:
-  float* seg(int t) const { return data_ + t * kBroadcastSegment; }
+  char* seg(int t) const { return data_ + static_cast<std::size_t>(t) * kBroadcastSegment; }
   std::size_t seg_bytes(int t) const {
-    const std::int64_t lo = t * kBroadcastSegment;
-    return static_cast<std::size_t>(std::min(kBroadcastSegment, count_ - lo)) * sizeof(float);
+    return std::min(kBroadcastSegment, bytes_ - static_cast<std::size_t>(t) * kBroadcastSegment);
   }
 
-  float* data_;
-  std::int64_t count_;
+  char* data_;
+  std::size_t bytes_;
   int n_;
   int v_ = 0;
   int segments_ = 0;
@@ -531,21 +665,20 @@ class ChainBroadcast : public MpiRequest {
 
 class PointToPoint : public MpiRequest {
  public:
-  PointToPoint(MpiCommunicator* c, CommOp op, int tag, float* data, std::int64_t count, int peer)
-      : MpiRequest(c, op, tag), op_(op), data_(data), count_(count), peer_(peer) {}
+  PointToPoint(MpiCommunicator* c, CommOp op, int tag, BufferRef data, int peer)
+      : MpiRequest(c, op, tag), op_(op), data_(data.data), bytes_(data.bytes()), peer_(peer) {}
 
  protected:
   int steps() const override { return 1; }
   void post(int) override {
-    const std::size_t bytes = static_cast<std::size_t>(count_) * sizeof(float);
-    if (op_ == CommOp::send) isend(data_, bytes, peer_);
-    else irecv(data_, bytes, peer_);
+    if (op_ == CommOp::send) isend(data_, bytes_, peer_);
+    else irecv(data_, bytes_, peer_);
   }
 
  private:
   CommOp op_;
-  float* data_;
-  std::int64_t count_;
+  void* data_;  // only read when sending (MPI_Isend)
+  std::size_t bytes_;
   int peer_;
 };
 
@@ -598,70 +731,64 @@ void MpiCommunicator::progress() {
     if (!r->done()) r->test();
 }
 
-CommRequestPtr MpiCommunicator::start(std::unique_ptr<MpiRequest> r) {
+CommRequestPtr MpiCommunicator::start(CommOp op, std::unique_ptr<MpiRequest> r) {
+  ++stats_.calls[static_cast<int>(op)];
   enroll(r.get());
   r->begin();
   return r;
 }
 
-void MpiCommunicator::check_peer(int peer, const char* what) const {
-  if (peer < 0 || peer >= size_)
-    throw std::invalid_argument(std::string("communicator ") + name_ + ": " + what + " " + std::to_string(peer) +
-                                " is not a rank of a communicator of size " + std::to_string(size_));
+void MpiCommunicator::check_host(const char* op, const char* what, const BufferRef& b) const {
+  if (b.space != MemSpace::host)
+    throw std::logic_error("communicator " + name_ + ": " + op + ": " + what + " is a " + mem_space_name(b.space) +
+                           " buffer (" + std::to_string(b.count) + " " + dtype_name(b.type) +
+                           " elements), and the MPI back end moves host buffers only; device buffers go through "
+                           "the NCCL back end");
 }
 
-template <class T>
-CommRequestPtr MpiCommunicator::all_reduce_impl(T* data, std::int64_t count) {
-  if (count < 0) throw std::invalid_argument("all_reduce: negative count");
-  ++stats_.calls[static_cast<int>(CommOp::all_reduce)];
-  return start(std::make_unique<Finishing<RingAllReduce<T>>>(this, next_collective_tag(), data, count));
-}
-
-CommRequestPtr MpiCommunicator::all_reduce_async(float* data, std::int64_t count) {
-  return all_reduce_impl(data, count);
-}
-CommRequestPtr MpiCommunicator::all_reduce_async(double* data, std::int64_t count) {
-  return all_reduce_impl(data, count);
-}
-
-CommRequestPtr MpiCommunicator::reduce_scatter_async(const float* send, float* recv, std::int64_t recv_count) {
-  if (recv_count < 0) throw std::invalid_argument("reduce_scatter: negative count");
-  ++stats_.calls[static_cast<int>(CommOp::reduce_scatter)];
-  return start(std::make_unique<Finishing<RingReduceScatter>>(this, next_collective_tag(), send, recv, recv_count));
-}
-
-CommRequestPtr MpiCommunicator::all_gather_async(const float* send, float* recv, std::int64_t send_count) {
-  if (send_count < 0) throw std::invalid_argument("all_gather: negative count");
-  ++stats_.calls[static_cast<int>(CommOp::all_gather)];
-  return start(std::make_unique<Finishing<RingAllGather>>(this, next_collective_tag(), send, recv, send_count));
-}
-
-CommRequestPtr MpiCommunicator::broadcast_async(float* data, std::int64_t count, int root) {
-  if (count < 0) throw std::invalid_argument("broadcast: negative count");
-  check_peer(root, "broadcast root");
-  ++stats_.calls[static_cast<int>(CommOp::broadcast)];
-  return start(std::make_unique<Finishing<ChainBroadcast>>(this, next_collective_tag(), data, count, root));
-}
-
-CommRequestPtr MpiCommunicator::send_async(const float* data, std::int64_t count, int peer, int tag) {
-  if (count < 0) throw std::invalid_argument("send: negative count");
-  check_peer(peer, "send peer");
+void MpiCommunicator::check_tag(const char* op, int tag) const {
   if (tag < 0 || tag >= kCollectiveTagBase)
-    throw std::invalid_argument("send: tag " + std::to_string(tag) + " outside [0, " +
+    throw std::invalid_argument(std::string(op) + ": tag " + std::to_string(tag) + " outside [0, " +
                                 std::to_string(kCollectiveTagBase) + ")");
-  ++stats_.calls[static_cast<int>(CommOp::send)];
-  // The buffer is only read (MPI_Isend); PointToPoint stores one pointer type for both directions.
-  return start(std::make_unique<Finishing<PointToPoint>>(this, CommOp::send, tag, const_cast<float*>(data), count, peer));
 }
 
-CommRequestPtr MpiCommunicator::recv_async(float* data, std::int64_t count, int peer, int tag) {
-  if (count < 0) throw std::invalid_argument("recv: negative count");
-  check_peer(peer, "recv peer");
-  if (tag < 0 || tag >= kCollectiveTagBase)
-    throw std::invalid_argument("recv: tag " + std::to_string(tag) + " outside [0, " +
-                                std::to_string(kCollectiveTagBase) + ")");
-  ++stats_.calls[static_cast<int>(CommOp::recv)];
-  return start(std::make_unique<Finishing<PointToPoint>>(this, CommOp::recv, tag, data, count, peer));
+CommRequestPtr MpiCommunicator::start_all_reduce(BufferRef data, ReduceOp op) {
+  check_host("all_reduce", "data", data);
+  const Reducer reduce = reducer(data.type, op);
+  return start(CommOp::all_reduce, std::make_unique<Finishing<RingAllReduce>>(this, next_collective_tag(), data, reduce));
+}
+
+CommRequestPtr MpiCommunicator::start_reduce_scatter(BufferRef send, BufferRef recv,
+                                                     const std::vector<std::int64_t>& counts, ReduceOp op) {
+  check_host("reduce_scatter", "send", send);
+  check_host("reduce_scatter", "recv", recv);
+  const Reducer reduce = reducer(send.type, op);
+  return start(CommOp::reduce_scatter,
+               std::make_unique<Finishing<RingReduceScatter>>(this, next_collective_tag(), send, recv, counts, reduce));
+}
+
+CommRequestPtr MpiCommunicator::start_all_gather(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts) {
+  check_host("all_gather", "send", send);
+  check_host("all_gather", "recv", recv);
+  return start(CommOp::all_gather,
+               std::make_unique<Finishing<RingAllGather>>(this, next_collective_tag(), send, recv, counts));
+}
+
+CommRequestPtr MpiCommunicator::start_broadcast(BufferRef data, int root) {
+  check_host("broadcast", "data", data);
+  return start(CommOp::broadcast, std::make_unique<Finishing<ChainBroadcast>>(this, next_collective_tag(), data, root));
+}
+
+CommRequestPtr MpiCommunicator::start_send(BufferRef data, int peer, int tag) {
+  check_host("send", "data", data);
+  check_tag("send", tag);
+  return start(CommOp::send, std::make_unique<Finishing<PointToPoint>>(this, CommOp::send, tag, data, peer));
+}
+
+CommRequestPtr MpiCommunicator::start_recv(BufferRef data, int peer, int tag) {
+  check_host("recv", "data", data);
+  check_tag("recv", tag);
+  return start(CommOp::recv, std::make_unique<Finishing<PointToPoint>>(this, CommOp::recv, tag, data, peer));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // MPI unit tests: every rank runs every test; rank 0 prints gtest's report, the other ranks print
 // only their failures (prefixed with the rank); the exit status is non-zero if any rank failed.
-// Kokkos is not initialised: the communicators work on plain host pointers.
+// Kokkos is initialised: the communicators' ring scratch buffers are host Views filed in the ledger.
+#include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -36,15 +37,18 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 int main(int argc, char** argv) {
   loom::select_openblas_core(argv);  // the driver's kernel-set rule: the tests check what loom runs
   MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(rank));
+  int failed = 0, rank = 0;
+  {
+    Kokkos::ScopeGuard kokkos(argc, argv);
+    ::testing::InitGoogleTest(&argc, argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank != 0) {
+      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+      delete listeners.Release(listeners.default_result_printer());
+      listeners.Append(new RankFailurePrinter(rank));
+    }
+    failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   }
-  int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   int any_failed = 0;
   MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0 && any_failed && !failed) std::fprintf(stderr, "some rank other than 0 failed (see above)\n");
