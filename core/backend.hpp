@@ -62,6 +62,14 @@ class Backend {
   virtual double sum(const float* x, std::int64_t n) = 0;
 };
 
+// Makes `buffer` hold at least `count` elements of `type` (a new zeroed buffer from the back end when
+// it holds fewer; contents are not kept). For scratch that grows with the largest call seen.
+inline void ensure_capacity(Backend& backend, TypedBuffer& buffer, const std::string& label, DType type,
+                            std::int64_t count, Mem category) {
+  if (buffer.type() != type || buffer.count() < count || buffer.empty())
+    buffer = backend.allocate(label, type, count, category);
+}
+
 // The host back end; `threads` sets the BLAS threads of this rank.
 std::unique_ptr<Backend> make_host_backend(int threads);
 

@@ -46,7 +46,7 @@ class AllReduceReducer final : public Reducer {
  public:
   explicit AllReduceReducer(Communicator& comm) : comm_(comm) {}
   std::string name() const override { return "all-reduce over " + comm_.name() + " " + std::to_string(comm_.size()); }
-  CommRequestPtr reduce_async(const GradBucket& b) override { return comm_.all_reduce_async(b.data.as<float>(), b.data.count); }
+  CommRequestPtr reduce_async(const GradBucket& b) override { return comm_.all_reduce_async(b.data, ReduceOp::sum); }
 
  private:
   Communicator& comm_;

@@ -144,9 +144,9 @@ enum Stat { kBubble = 0, kInflight, kActBytes, kForwardMs, kBackwardMs, kRecvMs,
 
 class PipelineSchedule final : public Schedule {
  public:
-  PipelineSchedule(ProcessGrid& grid, GPT& model, Kind kind, int micro_batches, int rows, bool trace, int trace_steps,
-                   std::int64_t total_steps, std::string run_dir, std::vector<int> layers)
-      : grid_(grid), pp_(grid.pp()), kind_(kind), m_(micro_batches), p_(pp_.size()), i_(pp_.rank()),
+  PipelineSchedule(ProcessGrid& grid, Backend& backend, GPT& model, Kind kind, int micro_batches, int rows, bool trace,
+                   int trace_steps, std::int64_t total_steps, std::string run_dir, std::vector<int> layers)
+      : grid_(grid), be_(backend), pp_(grid.pp()), kind_(kind), m_(micro_batches), p_(pp_.size()), i_(pp_.rank()),
         v_(static_cast<int>(model.stage().chunks.size())), first_(i_ == 0), last_(i_ == p_ - 1),
         boundary_(model.stage_boundary_floats(rows)), trace_(trace), trace_steps_(trace_steps),
         total_steps_(total_steps), run_dir_(std::move(run_dir)), layers_(std::move(layers)) {
@@ -158,9 +158,9 @@ class PipelineSchedule final : public Schedule {
       takes_gradient |= !model.holds_head(c);
     }
     // Two buffers each way: the next receive lands in one while the current one is read from the other.
-    act_in_ = Buffer<float>("Pipeline::activations_in", takes_input ? 2 * boundary_ : 0, Mem::comm);
-    grad_in_ = Buffer<float>("Pipeline::gradients_in", takes_gradient ? 2 * boundary_ : 0, Mem::comm);
-    grad_out_ = Buffer<float>("Pipeline::gradients_out", takes_input ? 2 * boundary_ : 0, Mem::comm);
+    act_in_ = be_.allocate("Pipeline::activations_in", DType::f32, takes_input ? 2 * boundary_ : 0, Mem::comm);
+    grad_in_ = be_.allocate("Pipeline::gradients_in", DType::f32, takes_gradient ? 2 * boundary_ : 0, Mem::comm);
+    grad_out_ = be_.allocate("Pipeline::gradients_out", DType::f32, takes_input ? 2 * boundary_ : 0, Mem::comm);
     describe_ = std::string(kind_ == Kind::gpipe ? "gpipe" : v_ > 1 ? "interleaved 1f1b" : "1f1b") + " over pp " +
                 std::to_string(p_) + (v_ > 1 ? " x " + std::to_string(v_) + " virtual stages" : "") + ", " +
                 std::to_string(m_) + " micro-batches; stage " + std::to_string(i_) + " holds layers ";
@@ -289,13 +289,14 @@ class PipelineSchedule final : public Schedule {
     const int index = model.param_index("wte.weight");  // the first stage's, or the last stage's shadow
     const ParamInfo& wte = model.params()[static_cast<std::size_t>(index)];
     float* g = model.grad_ptr(index);
-    tied_.resize(static_cast<std::size_t>(wte.numel));
+    ensure_capacity(be_, tied_, "Pipeline::tied_wte_gradient", DType::f32, wte.numel, Mem::comm);
+    float* tied = tied_.data<float>();
     const int peer = first_ ? p_ - 1 : 0;
-    auto r = pp_.recv_async(tied_.data(), wte.numel, peer, kTiedTag);
+    auto r = pp_.recv_async(tied, wte.numel, peer, kTiedTag);
     auto s = pp_.send_async(g, wte.numel, peer, kTiedTag);
     s->wait();
     r->wait();
-    for (std::int64_t j = 0; j < wte.numel; ++j) g[j] += tied_[j];
+    for (std::int64_t j = 0; j < wte.numel; ++j) g[j] += tied[j];
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
@@ -334,12 +335,12 @@ class PipelineSchedule final : public Schedule {
   void post_act_recv() {
     if (act_next_ >= act_needs_.size()) return;
     const Op& op = act_needs_[act_next_];
-    act_recv_ = pp_.recv_async(act_in_.data() + (act_next_ % 2) * boundary_, boundary_, prev_rank(), tag(op.k, op.chunk, 0));
+    act_recv_ = pp_.recv_async(act_in_.data<float>() + (act_next_ % 2) * boundary_, boundary_, prev_rank(), tag(op.k, op.chunk, 0));
   }
   void post_grad_recv() {
     if (grad_next_ >= grad_needs_.size()) return;
     const Op& op = grad_needs_[grad_next_];
-    grad_recv_ = pp_.recv_async(grad_in_.data() + (grad_next_ % 2) * boundary_, boundary_, next_rank(), tag(op.k, op.chunk, 1));
+    grad_recv_ = pp_.recv_async(grad_in_.data<float>() + (grad_next_ % 2) * boundary_, boundary_, next_rank(), tag(op.k, op.chunk, 1));
   }
 
   // The pipeline's span is the longest stage's (the stages start together: the previous step ended
@@ -387,7 +388,7 @@ class PipelineSchedule final : public Schedule {
       t0 = now();
       act_recv_->wait();
       timed("recv", k, c, t0);
-      x_in = act_in_.data() + (act_next_ % 2) * boundary_;
+      x_in = act_in_.data<float>() + (act_next_ % 2) * boundary_;
       ++act_next_;
       post_act_recv();  // the next activations arrive while this micro-batch computes
     }
@@ -414,7 +415,7 @@ class PipelineSchedule final : public Schedule {
     if (!model.holds_head(c)) {
       grad_recv_->wait();
       timed("recv", k, c, t0);
-      dout = grad_in_.data() + (grad_next_ % 2) * boundary_;
+      dout = grad_in_.data<float>() + (grad_next_ % 2) * boundary_;
       ++grad_next_;
       post_grad_recv();
       // The next stage has the activations (it sent their gradient): the slot's send is done.
@@ -429,7 +430,7 @@ class PipelineSchedule final : public Schedule {
       t0 = now();
       CommRequestPtr& older = grad_send_[j % 2];
       if (older) older->wait();
-      float* out = grad_out_.data() + (j % 2) * boundary_;
+      float* out = grad_out_.data<float>() + (j % 2) * boundary_;
       std::copy_n(dx, boundary_, out);
       const int to_chunk = i_ > 0 ? c : c - 1;  // the first stage sends back to the last stage's previous chunk
       older = pp_.send_async(out, boundary_, prev_rank(), tag(k, to_chunk, 1));
@@ -506,6 +507,7 @@ class PipelineSchedule final : public Schedule {
   }
 
   ProcessGrid& grid_;
+  Backend& be_;
   Communicator& pp_;
   GPT* model_ = nullptr;
   Kind kind_;
@@ -519,14 +521,14 @@ class PipelineSchedule final : public Schedule {
   std::string run_dir_;
   std::vector<int> layers_;
   std::string describe_;
-  Buffer<float> act_in_, grad_in_, grad_out_;
+  TypedBuffer act_in_, grad_in_, grad_out_;
   std::vector<std::vector<Op>> orders_;  // every stage's, for the replay
   std::vector<Op> order_, act_needs_, grad_needs_;
   std::size_t act_next_ = 0, grad_next_ = 0;  // the receive in flight in each direction
   CommRequestPtr act_recv_, grad_recv_;
   std::vector<CommRequestPtr> act_send_;      // per (chunk, micro-batch)
   CommRequestPtr grad_send_[2];
-  std::vector<float> tied_;
+  TypedBuffer tied_;
   std::vector<Interval> events_;
   std::vector<double> stats_;  // per stage, Stat order
   double bubble_mean_ = 0, bubble_max_ = 0, bubble_expected_ = 0;
@@ -594,7 +596,7 @@ void register_pipeline(void* p) {
                                                  ctx.grid.layout().pp,
                                                  static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages")));
     roles.schedule = std::make_unique<PipelineSchedule>(
-        ctx.grid, ctx.model, kind_of(ctx.deck), ctx.engine.micro_batches, ctx.engine.rows_per_micro,
+        ctx.grid, ctx.backend, ctx.model, kind_of(ctx.deck), ctx.engine.micro_batches, ctx.engine.rows_per_micro,
         ctx.deck.get_bool("pipeline.trace"), static_cast<int>(ctx.deck.get_int("pipeline.trace_steps")),
         ctx.engine.optimizer.steps, ctx.deck.get_string("run.dir"), counts);
   };

@@ -24,7 +24,8 @@ namespace {
 
 class TensorPartition final : public Partition {
  public:
-  TensorPartition(Communicator& tp, bool sequence_parallel) : tp_(tp), sp_(sequence_parallel) {}
+  TensorPartition(Communicator& tp, Backend& backend, bool sequence_parallel)
+      : tp_(tp), be_(backend), sp_(sequence_parallel) {}
 
   std::string name() const override {
     return "tensor parallel over tp " + std::to_string(tp_.size()) + " (heads, MLP width, vocabulary split" +
@@ -67,15 +68,20 @@ class TensorPartition final : public Partition {
   void crossentropy_forward(Backend&, float* losses, float* probs, const float* logits, const std::int32_t* targets,
                             int N, int Vl, int vocab_begin) override {
     const int n = tp_.size();
-    row_max_.resize(N);
-    gathered_.resize(static_cast<std::size_t>(N) * n);
-    sum_exp_.resize(N);
-    target_logit_.resize(N);
+    // Scratch through the back end and the ledger (communication buffers), grown to the largest N.
+    ensure_capacity(be_, row_max_buf_, "TensorPartition::row_max", DType::f32, N, Mem::comm);
+    ensure_capacity(be_, gathered_buf_, "TensorPartition::gathered", DType::f32, static_cast<std::int64_t>(N) * n, Mem::comm);
+    ensure_capacity(be_, sum_exp_buf_, "TensorPartition::sum_exp", DType::f64, N, Mem::comm);
+    ensure_capacity(be_, target_logit_buf_, "TensorPartition::target_logit", DType::f64, N, Mem::comm);
+    float* row_max_ = row_max_buf_.data<float>();
+    float* gathered_ = gathered_buf_.data<float>();
+    double* sum_exp_ = sum_exp_buf_.data<double>();
+    double* target_logit_ = target_logit_buf_.data<double>();
     for (int r = 0; r < N; ++r) {
       const float* l = logits + static_cast<std::int64_t>(r) * Vl;
       row_max_[r] = *std::max_element(l, l + Vl);
     }
-    tp_.all_gather(row_max_.data(), gathered_.data(), N);
+    tp_.all_gather(row_max_, gathered_, N);
     for (int r = 0; r < N; ++r) {
       float m = gathered_[r];
       for (int q = 1; q < n; ++q) m = std::max(m, gathered_[static_cast<std::size_t>(q) * N + r]);
@@ -93,8 +99,8 @@ class TensorPartition final : public Partition {
       const int t = targets[r] - vocab_begin;
       target_logit_[r] = (t >= 0 && t < Vl) ? l[t] : 0.0;
     }
-    tp_.all_reduce(sum_exp_.data(), N);
-    tp_.all_reduce(target_logit_.data(), N);
+    tp_.all_reduce(sum_exp_, N);
+    tp_.all_reduce(target_logit_, N);
     for (int r = 0; r < N; ++r) {
       const float inv = static_cast<float>(1.0 / sum_exp_[r]);
       float* p = probs + static_cast<std::int64_t>(r) * Vl;
@@ -124,18 +130,19 @@ class TensorPartition final : public Partition {
       std::int64_t total = 0;
       for (const auto& p : params)
         if (p.sp_partial) total += p.numel;
-      pack_.resize(total);
+      ensure_capacity(be_, pack_buf_, "TensorPartition::sp_grad_pack", DType::f32, total, Mem::comm);
+      float* pack = pack_buf_.data<float>();
       std::int64_t at = 0;
       for (std::size_t i = 0; i < params.size(); ++i)
         if (params[i].sp_partial) {
-          std::copy_n(model.grad_ptr(static_cast<int>(i)), params[i].numel, pack_.data() + at);
+          std::copy_n(model.grad_ptr(static_cast<int>(i)), params[i].numel, pack + at);
           at += params[i].numel;
         }
-      tp_.all_reduce(pack_.data(), total);
+      tp_.all_reduce(pack, total);
       at = 0;
       for (std::size_t i = 0; i < params.size(); ++i)
         if (params[i].sp_partial) {
-          std::copy_n(pack_.data() + at, params[i].numel, model.grad_ptr(static_cast<int>(i)));
+          std::copy_n(pack + at, params[i].numel, model.grad_ptr(static_cast<int>(i)));
           at += params[i].numel;
         }
     }
@@ -164,9 +171,9 @@ class TensorPartition final : public Partition {
 
  private:
   Communicator& tp_;
+  Backend& be_;
   bool sp_;
-  std::vector<float> row_max_, gathered_, pack_;
-  std::vector<double> sum_exp_, target_logit_;
+  TypedBuffer row_max_buf_, gathered_buf_, pack_buf_, sum_exp_buf_, target_logit_buf_;
   double identical_ = 1.0;
   std::int64_t steps_done_ = 0;  // steps of this run, for LOOM_INJECT_FAULT
   bool step_started_ = false;
@@ -189,7 +196,7 @@ void register_tensor(void* p) {
   };
   info.claims = {{Role::partition, Claim::provides, ""}};
   info.make_partition = [](PartitionContext& ctx) -> std::unique_ptr<Partition> {
-    return std::make_unique<TensorPartition>(ctx.grid.tp(), ctx.deck.get_bool("tensor.sequence_parallel"));
+    return std::make_unique<TensorPartition>(ctx.grid.tp(), ctx.backend, ctx.deck.get_bool("tensor.sequence_parallel"));
   };
   info.create = [](StrategyContext&, Roles&) {};
 }

@@ -61,7 +61,7 @@ TEST(PluginLoader, RefusesUnknownNameListingAvailable) {
   auto r = load_all();
   const auto msg = error_of(r, {{"zero", "run.plugins = zero"}});
   EXPECT_NE(msg.find("run.plugins = zero needs strategy plugin 'zero'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("available: data, exclusive, local, pipeline, tensor"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("available: countreducer, data, exclusive, local, pipeline, syncclash, tensor, undeclared"), std::string::npos) << msg;
 }
 
 TEST(PluginLoader, RefusesIncompatibleCombination) {
@@ -76,4 +76,87 @@ TEST(PluginLoader, RefusesDuplicateRegistration) {
   StrategyRegistry r;
   register_builtin_strategies(r);
   EXPECT_THROW(register_builtin_strategies(r), InputError);
+}
+
+// Declared composition (core/plugin.cpp check_role_claims), on strategies described in place.
+namespace {
+StrategyInfo strategy(const std::string& name, std::vector<RoleClaim> claims) {
+  StrategyInfo s;
+  s.name = name;
+  s.origin = "test";
+  s.claims = std::move(claims);
+  return s;
+}
+std::string claims_error(const std::vector<const StrategyInfo*>& run) {
+  std::vector<std::string> reasons;
+  for (const StrategyInfo* s : run) reasons.push_back("run.plugins = " + s->name);
+  try {
+    check_role_claims(run, reasons);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(RoleClaims, SecondProviderIsRefusedNamingBoth) {
+  const StrategyInfo data = strategy("data", {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}});
+  const StrategyInfo other = strategy("other", {{Role::grad_sync, Claim::provides, ""}});
+  const std::string msg = claims_error({&data, &other});
+  EXPECT_NE(msg.find("'data' (run.plugins = data) and 'other' (run.plugins = other) both fill the gradient sync role"),
+            std::string::npos) << msg;
+}
+
+TEST(RoleClaims, ReplacingAndWrappingComposeAndAreCheckedAgainstTheRun) {
+  const StrategyInfo data = strategy("data", {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}});
+  const StrategyInfo zero = strategy("zero", {{Role::grad_sync, Claim::replaces, "data"}, {Role::reducer, Claim::replaces, "data"}});
+  const StrategyInfo wrap = strategy("compress", {{Role::reducer, Claim::wraps, "data"}});
+  const StrategyInfo hooks1 = strategy("h1", {{Role::phase_hooks, Claim::provides, ""}});
+  const StrategyInfo hooks2 = strategy("h2", {{Role::phase_hooks, Claim::provides, ""}});
+  EXPECT_EQ(claims_error({&data, &zero}), "");
+  EXPECT_EQ(claims_error({&data, &wrap}), "");
+  EXPECT_EQ(claims_error({&data, &zero, &wrap}), "");
+  EXPECT_EQ(claims_error({&hooks1, &hooks2}), "") << "any number of strategies may add phase hooks";
+  // a replace or wrap of a strategy that is not in the run
+  EXPECT_NE(claims_error({&zero}).find("replaces the gradient sync of 'data', which is not in this run"), std::string::npos)
+      << claims_error({&zero});
+  EXPECT_NE(claims_error({&wrap}).find("wraps the reducer of 'data', which is not in this run"), std::string::npos);
+  // a wrap of a role that cannot be wrapped
+  const StrategyInfo bad = strategy("bad", {{Role::optimizer, Claim::wraps, "data"}});
+  EXPECT_NE(claims_error({&data, &bad}).find("only the reducer can be wrapped"), std::string::npos);
+  // a replace of a strategy that does not fill the role
+  const StrategyInfo opt = strategy("opt", {{Role::optimizer, Claim::replaces, "data"}});
+  EXPECT_NE(claims_error({&data, &opt}).find("which does not fill that role"), std::string::npos);
+}
+
+TEST(RoleClaims, FillingAnUndeclaredRoleIsRefused) {
+  const StrategyInfo s = strategy("quiet", {{Role::schedule, Claim::provides, ""}});
+  Roles roles;
+  roles.grad_sync = std::make_unique<GradSync>();
+  try {
+    check_filled_roles(s, filled_roles(roles));
+    FAIL() << "accepted a gradient sync the strategy did not claim";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("'quiet' (test) fills the gradient sync role without declaring it"), std::string::npos)
+        << e.what();
+  }
+  Roles declared;
+  declared.schedule = std::make_unique<AccumulateSchedule>();
+  EXPECT_NO_THROW(check_filled_roles(s, filled_roles(declared)));
+}
+
+TEST(RoleClaims, ARegisteredPartitionFactoryMustBeClaimed) {
+  static const auto reg = [](void* p) {
+    auto& info = *static_cast<StrategyInfo*>(p);
+    info.make_partition = [](PartitionContext&) { return std::make_unique<Partition>(); };
+    info.create = [](StrategyContext&, Roles&) {};
+  };
+  const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "sneaky", "0", "fills the partition unclaimed", reg};
+  StrategyRegistry r;
+  try {
+    r.add(plugin, "test");
+    FAIL() << "registered a partition factory without a claim";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("fills the partition role without declaring it"), std::string::npos) << e.what();
+  }
 }
