@@ -217,6 +217,14 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
   }
 }
 
+bool fills_role(const std::vector<const StrategyInfo*>& run, const StrategyInfo& strategy, Role role) {
+  if (role == Role::phase_hooks) return true;
+  for (const StrategyInfo* other : run)
+    for (const RoleClaim& c : other->claims)
+      if (c.role == role && c.claim == Claim::replaces && c.target == strategy.name) return false;
+  return true;
+}
+
 std::vector<Role> filled_roles(const Roles& roles) {
   std::vector<Role> r;
   if (roles.schedule) r.push_back(Role::schedule);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/checkpoint_part.hpp"
 #include "core/engine.hpp"
 #include "core/grid.hpp"
 #include "core/param_store.hpp"
@@ -87,6 +88,10 @@ struct Roles {
   ReducerWrapper wrap_reducer;
   std::unique_ptr<Optimizer> optimizer;
   std::vector<PhaseHook> hooks;
+  // State the strategy keeps outside its role objects (e.g. a loss scaler its hooks share), saved
+  // and restored with checkpoints. Role objects that implement CheckpointContributor are found
+  // without being listed here.
+  std::vector<std::shared_ptr<CheckpointContributor>> checkpoint_parts;
 };
 
 // What a strategy may check before any work (every rank alike, no communication).
@@ -173,5 +178,9 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
 void check_filled_roles(const StrategyInfo& strategy, const std::vector<Role>& filled);
 // The roles a Roles holds.
 std::vector<Role> filled_roles(const Roles& roles);
+// Whether `strategy`'s object for `role` is the one the run uses: it provides or replaces the role
+// and no strategy of the run replaces it (a replaced strategy's objects are dropped). Wrappers and
+// phase hooks are always used.
+bool fills_role(const std::vector<const StrategyInfo*>& run, const StrategyInfo& strategy, Role role);
 
 }  // namespace loom

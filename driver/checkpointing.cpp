@@ -214,13 +214,15 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
   // Never save a diverged state: the last good checkpoint (and `latest`) stay as they are.
   std::vector<TensorSource> sources = {parameters(*s_.model)};
   for (TensorSource& t : optimizer_state(s_.engine->optimizer())) sources.push_back(std::move(t));
-  if (const auto bad = find_nonfinite(*s_.grid, *s_.model, sources)) {
+  auto refuse = [&](const std::string& what) {
     std::string latest = "none yet";
     std::ifstream in(dir_ + "/latest");
     if (in) std::getline(in, latest);
-    throw AgreedFailure("not saving the checkpoint of step " + std::to_string(steps_done) + ": " + bad->describe() +
+    throw AgreedFailure("not saving the checkpoint of step " + std::to_string(steps_done) + ": " + what +
                         " is not finite; the last good checkpoint stays (" + dir_ + "/latest -> " + latest + ")");
-  }
+  };
+  if (const auto bad = find_nonfinite(*s_.grid, *s_.model, sources)) refuse(bad->describe());
+  if (const auto bad = find_nonfinite_contributed(*s_.grid, s_.checkpoint_parts)) refuse("contributed tensor " + *bad);
   const std::string name = checkpoint_name(steps_done);
   const std::string path = dir_ + "/" + name;
   CheckpointState st;

@@ -72,4 +72,25 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, c
   return at;
 }
 
+std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, const std::vector<CheckpointContributor*>& parts) {
+  constexpr double kNone = -1e300;
+  std::vector<std::string> paths;
+  double earliest = kNone;  // -(position + 1) of this rank's first bad tensor: the max over ranks is the earliest
+  for (CheckpointContributor* c : parts)
+    for (const CheckpointTensor& t : c->checkpoint_tensors()) {
+      if (earliest == kNone && t.holds && !t.data.empty()) {
+        const float* x = t.data.as<float>();
+        for (std::int64_t j = 0; j < t.data.count; ++j)
+          if (!std::isfinite(x[j])) {
+            earliest = -static_cast<double>(paths.size() + 1);
+            break;
+          }
+      }
+      paths.push_back(t.path);
+    }
+  grid.world().all_reduce(BufferRef(&earliest, 1), ReduceOp::max);
+  if (earliest == kNone) return std::nullopt;
+  return paths[static_cast<std::size_t>(-earliest) - 1];
+}
+
 }  // namespace loom

@@ -183,10 +183,17 @@ void Session::setup_collective() {
     strategy->create(ctx, roles);
     // The same on every rank: said once, exit 2, before any training.
     run_agreed([&] { check_filled_roles(*strategy, filled_roles(roles)); });
-    if (roles.schedule) engine_roles.schedule = std::move(roles.schedule);
-    if (roles.grad_sync) engine_roles.grad_sync = std::move(roles.grad_sync);
-    if (roles.optimizer) engine_roles.optimizer = std::move(roles.optimizer);
-    if (roles.reducer) reducer = std::move(roles.reducer);
+    // A strategy another one replaces (by its claims) built its objects, but the run uses the
+    // replacement's, whatever the order of the strategies.
+    auto used = [&](Role role) { return fills_role(strategies, *strategy, role); };
+    if (roles.schedule && used(Role::schedule)) engine_roles.schedule = std::move(roles.schedule);
+    if (roles.grad_sync && used(Role::grad_sync)) engine_roles.grad_sync = std::move(roles.grad_sync);
+    if (roles.optimizer && used(Role::optimizer)) engine_roles.optimizer = std::move(roles.optimizer);
+    if (roles.reducer && used(Role::reducer)) reducer = std::move(roles.reducer);
+    for (auto& part : roles.checkpoint_parts) {
+      checkpoint_parts.push_back(part.get());
+      kept_parts.push_back(std::move(part));
+    }
     if (roles.wrap_reducer) wrappers.push_back({strategy->name, std::move(roles.wrap_reducer)});
     for (PhaseHook& h : roles.hooks) {
       if (h.owner.empty()) h.owner = strategy->name;
@@ -200,7 +207,7 @@ void Session::setup_collective() {
   if (reducer && engine_roles.grad_sync) engine_roles.grad_sync->use_reducer(reducer.get());
   engine_roles.world = &grid->world();
   engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(engine_roles));
-  // Role objects that keep state of their own for checkpoints.
+  // Role objects that keep state of their own for checkpoints (after the strategies' listed parts).
   auto contributes = [this](auto* role) {
     if (auto* c = dynamic_cast<CheckpointContributor*>(role)) checkpoint_parts.push_back(c);
   };

@@ -70,6 +70,7 @@ struct Session {
   // Every role object of the run that contributes to checkpoints (the optimizer's state and the
   // model's parameters are written by the checkpoint itself).
   std::vector<CheckpointContributor*> checkpoint_parts;
+  std::vector<std::shared_ptr<CheckpointContributor>> kept_parts;  // those Roles::checkpoint_parts handed over
   BatchFn train_batches, val_batches;
 
   std::string data_source;  // data.source, for messages

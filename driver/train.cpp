@@ -269,6 +269,11 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       else if (io)
         std::cout << "loom: warning: " << nonfinite_note << "; update skipped (train.on_nonfinite = skip; "
                   << skipped_in_row << " in a row, " << skipped_total << " in all)" << std::endl;
+    } else if (!st.skip_reason.empty()) {
+      // A phase hook skipped the update on purpose (a loss-scale overflow): counted as a skipped step
+      // (step = optimizer_steps + skipped_steps), never a failure.
+      ++skipped_total;
+      skipped_in_row = 0;
     } else {
       skipped_in_row = 0;
     }
@@ -292,7 +297,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       if (end) break;
       continue;
     }
-    const bool log = step % s.log_every == 0 || last || val || end || !saved.empty() || st.nonfinite;
+    const bool log = step % s.log_every == 0 || last || val || end || !saved.empty() || st.nonfinite ||
+                     !st.skip_reason.empty();
     if (!log) continue;
     const double tps = tokens_per_step / st.seconds;
     const double tflops = tps * flops_per_token / 1e12;
@@ -315,6 +321,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       std::printf(" | bubble %.2f (textbook %.2f)", *bubble, value_of(report_values, "pp_bubble_textbook").value_or(0.0));
     if (val) std::printf(" | val %.4f", *val);
     if (st.nonfinite) std::printf(" | update skipped");
+    if (!st.skip_reason.empty()) std::printf(" | update skipped: %s", st.skip_reason.c_str());
     std::printf(" | %s in, ETA %s", duration_text(elapsed).c_str(), duration_text(eta).c_str());
     std::cout << std::endl;
     nlohmann::json rec = {{"step", step + 1},
@@ -343,6 +350,10 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     for (const auto& [k, v] : report_values) rec[k] = v;
     if (val) rec["val_loss"] = *val;
     if (st.nonfinite) rec["skipped"] = true;
+    if (!st.skip_reason.empty()) {
+      rec["skipped"] = true;
+      rec["skip_reason"] = st.skip_reason;
+    }
     for (const auto& [k, v] : saved.items()) rec[k] = v;
     metrics.write(rec);
     if (end) break;
