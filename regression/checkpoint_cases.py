@@ -32,22 +32,10 @@ import subprocess
 import sys
 import time
 
-DECK = """[model]
-layers = 2
-d_model = 32
-heads = 4
-seq_len = 16
-vocab = 64
-[train]
-steps = 8
-batch = 8
-lr = 3e-3
-warmup = 2
-seed = 42
-eval_every = 0
-[data]
-val_fraction = 0
-"""
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+DECK = common.small_deck(steps=8)
 CROSS_LAYOUT_TOL = 1e-5  # relative, per step: reduction order is the only difference between layouts
 
 

@@ -12,6 +12,14 @@ import subprocess
 import sys
 
 
+def small_deck(steps=8, val_fraction=0, log_every=None):
+    """The 2-layer, d_model 32 model the MPI cases train in seconds, as deck text."""
+    return ("[model]\nlayers = 2\nd_model = 32\nheads = 4\nseq_len = 16\nvocab = 64\n"
+            "[train]\nsteps = %d\nbatch = 8\nlr = 3e-3\nwarmup = 2\nseed = 42\neval_every = 0\n" % steps
+            + ("log_every = %d\n" % log_every if log_every else "")
+            + "[data]\nval_fraction = %s\n" % val_fraction)
+
+
 def snapshot(path):
     """Every file under `path` with its bytes' hash: equal snapshots mean a byte-identical tree."""
     out = {}

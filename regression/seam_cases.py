@@ -33,23 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import losses, rows  # noqa: E402
 
-DECK = """[model]
-layers = 2
-d_model = 32
-heads = 4
-seq_len = 16
-vocab = 64
-[train]
-steps = 4
-batch = 8
-lr = 3e-3
-warmup = 2
-seed = 42
-eval_every = 0
-log_every = 1
-[data]
-val_fraction = 0
-"""
+DECK = common.small_deck(steps=4, log_every=1)
 TENSORS = 2 + 12 * 2 + 2  # wte, wpe, 12 per block, ln_f
 
 
@@ -63,20 +47,22 @@ class Case(common.Case):
         return super().loom(tag, ranks, sets + ["run.overwrite=true"], env=e, expect=expect)
 
 
-def role_clash_dp2(c):
-    p, rundir = c.loom("run", 2, ["parallel.dp=2", "run.plugins=syncclash"], expect=2)
-    c.expect(p.stderr, [r"strategies 'data' \(parallel\.dp = 2\) and 'syncclash' \(run\.plugins = syncclash\) both fill "
-                        r"the gradient sync role, and neither declares that it replaces or wraps the other"], "stderr")
-    c.check(p.stderr.count("both fill") == 1, "the refusal is said once, not per rank:\n" + p.stderr)
+def refused_once(c, plugin, pattern, said):
+    """A dp = 2 run with run.plugins = `plugin`: exit 2, `pattern` on stderr exactly once, no step."""
+    p, rundir = c.loom("run", 2, ["parallel.dp=2", "run.plugins=" + plugin], expect=2)
+    c.expect(p.stderr, [pattern], "stderr")
+    c.check(p.stderr.count(said) == 1, "the refusal is said once, not per rank:\n" + p.stderr)
     c.check(not rows(rundir), "a refused run trained")
+
+
+def role_clash_dp2(c):
+    refused_once(c, "syncclash", r"strategies 'data' \(parallel\.dp = 2\) and 'syncclash' \(run\.plugins = syncclash\) both "
+                 r"fill the gradient sync role, and neither declares that it replaces or wraps the other", "both fill")
 
 
 def undeclared_role(c):
-    p, rundir = c.loom("run", 2, ["parallel.dp=2", "run.plugins=undeclared"], expect=2)
-    c.expect(p.stderr, [r"strategy 'undeclared' \(\S+libloom_undeclared\.so\) fills the gradient sync role without "
-                        r"declaring it"], "stderr")
-    c.check(p.stderr.count("without declaring") == 1, "the refusal is said once, not per rank:\n" + p.stderr)
-    c.check(not rows(rundir), "a refused run trained")
+    refused_once(c, "undeclared", r"strategy 'undeclared' \(\S+libloom_undeclared\.so\) fills the gradient sync role "
+                 r"without declaring it", "without declaring")
 
 
 def reducer_wrap_dp2(c):
