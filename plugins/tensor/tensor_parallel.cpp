@@ -135,14 +135,14 @@ class TensorPartition final : public Partition {
       std::int64_t at = 0;
       for (std::size_t i = 0; i < params.size(); ++i)
         if (params[i].sp_partial) {
-          std::copy_n(model.grad_ptr(static_cast<int>(i)), params[i].numel, pack + at);
+          be_.copy(pack + at, model.grad_ptr(static_cast<int>(i)), params[i].numel);
           at += params[i].numel;
         }
       tp_.all_reduce(pack, total);
       at = 0;
       for (std::size_t i = 0; i < params.size(); ++i)
         if (params[i].sp_partial) {
-          std::copy_n(pack + at, params[i].numel, model.grad_ptr(static_cast<int>(i)));
+          be_.copy(model.grad_ptr(static_cast<int>(i)), pack + at, params[i].numel);
           at += params[i].numel;
         }
     }
