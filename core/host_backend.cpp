@@ -144,12 +144,13 @@ class HostBackend final : public Backend {
     const int lda = std::max(1, transa ? M : K), ldb = std::max(1, transb ? K : N), ldc = std::max(1, N);
     const auto all = [&](DType t) { return a.type == t && b.type == t && out.type == t; };
     if (all(DType::f32)) {
-      k::gemm(transa, transb, M, N, K, alpha, a.as<const float>(), lda, b.as<const float>(), ldb, beta, out.as<float>(), ldc);
+      k::gemm(transa, transb, M, N, K, alpha, a.as<const float>(), lda, b.as<const float>(), ldb, beta,
+              out.as<float>(), ldc);
       return;
     }
     if (all(DType::f64)) {
-      k::gemm(transa, transb, M, N, K, double(alpha), a.as<const double>(), lda, b.as<const double>(), ldb, double(beta),
-              out.as<double>(), ldc);
+      k::gemm(transa, transb, M, N, K, double(alpha), a.as<const double>(), lda, b.as<const double>(), ldb,
+              double(beta), out.as<double>(), ldc);
       return;
     }
     for (const BufferRef* x : {&out, &a, &b})

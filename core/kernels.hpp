@@ -163,7 +163,8 @@ void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int ld
   const auto to_dense = [](const T* X, int rows, int cols, int ld) {
     std::vector<float> d(static_cast<std::size_t>(rows) * cols);
     for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < cols; ++c) d[static_cast<std::size_t>(r) * cols + c] = to_float(X[static_cast<std::int64_t>(r) * ld + c]);
+      for (int c = 0; c < cols; ++c)
+        d[static_cast<std::size_t>(r) * cols + c] = to_float(X[static_cast<std::int64_t>(r) * ld + c]);
     return d;
   };
   const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
@@ -171,7 +172,8 @@ void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int ld
   std::vector<float> c = beta != 0.0f ? to_dense(C, M, N, ldc) : std::vector<float>(static_cast<std::size_t>(M) * N);
   gemm(ta, tb, M, N, K, alpha, a.data(), std::max(1, ac), b.data(), std::max(1, bc), beta, c.data(), std::max(1, N));
   for (int r = 0; r < M; ++r)
-    for (int j = 0; j < N; ++j) C[static_cast<std::int64_t>(r) * ldc + j] = from_acc<T>(c[static_cast<std::size_t>(r) * N + j]);
+    for (int j = 0; j < N; ++j)
+      C[static_cast<std::int64_t>(r) * ldc + j] = from_acc<T>(c[static_cast<std::size_t>(r) * N + j]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -307,7 +309,8 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=
         const Acc dc = to_acc<Acc>(d[c]);
         db[c] += dc;
         dw[c] += xhat * dc;
-        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + (to_acc<Acc>(weight[c]) * dc - dnorm_mean - xhat * dnorm_norm_mean) * s);
+        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) +
+                            (to_acc<Acc>(weight[c]) * dc - dnorm_mean - xhat * dnorm_norm_mean) * s);
       }
     }
     dw_sum.store();
@@ -558,7 +561,8 @@ void adamw_update(P* params, Acc* m, Acc* v,                          // [n] eac
       const Acc vi = beta2 * vv[i] + (Acc(1) - beta2) * g * g;
       mm[i] = mi;
       vv[i] = vi;
-      p[i] = from_acc<P>(to_acc<Acc>(p[i]) * (Acc(1) - lr * weight_decay) - lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps));
+      p[i] = from_acc<P>(to_acc<Acc>(p[i]) * (Acc(1) - lr * weight_decay) -
+                         lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps));
     }
   });
 }
