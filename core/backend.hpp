@@ -1,17 +1,27 @@
 #pragma once
 // The compute back end: every numerical operation the model and the optimizer perform, on float
-// buffers that live in the back end's memory space. `host` (Kokkos host execution space + CBLAS) is
-// the one built here; a `cuda` back end (CUDA kernels + cuBLAS) fills the same interface.
+// buffers that live in the back end's memory space, plus generic operations on typed buffers
+// (BufferRef: cast, matmul, a fused squared norm and finiteness check, scale, fill). `host`
+// (Kokkos host execution space + CBLAS) is the one built here; a `cuda` back end (CUDA kernels +
+// cuBLAS) fills the same interface.
 // Signatures mirror core/kernels.hpp: outputs first, gradients prefixed `d`, shapes in comments.
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/buffer.hpp"
 #include "core/dtype.hpp"
 #include "core/ledger.hpp"
 
 namespace loom {
+
+// The result of Backend::sq_norm_check.
+struct NormCheck {
+  double sum_squares = 0;    // the tensors' sums of squares, added in list order
+  bool all_finite = true;    // no NaN and no inf in any tensor
+  int first_nonfinite = -1;  // the list index of the first tensor holding a NaN or an inf; -1 if none
+};
 
 class Backend {
  public:
@@ -60,6 +70,27 @@ class Backend {
   virtual void fill(float* x, float value, std::int64_t n) = 0;
   virtual void copy(float* dst, const float* src, std::int64_t n) = 0;
   virtual double sum(const float* x, std::int64_t n) = 0;
+
+  // Generic operations on typed buffers of this back end's space. They throw std::invalid_argument
+  // for an element type they do not take, a buffer in another memory space or mismatched counts.
+  //
+  // dst = src converted, between fp32, fp64, bf16 and fp16, rounded to nearest even (fp64 to a
+  // 16-bit type directly, not through a rounded fp32). Equal counts; the buffers must not overlap
+  // unless they are the same buffer of the same type.
+  virtual void cast(BufferRef dst, BufferRef src) = 0;
+  // Row-major out[M,N] = alpha * op(a) op(b) + beta * out, op(a) [M,K] (a is stored [K,M] when
+  // transa), op(b) [K,N] (b stored [N,K] when transb), all dense. Operands of fp32, bf16 or fp16 in
+  // any mix, accumulated in fp32 (all fp32: sgemm directly); all fp64: dgemm. With beta == 0 the
+  // old contents of out are not read.
+  virtual void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool transa, bool transb,
+                      float alpha = 1.0f, float beta = 0.0f) = 0;
+  // One pass over the tensors (fp32, bf16, fp16, fp64): the sum of their sums of squares and where
+  // the first NaN or inf is. Each tensor's sum of squares is reduced as sum_squares reduces it (for
+  // fp32 bit for bit the same value), and the tensors' sums are added in list order.
+  virtual NormCheck sq_norm_check(const std::vector<BufferRef>& tensors) = 0;
+  // x *= a and x = value, computed in the element type's compute type (fp64 for fp64, else fp32).
+  virtual void scale(BufferRef x, double a) = 0;
+  virtual void fill(BufferRef x, double value) = 0;
 };
 
 // Makes `buffer` hold at least `count` elements of `type` (a new zeroed buffer from the back end when

@@ -2,6 +2,7 @@
 // Element types and memory spaces (DESIGN.md "Typed buffers"): what a buffer holds and where it
 // lives. A BufferRef is the typed, non-owning view that back ends, collectives, the parameter store
 // and the checkpoint pass around instead of a bare float*; a TypedBuffer (core/buffer.hpp) owns one.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +58,49 @@ inline bf16 to_bf16(float f) {
 }
 float to_float(f16 x);
 f16 to_f16(float f);  // round to nearest even; overflow gives inf, as a GPU's conversion does
+
+// double -> float rounded to odd: truncated toward zero, with the last mantissa bit set when the
+// conversion was inexact. A value rounded to odd at 24 bits and then to nearest even at 8 (bf16) or
+// 11 (fp16) bits is the value rounded to nearest even directly (the odd bit keeps a tie from being
+// invented), which plain double -> float -> bf16 is not: 1 + 2^-8 + 2^-30 would become the tie
+// 1 + 2^-8 and round down.
+inline float to_float_round_odd(double d) {
+  float f = static_cast<float>(d);
+  if (d != d || static_cast<double>(f) == d) return f;  // NaN, or exact (inf included)
+  if (std::fabs(static_cast<double>(f)) > std::fabs(d)) f = std::nextafter(f, 0.0f);  // toward zero
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u |= 1u;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline bf16 to_bf16(double d) { return to_bf16(to_float_round_odd(d)); }
+inline f16 to_f16(double d) { return to_f16(to_float_round_odd(d)); }
+
+// The accumulation (compute) type of a storage type: what kernels add, multiply and reduce in.
+// float -> float, double -> double, bf16 -> float, fp16 -> float.
+template <class T>
+struct acc_type {
+  using type = T;
+};
+template <> struct acc_type<bf16> { using type = float; };
+template <> struct acc_type<f16> { using type = float; };
+template <class T>
+using acc_type_t = typename acc_type<T>::type;
+
+// Load a stored value into the compute type (exact: every bf16/fp16 is a float), and store a
+// computed value back (rounded to nearest even). For T == Acc both are the identity.
+template <class Acc, class T>
+inline Acc to_acc(T x) {
+  if constexpr (std::is_same_v<T, bf16> || std::is_same_v<T, f16>) return static_cast<Acc>(to_float(x));
+  else return static_cast<Acc>(x);
+}
+template <class T, class Acc>
+inline T from_acc(Acc x) {
+  if constexpr (std::is_same_v<T, bf16>) return to_bf16(x);
+  else if constexpr (std::is_same_v<T, f16>) return to_f16(x);
+  else return static_cast<T>(x);
+}
 
 template <class T>
 struct dtype_of;

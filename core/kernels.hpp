@@ -1,9 +1,23 @@
 #pragma once
 // The GPT-2 layer kernels of the host back end: Kokkos kernels on the host execution space, matrix
 // products through CBLAS. Each layer's _forward is immediately followed by its _backward, with
-// mirrored signatures: outputs first, then inputs; gradients carry a `d` prefix. Templated on the
-// scalar so the unit tests can run the very same code in double precision against finite
-// differences; the trainer instantiates float.
+// mirrored signatures: outputs first, then inputs; gradients carry a `d` prefix.
+//
+// Storage and compute types. Each kernel is `template <class T, class Acc = acc_type_t<T>>`: T is
+// what the tensors hold, Acc what the kernel adds, multiplies and reduces in (core/dtype.hpp:
+// float -> float, double -> double, bf16 -> float, fp16 -> float). Every stored value is loaded with
+// to_acc and stored with from_acc (the identity when T == Acc, so the float and double
+// instantiations are the plain code, operation for operation); statistics and sums stay in Acc:
+// LayerNorm mean and rstd (stored as Acc), the backward's two row sums, the softmax max and sum,
+// the attention backward's row dot products, the cross-entropy loss (stored as Acc), and the sums
+// of parameter gradients over rows (dbias, dweight of LayerNorm, the embedding rows), which for
+// 16-bit storage are summed in an Acc copy and rounded once at the end. AdamW keeps its moments in
+// Acc; parameters and gradients may each be another type. The unit tests run the double
+// instantiation against finite differences and the bf16/fp16 ones against float; the trainer
+// instantiates float.
+//
+// Matrix products with bf16/fp16 storage convert their operands to float, call sgemm (float
+// accumulation) and round the result: correct, not fast (copies and conversions on every call).
 //
 // Shape letters, used in every comment below:
 //   B  batch (sequences in this micro-batch)   T  sequence length     C  channels (d_model)
@@ -17,16 +31,59 @@
 #include <cblas.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
+#include <vector>
+
+#include "core/dtype.hpp"
 
 namespace loom::kernels {
 
 using Exec = Kokkos::DefaultHostExecutionSpace;
 using Range = Kokkos::RangePolicy<Exec>;
 using Range64 = Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>;
+
+// A parameter that takes no part in template argument deduction: scalar arguments (dloss, the
+// learning rate, a fill value) are of the compute type Acc, which follows from the tensors' types.
+template <class T>
+struct non_deduced {
+  using type = T;
+};
+template <class T>
+using nd = typename non_deduced<T>::type;
+
+template <class T>
+inline constexpr bool is_16bit_v = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+
+// The sum of a parameter gradient over rows, accumulated in Acc: for T == Acc the gradient buffer
+// itself, else an Acc copy of it that store() rounds back once.
+template <class T, class Acc>
+class GradSum {
+ public:
+  GradSum(T* g, std::int64_t n) : g_(g), n_(g ? n : 0) {
+    if constexpr (!std::is_same_v<T, Acc>) {
+      buf_.resize(static_cast<std::size_t>(n_));
+      for (std::int64_t i = 0; i < n_; ++i) buf_[i] = to_acc<Acc>(g_[i]);
+    }
+  }
+  Acc* data() {
+    if constexpr (std::is_same_v<T, Acc>) return g_;
+    else return buf_.data();
+  }
+  void store() {
+    if constexpr (!std::is_same_v<T, Acc>)
+      for (std::int64_t i = 0; i < n_; ++i) g_[i] = from_acc<T>(buf_[i]);
+  }
+
+ private:
+  T* g_;
+  std::int64_t n_;
+  std::vector<Acc> buf_;
+};
 
 // Elementwise kernels run over chunks: the body sees a plain [begin, end) loop on local restrict
 // pointers, which the compiler vectorises (a per-element functor reads its captured pointers
@@ -98,6 +155,26 @@ inline void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const doub
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K,
               alpha, A, lda, B, ldb, beta, C, ldc);
 }
+// bf16/fp16 storage: op(A) and op(B) converted to float, one sgemm (float accumulation), the result
+// rounded back into C. Correct, not fast.
+template <class T, std::enable_if_t<is_16bit_v<T>, int> = 0>
+void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int lda, const T* B, int ldb,
+          float beta, T* C, int ldc) {
+  const auto to_dense = [](const T* X, int rows, int cols, int ld) {
+    std::vector<float> d(static_cast<std::size_t>(rows) * cols);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c)
+        d[static_cast<std::size_t>(r) * cols + c] = to_float(X[static_cast<std::int64_t>(r) * ld + c]);
+    return d;
+  };
+  const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+  const std::vector<float> a = to_dense(A, ar, ac, lda), b = to_dense(B, br, bc, ldb);
+  std::vector<float> c = beta != 0.0f ? to_dense(C, M, N, ldc) : std::vector<float>(static_cast<std::size_t>(M) * N);
+  gemm(ta, tb, M, N, K, alpha, a.data(), std::max(1, ac), b.data(), std::max(1, bc), beta, c.data(), std::max(1, N));
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < N; ++j)
+      C[static_cast<std::int64_t>(r) * ldc + j] = from_acc<T>(c[static_cast<std::size_t>(r) * N + j]);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Token + position embedding.
@@ -105,7 +182,7 @@ inline void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const doub
 // With tensor parallelism the token table is split by vocabulary: this rank holds rows
 // [vocab_begin, vocab_end) and contributes zeros for other tokens (the tp all-reduce completes the
 // sum); the position embedding is added by one rank only (add_pos).
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void encoder_forward(T* out,                                        // [B,T,C]
                      const std::int32_t* inp,                       // [B,T]
                      const T* wte, const T* wpe,                    // [V or V/tp, C], [T,C]
@@ -117,81 +194,127 @@ void encoder_forward(T* out,                                        // [B,T,C]
     const T* te = wte + static_cast<std::int64_t>(mine ? tok - vocab_begin : 0) * C;
     const T* pe = wpe + static_cast<std::int64_t>(t) * C;
     T* o = out + static_cast<std::int64_t>(bt) * C;
-    for (int c = 0; c < C; ++c) o[c] = (mine ? te[c] : T(0)) + (add_pos ? pe[c] : T(0));
+    for (int c = 0; c < C; ++c)
+      o[c] = from_acc<T>((mine ? to_acc<Acc>(te[c]) : Acc(0)) + (add_pos ? to_acc<Acc>(pe[c]) : Acc(0)));
   });
 }
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void encoder_backward(T* dwte, T* dwpe,                             // [V or V/tp, C] (+=), [T,C] (+=)
                       const T* dout,                                // [B,T,C]
                       const std::int32_t* inp,                      // [B,T]
                       int B, int Tn, int C,
                       int vocab_begin = 0, int vocab_end = 1 << 30) {
-  // Serial over rows: two rows may hit the same token, so rows must not race.
-  Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
-    for (int bt = 0; bt < B * Tn; ++bt) {
-      const T* d = dout + static_cast<std::int64_t>(bt) * C;
-      const int tok = inp[bt];
-      T* pe = dwpe + static_cast<std::int64_t>(bt % Tn) * C;
-      for (int c = 0; c < C; ++c) pe[c] += d[c];
-      if (tok < vocab_begin || tok >= vocab_end) continue;
-      T* te = dwte + static_cast<std::int64_t>(tok - vocab_begin) * C;
-      for (int c = 0; c < C; ++c) te[c] += d[c];
-    }
-  });
+  if constexpr (std::is_same_v<T, Acc>) {
+    // Serial over rows: two rows may hit the same token, so rows must not race.
+    Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+      for (int bt = 0; bt < B * Tn; ++bt) {
+        const T* d = dout + static_cast<std::int64_t>(bt) * C;
+        const int tok = inp[bt];
+        T* pe = dwpe + static_cast<std::int64_t>(bt % Tn) * C;
+        for (int c = 0; c < C; ++c) pe[c] += d[c];
+        if (tok < vocab_begin || tok >= vocab_end) continue;
+        T* te = dwte + static_cast<std::int64_t>(tok - vocab_begin) * C;
+        for (int c = 0; c < C; ++c) te[c] += d[c];
+      }
+    });
+  } else {
+    // 16-bit storage: each gradient row's sum is accumulated in Acc and rounded once. A row of dwpe
+    // (dwte) gets the rows of dout at its position (of its token) in row order, as above.
+    Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+      std::vector<Acc> acc(static_cast<std::size_t>(C));
+      const auto add_rows = [&](T* g, const int* rows, std::size_t count) {
+        for (int c = 0; c < C; ++c) acc[c] = to_acc<Acc>(g[c]);
+        for (std::size_t i = 0; i < count; ++i) {
+          const T* d = dout + static_cast<std::int64_t>(rows[i]) * C;
+          for (int c = 0; c < C; ++c) acc[c] += to_acc<Acc>(d[c]);
+        }
+        for (int c = 0; c < C; ++c) g[c] = from_acc<T>(acc[c]);
+      };
+      std::vector<int> rows(static_cast<std::size_t>(B));
+      for (int t = 0; t < Tn; ++t) {
+        for (int b = 0; b < B; ++b) rows[b] = b * Tn + t;
+        add_rows(dwpe + static_cast<std::int64_t>(t) * C, rows.data(), rows.size());
+      }
+      std::vector<int> order(static_cast<std::size_t>(B) * Tn);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return inp[x] < inp[y]; });
+      for (std::size_t i = 0; i < order.size();) {
+        const int tok = inp[order[i]];
+        std::size_t j = i;
+        while (j < order.size() && inp[order[j]] == tok) ++j;
+        if (tok >= vocab_begin && tok < vocab_end)
+          add_rows(dwte + static_cast<std::int64_t>(tok - vocab_begin) * C, order.data() + i, j - i);
+        i = j;
+      }
+    });
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps 1e-5 (as GPT-2 and torch.nn.LayerNorm).
 
-template <class T>
-void layernorm_forward(T* out, T* mean, T* rstd,                    // [N,C], [N], [N]
+template <class T, class Acc = acc_type_t<T>>
+void layernorm_forward(T* out, Acc* mean, Acc* rstd,                // [N,C], [N], [N]
                        const T* inp, const T* weight, const T* bias,  // [N,C], [C], [C]
                        int N, int C) {
+  static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
   Kokkos::parallel_for("LayerNorm::forward", Range(0, N), [=](int n) {
     const T* x = inp + static_cast<std::int64_t>(n) * C;
-    T m = 0;
-    for (int c = 0; c < C; ++c) m += x[c];
+    Acc m = 0;
+    for (int c = 0; c < C; ++c) m += to_acc<Acc>(x[c]);
     m /= C;
-    T v = 0;
-    for (int c = 0; c < C; ++c) v += (x[c] - m) * (x[c] - m);
+    Acc v = 0;
+    for (int c = 0; c < C; ++c) {
+      const Acc xc = to_acc<Acc>(x[c]);
+      v += (xc - m) * (xc - m);
+    }
     v /= C;
-    const T s = T(1) / std::sqrt(v + T(1e-5));
+    const Acc s = Acc(1) / std::sqrt(v + Acc(1e-5));
     T* o = out + static_cast<std::int64_t>(n) * C;
-    for (int c = 0; c < C; ++c) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    for (int c = 0; c < C; ++c)
+      o[c] = from_acc<T>((to_acc<Acc>(x[c]) - m) * s * to_acc<Acc>(weight[c]) + to_acc<Acc>(bias[c]));
     mean[n] = m;
     rstd[n] = s;
   });
 }
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=), [C] (+=), [C] (+=)
                         const T* dout, const T* inp, const T* weight,  // [N,C], [N,C], [C]
-                        const T* mean, const T* rstd,               // [N], [N]
+                        const Acc* mean, const Acc* rstd,           // [N], [N]
                         int N, int C) {
+  static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
   // dweight/dbias sum over rows: serial in rows so they do not race; vectorised along C.
   Kokkos::parallel_for("LayerNorm::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+    GradSum<T, Acc> dw_sum(dweight, C), db_sum(dbias, C);
+    Acc* dw = dw_sum.data();
+    Acc* db = db_sum.data();
     for (int n = 0; n < N; ++n) {
       const T* d = dout + static_cast<std::int64_t>(n) * C;
       const T* x = inp + static_cast<std::int64_t>(n) * C;
       T* dx = dinp + static_cast<std::int64_t>(n) * C;
-      const T m = mean[n], s = rstd[n];
-      T dnorm_mean = 0, dnorm_norm_mean = 0;
+      const Acc m = mean[n], s = rstd[n];
+      Acc dnorm_mean = 0, dnorm_norm_mean = 0;
       for (int c = 0; c < C; ++c) {
-        const T xhat = (x[c] - m) * s;
-        const T dnorm = weight[c] * d[c];
+        const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
+        const Acc dnorm = to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]);
         dnorm_mean += dnorm;
         dnorm_norm_mean += dnorm * xhat;
       }
       dnorm_mean /= C;
       dnorm_norm_mean /= C;
       for (int c = 0; c < C; ++c) {
-        const T xhat = (x[c] - m) * s;
-        dbias[c] += d[c];
-        dweight[c] += xhat * d[c];
-        dx[c] += (weight[c] * d[c] - dnorm_mean - xhat * dnorm_norm_mean) * s;
+        const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
+        const Acc dc = to_acc<Acc>(d[c]);
+        db[c] += dc;
+        dw[c] += xhat * dc;
+        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) +
+                            (to_acc<Acc>(weight[c]) * dc - dnorm_mean - xhat * dnorm_norm_mean) * s);
       }
     }
+    dw_sum.store();
+    db_sum.store();
   });
 }
 
@@ -199,85 +322,97 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=
 // Linear layer y = x W^T + b, weights [OC, C] as torch.nn.Linear. bias may be null.
 
 // out[n, :] += bias: the bias of a row-parallel layer is added once, after the tp reduction.
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void bias_add(T* out, const T* bias, int N, int OC) {  // [N,OC], [OC]
   Kokkos::parallel_for("Matmul::bias", Range(0, N), [=](int n) {
     T* o = out + static_cast<std::int64_t>(n) * OC;
-    for (int j = 0; j < OC; ++j) o[j] += bias[j];
+    for (int j = 0; j < OC; ++j) o[j] = from_acc<T>(to_acc<Acc>(o[j]) + to_acc<Acc>(bias[j]));
   });
 }
 
 // dbias += sum over rows of dout: the backward of bias_add.
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,OC]
   Kokkos::parallel_for("Matmul::backward_bias", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+    GradSum<T, Acc> sum(dbias, OC);
+    Acc* db = sum.data();
     for (int n = 0; n < N; ++n) {
       const T* d = dout + static_cast<std::int64_t>(n) * OC;
-      for (int j = 0; j < OC; ++j) dbias[j] += d[j];
+      for (int j = 0; j < OC; ++j) db[j] += to_acc<Acc>(d[j]);
     }
+    sum.store();
   });
 }
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void matmul_forward(T* out,                                          // [N,OC]
                     const T* inp, const T* weight, const T* bias,    // [N,C], [OC,C], [OC] or null
                     int N, int C, int OC) {
-  gemm(false, true, N, OC, C, T(1), inp, C, weight, C, T(0), out, OC);
-  if (bias) bias_add(out, bias, N, OC);
+  gemm(false, true, N, OC, C, Acc(1), inp, C, weight, C, Acc(0), out, OC);
+  if (bias) bias_add<T, Acc>(out, bias, N, OC);
 }
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void matmul_backward(T* dinp, T* dweight, T* dbias,                  // [N,C] (=), [OC,C] (+=), [OC] (+=) or null
                      const T* dout, const T* inp, const T* weight,   // [N,OC], [N,C], [OC,C]
                      int N, int C, int OC) {
-  gemm(false, false, N, C, OC, T(1), dout, OC, weight, C, T(0), dinp, C);       // dinp = dout W
-  gemm(true, false, OC, C, N, T(1), dout, OC, inp, C, T(1), dweight, C);        // dW += dout^T x
-  if (dbias) bias_backward(dbias, dout, N, OC);
+  gemm(false, false, N, C, OC, Acc(1), dout, OC, weight, C, Acc(0), dinp, C);   // dinp = dout W
+  gemm(true, false, OC, C, N, Acc(1), dout, OC, inp, C, Acc(1), dweight, C);    // dW += dout^T x
+  if (dbias) bias_backward<T, Acc>(dbias, dout, N, OC);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Causal multi-head self-attention on a fused qkv activation. Per (b, h) the products are
 // strided BLAS calls straight into qkv (leading dimension 3C), so q, k, v are never copied.
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void attention_forward(T* out, T* att,                               // [B,T,C], [B,NH,T,T] (softmax probs)
                        const T* qkv,                                 // [B,T,3C]
                        int B, int Tn, int C, int NH) {
   const int hs = C / NH, C3 = 3 * C;
-  const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < NH; ++h) {
       const T* q = qkv + static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
       const T* k = q + C;
       const T* v = q + 2 * C;
       T* a = att + (static_cast<std::int64_t>(b) * NH + h) * Tn * Tn;
-      gemm(false, true, Tn, Tn, hs, scale, q, C3, k, C3, T(0), a, Tn);  // scores = q k^T / sqrt(hs)
+      gemm(false, true, Tn, Tn, hs, scale, q, C3, k, C3, Acc(0), a, Tn);  // scores = q k^T / sqrt(hs)
       Kokkos::parallel_for("Attention::softmax_forward", Range(0, Tn), [=](int t) {
         T* row = a + static_cast<std::int64_t>(t) * Tn;
-        T mx = row[0];
-        for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
-        T sum = 0;
-        for (int j = 0; j <= t; ++j) {
-          row[j] = exp_k(row[j] - mx);
-          sum += row[j];
+        Acc mx = to_acc<Acc>(row[0]);
+        for (int j = 1; j <= t; ++j) {
+          const Acc r = to_acc<Acc>(row[j]);
+          mx = r > mx ? r : mx;
         }
-        const T inv = T(1) / sum;
-        for (int j = 0; j <= t; ++j) row[j] *= inv;
-        for (int j = t + 1; j < Tn; ++j) row[j] = 0;  // causal mask
+        Acc sum = 0;
+        if constexpr (std::is_same_v<T, Acc>) {
+          for (int j = 0; j <= t; ++j) {
+            row[j] = exp_k(row[j] - mx);
+            sum += row[j];
+          }
+          const Acc inv = Acc(1) / sum;
+          for (int j = 0; j <= t; ++j) row[j] *= inv;
+        } else {  // the scores are kept until the sum is known, so each probability is rounded once
+          for (int j = 0; j <= t; ++j) sum += exp_k(to_acc<Acc>(row[j]) - mx);
+          const Acc inv = Acc(1) / sum;
+          for (int j = 0; j <= t; ++j) row[j] = from_acc<T>(exp_k(to_acc<Acc>(row[j]) - mx) * inv);
+        }
+        for (int j = t + 1; j < Tn; ++j) row[j] = from_acc<T>(Acc(0));  // causal mask
       });
-      gemm(false, false, Tn, hs, Tn, T(1), a, Tn, v, C3, T(0),
+      gemm(false, false, Tn, hs, Tn, Acc(1), a, Tn, v, C3, Acc(0),
            out + static_cast<std::int64_t>(b) * Tn * C + h * hs, C);    // out_h = att v
     }
   }
 }
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void attention_backward(T* dqkv, T* datt,                            // [B,T,3C] (=), [T,T] scratch
                         const T* dout,                               // [B,T,C]
                         const T* qkv, const T* att,                  // [B,T,3C], [B,NH,T,T]
                         int B, int Tn, int C, int NH) {
   const int hs = C / NH, C3 = 3 * C;
-  const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < NH; ++h) {
       const std::int64_t base = static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
@@ -289,19 +424,19 @@ void attention_backward(T* dqkv, T* datt,                            // [B,T,3C]
       T* dv = dq + 2 * C;
       const T* a = att + (static_cast<std::int64_t>(b) * NH + h) * Tn * Tn;
       const T* d = dout + static_cast<std::int64_t>(b) * Tn * C + h * hs;
-      gemm(true, false, Tn, hs, Tn, T(1), a, Tn, d, C, T(0), dv, C3);   // dv = att^T dout
-      gemm(false, true, Tn, Tn, hs, T(1), d, C, v, C3, T(0), datt, Tn);  // datt = dout v^T
+      gemm(true, false, Tn, hs, Tn, Acc(1), a, Tn, d, C, Acc(0), dv, C3);   // dv = att^T dout
+      gemm(false, true, Tn, Tn, hs, Acc(1), d, C, v, C3, Acc(0), datt, Tn);  // datt = dout v^T
       // softmax backward in place: dscores = att * (datt - sum_j att*datt), masked entries 0
       Kokkos::parallel_for("Attention::softmax_backward", Range(0, Tn), [=](int t) {
         T* dr = datt + static_cast<std::int64_t>(t) * Tn;
         const T* ar = a + static_cast<std::int64_t>(t) * Tn;
-        T dot = 0;
-        for (int j = 0; j <= t; ++j) dot += ar[j] * dr[j];
-        for (int j = 0; j <= t; ++j) dr[j] = ar[j] * (dr[j] - dot);
-        for (int j = t + 1; j < Tn; ++j) dr[j] = 0;
+        Acc dot = 0;
+        for (int j = 0; j <= t; ++j) dot += to_acc<Acc>(ar[j]) * to_acc<Acc>(dr[j]);
+        for (int j = 0; j <= t; ++j) dr[j] = from_acc<T>(to_acc<Acc>(ar[j]) * (to_acc<Acc>(dr[j]) - dot));
+        for (int j = t + 1; j < Tn; ++j) dr[j] = from_acc<T>(Acc(0));
       });
-      gemm(false, false, Tn, hs, Tn, scale, datt, Tn, k, C3, T(0), dq, C3);  // dq = ds k / sqrt(hs)
-      gemm(true, false, Tn, hs, Tn, scale, datt, Tn, q, C3, T(0), dk, C3);   // dk = ds^T q / sqrt(hs)
+      gemm(false, false, Tn, hs, Tn, scale, datt, Tn, k, C3, Acc(0), dq, C3);  // dq = ds k / sqrt(hs)
+      gemm(true, false, Tn, hs, Tn, scale, datt, Tn, q, C3, Acc(0), dk, C3);   // dk = ds^T q / sqrt(hs)
     }
   }
 }
@@ -309,34 +444,34 @@ void attention_backward(T* dqkv, T* datt,                            // [B,T,3C]
 // ---------------------------------------------------------------------------------------------
 // GELU, tanh approximation (GPT-2).
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void gelu_forward(T* out, const T* inp, std::int64_t n) {  // [n], [n]
-  const T k = std::sqrt(T(2) / T(M_PI));
+  const Acc k = std::sqrt(Acc(2) / Acc(M_PI));
   for_chunks("GELU::forward", n, [=](std::int64_t begin, std::int64_t end) {
     T* __restrict o = out;
     const T* __restrict in = inp;
     for (std::int64_t i = begin; i < end; ++i) {
-      const T x = in[i];
-      const T u = k * (x + T(0.044715) * x * x * x);
-      o[i] = T(0.5) * x * (T(1) + tanh_k(u));
+      const Acc x = to_acc<Acc>(in[i]);
+      const Acc u = k * (x + Acc(0.044715) * x * x * x);
+      o[i] = from_acc<T>(Acc(0.5) * x * (Acc(1) + tanh_k(u)));
     }
   });
 }
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [n] (=), [n], [n]
-  const T k = std::sqrt(T(2) / T(M_PI));
+  const Acc k = std::sqrt(Acc(2) / Acc(M_PI));
   for_chunks("GELU::backward", n, [=](std::int64_t begin, std::int64_t end) {
     T* __restrict di = dinp;
     const T* __restrict in = inp;
     const T* __restrict d = dout;
     for (std::int64_t i = begin; i < end; ++i) {
-      const T x = in[i];
-      const T u = k * (x + T(0.044715) * x * x * x);
-      const T th = tanh_k(u);
-      const T sech2 = T(1) - th * th;
-      const T du = k * (T(1) + T(3) * T(0.044715) * x * x);
-      di[i] = (T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * du) * d[i];
+      const Acc x = to_acc<Acc>(in[i]);
+      const Acc u = k * (x + Acc(0.044715) * x * x * x);
+      const Acc th = tanh_k(u);
+      const Acc sech2 = Acc(1) - th * th;
+      const Acc du = k * (Acc(1) + Acc(3) * Acc(0.044715) * x * x);
+      di[i] = from_acc<T>((Acc(0.5) * (Acc(1) + th) + Acc(0.5) * x * sech2 * du) * to_acc<Acc>(d[i]));
     }
   });
 }
@@ -344,75 +479,90 @@ void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [
 // ---------------------------------------------------------------------------------------------
 // Residual add.
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void residual_forward(T* out, const T* a, const T* b, std::int64_t n) {  // [n], [n], [n]
   for_chunks("Residual::forward", n, [=](std::int64_t begin, std::int64_t end) {
     T* __restrict o = out;
     const T* __restrict x = a;
     const T* __restrict y = b;
-    for (std::int64_t i = begin; i < end; ++i) o[i] = x[i] + y[i];
+    for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(to_acc<Acc>(x[i]) + to_acc<Acc>(y[i]));
   });
 }
 // The residual's backward is the identity on both branches: callers copy the incoming gradient.
 
 // ---------------------------------------------------------------------------------------------
-// Softmax + cross-entropy, fused. losses[n] = -log softmax(logits[n])[target[n]].
+// Softmax + cross-entropy, fused. losses[n] = -log softmax(logits[n])[target[n]], kept in Acc.
 
-template <class T>
-void crossentropy_forward(T* losses, T* probs,                       // [N], [N,V]
+template <class T, class Acc = acc_type_t<T>>
+void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,V]
                           const T* logits, const std::int32_t* targets,  // [N,V], [N]
                           int N, int V) {
+  static_assert(std::is_floating_point_v<Acc>, "losses are float or double");
   Kokkos::parallel_for("CrossEntropy::forward", Range(0, N), [=](int n) {
     const T* l = logits + static_cast<std::int64_t>(n) * V;
     T* p = probs + static_cast<std::int64_t>(n) * V;
-    T mx = l[0];
-    for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
-    T sum = 0;
-    for (int v = 0; v < V; ++v) {
-      p[v] = exp_k(l[v] - mx);
-      sum += p[v];
+    Acc mx = to_acc<Acc>(l[0]);
+    for (int v = 1; v < V; ++v) {
+      const Acc lv = to_acc<Acc>(l[v]);
+      mx = lv > mx ? lv : mx;
     }
-    const T inv = T(1) / sum;
-    for (int v = 0; v < V; ++v) p[v] *= inv;
+    Acc sum = 0;
+    if constexpr (std::is_same_v<T, Acc>) {
+      for (int v = 0; v < V; ++v) {
+        p[v] = exp_k(l[v] - mx);
+        sum += p[v];
+      }
+      const Acc inv = Acc(1) / sum;
+      for (int v = 0; v < V; ++v) p[v] *= inv;
+    } else {  // the sum of the unrounded exponentials; each probability rounded once
+      for (int v = 0; v < V; ++v) sum += exp_k(to_acc<Acc>(l[v]) - mx);
+      const Acc inv = Acc(1) / sum;
+      for (int v = 0; v < V; ++v) p[v] = from_acc<T>(exp_k(to_acc<Acc>(l[v]) - mx) * inv);
+    }
     // log-sum-exp form: exact even when the target's probability underflows
-    losses[n] = std::log(sum) + mx - l[targets[n]];
+    losses[n] = std::log(sum) + mx - to_acc<Acc>(l[targets[n]]);
   });
 }
 
-template <class T>
+template <class T, class Acc = acc_type_t<T>>
 void crossentropy_backward(T* dlogits,                               // [N,V] (=); may alias probs
                            const T* probs, const std::int32_t* targets,  // [N,V], [N]
-                           T dloss,                                  // d(total loss)/d(loss of one row)
+                           nd<Acc> dloss,                            // d(total loss)/d(loss of one row)
                            int N, int V) {
   Kokkos::parallel_for("CrossEntropy::backward", Range(0, N), [=](int n) {
     const T* p = probs + static_cast<std::int64_t>(n) * V;
     T* d = dlogits + static_cast<std::int64_t>(n) * V;
     const int tgt = targets[n];
-    for (int v = 0; v < V; ++v) d[v] = (p[v] - (v == tgt ? T(1) : T(0))) * dloss;
+    for (int v = 0; v < V; ++v) d[v] = from_acc<T>((to_acc<Acc>(p[v]) - (v == tgt ? Acc(1) : Acc(0))) * dloss);
   });
 }
 
 // ---------------------------------------------------------------------------------------------
-// AdamW (torch.optim.AdamW semantics): decoupled weight decay, bias-corrected moments.
+// AdamW (torch.optim.AdamW semantics): decoupled weight decay, bias-corrected moments. The moments
+// and the arithmetic are in Acc (float or double); the parameters P (fp32 master weights, or the
+// storage type itself) and the gradients G may each be another type.
 
-template <class T>
-void adamw_update(T* params, T* m, T* v,                              // [n] each, updated
-                  const T* grads, std::int64_t n,                     // [n]
-                  T lr, T beta1, T beta2, T eps, T weight_decay, std::int64_t t /* 1-based */) {
-  const T bc1 = T(1) - std::pow(beta1, static_cast<T>(t));
-  const T bc2 = T(1) - std::pow(beta2, static_cast<T>(t));
+template <class P, class Acc, class G>
+void adamw_update(P* params, Acc* m, Acc* v,                          // [n] each, updated
+                  const G* grads, std::int64_t n,                     // [n]
+                  nd<Acc> lr, nd<Acc> beta1, nd<Acc> beta2, nd<Acc> eps, nd<Acc> weight_decay,
+                  std::int64_t t /* 1-based */) {
+  static_assert(std::is_floating_point_v<Acc>, "AdamW moments are float or double");
+  const Acc bc1 = Acc(1) - std::pow(beta1, static_cast<Acc>(t));
+  const Acc bc2 = Acc(1) - std::pow(beta2, static_cast<Acc>(t));
   for_chunks("AdamW::update", n, [=](std::int64_t begin, std::int64_t end) {
-    T* __restrict p = params;
-    T* __restrict mm = m;
-    T* __restrict vv = v;
-    const T* __restrict gg = grads;
+    P* __restrict p = params;
+    Acc* __restrict mm = m;
+    Acc* __restrict vv = v;
+    const G* __restrict gg = grads;
     for (std::int64_t i = begin; i < end; ++i) {
-      const T g = gg[i];
-      const T mi = beta1 * mm[i] + (T(1) - beta1) * g;
-      const T vi = beta2 * vv[i] + (T(1) - beta2) * g * g;
+      const Acc g = to_acc<Acc>(gg[i]);
+      const Acc mi = beta1 * mm[i] + (Acc(1) - beta1) * g;
+      const Acc vi = beta2 * vv[i] + (Acc(1) - beta2) * g * g;
       mm[i] = mi;
       vv[i] = vi;
-      p[i] = p[i] * (T(1) - lr * weight_decay) - lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps);
+      p[i] = from_acc<P>(to_acc<Acc>(p[i]) * (Acc(1) - lr * weight_decay) -
+                         lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps));
     }
   });
 }
@@ -435,29 +585,59 @@ double reduce_chunks(const char* label, const T* x, std::int64_t n, F f) {
   return s;
 }
 
-template <class T>
+// Partial sums per chunk in Acc (float for float, bf16 and fp16), chunks added in double.
+template <class T, class Acc = acc_type_t<T>>
 double sum_squares(const T* x, std::int64_t n) {
-  return reduce_chunks<T>("Reduce::sum_squares", x, n, [](T v) { return v * v; });
-}
-
-template <class T>
-double sum(const T* x, std::int64_t n) {
-  return reduce_chunks<double>("Reduce::sum", x, n, [](T v) { return static_cast<double>(v); });
-}
-
-template <class T>
-void scale(T* x, T a, std::int64_t n) {
-  for_chunks("Scale", n, [=](std::int64_t begin, std::int64_t end) {
-    T* __restrict o = x;
-    for (std::int64_t i = begin; i < end; ++i) o[i] *= a;
+  return reduce_chunks<Acc>("Reduce::sum_squares", x, n, [](T v) {
+    const Acc a = to_acc<Acc>(v);
+    return a * a;
   });
 }
 
 template <class T>
-void fill(T* x, T value, std::int64_t n) {
+double sum(const T* x, std::int64_t n) {
+  return reduce_chunks<double>("Reduce::sum", x, n, [](T v) { return to_acc<double>(v); });
+}
+
+// Whether every element is finite (no NaN, no inf).
+template <class T>
+bool all_finite(const T* x, std::int64_t n) {
+  return reduce_chunks<double>("Reduce::all_finite", x, n, [](T v) {
+    return std::isfinite(to_acc<acc_type_t<T>>(v)) ? 0.0 : 1.0;
+  }) == 0.0;
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void scale(T* x, nd<Acc> a, std::int64_t n) {
+  for_chunks("Scale", n, [=](std::int64_t begin, std::int64_t end) {
+    T* __restrict o = x;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(to_acc<Acc>(o[i]) * a);
+  });
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void fill(T* x, nd<Acc> value, std::int64_t n) {
+  const T stored = from_acc<T>(value);
   for_chunks("Fill", n, [=](std::int64_t begin, std::int64_t end) {
     T* __restrict o = x;
-    for (std::int64_t i = begin; i < end; ++i) o[i] = value;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = stored;
+  });
+}
+
+// dst[i] = src[i] converted between float, double, bf16 and fp16, rounded to nearest even (double
+// to bf16/fp16 directly, not through a rounded float). dst and src must not overlap.
+template <class D, class S>
+inline D convert(S x) {
+  if constexpr (std::is_same_v<D, S>) return x;
+  else if constexpr (std::is_same_v<S, double>) return from_acc<D>(x);
+  else return from_acc<D>(to_acc<float>(x));
+}
+template <class D, class S>
+void cast(D* dst, const S* src, std::int64_t n) {
+  for_chunks("Cast", n, [=](std::int64_t begin, std::int64_t end) {
+    D* __restrict o = dst;
+    const S* __restrict in = src;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = convert<D>(in[i]);
   });
 }
 

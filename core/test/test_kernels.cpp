@@ -1,6 +1,7 @@
 // Unit tests of core/kernels.hpp: every backward against central finite differences of a scalar
 // objective, in double precision; the accumulation rules; the attention forward against a naive
-// reference; the float math helpers; AdamW against a scalar reference; float vs double forwards.
+// reference; the float math helpers; AdamW against a scalar reference; float vs double forwards;
+// the bf16 and fp16 instantiations against float, and sums sized so that 16-bit accumulation fails.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -706,3 +707,436 @@ TEST(Kernels, FloatForwardsAgreeWithDouble) {
     expect_float_close("crossentropy probs", pf, pd);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// bf16 and fp16 storage (compute in float).
+//
+// Each 16-bit instantiation runs on inputs rounded to the 16-bit type, against the float
+// instantiation on the very same values (every bf16/fp16 value is a float). The error is measured
+// as |x_16 - x_f32|_2 / |x_f32|_2 over the whole tensor and bounded in units of the type's unit
+// roundoff u (2^-8 for bf16, 2^-11 for fp16):
+//   - a result that the 16-bit kernel computes in float exactly as the float kernel does and
+//     rounds once when it stores it is within u of it, element by element, so within u in norm;
+//     the bound is 1.01 u (the float arithmetic of the two instantiations may differ in the last
+//     float bit: contraction to FMA, a BLAS kernel choice);
+//   - a result rounded k times on the way (a stored intermediate rounded, then used) gets k u;
+//   - a result kept in the compute type (LayerNorm mean and rstd, the losses, sums of squares, the
+//     AdamW moments) agrees with float to float rounding: kAccTol = 1e-5, 50x below fp16's u.
+// The tests named *AccumulatesInFloat size a sum so that a 16-bit running sum cannot hold it (a
+// bf16 sum of values near 1 stops growing at 512) and would miss these bounds by orders of
+// magnitude; each says which sum, and three show it with an emulated 16-bit accumulation that
+// misses the very bound asserted on the kernel.
+
+namespace {
+using loom::bf16;
+using loom::f16;
+
+template <class H>
+constexpr double unit_roundoff = std::is_same_v<H, bf16> ? 0x1p-8 : 0x1p-11;
+template <class H>
+const char* half_name = std::is_same_v<H, bf16> ? "bf16" : "fp16";
+constexpr double kAccTol = 1e-5;
+
+template <class H>
+std::vector<H> to_half(const Vec& v) {
+  std::vector<H> r(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) r[i] = loom::from_acc<H>(v[i]);
+  return r;
+}
+template <class X>
+Vec widen(const std::vector<X>& v) {
+  Vec r(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) r[i] = loom::to_acc<double>(v[i]);
+  return r;
+}
+// v rounded to H, as doubles (exact): the inputs that both instantiations see.
+template <class H>
+Vec rounded_to(const Vec& v) {
+  return widen(to_half<H>(v));
+}
+
+double norm_err(const Vec& got, const Vec& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Asserts |got - ref| / |ref| <= bound; the bound is given in units of u when `in_u`.
+template <class H, class X, class Y>
+void expect_half_close(const char* what, const std::vector<X>& got, const std::vector<Y>& ref, double bound) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  const double e = norm_err(widen(got), widen(ref));
+  std::printf("[ %s    ] %-34s |x - x_f32| / |x_f32| = %.2e = %6.3f u (bound %.2e = %.2f u)\n", half_name<H>, what,
+              e, e / unit_roundoff<H>, bound, bound / unit_roundoff<H>);
+  EXPECT_LE(e, bound) << half_name<H> << " " << what;
+}
+
+template <class H>
+void half_forwards_and_backwards() {
+  const double u = unit_roundoff<H>, once = 1.01 * u;
+  const std::size_t NC = static_cast<std::size_t>(kN) * kC;
+  {  // encoder, with repeated tokens
+    IVec inp = rand_tokens(kN, kV, 201);
+    inp[7] = inp[2];
+    inp[9] = inp[2];
+    const Vec wte = rounded_to<H>(randn(static_cast<std::size_t>(kV) * kC, 202)),
+              wpe = rounded_to<H>(randn(static_cast<std::size_t>(kT) * kC, 203)), d = rounded_to<H>(randn(NC, 204)),
+              g0te = rounded_to<H>(randn(wte.size(), 205)), g0pe = rounded_to<H>(randn(wpe.size(), 206));
+    FVec of(NC);
+    std::vector<H> oh(NC);
+    k::encoder_forward(of.data(), inp.data(), to_float(wte).data(), to_float(wpe).data(), kB, kT, kC);
+    k::encoder_forward(oh.data(), inp.data(), to_half<H>(wte).data(), to_half<H>(wpe).data(), kB, kT, kC);
+    expect_half_close<H>("encoder out", oh, of, once);
+    FVec tef = to_float(g0te), pef = to_float(g0pe);
+    std::vector<H> teh = to_half<H>(g0te), peh = to_half<H>(g0pe);
+    k::encoder_backward(tef.data(), pef.data(), to_float(d).data(), inp.data(), kB, kT, kC);
+    k::encoder_backward(teh.data(), peh.data(), to_half<H>(d).data(), inp.data(), kB, kT, kC);
+    expect_half_close<H>("encoder dwte (+=)", teh, tef, once);
+    expect_half_close<H>("encoder dwpe (+=)", peh, pef, once);
+  }
+  {  // layernorm
+    const Vec x = rounded_to<H>(randn(NC, 211, 1.5, 0.7)), w = rounded_to<H>(randn(kC, 212, 0.5, 1.0)),
+              b = rounded_to<H>(randn(kC, 213, 0.5)), d = rounded_to<H>(randn(NC, 214));
+    FVec of(NC), mf(kN), rf(kN), mh(kN), rh(kN);
+    std::vector<H> oh(NC);
+    k::layernorm_forward(of.data(), mf.data(), rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), kN, kC);
+    k::layernorm_forward(oh.data(), mh.data(), rh.data(), to_half<H>(x).data(), to_half<H>(w).data(),
+                         to_half<H>(b).data(), kN, kC);
+    expect_half_close<H>("layernorm out", oh, of, once);
+    expect_half_close<H>("layernorm mean (float)", mh, mf, kAccTol);
+    expect_half_close<H>("layernorm rstd (float)", rh, rf, kAccTol);
+    FVec dxf(NC, 0.0f), dwf(kC, 0.0f), dbf(kC, 0.0f);
+    std::vector<H> dxh(NC), dwh(kC), dbh(kC);
+    k::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(),
+                          mf.data(), rf.data(), kN, kC);
+    k::layernorm_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
+                          to_half<H>(w).data(), mh.data(), rh.data(), kN, kC);
+    expect_half_close<H>("layernorm dinp", dxh, dxf, once);
+    expect_half_close<H>("layernorm dweight", dwh, dwf, once);
+    expect_half_close<H>("layernorm dbias", dbh, dbf, once);
+  }
+  {  // matmul + bias: the product is rounded, then the bias added and rounded again (2 u)
+    const Vec x = rounded_to<H>(randn(NC, 221)), w = rounded_to<H>(randn(static_cast<std::size_t>(kOC) * kC, 222, 0.5)),
+              b = rounded_to<H>(randn(kOC, 223)), d = rounded_to<H>(randn(static_cast<std::size_t>(kN) * kOC, 224)),
+              g0w = rounded_to<H>(randn(w.size(), 225)), g0b = rounded_to<H>(randn(kOC, 226));
+    FVec of(static_cast<std::size_t>(kN) * kOC);
+    std::vector<H> oh(of.size());
+    k::matmul_forward(of.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), kN, kC, kOC);
+    k::matmul_forward(oh.data(), to_half<H>(x).data(), to_half<H>(w).data(), to_half<H>(b).data(), kN, kC, kOC);
+    expect_half_close<H>("matmul+bias out", oh, of, 2.02 * u);
+    FVec dxf(NC), dwf = to_float(g0w), dbf = to_float(g0b);
+    std::vector<H> dxh(NC), dwh = to_half<H>(g0w), dbh = to_half<H>(g0b);
+    k::matmul_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(), kN,
+                       kC, kOC);
+    k::matmul_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
+                       to_half<H>(w).data(), kN, kC, kOC);
+    expect_half_close<H>("matmul dinp", dxh, dxf, once);
+    expect_half_close<H>("matmul dweight (+=)", dwh, dwf, once);
+    expect_half_close<H>("matmul dbias (+=)", dbh, dbf, once);
+  }
+  {  // attention. Stored intermediates are rounded: the scores s (an absolute error u|s| in a
+     // softmax argument moves a probability by up to 2 u max|s| relative), the probabilities, the
+     // output. qkv ~ N(0,1), hs = 4: |s| < 4 here (checked), so the probabilities are within
+     // (2 * 4 + 1) u and the output within 10 u. The backward rounds datt and dscores on top and
+     // subtracts (datt - dot) with cancellation: bound 16 u (measured: ~1 u).
+    const Vec qkv = rounded_to<H>(randn(3 * NC, 231)), d = rounded_to<H>(randn(NC, 232));
+    double smax = 0;
+    for (int b = 0; b < kB; ++b)
+      for (int h = 0; h < kNH; ++h)
+        for (int t = 0; t < kT; ++t)
+          for (int j = 0; j < kT; ++j) {
+            double sc = 0;
+            for (int x = 0; x < kC / kNH; ++x)
+              sc += qkv[(b * kT + t) * 3 * kC + h * (kC / kNH) + x] * qkv[(b * kT + j) * 3 * kC + kC + h * (kC / kNH) + x];
+            smax = std::max(smax, std::abs(sc) / std::sqrt(kC / kNH));
+          }
+    ASSERT_LT(smax, 4.0);
+    FVec of(NC), af(static_cast<std::size_t>(kB) * kNH * kT * kT);
+    std::vector<H> oh(NC), ah(af.size());
+    k::attention_forward(of.data(), af.data(), to_float(qkv).data(), kB, kT, kC, kNH);
+    k::attention_forward(oh.data(), ah.data(), to_half<H>(qkv).data(), kB, kT, kC, kNH);
+    expect_half_close<H>("attention probs", ah, af, 9 * u);
+    expect_half_close<H>("attention out", oh, of, 10 * u);
+    FVec dqf(3 * NC), sf(static_cast<std::size_t>(kT) * kT);
+    std::vector<H> dqh(3 * NC), sh(sf.size());
+    k::attention_backward(dqf.data(), sf.data(), to_float(d).data(), to_float(qkv).data(), af.data(), kB, kT, kC, kNH);
+    k::attention_backward(dqh.data(), sh.data(), to_half<H>(d).data(), to_half<H>(qkv).data(), ah.data(), kB, kT, kC, kNH);
+    expect_half_close<H>("attention dqkv", dqh, dqf, 16 * u);
+  }
+  {  // gelu and residual, over more than one chunk
+    const std::int64_t n = 2 * k::kChunk + 3;
+    const Vec x = rounded_to<H>(randn(n, 241, 3.0)), d = rounded_to<H>(randn(n, 242));
+    FVec of(n), gf(n), rf(n);
+    std::vector<H> oh(n), gh(n), rh(n);
+    k::gelu_forward(of.data(), to_float(x).data(), n);
+    k::gelu_forward(oh.data(), to_half<H>(x).data(), n);
+    expect_half_close<H>("gelu out", oh, of, once);
+    k::gelu_backward(gf.data(), to_float(x).data(), to_float(d).data(), n);
+    k::gelu_backward(gh.data(), to_half<H>(x).data(), to_half<H>(d).data(), n);
+    expect_half_close<H>("gelu dinp", gh, gf, once);
+    k::residual_forward(rf.data(), to_float(x).data(), to_float(d).data(), n);
+    k::residual_forward(rh.data(), to_half<H>(x).data(), to_half<H>(d).data(), n);
+    expect_half_close<H>("residual out", rh, rf, once);
+  }
+  {  // crossentropy: losses in float; probabilities rounded once; dlogits = (p - onehot) dloss
+     // from the rounded p, rounded again (2 u)
+    const Vec l = rounded_to<H>(randn(static_cast<std::size_t>(kN) * kV, 251, 3.0));
+    const IVec tg = rand_tokens(kN, kV, 252);
+    FVec lossf(kN), lossh(kN), pf(l.size());
+    std::vector<H> ph(l.size());
+    k::crossentropy_forward(lossf.data(), pf.data(), to_float(l).data(), tg.data(), kN, kV);
+    k::crossentropy_forward(lossh.data(), ph.data(), to_half<H>(l).data(), tg.data(), kN, kV);
+    expect_half_close<H>("crossentropy losses (float)", lossh, lossf, kAccTol);
+    expect_half_close<H>("crossentropy probs", ph, pf, once);
+    FVec df(l.size());
+    std::vector<H> dh(l.size());
+    k::crossentropy_backward(df.data(), pf.data(), tg.data(), 0.37f, kN, kV);
+    k::crossentropy_backward(dh.data(), ph.data(), tg.data(), 0.37f, kN, kV);
+    expect_half_close<H>("crossentropy dlogits", dh, df, 2.02 * u);
+  }
+  {  // sums (float partials per chunk, double across chunks), scale, fill
+    const std::int64_t n = 3 * k::kChunk + 5;
+    const Vec x = rounded_to<H>(randn(n, 261, 0.1, 1.0));  // near 1: a 16-bit partial sum would stall
+    const std::vector<H> xh = to_half<H>(x);
+    long double ss = 0, s = 0;
+    for (double a : x) ss += static_cast<long double>(a) * a, s += a;
+    // Recursive float summation of 4096 positive terms: error <= 4096 * 2^-24 = 2.4e-4 relative at
+    // worst, ~sqrt(4096) * 2^-24 = 4e-6 typically; 1e-4, still 39x below bf16's u (a bf16 partial
+    // sum of ~4096 values near 1 stops near 512: -87%).
+    const double e_ss = std::abs(k::sum_squares(xh.data(), n) - static_cast<double>(ss)) / static_cast<double>(ss);
+    const double e_s = std::abs(k::sum(xh.data(), n) - static_cast<double>(s)) / static_cast<double>(s);
+    std::printf("[ %s    ] sum_squares rel err %.2e, sum rel err %.2e\n", half_name<H>, e_ss, e_s);
+    EXPECT_LT(e_ss, 1e-4);
+    EXPECT_LT(e_s, 1e-12);  // double accumulation of exact values
+    std::vector<H> y = xh;
+    FVec yf = to_float(x);
+    k::scale(y.data(), 0.3f, n);
+    k::scale(yf.data(), 0.3f, n);
+    expect_half_close<H>("scale", y, yf, once);
+    k::fill(y.data(), 0.1f, n);
+    for (std::int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i].bits, loom::from_acc<H>(0.1f).bits) << i;
+  }
+}
+
+// AdamW: moments and arithmetic in float. With bf16/fp16 gradients and float parameters it is the
+// float kernel on the gradients' values (kAccTol); with 16-bit parameters as well, each of the 5
+// steps rounds the parameters once more (5 u; the moments do not see the parameters).
+template <class H>
+void half_adamw() {
+  const double u = unit_roundoff<H>;
+  const std::int64_t n = k::kChunk + 17;
+  const Vec p0 = rounded_to<H>(randn(n, 271));
+  FVec pf = to_float(p0), mf(n, 0.0f), vf(n, 0.0f);
+  FVec pm = pf, mm(n, 0.0f), vm(n, 0.0f);  // float master weights, 16-bit gradients
+  std::vector<H> ph = to_half<H>(p0);
+  FVec mh(n, 0.0f), vh(n, 0.0f);  // 16-bit parameters and gradients
+  for (int t = 1; t <= 5; ++t) {
+    const Vec g = rounded_to<H>(randn(n, 280 + t, 0.3));
+    const std::vector<H> gh = to_half<H>(g);
+    k::adamw_update(pf.data(), mf.data(), vf.data(), to_float(g).data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+    k::adamw_update(pm.data(), mm.data(), vm.data(), gh.data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+    k::adamw_update(ph.data(), mh.data(), vh.data(), gh.data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+  }
+  expect_half_close<H>("adamw fp32 params, 16-bit grads", pm, pf, kAccTol);
+  expect_half_close<H>("adamw m (16-bit grads)", mm, mf, kAccTol);
+  expect_half_close<H>("adamw v (16-bit grads)", vm, vf, kAccTol);
+  expect_half_close<H>("adamw 16-bit params, 5 steps", ph, pf, 5.05 * u);
+  expect_half_close<H>("adamw m (16-bit params)", mh, mf, kAccTol);
+}
+}  // namespace
+
+TEST(Kernels, Bf16AgreesWithFloat) { half_forwards_and_backwards<bf16>(); }
+TEST(Kernels, Fp16AgreesWithFloat) { half_forwards_and_backwards<f16>(); }
+TEST(Kernels, Bf16AdamWKeepsFloatMoments) { half_adamw<bf16>(); }
+TEST(Kernels, Fp16AdamWKeepsFloatMoments) { half_adamw<f16>(); }
+
+// ---------------------------------------------------------------------------------------------
+// Accumulation in float, shown on sums that a 16-bit running sum cannot hold. Near S a bf16 value
+// has spacing ~S/128 (fp16: ~S/1024), and each addition to a running sum is rounded by up to half
+// of that: a bf16 sum of terms near 1 stops growing at 512 (spacing 4), so a sum of thousands of
+// them comes out near 512; an fp16 one drifts by up to 1 per addition beyond 2048 and stops at
+// 4096. The bounds are those above; the emulated 16-bit accumulations show that they would fail
+// (for bf16 by orders of magnitude, for fp16 by 20-200x).
+
+namespace {
+// The sum of x[0], x[stride], ... kept in H after every addition: what a kernel accumulating in
+// its storage type computes.
+template <class H>
+double storage_type_sum(const double* x, std::int64_t n, std::int64_t stride = 1) {
+  H s = loom::from_acc<H>(0.0f);
+  for (std::int64_t i = 0; i < n; ++i) s = loom::from_acc<H>(loom::to_acc<float>(s) + static_cast<float>(x[i * stride]));
+  return loom::to_acc<double>(s);
+}
+
+template <class H>
+void layernorm_accumulates_in_float() {
+  const double once = 1.01 * unit_roundoff<H>;
+  {  // the row statistics and the backward's row sums: C = 4096 channels near 1
+    const int N = 8, C = 4096;
+    const std::size_t NC = static_cast<std::size_t>(N) * C;
+    const Vec x = rounded_to<H>(randn(NC, 301, 0.05, 1.0)), w = rounded_to<H>(randn(C, 302, 0.1, 1.0)),
+              b = rounded_to<H>(randn(C, 303, 0.1)), d = rounded_to<H>(randn(NC, 304, 0.05, 1.0));
+    FVec of(NC), mf(N), rf(N), mh(N), rh(N);
+    std::vector<H> oh(NC);
+    k::layernorm_forward(of.data(), mf.data(), rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), N, C);
+    k::layernorm_forward(oh.data(), mh.data(), rh.data(), to_half<H>(x).data(), to_half<H>(w).data(), to_half<H>(b).data(), N, C);
+    expect_half_close<H>("C=4096 layernorm mean", mh, mf, kAccTol);
+    expect_half_close<H>("C=4096 layernorm rstd", rh, rf, kAccTol);
+    expect_half_close<H>("C=4096 layernorm out", oh, of, once);
+    FVec dxf(NC, 0.0f), dwf(C, 0.0f), dbf(C, 0.0f);
+    std::vector<H> dxh(NC), dwh(C), dbh(C);
+    k::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(),
+                          mf.data(), rf.data(), N, C);
+    k::layernorm_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
+                          to_half<H>(w).data(), mh.data(), rh.data(), N, C);
+    expect_half_close<H>("C=4096 layernorm dinp", dxh, dxf, once);
+
+    // The same forward with the mean and variance summed in H: misses both bounds.
+    Vec me(N), oe(NC);
+    for (int n = 0; n < N; ++n) {
+      const double* xr = &x[static_cast<std::size_t>(n) * C];
+      me[n] = storage_type_sum<H>(xr, C) / C;
+      Vec sq(C);
+      for (int c = 0; c < C; ++c) sq[c] = (xr[c] - me[n]) * (xr[c] - me[n]);
+      const double s = 1.0 / std::sqrt(storage_type_sum<H>(sq.data(), C) / C + 1e-5);
+      for (int c = 0; c < C; ++c) oe[static_cast<std::size_t>(n) * C + c] = (xr[c] - me[n]) * s * w[c] + b[c];
+    }
+    const double e_mean = norm_err(me, widen(mf)), e_out = norm_err(oe, widen(of));
+    std::printf("[ %s    ] C=4096 layernorm with %s sums: mean err %.2e (bound %.0e), out err %.2e = %.0f u (bound %.2f u)\n",
+                half_name<H>, half_name<H>, e_mean, kAccTol, e_out, e_out / unit_roundoff<H>, once / unit_roundoff<H>);
+    if (std::is_same_v<H, bf16>) {  // an fp16 sum of 4096 values near 1 stalls at 2048: out is also far off
+      EXPECT_GT(e_mean, 100 * kAccTol);
+      EXPECT_GT(e_out, 100 * once);
+    }
+  }
+  {  // dweight and dbias: sums over N = 2048 rows of a gradient near 1
+    const int N = 2048, C = 16;
+    const std::size_t NC = static_cast<std::size_t>(N) * C;
+    const Vec x = rounded_to<H>(randn(NC, 311)), w = rounded_to<H>(randn(C, 312, 0.1, 1.0)),
+              b = rounded_to<H>(randn(C, 313, 0.1)), d = rounded_to<H>(randn(NC, 314, 0.05, 1.0));
+    FVec of(NC), mf(N), rf(N), mh(N), rh(N);
+    std::vector<H> oh(NC);
+    k::layernorm_forward(of.data(), mf.data(), rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), N, C);
+    k::layernorm_forward(oh.data(), mh.data(), rh.data(), to_half<H>(x).data(), to_half<H>(w).data(), to_half<H>(b).data(), N, C);
+    FVec dxf(NC, 0.0f), dwf(C, 0.0f), dbf(C, 0.0f);
+    std::vector<H> dxh(NC), dwh(C), dbh(C);
+    k::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(),
+                          mf.data(), rf.data(), N, C);
+    k::layernorm_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
+                          to_half<H>(w).data(), mh.data(), rh.data(), N, C);
+    expect_half_close<H>("N=2048 layernorm dweight", dwh, dwf, once);
+    expect_half_close<H>("N=2048 layernorm dbias", dbh, dbf, once);
+  }
+}
+
+template <class H>
+void bias_backward_accumulates_in_float() {
+  const int N = 4096, OC = 8;
+  const double once = 1.01 * unit_roundoff<H>;
+  const Vec d = rounded_to<H>(randn(static_cast<std::size_t>(N) * OC, 321, 0.05, 1.0));
+  FVec df(OC, 0.0f);
+  std::vector<H> dh(OC);
+  k::bias_backward(df.data(), to_float(d).data(), N, OC);
+  k::bias_backward(dh.data(), to_half<H>(d).data(), N, OC);
+  expect_half_close<H>("N=4096 bias_backward dbias", dh, df, once);
+  Vec de(OC);
+  for (int j = 0; j < OC; ++j) de[j] = storage_type_sum<H>(d.data() + j, N, OC);
+  const double e = norm_err(de, widen(df));
+  std::printf("[ %s    ] N=4096 dbias summed in %s: err %.2e = %.0f u (bound %.2f u)\n", half_name<H>, half_name<H>, e,
+              e / unit_roundoff<H>, once / unit_roundoff<H>);
+  EXPECT_GT(e, 10 * once);
+}
+
+template <class H>
+void crossentropy_accumulates_in_float() {
+  const int N = 4, V = 8192;
+  const double once = 1.01 * unit_roundoff<H>;
+  const Vec l = rounded_to<H>(randn(static_cast<std::size_t>(N) * V, 331, 0.02));  // softmax sum ~ V
+  const IVec tg = rand_tokens(N, V, 332);
+  FVec lossf(N), lossh(N), pf(l.size());
+  std::vector<H> ph(l.size());
+  k::crossentropy_forward(lossf.data(), pf.data(), to_float(l).data(), tg.data(), N, V);
+  k::crossentropy_forward(lossh.data(), ph.data(), to_half<H>(l).data(), tg.data(), N, V);
+  expect_half_close<H>("V=8192 crossentropy losses", lossh, lossf, kAccTol);
+  expect_half_close<H>("V=8192 crossentropy probs", ph, pf, once);
+  Vec le(N);
+  for (int n = 0; n < N; ++n) {
+    const double* lr = &l[static_cast<std::size_t>(n) * V];
+    const double mx = *std::max_element(lr, lr + V);
+    Vec e(V);
+    for (int v = 0; v < V; ++v) e[v] = std::exp(lr[v] - mx);
+    le[n] = std::log(storage_type_sum<H>(e.data(), V)) + mx - lr[tg[n]];
+  }
+  const double e = norm_err(le, widen(lossf));
+  std::printf("[ %s    ] V=8192 crossentropy with the softmax sum in %s: loss err %.2e (bound %.0e)\n", half_name<H>,
+              half_name<H>, e, kAccTol);
+  EXPECT_GT(e, 100 * kAccTol);
+}
+
+// T = 1024 keys with scores near 0: the softmax sum of row t is ~t + 1 (a bf16 sum stops at 512).
+// The backward's row dot products: dout = 1 and v = 1/8 + noise make datt ~ 1 + N(0, 0.25^2), so
+// dot_t = sum_j att_tj datt_tj ~ 1 is a sum of ~t terms ~1/t (a bf16 sum stops near 1/2). dscores =
+// att (datt - dot) cancels to the noise, so dq and dk (compared on their own, since dv's norm is
+// far larger than theirs) carry datt's rounding (u * 1 against 0.25, ~4 u at most): bound 8 u.
+template <class H>
+void attention_accumulates_in_float() {
+  const int B = 1, T = 1024, C = 8, NH = 1;
+  const double u = unit_roundoff<H>;
+  Vec qkv = randn(static_cast<std::size_t>(T) * 3 * C, 341, 0.05);
+  const Vec vnoise = randn(static_cast<std::size_t>(T) * C, 342, 0.09, 0.125);
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) qkv[static_cast<std::size_t>(t) * 3 * C + 2 * C + c] = vnoise[static_cast<std::size_t>(t) * C + c];
+  qkv = rounded_to<H>(qkv);
+  const Vec d(static_cast<std::size_t>(T) * C, 1.0);
+  FVec of(static_cast<std::size_t>(T) * C), af(static_cast<std::size_t>(T) * T);
+  std::vector<H> oh(of.size()), ah(af.size());
+  k::attention_forward(of.data(), af.data(), to_float(qkv).data(), B, T, C, NH);
+  k::attention_forward(oh.data(), ah.data(), to_half<H>(qkv).data(), B, T, C, NH);
+  expect_half_close<H>("T=1024 attention probs", ah, af, 1.1 * u);
+  expect_half_close<H>("T=1024 attention out", oh, of, 2.02 * u);
+  FVec dqf(qkv.size()), sf(af.size());
+  std::vector<H> dqh(qkv.size()), sh(af.size());
+  k::attention_backward(dqf.data(), sf.data(), to_float(d).data(), to_float(qkv).data(), af.data(), B, T, C, NH);
+  k::attention_backward(dqh.data(), sh.data(), to_half<H>(d).data(), to_half<H>(qkv).data(), ah.data(), B, T, C, NH);
+  for (int part = 0; part < 3; ++part) {
+    FVec pf;
+    std::vector<H> ph;
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < C; ++c) {
+        pf.push_back(dqf[static_cast<std::size_t>(t) * 3 * C + part * C + c]);
+        ph.push_back(dqh[static_cast<std::size_t>(t) * 3 * C + part * C + c]);
+      }
+    expect_half_close<H>(part == 0 ? "T=1024 attention dq" : part == 1 ? "T=1024 attention dk" : "T=1024 attention dv", ph,
+                         pf, 8 * u);
+  }
+}
+
+// All 2048 rows hold one token: its dwte row is a sum of 2048 rows near 1.
+template <class H>
+void encoder_accumulates_in_float() {
+  const int B = 64, T = 32, C = 16, V = 8;
+  const double once = 1.01 * unit_roundoff<H>;
+  const IVec inp(static_cast<std::size_t>(B) * T, 3);
+  const Vec d = rounded_to<H>(randn(static_cast<std::size_t>(B) * T * C, 351, 0.05, 1.0));
+  FVec tef(static_cast<std::size_t>(V) * C, 0.0f), pef(static_cast<std::size_t>(T) * C, 0.0f);
+  std::vector<H> teh(tef.size()), peh(pef.size());
+  k::encoder_backward(tef.data(), pef.data(), to_float(d).data(), inp.data(), B, T, C);
+  k::encoder_backward(teh.data(), peh.data(), to_half<H>(d).data(), inp.data(), B, T, C);
+  expect_half_close<H>("2048 rows encoder dwte", teh, tef, once);
+  expect_half_close<H>("2048 rows encoder dwpe", peh, pef, once);
+}
+}  // namespace
+
+TEST(Kernels, Bf16LayerNormAccumulatesInFloat) { layernorm_accumulates_in_float<bf16>(); }
+TEST(Kernels, Fp16LayerNormAccumulatesInFloat) { layernorm_accumulates_in_float<f16>(); }
+TEST(Kernels, Bf16BiasBackwardAccumulatesInFloat) { bias_backward_accumulates_in_float<bf16>(); }
+TEST(Kernels, Fp16BiasBackwardAccumulatesInFloat) { bias_backward_accumulates_in_float<f16>(); }
+TEST(Kernels, Bf16CrossEntropyAccumulatesInFloat) { crossentropy_accumulates_in_float<bf16>(); }
+TEST(Kernels, Fp16CrossEntropyAccumulatesInFloat) { crossentropy_accumulates_in_float<f16>(); }
+TEST(Kernels, Bf16AttentionAccumulatesInFloat) { attention_accumulates_in_float<bf16>(); }
+TEST(Kernels, Fp16AttentionAccumulatesInFloat) { attention_accumulates_in_float<f16>(); }
+TEST(Kernels, Bf16EncoderBackwardAccumulatesInFloat) { encoder_accumulates_in_float<bf16>(); }
+TEST(Kernels, Fp16EncoderBackwardAccumulatesInFloat) { encoder_accumulates_in_float<f16>(); }
