@@ -73,11 +73,13 @@ void Engine::run_hooks(StepPhase p, StepState& s) {
 }
 
 double Engine::owned_sq_norm() {
-  double sq = 0;
+  // One fused pass of the back end over the primary slices (a sum of squares per tensor, added in
+  // order); a non-finite element makes the sum non-finite, which the step then sees.
   ParamStore& store = model_.store();
+  norm_slices_.clear();
   for (const OwnedSlice& o : store.owned())
-    if (o.primary) sq += be_.sum_squares(store.grad(o.param).as<float>() + o.begin, o.size());
-  return sq;
+    if (o.primary) norm_slices_.push_back(store.grad(o.param).slice(o.begin, o.size()));
+  return be_.sq_norm_check(norm_slices_).sum_squares;
 }
 
 StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,

@@ -176,6 +176,7 @@ class Engine {
   Communicator* world_ = nullptr;
   std::array<std::vector<PhaseHook>, kStepPhases> hooks_;
   std::vector<std::int32_t> inputs_, targets_;
+  std::vector<BufferRef> norm_slices_;
 };
 
 }  // namespace loom
