@@ -380,20 +380,25 @@ void attention_forward(T* out, T* att,                               // [B,T,C],
       gemm(false, true, Tn, Tn, hs, scale, q, C3, k, C3, Acc(0), a, Tn);  // scores = q k^T / sqrt(hs)
       Kokkos::parallel_for("Attention::softmax_forward", Range(0, Tn), [=](int t) {
         T* row = a + static_cast<std::int64_t>(t) * Tn;
-        Acc mx = to_acc<Acc>(row[0]);
-        for (int j = 1; j <= t; ++j) {
-          const Acc r = to_acc<Acc>(row[j]);
-          mx = r > mx ? r : mx;
-        }
-        Acc sum = 0;
         if constexpr (std::is_same_v<T, Acc>) {
+          // The plain loops, written as before the types were split: this form of the max is what
+          // the compiler vectorises (the split form costs the forward ~5% on the bench model).
+          T mx = row[0];
+          for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
+          T sum = 0;
           for (int j = 0; j <= t; ++j) {
             row[j] = exp_k(row[j] - mx);
             sum += row[j];
           }
-          const Acc inv = Acc(1) / sum;
+          const T inv = T(1) / sum;
           for (int j = 0; j <= t; ++j) row[j] *= inv;
         } else {  // the scores are kept until the sum is known, so each probability is rounded once
+          Acc mx = to_acc<Acc>(row[0]);
+          for (int j = 1; j <= t; ++j) {
+            const Acc r = to_acc<Acc>(row[j]);
+            mx = r > mx ? r : mx;
+          }
+          Acc sum = 0;
           for (int j = 0; j <= t; ++j) sum += exp_k(to_acc<Acc>(row[j]) - mx);
           const Acc inv = Acc(1) / sum;
           for (int j = 0; j <= t; ++j) row[j] = from_acc<T>(exp_k(to_acc<Acc>(row[j]) - mx) * inv);
@@ -501,26 +506,31 @@ void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,
   Kokkos::parallel_for("CrossEntropy::forward", Range(0, N), [=](int n) {
     const T* l = logits + static_cast<std::int64_t>(n) * V;
     T* p = probs + static_cast<std::int64_t>(n) * V;
-    Acc mx = to_acc<Acc>(l[0]);
-    for (int v = 1; v < V; ++v) {
-      const Acc lv = to_acc<Acc>(l[v]);
-      mx = lv > mx ? lv : mx;
-    }
-    Acc sum = 0;
     if constexpr (std::is_same_v<T, Acc>) {
+      // The plain loops, as before the types were split (the form the compiler vectorises best).
+      T mx = l[0];
+      for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+      T sum = 0;
       for (int v = 0; v < V; ++v) {
         p[v] = exp_k(l[v] - mx);
         sum += p[v];
       }
-      const Acc inv = Acc(1) / sum;
+      const T inv = T(1) / sum;
       for (int v = 0; v < V; ++v) p[v] *= inv;
+      // log-sum-exp form: exact even when the target's probability underflows
+      losses[n] = std::log(sum) + mx - l[targets[n]];
     } else {  // the sum of the unrounded exponentials; each probability rounded once
+      Acc mx = to_acc<Acc>(l[0]);
+      for (int v = 1; v < V; ++v) {
+        const Acc lv = to_acc<Acc>(l[v]);
+        mx = lv > mx ? lv : mx;
+      }
+      Acc sum = 0;
       for (int v = 0; v < V; ++v) sum += exp_k(to_acc<Acc>(l[v]) - mx);
       const Acc inv = Acc(1) / sum;
       for (int v = 0; v < V; ++v) p[v] = from_acc<T>(exp_k(to_acc<Acc>(l[v]) - mx) * inv);
+      losses[n] = std::log(sum) + mx - to_acc<Acc>(l[targets[n]]);
     }
-    // log-sum-exp form: exact even when the target's probability underflows
-    losses[n] = std::log(sum) + mx - to_acc<Acc>(l[targets[n]]);
   });
 }
 

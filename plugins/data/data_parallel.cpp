@@ -34,7 +34,7 @@ class DataParallelSync final : public GradSync {
     const float* lo_ptr = nullptr;
     auto close = [&] {
       if (cur.tensors.empty()) return;
-      cur.data = BufferRef(const_cast<float*>(lo_ptr), cur.hi_count);
+      cur.data = BufferRef(const_cast<float*>(lo_ptr), cur.elements);
       buckets_.push_back(std::move(cur));
       cur = Bucket{};
     };
@@ -44,13 +44,12 @@ class DataParallelSync final : public GradSync {
       // Backward order walks the flat layout downwards: a tensor joins the bucket if it ends where
       // the bucket starts.
       if (!cur.tensors.empty() && g + n != lo_ptr) close();
-      if (cur.tensors.empty()) cur.hi_count = 0;
       lo_ptr = g;
-      cur.hi_count += n;
+      cur.elements += n;
       cur.tensors.insert(cur.tensors.begin(), {p, params[static_cast<std::size_t>(p)].name,
                                                 params[static_cast<std::size_t>(p)].local_shape, 0, n});
       bucket_of_[static_cast<std::size_t>(p)] = static_cast<int>(buckets_.size());
-      if (static_cast<double>(cur.hi_count) * sizeof(float) >= limit) close();
+      if (static_cast<double>(cur.elements) * sizeof(float) >= limit) close();
     }
     close();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
@@ -95,7 +94,7 @@ class DataParallelSync final : public GradSync {
     dp_.progress();
   }
 
-  void finish(GPT& model) override {
+  void finish(GPT&) override {
     if (dp_.size() == 1) return;
     for (auto& b : buckets_)
       if (!b.req) start(b);
@@ -105,7 +104,6 @@ class DataParallelSync final : public GradSync {
       be_.scale(b.data.as<float>(), 1.0f / static_cast<float>(dp_.size()), b.data.count);
       gradient_bytes_ += static_cast<double>(b.data.bytes());
     }
-    (void)model;
     measured_bytes_ = static_cast<double>(dp_.stats().total_bytes() - bytes_before_);
     last_micro_ = false;
   }
@@ -125,7 +123,7 @@ class DataParallelSync final : public GradSync {
 
  private:
   struct Bucket : GradBucket {
-    std::int64_t hi_count = 0;
+    std::int64_t elements = 0;  // while the bucket is built
     int params = 0, pending = 0;
     CommRequestPtr req;
   };
