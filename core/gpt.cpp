@@ -124,6 +124,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     }
   }
   if (wte_ == -2) wte_ = hold(all_params_.front(), "head", true);
+  if (wte_ >= 0) params_[static_cast<std::size_t>(wte_)].tied = stage_.count > 1;
   emb_unit_ = stage_.first() ? params_[static_cast<std::size_t>(wpe_)].unit : -1;
   head_unit_ = stage_.last() ? params_[static_cast<std::size_t>(lnfw_)].unit : -1;
   StoreContext sctx{backend, dp, dp_rank, tp_rank_};

@@ -31,6 +31,8 @@ struct ParamInfo {
   bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
   bool shadow = false;               // a copy of a tensor another stage owns (the tied head's wte on the
                                      // last stage): kept equal to it, not counted in norms or checkpoints
+  bool tied = false;                 // its gradient is added to a copy's on another pipeline stage after
+                                     // gradient sync (wte with pp > 1): a sharding sync reduces it whole
   std::int64_t offset = 0;           // position among this rank's parameter elements (the flat store's layout)
   std::int64_t numel = 0;            // elements of the local shard
   bool decay = false;                // AdamW weight decay applies (matrices)
@@ -91,7 +93,7 @@ class ParamStore {
 
 // The default: one flat buffer of parameters and one of gradients (ParamInfo::offset into both),
 // every tensor updated whole by the ranks that hold it.
-class FlatParamStore final : public ParamStore {
+class FlatParamStore : public ParamStore {
  public:
   std::string name() const override { return "flat (one buffer of parameters, one of gradients)"; }
   void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override;
@@ -107,7 +109,7 @@ class FlatParamStore final : public ParamStore {
   float* flat_params() const { return params_.data<float>(); }
   float* flat_grads() const { return grads_.data<float>(); }
 
- private:
+ protected:
   Backend* be_ = nullptr;
   std::vector<ParamInfo> info_;
   TypedBuffer params_, grads_;

@@ -116,6 +116,9 @@ struct StrategyInfo {
   std::vector<KeySpec> keys;                        // the deck keys it declares
   std::vector<std::string> incompatible;            // strategies it cannot be combined with
   std::vector<RoleClaim> claims;                    // the roles it fills, and how
+  // Optional: whether a deck asks for this strategy by its own keys, without run.plugins: the setting
+  // that does ("zero.stage = 1"), or empty. May throw InputError for a setting that cannot work.
+  std::function<std::string(const Deck&, const Layout&)> requested_by;
   // Optional: refuse a layout this strategy cannot run (throw InputError naming keys and what works).
   std::function<void(const LayoutContext&)> check;
   // Optional: the partition role (at most one strategy of a run fills it).

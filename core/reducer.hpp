@@ -26,6 +26,11 @@ struct GradBucket {
   int index = 0;            // 0 is the first bucket backward completes
   BufferRef data;           // the gradients, reduced in place
   std::vector<Tensor> tensors;
+  // Empty: every rank needs the whole sum (an all-reduce). Else rank r of the group owns elements
+  // [sum of counts before r, + rank_counts[r]) of the bucket and needs only their sum there (ZeRO's
+  // reduce-scatter); the other elements are left undefined.
+  std::vector<std::int64_t> rank_counts;
+  bool whole = false;       // the strategy asked for this tensor whole (rank_counts stays empty)
 };
 
 class Reducer {

@@ -82,6 +82,12 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
       if (!name.empty()) wanted.push_back({name, "run.plugins = " + escape_value(d.get_string("run.plugins"))});
     }
   }
+  // Strategies a deck asks for by their own keys (zero.stage > 0 asks for zero).
+  for (const auto& [name, info] : registry.all())
+    if (info.requested_by) {
+      const std::string reason = info.requested_by(d, l);
+      if (!reason.empty()) wanted.push_back({name, reason});
+    }
   if (wanted.empty()) wanted.push_back({"local", "one replica"});
   plan.strategies = resolve_strategies(registry, wanted);
   for (const StrategyInfo* strategy : plan.strategies)

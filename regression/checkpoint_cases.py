@@ -8,8 +8,11 @@ CASE is one of:
   bitwise_dp2        dp = 2, saved at step 4 of 8, resumed on dp = 2: steps 5..8 have the same losses,
                      bit for bit, as the uninterrupted run
   bitwise_pp2        the same at pp = 2 (1F1B, 2 micro-batches): every stage writes its own layers
+  bitwise_zero1_dp2  the same with ZeRO stage 1 at dp = 2: each rank writes the share of the parameters
+                     and AdamW state it owns, and reads back the whole parameters and its share
   layout_dp2_to_dp1, layout_dp2_to_dp4, layout_tp2_to_tp1, layout_tp1_to_dp2_tp2_sp,
-  layout_pp2_to_pp1, layout_pp1_to_pp2_dp2, layout_pp2_interleaved_to_pp1 (4 layers, 2 virtual stages)
+  layout_pp2_to_pp1, layout_pp1_to_pp2_dp2, layout_pp2_interleaved_to_pp1 (4 layers, 2 virtual stages),
+  layout_zero1_dp2_to_dp1, layout_dp2_to_zero1_dp4, layout_zero1_pp2_dp2_to_pp1 (ZeRO stage 1 on either side)
                      saved on one layout, resumed on another: the same model continues (losses within
                      the cross-layout tolerance of the uninterrupted run)
   refuse_truncated, refuse_corrupt, refuse_version, refuse_shape, refuse_missing_latest
@@ -123,8 +126,13 @@ def main():
         "layout_pp1_to_pp2_dp2": ((1, []), (4, ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=gpipe"])),
         "layout_pp2_interleaved_to_pp1": ((2, ["model.layers=4", "parallel.pp=2", "pipeline.virtual_stages=2",
                                                "train.micro_batches=2"]), (1, ["model.layers=4"])),
+        "layout_zero1_dp2_to_dp1": ((2, ["parallel.dp=2", "zero.stage=1"]), (1, [])),
+        "layout_dp2_to_zero1_dp4": ((2, ["parallel.dp=2"]), (4, ["parallel.dp=4", "zero.stage=1"])),
+        "layout_zero1_pp2_dp2_to_pp1": ((4, ["parallel.pp=2", "parallel.dp=2", "train.micro_batches=2", "zero.stage=1"]),
+                                        (1, [])),
     }
-    bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"]}
+    bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"],
+               "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"]}
     if name in bitwise:
         ref, ckpt = saved(c, 2, bitwise[name])
         c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])

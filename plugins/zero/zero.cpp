@@ -1,0 +1,168 @@
+// The `zero` strategy plugin (libloom_zero.so): ZeRO over the data-parallel group. A deck asks for
+// it with `zero.stage` > 0 (with parallel.dp > 1), no run.plugins line: its claims replace the `data`
+// strategy's gradient sync and reducer and provide the parameter store.
+//
+// Stage 1 (built): the store keeps loom's flat parameter and gradient buffers whole on every rank but
+// cuts the flat range into dp contiguous shares (shard_counts); rank r owns share r, so the optimizer
+// (AdamW over ParamStore::owned()) keeps 1/dp of its state. Gradients are reduce-scattered bucket by
+// bucket during backward: a bucket's elements that fall in rank r's share are summed on rank r only
+// (uneven counts: a bucket meets one share or a few). The norm counts each element once, on its
+// owner; each rank steps its share, and the refresh phase all-gathers the updated shares (uneven
+// counts) into every rank's parameters. Traffic: reduce-scatter (N-1)/N M + all-gather (N-1)/N M,
+// the 2(N-1)/N M of an all-reduce. A tied embedding (wte with pp > 1), whose gradient another stage
+// adds to after sync, is all-reduced whole.
+// Stages 2 and 3 (gradients and parameters sharded) are not built yet and are refused.
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "core/bucketed_sync.hpp"
+#include "core/comm.hpp"
+#include "core/error.hpp"
+#include "core/grid.hpp"
+#include "core/plugin.hpp"
+
+namespace loom {
+namespace {
+
+// Stage 1's store: the flat buffers, each rank owning one contiguous share of them.
+class ZeroStore final : public FlatParamStore {
+ public:
+  explicit ZeroStore(Communicator& dp) : dp_(dp) {}
+  std::string name() const override {
+    return "ZeRO stage 1 (flat parameters and gradients; optimizer state of 1/" + std::to_string(dp_.size()) +
+           " of them per rank)";
+  }
+  void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override {
+    FlatParamStore::build(ctx, params, units);
+    counts_ = shard_counts(local_numel(), dp_.size());
+    offsets_ = shard_offsets(counts_);
+    const std::int64_t lo = offsets_[static_cast<std::size_t>(dp_.rank())], hi = offsets_[static_cast<std::size_t>(dp_.rank()) + 1];
+    owned_.clear();
+    for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+      const ParamInfo& p = params[static_cast<std::size_t>(i)];
+      const std::int64_t a = std::max(p.offset, lo), b = std::min(p.offset + p.numel, hi);
+      // Primary: this dp rank alone owns these elements; a tp-replicated tensor counts on tp rank 0.
+      if (a < b) owned_.push_back({i, a - p.offset, b - p.offset, !p.shadow && (p.split != TpSplit::none || ctx.tp_rank == 0)});
+    }
+  }
+  // Every rank's updated share into every rank's parameters.
+  void refresh() override {
+    const std::size_t r = static_cast<std::size_t>(dp_.rank());
+    dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
+  }
+  // The elements of `b` (a run of the flat gradient buffer) in each rank's share.
+  std::vector<std::int64_t> rank_counts(const GradBucket& b) const {
+    const std::int64_t s = b.data.as<float>() - flat_grads(), e = s + b.data.count;
+    std::vector<std::int64_t> c(counts_.size());
+    for (std::size_t q = 0; q < counts_.size(); ++q)
+      c[q] = std::max<std::int64_t>(0, std::min(e, offsets_[q + 1]) - std::max(s, offsets_[q]));
+    return c;
+  }
+
+ private:
+  Communicator& dp_;
+  std::vector<std::int64_t> counts_, offsets_;
+};
+
+// The reduce-scatter: rank r's part of a bucket summed in place (its block of the send buffer is
+// read only in the ring's last step, which writes it element by element); a bucket without counts
+// (a tensor wanted whole) is all-reduced.
+class ReduceScatterReducer final : public Reducer {
+ public:
+  explicit ReduceScatterReducer(Communicator& dp) : dp_(dp) {}
+  std::string name() const override { return "reduce-scatter over dp " + std::to_string(dp_.size()); }
+  CommRequestPtr reduce_async(const GradBucket& b) override {
+    if (b.rank_counts.empty()) return dp_.all_reduce_async(b.data, ReduceOp::sum);
+    const std::vector<std::int64_t> off = shard_offsets(b.rank_counts);
+    const std::size_t r = static_cast<std::size_t>(dp_.rank());
+    return dp_.reduce_scatter_async(b.data, b.data.slice(off[r], b.rank_counts[r]), b.rank_counts, ReduceOp::sum);
+  }
+
+ private:
+  Communicator& dp_;
+};
+
+// The bucketed sync with ZeRO's buckets, and the step's traffic against the textbook.
+class ZeroSync final : public BucketedGradSync {
+ public:
+  ZeroSync(Communicator& dp, Backend& be, GPT& model, double bucket_mb, bool overlap, const ZeroStore& store)
+      : BucketedGradSync(dp, be, model, bucket_mb, overlap,
+                         BucketPlan{[&model](int p) { return model.params()[static_cast<std::size_t>(p)].tied; },
+                                    [&store](const GradBucket& b) { return store.rank_counts(b); }}),
+        params_bytes_(static_cast<double>(model.store().local_numel()) * sizeof(float)) {}
+  std::string name() const override { return "ZeRO stage 1: " + BucketedGradSync::name(); }
+  void begin_micro_batch(GPT& model, int k, int m) override {
+    BucketedGradSync::begin_micro_batch(model, k, m);
+    if (k == m - 1) before_ = dp_.stats();
+  }
+  // Measured per step: bytes this rank sent to reduce the gradients (reduce-scatter, and all-reduce
+  // of tensors kept whole) and to gather the parameters, against 2(N-1)/N of the parameter bytes.
+  std::vector<std::pair<std::string, double>> step_report() const override {
+    const CommStats& now = dp_.stats();
+    auto sent = [&](CommOp op) {
+      const int k = static_cast<int>(op);
+      return static_cast<double>(now.bytes_sent[k] - before_.bytes_sent[k]);
+    };
+    const double rs = sent(CommOp::reduce_scatter), ag = sent(CommOp::all_gather), ar = sent(CommOp::all_reduce);
+    const double textbook = ring_all_reduce_bytes(params_bytes_, dp_.size());
+    std::vector<std::pair<std::string, double>> r = {{"zero_reduce_scatter_bytes", rs},
+                                                     {"zero_all_gather_bytes", ag},
+                                                     {"zero_all_reduce_bytes", ar},
+                                                     {"zero_textbook_bytes", textbook},
+                                                     {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0}};
+    append_reducer_report(r);
+    return r;
+  }
+
+ private:
+  double params_bytes_;
+  CommStats before_;
+};
+
+void register_zero(void* p) {
+  auto& info = *static_cast<StrategyInfo*>(p);
+  info.keys.push_back(int_key("zero.stage", "0", 0, 3,
+                              "ZeRO: 0 plain data parallelism; 1 optimizer state sharded over the dp ranks "
+                              "(2: + gradients, 3: + parameters: not built yet)"));
+  info.keys.push_back(float_key("zero.bucket_mb", "25", 0.001, 1e6,
+                                "ZeRO: gradient bucket size in MiB (DeepSpeed's reduce_bucket_size); each bucket's "
+                                "reduce-scatter starts when its gradients are done"));
+  info.keys.push_back(bool_key("zero.overlap_comm", "true",
+                               "ZeRO: start bucket reduce-scatters during backward (false: all after backward)"));
+  info.claims = {{Role::store, Claim::provides, ""},
+                 {Role::grad_sync, Claim::replaces, "data"},
+                 {Role::reducer, Claim::replaces, "data"}};
+  info.requested_by = [](const Deck& deck, const Layout& layout) -> std::string {
+    const std::int64_t stage = deck.get_int("zero.stage");
+    if (stage == 0) return "";
+    const std::string setting = "zero.stage = " + std::to_string(stage);
+    if (stage > 1)
+      throw InputError(setting + " is not built yet: this loom shards the optimizer state (zero.stage = 1); "
+                       "gradient and parameter sharding (stages 2 and 3) are to come. Valid now: 0 or 1");
+    if (layout.dp < 2)
+      throw InputError(setting + " shards optimizer state over the data-parallel ranks, but parallel.dp = " +
+                       std::to_string(layout.dp) + "; set parallel.dp > 1, or zero.stage = 0");
+    return setting;
+  };
+  info.make_store = [](PartitionContext& ctx) -> std::unique_ptr<ParamStore> {
+    return std::make_unique<ZeroStore>(ctx.grid.dp());
+  };
+  info.create = [](StrategyContext& ctx, Roles& roles) {
+    const auto& store = dynamic_cast<const ZeroStore&>(ctx.model.store());
+    roles.reducer = std::make_unique<ReduceScatterReducer>(ctx.grid.dp());
+    roles.grad_sync = std::make_unique<ZeroSync>(ctx.grid.dp(), ctx.backend, ctx.model, ctx.deck.get_float("zero.bucket_mb"),
+                                                 ctx.deck.get_bool("zero.overlap_comm"), store);
+  };
+}
+
+}  // namespace
+}  // namespace loom
+
+extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
+  static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "zero", "0.1.0",
+                                        "ZeRO over the data-parallel ranks: stage 1, optimizer state sharded, gradients "
+                                        "reduce-scattered, parameters all-gathered",
+                                        loom::register_zero};
+  return &plugin;
+}
