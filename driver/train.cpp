@@ -468,6 +468,12 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                   100.0 * group_wait_total[gi] / train_time);
   if (report_means.count("dp_allreduce_ratio"))
     std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", report_means["dp_allreduce_ratio"]);
+  if (report_means.count("zero_ratio"))
+    std::printf("         ZeRO: bytes sent / textbook 2(N-1)/N*M = %.4f; model state per rank %s (parameters, gradients,\n"
+                "         AdamW) against the textbook 4P + 4P + 8P/N = %s; loom adds the collectives' scratch, %s\n",
+                report_means["zero_ratio"], format_bytes(report_means["zero_state_bytes"]).c_str(),
+                format_bytes(report_means["zero_state_textbook_bytes"]).c_str(),
+                format_bytes(report_means["zero_comm_scratch_bytes"]).c_str());
   if (report_means.count("pp_bubble"))
     std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); the schedule replayed\n"
                 "         with the measured op times and free communication %.3f; textbook (p-1)/(vm+p-1) %.3f\n",

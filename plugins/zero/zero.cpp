@@ -20,6 +20,7 @@
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "core/grid.hpp"
+#include "core/ledger.hpp"
 #include "core/plugin.hpp"
 
 namespace loom {
@@ -106,11 +107,21 @@ class ZeroSync final : public BucketedGradSync {
     };
     const double rs = sent(CommOp::reduce_scatter), ag = sent(CommOp::all_gather), ar = sent(CommOp::all_reduce);
     const double textbook = ring_all_reduce_bytes(params_bytes_, dp_.size());
-    std::vector<std::pair<std::string, double>> r = {{"zero_reduce_scatter_bytes", rs},
-                                                     {"zero_all_gather_bytes", ag},
-                                                     {"zero_all_reduce_bytes", ar},
-                                                     {"zero_textbook_bytes", textbook},
-                                                     {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0}};
+    // Model state per rank (the ledger's parameters, gradients and optimizer state) against the
+    // textbook 4P + 4P + 8P/N of stage 1, and the buffer loom adds: the collectives' scratch.
+    const Ledger& ledger = Ledger::global();
+    const double state = static_cast<double>(ledger.current(Mem::params) + ledger.current(Mem::grads) +
+                                             ledger.current(Mem::optimizer));
+    const double P = params_bytes_ / sizeof(float);
+    std::vector<std::pair<std::string, double>> r = {
+        {"zero_reduce_scatter_bytes", rs},
+        {"zero_all_gather_bytes", ag},
+        {"zero_all_reduce_bytes", ar},
+        {"zero_textbook_bytes", textbook},
+        {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0},
+        {"zero_state_bytes", state},
+        {"zero_state_textbook_bytes", 4 * P + 4 * P + 8 * P / dp_.size()},
+        {"zero_comm_scratch_bytes", static_cast<double>(ledger.peak(Mem::comm))}};
     append_reducer_report(r);
     return r;
   }
