@@ -87,7 +87,8 @@ def rows(rundir, name="metrics.jsonl"):
     path = os.path.join(rundir, name)
     if not os.path.exists(path):
         return []
-    return [json.loads(line) for line in open(path) if line.strip()]
+    # Only whole lines: a run that is still writing may have half of its next row on disk.
+    return [json.loads(line) for line in open(path) if line.endswith("\n") and line.strip()]
 
 
 def losses(rundir):
