@@ -12,7 +12,7 @@ namespace loom {
 // the plan wants whole gets a bucket of its own.
 BucketedGradSync::BucketedGradSync(Communicator& dp, Backend& backend, GPT& model, double bucket_mb, bool overlap,
                                    BucketPlan plan)
-    : dp_(dp), be_(backend), overlap_(overlap) {
+    : dp_(dp), be_(backend), overlap_(overlap), max_in_flight_(plan.max_in_flight) {
   const auto& params = model.params();
   const double limit = bucket_mb * 1024.0 * 1024.0;
   bucket_of_.assign(params.size(), -1);
@@ -59,10 +59,21 @@ BucketedGradSync::BucketedGradSync(Communicator& dp, Backend& backend, GPT& mode
   }
 }
 
+void BucketedGradSync::start(Bucket& b) {
+  if (max_in_flight_ > 0)
+    while (static_cast<int>(in_flight_.size()) >= max_in_flight_) {
+      in_flight_.front()->req->wait();
+      in_flight_.erase(in_flight_.begin());
+    }
+  b.req = reducer_->reduce_async(b);
+  in_flight_.push_back(&b);
+}
+
 std::string BucketedGradSync::name() const {
   return "data-parallel " + (reducer_ ? reducer_->name() : std::string("(no reducer)")) + ", " +
          std::to_string(buckets_.size()) + " bucket" + (buckets_.size() == 1 ? "" : "s") +
-         (overlap_ ? ", overlapped with backward" : ", after backward");
+         (overlap_ ? ", overlapped with backward" : ", after backward") +
+         (max_in_flight_ > 0 ? ", at most " + std::to_string(max_in_flight_) + " in flight" : "");
 }
 
 void BucketedGradSync::begin_micro_batch(GPT&, int k, int m) {
@@ -75,6 +86,7 @@ void BucketedGradSync::begin_micro_batch(GPT&, int k, int m) {
     b.pending = b.params;
     b.req.reset();
   }
+  in_flight_.clear();
   bytes_before_ = dp_.stats().total_bytes();
 }
 
@@ -92,6 +104,7 @@ void BucketedGradSync::finish(GPT&) {
   for (auto& b : buckets_)
     if (!b.req) start(b);
   for (auto& b : buckets_) b.req->wait();
+  in_flight_.clear();
   gradient_bytes_ = 0;
   for (auto& b : buckets_) {
     be_.scale(b.data.as<float>(), 1.0f / static_cast<float>(dp_.size()), b.data.count);

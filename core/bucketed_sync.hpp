@@ -23,6 +23,9 @@ namespace loom {
 struct BucketPlan {
   std::function<bool(int param)> whole;
   std::function<std::vector<std::int64_t>(const GradBucket&)> rank_counts;
+  // At most this many buckets in flight (0: no limit): starting one more first waits for the oldest,
+  // which bounds the collectives' scratch (DeepSpeed's double-buffered buckets: 2).
+  int max_in_flight = 0;
 };
 
 class BucketedGradSync : public GradSync {
@@ -55,11 +58,13 @@ class BucketedGradSync : public GradSync {
     int params = 0, pending = 0;
     CommRequestPtr req;
   };
-  void start(Bucket& b) { b.req = reducer_->reduce_async(b); }
+  void start(Bucket& b);
 
   std::vector<Bucket> buckets_;
   std::vector<GradBucket> plain_;  // the buckets' descriptions, for reports and tests
   std::vector<int> bucket_of_;
+  std::vector<Bucket*> in_flight_;  // started and not yet waited on, oldest first
+  int max_in_flight_ = 0;
   bool last_micro_ = false;
   std::int64_t step_ = 0;
 };

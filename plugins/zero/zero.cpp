@@ -90,7 +90,8 @@ class ZeroSync final : public BucketedGradSync {
   ZeroSync(Communicator& dp, Backend& be, GPT& model, double bucket_mb, bool overlap, const ZeroStore& store)
       : BucketedGradSync(dp, be, model, bucket_mb, overlap,
                          BucketPlan{[&model](int p) { return model.params()[static_cast<std::size_t>(p)].tied; },
-                                    [&store](const GradBucket& b) { return store.rank_counts(b); }}),
+                                    [&store](const GradBucket& b) { return store.rank_counts(b); },
+                                    2}),
         params_bytes_(static_cast<double>(model.store().local_numel()) * sizeof(float)) {}
   std::string name() const override { return "ZeRO stage 1: " + BucketedGradSync::name(); }
   void begin_micro_batch(GPT& model, int k, int m) override {
