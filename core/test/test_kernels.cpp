@@ -774,6 +774,27 @@ void expect_half_close(const char* what, const std::vector<X>& got, const std::v
   EXPECT_LE(e, bound) << half_name<H> << " " << what;
 }
 
+// LayerNorm forward and backward of the same (rounded) inputs in float and in H, N rows of C.
+template <class H>
+struct LayerNormPair {
+  FVec of, mf, rf, mh, rh, dxf, dwf, dbf;  // float out, mean, rstd (float and H runs), float gradients
+  std::vector<H> oh, dxh, dwh, dbh;        // H out and gradients
+};
+template <class H>
+LayerNormPair<H> layernorm_pair(const Vec& x, const Vec& w, const Vec& b, const Vec& d, int N, int C) {
+  const std::size_t NC = static_cast<std::size_t>(N) * C;
+  LayerNormPair<H> r{FVec(NC), FVec(N), FVec(N), FVec(N), FVec(N), FVec(NC, 0.0f), FVec(C, 0.0f), FVec(C, 0.0f),
+                     std::vector<H>(NC), std::vector<H>(NC), std::vector<H>(C), std::vector<H>(C)};
+  k::layernorm_forward(r.of.data(), r.mf.data(), r.rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), N, C);
+  k::layernorm_forward(r.oh.data(), r.mh.data(), r.rh.data(), to_half<H>(x).data(), to_half<H>(w).data(),
+                       to_half<H>(b).data(), N, C);
+  k::layernorm_backward(r.dxf.data(), r.dwf.data(), r.dbf.data(), to_float(d).data(), to_float(x).data(),
+                        to_float(w).data(), r.mf.data(), r.rf.data(), N, C);
+  k::layernorm_backward(r.dxh.data(), r.dwh.data(), r.dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
+                        to_half<H>(w).data(), r.mh.data(), r.rh.data(), N, C);
+  return r;
+}
+
 template <class H>
 void half_forwards_and_backwards() {
   const double u = unit_roundoff<H>, once = 1.01 * u;
@@ -800,23 +821,13 @@ void half_forwards_and_backwards() {
   {  // layernorm
     const Vec x = rounded_to<H>(randn(NC, 211, 1.5, 0.7)), w = rounded_to<H>(randn(kC, 212, 0.5, 1.0)),
               b = rounded_to<H>(randn(kC, 213, 0.5)), d = rounded_to<H>(randn(NC, 214));
-    FVec of(NC), mf(kN), rf(kN), mh(kN), rh(kN);
-    std::vector<H> oh(NC);
-    k::layernorm_forward(of.data(), mf.data(), rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), kN, kC);
-    k::layernorm_forward(oh.data(), mh.data(), rh.data(), to_half<H>(x).data(), to_half<H>(w).data(),
-                         to_half<H>(b).data(), kN, kC);
-    expect_half_close<H>("layernorm out", oh, of, once);
-    expect_half_close<H>("layernorm mean (float)", mh, mf, kAccTol);
-    expect_half_close<H>("layernorm rstd (float)", rh, rf, kAccTol);
-    FVec dxf(NC, 0.0f), dwf(kC, 0.0f), dbf(kC, 0.0f);
-    std::vector<H> dxh(NC), dwh(kC), dbh(kC);
-    k::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(),
-                          mf.data(), rf.data(), kN, kC);
-    k::layernorm_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
-                          to_half<H>(w).data(), mh.data(), rh.data(), kN, kC);
-    expect_half_close<H>("layernorm dinp", dxh, dxf, once);
-    expect_half_close<H>("layernorm dweight", dwh, dwf, once);
-    expect_half_close<H>("layernorm dbias", dbh, dbf, once);
+    const LayerNormPair<H> r = layernorm_pair<H>(x, w, b, d, kN, kC);
+    expect_half_close<H>("layernorm out", r.oh, r.of, once);
+    expect_half_close<H>("layernorm mean (float)", r.mh, r.mf, kAccTol);
+    expect_half_close<H>("layernorm rstd (float)", r.rh, r.rf, kAccTol);
+    expect_half_close<H>("layernorm dinp", r.dxh, r.dxf, once);
+    expect_half_close<H>("layernorm dweight", r.dwh, r.dwf, once);
+    expect_half_close<H>("layernorm dbias", r.dbh, r.dbf, once);
   }
   {  // matmul + bias: the product is rounded, then the bias added and rounded again (2 u)
     const Vec x = rounded_to<H>(randn(NC, 221)), w = rounded_to<H>(randn(static_cast<std::size_t>(kOC) * kC, 222, 0.5)),
@@ -979,20 +990,13 @@ void layernorm_accumulates_in_float() {
     const std::size_t NC = static_cast<std::size_t>(N) * C;
     const Vec x = rounded_to<H>(randn(NC, 301, 0.05, 1.0)), w = rounded_to<H>(randn(C, 302, 0.1, 1.0)),
               b = rounded_to<H>(randn(C, 303, 0.1)), d = rounded_to<H>(randn(NC, 304, 0.05, 1.0));
-    FVec of(NC), mf(N), rf(N), mh(N), rh(N);
-    std::vector<H> oh(NC);
-    k::layernorm_forward(of.data(), mf.data(), rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), N, C);
-    k::layernorm_forward(oh.data(), mh.data(), rh.data(), to_half<H>(x).data(), to_half<H>(w).data(), to_half<H>(b).data(), N, C);
-    expect_half_close<H>("C=4096 layernorm mean", mh, mf, kAccTol);
-    expect_half_close<H>("C=4096 layernorm rstd", rh, rf, kAccTol);
-    expect_half_close<H>("C=4096 layernorm out", oh, of, once);
-    FVec dxf(NC, 0.0f), dwf(C, 0.0f), dbf(C, 0.0f);
-    std::vector<H> dxh(NC), dwh(C), dbh(C);
-    k::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(),
-                          mf.data(), rf.data(), N, C);
-    k::layernorm_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
-                          to_half<H>(w).data(), mh.data(), rh.data(), N, C);
-    expect_half_close<H>("C=4096 layernorm dinp", dxh, dxf, once);
+    const LayerNormPair<H> r = layernorm_pair<H>(x, w, b, d, N, C);
+    const FVec& of = r.of;
+    const FVec& mf = r.mf;
+    expect_half_close<H>("C=4096 layernorm mean", r.mh, r.mf, kAccTol);
+    expect_half_close<H>("C=4096 layernorm rstd", r.rh, r.rf, kAccTol);
+    expect_half_close<H>("C=4096 layernorm out", r.oh, r.of, once);
+    expect_half_close<H>("C=4096 layernorm dinp", r.dxh, r.dxf, once);
 
     // The same forward with the mean and variance summed in H: misses both bounds.
     Vec me(N), oe(NC);
