@@ -37,47 +37,46 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   tp_rank_ = part_->rank();
   sp_ = part_->sequence_parallel();
   const std::int64_t L = cfg.layers, C = cfg.d_model, T = cfg.seq_len, V = cfg.vocab, tp = tp_;
-  const std::int64_t Cl = C / tp, Fl = 4 * C / tp, Vl = V / tp;  // this rank's channels, MLP width, vocabulary
+  const std::int64_t Vl = V / tp;  // this rank's vocabulary rows
   vocab_local_ = static_cast<int>(Vl);
   vocab_begin_ = static_cast<int>(tp_rank_ * Vl);
   const double resid_std = 0.02 / std::sqrt(2.0 * L);
-  // Every tensor of the whole model, then this stage's share of them.
-  auto add = [&](std::string name, std::vector<std::int64_t> shape, std::vector<std::int64_t> local, TpSplit split,
-                 ParamInfo::Init init, double std) {
+  // Every tensor of the whole model, then this stage's share of them. The tp piece (local shape,
+  // element count) comes from the shard descriptor alone.
+  auto add = [&](std::string name, std::vector<std::int64_t> shape, TpSplit split, ParamInfo::Init init, double std) {
     ParamInfo p;
     p.name = std::move(name);
-    p.numel = 1;
-    for (auto s : local) p.numel *= s;
     p.decay = shape.size() >= 2;
     p.shape = std::move(shape);
-    p.local_shape = std::move(local);
-    p.split = tp > 1 ? split : TpSplit::none;
-    p.shard = ShardDesc::make(p.shape, p.split, static_cast<int>(tp), tp_rank_);
+    p.shard = ShardDesc::make(p.shape, split, static_cast<int>(tp), tp_rank_);
+    p.split = p.shard.split;
+    p.local_shape = p.shard.tp_shape;
+    p.numel = p.shard.numel();
     p.sp_partial = sp_ && split == TpSplit::none && p.name != "wpe.weight";
     p.init = init;
     p.init_std = std;
     all_params_.push_back(std::move(p));
   };
   using I = ParamInfo::Init;
-  add("wte.weight", {V, C}, {Vl, C}, TpSplit::rows, I::normal, 0.02);
-  add("wpe.weight", {T, C}, {T, C}, TpSplit::none, I::normal, 0.02);
+  add("wte.weight", {V, C}, TpSplit::rows, I::normal, 0.02);
+  add("wpe.weight", {T, C}, TpSplit::none, I::normal, 0.02);
   for (int l = 0; l < L; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
-    add(b + "ln1.weight", {C}, {C}, TpSplit::none, I::ones, 0);
-    add(b + "ln1.bias", {C}, {C}, TpSplit::none, I::zeros, 0);
-    add(b + "attn.qkv.weight", {3 * C, C}, {3 * Cl, C}, TpSplit::qkv_rows, I::normal, 0.02);
-    add(b + "attn.qkv.bias", {3 * C}, {3 * Cl}, TpSplit::qkv_rows, I::zeros, 0);
-    add(b + "attn.proj.weight", {C, C}, {C, Cl}, TpSplit::cols, I::normal, resid_std);
-    add(b + "attn.proj.bias", {C}, {C}, TpSplit::none, I::zeros, 0);
-    add(b + "ln2.weight", {C}, {C}, TpSplit::none, I::ones, 0);
-    add(b + "ln2.bias", {C}, {C}, TpSplit::none, I::zeros, 0);
-    add(b + "mlp.fc.weight", {4 * C, C}, {Fl, C}, TpSplit::rows, I::normal, 0.02);
-    add(b + "mlp.fc.bias", {4 * C}, {Fl}, TpSplit::rows, I::zeros, 0);
-    add(b + "mlp.proj.weight", {C, 4 * C}, {C, Fl}, TpSplit::cols, I::normal, resid_std);
-    add(b + "mlp.proj.bias", {C}, {C}, TpSplit::none, I::zeros, 0);
+    add(b + "ln1.weight", {C}, TpSplit::none, I::ones, 0);
+    add(b + "ln1.bias", {C}, TpSplit::none, I::zeros, 0);
+    add(b + "attn.qkv.weight", {3 * C, C}, TpSplit::qkv_rows, I::normal, 0.02);
+    add(b + "attn.qkv.bias", {3 * C}, TpSplit::qkv_rows, I::zeros, 0);
+    add(b + "attn.proj.weight", {C, C}, TpSplit::cols, I::normal, resid_std);
+    add(b + "attn.proj.bias", {C}, TpSplit::none, I::zeros, 0);
+    add(b + "ln2.weight", {C}, TpSplit::none, I::ones, 0);
+    add(b + "ln2.bias", {C}, TpSplit::none, I::zeros, 0);
+    add(b + "mlp.fc.weight", {4 * C, C}, TpSplit::rows, I::normal, 0.02);
+    add(b + "mlp.fc.bias", {4 * C}, TpSplit::rows, I::zeros, 0);
+    add(b + "mlp.proj.weight", {C, 4 * C}, TpSplit::cols, I::normal, resid_std);
+    add(b + "mlp.proj.bias", {C}, TpSplit::none, I::zeros, 0);
   }
-  add("ln_f.weight", {C}, {C}, TpSplit::none, I::ones, 0);
-  add("ln_f.bias", {C}, {C}, TpSplit::none, I::zeros, 0);
+  add("ln_f.weight", {C}, TpSplit::none, I::ones, 0);
+  add("ln_f.bias", {C}, TpSplit::none, I::zeros, 0);
   // The first stage holds the embeddings, the last ln_f and the head, whose weight is wte (tied):
   // a last stage that is not also the first holds a shadow copy of wte, in its head unit.
   block_unit_.assign(static_cast<std::size_t>(L), -1);

@@ -2,9 +2,11 @@
 
 namespace loom {
 
-bool default_primary(const ParamInfo& p, const StoreContext& ctx) {
-  return !p.shadow && ctx.dp_rank == 0 && (p.split != TpSplit::none || ctx.tp_rank == 0);
+bool tp_primary(const ParamInfo& p, const StoreContext& ctx) {
+  return !p.shadow && (p.split != TpSplit::none || ctx.tp_rank == 0);
 }
+
+bool default_primary(const ParamInfo& p, const StoreContext& ctx) { return ctx.dp_rank == 0 && tp_primary(p, ctx); }
 
 void FlatParamStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) {
   be_ = &ctx.backend;

@@ -24,8 +24,8 @@ struct ParamInfo {
   enum class Init { normal, ones, zeros };
   std::string name;                  // "blocks.3.attn.qkv.weight"
   std::vector<std::int64_t> shape;   // full logical shape
-  std::vector<std::int64_t> local_shape;  // this rank's tp piece of it (= shape when not split)
-  TpSplit split = TpSplit::none;     // how the tp group splits it
+  std::vector<std::int64_t> local_shape;  // this rank's tp piece of it (= shape when not split; shard.tp_shape)
+  TpSplit split = TpSplit::none;     // how the tp group splits it (shard.split)
   ShardDesc shard;                   // which elements of the full tensor this rank holds
   int unit = -1;                     // the unit it belongs to (index into GPT::units()), -1 when not held
   bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
@@ -117,8 +117,10 @@ class FlatParamStore : public ParamStore {
   std::vector<OwnedSlice> owned_;
 };
 
-// Whether this rank is the primary owner of a tensor it holds whole under the default rule: not a
-// pipeline shadow, data-parallel replica 0, and for a tensor replicated over tp, tp rank 0.
+// Whether this rank owns its elements of `p` among its tp group and pipeline stages: not a pipeline
+// shadow, and for a tensor replicated over tp, tp rank 0. A store adds its own dp rule.
+bool tp_primary(const ParamInfo& p, const StoreContext& ctx);
+// The default rule for a tensor held whole on every dp rank: tp_primary, and data-parallel replica 0.
 bool default_primary(const ParamInfo& p, const StoreContext& ctx);
 
 }  // namespace loom

@@ -43,8 +43,8 @@ class ZeroStore final : public FlatParamStore {
     for (int i = 0; i < static_cast<int>(params.size()); ++i) {
       const ParamInfo& p = params[static_cast<std::size_t>(i)];
       const std::int64_t a = std::max(p.offset, lo), b = std::min(p.offset + p.numel, hi);
-      // Primary: this dp rank alone owns these elements; a tp-replicated tensor counts on tp rank 0.
-      if (a < b) owned_.push_back({i, a - p.offset, b - p.offset, !p.shadow && (p.split != TpSplit::none || ctx.tp_rank == 0)});
+      // Primary: this dp rank alone owns these elements (within its tp group and stage, tp_primary).
+      if (a < b) owned_.push_back({i, a - p.offset, b - p.offset, tp_primary(p, ctx)});
     }
   }
   // Every rank's updated share into every rank's parameters.
