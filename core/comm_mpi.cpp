@@ -560,10 +560,15 @@ class RingReduceScatter : public MpiRequest {
       if (bytes(0) > 0 && recv_ != send_) std::memmove(recv_, send_, bytes(0));
     } else if (total() > 0) {
       // Two block-sized halves, the second 8-byte aligned: the partial result and the incoming one.
+      // With two ranks the one step combines straight into `recv`: no partial result to keep.
       const std::size_t most = *std::max_element(counts_.begin(), counts_.end()) * elem_;
       const std::size_t half = (most + 7) / 8 * 8;
-      acc_ = scratch(2 * half);
-      tmp_ = acc_ + half;
+      if (n_ == 2) {
+        tmp_ = scratch(half);
+      } else {
+        acc_ = scratch(2 * half);
+        tmp_ = acc_ + half;
+      }
     }
   }
 

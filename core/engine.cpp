@@ -78,7 +78,7 @@ double Engine::owned_sq_norm() {
   ParamStore& store = model_.store();
   norm_slices_.clear();
   for (const OwnedSlice& o : store.owned())
-    if (o.primary) norm_slices_.push_back(store.grad(o.param).slice(o.begin, o.size()));
+    if (o.primary) norm_slices_.push_back(store.owned_grad(o));
   return be_.sq_norm_check(norm_slices_).sum_squares;
 }
 
@@ -92,9 +92,11 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
 
   // micro_batches: the schedule's forwards and backwards.
   model_.zero_grad();
-  // Regression cases poison one weight element of one rank for this step only (a bad batch's NaN).
-  const bool poison = inject_fault("nan", step) && !model_.params().empty();
-  float* poisoned = poison ? model_.param_ptr(0) : nullptr;
+  // Regression cases poison one weight element of one rank for this step only (a bad batch's NaN):
+  // the first it updates (of the first tensor, with a store that keeps tensors whole).
+  ParamStore& store = model_.store();
+  const bool poison = inject_fault("nan", step) && !store.owned().empty();
+  float* poisoned = poison ? store.owned_param(store.owned().front()).as<float>() : nullptr;
   const float kept = poison ? *poisoned : 0.0f;
   if (poison) *poisoned = std::numeric_limits<float>::quiet_NaN();
   StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_)};
@@ -136,22 +138,23 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
     // clip: the slices this rank updates (replicas scale their copies alike).
     s.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);
     if (s.clip_coef < 1.0) {
-      ParamStore& store = model_.store();
       for (const OwnedSlice& o : store.owned())
-        be_.scale(store.grad(o.param).as<float>() + o.begin, static_cast<float>(s.clip_coef), o.size());
+        be_.scale(store.owned_grad(o).as<float>(), static_cast<float>(s.clip_coef), o.size());
     }
     run_hooks(StepPhase::clip, s);
     st.clip_coef = s.clip_coef;
     // optimize: the optimizer role on the owned slices.
-    optimizer_->step(model_.store(), st.lr);
-    // Regression cases make the weights themselves non-finite (as an overflowing update would).
-    if (inject_fault("nan_weights", step) && !model_.params().empty())
-      model_.param_ptr(static_cast<int>(model_.params().size()) - 1)[0] = std::numeric_limits<float>::quiet_NaN();
+    optimizer_->step(store, st.lr);
+    // Regression cases make the weights themselves non-finite (as an overflowing update would): the
+    // first element of the last slice this rank updates.
+    if (inject_fault("nan_weights", step) && !store.owned().empty())
+      store.owned_param(store.owned().back()).as<float>()[0] = std::numeric_limits<float>::quiet_NaN();
     run_hooks(StepPhase::optimize, s);
     // refresh: gather updated shards, refresh compute copies.
-    model_.store().refresh();
+    store.refresh();
     run_hooks(StepPhase::refresh, s);
   }
+  store.end_step();
   const double t3 = now();
   st.times.optimizer = t3 - t2;
   st.seconds = t3 - t0;

@@ -173,20 +173,26 @@ const ParamInfo& GPT::param(const std::string& name) const {
 }
 
 void GPT::init_weights(std::uint64_t seed) {
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const ParamInfo& p = params_[i];
-    float* w = param_ptr(static_cast<int>(i));
+  // Each rank draws exactly its own elements, by their index in the full tensor: tensors the store
+  // keeps whole, and the owned slices of those it keeps only in part (ZeRO-3).
+  auto fill = [&](const ParamInfo& p, float* w, std::int64_t begin, std::int64_t end) {
     const std::uint64_t stream = rng::hash_name(p.name);
     switch (p.init) {
       case ParamInfo::Init::normal:
-        // Each rank draws exactly its own elements, by their index in the full tensor.
-        for (std::int64_t i = 0; i < p.numel; ++i)
-          w[i] = static_cast<float>(p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(p.shard.global_index(i))));
+        for (std::int64_t i = begin; i < end; ++i)
+          w[i - begin] = static_cast<float>(p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(p.shard.global_index(i))));
         break;
-      case ParamInfo::Init::ones: be_.fill(w, 1.0f, p.numel); break;
-      case ParamInfo::Init::zeros: be_.fill(w, 0.0f, p.numel); break;
+      case ParamInfo::Init::ones: be_.fill(w, 1.0f, end - begin); break;
+      case ParamInfo::Init::zeros: be_.fill(w, 0.0f, end - begin); break;
     }
+  };
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const BufferRef w = store_->param(static_cast<int>(i));
+    if (!w.empty()) fill(params_[i], w.as<float>(), 0, params_[i].numel);
   }
+  for (const OwnedSlice& o : store_->owned())
+    if (store_->param(o.param).empty())
+      fill(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o).as<float>(), o.begin, o.end);
 }
 
 GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads) const {

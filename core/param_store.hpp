@@ -78,15 +78,23 @@ class ParamStore {
   // will acquire next, so a store may start fetching it.
   virtual const UnitView& acquire(int unit, Use use, int next_unit) = 0;
   virtual void release(int /*unit*/, Use /*use*/) {}
-  // Tensor i's parameter or gradient (its local shard); for roles that work per tensor between the
-  // micro-batches and the refresh phase (gradient sync, norms, checkpoints).
+  // Tensor i's parameter or gradient (its whole local shard), for roles that work per tensor between
+  // the micro-batches and the refresh phase; an empty ref when this store keeps only the owned slices
+  // of it (ZeRO-2 gradients, ZeRO-3 parameters): use owned_param / owned_grad then.
   virtual BufferRef param(int i) = 0;
   virtual BufferRef grad(int i) = 0;
   virtual void zero_grads() = 0;
   // The slices this rank updates, each with whether it is their primary owner.
   virtual const std::vector<OwnedSlice>& owned() const = 0;
+  // An owned slice's parameters and gradients (the optimizer's, the norm's and the checkpoint's view);
+  // every store has them, whatever it keeps of the rest.
+  virtual BufferRef owned_param(const OwnedSlice& o) { return param(o.param).slice(o.begin, o.size()); }
+  virtual BufferRef owned_grad(const OwnedSlice& o) { return grad(o.param).slice(o.begin, o.size()); }
   // The refresh phase, after the optimizer (gather updated shards, refresh compute copies).
   virtual void refresh() {}
+  // The training step is over (called whether or not it updated): what is acquired after it until
+  // the next zero_grads is evaluation.
+  virtual void end_step() {}
   // Parameter elements this rank holds.
   virtual std::int64_t local_numel() const = 0;
 };

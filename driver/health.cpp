@@ -12,11 +12,30 @@ std::string NonFiniteAt::describe() const {
   return s.str();
 }
 
+namespace {
+// Tensor i whole when the store keeps it whole, else this rank's owned slice of it (every element
+// is some rank's, so the search over all ranks still sees every one).
+template <class Whole, class Slice>
+BufferRef whole_or_owned(ParamStore& store, int i, Whole whole, Slice slice) {
+  const BufferRef all = whole(i);
+  if (!all.empty()) return all;
+  for (const OwnedSlice& o : store.owned())
+    if (o.param == i) return slice(o);
+  return BufferRef();
+}
+}  // namespace
+
 TensorSource gradients(GPT& model) {
-  return {"gradient", [&model](int i) { return model.store().grad(i); }};
+  return {"gradient", [&model](int i) {
+            ParamStore& s = model.store();
+            return whole_or_owned(s, i, [&s](int k) { return s.grad(k); }, [&s](const OwnedSlice& o) { return s.owned_grad(o); });
+          }};
 }
 TensorSource parameters(GPT& model) {
-  return {"parameter", [&model](int i) { return model.store().param(i); }};
+  return {"parameter", [&model](int i) {
+            ParamStore& s = model.store();
+            return whole_or_owned(s, i, [&s](int k) { return s.param(k); }, [&s](const OwnedSlice& o) { return s.owned_param(o); });
+          }};
 }
 std::vector<TensorSource> optimizer_state(Optimizer& optimizer) {
   std::vector<TensorSource> out;

@@ -468,12 +468,22 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                   100.0 * group_wait_total[gi] / train_time);
   if (report_means.count("dp_allreduce_ratio"))
     std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", report_means["dp_allreduce_ratio"]);
-  if (report_means.count("zero_ratio"))
-    std::printf("         ZeRO: bytes sent / textbook 2(N-1)/N*M = %.4f; model state per rank %s (parameters, gradients,\n"
-                "         AdamW) against the textbook 4P + 4P + 8P/N = %s; loom adds the collectives' scratch, %s\n",
-                report_means["zero_ratio"], format_bytes(report_means["zero_state_bytes"]).c_str(),
-                format_bytes(report_means["zero_state_textbook_bytes"]).c_str(),
-                format_bytes(report_means["zero_comm_scratch_bytes"]).c_str());
+  if (report_means.count("zero_ratio")) {
+    const int stage = static_cast<int>(report_means["zero_stage"]);
+    const char* bytes_formula = stage == 3 ? "3(N-1)/N*M" : "2(N-1)/N*M";
+    const char* state_formula = stage == 3 ? "16P/N" : stage == 2 ? "4P + 4P/N + 8P/N" : "4P + 4P + 8P/N";
+    std::string added = "the collectives' scratch, " + format_bytes(report_means["zero_comm_scratch_bytes"]);
+    if (report_means["zero_grad_staging_bytes"] > 0)
+      added += "; gradient staging, " + format_bytes(report_means["zero_grad_staging_bytes"]);
+    if (report_means["zero_param_gather_bytes"] > 0)
+      added += "; gathered parameters, " + format_bytes(report_means["zero_param_gather_bytes"]);
+    if (report_means["zero_whole_bytes"] > 0)
+      added += "; tensors kept whole, " + format_bytes(report_means["zero_whole_bytes"]);
+    std::printf("         ZeRO stage %d: bytes sent / textbook %s = %.4f; model state per rank %s (parameters,\n"
+                "         gradients, AdamW) against the textbook %s = %s; loom adds %s\n",
+                stage, bytes_formula, report_means["zero_ratio"], format_bytes(report_means["zero_state_bytes"]).c_str(),
+                state_formula, format_bytes(report_means["zero_state_textbook_bytes"]).c_str(), added.c_str());
+  }
   if (report_means.count("pp_bubble"))
     std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); the schedule replayed\n"
                 "         with the measured op times and free communication %.3f; textbook (p-1)/(vm+p-1) %.3f\n",

@@ -206,7 +206,7 @@ std::vector<CheckpointTensor> checkpoint_tensors(GPT& model, Optimizer& optimize
     const int k = i >= 0 ? slice_of(i) : -1;
     if (i < 0) {
       t.shard = shape_only(whole);
-    } else {
+    } else if (!model.store().param(i).empty()) {  // held whole (replicas read all of it)
       const ParamInfo& p = model.params()[static_cast<std::size_t>(i)];
       t.shard = p.shard;
       t.data = model.store().param(i);
@@ -214,6 +214,17 @@ std::vector<CheckpointTensor> checkpoint_tensors(GPT& model, Optimizer& optimize
       if (k >= 0 && owned[static_cast<std::size_t>(k)].primary) {
         t.primary_begin = owned[static_cast<std::size_t>(k)].begin;
         t.primary_end = owned[static_cast<std::size_t>(k)].end;
+      }
+    } else {  // only the owned slice is held (ZeRO-3), as for the optimizer state below
+      const ParamInfo& p = model.params()[static_cast<std::size_t>(i)];
+      if (k < 0) {
+        t.shard = p.shard.cut(0, 0);
+      } else {
+        const OwnedSlice& o = owned[static_cast<std::size_t>(k)];
+        t.shard = p.shard.cut(o.begin, o.end);
+        t.data = model.store().owned_param(o);
+        t.holds = true;
+        if (o.primary) t.primary_end = o.size();
       }
     }
     out.push_back(std::move(t));

@@ -12,7 +12,10 @@ CASE is one of:
                      and AdamW state it owns, and reads back the whole parameters and its share
   layout_dp2_to_dp1, layout_dp2_to_dp4, layout_tp2_to_tp1, layout_tp1_to_dp2_tp2_sp,
   layout_pp2_to_pp1, layout_pp1_to_pp2_dp2, layout_pp2_interleaved_to_pp1 (4 layers, 2 virtual stages),
-  layout_zero1_dp2_to_dp1, layout_dp2_to_zero1_dp4, layout_zero1_pp2_dp2_to_pp1 (ZeRO stage 1 on either side)
+  bitwise_zero2_dp2, bitwise_zero3_dp2  the same at ZeRO stages 2 and 3 (stage 3: each rank writes and reads
+                     only its share of the parameters too)
+  layout_zero1_dp2_to_dp1, layout_dp2_to_zero1_dp4, layout_zero1_pp2_dp2_to_pp1,
+  layout_zero3_dp4_to_dp1, layout_dp2_to_zero2_dp4, layout_zero2_dp2_to_zero3_dp4 (ZeRO on either side)
                      saved on one layout, resumed on another: the same model continues (losses within
                      the cross-layout tolerance of the uninterrupted run)
   refuse_truncated, refuse_corrupt, refuse_version, refuse_shape, refuse_missing_latest
@@ -130,9 +133,14 @@ def main():
         "layout_dp2_to_zero1_dp4": ((2, ["parallel.dp=2"]), (4, ["parallel.dp=4", "zero.stage=1"])),
         "layout_zero1_pp2_dp2_to_pp1": ((4, ["parallel.pp=2", "parallel.dp=2", "train.micro_batches=2", "zero.stage=1"]),
                                         (1, [])),
+        "layout_zero3_dp4_to_dp1": ((4, ["parallel.dp=4", "zero.stage=3"]), (1, [])),
+        "layout_dp2_to_zero2_dp4": ((2, ["parallel.dp=2"]), (4, ["parallel.dp=4", "zero.stage=2"])),
+        "layout_zero2_dp2_to_zero3_dp4": ((2, ["parallel.dp=2", "zero.stage=2"]), (4, ["parallel.dp=4", "zero.stage=3"])),
     }
     bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"],
-               "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"]}
+               "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"],
+               "bitwise_zero2_dp2": ["parallel.dp=2", "zero.stage=2"],
+               "bitwise_zero3_dp2": ["parallel.dp=2", "zero.stage=3"]}
     if name in bitwise:
         ref, ckpt = saved(c, 2, bitwise[name])
         c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])

@@ -126,34 +126,37 @@ class TensorPartition final : public Partition {
     ++steps_done_;
     step_started_ = false;
     const auto& params = model.params();
+    // The slices this rank updates: whole tensors, or with ZeRO its dp share of them, the same
+    // elements on every tp rank (their layouts match).
+    ParamStore& store = model.store();
+    const auto& owned = store.owned();
     if (sp_) {
       std::int64_t total = 0;
-      for (const auto& p : params)
-        if (p.sp_partial) total += p.numel;
+      for (const OwnedSlice& o : owned)
+        if (params[static_cast<std::size_t>(o.param)].sp_partial) total += o.size();
       ensure_capacity(be_, pack_buf_, "TensorPartition::sp_grad_pack", DType::f32, total, Mem::comm);
       float* pack = pack_buf_.data<float>();
       std::int64_t at = 0;
-      for (std::size_t i = 0; i < params.size(); ++i)
-        if (params[i].sp_partial) {
-          be_.copy(pack + at, model.grad_ptr(static_cast<int>(i)), params[i].numel);
-          at += params[i].numel;
+      for (const OwnedSlice& o : owned)
+        if (params[static_cast<std::size_t>(o.param)].sp_partial) {
+          be_.copy(pack + at, store.owned_grad(o).as<float>(), o.size());
+          at += o.size();
         }
       tp_.all_reduce(pack, total);
       at = 0;
-      for (std::size_t i = 0; i < params.size(); ++i)
-        if (params[i].sp_partial) {
-          be_.copy(model.grad_ptr(static_cast<int>(i)), pack + at, params[i].numel);
-          at += params[i].numel;
+      for (const OwnedSlice& o : owned)
+        if (params[static_cast<std::size_t>(o.param)].sp_partial) {
+          be_.copy(store.owned_grad(o).as<float>(), pack + at, o.size());
+          at += o.size();
         }
     }
     std::uint64_t h = 0xcbf29ce484222325ULL;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const ParamInfo& p = params[i];
+    for (const OwnedSlice& o : owned) {
+      const ParamInfo& p = params[static_cast<std::size_t>(o.param)];
       if (p.shadow || p.split != TpSplit::none) continue;
-      for (const float* base : {static_cast<const float*>(model.param_ptr(static_cast<int>(i))),
-                                static_cast<const float*>(model.grad_ptr(static_cast<int>(i)))}) {
-        const auto* bytes = reinterpret_cast<const unsigned char*>(base);
-        for (std::int64_t k = 0; k < p.numel * static_cast<std::int64_t>(sizeof(float)); ++k) h = (h ^ bytes[k]) * 0x100000001b3ULL;
+      for (const BufferRef ref : {store.owned_param(o), store.owned_grad(o)}) {
+        const auto* bytes = static_cast<const unsigned char*>(ref.data);
+        for (std::int64_t k = 0; k < o.size() * static_cast<std::int64_t>(sizeof(float)); ++k) h = (h ^ bytes[k]) * 0x100000001b3ULL;
       }
     }
     // Two floats carry 48 bits of the hash exactly (24 bits each, within a float's mantissa).

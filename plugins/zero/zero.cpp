@@ -2,16 +2,16 @@
 // it with `zero.stage` > 0 (with parallel.dp > 1), no run.plugins line: its claims replace the `data`
 // strategy's gradient sync and reducer and provide the parameter store.
 //
-// Stage 1 (built): the store keeps loom's flat parameter and gradient buffers whole on every rank but
-// cuts the flat range into dp contiguous shares (shard_counts); rank r owns share r, so the optimizer
-// (AdamW over ParamStore::owned()) keeps 1/dp of its state. Gradients are reduce-scattered bucket by
-// bucket during backward: a bucket's elements that fall in rank r's share are summed on rank r only
-// (uneven counts: a bucket meets one share or a few). The norm counts each element once, on its
-// owner; each rank steps its share, and the refresh phase all-gathers the updated shares (uneven
-// counts) into every rank's parameters. Traffic: reduce-scatter (N-1)/N M + all-gather (N-1)/N M,
-// the 2(N-1)/N M of an all-reduce. A tied embedding (wte with pp > 1), whose gradient another stage
-// adds to after sync, is all-reduced whole.
-// Stages 2 and 3 (gradients and parameters sharded) are not built yet and are refused.
+// Stage 1 (this file): the store keeps loom's flat parameter and gradient buffers whole on every rank
+// but cuts the flat range into dp contiguous shares (shard_counts); rank r owns share r, so the
+// optimizer (AdamW over ParamStore::owned()) keeps 1/dp of its state. Gradients are reduce-scattered
+// bucket by bucket during backward: a bucket's elements that fall in rank r's share are summed on
+// rank r only (uneven counts: a bucket meets one share or a few). The norm counts each element once,
+// on its owner; each rank steps its share, and the refresh phase all-gathers the updated shares
+// (uneven counts) into every rank's parameters. Traffic: reduce-scatter (N-1)/N M + all-gather
+// (N-1)/N M, the 2(N-1)/N M of an all-reduce. A tied embedding (wte with pp > 1), whose gradient
+// another stage adds to after sync, is all-reduced whole.
+// Stages 2 and 3 (gradients, then parameters too, kept only as shares): zero_sharded.hpp.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -22,6 +22,7 @@
 #include "core/grid.hpp"
 #include "core/ledger.hpp"
 #include "core/plugin.hpp"
+#include "plugins/zero/zero_sharded.hpp"
 
 namespace loom {
 namespace {
@@ -115,6 +116,7 @@ class ZeroSync final : public BucketedGradSync {
                                              ledger.current(Mem::optimizer));
     const double P = params_bytes_ / sizeof(float);
     std::vector<std::pair<std::string, double>> r = {
+        {"zero_stage", 1},
         {"zero_reduce_scatter_bytes", rs},
         {"zero_all_gather_bytes", ag},
         {"zero_all_reduce_bytes", ar},
@@ -135,13 +137,20 @@ class ZeroSync final : public BucketedGradSync {
 void register_zero(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   info.keys.push_back(int_key("zero.stage", "0", 0, 3,
-                              "ZeRO: 0 plain data parallelism; 1 optimizer state sharded over the dp ranks "
-                              "(2: + gradients, 3: + parameters: not built yet)"));
+                              "ZeRO: 0 plain data parallelism; 1 optimizer state sharded over the dp ranks; 2 + "
+                              "gradients; 3 + parameters (gathered unit by unit for forward and backward)"));
   info.keys.push_back(float_key("zero.bucket_mb", "25", 0.001, 1e6,
                                 "ZeRO: gradient bucket size in MiB (DeepSpeed's reduce_bucket_size); each bucket's "
                                 "reduce-scatter starts when its gradients are done"));
   info.keys.push_back(bool_key("zero.overlap_comm", "true",
-                               "ZeRO: start bucket reduce-scatters during backward (false: all after backward)"));
+                               "ZeRO: start bucket reduce-scatters during backward (false: all after backward at "
+                               "stage 1, each waited at once at stages 2 and 3)"));
+  info.keys.push_back(int_key("zero.prefetch_depth", "1", 0, 64,
+                              "ZeRO-3: how many units (embeddings, blocks, head) are gathered ahead of the one "
+                              "computing, in the order recorded in the first step (0: each gathered when used)"));
+  info.keys.push_back(int_key("zero.param_persistence_threshold", "0", 0, 1000000000000LL,
+                              "ZeRO-3: tensors with fewer elements than this stay whole on every rank (as at "
+                              "stage 0) instead of being gathered (DeepSpeed's stage3_param_persistence_threshold)"));
   info.claims = {{Role::store, Claim::provides, ""},
                  {Role::grad_sync, Claim::replaces, "data"},
                  {Role::reducer, Claim::replaces, "data"}};
@@ -149,22 +158,35 @@ void register_zero(void* p) {
     const std::int64_t stage = deck.get_int("zero.stage");
     if (stage == 0) return "";
     const std::string setting = "zero.stage = " + std::to_string(stage);
-    if (stage > 1)
-      throw InputError(setting + " is not built yet: this loom shards the optimizer state (zero.stage = 1); "
-                       "gradient and parameter sharding (stages 2 and 3) are to come. Valid now: 0 or 1");
     if (layout.dp < 2)
-      throw InputError(setting + " shards optimizer state over the data-parallel ranks, but parallel.dp = " +
+      throw InputError(setting + " shards model state over the data-parallel ranks, but parallel.dp = " +
                        std::to_string(layout.dp) + "; set parallel.dp > 1, or zero.stage = 0");
+    if (stage > 1 && layout.pp > 1)
+      throw InputError(setting + " with parallel.pp = " + std::to_string(layout.pp) +
+                       " is refused (as DeepSpeed refuses ZeRO-2 and -3 with pipeline parallelism): every "
+                       "micro-batch a pipeline runs would reduce-scatter its gradients again (and, at stage 3, "
+                       "gather its parameters again), and the tied embedding's gradient is summed between the "
+                       "first and last stage in full. Valid with pp > 1: zero.stage = 0 or 1 (the distributed "
+                       "optimizer)");
     return setting;
   };
   info.make_store = [](PartitionContext& ctx) -> std::unique_ptr<ParamStore> {
-    return std::make_unique<ZeroStore>(ctx.grid.dp());
+    const std::int64_t stage = ctx.deck.get_int("zero.stage");
+    if (stage == 1) return std::make_unique<ZeroStore>(ctx.grid.dp());
+    return std::make_unique<ShardedStore>(ctx.grid.dp(), static_cast<int>(stage),
+                                          ctx.deck.get_int("zero.param_persistence_threshold"),
+                                          static_cast<int>(ctx.deck.get_int("zero.prefetch_depth")));
   };
   info.create = [](StrategyContext& ctx, Roles& roles) {
-    const auto& store = dynamic_cast<const ZeroStore&>(ctx.model.store());
     roles.reducer = std::make_unique<ReduceScatterReducer>(ctx.grid.dp());
-    roles.grad_sync = std::make_unique<ZeroSync>(ctx.grid.dp(), ctx.backend, ctx.model, ctx.deck.get_float("zero.bucket_mb"),
-                                                 ctx.deck.get_bool("zero.overlap_comm"), store);
+    const double bucket_mb = ctx.deck.get_float("zero.bucket_mb");
+    const bool overlap = ctx.deck.get_bool("zero.overlap_comm");
+    if (auto* sharded = dynamic_cast<ShardedStore*>(&ctx.model.store())) {
+      roles.grad_sync = std::make_unique<ShardedSync>(ctx.grid.dp(), ctx.backend, ctx.model, *sharded, bucket_mb, overlap);
+      return;
+    }
+    const auto& store = dynamic_cast<const ZeroStore&>(ctx.model.store());
+    roles.grad_sync = std::make_unique<ZeroSync>(ctx.grid.dp(), ctx.backend, ctx.model, bucket_mb, overlap, store);
   };
 }
 
@@ -173,8 +195,8 @@ void register_zero(void* p) {
 
 extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
   static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "zero", "0.1.0",
-                                        "ZeRO over the data-parallel ranks: stage 1, optimizer state sharded, gradients "
-                                        "reduce-scattered, parameters all-gathered",
+                                        "ZeRO over the data-parallel ranks: stages 1-3 (optimizer state, gradients, "
+                                        "parameters sharded)",
                                         loom::register_zero};
   return &plugin;
 }

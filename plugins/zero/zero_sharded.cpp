@@ -1,0 +1,391 @@
+#include "plugins/zero/zero_sharded.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "core/ledger.hpp"
+
+namespace loom {
+
+ShardedStore::ShardedStore(Communicator& dp, int stage, std::int64_t persist_below, int prefetch_depth)
+    : dp_(dp), stage_(stage), persist_below_(persist_below), depth_(prefetch_depth) {}
+
+std::string ShardedStore::name() const {
+  const std::string n = std::to_string(dp_.size());
+  std::string s = "ZeRO stage " + std::to_string(stage_) + " (gradients" + (stage_ == 3 ? ", parameters" : "") +
+                  " and optimizer state: 1/" + n + " per rank";
+  if (stage_ == 3)
+    s += "; units gathered " + (depth_ > 0 ? std::to_string(depth_) + " ahead" : std::string("on demand")) + ", " +
+         std::to_string(whole_) + " elements kept whole";
+  return s + ")";
+}
+
+void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) {
+  be_ = &ctx.backend;
+  info_ = params;
+  units_ = units;
+  const std::size_t n = params.size();
+  whole_of_.assign(n, false);
+  at_.assign(n, 0);
+  for (std::size_t i = 0; i < n; ++i) {
+    const ParamInfo& p = params[i];
+    // Kept whole: small tensors at stage 3 (DeepSpeed's param persistence), and tensors another
+    // stage keeps a copy of (never with stages 2 and 3 today: pipeline parallelism is refused).
+    whole_of_[i] = p.tied || p.shadow || (stage_ == 3 && p.numel < persist_below_);
+    at_[i] = whole_of_[i] ? whole_ : sharded_;
+    (whole_of_[i] ? whole_ : sharded_) += p.numel;
+  }
+  counts_ = shard_counts(sharded_, dp_.size());
+  offsets_ = shard_offsets(counts_);
+  lo_ = offsets_[static_cast<std::size_t>(dp_.rank())];
+  hi_ = offsets_[static_cast<std::size_t>(dp_.rank()) + 1];
+  // A unit's sharded tensors must be one run of the range (the model declares units in order).
+  unit_lo_.assign(units.size(), 0);
+  unit_hi_.assign(units.size(), 0);
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    bool first = true;
+    for (int i : units[u].params) {
+      if (whole_of_[static_cast<std::size_t>(i)]) continue;
+      const std::int64_t a = at_[static_cast<std::size_t>(i)], b = a + params[static_cast<std::size_t>(i)].numel;
+      if (!first && a != unit_hi_[u])
+        throw std::logic_error("ZeRO store: unit " + units[u].name + " is not contiguous in model order");
+      if (first) unit_lo_[u] = a;
+      unit_hi_[u] = b;
+      first = false;
+    }
+  }
+  params_ = be_->allocate(stage_ == 3 ? "ZeroStore::param_share" : "ZeroStore::params", DType::f32,
+                          stage_ == 3 ? hi_ - lo_ : sharded_, Mem::params);
+  gshard_ = be_->allocate("ZeroStore::grad_share", DType::f32, hi_ - lo_, Mem::grads);
+  wparams_ = be_->allocate("ZeroStore::whole_params", DType::f32, whole_, Mem::params);
+  wgrads_ = be_->allocate("ZeroStore::whole_grads", DType::f32, whole_, Mem::grads);
+  owned_.clear();
+  for (std::size_t i = 0; i < n; ++i) {
+    const ParamInfo& p = params[i];
+    if (whole_of_[i]) {
+      owned_.push_back({static_cast<int>(i), 0, p.numel, default_primary(p, ctx)});
+      continue;
+    }
+    const std::int64_t a = std::max(at_[i], lo_), b = std::min(at_[i] + p.numel, hi_);
+    if (a < b) owned_.push_back({static_cast<int>(i), a - at_[i], b - at_[i], tp_primary(p, ctx)});
+  }
+  gathered_.assign(units.size(), nullptr);
+  staged_.assign(units.size(), nullptr);
+  views_.assign(units.size(), {});
+}
+
+std::vector<std::int64_t> ShardedStore::rank_counts(std::int64_t a, std::int64_t b) const {
+  std::vector<std::int64_t> c(counts_.size());
+  for (std::size_t q = 0; q < counts_.size(); ++q)
+    c[q] = std::max<std::int64_t>(0, std::min(b, offsets_[q + 1]) - std::max(a, offsets_[q]));
+  return c;
+}
+
+ShardedStore::Slot* ShardedStore::take(std::vector<std::unique_ptr<Slot>>& pool, int unit, const char* label,
+                                       Mem category) {
+  const std::int64_t need = unit_hi_[static_cast<std::size_t>(unit)] - unit_lo_[static_cast<std::size_t>(unit)];
+  // The smallest free slot that fits and is not more than twice the need (a small unit, the
+  // embeddings, does not take a block's slot away from the next block).
+  Slot* best = nullptr;
+  for (auto& s : pool)
+    if (s->unit < 0 && s->buf.count() >= need && s->buf.count() <= 2 * need &&
+        (!best || s->buf.count() < best->buf.count()))
+      best = s.get();
+  if (!best) {
+    pool.push_back(std::make_unique<Slot>());
+    best = pool.back().get();
+    best->buf = be_->allocate(label, DType::f32, need, category);
+  }
+  best->unit = unit;
+  best->users = 0;
+  return best;
+}
+
+void ShardedStore::gather(int unit) {
+  const std::size_t u = static_cast<std::size_t>(unit);
+  Slot* s = take(pslots_, unit, "ZeroStore::gathered_params", Mem::params);
+  gathered_[u] = s;
+  const std::int64_t a = std::max(unit_lo_[u], lo_), b = std::min(unit_hi_[u], hi_);
+  const BufferRef mine = a < b ? params_.ref().slice(a - lo_, b - a) : params_.ref().slice(0, 0);
+  s->req = dp_.all_gather_async(mine, s->buf.ref().slice(0, unit_hi_[u] - unit_lo_[u]), rank_counts(unit_lo_[u], unit_hi_[u]));
+  ++gathers_;
+}
+
+bool ShardedStore::wanted_soon(int unit) const {
+  // Kept when the unit is acquired again within the prefetch window (and the one acquire after it):
+  // the head's forward and backward, a recomputed block's forward and its backward.
+  if (!on_trace_) return false;
+  for (std::size_t k = pos_; k < trace_.size() && k <= pos_ + static_cast<std::size_t>(depth_); ++k)
+    if (trace_[k] == unit) return true;
+  return false;
+}
+
+void ShardedStore::prefetch(int next_unit) {
+  if (depth_ == 0) return;
+  auto fetch = [&](int w) {
+    const std::size_t k = static_cast<std::size_t>(w);
+    if (w >= 0 && unit_hi_[k] > unit_lo_[k] && !gathered_[k]) gather(w);
+  };
+  if (on_trace_) {
+    for (std::size_t k = pos_; k < trace_.size() && k < pos_ + static_cast<std::size_t>(depth_); ++k) fetch(trace_[k]);
+  } else {
+    fetch(next_unit);
+  }
+}
+
+float* ShardedStore::tensor_in(const std::vector<Slot*>& slots, const TypedBuffer& whole, int i) const {
+  const std::size_t k = static_cast<std::size_t>(i);
+  if (whole_of_[k]) return whole.data<float>() + at_[k];
+  const std::size_t u = static_cast<std::size_t>(info_[k].unit);
+  return slots[u]->buf.data<float>() + (at_[k] - unit_lo_[u]);
+}
+
+const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_unit) {
+  const std::size_t u = static_cast<std::size_t>(unit);
+  // Follow (or, in the first step, record) the order of acquires; pos_ ends one past this one.
+  if (tracing_) {
+    trace_.push_back(unit);
+  } else if (on_trace_) {
+    if (pos_ < trace_.size() && trace_[pos_] == unit) ++pos_;
+    else on_trace_ = false;
+  }
+  const bool run = unit_hi_[u] > unit_lo_[u];
+  if (stage_ == 3 && run) {
+    if (!gathered_[u]) gather(unit);
+    prefetch(next_unit);
+    Slot* s = gathered_[u];
+    if (s->req) {
+      s->req->wait();
+      s->req.reset();
+    }
+    ++s->users;
+  }
+  if (use == Use::backward && run && !staged_[u]) {
+    staged_[u] = take(gslots_, unit, "ZeroStore::grad_staging", Mem::grads);
+    be_->fill(staged_[u]->buf.data<float>(), 0.0f, unit_hi_[u] - unit_lo_[u]);
+  }
+  UnitView& v = views_[u];
+  v.params.clear();
+  v.grads.clear();
+  for (int i : units_[u].params) {
+    const std::int64_t count = info_[static_cast<std::size_t>(i)].numel;
+    float* p = whole_of_[static_cast<std::size_t>(i)] ? wparams_.data<float>() + at_[static_cast<std::size_t>(i)]
+               : stage_ == 3                          ? tensor_in(gathered_, wparams_, i)
+                                                      : params_.data<float>() + at_[static_cast<std::size_t>(i)];
+    v.params.emplace_back(p, count);
+    if (use == Use::backward) v.grads.emplace_back(tensor_in(staged_, wgrads_, i), count);
+  }
+  dp_.progress();
+  return v;
+}
+
+void ShardedStore::release(int unit, Use) {
+  const std::size_t u = static_cast<std::size_t>(unit);
+  Slot* s = stage_ == 3 ? gathered_[u] : nullptr;
+  if (s && --s->users == 0 && !wanted_soon(unit)) {
+    s->unit = -1;
+    gathered_[u] = nullptr;
+  }
+  dp_.progress();
+}
+
+ShardedStore::Staged ShardedStore::detach_grads(int unit) {
+  const std::size_t u = static_cast<std::size_t>(unit);
+  Slot* s = staged_[u];
+  if (!s) return {};
+  staged_[u] = nullptr;
+  for (std::size_t k = 0; k < gslots_.size(); ++k)
+    if (gslots_[k].get() == s) return {unit, static_cast<int>(k), s->buf.ref().slice(0, unit_hi_[u] - unit_lo_[u])};
+  throw std::logic_error("ZeRO store: a staging slot not in its pool");
+}
+
+void ShardedStore::accumulate(const Staged& st) {
+  if (st.slot < 0) return;
+  const std::size_t u = static_cast<std::size_t>(st.unit);
+  Slot* s = gslots_[static_cast<std::size_t>(st.slot)].get();
+  // The reduce-scatter left this rank's sum at its natural place in the slot.
+  const std::int64_t a = std::max(unit_lo_[u], lo_), b = std::min(unit_hi_[u], hi_);
+  float* g = gshard_.data<float>() + (a - lo_);
+  if (a < b) be_->residual_forward(g, g, s->buf.data<float>() + (a - unit_lo_[u]), b - a);  // g += part
+  s->unit = -1;
+}
+
+BufferRef ShardedStore::param(int i) {
+  const std::size_t k = static_cast<std::size_t>(i);
+  if (whole_of_[k]) return wparams_.ref().slice(at_[k], info_[k].numel);
+  return stage_ == 3 ? BufferRef() : params_.ref().slice(at_[k], info_[k].numel);
+}
+
+BufferRef ShardedStore::grad(int i) {
+  const std::size_t k = static_cast<std::size_t>(i);
+  return whole_of_[k] ? wgrads_.ref().slice(at_[k], info_[k].numel) : BufferRef();
+}
+
+BufferRef ShardedStore::owned_param(const OwnedSlice& o) {
+  const std::size_t k = static_cast<std::size_t>(o.param);
+  if (whole_of_[k]) return wparams_.ref().slice(at_[k] + o.begin, o.size());
+  return params_.ref().slice(at_[k] + o.begin - (stage_ == 3 ? lo_ : 0), o.size());
+}
+
+BufferRef ShardedStore::owned_grad(const OwnedSlice& o) {
+  const std::size_t k = static_cast<std::size_t>(o.param);
+  if (whole_of_[k]) return wgrads_.ref().slice(at_[k] + o.begin, o.size());
+  return gshard_.ref().slice(at_[k] + o.begin - lo_, o.size());
+}
+
+void ShardedStore::zero_grads() {
+  be_->fill(gshard_.data<float>(), 0.0f, gshard_.count());
+  be_->fill(wgrads_.data<float>(), 0.0f, wgrads_.count());
+  if (tracing_) trace_.clear();
+  on_trace_ = !tracing_ && !trace_.empty();
+  pos_ = 0;
+  step_start_ = dp_.stats();
+  gathers_ = 0;
+}
+
+void ShardedStore::refresh() {
+  if (stage_ == 2) {  // every rank's updated share into every rank's parameters
+    const std::size_t r = static_cast<std::size_t>(dp_.rank());
+    dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
+  }
+  end_step();  // stage 3: gathered copies are stale now
+}
+
+void ShardedStore::end_step() {
+  tracing_ = tracing_ && trace_.empty();
+  on_trace_ = false;
+  for (std::size_t u = 0; u < gathered_.size(); ++u)
+    if (Slot* s = gathered_[u]) {
+      if (s->req) s->req->wait();
+      s->req.reset();
+      s->unit = -1;
+      gathered_[u] = nullptr;
+    }
+}
+
+double ShardedStore::staging_bytes() const {
+  double b = 0;
+  for (const auto& s : gslots_) b += static_cast<double>(s->buf.count()) * sizeof(float);
+  return b;
+}
+
+double ShardedStore::gathered_bytes() const {
+  double b = 0;
+  for (const auto& s : pslots_) b += static_cast<double>(s->buf.count()) * sizeof(float);
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+ShardedSync::ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap)
+    : dp_(dp),
+      be_(be),
+      model_(model),
+      store_(store),
+      piece_(std::max<std::int64_t>(1, static_cast<std::int64_t>(bucket_mb * 1024.0 * 1024.0 / sizeof(float)))),
+      overlap_(overlap) {}
+
+std::string ShardedSync::name() const {
+  return "ZeRO stage " + std::to_string(store_.stage()) + ": " + (reducer_ ? reducer_->name() : std::string("(no reducer)")) +
+         " of each unit's gradients as its backward ends, every micro-batch, in buckets of at most " +
+         std::to_string(piece_ * sizeof(float) / 1024) + " KiB" + (overlap_ ? ", overlapped with backward" : ", waited at once");
+}
+
+void ShardedSync::begin_micro_batch(GPT&, int, int) {
+  // The previous micro-batch's last reduction had this one's forward to finish in: its slot (the
+  // embeddings') is free again before the head's backward asks for one.
+  while (!in_flight_.empty()) complete_oldest();
+}
+
+void ShardedSync::grads_ready(GPT& model, int unit) {
+  InFlight f{store_.detach_grads(unit), {}, {}};
+  const BufferRef g = f.staged.grads;
+  if (g.empty()) return;
+  const std::int64_t lo = store_.unit_lo(unit);
+  for (std::int64_t a = 0; a < g.count; a += piece_) {
+    const std::int64_t b = std::min(g.count, a + piece_);
+    GradBucket k;
+    k.index = counted_++;
+    k.data = g.slice(a, b - a);
+    k.rank_counts = store_.rank_counts(lo + a, lo + b);
+    // The tensors (or parts of them) the piece holds, for a reducer that looks at them.
+    std::int64_t at = 0;
+    for (int i : model.units()[static_cast<std::size_t>(unit)].params) {
+      const ParamInfo& p = model.params()[static_cast<std::size_t>(i)];
+      if (store_.grad(i).count > 0) continue;  // kept whole: reduced in finish
+      const std::int64_t s = std::max(at, a), e = std::min(at + p.numel, b);
+      if (s < e) k.tensors.push_back({i, p.name, p.local_shape, s - a, e - s});
+      at += p.numel;
+    }
+    f.buckets.push_back(std::move(k));
+  }
+  for (const GradBucket& k : f.buckets) f.reqs.push_back(reducer_->reduce_async(k));
+  in_flight_.push_back(std::move(f));
+  // One unit's reduction in flight while the next unit's backward runs (or none: overlap off).
+  while (in_flight_.size() > (overlap_ ? 1u : 0u)) complete_oldest();
+  dp_.progress();
+}
+
+void ShardedSync::complete_oldest() {
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.erase(in_flight_.begin());
+  for (auto& r : f.reqs) r->wait();
+  store_.accumulate(f.staged);
+}
+
+void ShardedSync::finish(GPT&) {
+  while (!in_flight_.empty()) complete_oldest();
+  BufferRef whole = store_.whole_grads();
+  if (!whole.empty()) {
+    GradBucket k;
+    k.index = counted_++;
+    k.data = whole;
+    k.whole = true;
+    reducer_->reduce_async(k)->wait();
+    be_.scale(whole.as<float>(), 1.0f / static_cast<float>(dp_.size()), whole.count);
+  }
+  BufferRef share = store_.grad_share();
+  be_.scale(share.as<float>(), 1.0f / static_cast<float>(dp_.size()), share.count);
+  buckets_per_step_ = counted_;
+  counted_ = 0;
+}
+
+std::vector<std::pair<std::string, double>> ShardedSync::step_report() const {
+  const CommStats& now = dp_.stats();
+  const CommStats& before = store_.stats_at_step_start();
+  auto sent = [&](CommOp op) {
+    const int k = static_cast<int>(op);
+    return static_cast<double>(now.bytes_sent[k] - before.bytes_sent[k]);
+  };
+  const double rs = sent(CommOp::reduce_scatter), ag = sent(CommOp::all_gather), ar = sent(CommOp::all_reduce);
+  const int N = dp_.size();
+  const double P = static_cast<double>(store_.local_numel()), M = 4 * P;
+  // The textbook: stage 2 moves what an all-reduce does, 2(N-1)/N M; stage 3 adds a second gather
+  // of the parameters, 3(N-1)/N M. Model state: 4P + 4P/N + 8P/N, and 16P/N.
+  const double textbook = (store_.stage() == 3 ? 3.0 : 2.0) * (N - 1) / N * M;
+  const double textbook_state = store_.stage() == 3 ? 16 * P / N : 4 * P + 12 * P / N;
+  const Ledger& ledger = Ledger::global();
+  const double state = static_cast<double>(ledger.current(Mem::params) + ledger.current(Mem::grads) +
+                                           ledger.current(Mem::optimizer));
+  std::vector<std::pair<std::string, double>> r = {
+      {"zero_stage", static_cast<double>(store_.stage())},
+      {"zero_reduce_scatter_bytes", rs},
+      {"zero_all_gather_bytes", ag},
+      {"zero_all_reduce_bytes", ar},
+      {"zero_textbook_bytes", textbook},
+      {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0},
+      {"zero_state_bytes", state},
+      {"zero_state_textbook_bytes", textbook_state},
+      {"zero_grad_staging_bytes", store_.staging_bytes()},
+      {"zero_param_gather_bytes", store_.gathered_bytes()},
+      {"zero_whole_bytes", store_.whole_bytes()},
+      {"zero_share_elements", static_cast<double>(store_.share())},
+      {"zero_unit_gathers", static_cast<double>(store_.gathers_this_step())},
+      {"zero_buckets", static_cast<double>(buckets_per_step_)},
+      {"zero_comm_scratch_bytes", static_cast<double>(ledger.peak(Mem::comm))}};
+  for (Reducer* k = reducer_; k; k = k->inner())
+    for (auto& kv : k->step_report()) r.push_back(kv);
+  return r;
+}
+
+}  // namespace loom
