@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """ZeRO stages 0-3 against each other on the bench model, measured in one run.
 
-    python3 bench/zero.py --loom build/loom [--steps 20] [--ranks 2 4]
+    python3 bench/zero.py --loom build/loom [--steps 20] [--ranks 2 4] [--layers 16]
 
-For each dp size N, trains bench/bench.deck (per-rank batch 8, one BLAS thread per rank,
+For each dp size N, trains bench/bench.deck (4 layers; --layers L: L instead, to see how the
+buffers loom adds shrink against the model as it deepens; per-rank batch 8, one BLAS thread per rank,
 zero.bucket_mb = data.bucket_mb = 4) at zero.stage = 0 (plain data parallelism), 1, 2 and 3 (prefetch
 depth 1), and stages 1-3 once more with nothing overlapped (zero.overlap_comm = false, and at stage 3
 zero.prefetch_depth = 0: every gather waited when its unit is used), and prints for each:
@@ -28,13 +29,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(args, n, stage, workdir, overlap=True):
-    rundir = os.path.join(workdir, "dp%d-zero%d%s" % (n, stage, "" if overlap else "-serial"))
+    rundir = os.path.join(workdir, "dp%d-zero%d%s-L%s" % (n, stage, "" if overlap else "-serial", args.layers or "deck"))
     cmd = [args.mpirun, "-n", str(n), args.loom, "run", os.path.join(HERE, "bench.deck"),
            "--set", "parallel.dp=%d" % n, "--set", "train.batch=%d" % (8 * n), "--set", "train.steps=%d" % args.steps,
            "--set", "run.dir=" + rundir, "--set", "run.overwrite=true", "--set", "data.bucket_mb=4",
            "--set", "zero.stage=%d" % stage, "--set", "zero.bucket_mb=4", "--set", "train.log_every=1"]
     if not overlap:
         cmd += ["--set", "zero.overlap_comm=false", "--set", "zero.prefetch_depth=0"]
+    if args.layers:
+        cmd += ["--set", "model.layers=%d" % args.layers]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     print("$ " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -56,6 +59,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2])
     ap.add_argument("--workdir", default="build/bench-zero")
+    ap.add_argument("--layers", type=int, default=0, help="model.layers instead of the bench deck's")
     args = ap.parse_args()
     out, ok = {}, True
     for n in args.ranks:

@@ -90,7 +90,9 @@ class Communicator {
   // Reduce-scatter, equal counts: `send` holds size() * recv.count elements; rank r receives block r.
   CommRequestPtr reduce_scatter_async(BufferRef send, BufferRef recv, ReduceOp op = ReduceOp::sum);
   // Reduce-scatter, variable counts: rank r receives counts[r] elements (recv.count == counts[rank()]);
-  // `send` holds their sum, the blocks in rank order.
+  // `send` holds their sum, the blocks in rank order. In place (`recv` is this rank's block of
+  // `send`), the other blocks of `send` are left undefined: the ring keeps its partial sums there
+  // and needs scratch for one incoming block only.
   CommRequestPtr reduce_scatter_async(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts,
                                       ReduceOp op = ReduceOp::sum);
   // All-gather, equal counts: every rank contributes send.count elements; `recv` gets size() * send.count,

@@ -560,10 +560,14 @@ class RingReduceScatter : public MpiRequest {
       if (bytes(0) > 0 && recv_ != send_) std::memmove(recv_, send_, bytes(0));
     } else if (total() > 0) {
       // Two block-sized halves, the second 8-byte aligned: the partial result and the incoming one.
-      // With two ranks the one step combines straight into `recv`: no partial result to keep.
+      // Only the incoming one when there is no partial result to keep apart: with two ranks (the one
+      // step combines straight into `recv`), or in place (`recv` is this rank's block of `send`, so
+      // the caller gives up the rest of `send`: each block's partial result overwrites this rank's
+      // elements of it, which are read once, just before).
       const std::size_t most = *std::max_element(counts_.begin(), counts_.end()) * elem_;
       const std::size_t half = (most + 7) / 8 * 8;
-      if (n_ == 2) {
+      in_place_ = recv_ == own(rank());
+      if (n_ == 2 || in_place_) {
         tmp_ = scratch(half);
       } else {
         acc_ = scratch(2 * half);
@@ -577,11 +581,11 @@ class RingReduceScatter : public MpiRequest {
   void post(int s) override {
     const int out = ring_mod(rank() - s - 1, n_), in = ring_mod(rank() - s - 2, n_);
     irecv(tmp_, bytes(in), left());
-    isend(s == 0 ? own(out) : acc_, bytes(out), right());
+    isend(s == 0 || in_place_ ? own(out) : acc_, bytes(out), right());
   }
   void complete(int s) override {
     const int block = ring_mod(rank() - s - 2, n_);
-    char* d = s == n_ - 2 ? recv_ : acc_;
+    char* d = s == n_ - 2 ? recv_ : in_place_ ? const_cast<char*>(own(block)) : acc_;
     reduce_(d, tmp_, own(block), counts_[static_cast<std::size_t>(block)]);  // incoming op own
   }
 
@@ -597,6 +601,7 @@ class RingReduceScatter : public MpiRequest {
   int n_;
   Reducer reduce_;
   char *acc_ = nullptr, *tmp_ = nullptr;
+  bool in_place_ = false;
 };
 
 // Blocks of counts[b] elements, in rank order. Own block copied into place at issue; step s sends

@@ -714,13 +714,18 @@ TYPED_TEST(CommTyped, ReduceScatterVariableCounts) {
   const int n = c->size(), r = c->rank();
   for (ReduceOp op : kReduceOps) {
     for (const auto& counts : count_patterns(n)) {
-      SCOPED_TRACE(std::string(reduce_op_name(op)) + " counts " + show(counts));
+     for (bool in_place : {false, true}) {
+      SCOPED_TRACE(std::string(reduce_op_name(op)) + " counts " + show(counts) + (in_place ? " in place" : ""));
       const std::vector<std::int64_t> off = shard_offsets(counts);
       const std::int64_t total = off.back();
       std::vector<T> send(static_cast<std::size_t>(total)), recv(static_cast<std::size_t>(counts[r]), random_bits<T>(r, -1));
       for (std::int64_t i = 0; i < total; ++i) send[i] = from_int<T>(small<T>(r, i));
       c->reset_stats();
-      c->reduce_scatter_async(ref(send), ref(recv), counts, op)->wait();
+      // In place the result lands in this rank's block of `send` (the ring keeps its partial sums in
+      // the other blocks).
+      const BufferRef into = in_place ? ref(send).slice(off[r], counts[r]) : ref(recv);
+      c->reduce_scatter_async(ref(send), into, counts, op)->wait();
+      if (in_place) std::copy(send.begin() + off[r], send.begin() + off[r] + counts[r], recv.begin());
       EXPECT_EQ(0, bit_mismatches(recv, [&](std::int64_t i) {
                   return reduce_ints<T>(op, n, [&](int q) { return small<T>(q, off[r] + i); });
                 }));
@@ -729,6 +734,7 @@ TYPED_TEST(CommTyped, ReduceScatterVariableCounts) {
       expect_only(c->stats(), kRS, bytes);
       EXPECT_EQ(bytes, ring_reduce_scatter_bytes(counts, r, sizeof(T)));
       EXPECT_EQ(sum_over_ranks(bytes), static_cast<std::uint64_t>((n - 1) * total) * sizeof(T));
+     }
     }
   }
 }
