@@ -100,31 +100,9 @@ class ZeroSync final : public BucketedGradSync {
     if (k == m - 1) before_ = dp_.stats();
   }
   // Measured per step: bytes this rank sent to reduce the gradients (reduce-scatter, and all-reduce
-  // of tensors kept whole) and to gather the parameters, against 2(N-1)/N of the parameter bytes.
+  // of tensors kept whole) and to gather the parameters, and the model state, against the textbook.
   std::vector<std::pair<std::string, double>> step_report() const override {
-    const CommStats& now = dp_.stats();
-    auto sent = [&](CommOp op) {
-      const int k = static_cast<int>(op);
-      return static_cast<double>(now.bytes_sent[k] - before_.bytes_sent[k]);
-    };
-    const double rs = sent(CommOp::reduce_scatter), ag = sent(CommOp::all_gather), ar = sent(CommOp::all_reduce);
-    const double textbook = ring_all_reduce_bytes(params_bytes_, dp_.size());
-    // Model state per rank (the ledger's parameters, gradients and optimizer state) against the
-    // textbook 4P + 4P + 8P/N of stage 1, and the buffer loom adds: the collectives' scratch.
-    const Ledger& ledger = Ledger::global();
-    const double state = static_cast<double>(ledger.current(Mem::params) + ledger.current(Mem::grads) +
-                                             ledger.current(Mem::optimizer));
-    const double P = params_bytes_ / sizeof(float);
-    std::vector<std::pair<std::string, double>> r = {
-        {"zero_stage", 1},
-        {"zero_reduce_scatter_bytes", rs},
-        {"zero_all_gather_bytes", ag},
-        {"zero_all_reduce_bytes", ar},
-        {"zero_textbook_bytes", textbook},
-        {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0},
-        {"zero_state_bytes", state},
-        {"zero_state_textbook_bytes", 4 * P + 4 * P + 8 * P / dp_.size()},
-        {"zero_comm_scratch_bytes", static_cast<double>(ledger.peak(Mem::comm))}};
+    auto r = zero_step_report(1, dp_, before_, params_bytes_ / sizeof(float));
     append_reducer_report(r);
     return r;
   }

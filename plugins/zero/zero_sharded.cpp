@@ -350,39 +350,40 @@ void ShardedSync::finish(GPT&) {
   counted_ = 0;
 }
 
-std::vector<std::pair<std::string, double>> ShardedSync::step_report() const {
-  const CommStats& now = dp_.stats();
-  const CommStats& before = store_.stats_at_step_start();
+std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Communicator& dp, const CommStats& before,
+                                                             double P) {
+  const CommStats& now = dp.stats();
   auto sent = [&](CommOp op) {
     const int k = static_cast<int>(op);
     return static_cast<double>(now.bytes_sent[k] - before.bytes_sent[k]);
   };
   const double rs = sent(CommOp::reduce_scatter), ag = sent(CommOp::all_gather), ar = sent(CommOp::all_reduce);
-  const int N = dp_.size();
-  const double P = static_cast<double>(store_.local_numel()), M = 4 * P;
-  // The textbook: stage 2 moves what an all-reduce does, 2(N-1)/N M; stage 3 adds a second gather
-  // of the parameters, 3(N-1)/N M. Model state: 4P + 4P/N + 8P/N, and 16P/N.
-  const double textbook = (store_.stage() == 3 ? 3.0 : 2.0) * (N - 1) / N * M;
-  const double textbook_state = store_.stage() == 3 ? 16 * P / N : 4 * P + 12 * P / N;
+  const double N = dp.size(), M = 4 * P;
+  const double textbook = (stage == 3 ? 3.0 : 2.0) * (N - 1) / N * M;
+  const double textbook_state = stage == 3 ? 16 * P / N : stage == 2 ? 4 * P + 12 * P / N : 8 * P + 8 * P / N;
   const Ledger& ledger = Ledger::global();
   const double state = static_cast<double>(ledger.current(Mem::params) + ledger.current(Mem::grads) +
                                            ledger.current(Mem::optimizer));
-  std::vector<std::pair<std::string, double>> r = {
-      {"zero_stage", static_cast<double>(store_.stage())},
-      {"zero_reduce_scatter_bytes", rs},
-      {"zero_all_gather_bytes", ag},
-      {"zero_all_reduce_bytes", ar},
-      {"zero_textbook_bytes", textbook},
-      {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0},
-      {"zero_state_bytes", state},
-      {"zero_state_textbook_bytes", textbook_state},
-      {"zero_grad_staging_bytes", store_.staging_bytes()},
-      {"zero_param_gather_bytes", store_.gathered_bytes()},
-      {"zero_whole_bytes", store_.whole_bytes()},
-      {"zero_share_elements", static_cast<double>(store_.share())},
-      {"zero_unit_gathers", static_cast<double>(store_.gathers_this_step())},
-      {"zero_buckets", static_cast<double>(buckets_per_step_)},
-      {"zero_comm_scratch_bytes", static_cast<double>(ledger.peak(Mem::comm))}};
+  return {{"zero_stage", stage},
+          {"zero_reduce_scatter_bytes", rs},
+          {"zero_all_gather_bytes", ag},
+          {"zero_all_reduce_bytes", ar},
+          {"zero_textbook_bytes", textbook},
+          {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0},
+          {"zero_state_bytes", state},
+          {"zero_state_textbook_bytes", textbook_state},
+          {"zero_comm_scratch_bytes", static_cast<double>(ledger.peak(Mem::comm))}};
+}
+
+std::vector<std::pair<std::string, double>> ShardedSync::step_report() const {
+  auto r = zero_step_report(store_.stage(), dp_, store_.stats_at_step_start(), static_cast<double>(store_.local_numel()));
+  // The buffers loom adds to the textbook's model state, and what the step did.
+  r.insert(r.end(), {{"zero_grad_staging_bytes", store_.staging_bytes()},
+                     {"zero_param_gather_bytes", store_.gathered_bytes()},
+                     {"zero_whole_bytes", store_.whole_bytes()},
+                     {"zero_share_elements", static_cast<double>(store_.share())},
+                     {"zero_unit_gathers", static_cast<double>(store_.gathers_this_step())},
+                     {"zero_buckets", static_cast<double>(buckets_per_step_)}});
   for (Reducer* k = reducer_; k; k = k->inner())
     for (auto& kv : k->step_report()) r.push_back(kv);
   return r;

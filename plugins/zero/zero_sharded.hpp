@@ -38,6 +38,13 @@
 
 namespace loom {
 
+// The metrics every stage reports: the bytes this rank sent since `before` by kind of collective
+// against the textbook volume (stage 1 and 2: 2(N-1)/N M, stage 3: 3(N-1)/N M, M = 4P bytes), the
+// ledger's model state (parameters + gradients + AdamW) against the textbook (4P + 4P + 8P/N,
+// 4P + 4P/N + 8P/N, 16P/N), and the collectives' scratch.
+std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Communicator& dp, const CommStats& before,
+                                                             double params);
+
 class ShardedStore final : public ParamStore {
  public:
   ShardedStore(Communicator& dp, int stage, std::int64_t persist_below, int prefetch_depth);
