@@ -9,7 +9,8 @@ zero.bucket_mb = data.bucket_mb = 4) at zero.stage = 0 (plain data parallelism),
 depth 1), and stages 1-3 once more with nothing overlapped (zero.overlap_comm = false, and at stage 3
 zero.prefetch_depth = 0: every gather waited when its unit is used), and prints for each:
   - tokens/s and the step time against stage 0's (median of the steady steps, the first excluded);
-  - rank 0's model state (parameters + gradients + AdamW, from the ledger) against the textbook
+  - rank 0's peak memory per category (parameters, gradients, AdamW, from the ledger) and the model
+    state they add up to, against the textbook
     (stage 0 16P, 1: 4P + 4P + 8P/N, 2: 4P + 4P/N + 8P/N, 3: 16P/N) and the buffers loom adds (the
     collectives' scratch, gradient staging, gathered parameters);
   - the bytes rank 0 sent per step against the textbook (2(N-1)/N M for stages 0-2, 3(N-1)/N M for 3);
@@ -86,7 +87,10 @@ def main():
             step_ms = median(rows, "step_ms")
             mem = rows[-1]["mem_peak_bytes"]
             state = mem["params"] + mem["grads"] + mem["optimizer"]
-            textbook_state = {0: 16 * P, 1: 8 * P + 8 * P / n, 2: 4 * P + 12 * P / n, 3: 16 * P / n}[stage]
+            # The textbook per category: parameters, gradients, AdamW moments.
+            book = {0: (4 * P, 4 * P, 8 * P), 1: (4 * P, 4 * P, 8 * P / n), 2: (4 * P, 4 * P / n, 8 * P / n),
+                    3: (4 * P / n, 4 * P / n, 8 * P / n)}[stage]
+            textbook_state = sum(book)
             sent = statistics.median(sum(g["bytes_sent"] for g in r["comm"].values()) for r in rows)
             formula = (3 if stage == 3 else 2) * (n - 1) / n * 4 * P
             wait = median(rows, "comm_wait_share")
@@ -101,12 +105,17 @@ def main():
                    "param_gather_bytes": gathered, "bytes_sent": sent, "bytes_formula": formula,
                    "comm_wait_share": wait, "wait_hidden_share": hidden}
             out[key] = rec
+            rec["by_category"] = {"params": [mem["params"], book[0]], "grads": [mem["grads"], book[1]],
+                                  "optimizer": [mem["optimizer"], book[2]]}
             print("dp %d, zero.stage %d: %8.0f tokens/s, step %.1f ms (x%.3f of stage 0) | model state %.2f MiB "
                   "(textbook %.2f MiB; + staging %.2f, gathered %.2f) + comm scratch %.2f MiB | sent %.2f MiB/step "
                   "(textbook %.2f MiB, x%.3f) | waiting %.1f%% of the step%s"
                   % (n, stage, rec["tokens_per_s"], step_ms, rec["step_vs_stage0"], state / 2**20, textbook_state / 2**20,
                      staging / 2**20, gathered / 2**20, mem["comm"] / 2**20, sent / 2**20, formula / 2**20, sent / formula,
                      100 * wait, "" if hidden is None else ", %.0f%% of the waiting hidden by overlap" % (100 * hidden)))
+            print("    peak per category (textbook): parameters %.2f (%.2f) MiB, gradients %.2f (%.2f) MiB, AdamW %.2f (%.2f) MiB"
+                  % (mem["params"] / 2**20, book[0] / 2**20, mem["grads"] / 2**20, book[1] / 2**20,
+                     mem["optimizer"] / 2**20, book[2] / 2**20))
     print(json.dumps(out, sort_keys=True))
     return 0 if ok else 1
 
