@@ -23,6 +23,15 @@ struct NormCheck {
   int first_nonfinite = -1;  // the list index of the first tensor holding a NaN or an inf; -1 if none
 };
 
+// The precision of a run's compute (the `precision` role, filled by the `mixed_precision` strategy;
+// DESIGN.md "Mixed precision"). Master weights, gradients, optimizer state and every activation
+// stay fp32; `matmul` names what the model's matrix products (matmul_forward/_backward) take as
+// operands: their inputs, weights and output gradients are rounded to it, and the products
+// accumulate in fp32 into fp32 outputs (torch.autocast's rule for linear layers).
+struct Precision {
+  DType matmul = DType::f32;  // fp32, bf16 or fp16
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -32,6 +41,9 @@ class Backend {
   // `category`. Every tensor of a run (parameters, gradients, optimizer state, activations,
   // communication scratch) is allocated here, so that a device back end places them all.
   virtual MemSpace space() const { return MemSpace::host; }
+  // Set once, before the model is built; throws std::invalid_argument for a type it cannot compute in.
+  virtual void set_precision(const Precision& p) { precision_ = p; }
+  const Precision& precision() const { return precision_; }
   virtual TypedBuffer allocate(const std::string& label, DType type, std::int64_t count, Mem category) {
     return TypedBuffer(label, type, count, category);
   }
@@ -91,6 +103,9 @@ class Backend {
   // x *= a and x = value, computed in the element type's compute type (fp64 for fp64, else fp32).
   virtual void scale(BufferRef x, double a) = 0;
   virtual void fill(BufferRef x, double value) = 0;
+
+ protected:
+  Precision precision_;
 };
 
 // Makes `buffer` hold at least `count` elements of `type` (a new zeroed buffer from the back end when

@@ -13,7 +13,7 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 double AccumulateSchedule::run(StepContext& ctx) {
   double total = 0;
-  const float dloss = 1.0f / static_cast<float>(ctx.micro_batches);
+  const float dloss = ctx.loss_scale / static_cast<float>(ctx.micro_batches);
   for (int k = 0; k < ctx.micro_batches; ++k) {
     double t0 = now();
     ctx.fetch(ctx.step, static_cast<std::int64_t>(k) * ctx.rows_per_micro, ctx.rows_per_micro, ctx.inputs, ctx.targets);
@@ -41,6 +41,7 @@ double Schedule::forward_only(StepContext& ctx) {
 
 const char* step_phase_name(StepPhase p) {
   switch (p) {
+    case StepPhase::begin: return "begin";
     case StepPhase::micro_batches: return "micro_batches";
     case StepPhase::grads_final: return "grads_final";
     case StepPhase::unscale_check: return "unscale_check";
@@ -89,6 +90,8 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   StepState s;
   st.step = s.step = step;
   const double t0 = now();
+  run_hooks(StepPhase::begin, s);
+  st.loss_scale = s.loss_scale;
 
   // micro_batches: the schedule's forwards and backwards.
   model_.zero_grad();
@@ -99,7 +102,8 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   float* poisoned = poison ? store.owned_param(store.owned().front()).as<float>() : nullptr;
   const float kept = poison ? *poisoned : 0.0f;
   if (poison) *poisoned = std::numeric_limits<float>::quiet_NaN();
-  StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_)};
+  StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_),
+                  static_cast<float>(s.loss_scale)};
   s.local_loss = schedule_->run(ctx);
   inputs_ = std::move(ctx.inputs);
   targets_ = std::move(ctx.targets);
@@ -114,8 +118,13 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   schedule_->finish_grads(model_);
   s.loss = sync_->mean_over_replicas(s.local_loss);
   run_hooks(StepPhase::grads_final, s);
+  // Regression cases make one gradient element of one rank infinite after the sync (an fp16 overflow
+  // in that rank's share alone, which only agreement between the ranks can turn into a skip everywhere).
+  if (inject_fault("overflow", step) && !store.owned().empty())
+    store.owned_grad(store.owned().front()).as<float>()[0] = std::numeric_limits<float>::infinity();
 
-  // unscale_check: nothing to unscale in fp32; a precision strategy's hook runs here.
+  // unscale_check: nothing to unscale in fp32; a loss scaler's hook divides the gradients by the
+  // scale here and skips the update when they overflowed.
   run_hooks(StepPhase::unscale_check, s);
 
   // norm: every element is counted by its one primary owner, summed over the world.
@@ -131,9 +140,11 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   if (before_update) before_update(st);
 
   // Loss and norm are global (reduced over every group), so every rank takes the same branch.
-  s.nonfinite = s.nonfinite || !std::isfinite(st.loss) || !std::isfinite(st.grad_norm);
+  // A step a hook skipped on purpose (a loss-scale overflow) may hold non-finite values: expected.
+  if (s.skip_reason.empty()) s.nonfinite = s.nonfinite || !std::isfinite(st.loss) || !std::isfinite(st.grad_norm);
   st.nonfinite = s.nonfinite;
   st.skip_reason = s.skip_reason;
+  st.failure = s.failure;
   if (!s.nonfinite && s.skip_reason.empty()) {
     // clip: the slices this rank updates (replicas scale their copies alike).
     s.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);

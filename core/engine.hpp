@@ -1,6 +1,6 @@
 #pragma once
 // The engine runs one training step (DESIGN.md "The training step") as explicit phases:
-//   micro_batches (schedule) -> grads_final (gradient sync, the partition's and the schedule's
+//   begin (hooks only: a loss scaler sets the step's scale) -> micro_batches (schedule) -> grads_final (gradient sync, the partition's and the schedule's
 //   finish_grads) -> unscale_check -> norm (over the elements each rank owns, summed over the world)
 //   -> clip -> optimize (the optimizer role on the owned slices) -> refresh (the store's refresh).
 // Each phase runs the core's built-in work, then the hooks strategies registered for it (a mixed
@@ -59,6 +59,9 @@ struct StepContext {
   PhaseTimes& times;
   GradSync& sync;
   std::vector<std::int32_t> inputs, targets;  // reused batch storage
+  // The factor the training objective is multiplied by before backward (a loss scaler's; 1 without
+  // one): each micro-batch's backward starts from dloss = loss_scale / micro_batches.
+  float loss_scale = 1.0f;
 };
 
 // Role "schedule": in what order the micro-batch forwards and backwards of a step run, and what
@@ -88,11 +91,13 @@ class AccumulateSchedule final : public Schedule {
 struct StepStats {
   std::int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0, clip_coef = 1;
+  double loss_scale = 1;  // the factor backward started from (StepState::loss_scale)
   // The loss or the gradient norm was not finite: the update was not applied (on every rank alike,
   // since both are global values); the driver reports it and stops or skips (train.on_nonfinite).
   bool nonfinite = false;
   // A phase hook skipped the update on purpose (e.g. a loss-scale overflow): why; empty otherwise.
   std::string skip_reason;
+  std::string failure;  // StepState::failure
   double local_loss = 0;  // this rank's own share of the loss, before the mean over replicas
   double seconds = 0;
   PhaseTimes times;
@@ -101,19 +106,24 @@ struct StepStats {
 };
 
 // The phases of a step, in order.
-enum class StepPhase : int { micro_batches = 0, grads_final, unscale_check, norm, clip, optimize, refresh, count_ };
+enum class StepPhase : int { begin = 0, micro_batches, grads_final, unscale_check, norm, clip, optimize, refresh, count_ };
 inline constexpr int kStepPhases = static_cast<int>(StepPhase::count_);
 const char* step_phase_name(StepPhase p);  // "micro_batches", ...
 
 // What the phases of one step share. Hooks may read everything and change what their phase owns:
-// unscale_check may set skip_reason (no clip, optimize or refresh follows) or mark `nonfinite`.
+// unscale_check may set skip_reason (no clip, optimize or refresh follows; a gradient that is not
+// finite is then no failure) or mark `nonfinite`; begin may set loss_scale.
 struct StepState {
   std::int64_t step = 0;
+  double loss_scale = 1;            // set in begin: backward starts from loss_scale / micro_batches
   double local_loss = 0, loss = 0;  // this rank's share; the mean over the global batch
   double sq_norm = 0;               // the squared global gradient norm (after norm)
   double clip_coef = 1, lr = 0;
   bool nonfinite = false;
   std::string skip_reason;
+  // A hook found that the run cannot go on (the same on every rank, e.g. a loss scale that cannot
+  // back off further): why. The driver stops the run with it.
+  std::string failure;
 };
 
 struct PhaseHook {

@@ -20,8 +20,8 @@ namespace loom {
 
 namespace {
 
-const char* const kFaultForm = "rank=R,step=S,where=plugin|data|checkpoint|nan|nan_weights";
-const char* const kFaultPlaces[] = {"plugin", "data", "checkpoint", "nan", "nan_weights"};
+const char* const kFaultForm = "rank=R,step=S,where=plugin|data|checkpoint|nan|nan_weights|overflow";
+const char* const kFaultPlaces[] = {"plugin", "data", "checkpoint", "nan", "nan_weights", "overflow"};
 
 struct FaultPlan {
   int rank = -1;
@@ -40,7 +40,7 @@ std::optional<FaultPlan> parse_fault_spec(const std::string& spec, std::string* 
   FaultPlan plan{std::stoi(m[1]), std::stoll(m[2]), m[3]};
   for (const char* place : kFaultPlaces)
     if (plan.where == place) return plan;
-  *why = "where=" + escape_value(plan.where) + " is not a place a fault can be injected (valid: plugin, data, checkpoint, nan, nan_weights)";
+  *why = "where=" + escape_value(plan.where) + " is not a place a fault can be injected (valid: plugin, data, checkpoint, nan, nan_weights, overflow)";
   return std::nullopt;
 }
 

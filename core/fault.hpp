@@ -7,7 +7,9 @@
 // "checkpoint" (the rank dies in the middle of writing the checkpoint of step S), "nan" (one weight
 // element of the rank is NaN during step S's forward and backward only: a bad batch's non-finite loss
 // and gradients) or "nan_weights" (a NaN written into one weight after step S's update, where it
-// stays: the state itself diverged). Unset: no cost beyond one branch.
+// stays: the state itself diverged) or "overflow" (one element of the gradient the rank updates is
+// +inf after step S's gradient sync: an fp16 overflow in that rank's share only). Unset: no cost
+// beyond one branch.
 #include <cstdint>
 
 #include <functional>

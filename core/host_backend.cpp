@@ -1,6 +1,7 @@
 // The host back end: Kokkos kernels on the default host execution space, CBLAS matrix products.
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
@@ -71,13 +72,28 @@ class HostBackend final : public Backend {
                           int C) override {
     k::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
+  void set_precision(const Precision& p) override {
+    if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
+      refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) + "; the host back end takes fp32, bf16 or fp16");
+    precision_ = p;
+  }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) override {
-    k::matmul_forward(out, inp, weight, bias, N, C, OC);
+    if (precision_.matmul == DType::f32) return k::matmul_forward(out, inp, weight, bias, N, C, OC);
+    const float* x = rounded(0, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
+    const float* w = rounded(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
+    k::gemm(false, true, N, OC, C, 1.0f, x, C, w, C, 0.0f, out, OC);        // out = x W^T
+    if (bias) k::bias_add(out, bias, N, OC);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int N, int C, int OC) override {
-    k::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+    if (precision_.matmul == DType::f32) return k::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+    const float* d = rounded(0, dout, static_cast<std::int64_t>(N) * OC);   // [N,OC]
+    const float* w = rounded(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
+    const float* x = rounded(2, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
+    k::gemm(false, false, N, C, OC, 1.0f, d, OC, w, C, 0.0f, dinp, C);       // dinp = dout W
+    k::gemm(true, false, OC, C, N, 1.0f, d, OC, x, C, 1.0f, dweight, C);     // dW += dout^T x
+    if (dbias) k::bias_backward(dbias, dout, N, OC);                        // a sum, not a product: fp32
   }
   void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
     k::attention_forward(out, att, qkv, B, T, C, NH);
@@ -213,7 +229,26 @@ class HostBackend final : public Backend {
   }
 
  private:
+  // src rounded to the matrix products' 16-bit type (nearest even) and widened back to fp32, in
+  // workspace operand slot `slot`: the values a 16-bit operand holds, exactly, for an fp32 product
+  // that accumulates in fp32 (widening is exact, so this is the 16-bit product's arithmetic).
+  const float* rounded(int slot, const float* src, std::int64_t n) {
+    TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
+    ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), DType::f32, n, Mem::workspace);
+    float* dst = buf.data<float>();
+    if (precision_.matmul == DType::bf16)
+      k::for_chunks("Matmul::round_bf16", n, [=](std::int64_t b, std::int64_t e) {
+        for (std::int64_t i = b; i < e; ++i) dst[i] = to_float(to_bf16(src[i]));
+      });
+    else
+      k::for_chunks("Matmul::round_fp16", n, [=](std::int64_t b, std::int64_t e) {
+        for (std::int64_t i = b; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
+      });
+    return dst;
+  }
+
   int threads_;
+  std::array<TypedBuffer, 3> operands_;  // the 16-bit operands of one matrix product (input, weight, gradient)
 };
 
 }  // namespace

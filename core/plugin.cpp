@@ -36,6 +36,7 @@ void StrategyRegistry::add(const loom_plugin_v1& plugin, const std::string& orig
   if (info.make_partition) factories.push_back(Role::partition);
   if (info.assign_stage) factories.push_back(Role::stage);
   if (info.make_store) factories.push_back(Role::store);
+  if (info.make_precision) factories.push_back(Role::precision);
   check_filled_roles(info, factories);
   strategies_.emplace(name, std::move(info));
 }
@@ -153,6 +154,7 @@ const char* role_name(Role r) {
     case Role::reducer: return "reducer";
     case Role::optimizer: return "optimizer";
     case Role::phase_hooks: return "phase hooks";
+    case Role::precision: return "precision";
     case Role::count_: break;
   }
   return "?";

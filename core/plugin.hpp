@@ -25,7 +25,8 @@
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, or
 // the role interfaces (core/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
 // checkpoint_part.hpp). ABI 4: declared role claims, the parameter store, step phases, the reducer.
-#define LOOM_PLUGIN_ABI_VERSION 4
+// ABI 5: the precision role, the `begin` phase, StepState::loss_scale.
+#define LOOM_PLUGIN_ABI_VERSION 5
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -63,6 +64,7 @@ enum class Role : int {
   reducer,        // Roles::reducer (provides) or Roles::wrap_reducer (wraps): the gradient collective
   optimizer,      // Roles::optimizer: the update of the owned slices
   phase_hooks,    // Roles::hooks: work in a phase of the step (unscale, refresh, ...); any number may add
+  precision,      // StrategyInfo::make_precision: the element type of the matrix products' operands
   count_
 };
 inline constexpr int kRoles = static_cast<int>(Role::count_);
@@ -128,6 +130,9 @@ struct StrategyInfo {
   std::function<Stage(PartitionContext&)> assign_stage;
   // Optional: the parameter store, created before the model (at most one strategy fills it).
   std::function<std::unique_ptr<ParamStore>(PartitionContext&)> make_store;
+  // Optional: the precision of the run's compute, set on the back end before the model is built (at
+  // most one strategy fills it).
+  std::function<Precision(PartitionContext&)> make_precision;
   // The other roles, once the model exists.
   std::function<void(StrategyContext&, Roles&)> create;
 };

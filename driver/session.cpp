@@ -173,6 +173,7 @@ void Session::setup_collective() {
   PartitionContext pctx{deck, *grid, *backend, model_cfg};
   Stage stage;
   for (const StrategyInfo* strategy : strategies) {
+    if (strategy->make_precision) backend->set_precision(strategy->make_precision(pctx));
     if (strategy->make_partition) partition = strategy->make_partition(pctx);
     if (strategy->assign_stage) stage = strategy->assign_stage(pctx);
     if (strategy->make_store) store = strategy->make_store(pctx);
@@ -258,6 +259,12 @@ std::string Session::banner() const {
   s << "            HDF5 " << build::hdf5_version << "; backend " << backend->description() << "\n";
   if (*openblas_core_note()) s << "            " << openblas_core_note() << "\n";
   s << "  threads : " << threads.origin << "\n";
+  const DType mm = backend->precision().matmul;
+  if (mm == DType::f32)
+    s << "  precision: fp32\n";
+  else
+    s << "  precision: " << dtype_name(mm) << " matrix products (operands rounded to " << dtype_name(mm)
+      << ", fp32 accumulation); fp32 master weights, gradients, AdamW state, activations, LayerNorm, softmax, loss\n";
   s << "  deck    : " << deck.path() << "\n";
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()

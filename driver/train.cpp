@@ -185,6 +185,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   // the steady steps (all steps if there is only one) for the summary.
   ReportMeans report_steady, report_all;
   const bool skip_nonfinite = deck.get_string("train.on_nonfinite") == "skip";
+  const bool loss_scaled = s.backend->precision().matmul == DType::f16;  // the step line shows the scale
   const std::int64_t max_skipped = deck.get_int("train.max_skipped");
   std::int64_t skipped_total = 0, skipped_in_row = 0;
   std::string failure;  // why the run failed (the same on every rank); empty while it goes well
@@ -269,6 +270,9 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       else if (io)
         std::cout << "loom: warning: " << nonfinite_note << "; update skipped (train.on_nonfinite = skip; "
                   << skipped_in_row << " in a row, " << skipped_total << " in all)" << std::endl;
+    } else if (!st.failure.empty()) {
+      ++skipped_total;
+      failure = st.failure;
     } else if (!st.skip_reason.empty()) {
       // A phase hook skipped the update on purpose (a loss-scale overflow): counted as a skipped step
       // (step = optimizer_steps + skipped_steps), never a failure.
@@ -322,6 +326,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     if (val) std::printf(" | val %.4f", *val);
     if (st.nonfinite) std::printf(" | update skipped");
     if (!st.skip_reason.empty()) std::printf(" | update skipped: %s", st.skip_reason.c_str());
+    if (loss_scaled) std::printf(" | scale %g, %lld skipped", st.loss_scale, static_cast<long long>(skipped_total));
     std::printf(" | %s in, ETA %s", duration_text(elapsed).c_str(), duration_text(eta).c_str());
     std::cout << std::endl;
     nlohmann::json rec = {{"step", step + 1},
@@ -329,6 +334,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                           {"lr", st.lr},
                           {"grad_norm", st.grad_norm},
                           {"clip_coef", st.clip_coef},
+                          {"loss_scale", st.loss_scale},
+                          {"skipped_steps", skipped_total},
                           {"tokens_per_s", tps},
                           {"tflops", tflops},
                           {"mfu", mfu},

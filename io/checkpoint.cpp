@@ -295,7 +295,10 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   const std::int64_t seed = static_cast<std::int64_t>(state.seed);
   write_attr(file.id, "seed", H5T_NATIVE_INT64, seed);
   write_attr(file.id, "data_next_step", H5T_NATIVE_INT64, state.step);
-  write_attr(file.id, "loss_scale", H5T_NATIVE_DOUBLE, state.loss_scale);
+  // A loss scaler's own value (a contributed `loss_scale`) takes the core attribute's place.
+  const std::map<std::string, double> contributed = contributed_attributes(parts);
+  const auto scaler = contributed.find("loss_scale");
+  write_attr(file.id, "loss_scale", H5T_NATIVE_DOUBLE, scaler == contributed.end() ? state.loss_scale : scaler->second);
   const std::int64_t dp = state.layout.dp, tp = state.layout.tp, pp = state.layout.pp;
   write_attr(file.id, "layout_dp", H5T_NATIVE_INT64, dp);
   write_attr(file.id, "layout_tp", H5T_NATIVE_INT64, tp);
@@ -307,7 +310,8 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
     const std::int64_t v = model.config().*k.field;
     write_attr(file.id, k.attr, H5T_NATIVE_INT64, v);
   }
-  for (const auto& [name, value] : contributed_attributes(parts)) write_attr(file.id, name.c_str(), H5T_NATIVE_DOUBLE, value);
+  for (const auto& [name, value] : contributed)
+    if (name != "loss_scale") write_attr(file.id, name.c_str(), H5T_NATIVE_DOUBLE, value);
 
   // Each element is written by its primary owner (the store decides: by default data-parallel
   // replica 0, and for a tensor replicated over the tp group tp rank 0). Everyone else selects

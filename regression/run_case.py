@@ -22,11 +22,13 @@ A case records its deck lines and what to check, LAMMPS-style:
      "golden"   compare the per-step losses (and the final val loss) with "golden", values recorded at
                 full precision by --regenerate; nobody types golden numbers by hand
      "same_as"  run the deck again with "reference_sets" and compare the loss curves step by step
-                on "reference_ranks" (default 1) ranks, e.g. dp = 4 against one process
+                on "reference_ranks" (default 1) ranks, e.g. dp = 4 against one process; with
+                "differs": true the curves must also differ somewhere (the path under test ran)
      "learns"   the final loss must fall below "max_final_loss" and below the first loss by "min_drop"
      "error"    the run must fail with exit status "exit" and stderr matching every regex in "stderr"
   "epsilon":  {"base": e, "scale": {"loss": s, "val_loss": s}}: tolerance for a quantity is
-              base * scale[quantity] relative to the reference (|a - b| <= eps * max(1, |b|)).
+              base * scale[quantity] relative to the reference (|a - b| <= eps * max(1, |b|));
+              "same_as" also compares the per-step gradient norm when the scale names "grad_norm".
 Standard library only: runs with any python3.
 """
 import argparse
@@ -95,7 +97,7 @@ def run_loom(args, case, workdir, tag, sets, ranks=None):
 def curve(records):
     loss = [r["loss"] for r in records]
     val = [r["val_loss"] for r in records if "val_loss" in r]
-    return {"loss": loss, "val_loss": val[-1] if val else None}
+    return {"loss": loss, "val_loss": val[-1] if val else None, "grad_norm": [r.get("grad_norm") for r in records]}
 
 
 def tolerance(case, quantity):
@@ -116,6 +118,14 @@ def compare(case, got, ref):
         if err > tol:
             failures.append("step %d: loss %.10g, reference %.10g (rel. error %.3g > %.3g)" % (i + 1, a, b, err, tol))
     print("loss curve: %d steps, worst relative error %.3g (tolerance %.3g)" % (len(ref["loss"]), worst, tol))
+    if case.get("differs") and worst == 0.0:
+        failures.append("the loss curve equals the reference's bit for bit: the path under test did not run")
+    if "grad_norm" in case.get("epsilon", {}).get("scale", {}):  # compared when the case gives a tolerance
+        tn = tolerance(case, "grad_norm")
+        errs = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(got["grad_norm"], ref["grad_norm"])]
+        print("gradient norm: worst relative error %.3g (tolerance %.3g)" % (max(errs), tn))
+        failures += ["step %d: gradient norm %.10g, reference %.10g (rel. error %.3g > %.3g)" % (i + 1, a, b, e, tn)
+                     for i, (a, b, e) in enumerate(zip(got["grad_norm"], ref["grad_norm"], errs)) if e > tn]
     if ref.get("val_loss") is not None:
         tv = tolerance(case, "val_loss")
         if got.get("val_loss") is None:

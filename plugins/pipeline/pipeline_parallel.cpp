@@ -423,7 +423,7 @@ class PipelineSchedule final : public Schedule {
     }
     ctx.sync.begin_micro_batch(model, j, m_ * v_);
     t0 = now();
-    const float* dx = model.backward_stage(slot, 1.0f / static_cast<float>(m_), dout, c);
+    const float* dx = model.backward_stage(slot, ctx.loss_scale / static_cast<float>(m_), dout, c);
     ctx.times.backward += now() - t0;
     timed("backward", k, c, t0);
     if (!model.holds_embeddings(c)) {

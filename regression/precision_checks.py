@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Mixed precision: fp16 loss scaling as a run shows it, and checkpoints across precisions.
+
+    python3 regression/precision_checks.py --loom build/loom --workdir build/precision-checks CASE
+
+CASE is one of:
+  fp16_overflow_backoff  fp16 from a scale that overflows at once (2^32, Megatron's initial scale) on the
+                         learning deck, the scale growing after 10 clean steps: the first steps are
+                         skipped and named, and every step's logged scale is exactly what the dynamic
+                         rule (hysteresis 2, back-off 0.5, growth 2 after the window) gives from the
+                         run's own overflow pattern; then the loss falls like fp32's: the final loss
+                         within fp16_final_tol (5%, relative) of the fp32 run's, the same deck
+  fp16_overflow_one_rank ZeRO-2 at dp = 2, fp16: an inf in rank 1's gradient share after the sync
+                         (LOOM_INJECT_FAULT where=overflow) is an overflow on that rank only; the step is
+                         skipped on both ranks (the curve equals one process skipping the same step,
+                         within fp16's u = 2^-11), the run goes on and finishes
+  checkpoint_bf16_to_fp32, checkpoint_fp32_to_bf16
+                         saved at step 4 of 8 in one precision, resumed in the other: the file holds
+                         fp32 master weights, so steps 5..8 follow the uninterrupted run within bf16's
+                         u = 2^-9 (relative)
+  checkpoint_fp16_scale  fp16, the scale growing every 2 clean steps, saved at step 4 and resumed: the
+                         loss scale and its counters come back, so steps 5..8 log the same scales and,
+                         bit for bit, the same losses as the uninterrupted run
+Standard library only.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+U_BF16, U_FP16 = 2.0 ** -9, 2.0 ** -11
+FP16_FINAL_TOL = 0.05
+
+
+def learning_deck():
+    case = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases", "learns_synthetic.json")))
+    return "\n".join(case["deck"]) + "\n"
+
+
+def expected_scales(skipped, initial, window, hysteresis, backoff=0.5, growth=2.0, min_scale=1.0):
+    """The scale each step runs with under the dynamic rule, given which steps overflowed."""
+    scale, tracker, hyst, out = initial, 0, hysteresis, []
+    for overflow in skipped:
+        out.append(scale)
+        if overflow:
+            tracker = 0
+            hyst -= 1
+            if hyst <= 0:
+                hyst = 0
+                scale = max(scale * backoff, min_scale)
+        else:
+            tracker += 1
+            if tracker == window:
+                tracker = 0
+                hyst = hysteresis
+                scale *= growth
+    return out
+
+
+def compare(c, got, ref, tol, what):
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got, ref)) if got else 0.0
+    print("%s: %d steps, worst relative error %.3g (tolerance %.3g)" % (what, len(got), worst, tol))
+    c.check(len(got) == len(ref) and worst <= tol, "%s: worst relative error %.3g above %.3g (or %d steps, expected %d)"
+            % (what, worst, tol, len(got), len(ref)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("case")
+    args = ap.parse_args()
+    name = args.case
+
+    if name == "fp16_overflow_backoff":
+        c = common.Case(args, name, learning_deck())
+        window = 10
+        _, run = c.loom("fp16", 1, ["precision.dtype=fp16", "precision.initial_scale_power=32",
+                                    "precision.loss_scale_window=%d" % window, "train.log_every=1"])
+        _, ref = c.loom("fp32", 1, [])
+        rows = common.rows(run)
+        skipped = [bool(r.get("skipped")) for r in rows]
+        scales = [r["loss_scale"] for r in rows]
+        first_clean = skipped.index(False) if False in skipped else len(skipped)
+        print("fp16 from 2^32: %d skipped step(s) in all, the first %d in a row; scales %s ..." %
+              (sum(skipped), first_clean, scales[:first_clean + 2]))
+        c.check(first_clean >= 2, "the first steps did not overflow from a scale of 2^32")
+        c.check(all("fp16 gradient overflow" in r.get("skip_reason", "") for r, s in zip(rows, skipped) if s),
+                "a skipped step does not name the overflow")
+        want = expected_scales(skipped, 2.0 ** 32, window, 2)
+        bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(scales, want)) if a != b]
+        c.check(not bad, "logged scales differ from the dynamic rule's at (step, logged, expected) %s" % bad[:5])
+        c.check(any(b > a for a, b in zip(scales, scales[1:])), "the scale never grew after a window of clean steps")
+        final, final_ref = rows[-1]["loss"], common.rows(ref)[-1]["loss"]
+        err = abs(final - final_ref) / abs(final_ref)
+        print("final loss: fp16 %.6f, fp32 %.6f (relative %.3g, tolerance %.3g)" % (final, final_ref, err, FP16_FINAL_TOL))
+        c.check(err <= FP16_FINAL_TOL, "the fp16 run's final loss is %.3g away from fp32's (relative)" % err)
+        c.check(rows[-1]["loss"] < rows[0]["loss"] - 2.0, "the fp16 run did not learn")
+        return c.done(name)
+
+    if name == "fp16_overflow_one_rank":
+        c = common.Case(args, name, common.small_deck(steps=8, log_every=1))
+        fp16 = ["precision.dtype=fp16"]
+        p, run = c.loom("zero2_dp2", 2, fp16 + ["parallel.dp=2", "zero.stage=2"],
+                        env={"LOOM_INJECT_FAULT": "rank=1,step=3,where=overflow"})
+        _, ref = c.loom("single", 1, fp16, env={"LOOM_INJECT_FAULT": "rank=0,step=3,where=overflow"})
+        rows, ref_rows = common.rows(run), common.rows(ref)
+        skipped = [r["step"] for r in rows if r.get("skipped")]
+        print("ZeRO-2 dp 2, inf in rank 1's gradient share at step 4: skipped steps %s; %s" % (skipped, rows[3].get("skip_reason") if len(rows) > 3 else ""))
+        c.check(skipped == [4], "skipped steps %s, expected [4]" % skipped)
+        c.check([r["step"] for r in ref_rows if r.get("skipped")] == [4], "the one-process reference did not skip step 4")
+        clean = lambda rs: [r["loss"] for r in rs if not r.get("skipped")]
+        compare(c, clean(rows), clean(ref_rows), U_FP16, "ZeRO-2 dp 2 against one process, skipped step left out")
+        return c.done(name)
+
+    if name.startswith("checkpoint_"):
+        c = common.Case(args, name, common.small_deck(steps=8, log_every=1))
+        cross = {"checkpoint_bf16_to_fp32": ("bf16", "fp32"), "checkpoint_fp32_to_bf16": ("fp32", "bf16")}
+        if name in cross:
+            a, b = cross[name]
+            extra_a, extra_b, tol = ["precision.dtype=" + a], ["precision.dtype=" + b], U_BF16
+        elif name == "checkpoint_fp16_scale":
+            extra_a = extra_b = ["precision.dtype=fp16", "precision.loss_scale_window=2"]
+            tol = 0.0
+        else:
+            sys.exit("unknown case " + name)
+        _, full = c.loom("full", 1, extra_a + ["checkpoint.every=4", "checkpoint.keep=5"])
+        ckpt = os.path.join(full, "checkpoints", "ckpt-00000004.h5")
+        _, resumed = c.loom("resumed", 1, extra_b + ["checkpoint.resume=" + ckpt])
+        ref = {r["step"]: r for r in common.rows(full)}
+        got = {r["step"]: r for r in common.rows(resumed)}
+        c.check(sorted(got) == [5, 6, 7, 8], "the resumed run logged steps %s, expected 5..8" % sorted(got))
+        steps = [s for s in sorted(got) if s in ref]
+        compare(c, [got[s]["loss"] for s in steps], [ref[s]["loss"] for s in steps], tol, "resumed against uninterrupted")
+        if name == "checkpoint_fp16_scale":
+            scales = [(s, got[s]["loss_scale"], ref[s]["loss_scale"]) for s in steps]
+            print("loss scales (step, resumed, uninterrupted): %s" % scales)
+            c.check(all(a == b for _, a, b in scales), "the resumed run's loss scales differ from the uninterrupted run's")
+            c.check(ref[5]["loss_scale"] > ref[1]["loss_scale"], "the scale did not grow before the checkpoint")
+        return c.done(name)
+
+    sys.exit("unknown case " + name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
