@@ -44,6 +44,9 @@ class Backend {
   // Set once, before the model is built; throws std::invalid_argument for a type it cannot compute in.
   virtual void set_precision(const Precision& p) { precision_ = p; }
   const Precision& precision() const { return precision_; }
+  // Frees the scratch the back end keeps between calls (it grows again with the next call that
+  // needs it): after a one-off large operation, such as measuring the matrix-product rate.
+  virtual void release_scratch() {}
   virtual TypedBuffer allocate(const std::string& label, DType type, std::int64_t count, Mem category) {
     return TypedBuffer(label, type, count, category);
   }

@@ -1,5 +1,8 @@
 // The host back end: Kokkos kernels on the default host execution space, CBLAS matrix products.
 #include <Kokkos_Core.hpp>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -76,6 +79,9 @@ class HostBackend final : public Backend {
     if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
       refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) + "; the host back end takes fp32, bf16 or fp16");
     precision_ = p;
+  }
+  void release_scratch() override {
+    for (TypedBuffer& b : operands_) b = TypedBuffer();
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) override {
@@ -242,7 +248,14 @@ class HostBackend final : public Backend {
       });
     else
       k::for_chunks("Matmul::round_fp16", n, [=](std::int64_t b, std::int64_t e) {
-        for (std::int64_t i = b; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
+        std::int64_t i = b;
+#if defined(__F16C__)
+        // The CPU's conversion (F16C: round to nearest even, inf on overflow, NaN kept), 8 at a time;
+        // the same values as to_f16, about 10x faster.
+        for (; i + 8 <= e; i += 8)
+          _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+        for (; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
       });
     return dst;
   }

@@ -91,6 +91,7 @@ double measured_matmul_flops(Backend& be) {
     be.matmul_forward(c.data(), a.data(), b.data(), nullptr, n, n, n);
     if (rep >= 2) best = std::min(best, now() - t0);
   }
+  be.release_scratch();  // the 16-bit operand copies of these large products
   return 2.0 * n * n * n / best;
 }
 
@@ -162,7 +163,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                 peak_source.c_str(), world, world == 1 ? "" : "s");
   const double t_init = now() - t_start;
 
-  double train_time = 0, steady_time = 0, eval_time = 0, last_loss = NAN;
+  double train_time = 0, steady_time = 0, eval_time = 0, last_loss = NAN, last_loss_scale = 1;
   std::int64_t steady_steps = 0;
   PhaseTimes phase_sum;
   std::array<std::size_t, kMemCategories> peak_bytes{};
@@ -241,6 +242,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     for (int i = 0; i < kMemCategories; ++i) peak_bytes[i] = std::max(peak_bytes[i], st.peak_bytes[i]);
     peak_total = std::max(peak_total, st.peak_total);
     last_loss = st.loss;
+    last_loss_scale = st.loss_scale;
 
     // A non-finite loss or gradient norm (the same on every rank): the engine applied no update.
     std::string nonfinite_note;
@@ -422,6 +424,23 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     summary["comm"] = comm;
     for (const auto& [k, v] : report_means) summary[k] = v;
   }
+  // Mixed precision: the model state per rank against the textbook's 2P + 2P + 12P (ZeRO: the
+  // paper's K = 12 split over the dp ranks by stage), P the parameters this rank holds.
+  nlohmann::json precision_summary = nlohmann::json::object();
+  if (s.backend->precision().matmul != DType::f32) {
+    const double P = static_cast<double>(s.model->num_params()), N = s.layout.dp;
+    const int stage = report_means.count("zero_stage") ? static_cast<int>(report_means["zero_stage"]) : 0;
+    const double textbook = stage == 3 ? 16 * P / N : stage == 2 ? 2 * P + 14 * P / N : stage == 1 ? 4 * P + 12 * P / N : 16 * P;
+    const char* formula = stage == 3 ? "16P/N" : stage == 2 ? "2P + (2P + 12P)/N" : stage == 1 ? "2P + 2P + 12P/N" : "2P + 2P + 12P";
+    precision_summary = {{"dtype", dtype_name(s.backend->precision().matmul)},
+                         {"state_bytes", peak_bytes[static_cast<int>(Mem::params)] + peak_bytes[static_cast<int>(Mem::grads)] +
+                                             peak_bytes[static_cast<int>(Mem::optimizer)]},
+                         {"textbook_bytes", textbook},
+                         {"textbook_formula", formula},
+                         {"workspace_peak_bytes", peak_bytes[static_cast<int>(Mem::workspace)]}};
+    if (loss_scaled) precision_summary["loss_scale_final"] = last_loss_scale;
+    summary["precision"] = precision_summary;
+  }
   if (last_val) summary["final_val_loss"] = *last_val;
   if (auto best = s.train_data->best_loss()) summary["best_possible_loss"] = *best;
   write_json_atomic(s.run_dir + "/summary.json", summary);
@@ -460,7 +479,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   if (auto best = s.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
   std::printf("\n         %lld parameters (%lld on rank 0)", static_cast<long long>(model_params),
               static_cast<long long>(s.model->num_params()));
-  if (skipped_total) std::printf(" | %lld step(s) skipped as non-finite", static_cast<long long>(skipped_total));
+  if (skipped_total) std::printf(" | %lld step(s) skipped (not finite, or a loss-scale overflow)", static_cast<long long>(skipped_total));
   std::printf("\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | MFU %.1f%% of %.3f TFLOP/s (%s) | steady step %.1f ms\n",
               tps, tps * flops_per_token / 1e12, flops_per_token, 100.0 * tps * flops_per_token / peak_flops,
               peak_flops / 1e12, peak_source.c_str(), mean_step * 1e3);
@@ -491,6 +510,26 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                 stage, bytes_formula, report_means["zero_ratio"], format_bytes(report_means["zero_state_bytes"]).c_str(),
                 state_formula, format_bytes(report_means["zero_state_textbook_bytes"]).c_str(), added.c_str());
   }
+  std::string scale_note;
+  if (precision_summary.contains("loss_scale_final")) {
+    char note[160];
+    std::snprintf(note, sizeof note, "; fp16 loss scale of the last step %g, %lld step(s) skipped on overflow",
+                  precision_summary["loss_scale_final"].get<double>(), static_cast<long long>(skipped_total));
+    scale_note = note;
+  }
+  if (precision_summary.contains("dtype"))
+    std::printf("         precision %s: model state per rank %s = weights (fp32, the masters) %s + gradients (fp32) %s\n"
+                "         + AdamW %s, against the textbook's mixed precision %s = %s (16-bit weights and gradients,\n"
+                "         fp32 masters and moments): loom keeps fp32 gradients and no 16-bit weight copy (each matrix\n"
+                "         product rounds its operands into workspace, peak %s)%s\n",
+                precision_summary["dtype"].get<std::string>().c_str(), format_bytes(precision_summary["state_bytes"]).c_str(),
+                format_bytes(peak_bytes[static_cast<int>(Mem::params)]).c_str(),
+                format_bytes(peak_bytes[static_cast<int>(Mem::grads)]).c_str(),
+                format_bytes(peak_bytes[static_cast<int>(Mem::optimizer)]).c_str(),
+                precision_summary["textbook_formula"].get<std::string>().c_str(),
+                format_bytes(precision_summary["textbook_bytes"]).c_str(),
+                format_bytes(peak_bytes[static_cast<int>(Mem::workspace)]).c_str(),
+                scale_note.c_str());
   if (report_means.count("pp_bubble"))
     std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); the schedule replayed\n"
                 "         with the measured op times and free communication %.3f; textbook (p-1)/(vm+p-1) %.3f\n",

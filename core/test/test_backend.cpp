@@ -433,3 +433,106 @@ TEST(Backend, TypedScaleAndFill) {
   EXPECT_THROW(be->fill(BufferRef(q.data(), 4), 1.0), std::invalid_argument);
   EXPECT_THROW(be->scale(BufferRef(q.data(), 4), 1.0), std::invalid_argument);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The precision role: with Precision::matmul = bf16 or fp16, the model's matrix products
+// (matmul_forward/_backward) multiply operands rounded to that type, nearest even, and accumulate in
+// fp32 into fp32 outputs.
+
+namespace {
+template <class T>
+double round16(float x) {
+  if constexpr (std::is_same_v<T, bf16>) return loom::to_float(loom::to_bf16(x));
+  else return loom::to_float(loom::to_f16(x));
+}
+
+// out[N,OC] = x W^T (+ bias), dinp = dout W, dW += dout^T x, from operands rounded to T, in fp64.
+template <class T>
+void check_16bit_linear(DType type) {
+  const int N = 37, C = 48, OC = 29;
+  const auto x = as<float>(randn(N * C, 11)), w = as<float>(randn(OC * C, 12, 0.3)),
+             b = as<float>(randn(OC, 13)), dout = as<float>(randn(N * OC, 14));
+  auto be = host();
+  be->set_precision({type});
+  std::vector<float> out(N * OC), dinp(N * C), dw(OC * C, 0.5f), db(OC, 0.0f);
+  be->matmul_forward(out.data(), x.data(), w.data(), b.data(), N, C, OC);
+  be->matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), N, C, OC);
+  // fp32 accumulation of K exact products: |error| <= K * 2^-24 * sum |a b| (plus the bias add).
+  const auto bound = [](int K, double mag) { return (K + 2) * std::ldexp(1.0, -24) * mag; };
+  double worst_rounded = 0, worst_unrounded = 0;
+  for (int n = 0; n < N; ++n)
+    for (int o = 0; o < OC; ++o) {
+      double ref = b[o], exact = b[o], mag = std::fabs(b[o]);
+      for (int c = 0; c < C; ++c) {
+        ref += round16<T>(x[n * C + c]) * round16<T>(w[o * C + c]);
+        exact += double(x[n * C + c]) * w[o * C + c];
+        mag += std::fabs(round16<T>(x[n * C + c]) * round16<T>(w[o * C + c]));
+      }
+      const double got = out[n * OC + o];
+      EXPECT_LE(std::fabs(got - ref), bound(C, mag)) << "out[" << n << "," << o << "]";
+      worst_rounded = std::max(worst_rounded, std::fabs(got - ref) / bound(C, mag));
+      worst_unrounded = std::max(worst_unrounded, std::fabs(got - exact) / bound(C, mag));
+    }
+  // The rounding happened: against the unrounded operands the error is far above fp32's bound.
+  EXPECT_GT(worst_unrounded, 10.0) << "the operands were not rounded to " << loom::dtype_name(type);
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < C; ++c) {
+      double ref = 0, mag = 0;
+      for (int o = 0; o < OC; ++o) {
+        ref += round16<T>(dout[n * OC + o]) * round16<T>(w[o * C + c]);
+        mag += std::fabs(round16<T>(dout[n * OC + o]) * round16<T>(w[o * C + c]));
+      }
+      EXPECT_LE(std::fabs(dinp[n * C + c] - ref), bound(OC, mag)) << "dinp[" << n << "," << c << "]";
+    }
+  for (int o = 0; o < OC; ++o)
+    for (int c = 0; c < C; ++c) {
+      double ref = 0.5, mag = 0.5;
+      for (int n = 0; n < N; ++n) {
+        ref += round16<T>(dout[n * OC + o]) * round16<T>(x[n * C + c]);
+        mag += std::fabs(round16<T>(dout[n * OC + o]) * round16<T>(x[n * C + c]));
+      }
+      EXPECT_LE(std::fabs(dw[o * C + c] - ref), bound(N, mag)) << "dweight[" << o << "," << c << "]";
+    }
+  for (int o = 0; o < OC; ++o) {  // the bias gradient is a sum of the fp32 gradient, not a product
+    double ref = 0, mag = 0;
+    for (int n = 0; n < N; ++n) ref += dout[n * OC + o], mag += std::fabs(dout[n * OC + o]);
+    EXPECT_LE(std::fabs(db[o] - ref), bound(N, mag)) << "dbias[" << o << "]";
+  }
+}
+}  // namespace
+
+TEST(Backend, Bf16MatmulsMultiplyRoundedOperandsInFp32) { check_16bit_linear<bf16>(DType::bf16); }
+TEST(Backend, Fp16MatmulsMultiplyRoundedOperandsInFp32) { check_16bit_linear<f16>(DType::f16); }
+
+// The fp16 rounding (vectorised where the CPU converts) equals to_f16, bit for bit: ties, subnormals,
+// the largest finite values; a value beyond fp16's range overflows to a non-finite product.
+TEST(Backend, Fp16OperandRoundingIsNearestEvenWithOverflow) {
+  std::vector<float> v = {1.0f, 1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, -1.0f - 0x1p-11f, 65504.0f, 65519.0f,
+                          -65519.0f, 0x1p-24f, 0x1p-25f, 0x1.8p-25f, 3e-8f, 6.1e-5f, 0.1f, 1e-3f, 2049.0f, 2051.0f};
+  const auto r = randn(100, 15, 30.0);
+  v.insert(v.end(), r.begin(), r.end());
+  const int C = 8;  // each value times the identity: out = round(x) exactly
+  while (v.size() % C) v.push_back(0.0f);
+  const int N = static_cast<int>(v.size()) / C;
+  std::vector<float> eye(C * C, 0.0f), out(v.size());
+  for (int i = 0; i < C; ++i) eye[i * C + i] = 1.0f;
+  auto be = host();
+  be->set_precision({DType::f16});
+  be->matmul_forward(out.data(), v.data(), eye.data(), nullptr, N, C, C);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const float want = loom::to_float(loom::to_f16(v[i]));
+    EXPECT_EQ(std::memcmp(&out[i], &want, 4), 0) << v[i] << " rounded to " << out[i] << ", expected " << want;
+  }
+  EXPECT_EQ(loom::to_float(loom::to_f16(65519.0f)), 65504.0f);  // below the midpoint to 65536: rounds down
+  std::vector<float> big(C, 0.0f);
+  big[0] = 65520.0f;  // the midpoint to 65536 rounds to even: beyond fp16's range, inf
+  std::vector<float> o(C);
+  be->matmul_forward(o.data(), big.data(), eye.data(), nullptr, 1, C, C);
+  EXPECT_FALSE(std::isfinite(o[0]));
+}
+
+TEST(Backend, PrecisionRefusesNon16BitTypes) {
+  auto be = host();
+  EXPECT_THROW(be->set_precision({DType::i8}), std::invalid_argument);
+  EXPECT_THROW(be->set_precision({DType::f64}), std::invalid_argument);
+}
