@@ -30,6 +30,7 @@ struct NormCheck {
 // accumulate in fp32 into fp32 outputs (torch.autocast's rule for linear layers).
 struct Precision {
   DType matmul = DType::f32;  // fp32, bf16 or fp16
+  DType reduce = DType::f32;  // the gradient collective's element type (the session's CastReducer)
 };
 
 class Backend {

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/buffer.hpp"
 #include "core/comm.hpp"
 #include "core/dtype.hpp"
 
@@ -55,6 +56,33 @@ class AllReduceReducer final : public Reducer {
 
  private:
   Communicator& comm_;
+};
+
+class Backend;
+
+// The gradient collective in a narrower type (precision.reduce_dtype): each bucket is cast from fp32
+// into a scratch buffer of `type` (a pool with one buffer per bucket in flight, filed under
+// Mem::comm), reduced there by the
+// inner reducer (16-bit sums are added in fp32 and rounded once per ring step), and cast back into
+// the fp32 bucket when the request completes. Half the bytes on the wire, and every element of the
+// sum rounded to the type. The session puts it directly around the providing strategy's reducer,
+// inside any wrapper, so that a wrapping strategy still sees fp32 gradients.
+class CastReducer final : public Reducer {
+ public:
+  CastReducer(std::unique_ptr<Reducer> inner, Backend& backend, DType type);
+  std::string name() const override;
+  CommRequestPtr reduce_async(const GradBucket& bucket) override;
+  Reducer* inner() override { return inner_.get(); }
+
+ private:
+  std::unique_ptr<Reducer> inner_;
+  Backend& be_;
+  DType type_;
+  struct Slot {
+    TypedBuffer buffer;
+    bool busy = false;  // a reduction in flight uses it
+  };
+  std::vector<std::unique_ptr<Slot>> slots_;
 };
 
 // What a wrapping strategy supplies: given the reducer it wraps, the one that replaces it.

@@ -207,6 +207,9 @@ void Session::setup_collective() {
       engine_roles.hooks.push_back(std::move(h));
     }
   }
+  // A narrower gradient collective goes right around the collective itself, inside any wrapper.
+  if (reducer && backend->precision().reduce != DType::f32)
+    reducer = std::make_unique<CastReducer>(std::move(reducer), *backend, backend->precision().reduce);
   for (auto& [name, wrap] : wrappers) {
     if (!reducer) throw InputError("strategy '" + name + "' wraps the gradient reducer, but no strategy of this run provides one");
     reducer = wrap(std::move(reducer));
@@ -264,7 +267,8 @@ std::string Session::banner() const {
     s << "  precision: fp32\n";
   else
     s << "  precision: " << dtype_name(mm) << " matrix products (operands rounded to " << dtype_name(mm)
-      << ", fp32 accumulation); fp32 master weights, gradients, AdamW state, activations, LayerNorm, softmax, loss\n";
+      << ", fp32 accumulation); fp32 master weights, gradients, AdamW state, activations, LayerNorm, softmax, loss; "
+      << "gradient collective in " << dtype_name(backend->precision().reduce) << "\n";
   s << "  deck    : " << deck.path() << "\n";
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()

@@ -143,6 +143,9 @@ void register_mixed_precision(void* p) {
                                  "the matrix products' operand type: fp32, or bf16/fp16 operands with fp32 "
                                  "accumulation (fp32 master weights, gradients and optimizer state; fp16 adds loss "
                                  "scaling)"));
+  info.keys.push_back(choice_key("precision.reduce_dtype", "fp32", {"fp32", "bf16", "fp16"},
+                                 "the element type of the data-parallel gradient collective: fp32, or a 16-bit copy "
+                                 "of each bucket (half the bytes; each sum rounded) cast back into the fp32 gradients"));
   info.keys.push_back(float_key("precision.loss_scale", "0", 0, 1e38,
                                 "fp16: 0 dynamic loss scaling; > 0 a fixed scale (DeepSpeed fp16.loss_scale)"));
   info.keys.push_back(int_key("precision.initial_scale_power", "16", 0, 100,
@@ -178,11 +181,16 @@ void register_mixed_precision(void* p) {
           throw InputError(std::string(key) + " is for dynamic loss scaling, but precision.loss_scale = " +
                            values.at("precision.loss_scale") + " fixes the scale: remove one of them");
     }
+    if (dtype == "fp32" && !deck.is_default("precision.reduce_dtype"))
+      throw InputError("precision.reduce_dtype = " + values.at("precision.reduce_dtype") + " needs precision.dtype = bf16 "
+                       "or fp16 (here fp32): set one, or remove precision.reduce_dtype");
     return dtype == "fp32" ? "" : "precision.dtype = " + dtype;
   };
   info.make_precision = [](PartitionContext& ctx) {
     Precision p;
     p.matmul = dtype_of_deck(ctx.deck);
+    const std::string reduce = ctx.deck.get_string("precision.reduce_dtype");
+    p.reduce = reduce == "bf16" ? DType::bf16 : reduce == "fp16" ? DType::f16 : DType::f32;
     return p;
   };
   info.create = [](StrategyContext& ctx, Roles& roles) {

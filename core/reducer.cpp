@@ -1,0 +1,62 @@
+#include "core/reducer.hpp"
+
+#include "core/backend.hpp"
+
+namespace loom {
+namespace {
+
+// Completes the inner reduction, then casts the reduced 16-bit copy back into the fp32 bucket.
+class CastBackRequest final : public CommRequest {
+ public:
+  CastBackRequest(CommRequestPtr inner, Backend& be, BufferRef fp32, BufferRef narrow, bool* busy)
+      : inner_(std::move(inner)), be_(be), fp32_(fp32), narrow_(narrow), busy_(busy) {}
+  bool test() override {
+    if (done_) return true;
+    if (!inner_->test()) return false;
+    finish();
+    return true;
+  }
+  void wait() override {
+    if (done_) return;
+    inner_->wait();
+    finish();
+  }
+
+ private:
+  void finish() {
+    be_.cast(fp32_, narrow_);
+    *busy_ = false;  // the scratch is free for the next bucket
+    done_ = true;
+  }
+  CommRequestPtr inner_;
+  Backend& be_;
+  BufferRef fp32_, narrow_;
+  bool* busy_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+CastReducer::CastReducer(std::unique_ptr<Reducer> inner, Backend& backend, DType type)
+    : inner_(std::move(inner)), be_(backend), type_(type) {}
+
+std::string CastReducer::name() const { return inner_->name() + " in " + dtype_name(type_); }
+
+CommRequestPtr CastReducer::reduce_async(const GradBucket& bucket) {
+  Slot* slot = nullptr;
+  for (auto& s : slots_)
+    if (!s->busy) slot = s.get();
+  if (!slot) {
+    slots_.push_back(std::make_unique<Slot>());
+    slot = slots_.back().get();
+  }
+  ensure_capacity(be_, slot->buffer, "CastReducer::bucket", type_, bucket.data.count, Mem::comm);
+  slot->busy = true;
+  const BufferRef narrow = slot->buffer.ref().slice(0, bucket.data.count);
+  be_.cast(narrow, bucket.data);
+  GradBucket b = bucket;
+  b.data = narrow;
+  return std::make_unique<CastBackRequest>(inner_->reduce_async(b), be_, bucket.data, narrow, &slot->busy);
+}
+
+}  // namespace loom
