@@ -1,4 +1,5 @@
-// The host back end: Kokkos kernels on the default host execution space, CBLAS matrix products.
+// The host back end: Kokkos kernels on the default host execution space, matrix products through
+// core/gemm (oneDNN or CBLAS, run.gemm).
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cmath>
@@ -9,9 +10,9 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/gemm.hpp"
 #include "core/kernels.hpp"
 
-extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 extern "C" char* openblas_get_config(void) __attribute__((weak));
 
 namespace loom {
@@ -41,14 +42,14 @@ void with_float_type(DType t, const char* op, F&& f) {
 
 class HostBackend final : public Backend {
  public:
-  explicit HostBackend(int threads) : threads_(threads) {
-    if (openblas_set_num_threads) openblas_set_num_threads(threads);
-  }
+  // The threads of OpenBLAS and of oneDNN's OpenMP runtime (core/gemm.hpp).
+  explicit HostBackend(int threads) : threads_(threads) { gemm::set_threads(threads); }
   std::string name() const override { return "host"; }
   std::string description() const override {
     std::ostringstream s;
     s << "host (Kokkos " << Kokkos::DefaultHostExecutionSpace::name() << ", BLAS "
-      << (openblas_get_config ? openblas_get_config() : "cblas") << ", " << threads_ << " BLAS thread"
+      << (openblas_get_config ? openblas_get_config() : "cblas") << ", matrix products "
+      << (gemm::impl() == gemm::Impl::onednn ? "oneDNN" : "BLAS") << ", " << threads_ << " BLAS thread"
       << (threads_ == 1 ? "" : "s") << ")";
     return s.str();
   }
@@ -153,11 +154,25 @@ class HostBackend final : public Backend {
               double(beta), out.as<double>(), ldc);
       return;
     }
+    // bf16 operands: straight into loom::gemm::gemm_bf16 (fp32 accumulation); a bf16 out through an
+    // fp32 copy, rounded once.
+    if (a.type == DType::bf16 && b.type == DType::bf16 && (out.type == DType::f32 || out.type == DType::bf16)) {
+      std::vector<float> fc;
+      float* pc = out.type == DType::f32 ? out.as<float>() : nullptr;
+      if (!pc) {
+        fc.resize(static_cast<std::size_t>(out.count));
+        if (beta != 0.0f) cast(BufferRef(fc.data(), out.count), out);
+        pc = fc.data();
+      }
+      gemm::gemm_bf16(transa, transb, M, N, K, alpha, a.as<const bf16>(), lda, b.as<const bf16>(), ldb, beta, pc, ldc);
+      if (!fc.empty()) cast(out, BufferRef(pc, out.count));
+      return;
+    }
     for (const BufferRef* x : {&out, &a, &b})
       if (x->type != DType::f32 && x->type != DType::bf16 && x->type != DType::f16)
         refuse(std::string("matmul: operands of ") + dtype_name(out.type) + " = " + dtype_name(a.type) + " x " +
                dtype_name(b.type) + "; mixed operands are fp32, bf16 or fp16 (fp64 only with fp64)");
-    // 16-bit operands go through fp32 copies and one sgemm.
+    // Other 16-bit operands (fp16, or a mix) go through fp32 copies and one sgemm.
     std::vector<float> fa, fb, fc;
     const auto as_f32 = [&](const BufferRef& x, std::vector<float>& copy) -> float* {
       if (x.type == DType::f32) return static_cast<float*>(x.data);
