@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -25,6 +26,10 @@
 #include "core/gemm.hpp"
 
 namespace gemm = loom::gemm;
+
+namespace loom::gemm {
+void PrintTo(Impl i, std::ostream* os) { *os << impl_name(i); }  // test names and messages say "blas", "onednn"
+}  // namespace loom::gemm
 using gemm::Impl;
 using loom::bf16;
 
