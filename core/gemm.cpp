@@ -161,7 +161,7 @@ const char* runtime_name(unsigned r) {
 #endif  // LOOM_HAVE_ONEDNN
 
 std::string blas_name() {
-  std::string s = openblas_get_config ? std::string("OpenBLAS ") + openblas_get_config() : std::string("CBLAS");
+  std::string s = openblas_get_config ? std::string(openblas_get_config()) : std::string("CBLAS");  // "OpenBLAS 0.3.21 ..."
   if (openblas_get_num_threads) {
     const int n = openblas_get_num_threads();
     s += " (" + std::to_string(n) + " thread" + (n == 1 ? "" : "s") + ")";
