@@ -10,7 +10,7 @@ packages=(
   libhdf5-mpich-dev hdf5-tools
   libboost-program-options-dev
   libtrilinos-kokkos-dev
-  libopenblas-dev
+  libopenblas-dev libdnnl-dev
   nlohmann-json3-dev
   googletest libgtest-dev libbenchmark-dev
   python3-torch python3-h5py python3-numpy

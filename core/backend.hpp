@@ -2,7 +2,7 @@
 // The compute back end: every numerical operation the model and the optimizer perform, on float
 // buffers that live in the back end's memory space, plus generic operations on typed buffers
 // (BufferRef: cast, matmul, a fused squared norm and finiteness check, scale, fill). `host`
-// (Kokkos host execution space + CBLAS) is the one built here; a `cuda` back end (CUDA kernels +
+// (Kokkos host execution space + oneDNN/CBLAS, core/gemm.hpp) is the one built here; a `cuda` back end (CUDA kernels +
 // cuBLAS) fills the same interface.
 // Signatures mirror core/kernels.hpp: outputs first, gradients prefixed `d`, shapes in comments.
 #include <cstdint>
@@ -96,8 +96,8 @@ class Backend {
   virtual void cast(BufferRef dst, BufferRef src) = 0;
   // Row-major out[M,N] = alpha * op(a) op(b) + beta * out, op(a) [M,K] (a is stored [K,M] when
   // transa), op(b) [K,N] (b stored [N,K] when transb), all dense. Operands of fp32, bf16 or fp16 in
-  // any mix, accumulated in fp32 (all fp32: sgemm directly); all fp64: dgemm. With beta == 0 the
-  // old contents of out are not read.
+  // any mix, accumulated in fp32 (all fp32: loom::gemm::sgemm directly; bf16 x bf16 into fp32 or
+  // bf16: loom::gemm::gemm_bf16); all fp64: dgemm. With beta == 0 the old contents of out are not read.
   virtual void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool transa, bool transb,
                       float alpha = 1.0f, float beta = 0.0f) = 0;
   // One pass over the tensors (fp32, bf16, fp16, fp64): the sum of their sums of squares and where
@@ -120,7 +120,7 @@ inline void ensure_capacity(Backend& backend, TypedBuffer& buffer, const std::st
     buffer = backend.allocate(label, type, count, category);
 }
 
-// The host back end; `threads` sets the BLAS threads of this rank.
+// The host back end; `threads` sets the BLAS and oneDNN threads of this rank (gemm::set_threads).
 std::unique_ptr<Backend> make_host_backend(int threads);
 
 }  // namespace loom

@@ -1,4 +1,5 @@
-// The host back end: Kokkos kernels on the default host execution space, CBLAS matrix products.
+// The host back end: Kokkos kernels on the default host execution space, matrix products through
+// core/gemm (oneDNN or CBLAS, run.gemm).
 #include <Kokkos_Core.hpp>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -13,9 +14,9 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/gemm.hpp"
 #include "core/kernels.hpp"
 
-extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 extern "C" char* openblas_get_config(void) __attribute__((weak));
 
 namespace loom {
@@ -45,14 +46,14 @@ void with_float_type(DType t, const char* op, F&& f) {
 
 class HostBackend final : public Backend {
  public:
-  explicit HostBackend(int threads) : threads_(threads) {
-    if (openblas_set_num_threads) openblas_set_num_threads(threads);
-  }
+  // The threads of OpenBLAS and of oneDNN's OpenMP runtime (core/gemm.hpp).
+  explicit HostBackend(int threads) : threads_(threads) { gemm::set_threads(threads); }
   std::string name() const override { return "host"; }
   std::string description() const override {
     std::ostringstream s;
     s << "host (Kokkos " << Kokkos::DefaultHostExecutionSpace::name() << ", BLAS "
-      << (openblas_get_config ? openblas_get_config() : "cblas") << ", " << threads_ << " BLAS thread"
+      << (openblas_get_config ? openblas_get_config() : "cblas") << ", matrix products "
+      << (gemm::impl() == gemm::Impl::onednn ? "oneDNN" : "BLAS") << ", " << threads_ << " BLAS thread"
       << (threads_ == 1 ? "" : "s") << ")";
     return s.str();
   }
@@ -86,19 +87,19 @@ class HostBackend final : public Backend {
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) override {
     if (precision_.matmul == DType::f32) return k::matmul_forward(out, inp, weight, bias, N, C, OC);
-    const float* x = rounded(0, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
-    const float* w = rounded(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
-    k::gemm(false, true, N, OC, C, 1.0f, x, C, w, C, 0.0f, out, OC);        // out = x W^T
+    const void* x = operand16(0, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
+    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
+    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, out, OC);                // out = x W^T
     if (bias) k::bias_add(out, bias, N, OC);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int N, int C, int OC) override {
     if (precision_.matmul == DType::f32) return k::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
-    const float* d = rounded(0, dout, static_cast<std::int64_t>(N) * OC);   // [N,OC]
-    const float* w = rounded(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
-    const float* x = rounded(2, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
-    k::gemm(false, false, N, C, OC, 1.0f, d, OC, w, C, 0.0f, dinp, C);       // dinp = dout W
-    k::gemm(true, false, OC, C, N, 1.0f, d, OC, x, C, 1.0f, dweight, C);     // dW += dout^T x
+    const void* d = operand16(0, dout, static_cast<std::int64_t>(N) * OC);   // [N,OC]
+    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
+    const void* x = operand16(2, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
+    gemm16(false, false, N, C, OC, d, OC, w, C, 0.0f, dinp, C);               // dinp = dout W
+    gemm16(true, false, OC, C, N, d, OC, x, C, 1.0f, dweight, C);             // dW += dout^T x
     if (dbias) k::bias_backward(dbias, dout, N, OC);                        // a sum, not a product: fp32
   }
   void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
@@ -175,11 +176,25 @@ class HostBackend final : public Backend {
               double(beta), out.as<double>(), ldc);
       return;
     }
+    // bf16 operands: straight into loom::gemm::gemm_bf16 (fp32 accumulation); a bf16 out through an
+    // fp32 copy, rounded once.
+    if (a.type == DType::bf16 && b.type == DType::bf16 && (out.type == DType::f32 || out.type == DType::bf16)) {
+      std::vector<float> fc;
+      float* pc = out.type == DType::f32 ? out.as<float>() : nullptr;
+      if (!pc) {
+        fc.resize(static_cast<std::size_t>(out.count));
+        if (beta != 0.0f) cast(BufferRef(fc.data(), out.count), out);
+        pc = fc.data();
+      }
+      gemm::gemm_bf16(transa, transb, M, N, K, alpha, a.as<const bf16>(), lda, b.as<const bf16>(), ldb, beta, pc, ldc);
+      if (!fc.empty()) cast(out, BufferRef(pc, out.count));
+      return;
+    }
     for (const BufferRef* x : {&out, &a, &b})
       if (x->type != DType::f32 && x->type != DType::bf16 && x->type != DType::f16)
         refuse(std::string("matmul: operands of ") + dtype_name(out.type) + " = " + dtype_name(a.type) + " x " +
                dtype_name(b.type) + "; mixed operands are fp32, bf16 or fp16 (fp64 only with fp64)");
-    // 16-bit operands go through fp32 copies and one sgemm.
+    // Other 16-bit operands (fp16, or a mix) go through fp32 copies and one sgemm.
     std::vector<float> fa, fb, fc;
     const auto as_f32 = [&](const BufferRef& x, std::vector<float>& copy) -> float* {
       if (x.type == DType::f32) return static_cast<float*>(x.data);
@@ -235,29 +250,38 @@ class HostBackend final : public Backend {
   }
 
  private:
-  // src rounded to the matrix products' 16-bit type (nearest even) and widened back to fp32, in
-  // workspace operand slot `slot`: the values a 16-bit operand holds, exactly, for an fp32 product
-  // that accumulates in fp32 (widening is exact, so this is the 16-bit product's arithmetic).
-  const float* rounded(int slot, const float* src, std::int64_t n) {
+  // src rounded to the matrix products' 16-bit type (nearest even) in workspace operand slot `slot`:
+  // bf16 values for gemm_bf16 (oneDNN's bf16 kernels, fp32 accumulation); fp16 values widened back
+  // to fp32 for the fp32 product (this CPU has no fp16 arithmetic; widening is exact, so the product
+  // is the fp16 operands' product accumulated in fp32, computed honestly, not faster).
+  const void* operand16(int slot, const float* src, std::int64_t n) {
     TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
+    if (precision_.matmul == DType::bf16) {
+      ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), DType::bf16, n, Mem::workspace);
+      k::cast(buf.data<bf16>(), src, n);
+      return buf.data<bf16>();
+    }
     ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), DType::f32, n, Mem::workspace);
     float* dst = buf.data<float>();
-    if (precision_.matmul == DType::bf16)
-      k::for_chunks("Matmul::round_bf16", n, [=](std::int64_t b, std::int64_t e) {
-        for (std::int64_t i = b; i < e; ++i) dst[i] = to_float(to_bf16(src[i]));
-      });
-    else
-      k::for_chunks("Matmul::round_fp16", n, [=](std::int64_t b, std::int64_t e) {
-        std::int64_t i = b;
+    k::for_chunks("Matmul::round_fp16", n, [=](std::int64_t b, std::int64_t e) {
+      std::int64_t i = b;
 #if defined(__F16C__)
-        // The CPU's conversion (F16C: round to nearest even, inf on overflow, NaN kept), 8 at a time;
-        // the same values as to_f16, about 10x faster.
-        for (; i + 8 <= e; i += 8)
-          _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+      // The CPU's conversion (F16C: round to nearest even, inf on overflow, NaN kept), 8 at a time;
+      // the same values as to_f16, about 10x faster.
+      for (; i + 8 <= e; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
 #endif
-        for (; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
-      });
+      for (; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
+    });
     return dst;
+  }
+  // C[M,N] = op(A) op(B) + beta C on two operand16 results, fp32 accumulation.
+  void gemm16(bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B, int ldb, float beta,
+              float* C, int ldc) {
+    if (precision_.matmul == DType::bf16)
+      gemm::gemm_bf16(ta, tb, M, N, K, 1.0f, static_cast<const bf16*>(A), lda, static_cast<const bf16*>(B), ldb, beta, C, ldc);
+    else
+      gemm::sgemm(ta, tb, M, N, K, 1.0f, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C, ldc);
   }
 
   int threads_;

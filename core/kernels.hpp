@@ -1,7 +1,8 @@
 #pragma once
 // The GPT-2 layer kernels of the host back end: Kokkos kernels on the host execution space, matrix
-// products through CBLAS. Each layer's _forward is immediately followed by its _backward, with
-// mirrored signatures: outputs first, then inputs; gradients carry a `d` prefix.
+// products through core/gemm (oneDNN or CBLAS, run.gemm). Each layer's _forward is immediately
+// followed by its _backward, with mirrored signatures: outputs first, then inputs; gradients carry
+// a `d` prefix.
 //
 // Storage and compute types. Each kernel is `template <class T, class Acc = acc_type_t<T>>`: T is
 // what the tensors hold, Acc what the kernel adds, multiplies and reduces in (core/dtype.hpp:
@@ -16,8 +17,8 @@
 // instantiation against finite differences and the bf16/fp16 ones against float; the trainer
 // instantiates float.
 //
-// Matrix products with bf16/fp16 storage convert their operands to float, call sgemm (float
-// accumulation) and round the result: correct, not fast (copies and conversions on every call).
+// Matrix products with bf16/fp16 storage accumulate in float and round the result once: bf16
+// operands go to loom::gemm::gemm_bf16 as they are, fp16 ones through float copies and sgemm.
 //
 // Shape letters, used in every comment below:
 //   B  batch (sequences in this micro-batch)   T  sequence length     C  channels (d_model)
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "core/gemm.hpp"
 
 namespace loom::kernels {
 
@@ -143,20 +145,21 @@ inline T tanh_k(T x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// BLAS: row-major C[M,N] = alpha * op(A) op(B) + beta * C.
+// Matrix products: row-major C[M,N] = alpha * op(A) op(B) + beta * C. float through core/gemm
+// (oneDNN or OpenBLAS, run.gemm), double through cblas_dgemm.
 
 inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
                  const float* B, int ldb, float beta, float* C, int ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K,
-              alpha, A, lda, B, ldb, beta, C, ldc);
+  loom::gemm::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 inline void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const double* A, int lda,
                  const double* B, int ldb, double beta, double* C, int ldc) {
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K,
               alpha, A, lda, B, ldb, beta, C, ldc);
 }
-// bf16/fp16 storage: op(A) and op(B) converted to float, one sgemm (float accumulation), the result
-// rounded back into C. Correct, not fast.
+// bf16/fp16 storage, float accumulation, the result rounded back into C once. bf16: A and B as they
+// are (loom::gemm::gemm_bf16), C through a float copy. fp16: op(A) and op(B) converted to float, one
+// sgemm. Correct; only the bf16 operands avoid the copies.
 template <class T, std::enable_if_t<is_16bit_v<T>, int> = 0>
 void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int lda, const T* B, int ldb,
           float beta, T* C, int ldc) {
@@ -167,10 +170,14 @@ void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int ld
         d[static_cast<std::size_t>(r) * cols + c] = to_float(X[static_cast<std::int64_t>(r) * ld + c]);
     return d;
   };
-  const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
-  const std::vector<float> a = to_dense(A, ar, ac, lda), b = to_dense(B, br, bc, ldb);
   std::vector<float> c = beta != 0.0f ? to_dense(C, M, N, ldc) : std::vector<float>(static_cast<std::size_t>(M) * N);
-  gemm(ta, tb, M, N, K, alpha, a.data(), std::max(1, ac), b.data(), std::max(1, bc), beta, c.data(), std::max(1, N));
+  if constexpr (std::is_same_v<T, bf16>) {
+    loom::gemm::gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, c.data(), std::max(1, N));
+  } else {
+    const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    const std::vector<float> a = to_dense(A, ar, ac, lda), b = to_dense(B, br, bc, ldb);
+    gemm(ta, tb, M, N, K, alpha, a.data(), std::max(1, ac), b.data(), std::max(1, bc), beta, c.data(), std::max(1, N));
+  }
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < N; ++j)
       C[static_cast<std::int64_t>(r) * ldc + j] = from_acc<T>(c[static_cast<std::size_t>(r) * N + j]);

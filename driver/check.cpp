@@ -79,6 +79,7 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
   // The layout as the job that runs the deck would see it (as many ranks as it needs).
   const LayoutPlan plan = plan_layout(deck, registry, -1);
   open_deck_data(deck, plan.model);
+  gemm_impl_from_deck(deck);
   const ThreadCount threads =
       resolve_threads(deck.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
   std::string dir = deck.get_string("checkpoint.dir");

@@ -95,6 +95,18 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   return plan;
 }
 
+gemm::Impl gemm_impl_from_deck(const Deck& d) {
+  const std::string value = d.get_string("run.gemm");
+  try {
+    const gemm::Impl impl = gemm::parse_impl(value);
+    if (impl == gemm::Impl::onednn && !gemm::have_onednn())
+      throw std::invalid_argument("this loom was built without oneDNN (LOOM_ONEDNN=OFF); use auto or blas");
+    return impl;
+  } catch (const std::invalid_argument& e) {
+    throw InputError("run.gemm = " + escape_value(value) + ": " + e.what());
+  }
+}
+
 DeckData open_deck_data(const Deck& d, const GPTConfig& model) {
   DataConfig dc;
   dc.source = d.get_string("data.source");
@@ -150,6 +162,7 @@ void Session::setup_local() {
   log_every = d.get_int("train.log_every");
   run_dir = d.get_string("run.dir");
   threads = resolve_threads(d.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
+  gemm::set_impl(gemm_impl_from_deck(d));
 
   data_source = d.get_string("data.source");
   DeckData data = open_deck_data(d, model_cfg);
@@ -269,6 +282,7 @@ std::string Session::banner() const {
     s << "  precision: " << dtype_name(mm) << " matrix products (operands rounded to " << dtype_name(mm)
       << ", fp32 accumulation); fp32 master weights, gradients, AdamW state, activations, LayerNorm, softmax, loss; "
       << "gradient collective in " << dtype_name(backend->precision().reduce) << "\n";
+  s << "  gemm    : run.gemm = " << deck.get_string("run.gemm") << ": " << gemm::describe() << "\n";
   s << "  deck    : " << deck.path() << "\n";
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()

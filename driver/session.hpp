@@ -10,6 +10,7 @@
 #include "core/backend.hpp"
 #include "core/checkpoint_part.hpp"
 #include "core/engine.hpp"
+#include "core/gemm.hpp"
 #include "core/gpt.hpp"
 #include "core/grid.hpp"
 #include "core/plugin.hpp"
@@ -37,6 +38,10 @@ struct DeckData {
   std::unique_ptr<Dataset> train, val;
 };
 DeckData open_deck_data(const Deck& deck, const GPTConfig& model);
+
+// run.gemm as an implementation of the matrix products (core/gemm.hpp); throws InputError naming
+// the key when this build lacks it (onednn without oneDNN).
+gemm::Impl gemm_impl_from_deck(const Deck& deck);
 
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.

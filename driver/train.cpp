@@ -459,6 +459,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                            {"build", build_info()},
                            {"backend", s.backend->description()},
                            {"openblas_core_note", openblas_core_note()},
+                           {"gemm", gemm::describe()},
+                           {"gemm_impls_used", gemm::impls_used()},
                            {"timings_s",
                             {{"total", now() - t_start},
                              {"init", t_init},
@@ -486,6 +488,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   std::printf("         time: forward %.1f s, backward %.1f s, optimizer %.1f s, data %.2f s, eval %.1f s\n",
               phase_sum.forward, phase_sum.backward, phase_sum.optimizer, phase_sum.data, eval_time);
   std::printf("         peak memory per rank: %s\n", memory_line(peak_bytes, peak_total).c_str());
+  std::printf("         gemm: %s\n", gemm::describe().c_str());
   for (std::size_t gi = 0; gi < groups.size(); ++gi)
     if (groups[gi]->size() > 1)
       std::printf("         comm %s (%d ranks): %s sent per rank per step, %.2f s waiting (%.1f%% of training)\n",

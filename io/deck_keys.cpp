@@ -138,6 +138,9 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(string_key("run.threads", "auto",
                         "BLAS threads per rank: a number, or auto (OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK, else 1)",
                         check_threads_setting));
+  schema.add(choice_key("run.gemm", "auto", {"auto", "onednn", "blas"},
+                        "matrix products of the host back end: auto (oneDNN when loom is built with it, else "
+                        "BLAS), onednn (oneDNN matmul primitives, cached per shape) or blas (cblas_sgemm)"));
   schema.add(bool_key("run.overwrite", "false",
                       "a fresh run may replace an earlier run's checkpoints in checkpoint.dir (they are removed "
                       "at start); otherwise such a run is refused"));

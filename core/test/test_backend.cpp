@@ -13,6 +13,7 @@
 
 #include "core/backend.hpp"
 #include "core/dtype.hpp"
+#include "core/gemm.hpp"
 #include "core/kernels.hpp"
 
 using loom::bf16;
@@ -186,7 +187,7 @@ double norm_err(const std::vector<double>& got, const std::vector<double>& ref) 
 }
 }  // namespace
 
-TEST(Backend, MatmulFloatIsSgemm) {
+TEST(Backend, MatmulFloatIsGemmSgemm) {  // all fp32: straight to loom::gemm::sgemm (run.gemm's choice)
   auto be = host();
   const int M = 7, N = 5, K = 33;
   for (int t = 0; t < 4; ++t) {
@@ -196,8 +197,7 @@ TEST(Backend, MatmulFloatIsSgemm) {
     std::vector<float> got = c0, want = c0;
     be->matmul(BufferRef(got.data(), M * N), BufferRef(a.data(), M * K), BufferRef(b.data(), K * N), M, N, K, ta, tb, 0.5f,
                0.25f);
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, 0.5f, a.data(),
-                ta ? M : K, b.data(), tb ? K : N, 0.25f, want.data(), N);
+    loom::gemm::sgemm(ta, tb, M, N, K, 0.5f, a.data(), ta ? M : K, b.data(), tb ? K : N, 0.25f, want.data(), N);
     EXPECT_EQ(got, want) << "transa " << ta << " transb " << tb;
     const double e = norm_err(widen(got), ref_matmul(widen(c0), widen(a), widen(b), M, N, K, ta, tb, 0.5, 0.25));
     EXPECT_LT(e, 1e-6);  // K = 33 float products: ~1e-7
