@@ -24,10 +24,11 @@ struct NormCheck {
 };
 
 // The precision of a run's compute (the `precision` role, filled by the `mixed_precision` strategy;
-// DESIGN.md "Mixed precision"). Master weights, gradients, optimizer state and every activation
-// stay fp32; `matmul` names what the model's matrix products (matmul_forward/_backward) take as
-// operands: their inputs, weights and output gradients are rounded to it, and the products
-// accumulate in fp32 into fp32 outputs (torch.autocast's rule for linear layers).
+// DESIGN.md "Mixed precision"). Master weights, gradients, optimizer state and every other
+// activation stay fp32; `matmul` names what the model's matrix products (matmul_forward/_backward)
+// take as operands: their inputs, weights and output gradients are in that type (the store's 16-bit
+// compute copies of the weights, the model's 16-bit saved inputs, or fp32 rounded to it), and the
+// products accumulate in fp32 into fp32 outputs (torch.autocast's rule for linear layers).
 struct Precision {
   DType matmul = DType::f32;  // fp32, bf16 or fp16
   DType reduce = DType::f32;  // the gradient collective's element type (the session's CastReducer)
@@ -68,6 +69,17 @@ class Backend {
   virtual void bias_backward(float* dbias, const float* dout, int N, int OC) = 0;
   virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                const float* inp, const float* weight, int N, int C, int OC) = 0;
+  // The same products with typed operands: `inp` and `weight` are fp32 (rounded to the precision's
+  // matmul type here) or already of that type (a 16-bit compute copy of the weights, a saved 16-bit
+  // activation), so a run that keeps them in 16 bits is not rounded twice. Outputs and gradients stay
+  // fp32. Throws std::invalid_argument for an operand of another type. The default takes fp32 only.
+  virtual void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) {
+    matmul_forward(out, inp.as<float>(), weight.as<float>(), bias, N, C, OC);
+  }
+  virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp,
+                               BufferRef weight, int N, int C, int OC) {
+    matmul_backward(dinp, dweight, dbias, dout, inp.as<float>(), weight.as<float>(), N, C, OC);
+  }
   virtual void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) = 0;
   virtual void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv,
                                   const float* att, int B, int T, int C, int NH) = 0;

@@ -131,7 +131,10 @@ std::shared_ptr<const Entry> lookup(bool is_bf16, bool ta, bool tb, int M, int N
     e.kernel = type + pd.impl_info_str();
   } catch (const dnnl::error& err) {
     e.prim = dnnl::matmul();
-    e.kernel = type + "cblas_sgemm (oneDNN refused: " + err.what() + ")";
+    // oneDNN 2.6's bf16 matmul needs AVX-512 (avx512_core); say so where that is the reason.
+    const bool no_avx512 = !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw");
+    e.kernel = type + "cblas_sgemm (oneDNN refused: " + err.what() +
+               (is_bf16 && no_avx512 ? "; its bf16 kernels need AVX-512, which this CPU lacks" : "") + ")";
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_cache.size() >= kMaxCached) g_cache.clear();

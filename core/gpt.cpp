@@ -20,6 +20,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       be_(backend),
       part_(partition ? partition : &default_partition_),
       max_rows_(max_rows),
+      mm16_(backend.precision().matmul),
       stage_(stage),
       store_(store ? store : &own_store_) {
   cfg_.validate();
@@ -47,6 +48,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     ParamInfo p;
     p.name = std::move(name);
     p.decay = shape.size() >= 2;
+    p.matmul_weight = p.decay && p.name != "wpe.weight";  // wte: the tied head's weight
     p.shape = std::move(shape);
     p.shard = ShardDesc::make(p.shape, split, static_cast<int>(tp), tp_rank_);
     p.split = p.shard.split;
@@ -124,6 +126,8 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   }
   if (wte_ == -2) wte_ = hold(all_params_.front(), "head", true);
   if (wte_ >= 0) params_[static_cast<std::size_t>(wte_)].tied = stage_.count > 1;
+  // The first stage's wte feeds only the embedding lookup (fp32) when another stage holds the head.
+  if (wte_ >= 0 && !stage_.last()) params_[static_cast<std::size_t>(wte_)].matmul_weight = false;
   emb_unit_ = stage_.first() ? params_[static_cast<std::size_t>(wpe_)].unit : -1;
   head_unit_ = stage_.last() ? params_[static_cast<std::size_t>(lnfw_)].unit : -1;
   StoreContext sctx{backend, dp, dp_rank, tp_rank_};
@@ -193,6 +197,7 @@ void GPT::init_weights(std::uint64_t seed) {
   for (const OwnedSlice& o : store_->owned())
     if (store_->param(o.param).empty())
       fill(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o).as<float>(), o.begin, o.end);
+  store_->params_written();
 }
 
 GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads) const {
@@ -200,7 +205,30 @@ GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads)
   const std::vector<BufferRef>& t = grads ? view.grads : view.params;
   float* q[12];
   for (int i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(i)].as<float>();
-  return {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
+  BlockParams w{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], {}, {}, {}, {}};
+  if (!grads) {
+    auto mm = [&](std::size_t k) { return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k]; };
+    w.mqkvw = mm(2);
+    w.mprojw = mm(4);
+    w.mfcw = mm(8);
+    w.mfcprojw = mm(10);
+  }
+  return w;
+}
+
+BufferRef GPT::matmul_operand(const ParamStore::UnitView& view, int param) const {
+  const std::size_t k = static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)]);
+  return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k];
+}
+
+void GPT::keep(const BufferRef& saved, const float* tmp, std::int64_t n) {
+  if (saved.type != DType::f32) be_.cast(saved.slice(0, n), BufferRef(tmp, n));
+}
+
+BufferRef GPT::input_of(const BufferRef& saved, float* full, int N, int C) {
+  const std::int64_t n = static_cast<std::int64_t>(N) * C;
+  if (saved.type != DType::f32) return saved.slice(0, n);  // never gathered: saved 16-bit only without sp
+  return BufferRef(part_->to_full(saved.as<float>(), full, N, C), n);
 }
 
 // Activation tables (llm.c's habit): each group's tensors are carved from one run of floats by one
@@ -214,6 +242,11 @@ struct Carver {
     used += n;
     return p;
   }
+  // n elements of `type` (fp32 or 16-bit), in whole floats.
+  BufferRef take(DType type, std::int64_t n) {
+    const std::int64_t floats = (n * static_cast<std::int64_t>(dtype_size(type)) + 3) / 4;
+    return BufferRef(take(floats), type, n);
+  }
 };
 }  // namespace
 
@@ -222,18 +255,21 @@ GPT::BlockActs GPT::carve_block(float* base) const {
   const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, NHl = cfg_.heads / tp_, Cl = C / tp_, Fl = 4 * C / tp_;
   Carver c{base};
   BlockActs a;
-  a.ln1 = c.take(Nl * C);
+  // 16-bit copies of the products' inputs under mixed precision; ln1 and ln2 stay fp32 with
+  // sequence parallelism, where their [Nl,C] pieces are gathered (in fp32) before each product.
+  const DType mm = mm16_, ln = sp_ ? DType::f32 : mm16_;
+  a.ln1 = c.take(ln, Nl * C);
   a.ln1_mean = c.take(Nl);
   a.ln1_rstd = c.take(Nl);
   a.qkv = c.take(N * 3 * Cl);
   a.att = c.take(static_cast<std::int64_t>(max_rows_) * NHl * T * T);
-  a.atty = c.take(N * Cl);
+  a.atty = c.take(mm, N * Cl);
   a.xmid = c.take(Nl * C);
-  a.ln2 = c.take(Nl * C);
+  a.ln2 = c.take(ln, Nl * C);
   a.ln2_mean = c.take(Nl);
   a.ln2_rstd = c.take(Nl);
   a.fch = c.take(N * Fl);
-  a.fch_gelu = c.take(N * Fl);
+  a.fch_gelu = c.take(mm, N * Fl);
   a.floats = c.used;
   return a;
 }
@@ -264,7 +300,7 @@ GPT::Head GPT::carve_head(float* base) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
   Carver c{base};
   Head h;
-  h.lnf = c.take(Nl * cfg_.d_model);
+  h.lnf = c.take(sp_ ? DType::f32 : mm16_, Nl * cfg_.d_model);
   h.lnf_mean = c.take(Nl);
   h.lnf_rstd = c.take(Nl);
   h.logits = c.take(N * vocab_local_);
@@ -308,6 +344,8 @@ GPT::Scratch GPT::scratch() const { return carve_scratch(scratch_buf_.data<float
 void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
+  const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C, NCl = static_cast<std::int64_t>(N) * Cl,
+                     NFl = static_cast<std::int64_t>(N) * Fl;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   // Next: the following block's forward, or (recomputing in backward) this block's backward.
   const int next = recompute                               ? unit
@@ -320,20 +358,24 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   float* x = residual(chunk, slot, l);         // [Nl,C] block input
   float* xout = residual(chunk, slot, l + 1);  // [Nl,C] block output
   // attention: column-parallel qkv (this rank's heads), row-parallel output projection
-  be_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
-  const float* ln1 = part_->to_full(a.ln1, s.full, N, C);                     // [N,C]
-  be_.matmul_forward(a.qkv, ln1, w.qkvw, w.qkvb, N, C, 3 * Cl);               // [N,3Cl]
-  be_.attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);                 // [N,Cl]
-  be_.matmul_forward(s.partial, a.atty, w.projw, nullptr, N, Cl, C);          // [N,C] partial sum
+  // (Scratch as fp32 staging of 16-bit saves: s.local [Nl,C] before it holds a reduced sum, s.full
+  // [N,C] once the gathered ln1 is used, s.dfch_gelu [N,Fl], a backward buffer, in forward.)
+  be_.layernorm_forward(produce(a.ln1, s.local), a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
+  keep(a.ln1, s.local, NlC);
+  be_.matmul_forward(a.qkv, input_of(a.ln1, s.full, N, C), w.mqkvw, w.qkvb, N, C, 3 * Cl);  // [N,3Cl]
+  be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);            // [N,Cl]
+  keep(a.atty, s.full, NCl);
+  be_.matmul_forward(s.partial, a.atty, w.mprojw, nullptr, N, Cl, C);         // [N,C] partial sum
   float* y = part_->reduce_partial(s.partial, s.local, N, C);                 // [Nl,C]
   be_.bias_add(y, w.projb, Nl, C);
   be_.residual_forward(a.xmid, x, y, static_cast<std::int64_t>(Nl) * C);
   // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection
-  be_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, w.ln2w, w.ln2b, Nl, C);
-  const float* ln2 = part_->to_full(a.ln2, s.full, N, C);                     // [N,C]
-  be_.matmul_forward(a.fch, ln2, w.fcw, w.fcb, N, C, Fl);                     // [N,Fl]
-  be_.gelu_forward(a.fch_gelu, a.fch, static_cast<std::int64_t>(N) * Fl);
-  be_.matmul_forward(s.partial, a.fch_gelu, w.fcprojw, nullptr, N, Fl, C);    // [N,C] partial sum
+  be_.layernorm_forward(produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, a.xmid, w.ln2w, w.ln2b, Nl, C);
+  keep(a.ln2, s.local, NlC);
+  be_.matmul_forward(a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C, Fl);       // [N,Fl]
+  be_.gelu_forward(produce(a.fch_gelu, s.dfch_gelu), a.fch, NFl);
+  keep(a.fch_gelu, s.dfch_gelu, NFl);
+  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, nullptr, N, Fl, C);   // [N,C] partial sum
   y = part_->reduce_partial(s.partial, s.local, N, C);                        // [Nl,C]
   be_.bias_add(y, w.fcprojb, Nl, C);
   be_.residual_forward(xout, a.xmid, y, static_cast<std::int64_t>(Nl) * C);
@@ -360,21 +402,19 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
 
   // MLP, in reverse: x_out = xmid + fcproj(gelu(fc(ln2(xmid))))
   const float* dy = part_->grad_to_full(dres, s.dfull, N, C);                 // [N,C]
-  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, nullptr, dy, a.fch_gelu, w.fcprojw, N, Fl, C);
+  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, nullptr, dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
   be_.bias_backward(dw.fcprojb, dres, Nl, C);
   be_.gelu_backward(s.dfch, a.fch, s.dfch_gelu, static_cast<std::int64_t>(N) * Fl);
-  const float* ln2 = part_->to_full(a.ln2, s.full, N, C);
-  be_.matmul_backward(s.dpartial, dw.fcw, dw.fcb, s.dfch, ln2, w.fcw, N, C, Fl);
+  be_.matmul_backward(s.dpartial, dw.fcw, dw.fcb, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
   const float* dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
   be_.copy(dxmid, dres, NlC);  // the residual branch
   be_.layernorm_backward(dxmid, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);
   // attention, in reverse: xmid = x + proj(attention(qkv(ln1(x))))
   dy = part_->grad_to_full(dxmid, s.dfull, N, C);
-  be_.matmul_backward(s.datty, dw.projw, nullptr, dy, a.atty, w.projw, N, Cl, C);
+  be_.matmul_backward(s.datty, dw.projw, nullptr, dy, a.atty, w.mprojw, N, Cl, C);
   be_.bias_backward(dw.projb, dxmid, Nl, C);
   be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
-  const float* ln1 = part_->to_full(a.ln1, s.full, N, C);
-  be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, ln1, w.qkvw, N, C, 3 * Cl);
+  be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, input_of(a.ln1, s.full, N, C), w.mqkvw, N, C, 3 * Cl);
   const float* dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
   be_.copy(dres, dxmid, NlC);  // the residual branch
   be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
@@ -421,13 +461,13 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   for (int i = 0; i < N; ++i) tgt[i] = targets[i];
   const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
   const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, wte_apart ? emb_unit_ : -1);
-  const float* wte = tensor(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
+  const BufferRef wte = matmul_operand(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
   const float* lnfw = tensor(hv, lnfw_);
   const float* lnfb = tensor(hv, lnfb_);
   const Head h = head(slot);
-  be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
-  const float* lnf = part_->to_full(h.lnf, s.full, N, C);                       // [N,C]
-  be_.matmul_forward(h.logits, lnf, wte, nullptr, N, C, vocab_local_);          // tied head: [N,Vl]
+  be_.layernorm_forward(produce(h.lnf, s.local), h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
+  keep(h.lnf, s.local, static_cast<std::int64_t>(Nl) * C);
+  be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, nullptr, N, C, vocab_local_);  // tied head: [N,Vl]
   part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
   if (wte_apart) store_->release(emb_unit_, ParamStore::Use::forward);
   store_->release(head_unit_, ParamStore::Use::forward);
@@ -450,7 +490,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
     const bool wte_apart = wte_unit() != head_unit_;
     const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);
     const ParamStore::UnitView& wv = wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::backward, next) : hv;
-    const float* wte = tensor(wv, wte_);
+    const BufferRef wte = matmul_operand(wv, wte_);
     const float* lnfw = tensor(hv, lnfw_);
     float* dwte = tensor_grad(wv, wte_);
     float* dlnfw = tensor_grad(hv, lnfw_);
@@ -458,8 +498,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
     const Head h = head(slot);
     float* dlogits = h.probs;  // in place
     part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_, vocab_begin_);
-    const float* lnf = part_->to_full(h.lnf, s.full, N, C);
-    be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, lnf, wte, N, C, vocab_local_);
+    be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
     const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
     be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);
     be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);

@@ -113,18 +113,26 @@ class GPT {
   double flops_per_token() const;
 
  private:
-  struct BlockParams {  // pointers into a flat buffer (parameters or their gradients)
+  struct BlockParams {  // pointers into the store's unit view (parameters or their gradients)
     float *ln1w, *ln1b, *qkvw, *qkvb, *projw, *projb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+    // The matrix products' weight operands: the store's 16-bit compute copies, else the fp32 weights.
+    BufferRef mqkvw, mprojw, mfcw, mfcprojw;
   };
-  struct BlockActs {  // what one block saves for its backward
-    float *ln1, *ln1_mean, *ln1_rstd;  // [N,C], [N], [N]
-    float *qkv;                        // [N,3C]
-    float *att;                        // [B,NH,T,T]
-    float *atty;                       // [N,C]
-    float *xmid;                       // [N,C]  residual after attention
-    float *ln2, *ln2_mean, *ln2_rstd;  // [N,C], [N], [N]
-    float *fch, *fch_gelu;             // [N,4C], [N,4C]
-    std::int64_t floats;               // the whole table
+  // What one block saves for its backward. The inputs of matrix products (ln1, atty, ln2, fch_gelu)
+  // are saved in the products' 16-bit type under mixed precision (ln1 and ln2 only without sequence
+  // parallelism, whose [Nl,C] pieces are gathered in fp32 before each product), else in fp32.
+  struct BlockActs {
+    BufferRef ln1;                     // [Nl,C]
+    float *ln1_mean, *ln1_rstd;        // [Nl], [Nl]
+    float *qkv;                        // [N,3Cl]
+    float *att;                        // [B,NHl,T,T]
+    BufferRef atty;                    // [N,Cl]
+    float *xmid;                       // [Nl,C]  residual after attention
+    BufferRef ln2;                     // [Nl,C]
+    float *ln2_mean, *ln2_rstd;        // [Nl], [Nl]
+    float *fch;                        // [N,Fl]
+    BufferRef fch_gelu;                // [N,Fl]
+    std::int64_t floats;               // the whole table, in floats
   };
   struct Scratch {  // not saved across kernels: forward temporaries and backward gradients
     float *full, *partial, *local;                       // [N,C], [N,C], [Nl,C]
@@ -133,7 +141,8 @@ class GPT {
     std::int64_t floats;
   };
   struct Head {
-    float *lnf, *lnf_mean, *lnf_rstd;  // [Nl,C], [Nl], [Nl]
+    BufferRef lnf;                     // [Nl,C] (16-bit like ln1 under mixed precision)
+    float *lnf_mean, *lnf_rstd;        // [Nl], [Nl]
     float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
     std::int64_t floats;
   };
@@ -143,6 +152,15 @@ class GPT {
   Head carve_head(float* base) const;
   // The block's tensors from the store's view of its unit.
   BlockParams block_params(const ParamStore::UnitView& view, bool grads) const;
+  // Tensor `param`'s operand in a matrix product: its 16-bit compute copy when the store has one.
+  BufferRef matmul_operand(const ParamStore::UnitView& view, int param) const;
+  // A kernel's fp32 result that a matrix product takes as input and backward needs again: written
+  // straight into `saved` when that is fp32, else into `tmp` (n floats) and rounded into `saved`
+  // by keep(). input_of: the product's operand, gathered to all N rows (Partition::to_full) when
+  // the saved piece has Nl; a 16-bit piece is never gathered (saved so only without sequence parallelism).
+  float* produce(const BufferRef& saved, float* tmp) const { return saved.type == DType::f32 ? saved.as<float>() : tmp; }
+  void keep(const BufferRef& saved, const float* tmp, std::int64_t n);
+  BufferRef input_of(const BufferRef& saved, float* full, int N, int C);
   float* tensor(const ParamStore::UnitView& view, int param) const {
     return view.params[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])].as<float>();
   }
@@ -168,6 +186,7 @@ class GPT {
   bool sp_ = false;
   int vocab_begin_ = 0, vocab_local_ = 0;  // this rank's rows of the token table
   int max_rows_;
+  DType mm16_ = DType::f32;  // the matrix products' operand type (Precision::matmul)
   Stage stage_;
   std::vector<int> layer_pos_;           // per layer of the model: its position among this rank's, or -1
   // Handles: indices into params_ (-1: not on this rank) and units_.

@@ -87,15 +87,28 @@ class HostBackend final : public Backend {
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) override {
     if (precision_.matmul == DType::f32) return k::matmul_forward(out, inp, weight, bias, N, C, OC);
+    matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C), BufferRef(weight, static_cast<std::int64_t>(OC) * C),
+                   bias, N, C, OC);
+  }
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int N, int C, int OC) override {
+    if (precision_.matmul == DType::f32) return k::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+    matmul_backward(dinp, dweight, dbias, dout, BufferRef(inp, static_cast<std::int64_t>(N) * C),
+                    BufferRef(weight, static_cast<std::int64_t>(OC) * C), N, C, OC);
+  }
+  void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
+    if (precision_.matmul == DType::f32)
+      return k::matmul_forward(out, inp.as<float>(), weight.as<float>(), bias, N, C, OC);
     const void* x = operand16(0, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
     const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
     gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, out, OC);                // out = x W^T
     if (bias) k::bias_add(out, bias, N, OC);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                       const float* weight, int N, int C, int OC) override {
-    if (precision_.matmul == DType::f32) return k::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
-    const void* d = operand16(0, dout, static_cast<std::int64_t>(N) * OC);   // [N,OC]
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp,
+                       BufferRef weight, int N, int C, int OC) override {
+    if (precision_.matmul == DType::f32)
+      return k::matmul_backward(dinp, dweight, dbias, dout, inp.as<float>(), weight.as<float>(), N, C, OC);
+    const void* d = operand16(0, BufferRef(dout, static_cast<std::int64_t>(N) * OC), static_cast<std::int64_t>(N) * OC);
     const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
     const void* x = operand16(2, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
     gemm16(false, false, N, C, OC, d, OC, w, C, 0.0f, dinp, C);               // dinp = dout W
@@ -250,19 +263,38 @@ class HostBackend final : public Backend {
   }
 
  private:
-  // src rounded to the matrix products' 16-bit type (nearest even) in workspace operand slot `slot`:
-  // bf16 values for gemm_bf16 (oneDNN's bf16 kernels, fp32 accumulation); fp16 values widened back
-  // to fp32 for the fp32 product (this CPU has no fp16 arithmetic; widening is exact, so the product
-  // is the fp16 operands' product accumulated in fp32, computed honestly, not faster).
-  const void* operand16(int slot, const float* src, std::int64_t n) {
+  // The first n elements of `src` as an operand of the matrix products' 16-bit type, for gemm16:
+  // fp32 rounded (nearest even) into workspace operand slot `slot`; a 16-bit buffer of that type as it
+  // is (bf16: read in place by gemm_bf16, oneDNN's bf16 kernels with fp32 accumulation; fp16: widened
+  // into the slot, exactly). fp16 operands reach the fp32 product widened: this CPU has no fp16
+  // arithmetic, so the product is the fp16 operands' product accumulated in fp32, honest, not faster.
+  const void* operand16(int slot, BufferRef src, std::int64_t n) {
+    if (src.count < n)
+      throw std::invalid_argument("Backend::matmul: an operand of " + std::to_string(src.count) + " elements, " +
+                                  std::to_string(n) + " needed");
+    if (src.type != DType::f32 && src.type != precision_.matmul)
+      throw std::invalid_argument(std::string("Backend::matmul: a ") + dtype_name(src.type) + " operand in a " +
+                                  dtype_name(precision_.matmul) + " run (fp32 or " + dtype_name(precision_.matmul) +
+                                  " expected)");
+    require_host(src, "matmul", "operand");
+    if (src.type == DType::bf16) return src.data;
     TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
+    const DType slot_type = precision_.matmul == DType::bf16 ? DType::bf16 : DType::f32;
+    ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), slot_type, n, Mem::workspace);
+    if (src.type == DType::f16) {  // a stored fp16 copy, widened exactly
+      k::cast(buf.data<float>(), static_cast<const f16*>(src.data), n);
+      return buf.data<float>();
+    }
+    const float* in = src.as<float>();
     if (precision_.matmul == DType::bf16) {
-      ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), DType::bf16, n, Mem::workspace);
-      k::cast(buf.data<bf16>(), src, n);
+      k::cast(buf.data<bf16>(), in, n);
       return buf.data<bf16>();
     }
-    ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), DType::f32, n, Mem::workspace);
-    float* dst = buf.data<float>();
+    round_fp16(buf.data<float>(), in, n);
+    return buf.data<float>();
+  }
+  // dst = src rounded to fp16 and widened back (the values an fp16 operand holds).
+  static void round_fp16(float* dst, const float* src, std::int64_t n) {
     k::for_chunks("Matmul::round_fp16", n, [=](std::int64_t b, std::int64_t e) {
       std::int64_t i = b;
 #if defined(__F16C__)
@@ -273,7 +305,6 @@ class HostBackend final : public Backend {
 #endif
       for (; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
     });
-    return dst;
   }
   // C[M,N] = op(A) op(B) + beta C on two operand16 results, fp32 accumulation.
   void gemm16(bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B, int ldb, float beta,

@@ -36,6 +36,8 @@ struct ParamInfo {
   std::int64_t offset = 0;           // position among this rank's parameter elements (the flat store's layout)
   std::int64_t numel = 0;            // elements of the local shard
   bool decay = false;                // AdamW weight decay applies (matrices)
+  bool matmul_weight = false;        // a weight of the model's matrix products: under 16-bit precision
+                                     // the store hands out a 16-bit compute copy of it (UnitView::compute)
   Init init = Init::zeros;
   double init_std = 0.0;             // for Init::normal
 };
@@ -66,9 +68,11 @@ struct StoreContext {
 class ParamStore {
  public:
   enum class Use { forward, backward };
-  // A unit's tensors, in Unit::params order; `grads` only for Use::backward.
+  // A unit's tensors, in Unit::params order; `grads` only for Use::backward. `compute`: with 16-bit
+  // matrix products, the 16-bit compute copy of each ParamInfo::matmul_weight tensor (an empty ref
+  // for the others, or empty altogether: a store without copies, whose products round `params`).
   struct UnitView {
-    std::vector<BufferRef> params, grads;
+    std::vector<BufferRef> params, grads, compute;
   };
   virtual ~ParamStore() = default;
   virtual std::string name() const = 0;
@@ -97,6 +101,36 @@ class ParamStore {
   virtual void end_step() {}
   // Parameter elements this rank holds.
   virtual std::int64_t local_numel() const = 0;
+  // The parameters were written from outside the store (initialisation, a checkpoint): compute
+  // copies made from them before are stale.
+  virtual void params_written() {}
+};
+
+// The 16-bit compute copies of a store's matrix weights (ParamInfo::matmul_weight) when the back
+// end's matrix products are 16-bit (Precision::matmul): per unit one buffer of the precision's type
+// (Mem::params; the fp32 parameters are then the master weights, Mem::master), cast from the fp32
+// parameters the first time the unit is acquired after an update (`mark_stale`, which a store calls
+// in refresh and params_written), so each weight is rounded once per step however often it is used.
+// `resident`: every unit's copy lives for the whole run (stores that keep whole parameters);
+// otherwise a unit's copy exists while the store holds the unit's parameters (`drop` frees it).
+class ComputeCopies {
+ public:
+  void build(Backend& backend, const std::vector<ParamInfo>& params, const std::vector<Unit>& units, bool resident);
+  bool active() const { return type_ != DType::f32; }
+  // view.compute for unit u, from view.params (cast when stale). Nothing when inactive.
+  void attach(int u, ParamStore::UnitView& view);
+  void mark_stale() { stale_.assign(stale_.size(), true); }
+  void drop(int u);
+  std::int64_t elements(int u) const { return count_[static_cast<std::size_t>(u)]; }
+
+ private:
+  Backend* be_ = nullptr;
+  DType type_ = DType::f32;
+  bool resident_ = true;
+  std::vector<std::vector<std::int64_t>> at_;  // per unit, per tensor of it: offset in its copy, -1: none
+  std::vector<std::int64_t> count_;            // per unit: its matmul weights' elements
+  std::vector<TypedBuffer> copy_;    // per unit
+  std::vector<bool> stale_;
 };
 
 // The default: one flat buffer of parameters and one of gradients (ParamInfo::offset into both),
@@ -106,13 +140,17 @@ class FlatParamStore : public ParamStore {
   std::string name() const override { return "flat (one buffer of parameters, one of gradients)"; }
   void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override;
   const UnitView& acquire(int unit, Use use, int) override {
-    return use == Use::forward ? forward_[static_cast<std::size_t>(unit)] : backward_[static_cast<std::size_t>(unit)];
+    UnitView& v = use == Use::forward ? forward_[static_cast<std::size_t>(unit)] : backward_[static_cast<std::size_t>(unit)];
+    copies_.attach(unit, v);
+    return v;
   }
   BufferRef param(int i) override { return params_.ref().slice(info_[i].offset, info_[i].numel); }
   BufferRef grad(int i) override { return grads_.ref().slice(info_[i].offset, info_[i].numel); }
   void zero_grads() override;
   const std::vector<OwnedSlice>& owned() const override { return owned_; }
   std::int64_t local_numel() const override { return params_.count(); }
+  void refresh() override { copies_.mark_stale(); }
+  void params_written() override { copies_.mark_stale(); }
   // The flat buffers themselves (for tests and tools that read a layout's whole state).
   float* flat_params() const { return params_.data<float>(); }
   float* flat_grads() const { return grads_.data<float>(); }
@@ -123,6 +161,7 @@ class FlatParamStore : public ParamStore {
   TypedBuffer params_, grads_;
   std::vector<UnitView> forward_, backward_;
   std::vector<OwnedSlice> owned_;
+  ComputeCopies copies_;
 };
 
 // Whether this rank owns its elements of `p` among its tp group and pipeline stages: not a pipeline

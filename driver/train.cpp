@@ -433,8 +433,10 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     const double textbook = stage == 3 ? 16 * P / N : stage == 2 ? 2 * P + 14 * P / N : stage == 1 ? 4 * P + 12 * P / N : 16 * P;
     const char* formula = stage == 3 ? "16P/N" : stage == 2 ? "2P + (2P + 12P)/N" : stage == 1 ? "2P + 2P + 12P/N" : "2P + 2P + 12P";
     precision_summary = {{"dtype", dtype_name(s.backend->precision().matmul)},
-                         {"state_bytes", peak_bytes[static_cast<int>(Mem::params)] + peak_bytes[static_cast<int>(Mem::grads)] +
-                                             peak_bytes[static_cast<int>(Mem::optimizer)]},
+                         {"state_bytes", peak_bytes[static_cast<int>(Mem::params)] + peak_bytes[static_cast<int>(Mem::master)] +
+                                             peak_bytes[static_cast<int>(Mem::grads)] + peak_bytes[static_cast<int>(Mem::optimizer)]},
+                         {"compute_copy_bytes", peak_bytes[static_cast<int>(Mem::params)]},
+                         {"master_bytes", peak_bytes[static_cast<int>(Mem::master)]},
                          {"textbook_bytes", textbook},
                          {"textbook_formula", formula},
                          {"workspace_peak_bytes", peak_bytes[static_cast<int>(Mem::workspace)]}};
@@ -521,12 +523,14 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     scale_note = note;
   }
   if (precision_summary.contains("dtype"))
-    std::printf("         precision %s: model state per rank %s = weights (fp32, the masters) %s + gradients (fp32) %s\n"
-                "         + AdamW %s, against the textbook's mixed precision %s = %s (16-bit weights and gradients,\n"
-                "         fp32 masters and moments): loom keeps fp32 gradients and no 16-bit weight copy (each matrix\n"
-                "         product rounds its operands into workspace, peak %s)%s\n",
+    std::printf("         precision %s: model state per rank %s = 16-bit weight copies %s + fp32 master weights %s\n"
+                "         + gradients (fp32) %s + AdamW %s, against the textbook's mixed precision %s = %s (16-bit\n"
+                "         weights and gradients, fp32 masters and moments): loom keeps fp32 gradients (accumulated over\n"
+                "         micro-batches in fp32) and 16-bit copies of the matrix weights only (LayerNorm, biases and\n"
+                "         positions are used in fp32); operand workspace peak %s%s\n",
                 precision_summary["dtype"].get<std::string>().c_str(), format_bytes(precision_summary["state_bytes"]).c_str(),
                 format_bytes(peak_bytes[static_cast<int>(Mem::params)]).c_str(),
+                format_bytes(peak_bytes[static_cast<int>(Mem::master)]).c_str(),
                 format_bytes(peak_bytes[static_cast<int>(Mem::grads)]).c_str(),
                 format_bytes(peak_bytes[static_cast<int>(Mem::optimizer)]).c_str(),
                 precision_summary["textbook_formula"].get<std::string>().c_str(),

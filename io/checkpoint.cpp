@@ -483,6 +483,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     c->restore_attributes(found);
   }
   optimizer.set_steps_taken(st.optimizer_steps);
+  model.store().params_written();  // 16-bit compute copies are rebuilt from the loaded masters
   return st;
 }
 

@@ -1,9 +1,9 @@
 #!/usr/bin/python3
-"""The PyTorch oracle: loom (float32) against an independent PyTorch reference in float64.
+"""The PyTorch oracle: loom (float32, or bf16 with --dtype bf16) against independent PyTorch references.
 
 Usage:
   /usr/bin/python3 regression/oracle.py --loom build/loom --deck regression/oracle.deck \
-      --workdir build/oracle [--set k=v ...] [--single] [--h5 FILE]
+      --workdir build/oracle [--dtype fp32|bf16] [--set k=v ...] [--single] [--h5 FILE]
 
 Runs `loom export DECK OUT.h5` (one process), reads the initial weights and the batches loom
 trained on, and replays the same training in float64 PyTorch (regression/torch_gpt.py) with its own
@@ -18,6 +18,22 @@ The deck is run twice so that both the clipped and the unclipped path are exerci
 written (plus --set), case B with train.grad_clip=0 when A clipped on some step, otherwise with a
 grad_clip of a quarter of A's smallest gradient norm (so clipping engages). --single: case A only.
 --h5 FILE: check an existing export file instead of running loom (case A only).
+
+--dtype bf16 (default fp32: the above) runs loom with --set precision.dtype=bf16 (given before the
+user's --set, so a later --set precision.dtype=fp32 or fp16 checks that run against the bf16
+references instead: it must fail) and checks it, on the same initial weights and batches, against:
+  emulated   the float64 reference with every model matrix product's operands (input, weight,
+             output gradient; forward and both backward products) rounded to bf16 as loom rounds
+             them (torch_gpt.set_operand_dtype): all of the checks above, with tolerances for
+             rounding-boundary flips, plus the share of the bf16 effect on the step-0 gradients
+             (plain float64 vs emulated) that loom leaves unexplained: this row is what catches a
+             missing rounding;
+  autocast   a float32 torch model run under torch.autocast("cpu", dtype=torch.bfloat16) with the
+             same AdamW, clipping and schedule: loss, step-0 gradients and grad_norm, with
+             tolerances in units of bf16's u = 2^-8 (autocast also rounds outputs, attention and
+             GELU, which loom keeps in float32).
+Every row prints observed/tolerance; the tolerances and their derivation are in the comment blocks
+below.
 Exit status 0 when every check passes, 1 otherwise (also when loom fails or the file is malformed).
 """
 import argparse
@@ -89,6 +105,98 @@ ZERO_REL = 1e-9
 PARAM_TIGHT_ABS = 1e-6
 PARAM_FRACTION = 0.999
 
+# ---------------------------------------------------------------------------------------------
+# --dtype bf16: loom with precision.dtype = bf16 against two references on the same initial weights
+# and batches. u = 2^-8 is bf16's unit roundoff (8 significant bits, round to nearest even).
+#
+# (a) "emulated": the float64 reference with every model matrix product's operands (input, weight,
+#     output gradient; forward and both backward products, tied head included) rounded to bf16
+#     exactly as loom does (torch_gpt.set_operand_dtype); biases, bias gradients (from the unrounded
+#     output gradient) and everything else unrounded. The arithmetic is loom's: on a model small
+#     enough that usually no operand lands near a rounding boundary (layers 1, d_model 16, heads 2,
+#     seq_len 8, vocab 32, batch 2x1; 17 of train.seed 0..19) loom agrees with it to <= 2.8e-7 of
+#     max|g|, loss <= 3e-8, norm <= 4.4e-7: float32 level, where unrounded arithmetic is 4e-3..8e-3 off.
+#     What keeps the tolerances from being float32's: a bf16 operand whose float32 value (loom) and
+#     float64 value (here) straddle a rounding boundary rounds one bf16 step (2u relative) apart, a
+#     chance of about (float32 error)/(bf16 spacing) per element: measured 0 in 3*8192 LayerNorm
+#     outputs, 2 in 32768 GELU outputs. One flip moves one of the K terms of a product output by 2u
+#     of that term, i.e. by ~1/sqrt(K) of the output's own bf16 spacing (1/8 at K = 64), and each
+#     output feeds further rounded operands, so every flip starts a cascade: counted on this deck
+#     (torch float32 vs float64, same emulation, step 0) the first 2 flips, in layer 0's fc-proj
+#     input, become 265 in layer 1's forward and ~7000 in backward, in 77 of the 128 token rows. An
+#     infected token differs at the bf16 level itself, so loom vs emulated is not ~1e-6 but a
+#     sizeable share of the whole bf16 effect. Measured on this deck over train.seed 1..12 (loom
+#     0.1.0): step-0 gradients 1.4e-3..3.0e-3 of max|g| (an independent correct bf16 path, torch
+#     float32 with the same emulation: 1.6e-3..3.3e-3), loss <= 2e-5 rel, grad_norm <= 3.3e-4 rel.
+#     BF16_EMU_LOSS_RTOL   1e-4: an infected token's logits shift by <= u|z| (|z| <~ 1 at this init),
+#                          its loss by <= 2u|z|; over B*T = 128 tokens of random sign that is
+#                          <= 2u/sqrt(128)/ln(V) ~ 1.3e-4 relative. Observed 7e-6 (seed 7), <= 2e-5.
+#     BF16_EMU_GRAD_RTOL   2u = 7.8e-3 of each tensor's max|g|: an infected contribution errs by <= u
+#                          of its own size; x2 for the sums with cancellation (LayerNorm, biases).
+#                          Observed 2.8e-3 (seed 7), <= 3.0e-3. This row catches gross faults (a
+#                          transposed attn.proj gradient: 1.03); it does NOT catch a missing rounding
+#                          (loom's fp32 path: 4.7e-3..7.0e-3, seed 7 6.7e-3).
+#     BF16_EMU_EFFECT      0.45: the row that catches a wrong bf16 path. With E = the step-0 gradients
+#                          of the plain (unrounded) float64 reference minus the emulated ones (the
+#                          bf16 effect, |E| = 3.4e-3 |g| on this deck) and D = loom's minus the
+#                          emulated ones (all tensors as one vector), |D|/|E| is the share of the bf16
+#                          effect loom leaves unexplained: 0 without flips, 1 for unrounded
+#                          arithmetic. Observed: correct loom <= 0.35 over train.seed 1..40 (0.348 at
+#                          the deck's seed 7, the largest; the next 0.26), torch float32 emulation
+#                          0.03..0.23. Simulated defects (torch float32 emulation with one rounding
+#                          left out, seeds 1..12): weight unrounded 1.04..1.15, tied head unrounded
+#                          0.78..0.84, input unrounded 0.57..0.70, output gradient unrounded
+#                          0.42..0.51 (seed 7: 0.50, caught); input unrounded in dW only 0.34..0.40
+#                          and the bias gradient summed from the rounded output gradient 0.27..0.33
+#                          (seeds 1, 2, 7) are inside the flip noise: NOT detectable. loom's fp32
+#                          export: 1.00 (2.2x over), its fp16: 1.01. If this row alone fails after a
+#                          change to loom's float32 kernels only, the flips have moved: rerun with a
+#                          few --set train.seed=N to see whether seed 7 has become an outlier.
+#     BF16_EMU_NORM_RTOL   u/4 = 9.8e-4: the norm is dominated by the largest gradients, whose
+#                          infected parts err by <= u with random signs. Observed 1.3e-4 (seed 7),
+#                          <= 3.3e-4. The lr and parameter checks are fp32's (PARAM_* with
+#                          BF16_EMU_GRAD_RTOL in place of GRAD_RTOL).
+#     Neither the loss nor the norm tells bf16 from fp32 here (the logits are ~0.2 at this init:
+#     rounding moves the loss by <= 3e-5 and the norm by <= 1e-3); only the gradients do.
+# (b) "autocast": a float32 torch model whose forward runs under torch.autocast("cpu",
+#     dtype=torch.bfloat16), backward following the dtypes it recorded; same AdamW, clipping and
+#     schedule. Autocast rounds much more than loom: every product's output to bf16 (loom keeps
+#     fp32), and on this torch (1.13, CPU) the attention scores, their softmax, att*v and the GELU
+#     run in bf16 too; only the embeddings, the residual stream, the LayerNorms and the loss stay
+#     float32. So ~10 more roundings of <= u per layer, forward and backward.
+#     BF16_AUTO_LOSS_RTOL  u/4 = 9.8e-4: the logits are rounded (|dz| <= u|z|, |z| <~ 1), so a token's
+#                          loss moves by <= 2u|z| ~ 8e-3, <= 1.4e-3 relative to ln(V) = 5.5 with no
+#                          averaging; the 128 tokens average it down. Observed 7.7e-5 (seed 7),
+#                          <= 3.2e-4 over seeds 1..12 (step 0 <= 1.7e-5; later steps add trajectory).
+#     BF16_AUTO_GRAD_RTOL  64u = 0.25 of each tensor's max|g|: ~40 extra roundings of u on the way
+#                          back through 2 layers, amplified in the LayerNorm and bias gradients (sums
+#                          over 128 tokens of terms ~10x larger than the result). Observed 0.127 = 33u
+#                          (seed 7, blocks.1.ln1.bias), 12u..33u over seeds 1..12; matrices stay near
+#                          10u. Catches transposes, missing terms and scale errors beyond ~1.3x, not
+#                          subtle faults: that is (a)'s job.
+#     BF16_AUTO_NORM_RTOL  4u = 1.6e-2: the global norm averages the per-element errors; observed
+#                          3.7e-3 (seed 7), <= 5.7e-3 = 1.5u over seeds 1..12.
+#     The autocast check cannot tell loom's bf16 from its fp32 (the fp32 export passes it: loss
+#     5e-5, grads 0.127, norm 4.4e-3): autocast differs from both by more than they differ from
+#     each other.
+# ---------------------------------------------------------------------------------------------
+BF16_U = 2.0 ** -8
+BF16_EMU_LOSS_RTOL = 1e-4
+BF16_EMU_GRAD_RTOL = 2 * BF16_U
+BF16_EMU_EFFECT = 0.45
+BF16_EMU_NORM_RTOL = BF16_U / 4
+BF16_AUTO_LOSS_RTOL = BF16_U / 4
+BF16_AUTO_GRAD_RTOL = 64 * BF16_U
+BF16_AUTO_NORM_RTOL = 4 * BF16_U
+
+TOLS = dict(
+    fp32=dict(loss=LOSS_RTOL, grad=GRAD_RTOL, grad_atol=GRAD_ATOL, norm=NORM_RTOL, lr=LR_RTOL, params=True),
+    bf16_emulated=dict(loss=BF16_EMU_LOSS_RTOL, grad=BF16_EMU_GRAD_RTOL, grad_atol=GRAD_ATOL,
+                       effect=BF16_EMU_EFFECT, norm=BF16_EMU_NORM_RTOL, lr=LR_RTOL, params=True),
+    bf16_autocast=dict(loss=BF16_AUTO_LOSS_RTOL, grad=BF16_AUTO_GRAD_RTOL, grad_atol=GRAD_ATOL,
+                       norm=BF16_AUTO_NORM_RTOL, lr=None, params=False),
+)
+
 INT_ATTRS = ("layers", "d_model", "heads", "seq_len", "vocab", "batch", "micro_batches", "steps",
              "warmup")
 FLOAT_ATTRS = ("lr", "lr_min", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
@@ -124,6 +232,18 @@ def _tensors(group):
     return out
 
 
+def _deck_value(deck, section, key):
+    """`key` of `[section]` in the resolved deck text loom stores in the file ('?' when absent)."""
+    current = None
+    for line in str(deck).splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("[") and line.endswith("]"):
+            current = line[1:-1].strip()
+        elif current == section and "=" in line and line.split("=", 1)[0].strip() == key:
+            return line.split("=", 1)[1].strip()
+    return "?"
+
+
 def load_export(path):
     with h5py.File(path, "r") as f:
         cfg = {}
@@ -133,6 +253,8 @@ def load_export(path):
             v = _scalar(f.attrs[k])
             cfg[k] = int(v) if k in INT_ATTRS else (float(v) if k in FLOAT_ATTRS else str(v))
         cfg["loom_version"] = str(_scalar(f.attrs["loom_version"])) if "loom_version" in f.attrs else "?"
+        cfg["precision"] = (_deck_value(_scalar(f.attrs["deck"]), "precision", "dtype")
+                            if "deck" in f.attrs else "?")
         if cfg["schedule"] not in ("constant", "cosine"):
             raise Malformed(f"{path}: schedule '{cfg['schedule']}' is neither constant nor cosine")
         for g in ("params/init", "params/final", "grads/step0", "batches/inputs", "batches/targets",
@@ -175,12 +297,16 @@ def load_export(path):
     return data
 
 
-def reference(data):
-    """Replays the training in float64. Returns per-step loss, norm, lr, the step-0 gradients and the
-    final parameters, all as numpy float64."""
+def reference(data, dtype=torch.float64, operand_dtype=None, autocast=None):
+    """Replays the training in `dtype` (float64: the reference). operand_dtype: round every model
+    matrix product's operands to it (torch_gpt.set_operand_dtype; bf16 = loom's arithmetic);
+    autocast: run each forward under torch.autocast("cpu", dtype=autocast), backward following the
+    dtypes autocast recorded (PyTorch's recommended use). Returns per-step loss, norm, lr, the step-0
+    gradients and the final parameters, all as numpy float64."""
     cfg = data["cfg"]
     torch.manual_seed(0)
-    model = torch_gpt.build_model(cfg, torch.float64)
+    model = torch_gpt.build_model(cfg, dtype)
+    torch_gpt.set_operand_dtype(model, operand_dtype)
     torch_gpt.load_params(model, data["init"])
     opt = torch_gpt.make_optimizer(model, cfg)
     params = list(model.parameters())
@@ -192,12 +318,16 @@ def reference(data):
         opt.zero_grad(set_to_none=True)
         inp = torch.from_numpy(data["inputs"][s].astype(np.int64))
         tgt = torch.from_numpy(data["targets"][s].astype(np.int64))
-        _, loss = model(inp, tgt)  # mean over the whole global batch (= mean of micro-batch means)
+        if autocast is None:
+            _, loss = model(inp, tgt)  # mean over the whole global batch (= mean of micro-batch means)
+        else:
+            with torch.autocast("cpu", dtype=autocast):
+                _, loss = model(inp, tgt)
         loss.backward()
         if s == 0:
-            grads0 = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+            grads0 = {n: p.grad.detach().double().numpy().copy() for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
-            g = np.abs(p.grad.detach().numpy())
+            g = np.abs(p.grad.detach().double().numpy())
             rel_min[n] = np.minimum(rel_min[n], g / max(float(g.max()), 1e-300))
             rel_max[n] = np.maximum(rel_max[n], g / max(float(g.max()), 1e-300))
         norms.append(torch_gpt.clip_grad_norm(params, cfg["grad_clip"]))
@@ -206,7 +336,7 @@ def reference(data):
         opt.step()
         losses.append(float(loss.detach()))
         lrs.append(lr)
-    final = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    final = {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
     return dict(loss=np.array(losses), grad_norm=np.array(norms), lr=np.array(lrs), grads0=grads0,
                 final=final, stable={n: r >= STABLE_REL for n, r in rel_min.items()},
                 live={n: r >= ZERO_REL for n, r in rel_max.items()})
@@ -216,11 +346,15 @@ def _finite(a):
     return bool(np.all(np.isfinite(a)))
 
 
-def compare(data, ref):
-    """Returns rows (check, worst, observed, tolerance, ok, ratio) where ratio = observed/tolerance."""
+def compare(data, ref, tol=None, prefix="", plain=None):
+    """Returns rows (check, worst, observed, tolerance, ok, ratio) where ratio = observed/tolerance.
+    tol: one of TOLS (default fp32's); its lr None skips the lr check, params False the parameters'.
+    plain: the unrounded float64 reference, for the emulated bf16 check's share-of-the-effect row."""
+    tol = tol or TOLS["fp32"]
     cfg = data["cfg"]
     S = cfg["steps"]
     rows = []
+    grad_rtol = tol["grad"]
 
     def rel_rows(check, loom, want, rtol):
         err = np.abs(loom - want) / np.maximum(np.abs(want), 1e-300)
@@ -232,30 +366,48 @@ def compare(data, ref):
         rows.append((check, f"step {s} ({loom[s]:.9g} vs {want[s]:.9g})", float(err[s]), rtol,
                      bool(err[s] <= rtol), float(err[s]) / rtol))
 
-    rel_rows(f"loss, {S} steps (rel)", data["loss"], ref["loss"], LOSS_RTOL)
+    rel_rows(f"{prefix}loss, {S} steps (rel)", data["loss"], ref["loss"], tol["loss"])
 
     # Step-0 gradients, per tensor.
     worst = None
     for n, g_ref in ref["grads0"].items():
         g = data["grads0"][n].astype(np.float64)
         scale = float(np.max(np.abs(g_ref)))
-        tol = GRAD_RTOL * scale + GRAD_ATOL
+        t = grad_rtol * scale + tol["grad_atol"]
         err = float(np.max(np.abs(g - g_ref))) if _finite(g) else math.inf
-        r = err / tol
+        r = err / t
         if worst is None or r > worst[0]:
-            worst = (r, n, err, scale, tol)
-    r, n, err, scale, tol = worst
-    rows.append((f"grads step 0, {len(ref['grads0'])} tensors (max|d|/max|g|)",
+            worst = (r, n, err, scale, t)
+    r, n, err, scale, t = worst
+    rows.append((f"{prefix}grads step 0, {len(ref['grads0'])} tensors (max|d|/max|g|)",
                  f"{n} (max|g| {scale:.3g})", err / scale if scale > 0 else err,
-                 tol / scale if scale > 0 else tol, bool(r <= 1.0), r))
+                 t / scale if scale > 0 else t, bool(r <= 1.0), r))
 
-    rel_rows(f"grad_norm, {S} steps (rel)", data["grad_norm"], ref["grad_norm"], NORM_RTOL)
-    rel_rows(f"lr, {S} steps (rel)", data["lr"], ref["lr"], LR_RTOL)
+    if plain is not None:
+        # How much of the bf16 effect on the step-0 gradients (plain float64 vs emulated) loom leaves
+        # unexplained: 0 reproduces the emulation, 1 is as far from it as unrounded arithmetic.
+        names = list(ref["grads0"])
+
+        def flat(g):
+            return np.concatenate([np.asarray(g[n], dtype=np.float64).ravel() for n in names])
+        emu, got = flat(ref["grads0"]), flat(data["grads0"])
+        effect = float(np.linalg.norm(flat(plain["grads0"]) - emu))
+        miss = float(np.linalg.norm(got - emu)) if _finite(got) else math.inf
+        share = miss / effect if effect > 0 else math.inf
+        rows.append((f"{prefix}grads step 0, bf16 effect unexplained |g-g_emu|/|g_plain-g_emu|",
+                     f"|g_plain-g_emu|/|g_emu| {effect / float(np.linalg.norm(emu)):.2g}", share,
+                     tol["effect"], bool(share <= tol["effect"]), share / tol["effect"]))
+
+    rel_rows(f"{prefix}grad_norm, {S} steps (rel)", data["grad_norm"], ref["grad_norm"], tol["norm"])
+    if tol["lr"] is not None:
+        rel_rows(f"{prefix}lr, {S} steps (rel)", data["lr"], ref["lr"], tol["lr"])
+    if not tol["params"]:
+        return rows
 
     # Final parameters.
     bound = torch_gpt.adam_update_bound(cfg)
-    tight = 2.0 * (GRAD_RTOL / STABLE_REL) * bound + PARAM_TIGHT_ABS
-    loose = 2.0 * (GRAD_RTOL / LOOSE_REL) * bound + PARAM_TIGHT_ABS
+    tight = 2.0 * (grad_rtol / STABLE_REL) * bound + PARAM_TIGHT_ABS
+    loose = 2.0 * (grad_rtol / LOOSE_REL) * bound + PARAM_TIGHT_ABS
     hard = 2.0 * bound + PARAM_TIGHT_ABS
     total = inside = n_stable = n_all = 0
     worst_hard = (-1.0, "", 0.0)
@@ -279,13 +431,13 @@ def compare(data, ref):
         if live.any() and k / live.sum() < worst_frac[0]:
             worst_frac = (k / live.sum(), n, int(live.sum()) - k)
     frac = inside / total
-    rows.append((f"params final, sign-stable ({n_stable / n_all:.1%}) max|d|", worst_stable[1],
+    rows.append((f"{prefix}params final, sign-stable ({n_stable / n_all:.1%}) max|d|", worst_stable[1],
                  worst_stable[0], tight, bool(worst_stable[0] <= tight), worst_stable[0] / tight))
-    rows.append((f"params final, fraction within {loose:.2g} ({n_all - total} zero-grad skipped)",
+    rows.append((f"{prefix}params final, fraction within {loose:.2g} ({n_all - total} zero-grad skipped)",
                  f"{worst_frac[1]} ({worst_frac[2]} outside)" if worst_frac[2] else "all inside",
                  frac, PARAM_FRACTION, bool(frac >= PARAM_FRACTION),
                  (1.0 - frac) / (1.0 - PARAM_FRACTION)))
-    rows.append(("params final, every element max|d|",
+    rows.append((f"{prefix}params final, every element max|d|",
                  f"{worst_hard[1]} (p99.9 {worst_hard[2]:.2g})", worst_hard[0], hard,
                  bool(worst_hard[0] <= hard), worst_hard[0] / hard))
     return rows
@@ -316,7 +468,7 @@ def run_loom(loom, deck, out, sets, log):
     print(f"  loom export took {time.time() - t0:.1f} s; log in {log}")
 
 
-def check_case(label, data, expect=None):
+def check_case(label, data, expect=None, dtype="fp32"):
     cfg = data["cfg"]
     rows_extra = []
     if expect:
@@ -326,20 +478,33 @@ def check_case(label, data, expect=None):
             rows_extra.append((f"attribute {k} follows --set", f"{got:.9g}", abs(got - v), 0.0, ok,
                                0.0 if ok else math.inf))
     t0 = time.time()
-    ref = reference(data)
-    rows = compare(data, ref) + rows_extra
+    if dtype == "fp32":
+        ref = reference(data)
+        rows = compare(data, ref)
+        took = f"reference (float64 torch) took {time.time() - t0:.1f} s"
+    else:
+        ref = reference(data, operand_dtype=torch.bfloat16)
+        plain = reference(data)
+        t1 = time.time()
+        auto = reference(data, dtype=torch.float32, autocast=torch.bfloat16)
+        rows = (compare(data, ref, TOLS["bf16_emulated"], "emulated: ", plain=plain)
+                + compare(data, auto, TOLS["bf16_autocast"], "autocast: "))
+        took = (f"references: emulated and plain (float64 torch, with and without bf16 operands) took "
+                f"{t1 - t0:.1f} s, autocast (float32 torch, bf16 autocast) {time.time() - t1:.1f} s")
+    rows += rows_extra
     clip = cfg["grad_clip"]
     engaged = [s for s, n in enumerate(ref["grad_norm"]) if clip > 0 and torch_gpt.clip_coef(n, clip) < 1.0]
     print(f"\ncase {label}: layers {cfg['layers']} d_model {cfg['d_model']} heads {cfg['heads']} "
           f"seq_len {cfg['seq_len']} vocab {cfg['vocab']} batch {cfg['batch']}x{cfg['micro_batches']} "
-          f"micro, {cfg['steps']} steps, {cfg['schedule']} lr {cfg['lr']:g}, loom {cfg['loom_version']}")
+          f"micro, {cfg['steps']} steps, {cfg['schedule']} lr {cfg['lr']:g}, loom {cfg['loom_version']}, "
+          f"precision.dtype {cfg['precision']}")
     norms = ", ".join(f"{n:.4g}" for n in ref["grad_norm"])
     if clip > 0:
         print(f"  grad_clip {clip:g}; reference norms [{norms}]; clipping engaged on steps {engaged}"
               + (" (clipped path exercised)" if engaged else " (clip on, never engaged)"))
     else:
         print(f"  grad_clip 0 (unclipped path exercised); reference norms [{norms}]")
-    print(f"  reference (float64 torch) took {time.time() - t0:.1f} s")
+    print("  " + took)
     print_table(rows)
     return all(r[4] for r in rows), ref, engaged
 
@@ -352,19 +517,37 @@ def main():
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--single", action="store_true", help="run case A only")
     ap.add_argument("--h5", help="check this export file instead of running loom")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="fp32 (default): loom's plain path against float64; bf16: loom with "
+                         "precision.dtype=bf16 against the emulated and the autocast reference")
     args = ap.parse_args()
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    print(f"loom oracle: torch {torch.__version__} float64 reference; tolerances: loss rel {LOSS_RTOL:g}, "
-          f"grads {GRAD_RTOL:g}*max|g|+{GRAD_ATOL:g}, grad_norm rel {NORM_RTOL:g}, lr rel {LR_RTOL:g}, "
-          f"params: sign-stable all within {2 * GRAD_RTOL / STABLE_REL:g}*B+{PARAM_TIGHT_ABS:g}, "
-          f"{PARAM_FRACTION:.1%} of all within {2 * GRAD_RTOL / LOOSE_REL:g}*B+{PARAM_TIGHT_ABS:g}, "
-          f"every element within 2*B+{PARAM_TIGHT_ABS:g} "
-          f"(B: AdamW drift bound)")
+
+    def describe(t):
+        out = (f"loss rel {t['loss']:.3g}, grads {t['grad']:.3g}*max|g|+{t['grad_atol']:g}, "
+               + (f"bf16 effect unexplained {t['effect']:g}, " if "effect" in t else "")
+               + f"grad_norm rel {t['norm']:.3g}")
+        if t["lr"] is not None:
+            out += f", lr rel {t['lr']:g}"
+        if t["params"]:
+            out += (f", params: sign-stable all within {2 * t['grad'] / STABLE_REL:g}*B+{PARAM_TIGHT_ABS:g}, "
+                    f"{PARAM_FRACTION:.1%} of all within {2 * t['grad'] / LOOSE_REL:g}*B+"
+                    f"{PARAM_TIGHT_ABS:g}, every element within 2*B+{PARAM_TIGHT_ABS:g} "
+                    f"(B: AdamW drift bound)")
+        return out
+    if args.dtype == "fp32":
+        print(f"loom oracle: torch {torch.__version__} float64 reference; tolerances: "
+              f"{describe(TOLS['fp32'])}")
+    else:
+        print(f"loom oracle, bf16: torch {torch.__version__}; loom run with precision.dtype=bf16\n"
+              f"  emulated (float64, bf16 operands) tolerances: {describe(TOLS['bf16_emulated'])}\n"
+              f"  autocast (float32 under torch.autocast bf16) tolerances: {describe(TOLS['bf16_autocast'])}")
+    dtype_sets = ["precision.dtype=bf16"] if args.dtype == "bf16" else []
     all_ok = True
     try:
         if args.h5:
-            ok, _, _ = check_case(f"file {args.h5}", load_export(args.h5))
+            ok, _, _ = check_case(f"file {args.h5}", load_export(args.h5), dtype=args.dtype)
             all_ok = ok
         else:
             loom = os.path.abspath(args.loom)
@@ -380,11 +563,12 @@ def main():
                 if os.path.exists(out):
                     os.remove(out)
                 sets = ([] if user_sets_run_dir else [f"run.dir={os.path.join(work, 'run-' + tag)}"])
-                run_loom(loom, deck, out, sets + args.sets + extra, os.path.join(work, f"export_{tag}.log"))
+                run_loom(loom, deck, out, sets + dtype_sets + args.sets + extra,
+                         os.path.join(work, f"export_{tag}.log"))
                 return load_export(out)
 
             data_a = export("A", [])
-            ok, ref_a, engaged = check_case("A (deck as written)", data_a)
+            ok, ref_a, engaged = check_case("A (deck as written)", data_a, dtype=args.dtype)
             all_ok = ok
             if not args.single:
                 if engaged:
@@ -395,7 +579,7 @@ def main():
                 print(f"\n{why}: --set train.grad_clip={clip_b:g}")
                 data_b = export("B", [f"train.grad_clip={clip_b:g}"])
                 ok, _, engaged_b = check_case(f"B (train.grad_clip={clip_b:g})", data_b,
-                                              expect={"grad_clip": clip_b})
+                                              expect={"grad_clip": clip_b}, dtype=args.dtype)
                 if clip_b > 0 and not engaged_b:
                     print("  FAIL: clipping did not engage in case B")
                     ok = False

@@ -24,6 +24,15 @@ CASE is one of:
                          saved at step 4 of 8 in one precision, resumed in the other: the file holds
                          fp32 master weights, so steps 5..8 follow the uninterrupted run within bf16's
                          u = 2^-9 (relative)
+  memory_bf16, memory_bf16_tp2_sp
+                         the ledger of a bf16 run against the fp32 run of the same small deck (L = 2,
+                         C = 32, V = 64, N = 8 x 16 rows), byte for byte: params (the store's 16-bit
+                         compute copies of the matrix weights) = 2 x (12 L C^2 + V C) / tp; master (the
+                         fp32 parameters) = the fp32 run's params; gradients and AdamW unchanged; the
+                         activations smaller by 2 bytes per element saved in 16 bits instead of fp32 (the
+                         products' inputs ln1, atty, ln2, fch_gelu of every block and the head's lnf):
+                         2 N C (7 L + 1) at one rank; with tp 2 and sequence parallelism ln1, ln2 and lnf
+                         are gathered in fp32 and stay fp32, so 2 N (C + 4C) / tp L per rank
   checkpoint_fp16_scale  fp16, the scale growing every 2 clean steps, saved at step 4 and resumed: the
                          loss scale and its counters come back, so steps 5..8 log the same scales and,
                          bit for bit, the same losses as the uninterrupted run
@@ -137,6 +146,23 @@ def main():
         c.check(rows and all(x is not None and abs(x - want) <= 0.01 * want for x in ratios),
                 "the gradient collective did not send half the fp32 bytes: %s = %s, expected %g" % (ratio_key, ratios, want))
         compare(c, [r["loss"] for r in rows], common.losses(ref), U_BF16, "bf16 collective at dp 2 against one process")
+        return c.done(name)
+
+    if name in ("memory_bf16", "memory_bf16_tp2_sp"):
+        c = common.Case(args, name, common.small_deck(steps=2, log_every=1))
+        L, C, V, N = 2, 32, 64, 8 * 16
+        tp, extra = (2, ["parallel.tp=2", "tensor.sequence_parallel=true"]) if "tp2" in name else (1, [])
+        _, ref = c.loom("fp32", tp, extra)
+        _, run = c.loom("bf16", tp, extra + ["precision.dtype=bf16"])
+        m32, m16 = common.summary(ref)["mem_peak_bytes"], common.summary(run)["mem_peak_bytes"]
+        saved = 2 * N * (C + 4 * C) // tp * L if tp > 1 else 2 * N * C * (7 * L + 1)
+        want = {"params": 2 * (12 * L * C * C + V * C) // tp, "master": m32["params"], "grads": m32["grads"],
+                "optimizer": m32["optimizer"], "activations": m32["activations"] - saved}
+        for k, v in want.items():
+            print("%-11s fp32 %9d  bf16 %9d  expected %9d" % (k, m32[k], m16[k], v))
+            c.check(m16[k] == v, "bf16 %s: %d bytes, expected %d" % (k, m16[k], v))
+        c.check(common.summary(run).get("precision", {}).get("compute_copy_bytes") == want["params"],
+                "summary.json precision.compute_copy_bytes is not the 16-bit copies' bytes")
         return c.done(name)
 
     if name.startswith("checkpoint_"):

@@ -13,6 +13,11 @@ The contract (DESIGN.md and the oracle spec):
   optimizer   torch.optim.AdamW; weight decay only on parameters with dim >= 2.
   clipping    global L2 norm over all gradients, exactly torch.nn.utils.clip_grad_norm_; 0 = off.
   schedule    linear warm-up over `warmup` steps, then constant or cosine down to lr_min.
+  precision   set_operand_dtype(model, torch.bfloat16) emulates loom's precision.dtype = bf16 in any
+              model dtype: every model matrix product (QKV, attention projection, MLP fc and proj,
+              the tied head; forward and both backward products) rounds its operands (input,
+              weight, output gradient) to bf16 and multiplies in the model's dtype; biases, bias
+              gradients and everything else stay unrounded. None (the default) is the plain path.
 """
 import math
 
@@ -30,13 +35,59 @@ TRAIN_DEFAULTS = dict(
 )
 
 
+def round_to(x, dtype):
+    """x rounded to `dtype` (nearest even) and back to x's dtype. From float64, torch rounds to
+    float32 first and then to bf16: that is what loom's fp32 value of the same quantity would round
+    to, so it is the right emulation of loom (which rounds float32 values)."""
+    return x.to(dtype).to(x.dtype)
+
+
+class _RoundedOperandsLinear(torch.autograd.Function):
+    """y = r(x) r(W)^T + b, r = round_to(., dtype); backward dx = r(dy) r(W), dW = r(dy)^T r(x) over
+    all leading dims, db = sum of the unrounded dy: loom's Backend::matmul_forward/_backward with
+    Precision::matmul = bf16 (or fp16), the accumulation in the model's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        xr, wr = round_to(x, dtype), round_to(weight, dtype)
+        ctx.save_for_backward(xr, wr)
+        ctx.dtype = dtype
+        ctx.has_bias = bias is not None
+        y = xr @ wr.t()
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xr, wr = ctx.saved_tensors
+        dyr = round_to(dy, ctx.dtype)
+        dx = dyr @ wr
+        dw = dyr.reshape(-1, dyr.shape[-1]).t() @ xr.reshape(-1, xr.shape[-1])
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+def linear(x, weight, bias=None, operand_dtype=None):
+    """x @ weight.T (+ bias); with operand_dtype, loom's rounded-operand product."""
+    if operand_dtype is None:
+        return F.linear(x, weight, bias)
+    return _RoundedOperandsLinear.apply(x, weight, bias, operand_dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same names) whose product follows `operand_dtype`."""
+    operand_dtype = None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.operand_dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model, heads, seq_len):
         super().__init__()
         assert d_model % heads == 0
         self.heads = heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.qkv = Linear(d_model, 3 * d_model)
+        self.proj = Linear(d_model, d_model)
         # Additive causal mask (0 on and below the diagonal, -inf above), fused into the score
         # product by baddbmm: ~15% faster on one CPU thread than scale + masked_fill (torch 1.13
         # has no scaled_dot_product_attention). It follows the module's dtype.
@@ -63,9 +114,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d_model):
         super().__init__()
-        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.fc = Linear(d_model, 4 * d_model)
         self.act = nn.GELU(approximate="tanh")
-        self.proj = nn.Linear(4 * d_model, d_model)
+        self.proj = Linear(4 * d_model, d_model)
 
     def forward(self, x):
         return self.proj(self.act(self.fc(x)))
@@ -86,6 +137,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    operand_dtype = None  # the tied head's; set_operand_dtype sets it with every Linear's
+
     def __init__(self, layers, d_model, heads, seq_len, vocab):
         super().__init__()
         self.seq_len = seq_len
@@ -110,11 +163,23 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        logits = x @ self.wte.weight.t()
+        if self.operand_dtype is None:
+            logits = x @ self.wte.weight.t()
+        else:
+            logits = linear(x, self.wte.weight, None, self.operand_dtype)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
+
+
+def set_operand_dtype(model, dtype):
+    """Round the operands of every model matrix product to `dtype` (torch.bfloat16 emulates loom's
+    precision.dtype = bf16); None restores the plain products. Returns the model."""
+    for m in model.modules():
+        if isinstance(m, (Linear, GPT)):
+            m.operand_dtype = dtype
+    return model
 
 
 def _get(cfg, key):

@@ -531,6 +531,55 @@ TEST(Backend, Fp16OperandRoundingIsNearestEvenWithOverflow) {
   EXPECT_FALSE(std::isfinite(o[0]));
 }
 
+// Typed operands: an operand already of the precision's type (a store's compute copy, a saved 16-bit
+// activation) gives, bit for bit, the product of the fp32 operand the back end rounds itself, in
+// forward and both backward products; an fp32 operand is still rounded; another 16-bit type is refused.
+template <class T>
+void check_typed_operands(DType type) {
+  const int N = 19, C = 24, OC = 13;
+  const auto x = as<float>(randn(N * C, 21)), w = as<float>(randn(OC * C, 22, 0.3)), dout = as<float>(randn(N * OC, 23));
+  std::vector<T> x16(x.size()), w16(w.size());
+  const auto round = [](float f) {
+    if constexpr (std::is_same_v<T, bf16>) return loom::to_bf16(f);
+    else return loom::to_f16(f);
+  };
+  for (std::size_t i = 0; i < x.size(); ++i) x16[i] = round(x[i]);
+  for (std::size_t i = 0; i < w.size(); ++i) w16[i] = round(w[i]);
+  auto be = host();
+  be->set_precision({type});
+  std::vector<float> out(N * OC), out16(N * OC), dinp(N * C), dinp16(N * C), dw(OC * C, 0.0f), dw16(OC * C, 0.0f);
+  be->matmul_forward(out.data(), x.data(), w.data(), nullptr, N, C, OC);
+  be->matmul_backward(dinp.data(), dw.data(), nullptr, dout.data(), x.data(), w.data(), N, C, OC);
+  be->matmul_forward(out16.data(), BufferRef(x16.data(), N * C), BufferRef(w16.data(), OC * C), nullptr, N, C, OC);
+  be->matmul_backward(dinp16.data(), dw16.data(), nullptr, dout.data(), BufferRef(x16.data(), N * C),
+                      BufferRef(w16.data(), OC * C), N, C, OC);
+  EXPECT_EQ(std::memcmp(out.data(), out16.data(), out.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(dinp.data(), dinp16.data(), dinp.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(dw.data(), dw16.data(), dw.size() * 4), 0);
+  // a mixed pair: the fp32 input rounded here, the weight as stored
+  std::vector<float> mixed(N * OC);
+  be->matmul_forward(mixed.data(), BufferRef(x.data(), N * C), BufferRef(w16.data(), OC * C), nullptr, N, C, OC);
+  EXPECT_EQ(std::memcmp(out.data(), mixed.data(), out.size() * 4), 0);
+}
+
+TEST(Backend, Bf16TypedOperandsEqualRoundedFp32Operands) { check_typed_operands<bf16>(DType::bf16); }
+TEST(Backend, Fp16TypedOperandsEqualRoundedFp32Operands) { check_typed_operands<f16>(DType::f16); }
+
+TEST(Backend, TypedOperandsOfAnotherTypeAreRefused) {
+  auto be = host();
+  be->set_precision({DType::bf16});
+  std::vector<f16> h(16);
+  std::vector<float> x(16), out(16);
+  EXPECT_THROW(be->matmul_forward(out.data(), BufferRef(x.data(), 16), BufferRef(h.data(), 16), nullptr, 4, 4, 4),
+               std::invalid_argument);
+  EXPECT_THROW(be->matmul_forward(out.data(), BufferRef(x.data(), 8), BufferRef(x.data(), 16), nullptr, 4, 4, 4),
+               std::invalid_argument);  // too few elements
+  auto fp32 = host();
+  std::vector<bf16> b(16);
+  EXPECT_THROW(fp32->matmul_forward(out.data(), BufferRef(b.data(), 16), BufferRef(x.data(), 16), nullptr, 4, 4, 4),
+               std::logic_error);  // an fp32 run takes fp32 operands only
+}
+
 TEST(Backend, PrecisionRefusesNon16BitTypes) {
   auto be = host();
   EXPECT_THROW(be->set_precision({DType::i8}), std::invalid_argument);

@@ -52,6 +52,7 @@ class ZeroStore final : public FlatParamStore {
   void refresh() override {
     const std::size_t r = static_cast<std::size_t>(dp_.rank());
     dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
+    FlatParamStore::refresh();  // compute copies are stale
   }
   // The elements of `b` (a run of the flat gradient buffer) in each rank's share.
   std::vector<std::int64_t> rank_counts(const GradBucket& b) const {

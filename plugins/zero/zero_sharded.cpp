@@ -54,10 +54,13 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
       first = false;
     }
   }
+  // With 16-bit compute copies the fp32 parameters are the master weights.
+  copies_.build(*be_, params, units, stage_ != 3);
+  const Mem fp32_params = copies_.active() ? Mem::master : Mem::params;
   params_ = be_->allocate(stage_ == 3 ? "ZeroStore::param_share" : "ZeroStore::params", DType::f32,
-                          stage_ == 3 ? hi_ - lo_ : sharded_, Mem::params);
+                          stage_ == 3 ? hi_ - lo_ : sharded_, fp32_params);
   gshard_ = be_->allocate("ZeroStore::grad_share", DType::f32, hi_ - lo_, Mem::grads);
-  wparams_ = be_->allocate("ZeroStore::whole_params", DType::f32, whole_, Mem::params);
+  wparams_ = be_->allocate("ZeroStore::whole_params", DType::f32, whole_, fp32_params);
   wgrads_ = be_->allocate("ZeroStore::whole_grads", DType::f32, whole_, Mem::grads);
   owned_.clear();
   for (std::size_t i = 0; i < n; ++i) {
@@ -175,6 +178,7 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
     v.params.emplace_back(p, count);
     if (use == Use::backward) v.grads.emplace_back(tensor_in(staged_, wgrads_, i), count);
   }
+  copies_.attach(unit, v);
   dp_.progress();
   return v;
 }
@@ -185,6 +189,7 @@ void ShardedStore::release(int unit, Use) {
   if (s && --s->users == 0 && !wanted_soon(unit)) {
     s->unit = -1;
     gathered_[u] = nullptr;
+    copies_.drop(unit);
   }
   dp_.progress();
 }
@@ -248,6 +253,7 @@ void ShardedStore::refresh() {
     const std::size_t r = static_cast<std::size_t>(dp_.rank());
     dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
   }
+  copies_.mark_stale();
   end_step();  // stage 3: gathered copies are stale now
 }
 
@@ -260,6 +266,7 @@ void ShardedStore::end_step() {
       s->req.reset();
       s->unit = -1;
       gathered_[u] = nullptr;
+      copies_.drop(static_cast<int>(u));
     }
 }
 
@@ -362,8 +369,9 @@ std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Co
   const double textbook = (stage == 3 ? 3.0 : 2.0) * (N - 1) / N * M;
   const double textbook_state = stage == 3 ? 16 * P / N : stage == 2 ? 4 * P + 12 * P / N : 8 * P + 8 * P / N;
   const Ledger& ledger = Ledger::global();
-  const double state = static_cast<double>(ledger.current(Mem::params) + ledger.current(Mem::grads) +
-                                           ledger.current(Mem::optimizer));
+  // Mixed precision files the fp32 parameters as master weights and their 16-bit copies as params.
+  const double state = static_cast<double>(ledger.current(Mem::params) + ledger.current(Mem::master) +
+                                           ledger.current(Mem::grads) + ledger.current(Mem::optimizer));
   return {{"zero_stage", stage},
           {"zero_reduce_scatter_bytes", rs},
           {"zero_all_gather_bytes", ag},

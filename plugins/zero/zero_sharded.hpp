@@ -60,6 +60,7 @@ class ShardedStore final : public ParamStore {
   const std::vector<OwnedSlice>& owned() const override { return owned_; }
   void refresh() override;
   void end_step() override;
+  void params_written() override { copies_.mark_stale(); }
   std::int64_t local_numel() const override { return sharded_ + whole_; }
 
   // For the gradient sync.
@@ -124,6 +125,7 @@ class ShardedStore final : public ParamStore {
   std::vector<std::unique_ptr<Slot>> pslots_, gslots_;
   std::vector<Slot*> gathered_, staged_;  // per unit: its parameter slot (stage 3), its gradient slot
   std::vector<UnitView> views_;
+  ComputeCopies copies_;  // 16-bit copies of the matrix weights (stage 3: of the gathered units only)
   // The order units are acquired in during a step: recorded in the first, followed after.
   std::vector<int> trace_;
   bool tracing_ = true, on_trace_ = false;
