@@ -1,19 +1,22 @@
 #!/usr/bin/python3
-"""loom against PyTorch on one CPU thread: the same GPT (bench/bench.deck), fp32, one rank.
+"""loom against PyTorch on one CPU thread: the same GPT (bench/bench.deck), one rank, fp32 and bf16.
 
 Usage:
   /usr/bin/python3 bench/gpt_vs_torch.py --loom build/loom --sgemm build/bench/sgemm_peak [--steps N]
 
-  1. build/bench/sgemm_peak: single-thread cblas_sgemm GFLOP/s on the model's GEMM shapes (the peak).
+  1. build/bench/sgemm_peak: single-thread GFLOP/s of OpenBLAS sgemm, oneDNN fp32 and oneDNN bf16 on
+     the model's matrix-product shapes (the peaks of loom's own kernels).
   2. OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 loom run bench/bench.deck --set train.steps=N
-     --set run.dir=DIR, then DIR/summary.json: tokens_per_s (steady state, first step excluded),
-     model_flops_per_token, tflops.
+     --set run.dir=DIR [--set precision.dtype=bf16], then DIR/summary.json: tokens_per_s (steady
+     state, first step excluded), model_flops_per_token, tflops.
   3. The same architecture and AdamW hyper-parameters (read from the deck) in PyTorch float32 with
-     torch.set_num_threads(1): 2 warm-up steps, then N timed steps on random token batches.
-  4. A table (loom/torch tokens/s ratio, target >= 0.8; loom GFLOP/s and its fraction of the sgemm
-     peak) and one JSON line with every number.
-A benchmark, not a test: the exit status is 0 when every part ran (whatever the ratio), 1 otherwise.
---torch-only / --no-sgemm skip parts.
+     torch.set_num_threads(1), and the same under torch.autocast("cpu", dtype=torch.bfloat16): 2
+     warm-up steps, then N timed steps on random token batches.
+  4. A table with the targets (loom fp32 >= 1.5x PyTorch fp32; loom bf16 >= 1.8x loom fp32 and >= 1.2x
+     PyTorch bf16; loom's achieved FLOP/s >= 0.8 of its own kernels' peak, oneDNN fp32 or bf16) and
+     one JSON line with every number.
+A benchmark, not a test: the exit status is 0 when every part ran (whatever the ratios), 1 otherwise.
+--torch-only / --no-sgemm / --fp32-only skip parts.
 """
 import argparse
 import configparser
@@ -78,7 +81,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(HERE, "..", "regression"))
 import torch_gpt  # noqa: E402
 
-TARGET_RATIO = 0.8
+TARGETS = {"loom_fp32_over_torch_fp32": 1.5, "loom_bf16_over_loom_fp32": 1.8, "loom_bf16_over_torch_bf16": 1.2,
+           "loom_fp32_fraction_of_peak": 0.8, "loom_bf16_fraction_of_peak": 0.8}
 
 
 def read_deck(path, sets):
@@ -133,7 +137,12 @@ def run_sgemm(path):
     if p.returncode != 0:
         raise RuntimeError(f"{path} exited with {p.returncode}: {p.stderr.strip()[-500:]}")
     line = [ln for ln in p.stdout.splitlines() if ln.strip().startswith("{")][-1]
-    return json.loads(line)
+    out = json.loads(line)
+    # the kernels each library ran ("bf16 cblas_sgemm (oneDNN refused ...)" where oneDNN has no bf16 kernel)
+    kernels = [ln for ln in p.stdout.splitlines() if ln.startswith("kernels: ")]
+    if kernels:
+        out["kernels"] = kernels[-1][len("kernels: "):]
+    return out
 
 
 def run_loom(loom, deck_path, steps, run_dir, sets):
@@ -165,7 +174,7 @@ def run_loom(loom, deck_path, steps, run_dir, sets):
     return s
 
 
-def run_torch(cfg, steps, seed=0):
+def run_torch(cfg, steps, seed=0, bf16=False):
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = torch_gpt.build_model(cfg, torch.float32)
@@ -183,12 +192,15 @@ def run_torch(cfg, steps, seed=0):
         loss, _, _ = torch_gpt.train_step(model, opt, x, y, s, sched, cfg["micro_batches"])
         losses.append(loss)
 
-    for s in range(2):  # warm-up: allocator, BLAS buffers, optimizer state
-        step(s)
-    t0 = time.perf_counter()
-    for s in range(2, steps + 2):
-        step(s)
-    dt = time.perf_counter() - t0
+    # bf16: autocast over the forward, the backward and the update (the update's ops are not
+    # autocast ops: fp32 parameters and AdamW state, as in loom).
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for s in range(2):  # warm-up: allocator, BLAS buffers, optimizer state
+            step(s)
+        t0 = time.perf_counter()
+        for s in range(2, steps + 2):
+            step(s)
+        dt = time.perf_counter() - t0
     return dict(tokens_per_s=steps * B * T / dt, step_ms=dt / steps * 1e3, seconds=dt,
                 loss_first=losses[0], loss_last=losses[-1])
 
@@ -203,7 +215,8 @@ def main():
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
                     help="deck override, applied to loom and torch alike")
     ap.add_argument("--torch-only", action="store_true", help="skip loom")
-    ap.add_argument("--no-sgemm", action="store_true", help="skip the sgemm peak")
+    ap.add_argument("--no-sgemm", action="store_true", help="skip the matrix-product peaks")
+    ap.add_argument("--fp32-only", action="store_true", help="skip the bf16 runs")
     args = ap.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (loom's tokens_per_s excludes the first step)")
@@ -211,9 +224,10 @@ def main():
     deck = read_deck(args.deck, args.sets)
     cfg = torch_cfg(deck)
     tokens_per_step = cfg["batch"] * cfg["seq_len"]
+    dtypes = ["fp32"] if args.fp32_only else ["fp32", "bf16"]
     print(f"bench: layers {cfg['layers']} d_model {cfg['d_model']} heads {cfg['heads']} seq_len "
           f"{cfg['seq_len']} vocab {cfg['vocab']} batch {cfg['batch']} ({tokens_per_step} tokens/step), "
-          f"fp32, {args.steps} timed steps")
+          f"{' and '.join(dtypes)}, {args.steps} timed steps")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()} (interop "
           f"{torch.get_num_interop_threads()}), python {platform.python_version()}, "
           f"cpu {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible")
@@ -224,72 +238,81 @@ def main():
     res = dict(steps=args.steps, tokens_per_step=tokens_per_step, torch_version=torch.__version__,
                torch_threads=torch.get_num_threads(), torch_blas_core=res_core)
 
-    sg = None
     if not args.no_sgemm:
         try:
             sg = run_sgemm(os.path.abspath(args.sgemm))
             res["sgemm_gflops"] = sg["sgemm_gflops"]
             res["sgemm_blas_core"] = sg.get("core", "unknown")
-            print(f"sgemm peak: {sg['sgemm_gflops']:.1f} GFLOP/s single thread, OpenBLAS core "
-                  f"{res['sgemm_blas_core']} (best of {len(sg.get('shapes', []))} shape/layout cases)")
+            for k in ("onednn_f32_gflops", "onednn_bf16_gflops"):
+                if sg.get(k):
+                    res[k] = sg[k]
+            res["gemm_kernels"] = sg.get("kernels", "")
+            print(f"matrix-product peaks, one thread: OpenBLAS sgemm {sg['sgemm_gflops']:.1f} GFLOP/s (core "
+                  f"{res['sgemm_blas_core']}), oneDNN fp32 {res.get('onednn_f32_gflops', 0):.1f}, oneDNN bf16 "
+                  f"{res.get('onednn_bf16_gflops', 0):.1f}\n  kernels: {res['gemm_kernels']}")
         except (OSError, RuntimeError, ValueError, IndexError, KeyError) as e:
             print(f"sgemm_peak failed: {e}")
             ok = False
 
-    lo = None
-    if not args.torch_only:
+    for dt in dtypes if not args.torch_only else []:
         try:
+            sets = args.sets + (["precision.dtype=bf16"] if dt == "bf16" else [])
             lo = run_loom(os.path.abspath(args.loom), os.path.abspath(args.deck), args.steps,
-                          os.path.abspath(args.run_dir), args.sets)
-            res["loom_tokens_per_s"] = float(lo["tokens_per_s"])
+                          os.path.abspath(args.run_dir) + ("" if dt == "fp32" else "-" + dt), sets)
+            res[f"loom_{dt}_tokens_per_s"] = float(lo["tokens_per_s"])
             res["model_flops_per_token"] = float(lo["model_flops_per_token"])
-            res["loom_gflops"] = res["loom_tokens_per_s"] * res["model_flops_per_token"] / 1e9
-            if "tflops" in lo:
-                res["loom_summary_tflops"] = float(lo["tflops"])
+            res[f"loom_{dt}_gflops"] = res[f"loom_{dt}_tokens_per_s"] * res["model_flops_per_token"] / 1e9
         except (OSError, RuntimeError, ValueError) as e:
-            print(f"loom failed: {e}")
+            print(f"loom {dt} failed: {e}")
             ok = False
+    if "loom_fp32_tokens_per_s" in res:  # the names earlier versions printed (compare_commits.py)
+        res["loom_tokens_per_s"] = res["loom_fp32_tokens_per_s"]
+        res["loom_gflops"] = res["loom_fp32_gflops"]
 
-    print("torch: training ...", flush=True)
-    to = run_torch(cfg, args.steps)
-    res["torch_tokens_per_s"] = to["tokens_per_s"]
-    res["torch_step_ms"] = to["step_ms"]
     flops_tok = res.get("model_flops_per_token")
     flops_src = "loom summary"
     if flops_tok is None:
         flops_tok, flops_src = float(model_flops_per_token(cfg)), "bench estimate"
         res["model_flops_per_token_estimate"] = flops_tok
-    res["torch_gflops"] = to["tokens_per_s"] * flops_tok / 1e9
-    if "loom_tokens_per_s" in res:
-        res["ratio_loom_over_torch"] = res["loom_tokens_per_s"] / res["torch_tokens_per_s"]
-    if "loom_gflops" in res and "sgemm_gflops" in res:
-        res["loom_fraction_of_sgemm_peak"] = res["loom_gflops"] / res["sgemm_gflops"]
-    if "sgemm_gflops" in res:
-        res["torch_fraction_of_sgemm_peak"] = res["torch_gflops"] / res["sgemm_gflops"]
+    for dt in dtypes:
+        print(f"torch {dt}{' autocast' if dt == 'bf16' else ''}: training ...", flush=True)
+        to = run_torch(cfg, args.steps, bf16=dt == "bf16")
+        res[f"torch_{dt}_tokens_per_s"] = to["tokens_per_s"]
+        res[f"torch_{dt}_step_ms"] = to["step_ms"]
+        res[f"torch_{dt}_gflops"] = to["tokens_per_s"] * flops_tok / 1e9
+    res["torch_tokens_per_s"] = res["torch_fp32_tokens_per_s"]
+
+    def ratio(name, a, b):
+        if a in res and b in res:
+            res[name] = res[a] / res[b]
+    ratio("loom_fp32_over_torch_fp32", "loom_fp32_tokens_per_s", "torch_fp32_tokens_per_s")
+    ratio("loom_bf16_over_loom_fp32", "loom_bf16_tokens_per_s", "loom_fp32_tokens_per_s")
+    ratio("loom_bf16_over_torch_bf16", "loom_bf16_tokens_per_s", "torch_bf16_tokens_per_s")
+    ratio("torch_bf16_over_torch_fp32", "torch_bf16_tokens_per_s", "torch_fp32_tokens_per_s")
+    ratio("loom_fp32_fraction_of_peak", "loom_fp32_gflops", "onednn_f32_gflops")
+    ratio("loom_bf16_fraction_of_peak", "loom_bf16_gflops", "onednn_bf16_gflops")
+    ratio("loom_fraction_of_sgemm_peak", "loom_fp32_gflops", "sgemm_gflops")
+    ratio("ratio_loom_over_torch", "loom_fp32_tokens_per_s", "torch_fp32_tokens_per_s")
 
     def f(key, fmt):
         return format(res[key], fmt) if key in res else "-"
 
-    rows = [
-        ("loom tokens/s", f("loom_tokens_per_s", ".1f")),
-        ("torch tokens/s", f("torch_tokens_per_s", ".1f")),
-        (f"ratio loom/torch (target >= {TARGET_RATIO})", f("ratio_loom_over_torch", ".3f")),
-        ("model FLOPs/token (" + flops_src + ")", format(flops_tok, ".4g")),
-        ("loom achieved GFLOP/s", f("loom_gflops", ".2f")),
-        ("torch achieved GFLOP/s", f("torch_gflops", ".2f")),
-        ("sgemm peak GFLOP/s (1 thread)", f("sgemm_gflops", ".2f")),
-        ("loom fraction of sgemm peak", f("loom_fraction_of_sgemm_peak", ".3f")),
-        ("torch fraction of sgemm peak", f("torch_fraction_of_sgemm_peak", ".3f")),
-    ]
+    rows = [(f"{who} {dt} tokens/s", f(f"{who}_{dt}_tokens_per_s", ".1f")) for dt in dtypes for who in ("loom", "torch")]
+    rows += [(f"{who} {dt} achieved GFLOP/s", f(f"{who}_{dt}_gflops", ".2f")) for dt in dtypes for who in ("loom", "torch")]
+    rows += [("model FLOPs/token (" + flops_src + ")", format(flops_tok, ".4g")),
+             ("OpenBLAS sgemm peak GFLOP/s", f("sgemm_gflops", ".2f")),
+             ("oneDNN fp32 peak GFLOP/s", f("onednn_f32_gflops", ".2f")),
+             ("oneDNN bf16 peak GFLOP/s", f("onednn_bf16_gflops", ".2f")),
+             ("torch bf16 / torch fp32", f("torch_bf16_over_torch_fp32", ".3f"))]
+    for k, t in TARGETS.items():
+        rows.append((f"{k.replace('_', ' ')} (target >= {t})", f(k, ".3f")))
     w = max(len(r[0]) for r in rows)
     print()
     for name, val in rows:
         print(f"  {name:<{w}}  {val:>12}")
-    if "ratio_loom_over_torch" in res:
-        met = res["ratio_loom_over_torch"] >= TARGET_RATIO
-        res["target_met"] = met
-        print(f"\n  loom/torch = {res['ratio_loom_over_torch']:.3f}: target >= {TARGET_RATIO} "
-              + ("met" if met else "NOT met"))
+    met = {k: res[k] >= t for k, t in TARGETS.items() if k in res}
+    res["targets_met"] = met
+    print("\n  targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items()))
     print(json.dumps(res, sort_keys=True))
     return 0 if ok else 1
 

@@ -515,6 +515,15 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                 stage, bytes_formula, report_means["zero_ratio"], format_bytes(report_means["zero_state_bytes"]).c_str(),
                 state_formula, format_bytes(report_means["zero_state_textbook_bytes"]).c_str(), added.c_str());
   }
+  if (report_means.count("compression_ratio")) {
+    const double identical = report_means["compression_replicas_identical"];
+    std::printf("         compression: sent %s per step against the fp32 collective's %s (ratio %.4f; the method's\n"
+                "         formula %.4f), %.2f ms per step compressing; dp replicas identical after %s\n",
+                format_bytes(report_means["compression_bytes"]).c_str(),
+                format_bytes(report_means["compression_uncompressed_bytes"]).c_str(), report_means["compression_ratio"],
+                report_means["compression_formula_ratio"], 1e3 * report_means["compression_seconds"],
+                identical == 1 ? "every step" : identical < 0 ? "(not checked: parameters kept in shares)" : "NOT every step");
+  }
   std::string scale_note;
   if (precision_summary.contains("loss_scale_final")) {
     char note[160];

@@ -1,0 +1,488 @@
+// The `compression` strategy plugin (libloom_compression.so): fewer bytes on the data-parallel wire.
+// A deck asks for it with `compression.method = fp16 | bf16 | int8 | topk | powersgd` (no run.plugins
+// line). It wraps the run's gradient reducer (data's all-reduce, or ZeRO's reduce-scatter where the
+// method composes with it) and sees every bucket, its tensors and their shapes (DESIGN.md "The
+// reducer chain and hooks"). The reducer produces the sum over the dp group, as the one it wraps
+// does; the gradient sync divides by dp afterwards.
+//
+//   fp16, bf16  each bucket cast to 16 bits and reduced by the wrapped reducer in that type: the ring
+//               adds the incoming 16-bit values in fp32 and rounds the partial sum back to 16 bits at
+//               every step (core/comm_mpi.cpp), then the result is cast back into the fp32 bucket
+//               (PyTorch's fp16_compress_hook; the core's CastReducer). Half the bytes.
+//   int8        error feedback added, then per chunk of compression.int8_chunk elements a step shared
+//               by all ranks (one all-reduce max of the chunks' largest |x|) with floor(127/N) levels,
+//               so that the int8 sum of N ranks cannot overflow; the int8 values are summed exactly by
+//               the wrapped reducer (all-reduce or reduce-scatter), then scaled back. What rounding
+//               dropped stays in the rank's residual for the next step.
+//   topk        error feedback added, the compression.ratio largest |x| of each bucket kept, (index,
+//               value) pairs all-gathered from every rank and added into a zeroed bucket in rank order
+//               (the same sum on every rank); what was not sent stays in the residual.
+//   powersgd    Vogels et al. / PyTorch's powerSGD_hook: for each matrix of the bucket worth
+//               compressing at rank r (compression.min_compression_rate), M = gradient + residual,
+//               P = M Q (Q warm-started from the last step), all-reduce P, orthonormalise its columns,
+//               Q = M^T P, all-reduce Q; the sum is approximated by P Q^T and each rank keeps
+//               M - P Q^T / N as its residual. Vectors and matrices not worth it are all-reduced in
+//               fp32, and so is every bucket for the first compression.start_step steps.
+//
+// Every method leaves every dp rank with the same sum, so every rank ends the step with the same
+// parameters: a refresh-phase hook hashes them and compares over dp every step
+// (compression_replicas_identical in the metrics).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "core/comm.hpp"
+#include "core/error.hpp"
+#include "core/grid.hpp"
+#include "core/plugin.hpp"
+#include "core/rng.hpp"
+#include "plugins/compression/compress.hpp"
+
+namespace loom {
+namespace {
+
+enum class Method { none, fp16, bf16, int8, topk, powersgd };
+
+Method method_of(const std::string& m) {
+  return m == "fp16" ? Method::fp16 : m == "bf16" ? Method::bf16 : m == "int8" ? Method::int8
+         : m == "topk" ? Method::topk : m == "powersgd" ? Method::powersgd : Method::none;
+}
+
+struct Config {
+  Method method = Method::none;
+  std::string method_name;
+  double ratio = 0.01;
+  int rank = 1;
+  std::int64_t start_step = 1000;
+  double min_rate = 2;
+  std::int64_t chunk = 1024;
+  bool error_feedback = true;
+  bool warm_start = true;
+  std::uint64_t seed = 0;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A request that runs `done` once, when the wrapped one (none: already complete) completes.
+class ThenRequest final : public CommRequest {
+ public:
+  ThenRequest(CommRequestPtr inner, std::function<void()> done) : inner_(std::move(inner)), done_(std::move(done)) {}
+  bool test() override {
+    if (fired_) return true;
+    if (inner_ && !inner_->test()) return false;
+    fire();
+    return true;
+  }
+  void wait() override {
+    if (fired_) return;
+    if (inner_) inner_->wait();
+    fire();
+  }
+
+ private:
+  void fire() {
+    fired_ = true;
+    if (done_) done_();
+  }
+  CommRequestPtr inner_;
+  std::function<void()> done_;
+  bool fired_ = false;
+};
+
+class CompressingReducer final : public Reducer {
+ public:
+  CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model)
+      : cfg_(cfg), dp_(dp), be_(be), model_(model) {
+    if (cfg.method == Method::fp16 || cfg.method == Method::bf16)
+      inner_ = std::make_unique<CastReducer>(std::move(inner), be, cfg.method == Method::fp16 ? DType::f16 : DType::bf16);
+    else
+      inner_ = std::move(inner);
+  }
+  std::string name() const override {
+    std::ostringstream s;
+    s << cfg_.method_name;
+    if (cfg_.method == Method::int8) s << " (chunks of " << cfg_.chunk << ", " << compress::int8_levels(dp_.size()) << " levels)";
+    if (cfg_.method == Method::topk) s << " (ratio " << cfg_.ratio << ")";
+    if (cfg_.method == Method::powersgd) s << " (rank " << cfg_.rank << ", from step " << cfg_.start_step + 1 << ")";
+    if (cfg_.method == Method::int8 || cfg_.method == Method::topk || cfg_.method == Method::powersgd)
+      s << (cfg_.error_feedback ? ", error feedback" : ", no error feedback");
+    return s.str() + " around " + inner_->name();
+  }
+  Reducer* inner() override { return inner_.get(); }
+
+  void begin_step(std::int64_t step) {
+    step_ = step;
+    uncompressed_ = formula_ = seconds_ = 0;
+    compressed_tensors_ = 0;
+    bytes_at_start_ = dp_.stats().total_bytes();
+  }
+  void end_sync() { sent_ = static_cast<double>(dp_.stats().total_bytes() - bytes_at_start_); }
+  void set_identical(double v) { identical_ = v; }
+
+  CommRequestPtr reduce_async(const GradBucket& b) override {
+    const double N = dp_.size(), n = static_cast<double>(b.data.count);
+    // What the wrapped reducer moves in fp32: an all-reduce, or ZeRO's reduce-scatter.
+    const double fp32_factor = b.rank_counts.empty() ? 2 * (N - 1) / N : (N - 1) / N;
+    uncompressed_ += fp32_factor * 4 * n;
+    const auto t0 = std::chrono::steady_clock::now();
+    CommRequestPtr req;
+    switch (cfg_.method) {
+      case Method::fp16:
+      case Method::bf16:
+        formula_ += fp32_factor * 2 * n;
+        req = inner_->reduce_async(b);
+        break;
+      case Method::int8: req = int8(b, fp32_factor); break;
+      case Method::topk: req = topk(b); break;
+      case Method::powersgd: req = powersgd(b, fp32_factor); break;
+      case Method::none: req = inner_->reduce_async(b); break;
+    }
+    seconds_ += seconds_since(t0);
+    return req;
+  }
+
+  std::vector<std::pair<std::string, double>> step_report() const override {
+    return {{"compression_bytes", sent_},
+            {"compression_uncompressed_bytes", uncompressed_},
+            {"compression_ratio", uncompressed_ > 0 ? sent_ / uncompressed_ : 0.0},
+            {"compression_formula_bytes", formula_},
+            {"compression_formula_ratio", uncompressed_ > 0 ? formula_ / uncompressed_ : 0.0},
+            {"compression_seconds", seconds_},
+            {"compression_compressed_tensors", static_cast<double>(compressed_tensors_)},
+            {"compression_replicas_identical", identical_}};
+  }
+
+ private:
+  // Per bucket (by index, checked against its size): the residual of error feedback and scratch.
+  struct State {
+    std::int64_t count = -1;
+    TypedBuffer residual, absmax, q, send, recv, packed;
+  };
+  State& state(const GradBucket& b) {
+    State& s = state_[b.index];
+    if (s.count != b.data.count) {
+      s = State();
+      s.count = b.data.count;
+      if (cfg_.error_feedback && cfg_.method != Method::fp16 && cfg_.method != Method::bf16)
+        s.residual = be_.allocate("compression::residual", DType::f32, b.data.count, Mem::comm);
+    }
+    return s;
+  }
+  void add_residual(State& s, float* x, std::int64_t n) {
+    if (s.residual.empty()) return;
+    const float* e = s.residual.data<float>();
+    for (std::int64_t i = 0; i < n; ++i) x[i] += e[i];
+  }
+
+  CommRequestPtr int8(const GradBucket& b, double fp32_factor) {
+    const double N = dp_.size();
+    const std::int64_t n = b.data.count, ch = compress::chunk_count(n, cfg_.chunk);
+    const int levels = compress::int8_levels(dp_.size());
+    State& s = state(b);
+    float* x = b.data.as<float>();
+    add_residual(s, x, n);
+    ensure_capacity(be_, s.absmax, "compression::int8_absmax", DType::f32, ch, Mem::comm);
+    ensure_capacity(be_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
+    float* amax = s.absmax.data<float>();
+    compress::chunk_absmax(amax, x, n, cfg_.chunk);
+    dp_.all_reduce(s.absmax.ref().slice(0, ch), ReduceOp::max);  // one step per chunk for every rank
+    compress::quantize_int8(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
+                            cfg_.chunk, amax, levels);
+    formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch) + fp32_factor / 4 * 4 * static_cast<double>(n);
+    GradBucket qb = b;
+    qb.data = s.q.ref().slice(0, n);
+    std::int8_t* q = s.q.data<std::int8_t>();
+    const std::int64_t chunk = cfg_.chunk;
+    return std::make_unique<ThenRequest>(inner_->reduce_async(qb), [x, q, n, chunk, amax, levels] {
+      compress::dequantize_int8(x, q, n, chunk, amax, levels);  // the exact int8 sum, scaled back
+    });
+  }
+
+  CommRequestPtr topk(const GradBucket& b) {
+    const int N = dp_.size();
+    const std::int64_t n = b.data.count, k = compress::top_k_count(n, cfg_.ratio);
+    State& s = state(b);
+    float* x = b.data.as<float>();
+    add_residual(s, x, n);
+    const std::int64_t bytes = 8 * k;  // k int32 indices, then k fp32 values
+    ensure_capacity(be_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
+    ensure_capacity(be_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
+    auto* idx = reinterpret_cast<std::int32_t*>(s.send.data<std::uint8_t>());
+    auto* val = reinterpret_cast<float*>(s.send.data<std::uint8_t>() + 4 * k);
+    compress::top_k(idx, val, x, n, k);
+    if (!s.residual.empty()) {  // what is not sent stays for the next step
+      float* e = s.residual.data<float>();
+      std::memcpy(e, x, static_cast<std::size_t>(n) * sizeof(float));
+      for (std::int64_t j = 0; j < k; ++j) e[idx[j]] = 0.0f;
+    }
+    formula_ += static_cast<double>(N - 1) * static_cast<double>(bytes);
+    std::uint8_t* recv = s.recv.data<std::uint8_t>();
+    return std::make_unique<ThenRequest>(
+        dp_.all_gather_async(s.send.ref().slice(0, bytes), s.recv.ref().slice(0, bytes * N)), [x, n, k, N, recv] {
+          std::memset(x, 0, static_cast<std::size_t>(n) * sizeof(float));
+          for (int r = 0; r < N; ++r) {  // rank order: the same sum on every rank
+            const auto* ri = reinterpret_cast<const std::int32_t*>(recv + static_cast<std::int64_t>(r) * 8 * k);
+            const auto* rv = reinterpret_cast<const float*>(recv + static_cast<std::int64_t>(r) * 8 * k + 4 * k);
+            for (std::int64_t j = 0; j < k; ++j) x[ri[j]] += rv[j];
+          }
+        });
+  }
+
+  // Q of a compressed matrix [m, r], warm-started across steps (the same on every rank).
+  float* q_of(const GradBucket::Tensor& t, std::int64_t m) {
+    TypedBuffer& q = q_[t.param];
+    const std::int64_t count = m * cfg_.rank;
+    if (q.empty() || q.count() != count || !cfg_.warm_start) {
+      if (q.empty() || q.count() != count) q = be_.allocate("compression::powersgd_q." + t.name, DType::f32, count, Mem::comm);
+      const std::uint64_t stream = rng::hash_name(t.name);
+      const std::uint64_t salt = cfg_.warm_start ? 0 : static_cast<std::uint64_t>(step_) * 0x9e3779b97f4a7c15ULL;
+      float* d = q.data<float>();
+      for (std::int64_t i = 0; i < count; ++i) d[i] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
+    }
+    return q.data<float>();
+  }
+
+  CommRequestPtr powersgd(const GradBucket& b, double fp32_factor) {
+    const double N = dp_.size();
+    if (step_ < cfg_.start_step) {  // plain fp32 at first (PyTorch's start_powerSGD_iter)
+      formula_ += fp32_factor * 4 * static_cast<double>(b.data.count);
+      return inner_->reduce_async(b);
+    }
+    State& s = state(b);
+    float* x = b.data.as<float>();
+    const int r = cfg_.rank;
+    struct Mat {
+      const GradBucket::Tensor* t;
+      std::int64_t n, m, p_at, q_at;
+    };
+    std::vector<Mat> mats;
+    std::vector<const GradBucket::Tensor*> plain;
+    std::int64_t p_total = 0, q_total = 0, plain_total = 0;
+    for (const GradBucket::Tensor& t : b.tensors) {
+      if (t.shape.size() == 2 && t.count == t.shape[0] * t.shape[1] &&
+          compress::worth_compressing(t.shape[0], t.shape[1], r, cfg_.min_rate)) {
+        mats.push_back({&t, t.shape[0], t.shape[1], p_total, q_total});
+        p_total += t.shape[0] * r;
+        q_total += t.shape[1] * r;
+      } else {
+        plain.push_back(&t);
+        plain_total += t.count;
+      }
+    }
+    compressed_tensors_ += static_cast<std::int64_t>(mats.size());
+    formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(plain_total + p_total + q_total);
+    // Vectors and matrices not worth compressing: one fp32 all-reduce of them packed together.
+    if (plain_total > 0) {
+      ensure_capacity(be_, s.packed, "compression::powersgd_plain", DType::f32, plain_total, Mem::comm);
+      float* pk = s.packed.data<float>();
+      std::int64_t at = 0;
+      for (const auto* t : plain) {
+        std::memcpy(pk + at, x + t->offset, static_cast<std::size_t>(t->count) * sizeof(float));
+        at += t->count;
+      }
+      dp_.all_reduce(s.packed.ref().slice(0, plain_total), ReduceOp::sum);
+      at = 0;
+      for (const auto* t : plain) {
+        std::memcpy(x + t->offset, pk + at, static_cast<std::size_t>(t->count) * sizeof(float));
+        at += t->count;
+      }
+    }
+    if (mats.empty()) return std::make_unique<ThenRequest>(nullptr, nullptr);
+    ensure_capacity(be_, s.send, "compression::powersgd_p", DType::f32, p_total, Mem::comm);
+    ensure_capacity(be_, s.recv, "compression::powersgd_q", DType::f32, q_total, Mem::comm);
+    float* P = s.send.data<float>();
+    float* Qs = s.recv.data<float>();
+    float* e = s.residual.empty() ? nullptr : s.residual.data<float>();
+    for (const Mat& a : mats) {  // M = g + e (kept in the residual buffer), P = M Q
+      float* M = x + a.t->offset;
+      if (e) {
+        float* em = e + a.t->offset;
+        for (std::int64_t i = 0; i < a.n * a.m; ++i) M[i] += em[i];
+      }
+      be_.matmul(BufferRef(P + a.p_at, a.n * r), BufferRef(M, a.n * a.m), BufferRef(q_of(*a.t, a.m), a.m * r),
+                 static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
+    }
+    dp_.all_reduce(s.send.ref().slice(0, p_total), ReduceOp::sum);
+    for (const Mat& a : mats) {  // orthonormal P, then Q = M^T P
+      compress::orthogonalize(P + a.p_at, static_cast<int>(a.n), r);
+      be_.matmul(BufferRef(Qs + a.q_at, a.m * r), BufferRef(x + a.t->offset, a.n * a.m), BufferRef(P + a.p_at, a.n * r),
+                 static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
+    }
+    dp_.all_reduce(s.recv.ref().slice(0, q_total), ReduceOp::sum);
+    for (const Mat& a : mats) {  // the sum ~ P Q^T; residual = M - P Q^T / N
+      float* M = x + a.t->offset;
+      float* q = q_of(*a.t, a.m);
+      std::memcpy(q, Qs + a.q_at, static_cast<std::size_t>(a.m * r) * sizeof(float));  // warm start
+      if (e) std::memcpy(e + a.t->offset, M, static_cast<std::size_t>(a.n * a.m) * sizeof(float));
+      be_.matmul(BufferRef(M, a.n * a.m), BufferRef(P + a.p_at, a.n * r), BufferRef(q, a.m * r),
+                 static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
+      if (e) {
+        float* em = e + a.t->offset;
+        const float inv = 1.0f / static_cast<float>(N);
+        for (std::int64_t i = 0; i < a.n * a.m; ++i) em[i] -= M[i] * inv;
+      }
+    }
+    return std::make_unique<ThenRequest>(nullptr, nullptr);
+  }
+
+  Config cfg_;
+  std::unique_ptr<Reducer> inner_;
+  Communicator& dp_;
+  Backend& be_;
+  GPT& model_;
+  std::map<int, State> state_;
+  std::map<int, TypedBuffer> q_;
+  std::int64_t step_ = 0;
+  std::uint64_t bytes_at_start_ = 0;
+  double sent_ = 0, uncompressed_ = 0, formula_ = 0, seconds_ = 0, identical_ = -1;
+  std::int64_t compressed_tensors_ = 0;
+};
+
+// Whether every dp rank holds the same parameters: a hash of this rank's whole tensors compared over
+// dp (the largest and the smallest agree). -1 when the store keeps some tensors only in part.
+double replicas_identical(GPT& model, Communicator& dp) {
+  ParamStore& store = model.store();
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  for (int i = 0; i < static_cast<int>(model.params().size()); ++i) {
+    const BufferRef p = store.param(i);
+    if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel > 0) return -1;
+    const auto* bytes = static_cast<const unsigned char*>(p.data);
+    for (std::size_t k = 0; k < p.bytes(); ++k) h = (h ^ bytes[k]) * 0x100000001b3ULL;
+  }
+  double v[4] = {static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffULL), -static_cast<double>(h >> 32),
+                 -static_cast<double>(h & 0xffffffffULL)};
+  dp.all_reduce(BufferRef(v, 4), ReduceOp::max);
+  return v[0] == -v[2] && v[1] == -v[3] ? 1.0 : 0.0;
+}
+
+// The keys that apply to each method; one set for another method is ignored, and the run says so.
+const std::map<std::string, std::vector<std::string>>& method_keys() {
+  static const std::map<std::string, std::vector<std::string>> keys = {
+      {"compression.ratio", {"topk"}},
+      {"compression.rank", {"powersgd"}},
+      {"compression.start_step", {"powersgd"}},
+      {"compression.min_compression_rate", {"powersgd"}},
+      {"compression.warm_start", {"powersgd"}},
+      {"compression.int8_chunk", {"int8"}},
+      {"compression.error_feedback", {"int8", "topk", "powersgd"}}};
+  return keys;
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
+
+void register_compression(void* p) {
+  auto& info = *static_cast<StrategyInfo*>(p);
+  info.keys.push_back(choice_key("compression.method", "none", {"none", "fp16", "bf16", "int8", "topk", "powersgd"},
+                                 "data-parallel gradient compression: none, fp16/bf16 (cast, PyTorch's "
+                                 "fp16_compress_hook), int8 (shared per-chunk steps, error feedback), topk (largest "
+                                 "magnitudes, error feedback), powersgd (low-rank, error feedback)"));
+  info.keys.push_back(float_key("compression.ratio", "0.01", 1e-6, 1,
+                                "topk: the fraction of each bucket's elements sent (largest |gradient + residual|)"));
+  info.keys.push_back(int_key("compression.rank", "1", 1, 1024,
+                              "powersgd: the rank of each matrix's approximation (PyTorch matrix_approximation_rank)"));
+  info.keys.push_back(int_key("compression.start_step", "1000", 0, 1e12,
+                              "powersgd: steps reduced in plain fp32 before compression starts (PyTorch "
+                              "start_powerSGD_iter)"));
+  info.keys.push_back(float_key("compression.min_compression_rate", "2", 0, 1e12,
+                                "powersgd: a matrix n x m is compressed only if n m / ((n + m) rank) is at least this; "
+                                "others go uncompressed (PyTorch min_compression_rate)"));
+  info.keys.push_back(bool_key("compression.warm_start", "true",
+                               "powersgd: start each step's power iteration from the last step's Q (PyTorch "
+                               "warm_start)"));
+  info.keys.push_back(int_key("compression.int8_chunk", "1024", 1, 1e12,
+                              "int8: elements that share one quantisation step"));
+  info.keys.push_back(bool_key("compression.error_feedback", "true",
+                               "int8, topk, powersgd: keep what compression dropped and add it to the next step's "
+                               "gradient (PyTorch use_error_feedback)"));
+  info.claims = {{Role::reducer, Claim::wraps, "data"}, {Role::phase_hooks, Claim::provides, ""}};
+  info.requested_by = [](const Deck& deck, const Layout& layout) -> std::string {
+    const std::string m = deck.get_string("compression.method");
+    const auto values = deck.values();
+    if (m == "none") return "";
+    const std::string setting = "compression.method = " + m;
+    if (layout.dp < 2)
+      throw InputError(setting + " compresses the data-parallel gradient collective, and parallel.dp = " +
+                       std::to_string(layout.dp) + " has none: set parallel.dp > 1, or compression.method = none");
+    const Method method = method_of(m);
+    if ((method == Method::int8 || method == Method::topk || method == Method::powersgd) && layout.tp > 1)
+      throw InputError(setting + " with parallel.tp = " + std::to_string(layout.tp) + ": each tp rank's buckets hold "
+                       "different shards, so " + m + " would drop or round a tp-replicated tensor (LayerNorm, biases) "
+                       "differently on each tp rank and the replicas would drift apart; use fp16 or bf16 with "
+                       "tensor parallelism, or parallel.tp = 1");
+    const auto stage = values.find("zero.stage");
+    if (stage != values.end() && (stage->second == "2" || stage->second == "3") &&
+        (method == Method::topk || method == Method::powersgd))
+      throw InputError(setting + " with zero.stage = " + stage->second + ": " + m + " sums whole matrices or "
+                       "(index, value) pairs, not the reduce-scatter of gradient pieces that ZeRO-2/3 runs every "
+                       "micro-batch (DeepSpeed refuses the same); use zero.stage = 0 or 1, or fp16, bf16 or int8");
+    const auto reduce = values.find("precision.reduce_dtype");
+    if (reduce != values.end() && reduce->second != "fp32")
+      throw InputError(setting + " and precision.reduce_dtype = " + reduce->second + " both change the gradient "
+                       "collective: keep one (compression.method = fp16/bf16 is the same cast)");
+    if (method == Method::int8 && compress::int8_levels(layout.dp) < 1)
+      throw InputError(setting + " at parallel.dp = " + std::to_string(layout.dp) + ": the int8 sum of that many "
+                       "ranks cannot be held without overflow (at most 127 ranks); use fp16, bf16, topk or powersgd");
+    return setting;
+  };
+  info.create = [](StrategyContext& ctx, Roles& roles) {
+    // A deck that sweeps the method keeps the other methods' keys: they are ignored, and said so.
+    const std::string m = ctx.deck.get_string("compression.method");
+    if (ctx.grid.world().rank() == 0)
+      for (const auto& [key, methods] : method_keys())
+        if (!ctx.deck.is_default(key) && std::find(methods.begin(), methods.end(), m) == methods.end())
+          std::printf("  compression: %s = %s applies to compression.method = %s and is ignored with %s\n", key.c_str(),
+                      ctx.deck.values().at(key).c_str(), join(methods, " | ").c_str(), m.c_str());
+    Config cfg;
+    cfg.method_name = ctx.deck.get_string("compression.method");
+    cfg.method = method_of(cfg.method_name);
+    cfg.ratio = ctx.deck.get_float("compression.ratio");
+    cfg.rank = static_cast<int>(ctx.deck.get_int("compression.rank"));
+    cfg.start_step = ctx.deck.get_int("compression.start_step");
+    cfg.min_rate = ctx.deck.get_float("compression.min_compression_rate");
+    cfg.chunk = ctx.deck.get_int("compression.int8_chunk");
+    cfg.error_feedback = ctx.deck.get_bool("compression.error_feedback");
+    cfg.warm_start = ctx.deck.get_bool("compression.warm_start");
+    cfg.seed = static_cast<std::uint64_t>(ctx.deck.get_int("train.seed"));
+    auto made = std::make_shared<CompressingReducer*>(nullptr);
+    Communicator& dp = ctx.grid.dp();
+    Backend& be = ctx.backend;
+    GPT& model = ctx.model;
+    roles.wrap_reducer = [made, cfg, &dp, &be, &model](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {
+      auto r = std::make_unique<CompressingReducer>(std::move(inner), cfg, dp, be, model);
+      *made = r.get();
+      return r;
+    };
+    roles.hooks.push_back({StepPhase::begin, "", [made](StepState& s) {
+                             if (*made) (*made)->begin_step(s.step);
+                           }});
+    roles.hooks.push_back({StepPhase::grads_final, "", [made](StepState&) {
+                             if (*made) (*made)->end_sync();
+                           }});
+    roles.hooks.push_back({StepPhase::refresh, "", [made, &model, &dp](StepState&) {
+                             if (*made) (*made)->set_identical(replicas_identical(model, dp));
+                           }});
+  };
+}
+
+}  // namespace
+}  // namespace loom
+
+extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
+  static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "compression", "0.1.0",
+                                        "data-parallel gradient compression: fp16, bf16, int8, top-k, PowerSGD, with "
+                                        "error feedback",
+                                        loom::register_compression};
+  return &plugin;
+}

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Gradient compression (plugins/compression/): bytes against each method's formula, identical
+replicas every step, and the final loss on the learning deck against uncompressed training.
+
+    python3 regression/compression_checks.py --loom build/loom --workdir build/compression-checks CASE
+
+CASE is one of:
+  bytes_fp16_dp2, bytes_bf16_dp2, bytes_int8_dp2, bytes_topk_dp2, bytes_powersgd_dp2, bytes_int8_dp4,
+  bytes_int8_zero2_dp2
+      6 steps of the small deck; every step: the bytes this rank sent on the dp group during the
+      gradient sync (compression_bytes) equal the method's formula (compression_formula_bytes) plus the
+      loss's one-double all-reduce, 2(N-1)/N x 8 bytes, and nothing more; every dp rank holds the same
+      parameters after the update (compression_replicas_identical = 1). The formulas, per bucket of n
+      fp32 elements over N ranks (uncompressed: a ring all-reduce, 2(N-1)/N 4n bytes, or ZeRO's
+      reduce-scatter, (N-1)/N 4n):
+        fp16, bf16  half of the fp32 collective's bytes
+        int8        2(N-1)/N 4 ceil(n/chunk) (the chunks' shared steps, an fp32 max all-reduce) + the
+                    int8 collective's (N-1)/N n or 2(N-1)/N n
+        topk        (N-1) 8k, k = ceil(ratio n): every rank's (int32 index, fp32 value) pairs all-gathered
+        powersgd    2(N-1)/N 4 (u + r sum(n_i + m_i)): the uncompressed tensors (u elements) and the
+                    factors P [n_i, r] and Q [m_i, r] of each compressed matrix; the first
+                    compression.start_step steps are plain fp32 (ratio 1, no matrix compressed)
+      bytes_int8_zero2_dp2 composes int8 with ZeRO-2's reduce-scatter of each unit's gradient pieces.
+  learning_fp16, learning_bf16, learning_int8, learning_powersgd, learning_topk
+      the learning deck (150 steps) at dp 2 against the same run uncompressed: the final validation
+      loss within the method's margin (relative): fp16, bf16 0.5%; int8 1%; PowerSGD rank 4 (from
+      step 11) 5%. Top-k keeping 1% reaches 11.3% above uncompressed at this length (the residual
+      holds back most of each step's gradient; 2% reaches 3.5%, 5% 1.5%), so its margin is 15%;
+      learning_topk and learning_powersgd also run without error feedback and require it to help:
+      that run must end at least 3x further from uncompressed (measured 38.3% and 12.8%).
+Standard library only.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+METHOD_SETS = {
+    "fp16": ["compression.method=fp16"],
+    "bf16": ["compression.method=bf16"],
+    "int8": ["compression.method=int8"],
+    "topk": ["compression.method=topk", "compression.ratio=0.01"],
+    "powersgd": ["compression.method=powersgd", "compression.rank=4", "compression.start_step=2"],
+}
+LEARN_SETS = dict(METHOD_SETS, powersgd=["compression.method=powersgd", "compression.rank=4", "compression.start_step=10"])
+MARGIN = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.05, "topk": 0.15}
+
+
+def learning_deck():
+    case = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases", "learns_synthetic.json")))
+    return "\n".join(case["deck"]) + "\n"
+
+
+def bytes_case(c, method, ranks, extra):
+    _, run = c.loom(method, ranks, ["parallel.dp=%d" % ranks] + METHOD_SETS[method] + extra)
+    rows = common.rows(run)
+    c.check(len(rows) == 6, "%d metrics rows, expected 6" % len(rows))
+    loss_bytes = 2.0 * (ranks - 1) / ranks * 8
+    start = 2 if method == "powersgd" else 0
+    for r in rows:
+        sent, formula = r["compression_bytes"], r["compression_formula_bytes"]
+        print("step %d: sent %d bytes, formula %d + loss %g, uncompressed %d (ratio %.4f, formula %.4f), "
+              "compressed matrices %d, replicas identical %g"
+              % (r["step"], sent, formula, loss_bytes, r["compression_uncompressed_bytes"], r["compression_ratio"],
+                 r["compression_formula_ratio"], r["compression_compressed_tensors"], r["compression_replicas_identical"]))
+        c.check(abs(sent - formula - loss_bytes) <= 8 * (ranks - 1),
+                "step %d: sent %d bytes, the formula gives %d + %g" % (r["step"], sent, formula, loss_bytes))
+        c.check(r["compression_replicas_identical"] == 1, "step %d: the dp ranks' parameters differ" % r["step"])
+        if method == "powersgd":
+            plain = r["step"] <= start
+            c.check((r["compression_compressed_tensors"] == 0) == plain,
+                    "step %d: %d matrices compressed, expected %s" % (r["step"], r["compression_compressed_tensors"],
+                                                                    "none (plain fp32 first)" if plain else "some"))
+            if plain:
+                c.check(abs(r["compression_formula_ratio"] - 1) < 1e-12, "step %d: not plain fp32" % r["step"])
+    want_ratio = {"fp16": 0.5, "bf16": 0.5}.get(method)
+    if want_ratio:
+        c.check(all(abs(r["compression_formula_ratio"] - want_ratio) < 1e-12 for r in rows), "the 16-bit formula is not half")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("case")
+    args = ap.parse_args()
+    name = args.case
+
+    if name.startswith("bytes_"):
+        c = common.Case(args, name, common.small_deck(steps=6, log_every=1))
+        parts = name.split("_")
+        method, ranks = parts[1], int(parts[-1][2:])
+        extra = ["zero.stage=2"] if "zero2" in name else []
+        bytes_case(c, method, ranks, extra)
+        return c.done(name)
+
+    if name.startswith("learning_"):
+        method = name.split("_", 1)[1]
+        c = common.Case(args, name, learning_deck())
+        _, ref = c.loom("none", 2, ["parallel.dp=2"])
+        _, run = c.loom(method, 2, ["parallel.dp=2"] + LEARN_SETS[method])
+        base, got = common.summary(ref)["final_val_loss"], common.summary(run)["final_val_loss"]
+        gap = got / base - 1
+        print("final validation loss: %s %.6f, uncompressed %.6f: %+.2f%% (margin %.1f%%), bytes ratio %.4f"
+              % (method, got, base, 100 * gap, 100 * MARGIN[method], common.rows(run)[-1]["compression_ratio"]))
+        c.check(abs(gap) <= MARGIN[method], "%s ends %.2f%% from uncompressed, margin %.1f%%" % (method, 100 * gap, 100 * MARGIN[method]))
+        c.check(all(r.get("compression_replicas_identical") == 1 for r in common.rows(run)), "the dp ranks' parameters differed")
+        if method in ("topk", "powersgd"):
+            _, raw = c.loom(method + "_no_feedback", 2, ["parallel.dp=2"] + LEARN_SETS[method] + ["compression.error_feedback=false"])
+            raw_gap = common.summary(raw)["final_val_loss"] / base - 1
+            print("without error feedback: %+.2f%%" % (100 * raw_gap))
+            c.check(raw_gap >= 3 * gap, "error feedback did not help: %.2f%% with it, %.2f%% without" % (100 * gap, 100 * raw_gap))
+        return c.done(name)
+
+    sys.exit("unknown case " + name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
