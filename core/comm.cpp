@@ -53,6 +53,19 @@ void set_comm_timeout(double seconds) {
 
 double comm_timeout() { return g_comm_timeout; }
 
+namespace {
+double g_link_gbit = 0, g_link_latency = 0;
+}  // namespace
+
+void set_link_model(double gbit_per_s, double latency_s) {
+  if (!std::isfinite(gbit_per_s) || gbit_per_s < 0 || !std::isfinite(latency_s) || latency_s < 0)
+    throw std::invalid_argument("the emulated link needs a bandwidth >= 0 Gbit/s (0: off) and a latency >= 0 s");
+  g_link_gbit = gbit_per_s;
+  g_link_latency = latency_s;
+}
+double link_gbit_per_s() { return g_link_gbit; }
+double link_latency_s() { return g_link_latency; }
+
 // --- Argument checks.
 
 void Communicator::check_count(const char* op, const char* what, const BufferRef& b) const {

@@ -190,6 +190,14 @@ class Communicator {
 void set_comm_timeout(double seconds);
 double comm_timeout();
 
+// An emulated slower link, for benchmarks on one node (the driver sets it from run.emulate_link_gbps
+// and run.emulate_link_latency_us; 0 Gbit/s: off). Every send a rank posts, on any of its
+// communicators, occupies one shared link: a message of n bytes takes latency + 8n / (Gbit/s * 1e9)
+// seconds after the link is free, and the step that posted it completes no earlier. Process-wide.
+void set_link_model(double gbit_per_s, double latency_s);
+double link_gbit_per_s();
+double link_latency_s();
+
 // A communicator over `comm` (duplicated, so loom's traffic never mixes with anyone else's).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name);
 

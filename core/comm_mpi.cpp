@@ -123,6 +123,7 @@ bool mpi_finalized() {
 }
 
 double now() { return MPI_Wtime(); }
+double g_link_free_at = 0;  // the emulated link (set_link_model) is busy until then
 
 // Paces a wait's polling loop: flat out until `spin` seconds after the last progress, then sleeps
 // growing from kFirstSleep to kLongestSleep.
@@ -372,6 +373,8 @@ class MpiRequest : public CommRequest {
           pending_ -= completed;
         }
         if (pending_ > 0) return false;
+        if (step_ready_at_ > 0 && now() < step_ready_at_) return false;  // still on the emulated link
+        step_ready_at_ = 0;
         reqs_.clear();
         peers_.clear();
         step_bytes_ = 0;
@@ -406,6 +409,11 @@ class MpiRequest : public CommRequest {
   void isend(const void* buf, std::size_t bytes, int peer) {
     comm_->counters().bytes_sent[static_cast<int>(op_)] += bytes;
     step_bytes_ += bytes;
+    if (link_gbit_per_s() > 0) {  // the emulated link (set_link_model): this send queues behind the last
+      const double start = std::max(now(), g_link_free_at);
+      g_link_free_at = start + link_latency_s() + 8.0 * static_cast<double>(bytes) / (link_gbit_per_s() * 1e9);
+      step_ready_at_ = std::max(step_ready_at_, g_link_free_at);
+    }
     const char* p = static_cast<const char*>(buf);
     do {
       const std::size_t n = std::min(bytes, kMessagePieceBytes);
@@ -486,6 +494,7 @@ class MpiRequest : public CommRequest {
   std::size_t step_bytes_ = 0;     // ... and their payload, sent and received
   int pending_ = 0;                // ... and how many are not complete yet
   std::vector<int> completed_;     // MPI_Testsome's indices
+  double step_ready_at_ = 0;       // with an emulated link: when this step's sends have crossed it
   std::uint64_t messages_done_ = 0;
   TypedBuffer scratch_;
 };

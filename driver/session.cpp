@@ -180,6 +180,7 @@ void Session::setup_local() {
 void Session::setup_collective() {
   backend = make_host_backend(threads.threads);
   set_comm_timeout(deck.get_float("run.comm_timeout"));
+  set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
   // The roles decided before the model: its tp split, its layers, where its tensors live. Which
   // strategy fills each was settled by the role claims (check_role_claims).

@@ -161,6 +161,9 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   if (io)
     std::printf("  MFU     : against %.3f TFLOP/s (%s, summed over %d rank%s)\n", peak_flops / 1e12,
                 peak_source.c_str(), world, world == 1 ? "" : "s");
+  if (io && link_gbit_per_s() > 0)
+    std::printf("  link    : EMULATED, %g Gbit/s per rank, %g us per message (run.emulate_link_gbps): every send "
+                "waits its turn on it\n", link_gbit_per_s(), 1e6 * link_latency_s());
   const double t_init = now() - t_start;
 
   double train_time = 0, steady_time = 0, eval_time = 0, last_loss = NAN, last_loss_scale = 1;

@@ -149,6 +149,11 @@ void add_core_keys(DeckSchema& schema) {
                        "measured at start-up)"));
   schema.add(float_key("run.comm_timeout", "300", 0, 1e7,
                        "seconds a rank waits for a peer's message before it ends the job naming that peer (0: forever)"));
+  schema.add(float_key("run.emulate_link_gbps", "0", 0, 1e6,
+                       "benchmarks: emulate a slower network on one node: every rank's sends share a link of this "
+                       "many Gbit/s (0: off, the real transport's speed)"));
+  schema.add(float_key("run.emulate_link_latency_us", "0", 0, 1e7,
+                       "benchmarks: with run.emulate_link_gbps, the latency added to every message, in microseconds"));
   schema.add(string_key("checkpoint.dir", "",
                         "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
   schema.add(int_key("checkpoint.every", "0", 0, 1e12,

@@ -28,6 +28,14 @@ CASE is one of:
       holds back most of each step's gradient; 2% reaches 3.5%, 5% 1.5%), so its margin is 15%;
       learning_topk and learning_powersgd also run without error feedback and require it to help:
       that run must end at least 3x further from uncompressed (measured 38.3% and 12.8%).
+  restart_int8_dp2, restart_topk_dp2, restart_powersgd_dp2
+      saved at step 4 of 8 and resumed on the same layout: the error-feedback residuals (each rank's
+      row of /plugins/compression/residual_dp2/<name>) and PowerSGD's Q come back, so steps 5..8 log
+      bit for bit the losses of the uninterrupted run; without them (the same run resumed from a
+      checkpoint written by uncompressed training at step 4 would differ) the case would fail
+  restart_topk_dp2_to_dp4
+      a top-k checkpoint from dp 2 resumed at dp 4: the run says the residuals start from zero and
+      trains on
 Standard library only.
 """
 import argparse
@@ -114,6 +122,26 @@ def main():
             raw_gap = common.summary(raw)["final_val_loss"] / base - 1
             print("without error feedback: %+.2f%%" % (100 * raw_gap))
             c.check(raw_gap >= 3 * gap, "error feedback did not help: %.2f%% with it, %.2f%% without" % (100 * gap, 100 * raw_gap))
+        return c.done(name)
+
+    if name.startswith("restart_"):
+        method = name.split("_")[1]
+        c = common.Case(args, name, common.small_deck(steps=8, log_every=1))
+        sets = ["parallel.dp=2"] + METHOD_SETS[method]
+        _, full = c.loom("full", 2, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
+        ckpt = os.path.join(full, "checkpoints", "ckpt-00000004.h5")
+        if name.endswith("to_dp4"):
+            p, resumed = c.loom("resumed_dp4", 4, ["parallel.dp=4"] + METHOD_SETS[method] + ["checkpoint.resume=" + ckpt])
+            c.expect(p.stdout, [r"compression: the checkpoint was written at parallel\.dp = 2: error-feedback residuals "
+                                r"\(one per dp rank\) start from zero at parallel\.dp = 4"], "the note on another dp size")
+            c.check([r["step"] for r in common.rows(resumed)] == [5, 6, 7, 8], "the dp 4 run did not go on from step 5")
+            return c.done(name)
+        _, resumed = c.loom("resumed", 2, sets + ["checkpoint.resume=" + ckpt])
+        ref = {r["step"]: r["loss"] for r in common.rows(full)}
+        got = {r["step"]: r["loss"] for r in common.rows(resumed)}
+        print("steps 5..8, resumed: %s; uninterrupted: %s" % ([got.get(k) for k in range(5, 9)], [ref[k] for k in range(5, 9)]))
+        c.check(sorted(got) == [5, 6, 7, 8], "the resumed run logged steps %s" % sorted(got))
+        c.check(all(got.get(k) == ref[k] for k in range(5, 9)), "the resumed losses are not bit for bit the uninterrupted run's")
         return c.done(name)
 
     sys.exit("unknown case " + name)

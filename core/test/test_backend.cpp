@@ -118,6 +118,9 @@ TEST(Backend, CastRoundsToNearestEvenBetweenAllFloatTypes) {
     EXPECT_TRUE(same_bits(loom::to_acc<double>(h[i]), round_f16(xf[i]))) << "fp32 -> fp16 of " << xf[i];
     EXPECT_TRUE(same_bits(d[i], static_cast<double>(xf[i])));
   }
+  // fp16 -> fp32 exact (the vectorised conversion where the CPU has F16C, 8 at a time, and the tail)
+  be->cast(BufferRef(f.data(), n), BufferRef(h.data(), n));
+  for (std::int64_t i = 0; i < n; ++i) EXPECT_TRUE(same_bits(f[i], loom::to_acc<double>(h[i]))) << "fp16 -> fp32 of " << xf[i];
   // fp64 -> fp32
   be->cast(BufferRef(f.data(), n), BufferRef(x.data(), n));
   for (std::int64_t i = 0; i < n; ++i) EXPECT_EQ(f[i], static_cast<float>(x[i])) << x[i];

@@ -37,6 +37,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/checkpoint_part.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "core/grid.hpp"
@@ -97,14 +98,28 @@ class ThenRequest final : public CommRequest {
   bool fired_ = false;
 };
 
-class CompressingReducer final : public Reducer {
+class CompressingReducer final : public Reducer, public CheckpointContributor {
  public:
-  CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model)
-      : cfg_(cfg), dp_(dp), be_(be), model_(model) {
+  CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model,
+                     bool say)
+      : cfg_(cfg), dp_(dp), be_(be), model_(model), say_(say) {
     if (cfg.method == Method::fp16 || cfg.method == Method::bf16)
       inner_ = std::make_unique<CastReducer>(std::move(inner), be, cfg.method == Method::fp16 ? DType::f16 : DType::bf16);
     else
       inner_ = std::move(inner);
+    // Error feedback keeps a residual per tensor this rank holds (buckets of whole tensors gather
+    // and scatter it; pieces of tensors, ZeRO-2/3's, keep one per bucket); PowerSGD a Q per matrix
+    // it compresses. Both are made now, so that checkpoints list the same tensors from the start.
+    const bool feedback = cfg.error_feedback && (cfg.method == Method::int8 || cfg.method == Method::topk ||
+                                                 cfg.method == Method::powersgd);
+    for (std::size_t i = 0; i < model.params().size(); ++i) {
+      const ParamInfo& p = model.params()[i];
+      if (feedback) residual_[static_cast<int>(i)] = be.allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
+      if (cfg.method == Method::powersgd && compressed(p)) {
+        q_[static_cast<int>(i)] = be.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
+        init_q(static_cast<int>(i), 0);
+      }
+    }
   }
   std::string name() const override {
     std::ostringstream s;
@@ -166,20 +181,40 @@ class CompressingReducer final : public Reducer {
     std::int64_t count = -1;
     TypedBuffer residual, absmax, q, send, recv, packed;
   };
+  // A bucket's state; its `residual` is the bucket's error feedback, gathered from the per-tensor
+  // residuals (whole tensors) or kept for the bucket itself (pieces), empty without feedback.
   State& state(const GradBucket& b) {
     State& s = state_[b.index];
     if (s.count != b.data.count) {
       s = State();
       s.count = b.data.count;
-      if (cfg_.error_feedback && cfg_.method != Method::fp16 && cfg_.method != Method::bf16)
-        s.residual = be_.allocate("compression::residual", DType::f32, b.data.count, Mem::comm);
+      if (!residual_.empty()) s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
     }
+    if (!s.residual.empty() && whole_tensors(b))
+      for (const GradBucket::Tensor& t : b.tensors)
+        std::memcpy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>(),
+                    static_cast<std::size_t>(t.count) * sizeof(float));
     return s;
+  }
+  // After the method wrote the bucket's new residual: back into the per-tensor residuals.
+  void keep_residual(const GradBucket& b, State& s) {
+    if (s.residual.empty() || !whole_tensors(b)) return;
+    for (const GradBucket::Tensor& t : b.tensors)
+      std::memcpy(residual_.at(t.param).data<float>(), s.residual.data<float>() + t.offset,
+                  static_cast<std::size_t>(t.count) * sizeof(float));
+  }
+  bool whole_tensors(const GradBucket& b) const {
+    for (const GradBucket::Tensor& t : b.tensors)
+      if (t.count != model_.params()[static_cast<std::size_t>(t.param)].numel || !residual_.count(t.param)) return false;
+    return true;
   }
   void add_residual(State& s, float* x, std::int64_t n) {
     if (s.residual.empty()) return;
     const float* e = s.residual.data<float>();
     for (std::int64_t i = 0; i < n; ++i) x[i] += e[i];
+  }
+  bool compressed(const ParamInfo& p) const {
+    return p.local_shape.size() == 2 && compress::worth_compressing(p.local_shape[0], p.local_shape[1], cfg_.rank, cfg_.min_rate);
   }
 
   CommRequestPtr int8(const GradBucket& b, double fp32_factor) {
@@ -196,6 +231,7 @@ class CompressingReducer final : public Reducer {
     dp_.all_reduce(s.absmax.ref().slice(0, ch), ReduceOp::max);  // one step per chunk for every rank
     compress::quantize_int8(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
                             cfg_.chunk, amax, levels);
+    keep_residual(b, s);
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch) + fp32_factor / 4 * 4 * static_cast<double>(n);
     GradBucket qb = b;
     qb.data = s.q.ref().slice(0, n);
@@ -222,6 +258,7 @@ class CompressingReducer final : public Reducer {
       float* e = s.residual.data<float>();
       std::memcpy(e, x, static_cast<std::size_t>(n) * sizeof(float));
       for (std::int64_t j = 0; j < k; ++j) e[idx[j]] = 0.0f;
+      keep_residual(b, s);
     }
     formula_ += static_cast<double>(N - 1) * static_cast<double>(bytes);
     std::uint8_t* recv = s.recv.data<std::uint8_t>();
@@ -236,18 +273,19 @@ class CompressingReducer final : public Reducer {
         });
   }
 
-  // Q of a compressed matrix [m, r], warm-started across steps (the same on every rank).
-  float* q_of(const GradBucket::Tensor& t, std::int64_t m) {
-    TypedBuffer& q = q_[t.param];
-    const std::int64_t count = m * cfg_.rank;
-    if (q.empty() || q.count() != count || !cfg_.warm_start) {
-      if (q.empty() || q.count() != count) q = be_.allocate("compression::powersgd_q." + t.name, DType::f32, count, Mem::comm);
-      const std::uint64_t stream = rng::hash_name(t.name);
-      const std::uint64_t salt = cfg_.warm_start ? 0 : static_cast<std::uint64_t>(step_) * 0x9e3779b97f4a7c15ULL;
-      float* d = q.data<float>();
-      for (std::int64_t i = 0; i < count; ++i) d[i] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
-    }
-    return q.data<float>();
+  // Q of a compressed matrix [m, r] from (seed, name, element), the same on every rank; without warm
+  // start drawn afresh every step.
+  void init_q(int param, std::int64_t step) {
+    const ParamInfo& p = model_.params()[static_cast<std::size_t>(param)];
+    TypedBuffer& q = q_.at(param);
+    const std::uint64_t stream = rng::hash_name(p.name);
+    const std::uint64_t salt = static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ULL;
+    float* d = q.data<float>();
+    for (std::int64_t i = 0; i < q.count(); ++i) d[i] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
+  }
+  float* q_of(const GradBucket::Tensor& t) {
+    if (!cfg_.warm_start) init_q(t.param, step_);
+    return q_.at(t.param).data<float>();
   }
 
   CommRequestPtr powersgd(const GradBucket& b, double fp32_factor) {
@@ -267,8 +305,7 @@ class CompressingReducer final : public Reducer {
     std::vector<const GradBucket::Tensor*> plain;
     std::int64_t p_total = 0, q_total = 0, plain_total = 0;
     for (const GradBucket::Tensor& t : b.tensors) {
-      if (t.shape.size() == 2 && t.count == t.shape[0] * t.shape[1] &&
-          compress::worth_compressing(t.shape[0], t.shape[1], r, cfg_.min_rate)) {
+      if (t.count == model_.params()[static_cast<std::size_t>(t.param)].numel && q_.count(t.param)) {
         mats.push_back({&t, t.shape[0], t.shape[1], p_total, q_total});
         p_total += t.shape[0] * r;
         q_total += t.shape[1] * r;
@@ -307,7 +344,7 @@ class CompressingReducer final : public Reducer {
         float* em = e + a.t->offset;
         for (std::int64_t i = 0; i < a.n * a.m; ++i) M[i] += em[i];
       }
-      be_.matmul(BufferRef(P + a.p_at, a.n * r), BufferRef(M, a.n * a.m), BufferRef(q_of(*a.t, a.m), a.m * r),
+      be_.matmul(BufferRef(P + a.p_at, a.n * r), BufferRef(M, a.n * a.m), BufferRef(q_of(*a.t), a.m * r),
                  static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
     }
     dp_.all_reduce(s.send.ref().slice(0, p_total), ReduceOp::sum);
@@ -319,7 +356,7 @@ class CompressingReducer final : public Reducer {
     dp_.all_reduce(s.recv.ref().slice(0, q_total), ReduceOp::sum);
     for (const Mat& a : mats) {  // the sum ~ P Q^T; residual = M - P Q^T / N
       float* M = x + a.t->offset;
-      float* q = q_of(*a.t, a.m);
+      float* q = q_.at(a.t->param).data<float>();
       std::memcpy(q, Qs + a.q_at, static_cast<std::size_t>(a.m * r) * sizeof(float));  // warm start
       if (e) std::memcpy(e + a.t->offset, M, static_cast<std::size_t>(a.n * a.m) * sizeof(float));
       be_.matmul(BufferRef(M, a.n * a.m), BufferRef(P + a.p_at, a.n * r), BufferRef(q, a.m * r),
@@ -330,16 +367,77 @@ class CompressingReducer final : public Reducer {
         for (std::int64_t i = 0; i < a.n * a.m; ++i) em[i] -= M[i] * inv;
       }
     }
+    keep_residual(b, s);
     return std::make_unique<ThenRequest>(nullptr, nullptr);
   }
+
+ public:
+  // Checkpoints: each rank's residual of every tensor as row dp_rank of a [dp, n] dataset (the path
+  // names dp: another dp size finds none and starts from zero), and PowerSGD's Q, equal over dp,
+  // written by dp rank 0. Neither is required: a file without them leaves them as they are.
+  std::string checkpoint_name() const override { return "compression (" + cfg_.method_name + ")"; }
+  std::vector<CheckpointTensor> checkpoint_tensors() override {
+    std::vector<CheckpointTensor> out;
+    const std::int64_t N = dp_.size(), r = dp_.rank();
+    const bool feedback = !residual_.empty();
+    for (const ParamInfo& whole : model_.all_params()) {
+      const int i = model_.param_index(whole.name);
+      const std::int64_t n = whole.shard.full_numel();
+      if (feedback) {
+        CheckpointTensor t;
+        t.path = "/plugins/compression/residual_dp" + std::to_string(N) + "/" + whole.name;
+        t.shard = ShardDesc::make({N, n}, TpSplit::none, 1, 0);
+        if (i >= 0) {
+          t.shard = t.shard.cut(r * n, (r + 1) * n);
+          t.data = residual_.at(i).ref();
+          t.holds = true;
+          t.primary_end = n;  // the rank's own row
+        }
+        t.required = false;
+        out.push_back(std::move(t));
+      }
+      if (cfg_.method == Method::powersgd && whole.shape.size() == 2 &&
+          compress::worth_compressing(whole.shape[0], whole.shape[1], cfg_.rank, cfg_.min_rate)) {
+        CheckpointTensor t;
+        t.path = "/plugins/compression/q_rank" + std::to_string(cfg_.rank) + "/" + whole.name;
+        t.shard = ShardDesc::make({whole.shape[1], cfg_.rank}, TpSplit::none, 1, 0);
+        if (i >= 0 && q_.count(i)) {
+          t.data = q_.at(i).ref();
+          t.holds = true;
+          if (r == 0) t.primary_end = t.data.count;
+        }
+        t.required = false;
+        out.push_back(std::move(t));
+      }
+    }
+    return out;
+  }
+  std::map<std::string, double> checkpoint_attributes() const override {
+    return {{"compression_dp", static_cast<double>(dp_.size())}};
+  }
+  void restore_attributes(const std::map<std::string, double>& found) override {
+    const auto dp = found.find("compression_dp");
+    if (residual_.empty() || !say_) return;
+    if (dp == found.end())
+      std::printf("  compression: the checkpoint holds no compression state: error-feedback residuals start from zero\n");
+    else if (static_cast<int>(dp->second) != dp_.size())
+      std::printf("  compression: the checkpoint was written at parallel.dp = %d: error-feedback residuals (one per dp "
+                  "rank) start from zero at parallel.dp = %d%s\n", static_cast<int>(dp->second), dp_.size(),
+                  cfg_.method == Method::powersgd ? "; PowerSGD's Q continues" : "");
+    if (!state_.empty() || model_.store().grad(0).empty())
+      std::printf("  compression: residuals of gradient pieces (ZeRO-2/3) are not in checkpoints and start from zero\n");
+  }
+
+ private:
 
   Config cfg_;
   std::unique_ptr<Reducer> inner_;
   Communicator& dp_;
   Backend& be_;
   GPT& model_;
+  bool say_;  // this rank prints notes (world rank 0)
   std::map<int, State> state_;
-  std::map<int, TypedBuffer> q_;
+  std::map<int, TypedBuffer> residual_, q_;  // by parameter index
   std::int64_t step_ = 0;
   std::uint64_t bytes_at_start_ = 0;
   double sent_ = 0, uncompressed_ = 0, formula_ = 0, seconds_ = 0, identical_ = -1;
@@ -459,8 +557,9 @@ void register_compression(void* p) {
     Communicator& dp = ctx.grid.dp();
     Backend& be = ctx.backend;
     GPT& model = ctx.model;
-    roles.wrap_reducer = [made, cfg, &dp, &be, &model](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {
-      auto r = std::make_unique<CompressingReducer>(std::move(inner), cfg, dp, be, model);
+    const bool say = ctx.grid.world().rank() == 0;
+    roles.wrap_reducer = [made, cfg, &dp, &be, &model, say](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {
+      auto r = std::make_unique<CompressingReducer>(std::move(inner), cfg, dp, be, model, say);
       *made = r.get();
       return r;
     };
