@@ -6,7 +6,7 @@ replicas every step, and the final loss on the learning deck against uncompresse
 
 CASE is one of:
   bytes_fp16_dp2, bytes_bf16_dp2, bytes_int8_dp2, bytes_topk_dp2, bytes_powersgd_dp2, bytes_int8_dp4,
-  bytes_int8_zero2_dp2
+  bytes_int8_zero2_dp2, bytes_bf16_zero3_dp2, bytes_topk_zero1_dp2, bytes_powersgd_zero1_dp2
       6 steps of the small deck; every step: the bytes this rank sent on the dp group during the
       gradient sync (compression_bytes) equal the method's formula (compression_formula_bytes) plus the
       loss's one-double all-reduce, 2(N-1)/N x 8 bytes, and nothing more; every dp rank holds the same
@@ -20,7 +20,11 @@ CASE is one of:
         powersgd    2(N-1)/N 4 (u + r sum(n_i + m_i)): the uncompressed tensors (u elements) and the
                     factors P [n_i, r] and Q [m_i, r] of each compressed matrix; the first
                     compression.start_step steps are plain fp32 (ratio 1, no matrix compressed)
-      bytes_int8_zero2_dp2 composes int8 with ZeRO-2's reduce-scatter of each unit's gradient pieces.
+      bytes_int8_zero2_dp2, bytes_bf16_zero3_dp2 compose int8 and bf16 with ZeRO-2/3's reduce-scatter
+      of each unit's gradient pieces (at stage 3 the parameters are kept in shares, so there is no
+      whole copy to compare: compression_replicas_identical is -1); bytes_topk_zero1_dp2 and
+      bytes_powersgd_zero1_dp2 replace ZeRO-1's reduce-scatter, (N-1)/N 4n, by the method's sum (each
+      rank keeps its share of it).
   learning_fp16, learning_bf16, learning_int8, learning_powersgd, learning_topk
       the learning deck (150 steps) at dp 2 against the same run uncompressed: the final validation
       loss within the method's margin (relative): fp16, bf16 0.5%; int8 1%; PowerSGD rank 4 (from
@@ -76,7 +80,9 @@ def bytes_case(c, method, ranks, extra):
                  r["compression_formula_ratio"], r["compression_compressed_tensors"], r["compression_replicas_identical"]))
         c.check(abs(sent - formula - loss_bytes) <= 8 * (ranks - 1),
                 "step %d: sent %d bytes, the formula gives %d + %g" % (r["step"], sent, formula, loss_bytes))
-        c.check(r["compression_replicas_identical"] == 1, "step %d: the dp ranks' parameters differ" % r["step"])
+        # ZeRO-3 keeps parameters in shares: nothing whole to compare (-1)
+        want = -1 if "zero.stage=3" in extra else 1
+        c.check(r["compression_replicas_identical"] == want, "step %d: the dp ranks' parameters differ" % r["step"])
         if method == "powersgd":
             plain = r["step"] <= start
             c.check((r["compression_compressed_tensors"] == 0) == plain,
@@ -102,7 +108,8 @@ def main():
         c = common.Case(args, name, common.small_deck(steps=6, log_every=1))
         parts = name.split("_")
         method, ranks = parts[1], int(parts[-1][2:])
-        extra = ["zero.stage=2"] if "zero2" in name else []
+        zero = [p for p in parts if p.startswith("zero")]
+        extra = ["zero.stage=" + zero[0][4:]] if zero else []
         bytes_case(c, method, ranks, extra)
         return c.done(name)
 

@@ -137,9 +137,20 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     step_ = step;
     uncompressed_ = formula_ = seconds_ = 0;
     compressed_tensors_ = 0;
-    bytes_at_start_ = dp_.stats().total_bytes();
+    at_start_ = dp_.stats();
   }
-  void end_sync() { sent_ = static_cast<double>(dp_.stats().total_bytes() - bytes_at_start_); }
+  // The bytes of the gradient collectives since the step began: all-reduces and reduce-scatters, and
+  // top-k's all-gathers (ZeRO-3's parameter gathers in the same window are not gradient traffic; top-k
+  // never runs with stage 3).
+  void end_sync() {
+    const CommStats& now = dp_.stats();
+    auto sent = [&](CommOp op) {
+      const int k = static_cast<int>(op);
+      return static_cast<double>(now.bytes_sent[k] - at_start_.bytes_sent[k]);
+    };
+    sent_ = sent(CommOp::all_reduce) + sent(CommOp::reduce_scatter) +
+            (cfg_.method == Method::topk ? sent(CommOp::all_gather) : 0.0);
+  }
   void set_identical(double v) { identical_ = v; }
 
   CommRequestPtr reduce_async(const GradBucket& b) override {
@@ -439,7 +450,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::map<int, State> state_;
   std::map<int, TypedBuffer> residual_, q_;  // by parameter index
   std::int64_t step_ = 0;
-  std::uint64_t bytes_at_start_ = 0;
+  CommStats at_start_;
   double sent_ = 0, uncompressed_ = 0, formula_ = 0, seconds_ = 0, identical_ = -1;
   std::int64_t compressed_tensors_ = 0;
 };
