@@ -14,6 +14,7 @@ std::string ShardedStore::name() const {
   const std::string n = std::to_string(dp_.size());
   std::string s = "ZeRO stage " + std::to_string(stage_) + " (gradients" + (stage_ == 3 ? ", parameters" : "") +
                   " and optimizer state: 1/" + n + " per rank";
+  if (masters16_) s += "; fp32 masters 1/" + n + ", whole 16-bit copies of the matrices all-gathered";
   if (stage_ == 3)
     s += "; units gathered " + (depth_ > 0 ? std::to_string(depth_) + " ahead" : std::string("on demand")) + ", " +
          std::to_string(whole_) + " elements kept whole";
@@ -25,13 +26,18 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
   info_ = params;
   units_ = units;
   const std::size_t n = params.size();
+  // Stage 2 under 16-bit precision keeps only the share of the matrices' fp32 masters, as stage 3
+  // does, and a whole 16-bit copy of them (DeepSpeed's bf16 ZeRO-2): the tensors the model reads in
+  // fp32 (LayerNorm, biases, positions, and wte, the embedding table) stay whole on every rank.
+  masters16_ = stage_ == 2 && ctx.backend.precision().matmul != DType::f32;
   whole_of_.assign(n, false);
   at_.assign(n, 0);
   for (std::size_t i = 0; i < n; ++i) {
     const ParamInfo& p = params[i];
     // Kept whole: small tensors at stage 3 (DeepSpeed's param persistence), and tensors another
     // stage keeps a copy of (never with stages 2 and 3 today: pipeline parallelism is refused).
-    whole_of_[i] = p.tied || p.shadow || (stage_ == 3 && p.numel < persist_below_);
+    whole_of_[i] = p.tied || p.shadow || (stage_ == 3 && p.numel < persist_below_) ||
+                   (masters16_ && (!p.matmul_weight || p.name == "wte.weight"));
     at_[i] = whole_of_[i] ? whole_ : sharded_;
     (whole_of_[i] ? whole_ : sharded_) += p.numel;
   }
@@ -55,10 +61,19 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
     }
   }
   // With 16-bit compute copies the fp32 parameters are the master weights.
-  copies_.build(*be_, params, units, stage_ != 3);
+  // (With sharded masters the sharded matrices' 16-bit copy is params16_, not ComputeCopies'.)
+  std::vector<ParamInfo> copied = params;
+  if (masters16_)
+    for (std::size_t i = 0; i < n; ++i) copied[i].matmul_weight = copied[i].matmul_weight && whole_of_[i];
+  copies_.build(*be_, copied, units, stage_ != 3);
   const Mem fp32_params = copies_.active() ? Mem::master : Mem::params;
-  params_ = be_->allocate(stage_ == 3 ? "ZeroStore::param_share" : "ZeroStore::params", DType::f32,
-                          stage_ == 3 ? hi_ - lo_ : sharded_, fp32_params);
+  const bool share_only = stage_ == 3 || masters16_;
+  params_ = be_->allocate(share_only ? "ZeroStore::param_share" : "ZeroStore::params", DType::f32,
+                          share_only ? hi_ - lo_ : sharded_, fp32_params);
+  if (masters16_) {
+    params16_ = be_->allocate("ZeroStore::params16", ctx.backend.precision().matmul, sharded_, Mem::params);
+    dirty16_ = true;
+  }
   gshard_ = be_->allocate("ZeroStore::grad_share", DType::f32, hi_ - lo_, Mem::grads);
   wparams_ = be_->allocate("ZeroStore::whole_params", DType::f32, whole_, fp32_params);
   wgrads_ = be_->allocate("ZeroStore::whole_grads", DType::f32, whole_, Mem::grads);
@@ -167,18 +182,32 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
     staged_[u] = take(gslots_, unit, "ZeroStore::grad_staging", Mem::grads);
     be_->fill(staged_[u]->buf.data<float>(), 0.0f, unit_hi_[u] - unit_lo_[u]);
   }
+  if (dirty16_) refresh16();  // after initialisation or a load: every rank gets here alike
   UnitView& v = views_[u];
   v.params.clear();
   v.grads.clear();
   for (int i : units_[u].params) {
     const std::int64_t count = info_[static_cast<std::size_t>(i)].numel;
-    float* p = whole_of_[static_cast<std::size_t>(i)] ? wparams_.data<float>() + at_[static_cast<std::size_t>(i)]
-               : stage_ == 3                          ? tensor_in(gathered_, wparams_, i)
-                                                      : params_.data<float>() + at_[static_cast<std::size_t>(i)];
-    v.params.emplace_back(p, count);
+    const bool whole = whole_of_[static_cast<std::size_t>(i)];
+    if (masters16_ && !whole) {
+      v.params.emplace_back();  // no fp32 copy of a sharded matrix: its operand is the 16-bit one below
+    } else {
+      float* p = whole ? wparams_.data<float>() + at_[static_cast<std::size_t>(i)]
+                 : stage_ == 3 ? tensor_in(gathered_, wparams_, i)
+                               : params_.data<float>() + at_[static_cast<std::size_t>(i)];
+      v.params.emplace_back(p, count);
+    }
     if (use == Use::backward) v.grads.emplace_back(tensor_in(staged_, wgrads_, i), count);
   }
   copies_.attach(unit, v);
+  if (masters16_) {
+    v.compute.resize(v.params.size());
+    for (std::size_t k = 0; k < v.params.size(); ++k) {
+      const int i = units_[u].params[k];
+      if (!whole_of_[static_cast<std::size_t>(i)])
+        v.compute[k] = params16_.ref().slice(at_[static_cast<std::size_t>(i)], info_[static_cast<std::size_t>(i)].numel);
+    }
+  }
   dp_.progress();
   return v;
 }
@@ -218,7 +247,7 @@ void ShardedStore::accumulate(const Staged& st) {
 BufferRef ShardedStore::param(int i) {
   const std::size_t k = static_cast<std::size_t>(i);
   if (whole_of_[k]) return wparams_.ref().slice(at_[k], info_[k].numel);
-  return stage_ == 3 ? BufferRef() : params_.ref().slice(at_[k], info_[k].numel);
+  return stage_ == 3 || masters16_ ? BufferRef() : params_.ref().slice(at_[k], info_[k].numel);
 }
 
 BufferRef ShardedStore::grad(int i) {
@@ -229,7 +258,7 @@ BufferRef ShardedStore::grad(int i) {
 BufferRef ShardedStore::owned_param(const OwnedSlice& o) {
   const std::size_t k = static_cast<std::size_t>(o.param);
   if (whole_of_[k]) return wparams_.ref().slice(at_[k] + o.begin, o.size());
-  return params_.ref().slice(at_[k] + o.begin - (stage_ == 3 ? lo_ : 0), o.size());
+  return params_.ref().slice(at_[k] + o.begin - (stage_ == 3 || masters16_ ? lo_ : 0), o.size());
 }
 
 BufferRef ShardedStore::owned_grad(const OwnedSlice& o) {
@@ -248,8 +277,19 @@ void ShardedStore::zero_grads() {
   gathers_ = 0;
 }
 
+// The whole 16-bit copy of the sharded matrices from every rank's fp32 master share: this rank's
+// share rounded into its place, then a 16-bit all-gather (half the bytes of an fp32 one).
+void ShardedStore::refresh16() {
+  const std::size_t r = static_cast<std::size_t>(dp_.rank());
+  be_->cast(params16_.ref().slice(lo_, hi_ - lo_), params_.ref().slice(0, hi_ - lo_));
+  dp_.all_gather(params16_.ref().slice(offsets_[r], counts_[r]), params16_.ref(), counts_);
+  dirty16_ = false;
+}
+
 void ShardedStore::refresh() {
-  if (stage_ == 2) {  // every rank's updated share into every rank's parameters
+  if (masters16_) {
+    refresh16();
+  } else if (stage_ == 2) {  // every rank's updated share into every rank's parameters
     const std::size_t r = static_cast<std::size_t>(dp_.rank());
     dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
   }

@@ -60,7 +60,10 @@ class ShardedStore final : public ParamStore {
   const std::vector<OwnedSlice>& owned() const override { return owned_; }
   void refresh() override;
   void end_step() override;
-  void params_written() override { copies_.mark_stale(); }
+  void params_written() override {
+    copies_.mark_stale();
+    dirty16_ = masters16_;
+  }
   std::int64_t local_numel() const override { return sharded_ + whole_; }
 
   // For the gradient sync.
@@ -126,6 +129,11 @@ class ShardedStore final : public ParamStore {
   std::vector<Slot*> gathered_, staged_;  // per unit: its parameter slot (stage 3), its gradient slot
   std::vector<UnitView> views_;
   ComputeCopies copies_;  // 16-bit copies of the matrix weights (stage 3: of the gathered units only)
+  // Stage 2 under 16-bit precision: fp32 masters of the sharded matrices for this rank's share only
+  // (params_), and their whole 16-bit copy (params16_), refreshed by an all-gather after each update.
+  bool masters16_ = false, dirty16_ = false;
+  TypedBuffer params16_;
+  void refresh16();
   // The order units are acquired in during a step: recorded in the first, followed after.
   std::vector<int> trace_;
   bool tracing_ = true, on_trace_ = false;
