@@ -340,6 +340,11 @@ class MpiRequest : public CommRequest {
     // on outstanding operations in different orders cannot deadlock each other.
     for (std::uint64_t seen = messages_done_; !advance();) {
       const bool others = comm_->advance_others(this);
+      if (on_link()) {  // every message is through; only the emulated link's time is left: no stall
+        last_arrival = now();
+        pacer.pause();
+        continue;
+      }
       if (messages_done_ != seen) {
         seen = messages_done_;
         last_arrival = now();
@@ -392,6 +397,8 @@ class MpiRequest : public CommRequest {
   }
 
   bool done() const { return done_; }
+  // Every message of the current step has completed and it waits only for the emulated link.
+  bool on_link() const { return !done_ && pending_ == 0 && step_ready_at_ > 0; }
   std::uint64_t messages_done() const { return messages_done_; }
   void detach() { comm_ = nullptr; }  // the communicator is going away (after completing us)
 

@@ -101,13 +101,19 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   const bool poison = inject_fault("nan", step) && !store.owned().empty();
   float* poisoned = poison ? store.owned_param(store.owned().front()).as<float>() : nullptr;
   const float kept = poison ? *poisoned : 0.0f;
-  if (poison) *poisoned = std::numeric_limits<float>::quiet_NaN();
+  if (poison) {
+    *poisoned = std::numeric_limits<float>::quiet_NaN();
+    store.local_params_written();  // the 16-bit compute copies see it too
+  }
   StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_),
                   static_cast<float>(s.loss_scale)};
   s.local_loss = schedule_->run(ctx);
   inputs_ = std::move(ctx.inputs);
   targets_ = std::move(ctx.targets);
-  if (poison) *poisoned = kept;
+  if (poison) {
+    *poisoned = kept;
+    store.local_params_written();
+  }
   run_hooks(StepPhase::micro_batches, s);
 
   // grads_final. Gradient sync first: its all-reduces may still be in flight on the gradient

@@ -104,6 +104,9 @@ class ParamStore {
   // The parameters were written from outside the store (initialisation, a checkpoint): compute
   // copies made from them before are stale.
   virtual void params_written() {}
+  // This rank alone wrote some of the parameters it holds whole (a fault injection's poison): the
+  // compute copies made from them are stale. Not collective, unlike params_written.
+  virtual void local_params_written() {}
 };
 
 // The 16-bit compute copies of a store's matrix weights (ParamInfo::matmul_weight) when the back
@@ -151,6 +154,7 @@ class FlatParamStore : public ParamStore {
   std::int64_t local_numel() const override { return params_.count(); }
   void refresh() override { copies_.mark_stale(); }
   void params_written() override { copies_.mark_stale(); }
+  void local_params_written() override { copies_.mark_stale(); }
   // The flat buffers themselves (for tests and tools that read a layout's whole state).
   float* flat_params() const { return params_.data<float>(); }
   float* flat_grads() const { return grads_.data<float>(); }

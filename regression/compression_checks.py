@@ -40,6 +40,19 @@ CASE is one of:
   restart_topk_dp2_to_dp4
       a top-k checkpoint from dp 2 resumed at dp 4: the run says the residuals start from zero and
       trains on
+  restart_int8_pp2_dp2
+      the same with pipeline stages (4 ranks): the last stage's shadow of wte keeps its own residual
+      (".../wte.weight#head"), so both stages' state comes back and steps 5..8 are bit for bit
+  nonfinite_skip_int8_dp2, nonfinite_skip_topk_dp2, nonfinite_skip_powersgd_dp2
+      a NaN in one rank's weights at step 4 (LOOM_INJECT_FAULT where=nan) with train.on_nonfinite =
+      skip: the compressed sum is non-finite on every rank (int8 agrees on it with the chunk maxima,
+      top-k sends NaNs), so step 4 is skipped everywhere; the residuals and Q start afresh
+      (compression_state_resets = 1) and every later step is finite, and the checkpoints at steps 5
+      and 10 are written (nothing non-finite is left in the compression state)
+  link_no_false_stall
+      an emulated link so slow (0.0002 Gbit/s) that one ring step of the gradient all-reduce waits over 2 s for it, with run.comm_timeout =
+      1: the watchdog does not count the link's time as a stall; the run finishes and the banner says
+      the link is emulated
 Standard library only.
 """
 import argparse
@@ -131,11 +144,44 @@ def main():
             c.check(raw_gap >= 3 * gap, "error feedback did not help: %.2f%% with it, %.2f%% without" % (100 * gap, 100 * raw_gap))
         return c.done(name)
 
+    if name.startswith("nonfinite_skip_"):
+        method = name.split("_")[2]
+        deck = common.small_deck(steps=10, log_every=1) + "[checkpoint]\nevery = 5\n"
+        c = common.Case(args, name, deck)
+        sets = ["parallel.dp=2", "train.on_nonfinite=skip"] + METHOD_SETS[method]
+        if method == "powersgd":
+            sets = [x for x in sets if not x.startswith("compression.start_step")] + ["compression.start_step=0"]
+        _, run = c.loom(method, 2, sets, env={"LOOM_INJECT_FAULT": "rank=1,step=3,where=nan"})
+        rows = common.rows(run)
+        print("(step, loss, skipped, resets): %s" % [(r["step"], r["loss"], r.get("skipped", False),
+                                                      r.get("compression_state_resets")) for r in rows])
+        c.check([r["step"] for r in rows if r.get("skipped")] == [4], "the skipped steps are not exactly [4]")
+        c.check(all(r["loss"] is not None and r["loss"] == r["loss"] for r in rows if r["step"] > 4),
+                "a step after the skipped one was not finite: the compression state kept the NaN")
+        c.check(rows and rows[-1].get("compression_state_resets") == 1, "the compression state was not reset once")
+        ck = os.path.join(run, "checkpoints")
+        c.check(os.path.exists(os.path.join(ck, "ckpt-00000010.h5")), "no checkpoint at step 10")
+        return c.done(name)
+
+    if name == "link_no_false_stall":
+        c = common.Case(args, name, common.small_deck(steps=3, log_every=1))
+        p, run = c.loom("slow", 2, ["parallel.dp=2", "compression.method=int8", "run.emulate_link_gbps=0.0002",
+                                     "run.comm_timeout=1"])
+        c.expect(p.stdout, [r"link    : EMULATED, 0\.0002 Gbit/s per rank"], "the banner")
+        steps = [r["step_ms"] for r in common.rows(run)]
+        print("step times with the emulated link: %s ms (run.comm_timeout = 1 s)" % steps)
+        c.check(len(steps) == 3 and max(steps) > 1000, "the steps did not wait over a second for the link")
+        return c.done(name)
+
     if name.startswith("restart_"):
         method = name.split("_")[1]
         c = common.Case(args, name, common.small_deck(steps=8, log_every=1))
         sets = ["parallel.dp=2"] + METHOD_SETS[method]
-        _, full = c.loom("full", 2, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
+        ranks = 2
+        if "pp2" in name:
+            sets += ["parallel.pp=2", "train.micro_batches=2"]
+            ranks = 4
+        _, full = c.loom("full", ranks, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
         ckpt = os.path.join(full, "checkpoints", "ckpt-00000004.h5")
         if name.endswith("to_dp4"):
             p, resumed = c.loom("resumed_dp4", 4, ["parallel.dp=4"] + METHOD_SETS[method] + ["checkpoint.resume=" + ckpt])
@@ -143,7 +189,7 @@ def main():
                                 r"\(one per dp rank\) start from zero at parallel\.dp = 4"], "the note on another dp size")
             c.check([r["step"] for r in common.rows(resumed)] == [5, 6, 7, 8], "the dp 4 run did not go on from step 5")
             return c.done(name)
-        _, resumed = c.loom("resumed", 2, sets + ["checkpoint.resume=" + ckpt])
+        _, resumed = c.loom("resumed", ranks, sets + ["checkpoint.resume=" + ckpt])
         ref = {r["step"]: r["loss"] for r in common.rows(full)}
         got = {r["step"]: r["loss"] for r in common.rows(resumed)}
         print("steps 5..8, resumed: %s; uninterrupted: %s" % ([got.get(k) for k in range(5, 9)], [ref[k] for k in range(5, 9)]))

@@ -43,6 +43,10 @@ CASE is one of:
   checkpoint_bf16_zero2_dp2
                          bf16 ZeRO-2 at dp 2 (fp32 masters sharded, 16-bit copies whole), saved at step 4
                          and resumed: steps 5..8 bit for bit
+  nonfinite_skip_bf16    bf16, one weight element NaN for step 3's forward and backward (LOOM_INJECT_FAULT
+                         where=nan) with train.on_nonfinite = skip: the 16-bit compute copies see the
+                         poison and then its removal, so step 3 alone is skipped and every later step is
+                         finite (a copy left holding the NaN would poison every later step)
   checkpoint_fp16_scale  fp16, the scale growing every 2 clean steps, saved at step 4 and resumed: the
                          loss scale and its counters come back, so steps 5..8 log the same scales and,
                          bit for bit, the same losses as the uninterrupted run
@@ -173,6 +177,17 @@ def main():
             c.check(m16[k] == v, "bf16 %s: %d bytes, expected %d" % (k, m16[k], v))
         c.check(common.summary(run).get("precision", {}).get("compute_copy_bytes") == want["params"],
                 "summary.json precision.compute_copy_bytes is not the 16-bit copies' bytes")
+        return c.done(name)
+
+    if name == "nonfinite_skip_bf16":
+        c = common.Case(args, name, common.small_deck(steps=8, log_every=1))
+        _, run = c.loom("bf16", 1, ["precision.dtype=bf16", "train.on_nonfinite=skip"],
+                        env={"LOOM_INJECT_FAULT": "rank=0,step=2,where=nan"})
+        rows = common.rows(run)
+        skipped = [r["step"] for r in rows if r.get("skipped")]
+        print("skipped steps %s; losses %s" % (skipped, [r["loss"] for r in rows]))
+        c.check(skipped == [3], "skipped steps %s, expected [3]" % skipped)
+        c.check(all(r["loss"] == r["loss"] for r in rows if r["step"] > 3), "a later step was not finite")
         return c.done(name)
 
     if name == "memory_bf16_zero2_dp2":

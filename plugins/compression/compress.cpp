@@ -10,6 +10,12 @@ std::int64_t chunk_count(std::int64_t n, std::int64_t chunk) { return (n + chunk
 
 int int8_levels(int ranks) { return ranks > 0 ? 127 / ranks : 0; }
 
+bool all_finite(const float* x, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
+}
+
 void chunk_absmax(float* out, const float* x, std::int64_t n, std::int64_t chunk) {
   for (std::int64_t c = 0, b = 0; b < n; ++c, b += chunk) {
     float m = 0.0f;
@@ -23,7 +29,7 @@ void quantize_int8(std::int8_t* q, float* error, const float* x, std::int64_t n,
   for (std::int64_t c = 0, b = 0; b < n; ++c, b += chunk) {
     const float step = absmax[c] / static_cast<float>(levels);
     for (std::int64_t i = b, e = std::min(n, b + chunk); i < e; ++i) {
-      float v = step > 0.0f ? std::nearbyint(x[i] / step) : 0.0f;
+      float v = step > 0.0f && std::isfinite(step) && std::isfinite(x[i]) ? std::nearbyint(x[i] / step) : 0.0f;
       v = std::clamp(v, -static_cast<float>(levels), static_cast<float>(levels));  // |x| <= absmax: rounding only
       q[i] = static_cast<std::int8_t>(v);
       if (error) error[i] = x[i] - v * step;

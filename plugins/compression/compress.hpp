@@ -15,9 +15,12 @@ namespace loom::compress {
 // adds them exactly, never saturating. The price is resolution: L levels each side instead of 127.
 std::int64_t chunk_count(std::int64_t n, std::int64_t chunk);
 int int8_levels(int ranks);  // floor(127 / ranks); 0 when int8 cannot hold the sum of that many ranks
-// out[c] = max |x| over chunk c (n elements).
+// Whether x holds no NaN and no inf.
+bool all_finite(const float* x, std::int64_t n);
+// out[c] = max |x| over chunk c (n elements); NaN is ignored (all_finite finds it).
 void chunk_absmax(float* out, const float* x, std::int64_t n, std::int64_t chunk);
-// q = round(x / s_c), s_c = absmax[c] / levels (0 where absmax is 0); error (may alias nothing) = x - q s_c.
+// q = round(x / s_c), s_c = absmax[c] / levels (0 where absmax is 0 or not finite, and for a
+// non-finite x); error (may be null) = x - q s_c.
 void quantize_int8(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
                    const float* absmax, int levels);
 // x = q s_c.

@@ -29,9 +29,12 @@
 // (compression_replicas_identical in the metrics).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -110,11 +113,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // Error feedback keeps a residual per tensor this rank holds (buckets of whole tensors gather
     // and scatter it; pieces of tensors, ZeRO-2/3's, keep one per bucket); PowerSGD a Q per matrix
     // it compresses. Both are made now, so that checkpoints list the same tensors from the start.
-    const bool feedback = cfg.error_feedback && (cfg.method == Method::int8 || cfg.method == Method::topk ||
-                                                 cfg.method == Method::powersgd);
+    feedback_ = cfg.error_feedback && (cfg.method == Method::int8 || cfg.method == Method::topk ||
+                                       cfg.method == Method::powersgd);
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
-      if (feedback) residual_[static_cast<int>(i)] = be.allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
+      // (A store that keeps only gradient shares, ZeRO-2/3, hands over pieces: residuals per bucket.)
+      const bool pieces = model.store().grad(static_cast<int>(i)).empty();
+      if (feedback_ && !pieces)
+        residual_[static_cast<int>(i)] = be.allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
       if (cfg.method == Method::powersgd && compressed(p)) {
         q_[static_cast<int>(i)] = be.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
         init_q(static_cast<int>(i), 0);
@@ -152,6 +158,17 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
             (cfg_.method == Method::topk ? sent(CommOp::all_gather) : 0.0);
   }
   void set_identical(double v) { identical_ = v; }
+  // After the norm phase: a step that will not update (a non-finite loss or gradient, a loss-scale
+  // overflow) has sent non-finite values on purpose (below) and left them in the residuals and Q:
+  // start those afresh, the same on every rank, so that one bad step does not poison the rest.
+  void after_norm(const StepState& st) {
+    if (std::isfinite(st.sq_norm) && std::isfinite(st.loss) && st.skip_reason.empty() && !st.nonfinite) return;
+    for (auto& [i, r] : residual_) be_.fill(r.data<float>(), 0.0f, r.count());
+    for (auto& [k, s] : state_)
+      if (!s.residual.empty()) be_.fill(s.residual.data<float>(), 0.0f, s.residual.count());
+    for (auto& [i, q] : q_) init_q(i, 0);
+    ++resets_;
+  }
 
   CommRequestPtr reduce_async(const GradBucket& b) override {
     const double N = dp_.size(), n = static_cast<double>(b.data.count);
@@ -183,7 +200,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
             {"compression_formula_ratio", uncompressed_ > 0 ? formula_ / uncompressed_ : 0.0},
             {"compression_seconds", seconds_},
             {"compression_compressed_tensors", static_cast<double>(compressed_tensors_)},
-            {"compression_replicas_identical", identical_}};
+            {"compression_replicas_identical", identical_},
+            {"compression_state_resets", static_cast<double>(resets_)}};
   }
 
  private:
@@ -199,7 +217,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     if (s.count != b.data.count) {
       s = State();
       s.count = b.data.count;
-      if (!residual_.empty()) s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
+      if (feedback_) s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
     }
     if (!s.residual.empty() && whole_tensors(b))
       for (const GradBucket::Tensor& t : b.tensors)
@@ -235,21 +253,27 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     State& s = state(b);
     float* x = b.data.as<float>();
     add_residual(s, x, n);
-    ensure_capacity(be_, s.absmax, "compression::int8_absmax", DType::f32, ch, Mem::comm);
+    ensure_capacity(be_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
     ensure_capacity(be_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
     float* amax = s.absmax.data<float>();
     compress::chunk_absmax(amax, x, n, cfg_.chunk);
-    dp_.all_reduce(s.absmax.ref().slice(0, ch), ReduceOp::max);  // one step per chunk for every rank
+    // One more element: 1 where this rank holds a NaN or an inf, so that every rank learns of it.
+    amax[ch] = compress::all_finite(x, n) ? 0.0f : 1.0f;
+    dp_.all_reduce(s.absmax.ref().slice(0, ch + 1), ReduceOp::max);  // one step per chunk for every rank
+    const bool poisoned = amax[ch] > 0;
     compress::quantize_int8(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
                             cfg_.chunk, amax, levels);
     keep_residual(b, s);
-    formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch) + fp32_factor / 4 * 4 * static_cast<double>(n);
+    formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch + 1) + fp32_factor * static_cast<double>(n);
     GradBucket qb = b;
     qb.data = s.q.ref().slice(0, n);
     std::int8_t* q = s.q.data<std::int8_t>();
     const std::int64_t chunk = cfg_.chunk;
-    return std::make_unique<ThenRequest>(inner_->reduce_async(qb), [x, q, n, chunk, amax, levels] {
+    return std::make_unique<ThenRequest>(inner_->reduce_async(qb), [x, q, n, chunk, amax, levels, poisoned] {
       compress::dequantize_int8(x, q, n, chunk, amax, levels);  // the exact int8 sum, scaled back
+      // A non-finite value on any rank makes the whole sum NaN on every rank: the step is then not
+      // finite everywhere (skipped, or an fp16 overflow), as it would be uncompressed.
+      if (poisoned) std::fill(x, x + n, std::numeric_limits<float>::quiet_NaN());
     });
   }
 
@@ -264,7 +288,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     ensure_capacity(be_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
     auto* idx = reinterpret_cast<std::int32_t*>(s.send.data<std::uint8_t>());
     auto* val = reinterpret_cast<float*>(s.send.data<std::uint8_t>() + 4 * k);
-    compress::top_k(idx, val, x, n, k);
+    if (compress::all_finite(x, n)) {
+      compress::top_k(idx, val, x, n, k);
+    } else {  // NaN/inf has no order: send NaNs, so that every rank's sum is non-finite (see int8)
+      for (std::int64_t j = 0; j < k; ++j) {
+        idx[j] = static_cast<std::int32_t>(j);
+        val[j] = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
     if (!s.residual.empty()) {  // what is not sent stays for the next step
       float* e = s.residual.data<float>();
       std::memcpy(e, x, static_cast<std::size_t>(n) * sizeof(float));
@@ -391,14 +422,21 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     std::vector<CheckpointTensor> out;
     const std::int64_t N = dp_.size(), r = dp_.rank();
     const bool feedback = !residual_.empty();
-    for (const ParamInfo& whole : model_.all_params()) {
-      const int i = model_.param_index(whole.name);
+    // With pipeline stages the last stage holds a shadow of wte whose gradient (the head's part)
+    // differs from the first stage's (the embedding's): its state goes under "<name>#head".
+    const bool shadow_wte = model_.stage().count > 1;
+    auto local = [&](const std::string& name, bool head) {
+      const int i = model_.param_index(name);
+      if (i < 0 || model_.params()[static_cast<std::size_t>(i)].shadow != head) return -1;
+      return i;
+    };
+    auto add = [&](const ParamInfo& whole, const std::string& suffix, int i) {
       const std::int64_t n = whole.shard.full_numel();
       if (feedback) {
         CheckpointTensor t;
-        t.path = "/plugins/compression/residual_dp" + std::to_string(N) + "/" + whole.name;
+        t.path = "/plugins/compression/residual_dp" + std::to_string(N) + "/" + whole.name + suffix;
         t.shard = ShardDesc::make({N, n}, TpSplit::none, 1, 0);
-        if (i >= 0) {
+        if (i >= 0 && residual_.count(i)) {
           t.shard = t.shard.cut(r * n, (r + 1) * n);
           t.data = residual_.at(i).ref();
           t.holds = true;
@@ -410,7 +448,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       if (cfg_.method == Method::powersgd && whole.shape.size() == 2 &&
           compress::worth_compressing(whole.shape[0], whole.shape[1], cfg_.rank, cfg_.min_rate)) {
         CheckpointTensor t;
-        t.path = "/plugins/compression/q_rank" + std::to_string(cfg_.rank) + "/" + whole.name;
+        t.path = "/plugins/compression/q_rank" + std::to_string(cfg_.rank) + "/" + whole.name + suffix;
         t.shard = ShardDesc::make({whole.shape[1], cfg_.rank}, TpSplit::none, 1, 0);
         if (i >= 0 && q_.count(i)) {
           t.data = q_.at(i).ref();
@@ -420,6 +458,10 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         t.required = false;
         out.push_back(std::move(t));
       }
+    };
+    for (const ParamInfo& whole : model_.all_params()) {
+      add(whole, "", local(whole.name, false));
+      if (shadow_wte && whole.name == "wte.weight") add(whole, "#head", local(whole.name, true));
     }
     return out;
   }
@@ -452,7 +494,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::int64_t step_ = 0;
   CommStats at_start_;
   double sent_ = 0, uncompressed_ = 0, formula_ = 0, seconds_ = 0, identical_ = -1;
-  std::int64_t compressed_tensors_ = 0;
+  std::int64_t compressed_tensors_ = 0, resets_ = 0;
+  bool feedback_ = false;
 };
 
 // Whether every dp rank holds the same parameters: a hash of this rank's whole tensors compared over
@@ -536,6 +579,15 @@ void register_compression(void* p) {
       throw InputError(setting + " with zero.stage = " + stage->second + ": " + m + " sums whole matrices or "
                        "(index, value) pairs, not the reduce-scatter of gradient pieces that ZeRO-2/3 runs every "
                        "micro-batch (DeepSpeed refuses the same); use zero.stage = 0 or 1, or fp16, bf16 or int8");
+    const auto dtype = values.find("precision.dtype");
+    const auto fixed = values.find("precision.loss_scale");
+    if (dtype != values.end() && dtype->second == "fp16" && (fixed == values.end() || std::atof(fixed->second.c_str()) <= 0) &&
+        deck.get_bool("compression.error_feedback") &&
+        (method == Method::int8 || method == Method::topk || method == Method::powersgd))
+      throw InputError(setting + " keeps error-feedback residuals in the units of the gradient it compressed, and "
+                       "precision.dtype = fp16 with dynamic loss scaling changes those units whenever the scale moves: "
+                       "use bf16, a fixed precision.loss_scale, compression.error_feedback = false, or "
+                       "compression.method = fp16/bf16");
     const auto reduce = values.find("precision.reduce_dtype");
     if (reduce != values.end() && reduce->second != "fp32")
       throw InputError(setting + " and precision.reduce_dtype = " + reduce->second + " both change the gradient "
@@ -579,6 +631,9 @@ void register_compression(void* p) {
                            }});
     roles.hooks.push_back({StepPhase::grads_final, "", [made](StepState&) {
                              if (*made) (*made)->end_sync();
+                           }});
+    roles.hooks.push_back({StepPhase::norm, "", [made](StepState& s) {
+                             if (*made) (*made)->after_norm(s);
                            }});
     roles.hooks.push_back({StepPhase::refresh, "", [made, &model, &dp](StepState&) {
                              if (*made) (*made)->set_identical(replicas_identical(model, dp));

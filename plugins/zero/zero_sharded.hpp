@@ -60,6 +60,7 @@ class ShardedStore final : public ParamStore {
   const std::vector<OwnedSlice>& owned() const override { return owned_; }
   void refresh() override;
   void end_step() override;
+  void local_params_written() override { copies_.mark_stale(); }
   void params_written() override {
     copies_.mark_stale();
     dirty16_ = masters16_;
