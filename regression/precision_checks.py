@@ -40,8 +40,11 @@ CASE is one of:
                          elements the model reads in fp32 (LayerNorm, biases, positions, wte) stay whole
                          on every rank: master = 4 (S/N + W), AdamW = 8 (S/N + W), params = 2 S + 2 V C,
                          byte for byte
-  checkpoint_bf16_zero2_dp2
-                         bf16 ZeRO-2 at dp 2 (fp32 masters sharded, 16-bit copies whole), saved at step 4
+  memory_bf16_zero1_dp2  the same at ZeRO-1 (gradients whole): the fp32 masters are this rank's share of the
+                         flat range and the whole tensors, master = 4 (P/N + W); the 16-bit copy is of the
+                         whole flat range, params = 2 P + 2 V C
+  checkpoint_bf16_zero2_dp2, checkpoint_bf16_zero1_dp2
+                         bf16 ZeRO-2 (and ZeRO-1) at dp 2 (fp32 masters sharded, 16-bit copies whole), saved at step 4
                          and resumed: steps 5..8 bit for bit
   nonfinite_skip_bf16    bf16, one weight element NaN for step 3's forward and backward (LOOM_INJECT_FAULT
                          where=nan) with train.on_nonfinite = skip: the 16-bit compute copies see the
@@ -190,18 +193,22 @@ def main():
         c.check(all(r["loss"] == r["loss"] for r in rows if r["step"] > 3), "a later step was not finite")
         return c.done(name)
 
-    if name == "memory_bf16_zero2_dp2":
+    if name in ("memory_bf16_zero2_dp2", "memory_bf16_zero1_dp2"):
         c = common.Case(args, name, common.small_deck(steps=2, log_every=1))
         L, C, V, N = 2, 32, 64, 2
+        stage = 1 if "zero1" in name else 2
         _, ref = c.loom("fp32", 1, [])
-        _, run = c.loom("bf16_zero2", N, ["parallel.dp=2", "zero.stage=2", "precision.dtype=bf16"])
+        _, run = c.loom("bf16_zero%d" % stage, N, ["parallel.dp=2", "zero.stage=%d" % stage, "precision.dtype=bf16"])
         P = common.summary(ref)["mem_peak_bytes"]["params"] // 4
         S = 12 * L * C * C
         W = P - S
         m = common.summary(run)["mem_peak_bytes"]
-        want = {"master": 4 * (S // N + W), "optimizer": 8 * (S // N + W), "params": 2 * S + 2 * V * C}
+        if stage == 2:
+            want = {"master": 4 * (S // N + W), "optimizer": 8 * (S // N + W), "params": 2 * S + 2 * V * C}
+        else:
+            want = {"master": 4 * (P // N + W), "params": 2 * P + 2 * V * C, "grads": 4 * P}
         for k, v in want.items():
-            print("%-9s bf16 ZeRO-2 dp 2: %8d bytes, expected %8d (P = %d, S = %d)" % (k, m[k], v, P, S))
+            print("%-9s bf16 ZeRO-%d dp 2: %8d bytes, expected %8d (P = %d, S = %d)" % (k, stage, m[k], v, P, S))
             c.check(m[k] == v, "%s: %d bytes, expected %d" % (k, m[k], v))
         return c.done(name)
 
@@ -214,8 +221,9 @@ def main():
         elif name == "checkpoint_fp16_scale":
             extra_a = extra_b = ["precision.dtype=fp16", "precision.loss_scale_window=2"]
             tol = 0.0
-        elif name == "checkpoint_bf16_zero2_dp2":  # sharded masters written by their owners, the copies rebuilt
-            extra_a = extra_b = ["precision.dtype=bf16", "parallel.dp=2", "zero.stage=2", "train.micro_batches=2"]
+        elif name in ("checkpoint_bf16_zero2_dp2", "checkpoint_bf16_zero1_dp2"):  # sharded masters, copies rebuilt
+            extra_a = extra_b = ["precision.dtype=bf16", "parallel.dp=2", "zero.stage=" + name[-5],
+                                 "train.micro_batches=2"]
             tol = 0.0
         else:
             sys.exit("unknown case " + name)

@@ -27,33 +27,113 @@
 namespace loom {
 namespace {
 
-// Stage 1's store: the flat buffers, each rank owning one contiguous share of them.
+// Stage 1's store: the flat buffers, each rank owning one contiguous share of them. Under 16-bit
+// precision the fp32 masters are sharded too (DeepSpeed's bf16 ZeRO-1, Megatron's distributed
+// optimizer): the block matrices' fp32 values exist only for this rank's share (master_), beside one
+// whole 16-bit copy of the flat range (params16_, all-gathered in refresh); the tensors the model
+// reads in fp32 (LayerNorm, biases, positions, wte) stay whole on every rank (wparams_), all-reduced
+// whole and updated by every rank. Gradients stay whole, as stage 1 keeps them.
 class ZeroStore final : public FlatParamStore {
  public:
   explicit ZeroStore(Communicator& dp) : dp_(dp) {}
   std::string name() const override {
     return "ZeRO stage 1 (flat parameters and gradients; optimizer state of 1/" + std::to_string(dp_.size()) +
-           " of them per rank)";
+           " of them per rank" + (masters16_ ? "; fp32 masters 1/" + std::to_string(dp_.size()) +
+                                              ", a whole 16-bit copy all-gathered" : std::string()) + ")";
   }
   void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override {
-    FlatParamStore::build(ctx, params, units);
+    masters16_ = ctx.backend.precision().matmul != DType::f32;
+    if (!masters16_) {
+      FlatParamStore::build(ctx, params, units);
+    } else {
+      be_ = &ctx.backend;
+      info_ = params;
+      std::int64_t n = 0;
+      for (const ParamInfo& p : params) n = std::max(n, p.offset + p.numel);
+      flat_ = n;
+      whole_of_.assign(params.size(), false);
+      wat_.assign(params.size(), -1);
+      std::int64_t w = 0;
+      std::vector<ParamInfo> copied = params;  // ComputeCopies for the whole matrices (wte) only
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        const ParamInfo& p = params[i];
+        whole_of_[i] = !p.matmul_weight || p.name == "wte.weight" || p.tied || p.shadow;
+        if (whole_of_[i]) wat_[i] = w, w += p.numel;
+        copied[i].matmul_weight = p.matmul_weight && whole_of_[i];
+      }
+      grads_ = be_->allocate("GPT::grads", DType::f32, n, Mem::grads);
+      wparams_ = be_->allocate("ZeroStore::whole_params", DType::f32, w, Mem::master);
+      params16_ = be_->allocate("ZeroStore::params16", ctx.backend.precision().matmul, n, Mem::params);
+      copies_.build(*be_, copied, units, true);
+      units_of_.clear();
+      for (const Unit& un : units) units_of_.push_back(un.params);
+      forward_.assign(units.size(), {});
+      backward_.assign(units.size(), {});
+      for (std::size_t u = 0; u < units.size(); ++u)
+        for (int i : units[u].params) {
+          forward_[u].params.push_back(param(i));  // empty for a sharded matrix: its operand is 16-bit
+          backward_[u].params.push_back(param(i));
+          backward_[u].grads.push_back(grad(i));
+        }
+      dirty16_ = true;
+    }
     counts_ = shard_counts(local_numel(), dp_.size());
     offsets_ = shard_offsets(counts_);
-    const std::int64_t lo = offsets_[static_cast<std::size_t>(dp_.rank())], hi = offsets_[static_cast<std::size_t>(dp_.rank()) + 1];
+    lo_ = offsets_[static_cast<std::size_t>(dp_.rank())];
+    const std::int64_t hi = offsets_[static_cast<std::size_t>(dp_.rank()) + 1];
+    if (masters16_) master_ = be_->allocate("ZeroStore::master_share", DType::f32, hi - lo_, Mem::master);
     owned_.clear();
     for (int i = 0; i < static_cast<int>(params.size()); ++i) {
       const ParamInfo& p = params[static_cast<std::size_t>(i)];
-      const std::int64_t a = std::max(p.offset, lo), b = std::min(p.offset + p.numel, hi);
+      if (masters16_ && whole_of_[static_cast<std::size_t>(i)]) {  // every rank updates it, as at stage 0
+        owned_.push_back({i, 0, p.numel, default_primary(p, ctx)});
+        continue;
+      }
+      const std::int64_t a = std::max(p.offset, lo_), b = std::min(p.offset + p.numel, hi);
       // Primary: this dp rank alone owns these elements (within its tp group and stage, tp_primary).
       if (a < b) owned_.push_back({i, a - p.offset, b - p.offset, tp_primary(p, ctx)});
     }
   }
-  // Every rank's updated share into every rank's parameters.
+  std::int64_t local_numel() const override { return masters16_ ? flat_ : FlatParamStore::local_numel(); }
+  BufferRef param(int i) override {
+    if (!masters16_) return FlatParamStore::param(i);
+    const std::size_t k = static_cast<std::size_t>(i);
+    return whole_of_[k] ? wparams_.ref().slice(wat_[k], info_[k].numel) : BufferRef();
+  }
+  BufferRef owned_param(const OwnedSlice& o) override {
+    if (!masters16_) return FlatParamStore::owned_param(o);
+    const std::size_t k = static_cast<std::size_t>(o.param);
+    if (whole_of_[k]) return wparams_.ref().slice(wat_[k] + o.begin, o.size());
+    return master_.ref().slice(info_[k].offset + o.begin - lo_, o.size());
+  }
+  const UnitView& acquire(int unit, Use use, int next) override {
+    if (!masters16_) return FlatParamStore::acquire(unit, use, next);
+    if (dirty16_) refresh16();  // after initialisation or a load: every rank gets here alike
+    const std::size_t u = static_cast<std::size_t>(unit);
+    UnitView& v = use == Use::forward ? forward_[u] : backward_[u];
+    copies_.attach(unit, v);
+    v.compute.resize(v.params.size());
+    const std::vector<int>& ps = unit_params(unit);
+    for (std::size_t k = 0; k < ps.size(); ++k)
+      if (!whole_of_[static_cast<std::size_t>(ps[k])])
+        v.compute[k] = params16_.ref().slice(info_[static_cast<std::size_t>(ps[k])].offset, info_[static_cast<std::size_t>(ps[k])].numel);
+    return v;
+  }
+  void params_written() override {
+    FlatParamStore::params_written();
+    dirty16_ = masters16_;
+  }
+  // Every rank's updated share into every rank's parameters (16-bit copies with sharded masters).
   void refresh() override {
-    const std::size_t r = static_cast<std::size_t>(dp_.rank());
-    dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
+    if (masters16_) {
+      refresh16();
+    } else {
+      const std::size_t r = static_cast<std::size_t>(dp_.rank());
+      dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
+    }
     FlatParamStore::refresh();  // compute copies are stale
   }
+  bool kept_whole(int p) const { return masters16_ && whole_of_[static_cast<std::size_t>(p)]; }
   // The elements of `b` (a run of the flat gradient buffer) in each rank's share.
   std::vector<std::int64_t> rank_counts(const GradBucket& b) const {
     const std::int64_t s = b.data.as<float>() - flat_grads(), e = s + b.data.count;
@@ -64,8 +144,26 @@ class ZeroStore final : public FlatParamStore {
   }
 
  private:
+  // The owned matrices' masters rounded into their place in the 16-bit copy, then a 16-bit
+  // all-gather of the shares (the positions of whole tensors in it are never read).
+  void refresh16() {
+    for (const OwnedSlice& o : owned_)
+      if (!whole_of_[static_cast<std::size_t>(o.param)])
+        be_->cast(params16_.ref().slice(info_[static_cast<std::size_t>(o.param)].offset + o.begin, o.size()), owned_param(o));
+    const std::size_t r = static_cast<std::size_t>(dp_.rank());
+    dp_.all_gather(params16_.ref().slice(offsets_[r], counts_[r]), params16_.ref(), counts_);
+    dirty16_ = false;
+  }
+  const std::vector<int>& unit_params(int unit) const { return units_of_.at(static_cast<std::size_t>(unit)); }
+
   Communicator& dp_;
   std::vector<std::int64_t> counts_, offsets_;
+  bool masters16_ = false, dirty16_ = false;
+  std::int64_t flat_ = 0, lo_ = 0;
+  std::vector<bool> whole_of_;
+  std::vector<std::int64_t> wat_;  // per tensor kept whole: its offset in wparams_
+  TypedBuffer wparams_, master_, params16_;
+  std::vector<std::vector<int>> units_of_;
 };
 
 // The reduce-scatter: rank r's part of a bucket summed in place (its block of the send buffer is
@@ -91,7 +189,9 @@ class ZeroSync final : public BucketedGradSync {
  public:
   ZeroSync(Communicator& dp, Backend& be, GPT& model, double bucket_mb, bool overlap, const ZeroStore& store)
       : BucketedGradSync(dp, be, model, bucket_mb, overlap,
-                         BucketPlan{[&model](int p) { return model.params()[static_cast<std::size_t>(p)].tied; },
+                         BucketPlan{[&model, &store](int p) {
+                                      return model.params()[static_cast<std::size_t>(p)].tied || store.kept_whole(p);
+                                    },
                                     [&store](const GradBucket& b) { return store.rank_counts(b); },
                                     2}),
         params_bytes_(static_cast<double>(model.store().local_numel()) * sizeof(float)) {}
