@@ -3,6 +3,7 @@ several ranks) with --set overrides, and reading a run's metrics and summary.
 
     from common import Case, rows, losses, summary
 """
+import argparse
 import hashlib
 import json
 import os
@@ -10,6 +11,16 @@ import re
 import shutil
 import subprocess
 import sys
+
+
+def case_arguments(doc):
+    """The command line every case script takes: --loom, --workdir, --mpirun and the case's name."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("case")
+    return ap.parse_args()
 
 
 def small_deck(steps=8, val_fraction=0, log_every=None):

@@ -55,7 +55,6 @@ CASE is one of:
       the link is emulated
 Standard library only.
 """
-import argparse
 import json
 import os
 import sys
@@ -109,12 +108,7 @@ def bytes_case(c, method, ranks, extra):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loom", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default="mpirun")
-    ap.add_argument("case")
-    args = ap.parse_args()
+    args = common.case_arguments(__doc__)
     name = args.case
 
     if name.startswith("bytes_"):

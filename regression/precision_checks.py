@@ -55,7 +55,6 @@ CASE is one of:
                          bit for bit, the same losses as the uninterrupted run
 Standard library only.
 """
-import argparse
 import json
 import os
 import sys
@@ -100,12 +99,7 @@ def compare(c, got, ref, tol, what):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loom", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default="mpirun")
-    ap.add_argument("case")
-    args = ap.parse_args()
+    args = common.case_arguments(__doc__)
     name = args.case
 
     if name == "fp16_overflow_backoff":
