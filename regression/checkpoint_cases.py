@@ -58,7 +58,7 @@ class Case:
 
     def loom(self, tag, ranks, sets, env=None, expect=0, popen=False):
         rundir = os.path.join(self.dir, tag)
-        cmd = (["mpirun", "-n", str(ranks)] if ranks > 1 else []) + [self.args.loom, "run", self.deck,
+        cmd = common.launch_prefix(self.args, ranks) + [self.args.loom, "run", self.deck,
                                                                     "--set", "run.dir=" + rundir]
         for s in sets:
             cmd += ["--set", s]
@@ -115,6 +115,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
     ap.add_argument("--workdir", required=True)
+    common.add_launcher_arguments(ap)
     ap.add_argument("case")
     args = ap.parse_args()
     name = args.case

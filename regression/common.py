@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,9 +19,25 @@ def case_arguments(doc):
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
     ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default="mpirun")
+    add_launcher_arguments(ap)
     ap.add_argument("case")
     return ap.parse_args()
+
+
+def add_launcher_arguments(ap):
+    """The MPI launcher, as CMake found it (MPIEXEC_EXECUTABLE, MPIEXEC_NUMPROC_FLAG, MPIEXEC_PREFLAGS):
+    CTest passes all three, so that `cmake -DMPIEXEC_EXECUTABLE=$(command -v srun)` runs every case
+    under srun inside an allocation."""
+    ap.add_argument("--mpirun", default=os.environ.get("LOOM_MPIEXEC", "mpiexec"), help="the MPI launcher")
+    ap.add_argument("--np-flag", default="-n", help="its rank-count flag (MPIEXEC_NUMPROC_FLAG)")
+    ap.add_argument("--mpi-preflags", default="", help="flags before the program (MPIEXEC_PREFLAGS), one string")
+
+
+def launch_prefix(args, ranks, always=False):
+    """The launcher words in front of loom for `ranks` ranks (none for one rank unless `always`)."""
+    if ranks <= 1 and not always:
+        return []
+    return [args.mpirun, args.np_flag, str(ranks)] + shlex.split(args.mpi_preflags)
 
 
 def small_deck(steps=8, val_fraction=0, log_every=None):
@@ -56,7 +73,7 @@ class Case:
 
     def command(self, tag, ranks, sets):
         rundir = os.path.join(self.dir, tag)
-        cmd = ([self.args.mpirun, "-n", str(ranks)] if ranks > 1 else []) + [self.args.loom, "run", self.deck,
+        cmd = launch_prefix(self.args, ranks) + [self.args.loom, "run", self.deck,
                                                                            "--set", "run.dir=" + rundir]
         for s in sets:
             cmd += ["--set", s]

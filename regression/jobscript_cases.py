@@ -18,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOBSCRIPTS = os.path.join(os.path.dirname(HERE), "jobscripts")
 SLURM = os.path.join(JOBSCRIPTS, "slurm.sbatch")
 PBS = os.path.join(JOBSCRIPTS, "pbs.sh")
+CTEST = os.path.join(JOBSCRIPTS, "ctest.sbatch")
 
 # Each call writes its arguments (NUL-separated) and environment to NAME.N.argv / NAME.N.env.
 FAKE = r"""#!/usr/bin/env bash
@@ -40,14 +41,15 @@ OPEN_MPI_VERSION = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mp
 class Job:
     """One run of a job script in its own submit directory, with the fakes first on PATH."""
 
-    def __init__(self, workdir, tag, script, args=(), env=None, deck_lines=("[train]", "steps = 4"), files=()):
+    def __init__(self, workdir, tag, script, args=(), env=None, deck_lines=("[train]", "steps = 4"), files=(),
+                 fakes=("srun", "scontrol", "mpirun")):
         self.dir = os.path.join(workdir, tag)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.bin = os.path.join(self.dir, "bin")
         self.log = os.path.join(self.dir, "log")
         os.makedirs(self.bin)
         os.makedirs(self.log)
-        for name in ("srun", "scontrol", "mpirun"):
+        for name in fakes:
             path = os.path.join(self.bin, name)
             with open(path, "w") as f:
                 f.write(FAKE)
@@ -113,7 +115,7 @@ def expect(failures, ok, what):
 
 
 def case_syntax(workdir, failures):
-    for script in (SLURM, PBS, os.path.join(JOBSCRIPTS, "local.sh")):
+    for script in (SLURM, PBS, CTEST, os.path.join(JOBSCRIPTS, "local.sh")):
         p = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
         expect(failures, p.returncode == 0, "bash -n %s %s" % (os.path.basename(script), p.stderr.strip()))
         with open(script) as f:
@@ -249,11 +251,33 @@ def case_pbs_defaults(workdir, failures):
     expect(failures, job.status == 3, "mpirun exit 3 -> script exit 3 (releases an afternotok chain): %d" % job.status)
 
 
+def case_slurm_ctest(workdir, failures):
+    """The suite inside an allocation: a build tree whose MPI launcher is srun, then ctest -L LABEL."""
+    fakes = ("srun", "cmake", "ctest")
+    job = Job(workdir, "slurm_ctest", CTEST, ["regression"], {"SLURM_JOB_ID": "7", "LOOM_SRUN_MPI": "pmi2"},
+              fakes=fakes)
+    srun = os.path.join(job.bin, "srun")
+    cmake = [argv for argv, _ in job.calls("cmake")]
+    ctest = [argv for argv, _ in job.calls("ctest")]
+    expect(failures, job.status == 0, "exit status 0: %d" % job.status)
+    expect(failures, len(cmake) == 2 and "-DMPIEXEC_EXECUTABLE=" + srun in cmake[0] and "-DMPIEXEC_NUMPROC_FLAG=-n" in cmake[0]
+           and "-DMPIEXEC_PREFLAGS=--mpi=pmi2" in cmake[0], "configured with srun as the MPI launcher: %s" % cmake[:1])
+    expect(failures, len(cmake) == 2 and cmake[1][:2] == ["--build", "build-srun"], "then built: %s" % cmake[1:])
+    expect(failures, len(ctest) == 1 and ctest[0][:2] == ["--test-dir", "build-srun"] and ctest[0][-2:] == ["-L", "regression"],
+           "ctest on that tree with the label: %s" % ctest)
+    job = Job(workdir, "slurm_ctest_all", CTEST, ["all"], {"SLURM_JOB_ID": "8"}, fakes=fakes)
+    ctest = [argv for argv, _ in job.calls("ctest")]
+    expect(failures, len(ctest) == 1 and "-L" not in ctest[0], "label all selects every test: %s" % ctest)
+    job = Job(workdir, "slurm_ctest_no_srun", CTEST, [], {"PATH": job.bin.replace("slurm_ctest_all", "none") + ":/usr/bin:/bin"},
+              fakes=())
+    expect(failures, job.status == 2 and "srun is not on PATH" in job.stderr, "without srun: exit 2 saying so (%d)" % job.status)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
 def main():
-    global JOBSCRIPTS, SLURM, PBS
+    global JOBSCRIPTS, SLURM, PBS, CTEST
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--jobscripts", default=JOBSCRIPTS, help="the folder of the scripts under test (default: jobscripts/)")
@@ -262,6 +286,7 @@ def main():
     JOBSCRIPTS = os.path.abspath(args.jobscripts)
     SLURM = os.path.join(JOBSCRIPTS, "slurm.sbatch")
     PBS = os.path.join(JOBSCRIPTS, "pbs.sh")
+    CTEST = os.path.join(JOBSCRIPTS, "ctest.sbatch")
     failures = []
     try:
         CASES[args.case](os.path.join(os.path.abspath(args.workdir), args.case), failures)

@@ -38,6 +38,9 @@ import statistics
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 BUBBLE_TOL = 0.07  # absolute, on a fraction: the message time the replay leaves out (0.005 on a
                    # quiet machine), which this shared 2-core machine sometimes stretches
 SKEW_TOL = 0.02    # the stages start a step a little apart (the optimizer ran between), which the
@@ -81,7 +84,7 @@ class Check:
 
     def run(self, tag, sets, ranks=2):
         rundir = os.path.join(self.dir, tag)
-        cmd = [self.args.mpirun, "-n", str(ranks), self.args.loom, "run", self.deck, "--set", "run.dir=" + rundir]
+        cmd = common.launch_prefix(self.args, ranks, always=True) + [self.args.loom, "run", self.deck, "--set", "run.dir=" + rundir]
         for s in sets:
             cmd += ["--set", s]
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
@@ -224,7 +227,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
     ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default="mpirun")
+    common.add_launcher_arguments(ap)
     ap.add_argument("check", choices=["bubble", "memory", "trace", "partition"])
     args = ap.parse_args()
     c = Check(args, args.check)

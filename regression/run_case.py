@@ -40,6 +40,9 @@ import struct
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 
 def write_deck(path, lines):
     with open(path, "w") as f:
@@ -77,7 +80,7 @@ def run_loom(args, case, workdir, tag, sets, ranks=None):
         cmd += ["--set", s.replace("@RUN@", rundir)]
     ranks = int(case.get("ranks", 1) if ranks is None else ranks)
     if ranks > 1 or case.get("mpirun", False):
-        cmd = [args.mpirun, "-n", str(ranks)] + cmd
+        cmd = common.launch_prefix(args, ranks, always=True) + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     for k, v in case.get("env", {}).items():
         env[k] = v.replace("@BUILD@", os.path.dirname(os.path.abspath(args.loom)))
@@ -143,7 +146,7 @@ def main():
     ap.add_argument("--loom", required=True)
     ap.add_argument("--case", required=True)
     ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default="mpirun")
+    common.add_launcher_arguments(ap)
     ap.add_argument("--regenerate", action="store_true", help="rewrite the case's golden values from this run")
     args = ap.parse_args()
 

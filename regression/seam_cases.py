@@ -129,7 +129,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom", required=True)
     ap.add_argument("--plugins", required=True)
-    ap.add_argument("--mpirun", default="mpiexec")
+    common.add_launcher_arguments(ap)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("case", choices=sorted(CASES))
     args = ap.parse_args()

@@ -32,17 +32,21 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 L, C, H, T, V, B = 2, 64, 4, 32, 256, 4  # the deck below
 
 
-def run(loom, ranks, sets, workdir, tag):
+def run(args, ranks, sets, workdir, tag):
+    loom = args.loom
     rundir = os.path.join(workdir, tag)
     os.makedirs(rundir, exist_ok=True)
     deck = os.path.join(rundir, "tp.deck")
     with open(deck, "w") as f:
         f.write("[model]\nlayers = %d\nd_model = %d\nheads = %d\nseq_len = %d\nvocab = %d\n"
                 "[train]\nsteps = 3\nbatch = %d\neval_every = 0\n[data]\nval_fraction = 0\n" % (L, C, H, T, V, B))
-    cmd = (["mpirun", "-n", str(ranks)] if ranks > 1 else []) + [loom, "run", deck, "--set", "run.dir=" + rundir]
+    cmd = common.launch_prefix(args, ranks) + [loom, "run", deck, "--set", "run.dir=" + rundir]
     for s in sets:
         cmd += ["--set", s]
     print("$ " + " ".join(cmd), flush=True)
@@ -58,6 +62,7 @@ def main():
     ap.add_argument("--loom", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--ranks", type=int, default=2)
+    common.add_launcher_arguments(ap)
     args = ap.parse_args()
     n = args.ranks
     failures = []
@@ -74,11 +79,11 @@ def main():
     }
     scalar_slack = 2 * (n - 1) * 8
 
-    one = run(args.loom, 1, [], args.workdir, "tp1")
+    one = run(args, 1, [], args.workdir, "tp1")
     base_mem = one[-1]["mem_peak_bytes"]
     act = {}
     for sp in (False, True):
-        recs = run(args.loom, n, ["parallel.tp=%d" % n, "tensor.sequence_parallel=%s" % str(sp).lower()],
+        recs = run(args, n, ["parallel.tp=%d" % n, "tensor.sequence_parallel=%s" % str(sp).lower()],
                    args.workdir, "tp%d-sp%d" % (n, sp))
         for r in recs:
             if r.get("tp_replicas_identical") != 1:

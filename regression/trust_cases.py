@@ -339,7 +339,7 @@ CASES = {
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
-    ap.add_argument("--mpirun", default="mpirun")
+    common.add_launcher_arguments(ap)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("case", choices=sorted(CASES))
     args = ap.parse_args()

@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 DECK = """[model]
 layers = 2
 d_model = 64
@@ -106,7 +109,7 @@ class Case:
         self.failures = []
 
     def command(self, ranks, sets):
-        cmd = ([self.args.mpirun, "-n", str(ranks)] if ranks > 1 else []) + [
+        cmd = common.launch_prefix(self.args, ranks) + [
             self.args.loom, "run", self.deck, "--set", "run.dir=" + os.path.join(self.dir, "run")]
         for s in sets:
             cmd += ["--set", s]
@@ -187,7 +190,7 @@ class Case:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
-    ap.add_argument("--mpirun", default="mpirun")
+    common.add_launcher_arguments(ap)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("case")
     args = ap.parse_args()

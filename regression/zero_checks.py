@@ -63,7 +63,7 @@ def shard_offsets(total, n):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom", required=True)
-    ap.add_argument("--mpirun", default="mpiexec")
+    common.add_launcher_arguments(ap)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args()
