@@ -1,4 +1,7 @@
-# Provides the target loom::kokkos.
+# Provides the target loom::kokkos (loom's build, and loom's installed CMake package for plugins).
+if(TARGET loom::kokkos)
+  return()
+endif()
 # Prefer a working find_package(Kokkos) (a cluster's own Kokkos); Debian's libtrilinos-kokkos-dev
 # ships a KokkosConfig.cmake whose include directory is wrong (/usr/lib/include), so when the
 # package's target does not actually lead to Kokkos_Core.hpp we fall back to the headers in
