@@ -14,6 +14,7 @@ packages=(
   nlohmann-json3-dev
   googletest libgtest-dev libbenchmark-dev
   python3-torch python3-h5py python3-numpy
+  jube python3-matplotlib
 )
 if [ "${LOOM_SKIP_INSTALL:-0}" != 1 ]; then
   missing=()

@@ -200,6 +200,26 @@ void GPT::init_weights(std::uint64_t seed) {
   store_->params_written();
 }
 
+void GPT::load_weights(const std::function<const float*(const std::string& name)>& whole) {
+  auto take = [&](const ParamInfo& p, float* w, std::int64_t begin, std::int64_t end) {
+    const float* src = whole(p.name);
+    for (std::int64_t i = begin; i < end; ++i) w[i - begin] = src[p.shard.global_index(i)];
+  };
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const BufferRef w = store_->param(static_cast<int>(i));
+    if (!w.empty()) take(params_[i], w.as<float>(), 0, params_[i].numel);
+  }
+  for (const OwnedSlice& o : store_->owned())
+    if (store_->param(o.param).empty())
+      take(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o).as<float>(), o.begin, o.end);
+  store_->params_written();
+}
+
+const float* GPT::logits() const {
+  if (!holds_head(0) || stage_.chunks.size() != 1) throw std::logic_error("GPT::logits: this rank does not hold the whole model");
+  return head(0).logits;
+}
+
 GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads) const {
   // A block's unit lists its 12 tensors in the order they are declared above.
   const std::vector<BufferRef>& t = grads ? view.grads : view.params;

@@ -76,6 +76,10 @@ class GPT {
   // GPT-2 initialisation: normal(0, 0.02), residual projections scaled by 1/sqrt(2L), LayerNorm
   // weights 1, biases 0; element i of parameter p is drawn from (seed, name of p, i).
   void init_weights(std::uint64_t seed);
+  // Weights from elsewhere (an llm.c model file): `whole(name)` gives tensor `name` whole, row-major
+  // in its full shape (rows past it, e.g. more learned positions than seq_len, are not read). Each
+  // rank takes exactly its own elements, as init_weights draws them.
+  void load_weights(const std::function<const float*(const std::string& name)>& whole);
 
   // Forward pass on B rows of T tokens; returns the mean cross-entropy over the B*T targets.
   // (The whole model only: one stage.)
@@ -84,6 +88,8 @@ class GPT {
   // of the training objective with respect to this forward's mean loss (1/micro_batches when the
   // step averages over micro-batches).
   void backward(float dloss);
+  // The logits of the last forward of the whole model (slot 0): [B*T, V/tp], fp32.
+  const float* logits() const;
 
   // The same for chunk `chunk` of a pipeline stage, on the activations of slot `slot` (one
   // in-flight micro-batch). inputs [B,T] (chunk 0 of the first stage), x_in [Nl,C] the previous

@@ -1,5 +1,6 @@
 #pragma once
 // The subcommands of the driver. Each returns the process exit status.
+#include <cstdint>
 #include <string>
 
 #include "core/plugin.hpp"
@@ -9,4 +10,14 @@ namespace loom {
 int command_check(const Deck& deck, const StrategyRegistry& registry, int rank);                  // loom check DECK
 int command_run(const Deck& deck, const StrategyRegistry& registry);                             // loom run DECK
 int command_export(const Deck& deck, const StrategyRegistry& registry, const std::string& out);  // loom export DECK OUT.h5
+
+struct SampleOptions {  // loom sample CKPT [options]
+  std::string checkpoint, prompt, tokens, tokenizer;
+  int steps = 256;
+  double temperature = 1.0;  // 0: always the most likely token
+  int top_k = 0;             // 0: the whole vocabulary
+  std::uint64_t seed = 1337;
+};
+int command_sample(const SampleOptions& options);
+int command_ckpt_llmc(const std::string& checkpoint, const std::string& out);  // loom ckpt llmc CKPT OUT.bin
 }  // namespace loom

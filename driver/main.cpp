@@ -2,7 +2,10 @@
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <cerrno>
 #include <csignal>
+#include <cstring>
+#include <filesystem>
 #include <cstdio>
 #include <unistd.h>
 #include <boost/program_options.hpp>
@@ -39,6 +42,15 @@ const char* kUsage =
     "                 train on one process and write weights, batches, losses and gradients for the PyTorch\n"
     "                 oracle (regression/oracle.py)\n"
     "  ckpt info FILE print a checkpoint's step, layout, deck, and every tensor with its shape and dtype\n"
+    "  ckpt llmc CKPT OUT.bin\n"
+    "                 write a checkpoint's weights as an llm.c model file (train_gpt2.c reads it; a deck's\n"
+    "                 model.init_from reads it back)\n"
+    "  sample CKPT [--prompt TEXT | --tokens IDS] [--steps N] [--temperature T] [--top-k K] [--seed S]\n"
+    "              [--tokenizer FILE]\n"
+    "                 generate from a checkpoint (file, or checkpoint directory: its latest): text for the byte\n"
+    "                 vocabulary, else token ids (decoded with an llm.c tokenizer file when given)\n"
+    "  plot RUN_DIR... [-o OUTDIR] | plot --sweep RESULT.csv --x KEY [-o OUTDIR]\n"
+    "                 draw loss curves of runs, or a sweep's table against a swept key, as PNGs\n"
     "  keys           list every deck key with its type, default, range and help\n"
     "  plugins        list the strategies found (built-in and libloom_<name>.so on the plugin path) with\n"
     "                 their versions and deck options\n"
@@ -78,6 +90,34 @@ void need_positional(const Args& a, std::size_t n, const char* what) {
                      " arguments)\n" + kUsage);
 }
 
+SampleOptions parse_sample(const std::vector<std::string>& rest) {
+  SampleOptions o;
+  po::options_description opts("loom sample options");
+  opts.add_options()("prompt", po::value(&o.prompt), "text to continue (byte vocabulary)")(
+      "tokens", po::value(&o.tokens), "token ids to continue, comma-separated")(
+      "steps", po::value(&o.steps)->default_value(o.steps), "tokens to generate")(
+      "temperature", po::value(&o.temperature)->default_value(o.temperature), "0: greedy")(
+      "top-k", po::value(&o.top_k)->default_value(o.top_k), "sample among the k most likely (0: all)")(
+      "seed", po::value(&o.seed)->default_value(o.seed), "random seed")(
+      "tokenizer", po::value(&o.tokenizer), "llm.c tokenizer file to decode ids with")(
+      "checkpoint", po::value(&o.checkpoint), "");
+  po::positional_options_description pos;
+  pos.add("checkpoint", 1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw DeckError(std::string("loom sample: ") + e.what() + "\n" + kUsage);
+  }
+  if (o.checkpoint.empty()) throw DeckError(std::string("loom sample expects CKPT (a checkpoint file or directory)\n") + kUsage);
+  if (o.steps < 1 || o.steps > 1000000) throw DeckError("loom sample: --steps " + std::to_string(o.steps) + " is not in 1 .. 1000000");
+  if (!(o.temperature >= 0) || o.temperature > 100)
+    throw DeckError("loom sample: --temperature " + std::to_string(o.temperature) + " is not in [0, 100]");
+  if (o.top_k < 0) throw DeckError("loom sample: --top-k " + std::to_string(o.top_k) + " is negative (0: all tokens)");
+  return o;
+}
+
 int dispatch(int argc, char** argv, int rank) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
@@ -89,6 +129,7 @@ int dispatch(int argc, char** argv, int rank) {
     return 0;
   }
   const std::string command = args[0];
+  if (command == "sample") return command_sample(parse_sample({args.begin() + 1, args.end()}));
   const Args a = parse_subcommand(command, {args.begin() + 1, args.end()});
   // Built-in strategies and every plugin on the search path register first, so that their deck
   // keys are part of the schema every deck is checked against.
@@ -122,7 +163,9 @@ int dispatch(int argc, char** argv, int rank) {
   }
 
   if (command == "ckpt") {
-    if (a.positional.size() != 2 || a.positional[0] != "info") throw DeckError("usage: loom ckpt info FILE\n" + std::string(kUsage));
+    if (a.positional.size() == 3 && a.positional[0] == "llmc") return command_ckpt_llmc(a.positional[1], a.positional[2]);
+    if (a.positional.size() != 2 || a.positional[0] != "info")
+      throw DeckError("usage: loom ckpt info FILE | loom ckpt llmc CKPT OUT.bin\n" + std::string(kUsage));
     if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
     return 0;
   }
@@ -152,7 +195,35 @@ int dispatch(int argc, char** argv, int rank) {
 
 }  // namespace
 
+// `loom plot ...`: the plotting script (matplotlib), installed beside the job scripts, run in this
+// process's place (no MPI needed): P/share/loom/jobscripts/loom_plot.py, else the source tree's.
+[[noreturn]] void exec_plot(int argc, char** argv) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  std::vector<fs::path> candidates;
+  if (!ec) candidates.push_back(exe.parent_path() / ".." / "share" / "loom" / "jobscripts" / "loom_plot.py");
+  candidates.push_back(fs::path(build::source_dir) / "jobscripts" / "loom_plot.py");
+  const char* python = std::getenv("LOOM_PYTHON");
+  const std::string interpreter = python && *python ? python : (fs::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3");
+  for (const fs::path& script : candidates) {
+    if (!fs::exists(script, ec)) continue;
+    std::vector<std::string> words{interpreter, script.lexically_normal().string()};
+    for (int i = 2; i < argc; ++i) words.push_back(argv[i]);
+    std::vector<char*> cargv;
+    for (auto& w : words) cargv.push_back(w.data());
+    cargv.push_back(nullptr);
+    execvp(cargv[0], cargv.data());
+    write_stderr("loom plot: cannot run " + interpreter + " " + script.string() + ": " + std::strerror(errno) + "\n");
+    std::exit(1);
+  }
+  write_stderr("loom plot: loom_plot.py not found (looked in " + candidates.front().string() + " and " +
+               candidates.back().string() + ")\n");
+  std::exit(1);
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "plot") exec_plot(argc, argv);
   select_openblas_core(argv);  // may re-execute this program with a better OpenBLAS kernel set
   // A file-size limit (ulimit -f) must fail the write that crosses it (EFBIG, reported with the file's
   // name), not kill the process with SIGXFSZ.

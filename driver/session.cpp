@@ -9,6 +9,7 @@
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/blas_core.hpp"
+#include "io/llmc.hpp"
 #include "io/report.hpp"
 #include "io/threads.hpp"
 #include "loom/build_info.hpp"
@@ -161,6 +162,7 @@ void Session::setup_local() {
   eval_batches = static_cast<int>(d.get_int("train.eval_batches"));
   log_every = d.get_int("train.log_every");
   run_dir = d.get_string("run.dir");
+  init_from = d.get_string("model.init_from");
   threads = resolve_threads(d.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
   gemm::set_impl(gemm_impl_from_deck(d));
 
@@ -195,6 +197,19 @@ void Session::setup_collective() {
   model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), stage, store.get(),
                                 layout.dp, grid->dp_rank());
   model->init_weights(seed);
+  if (!init_from.empty()) {
+    // Every rank reads the file and takes its own elements; a bad file is refused alike everywhere.
+    LlmcModel weights;
+    run_agreed([&] {
+      try {
+        weights = read_llmc_model(init_from);
+      } catch (const InputError& e) {
+        throw InputError(std::string("model.init_from: ") + e.what());
+      }
+      check_llmc_model(weights, model_cfg, init_from);
+    });
+    model->load_weights([&](const std::string& name) { return weights.tensors.at(name).data(); });
+  }
   // The other roles, strategy by strategy: each may fill only what it declared.
   EngineRoles engine_roles;
   std::vector<std::pair<std::string, ReducerWrapper>> wrappers;

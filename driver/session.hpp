@@ -54,6 +54,7 @@ struct Session {
   int global_batch = 0, eval_batches = 0;
   std::uint64_t seed = 0;
   std::string run_dir;
+  std::string init_from;  // model.init_from: an llm.c model file to start from (empty: random initialisation)
   ThreadCount threads;  // run.threads resolved, with where the count came from
 
   Layout layout;

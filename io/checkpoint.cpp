@@ -129,6 +129,24 @@ const ModelKey kModelKeys[] = {{"model.layers", "model_layers", &GPTConfig::laye
 // "key = value" of a resolved deck's text, by section.key ('#' starts a comment; decks hold no '#').
 }  // namespace
 
+namespace {
+// The model shape a checkpoint records: its model_* attributes, or (files written before them) its deck.
+GPTConfig recorded_model(hid_t file, const std::string& path, const std::string& deck) {
+  const auto recorded = resolved_deck_values(deck);
+  GPTConfig cfg;
+  for (const ModelKey& k : kModelKeys) {
+    std::int64_t v = -1;
+    if (!read_attr_i64(file, k.attr, v)) {
+      const auto it = recorded.find(k.key);
+      if (it == recorded.end()) fail(path, std::string("records no ") + k.key + " (neither attribute " + k.attr + " nor its deck): corrupt");
+      v = std::atoll(it->second.c_str());
+    }
+    cfg.*k.field = static_cast<int>(v);
+  }
+  return cfg;
+}
+}  // namespace
+
 std::map<std::string, std::string> resolved_deck_values(const std::string& text) {
   std::map<std::string, std::string> values;
   std::istringstream in(text);
@@ -412,17 +430,10 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
 
   // The whole model shape, before any tensor: a checkpoint of fewer layers or other heads would
   // otherwise load the tensors it shares with the deck's model and silently train another model.
-  const auto recorded = resolved_deck_values(st.deck);
+  st.model = recorded_model(file.id, path, st.deck);
   std::string mismatches;
   for (const ModelKey& k : kModelKeys) {
-    std::int64_t v = -1;
-    if (!read_attr_i64(file.id, k.attr, v)) {  // written before the shape attributes: the deck has it
-      const auto it = recorded.find(k.key);
-      if (it == recorded.end()) fail(path, std::string("records no ") + k.key + " (neither attribute " + k.attr + " nor its deck): corrupt");
-      v = std::atoll(it->second.c_str());
-    }
-    st.model.*k.field = static_cast<int>(v);
-    const int here = model.config().*k.field;
+    const int v = st.model.*k.field, here = model.config().*k.field;
     if (v != here)
       mismatches += std::string(mismatches.empty() ? "" : "; ") + k.key + " = " + std::to_string(v) +
                     " in the checkpoint, " + std::to_string(here) + " in this deck";
@@ -484,6 +495,20 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
   }
   optimizer.set_steps_taken(st.optimizer_steps);
   model.store().params_written();  // 16-bit compute copies are rebuilt from the loaded masters
+  return st;
+}
+
+CheckpointState checkpoint_header(const std::string& path) {
+  static QuietHdf5 quiet;
+  if (H5Fis_hdf5(path.c_str()) <= 0) fail(path, "is missing or not a readable HDF5 file");
+  Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
+  if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
+  CheckpointState st;
+  std::int64_t version = 0;
+  if (!read_attr_i64(file.id, "format_version", version)) fail(path, "has no format_version attribute: not a loom checkpoint");
+  if (!read_attr_i64(file.id, "step", st.step) || !read_attr_string(file.id, "deck", st.deck))
+    fail(path, "is missing metadata (step or deck): corrupt");
+  st.model = recorded_model(file.id, path, st.deck);
   return st;
 }
 

@@ -61,6 +61,10 @@ void init_hdf5();
 // process must then end without MPI_Finalize (which would make HDF5 close it again, and crash).
 bool checkpoint_file_left_open();
 
+// One process, no collective: the step, deck and model shape a checkpoint records (to build the model
+// that load_checkpoint then fills, as `loom sample` and `loom ckpt llmc` do).
+CheckpointState checkpoint_header(const std::string& path);
+
 // `loom ckpt info`: step, layout, deck, and every tensor with its shape and dtype (one process).
 std::string checkpoint_info(const std::string& path);
 

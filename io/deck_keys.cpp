@@ -88,6 +88,10 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("model.vocab", "256", 2, 1048576, "vocabulary size (256 for text:PATH bytes)"));
   schema.add(bool_key("model.recompute", "false",
                       "recompute each block's activations in backward instead of keeping them"));
+  schema.add(string_key("model.init_from", "",
+                        "start from these weights instead of a random initialisation: an llm.c model file "
+                        "(.bin, as llm.c's train_gpt2.py writes; `loom ckpt llmc` writes one from a checkpoint); "
+                        "its shape must be the deck's model.* (checkpoint.resume, when it loads, wins)"));
 
   // data
   schema.add(string_key("data.source", "synthetic",

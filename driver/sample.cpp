@@ -1,0 +1,174 @@
+// Using a trained model: `loom sample CKPT` generates text (or token ids) from a checkpoint, and
+// `loom ckpt llmc CKPT OUT.bin` writes its weights as an llm.c model file. Both build the whole model
+// on one process from the shape the checkpoint records and fill it with load_checkpoint, which checks
+// the file as a resume does (checksums, shapes, finite values).
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "core/grid.hpp"
+#include "core/optimizer.hpp"
+#include "driver/commands.hpp"
+#include "io/checkpoint.hpp"
+#include "io/llmc.hpp"
+
+namespace loom {
+namespace {
+
+// The whole model of a checkpoint on this one process.
+struct LoadedModel {
+  CheckpointState header;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<ProcessGrid> grid;
+  std::unique_ptr<GPT> model;
+  std::unique_ptr<AdamW> optimizer;  // load_checkpoint reads the optimizer state too (and checks it)
+};
+
+// A checkpoint file, or a checkpoint directory (its `latest`).
+std::string checkpoint_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return path;
+  std::ifstream in(path + "/latest");
+  std::string name;
+  if (!in || !std::getline(in, name) || name.empty())
+    throw InputError(quote_path(path) + " is a directory without a `latest` checkpoint: name a checkpoint file (ckpt-*.h5)");
+  return path + "/" + name;
+}
+
+LoadedModel load_whole(const std::string& path, const char* command, int rows) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world != 1) throw InputError(std::string("loom ") + command + " runs on one process; launched on " + std::to_string(world));
+  const std::string file = checkpoint_file(path);
+  LoadedModel m;
+  m.header = checkpoint_header(file);
+  m.backend = make_host_backend(1);
+  m.grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, Layout{});
+  m.model = std::make_unique<GPT>(m.header.model, *m.backend, rows);
+  m.optimizer = std::make_unique<AdamW>(OptimizerConfig{}, *m.backend, m.model->params(), m.model->store().owned());
+  m.header = load_checkpoint(file, *m.grid, *m.model, *m.optimizer);
+  return m;
+}
+
+std::vector<std::int32_t> parse_ids(const std::string& text, int vocab) {
+  std::vector<std::int32_t> ids;
+  std::string t = text;
+  std::replace(t.begin(), t.end(), ',', ' ');
+  std::istringstream in(t);
+  std::string word;
+  while (in >> word) {
+    char* end = nullptr;
+    const long v = std::strtol(word.c_str(), &end, 10);
+    if (*end != '\0' || v < 0 || v >= vocab)
+      throw InputError("--tokens: " + quote_value(word) + " is not a token id in [0, " + std::to_string(vocab - 1) +
+                       "] (the checkpoint's model.vocab = " + std::to_string(vocab) + ")");
+    ids.push_back(static_cast<std::int32_t>(v));
+  }
+  if (ids.empty()) throw InputError("--tokens: no token ids given (e.g. --tokens 464,3290)");
+  return ids;
+}
+
+}  // namespace
+
+int command_sample(const SampleOptions& o) {
+  LoadedModel m = load_whole(o.checkpoint, "sample", 1);
+  GPT& model = *m.model;
+  const GPTConfig& cfg = model.config();
+  const int T = cfg.seq_len, V = cfg.vocab;
+  const bool bytes = V == 256 && o.tokenizer.empty();  // the byte vocabulary of text:PATH data
+  std::vector<std::string> tokenizer;
+  if (!o.tokenizer.empty()) {
+    tokenizer = read_llmc_tokenizer(o.tokenizer);
+    if (static_cast<int>(tokenizer.size()) < V)
+      throw InputError("--tokenizer " + quote_path(o.tokenizer) + " has " + std::to_string(tokenizer.size()) +
+                       " tokens; the checkpoint's model.vocab is " + std::to_string(V));
+  }
+  if (!o.prompt.empty() && !o.tokens.empty()) throw InputError("loom sample: give --prompt or --tokens, not both");
+  std::vector<std::int32_t> ids;
+  if (!o.tokens.empty()) {
+    ids = parse_ids(o.tokens, V);
+  } else if (!o.prompt.empty()) {
+    if (V != 256)
+      throw InputError("--prompt needs the byte vocabulary (model.vocab = 256); this checkpoint's model.vocab is " +
+                       std::to_string(V) + ": give token ids with --tokens");
+    for (unsigned char c : o.prompt) ids.push_back(c);
+  } else {
+    ids.push_back(V == 256 ? '\n' : 0);  // a newline for bytes, else token 0
+  }
+  const std::size_t prompt_len = ids.size();
+  std::mt19937_64 gen(o.seed);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  std::vector<std::int32_t> in(static_cast<std::size_t>(T), 0), tgt(static_cast<std::size_t>(T), 0);
+  std::vector<double> p(static_cast<std::size_t>(V));
+  std::vector<int> order(static_cast<std::size_t>(V));
+  for (int s = 0; s < o.steps; ++s) {
+    // The last T tokens; positions after them are padding that causal attention never lets them see.
+    const std::size_t n = std::min<std::size_t>(ids.size(), static_cast<std::size_t>(T));
+    std::copy(ids.end() - static_cast<std::ptrdiff_t>(n), ids.end(), in.begin());
+    model.forward(in.data(), tgt.data(), 1);
+    const float* logits = model.logits() + static_cast<std::int64_t>(n - 1) * V;  // [V] at the last real position
+    int next = 0;
+    if (o.temperature <= 0) {
+      next = static_cast<int>(std::max_element(logits, logits + V) - logits);
+    } else {
+      // Softmax of logits / temperature over the top-k (all when k = 0), then one draw.
+      for (int v = 0; v < V; ++v) order[static_cast<std::size_t>(v)] = v;
+      const int k = o.top_k > 0 && o.top_k < V ? o.top_k : V;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+      const double top = logits[order[0]];
+      double sum = 0;
+      for (int j = 0; j < k; ++j) sum += p[static_cast<std::size_t>(j)] = std::exp((logits[order[static_cast<std::size_t>(j)]] - top) / o.temperature);
+      double r = uniform(gen) * sum;
+      next = order[static_cast<std::size_t>(k - 1)];
+      for (int j = 0; j < k; ++j) {
+        r -= p[static_cast<std::size_t>(j)];
+        if (r <= 0) {
+          next = order[static_cast<std::size_t>(j)];
+          break;
+        }
+      }
+    }
+    ids.push_back(next);
+  }
+  std::cerr << "loom sample: " << o.steps << " tokens from " << checkpoint_file(o.checkpoint) << " (step " << m.header.step
+            << "; " << cfg.layers << " layers, d_model " << cfg.d_model << ", vocab " << V << "), temperature "
+            << o.temperature << ", top-k " << o.top_k << ", seed " << o.seed << "\n";
+  if (bytes) {
+    for (std::int32_t id : ids) std::cout << static_cast<char>(id);
+    std::cout << "\n";
+  } else if (!tokenizer.empty()) {
+    for (std::int32_t id : ids) std::cout << tokenizer[static_cast<std::size_t>(id)];
+    std::cout << "\n";
+  } else {
+    for (std::size_t i = 0; i < ids.size(); ++i) std::cout << (i ? (i == prompt_len ? " | " : " ") : "") << ids[i];
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+int command_ckpt_llmc(const std::string& checkpoint, const std::string& out) {
+  LoadedModel m = load_whole(checkpoint, "ckpt llmc", 1);
+  GPT& model = *m.model;
+  std::map<std::string, std::vector<float>> whole;
+  for (std::size_t i = 0; i < model.params().size(); ++i) {
+    const ParamInfo& p = model.params()[i];
+    const float* w = model.param_ptr(static_cast<int>(i));
+    whole[p.name].assign(w, w + p.numel);
+  }
+  write_llmc_model(out, model.config(), [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });
+  std::cout << "wrote " << out << ": llm.c model file version 3 (fp32), " << model.config().layers << " layers, d_model "
+            << model.config().d_model << ", " << model.config().heads << " heads, vocab " << model.config().vocab
+            << " (padded to " << (model.config().vocab + 127) / 128 * 128 << "), max_seq_len " << model.config().seq_len
+            << ", from step " << m.header.step << " of " << checkpoint_file(checkpoint) << "\n";
+  return 0;
+}
+
+}  // namespace loom
