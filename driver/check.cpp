@@ -1,6 +1,7 @@
 // loom check DECK: everything a run of the deck would refuse before training, found without
 // launching the job: the deck, the layout for as many ranks as it needs, the data files, the thread
-// count, the checkpoint directory and the checkpoint to resume from. Nothing is created.
+// count, the weights to start from (model.init_from), the checkpoint directory and the checkpoint to
+// resume from. Nothing is created.
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,6 +16,7 @@
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"
+#include "io/llmc.hpp"
 #include "io/threads.hpp"
 
 namespace loom {
@@ -79,6 +81,7 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
   // The layout as the job that runs the deck would see it (as many ranks as it needs).
   const LayoutPlan plan = plan_layout(deck, registry, -1);
   open_deck_data(deck, plan.model);
+  if (!deck.get_string("model.init_from").empty()) read_init_from(deck.get_string("model.init_from"), plan.model);
   gemm_impl_from_deck(deck);
   const ThreadCount threads =
       resolve_threads(deck.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));

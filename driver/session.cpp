@@ -200,14 +200,7 @@ void Session::setup_collective() {
   if (!init_from.empty()) {
     // Every rank reads the file and takes its own elements; a bad file is refused alike everywhere.
     LlmcModel weights;
-    run_agreed([&] {
-      try {
-        weights = read_llmc_model(init_from);
-      } catch (const InputError& e) {
-        throw InputError(std::string("model.init_from: ") + e.what());
-      }
-      check_llmc_model(weights, model_cfg, init_from);
-    });
+    run_agreed([&] { weights = read_init_from(init_from, model_cfg); });
     model->load_weights([&](const std::string& name) { return weights.tensors.at(name).data(); });
   }
   // The other roles, strategy by strategy: each may fill only what it declared.

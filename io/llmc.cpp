@@ -139,6 +139,17 @@ void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::strin
                      " (set the deck's model.* keys to the file's)");
 }
 
+LlmcModel read_init_from(const std::string& path, const GPTConfig& cfg) {
+  LlmcModel m;
+  try {
+    m = read_llmc_model(path);
+  } catch (const InputError& e) {
+    throw InputError(std::string("model.init_from: ") + e.what());
+  }
+  check_llmc_model(m, cfg, path);
+  return m;
+}
+
 void write_llmc_model(const std::string& path, const GPTConfig& cfg,
                       const std::function<const std::vector<float>&(const std::string& name)>& tensor) {
   const std::int64_t C = cfg.d_model, V = cfg.vocab, T = cfg.seq_len;

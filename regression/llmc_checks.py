@@ -203,6 +203,10 @@ def case_refusals(args, c):
         for w in words:
             if w not in p.stderr:
                 c.failures.append("%s: the error does not say %r: %s" % (tag, w, msg))
+    # `loom check` reads the file too, before any job starts.
+    p = run([args.loom, "check", c.deck, "--set", "model.init_from=" + good, "--set", "model.layers=3"], expect=2)
+    if "num_layers = 2 in the file" not in p.stderr:
+        c.failures.append("loom check does not refuse another model's file: " + p.stderr[-300:])
     # A shorter context than the file's is taken (llm.c does the same): the first seq_len positions.
     p, rundir = c.loom("shorter_context", 1, ["model.init_from=" + good, "model.seq_len=16"])
 

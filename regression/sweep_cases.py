@@ -197,9 +197,9 @@ def main():
         _, a = c.loom("lr1e-3", 1, ["train.lr=1e-3"])
         _, b = c.loom("lr4e-3", 1, ["train.lr=4e-3"])
         out = os.path.join(c.dir, "plots")
-        p = run([PLOT, a, b, "-o", out])
+        p = run([c.args.loom, "plot", a, b, "-o", out])  # the driver runs loom_plot.py
         print(p.stdout + p.stderr)
-        c.check(p.returncode == 0, "loom_plot.py RUN RUN: exit status %d" % p.returncode)
+        c.check(p.returncode == 0, "loom plot RUN RUN: exit status %d" % p.returncode)
         check_png(c, os.path.join(out, "loss.png"))
         missing = os.path.join(c.dir, "no-such-run")
         expect_refusal(c, [PLOT, a, missing, "-o", out], missing, "a missing run directory")
@@ -216,7 +216,7 @@ def main():
         c.check(os.path.isfile(table), "jube result wrote no %s" % table)
         for tag, source in (("csv", table), ("jube_dir", os.path.join(runs, "000000"))):
             outdir = os.path.join(c.dir, "plots-" + tag)
-            p = run([PLOT, "--sweep", source, "--x", "train.lr", "-o", outdir])
+            p = run(([c.args.loom, "plot"] if tag == "csv" else [PLOT]) + ["--sweep", source, "--x", "train.lr", "-o", outdir])
             print(p.stdout + p.stderr)
             c.check(p.returncode == 0, "loom_plot.py --sweep %s: exit status %d" % (source, p.returncode))
             for col in METRIC_PNGS:
