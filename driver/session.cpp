@@ -296,6 +296,9 @@ std::string Session::banner() const {
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()
     << " parameters" << (model_cfg.recompute ? ", recompute" : "") << "\n";
+  s << "  weights : " << (init_from.empty() ? "random (train.seed = " + std::to_string(seed) + ")"
+                                          : "model.init_from = " + init_from + " (llm.c model file)")
+    << (deck.get_string("checkpoint.resume").empty() ? "" : ", unless checkpoint.resume loads a checkpoint") << "\n";
   s << "  data    : " << train_data->describe() << "\n";
   if (val_owned) s << "  val     : " << val_owned->describe() << "\n";
   if (auto best = train_data->best_loss()) s << "  best possible loss: " << *best << " nats/token\n";
