@@ -190,13 +190,17 @@ void GPT::init_weights(std::uint64_t seed) {
       case ParamInfo::Init::zeros: be_.fill(w, 0.0f, end - begin); break;
     }
   };
+  write_held(fill);
+}
+
+void GPT::write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write) {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const BufferRef w = store_->param(static_cast<int>(i));
-    if (!w.empty()) fill(params_[i], w.as<float>(), 0, params_[i].numel);
+    if (!w.empty()) write(params_[i], w.as<float>(), 0, params_[i].numel);
   }
   for (const OwnedSlice& o : store_->owned())
     if (store_->param(o.param).empty())
-      fill(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o).as<float>(), o.begin, o.end);
+      write(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o).as<float>(), o.begin, o.end);
   store_->params_written();
 }
 
@@ -205,14 +209,7 @@ void GPT::load_weights(const std::function<const float*(const std::string& name)
     const float* src = whole(p.name);
     for (std::int64_t i = begin; i < end; ++i) w[i - begin] = src[p.shard.global_index(i)];
   };
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const BufferRef w = store_->param(static_cast<int>(i));
-    if (!w.empty()) take(params_[i], w.as<float>(), 0, params_[i].numel);
-  }
-  for (const OwnedSlice& o : store_->owned())
-    if (store_->param(o.param).empty())
-      take(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o).as<float>(), o.begin, o.end);
-  store_->params_written();
+  write_held(take);
 }
 
 const float* GPT::logits() const {

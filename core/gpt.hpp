@@ -153,6 +153,10 @@ class GPT {
     std::int64_t floats;
   };
   // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
+  // Every element this rank holds, tensor by tensor: write(p, w, begin, end) fills w[0, end - begin)
+  // with elements [begin, end) of p's shard (whole tensors, and ZeRO-3's owned slices); then the
+  // store's copies are marked stale.
+  void write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write);
   BlockActs carve_block(float* base) const;
   Scratch carve_scratch(float* base) const;
   Head carve_head(float* base) const;

@@ -40,6 +40,15 @@ def launch_prefix(args, ranks, always=False):
     return [args.mpirun, args.np_flag, str(ranks)] + shlex.split(args.mpi_preflags)
 
 
+def finish(failures):
+    """The exit status of a script that collected `failures`, after saying FAIL (each) or OK."""
+    if failures:
+        print("FAIL\n  " + "\n  ".join(failures))
+        return 1
+    print("OK")
+    return 0
+
+
 def small_deck(steps=8, val_fraction=0, log_every=None):
     """The 2-layer, d_model 32 model the MPI cases train in seconds, as deck text."""
     return ("[model]\nlayers = 2\nd_model = 32\nheads = 4\nseq_len = 16\nvocab = 64\n"

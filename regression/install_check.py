@@ -19,6 +19,9 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -115,11 +118,7 @@ def main():
     if "lossguard.max_ratio" not in p.stderr:
         failures.append("a misspelt plugin key is not refused with the right name: " + p.stderr[-500:])
 
-    if failures:
-        print("FAIL\n  " + "\n  ".join(failures))
-        return 1
-    print("OK")
-    return 0
+    return common.finish(failures)
 
 
 if __name__ == "__main__":

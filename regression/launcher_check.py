@@ -18,6 +18,9 @@ import json
 import os
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import tempfile
 
 LAUNCHER_NAMES = ("mpirun", "mpiexec", "srun", "mpiexec.hydra", "mpiexec.mpich", "mpirun.mpich")
@@ -116,11 +119,7 @@ def main():
             if not launches:
                 failures.append("%s started no ranks through MPIEXEC_EXECUTABLE (the wrapper recorded nothing)"
                                 % t["name"])
-    if failures:
-        print("FAIL\n  " + "\n  ".join(failures))
-        return 1
-    print("OK")
-    return 0
+    return common.finish(failures)
 
 
 if __name__ == "__main__":

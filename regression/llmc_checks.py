@@ -284,11 +284,7 @@ def main():
             "refusals": case_refusals, "sample_quickstart": case_sample_quickstart}[args.case]
     c = common.Case(args, args.case, DECK)
     case(args, c)
-    if c.failures:
-        print("FAIL\n  " + "\n  ".join(c.failures))
-        return 1
-    print("OK")
-    return 0
+    return common.finish(c.failures)
 
 
 if __name__ == "__main__":
