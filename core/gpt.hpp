@@ -119,6 +119,10 @@ class GPT {
   double flops_per_token() const;
 
  private:
+  // Every element this rank holds, tensor by tensor: write(p, w, begin, end) fills w[0, end - begin)
+  // with elements [begin, end) of p's shard (whole tensors, and ZeRO-3's owned slices); then the
+  // store's copies are marked stale.
+  void write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write);
   struct BlockParams {  // pointers into the store's unit view (parameters or their gradients)
     float *ln1w, *ln1b, *qkvw, *qkvb, *projw, *projb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
     // The matrix products' weight operands: the store's 16-bit compute copies, else the fp32 weights.
@@ -153,10 +157,6 @@ class GPT {
     std::int64_t floats;
   };
   // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
-  // Every element this rank holds, tensor by tensor: write(p, w, begin, end) fills w[0, end - begin)
-  // with elements [begin, end) of p's shard (whole tensors, and ZeRO-3's owned slices); then the
-  // store's copies are marked stale.
-  void write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write);
   BlockActs carve_block(float* base) const;
   Scratch carve_scratch(float* base) const;
   Head carve_head(float* base) const;

@@ -101,11 +101,11 @@ int command_sample(const SampleOptions& o) {
                        std::to_string(V) + ": give token ids with --tokens");
     for (unsigned char c : o.prompt) ids.push_back(c);
   } else {
-    ids.push_back(V == 256 ? '\n' : 0);  // a newline for bytes, else token 0
+    // A newline for bytes; GPT-2's end-of-text token (llm.c starts there) for its vocabulary; else token 0.
+    ids.push_back(V == 256 ? '\n' : V == 50257 ? 50256 : 0);
   }
   const std::size_t prompt_len = ids.size();
   std::mt19937_64 gen(o.seed);
-  std::uniform_real_distribution<double> uniform(0.0, 1.0);
   std::vector<std::int32_t> in(static_cast<std::size_t>(T), 0), tgt(static_cast<std::size_t>(T), 0);
   std::vector<double> p(static_cast<std::size_t>(V));
   std::vector<int> order(static_cast<std::size_t>(V));
@@ -124,17 +124,10 @@ int command_sample(const SampleOptions& o) {
       const int k = o.top_k > 0 && o.top_k < V ? o.top_k : V;
       std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
       const double top = logits[order[0]];
-      double sum = 0;
-      for (int j = 0; j < k; ++j) sum += p[static_cast<std::size_t>(j)] = std::exp((logits[order[static_cast<std::size_t>(j)]] - top) / o.temperature);
-      double r = uniform(gen) * sum;
-      next = order[static_cast<std::size_t>(k - 1)];
-      for (int j = 0; j < k; ++j) {
-        r -= p[static_cast<std::size_t>(j)];
-        if (r <= 0) {
-          next = order[static_cast<std::size_t>(j)];
-          break;
-        }
-      }
+      for (int j = 0; j < k; ++j)
+        p[static_cast<std::size_t>(j)] = std::exp((logits[order[static_cast<std::size_t>(j)]] - top) / o.temperature);
+      std::discrete_distribution<int> draw(p.begin(), p.begin() + k);  // weights need not sum to 1
+      next = order[static_cast<std::size_t>(draw(gen))];
     }
     ids.push_back(next);
   }

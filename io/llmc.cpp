@@ -1,5 +1,6 @@
 #include "io/llmc.hpp"
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -78,8 +79,10 @@ LlmcModel read_llmc_model(const std::string& path) {
   if (m.version != 3 && m.version != 5)
     throw InputError(what + " has version " + std::to_string(m.version) +
                      "; loom reads versions 3 (fp32) and 5 (bf16), the ones llm.c writes with a padded vocabulary");
+  // Bounds as the deck's model.* keys have, before any size is multiplied out.
   if (m.max_seq_len <= 0 || m.vocab <= 0 || m.layers <= 0 || m.heads <= 0 || m.channels <= 0 ||
-      m.padded_vocab < m.vocab || m.channels % m.heads != 0)
+      m.padded_vocab < m.vocab || m.channels % m.heads != 0 || m.max_seq_len > 1048576 || m.padded_vocab > 1048576 ||
+      m.layers > 1024 || m.heads > 1024 || m.channels > 65536)
     throw InputError(what + " has an impossible header: max_seq_len " + std::to_string(m.max_seq_len) + ", vocab_size " +
                      std::to_string(m.vocab) + ", padded_vocab_size " + std::to_string(m.padded_vocab) + ", num_layers " +
                      std::to_string(m.layers) + ", num_heads " + std::to_string(m.heads) + ", channels " +
@@ -165,7 +168,14 @@ void write_llmc_model(const std::string& path, const GPTConfig& cfg,
   h[7] = static_cast<std::int32_t>(Vp);
   const std::string tmp = path + ".tmp";
   std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (!out) throw InputError("cannot create " + quote_path(tmp) + " for the llm.c model file");
+  if (!out) throw InputError("cannot write " + quote_path(path) + " (its folder is missing or not writable)");
+  struct RemoveUnlessRenamed {  // a write that stops half-way leaves no .tmp behind
+    const std::string& file;
+    bool done = false;
+    ~RemoveUnlessRenamed() {
+      if (!done) std::remove(file.c_str());
+    }
+  } guard{tmp};
   out.write(reinterpret_cast<const char*>(h), sizeof h);
   for (const FileTensor& t : kOrder) {
     const std::int64_t n = file_numel(t.name, Vp, T, C);
@@ -184,14 +194,10 @@ void write_llmc_model(const std::string& path, const GPTConfig& cfg,
     }
   }
   out.close();
-  if (!out) {
-    std::remove(tmp.c_str());
-    throw InputError("cannot write " + quote_path(path) + " (disk full or write error)");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw InputError("cannot rename " + quote_path(tmp) + " to " + quote_path(path));
-  }
+  if (!out) throw InputError("cannot write " + quote_path(path) + " (disk full or write error)");
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw InputError("cannot rename " + quote_path(tmp) + " to " + quote_path(path) + ": " + std::strerror(errno));
+  guard.done = true;
 }
 
 std::vector<std::string> read_llmc_tokenizer(const std::string& path) {
@@ -204,6 +210,7 @@ std::vector<std::string> read_llmc_tokenizer(const std::string& path) {
     throw InputError(what + " has magic " + std::to_string(h[0]) + ", not " + std::to_string(kLlmcTokenizerMagic) +
                      " (not an llm.c tokenizer file)");
   if (h[1] != 1 && h[1] != 2) throw InputError(what + " has version " + std::to_string(h[1]) + "; loom reads 1 and 2");
+  if (h[2] == 0 || h[2] > 1048576) throw InputError(what + " says it holds " + std::to_string(h[2]) + " tokens (corrupt)");
   std::vector<std::string> tokens(h[2]);
   for (std::uint32_t i = 0; i < h[2]; ++i) {
     unsigned char len = 0;

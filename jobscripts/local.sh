@@ -23,4 +23,7 @@ dp=$(section_get parallel dp); tp=$(section_get parallel tp); pp=$(section_get p
 ranks=${RANKS:-$((dp * tp * pp))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 echo "jobscripts/local.sh: $ranks ranks (dp $dp x tp $tp x pp $pp)"
-exec "${MPIRUN:-mpirun}" -n "$ranks" "$loom" run "$deck" "$@"
+# MPIRUN_NP_FLAG / MPIRUN_PREFLAGS: the launcher's rank-count flag and flags before the program (CTest
+# passes CMake's MPIEXEC_NUMPROC_FLAG and MPIEXEC_PREFLAGS).
+# shellcheck disable=SC2086
+exec "${MPIRUN:-mpirun}" "${MPIRUN_NP_FLAG:--n}" "$ranks" ${MPIRUN_PREFLAGS:-} "$loom" run "$deck" "$@"

@@ -133,7 +133,11 @@ def print_summary(run_dir, exit_status):
 # ---------------------------------------------------------------- plots
 
 def pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        fail("matplotlib is not installed for %s (Debian: apt-get install python3-matplotlib; "
+             "LOOM_PYTHON names another Python for loom plot)" % sys.executable)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -234,14 +238,14 @@ def plot_sweep(table, key, outdir):
     plotted = [(c, t) for c, t in METRICS if c in rows[0] and any(number(r[c]) is not None for r in rows)]
     if not plotted:
         fail("%s: none of the columns %s holds a number" % (path, ", ".join(c for c, _ in METRICS)))
-    xvals = sorted({p.get(key) for p in points}, key=lambda v: number(v) if xs_numeric else v)
+    xvals = sorted({p.get(key) for p in points}, key=lambda v: number(v) if xs_numeric else str(v))
     os.makedirs(outdir, exist_ok=True)
     for col, title in plotted:
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
         groups = {}
         for p, r in zip(points, rows):
             groups.setdefault(tuple(p.get(k) for k in others), []).append((p.get(key), number(r[col])))
-        for i, (g, pts) in enumerate(sorted(groups.items())):
+        for i, (g, pts) in enumerate(sorted(groups.items(), key=lambda kv: tuple(str(v) for v in kv[0]))):
             pts = [(x, y) for x, y in pts if y is not None]
             if col == "peak_mem_bytes":
                 pts = [(x, y / 2.0 ** 20) for x, y in pts]

@@ -263,11 +263,12 @@ def case_slurm_ctest(workdir, failures):
     expect(failures, len(cmake) == 2 and "-DMPIEXEC_EXECUTABLE=" + srun in cmake[0] and "-DMPIEXEC_NUMPROC_FLAG=-n" in cmake[0]
            and "-DMPIEXEC_PREFLAGS=--mpi=pmi2" in cmake[0], "configured with srun as the MPI launcher: %s" % cmake[:1])
     expect(failures, len(cmake) == 2 and cmake[1][:2] == ["--build", "build-srun"], "then built: %s" % cmake[1:])
-    expect(failures, len(ctest) == 1 and ctest[0][:2] == ["--test-dir", "build-srun"] and ctest[0][-2:] == ["-L", "regression"],
+    expect(failures, len(ctest) == 1 and ctest[0][:2] == ["--test-dir", "build-srun"] and ctest[0][-4:] == ["-L", "regression", "-LE", "local_ranks"],
            "ctest on that tree with the label: %s" % ctest)
     job = Job(workdir, "slurm_ctest_all", CTEST, ["all"], {"SLURM_JOB_ID": "8"}, fakes=fakes)
     ctest = [argv for argv, _ in job.calls("ctest")]
-    expect(failures, len(ctest) == 1 and "-L" not in ctest[0], "label all selects every test: %s" % ctest)
+    expect(failures, len(ctest) == 1 and "-L" not in ctest[0] and ctest[0][-2:] == ["-LE", "local_ranks"],
+           "label all selects every test that srun can run: %s" % ctest)
     job = Job(workdir, "slurm_ctest_no_srun", CTEST, [], {"PATH": job.bin.replace("slurm_ctest_all", "none") + ":/usr/bin:/bin"},
               fakes=())
     expect(failures, job.status == 2 and "srun is not on PATH" in job.stderr, "without srun: exit 2 saying so (%d)" % job.status)

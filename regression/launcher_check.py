@@ -41,8 +41,8 @@ def names_launcher(test, mpiexec):
 def family(test, mpiexec):
     """The script or program a test runs: one of each is run again under the wrapper."""
     cmd = test["command"]
-    if cmd[0] == mpiexec:
-        return os.path.basename(cmd[3])
+    if cmd[0] == mpiexec:  # mpiexec -n N [preflags] PROGRAM: the first existing file after the count
+        return os.path.basename(next((w for w in cmd[3:] if os.path.isfile(w)), cmd[-1]))
     if os.path.basename(cmd[0]).startswith("python"):
         return os.path.basename(cmd[1])
     return os.path.basename(cmd[0])

@@ -14,7 +14,8 @@
                          starts from (export's /params/init) equal the checkpoint's, bit for bit; the
                          file is byte-identical to PyTorch's writer given the same weights.
   refusals               another model (naming both shapes), a truncated file, a tokenizer file
-                         given as a model, a missing file, a short --tokens id: exit 2, named.
+                         given as a model, a missing file, a longer seq_len than the file's: exit 2,
+                         named (`loom check` too); a shorter seq_len is taken.
   sample_quickstart      the quickstart deck trained briefly; `loom sample` on its checkpoint prints
                          text whose every character occurs in the training text, as many bytes as
                          asked, the same for the same seed and different for another; --tokens and an

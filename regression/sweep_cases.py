@@ -85,7 +85,8 @@ def jube_sweep(c):
         f.write(xml)
     shutil.copy(PLOT, os.path.join(bench, "loom_plot.py"))  # sweep.xml finds it next to itself
     runs = os.path.join(c.dir, "sweep_runs")
-    env = {"LOOM": os.path.abspath(shutil.which(c.args.loom) or c.args.loom), "LOOM_MPIEXEC": c.args.mpirun,
+    env = {"LOOM": os.path.abspath(shutil.which(c.args.loom) or c.args.loom), "LOOM_MPIEXEC": c.args.mpirun, "LOOM_MPIEXEC_NP_FLAG": c.args.np_flag,
+           "LOOM_MPIEXEC_PREFLAGS": c.args.mpi_preflags,
            "LOOM_SWEEP_DECK": os.path.abspath(c.deck)}
     p = run([jube, "run", os.path.join(bench, "sweep.xml"), "-o", runs, "--hide-animation"], env=env, cwd=c.dir)
     print(p.stdout[-1500:])
