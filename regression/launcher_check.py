@@ -102,7 +102,11 @@ def main():
                 rewrite_next = w == "--workdir"
                 cmd.append(w)
             props = properties(t)
-            env = dict(os.environ, LOOM_LAUNCH_LOG=log, LOOM_REAL_MPIEXEC=args.mpiexec)
+            # The real launcher behind the wrapper: the configured one, unless that is the wrapper itself
+            # (a suite configured with it), whose own real launcher then stays.
+            same = os.path.realpath(args.mpiexec) == os.path.realpath(args.wrapper)
+            real = os.environ.get("LOOM_REAL_MPIEXEC", "mpiexec") if same else args.mpiexec
+            env = dict(os.environ, LOOM_LAUNCH_LOG=log, LOOM_REAL_MPIEXEC=real)
             for e in props.get("ENVIRONMENT", []):
                 k, v = e.split("=", 1)
                 env[k] = os.path.abspath(args.wrapper) if (k == "MPIRUN" and v == args.mpiexec) else v
