@@ -2,6 +2,7 @@
 // The subcommands of the driver. Each returns the process exit status.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/plugin.hpp"
 #include "io/deck.hpp"
@@ -19,5 +20,11 @@ struct SampleOptions {  // loom sample CKPT [options]
   std::uint64_t seed = 1337;
 };
 int command_sample(const SampleOptions& options);
+struct PlanOptions {  // loom plan [options]: the cluster a plan is for (the prediction is not built yet)
+  std::string cluster, output;
+  std::vector<std::string> sets;
+  bool calibrate = false, show = false, cluster_keys = false;
+};
+int command_plan(const PlanOptions& options);
 int command_ckpt_llmc(const std::string& checkpoint, const std::string& out);  // loom ckpt llmc CKPT OUT.bin
 }  // namespace loom

@@ -49,6 +49,10 @@ const char* kUsage =
     "              [--tokenizer FILE]\n"
     "                 generate from a checkpoint (file, or checkpoint directory: its latest): text for the byte\n"
     "                 vocabulary, else token ids (decoded with an llm.c tokenizer file when given)\n"
+    "  plan --cluster FILE|PRESET [--set section.key=value ...] --show | plan --calibrate [-o FILE] | plan --cluster-keys\n"
+    "                 the machine a plan is for: a cluster description (presets a100-80gb, h100-sxm, h200), or\n"
+    "                 this machine measured (on 2 ranks or more) and written to FILE (default\n"
+    "                 ~/.config/loom/cluster.ini); predicting a deck's memory and step time is not built yet\n"
     "  plot RUN_DIR... [-o OUTDIR] | plot --sweep RESULT.csv --x KEY [-o OUTDIR]\n"
     "                 draw loss curves of runs, or a sweep's table against a swept key, as PNGs\n"
     "  keys           list every deck key with its type, default, range and help\n"
@@ -118,6 +122,28 @@ SampleOptions parse_sample(const std::vector<std::string>& rest) {
   return o;
 }
 
+PlanOptions parse_plan(const std::vector<std::string>& rest) {
+  PlanOptions o;
+  po::options_description opts("loom plan options");
+  opts.add_options()("cluster", po::value(&o.cluster), "cluster file or preset")(
+      "set", po::value(&o.sets)->composing(), "override section.key=value of the cluster description")(
+      "show", po::bool_switch(&o.show), "print the cluster description resolved")(
+      "calibrate", po::bool_switch(&o.calibrate), "measure this machine and write a cluster file")(
+      "cluster-keys", po::bool_switch(&o.cluster_keys), "list the keys of a cluster description")(
+      "output,o", po::value(&o.output), "where --calibrate writes");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(rest).options(opts).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw DeckError(std::string("loom plan: ") + e.what() +
+                    " (predicting a deck's memory and step time is not built yet: loom plan takes no DECK)\n" + kUsage);
+  }
+  if (o.calibrate && (!o.cluster.empty() || o.show))
+    throw DeckError("loom plan: --calibrate measures this machine; it takes no --cluster or --show");
+  return o;
+}
+
 int dispatch(int argc, char** argv, int rank) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
@@ -130,6 +156,7 @@ int dispatch(int argc, char** argv, int rank) {
   }
   const std::string command = args[0];
   if (command == "sample") return command_sample(parse_sample({args.begin() + 1, args.end()}));
+  if (command == "plan") return command_plan(parse_plan({args.begin() + 1, args.end()}));
   const Args a = parse_subcommand(command, {args.begin() + 1, args.end()});
   // Built-in strategies and every plugin on the search path register first, so that their deck
   // keys are part of the schema every deck is checked against.

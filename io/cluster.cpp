@@ -1,0 +1,182 @@
+#include "io/cluster.hpp"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace loom {
+namespace {
+
+// Published figures, per device. Bandwidths per direction; latencies are not published peak figures
+// but the order of a small NCCL message on such links (stated as an assumption in `source`).
+const std::map<std::string, std::string>& presets() {
+  static const std::map<std::string, std::string> p = {
+      {"a100-80gb", R"([cluster]
+name = NVIDIA DGX A100 80GB nodes (8 x A100-SXM4-80GB per node)
+source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e, NVLink 600 GB/s bidirectional); DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+nodes = 4
+devices_per_node = 8
+device_memory_gib = 80
+peak_tflops_fp32 = 19.5
+peak_tflops_bf16 = 312
+peak_tflops_fp16 = 312
+[network]
+intra_node_gbs = 300
+intra_node_latency_us = 3
+inter_node_gbs = 25
+inter_node_latency_us = 8
+)"},
+      {"h100-sxm", R"([cluster]
+name = NVIDIA DGX H100 nodes (8 x H100-SXM5-80GB per node)
+source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3, NVLink 900 GB/s bidirectional); DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+nodes = 4
+devices_per_node = 8
+device_memory_gib = 80
+peak_tflops_fp32 = 67
+peak_tflops_bf16 = 989
+peak_tflops_fp16 = 989
+[network]
+intra_node_gbs = 450
+intra_node_latency_us = 3
+inter_node_gbs = 50
+inter_node_latency_us = 8
+)"},
+      {"h200", R"([cluster]
+name = NVIDIA DGX H200 nodes (8 x H200-SXM-141GB per node)
+source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e, NVLink 900 GB/s bidirectional); DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+nodes = 4
+devices_per_node = 8
+device_memory_gib = 141
+peak_tflops_fp32 = 67
+peak_tflops_bf16 = 989
+peak_tflops_fp16 = 989
+[network]
+intra_node_gbs = 450
+intra_node_latency_us = 3
+inter_node_gbs = 50
+inter_node_latency_us = 8
+)"},
+  };
+  return p;
+}
+
+const char* const kRequired[] = {"cluster.nodes", "cluster.devices_per_node", "cluster.device_memory_gib",
+                                 "cluster.peak_tflops_fp32", "cluster.peak_tflops_bf16", "cluster.peak_tflops_fp16",
+                                 "network.intra_node_gbs", "network.intra_node_latency_us", "network.inter_node_gbs",
+                                 "network.inter_node_latency_us"};
+
+}  // namespace
+
+// Defaults exist only because a schema needs them: every key must be given (load_cluster refuses a
+// file that leaves one out).
+void add_cluster_keys(DeckSchema& schema) {
+  schema.add(string_key("cluster.name", "", "what the machine is"));
+  schema.add(string_key("cluster.source", "", "where the figures come from (datasheet, or loom plan --calibrate)"));
+  schema.add(int_key("cluster.nodes", "1", 1, 1e6, "nodes"));
+  schema.add(int_key("cluster.devices_per_node", "1", 1, 1024, "devices (GPUs, or ranks on a CPU) per node"));
+  schema.add(float_key("cluster.device_memory_gib", "1", 0.001, 1e6, "memory per device, GiB"));
+  schema.add(float_key("cluster.peak_tflops_fp32", "1", 1e-6, 1e6, "fp32 matrix-product rate per device, TFLOP/s"));
+  schema.add(float_key("cluster.peak_tflops_bf16", "1", 1e-6, 1e6, "bf16 matrix-product rate per device, TFLOP/s"));
+  schema.add(float_key("cluster.peak_tflops_fp16", "1", 1e-6, 1e6, "fp16 matrix-product rate per device, TFLOP/s"));
+  schema.add(float_key("network.intra_node_gbs", "1", 1e-6, 1e6, "bandwidth between devices of a node, GB/s per device and direction"));
+  schema.add(float_key("network.intra_node_latency_us", "0", 0, 1e6, "latency of a message inside a node, microseconds"));
+  schema.add(float_key("network.inter_node_gbs", "1", 1e-6, 1e6, "bandwidth between nodes, GB/s per device and direction"));
+  schema.add(float_key("network.inter_node_latency_us", "0", 0, 1e6, "latency of a message between nodes, microseconds"));
+}
+
+std::vector<std::string> cluster_presets() {
+  std::vector<std::string> n;
+  for (const auto& [k, v] : presets()) n.push_back(k);
+  return n;
+}
+
+std::string cluster_preset_text(const std::string& name) {
+  const auto it = presets().find(name);
+  return it == presets().end() ? "" : it->second;
+}
+
+ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>& sets) {
+  DeckSchema schema;
+  add_cluster_keys(schema);
+  const std::string preset = cluster_preset_text(what);
+  std::error_code ec;
+  if (preset.empty() && !std::filesystem::exists(what, ec)) {
+    std::string names;
+    for (const auto& n : cluster_presets()) names += (names.empty() ? "" : ", ") + n;
+    throw InputError("--cluster " + quote_path(what) + ": no such file, and not a preset (presets: " + names + ")");
+  }
+  const Deck d = preset.empty() ? Deck::load(schema, what, sets) : Deck::parse(schema, preset, "preset " + what, sets);
+  const std::string where = preset.empty() ? "cluster file " + quote_path(what) : "cluster preset " + what;
+  for (const char* key : kRequired)
+    if (d.is_default(key))
+      throw InputError(where + ": " + key + " is missing (every key of a cluster description must be given; `loom plan "
+                       "--cluster-keys` lists them)");
+  ClusterSpec c;
+  c.origin = preset.empty() ? what : "preset " + what;
+  c.name = d.get_string("cluster.name");
+  c.source = d.get_string("cluster.source");
+  c.nodes = static_cast<int>(d.get_int("cluster.nodes"));
+  c.devices_per_node = static_cast<int>(d.get_int("cluster.devices_per_node"));
+  c.device_memory_bytes = d.get_float("cluster.device_memory_gib") * 1073741824.0;
+  c.peak_flops_fp32 = d.get_float("cluster.peak_tflops_fp32") * 1e12;
+  c.peak_flops_bf16 = d.get_float("cluster.peak_tflops_bf16") * 1e12;
+  c.peak_flops_fp16 = d.get_float("cluster.peak_tflops_fp16") * 1e12;
+  c.intra_bytes_per_s = d.get_float("network.intra_node_gbs") * 1e9;
+  c.intra_latency_s = d.get_float("network.intra_node_latency_us") * 1e-6;
+  c.inter_bytes_per_s = d.get_float("network.inter_node_gbs") * 1e9;
+  c.inter_latency_s = d.get_float("network.inter_node_latency_us") * 1e-6;
+  // Impossible together, though each is in range: a node's own links slower than the ones between nodes.
+  if (c.nodes > 1 && c.intra_bytes_per_s < c.inter_bytes_per_s)
+    throw InputError(where + ": network.intra_node_gbs = " + d.values().at("network.intra_node_gbs") +
+                     " is below network.inter_node_gbs = " + d.values().at("network.inter_node_gbs") +
+                     " (links inside a node are the faster ones; swapped?)");
+  return c;
+}
+
+std::string cluster_text(const ClusterSpec& c) {
+  std::ostringstream o;
+  o << std::setprecision(6);
+  o << "[cluster]\nname = " << c.name << "\nsource = " << c.source << "\nnodes = " << c.nodes
+    << "\ndevices_per_node = " << c.devices_per_node << "\ndevice_memory_gib = " << c.device_memory_bytes / 1073741824.0
+    << "\npeak_tflops_fp32 = " << c.peak_flops_fp32 / 1e12 << "\npeak_tflops_bf16 = " << c.peak_flops_bf16 / 1e12
+    << "\npeak_tflops_fp16 = " << c.peak_flops_fp16 / 1e12 << "\n[network]\nintra_node_gbs = " << c.intra_bytes_per_s / 1e9
+    << "\nintra_node_latency_us = " << c.intra_latency_s * 1e6 << "\ninter_node_gbs = " << c.inter_bytes_per_s / 1e9
+    << "\ninter_node_latency_us = " << c.inter_latency_s * 1e6 << "\n";
+  return o.str();
+}
+
+std::string calibration_path() {
+  const char* xdg = std::getenv("XDG_CONFIG_HOME");
+  const char* home = std::getenv("HOME");
+  const std::string base = xdg && *xdg ? xdg : std::string(home && *home ? home : ".") + "/.config";
+  return base + "/loom/cluster.ini";
+}
+
+std::string default_cluster_file() {
+  const char* env = std::getenv("LOOM_CLUSTER_FILE");
+  if (env && *env) return env;
+  std::error_code ec;
+  const std::string cal = calibration_path();
+  return std::filesystem::exists(cal, ec) ? cal : "";
+}
+
+std::string describe_cluster(const ClusterSpec& c) {
+  std::ostringstream o;
+  o << std::setprecision(4);
+  o << "cluster: " << c.name << " (" << c.origin << ")\n"
+    << "  " << c.nodes << " node(s) x " << c.devices_per_node << " device(s) = " << c.devices() << " devices, "
+    << c.device_memory_bytes / 1073741824.0 << " GiB each\n"
+    << "  peak per device: fp32 " << c.peak_flops_fp32 / 1e12 << ", bf16 " << c.peak_flops_bf16 / 1e12 << ", fp16 "
+    << c.peak_flops_fp16 / 1e12 << " TFLOP/s\n"
+    << "  inside a node: " << c.intra_bytes_per_s / 1e9 << " GB/s, " << c.intra_latency_s * 1e6 << " us; between nodes: "
+    << c.inter_bytes_per_s / 1e9 << " GB/s, " << c.inter_latency_s * 1e6 << " us\n"
+    << "  source: " << c.source << "\n";
+  return o.str();
+}
+
+}  // namespace loom
