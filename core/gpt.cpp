@@ -133,30 +133,51 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   StoreContext sctx{backend, dp, dp_rank, tp_rank_};
   store_->build(sctx, params_, units_);
 
-  // Activations. Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one
-  // set per slot (in-flight micro-batch) of each chunk.
-  const std::int64_t N = static_cast<std::int64_t>(max_rows) * T, Nl = sp_ ? N / tp : N;
-  block_act_floats_ = carve_block(nullptr).floats;
+  // Activations, sized by activation_sizes (what `loom plan` predicts with, too).
+  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_};
+  const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_);
+  residual0_ = a.residual_first;
+  acts0_ = a.block_first;
+  for (const Stage::Chunk& c : stage_.chunks) slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
+  block_act_floats_ = a.block_table_floats;
+  head_floats_ = a.head_table_floats;
+  residual_buf_ = be_.allocate("GPT::residual", DType::f32, a.residual_floats, Mem::activations);
+  block_buf_ = be_.allocate("GPT::block_activations", DType::f32, a.block_floats, Mem::activations);
+  head_buf_ = be_.allocate("GPT::head_activations", DType::f32, a.head_floats, Mem::activations);
+  // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
+  // [N,C], dqkv [N,3Cl], datt [T,T], datty [N,Cl], dfch, dfch_gelu [N,Fl]
+  scratch_buf_ = be_.allocate("GPT::scratch", DType::f32, a.scratch_floats, Mem::activations);
+  tokens_buf_ = be_.allocate("GPT::tokens", DType::i32, a.token_ints, Mem::workspace);
+}
+
+GPT::ActivationSizes GPT::activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage_in, int max_rows,
+                                           DType mm16) {
+  // Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one set per slot
+  // (in-flight micro-batch) of each chunk.
+  Stage stage = stage_in;
+  if (stage.chunks.empty()) stage.chunks.push_back({0, cfg.layers, 1});
+  const Geometry g{cfg, tp, sp, max_rows, mm16};
+  const std::int64_t N = static_cast<std::int64_t>(max_rows) * cfg.seq_len, Nl = sp ? N / tp : N, C = cfg.d_model;
+  ActivationSizes a;
+  a.block_table_floats = carve_block(g, nullptr).floats;
+  a.head_table_floats = carve_head(g, nullptr).floats;
   std::int64_t residuals = 0, acts = 0;
   int max_slots = 1;
-  for (const Stage::Chunk& c : stage_.chunks) {
-    residual0_.push_back(residuals);
-    acts0_.push_back(acts);
+  for (const Stage::Chunk& c : stage.chunks) {
+    a.residual_first.push_back(residuals);
+    a.block_first.push_back(acts);
     residuals += static_cast<std::int64_t>(c.activation_slots) * (c.end_layer - c.first_layer + 1);
     acts += static_cast<std::int64_t>(c.activation_slots) * (c.end_layer - c.first_layer);
     max_slots = std::max(max_slots, c.activation_slots);
-    slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
   }
   const std::int64_t saved_blocks = cfg.recompute ? 1 : acts;
-  const std::int64_t head_slots = stage_.last() ? stage_.chunks.back().activation_slots : 0;
-  head_floats_ = carve_head(nullptr).floats;
-  residual_buf_ = be_.allocate("GPT::residual", DType::f32, residuals * Nl * C, Mem::activations);
-  block_buf_ = be_.allocate("GPT::block_activations", DType::f32, saved_blocks * block_act_floats_, Mem::activations);
-  head_buf_ = be_.allocate("GPT::head_activations", DType::f32, head_slots * head_floats_, Mem::activations);
-  // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
-  // [N,C], dqkv [N,3Cl], datt [T,T], datty [N,Cl], dfch, dfch_gelu [N,Fl]
-  scratch_buf_ = be_.allocate("GPT::scratch", DType::f32, carve_scratch(nullptr).floats, Mem::activations);
-  tokens_buf_ = be_.allocate("GPT::tokens", DType::i32, max_slots * 2 * N, Mem::workspace);
+  const std::int64_t head_slots = stage.last() ? stage.chunks.back().activation_slots : 0;
+  a.residual_floats = residuals * Nl * C;
+  a.block_floats = saved_blocks * a.block_table_floats;
+  a.head_floats = head_slots * a.head_table_floats;
+  a.scratch_floats = carve_scratch(g, nullptr).floats;
+  a.token_ints = static_cast<std::int64_t>(max_slots) * 2 * N;
+  return a;
 }
 
 const ParamInfo* GPT::find_param(const std::string& name) const {
@@ -267,19 +288,19 @@ struct Carver {
 };
 }  // namespace
 
-GPT::BlockActs GPT::carve_block(float* base) const {
-  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
-  const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, NHl = cfg_.heads / tp_, Cl = C / tp_, Fl = 4 * C / tp_;
+GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
+  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = 4 * C / g.tp;
   Carver c{base};
   BlockActs a;
   // 16-bit copies of the products' inputs under mixed precision; ln1 and ln2 stay fp32 with
   // sequence parallelism, where their [Nl,C] pieces are gathered (in fp32) before each product.
-  const DType mm = mm16_, ln = sp_ ? DType::f32 : mm16_;
+  const DType mm = g.mm16, ln = g.sp ? DType::f32 : g.mm16;
   a.ln1 = c.take(ln, Nl * C);
   a.ln1_mean = c.take(Nl);
   a.ln1_rstd = c.take(Nl);
   a.qkv = c.take(N * 3 * Cl);
-  a.att = c.take(static_cast<std::int64_t>(max_rows_) * NHl * T * T);
+  a.att = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T * T);
   a.atty = c.take(mm, N * Cl);
   a.xmid = c.take(Nl * C);
   a.ln2 = c.take(ln, Nl * C);
@@ -291,9 +312,9 @@ GPT::BlockActs GPT::carve_block(float* base) const {
   return a;
 }
 
-GPT::Scratch GPT::carve_scratch(float* base) const {
-  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
-  const std::int64_t C = cfg_.d_model, T = cfg_.seq_len, Cl = C / tp_, Fl = 4 * C / tp_;
+GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
+  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, Cl = C / g.tp, Fl = 4 * C / g.tp;
   Carver c{base};
   Scratch s;
   s.full = c.take(N * C);
@@ -313,15 +334,16 @@ GPT::Scratch GPT::carve_scratch(float* base) const {
   return s;
 }
 
-GPT::Head GPT::carve_head(float* base) const {
-  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
+GPT::Head GPT::carve_head(const Geometry& g, float* base) {
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
+  const std::int64_t Vl = g.cfg.vocab / g.tp;
   Carver c{base};
   Head h;
-  h.lnf = c.take(sp_ ? DType::f32 : mm16_, Nl * cfg_.d_model);
+  h.lnf = c.take(g.sp ? DType::f32 : g.mm16, Nl * g.cfg.d_model);
   h.lnf_mean = c.take(Nl);
   h.lnf_rstd = c.take(Nl);
-  h.logits = c.take(N * vocab_local_);
-  h.probs = c.take(N * vocab_local_);
+  h.logits = c.take(N * Vl);
+  h.probs = c.take(N * Vl);
   h.losses = c.take(N);
   h.floats = c.used;
   return h;
@@ -331,7 +353,7 @@ GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
   const Stage::Chunk& c = stage_.chunks[chunk];
   const std::int64_t index =
       cfg_.recompute ? 0 : acts0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer) + layer - c.first_layer;
-  return carve_block(block_buf_.data<float>() + index * block_act_floats_);
+  return carve_block(geom_, block_buf_.data<float>() + index * block_act_floats_);
 }
 
 float* GPT::residual(int chunk, int slot, int layer) const {
@@ -356,7 +378,7 @@ void GPT::check_slot(int chunk, int slot, const char* what) const {
                            std::to_string(chunk));
 }
 
-GPT::Scratch GPT::scratch() const { return carve_scratch(scratch_buf_.data<float>()); }
+GPT::Scratch GPT::scratch() const { return carve_scratch(geom_, scratch_buf_.data<float>()); }
 
 void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
@@ -543,7 +565,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   return nullptr;
 }
 
-GPT::Head GPT::head(int slot) const { return carve_head(head_buf_.data<float>() + slot * head_floats_); }
+GPT::Head GPT::head(int slot) const { return carve_head(geom_, head_buf_.data<float>() + slot * head_floats_); }
 
 void GPT::zero_grad() { store_->zero_grads(); }
 

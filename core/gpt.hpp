@@ -91,6 +91,19 @@ class GPT {
   // The logits of the last forward of the whole model (slot 0): [B*T, V/tp], fp32.
   const float* logits() const;
 
+  // The activation memory a rank allocates for `stage` (default: every layer, one slot), in the
+  // constructor's own terms: the tables are carved by the same functions. Floats are fp32 slots (a
+  // 16-bit saved tensor takes half of its elements' floats); token_ints int32 (inputs and targets).
+  struct ActivationSizes {
+    std::int64_t residual_floats = 0, block_floats = 0, head_floats = 0, scratch_floats = 0, token_ints = 0;
+    std::int64_t block_table_floats = 0, head_table_floats = 0;  // one block's, one slot's head
+    std::vector<std::int64_t> residual_first, block_first;      // per chunk: its first residual / block table
+    std::int64_t activation_bytes() const { return 4 * (residual_floats + block_floats + head_floats + scratch_floats); }
+    std::int64_t workspace_bytes() const { return 4 * token_ints; }
+  };
+  static ActivationSizes activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage, int max_rows,
+                                          DType mm16);
+
   // The same for chunk `chunk` of a pipeline stage, on the activations of slot `slot` (one
   // in-flight micro-batch). inputs [B,T] (chunk 0 of the first stage), x_in [Nl,C] the previous
   // chunk's output (elsewhere), targets [B,T] (the last chunk of the last stage). Returns the mean
@@ -156,10 +169,19 @@ class GPT {
     float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
     std::int64_t floats;
   };
+  // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the
+  // products' operand type.
+  struct Geometry {
+    GPTConfig cfg;
+    int tp = 1;
+    bool sp = false;
+    int max_rows = 1;
+    DType mm16 = DType::f32;
+  };
   // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
-  BlockActs carve_block(float* base) const;
-  Scratch carve_scratch(float* base) const;
-  Head carve_head(float* base) const;
+  static BlockActs carve_block(const Geometry& g, float* base);
+  static Scratch carve_scratch(const Geometry& g, float* base);
+  static Head carve_head(const Geometry& g, float* base);
   // The block's tensors from the store's view of its unit.
   BlockParams block_params(const ParamStore::UnitView& view, bool grads) const;
   // Tensor `param`'s operand in a matrix product: its 16-bit compute copy when the store has one.
@@ -212,6 +234,7 @@ class GPT {
   std::vector<ParamInfo> params_, all_params_;
   std::int64_t num_params_ = 0;
   // activations
+  Geometry geom_;
   std::int64_t block_act_floats_ = 0;
   std::int64_t head_floats_ = 0;
   TypedBuffer residual_buf_;   // per chunk [slots, Lc+1, Nl, C]

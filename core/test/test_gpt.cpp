@@ -567,3 +567,45 @@ TEST(GPT, PipelineStagesComputeTheWholeModel) {
     EXPECT_LE(worst, 1e-6 * scale);
   }
 }
+
+// What `loom plan` predicts activation memory with (GPT::activation_sizes) is what the constructor
+// allocates, for the default stage and for chunks holding several micro-batches, with and without
+// recompute, in fp32 and bf16; and, for the plain fp32 model, the textbook count written out here.
+TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
+  auto& ledger = Ledger::global();
+  const GPTConfig base = tiny_config();
+  Stage two_chunks;
+  two_chunks.index = 1;
+  two_chunks.count = 2;
+  two_chunks.chunks = {{0, 1, 3}, {1, 2, 2}};  // layers [0,1) with 3 micro-batches held, [1,2) with 2
+  for (DType mm : {DType::f32, DType::bf16})
+    for (bool recompute : {false, true})
+      for (const Stage* stage : {static_cast<const Stage*>(nullptr), static_cast<const Stage*>(&two_chunks)}) {
+        auto be = make_host_backend(1);
+        Precision p;
+        p.matmul = mm;
+        be->set_precision(p);
+        GPTConfig cfg = base;
+        cfg.recompute = recompute;
+        const int rows = 3;
+        const Stage st = stage ? *stage : Stage{};
+        const GPT::ActivationSizes want = GPT::activation_sizes(cfg, 1, false, st, rows, mm);
+        const std::size_t a0 = ledger.current(Mem::activations), w0 = ledger.current(Mem::workspace);
+        GPT model(cfg, *be, rows, nullptr, st);
+        EXPECT_EQ(ledger.current(Mem::activations) - a0, static_cast<std::size_t>(want.activation_bytes()))
+            << dtype_name(mm) << " recompute " << recompute << (stage ? " two chunks" : " one stage");
+        EXPECT_EQ(ledger.current(Mem::workspace) - w0, static_cast<std::size_t>(want.workspace_bytes()));
+      }
+  // fp32, one stage, no recompute: residual streams (L + 1) N C; per block 15 N C + 4 N + B NH T^2;
+  // head N C + 2 N + 2 N V + N; scratch below.
+  const std::int64_t L = base.layers, C = base.d_model, T = base.seq_len, V = base.vocab, NH = base.heads, B = 3;
+  const std::int64_t N = B * T;
+  const std::int64_t block = 15 * N * C + 4 * N + B * NH * T * T;
+  const std::int64_t head = N * C + 2 * N + 2 * N * V + N;
+  // scratch: full, partial, local, dres, dother, dlocal, dfull, dpartial (8 N C), dqkv 3 N C, datt T^2,
+  // datty N C, dfch, dfch_gelu 8 N C
+  const std::int64_t scratch = 8 * N * C + 3 * N * C + T * T + N * C + 8 * N * C;
+  const GPT::ActivationSizes a = GPT::activation_sizes(base, 1, false, Stage{}, B, DType::f32);
+  EXPECT_EQ(a.activation_bytes(), 4 * ((L + 1) * N * C + L * block + head + scratch));
+  EXPECT_EQ(a.workspace_bytes(), 4 * 2 * N);
+}
