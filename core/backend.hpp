@@ -2,10 +2,12 @@
 // The compute back end: every numerical operation the model and the optimizer perform, on float
 // buffers that live in the back end's memory space, plus generic operations on typed buffers
 // (BufferRef: cast, matmul, a fused squared norm and finiteness check, scale, fill). `host`
-// (Kokkos host execution space + oneDNN/CBLAS, core/gemm.hpp) is the one built here; a `cuda` back end (CUDA kernels +
-// cuBLAS) fills the same interface.
+// (Kokkos host execution space + oneDNN/CBLAS, core/gemm.hpp) is built into libloom_core; `cuda`
+// (CUDA kernels + cuBLASLt, core/cuda/) is its own library, loaded when a run asks for it
+// (core/backend_select.hpp).
 // Signatures mirror core/kernels.hpp: outputs first, gradients prefixed `d`, shapes in comments.
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,7 +39,7 @@ struct Precision {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;         // "host"
+  virtual std::string name() const = 0;         // "host", "cuda"
   virtual std::string description() const = 0;  // execution space, BLAS, threads
   // Where this back end's tensors live, and a zeroed buffer there, filed in the ledger under
   // `category`. Every tensor of a run (parameters, gradients, optimizer state, activations,
@@ -52,6 +54,17 @@ class Backend {
   virtual TypedBuffer allocate(const std::string& label, DType type, std::int64_t count, Mem category) {
     return TypedBuffer(label, type, count, category);
   }
+  // Copies between host memory and a buffer of this back end (all of `buffer`'s bytes). Whatever
+  // reads or writes tensors on the host (initial weights, token ids, checkpoints, health reports)
+  // goes through these, so it works alike on a device back end; on the host they are memcpy.
+  virtual void copy_from_host(BufferRef buffer, const void* src) {
+    if (buffer.bytes() > 0) std::memcpy(buffer.data, src, buffer.bytes());
+  }
+  virtual void copy_to_host(void* dst, BufferRef buffer) {
+    if (buffer.bytes() > 0) std::memcpy(dst, buffer.data, buffer.bytes());
+  }
+  // Waits until every operation issued so far has completed (a device back end queues them).
+  virtual void synchronize() {}
 
   // wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor parallelism).
   virtual void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe,

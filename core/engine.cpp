@@ -99,10 +99,12 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   // the first it updates (of the first tensor, with a store that keeps tensors whole).
   ParamStore& store = model_.store();
   const bool poison = inject_fault("nan", step) && !store.owned().empty();
-  float* poisoned = poison ? store.owned_param(store.owned().front()).as<float>() : nullptr;
-  const float kept = poison ? *poisoned : 0.0f;
+  // Through the back end, so that a device tensor is poisoned alike.
+  const BufferRef poisoned = poison ? store.owned_param(store.owned().front()).slice(0, 1) : BufferRef();
+  float kept = 0.0f;
   if (poison) {
-    *poisoned = std::numeric_limits<float>::quiet_NaN();
+    be_.copy_to_host(&kept, poisoned);
+    be_.fill(poisoned, std::numeric_limits<double>::quiet_NaN());
     store.local_params_written();  // the 16-bit compute copies see it too
   }
   StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_),
@@ -111,7 +113,7 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   inputs_ = std::move(ctx.inputs);
   targets_ = std::move(ctx.targets);
   if (poison) {
-    *poisoned = kept;
+    be_.copy_from_host(poisoned, &kept);
     store.local_params_written();
   }
   run_hooks(StepPhase::micro_batches, s);
@@ -127,7 +129,7 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   // Regression cases make one gradient element of one rank infinite after the sync (an fp16 overflow
   // in that rank's share alone, which only agreement between the ranks can turn into a skip everywhere).
   if (inject_fault("overflow", step) && !store.owned().empty())
-    store.owned_grad(store.owned().front()).as<float>()[0] = std::numeric_limits<float>::infinity();
+    be_.fill(store.owned_grad(store.owned().front()).slice(0, 1), std::numeric_limits<double>::infinity());
 
   // unscale_check: nothing to unscale in fp32; a loss scaler's hook divides the gradients by the
   // scale here and skips the update when they overflowed.
@@ -165,13 +167,14 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
     // Regression cases make the weights themselves non-finite (as an overflowing update would): the
     // first element of the last slice this rank updates.
     if (inject_fault("nan_weights", step) && !store.owned().empty())
-      store.owned_param(store.owned().back()).as<float>()[0] = std::numeric_limits<float>::quiet_NaN();
+      be_.fill(store.owned_param(store.owned().back()).slice(0, 1), std::numeric_limits<double>::quiet_NaN());
     run_hooks(StepPhase::optimize, s);
     // refresh: gather updated shards, refresh compute copies.
     store.refresh();
     run_hooks(StepPhase::refresh, s);
   }
   store.end_step();
+  be_.synchronize();  // a device back end's queued update belongs to this step's time
   const double t3 = now();
   st.times.optimizer = t3 - t2;
   st.seconds = t3 - t0;

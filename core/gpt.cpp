@@ -6,6 +6,9 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 
+#include <algorithm>
+#include <vector>
+
 namespace loom {
 
 void GPTConfig::validate() const {
@@ -134,7 +137,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   store_->build(sctx, params_, units_);
 
   // Activations, sized by activation_sizes (what `loom plan` predicts with, too).
-  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_};
+  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space()};
   const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_);
   residual0_ = a.residual_first;
   acts0_ = a.block_first;
@@ -207,21 +210,29 @@ void GPT::init_weights(std::uint64_t seed) {
         for (std::int64_t i = begin; i < end; ++i)
           w[i - begin] = static_cast<float>(p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(p.shard.global_index(i))));
         break;
-      case ParamInfo::Init::ones: be_.fill(w, 1.0f, end - begin); break;
-      case ParamInfo::Init::zeros: be_.fill(w, 0.0f, end - begin); break;
+      case ParamInfo::Init::ones: std::fill(w, w + (end - begin), 1.0f); break;  // host memory (write_held)
+      case ParamInfo::Init::zeros: std::fill(w, w + (end - begin), 0.0f); break;
     }
   };
   write_held(fill);
 }
 
 void GPT::write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write) {
+  // `write` fills host memory: the store's own buffers on the host back end, a host copy that goes
+  // to the device afterwards on a device back end.
+  std::vector<float> staging;
+  const auto held = [&](const ParamInfo& p, BufferRef w, std::int64_t begin, std::int64_t end) {
+    if (w.space == MemSpace::host) return write(p, w.as<float>(), begin, end);
+    staging.assign(static_cast<std::size_t>(end - begin), 0.0f);
+    write(p, staging.data(), begin, end);
+    be_.copy_from_host(BufferRef(w.as<float>(), end - begin, w.space), staging.data());
+  };
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const BufferRef w = store_->param(static_cast<int>(i));
-    if (!w.empty()) write(params_[i], w.as<float>(), 0, params_[i].numel);
+    if (!w.empty()) held(params_[i], w, 0, params_[i].numel);
   }
   for (const OwnedSlice& o : store_->owned())
-    if (store_->param(o.param).empty())
-      write(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o).as<float>(), o.begin, o.end);
+    if (store_->param(o.param).empty()) held(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o), o.begin, o.end);
   store_->params_written();
 }
 
@@ -260,13 +271,13 @@ BufferRef GPT::matmul_operand(const ParamStore::UnitView& view, int param) const
 }
 
 void GPT::keep(const BufferRef& saved, const float* tmp, std::int64_t n) {
-  if (saved.type != DType::f32) be_.cast(saved.slice(0, n), BufferRef(tmp, n));
+  if (saved.type != DType::f32) be_.cast(saved.slice(0, n), BufferRef(tmp, n, be_.space()));
 }
 
 BufferRef GPT::input_of(const BufferRef& saved, float* full, int N, int C) {
   const std::int64_t n = static_cast<std::int64_t>(N) * C;
   if (saved.type != DType::f32) return saved.slice(0, n);  // never gathered: saved 16-bit only without sp
-  return BufferRef(part_->to_full(saved.as<float>(), full, N, C), n);
+  return BufferRef(part_->to_full(saved.as<float>(), full, N, C), n, be_.space());
 }
 
 // Activation tables (llm.c's habit): each group's tensors are carved from one run of floats by one
@@ -274,6 +285,7 @@ BufferRef GPT::input_of(const BufferRef& saved, float* full, int N, int C) {
 namespace {
 struct Carver {
   float* base;
+  MemSpace space = MemSpace::host;
   std::int64_t used = 0;
   float* take(std::int64_t n) {
     float* p = base ? base + used : nullptr;
@@ -283,7 +295,7 @@ struct Carver {
   // n elements of `type` (fp32 or 16-bit), in whole floats.
   BufferRef take(DType type, std::int64_t n) {
     const std::int64_t floats = (n * static_cast<std::int64_t>(dtype_size(type)) + 3) / 4;
-    return BufferRef(take(floats), type, n);
+    return BufferRef(take(floats), type, n, space);
   }
 };
 }  // namespace
@@ -291,7 +303,7 @@ struct Carver {
 GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
   const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = 4 * C / g.tp;
-  Carver c{base};
+  Carver c{base, g.space};
   BlockActs a;
   // 16-bit copies of the products' inputs under mixed precision; ln1 and ln2 stay fp32 with
   // sequence parallelism, where their [Nl,C] pieces are gathered (in fp32) before each product.
@@ -315,7 +327,7 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
 GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
   const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, Cl = C / g.tp, Fl = 4 * C / g.tp;
-  Carver c{base};
+  Carver c{base, g.space};
   Scratch s;
   s.full = c.take(N * C);
   s.partial = c.take(N * C);
@@ -337,7 +349,7 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
 GPT::Head GPT::carve_head(const Geometry& g, float* base) {
   const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
   const std::int64_t Vl = g.cfg.vocab / g.tp;
-  Carver c{base};
+  Carver c{base, g.space};
   Head h;
   h.lnf = c.take(g.sp ? DType::f32 : g.mm16, Nl * g.cfg.d_model);
   h.lnf_mean = c.take(Nl);
@@ -481,7 +493,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
 
   if (holds_embeddings(chunk)) {
     // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
-    for (int i = 0; i < N; ++i) inp[i] = inputs[i];
+    be_.copy_from_host(BufferRef(inp, N, be_.space()), inputs);
     const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
     const float* wte = tensor(e, wte_);  // [Vl,C] this rank's vocabulary rows
     const float* wpe = tensor(e, wpe_);  // [T,C]
@@ -497,7 +509,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   }
   if (!holds_head(chunk)) return 0.0;
 
-  for (int i = 0; i < N; ++i) tgt[i] = targets[i];
+  be_.copy_from_host(BufferRef(tgt, N, be_.space()), targets);
   const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
   const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, wte_apart ? emb_unit_ : -1);
   const BufferRef wte = matmul_operand(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);

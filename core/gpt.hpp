@@ -90,6 +90,8 @@ class GPT {
   void backward(float dloss);
   // The logits of the last forward of the whole model (slot 0): [B*T, V/tp], fp32.
   const float* logits() const;
+  // The back end the model computes on (where its tensors live).
+  Backend& backend() const { return be_; }
 
   // The activation memory a rank allocates for `stage` (default: every layer, one slot), in the
   // constructor's own terms: the tables are carved by the same functions. Floats are fp32 slots (a
@@ -177,6 +179,7 @@ class GPT {
     bool sp = false;
     int max_rows = 1;
     DType mm16 = DType::f32;
+    MemSpace space = MemSpace::host;  // where the tables live (the back end's space)
   };
   // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
   static BlockActs carve_block(const Geometry& g, float* base);

@@ -45,6 +45,7 @@
 
 #include "core/dtype.hpp"
 #include "core/gemm.hpp"
+#include "core/kernel_math.hpp"
 
 namespace loom::kernels {
 
@@ -104,48 +105,11 @@ void for_chunks(const char* label, std::int64_t n, Body body) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Math helpers. exp() for float is a branch-free polynomial so the compiler vectorises the loops
-// that call it (softmax, GELU); max relative error ~2e-7, i.e. float rounding. Double uses libm,
-// so the finite-difference tests see exact math.
+// Math helpers: shared with the CUDA kernels (core/kernel_math.hpp).
 
-inline float exp_fast(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // plain compares vectorise; fmin/fmax do not
-  const float t = x * 1.44269504088896341f;            // x / ln 2
-  const float n = std::floor(t + 0.5f);
-  const float f = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;  // x - n ln2, split
-  // exp(f) on [-ln2/2, ln2/2], Taylor/minimax degree 6.
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-template <class T>
-inline T exp_k(T x) {
-  if constexpr (std::is_same_v<T, float>) return exp_fast(x);
-  else return std::exp(x);
-}
-
-template <class T>
-inline T tanh_k(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    // tanh(x) = 1 - 2 / (exp(2x) + 1) saturates cleanly for large |x| but cancels near 0, so small
-    // |x| takes the odd Taylor series instead (both computed: the select vectorises, a branch would not).
-    const float big = 1.0f - 2.0f / (exp_fast(2.0f * x) + 1.0f);
-    const float x2 = x * x;
-    const float small = x * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f + x2 * (62.0f / 2835.0f)))));
-    return (x < 0.125f && x > -0.125f) ? small : big;
-  } else {
-    return std::tanh(x);
-  }
-}
+using math::exp_fast;
+using math::exp_k;
+using math::tanh_k;
 
 // ---------------------------------------------------------------------------------------------
 // Matrix products: row-major C[M,N] = alpha * op(A) op(B) + beta * C. float through core/gemm
@@ -280,10 +244,10 @@ void layernorm_forward(T* out, Acc* mean, Acc* rstd,                // [N,C], [N
       v += (xc - m) * (xc - m);
     }
     v /= C;
-    const Acc s = Acc(1) / std::sqrt(v + Acc(1e-5));
+    const Acc s = math::layernorm_rstd(v);
     T* o = out + static_cast<std::int64_t>(n) * C;
     for (int c = 0; c < C; ++c)
-      o[c] = from_acc<T>((to_acc<Acc>(x[c]) - m) * s * to_acc<Acc>(weight[c]) + to_acc<Acc>(bias[c]));
+      o[c] = from_acc<T>(math::layernorm_out(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), to_acc<Acc>(bias[c])));
     mean[n] = m;
     rstd[n] = s;
   });
@@ -319,8 +283,8 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=
         const Acc dc = to_acc<Acc>(d[c]);
         db[c] += dc;
         dw[c] += xhat * dc;
-        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) +
-                            (to_acc<Acc>(weight[c]) * dc - dnorm_mean - xhat * dnorm_norm_mean) * s);
+        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + math::layernorm_dinp(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), dc,
+                                                                   dnorm_mean, dnorm_norm_mean));
       }
     }
     dw_sum.store();
@@ -447,7 +411,7 @@ void attention_backward(T* dqkv, T* datt,                            // [B,T,3C]
         const T* ar = a + static_cast<std::int64_t>(t) * Tn;
         Acc dot = 0;
         for (int j = 0; j <= t; ++j) dot += to_acc<Acc>(ar[j]) * to_acc<Acc>(dr[j]);
-        for (int j = 0; j <= t; ++j) dr[j] = from_acc<T>(to_acc<Acc>(ar[j]) * (to_acc<Acc>(dr[j]) - dot));
+        for (int j = 0; j <= t; ++j) dr[j] = from_acc<T>(math::softmax_backward(to_acc<Acc>(ar[j]), to_acc<Acc>(dr[j]), dot));
         for (int j = t + 1; j < Tn; ++j) dr[j] = from_acc<T>(Acc(0));
       });
       gemm(false, false, Tn, hs, Tn, scale, datt, Tn, k, C3, Acc(0), dq, C3);  // dq = ds k / sqrt(hs)
@@ -461,33 +425,21 @@ void attention_backward(T* dqkv, T* datt,                            // [B,T,3C]
 
 template <class T, class Acc = acc_type_t<T>>
 void gelu_forward(T* out, const T* inp, std::int64_t n) {  // [n], [n]
-  const Acc k = std::sqrt(Acc(2) / Acc(M_PI));
   for_chunks("GELU::forward", n, [=](std::int64_t begin, std::int64_t end) {
     T* __restrict o = out;
     const T* __restrict in = inp;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const Acc x = to_acc<Acc>(in[i]);
-      const Acc u = k * (x + Acc(0.044715) * x * x * x);
-      o[i] = from_acc<T>(Acc(0.5) * x * (Acc(1) + tanh_k(u)));
-    }
+    for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(math::gelu_forward(to_acc<Acc>(in[i])));
   });
 }
 
 template <class T, class Acc = acc_type_t<T>>
 void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [n] (=), [n], [n]
-  const Acc k = std::sqrt(Acc(2) / Acc(M_PI));
   for_chunks("GELU::backward", n, [=](std::int64_t begin, std::int64_t end) {
     T* __restrict di = dinp;
     const T* __restrict in = inp;
     const T* __restrict d = dout;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const Acc x = to_acc<Acc>(in[i]);
-      const Acc u = k * (x + Acc(0.044715) * x * x * x);
-      const Acc th = tanh_k(u);
-      const Acc sech2 = Acc(1) - th * th;
-      const Acc du = k * (Acc(1) + Acc(3) * Acc(0.044715) * x * x);
-      di[i] = from_acc<T>((Acc(0.5) * (Acc(1) + th) + Acc(0.5) * x * sech2 * du) * to_acc<Acc>(d[i]));
-    }
+    for (std::int64_t i = begin; i < end; ++i)
+      di[i] = from_acc<T>(math::gelu_backward(to_acc<Acc>(in[i]), to_acc<Acc>(d[i])));
   });
 }
 
@@ -553,7 +505,7 @@ void crossentropy_backward(T* dlogits,                               // [N,V] (=
     const T* p = probs + static_cast<std::int64_t>(n) * V;
     T* d = dlogits + static_cast<std::int64_t>(n) * V;
     const int tgt = targets[n];
-    for (int v = 0; v < V; ++v) d[v] = from_acc<T>((to_acc<Acc>(p[v]) - (v == tgt ? Acc(1) : Acc(0))) * dloss);
+    for (int v = 0; v < V; ++v) d[v] = from_acc<T>(math::crossentropy_dlogit(to_acc<Acc>(p[v]), v == tgt, Acc(dloss)));
   });
 }
 
@@ -568,22 +520,16 @@ void adamw_update(P* params, Acc* m, Acc* v,                          // [n] eac
                   nd<Acc> lr, nd<Acc> beta1, nd<Acc> beta2, nd<Acc> eps, nd<Acc> weight_decay,
                   std::int64_t t /* 1-based */) {
   static_assert(std::is_floating_point_v<Acc>, "AdamW moments are float or double");
-  const Acc bc1 = Acc(1) - std::pow(beta1, static_cast<Acc>(t));
-  const Acc bc2 = Acc(1) - std::pow(beta2, static_cast<Acc>(t));
+  const math::AdamWStep<Acc> step{lr, beta1, beta2, eps, weight_decay,
+                                  Acc(1) - std::pow(beta1, static_cast<Acc>(t)),
+                                  Acc(1) - std::pow(beta2, static_cast<Acc>(t))};
   for_chunks("AdamW::update", n, [=](std::int64_t begin, std::int64_t end) {
     P* __restrict p = params;
     Acc* __restrict mm = m;
     Acc* __restrict vv = v;
     const G* __restrict gg = grads;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const Acc g = to_acc<Acc>(gg[i]);
-      const Acc mi = beta1 * mm[i] + (Acc(1) - beta1) * g;
-      const Acc vi = beta2 * vv[i] + (Acc(1) - beta2) * g * g;
-      mm[i] = mi;
-      vv[i] = vi;
-      p[i] = from_acc<P>(to_acc<Acc>(p[i]) * (Acc(1) - lr * weight_decay) -
-                         lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps));
-    }
+    for (std::int64_t i = begin; i < end; ++i)
+      p[i] = from_acc<P>(math::adamw(to_acc<Acc>(p[i]), mm[i], vv[i], to_acc<Acc>(gg[i]), step));
   });
 }
 

@@ -78,7 +78,7 @@ void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>
     for (const auto& e : fs::directory_iterator(dir, ec)) {
       const std::string f = e.path().filename().string();
       if (f.rfind("libloom_", 0) == 0 && e.path().extension() == ".so" && f != "libloom_core.so" &&
-          f != "libloom_io.so")
+          f != "libloom_io.so" && f != "libloom_cuda.so")
         libs.push_back(e.path());
     }
     std::sort(libs.begin(), libs.end());

@@ -50,6 +50,17 @@ std::vector<TensorSource> optimizer_state(Optimizer& optimizer) {
   return out;
 }
 
+namespace {
+// The elements of a device tensor, copied to the host; empty for a host tensor (read in place).
+std::vector<float> host_copy(Backend& backend, const BufferRef& ref) {
+  std::vector<float> copy;
+  if (ref.space == MemSpace::host || ref.empty()) return copy;
+  copy.resize(static_cast<std::size_t>(ref.count));
+  backend.copy_to_host(copy.data(), BufferRef(ref.as<float>(), ref.count, ref.space));
+  return copy;
+}
+}  // namespace
+
 std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, const std::vector<TensorSource>& buffers) {
   const auto& all = model.all_params();
   // This rank's first hit as one position (kind-major, then model order) and its value.
@@ -59,7 +70,8 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, c
       const int index = model.param_index(all[i].name);
       if (index < 0) continue;
       const BufferRef ref = buffers[k].of(index);
-      const float* x = ref.empty() ? nullptr : ref.as<float>();
+      const std::vector<float> copy = host_copy(model.backend(), ref);
+      const float* x = ref.empty() ? nullptr : copy.empty() ? ref.as<float>() : copy.data();
       for (std::int64_t j = 0; j < ref.count; ++j)
         if (!std::isfinite(x[j])) {
           position = static_cast<double>(k * all.size() + i);

@@ -180,7 +180,8 @@ void Session::setup_local() {
 }
 
 void Session::setup_collective() {
-  backend = make_host_backend(threads.threads);
+  backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_bool("run.tf32"), MPI_COMM_WORLD,
+                         &backend_choice);
   set_comm_timeout(deck.get_float("run.comm_timeout"));
   set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
@@ -281,7 +282,12 @@ std::string Session::banner() const {
   s << "            Kokkos " << KOKKOS_VERSION / 10000 << "." << KOKKOS_VERSION / 100 % 100 << "."
     << KOKKOS_VERSION % 100 << " [" << Kokkos::DefaultHostExecutionSpace::name() << "] via " << build::kokkos_origin
     << "\n";
-  s << "            HDF5 " << build::hdf5_version << "; backend " << backend->description() << "\n";
+  s << "            HDF5 " << build::hdf5_version << "; CUDA back end "
+    << (build::cuda ? std::string("built (CUDA ") + build::cuda_version + ", architectures " + build::cuda_architectures + ")"
+                    : std::string("not built"))
+    << "\n";
+  s << "  backend : run.backend = " << backend_choice.requested << ": " << backend->description()
+    << (backend_choice.reason.empty() ? "" : "; " + backend_choice.reason) << "\n";
   if (*openblas_core_note()) s << "            " << openblas_core_note() << "\n";
   s << "  threads : " << threads.origin << "\n";
   const DType mm = backend->precision().matmul;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/backend.hpp"
+#include "core/backend_select.hpp"
 #include "core/checkpoint_part.hpp"
 #include "core/engine.hpp"
 #include "core/gemm.hpp"
@@ -62,8 +63,8 @@ struct Session {
   std::vector<const StrategyInfo*> strategies;
   const StrategyRegistry& registry;
   int rows_per_rank = 0;  // this dp rank's share of the global batch
-
   std::unique_ptr<Backend> backend;
+  BackendChoice backend_choice;  // run.backend: what was asked for, what this rank got, its device
   std::unique_ptr<Dataset> train_data;
   std::unique_ptr<Dataset> val_owned;  // data.val_source, when given
   const Dataset* val_data = nullptr;   // null when there is no validation split

@@ -359,7 +359,14 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
     if (ds.id < 0) note_failure("cannot create dataset " + t.path);
     const bool owner = t.holds && t.primary_end > t.primary_begin;
     const ShardDesc mine = owner ? t.shard.cut(t.primary_begin, t.primary_end) : t.shard;
+    // A device tensor is written from a host copy of the part this rank writes.
+    std::vector<float> staged;
     const float* data = owner ? t.data.as<float>() + t.primary_begin : nullptr;
+    if (data && t.data.space != MemSpace::host) {
+      staged.resize(static_cast<std::size_t>(t.primary_end - t.primary_begin));
+      model.backend().copy_to_host(staged.data(), BufferRef(const_cast<float*>(data), t.primary_end - t.primary_begin, t.data.space));
+      data = staged.data();
+    }
     const Handle mspace = transfer_spaces(fspace.id, &mine, owner);
     errno = 0;
     float none = 0;
@@ -467,7 +474,10 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     // of wte too); the others join the collective read with nothing selected.
     const Handle mspace = transfer_spaces(fspace.id, &t.shard, t.holds);
     float none = 0;
-    float* data = t.holds ? t.data.as<float>() : &none;
+    // A device tensor is read into a host copy, checked there, and copied over once it passes.
+    const bool on_device = t.holds && t.data.space != MemSpace::host;
+    std::vector<float> staged(on_device ? static_cast<std::size_t>(t.shard.numel()) : 0);
+    float* data = !t.holds ? &none : on_device ? staged.data() : t.data.as<float>();
     if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
       fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
     // Finite first: a checkpoint of a run that diverged is refused as such, not as corrupt. Every
@@ -484,6 +494,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     const ShardDesc mine = owner ? t.shard.cut(t.primary_begin, t.primary_end) : t.shard;
     const auto got = static_cast<std::int64_t>(checksum(&mine, owner ? data + t.primary_begin : nullptr, owner));
     if (got != want) fail(path, "tensor " + name + " does not match its checksum: the file is corrupt");
+    if (on_device) model.backend().copy_from_host(BufferRef(t.data.as<float>(), t.shard.numel(), t.data.space), data);
   }
   for (CheckpointContributor* c : parts) {
     std::map<std::string, double> found;

@@ -142,6 +142,13 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(string_key("run.threads", "auto",
                         "BLAS threads per rank: a number, or auto (OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK, else 1)",
                         check_threads_setting));
+  schema.add(choice_key("run.backend", "host", {"host", "cuda", "auto"},
+                        "where the model computes: host (Kokkos + oneDNN/BLAS on the CPU), cuda (one GPU per rank, "
+                        "the rank's index within its node; CUDA kernels + cuBLASLt) or auto (cuda when a GPU is "
+                        "visible, else host)"));
+  schema.add(bool_key("run.tf32", "false",
+                      "cuda back end: fp32 matrix products may use TF32 tensor cores (10-bit mantissa products, "
+                      "fp32 accumulation; as torch.backends.cuda.matmul.allow_tf32)"));
   schema.add(choice_key("run.gemm", "auto", {"auto", "onednn", "blas"},
                         "matrix products of the host back end: auto (oneDNN when loom is built with it, else "
                         "BLAS), onednn (oneDNN matmul primitives, cached per shape) or blas (cblas_sgemm)"));

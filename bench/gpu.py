@@ -1,0 +1,143 @@
+#!/usr/bin/python3
+"""loom's CUDA back end against PyTorch on one GPU: GPT-2 124M (bench/gpu.deck), bf16 products.
+
+Usage (on a machine with a GPU):
+  /usr/bin/python3 bench/gpu.py --loom build/loom [--steps N] [--peak-tflops P] [--batch B]
+
+  1. loom run bench/gpu.deck --set train.steps=N --set run.dir=DIR [--set train.batch=B], then
+     DIR/summary.json: tokens_per_s (steady state, first step excluded) and the model FLOPs per token.
+  2. The same architecture and AdamW (regression/torch_gpt.py, the oracle's model) in PyTorch on the
+     same GPU under torch.autocast("cuda", dtype=torch.bfloat16), fused AdamW: 3 warm-up steps, then
+     N timed steps on random token batches.
+  3. MFU of both against the GPU's dense bf16 peak (--peak-tflops; by default from the device name:
+     A100 312, H100 SXM / H200 989.4 TFLOP/s, NVIDIA's datasheets), the ratio loom / PyTorch, and
+     llm.c's figure for reference (about 60% MFU on A100, from its README; not measured here).
+A benchmark, not a test: exit 0 when both parts ran, 1 otherwise; no GPU: exit 77 saying so.
+"""
+import argparse
+import configparser
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "regression"))
+
+PEAKS = [("H200", 989.4), ("H100", 989.4), ("A100", 312.0)]  # dense bf16 TFLOP/s (SXM datasheets)
+
+
+def deck_values(path):
+    cp = configparser.ConfigParser(inline_comment_prefixes=("#",))
+    cp.read(path)
+    model = {k: int(cp["model"][k]) for k in ("layers", "d_model", "heads", "seq_len", "vocab")}
+    train = {k: cp["train"][k] for k in cp["train"]}
+    return model, train
+
+
+def flops_per_token(m):
+    """loom's count (GPT::flops_per_token): 6 x matrix weights + attention's 12 L T C."""
+    L, C, T, V = m["layers"], m["d_model"], m["seq_len"], m["vocab"]
+    return 6.0 * (L * 12.0 * C * C + V * C) + 12.0 * L * T * C
+
+
+def run_loom(args, model, batch):
+    rundir = os.path.abspath(os.path.join(args.workdir, "loom"))
+    cmd = [args.loom, "run", os.path.join(HERE, "gpu.deck"), "--set", "train.steps=%d" % args.steps,
+           "--set", "run.dir=" + rundir, "--set", "train.batch=%d" % batch, "--set", "run.overwrite=true",
+           "--set", "run.peak_tflops=%g" % args.peak_tflops]
+    print("$ " + " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stdout.write("\n".join(l for l in p.stdout.splitlines() if l.startswith(("  backend", "step", "  MFU"))) + "\n")
+    if p.returncode != 0:
+        sys.stdout.write(p.stdout[-3000:] + p.stderr[-3000:])
+        return None
+    with open(os.path.join(rundir, "summary.json")) as f:
+        return json.load(f)
+
+
+def run_torch(args, model, train, batch):
+    import torch
+    import torch_gpt
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    net = torch_gpt.build_model(model).to(dev)
+    opt = torch_gpt.make_optimizer(net, train, fused=True)
+    T, V = model["seq_len"], model["vocab"]
+
+    def step():
+        idx = torch.randint(0, V, (batch, T + 1), device=dev)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = net(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), float(train.get("grad_clip", 1.0)))
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    return batch * T * args.steps / (time.perf_counter() - t0), torch.__version__
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=0, help="sequences per step (default: the deck's)")
+    ap.add_argument("--peak-tflops", type=float, default=0)
+    ap.add_argument("--workdir", default="build/gpu-bench")
+    ap.add_argument("--loom-only", action="store_true")
+    args = ap.parse_args()
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            print("no GPU: torch.cuda.is_available() is False; nothing to measure")
+            return 77
+        name = torch.cuda.get_device_name(0)
+    except ImportError:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout.strip()
+        if not name:
+            print("no GPU (and no PyTorch): nothing to measure")
+            return 77
+    if args.peak_tflops <= 0:
+        args.peak_tflops = next((p for key, p in PEAKS if key in name), 0) or 989.4
+    os.makedirs(args.workdir, exist_ok=True)
+    model, train = deck_values(os.path.join(HERE, "gpu.deck"))
+    batch = args.batch or int(train["batch"])
+    fpt = flops_per_token(model)
+    print("device: %s, dense bf16 peak %.1f TFLOP/s; GPT-2 %d layers, d %d, T %d, vocab %d; batch %d; %.3g FLOP/token"
+          % (name, args.peak_tflops, model["layers"], model["d_model"], model["seq_len"], model["vocab"], batch, fpt))
+    s = run_loom(args, model, batch)
+    out = {"device": name, "peak_tflops": args.peak_tflops, "batch": batch, "steps": args.steps}
+    ok = s is not None
+    if s:
+        out["loom_tokens_per_s"] = s["tokens_per_s"]
+        out["loom_mfu"] = s["tokens_per_s"] * fpt / (args.peak_tflops * 1e12)
+        print("loom    : %10.0f tokens/s  MFU %5.1f%%" % (out["loom_tokens_per_s"], 100 * out["loom_mfu"]))
+    if not args.loom_only:
+        try:
+            tps, version = run_torch(args, model, train, batch)
+            out["torch_tokens_per_s"], out["torch_version"] = tps, version
+            out["torch_mfu"] = tps * fpt / (args.peak_tflops * 1e12)
+            print("PyTorch : %10.0f tokens/s  MFU %5.1f%%  (torch %s, autocast bf16, fused AdamW)"
+                  % (tps, 100 * out["torch_mfu"], version))
+            if s:
+                out["ratio_loom_over_torch"] = out["loom_tokens_per_s"] / tps
+                print("ratio   : loom / PyTorch = %.2f" % out["ratio_loom_over_torch"])
+        except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
+            print("PyTorch peer failed: %s" % e)
+            ok = False
+    X
+    print(json.dumps(out))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

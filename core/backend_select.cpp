@@ -1,0 +1,134 @@
+// run.backend: the host back end, or the CUDA back end loaded from libloom_cuda.so.
+#include "core/backend_select.hpp"
+
+#include <dlfcn.h>
+
+#include <filesystem>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "core/error.hpp"
+#include "core/plugin.hpp"
+#include "loom/build_info.hpp"
+
+namespace loom {
+namespace fs = std::filesystem;
+
+bool cuda_built() { return build::cuda; }
+
+int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, const std::string& why_none) {
+  if (device_count <= 0)
+    throw InputError("run.backend = cuda: no CUDA device is visible on this node" +
+                     (why_none.empty() ? std::string() : " (" + why_none + ")") +
+                     "; valid here: run.backend = host (or auto, which takes the host when there is no GPU)");
+  if (ranks_per_node > device_count)
+    throw InputError("run.backend = cuda: " + std::to_string(ranks_per_node) + " ranks on this node but " +
+                     std::to_string(device_count) + " CUDA device" + (device_count == 1 ? "" : "s") +
+                     " (one device per rank); start at most " + std::to_string(device_count) +
+                     " ranks per node, or run.backend = host");
+  if (local_rank < 0 || local_rank >= ranks_per_node)
+    throw std::logic_error("device_for_local_rank: local rank " + std::to_string(local_rank) + " of " +
+                           std::to_string(ranks_per_node));
+  return local_rank;
+}
+
+namespace {
+
+// libloom_cuda.so, opened once per process.
+struct CudaLibrary {
+  bool loaded = false;
+  std::string path;
+  std::string why_not;  // why it is not loaded
+  loom_cuda_device_count_fn device_count = nullptr;
+  loom_cuda_create_fn create = nullptr;
+};
+
+const CudaLibrary& cuda_library() {
+  static CudaLibrary lib;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (!build::cuda) {
+      lib.why_not = "this loom was built without the CUDA back end (LOOM_ENABLE_CUDA=OFF, or nvcc was not found "
+                    "when it was configured)";
+      return;
+    }
+    std::string tried;
+    for (const std::string& dir : plugin_search_path()) {
+      const fs::path p = fs::path(dir) / LOOM_CUDA_LIBRARY;
+      std::error_code ec;
+      if (!fs::exists(p, ec)) continue;
+      void* h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (!h) {
+        lib.why_not = p.string() + " cannot be loaded: " + dlerror() +
+                      " (the CUDA runtime libraries, cuBLAS and cuBLASLt, must be installed on this node)";
+        return;
+      }
+      const auto abi = reinterpret_cast<loom_cuda_abi_fn>(dlsym(h, "loom_cuda_abi"));
+      lib.device_count = reinterpret_cast<loom_cuda_device_count_fn>(dlsym(h, "loom_cuda_device_count"));
+      lib.create = reinterpret_cast<loom_cuda_create_fn>(dlsym(h, "loom_cuda_create"));
+      if (!abi || !lib.device_count || !lib.create) {
+        lib.why_not = p.string() + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create";
+        return;
+      }
+      if (abi() != LOOM_CUDA_ABI_VERSION) {
+        lib.why_not = p.string() + " was built for CUDA back-end ABI " + std::to_string(abi()) + ", this loom has " +
+                      std::to_string(LOOM_CUDA_ABI_VERSION) + ": rebuild it with this loom";
+        return;
+      }
+      lib.loaded = true;
+      lib.path = p.string();
+      return;
+    }
+    for (const std::string& dir : plugin_search_path()) tried += (tried.empty() ? "" : ":") + dir;
+    lib.why_not = std::string(LOOM_CUDA_LIBRARY) + " was not found (searched LOOM_PLUGIN_PATH, then " + tried + ")";
+  });
+  return lib;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, MPI_Comm world,
+                                      BackendChoice* choice) {
+  BackendChoice c;
+  c.requested = requested;
+  if (requested != "host" && requested != "cuda" && requested != "auto")
+    throw InputError("run.backend = '" + requested + "': valid values are host, cuda, auto");
+  int world_size = 1, local_rank = 0, local_size = 1;
+  MPI_Comm_size(world, &world_size);
+  MPI_Comm node;
+  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_rank(node, &local_rank);
+  MPI_Comm_size(node, &local_size);
+  MPI_Comm_free(&node);
+
+  std::unique_ptr<Backend> backend;
+  if (requested != "host") {
+    const CudaLibrary& lib = cuda_library();
+    char why[512] = {0};
+    const int devices = lib.loaded ? lib.device_count(why, sizeof why) : 0;
+    const std::string why_none = lib.loaded ? std::string(why) : lib.why_not;
+    if (requested == "cuda") {
+      if (!lib.loaded) throw InputError("run.backend = cuda: " + lib.why_not + "; valid here: run.backend = host");
+      c.device = device_for_local_rank(local_rank, local_size, devices, why_none);
+      if (world_size > 1)
+        throw InputError("run.backend = cuda runs one rank per job in this loom (" + std::to_string(world_size) +
+                         " ranks started): the NCCL communicator for device buffers is not built yet; run one rank "
+                         "or run.backend = host");
+    } else if (devices > 0 && local_size <= devices && world_size == 1) {
+      c.device = local_rank;
+      c.reason = "auto: " + std::to_string(devices) + " CUDA device" + (devices == 1 ? "" : "s") + " visible";
+    } else {
+      c.reason = devices <= 0 ? "auto: no CUDA device (" + why_none + ")"
+                              : "auto: " + std::to_string(world_size) + " ranks, and device buffers need the NCCL "
+                                "communicator, not built yet";
+    }
+    if (c.device >= 0) backend.reset(lib.create(c.device, tf32 ? 1 : 0));
+  }
+  if (!backend) backend = make_host_backend(threads);
+  c.name = backend->name();
+  if (choice) *choice = c;
+  return backend;
+}
+
+}  // namespace loom

@@ -1,0 +1,53 @@
+#pragma once
+// Which back end a run computes on (`run.backend = host | cuda | auto`), and the loader of the CUDA
+// back end. The CUDA back end is its own library (libloom_cuda.so, built when LOOM_ENABLE_CUDA is
+// on) opened with dlopen on first use, so that libloom_core and the driver never link CUDA: a
+// CPU-only node runs `host` (and `auto`) without the CUDA libraries installed.
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+
+#include "core/backend.hpp"
+
+namespace loom {
+
+// The entry points of libloom_cuda.so (extern "C", resolved by dlsym).
+#define LOOM_CUDA_ABI_VERSION 1
+#define LOOM_CUDA_LIBRARY "libloom_cuda.so"
+extern "C" {
+// LOOM_CUDA_ABI_VERSION of the loom the library was built against.
+typedef int (*loom_cuda_abi_fn)();
+// The number of CUDA devices this process sees; 0 with the reason in `why` (at most `why_len`
+// bytes, NUL-terminated) when there are none or the driver cannot be used.
+typedef int (*loom_cuda_device_count_fn)(char* why, int why_len);
+// A new CUDA back end on device `device`, fp32 products in TF32 when `tf32` is not 0; throws
+// std::runtime_error when the device cannot be used.
+typedef loom::Backend* (*loom_cuda_create_fn)(int device, int tf32);
+}
+
+// The GPU a rank drives: its index among the ranks of its node, one device per rank. Throws
+// InputError when the node has no device or fewer devices than ranks.
+int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, const std::string& why_none = "");
+
+// What a run asked for and what it got, for the banner and the report.
+struct BackendChoice {
+  std::string requested;  // run.backend: host, cuda or auto
+  std::string name;       // host or cuda
+  int device = -1;        // the CUDA device of this rank (cuda only)
+  std::string reason;     // why auto chose what it chose
+};
+
+// The back end of this rank. `requested` is run.backend; `world` is split by node to find the rank's
+// local index; `tf32` lets the cuda back end's fp32 products use TF32 (run.tf32). host: the host back end with `threads` BLAS threads. cuda: libloom_cuda.so from the
+// plugin search path, device = the rank's index within its node; refused (InputError, exit 2) when
+// loom was built without CUDA, the library cannot be loaded, no device is visible, a node has fewer
+// devices than ranks, or the job has several ranks (the NCCL communicator for device buffers is not
+// built yet). auto: cuda when a device is visible and the job runs one rank, else host.
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, MPI_Comm world,
+                                      BackendChoice* choice);
+
+// Whether this loom was built with the CUDA back end (LOOM_ENABLE_CUDA).
+bool cuda_built();
+
+}  // namespace loom

@@ -1,0 +1,544 @@
+// The CUDA back end: every Backend operation on device memory of one GPU, on one stream. Kernels
+// are in kernels.cu (their per-element arithmetic shared with the host kernels through
+// core/kernel_math.hpp); matrix products go through cuBLASLt: fp32 (TF32 when run.tf32 allows it),
+// bf16 and fp16 operands with fp32 accumulation, the bias fused into the forward product's
+// epilogue. Every buffer, the cuBLASLt workspace and the back end's own scratch are allocated here
+// and filed in the memory ledger. Built into libloom_cuda.so and opened by core/backend_select.cpp.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/backend_select.hpp"
+#include "core/cuda/kernels.cuh"
+
+namespace loom {
+namespace {
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + what + ": " + cudaGetErrorString(e));
+}
+void check_lt(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cuBLASLt: ") + what + ": status " + std::to_string(static_cast<int>(s)));
+}
+[[noreturn]] void refuse(const std::string& what) { throw std::invalid_argument(what); }
+
+void require_device(const BufferRef& b, const char* op, const char* name) {
+  if (b.space != MemSpace::device && b.count > 0)
+    refuse(std::string(op) + ": " + name + " is in " + mem_space_name(b.space) +
+           " memory; the cuda back end takes device buffers");
+}
+
+cudaDataType cuda_type(DType t, const char* op) {
+  switch (t) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::f64: return CUDA_R_64F;
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    default: refuse(std::string(op) + ": element type " + dtype_name(t) + " is not fp32, fp64, bf16 or fp16");
+  }
+}
+
+// The largest power of two (at most 256) that divides the address: cuBLASLt's algorithms state the
+// alignment they need, and slices into qkv are only as aligned as the head size makes them.
+std::uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align /= 2;
+  return align;
+}
+
+// One matrix product, row-major: C[M,N] = alpha op(A) op(B) + beta C, `batch` times with the given
+// element strides, optionally + bias[N] on every row (epilogue). The row-major product is the
+// column-major product C^T = op(B)^T op(A)^T, which is what cuBLASLt is asked for.
+struct Gemm {
+  bool ta = false, tb = false;
+  int M = 0, N = 0, K = 0;
+  const void* A = nullptr;
+  DType a_type = DType::f32;
+  int lda = 0;
+  const void* B = nullptr;
+  DType b_type = DType::f32;
+  int ldb = 0;
+  void* C = nullptr;
+  DType c_type = DType::f32;
+  int ldc = 0;
+  float alpha = 1.0f, beta = 0.0f;
+  const float* bias = nullptr;
+  int batch = 1;
+  long long stride_a = 0, stride_b = 0, stride_c = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, bool tf32) : device_(device), tf32_(tf32) {
+    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+    check_cuda(cudaGetDeviceProperties(&props_, device_), "cudaGetDeviceProperties");
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
+    // 32 MiB covers cuBLASLt's choices for every product of GPT-2-sized models (llm.c uses the same).
+    workspace_ = allocate("cuda.cublaslt_workspace", DType::u8, 32ll << 20, Mem::workspace);
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    for (auto& [key, algo] : algos_) (void)algo;
+    cublasLtDestroy(lt_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  std::string description() const override {
+    std::ostringstream s;
+    int runtime = 0, driver = 0;
+    cudaRuntimeGetVersion(&runtime);
+    cudaDriverGetVersion(&driver);
+    s << "cuda (device " << device_ << ": " << props_.name << ", " << props_.multiProcessorCount << " SMs, "
+      << (props_.totalGlobalMem >> 20) << " MiB, compute capability " << props_.major << "." << props_.minor
+      << "; CUDA runtime " << runtime / 1000 << "." << (runtime % 1000) / 10 << ", driver " << driver / 1000 << "."
+      << (driver % 1000) / 10 << "; cuBLASLt " << cublasLtGetVersion() << ", fp32 products "
+      << (tf32_ ? "TF32" : "full fp32") << ")";
+    return s.str();
+  }
+  MemSpace space() const override { return MemSpace::device; }
+  void set_precision(const Precision& p) override {
+    if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
+      refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) +
+             "; the cuda back end takes fp32, bf16 or fp16");
+    precision_ = p;
+  }
+  void release_scratch() override {
+    synchronize();
+    for (TypedBuffer& b : operands_) b = TypedBuffer();
+    att_scratch_ = TypedBuffer();
+  }
+  TypedBuffer allocate(const std::string& label, DType type, std::int64_t count, Mem category) override {
+    const std::size_t bytes = static_cast<std::size_t>(count) * dtype_size(type);
+    void* p = nullptr;
+    if (bytes > 0) {
+      const cudaError_t e = cudaMalloc(&p, bytes);
+      if (e != cudaSuccess) {
+        std::size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        throw std::runtime_error("cuda: cannot allocate " + label + " (" + std::to_string(bytes >> 20) + " MiB) on device " +
+                                 std::to_string(device_) + ": " + cudaGetErrorString(e) + "; " +
+                                 std::to_string(free_b >> 20) + " of " + std::to_string(total_b >> 20) + " MiB free");
+      }
+      check_cuda(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync");
+    }
+    return TypedBuffer(BufferRef(p, type, count, MemSpace::device), category, [](void* q) { cudaFree(q); });
+  }
+  void copy_from_host(BufferRef buffer, const void* src) override {
+    require_device(buffer, "copy_from_host", "buffer");
+    if (buffer.bytes() == 0) return;
+    check_cuda(cudaMemcpyAsync(buffer.data, src, buffer.bytes(), cudaMemcpyHostToDevice, stream_), "copy to device");
+    synchronize();  // the caller may reuse its host memory at once
+  }
+  void copy_to_host(void* dst, BufferRef buffer) override {
+    require_device(buffer, "copy_to_host", "buffer");
+    if (buffer.bytes() == 0) return;
+    check_cuda(cudaMemcpyAsync(dst, buffer.data, buffer.bytes(), cudaMemcpyDeviceToHost, stream_), "copy to host");
+    synchronize();
+  }
+  void synchronize() override { check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+
+  // ---- the model's kernels -------------------------------------------------------------------
+  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
+                       int vocab_begin, int vocab_end, bool add_pos) override {
+    cuda::encoder_forward(out, inp, wte, wpe, B, T, C, vocab_begin, vocab_end, add_pos, stream_);
+  }
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T, int C,
+                        int vocab_begin, int vocab_end) override {
+    cuda::encoder_backward(dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end, stream_);
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                         int N, int C) override {
+    cuda::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, stream_);
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int N, int C) override {
+    cuda::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, stream_);
+  }
+  void bias_add(float* out, const float* bias, int N, int OC) override { cuda::bias_add(out, bias, N, OC, stream_); }
+  void bias_backward(float* dbias, const float* dout, int N, int OC) override {
+    cuda::bias_backward(dbias, dout, N, OC, stream_);
+  }
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) override {
+    matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C, MemSpace::device),
+                   BufferRef(weight, static_cast<std::int64_t>(OC) * C, MemSpace::device), bias, N, C, OC);
+  }
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int N, int C, int OC) override {
+    matmul_backward(dinp, dweight, dbias, dout, BufferRef(inp, static_cast<std::int64_t>(N) * C, MemSpace::device),
+                    BufferRef(weight, static_cast<std::int64_t>(OC) * C, MemSpace::device), N, C, OC);
+  }
+  void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
+    const BufferRef x = operand(0, inp, static_cast<std::int64_t>(N) * C);       // [N,C]
+    const BufferRef w = operand(1, weight, static_cast<std::int64_t>(OC) * C);   // [OC,C]
+    Gemm g;                                                                      // out = x W^T (+ bias)
+    g.ta = false, g.tb = true, g.M = N, g.N = OC, g.K = C;
+    g.A = x.data, g.a_type = x.type, g.lda = C;
+    g.B = w.data, g.b_type = w.type, g.ldb = C;
+    g.C = out, g.ldc = OC;
+    g.bias = bias;
+    gemm(g);
+  }
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp, BufferRef weight,
+                       int N, int C, int OC) override {
+    const BufferRef d = operand(2, BufferRef(dout, static_cast<std::int64_t>(N) * OC, MemSpace::device),
+                                static_cast<std::int64_t>(N) * OC);             // [N,OC]
+    const BufferRef w = operand(1, weight, static_cast<std::int64_t>(OC) * C);   // [OC,C]
+    const BufferRef x = operand(0, inp, static_cast<std::int64_t>(N) * C);       // [N,C]
+    Gemm g;  // dinp = dout W
+    g.M = N, g.N = C, g.K = OC;
+    g.A = d.data, g.a_type = d.type, g.lda = OC;
+    g.B = w.data, g.b_type = w.type, g.ldb = C;
+    g.C = dinp, g.ldc = C;
+    gemm(g);
+    Gemm h;  // dW += dout^T x
+    h.ta = true, h.M = OC, h.N = C, h.K = N;
+    h.A = d.data, h.a_type = d.type, h.lda = OC;
+    h.B = x.data, h.b_type = x.type, h.ldb = C;
+    h.C = dweight, h.ldc = C, h.beta = 1.0f;
+    gemm(h);
+    if (dbias) cuda::bias_backward(dbias, dout, N, OC, stream_);  // a sum, not a product: fp32
+  }
+  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
+    const int hs = C / NH, C3 = 3 * C;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+    for (int b = 0; b < B; ++b) {  // per sequence, every head in one batched product
+      const float* q = qkv + static_cast<std::int64_t>(b) * T * C3;
+      float* a = att + static_cast<std::int64_t>(b) * NH * T * T;
+      Gemm g;  // scores_h = q_h k_h^T / sqrt(hs)
+      g.tb = true, g.M = T, g.N = T, g.K = hs;
+      g.A = q, g.lda = C3, g.B = q + C, g.ldb = C3, g.C = a, g.ldc = T, g.alpha = scale;
+      g.batch = NH, g.stride_a = hs, g.stride_b = hs, g.stride_c = static_cast<long long>(T) * T;
+      gemm(g);
+    }
+    cuda::softmax_causal_forward(att, B * NH * T, T, stream_);
+    for (int b = 0; b < B; ++b) {
+      const float* v = qkv + static_cast<std::int64_t>(b) * T * C3 + 2 * C;
+      Gemm g;  // out_h = att_h v_h
+      g.M = T, g.N = hs, g.K = T;
+      g.A = att + static_cast<std::int64_t>(b) * NH * T * T, g.lda = T, g.B = v, g.ldb = C3;
+      g.C = out + static_cast<std::int64_t>(b) * T * C, g.ldc = C;
+      g.batch = NH, g.stride_a = static_cast<long long>(T) * T, g.stride_b = hs, g.stride_c = hs;
+      gemm(g);
+    }
+  }
+  // datt ([T,T] on the host, one head at a time) is not used: the heads of a sequence run batched
+  // in the back end's own [NH,T,T] scratch.
+  void attention_backward(float* dqkv, float* /*datt*/, const float* dout, const float* qkv, const float* att, int B,
+                          int T, int C, int NH) override {
+    const int hs = C / NH, C3 = 3 * C;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+    const long long TT = static_cast<long long>(T) * T;
+    ensure_capacity(*this, att_scratch_, "cuda.attention_datt", DType::f32, NH * TT, Mem::workspace);
+    float* datt = att_scratch_.data<float>();  // [NH,T,T]
+    for (int b = 0; b < B; ++b) {
+      const std::int64_t base = static_cast<std::int64_t>(b) * T * C3;
+      const float* q = qkv + base;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* dq = dqkv + base;
+      float* dk = dq + C;
+      float* dv = dq + 2 * C;
+      const float* a = att + static_cast<std::int64_t>(b) * NH * TT;
+      const float* d = dout + static_cast<std::int64_t>(b) * T * C;
+      Gemm g1;  // dv_h = att_h^T dout_h
+      g1.ta = true, g1.M = T, g1.N = hs, g1.K = T;
+      g1.A = a, g1.lda = T, g1.B = d, g1.ldb = C, g1.C = dv, g1.ldc = C3;
+      g1.batch = NH, g1.stride_a = TT, g1.stride_b = hs, g1.stride_c = hs;
+      gemm(g1);
+      Gemm g2;  // datt_h = dout_h v_h^T
+      g2.tb = true, g2.M = T, g2.N = T, g2.K = hs;
+      g2.A = d, g2.lda = C, g2.B = v, g2.ldb = C3, g2.C = datt, g2.ldc = T;
+      g2.batch = NH, g2.stride_a = hs, g2.stride_b = hs, g2.stride_c = TT;
+      gemm(g2);
+      cuda::softmax_causal_backward(datt, a, NH * T, T, stream_);
+      Gemm g3;  // dq_h = dscores_h k_h / sqrt(hs)
+      g3.M = T, g3.N = hs, g3.K = T, g3.alpha = scale;
+      g3.A = datt, g3.lda = T, g3.B = k, g3.ldb = C3, g3.C = dq, g3.ldc = C3;
+      g3.batch = NH, g3.stride_a = TT, g3.stride_b = hs, g3.stride_c = hs;
+      gemm(g3);
+      Gemm g4;  // dk_h = dscores_h^T q_h / sqrt(hs)
+      g4.ta = true, g4.M = T, g4.N = hs, g4.K = T, g4.alpha = scale;
+      g4.A = datt, g4.lda = T, g4.B = q, g4.ldb = C3, g4.C = dk, g4.ldc = C3;
+      g4.batch = NH, g4.stride_a = TT, g4.stride_b = hs, g4.stride_c = hs;
+      gemm(g4);
+    }
+  }
+  void gelu_forward(float* out, const float* inp, std::int64_t n) override { cuda::gelu_forward(out, inp, n, stream_); }
+  void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
+    cuda::gelu_backward(dinp, inp, dout, n, stream_);
+  }
+  void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
+    cuda::residual_forward(out, a, b, n, stream_);
+  }
+  void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* targets, int N,
+                            int V) override {
+    cuda::crossentropy_forward(losses, probs, logits, targets, N, V, stream_);
+  }
+  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N,
+                             int V) override {
+    cuda::crossentropy_backward(dlogits, probs, targets, dloss, N, V, stream_);
+  }
+  void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
+                    float beta2, float eps, float weight_decay, std::int64_t t) override {
+    cuda::adamw_update(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t, stream_);
+  }
+  double sum_squares(const float* x, std::int64_t n) override {
+    return reduce_one(&cuda::sum_squares, BufferRef(x, n, MemSpace::device));
+  }
+  double sum(const float* x, std::int64_t n) override { return reduce_one(&cuda::sum, BufferRef(x, n, MemSpace::device)); }
+  void scale(float* x, float a, std::int64_t n) override { cuda::scale(x, DType::f32, a, n, stream_); }
+  void fill(float* x, float value, std::int64_t n) override { cuda::fill(x, DType::f32, value, n, stream_); }
+  void copy(float* dst, const float* src, std::int64_t n) override {
+    if (n > 0 && dst != src)
+      check_cuda(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+                 "copy");
+  }
+
+  // ---- typed operations ----------------------------------------------------------------------
+  void cast(BufferRef dst, BufferRef src) override {
+    require_device(dst, "cast", "dst");
+    require_device(src, "cast", "src");
+    if (dst.count != src.count)
+      refuse("cast: dst holds " + std::to_string(dst.count) + " elements, src " + std::to_string(src.count));
+    cuda_type(dst.type, "cast");
+    cuda_type(src.type, "cast");
+    cuda::cast(dst.data, dst.type, src.data, src.type, dst.count, stream_);
+  }
+  void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool transa, bool transb, float alpha,
+              float beta) override {
+    require_device(out, "matmul", "out");
+    require_device(a, "matmul", "a");
+    require_device(b, "matmul", "b");
+    if (M < 0 || N < 0 || K < 0) refuse("matmul: negative dimension");
+    const auto expect = [](const BufferRef& x, const char* name, std::int64_t rows, std::int64_t cols) {
+      if (x.count != rows * cols)
+        refuse(std::string("matmul: ") + name + " holds " + std::to_string(x.count) + " elements, expected " +
+               std::to_string(rows) + " x " + std::to_string(cols));
+    };
+    expect(a, "a", M, K);
+    expect(b, "b", K, N);
+    expect(out, "out", M, N);
+    const bool f64 = a.type == DType::f64 || b.type == DType::f64 || out.type == DType::f64;
+    if (f64 && !(a.type == DType::f64 && b.type == DType::f64 && out.type == DType::f64))
+      refuse(std::string("matmul: operands of ") + dtype_name(out.type) + " = " + dtype_name(a.type) + " x " +
+             dtype_name(b.type) + "; mixed operands are fp32, bf16 or fp16 (fp64 only with fp64)");
+    for (const BufferRef* x : {&out, &a, &b}) cuda_type(x->type, "matmul");
+    // cuBLASLt takes A and B of one type: a mixed pair goes through an fp32 copy of the 16-bit one.
+    BufferRef pa = a, pb = b;
+    if (!f64 && a.type != b.type) {
+      if (a.type != DType::f32) pa = widened(0, a);
+      if (b.type != DType::f32) pb = widened(1, b);
+    }
+    Gemm g;
+    g.ta = transa, g.tb = transb, g.M = M, g.N = N, g.K = K;
+    g.A = pa.data, g.a_type = pa.type, g.lda = std::max(1, transa ? M : K);
+    g.B = pb.data, g.b_type = pb.type, g.ldb = std::max(1, transb ? K : N);
+    g.C = out.data, g.c_type = out.type, g.ldc = std::max(1, N);
+    g.alpha = alpha, g.beta = beta;
+    gemm(g);
+  }
+  NormCheck sq_norm_check(const std::vector<BufferRef>& tensors) override {
+    NormCheck r;
+    if (tensors.empty()) return r;
+    // One reduction per tensor into a device array, one copy back for all of them.
+    const std::int64_t k = static_cast<std::int64_t>(tensors.size());
+    ensure_capacity(*this, norm_out_, "cuda.norm_results", DType::f64, 2 * k, Mem::workspace);
+    double* out = norm_out_.data<double>();
+    for (std::int64_t i = 0; i < k; ++i) {
+      const BufferRef& t = tensors[static_cast<std::size_t>(i)];
+      require_device(t, "sq_norm_check", "a tensor");
+      cuda_type(t.type, "sq_norm_check");
+      cuda::sum_squares(out + i, t.data, t.type, t.count, reduce_scratch(t.count), stream_);
+      cuda::count_nonfinite(out + k + i, t.data, t.type, t.count, reduce_scratch(t.count), stream_);
+    }
+    std::vector<double> host(static_cast<std::size_t>(2 * k));
+    copy_to_host(host.data(), BufferRef(out, 2 * k, MemSpace::device));
+    for (std::int64_t i = 0; i < k; ++i) {
+      r.sum_squares += host[static_cast<std::size_t>(i)];
+      if (host[static_cast<std::size_t>(k + i)] != 0 && r.all_finite) {
+        r.all_finite = false;
+        r.first_nonfinite = static_cast<int>(i);
+      }
+    }
+    return r;
+  }
+  void scale(BufferRef x, double a) override {
+    require_device(x, "scale", "x");
+    cuda_type(x.type, "scale");
+    cuda::scale(x.data, x.type, a, x.count, stream_);
+  }
+  void fill(BufferRef x, double value) override {
+    require_device(x, "fill", "x");
+    cuda_type(x.type, "fill");
+    cuda::fill(x.data, x.type, value, x.count, stream_);
+  }
+
+ private:
+  using Reduction = void (*)(double*, const void*, DType, std::int64_t, double*, cudaStream_t);
+  double* reduce_scratch(std::int64_t n) {
+    ensure_capacity(*this, reduce_scratch_, "cuda.reduce_partials", DType::f64,
+                    std::max<std::int64_t>(1, cuda::reduce_scratch_count(n)), Mem::workspace);
+    return reduce_scratch_.data<double>();
+  }
+  double reduce_one(Reduction f, BufferRef x) {
+    ensure_capacity(*this, norm_out_, "cuda.norm_results", DType::f64, 2, Mem::workspace);
+    f(norm_out_.data<double>(), x.data, x.type, x.count, reduce_scratch(x.count), stream_);
+    double v = 0;
+    copy_to_host(&v, BufferRef(norm_out_.data<double>(), 1, MemSpace::device));
+    return v;
+  }
+
+  // The first n elements of `src` as a matrix-product operand in the run's precision: fp32 as it is
+  // in an fp32 run; in a 16-bit run an operand of that type as it is, an fp32 one rounded into
+  // operand slot `slot` (cuBLASLt reads 16-bit operands natively, accumulating in fp32).
+  BufferRef operand(int slot, BufferRef src, std::int64_t n) {
+    if (src.count < n)
+      refuse("Backend::matmul: an operand of " + std::to_string(src.count) + " elements, " + std::to_string(n) + " needed");
+    require_device(src, "matmul", "operand");
+    const DType want = precision_.matmul;
+    if (src.type == want) return BufferRef(src.data, src.type, n, MemSpace::device);
+    if (src.type != DType::f32)
+      refuse(std::string("Backend::matmul: a ") + dtype_name(src.type) + " operand in a " + dtype_name(want) +
+             " run (fp32 or " + dtype_name(want) + " expected)");
+    TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
+    ensure_capacity(*this, buf, "cuda.matmul_operand" + std::to_string(slot), want, n, Mem::workspace);
+    cuda::cast(buf.ref().data, want, src.data, DType::f32, n, stream_);
+    return BufferRef(buf.ref().data, want, n, MemSpace::device);
+  }
+  BufferRef widened(int slot, BufferRef x) {
+    TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
+    ensure_capacity(*this, buf, "cuda.matmul_operand" + std::to_string(slot), DType::f32, x.count, Mem::workspace);
+    cuda::cast(buf.ref().data, DType::f32, x.data, x.type, x.count, stream_);
+    return BufferRef(buf.ref().data, DType::f32, x.count, MemSpace::device);
+  }
+
+  void gemm(const Gemm& g) {
+    if (g.M == 0 || g.N == 0) return;
+    if (g.K == 0) {  // no products: C = beta C (+ bias)
+      if (g.beta != 1.0f) cuda::scale(g.C, g.c_type, g.beta, static_cast<std::int64_t>(g.M) * g.N, stream_);
+      return;
+    }
+    if (g.a_type != g.b_type) refuse("matmul: operands of two types");
+    const bool f64 = g.a_type == DType::f64;
+    const cublasComputeType_t compute =
+        f64 ? CUBLAS_COMPUTE_64F : (g.a_type == DType::f32 && tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
+    const cudaDataType scale_type = f64 ? CUDA_R_64F : CUDA_R_32F;
+    cublasLtMatmulDesc_t desc = nullptr;
+    check_lt(cublasLtMatmulDescCreate(&desc, compute, scale_type), "MatmulDescCreate");
+    // Column-major: D^T[N,M] = op(B)^T[N,K] op(A)^T[K,M]; the first operand is B, the second A.
+    const cublasOperation_t op1 = g.tb ? CUBLAS_OP_T : CUBLAS_OP_N, op2 = g.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    check_lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op1, sizeof op1), "TRANSA");
+    check_lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op2, sizeof op2), "TRANSB");
+    if (g.bias) {
+      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+      check_lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "EPILOGUE");
+      check_lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias), "BIAS");
+      const cudaDataType bias_type = CUDA_R_32F;
+      check_lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
+               "BIAS_DATA_TYPE");
+    }
+    const auto layout = [&](DType t, int rows, int cols, int ld, long long stride) {
+      cublasLtMatrixLayout_t l = nullptr;
+      check_lt(cublasLtMatrixLayoutCreate(&l, cuda_type(t, "matmul"), rows, cols, ld), "MatrixLayoutCreate");
+      if (g.batch > 1) {
+        check_lt(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &g.batch, sizeof g.batch), "BATCH");
+        check_lt(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
+                 "STRIDE");
+      }
+      return l;
+    };
+    // A row-major [r,c] matrix with leading dimension ld is a column-major [c,r] one.
+    cublasLtMatrixLayout_t l1 = layout(g.b_type, g.tb ? g.K : g.N, g.tb ? g.N : g.K, g.ldb, g.stride_b);
+    cublasLtMatrixLayout_t l2 = layout(g.a_type, g.ta ? g.M : g.K, g.ta ? g.K : g.M, g.lda, g.stride_a);
+    cublasLtMatrixLayout_t lc = layout(g.c_type, g.N, g.M, g.ldc, g.stride_c);
+
+    const std::uint32_t al1 = alignment_of(g.B), al2 = alignment_of(g.A), alc = alignment_of(g.C);
+    const auto key = std::make_tuple(g.ta, g.tb, g.M, g.N, g.K, g.lda, g.ldb, g.ldc, static_cast<int>(g.a_type),
+                                     static_cast<int>(g.c_type), g.batch, g.bias != nullptr,
+                                     std::min({al1, al2, alc, g.bias ? alignment_of(g.bias) : 256u}), g.beta != 0.0f,
+                                     g.stride_a, g.stride_b, g.stride_c, static_cast<int>(compute));
+    auto it = algos_.find(key);
+    if (it == algos_.end()) {
+      cublasLtMatmulPreference_t pref = nullptr;
+      check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
+      const std::size_t ws = workspace_.bytes();
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws), "WS");
+      const std::uint32_t align_c = alc, align_bias = g.bias ? alignment_of(g.bias) : 256u;
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al1, sizeof al1), "ALIGN_A");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al2, sizeof al2), "ALIGN_B");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c), "ALIGN_C");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c), "ALIGN_D");
+      (void)align_bias;
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, desc, l1, l2, lc, lc, pref, 1, &result, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+        throw std::runtime_error("cuBLASLt: no algorithm for a " + std::to_string(g.M) + " x " + std::to_string(g.N) +
+                                 " x " + std::to_string(g.K) + " product of " + dtype_name(g.a_type) + " into " +
+                                 dtype_name(g.c_type) + (g.bias ? " with bias" : "") + " (status " +
+                                 std::to_string(static_cast<int>(st)) + ")");
+      it = algos_.emplace(key, result.algo).first;
+    }
+    const double alpha64 = g.alpha, beta64 = g.beta;
+    const void* alpha = f64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&g.alpha);
+    const void* beta = f64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&g.beta);
+    const cublasStatus_t st = cublasLtMatmul(lt_, desc, alpha, g.B, l1, g.A, l2, beta, g.C, lc, g.C, lc, &it->second,
+                                             workspace_.ref().data, workspace_.bytes(), stream_);
+    cublasLtMatrixLayoutDestroy(l1);
+    cublasLtMatrixLayoutDestroy(l2);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(desc);
+    check_lt(st, "cublasLtMatmul");
+  }
+
+  int device_;
+  bool tf32_;
+  cudaDeviceProp props_{};
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  TypedBuffer workspace_;
+  std::array<TypedBuffer, 3> operands_;  // 16-bit (or widened) operands of one product: input, weight, gradient
+  TypedBuffer att_scratch_;              // [NH,T,T] attention-score gradients of one sequence
+  TypedBuffer reduce_scratch_;           // per-block partial sums of a reduction
+  TypedBuffer norm_out_;                 // reduction results on the device, copied back together
+  std::map<std::tuple<bool, bool, int, int, int, int, int, int, int, int, int, bool, std::uint32_t, bool, long long,
+                      long long, long long, int>,
+           cublasLtMatmulAlgo_t>
+      algos_;  // cuBLASLt's choice per product shape, asked once
+};
+
+}  // namespace
+}  // namespace loom
+
+extern "C" {
+int loom_cuda_abi() { return LOOM_CUDA_ABI_VERSION; }
+int loom_cuda_device_count(char* why, int why_len) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    if (why && why_len > 0) {
+      std::strncpy(why, cudaGetErrorString(e), static_cast<std::size_t>(why_len) - 1);
+      why[why_len - 1] = 0;
+    }
+    cudaGetLastError();  // clear it
+    return 0;
+  }
+  return n;
+}
+loom::Backend* loom_cuda_create(int device, int tf32) { return new loom::CudaBackend(device, tf32 != 0); }
+}

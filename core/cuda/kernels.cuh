@@ -1,0 +1,218 @@
+#pragma once
+// The CUDA twins of the host layer kernels (core/kernels.hpp, the semantic reference: shapes,
+// accumulation rules, the tensor-parallel vocabulary range, the causal mask). The per-element
+// arithmetic comes from core/kernel_math.hpp, compiled for host and device alike, so both back ends
+// compute the same function of each element; only how rows and columns are reduced differs.
+//
+// As in core/kernels.hpp (and llm.c's train_gpt2.cu): each layer's _forward is followed by its
+// _backward, outputs first, then inputs; gradients carry a `d` prefix.
+//
+// Shape letters: B batch, T sequence length, C channels, NH heads, N = B*T rows, V vocabulary,
+// OC output channels.
+//
+// Accumulation rules (as the host): parameter gradients (dwte, dwpe, dweight, dbias) are
+// accumulated (+=); layernorm_backward accumulates into dinp (the residual stream); every other
+// output is overwritten.
+//
+// Every pointer is a device pointer. Every function launches on `stream` and returns without
+// synchronising; none allocates. A failed launch throws std::runtime_error naming the kernel.
+// Determinism: no kernel here uses atomics; every sum is reduced in a fixed order that depends only
+// on the shapes (never on the device), so the same inputs give the same bits on every run.
+//
+// This header is plain C++ (g++ can include it with the CUDA include directory on its path): the
+// launch-geometry helpers below are ordinary inline functions a CPU-only unit test may call.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.hpp"
+
+namespace loom::cuda {
+
+// ---------------------------------------------------------------------------------------------
+// Launch geometry.
+
+struct LaunchGeometry {
+  unsigned blocks;
+  unsigned threads;
+};
+
+// Grid-stride loops over n elements: blocks = min(ceil(n / threads), max_blocks), at least 1
+// (threads > 0). The kernels loop, so a capped grid still covers every element.
+inline LaunchGeometry elementwise_geometry(std::int64_t n, unsigned threads = 256, unsigned max_blocks = 65535u * 4) {
+  const std::int64_t t = threads;
+  const std::int64_t want = n > 0 ? (n + t - 1) / t : 1;
+  const std::int64_t cap = max_blocks > 0 ? static_cast<std::int64_t>(max_blocks) : 1;
+  return LaunchGeometry{static_cast<unsigned>(want < cap ? want : cap), threads};
+}
+
+// One warp (32 threads) per row: blocks = ceil(rows * 32 / threads), at least 1, at most the grid's
+// x limit 2^31 - 1 (the kernels loop over rows, so the cap only changes how many rows a warp does).
+// threads is a multiple of 32.
+inline LaunchGeometry rows_per_warp_geometry(std::int64_t rows, unsigned threads = 256) {
+  const std::int64_t t = threads;
+  const std::int64_t want = rows > 0 ? (rows * 32 + t - 1) / t : 1;
+  const std::int64_t cap = 0x7fffffff;
+  return LaunchGeometry{static_cast<unsigned>(want < cap ? want : cap), threads};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token + position embedding. With tensor parallelism the token table is split by vocabulary: this
+// rank holds rows [vocab_begin, vocab_end) and contributes zeros for other tokens; the position
+// embedding is added by one rank only (add_pos).
+
+void encoder_forward(float* out,               // [B,T,C]
+                     const std::int32_t* inp,  // [B,T]
+                     const float* wte,         // [V_local,C], V_local = vocab_end - vocab_begin
+                     const float* wpe,         // [T,C] (read only if add_pos)
+                     int B, int T, int C, int vocab_begin, int vocab_end, bool add_pos,
+                     cudaStream_t stream);
+
+// dwpe[t] += sum_b dout[b,t]; dwte[tok - vocab_begin] += dout[b,t] for the rows holding a token of
+// this rank. Deterministic, no atomics: each gradient row gets its rows of dout added in row order,
+// the host's order, so fp32 results equal the host's bit for bit.
+void encoder_backward(float* dwte,              // [V_local,C] (+=)
+                      float* dwpe,              // [T,C] (+=)
+                      const float* dout,        // [B,T,C]
+                      const std::int32_t* inp,  // [B,T]
+                      int B, int T, int C, int vocab_begin, int vocab_end, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm over the last dimension, eps 1e-5. One warp per row; two-pass mean and (biased)
+// variance in float.
+
+void layernorm_forward(float* out,           // [N,C]
+                       float* mean,          // [N]
+                       float* rstd,          // [N]
+                       const float* inp,     // [N,C]
+                       const float* weight,  // [C]
+                       const float* bias,    // [C]
+                       int N, int C, cudaStream_t stream);
+
+void layernorm_backward(float* dinp,          // [N,C] (+=)
+                        float* dweight,       // [C] (+=)
+                        float* dbias,         // [C] (+=)
+                        const float* dout,    // [N,C]
+                        const float* inp,     // [N,C]
+                        const float* weight,  // [C]
+                        const float* mean,    // [N]
+                        const float* rstd,    // [N]
+                        int N, int C, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Linear-layer bias (the matrix product itself is a cuBLAS call in the back end).
+
+// out[n,j] += bias[j]
+void bias_add(float* out,         // [N,OC]
+              const float* bias,  // [OC]
+              int N, int OC, cudaStream_t stream);
+
+// dbias[j] += sum_n dout[n,j]: coalesced column sums, fixed order.
+void bias_backward(float* dbias,       // [OC] (+=)
+                   const float* dout,  // [N,OC]
+                   int N, int OC, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax of attention scores, in place. Row r (rows = B*NH*T) is query position t = r % T:
+// entries j <= t become the softmax over j <= t, entries j > t become 0. One warp per row.
+
+void softmax_causal_forward(float* att,  // [rows,T]: scaled scores in, probabilities out
+                            int rows, int T, cudaStream_t stream);
+
+// datt[j] = att[j] * (datt[j] - sum_{k<=t} att[k] datt[k]) for j <= t, 0 for j > t; in place.
+void softmax_causal_backward(float* datt,       // [rows,T]: d probabilities in, d scores out
+                             const float* att,  // [rows,T]
+                             int rows, int T, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// GELU (tanh approximation) and the residual add, elementwise.
+
+void gelu_forward(float* out,        // [n]
+                  const float* inp,  // [n]
+                  std::int64_t n, cudaStream_t stream);
+
+void gelu_backward(float* dinp,        // [n] (=)
+                   const float* inp,   // [n]
+                   const float* dout,  // [n]
+                   std::int64_t n, cudaStream_t stream);
+
+// out = a + b (out may alias a or b)
+void residual_forward(float* out,      // [n]
+                      const float* a,  // [n]
+                      const float* b,  // [n]
+                      std::int64_t n, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Softmax + cross-entropy, fused. One block per row.
+
+// losses[n] = log(sum) + max - logits[n, target] (log-sum-exp form), probs = softmax(logits).
+void crossentropy_forward(float* losses,                   // [N]
+                          float* probs,                    // [N,V]
+                          const float* logits,             // [N,V]
+                          const std::int32_t* targets,     // [N]
+                          int N, int V, cudaStream_t stream);
+
+// dlogits = (probs - onehot(target)) * dloss; dlogits may alias probs.
+void crossentropy_backward(float* dlogits,                // [N,V] (=)
+                           const float* probs,            // [N,V]
+                           const std::int32_t* targets,   // [N]
+                           float dloss,                   // d(total loss) / d(loss of one row)
+                           int N, int V, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// AdamW (torch.optim.AdamW): t is the 1-based step; the bias corrections are computed on the host
+// in float as core/kernels.hpp does.
+
+void adamw_update(float* params,       // [n] (updated)
+                  float* m,            // [n] (updated)
+                  float* v,            // [n] (updated)
+                  const float* grads,  // [n]
+                  std::int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                  std::int64_t t, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Typed operations on fp32, fp64, bf16 and fp16 buffers (16-bit types stored as their bits). Any
+// other DType throws std::invalid_argument naming the operation and the type.
+
+// dst[i] = src[i] converted, rounded to nearest even (fp64 to bf16/fp16 directly, through a float
+// rounded to odd); NaN stays NaN. Same type and same pointer: nothing to do. dst and src must not
+// otherwise overlap.
+void cast(void* dst,        // [n] of dst_type
+          DType dst_type,
+          const void* src,  // [n] of src_type
+          DType src_type, std::int64_t n, cudaStream_t stream);
+
+// x *= a in the compute type (double for fp64, float otherwise).
+void scale(void* x,  // [n] of type
+           DType type, double a, std::int64_t n, cudaStream_t stream);
+
+// x = value, converted to the compute type first, then stored.
+void fill(void* x,  // [n] of type
+          DType type, double value, std::int64_t n, cudaStream_t stream);
+
+// Deterministic reductions into *out (a device double, overwritten): each block's threads
+// accumulate their grid-stride elements in double and reduce them in a fixed tree into
+// scratch[block]; one block then adds the partials in a fixed order. The partition depends only
+// on n, so the same input gives the same bits on every run and every device. n == 0 gives 0.
+std::int64_t reduce_scratch_count(std::int64_t n);  // how many doubles `scratch` must hold (>= 1)
+
+void sum_squares(double* out,      // [1]
+                 const void* x,    // [n] of type
+                 DType type, std::int64_t n,
+                 double* scratch,  // [reduce_scratch_count(n)]
+                 cudaStream_t stream);
+
+void sum(double* out,      // [1]
+         const void* x,    // [n] of type
+         DType type, std::int64_t n,
+         double* scratch,  // [reduce_scratch_count(n)]
+         cudaStream_t stream);
+
+// The number of NaN and inf elements.
+void count_nonfinite(double* out,      // [1]
+                     const void* x,    // [n] of type
+                     DType type, std::int64_t n,
+                     double* scratch,  // [reduce_scratch_count(n)]
+                     cudaStream_t stream);
+
+}  // namespace loom::cuda

@@ -1,0 +1,350 @@
+// Every operation of the CUDA back end against its host twin, on the same random inputs: the
+// outputs agree to a relative error of the whole tensor's norm (||dev - host|| / ||host||), 1e-5
+// for fp32 kernels (accumulation order differs; atomics in the weight-gradient sums), and bit for
+// bit where the arithmetic has no order (casts, fills, elementwise kernels checked at 1e-6). Labelled
+// `gpu`: without a visible GPU every test is skipped and says why.
+#include <gtest/gtest.h>
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/backend_select.hpp"
+#include "core/blas_core.hpp"
+
+extern "C" int loom_cuda_device_count(char* why, int why_len);
+extern "C" loom::Backend* loom_cuda_create(int device, int tf32);
+
+namespace {
+
+using loom::Backend;
+using loom::BufferRef;
+using loom::DType;
+using loom::Mem;
+using loom::MemSpace;
+using loom::TypedBuffer;
+
+std::string no_gpu_reason() {
+  char why[256] = {0};
+  const int n = loom_cuda_device_count(why, sizeof why);
+  return n > 0 ? "" : std::string("no CUDA device visible: ") + why;
+}
+
+#define REQUIRE_GPU()                                        \
+  do {                                                       \
+    const std::string reason = no_gpu_reason();              \
+    if (!reason.empty()) GTEST_SKIP() << reason;             \
+  } while (0)
+
+std::vector<float> randn(std::size_t n, std::uint32_t seed, float stddev = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(gen);
+  return v;
+}
+
+double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    den += double(want[i]) * want[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+// The two back ends and tensors held in both: `h` on the host, `d` on the device, same contents.
+struct Twins {
+  std::unique_ptr<Backend> host = loom::make_host_backend(1);
+  std::unique_ptr<Backend> dev{loom_cuda_create(0, 0)};
+  std::vector<std::unique_ptr<TypedBuffer>> keep;
+
+  struct T {
+    float* h;
+    float* d;
+    std::int64_t n;
+  };
+  template <class E = float>
+  std::pair<E*, E*> both(const std::vector<E>& v) {
+    keep.push_back(std::make_unique<TypedBuffer>(host->allocate("h", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
+    E* h = keep.back()->template data<E>();
+    std::memcpy(h, v.data(), v.size() * sizeof(E));
+    keep.push_back(std::make_unique<TypedBuffer>(dev->allocate("d", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
+    E* d = keep.back()->template data<E>();
+    dev->copy_from_host(BufferRef(d, std::int64_t(v.size()), MemSpace::device), v.data());
+    return {h, d};
+  }
+  T make(const std::vector<float>& v) {
+    auto [h, d] = both(v);
+    return {h, d, std::int64_t(v.size())};
+  }
+  T zeros(std::int64_t n) { return make(std::vector<float>(std::size_t(n), 0.0f)); }
+  std::vector<float> host_of(const T& t) const { return std::vector<float>(t.h, t.h + t.n); }
+  std::vector<float> dev_of(const T& t) const {
+    std::vector<float> v(std::size_t(t.n));
+    dev->copy_to_host(v.data(), BufferRef(t.d, t.n, MemSpace::device));
+    return v;
+  }
+  double err(const T& t) const { return rel_err(dev_of(t), host_of(t)); }
+};
+
+constexpr double kTol = 1e-5;
+
+TEST(CudaBackend, EncoderForwardAndBackward) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int B = 3, T = 17, C = 40, V = 50, vb = 10, ve = 35;  // a tp shard of the vocabulary
+  std::vector<std::int32_t> tok(B * T);
+  std::mt19937 g(1);
+  for (auto& t : tok) t = std::int32_t(g() % V);
+  auto [th, td] = tw.both(tok);
+  auto wte = tw.make(randn(std::size_t(ve - vb) * C, 2)), wpe = tw.make(randn(std::size_t(T) * C, 3));
+  auto out = tw.zeros(std::int64_t(B) * T * C);
+  for (bool pos : {true, false}) {
+    tw.host->encoder_forward(out.h, th, wte.h, wpe.h, B, T, C, vb, ve, pos);
+    tw.dev->encoder_forward(out.d, td, wte.d, wpe.d, B, T, C, vb, ve, pos);
+    EXPECT_LT(tw.err(out), 1e-7) << "add_pos " << pos;
+  }
+  auto dout = tw.make(randn(std::size_t(B) * T * C, 4));
+  auto dwte = tw.make(randn(std::size_t(ve - vb) * C, 5)), dwpe = tw.make(randn(std::size_t(T) * C, 6));
+  tw.host->encoder_backward(dwte.h, dwpe.h, dout.h, th, B, T, C, vb, ve);
+  tw.dev->encoder_backward(dwte.d, dwpe.d, dout.d, td, B, T, C, vb, ve);
+  EXPECT_LT(tw.err(dwte), kTol);
+  EXPECT_LT(tw.err(dwpe), kTol);
+}
+
+TEST(CudaBackend, LayerNormForwardAndBackward) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int N = 75, C = 96;
+  auto inp = tw.make(randn(std::size_t(N) * C, 1, 2.0f)), w = tw.make(randn(C, 2)), b = tw.make(randn(C, 3));
+  auto out = tw.zeros(std::int64_t(N) * C), mean = tw.zeros(N), rstd = tw.zeros(N);
+  tw.host->layernorm_forward(out.h, mean.h, rstd.h, inp.h, w.h, b.h, N, C);
+  tw.dev->layernorm_forward(out.d, mean.d, rstd.d, inp.d, w.d, b.d, N, C);
+  EXPECT_LT(tw.err(out), kTol);
+  EXPECT_LT(tw.err(mean), kTol);
+  EXPECT_LT(tw.err(rstd), kTol);
+  auto dout = tw.make(randn(std::size_t(N) * C, 4));
+  auto dinp = tw.make(randn(std::size_t(N) * C, 5)), dw = tw.make(randn(C, 6)), db = tw.make(randn(C, 7));  // +=
+  tw.host->layernorm_backward(dinp.h, dw.h, db.h, dout.h, inp.h, w.h, mean.h, rstd.h, N, C);
+  tw.dev->layernorm_backward(dinp.d, dw.d, db.d, dout.d, inp.d, w.d, mean.d, rstd.d, N, C);
+  EXPECT_LT(tw.err(dinp), kTol);
+  EXPECT_LT(tw.err(dw), kTol);
+  EXPECT_LT(tw.err(db), kTol);
+}
+
+TEST(CudaBackend, MatmulForwardAndBackwardWithBias) {
+  REQUIRE_GPU();
+  for (DType precision : {DType::f32, DType::bf16}) {
+    Twins tw;
+    tw.host->set_precision({precision, DType::f32});
+    tw.dev->set_precision({precision, DType::f32});
+    const int N = 64, C = 48, OC = 80;
+    auto inp = tw.make(randn(std::size_t(N) * C, 1)), w = tw.make(randn(std::size_t(OC) * C, 2)), b = tw.make(randn(OC, 3));
+    auto out = tw.zeros(std::int64_t(N) * OC);
+    tw.host->matmul_forward(out.h, inp.h, w.h, b.h, N, C, OC);
+    tw.dev->matmul_forward(out.d, inp.d, w.d, b.d, N, C, OC);
+    EXPECT_LT(tw.err(out), kTol) << loom::dtype_name(precision);
+    auto dout = tw.make(randn(std::size_t(N) * OC, 4));
+    auto dinp = tw.zeros(std::int64_t(N) * C), dw = tw.make(randn(std::size_t(OC) * C, 5)), db = tw.make(randn(OC, 6));
+    tw.host->matmul_backward(dinp.h, dw.h, db.h, dout.h, inp.h, w.h, N, C, OC);
+    tw.dev->matmul_backward(dinp.d, dw.d, db.d, dout.d, inp.d, w.d, N, C, OC);
+    EXPECT_LT(tw.err(dinp), kTol) << loom::dtype_name(precision);
+    EXPECT_LT(tw.err(dw), kTol) << loom::dtype_name(precision);
+    EXPECT_LT(tw.err(db), kTol) << loom::dtype_name(precision);
+  }
+}
+
+TEST(CudaBackend, AttentionForwardAndBackward) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int B = 2, T = 33, NH = 4, C = 32;  // head size 8: slices of qkv aligned to 32 bytes only
+  auto qkv = tw.make(randn(std::size_t(B) * T * 3 * C, 1));
+  auto out = tw.zeros(std::int64_t(B) * T * C), att = tw.zeros(std::int64_t(B) * NH * T * T);
+  tw.host->attention_forward(out.h, att.h, qkv.h, B, T, C, NH);
+  tw.dev->attention_forward(out.d, att.d, qkv.d, B, T, C, NH);
+  EXPECT_LT(tw.err(att), kTol);
+  EXPECT_LT(tw.err(out), kTol);
+  auto dout = tw.make(randn(std::size_t(B) * T * C, 2));
+  auto dqkv = tw.zeros(std::int64_t(B) * T * 3 * C), datt = tw.zeros(std::int64_t(T) * T);
+  tw.host->attention_backward(dqkv.h, datt.h, dout.h, qkv.h, att.h, B, T, C, NH);
+  tw.dev->attention_backward(dqkv.d, datt.d, dout.d, qkv.d, att.d, B, T, C, NH);
+  EXPECT_LT(tw.err(dqkv), kTol);
+}
+
+TEST(CudaBackend, ElementwiseKernels) {
+  REQUIRE_GPU();
+  Twins tw;
+  const std::int64_t n = 100003;  // not a multiple of any block size
+  auto x = tw.make(randn(std::size_t(n), 1, 3.0f)), y = tw.make(randn(std::size_t(n), 2)), out = tw.zeros(n);
+  tw.host->gelu_forward(out.h, x.h, n);
+  tw.dev->gelu_forward(out.d, x.d, n);
+  EXPECT_LT(tw.err(out), 1e-6) << "gelu forward";
+  tw.host->gelu_backward(out.h, x.h, y.h, n);
+  tw.dev->gelu_backward(out.d, x.d, y.d, n);
+  EXPECT_LT(tw.err(out), 1e-6) << "gelu backward";
+  tw.host->residual_forward(out.h, x.h, y.h, n);
+  tw.dev->residual_forward(out.d, x.d, y.d, n);
+  EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "residual";
+  tw.host->scale(out.h, 0.37f, n);
+  tw.dev->scale(out.d, 0.37f, n);
+  EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "scale";
+  tw.host->copy(out.h, y.h, n);
+  tw.dev->copy(out.d, y.d, n);
+  EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "copy";
+  tw.host->fill(out.h, -2.5f, n);
+  tw.dev->fill(out.d, -2.5f, n);
+  EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "fill";
+  auto b = tw.make(randn(257, 3)), rows = tw.make(randn(std::size_t(300) * 257, 4)), db = tw.make(randn(257, 5));
+  tw.host->bias_add(rows.h, b.h, 300, 257);
+  tw.dev->bias_add(rows.d, b.d, 300, 257);
+  EXPECT_EQ(tw.dev_of(rows), tw.host_of(rows)) << "bias_add";
+  tw.host->bias_backward(db.h, rows.h, 300, 257);
+  tw.dev->bias_backward(db.d, rows.d, 300, 257);
+  EXPECT_LT(tw.err(db), kTol) << "bias_backward";
+}
+
+TEST(CudaBackend, CrossEntropyForwardAndBackward) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int N = 37, V = 50304;  // GPT-2's padded vocabulary: more columns than one block's threads
+  auto logits = tw.make(randn(std::size_t(N) * V, 1, 4.0f)), losses = tw.zeros(N), probs = tw.zeros(std::int64_t(N) * V);
+  std::vector<std::int32_t> tgt(N);
+  for (int i = 0; i < N; ++i) tgt[std::size_t(i)] = (i * 7919) % V;
+  auto [th, td] = tw.both(tgt);
+  tw.host->crossentropy_forward(losses.h, probs.h, logits.h, th, N, V);
+  tw.dev->crossentropy_forward(losses.d, probs.d, logits.d, td, N, V);
+  // The host adds a row's 50304 exponentials one after another in fp32 (relative error up to
+  // V 2^-24 = 3e-3, typically ~1e-4); the GPU adds them in a tree. So both are held to a
+  // double-precision reference, and the GPU must be at least as close to it as the host (or 1e-6).
+  std::vector<float> ref_probs(std::size_t(N) * V), ref_losses(N);
+  const std::vector<float> lg = tw.host_of(logits);
+  for (int n = 0; n < N; ++n) {
+    const float* l = lg.data() + std::size_t(n) * V;
+    double mx = l[0], sum = 0;
+    for (int v = 1; v < V; ++v) mx = std::max(mx, double(l[v]));
+    for (int v = 0; v < V; ++v) sum += std::exp(double(l[v]) - mx);
+    for (int v = 0; v < V; ++v) ref_probs[std::size_t(n) * V + v] = float(std::exp(double(l[v]) - mx) / sum);
+    ref_losses[std::size_t(n)] = float(std::log(sum) + mx - l[tgt[std::size_t(n)]]);
+  }
+  const auto as_close_as_host = [&](const Twins::T& t, const std::vector<float>& ref, const char* what) {
+    const double dev = rel_err(tw.dev_of(t), ref), host = rel_err(tw.host_of(t), ref);
+    EXPECT_LT(dev, std::max(2 * host, 1e-6)) << what << ": cuda " << dev << ", host " << host << " from fp64";
+  };
+  as_close_as_host(losses, ref_losses, "losses");
+  as_close_as_host(probs, ref_probs, "probs");
+  tw.host->crossentropy_backward(probs.h, probs.h, th, 0.125f, N, V);  // in place, as the model calls it
+  tw.dev->crossentropy_backward(probs.d, probs.d, td, 0.125f, N, V);
+  for (int n = 0; n < N; ++n) ref_probs[std::size_t(n) * V + tgt[std::size_t(n)]] -= 1.0f;
+  for (float& x : ref_probs) x *= 0.125f;
+  as_close_as_host(probs, ref_probs, "dlogits");
+}
+
+TEST(CudaBackend, AdamWAndReductions) {
+  REQUIRE_GPU();
+  Twins tw;
+  const std::int64_t n = 70001;
+  auto p = tw.make(randn(std::size_t(n), 1)), m = tw.make(randn(std::size_t(n), 2, 0.1f)), g = tw.make(randn(std::size_t(n), 4));
+  std::vector<float> v0 = randn(std::size_t(n), 3, 0.1f);
+  for (float& x : v0) x = x * x;
+  auto v = tw.make(v0);
+  for (std::int64_t t = 1; t <= 3; ++t) {
+    tw.host->adamw_update(p.h, m.h, v.h, g.h, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+    tw.dev->adamw_update(p.d, m.d, v.d, g.d, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+  }
+  EXPECT_LT(tw.err(p), 1e-6);
+  EXPECT_LT(tw.err(m), 1e-6);
+  EXPECT_LT(tw.err(v), 1e-6);
+  const double sh = tw.host->sum_squares(g.h, n), sd = tw.dev->sum_squares(g.d, n);
+  EXPECT_NEAR(sd, sh, 1e-6 * sh);
+  const double uh = tw.host->sum(g.h, n), ud = tw.dev->sum(g.d, n);
+  EXPECT_NEAR(ud, uh, 1e-6 * tw.host->sum_squares(g.h, n));
+  EXPECT_EQ(tw.dev->sum_squares(g.d, n), sd) << "the device reduction is deterministic";
+}
+
+TEST(CudaBackend, TypedCastsAreBitForBitTheHosts) {
+  REQUIRE_GPU();
+  Twins tw;
+  const std::int64_t n = 4099;
+  std::vector<double> src64(static_cast<std::size_t>(n));
+  std::mt19937_64 gen(9);
+  std::normal_distribution<double> d(0.0, 100.0);
+  for (auto& x : src64) x = d(gen);
+  src64[0] = std::numeric_limits<double>::quiet_NaN();
+  src64[1] = std::numeric_limits<double>::infinity();
+  src64[2] = 1e6;  // overflows fp16
+  src64[3] = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);  // rounds up in bf16 only when rounded once
+  const DType types[] = {DType::f64, DType::f32, DType::bf16, DType::f16};
+  for (DType to : types)
+    for (DType from : types) {
+      const std::size_t fb = loom::dtype_size(from), tb = loom::dtype_size(to);
+      TypedBuffer hs = tw.host->allocate("hs", from, n, Mem::workspace), ht = tw.host->allocate("ht", to, n, Mem::workspace);
+      TypedBuffer ds = tw.dev->allocate("ds", from, n, Mem::workspace), dt = tw.dev->allocate("dt", to, n, Mem::workspace);
+      TypedBuffer h64 = tw.host->allocate("h64", DType::f64, n, Mem::workspace);
+      std::memcpy(h64.data<double>(), src64.data(), std::size_t(n) * 8);
+      tw.host->cast(hs.ref(), h64.ref());  // the source values, as `from` holds them
+      tw.dev->copy_from_host(ds.ref(), hs.ref().data);
+      tw.host->cast(ht.ref(), hs.ref());
+      tw.dev->cast(dt.ref(), ds.ref());
+      std::vector<unsigned char> got(std::size_t(n) * tb);
+      tw.dev->copy_to_host(got.data(), dt.ref());
+      // NaN payloads may differ: compare NaN-ness through fp64, the rest bit for bit.
+      TypedBuffer back = tw.host->allocate("back", to, n, Mem::workspace), g64 = tw.host->allocate("g64", DType::f64, n, Mem::workspace),
+                  w64 = tw.host->allocate("w64", DType::f64, n, Mem::workspace);
+      std::memcpy(back.ref().data, got.data(), got.size());
+      tw.host->cast(g64.ref(), back.ref());
+      tw.host->cast(w64.ref(), ht.ref());
+      int mismatches = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double a = g64.data<double>()[i], b = w64.data<double>()[i];
+        if (!(a == b || (std::isnan(a) && std::isnan(b)))) ++mismatches;
+      }
+      EXPECT_EQ(mismatches, 0) << loom::dtype_name(from) << " -> " << loom::dtype_name(to) << " (" << fb << " -> " << tb << " bytes)";
+    }
+}
+
+TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int M = 33, N = 65, K = 47;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      auto a = tw.make(randn(std::size_t(M) * K, 1)), b = tw.make(randn(std::size_t(K) * N, 2)), c = tw.make(randn(std::size_t(M) * N, 3));
+      tw.host->matmul(BufferRef(c.h, c.n), BufferRef(a.h, a.n), BufferRef(b.h, b.n), M, N, K, ta, tb, 0.5f, 2.0f);
+      tw.dev->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device),
+                     BufferRef(b.d, b.n, MemSpace::device), M, N, K, ta, tb, 0.5f, 2.0f);
+      EXPECT_LT(tw.err(c), kTol) << "transa " << ta << " transb " << tb;
+    }
+  std::vector<float> with_nan = randn(1000, 4);
+  with_nan[517] = std::numeric_limits<float>::quiet_NaN();
+  auto t0 = tw.make(randn(5000, 5)), t1 = tw.make(with_nan);
+  const loom::NormCheck h = tw.host->sq_norm_check({BufferRef(t0.h, t0.n)});
+  const loom::NormCheck d = tw.dev->sq_norm_check({BufferRef(t0.d, t0.n, MemSpace::device)});
+  EXPECT_NEAR(d.sum_squares, h.sum_squares, 1e-6 * h.sum_squares);
+  EXPECT_TRUE(d.all_finite);
+  const loom::NormCheck bad = tw.dev->sq_norm_check({BufferRef(t0.d, t0.n, MemSpace::device), BufferRef(t1.d, t1.n, MemSpace::device)});
+  EXPECT_FALSE(bad.all_finite);
+  EXPECT_EQ(bad.first_nonfinite, 1);
+  tw.host->scale(BufferRef(t0.h, t0.n), 0.25);
+  tw.dev->scale(BufferRef(t0.d, t0.n, MemSpace::device), 0.25);
+  EXPECT_EQ(tw.dev_of(t0), tw.host_of(t0));
+  EXPECT_THROW(tw.dev->cast(BufferRef(t0.h, t0.n), BufferRef(t0.d, t0.n, MemSpace::device)), std::invalid_argument)
+      << "a host buffer given to the cuda back end is refused";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  loom::select_openblas_core(argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,191 @@
+// The seams a device back end relies on, checked without a GPU: a back end whose memory is marked
+// device memory (it is host memory underneath, so its kernels are the host's) refuses every typed
+// buffer marked host. A model trained through it must never hand it one (a BufferRef made from a
+// raw pointer without the back end's space is the bug this catches: the CUDA back end refuses it at
+// the first step) and must train the same model as the plain host back end, bit for bit: tokens,
+// initial weights and everything else reach its tensors through copy_from_host / copy_to_host.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/engine.hpp"
+#include "core/gpt.hpp"
+
+namespace loom {
+namespace {
+
+class FencedBackend final : public Backend {
+ public:
+  FencedBackend() : h_(make_host_backend(1)) {}
+  std::string name() const override { return "fenced"; }
+  std::string description() const override { return "host kernels on memory marked device"; }
+  MemSpace space() const override { return MemSpace::device; }
+  void set_precision(const Precision& p) override {
+    h_->set_precision(p);
+    precision_ = p;
+  }
+  void release_scratch() override { h_->release_scratch(); }
+  TypedBuffer allocate(const std::string& label, DType type, std::int64_t count, Mem category) override {
+    auto* owned = new TypedBuffer(h_->allocate(label, type, count, Mem::workspace));
+    // The ledger files the device buffer under its category; the host one underneath is workspace
+    // counted twice, which this test does not read.
+    return TypedBuffer(BufferRef(owned->ref().data, type, count, MemSpace::device), category,
+                       [owned](void*) { delete owned; });
+  }
+  void copy_from_host(BufferRef b, const void* src) override {
+    if (b.bytes()) std::memcpy(fenced(b, "copy_from_host").data, src, b.bytes());
+    ++copies;
+  }
+  void copy_to_host(void* dst, BufferRef b) override {
+    if (b.bytes()) std::memcpy(dst, fenced(b, "copy_to_host").data, b.bytes());
+    ++copies;
+  }
+
+  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
+                       int vb, int ve, bool add_pos) override {
+    h_->encoder_forward(out, inp, wte, wpe, B, T, C, vb, ve, add_pos);
+  }
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T, int C,
+                        int vb, int ve) override {
+    h_->encoder_backward(dwte, dwpe, dout, inp, B, T, C, vb, ve);
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b, int N,
+                         int C) override {
+    h_->layernorm_forward(out, mean, rstd, inp, w, b, N, C);
+  }
+  void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
+                          const float* mean, const float* rstd, int N, int C) override {
+    h_->layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, C);
+  }
+  void matmul_forward(float* out, const float* inp, const float* w, const float* b, int N, int C, int OC) override {
+    h_->matmul_forward(out, inp, w, b, N, C, OC);
+  }
+  void bias_add(float* out, const float* b, int N, int OC) override { h_->bias_add(out, b, N, OC); }
+  void bias_backward(float* db, const float* dout, int N, int OC) override { h_->bias_backward(db, dout, N, OC); }
+  void matmul_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w, int N,
+                       int C, int OC) override {
+    h_->matmul_backward(dinp, dw, db, dout, inp, w, N, C, OC);
+  }
+  void matmul_forward(float* out, BufferRef inp, BufferRef w, const float* b, int N, int C, int OC) override {
+    h_->matmul_forward(out, fenced(inp, "matmul_forward"), fenced(w, "matmul_forward"), b, N, C, OC);
+  }
+  void matmul_backward(float* dinp, float* dw, float* db, const float* dout, BufferRef inp, BufferRef w, int N, int C,
+                       int OC) override {
+    h_->matmul_backward(dinp, dw, db, dout, fenced(inp, "matmul_backward"), fenced(w, "matmul_backward"), N, C, OC);
+  }
+  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
+    h_->attention_forward(out, att, qkv, B, T, C, NH);
+  }
+  void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv, const float* att, int B, int T,
+                          int C, int NH) override {
+    h_->attention_backward(dqkv, datt, dout, qkv, att, B, T, C, NH);
+  }
+  void gelu_forward(float* out, const float* inp, std::int64_t n) override { h_->gelu_forward(out, inp, n); }
+  void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
+    h_->gelu_backward(dinp, inp, dout, n);
+  }
+  void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
+    h_->residual_forward(out, a, b, n);
+  }
+  void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* t, int N, int V) override {
+    h_->crossentropy_forward(losses, probs, logits, t, N, V);
+  }
+  void crossentropy_backward(float* dl, const float* probs, const std::int32_t* t, float dloss, int N, int V) override {
+    h_->crossentropy_backward(dl, probs, t, dloss, N, V);
+  }
+  void adamw_update(float* p, float* m, float* v, const float* g, std::int64_t n, float lr, float b1, float b2, float eps,
+                    float wd, std::int64_t t) override {
+    h_->adamw_update(p, m, v, g, n, lr, b1, b2, eps, wd, t);
+  }
+  double sum_squares(const float* x, std::int64_t n) override { return h_->sum_squares(x, n); }
+  void scale(float* x, float a, std::int64_t n) override { h_->scale(x, a, n); }
+  void fill(float* x, float v, std::int64_t n) override { h_->fill(x, v, n); }
+  void copy(float* d, const float* s, std::int64_t n) override { h_->copy(d, s, n); }
+  double sum(const float* x, std::int64_t n) override { return h_->sum(x, n); }
+  void cast(BufferRef d, BufferRef s) override { h_->cast(fenced(d, "cast"), fenced(s, "cast")); }
+  void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool ta, bool tb, float alpha,
+              float beta) override {
+    h_->matmul(fenced(out, "matmul"), fenced(a, "matmul"), fenced(b, "matmul"), M, N, K, ta, tb, alpha, beta);
+  }
+  NormCheck sq_norm_check(const std::vector<BufferRef>& ts) override {
+    std::vector<BufferRef> h;
+    for (const BufferRef& t : ts) h.push_back(fenced(t, "sq_norm_check"));
+    return h_->sq_norm_check(h);
+  }
+  void scale(BufferRef x, double a) override { h_->scale(fenced(x, "scale"), a); }
+  void fill(BufferRef x, double v) override { h_->fill(fenced(x, "fill"), v); }
+
+  int copies = 0;
+
+ private:
+  // A device buffer as the host kernels take it; a host one is refused as the CUDA back end refuses it.
+  static BufferRef fenced(BufferRef b, const char* op) {
+    if (b.space != MemSpace::device && b.count > 0)
+      throw std::invalid_argument(std::string(op) + ": a buffer marked host memory reached a device back end");
+    b.space = MemSpace::host;
+    return b;
+  }
+  std::unique_ptr<Backend> h_;
+};
+
+BatchFn batches(int vocab, int T) {
+  return [=](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
+             std::vector<std::int32_t>& tgt) {
+    std::mt19937_64 gen(static_cast<std::uint64_t>(step * 1000 + first_row));
+    std::uniform_int_distribution<int> d(0, vocab - 1);
+    in.resize(static_cast<std::size_t>(rows) * T);
+    tgt.resize(in.size());
+    for (auto& x : in) x = d(gen);
+    for (auto& x : tgt) x = d(gen);
+  };
+}
+
+void trains_like_the_host(DType precision, bool recompute) {
+  GPTConfig cfg;
+  cfg.layers = 2;
+  cfg.d_model = 32;
+  cfg.heads = 4;
+  cfg.seq_len = 16;
+  cfg.vocab = 29;
+  cfg.recompute = recompute;
+  EngineConfig ec;
+  ec.micro_batches = 2;
+  ec.rows_per_micro = 2;
+  ec.optimizer.lr = 3e-3;
+  ec.optimizer.steps = 4;
+  ec.optimizer.grad_clip = 0.5;
+  auto host = make_host_backend(1);
+  FencedBackend fenced;
+  host->set_precision({precision});
+  fenced.set_precision({precision});
+  GPT a(cfg, *host, ec.rows_per_micro), b(cfg, fenced, ec.rows_per_micro);
+  a.init_weights(7);
+  b.init_weights(7);
+  Engine ea(ec, a, *host), eb(ec, b, fenced);
+  const BatchFn fetch = batches(cfg.vocab, cfg.seq_len);
+  for (int step = 0; step < 4; ++step) {
+    StepStats sa = ea.train_step(step, fetch), sb;
+    ASSERT_NO_THROW(sb = eb.train_step(step, fetch)) << "step " << step;
+    EXPECT_EQ(sa.loss, sb.loss) << "step " << step;
+    EXPECT_EQ(sa.grad_norm, sb.grad_norm) << "step " << step;
+  }
+  EXPECT_GT(fenced.copies, 0) << "tokens and weights reach the device through the copies";
+  for (int i = 0; i < static_cast<int>(a.params().size()); ++i) {
+    const std::int64_t n = a.params()[static_cast<std::size_t>(i)].numel;
+    std::vector<float> pb(static_cast<std::size_t>(n));
+    fenced.copy_to_host(pb.data(), b.store().param(i).slice(0, n));
+    EXPECT_EQ(std::memcmp(a.param_ptr(i), pb.data(), pb.size() * sizeof(float)), 0) << a.params()[static_cast<std::size_t>(i)].name;
+  }
+}
+
+TEST(DeviceSeams, Fp32TrainsTheHostsModelThroughDeviceMarkedMemory) { trains_like_the_host(DType::f32, false); }
+TEST(DeviceSeams, Bf16WithRecomputeTrainsTheHostsModelThroughDeviceMarkedMemory) { trains_like_the_host(DType::bf16, true); }
+
+}  // namespace
+}  // namespace loom

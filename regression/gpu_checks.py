@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""The GPU path's cases (run.backend, issue 17). One case per invocation:
+
+  refusal       run.backend = cuda where it cannot run is refused with exit 2 saying why: on a machine
+                without a GPU (or a loom built without CUDA) at one rank; on a GPU machine with more
+                ranks than the node has GPUs, or several ranks (no NCCL communicator yet). auto runs
+                on what there is and says so in the banner.
+  matches_host  (label gpu; skipped, exit 77, without a GPU) the CUDA back end trains the same model
+                as the host back end step for step: fp32 within 1e-4 relative per step over 20 steps
+                (two shapes: head size 8, whose qkv slices are only 32-byte aligned, and a wider
+                one), bf16 matrix products within 1e-3; checkpoints cross over: a GPU run resumes
+                the host's step-10 checkpoint and the host resumes the GPU's, each within 1e-4 of
+                the uninterrupted run.
+
+  gpu_checks.py --loom build/loom --workdir build/gpu-checks [--mpirun mpiexec ...] CASE
+"""
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Case, case_arguments, finish, losses  # noqa: E402
+
+SKIP = 77  # CTest's SKIP_RETURN_CODE for these cases
+
+TINY = ("[model]\nlayers = 2\nd_model = 32\nheads = 4\nseq_len = 16\nvocab = 64\n"
+        "[train]\nsteps = 20\nbatch = 8\nlr = 3e-3\nwarmup = 2\nseed = 42\neval_every = 0\n"
+        "[data]\nval_fraction = 0\n")
+WIDER = ["model.layers=4", "model.d_model=256", "model.heads=4", "model.seq_len=128", "model.vocab=512",
+         "train.batch=8"]
+
+
+def gpu_visible(case):
+    """Whether this loom runs on a GPU here: an `auto` run's banner says which back end it took."""
+    p, _ = case.loom("probe_auto", 1, ["run.backend=auto", "train.steps=1"])
+    m = re.search(r"backend : run\.backend = auto: (\w+)", p.stdout)
+    case.check(m is not None, "the banner names the back end auto chose:\n" + p.stdout[:2000])
+    if m and m.group(1) == "host":
+        case.expect(p.stdout, [r"auto: no CUDA device \(.+\)"], "the banner of auto on the host")
+    return bool(m) and m.group(1) == "cuda", p.stdout
+
+
+def relative_gap(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+
+
+def refusal(args):
+    c = Case(args, "refusal", TINY)
+    on_gpu, _ = gpu_visible(c)
+    if not on_gpu:
+        p, _ = c.loom("cuda_one_rank", 1, ["run.backend=cuda"], expect=2)
+        c.expect(p.stderr, [r"run\.backend = cuda: (no CUDA device is visible on this node|this loom was built "
+                            r"without the CUDA back end|.*libloom_cuda\.so)",
+                            r"run\.backend = host"], "the refusal without a GPU")
+    else:
+        p, _ = c.loom("cuda_two_ranks", 2, ["run.backend=cuda", "parallel.dp=2"], expect=2)
+        c.expect(p.stderr, [r"run\.backend = cuda: 2 ranks on this node but 1 CUDA device|run\.backend = cuda runs "
+                            r"one rank per job"], "the refusal of two ranks")
+    p, _ = c.loom("bad_value", 1, ["run.backend=gpu"], expect=2)
+    c.expect(p.stderr, [r"run\.backend", r"host, cuda, auto|host\|cuda\|auto|cuda"], "the refusal of run.backend = gpu")
+    return c.done("refusal")
+
+
+def matches_host(args):
+    c = Case(args, "matches_host", TINY)
+    on_gpu, banner = gpu_visible(c)
+    if not on_gpu:
+        print("SKIPPED: no GPU visible to loom here (run.backend = auto took the host)")
+        return SKIP
+    for name, sets, tol in [("tiny_fp32", [], 1e-4), ("wider_fp32", WIDER, 1e-4),
+                            ("tiny_bf16", ["precision.dtype=bf16"], 1e-3)]:
+        _, host = c.loom(name + "_host", 1, sets + ["run.backend=host"])
+        p, dev = c.loom(name + "_cuda", 1, sets + ["run.backend=cuda"])
+        c.expect(p.stdout, [r"backend : run\.backend = cuda: cuda \(device 0: "], name + " banner")
+        lh, ld = losses(host), losses(dev)
+        gap = relative_gap(ld, lh)
+        print("%s: %d steps, host %.9f -> %.9f, cuda %.9f -> %.9f, largest relative gap %.2e (tolerance %g)"
+              % (name, len(lh), lh[0] if lh else 0, lh[-1] if lh else 0, ld[0] if ld else 0, ld[-1] if ld else 0,
+                 gap, tol))
+        c.check(len(lh) == 20 and len(ld) == 20, "%s: 20 steps each (host %d, cuda %d)" % (name, len(lh), len(ld)))
+        c.check(gap <= tol, "%s: the cuda run's losses are %.2e from the host's (tolerance %g)" % (name, gap, tol))
+    # Checkpoints cross over between the back ends.
+    ck = ["checkpoint.every=10"]
+    _, host = c.loom("ckpt_host", 1, ck + ["run.backend=host"])
+    _, dev = c.loom("ckpt_cuda", 1, ck + ["run.backend=cuda"])
+    for tag, frm, backend, whole in [("cuda_resumes_host", host, "cuda", host), ("host_resumes_cuda", dev, "host", dev)]:
+        ckpt = os.path.join(frm, "checkpoints", "ckpt-00000010.h5")
+        c.check(os.path.exists(ckpt), "%s: %s was written" % (tag, ckpt))
+        p, resumed = c.loom(tag, 1, ["run.backend=" + backend, "checkpoint.resume=" + ckpt,
+                                     "checkpoint.dir=" + os.path.join(c.dir, tag + "_ckpt")])
+        tail, ref = losses(resumed), losses(whole)[10:]
+        gap = relative_gap(tail, ref)
+        print("%s: steps 11-20 from %s, largest relative gap to the uninterrupted run %.2e" % (tag, ckpt, gap))
+        c.check(len(tail) == 10 and gap <= 1e-4, "%s: %d steps, gap %.2e (tolerance 1e-4)" % (tag, len(tail), gap))
+    return c.done("matches_host")
+
+
+def main():
+    args = case_arguments(__doc__)
+    cases = {"refusal": refusal, "matches_host": matches_host}
+    if args.case not in cases:
+        print("unknown case %s; cases: %s" % (args.case, ", ".join(cases)))
+        return 2
+    os.makedirs(args.workdir, exist_ok=True)
+    return cases[args.case](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
