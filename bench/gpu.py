@@ -2,7 +2,7 @@
 """loom's CUDA back end against PyTorch on one GPU: GPT-2 124M (bench/gpu.deck), bf16 products.
 
 Usage (on a machine with a GPU):
-  /usr/bin/python3 bench/gpu.py --loom build/loom [--steps N] [--peak-tflops P] [--batch B]
+  /usr/bin/python3 bench/gpu.py --loom build/loom [--steps N] [--peak-tflops P] [--batch B] [--set KEY=VALUE]
 
   1. loom run bench/gpu.deck --set train.steps=N --set run.dir=DIR [--set train.batch=B], then
      DIR/summary.json: tokens_per_s (steady state, first step excluded) and the model FLOPs per token.
@@ -47,6 +47,8 @@ def run_loom(args, model, batch):
     cmd = [args.loom, "run", os.path.join(HERE, "gpu.deck"), "--set", "train.steps=%d" % args.steps,
            "--set", "run.dir=" + rundir, "--set", "train.batch=%d" % batch, "--set", "run.overwrite=true",
            "--set", "run.peak_tflops=%g" % args.peak_tflops]
+    for kv in args.set:
+        cmd += ["--set", kv]
     print("$ " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write("\n".join(l for l in p.stdout.splitlines() if l.startswith(("  backend", "step", "  MFU"))) + "\n")
@@ -93,6 +95,8 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0)
     ap.add_argument("--workdir", default="build/gpu-bench")
     ap.add_argument("--loom-only", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a deck override for loom's run (repeatable), e.g. --set run.tf32=true")
     args = ap.parse_args()
     try:
         import torch

@@ -48,10 +48,11 @@ def refusal(args):
     c = Case(args, "refusal", TINY)
     on_gpu, _ = gpu_visible(c)
     if not on_gpu:
-        p, _ = c.loom("cuda_one_rank", 1, ["run.backend=cuda"], expect=2)
-        c.expect(p.stderr, [r"run\.backend = cuda: (no CUDA device is visible on this node|this loom was built "
-                            r"without the CUDA back end|.*libloom_cuda\.so)",
-                            r"run\.backend = host"], "the refusal without a GPU")
+        for ranks in (1, 2):  # every rank refuses alike, and none hangs
+            p, _ = c.loom("cuda_%d_ranks" % ranks, ranks, ["run.backend=cuda", "parallel.dp=%d" % ranks], expect=2)
+            c.expect(p.stderr, [r"run\.backend = cuda: (no CUDA device is visible on this node|this loom was built "
+                                r"without the CUDA back end|.*libloom_cuda\.so)",
+                                r"run\.backend = host"], "the refusal without a GPU at %d ranks" % ranks)
     else:
         p, _ = c.loom("cuda_two_ranks", 2, ["run.backend=cuda", "parallel.dp=2"], expect=2)
         c.expect(p.stderr, [r"run\.backend = cuda: 2 ranks on this node but 1 CUDA device|run\.backend = cuda runs "

@@ -1,6 +1,6 @@
 // Every operation of the CUDA back end against its host twin, on the same random inputs: the
 // outputs agree to a relative error of the whole tensor's norm (||dev - host|| / ||host||), 1e-5
-// for fp32 kernels (accumulation order differs; atomics in the weight-gradient sums), and bit for
+// for fp32 kernels (the order of the sums differs), and bit for
 // bit where the arithmetic has no order (casts, fills, elementwise kernels checked at 1e-6). Labelled
 // `gpu`: without a visible GPU every test is skipped and says why.
 #include <gtest/gtest.h>
