@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,20 @@ class Backend {
  protected:
   Precision precision_;
 };
+
+// The shape checks of Backend::matmul, for every back end: non-negative dimensions, a [M,K], b
+// [K,N] and out [M,N] in element counts; std::invalid_argument naming the operand otherwise.
+inline void check_matmul_shapes(const BufferRef& out, const BufferRef& a, const BufferRef& b, int M, int N, int K) {
+  if (M < 0 || N < 0 || K < 0) throw std::invalid_argument("matmul: negative dimension");
+  const auto expect = [](const BufferRef& x, const char* name, std::int64_t rows, std::int64_t cols) {
+    if (x.count != rows * cols)
+      throw std::invalid_argument(std::string("matmul: ") + name + " holds " + std::to_string(x.count) +
+                                  " elements, expected " + std::to_string(rows) + " x " + std::to_string(cols));
+  };
+  expect(a, "a", M, K);
+  expect(b, "b", K, N);
+  expect(out, "out", M, N);
+}
 
 // Makes `buffer` hold at least `count` elements of `type` (a new zeroed buffer from the back end when
 // it holds fewer; contents are not kept). For scratch that grows with the largest call seen.

@@ -113,17 +113,22 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int threads,
       c.device = device_for_local_rank(local_rank, local_size, devices, why_none);
       if (world_size > 1)
         throw InputError("run.backend = cuda runs one rank per job in this loom (" + std::to_string(world_size) +
-                         " ranks started): the NCCL communicator for device buffers is not built yet; run one rank "
-                         "or run.backend = host");
+                         " ranks started): the strategies' device paths over the NCCL communicator are not proven "
+                         "on several GPUs yet; run one rank, or run.backend = host");
+      backend.reset(lib.create(c.device, tf32 ? 1 : 0));
     } else if (devices > 0 && local_size <= devices && world_size == 1) {
-      c.device = local_rank;
-      c.reason = "auto: " + std::to_string(devices) + " CUDA device" + (devices == 1 ? "" : "s") + " visible";
+      // auto takes the GPU when it can, and the host when the GPU cannot be used after all.
+      try {
+        backend.reset(lib.create(local_rank, tf32 ? 1 : 0));
+        c.device = local_rank;
+        c.reason = "auto: " + std::to_string(devices) + " CUDA device" + (devices == 1 ? "" : "s") + " visible";
+      } catch (const std::exception& e) {
+        c.reason = std::string("auto: the CUDA device cannot be used (") + e.what() + ")";
+      }
     } else {
       c.reason = devices <= 0 ? "auto: no CUDA device (" + why_none + ")"
-                              : "auto: " + std::to_string(world_size) + " ranks, and device buffers need the NCCL "
-                                "communicator, not built yet";
+                              : "auto: " + std::to_string(world_size) + " ranks (cuda runs one rank per job)";
     }
-    if (c.device >= 0) backend.reset(lib.create(c.device, tf32 ? 1 : 0));
   }
   if (!backend) backend = make_host_backend(threads);
   c.name = backend->name();

@@ -42,8 +42,9 @@ struct BackendChoice {
 // local index; `tf32` lets the cuda back end's fp32 products use TF32 (run.tf32). host: the host back end with `threads` BLAS threads. cuda: libloom_cuda.so from the
 // plugin search path, device = the rank's index within its node; refused (InputError, exit 2) when
 // loom was built without CUDA, the library cannot be loaded, no device is visible, a node has fewer
-// devices than ranks, or the job has several ranks (the NCCL communicator for device buffers is not
-// built yet). auto: cuda when a device is visible and the job runs one rank, else host.
+// devices than ranks, or the job has several ranks (the strategies' device paths over the NCCL
+// communicator are not proven on several GPUs yet). auto: cuda when a device is visible, usable and
+// the job runs one rank, else host (the banner says why).
 std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, MPI_Comm world,
                                       BackendChoice* choice);
 

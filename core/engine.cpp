@@ -22,6 +22,7 @@ double AccumulateSchedule::run(StepContext& ctx) {
     double t2 = now();
     ctx.sync.begin_micro_batch(ctx.model, k, ctx.micro_batches);
     ctx.model.backward(dloss);
+    ctx.model.backend().synchronize();  // a device back end's queued backward belongs to its time
     double t3 = now();
     ctx.times.data += t1 - t0;
     ctx.times.forward += t2 - t1;
@@ -120,6 +121,7 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
 
   // grads_final. Gradient sync first: its all-reduces may still be in flight on the gradient
   // buffer. Both steps are sums over disjoint groups, so the order does not change the result.
+  be_.synchronize();
   double t1 = now();
   sync_->finish(model_);
   model_.partition().finish_grads(model_);

@@ -168,15 +168,7 @@ class HostBackend final : public Backend {
     require_host(out, "matmul", "out");
     require_host(a, "matmul", "a");
     require_host(b, "matmul", "b");
-    if (M < 0 || N < 0 || K < 0) refuse("matmul: negative dimension");
-    const auto expect = [](const BufferRef& x, const char* name, std::int64_t rows, std::int64_t cols) {
-      if (x.count != rows * cols)
-        refuse(std::string("matmul: ") + name + " holds " + std::to_string(x.count) + " elements, expected " +
-               std::to_string(rows) + " x " + std::to_string(cols));
-    };
-    expect(a, "a", M, K);
-    expect(b, "b", K, N);
-    expect(out, "out", M, N);
+    check_matmul_shapes(out, a, b, M, N, K);
     const int lda = std::max(1, transa ? M : K), ldb = std::max(1, transb ? K : N), ldc = std::max(1, N);
     const auto all = [&](DType t) { return a.type == t && b.type == t && out.type == t; };
     if (all(DType::f32)) {

@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <iostream>
+#include <vector>
 
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
@@ -17,7 +18,11 @@ void write_params(h5::File& f, const std::string& group, GPT& model, bool grads)
   for (std::size_t i = 0; i < model.params().size(); ++i) {
     const ParamInfo& p = model.params()[i];
     const int index = static_cast<int>(i);
-    f.write(group + "/" + p.name, grads ? model.grad_ptr(index) : model.param_ptr(index), p.local_shape);
+    // Through a host copy: on a device back end the store's pointers are device memory.
+    std::vector<float> host(static_cast<std::size_t>(p.numel));
+    model.backend().copy_to_host(host.data(), BufferRef(grads ? model.grad_ptr(index) : model.param_ptr(index), p.numel,
+                                                        model.backend().space()));
+    f.write(group + "/" + p.name, host.data(), p.local_shape);
   }
 }
 }  // namespace

@@ -145,7 +145,7 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(choice_key("run.backend", "host", {"host", "cuda", "auto"},
                         "where the model computes: host (Kokkos + oneDNN/BLAS on the CPU), cuda (one GPU per rank, "
                         "the rank's index within its node; CUDA kernels + cuBLASLt) or auto (cuda when a GPU is "
-                        "visible, else host)"));
+                        "visible and the job has one rank, else host)"));
   schema.add(bool_key("run.tf32", "false",
                       "cuda back end: fp32 matrix products may use TF32 tensor cores (10-bit mantissa products, "
                       "fp32 accumulation; as torch.backends.cuda.matmul.allow_tf32)"));

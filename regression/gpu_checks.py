@@ -7,10 +7,14 @@
                 on what there is and says so in the banner.
   matches_host  (label gpu; skipped, exit 77, without a GPU) the CUDA back end trains the same model
                 as the host back end step for step: fp32 within 1e-4 relative per step over 20 steps
-                (two shapes: head size 8, whose qkv slices are only 32-byte aligned, and a wider
-                one), bf16 matrix products within 1e-3; checkpoints cross over: a GPU run resumes
+                (two shapes: head size 8, whose qkv slices are only 32-byte aligned, held to 1e-6, and
+                a wider one), bf16 matrix products within 1e-3; checkpoints cross over: a GPU run resumes
                 the host's step-10 checkpoint and the host resumes the GPU's, each within 1e-4 of
                 the uninterrupted run.
+  decks         (label gpu) every one-rank deck of inputs/ (quickstart, synthetic, bf16, fp16 with its
+                loss scaling, memory_saving with recompute and micro-batches), 30 steps with their
+                evaluation and checkpoints on each back end: the same losses, every step, within
+                1e-4 (fp32) or 2e-3 (16-bit) relative.
 
   gpu_checks.py --loom build/loom --workdir build/gpu-checks [--mpirun mpiexec ...] CASE
 """
@@ -19,7 +23,9 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Case, case_arguments, finish, losses  # noqa: E402
+import subprocess  # noqa: E402
+
+from common import Case, case_arguments, losses, rows  # noqa: E402
 
 SKIP = 77  # CTest's SKIP_RETURN_CODE for these cases
 
@@ -68,7 +74,9 @@ def matches_host(args):
     if not on_gpu:
         print("SKIPPED: no GPU visible to loom here (run.backend = auto took the host)")
         return SKIP
-    for name, sets, tol in [("tiny_fp32", [], 1e-4), ("wider_fp32", WIDER, 1e-4),
+    # The issue's bound is 1e-4 over 20 steps in fp32; the tiny model is held far tighter (it agrees
+    # to ~1e-8), so a kernel bug that moves the loss by less than 1e-4 still shows there.
+    for name, sets, tol in [("tiny_fp32", [], 1e-6), ("wider_fp32", WIDER, 1e-4),
                             ("tiny_bf16", ["precision.dtype=bf16"], 1e-3)]:
         _, host = c.loom(name + "_host", 1, sets + ["run.backend=host"])
         p, dev = c.loom(name + "_cuda", 1, sets + ["run.backend=cuda"])
@@ -96,9 +104,49 @@ def matches_host(args):
     return c.done("matches_host")
 
 
+def decks(args):
+    """Every one-rank deck of inputs/, 30 steps on each back end."""
+    c = Case(args, "decks", TINY)
+    on_gpu, _ = gpu_visible(c)
+    if not on_gpu:
+        print("SKIPPED: no GPU visible to loom here (run.backend = auto took the host)")
+        return SKIP
+    inputs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "inputs")
+    runs = [(d, []) for d in ("quickstart", "synthetic", "bf16", "fp16", "memory_saving")]
+    for deck, sets in runs:
+        text = open(os.path.join(inputs, deck + ".deck")).read()
+        tol = 2e-3 if re.search(r"dtype\s*=\s*(bf16|fp16)", text) else 1e-4
+        name = deck
+        common = sets + ["train.steps=30", "train.log_every=1", "checkpoint.dir=" + os.path.join(c.dir, name + "_%s_ckpt")]
+        path = os.path.abspath(os.path.join(inputs, deck + ".deck"))
+        got = {}
+        for backend in ("host", "cuda"):
+            cmd_sets = [x.replace("%s", backend) for x in common] + ["run.backend=" + backend]
+            rundir = os.path.join(c.dir, name + "_" + backend)
+            cmd = [args.loom, "run", path, "--set", "run.dir=" + rundir] + sum((["--set", x] for x in cmd_sets), [])
+            print("$ " + " ".join(cmd), flush=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                               env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+            if p.returncode != 0:
+                sys.stdout.write(p.stdout[-2000:] + p.stderr[-2000:])
+                c.failures.append("%s on %s: exit status %d" % (name, backend, p.returncode))
+            got[backend] = rows(rundir)
+        lh = [r["loss"] for r in got["host"]]
+        ld = [r["loss"] for r in got["cuda"]]
+        vh = [r["val_loss"] for r in got["host"] if "val_loss" in r]
+        vd = [r["val_loss"] for r in got["cuda"] if "val_loss" in r]
+        gap = relative_gap(ld, lh)
+        print("%s: %d steps, loss host %.6f cuda %.6f, largest relative gap %.2e%s (tolerance %g)"
+              % (name, len(lh), lh[-1] if lh else 0, ld[-1] if ld else 0, gap,
+                 ", validation gap %.2e" % relative_gap(vd, vh) if vh else "", tol))
+        c.check(len(lh) == 30 and gap <= tol, "%s: %d steps, gap %.2e (tolerance %g)" % (name, len(lh), gap, tol))
+        c.check(relative_gap(vd, vh) <= tol if vh else True, "%s: validation losses differ" % name)
+    return c.done("decks")
+
+
 def main():
     args = case_arguments(__doc__)
-    cases = {"refusal": refusal, "matches_host": matches_host}
+    cases = {"refusal": refusal, "matches_host": matches_host, "decks": decks}
     if args.case not in cases:
         print("unknown case %s; cases: %s" % (args.case, ", ".join(cases)))
         return 2

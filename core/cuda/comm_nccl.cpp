@@ -84,7 +84,7 @@ const Nccl& nccl() {
     sym(r.group_start, "ncclGroupStart");
     sym(r.group_end, "ncclGroupEnd");
     if (!all) {
-      r.why_not = "libnccl.so.2 lacks entry points loom needs (NCCL 2.7 or newer is required)";
+      r.why_not = "libnccl.so.2 lacks entry points loom needs (NCCL 2.10 or newer is required: bf16, grouped send/recv)";
       return r;
     }
     r.get_version(&r.version);
@@ -152,32 +152,40 @@ class NcclCommunicator final : public Communicator {
       : name_(name), compute_(compute), mpi_(make_mpi_communicator(comm, name)) {
     rank_ = mpi_->rank();
     size_ = mpi_->size();
+    // Everything that can fail on one rank happens before the ranks agree: a rank that cannot load
+    // NCCL, create its streams or (rank 0) make the id tells the others, and all throw alike,
+    // instead of leaving them in MPI_Bcast or ncclCommInitRank.
     const Nccl& n = nccl();
-    // Every rank learns whether every rank has NCCL before any of them waits in ncclCommInitRank.
-    int ok = n.loaded ? 1 : 0;
+    std::string local_error = n.loaded ? "" : n.why_not;
+    ncclUniqueId id{};
+    if (local_error.empty()) {
+      if (cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking) != cudaSuccess ||
+          cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+          cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming) != cudaSuccess)
+        local_error = std::string("cannot create CUDA streams: ") + cudaGetErrorString(cudaGetLastError());
+      else if (rank_ == 0 && n.get_unique_id(&id) != ncclSuccess)
+        local_error = "ncclGetUniqueId failed";
+    }
     MPI_Comm dup;
     MPI_Comm_dup(comm, &dup);
+    int ok = local_error.empty() ? 1 : 0;
     MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, dup);
-    if (!ok) {
-      MPI_Comm_free(&dup);
-      throw std::runtime_error("communicator " + name + ": device buffers need NCCL on every rank; " +
-                               (n.loaded ? std::string("another rank could not load it") : n.why_not));
-    }
-    ncclUniqueId id;
-    if (rank_ == 0) check_nccl(n.get_unique_id(&id), "ncclGetUniqueId");
-    MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, dup);
+    if (ok) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, dup);
     MPI_Comm_free(&dup);
-    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    check_cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate");
+    if (!ok)
+      throw std::runtime_error("communicator " + name + ": device buffers need NCCL on every rank; " +
+                               (local_error.empty() ? std::string("another rank could not set it up") : local_error));
     check_nccl(n.comm_init_rank(&comm_, size_, id, rank_), "ncclCommInitRank for communicator " + name);
   }
   ~NcclCommunicator() override {
     if (comm_) {
       cudaStreamSynchronize(stream_);
+      cudaStreamSynchronize(send_stream_);
       nccl().comm_destroy(comm_);
     }
-    cudaEventDestroy(ready_);
-    cudaStreamDestroy(stream_);
+    if (ready_) cudaEventDestroy(ready_);
+    if (stream_) cudaStreamDestroy(stream_);
+    if (send_stream_) cudaStreamDestroy(send_stream_);
   }
 
   const std::string& name() const override { return name_; }
@@ -286,15 +294,17 @@ class NcclCommunicator final : public Communicator {
                  "ncclBroadcast");
     });
   }
-  // NCCL matches point-to-point messages between two ranks in the order they are issued; the tag
-  // is checked by the interface and otherwise not used.
+  // NCCL matches point-to-point messages between two ranks in the order they are issued (the tag
+  // is checked by the interface and otherwise not used: device messages between two ranks must be
+  // received in the order they were sent). Sends run on a stream of their own, so that two ranks
+  // that each send to the other before receiving cannot block each other's receive.
   CommRequestPtr start_send(BufferRef data, int peer, int tag) override {
     if (data.space == MemSpace::host) return host(mpi_->send_async(data, peer, tag));
     const Nccl& n = nccl();
-    return issue(CommOp::send, static_cast<double>(data.bytes()), [&] {
-      check_nccl(n.send(data.data, static_cast<std::size_t>(data.count), nccl_type(data.type), peer, comm_, stream_),
+    return issue(CommOp::send, static_cast<double>(data.bytes()), [&](cudaStream_t s) {
+      check_nccl(n.send(data.data, static_cast<std::size_t>(data.count), nccl_type(data.type), peer, comm_, s),
                  "ncclSend");
-    });
+    }, send_stream_);
   }
   CommRequestPtr start_recv(BufferRef data, int peer, int tag) override {
     if (data.space == MemSpace::host) return host(mpi_->recv_async(data, peer, tag));
@@ -313,13 +323,15 @@ class NcclCommunicator final : public Communicator {
   // Runs `enqueue` on the communicator's stream after the compute stream's work so far, and returns
   // the request its completion event ends.
   template <class F>
-  CommRequestPtr issue(CommOp op, double bytes, F&& enqueue) {
+  CommRequestPtr issue(CommOp op, double bytes, F&& enqueue, cudaStream_t on = nullptr) {
+    if (!on) on = stream_;
     check_cuda(cudaEventRecord(ready_, compute_), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
-    enqueue();
+    check_cuda(cudaStreamWaitEvent(on, ready_, 0), "cudaStreamWaitEvent");
+    if constexpr (std::is_invocable_v<F, cudaStream_t>) enqueue(on);
+    else enqueue();
     cudaEvent_t done;
     check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventRecord(done, stream_), "cudaEventRecord");
+    check_cuda(cudaEventRecord(done, on), "cudaEventRecord");
     stats_.bytes_sent[static_cast<int>(op)] += static_cast<std::uint64_t>(bytes);
     ++stats_.calls[static_cast<int>(op)];
     return std::make_unique<NcclRequest>(this, op, done);
@@ -330,13 +342,15 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> mpi_;
   CommStats seen_;
   int rank_ = 0, size_ = 1;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;       // collectives and receives
+  cudaStream_t send_stream_ = nullptr;  // sends
   cudaEvent_t ready_ = nullptr;
   ncclComm_t comm_ = nullptr;
 };
 
 NcclRequest::~NcclRequest() {
-  if (!complete_ && comm_) wait();  // an abandoned request still completes before its event goes
+  // An abandoned request still completes before its event goes; nothing here may throw.
+  if (!complete_) cudaEventSynchronize(done_);
   cudaEventDestroy(done_);
 }
 bool NcclRequest::test() {

@@ -323,15 +323,7 @@ class CudaBackend final : public Backend {
     require_device(out, "matmul", "out");
     require_device(a, "matmul", "a");
     require_device(b, "matmul", "b");
-    if (M < 0 || N < 0 || K < 0) refuse("matmul: negative dimension");
-    const auto expect = [](const BufferRef& x, const char* name, std::int64_t rows, std::int64_t cols) {
-      if (x.count != rows * cols)
-        refuse(std::string("matmul: ") + name + " holds " + std::to_string(x.count) + " elements, expected " +
-               std::to_string(rows) + " x " + std::to_string(cols));
-    };
-    expect(a, "a", M, K);
-    expect(b, "b", K, N);
-    expect(out, "out", M, N);
+    check_matmul_shapes(out, a, b, M, N, K);
     const bool f64 = a.type == DType::f64 || b.type == DType::f64 || out.type == DType::f64;
     if (f64 && !(a.type == DType::f64 && b.type == DType::f64 && out.type == DType::f64))
       refuse(std::string("matmul: operands of ") + dtype_name(out.type) + " = " + dtype_name(a.type) + " x " +
@@ -343,13 +335,23 @@ class CudaBackend final : public Backend {
       if (a.type != DType::f32) pa = widened(0, a);
       if (b.type != DType::f32) pb = widened(1, b);
     }
+    // fp32 operands into a 16-bit out: cuBLASLt has no such product, so through an fp32 copy of out,
+    // rounded once (as the host does).
+    BufferRef pc = out;
+    if (!f64 && pa.type == DType::f32 && out.type != DType::f32) {
+      TypedBuffer& buf = operands_[2];
+      ensure_capacity(*this, buf, "cuda.matmul_operand2", DType::f32, out.count, Mem::workspace);
+      pc = BufferRef(buf.ref().data, DType::f32, out.count, MemSpace::device);
+      if (beta != 0.0f) cuda::cast(pc.data, DType::f32, out.data, out.type, out.count, stream_);
+    }
     Gemm g;
     g.ta = transa, g.tb = transb, g.M = M, g.N = N, g.K = K;
     g.A = pa.data, g.a_type = pa.type, g.lda = std::max(1, transa ? M : K);
     g.B = pb.data, g.b_type = pb.type, g.ldb = std::max(1, transb ? K : N);
-    g.C = out.data, g.c_type = out.type, g.ldc = std::max(1, N);
+    g.C = pc.data, g.c_type = pc.type, g.ldc = std::max(1, N);
     g.alpha = alpha, g.beta = beta;
     gemm(g);
+    if (pc.data != out.data) cuda::cast(out.data, out.type, pc.data, DType::f32, out.count, stream_);
   }
   NormCheck sq_norm_check(const std::vector<BufferRef>& tensors) override {
     NormCheck r;
@@ -466,23 +468,30 @@ class CudaBackend final : public Backend {
     cublasLtMatrixLayout_t l2 = layout(g.a_type, g.ta ? g.M : g.K, g.ta ? g.K : g.M, g.lda, g.stride_a);
     cublasLtMatrixLayout_t lc = layout(g.c_type, g.N, g.M, g.ldc, g.stride_c);
 
-    const std::uint32_t al1 = alignment_of(g.B), al2 = alignment_of(g.A), alc = alignment_of(g.C);
+    // Each operand's alignment: its address's, and with batches also its stride's in bytes (every
+    // matrix of the batch must be as aligned as the algorithm assumes).
+    const auto operand_alignment = [&](const void* p, long long stride, DType t) {
+      std::uint32_t a = alignment_of(p);
+      if (g.batch > 1) a = std::min(a, alignment_of(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(stride) * dtype_size(t))));
+      return a;
+    };
+    const std::uint32_t al1 = operand_alignment(g.B, g.stride_b, g.b_type), al2 = operand_alignment(g.A, g.stride_a, g.a_type),
+                        alc = operand_alignment(g.C, g.stride_c, g.c_type);
     const auto key = std::make_tuple(g.ta, g.tb, g.M, g.N, g.K, g.lda, g.ldb, g.ldc, static_cast<int>(g.a_type),
                                      static_cast<int>(g.c_type), g.batch, g.bias != nullptr,
-                                     std::min({al1, al2, alc, g.bias ? alignment_of(g.bias) : 256u}), g.beta != 0.0f,
-                                     g.stride_a, g.stride_b, g.stride_c, static_cast<int>(compute));
+                                     std::array<std::uint32_t, 3>{al1, al2, alc}, g.beta != 0.0f, g.stride_a, g.stride_b,
+                                     g.stride_c, static_cast<int>(compute));
     auto it = algos_.find(key);
     if (it == algos_.end()) {
       cublasLtMatmulPreference_t pref = nullptr;
       check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
       const std::size_t ws = workspace_.bytes();
       check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws), "WS");
-      const std::uint32_t align_c = alc, align_bias = g.bias ? alignment_of(g.bias) : 256u;
+      const std::uint32_t align_c = alc;
       check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al1, sizeof al1), "ALIGN_A");
       check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al2, sizeof al2), "ALIGN_B");
       check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c), "ALIGN_C");
       check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c), "ALIGN_D");
-      (void)align_bias;
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
       const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, desc, l1, l2, lc, lc, pref, 1, &result, &found);
@@ -516,8 +525,8 @@ class CudaBackend final : public Backend {
   TypedBuffer att_scratch_;              // [NH,T,T] attention-score gradients of one sequence
   TypedBuffer reduce_scratch_;           // per-block partial sums of a reduction
   TypedBuffer norm_out_;                 // reduction results on the device, copied back together
-  std::map<std::tuple<bool, bool, int, int, int, int, int, int, int, int, int, bool, std::uint32_t, bool, long long,
-                      long long, long long, int>,
+  std::map<std::tuple<bool, bool, int, int, int, int, int, int, int, int, int, bool, std::array<std::uint32_t, 3>, bool,
+                      long long, long long, long long, int>,
            cublasLtMatmulAlgo_t>
       algos_;  // cuBLASLt's choice per product shape, asked once
 };

@@ -1,11 +1,14 @@
-// The seams a device back end relies on, checked without a GPU: a back end whose memory is marked
-// device memory (it is host memory underneath, so its kernels are the host's) refuses every typed
-// buffer marked host. A model trained through it must never hand it one (a BufferRef made from a
-// raw pointer without the back end's space is the bug this catches: the CUDA back end refuses it at
-// the first step) and must train the same model as the plain host back end, bit for bit: tokens,
-// initial weights and everything else reach its tensors through copy_from_host / copy_to_host.
+// The seams a device back end relies on, checked without a GPU: a back end whose memory the host
+// cannot touch. Its buffers are host memory underneath (so its kernels are the host's), but the
+// addresses it hands out are moved by 2^47, out of the process's address space: code outside the
+// back end that reads or writes a tensor through a pointer crashes the test, as it would read
+// device memory on a GPU. It also refuses every typed buffer marked host memory (a BufferRef made
+// from a raw pointer without the back end's space: the CUDA back end refuses it at the first step).
+// A model trained through it must train the same model as the plain host back end, bit for bit:
+// tokens, initial weights and everything else reach its tensors through copy_from_host / copy_to_host.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -19,6 +22,18 @@
 
 namespace loom {
 namespace {
+
+// The addresses the fenced back end hands out: its host memory moved out of the address space.
+constexpr std::uintptr_t kAway = std::uintptr_t(1) << 47;
+template <class T>
+T* away(T* p) {
+  return p ? reinterpret_cast<T*>(reinterpret_cast<std::uintptr_t>(p) + kAway) : nullptr;
+}
+template <class T>
+T* back(T* p) {
+  return p ? reinterpret_cast<T*>(reinterpret_cast<std::uintptr_t>(p) - kAway) : nullptr;
+}
+#define H(p) back(p)
 
 class FencedBackend final : public Backend {
  public:
@@ -35,7 +50,7 @@ class FencedBackend final : public Backend {
     auto* owned = new TypedBuffer(h_->allocate(label, type, count, Mem::workspace));
     // The ledger files the device buffer under its category; the host one underneath is workspace
     // counted twice, which this test does not read.
-    return TypedBuffer(BufferRef(owned->ref().data, type, count, MemSpace::device), category,
+    return TypedBuffer(BufferRef(away(owned->ref().data), type, count, MemSpace::device), category,
                        [owned](void*) { delete owned; });
   }
   void copy_from_host(BufferRef b, const void* src) override {
@@ -49,65 +64,65 @@ class FencedBackend final : public Backend {
 
   void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
                        int vb, int ve, bool add_pos) override {
-    h_->encoder_forward(out, inp, wte, wpe, B, T, C, vb, ve, add_pos);
+    h_->encoder_forward(H(out), H(inp), H(wte), H(wpe), B, T, C, vb, ve, add_pos);
   }
   void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T, int C,
                         int vb, int ve) override {
-    h_->encoder_backward(dwte, dwpe, dout, inp, B, T, C, vb, ve);
+    h_->encoder_backward(H(dwte), H(dwpe), H(dout), H(inp), B, T, C, vb, ve);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b, int N,
                          int C) override {
-    h_->layernorm_forward(out, mean, rstd, inp, w, b, N, C);
+    h_->layernorm_forward(H(out), H(mean), H(rstd), H(inp), H(w), H(b), N, C);
   }
   void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
                           const float* mean, const float* rstd, int N, int C) override {
-    h_->layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, C);
+    h_->layernorm_backward(H(dinp), H(dw), H(db), H(dout), H(inp), H(w), H(mean), H(rstd), N, C);
   }
   void matmul_forward(float* out, const float* inp, const float* w, const float* b, int N, int C, int OC) override {
-    h_->matmul_forward(out, inp, w, b, N, C, OC);
+    h_->matmul_forward(H(out), H(inp), H(w), H(b), N, C, OC);
   }
-  void bias_add(float* out, const float* b, int N, int OC) override { h_->bias_add(out, b, N, OC); }
-  void bias_backward(float* db, const float* dout, int N, int OC) override { h_->bias_backward(db, dout, N, OC); }
+  void bias_add(float* out, const float* b, int N, int OC) override { h_->bias_add(H(out), H(b), N, OC); }
+  void bias_backward(float* db, const float* dout, int N, int OC) override { h_->bias_backward(H(db), H(dout), N, OC); }
   void matmul_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w, int N,
                        int C, int OC) override {
-    h_->matmul_backward(dinp, dw, db, dout, inp, w, N, C, OC);
+    h_->matmul_backward(H(dinp), H(dw), H(db), H(dout), H(inp), H(w), N, C, OC);
   }
   void matmul_forward(float* out, BufferRef inp, BufferRef w, const float* b, int N, int C, int OC) override {
-    h_->matmul_forward(out, fenced(inp, "matmul_forward"), fenced(w, "matmul_forward"), b, N, C, OC);
+    h_->matmul_forward(H(out), fenced(inp, "matmul_forward"), fenced(w, "matmul_forward"), H(b), N, C, OC);
   }
   void matmul_backward(float* dinp, float* dw, float* db, const float* dout, BufferRef inp, BufferRef w, int N, int C,
                        int OC) override {
-    h_->matmul_backward(dinp, dw, db, dout, fenced(inp, "matmul_backward"), fenced(w, "matmul_backward"), N, C, OC);
+    h_->matmul_backward(H(dinp), H(dw), H(db), H(dout), fenced(inp, "matmul_backward"), fenced(w, "matmul_backward"), N, C, OC);
   }
   void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
-    h_->attention_forward(out, att, qkv, B, T, C, NH);
+    h_->attention_forward(H(out), H(att), H(qkv), B, T, C, NH);
   }
   void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv, const float* att, int B, int T,
                           int C, int NH) override {
-    h_->attention_backward(dqkv, datt, dout, qkv, att, B, T, C, NH);
+    h_->attention_backward(H(dqkv), H(datt), H(dout), H(qkv), H(att), B, T, C, NH);
   }
-  void gelu_forward(float* out, const float* inp, std::int64_t n) override { h_->gelu_forward(out, inp, n); }
+  void gelu_forward(float* out, const float* inp, std::int64_t n) override { h_->gelu_forward(H(out), H(inp), n); }
   void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
-    h_->gelu_backward(dinp, inp, dout, n);
+    h_->gelu_backward(H(dinp), H(inp), H(dout), n);
   }
   void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
-    h_->residual_forward(out, a, b, n);
+    h_->residual_forward(H(out), H(a), H(b), n);
   }
   void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* t, int N, int V) override {
-    h_->crossentropy_forward(losses, probs, logits, t, N, V);
+    h_->crossentropy_forward(H(losses), H(probs), H(logits), H(t), N, V);
   }
   void crossentropy_backward(float* dl, const float* probs, const std::int32_t* t, float dloss, int N, int V) override {
-    h_->crossentropy_backward(dl, probs, t, dloss, N, V);
+    h_->crossentropy_backward(H(dl), H(probs), H(t), dloss, N, V);
   }
   void adamw_update(float* p, float* m, float* v, const float* g, std::int64_t n, float lr, float b1, float b2, float eps,
                     float wd, std::int64_t t) override {
-    h_->adamw_update(p, m, v, g, n, lr, b1, b2, eps, wd, t);
+    h_->adamw_update(H(p), H(m), H(v), H(g), n, lr, b1, b2, eps, wd, t);
   }
-  double sum_squares(const float* x, std::int64_t n) override { return h_->sum_squares(x, n); }
-  void scale(float* x, float a, std::int64_t n) override { h_->scale(x, a, n); }
-  void fill(float* x, float v, std::int64_t n) override { h_->fill(x, v, n); }
-  void copy(float* d, const float* s, std::int64_t n) override { h_->copy(d, s, n); }
-  double sum(const float* x, std::int64_t n) override { return h_->sum(x, n); }
+  double sum_squares(const float* x, std::int64_t n) override { return h_->sum_squares(H(x), n); }
+  void scale(float* x, float a, std::int64_t n) override { h_->scale(H(x), a, n); }
+  void fill(float* x, float v, std::int64_t n) override { h_->fill(H(x), v, n); }
+  void copy(float* d, const float* s, std::int64_t n) override { h_->copy(H(d), H(s), n); }
+  double sum(const float* x, std::int64_t n) override { return h_->sum(H(x), n); }
   void cast(BufferRef d, BufferRef s) override { h_->cast(fenced(d, "cast"), fenced(s, "cast")); }
   void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool ta, bool tb, float alpha,
               float beta) override {
@@ -129,6 +144,7 @@ class FencedBackend final : public Backend {
     if (b.space != MemSpace::device && b.count > 0)
       throw std::invalid_argument(std::string(op) + ": a buffer marked host memory reached a device back end");
     b.space = MemSpace::host;
+    b.data = back(b.data);
     return b;
   }
   std::unique_ptr<Backend> h_;
