@@ -80,16 +80,17 @@ class Case:
             f.write(deck)
         self.failures = []
 
-    def command(self, tag, ranks, sets):
+    def command(self, tag, ranks, sets, deck=None):
+        """loom run of the case's deck (or `deck`, another file) with run.dir=<case>/<tag> and `sets`."""
         rundir = os.path.join(self.dir, tag)
-        cmd = launch_prefix(self.args, ranks) + [self.args.loom, "run", self.deck,
+        cmd = launch_prefix(self.args, ranks) + [self.args.loom, "run", deck or self.deck,
                                                                            "--set", "run.dir=" + rundir]
         for s in sets:
             cmd += ["--set", s]
         return cmd, rundir
 
-    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None):
-        cmd, rundir = self.command(tag, ranks, sets)
+    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None, deck=None):
+        cmd, rundir = self.command(tag, ranks, sets, deck)
         e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         e.update(env or {})
         shown = " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd)

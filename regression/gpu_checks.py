@@ -23,8 +23,6 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import subprocess  # noqa: E402
-
 from common import Case, case_arguments, losses, rows  # noqa: E402
 
 SKIP = 77  # CTest's SKIP_RETURN_CODE for these cases
@@ -44,6 +42,16 @@ def gpu_visible(case):
     if m and m.group(1) == "host":
         case.expect(p.stdout, [r"auto: no CUDA device \(.+\)"], "the banner of auto on the host")
     return bool(m) and m.group(1) == "cuda", p.stdout
+
+
+def gpu_case(args, name):
+    """The case `name`, or None (having said why) where loom sees no GPU."""
+    c = Case(args, name, TINY)
+    on_gpu, _ = gpu_visible(c)
+    if not on_gpu:
+        print("SKIPPED: no GPU visible to loom here (run.backend = auto took the host)")
+        return None
+    return c
 
 
 def relative_gap(a, b):
@@ -69,10 +77,8 @@ def refusal(args):
 
 
 def matches_host(args):
-    c = Case(args, "matches_host", TINY)
-    on_gpu, banner = gpu_visible(c)
-    if not on_gpu:
-        print("SKIPPED: no GPU visible to loom here (run.backend = auto took the host)")
+    c = gpu_case(args, "matches_host")
+    if c is None:
         return SKIP
     # The issue's bound is 1e-4 over 20 steps in fp32; the tiny model is held far tighter (it agrees
     # to ~1e-8), so a kernel bug that moves the loss by less than 1e-4 still shows there.
@@ -106,10 +112,8 @@ def matches_host(args):
 
 def decks(args):
     """Every one-rank deck of inputs/, 30 steps on each back end."""
-    c = Case(args, "decks", TINY)
-    on_gpu, _ = gpu_visible(c)
-    if not on_gpu:
-        print("SKIPPED: no GPU visible to loom here (run.backend = auto took the host)")
+    c = gpu_case(args, "decks")
+    if c is None:
         return SKIP
     inputs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "inputs")
     runs = [(d, []) for d in ("quickstart", "synthetic", "bf16", "fp16", "memory_saving")]
@@ -122,14 +126,7 @@ def decks(args):
         got = {}
         for backend in ("host", "cuda"):
             cmd_sets = [x.replace("%s", backend) for x in common] + ["run.backend=" + backend]
-            rundir = os.path.join(c.dir, name + "_" + backend)
-            cmd = [args.loom, "run", path, "--set", "run.dir=" + rundir] + sum((["--set", x] for x in cmd_sets), [])
-            print("$ " + " ".join(cmd), flush=True)
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                               env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
-            if p.returncode != 0:
-                sys.stdout.write(p.stdout[-2000:] + p.stderr[-2000:])
-                c.failures.append("%s on %s: exit status %d" % (name, backend, p.returncode))
+            _, rundir = c.loom(name + "_" + backend, 1, cmd_sets, deck=path)
             got[backend] = rows(rundir)
         lh = [r["loss"] for r in got["host"]]
         ld = [r["loss"] for r in got["cuda"]]
