@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/buffer.hpp"
+#include "core/step_plan.hpp"
 #include "core/dtype.hpp"
 #include "core/ledger.hpp"
 
@@ -66,6 +67,14 @@ class Backend {
   }
   // Waits until every operation issued so far has completed (a device back end queues them).
   virtual void synchronize() {}
+  // `loom plan`: the workspace this back end takes for a micro-batch's matrix products, in the order
+  // the model runs them (operands: null BufferRefs of their type and count).
+  struct MatmulCall {
+    bool backward = false;
+    BufferRef inp, weight;
+    int N = 0, C = 0, OC = 0;
+  };
+  virtual void plan_matmuls(StepPlan& /*plan*/, const std::vector<MatmulCall>& /*calls*/) const {}
 
   // wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor parallelism).
   virtual void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe,
@@ -162,5 +171,8 @@ inline void ensure_capacity(Backend& backend, TypedBuffer& buffer, const std::st
 
 // The host back end; `threads` sets the BLAS and oneDNN threads of this rank (gemm::set_threads).
 std::unique_ptr<Backend> make_host_backend(int threads);
+// `loom plan`'s back end (core/sizing_backend.cpp): allocations filed in the ledger at addresses never
+// touched, no kernels; the operand workspace of `like`.
+std::unique_ptr<Backend> make_sizing_backend(std::unique_ptr<Backend> like);
 
 }  // namespace loom

@@ -114,6 +114,33 @@ void BucketedGradSync::finish(GPT&) {
   last_micro_ = false;
 }
 
+// Every bucket through the reducer chain; the scratch of the buckets that can be in flight together
+// (all of them, or max_in_flight consecutive ones) is taken at once. With overlap every bucket but
+// the last runs during backward.
+void BucketedGradSync::plan_step(StepPlan& plan) const {
+  if (dp_.size() == 1 || !reducer_) return;
+  std::vector<Reducer::BucketScratch> per;
+  for (const Bucket& b : buckets_) {
+    const std::size_t first = plan.comm.size();
+    per.push_back(reducer_->plan_bucket(plan, b, "gradient bucket " + std::to_string(b.index)));
+    for (std::size_t c = first; c < plan.comm.size(); ++c)
+      plan.comm[c].overlapped = overlap_ && b.index + 1 < static_cast<int>(buckets_.size());
+  }
+  const std::size_t window = max_in_flight_ > 0 ? static_cast<std::size_t>(max_in_flight_) : per.size();
+  double held = 0;
+  for (std::size_t i = 0; i < per.size(); ++i) {
+    std::vector<double> ring;
+    double h = 0;
+    for (std::size_t j = i; j < std::min(per.size(), i + window); ++j) {
+      ring.push_back(per[j].ring);
+      h += per[j].held;
+    }
+    plan.ring_scratch(dp_.name(), ring);
+    held = std::max(held, h);
+  }
+  plan.add_scratch(Mem::comm, held);
+}
+
 void BucketedGradSync::append_reducer_report(std::vector<std::pair<std::string, double>>& r) const {
   for (Reducer* k = reducer_; k; k = k->inner())
     for (auto& kv : k->step_report()) r.push_back(kv);

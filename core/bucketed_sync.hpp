@@ -41,6 +41,7 @@ class BucketedGradSync : public GradSync {
   // reducers' own numbers.
   std::vector<std::pair<std::string, double>> step_report() const override;
   const std::vector<GradBucket>& buckets() const { return plain_; }
+  void plan_step(StepPlan& plan) const override;
 
  protected:
   // Reducers' numbers, outermost first.

@@ -185,6 +185,11 @@ class Communicator {
   void check_rank(const char* op, const char* what, int rank) const;
 };
 
+// The ring scratch an MPI collective takes from its communicator's pool while it runs (Mem::comm),
+// in bytes: what the requests allocate and what `loom plan` counts. `most`: the largest rank's block.
+std::size_t ring_all_reduce_scratch(std::int64_t count, int ranks, std::size_t elem);
+std::size_t ring_reduce_scatter_scratch(std::int64_t most, int ranks, std::size_t elem, bool in_place);
+
 // How long a wait may see none of its messages complete before it ends the job, in seconds (0: wait
 // forever). Process-wide, for every communicator; the driver sets it from run.comm_timeout.
 void set_comm_timeout(double seconds);

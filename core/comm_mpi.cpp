@@ -260,6 +260,23 @@ class ScratchPool {
 
 class MpiRequest;
 
+}  // namespace
+
+std::size_t ring_all_reduce_scratch(std::int64_t count, int ranks, std::size_t elem) {
+  if (ranks <= 1 || count <= 0) return 0;
+  return static_cast<std::size_t>(count / ranks + (count % ranks > 0 ? 1 : 0)) * elem;
+}
+
+// Two block-sized halves, the second 8-byte aligned (the partial result and the incoming one); one
+// with two ranks or in place.
+std::size_t ring_reduce_scatter_scratch(std::int64_t most, int ranks, std::size_t elem, bool in_place) {
+  if (ranks <= 1 || most <= 0) return 0;
+  const std::size_t half = (static_cast<std::size_t>(most) * elem + 7) / 8 * 8;
+  return ranks == 2 || in_place ? half : 2 * half;
+}
+
+namespace {
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, std::string name) : name_(std::move(name)), scratch_("loom.comm." + name_) {
@@ -517,7 +534,7 @@ class RingAllReduce : public MpiRequest {
         reduce_(reduce) {
     base_ = count_ / n_;
     rem_ = count_ % n_;
-    if (n_ > 1 && count_ > 0) tmp_ = scratch(static_cast<std::size_t>(base_ + (rem_ > 0 ? 1 : 0)) * elem_);
+    if (n_ > 1 && count_ > 0) tmp_ = scratch(ring_all_reduce_scratch(count_, n_, elem_));
   }
 
  protected:
@@ -580,13 +597,13 @@ class RingReduceScatter : public MpiRequest {
       // step combines straight into `recv`), or in place (`recv` is this rank's block of `send`, so
       // the caller gives up the rest of `send`: each block's partial result overwrites this rank's
       // elements of it, which are read once, just before).
-      const std::size_t most = *std::max_element(counts_.begin(), counts_.end()) * elem_;
-      const std::size_t half = (most + 7) / 8 * 8;
+      const std::int64_t most = *std::max_element(counts_.begin(), counts_.end());
+      const std::size_t half = ring_reduce_scatter_scratch(most, 2, elem_, true);
       in_place_ = recv_ == own(rank());
       if (n_ == 2 || in_place_) {
         tmp_ = scratch(half);
       } else {
-        acc_ = scratch(2 * half);
+        acc_ = scratch(ring_reduce_scatter_scratch(most, n_, elem_, false));
         tmp_ = acc_ + half;
       }
     }

@@ -18,6 +18,7 @@
 #include "core/ledger.hpp"
 #include "core/optimizer.hpp"
 #include "core/reducer.hpp"
+#include "core/step_plan.hpp"
 
 namespace loom {
 
@@ -48,6 +49,8 @@ class GradSync {
   virtual void use_reducer(Reducer* /*reducer*/) {}
   // Numbers for the metrics of the last step (name -> value), e.g. measured vs textbook volume.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // `loom plan`: the scratch a step takes and the bytes it moves (core/step_plan.hpp).
+  virtual void plan_step(StepPlan& /*plan*/) const {}
 };
 
 struct StepContext {
@@ -80,6 +83,8 @@ class Schedule {
   virtual void finish_grads(GPT& /*model*/) {}
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // `loom plan`: the scratch a step takes, the bytes it moves and the idle share (core/step_plan.hpp).
+  virtual void plan_step(StepPlan& /*plan*/) const {}
 };
 
 class AccumulateSchedule final : public Schedule {

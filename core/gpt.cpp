@@ -153,6 +153,34 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   tokens_buf_ = be_.allocate("GPT::tokens", DType::i32, a.token_ints, Mem::workspace);
 }
 
+void GPT::plan_step(StepPlan& plan) const {
+  // The saved inputs' types, as the tables are carved (a null base only types and counts them).
+  const BlockActs a = carve_block(geom_, nullptr);
+  const Head h = carve_head(geom_, nullptr);
+  const int N = max_rows_ * cfg_.seq_len, C = cfg_.d_model, Cl = C / tp_, Fl = 4 * C / tp_;
+  auto full = [&](const BufferRef& saved, int cols) {  // input_of: gathered fp32 unless saved 16-bit
+    return BufferRef(nullptr, saved.type, static_cast<std::int64_t>(N) * cols, be_.space());
+  };
+  auto weight = [&](std::int64_t n) { return BufferRef(nullptr, mm16_, n, be_.space()); };
+  using Call = Backend::MatmulCall;
+  std::vector<Call> fwd;
+  for (const Stage::Chunk& c : stage_.chunks)
+    for (int l = c.first_layer; l < c.end_layer; ++l) {
+      fwd.push_back({false, full(a.ln1, C), weight(3ll * Cl * C), N, C, 3 * Cl});
+      fwd.push_back({false, full(a.atty, Cl), weight(static_cast<std::int64_t>(C) * Cl), N, Cl, C});
+      fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl});
+      fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
+    }
+  if (stage_.last()) fwd.push_back({false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_});
+  std::vector<Call> calls = fwd;
+  for (auto it = fwd.rbegin(); it != fwd.rend(); ++it) {
+    calls.push_back(*it);
+    calls.back().backward = true;
+  }
+  be_.plan_matmuls(plan, calls);
+  part_->plan_step(plan, *this);
+}
+
 GPT::ActivationSizes GPT::activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage_in, int max_rows,
                                            DType mm16) {
   // Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one set per slot

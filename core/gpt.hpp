@@ -132,6 +132,10 @@ class GPT {
   // the layout: 6 x (weights in matrix products, the tied head included) + 12 x L x T x C for
   // attention (PaLM's convention).
   double flops_per_token() const;
+  // `loom plan`: what a micro-batch's step takes beyond the tables the constructor allocated (the back
+  // end's operand workspace for the products in the order they run, the partition's scratch) and the
+  // bytes the partition moves (core/step_plan.hpp).
+  void plan_step(StepPlan& plan) const;
 
  private:
   // Every element this rank holds, tensor by tensor: write(p, w, begin, end) fills w[0, end - begin)

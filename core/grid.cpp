@@ -70,6 +70,56 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
   }
 }
 
+namespace {
+
+class PlannedCommunicator final : public Communicator {
+ public:
+  PlannedCommunicator(std::string name, int rank, int size) : name_(std::move(name)), rank_(rank), size_(size) {}
+  const std::string& name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void progress() override {}
+  void barrier() override { no(); }
+
+ protected:
+  CommRequestPtr start_all_reduce(BufferRef, ReduceOp) override { return no(); }
+  CommRequestPtr start_reduce_scatter(BufferRef, BufferRef, const std::vector<std::int64_t>&, ReduceOp) override {
+    return no();
+  }
+  CommRequestPtr start_all_gather(BufferRef, BufferRef, const std::vector<std::int64_t>&) override { return no(); }
+  CommRequestPtr start_broadcast(BufferRef, int) override { return no(); }
+  CommRequestPtr start_send(BufferRef, int, int) override { return no(); }
+  CommRequestPtr start_recv(BufferRef, int, int) override { return no(); }
+
+ private:
+  [[noreturn]] CommRequestPtr no() const {
+    throw std::logic_error("loom plan's " + name_ + " communicator was asked to communicate: building a rank's roles "
+                           "must not");
+  }
+  std::string name_;
+  int rank_, size_;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGrid> ProcessGrid::planned(const Layout& layout, int rank, int per_node) {
+  std::unique_ptr<ProcessGrid> g(new ProcessGrid());
+  g->layout_ = layout;
+  g->rank_ = rank;
+  g->tp_i_ = rank % layout.tp;
+  g->dp_i_ = (rank / layout.tp) % layout.dp;
+  g->pp_i_ = rank / (layout.tp * layout.dp);
+  g->world_ = std::make_unique<PlannedCommunicator>("world", rank, layout.ranks());
+  g->tp_ = std::make_unique<PlannedCommunicator>("tp", g->tp_i_, layout.tp);
+  g->dp_ = std::make_unique<PlannedCommunicator>("dp", g->dp_i_, layout.dp);
+  g->pp_ = std::make_unique<PlannedCommunicator>("pp", g->pp_i_, layout.pp);
+  g->node_ = rank / std::max(per_node, 1);
+  g->nodes_ = (layout.ranks() + std::max(per_node, 1) - 1) / std::max(per_node, 1);
+  g->description_ = "planned grid: rank " + std::to_string(rank) + " of dp " + std::to_string(layout.dp) + " x tp " +
+                    std::to_string(layout.tp) + " x pp " + std::to_string(layout.pp) + "\n";
+  return g;
+}
+
 ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout) : layout_(layout) {
   int size = 1;
   MPI_Comm_rank(world, &rank_);

@@ -31,6 +31,9 @@ class ProcessGrid {
  public:
   // Collective over `world`. The layout must already have passed check_layout.
   ProcessGrid(MPI_Comm world, const Layout& layout);
+  // `loom plan`'s grid: rank `rank` of `layout` with `per_node` ranks per node, no MPI; its
+  // communicators answer name, size and rank, and throw if asked to communicate.
+  static std::unique_ptr<ProcessGrid> planned(const Layout& layout, int rank, int per_node);
   const Layout& layout() const { return layout_; }
   int rank() const { return rank_; }
   int dp_rank() const { return dp_i_; }
@@ -48,6 +51,7 @@ class ProcessGrid {
   const std::string& describe() const { return description_; }
 
  private:
+  ProcessGrid() = default;
   Layout layout_;
   int rank_ = 0, dp_i_ = 0, tp_i_ = 0, pp_i_ = 0, node_ = 0, nodes_ = 1;
   std::unique_ptr<Communicator> world_, dp_, tp_, pp_;

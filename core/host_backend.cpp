@@ -254,6 +254,32 @@ class HostBackend final : public Backend {
     });
   }
 
+  // The operand slots a micro-batch's products grow, as operand16 grows them: a bf16 operand needs
+  // none; ensure_capacity makes the larger buffer before it frees the smaller.
+  void plan_matmuls(StepPlan& plan, const std::vector<MatmulCall>& calls) const override {
+    if (precision_.matmul == DType::f32) return;
+    const double elem = precision_.matmul == DType::bf16 ? 2.0 : 4.0;
+    std::array<double, 3> have{};
+    double peak = 0;
+    auto need = [&](int slot, DType type, double n) {
+      if (type == DType::bf16 || n * elem <= have[static_cast<std::size_t>(slot)]) return;
+      peak = std::max(peak, have[0] + have[1] + have[2] + n * elem);
+      have[static_cast<std::size_t>(slot)] = n * elem;
+    };
+    for (const MatmulCall& c : calls) {
+      const double NC = double(c.N) * c.C, WC = double(c.OC) * c.C;
+      if (!c.backward) {
+        need(0, c.inp.type, NC);
+        need(1, c.weight.type, WC);
+      } else {
+        need(0, DType::f32, double(c.N) * c.OC);
+        need(1, c.weight.type, WC);
+        need(2, c.inp.type, NC);
+      }
+    }
+    plan.add_scratch(Mem::workspace, peak);
+  }
+
  private:
   // The first n elements of `src` as an operand of the matrix products' 16-bit type, for gemm16:
   // fp32 rounded (nearest even) into workspace operand slot `slot`; a 16-bit buffer of that type as it

@@ -17,6 +17,7 @@
 #include "core/backend.hpp"
 #include "core/dtype.hpp"
 #include "core/shard.hpp"
+#include "core/step_plan.hpp"
 
 namespace loom {
 
@@ -107,6 +108,9 @@ class ParamStore {
   // This rank alone wrote some of the parameters it holds whole (a fault injection's poison): the
   // compute copies made from them are stale. Not collective, unlike params_written.
   virtual void local_params_written() {}
+  // `loom plan`: what a step takes beyond what build() allocated (gathered shards, staging) and the
+  // bytes it moves (core/step_plan.hpp).
+  virtual void plan_step(StepPlan& /*plan*/) const {}
 };
 
 // The 16-bit compute copies of a store's matrix weights (ParamInfo::matmul_weight) when the back

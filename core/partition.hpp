@@ -14,6 +14,7 @@
 
 #include "core/backend.hpp"
 #include "core/shard.hpp"  // TpSplit
+#include "core/step_plan.hpp"
 
 namespace loom {
 
@@ -58,6 +59,8 @@ class Partition {
   virtual void finish_grads(GPT& /*model*/) {}
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // `loom plan`: the scratch a step of `model` takes here and the bytes it moves (core/step_plan.hpp).
+  virtual void plan_step(StepPlan& /*plan*/, const GPT& /*model*/) const {}
 };
 
 }  // namespace loom

@@ -40,6 +40,23 @@ class CastBackRequest final : public CommRequest {
 CastReducer::CastReducer(std::unique_ptr<Reducer> inner, Backend& backend, DType type)
     : inner_(std::move(inner)), be_(backend), type_(type) {}
 
+Reducer::BucketScratch AllReduceReducer::plan_bucket(StepPlan& plan, const GradBucket& b, const std::string& what) const {
+  const int n = comm_.size();
+  if (n == 1) return {};
+  plan.add_comm({comm_.name(), what + " all-reduce", ring_all_reduce_bytes(static_cast<double>(b.data.bytes()), n),
+                 2.0 * (n - 1), false});
+  return {static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type))), 0};
+}
+
+// The inner reducer on the narrow copy, and the copy itself while it is in flight.
+Reducer::BucketScratch CastReducer::plan_bucket(StepPlan& plan, const GradBucket& b, const std::string& what) const {
+  GradBucket narrow = b;
+  narrow.data = BufferRef(nullptr, type_, b.data.count, b.data.space);
+  BucketScratch s = inner_->plan_bucket(plan, narrow, what + " in " + dtype_name(type_));
+  s.held += static_cast<double>(narrow.data.bytes());
+  return s;
+}
+
 std::string CastReducer::name() const { return inner_->name() + " in " + dtype_name(type_); }
 
 CommRequestPtr CastReducer::reduce_async(const GradBucket& bucket) {

@@ -13,6 +13,7 @@
 #include "core/buffer.hpp"
 #include "core/comm.hpp"
 #include "core/dtype.hpp"
+#include "core/step_plan.hpp"
 
 namespace loom {
 
@@ -45,6 +46,14 @@ class Reducer {
   virtual Reducer* inner() { return nullptr; }
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // `loom plan`: adds the bytes reducing `bucket` moves to `plan` (CommCost::what names it) and says
+  // the scratch it takes while in flight: `ring` from the communicator's pool, `held` its own.
+  struct BucketScratch {
+    double ring = 0, held = 0;
+  };
+  virtual BucketScratch plan_bucket(StepPlan& /*plan*/, const GradBucket& /*bucket*/, const std::string& /*what*/) const {
+    return {};
+  }
 };
 
 // The plain one: a sum all-reduce on `comm`.
@@ -53,6 +62,7 @@ class AllReduceReducer final : public Reducer {
   explicit AllReduceReducer(Communicator& comm) : comm_(comm) {}
   std::string name() const override { return "all-reduce over " + comm_.name() + " " + std::to_string(comm_.size()); }
   CommRequestPtr reduce_async(const GradBucket& b) override { return comm_.all_reduce_async(b.data, ReduceOp::sum); }
+  BucketScratch plan_bucket(StepPlan& plan, const GradBucket& bucket, const std::string& what) const override;
 
  private:
   Communicator& comm_;
@@ -73,6 +83,7 @@ class CastReducer final : public Reducer {
   std::string name() const override;
   CommRequestPtr reduce_async(const GradBucket& bucket) override;
   Reducer* inner() override { return inner_.get(); }
+  BucketScratch plan_bucket(StepPlan& plan, const GradBucket& bucket, const std::string& what) const override;
 
  private:
   std::unique_ptr<Reducer> inner_;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/plugin.hpp"
+#include "io/cluster.hpp"
 #include "io/deck.hpp"
 
 namespace loom {
@@ -20,11 +21,15 @@ struct SampleOptions {  // loom sample CKPT [options]
   std::uint64_t seed = 1337;
 };
 int command_sample(const SampleOptions& options);
-struct PlanOptions {  // loom plan [options]: the cluster a plan is for (the prediction is not built yet)
-  std::string cluster, output;
-  std::vector<std::string> sets;
-  bool calibrate = false, show = false, cluster_keys = false;
+struct PlanOptions {  // loom plan [DECK] [options]
+  std::string deck, cluster, output, memo;
+  std::vector<std::string> sets;  // cluster.* and network.* go to the cluster, the rest to the deck
+  bool calibrate = false, show = false, cluster_keys = false, json = false;
+  int devices = 0;  // > 0: search the layouts of this many devices
 };
-int command_plan(const PlanOptions& options);
+int command_plan(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema);
+// The part of it that predicts a deck (driver/plan_predict.cpp); `cluster` is resolved.
+int command_plan_deck(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema,
+                      const ClusterSpec& cluster);
 int command_ckpt_llmc(const std::string& checkpoint, const std::string& out);  // loom ckpt llmc CKPT OUT.bin
 }  // namespace loom

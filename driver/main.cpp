@@ -49,10 +49,14 @@ const char* kUsage =
     "              [--tokenizer FILE]\n"
     "                 generate from a checkpoint (file, or checkpoint directory: its latest): text for the byte\n"
     "                 vocabulary, else token ids (decoded with an llm.c tokenizer file when given)\n"
+    "  plan DECK [--cluster FILE|PRESET] [--set section.key=value ...] [--json] [--devices N [--memo FILE]]\n"
+    "                 predict the deck's memory per rank (by the ledger's categories) and step time on a\n"
+    "                 machine before the job runs; --devices N ranks every layout of N devices that fits, saying\n"
+    "                 why the others do not, and --memo writes a Markdown memo for the best one\n"
     "  plan --cluster FILE|PRESET [--set section.key=value ...] --show | plan --calibrate [-o FILE] | plan --cluster-keys\n"
     "                 the machine a plan is for: a cluster description (presets a100-80gb, h100-sxm, h200), or\n"
     "                 this machine measured (on 2 ranks or more) and written to FILE (default\n"
-    "                 ~/.config/loom/cluster.ini); predicting a deck's memory and step time is not built yet\n"
+    "                 ~/.config/loom/cluster.ini); without --cluster, this machine's file, else h100-sxm\n"
     "  plot RUN_DIR... [-o OUTDIR] | plot --sweep RESULT.csv --x KEY [-o OUTDIR]\n"
     "                 draw loss curves of runs, or a sweep's table against a swept key, as PNGs\n"
     "  keys           list every deck key with its type, default, range and help\n"
@@ -125,7 +129,11 @@ SampleOptions parse_sample(const std::vector<std::string>& rest) {
 PlanOptions parse_plan(const std::vector<std::string>& rest) {
   PlanOptions o;
   po::options_description opts("loom plan options");
-  opts.add_options()("cluster", po::value(&o.cluster), "cluster file or preset")(
+  opts.add_options()("deck", po::value(&o.deck), "the deck to plan")(
+      "devices", po::value(&o.devices), "search the layouts of this many devices")(
+      "json", po::bool_switch(&o.json), "print the deck's prediction as JSON")(
+      "memo", po::value(&o.memo), "write a Markdown memo for the chosen layout")(
+      "cluster", po::value(&o.cluster), "cluster file or preset")(
       "set", po::value(&o.sets)->composing(), "override section.key=value of the cluster description")(
       "show", po::bool_switch(&o.show), "print the cluster description resolved")(
       "calibrate", po::bool_switch(&o.calibrate), "measure this machine and write a cluster file")(
@@ -133,12 +141,16 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
       "output,o", po::value(&o.output), "where --calibrate writes");
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(rest).options(opts).run(), vm);
+    po::positional_options_description pos;
+    pos.add("deck", 1);
+    po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
     po::notify(vm);
   } catch (const po::error& e) {
-    throw DeckError(std::string("loom plan: ") + e.what() +
-                    " (predicting a deck's memory and step time is not built yet: loom plan takes no DECK)\n" + kUsage);
+    throw DeckError(std::string("loom plan: ") + e.what() + "\n" + kUsage);
   }
+  if (o.devices < 0) throw DeckError("loom plan: --devices " + std::to_string(o.devices) + " is negative");
+  if ((o.devices > 0 || o.json || !o.memo.empty()) && o.deck.empty())
+    throw DeckError("loom plan: --devices, --json and --memo plan a deck: loom plan DECK [--cluster FILE|PRESET] ...");
   if (o.calibrate && (!o.cluster.empty() || o.show))
     throw DeckError("loom plan: --calibrate measures this machine; it takes no --cluster or --show");
   return o;
@@ -156,8 +168,6 @@ int dispatch(int argc, char** argv, int rank) {
   }
   const std::string command = args[0];
   if (command == "sample") return command_sample(parse_sample({args.begin() + 1, args.end()}));
-  if (command == "plan") return command_plan(parse_plan({args.begin() + 1, args.end()}));
-  const Args a = parse_subcommand(command, {args.begin() + 1, args.end()});
   // Built-in strategies and every plugin on the search path register first, so that their deck
   // keys are part of the schema every deck is checked against.
   StrategyRegistry registry;
@@ -168,6 +178,8 @@ int dispatch(int argc, char** argv, int rank) {
   for (const auto& [name, info] : registry.all())
     for (const auto& key : info.keys) schema.add(key);
 
+  if (command == "plan") return command_plan(parse_plan({args.begin() + 1, args.end()}), registry, schema);
+  const Args a = parse_subcommand(command, {args.begin() + 1, args.end()});
   if (command == "plugins") {
     if (rank != 0) return 0;
     std::cout << "plugin search path:";

@@ -1,7 +1,7 @@
 // `loom plan` (issue 16), the part built so far: the machine a plan is for. `--cluster FILE|PRESET`
 // reads a cluster description (io/cluster.hpp) and `--show` prints it; `--calibrate` measures the
-// machine it runs on (matrix-product rate per dtype with loom's own back end, MPI bandwidth and
-// latency between ranks inside a node and between nodes) and writes such a file. The prediction of a
+// machine it runs on (matrix-product rate per dtype, attention rate and memory bandwidth with loom's
+// own back end, MPI bandwidth and latency between ranks inside a node and between nodes) and writes such a file. The prediction of a
 // deck's memory and step time is not built yet.
 #include <mpi.h>
 #include <unistd.h>
@@ -43,6 +43,95 @@ double matmul_rate(DType dtype) {
   }
   be->release_scratch();
   return 2.0 * n * n * n / best;
+}
+
+// A buffer of `n` fp32 values of the back end, filled with small values (varied, so LayerNorm's rows
+// have a spread and GELU is not evaluated at one point).
+TypedBuffer small_values(Backend& be, const std::string& label, std::int64_t n) {
+  TypedBuffer b = be.allocate(label, DType::f32, n, Mem::workspace);
+  std::vector<float> host(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = 0.01f * static_cast<float>(static_cast<int>(i % 97) - 48);
+  be.copy_from_host(b.ref(), host.data());
+  return b;
+}
+
+// The best time of `f` over `reps` calls after 2 warm-up calls.
+template <class F>
+double best_seconds(Backend& be, int reps, F&& f) {
+  double best = 1e30;
+  for (int rep = 0; rep < reps + 2; ++rep) {
+    be.synchronize();
+    const double t0 = now();
+    f();
+    be.synchronize();
+    if (rep >= 2) best = std::min(best, now() - t0);
+  }
+  return best;
+}
+
+// FLOP/s of the back end's attention (forward + backward, fp32) at B=4, T=256, C=256, NH=4, its FLOPs
+// counted by attention_flops (io/cluster.hpp), which the prediction counts with.
+double attention_rate() {
+  auto be = make_host_backend(1);
+  constexpr int B = 4, T = 256, C = 256, NH = 4;
+  const std::int64_t bt = static_cast<std::int64_t>(B) * T, att_n = static_cast<std::int64_t>(B) * NH * T * T;
+  TypedBuffer qkv = small_values(*be, "plan::calibrate.qkv", bt * 3 * C);
+  TypedBuffer dout = small_values(*be, "plan::calibrate.dout", bt * C);
+  TypedBuffer out = be->allocate("plan::calibrate.out", DType::f32, bt * C, Mem::workspace);
+  TypedBuffer att = be->allocate("plan::calibrate.att", DType::f32, att_n, Mem::workspace);
+  TypedBuffer dqkv = be->allocate("plan::calibrate.dqkv", DType::f32, bt * 3 * C, Mem::workspace);
+  TypedBuffer datt = be->allocate("plan::calibrate.datt", DType::f32, att_n, Mem::workspace);
+  const double fwd = best_seconds(*be, 5, [&] {
+    be->attention_forward(out.data<float>(), att.data<float>(), qkv.data<float>(), B, T, C, NH);
+  });
+  const double bwd = best_seconds(*be, 5, [&] {
+    be->attention_backward(dqkv.data<float>(), datt.data<float>(), dout.data<float>(), qkv.data<float>(),
+                           att.data<float>(), B, T, C, NH);
+  });
+  be->release_scratch();
+  return attention_flops(B, T, C) / (fwd + bwd);
+}
+
+// Bytes per second of the back end's element-wise kernels (LayerNorm forward and backward, GELU
+// forward and backward, the residual add) over 65536 rows x 256, their bytes counted by KernelBytes
+// (io/cluster.hpp), which the prediction counts with: all the bytes over all the best times.
+double memory_rate() {
+  auto be = make_host_backend(1);
+  constexpr int N = 65536, C = 256;
+  const std::int64_t n = static_cast<std::int64_t>(N) * C;
+  TypedBuffer x = small_values(*be, "plan::calibrate.x", n);
+  TypedBuffer dy = small_values(*be, "plan::calibrate.dy", n);
+  TypedBuffer y = be->allocate("plan::calibrate.y", DType::f32, n, Mem::workspace);
+  TypedBuffer dx = be->allocate("plan::calibrate.dx", DType::f32, n, Mem::workspace);
+  TypedBuffer w = small_values(*be, "plan::calibrate.ln_w", C);
+  TypedBuffer b = small_values(*be, "plan::calibrate.ln_b", C);
+  TypedBuffer dw = be->allocate("plan::calibrate.ln_dw", DType::f32, C, Mem::workspace);
+  TypedBuffer db = be->allocate("plan::calibrate.ln_db", DType::f32, C, Mem::workspace);
+  TypedBuffer mean = be->allocate("plan::calibrate.mean", DType::f32, N, Mem::workspace);
+  TypedBuffer rstd = be->allocate("plan::calibrate.rstd", DType::f32, N, Mem::workspace);
+  constexpr int reps = 4;
+  double bytes = 0, seconds = 0;
+  const auto add = [&](double per_element, double t) {
+    bytes += per_element * static_cast<double>(n);
+    seconds += t;
+  };
+  add(KernelBytes::layernorm_fwd, best_seconds(*be, reps, [&] {
+        be->layernorm_forward(y.data<float>(), mean.data<float>(), rstd.data<float>(), x.data<float>(), w.data<float>(),
+                              b.data<float>(), N, C);
+      }));
+  add(KernelBytes::layernorm_bwd, best_seconds(*be, reps, [&] {
+        be->layernorm_backward(dx.data<float>(), dw.data<float>(), db.data<float>(), dy.data<float>(), x.data<float>(),
+                               w.data<float>(), mean.data<float>(), rstd.data<float>(), N, C);
+      }));
+  add(KernelBytes::gelu_fwd, best_seconds(*be, reps, [&] { be->gelu_forward(y.data<float>(), x.data<float>(), n); }));
+  add(KernelBytes::gelu_bwd, best_seconds(*be, reps, [&] {
+        be->gelu_backward(dx.data<float>(), x.data<float>(), dy.data<float>(), n);
+      }));
+  add(KernelBytes::residual, best_seconds(*be, reps, [&] {
+        be->residual_forward(y.data<float>(), x.data<float>(), dy.data<float>(), n);
+      }));
+  be->release_scratch();
+  return bytes / seconds;
 }
 
 // Half the best round trip of `bytes` between this rank and `peer` (the other side echoes).
@@ -137,6 +226,8 @@ int calibrate(const std::string& out_path) {
   // Every rank multiplies at once, as in training; the slowest rank is what a step waits for.
   double rates[3] = {matmul_rate(DType::f32), matmul_rate(DType::bf16), matmul_rate(DType::f16)};
   MPI_Allreduce(MPI_IN_PLACE, rates, 3, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  double kernels[2] = {attention_rate(), memory_rate()};
+  MPI_Allreduce(MPI_IN_PLACE, kernels, 2, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
   const Link intra = measure_link(rank, same >= 0 ? 0 : -1, same);
   const Link inter = measure_link(rank, other >= 0 ? 0 : -1, other);
   if (rank != 0) return 0;
@@ -152,14 +243,19 @@ int calibrate(const std::string& out_path) {
   c.peak_flops_fp32 = rates[0];
   c.peak_flops_bf16 = rates[1];
   c.peak_flops_fp16 = rates[2];
+  c.attention_flops = kernels[0];
+  c.memory_bytes_per_s = kernels[1];
   const Link& in_node = intra.measured ? intra : inter;
   const Link& between = inter.measured ? inter : intra;
   c.intra_bytes_per_s = in_node.bytes_per_s;
   c.intra_latency_s = in_node.latency_s;
   c.inter_bytes_per_s = between.bytes_per_s;
   c.inter_latency_s = between.latency_s;
-  c.source = std::string("loom plan --calibrate: matrix products of loom's host back end (768 x 768, best of 6, slowest "
-                         "rank), memory = MemTotal / ranks per node, MPI ping-pong of 8 B and 16 MiB") +
+  c.source = std::string("loom plan --calibrate, loom's host back end (BLAS on 1 thread), all ranks at once, slowest "
+                         "rank: matrix products 768 x 768 (best of 6); attention forward + backward at B=4, T=256, "
+                         "C=256, 4 heads (best of 5, 12 B T^2 C FLOPs); memory_gbs from LayerNorm, GELU (forward "
+                         "and backward) and residual add over 65536 x 256 fp32 (best of 4, bytes as loom plan counts "
+                         "them); memory = MemTotal / ranks per node; MPI ping-pong of 8 B and 16 MiB") +
              (intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
              (inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
   std::error_code ec;
@@ -181,7 +277,15 @@ int calibrate(const std::string& out_path) {
 
 }  // namespace
 
-int command_plan(const PlanOptions& o) {
+int command_plan(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema) {
+  // --set: the cluster's sections to the cluster description, the rest to the deck.
+  PlanOptions o = options;
+  std::vector<std::string> cluster_sets;
+  o.sets.clear();
+  for (const std::string& s : options.sets)
+    (s.rfind("cluster.", 0) == 0 || s.rfind("network.", 0) == 0 ? cluster_sets : o.sets).push_back(s);
+  if (o.deck.empty() && !o.sets.empty())
+    throw InputError("--set " + o.sets.front() + ": without a DECK, loom plan takes only cluster.* and network.* keys");
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (o.cluster_keys) {
@@ -201,7 +305,11 @@ int command_plan(const PlanOptions& o) {
              "measures this machine)\n";
     }
   }
-  const ClusterSpec c = load_cluster(what, o.sets);
+  const ClusterSpec c = load_cluster(what, cluster_sets);
+  if (!o.deck.empty() && !o.show) {
+    if (rank == 0 && !o.json) std::cout << note;
+    return command_plan_deck(o, registry, schema, c);
+  }
   if (rank == 0) std::cout << note << describe_cluster(c);
   return 0;
 }

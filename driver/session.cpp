@@ -179,40 +179,35 @@ void Session::setup_local() {
   }
 }
 
-void Session::setup_collective() {
-  backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_bool("run.tf32"), MPI_COMM_WORLD,
-                         &backend_choice);
-  set_comm_timeout(deck.get_float("run.comm_timeout"));
-  set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
-  grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
-  // The roles decided before the model: its tp split, its layers, where its tensors live. Which
-  // strategy fills each was settled by the role claims (check_role_claims).
-  PartitionContext pctx{deck, *grid, *backend, model_cfg};
-  Stage stage;
+PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies,
+                                   ProcessGrid& grid, Backend& backend, const GPTConfig& model) {
+  PartitionContext pctx{deck, grid, backend, model};
+  PreModelRoles r;
   for (const StrategyInfo* strategy : strategies) {
-    if (strategy->make_precision) backend->set_precision(strategy->make_precision(pctx));
-    if (strategy->make_partition) partition = strategy->make_partition(pctx);
-    if (strategy->assign_stage) stage = strategy->assign_stage(pctx);
-    if (strategy->make_store) store = strategy->make_store(pctx);
+    if (strategy->make_precision) backend.set_precision(strategy->make_precision(pctx));
+    if (strategy->make_partition) r.partition = strategy->make_partition(pctx);
+    if (strategy->assign_stage) r.stage = strategy->assign_stage(pctx);
+    if (strategy->make_store) r.store = strategy->make_store(pctx);
   }
-  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), stage, store.get(),
-                                layout.dp, grid->dp_rank());
-  model->init_weights(seed);
-  if (!init_from.empty()) {
-    // Every rank reads the file and takes its own elements; a bad file is refused alike everywhere.
-    LlmcModel weights;
-    run_agreed([&] { weights = read_init_from(init_from, model_cfg); });
-    model->load_weights([&](const std::string& name) { return weights.tensors.at(name).data(); });
-  }
+  return r;
+}
+
+AssembledRoles assemble_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies, ProcessGrid& grid,
+                              GPT& model, Backend& backend, const EngineConfig& engine_cfg, bool agree) {
+  AssembledRoles out;
+  EngineRoles& engine_roles = out.engine;
+  std::unique_ptr<Reducer>& reducer = out.reducer;
   // The other roles, strategy by strategy: each may fill only what it declared.
-  EngineRoles engine_roles;
   std::vector<std::pair<std::string, ReducerWrapper>> wrappers;
   for (const StrategyInfo* strategy : strategies) {
     Roles roles;
-    StrategyContext ctx{deck, *grid, *model, *backend, engine_cfg};
+    StrategyContext ctx{deck, grid, model, backend, engine_cfg};
     strategy->create(ctx, roles);
     // The same on every rank: said once, exit 2, before any training.
-    run_agreed([&] { check_filled_roles(*strategy, filled_roles(roles)); });
+    if (agree)
+      run_agreed([&] { check_filled_roles(*strategy, filled_roles(roles)); });
+    else
+      check_filled_roles(*strategy, filled_roles(roles));
     // A strategy another one replaces (by its claims) built its objects, but the run uses the
     // replacement's, whatever the order of the strategies.
     auto used = [&](Role role) { return fills_role(strategies, *strategy, role); };
@@ -221,8 +216,8 @@ void Session::setup_collective() {
     if (roles.optimizer && used(Role::optimizer)) engine_roles.optimizer = std::move(roles.optimizer);
     if (roles.reducer && used(Role::reducer)) reducer = std::move(roles.reducer);
     for (auto& part : roles.checkpoint_parts) {
-      checkpoint_parts.push_back(part.get());
-      kept_parts.push_back(std::move(part));
+      out.checkpoint_parts.push_back(part.get());
+      out.kept_parts.push_back(std::move(part));
     }
     if (roles.wrap_reducer) wrappers.push_back({strategy->name, std::move(roles.wrap_reducer)});
     for (PhaseHook& h : roles.hooks) {
@@ -231,15 +226,40 @@ void Session::setup_collective() {
     }
   }
   // A narrower gradient collective goes right around the collective itself, inside any wrapper.
-  if (reducer && backend->precision().reduce != DType::f32)
-    reducer = std::make_unique<CastReducer>(std::move(reducer), *backend, backend->precision().reduce);
+  if (reducer && backend.precision().reduce != DType::f32)
+    reducer = std::make_unique<CastReducer>(std::move(reducer), backend, backend.precision().reduce);
   for (auto& [name, wrap] : wrappers) {
     if (!reducer) throw InputError("strategy '" + name + "' wraps the gradient reducer, but no strategy of this run provides one");
     reducer = wrap(std::move(reducer));
   }
   if (reducer && engine_roles.grad_sync) engine_roles.grad_sync->use_reducer(reducer.get());
-  engine_roles.world = &grid->world();
-  engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(engine_roles));
+  engine_roles.world = &grid.world();
+  return out;
+}
+
+void Session::setup_collective() {
+  backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_bool("run.tf32"), MPI_COMM_WORLD,
+                         &backend_choice);
+  set_comm_timeout(deck.get_float("run.comm_timeout"));
+  set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
+  grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
+  PreModelRoles pre = make_pre_model_roles(deck, strategies, *grid, *backend, model_cfg);
+  partition = std::move(pre.partition);
+  store = std::move(pre.store);
+  model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), pre.stage, store.get(),
+                                layout.dp, grid->dp_rank());
+  model->init_weights(seed);
+  if (!init_from.empty()) {
+    // Every rank reads the file and takes its own elements; a bad file is refused alike everywhere.
+    LlmcModel weights;
+    run_agreed([&] { weights = read_init_from(init_from, model_cfg); });
+    model->load_weights([&](const std::string& name) { return weights.tensors.at(name).data(); });
+  }
+  AssembledRoles roles = assemble_roles(deck, strategies, *grid, *model, *backend, engine_cfg, true);
+  reducer = std::move(roles.reducer);
+  checkpoint_parts = std::move(roles.checkpoint_parts);
+  kept_parts = std::move(roles.kept_parts);
+  engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(roles.engine));
   // Role objects that keep state of their own for checkpoints (after the strategies' listed parts).
   auto contributes = [this](auto* role) {
     if (auto* c = dynamic_cast<CheckpointContributor*>(role)) checkpoint_parts.push_back(c);

@@ -44,6 +44,28 @@ DeckData open_deck_data(const Deck& deck, const GPTConfig& model);
 // the key when this build lacks it (onednn without oneDNN).
 gemm::Impl gemm_impl_from_deck(const Deck& deck);
 
+// The roles decided before the model (its precision, tp split, layers, store), by the strategies
+// whose claims settled each (check_role_claims). Sets the precision on `backend`.
+struct PreModelRoles {
+  std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
+  Stage stage;
+  std::unique_ptr<ParamStore> store;     // null: the model's own flat store
+};
+PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies,
+                                   ProcessGrid& grid, Backend& backend, const GPTConfig& model);
+// The other roles, once the model exists: each strategy's `create`, installed by the claims, the
+// reducer chain composed (a CastReducer innermost, then the wrappers) and handed to the gradient sync.
+// `agree`: check the filled roles with the other ranks (run_agreed); false for one process alone
+// (`loom plan`).
+struct AssembledRoles {
+  EngineRoles engine;
+  std::unique_ptr<Reducer> reducer;
+  std::vector<CheckpointContributor*> checkpoint_parts;
+  std::vector<std::shared_ptr<CheckpointContributor>> kept_parts;
+};
+AssembledRoles assemble_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies, ProcessGrid& grid,
+                              GPT& model, Backend& backend, const EngineConfig& engine, bool agree);
+
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.
   Session(const Deck& deck, const StrategyRegistry& registry);

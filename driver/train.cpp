@@ -391,6 +391,12 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   const std::string status = !failure.empty() ? "failed" : interrupted ? "interrupted" : "finished";
   const int exit_status = !failure.empty() ? 1 : interrupted ? kExitInterrupted : 0;
   if (!failure.empty() && io) write_stderr("loom: error: " + failure);
+  // Every rank's ledger peaks, for summary.json (`loom plan` is checked against them rank by rank).
+  std::vector<double> mine(peak_bytes.begin(), peak_bytes.end()), all_peaks;
+  mine.push_back(static_cast<double>(peak_total));
+  if (io) all_peaks.resize(mine.size() * static_cast<std::size_t>(world));
+  MPI_Gather(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, all_peaks.data(), static_cast<int>(mine.size()),
+             MPI_DOUBLE, 0, MPI_COMM_WORLD);
   if (!io) return exit_status;
 
   std::map<std::string, double> report_means = (report_steady.steps ? report_steady : report_all).means();
@@ -426,6 +432,14 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                             {"ranks", world},
                             {"layout", {{"dp", s.layout.dp}, {"tp", s.layout.tp}, {"pp", s.layout.pp}}},
                             {"comm_wait_share", train_time > 0 ? wait_total / train_time : 0.0}};
+  nlohmann::json by_rank = nlohmann::json::array();
+  for (int r = 0; r < world; ++r) {
+    std::array<std::size_t, kMemCategories> b{};
+    const double* at = all_peaks.data() + static_cast<std::size_t>(r) * (kMemCategories + 1);
+    for (int i = 0; i < kMemCategories; ++i) b[static_cast<std::size_t>(i)] = static_cast<std::size_t>(at[i]);
+    by_rank.push_back(memory_json(b, static_cast<std::size_t>(at[kMemCategories])));
+  }
+  summary["mem_peak_bytes_by_rank"] = by_rank;
   if (!failure.empty()) summary["error"] = failure;
   if (interrupted) summary["stop_signal"] = Checkpointing::stop_signal();
   {

@@ -12,19 +12,23 @@
 namespace loom {
 namespace {
 
-// Published figures, per device. Bandwidths per direction; latencies are not published peak figures
-// but the order of a small NCCL message on such links (stated as an assumption in `source`).
+// Published figures, per device. Link bandwidths per direction; memory_gbs the HBM bandwidth;
+// attention_tflops the FP32 peak without tensor cores, as loom's attention kernels compute in fp32.
+// Latencies are not published peak figures but the order of a small NCCL message on such links
+// (stated as an assumption in `source`).
 const std::map<std::string, std::string>& presets() {
   static const std::map<std::string, std::string> p = {
       {"a100-80gb", R"([cluster]
 name = NVIDIA DGX A100 80GB nodes (8 x A100-SXM4-80GB per node)
-source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e, NVLink 600 GB/s bidirectional); DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
 peak_tflops_fp32 = 19.5
 peak_tflops_bf16 = 312
 peak_tflops_fp16 = 312
+attention_tflops = 19.5
+memory_gbs = 2039
 [network]
 intra_node_gbs = 300
 intra_node_latency_us = 3
@@ -33,13 +37,15 @@ inter_node_latency_us = 8
 )"},
       {"h100-sxm", R"([cluster]
 name = NVIDIA DGX H100 nodes (8 x H100-SXM5-80GB per node)
-source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3, NVLink 900 GB/s bidirectional); DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
 peak_tflops_fp32 = 67
 peak_tflops_bf16 = 989
 peak_tflops_fp16 = 989
+attention_tflops = 67
+memory_gbs = 3350
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -48,13 +54,15 @@ inter_node_latency_us = 8
 )"},
       {"h200", R"([cluster]
 name = NVIDIA DGX H200 nodes (8 x H200-SXM-141GB per node)
-source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e, NVLink 900 GB/s bidirectional); DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 141
 peak_tflops_fp32 = 67
 peak_tflops_bf16 = 989
 peak_tflops_fp16 = 989
+attention_tflops = 67
+memory_gbs = 4800
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -67,6 +75,7 @@ inter_node_latency_us = 8
 
 const char* const kRequired[] = {"cluster.nodes", "cluster.devices_per_node", "cluster.device_memory_gib",
                                  "cluster.peak_tflops_fp32", "cluster.peak_tflops_bf16", "cluster.peak_tflops_fp16",
+                                 "cluster.attention_tflops", "cluster.memory_gbs",
                                  "network.intra_node_gbs", "network.intra_node_latency_us", "network.inter_node_gbs",
                                  "network.inter_node_latency_us"};
 
@@ -83,6 +92,10 @@ void add_cluster_keys(DeckSchema& schema) {
   schema.add(float_key("cluster.peak_tflops_fp32", "1", 1e-6, 1e6, "fp32 matrix-product rate per device, TFLOP/s"));
   schema.add(float_key("cluster.peak_tflops_bf16", "1", 1e-6, 1e6, "bf16 matrix-product rate per device, TFLOP/s"));
   schema.add(float_key("cluster.peak_tflops_fp16", "1", 1e-6, 1e6, "fp16 matrix-product rate per device, TFLOP/s"));
+  schema.add(float_key("cluster.attention_tflops", "1", 1e-6, 1e6,
+                       "attention kernels' rate per device (QK^T, softmax, AV and their backward, fp32), TFLOP/s"));
+  schema.add(float_key("cluster.memory_gbs", "1", 1e-6, 1e6,
+                       "memory bandwidth per device (what LayerNorm, GELU, residual adds, AdamW are bound by), GB/s"));
   schema.add(float_key("network.intra_node_gbs", "1", 1e-6, 1e6, "bandwidth between devices of a node, GB/s per device and direction"));
   schema.add(float_key("network.intra_node_latency_us", "0", 0, 1e6, "latency of a message inside a node, microseconds"));
   schema.add(float_key("network.inter_node_gbs", "1", 1e-6, 1e6, "bandwidth between nodes, GB/s per device and direction"));
@@ -126,6 +139,8 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   c.peak_flops_fp32 = d.get_float("cluster.peak_tflops_fp32") * 1e12;
   c.peak_flops_bf16 = d.get_float("cluster.peak_tflops_bf16") * 1e12;
   c.peak_flops_fp16 = d.get_float("cluster.peak_tflops_fp16") * 1e12;
+  c.attention_flops = d.get_float("cluster.attention_tflops") * 1e12;
+  c.memory_bytes_per_s = d.get_float("cluster.memory_gbs") * 1e9;
   c.intra_bytes_per_s = d.get_float("network.intra_node_gbs") * 1e9;
   c.intra_latency_s = d.get_float("network.intra_node_latency_us") * 1e-6;
   c.inter_bytes_per_s = d.get_float("network.inter_node_gbs") * 1e9;
@@ -144,7 +159,8 @@ std::string cluster_text(const ClusterSpec& c) {
   o << "[cluster]\nname = " << c.name << "\nsource = " << c.source << "\nnodes = " << c.nodes
     << "\ndevices_per_node = " << c.devices_per_node << "\ndevice_memory_gib = " << c.device_memory_bytes / 1073741824.0
     << "\npeak_tflops_fp32 = " << c.peak_flops_fp32 / 1e12 << "\npeak_tflops_bf16 = " << c.peak_flops_bf16 / 1e12
-    << "\npeak_tflops_fp16 = " << c.peak_flops_fp16 / 1e12 << "\n[network]\nintra_node_gbs = " << c.intra_bytes_per_s / 1e9
+    << "\npeak_tflops_fp16 = " << c.peak_flops_fp16 / 1e12 << "\nattention_tflops = " << c.attention_flops / 1e12
+    << "\nmemory_gbs = " << c.memory_bytes_per_s / 1e9 << "\n[network]\nintra_node_gbs = " << c.intra_bytes_per_s / 1e9
     << "\nintra_node_latency_us = " << c.intra_latency_s * 1e6 << "\ninter_node_gbs = " << c.inter_bytes_per_s / 1e9
     << "\ninter_node_latency_us = " << c.inter_latency_s * 1e6 << "\n";
   return o.str();
@@ -172,7 +188,9 @@ std::string describe_cluster(const ClusterSpec& c) {
     << "  " << c.nodes << " node(s) x " << c.devices_per_node << " device(s) = " << c.devices() << " devices, "
     << c.device_memory_bytes / 1073741824.0 << " GiB each\n"
     << "  peak per device: fp32 " << c.peak_flops_fp32 / 1e12 << ", bf16 " << c.peak_flops_bf16 / 1e12 << ", fp16 "
-    << c.peak_flops_fp16 / 1e12 << " TFLOP/s\n"
+    << c.peak_flops_fp16 / 1e12 << " TFLOP/s (matrix products)\n"
+    << "  attention " << c.attention_flops / 1e12 << " TFLOP/s, memory " << c.memory_bytes_per_s / 1e9
+    << " GB/s (element-wise kernels), per device\n"
     << "  inside a node: " << c.intra_bytes_per_s / 1e9 << " GB/s, " << c.intra_latency_s * 1e6 << " us; between nodes: "
     << c.inter_bytes_per_s / 1e9 << " GB/s, " << c.inter_latency_s * 1e6 << " us\n"
     << "  source: " << c.source << "\n";

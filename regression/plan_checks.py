@@ -3,12 +3,23 @@
 
     python3 regression/plan_checks.py --loom build/loom --workdir build/plan-checks CASE
 
-  presets            a100-80gb, h100-sxm, h200 load, each naming its datasheet; --set overrides a key
+  presets            a100-80gb, h100-sxm, h200 load, each naming its datasheet and showing its memory
+                     bandwidth and attention (fp32) rate; --set overrides a key
   calibrate_np2      `loom plan --calibrate` on 2 ranks writes a cluster file whose every figure is
                      positive, which `--cluster FILE --show` reads back to the same values; on 1 rank
                      it is refused (it measures the links between ranks)
-  cluster_refusals   a missing key, a value out of range, an unknown key, links inside a node slower
-                     than between nodes, a name that is neither a file nor a preset: exit 2, named
+  memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps, rank by rank
+                     and category by category, for every deck of inputs/ and the layouts of the regression
+                     cases (dp, tp, sequence parallel, pp with each schedule, ZeRO 1-3, bf16, fp16, recompute,
+                     combinations): |predicted - measured| <= 5% of measured + 4 KiB (the floor covers the
+                     world's few-byte scalar collectives); comm, whose ring-scratch pools depend on how
+                     many collectives happened to be in flight at once, is held as a bound: measured <=
+                     predicted + 5%, predicted <= 2 x measured. The worst cases are printed. Known gap, printed and
+                     not held: the comm category of int8 / top-k / PowerSGD compression (their own buffers
+                     are not planned yet).
+  cluster_refusals   a missing key (memory_gbs among them), a value out of range (attention_tflops = 0),
+                     an unknown key, links inside a node slower than between nodes, a name that is
+                     neither a file nor a preset: exit 2, named
 Standard library only.
 """
 import os
@@ -28,6 +39,8 @@ device_memory_gib = 40
 peak_tflops_fp32 = 10
 peak_tflops_bf16 = 100
 peak_tflops_fp16 = 100
+attention_tflops = 5
+memory_gbs = 500
 [network]
 intra_node_gbs = 200
 intra_node_latency_us = 2
@@ -51,6 +64,84 @@ def figures(text):
     return [float(x) for x in re.findall(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text.split("source:")[0])]
 
 
+CATEGORIES = ["params", "grads", "optimizer", "master", "activations", "comm", "workspace"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYN = os.path.join(ROOT, "inputs", "synthetic.deck")
+# (tag, deck, ranks, --set overrides): the layouts the regression cases train.
+LAYOUTS = [
+    ("dp2", SYN, 2, ["parallel.dp=2"]),
+    ("tp2", SYN, 2, ["parallel.tp=2"]),
+    ("tp2_sp", SYN, 2, ["parallel.tp=2", "tensor.sequence_parallel=true"]),
+    ("pp2_1f1b", SYN, 2, ["parallel.pp=2", "train.micro_batches=4"]),
+    ("pp2_gpipe", SYN, 2, ["parallel.pp=2", "train.micro_batches=4", "pipeline.schedule=gpipe"]),
+    ("pp2_interleaved", SYN, 2, ["parallel.pp=2", "train.micro_batches=4", "pipeline.virtual_stages=2",
+                                 "model.layers=4"]),
+    ("zero1", SYN, 2, ["parallel.dp=2", "zero.stage=1"]),
+    ("zero2", SYN, 2, ["parallel.dp=2", "zero.stage=2"]),
+    ("zero3", SYN, 2, ["parallel.dp=2", "zero.stage=3"]),
+    ("bf16_dp2", SYN, 2, ["parallel.dp=2", "precision.dtype=bf16"]),
+    ("fp16", SYN, 1, ["precision.dtype=fp16"]),
+    ("bf16_zero3", SYN, 2, ["parallel.dp=2", "zero.stage=3", "precision.dtype=bf16"]),
+    ("recompute_micro", SYN, 1, ["model.recompute=true", "train.micro_batches=2"]),
+    ("dp2_tp2", SYN, 4, ["parallel.dp=2", "parallel.tp=2"]),
+    ("dp2_pp2", SYN, 4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batches=2"]),
+    ("tp2_pp2_sp_bf16", SYN, 4, ["parallel.tp=2", "parallel.pp=2", "tensor.sequence_parallel=true",
+                                 "precision.dtype=bf16", "train.micro_batches=2"]),
+]
+
+
+def deck_ranks(path):
+    text = open(path).read()
+    n = 1
+    for key in ("dp", "tp", "pp"):
+        m = re.search(r"^\s*%s\s*=\s*(\d+)" % key, text, re.M)
+        if m:
+            n *= int(m.group(1))
+    return n
+
+
+def memory_vs_ledger(args, d, failures):
+    import json
+    cases = [(os.path.basename(p)[:-5], p, deck_ranks(p), []) for p in
+             sorted(os.path.join(ROOT, "inputs", f) for f in os.listdir(os.path.join(ROOT, "inputs")) if f.endswith(".deck"))]
+    worst = []
+    for tag, deck, ranks, sets in cases + LAYOUTS:
+        run_dir = os.path.join(d, tag)
+        over = sets + ["train.steps=2", "train.eval_every=0", "train.log_every=1", "run.dir=" + run_dir,
+                       "run.overwrite=true", "checkpoint.dir=" + os.path.join(run_dir, "ckpt"), "checkpoint.every=0"]
+        sargs = sum((["--set", x] for x in over), [])
+        pred = json.loads(run([args.loom, "plan", deck, "--cluster", "h100-sxm", "--json"] + sargs).stdout)
+        run(common.launch_prefix(args, ranks) + [args.loom, "run", deck] + sargs)
+        meas = json.load(open(os.path.join(run_dir, "summary.json")))["mem_peak_bytes_by_rank"]
+        if len(meas) != len(pred["mem_peak_bytes_by_rank"]):
+            failures.append("%s: %d ranks measured, %d predicted" % (tag, len(meas), len(pred["mem_peak_bytes_by_rank"])))
+            continue
+        for r, (m, p) in enumerate(zip(meas, pred["mem_peak_bytes_by_rank"])):
+            for c in CATEGORIES:
+                gap = p[c] - m[c]
+                rel = abs(gap) / m[c] if m[c] else (0.0 if gap == 0 else float("inf"))
+                held = not (c == "comm" and "compression" in tag and not any("method=fp16" in x or "method=bf16" in x for x in sets))
+                worst.append((rel, tag, r, c, p[c], m[c], held))
+                # comm: the collectives' scratch pools keep as many buffers as were in flight at once,
+                # which depends on timing (run to run); the plan is the bound with every bucket of a
+                # window in flight: measured <= predicted, and predicted at most twice measured.
+                if c == "comm":
+                    bad = m[c] > 1.05 * p[c] + 4096 or p[c] > 2 * m[c] + 4096
+                else:
+                    bad = abs(gap) > 0.05 * m[c] + 4096
+                if held and bad:
+                    failures.append("%s rank %d %s: predicted %d bytes, measured %d (%+.1f%%)" %
+                                    (tag, r, c, p[c], m[c], 100 * gap / max(m[c], 1)))
+    worst.sort(reverse=True)
+    print("largest relative gaps (predicted vs the ledger's peak, per rank and category):")
+    for rel, tag, r, c, p, m, held in worst[:12]:
+        print("  %-18s rank %d %-11s predicted %11d measured %11d  %6.2f%%%s" %
+              (tag, r, c, p, m, 100 * rel if rel != float("inf") else float("inf"), "" if held else "  (known gap, not held)"))
+    big = [w for w in worst if w[5] >= 1 << 20 and w[6]]
+    if big:
+        print("largest among categories of 1 MiB or more: %s rank %d %s %.3f%%" % (big[0][1], big[0][2], big[0][3], 100 * max(b[0] for b in big)))
+
+
 def main():
     args = common.case_arguments(__doc__)
     failures = []
@@ -58,8 +149,9 @@ def main():
     os.makedirs(d, exist_ok=True)
     loom = args.loom
     if args.case == "presets":
-        for name, words in (("a100-80gb", ["A100", "312", "80 GiB"]), ("h100-sxm", ["H100", "989", "80 GiB"]),
-                            ("h200", ["H200", "989", "141 GiB"])):
+        for name, words in (("a100-80gb", ["A100", "312", "80 GiB", "memory 2039 GB/s", "attention 19.5 TFLOP/s"]),
+                            ("h100-sxm", ["H100", "989", "80 GiB", "memory 3350 GB/s", "attention 67 TFLOP/s"]),
+                            ("h200", ["H200", "989", "141 GiB", "memory 4800 GB/s", "attention 67 TFLOP/s"])):
             p = run([loom, "plan", "--cluster", name, "--show"])
             print(p.stdout.strip())
             for w in words + ["datasheet", "32 devices"]:
@@ -85,9 +177,14 @@ def main():
         p = run([loom, "plan", "--calibrate", "-o", os.path.join(d, "one.ini")], expect=2)
         if "2 ranks" not in p.stderr or os.path.exists(os.path.join(d, "one.ini")):
             failures.append("calibration on 1 rank is not refused saying why: " + p.stderr)
+    elif args.case == "memory_vs_ledger":
+        memory_vs_ledger(args, d, failures)
     elif args.case == "cluster_refusals":
         cases = [
             ("missing", GOOD.replace("inter_node_gbs = 20\n", ""), [], ["network.inter_node_gbs is missing"]),
+            ("missing_memory", GOOD.replace("memory_gbs = 500\n", ""), [], ["cluster.memory_gbs is missing"]),
+            ("zero_attention", GOOD.replace("attention_tflops = 5", "attention_tflops = 0"), [],
+             ["attention_tflops", "range"]),
             ("negative", GOOD.replace("device_memory_gib = 40", "device_memory_gib = -40"), [],
              ["device_memory_gib", "range"]),
             ("unknown", GOOD + "nvlink_gen = 4\n", [], ["nvlink_gen"]),

@@ -192,6 +192,13 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return req;
   }
 
+  // `loom plan`: the cast methods and `none` are their inner reducer's; int8, top-k and PowerSGD are
+  // planned as the fp32 collective they replace (an upper bound on bytes; their own buffers are not
+  // planned yet).
+  BucketScratch plan_bucket(StepPlan& plan, const GradBucket& b, const std::string& what) const override {
+    return inner_->plan_bucket(plan, b, what + " (" + cfg_.method_name + ")");
+  }
+
   std::vector<std::pair<std::string, double>> step_report() const override {
     return {{"compression_bytes", sent_},
             {"compression_uncompressed_bytes", uncompressed_},
@@ -322,8 +329,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     TypedBuffer& q = q_.at(param);
     const std::uint64_t stream = rng::hash_name(p.name);
     const std::uint64_t salt = static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ULL;
-    float* d = q.data<float>();
-    for (std::int64_t i = 0; i < q.count(); ++i) d[i] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
+    std::vector<float> d(static_cast<std::size_t>(q.count()));
+    for (std::int64_t i = 0; i < q.count(); ++i) d[static_cast<std::size_t>(i)] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
+    be_.copy_from_host(q.ref(), d.data());  // through the back end: Q lives where it allocates
   }
   float* q_of(const GradBucket::Tensor& t) {
     if (!cfg_.warm_start) init_q(t.param, step_);

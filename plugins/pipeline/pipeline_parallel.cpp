@@ -151,6 +151,7 @@ class PipelineSchedule final : public Schedule {
         boundary_(model.stage_boundary_floats(rows)), trace_(trace), trace_steps_(trace_steps),
         total_steps_(total_steps), run_dir_(std::move(run_dir)), layers_(std::move(layers)) {
     const Stage& st = model.stage();
+    if (p_ > 1 && (first_ || last_)) tied_numel_ = model.params()[static_cast<std::size_t>(model.param_index("wte.weight"))].numel;
     bool takes_input = false, takes_gradient = false;
     for (int c = 0; c < v_; ++c) {
       slots_.push_back(st.chunks[c].activation_slots);
@@ -297,6 +298,36 @@ class PipelineSchedule final : public Schedule {
     s->wait();
     r->wait();
     for (std::int64_t j = 0; j < wte.numel; ++j) g[j] += tied[j];
+  }
+
+  // `loom plan`: the tied gradient's buffer (finish_grads), the stage-boundary messages (each
+  // micro-batch's activations forward, its gradient back: one [Nl,C] message per chunk edge), the
+  // step's one all-reduce of stage numbers, and the bubble of this schedule's replay with forward
+  // ops costing 1 and backward ops 2 per layer of their chunk (plus the head on the last chunk).
+  void plan_step(StepPlan& plan) const override {
+    if (p_ == 1) return;
+    const std::size_t ops = order_.size();
+    plan.ring_scratch(pp_.name(), {static_cast<double>(ring_all_reduce_scratch(
+                                       static_cast<std::int64_t>(1 + (kStats + ops) * p_), p_, sizeof(double)))});
+    if (first_ || last_) plan.add_scratch(Mem::comm, static_cast<double>(tied_numel_) * sizeof(float));
+    double sends = 0;
+    for (int c = 0; c < v_; ++c) sends += (c + 1 < v_ || !last_ ? 1 : 0) + (c > 0 || !first_ ? 1 : 0);
+    plan.add_comm({pp_.name(), "stage-boundary activations and gradients", sends * m_ * boundary_ * 4.0, sends * m_, false});
+    if (first_ || last_) plan.add_comm({pp_.name(), "tied wte gradient", tied_numel_ * 4.0, 1, false});
+    std::vector<std::vector<double>> op_ms(static_cast<std::size_t>(p_));
+    for (int s = 0; s < p_; ++s)
+      for (const Op& op : orders_[static_cast<std::size_t>(s)]) {
+        const std::size_t vs = static_cast<std::size_t>(op.chunk * p_ + s);  // the virtual stage
+        const double layers = (vs < layers_.size() ? layers_[vs] : 1) + (s == p_ - 1 && op.chunk == v_ - 1 ? 1 : 0);
+        op_ms[static_cast<std::size_t>(s)].push_back(op.kind == 'F' ? layers : 2.0 * layers);
+      }
+    double busy = 0;
+    for (const auto& stage : op_ms)
+      for (double t : stage) busy += t;
+    const double span = replay_span(orders_, op_ms, m_, v_);
+    plan.bubble = span > 0 ? 1.0 - busy / (p_ * span) : 0.0;
+    plan.bubble_note = "replay of the schedule with op costs by layer count (textbook (p-1)/(vm+p-1) = " +
+                       std::to_string(static_cast<double>(p_ - 1) / (v_ * m_ + p_ - 1)) + ")";
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
@@ -520,6 +551,7 @@ class PipelineSchedule final : public Schedule {
   std::int64_t total_steps_;
   std::string run_dir_;
   std::vector<int> layers_;
+  std::int64_t tied_numel_ = 0;  // the tied wte's local elements (first and last stage)
   std::string describe_;
   TypedBuffer act_in_, grad_in_, grad_out_;
   std::vector<std::vector<Op>> orders_;  // every stage's, for the replay

@@ -172,6 +172,46 @@ class TensorPartition final : public Partition {
     return {{"tp_replicas_identical", identical_}};
   }
 
+  // `loom plan`: the cross-entropy's scratch (crossentropy_forward) and the sequence-parallel pack
+  // (finish_grads), the ring scratch of the activation collectives, and their bytes: per block and
+  // micro-batch two in forward (attention and MLP outputs) and two in backward (their inputs'
+  // gradients), again in a recomputed forward; the head's input gradient; the cross-entropy's three
+  // [N] collectives.
+  void plan_step(StepPlan& plan, const GPT& model) const override {
+    const int n = tp_.size();
+    if (n == 1) return;
+    const double N = static_cast<double>(model.max_rows()) * model.config().seq_len, C = model.config().d_model;
+    const std::int64_t NC = static_cast<std::int64_t>(N * C);
+    const double m = plan.micro_batches;
+    int layers = 0;
+    for (const Stage::Chunk& c : model.stage().chunks) layers += c.end_layer - c.first_layer;
+    const double per_layer = 4.0 + (model.config().recompute ? 2.0 : 0.0);
+    const double ops = m * (layers * per_layer + (model.stage().last() ? 1.0 : 0.0));
+    std::vector<double> scratch;
+    if (!sp_) {
+      scratch.push_back(static_cast<double>(ring_all_reduce_scratch(NC, n, sizeof(float))));
+      plan.add_comm({tp_.name(), "activation all-reduces", ops * ring_all_reduce_bytes(N * C * 4.0, n), ops * 2.0 * (n - 1), false});
+    } else {
+      scratch.push_back(static_cast<double>(ring_reduce_scatter_scratch(NC / n, n, sizeof(float), false)));
+      const double gathers = ops + m * (model.stage().last() ? 1.0 : 0.0);  // the head's lnf gather
+      plan.add_comm({tp_.name(), "sequence-parallel all-gathers and reduce-scatters",
+                     (ops + gathers) * ring_all_gather_bytes(N * C * 4.0, n), (ops + gathers) * (n - 1), false});
+      std::int64_t partial = 0;
+      for (const OwnedSlice& o : model.store().owned())
+        if (model.params()[static_cast<std::size_t>(o.param)].sp_partial) partial += o.size();
+      plan.add_scratch(Mem::comm, static_cast<double>(partial) * sizeof(float));
+      scratch.push_back(static_cast<double>(ring_all_reduce_scratch(partial, n, sizeof(float))));
+      plan.add_comm({tp_.name(), "sequence-parallel gradient sum", ring_all_reduce_bytes(partial * 4.0, n), 2.0 * (n - 1), false});
+    }
+    if (model.stage().last()) {
+      plan.add_scratch(Mem::comm, N * 4.0 + N * n * 4.0 + 2 * N * 8.0);
+      scratch.push_back(static_cast<double>(ring_all_reduce_scratch(static_cast<std::int64_t>(N), n, sizeof(double))));
+      plan.add_comm({tp_.name(), "vocabulary-parallel cross-entropy",
+                     m * (ring_all_gather_bytes(N * n * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 5.0 * (n - 1), false});
+    }
+    plan.ring_scratch(tp_.name(), {*std::max_element(scratch.begin(), scratch.end())});
+  }
+
  private:
   Communicator& tp_;
   Backend& be_;

@@ -124,6 +124,13 @@ class ZeroStore final : public FlatParamStore {
     dirty16_ = masters16_;
   }
   // Every rank's updated share into every rank's parameters (16-bit copies with sharded masters).
+  // `loom plan`: the refresh phase's all-gather of the updated shares (no scratch).
+  void plan_step(StepPlan& plan) const override {
+    const int n = dp_.size();
+    const double elem = masters16_ ? dtype_size(be_->precision().matmul) : sizeof(float);
+    plan.add_comm({dp_.name(), "parameter all-gather (refresh)",
+                   ring_all_gather_bytes(static_cast<double>(params_.count()) * elem, n), n - 1.0, false});
+  }
   void refresh() override {
     if (masters16_) {
       refresh16();
@@ -178,6 +185,18 @@ class ReduceScatterReducer final : public Reducer {
     const std::vector<std::int64_t> off = shard_offsets(b.rank_counts);
     const std::size_t r = static_cast<std::size_t>(dp_.rank());
     return dp_.reduce_scatter_async(b.data, b.data.slice(off[r], b.rank_counts[r]), b.rank_counts, ReduceOp::sum);
+  }
+  // In place (the share is the bucket's own block), or an all-reduce for a bucket kept whole.
+  BucketScratch plan_bucket(StepPlan& plan, const GradBucket& b, const std::string& what) const override {
+    const int n = dp_.size();
+    const double bytes = static_cast<double>(b.data.bytes());
+    if (b.rank_counts.empty()) {
+      plan.add_comm({dp_.name(), what + " all-reduce", ring_all_reduce_bytes(bytes, n), 2.0 * (n - 1), false});
+      return {static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type))), 0};
+    }
+    plan.add_comm({dp_.name(), what + " reduce-scatter", ring_reduce_scatter_bytes(bytes, n), n - 1.0, false});
+    const std::int64_t most = *std::max_element(b.rank_counts.begin(), b.rank_counts.end());
+    return {static_cast<double>(ring_reduce_scatter_scratch(most, n, dtype_size(b.data.type), true)), 0};
   }
 
  private:

@@ -324,6 +324,81 @@ double ShardedStore::gathered_bytes() const {
 
 // ---------------------------------------------------------------------------------------------
 
+void ShardedStore::plan_step(StepPlan& plan) const {
+  const int n = dp_.size();
+  std::int64_t emb = 0, most = 0, emb16 = 0, most16 = 0;  // elements; 16: the units' compute copies
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const std::int64_t size = unit_hi_[u] - unit_lo_[u];
+    const std::int64_t copy = copies_.active() ? copies_.elements(static_cast<int>(u)) : 0;
+    if (units_[u].name == "embeddings") {
+      emb = size;
+      emb16 = copy;
+    } else {
+      most = std::max(most, size);
+      most16 = std::max(most16, copy);
+    }
+  }
+  // Stage 3 makes a unit's compute copy when the model acquires it and drops it at release
+  // (ComputeCopies, not resident): one unit's at a time.
+  if (stage_ == 3 && copies_.active())
+    plan.add_scratch(Mem::params, static_cast<double>(dtype_size(be_->precision().matmul)) *
+                                      static_cast<double>(std::max(emb16, most16)));
+  plan.add_scratch(Mem::grads, 4.0 * static_cast<double>(emb + 2 * most));
+  const double m = plan.micro_batches;
+  if (stage_ == 3) {
+    plan.add_scratch(Mem::params, 4.0 * static_cast<double>(emb + (1 + depth_) * most));
+    plan.add_comm({dp_.name(), "parameter all-gathers (forward and backward, every micro-batch)",
+                   2.0 * m * ring_all_gather_bytes(4.0 * static_cast<double>(sharded_), n),
+                   2.0 * m * static_cast<double>(units_.size()) * (n - 1), true});
+  } else {
+    const double elem = masters16_ ? dtype_size(be_->precision().matmul) : sizeof(float);
+    plan.add_comm({dp_.name(), "parameter all-gather (refresh)", ring_all_gather_bytes(elem * static_cast<double>(sharded_), n),
+                   n - 1.0, false});
+  }
+}
+
+void ShardedSync::plan_step(StepPlan& plan) const {
+  if (!reducer_) return;
+  const int n = dp_.size();
+  const double m = plan.micro_batches;
+  // Per unit in backward order: its pieces' scratch. A unit's reductions start before the previous
+  // unit's complete (grads_ready pushes, then completes the oldest), so two units overlap.
+  std::vector<std::vector<Reducer::BucketScratch>> units;
+  for (std::size_t u = model_.units().size(); u-- > 0;) {
+    const std::int64_t lo = store_.unit_lo(static_cast<int>(u)), count = store_.unit_hi(static_cast<int>(u)) - lo;
+    units.emplace_back();
+    for (std::int64_t a = 0; a < count; a += piece_) {
+      GradBucket k;
+      k.data = BufferRef(nullptr, DType::f32, std::min(count, a + piece_) - a, be_.space());
+      k.rank_counts = store_.rank_counts(lo + a, lo + a + k.data.count);
+      const std::size_t first = plan.comm.size();
+      units.back().push_back(reducer_->plan_bucket(plan, k, "unit " + model_.units()[u].name + " gradients"));
+      for (std::size_t c = first; c < plan.comm.size(); ++c) {
+        plan.comm[c].bytes *= m;
+        plan.comm[c].messages *= m;
+        plan.comm[c].overlapped = overlap_;
+      }
+    }
+  }
+  const std::size_t window = overlap_ ? 2 : 1;
+  double held = 0;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    std::vector<double> ring;
+    double h = 0;
+    for (std::size_t j = i; j < std::min(units.size(), i + window); ++j)
+      for (const Reducer::BucketScratch& s : units[j]) {
+        ring.push_back(s.ring);
+        h += s.held;
+      }
+    plan.ring_scratch(dp_.name(), ring);
+    held = std::max(held, h);
+  }
+  plan.add_scratch(Mem::comm, held);
+  if (store_.whole_count() > 0)
+    plan.add_comm({dp_.name(), "whole tensors' gradient all-reduce", ring_all_reduce_bytes(4.0 * store_.whole_count(), n),
+                   2.0 * (n - 1), false});
+}
+
 ShardedSync::ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap)
     : dp_(dp),
       be_(be),

@@ -66,6 +66,11 @@ class ShardedStore final : public ParamStore {
     dirty16_ = masters16_;
   }
   std::int64_t local_numel() const override { return sharded_ + whole_; }
+  // `loom plan`: the staging slots (the embeddings' and two of the largest unit: the one written and
+  // the one in flight), stage 3's gathered slots (the embeddings' and 1 + prefetch depth of the
+  // largest unit), and the parameter all-gathers (stage 3: every unit gathered for forward and again
+  // for backward, each micro-batch; stage 2: the refresh).
+  void plan_step(StepPlan& plan) const override;
 
   // For the gradient sync.
   int stage() const { return stage_; }
@@ -79,6 +84,7 @@ class ShardedStore final : public ParamStore {
   Staged detach_grads(int u);
   // Where unit u's run lies in the sharded range.
   std::int64_t unit_lo(int u) const { return unit_lo_[static_cast<std::size_t>(u)]; }
+  std::int64_t unit_hi(int u) const { return unit_hi_[static_cast<std::size_t>(u)]; }
   // How many of the elements [a, b) of the sharded range each rank owns.
   std::vector<std::int64_t> rank_counts(std::int64_t a, std::int64_t b) const;
   // After a detached slot is reduced: add this rank's part into its gradient share, free the slot.
@@ -156,6 +162,9 @@ class ShardedSync final : public GradSync {
   void finish(GPT& model) override;
   double mean_over_replicas(double local) override { return dp_.sum(local) / dp_.size(); }
   std::vector<std::pair<std::string, double>> step_report() const override;
+  // `loom plan`: each unit's pieces through the reducer every micro-batch (one unit in flight), the
+  // whole tensors' all-reduce at the end.
+  void plan_step(StepPlan& plan) const override;
 
  private:
   struct InFlight {

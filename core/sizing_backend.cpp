@@ -1,0 +1,98 @@
+// The back end `loom plan` builds a rank's roles on: it allocates nothing and computes nothing. Every
+// allocation is filed in the ledger as the real back end would file it, at an address that is never
+// dereferenced (device space, so host code that reached into it would be a bug the seams tests
+// catch); every kernel throws, so a planner that ran one would say so rather than predict from
+// garbage. The workspace of a step's products is the wrapped back end's (plan_matmuls).
+#include <stdexcept>
+
+#include "core/backend.hpp"
+
+namespace loom {
+namespace {
+
+class SizingBackend final : public Backend {
+ public:
+  explicit SizingBackend(std::unique_ptr<Backend> like) : like_(std::move(like)) {}
+  std::string name() const override { return "sizing"; }
+  std::string description() const override { return "counts allocations for loom plan (" + like_->name() + ")"; }
+  MemSpace space() const override { return MemSpace::device; }
+  void set_precision(const Precision& p) override {
+    like_->set_precision(p);
+    precision_ = p;
+  }
+  TypedBuffer allocate(const std::string&, DType type, std::int64_t count, Mem category) override {
+    // Distinct, 256-byte aligned, never-mapped addresses (above 2^47, outside the user address space).
+    const std::uintptr_t at = next_;
+    next_ += (static_cast<std::uintptr_t>(count) * dtype_size(type) + 511) / 256 * 256;
+    return TypedBuffer(BufferRef(reinterpret_cast<void*>(at), type, count, MemSpace::device), category, [](void*) {});
+  }
+  void copy_from_host(BufferRef, const void*) override {}  // initial values: nothing to size
+  void copy_to_host(void*, BufferRef) override { no("copy_to_host"); }
+  void plan_matmuls(StepPlan& plan, const std::vector<MatmulCall>& calls) const override { like_->plan_matmuls(plan, calls); }
+
+  void encoder_forward(float*, const std::int32_t*, const float*, const float*, int, int, int, int, int, bool) override {
+    no("encoder_forward");
+  }
+  void encoder_backward(float*, float*, const float*, const std::int32_t*, int, int, int, int, int) override {
+    no("encoder_backward");
+  }
+  void layernorm_forward(float*, float*, float*, const float*, const float*, const float*, int, int) override {
+    no("layernorm_forward");
+  }
+  void layernorm_backward(float*, float*, float*, const float*, const float*, const float*, const float*, const float*,
+                          int, int) override {
+    no("layernorm_backward");
+  }
+  void matmul_forward(float*, const float*, const float*, const float*, int, int, int) override { no("matmul_forward"); }
+  void bias_add(float*, const float*, int, int) override { no("bias_add"); }
+  void bias_backward(float*, const float*, int, int) override { no("bias_backward"); }
+  void matmul_backward(float*, float*, float*, const float*, const float*, const float*, int, int, int) override {
+    no("matmul_backward");
+  }
+  void attention_forward(float*, float*, const float*, int, int, int, int) override { no("attention_forward"); }
+  void attention_backward(float*, float*, const float*, const float*, const float*, int, int, int, int) override {
+    no("attention_backward");
+  }
+  void gelu_forward(float*, const float*, std::int64_t) override { no("gelu_forward"); }
+  void gelu_backward(float*, const float*, const float*, std::int64_t) override { no("gelu_backward"); }
+  void residual_forward(float*, const float*, const float*, std::int64_t) override { no("residual_forward"); }
+  void crossentropy_forward(float*, float*, const float*, const std::int32_t*, int, int) override {
+    no("crossentropy_forward");
+  }
+  void crossentropy_backward(float*, const float*, const std::int32_t*, float, int, int) override {
+    no("crossentropy_backward");
+  }
+  void adamw_update(float*, float*, float*, const float*, std::int64_t, float, float, float, float, float,
+                    std::int64_t) override {
+    no("adamw_update");
+  }
+  double sum_squares(const float*, std::int64_t) override { return no("sum_squares"); }
+  void scale(float*, float, std::int64_t) override { no("scale"); }
+  void fill(float*, float, std::int64_t) override { no("fill"); }
+  void copy(float*, const float*, std::int64_t) override { no("copy"); }
+  double sum(const float*, std::int64_t) override { return no("sum"); }
+  void cast(BufferRef, BufferRef) override { no("cast"); }
+  void matmul(BufferRef, BufferRef, BufferRef, int, int, int, bool, bool, float, float) override { no("matmul"); }
+  NormCheck sq_norm_check(const std::vector<BufferRef>&) override {
+    no("sq_norm_check");
+    return {};
+  }
+  void scale(BufferRef, double) override { no("scale"); }
+  void fill(BufferRef, double) override { no("fill"); }
+
+ private:
+  [[noreturn]] static double no(const char* what) {
+    throw std::logic_error(std::string("loom plan's sizing back end ran a kernel (") + what +
+                           "): building a rank's roles must only allocate");
+  }
+  std::unique_ptr<Backend> like_;
+  std::uintptr_t next_ = std::uintptr_t{1} << 48;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_sizing_backend(std::unique_ptr<Backend> like) {
+  return std::make_unique<SizingBackend>(std::move(like));
+}
+
+}  // namespace loom

@@ -1,0 +1,49 @@
+#pragma once
+// What `loom plan` asks of a run's role objects (DESIGN.md "Planning"). The planner builds a rank's
+// roles for real, on a back end that only counts (make_sizing_backend) and a grid whose
+// communicators only answer their size and rank (ProcessGrid::planned), so everything a rank
+// allocates when it is built is in the ledger by the code that allocates it. What a role takes only
+// while a step runs (collective scratch, operand workspaces, gathered shards) and the bytes it moves,
+// each role adds here through its `plan_step`, next to the code that allocates and sends them.
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "core/ledger.hpp"
+
+namespace loom {
+
+// One kind of message a rank takes part in during a step, for the step-time model.
+struct CommCost {
+  std::string group;        // the communicator: "dp", "tp", "pp", "world"
+  std::string what;         // "gradient all-reduce (bucket 3)", ...
+  double bytes = 0;         // bytes this rank sends per step (the ring formulas)
+  double messages = 0;      // messages this rank sends per step (the latency term)
+  bool overlapped = false;  // runs while the step computes (backward), so it hides behind it
+};
+
+struct StepPlan {
+  int micro_batches = 1, rows_per_micro = 1;
+  // The largest bytes taken during a step beyond what the roles hold from construction, per category.
+  std::array<double, kMemCategories> scratch{};
+  std::vector<CommCost> comm;
+  double bubble = 0;        // the schedule's idle fraction of a step (pipeline)
+  std::string bubble_note;  // how it was found
+
+  void add_scratch(Mem m, double bytes) { scratch[static_cast<int>(m)] += bytes; }
+  void add_comm(CommCost c) { comm.push_back(std::move(c)); }
+  // A communicator's ring scratch pool (Mem::comm; see ScratchPool in core/comm_mpi.cpp): it keeps
+  // as many buffers as operations were ever in flight at once, so its peak is the largest of the
+  // sums over operations that run together. `concurrent` operations of one call overlap one another.
+  void ring_scratch(const std::string& group, const std::vector<double>& concurrent);
+  // Adds the pools' peaks to scratch[comm] once (the planner calls it after every role).
+  void close_pools();
+
+ private:
+  std::map<std::string, double> pools_;
+};
+
+}  // namespace loom

@@ -1,0 +1,266 @@
+#include "driver/plan_predict.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include <mpi.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "core/gpt.hpp"
+#include "core/grid.hpp"
+#include "driver/commands.hpp"
+
+namespace loom {
+namespace {
+
+std::array<double, kMemCategories> ledger_now() {
+  std::array<double, kMemCategories> b{};
+  for (int i = 0; i < kMemCategories; ++i) b[static_cast<std::size_t>(i)] = static_cast<double>(Ledger::global().current(static_cast<Mem>(i)));
+  return b;
+}
+
+// Rank `rank` of the deck's layout, built as `loom run` builds it (make_pre_model_roles, the GPT,
+// assemble_roles, the engine) on the sizing back end and a planned grid: what it allocates is the
+// ledger's difference; then each role adds what its step takes.
+RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, int rank, int per_node, EngineConfig ec,
+                            double& flops_per_token) {
+  RankPrediction r;
+  r.rank = rank;
+  const std::array<double, kMemCategories> before = ledger_now();
+  {
+    std::unique_ptr<Backend> be = make_sizing_backend(make_host_backend(1));
+    std::unique_ptr<ProcessGrid> grid = ProcessGrid::planned(plan.layout, rank, per_node);
+    r.dp_rank = grid->dp_rank();
+    r.tp_rank = grid->tp_rank();
+    r.pp_rank = grid->pp_rank();
+    PreModelRoles pre = make_pre_model_roles(deck, plan.strategies, *grid, *be, plan.model);
+    GPT model(plan.model, *be, plan.rows_per_micro, pre.partition.get(), pre.stage, pre.store.get(), plan.layout.dp,
+              grid->dp_rank());
+    AssembledRoles roles = assemble_roles(deck, plan.strategies, *grid, model, *be, ec, false);
+    Engine engine(ec, model, *be, std::move(roles.engine));
+    const std::array<double, kMemCategories> built = ledger_now();
+    for (int i = 0; i < kMemCategories; ++i) r.built[static_cast<std::size_t>(i)] = built[static_cast<std::size_t>(i)] - before[static_cast<std::size_t>(i)];
+    r.params_held = model.num_params();
+    r.layers = 0;
+    for (const Stage::Chunk& c : model.stage().chunks) r.layers += c.end_layer - c.first_layer;
+    r.first = model.stage().first();
+    r.last = model.stage().last();
+    r.sequence_parallel = model.partition().sequence_parallel();
+    r.precision = dtype_name(be->precision().matmul);
+    flops_per_token = model.flops_per_token();
+    StepPlan& s = r.step;
+    s.micro_batches = ec.micro_batches;
+    s.rows_per_micro = ec.rows_per_micro;
+    model.plan_step(s);
+    model.store().plan_step(s);
+    engine.schedule().plan_step(s);
+    engine.grad_sync().plan_step(s);
+    s.close_pools();
+    r.scratch = s.scratch;
+  }
+  for (int i = 0; i < kMemCategories; ++i) {
+    r.peak[static_cast<std::size_t>(i)] = r.built[static_cast<std::size_t>(i)] + r.scratch[static_cast<std::size_t>(i)];
+    r.total += r.peak[static_cast<std::size_t>(i)];
+  }
+  return r;
+}
+
+// Which link a group's ring crosses: ranks are placed in order, per_node to a node; a group whose
+// members span ranks [0, span) stays inside a node when span <= per_node.
+bool group_in_node(const std::string& group, const Layout& l, int per_node) {
+  int span = l.ranks();
+  if (group == "tp") span = l.tp;
+  else if (group == "dp") span = l.tp * l.dp;
+  return span <= per_node;
+}
+
+double matmul_peak(const ClusterSpec& c, const std::string& precision) {
+  if (precision == "bf16") return c.peak_flops_bf16;
+  if (precision == "fp16") return c.peak_flops_fp16;
+  return c.peak_flops_fp32;
+}
+
+// Compute per step of rank `r` (see DESIGN.md "Planning"): matrix products at the precision's rate,
+// attention at the attention rate, element-wise kernels and AdamW as bytes over memory bandwidth.
+void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, double flops_per_token) {
+  const GPTConfig& m = p.plan.model;
+  const Layout& l = p.plan.layout;
+  const double tp = l.tp, C = m.d_model, T = m.seq_len, V = m.vocab;
+  const double rows = p.plan.rows_per_micro, N = rows * T, mb = p.plan.micro_batches;
+  const double layers_here = r.layers;
+  const bool last = r.last, first = r.first, sp = r.sequence_parallel;
+  const double Nl = sp ? N / tp : N;
+  const double recompute = m.recompute ? 1.0 : 0.0;
+  TimePrediction& t = p.time;
+  // Products: 2 flops per multiply-add, backward twice the forward; recompute runs the blocks' forward again.
+  const double block_mm = 2.0 * N * 12.0 * C * C / tp;
+  const double head_mm = last ? 2.0 * N * V * C / tp : 0.0;
+  const double mm_flops = mb * (layers_here * block_mm * (3.0 + recompute) + 3.0 * head_mm);
+  // attention_flops: forward + backward (3 x forward), the count --calibrate measured the rate with.
+  const double att_flops = mb * layers_here * attention_flops(rows, T, C / tp) * (1.0 + recompute / 3.0);
+  // Element-wise bytes per element: LayerNorm 8 forward, 12 backward; GELU the same; residual adds 12
+  // each way; the head's cross-entropy 8 + 12 per logit; AdamW 28 per owned parameter (p, g, m, v
+  // read; p, m, v written).
+  using KB = KernelBytes;  // the per-element bytes --calibrate measured memory_gbs with
+  const double block_bytes = 2 * (KB::layernorm_fwd + KB::layernorm_bwd) * Nl * C +
+                             (KB::gelu_fwd + KB::gelu_bwd) * N * 4 * C / tp + 4 * KB::residual * Nl * C;
+  const double head_bytes = last ? (8 + 12) * N * V / tp + (8 + 12) * Nl * C : 0.0;
+  const double emb_bytes = first ? (8 + 12) * N * C : 0.0;
+  const double ew_bytes = mb * (layers_here * block_bytes * (1.0 + recompute * 0.5) + head_bytes + emb_bytes);
+  double owned = static_cast<double>(r.built[static_cast<int>(Mem::optimizer)]) / 8.0;
+  t.matmul_s = mm_flops / matmul_peak(c, p.precision);
+  t.attention_s = att_flops / c.attention_flops;
+  t.elementwise_s = ew_bytes / c.memory_bytes_per_s;
+  t.optimizer_s = 28.0 * owned / c.memory_bytes_per_s;
+  t.compute_s = t.matmul_s + t.attention_s + t.elementwise_s + t.optimizer_s;
+  // Messages: ring volume over the group's link, plus its latency per message.
+  double overlapped = 0, exposed = 0;
+  std::map<std::string, double> by_group;
+  for (const CommCost& k : r.step.comm) {
+    const bool in_node = group_in_node(k.group, l, c.devices_per_node);
+    const double bw = in_node ? c.intra_bytes_per_s : c.inter_bytes_per_s;
+    const double lat = in_node ? c.intra_latency_s : c.inter_latency_s;
+    const double s = k.bytes / bw + k.messages * lat;
+    by_group[k.group] += s;
+    (k.overlapped ? overlapped : exposed) += s;
+  }
+  // Overlapped messages hide behind the last micro-batch's backward (about 2/3 of its compute).
+  const double backward_last = (t.compute_s - t.optimizer_s) / mb * 2.0 / 3.0;
+  t.comm_s = overlapped + exposed;
+  t.comm_exposed_s = exposed + std::max(0.0, overlapped - backward_last);
+  t.comm_by_group.assign(by_group.begin(), by_group.end());
+  t.bubble = r.step.bubble;
+  const double busy = t.compute_s - t.optimizer_s;
+  t.step_s = busy / (1.0 - t.bubble) + t.optimizer_s + t.comm_exposed_s;
+  t.tokens_per_s = p.plan.global_batch * T / t.step_s;
+  t.mfu = t.tokens_per_s * flops_per_token / (l.ranks() * matmul_peak(c, p.precision));
+}
+
+std::string mib(double b) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(b >= 1024.0 * 1024 * 1024 ? 2 : 1);
+  if (b >= 1024.0 * 1024 * 1024) s << b / (1024.0 * 1024 * 1024) << " GiB";
+  else s << b / (1024.0 * 1024) << " MiB";
+  return s.str();
+}
+
+}  // namespace
+
+Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster) {
+  Prediction p;
+  p.plan = plan_layout(deck, registry, -1);
+  EngineConfig ec;
+  ec.micro_batches = p.plan.micro_batches;
+  ec.rows_per_micro = p.plan.rows_per_micro;
+  for (const StrategyInfo* s : p.plan.strategies)
+    if (s->name == "zero") p.zero_stage = static_cast<int>(deck.get_int("zero.stage"));
+  double fpt = 0;
+  for (int rank = 0; rank < p.plan.layout.ranks(); ++rank) {
+    p.ranks.push_back(predict_rank(deck, p.plan, rank, cluster.devices_per_node, ec, fpt));
+    const RankPrediction& r = p.ranks.back();
+    p.precision = r.precision == "f32" ? "fp32" : r.precision == "f16" ? "fp16" : r.precision;
+    for (int i = 0; i < kMemCategories; ++i) p.peak[static_cast<std::size_t>(i)] = std::max(p.peak[static_cast<std::size_t>(i)], r.peak[static_cast<std::size_t>(i)]);
+    if (r.total > p.peak_total) {
+      p.peak_total = r.total;
+      p.worst_rank = rank;
+    }
+  }
+  // The step waits for its slowest rank.
+  TimePrediction slowest;
+  for (const RankPrediction& r : p.ranks) {
+    predict_time(p, r, cluster, fpt);
+    if (p.time.step_s > slowest.step_s) slowest = p.time;
+  }
+  p.time = slowest;
+  return p;
+}
+
+std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
+  auto mem = [](const std::array<double, kMemCategories>& b, double total) {
+    nlohmann::json j;
+    for (int i = 0; i < kMemCategories; ++i) j[mem_name(static_cast<Mem>(i))] = static_cast<std::int64_t>(b[static_cast<std::size_t>(i)]);
+    j["total"] = static_cast<std::int64_t>(total);
+    return j;
+  };
+  nlohmann::json by_rank = nlohmann::json::array();
+  for (const RankPrediction& r : p.ranks) by_rank.push_back(mem(r.peak, r.total));
+  const Layout& l = p.plan.layout;
+  nlohmann::json j = {{"layout", {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}}},
+                      {"micro_batches", p.plan.micro_batches},
+                      {"precision", p.precision},
+                      {"zero_stage", p.zero_stage},
+                      {"recompute", p.plan.model.recompute},
+                      {"cluster", cluster.name},
+                      {"mem_peak_bytes", mem(p.ranks[static_cast<std::size_t>(p.worst_rank)].peak, p.peak_total)},
+                      {"mem_peak_bytes_by_rank", by_rank},
+                      {"device_memory_bytes", cluster.device_memory_bytes},
+                      {"fits", p.peak_total <= cluster.device_memory_bytes},
+                      {"step_ms", p.time.step_s * 1e3},
+                      {"compute_ms", p.time.compute_s * 1e3},
+                      {"comm_ms", p.time.comm_s * 1e3},
+                      {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
+                      {"bubble", p.time.bubble},
+                      {"tokens_per_s", p.time.tokens_per_s},
+                      {"mfu", p.time.mfu}};
+  return j.dump(2) + "\n";
+}
+
+std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster) {
+  std::ostringstream s;
+  const Layout& l = p.plan.layout;
+  s << "plan: dp " << l.dp << " x tp " << l.tp << " x pp " << l.pp << " = " << l.ranks() << " device(s), "
+    << p.plan.micro_batches << " micro-batch(es) of " << p.plan.rows_per_micro << " sequence(s), " << p.precision
+    << (p.zero_stage ? ", ZeRO stage " + std::to_string(p.zero_stage) : std::string()) << (p.plan.model.recompute ? ", recompute" : "")
+    << "\n  on " << cluster.name << "\n";
+  s << "memory per rank (the ledger's categories; built = allocated when the run is set up, step = taken during a step):\n";
+  s << "  rank  coords(dp,tp,pp)";
+  for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mem_name(static_cast<Mem>(i));
+  s << std::setw(13) << "total" << "\n";
+  for (const RankPrediction& r : p.ranks) {
+    s << "  " << std::setw(4) << r.rank << "  (" << r.dp_rank << "," << r.tp_rank << "," << r.pp_rank << ")          ";
+    for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mib(r.peak[static_cast<std::size_t>(i)]);
+    s << std::setw(13) << mib(r.total) << "\n";
+  }
+  const double cap = cluster.device_memory_bytes;
+  s << "  largest rank " << p.worst_rank << ": " << mib(p.peak_total) << " of " << mib(cap) << " ("
+    << (p.peak_total <= cap ? "fits" : "out of memory by " + mib(p.peak_total - cap)) << ")\n";
+  const TimePrediction& t = p.time;
+  s << std::fixed << std::setprecision(3);
+  s << "step time (slowest rank): " << t.step_s * 1e3 << " ms = compute " << t.compute_s * 1e3 << " ms (products "
+    << t.matmul_s * 1e3 << ", attention " << t.attention_s * 1e3 << ", element-wise " << t.elementwise_s * 1e3
+    << ", AdamW " << t.optimizer_s * 1e3 << ")";
+  if (t.bubble > 0) s << " / (1 - bubble " << std::setprecision(3) << t.bubble << ")";
+  s << " + exposed communication " << t.comm_exposed_s * 1e3 << " ms (of " << t.comm_s * 1e3 << " ms";
+  for (const auto& [g, sec] : t.comm_by_group) s << "; " << g << " " << sec * 1e3;
+  s << ")\n";
+  s << std::setprecision(0) << "  " << t.tokens_per_s << " tokens/s, MFU " << std::setprecision(1) << 100.0 * t.mfu
+    << "% of " << l.ranks() << " x " << std::setprecision(1) << matmul_peak(cluster, p.precision) / 1e12 << " TFLOP/s ("
+    << p.precision << ")\n";
+  return s.str();
+}
+
+}  // namespace loom
+
+namespace loom {
+
+int command_plan_deck(const PlanOptions& o, const StrategyRegistry& registry, const DeckSchema& schema,
+                      const ClusterSpec& cluster) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) return 0;  // a plan is one process's arithmetic
+  const Deck deck = Deck::load(schema, o.deck, o.sets);
+  const Prediction p = predict(deck, registry, cluster);
+  if (o.json)
+    std::cout << prediction_json(p, cluster);
+  else
+    std::cout << describe_prediction(p, cluster);
+  return 0;
+}
+
+}  // namespace loom

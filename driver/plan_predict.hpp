@@ -1,0 +1,54 @@
+#pragma once
+// `loom plan DECK` (issue 16): a deck's memory per rank and step time on a described machine, before
+// the job runs. Memory: every rank of the layout is built for real on a back end that only counts
+// (core/step_plan.hpp); step time: the rates of the cluster description (io/cluster.hpp).
+#include <array>
+#include <string>
+#include <vector>
+
+#include "core/ledger.hpp"
+#include "core/plugin.hpp"
+#include "core/step_plan.hpp"
+#include "driver/session.hpp"
+#include "io/cluster.hpp"
+
+namespace loom {
+
+struct RankPrediction {
+  int rank = 0, dp_rank = 0, tp_rank = 0, pp_rank = 0;
+  std::array<double, kMemCategories> built{}, scratch{}, peak{};  // bytes; peak = built + scratch
+  double total = 0;
+  std::int64_t params_held = 0;  // parameter elements on this rank
+  int layers = 0;                // blocks on this rank's pipeline stage
+  bool first = true, last = true, sequence_parallel = false;
+  std::string precision;         // the products' operand type
+  StepPlan step;                 // its step's scratch, messages, bubble
+};
+
+struct TimePrediction {
+  double compute_s = 0, matmul_s = 0, attention_s = 0, elementwise_s = 0, optimizer_s = 0;
+  double comm_s = 0, comm_exposed_s = 0;  // all of it, and what does not hide behind compute
+  double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
+  std::vector<std::pair<std::string, double>> comm_by_group;  // seconds per group
+};
+
+struct Prediction {
+  LayoutPlan plan;
+  std::string precision = "fp32";
+  int zero_stage = 0;
+  std::vector<RankPrediction> ranks;
+  std::array<double, kMemCategories> peak{};  // the largest over ranks, per category
+  double peak_total = 0;                      // the largest rank's total
+  int worst_rank = 0;
+  TimePrediction time;
+};
+
+// Predicts `deck` (its own layout) on `cluster`. Throws InputError for a layout that cannot run.
+Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster);
+
+// The JSON of `--json`: mem_peak_bytes keyed like summary.json (the largest rank's), by rank, step_ms.
+std::string prediction_json(const Prediction& p, const ClusterSpec& cluster);
+// The human table of one prediction.
+std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster);
+
+}  // namespace loom
