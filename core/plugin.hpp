@@ -25,8 +25,9 @@
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, or
 // the role interfaces (core/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
 // checkpoint_part.hpp). ABI 4: declared role claims, the parameter store, step phases, the reducer.
-// ABI 5: the precision role, the `begin` phase, StepState::loss_scale.
-#define LOOM_PLUGIN_ABI_VERSION 5
+// ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the roles' plan_step
+// (`loom plan`, core/step_plan.hpp) and Backend::plan_matmuls.
+#define LOOM_PLUGIN_ABI_VERSION 6
 
 extern "C" {
 struct loom_plugin_v1 {
