@@ -253,6 +253,9 @@ int command_plan_deck(const PlanOptions& o, const StrategyRegistry& registry, co
                       const ClusterSpec& cluster) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (o.devices > 0 || !o.memo.empty())
+    throw InputError("loom plan: --devices and --memo (the layout search and the memo) are not built yet; "
+                     "loom plan DECK [--json] predicts the deck's own layout");
   if (rank != 0) return 0;  // a plan is one process's arithmetic
   const Deck deck = Deck::load(schema, o.deck, o.sets);
   const Prediction p = predict(deck, registry, cluster);
