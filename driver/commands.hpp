@@ -26,6 +26,9 @@ struct PlanOptions {  // loom plan [DECK] [options]
   std::vector<std::string> sets;  // cluster.* and network.* go to the cluster, the rest to the deck
   bool calibrate = false, show = false, cluster_keys = false, json = false;
   int devices = 0;  // > 0: search the layouts of this many devices
+  int top = 10;     // how many of the fitting layouts the search's table lists
+  bool all = false;  // list every candidate of the search too
+  std::string command;  // the command line, for the memo's first line
 };
 int command_plan(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema);
 // The part of it that predicts a deck (driver/plan_predict.cpp); `cluster` is resolved.

@@ -51,7 +51,11 @@ const char* kUsage =
     "                 vocabulary, else token ids (decoded with an llm.c tokenizer file when given)\n"
     "  plan DECK [--cluster FILE|PRESET] [--set section.key=value ...] [--json]\n"
     "                 predict the deck's memory per rank (by the ledger's categories) and step time on a\n"
-    "                 machine before the job runs (the layout search --devices N and --memo are not built yet)\n"
+    "                 machine before the job runs\n"
+    "  plan DECK --devices N [--cluster ...] [--set ...] [--top K] [--all] [--json] [--memo FILE.md]\n"
+    "                 search the layouts of N devices (dp x tp x pp, micro-batches, ZeRO stage, recompute,\n"
+    "                 sequence parallelism, precision): those that fit ranked by predicted tokens/s, why each\n"
+    "                 layout that does not fit fails; --memo writes the chosen layout's memo (Markdown)\n"
     "  plan --cluster FILE|PRESET [--set section.key=value ...] --show | plan --calibrate [-o FILE] | plan --cluster-keys\n"
     "                 the machine a plan is for: a cluster description (presets a100-80gb, h100-sxm, h200), or\n"
     "                 this machine measured (on 2 ranks or more) and written to FILE (default\n"
@@ -132,6 +136,8 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
       "devices", po::value(&o.devices), "search the layouts of this many devices")(
       "json", po::bool_switch(&o.json), "print the deck's prediction as JSON")(
       "memo", po::value(&o.memo), "write a Markdown memo for the chosen layout")(
+      "top", po::value(&o.top), "how many fitting layouts the search lists")(
+      "all", po::bool_switch(&o.all), "list every candidate of the search")(
       "cluster", po::value(&o.cluster), "cluster file or preset")(
       "set", po::value(&o.sets)->composing(), "override section.key=value of the cluster description")(
       "show", po::bool_switch(&o.show), "print the cluster description resolved")(
@@ -148,6 +154,11 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
     throw DeckError(std::string("loom plan: ") + e.what() + "\n" + kUsage);
   }
   if (o.devices < 0) throw DeckError("loom plan: --devices " + std::to_string(o.devices) + " is negative");
+  if (o.top < 1) throw DeckError("loom plan: --top " + std::to_string(o.top) + " must be at least 1");
+  if ((o.all || vm.count("top")) && o.devices == 0)
+    throw DeckError("loom plan: --top and --all list the layout search's candidates: give --devices N");
+  o.command = "loom plan";
+  for (const std::string& a : rest) o.command += " " + a;
   if ((o.devices > 0 || o.json || !o.memo.empty()) && o.deck.empty())
     throw DeckError("loom plan: --devices, --json and --memo plan a deck: loom plan DECK [--cluster FILE|PRESET] ...");
   if (o.calibrate && (!o.cluster.empty() || o.show))

@@ -152,7 +152,7 @@ std::string mib(double b) {
 
 }  // namespace
 
-Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster) {
+Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster, bool every_rank) {
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   EngineConfig ec;
@@ -161,7 +161,15 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   for (const StrategyInfo* s : p.plan.strategies)
     if (s->name == "zero") p.zero_stage = static_cast<int>(deck.get_int("zero.stage"));
   double fpt = 0;
-  for (int rank = 0; rank < p.plan.layout.ranks(); ++rank) {
+  const Layout& l = p.plan.layout;
+  for (int rank = 0; rank < l.ranks(); ++rank) {
+    // The search's shortcut: the ranks of a tp or dp group build the same shapes (tp divides the
+    // model exactly, ZeRO pads its shares to equal size); where anything differs it is at a group's
+    // end (tp-replicated tensors' owned slices on tp rank 0), so the first and last of each group on
+    // every stage stand for the rest. regression/plan_search_checks.py holds it to every rank built.
+    const int tp_i = rank % l.tp, dp_i = (rank / l.tp) % l.dp;
+    if (!every_rank && tp_i != 0 && tp_i != l.tp - 1) continue;
+    if (!every_rank && dp_i != 0 && dp_i != l.dp - 1) continue;
     p.ranks.push_back(predict_rank(deck, p.plan, rank, cluster.devices_per_node, ec, fpt));
     const RankPrediction& r = p.ranks.back();
     p.precision = r.precision == "f32" ? "fp32" : r.precision == "f16" ? "fp16" : r.precision;
@@ -197,7 +205,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"zero_stage", p.zero_stage},
                       {"recompute", p.plan.model.recompute},
                       {"cluster", cluster.name},
-                      {"mem_peak_bytes", mem(p.ranks[static_cast<std::size_t>(p.worst_rank)].peak, p.peak_total)},
+                      {"mem_peak_bytes", mem(p.worst().peak, p.peak_total)},
                       {"mem_peak_bytes_by_rank", by_rank},
                       {"device_memory_bytes", cluster.device_memory_bytes},
                       {"fits", p.peak_total <= cluster.device_memory_bytes},

@@ -40,11 +40,19 @@ struct Prediction {
   std::array<double, kMemCategories> peak{};  // the largest over ranks, per category
   double peak_total = 0;                      // the largest rank's total
   int worst_rank = 0;
+  const RankPrediction& worst() const {
+    for (const RankPrediction& r : ranks)
+      if (r.rank == worst_rank) return r;
+    return ranks.front();
+  }
   TimePrediction time;
 };
 
 // Predicts `deck` (its own layout) on `cluster`. Throws InputError for a layout that cannot run.
-Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster);
+// every_rank = false (the layout search): only the first and last rank of each tp and dp group on
+// every pipeline stage are built, the others being alike.
+Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster,
+                   bool every_rank = true);
 
 // The JSON of `--json`: mem_peak_bytes keyed like summary.json (the largest rank's), by rank, step_ms.
 std::string prediction_json(const Prediction& p, const ClusterSpec& cluster);
