@@ -192,11 +192,55 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return req;
   }
 
-  // `loom plan`: the cast methods and `none` are their inner reducer's; int8, top-k and PowerSGD are
-  // planned as the fp32 collective they replace (an upper bound on bytes; their own buffers are not
-  // planned yet).
+  // `loom plan`: the cast methods and `none` are their inner reducer's. int8, top-k and PowerSGD add
+  // the bucket's State, which stays from its first step (scratch that adds up over buckets), and their
+  // own collectives; a blocking collective's ring scratch is counted with the bucket's own. PowerSGD
+  // before compression.start_step is the plain inner reducer, whose scratch pool stays as well.
   BucketScratch plan_bucket(StepPlan& plan, const GradBucket& b, const std::string& what) const override {
-    return inner_->plan_bucket(plan, b, what + " (" + cfg_.method_name + ")");
+    const std::string w = what + " (" + cfg_.method_name + ")";
+    const int N = dp_.size();
+    const std::int64_t n = b.data.count;
+    const double residual = feedback_ ? 4.0 * static_cast<double>(n) : 0.0;  // State::residual
+    auto all_reduce = [&](const std::string& of, std::int64_t count) {
+      plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
+                     2.0 * (N - 1), false});
+      return static_cast<double>(ring_all_reduce_scratch(count, N, sizeof(float)));
+    };
+    switch (cfg_.method) {
+      case Method::int8: {
+        const std::int64_t ch = compress::chunk_count(n, cfg_.chunk);
+        plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(ch + 1) + static_cast<double>(n));  // absmax, q
+        const double maxima = all_reduce("chunk maxima", ch + 1);
+        GradBucket qb = b;
+        qb.data = BufferRef(nullptr, DType::i8, n, b.data.space);
+        BucketScratch s = inner_->plan_bucket(plan, qb, w + " int8 sum");
+        s.ring += maxima;
+        return s;
+      }
+      case Method::topk: {
+        const double bytes = 8.0 * static_cast<double>(compress::top_k_count(n, cfg_.ratio));  // indices, values
+        plan.add_scratch(Mem::comm, residual + bytes + bytes * N);                             // send, recv
+        plan.add_comm({dp_.name(), w + " all-gather", ring_all_gather_bytes(bytes * N, N), N - 1.0, false});
+        return {};
+      }
+      case Method::powersgd: {
+        BucketScratch s;
+        if (cfg_.start_step > 0) {  // its scratch stays; its messages are not the steady state's
+          const std::size_t messages = plan.comm.size();
+          s = inner_->plan_bucket(plan, b, w);
+          plan.comm.resize(messages);
+        }
+        const PowerSgdSplit split = powersgd_split(b);
+        plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
+        double ring = 0;
+        if (split.plain_total > 0) ring = std::max(ring, all_reduce("uncompressed tensors", split.plain_total));
+        if (!split.mats.empty())
+          ring = std::max({ring, all_reduce("P", split.p_total), all_reduce("Q", split.q_total)});
+        s.ring = std::max(s.ring, ring);
+        return s;
+      }
+      default: return inner_->plan_bucket(plan, b, w);
+    }
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
@@ -338,6 +382,33 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return q_.at(t.param).data<float>();
   }
 
+  // A bucket's whole matrices with a Q (compressed: P [n, r] and Q [m, r] at their offsets in the
+  // packed P and Q buffers) and the rest (one packed fp32 all-reduce).
+  struct PowerSgdSplit {
+    struct Mat {
+      const GradBucket::Tensor* t;
+      std::int64_t n, m, p_at, q_at;
+    };
+    std::vector<Mat> mats;
+    std::vector<const GradBucket::Tensor*> plain;
+    std::int64_t p_total = 0, q_total = 0, plain_total = 0;
+  };
+  PowerSgdSplit powersgd_split(const GradBucket& b) const {
+    PowerSgdSplit s;
+    const int r = cfg_.rank;
+    for (const GradBucket::Tensor& t : b.tensors) {
+      if (t.count == model_.params()[static_cast<std::size_t>(t.param)].numel && q_.count(t.param)) {
+        s.mats.push_back({&t, t.shape[0], t.shape[1], s.p_total, s.q_total});
+        s.p_total += t.shape[0] * r;
+        s.q_total += t.shape[1] * r;
+      } else {
+        s.plain.push_back(&t);
+        s.plain_total += t.count;
+      }
+    }
+    return s;
+  }
+
   CommRequestPtr powersgd(const GradBucket& b, double fp32_factor) {
     const double N = dp_.size();
     if (step_ < cfg_.start_step) {  // plain fp32 at first (PyTorch's start_powerSGD_iter)
@@ -347,23 +418,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     State& s = state(b);
     float* x = b.data.as<float>();
     const int r = cfg_.rank;
-    struct Mat {
-      const GradBucket::Tensor* t;
-      std::int64_t n, m, p_at, q_at;
-    };
-    std::vector<Mat> mats;
-    std::vector<const GradBucket::Tensor*> plain;
-    std::int64_t p_total = 0, q_total = 0, plain_total = 0;
-    for (const GradBucket::Tensor& t : b.tensors) {
-      if (t.count == model_.params()[static_cast<std::size_t>(t.param)].numel && q_.count(t.param)) {
-        mats.push_back({&t, t.shape[0], t.shape[1], p_total, q_total});
-        p_total += t.shape[0] * r;
-        q_total += t.shape[1] * r;
-      } else {
-        plain.push_back(&t);
-        plain_total += t.count;
-      }
-    }
+    using Mat = PowerSgdSplit::Mat;
+    const PowerSgdSplit split = powersgd_split(b);
+    const std::vector<PowerSgdSplit::Mat>& mats = split.mats;
+    const std::vector<const GradBucket::Tensor*>& plain = split.plain;
+    const std::int64_t p_total = split.p_total, q_total = split.q_total, plain_total = split.plain_total;
     compressed_tensors_ += static_cast<std::int64_t>(mats.size());
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(plain_total + p_total + q_total);
     // Vectors and matrices not worth compressing: one fp32 all-reduce of them packed together.
