@@ -153,7 +153,8 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
   } catch (const po::error& e) {
     throw DeckError(std::string("loom plan: ") + e.what() + "\n" + kUsage);
   }
-  if (o.devices < 0) throw DeckError("loom plan: --devices " + std::to_string(o.devices) + " is negative");
+  if (vm.count("devices") && o.devices < 1)
+    throw DeckError("loom plan: --devices " + std::to_string(o.devices) + " must be at least 1 (the devices to search the layouts of)");
   if (o.top < 1) throw DeckError("loom plan: --top " + std::to_string(o.top) + " must be at least 1");
   if ((o.all || vm.count("top")) && o.devices == 0)
     throw DeckError("loom plan: --top and --all list the layout search's candidates: give --devices N");

@@ -22,7 +22,7 @@
                   numbers (numbers within 0.1% or a unit of their last digit)
   deck_refusals   `loom plan DECK`: a wrong deck key, a layout that cannot divide the model (tp 3 with
                   4 heads, pp 3 with 2 layers, a batch dp does not split), a missing deck, --devices more
-                  than the cluster has, --memo without --devices, --top 0: exit 2 naming the key or file
+                  than the cluster has or 0, --memo without --devices, --top 0: exit 2 naming the key or file
 Standard library only.
 """
 import json
@@ -223,6 +223,7 @@ def case_deck_refusals(args, d, failures):
         ("devices", [SYN, "--cluster", "h100-sxm", "--devices", "64"], ["--devices 64", "cluster.nodes"]),
         ("memo alone", [SYN, "--memo", os.path.join(d, "m.md")], ["--memo", "--devices"]),
         ("top 0", [SYN, "--devices", "2", "--top", "0"], ["--top 0"]),
+        ("devices 0", [SYN, "--devices", "0"], ["--devices 0", "at least 1"]),
         ("top alone", [SYN, "--top", "3"], ["--devices"]),
     ]
     for tag, argv, words in cases:
