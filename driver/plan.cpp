@@ -1,20 +1,23 @@
-// `loom plan` (issue 16), the part built so far: the machine a plan is for. `--cluster FILE|PRESET`
-// reads a cluster description (io/cluster.hpp) and `--show` prints it; `--calibrate` measures the
-// machine it runs on (matrix-product rate per dtype, attention rate and memory bandwidth with loom's
-// own back end, MPI bandwidth and latency between ranks inside a node and between nodes) and writes such a file. The prediction of a
-// deck's memory and step time is not built yet.
+// `loom plan` (issue 16): the machine a plan is for. `--cluster FILE|PRESET` reads a cluster
+// description (io/cluster.hpp) and `--show` prints it; `--calibrate` measures the machine it runs on
+// with loom's own back end (the matrix products' rate per dtype and fixed cost per call, attention's
+// rate and fixed cost per sequence and head, a block's element-wise kernels, the optimizer's pass, each
+// counted by the functions of io/cluster.hpp that the prediction counts with) and MPI (bandwidth and
+// latency between ranks inside a node and between nodes), and writes such a file.
 #include <mpi.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/comm.hpp"
 #include "core/error.hpp"
 #include "driver/commands.hpp"
 #include "io/cluster.hpp"
@@ -24,56 +27,109 @@ namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// FLOP/s of the back end's matrix product with `dtype` operands (fp32 accumulation), best of a few
-// [n, n] x [n, n] products: what a training step's products run on this machine.
-double matmul_rate(DType dtype) {
-  auto be = make_host_backend(1);
-  Precision p;
-  p.matmul = dtype;
-  be->set_precision(p);
-  constexpr int n = 768;
-  TypedBuffer a = be->allocate("plan::calibrate.a", dtype, static_cast<std::int64_t>(n) * n, Mem::workspace);
-  TypedBuffer w = be->allocate("plan::calibrate.w", dtype, static_cast<std::int64_t>(n) * n, Mem::workspace);
-  TypedBuffer c = be->allocate("plan::calibrate.c", DType::f32, static_cast<std::int64_t>(n) * n, Mem::workspace);
-  double best = 1e30;
-  for (int rep = 0; rep < 8; ++rep) {
-    const double t0 = now();
-    be->matmul_forward(c.data<float>(), a.ref(), w.ref(), nullptr, n, n, n);
-    if (rep >= 2) best = std::min(best, now() - t0);
-  }
-  be->release_scratch();
-  return 2.0 * n * n * n / best;
-}
-
-// A buffer of `n` fp32 values of the back end, filled with small values (varied, so LayerNorm's rows
-// have a spread and GELU is not evaluated at one point).
-TypedBuffer small_values(Backend& be, const std::string& label, std::int64_t n) {
-  TypedBuffer b = be.allocate(label, DType::f32, n, Mem::workspace);
+// A buffer of `n` values of `type` of the back end, filled with small values (varied, so LayerNorm's
+// rows have a spread and GELU is not evaluated at one point).
+TypedBuffer small_values(Backend& be, const std::string& label, std::int64_t n, DType type = DType::f32) {
+  TypedBuffer f = be.allocate(label, DType::f32, n, Mem::workspace);
   std::vector<float> host(static_cast<std::size_t>(n));
   for (std::size_t i = 0; i < host.size(); ++i) host[i] = 0.01f * static_cast<float>(static_cast<int>(i % 97) - 48);
-  be.copy_from_host(b.ref(), host.data());
-  return b;
+  be.copy_from_host(f.ref(), host.data());
+  if (type == DType::f32) return f;
+  TypedBuffer t = be.allocate(label, type, n, Mem::workspace);
+  be.cast(t.ref(), f.ref());
+  return t;
 }
 
-// The best time of `f` over `reps` calls after 2 warm-up calls.
+// The best time of `f` over `reps` calls after `warm` warm-up calls.
 template <class F>
-double best_seconds(Backend& be, int reps, F&& f) {
+double best_seconds(Backend& be, int reps, F&& f, int warm = 2) {
   double best = 1e30;
-  for (int rep = 0; rep < reps + 2; ++rep) {
+  for (int rep = 0; rep < reps + warm; ++rep) {
     be.synchronize();
     const double t0 = now();
     f();
     be.synchronize();
-    if (rep >= 2) best = std::min(best, now() - t0);
+    if (rep >= warm) best = std::min(best, now() - t0);
   }
   return best;
 }
 
-// FLOP/s of the back end's attention (forward + backward, fp32) at B=4, T=256, C=256, NH=4, its FLOPs
-// counted by attention_flops (io/cluster.hpp), which the prediction counts with.
-double attention_rate() {
+// Seconds of one matrix-product call beyond its FLOPs (the library's dispatch; a device's launch):
+// [8, 8] x [8, 8] products, whose 1024 FLOPs take a nanosecond or so, in batches of 200, the best batch.
+double matmul_call_seconds() {
   auto be = make_host_backend(1);
-  constexpr int B = 4, T = 256, C = 256, NH = 4;
+  constexpr int n = 8, calls = 200;
+  TypedBuffer a = small_values(*be, "plan::calibrate.call_a", n * n);
+  TypedBuffer w = small_values(*be, "plan::calibrate.call_w", n * n);
+  TypedBuffer c = be->allocate("plan::calibrate.call_c", DType::f32, n * n, Mem::workspace);
+  const double t = best_seconds(*be, 10, [&] {
+    for (int i = 0; i < calls; ++i) be->matmul_forward(c.data<float>(), a.ref(), w.ref(), nullptr, n, n, n);
+  });
+  be->release_scratch();
+  return t / calls;
+}
+
+// Seconds of the back end's matrix products with `dtype` operands (fp32 accumulation) as a step runs
+// them: the products of kLayers transformer blocks `C` wide (block_counts, io/cluster.hpp) at N token
+// rows, forward layer by layer and backward in reverse through matmul_forward/_backward, the weights
+// of `dtype` (a 16-bit run's compute copies), the activations fp32 and each layer's its own (so that,
+// as in a step, a product's operands were last touched a while before): the best of 3 passes. Of those, kLayers * (block_counts' GEMMs) x matmul_call_us are the calls' fixed cost, the
+// rest what the FLOPs run at (block_matmul_rate).
+constexpr int kLayers = 2;
+double block_matmul_seconds(DType dtype, int N, int C) {
+  auto be = make_host_backend(1);
+  Precision p;
+  p.matmul = dtype;
+  be->set_precision(p);
+  // Per layer, the four products (input width, output width) of block_counts.
+  const int shape[4][2] = {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}};
+  struct Product {
+    TypedBuffer in, w, out, din, dw;
+    int c = 0, oc = 0;
+  };
+  std::vector<Product> layers;
+  for (int l = 0; l < kLayers; ++l)
+    for (const auto& s : shape) {
+      Product q;
+      q.c = s[0];
+      q.oc = s[1];
+      const std::string tag = "plan::calibrate.mm" + std::to_string(layers.size());
+      q.in = small_values(*be, tag + ".in", static_cast<std::int64_t>(N) * q.c);
+      q.w = small_values(*be, tag + ".w", static_cast<std::int64_t>(q.oc) * q.c, dtype);
+      q.out = be->allocate(tag + ".out", DType::f32, static_cast<std::int64_t>(N) * q.oc, Mem::workspace);
+      q.din = be->allocate(tag + ".din", DType::f32, static_cast<std::int64_t>(N) * q.c, Mem::workspace);
+      q.dw = be->allocate(tag + ".dw", DType::f32, static_cast<std::int64_t>(q.oc) * q.c, Mem::workspace);
+      layers.push_back(std::move(q));
+    }
+  const double t = best_seconds(*be, 3, [&] {
+    for (Product& q : layers) be->matmul_forward(q.out.data<float>(), q.in.ref(), q.w.ref(), nullptr, N, q.c, q.oc);
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it)
+      be->matmul_backward(it->din.data<float>(), it->dw.data<float>(), nullptr, it->out.data<float>(), it->in.ref(),
+                          it->w.ref(), N, it->c, it->oc);
+  }, 1);
+  be->release_scratch();
+  return t;
+}
+double block_matmul_rate(double seconds, int N, int C, double call_s) {
+  const BlockCounts b = block_counts(N, N, C, 1);
+  const double gemms = kLayers * (b.gemms_fwd + b.gemms_bwd);
+  return kLayers * (b.matmul_flops_fwd + b.matmul_flops_bwd) / std::max(seconds - gemms * call_s, 0.5 * seconds);
+}
+
+// The widths the products are measured at, and the token rows of each (1024 up to 128 wide, then
+// fewer, to keep the wide ones short: the rate depends on the width, hardly on the rows).
+constexpr int kWidths[] = {64, 128, 256, 512};
+int rows_at(int width) { return width <= 128 ? 1024 : 1024 * 128 / width; }
+
+// The attention's rate and its fixed cost per sequence and head: the back end's attention forward +
+// backward (fp32) timed at two shapes, B=16, T=32, C=64, 4 heads (the fixed cost dominates) and B=4,
+// T=256, C=256, 4 heads (the FLOPs dominate), best of 5 each (`ts`, `tl`), and t = B * heads * head_s +
+// attention_flops / rate solved for both (io/cluster.hpp counts the FLOPs, for the prediction too).
+struct AttentionRate {
+  double flops_per_s = 0, head_s = 0;
+};
+double attention_seconds(int B, int T, int C, int NH) {
+  auto be = make_host_backend(1);
   const std::int64_t bt = static_cast<std::int64_t>(B) * T, att_n = static_cast<std::int64_t>(B) * NH * T * T;
   TypedBuffer qkv = small_values(*be, "plan::calibrate.qkv", bt * 3 * C);
   TypedBuffer dout = small_values(*be, "plan::calibrate.dout", bt * C);
@@ -81,75 +137,120 @@ double attention_rate() {
   TypedBuffer att = be->allocate("plan::calibrate.att", DType::f32, att_n, Mem::workspace);
   TypedBuffer dqkv = be->allocate("plan::calibrate.dqkv", DType::f32, bt * 3 * C, Mem::workspace);
   TypedBuffer datt = be->allocate("plan::calibrate.datt", DType::f32, att_n, Mem::workspace);
-  const double fwd = best_seconds(*be, 5, [&] {
+  const double t = best_seconds(*be, 5, [&] {
     be->attention_forward(out.data<float>(), att.data<float>(), qkv.data<float>(), B, T, C, NH);
-  });
-  const double bwd = best_seconds(*be, 5, [&] {
     be->attention_backward(dqkv.data<float>(), datt.data<float>(), dout.data<float>(), qkv.data<float>(),
                            att.data<float>(), B, T, C, NH);
   });
   be->release_scratch();
-  return attention_flops(B, T, C) / (fwd + bwd);
+  return t;
+}
+constexpr int Bs = 16, Ts = 32, Cs = 64, Bl = 4, Tl = 256, Cl = 256, NH = 4;
+AttentionRate attention_rate(double ts, double tl) {
+  const double hs = double(Bs) * NH, hl = double(Bl) * NH;
+  const double fs = attention_flops(Bs, Ts, Cs), fl = attention_flops(Bl, Tl, Cl);
+  AttentionRate r;
+  const double denom = tl - ts * hl / hs;
+  r.flops_per_s = denom > 0 ? (fl - fs * hl / hs) / denom : fl / tl;
+  r.head_s = std::max(0.0, (ts - fs / r.flops_per_s) / hs);
+  if (r.head_s == 0) r.flops_per_s = fl / tl;
+  return r;
 }
 
-// Bytes per second of the back end's element-wise kernels (LayerNorm forward and backward, GELU
-// forward and backward, the residual add) over 65536 rows x 256, their bytes counted by KernelBytes
-// (io/cluster.hpp), which the prediction counts with: all the bytes over all the best times.
+// Bytes per second of a block's element-wise kernels as GPT runs them (block_counts: LayerNorm
+// twice, the residual add twice, GELU over [N, 4C] forward; the LayerNorms', GELU's backward and the
+// residual branch's two copies) at N = 8192 rows, C = 256, fp32: the bytes block_counts counts over
+// the best time of the whole sequence (of 4), so the kernels weigh as they do in a block.
 double memory_rate() {
   auto be = make_host_backend(1);
-  constexpr int N = 65536, C = 256;
+  constexpr int N = 8192, C = 256;
   const std::int64_t n = static_cast<std::int64_t>(N) * C;
   TypedBuffer x = small_values(*be, "plan::calibrate.x", n);
   TypedBuffer dy = small_values(*be, "plan::calibrate.dy", n);
   TypedBuffer y = be->allocate("plan::calibrate.y", DType::f32, n, Mem::workspace);
+  TypedBuffer y2 = be->allocate("plan::calibrate.y2", DType::f32, n, Mem::workspace);
   TypedBuffer dx = be->allocate("plan::calibrate.dx", DType::f32, n, Mem::workspace);
+  TypedBuffer h = small_values(*be, "plan::calibrate.h", 4 * n);
+  TypedBuffer hg = be->allocate("plan::calibrate.hg", DType::f32, 4 * n, Mem::workspace);
+  TypedBuffer dh = small_values(*be, "plan::calibrate.dh", 4 * n);
+  TypedBuffer dhg = be->allocate("plan::calibrate.dhg", DType::f32, 4 * n, Mem::workspace);
   TypedBuffer w = small_values(*be, "plan::calibrate.ln_w", C);
   TypedBuffer b = small_values(*be, "plan::calibrate.ln_b", C);
   TypedBuffer dw = be->allocate("plan::calibrate.ln_dw", DType::f32, C, Mem::workspace);
   TypedBuffer db = be->allocate("plan::calibrate.ln_db", DType::f32, C, Mem::workspace);
   TypedBuffer mean = be->allocate("plan::calibrate.mean", DType::f32, N, Mem::workspace);
   TypedBuffer rstd = be->allocate("plan::calibrate.rstd", DType::f32, N, Mem::workspace);
-  constexpr int reps = 4;
-  double bytes = 0, seconds = 0;
-  const auto add = [&](double per_element, double t) {
-    bytes += per_element * static_cast<double>(n);
-    seconds += t;
+  const auto ln_f = [&](float* out) {
+    be->layernorm_forward(out, mean.data<float>(), rstd.data<float>(), x.data<float>(), w.data<float>(),
+                          b.data<float>(), N, C);
   };
-  add(KernelBytes::layernorm_fwd, best_seconds(*be, reps, [&] {
-        be->layernorm_forward(y.data<float>(), mean.data<float>(), rstd.data<float>(), x.data<float>(), w.data<float>(),
-                              b.data<float>(), N, C);
-      }));
-  add(KernelBytes::layernorm_bwd, best_seconds(*be, reps, [&] {
-        be->layernorm_backward(dx.data<float>(), dw.data<float>(), db.data<float>(), dy.data<float>(), x.data<float>(),
-                               w.data<float>(), mean.data<float>(), rstd.data<float>(), N, C);
-      }));
-  add(KernelBytes::gelu_fwd, best_seconds(*be, reps, [&] { be->gelu_forward(y.data<float>(), x.data<float>(), n); }));
-  add(KernelBytes::gelu_bwd, best_seconds(*be, reps, [&] {
-        be->gelu_backward(dx.data<float>(), x.data<float>(), dy.data<float>(), n);
-      }));
-  add(KernelBytes::residual, best_seconds(*be, reps, [&] {
-        be->residual_forward(y.data<float>(), x.data<float>(), dy.data<float>(), n);
-      }));
+  const auto ln_b = [&] {
+    be->layernorm_backward(dx.data<float>(), dw.data<float>(), db.data<float>(), dy.data<float>(), x.data<float>(),
+                           w.data<float>(), mean.data<float>(), rstd.data<float>(), N, C);
+  };
+  const double t = best_seconds(*be, 4, [&] {
+    ln_f(y.data<float>());
+    be->residual_forward(y2.data<float>(), x.data<float>(), dy.data<float>(), n);
+    ln_f(y.data<float>());
+    be->gelu_forward(hg.data<float>(), h.data<float>(), 4 * n);
+    be->residual_forward(y2.data<float>(), x.data<float>(), dy.data<float>(), n);
+    be->gelu_backward(dhg.data<float>(), h.data<float>(), dh.data<float>(), 4 * n);
+    be->copy(y2.data<float>(), dy.data<float>(), n);
+    ln_b();
+    be->copy(y2.data<float>(), dy.data<float>(), n);
+    ln_b();
+  });
   be->release_scratch();
-  return bytes / seconds;
+  const BlockCounts bc = block_counts(N, N, C, 1);
+  return (bc.elementwise_bytes_fwd + bc.elementwise_bytes_bwd) / t;
 }
 
-// Half the best round trip of `bytes` between this rank and `peer` (the other side echoes).
-double one_way_seconds(int peer, bool first, std::size_t bytes, int reps) {
-  std::vector<char> buf(bytes ? bytes : 1);
-  double best = 1e30;
+// Bytes per second of the optimizer's pass as the engine runs it (optimizer_bytes, io/cluster.hpp):
+// the gradients zeroed, their squared norm, the clip's scale and AdamW over 4M parameters (64 MiB of
+// weights, gradients and moments, more than a cache holds, as a model's are); best of 4.
+double optimizer_rate() {
+  auto be = make_host_backend(1);
+  constexpr std::int64_t n = 4 << 20;
+  TypedBuffer p = small_values(*be, "plan::calibrate.p", n);
+  TypedBuffer g = small_values(*be, "plan::calibrate.g", n);
+  TypedBuffer m = small_values(*be, "plan::calibrate.m", n);
+  TypedBuffer v = small_values(*be, "plan::calibrate.v", n);
+  be->scale(v.ref(), 0.0);  // the second moment starts non-negative
+  const double t = best_seconds(*be, 4, [&] {
+    be->fill(g.ref(), 0.0);
+    be->sq_norm_check({g.ref()});
+    be->scale(g.ref(), 0.5);
+    be->adamw_update(p.data<float>(), m.data<float>(), v.data<float>(), g.data<float>(), n, 1e-3f, 0.9f, 0.95f, 1e-8f,
+                     0.1f, 10);
+  });
+  be->release_scratch();
+  return optimizer_bytes(static_cast<double>(n), static_cast<double>(n)) / t;
+}
+
+// Round trips of `bytes` between the two ranks of `pair` through loom's own communicator (its
+// messages and its waits, which poll and yield as a step's do), halved: all `reps` of them.
+std::vector<double> one_way_seconds(Communicator& pair, std::size_t bytes, int reps) {
+  std::vector<float> buf(std::max<std::size_t>(1, bytes / sizeof(float)));
+  const std::int64_t n = static_cast<std::int64_t>(buf.size());
+  const int peer = 1 - pair.rank();
+  std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     const double t0 = now();
-    if (first) {
-      MPI_Send(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 7, MPI_COMM_WORLD);
-      MPI_Recv(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    if (pair.rank() == 0) {
+      pair.send_async(buf.data(), n, peer, 7)->wait();
+      pair.recv_async(buf.data(), n, peer, 7)->wait();
     } else {
-      MPI_Recv(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-      MPI_Send(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 7, MPI_COMM_WORLD);
+      pair.recv_async(buf.data(), n, peer, 7)->wait();
+      pair.send_async(buf.data(), n, peer, 7)->wait();
     }
-    best = std::min(best, (now() - t0) / 2);
+    t.push_back((now() - t0) / 2);
   }
-  return best;
+  return t;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 struct Link {
@@ -157,22 +258,30 @@ struct Link {
   bool measured = false;
 };
 
-// Latency from 8-byte messages, bandwidth from 16 MiB ones (less the latency), between ranks a and b;
-// every rank calls it (the others wait at the barrier).
-Link measure_link(int rank, int a, int b) {
+// Between ranks a and b (every rank calls it; -1: no such pair), through loom's communicator while
+// the other ranks wait in one of its collectives: the latency the median one way of 8-byte messages,
+// the bandwidth from 1 MiB messages (a gradient bucket, a small model's activations; larger ones
+// leave the caches), their best one way less the latency.
+Link measure_link(Communicator& world, int a, int b) {
   Link l;
-  if (a >= 0 && b >= 0 && (rank == a || rank == b)) {
-    const int peer = rank == a ? b : a;
-    const bool first = rank == a;
-    one_way_seconds(peer, first, 8, 20);  // warm-up
-    l.latency_s = one_way_seconds(peer, first, 8, 200);
-    const std::size_t big = 16u << 20;
-    const double t = one_way_seconds(peer, first, big, 6);
-    l.bytes_per_s = static_cast<double>(big) / std::max(t - l.latency_s, 1e-9);
-    l.measured = true;
+  const int rank = world.rank();
+  const bool in_pair = a >= 0 && b >= 0 && (rank == a || rank == b);
+  MPI_Comm pair_comm;
+  MPI_Comm_split(MPI_COMM_WORLD, in_pair ? 0 : 1, rank == a ? 0 : 1, &pair_comm);
+  {
+    std::unique_ptr<Communicator> pair = make_mpi_communicator(pair_comm, "link");
+    if (in_pair) {
+      one_way_seconds(*pair, 8, 20);  // warm-up
+      l.latency_s = median(one_way_seconds(*pair, 8, 200));
+      const std::size_t big = 1u << 20;
+      one_way_seconds(*pair, big, 2);
+      const std::vector<double> t = one_way_seconds(*pair, big, 20);
+      l.bytes_per_s = static_cast<double>(big) / std::max(*std::min_element(t.begin(), t.end()) - l.latency_s, 1e-9);
+    }
   }
-  double v[2] = {l.bytes_per_s, l.latency_s};
-  MPI_Bcast(v, 2, MPI_DOUBLE, a >= 0 ? a : 0, MPI_COMM_WORLD);
+  MPI_Comm_free(&pair_comm);
+  double v[2] = {in_pair && rank == a ? l.bytes_per_s : 0.0, in_pair && rank == a ? l.latency_s : 0.0};
+  world.all_reduce_async(BufferRef(v, 2))->wait();  // the others wait here, polling and yielding
   l.bytes_per_s = v[0];
   l.latency_s = v[1];
   l.measured = a >= 0 && b >= 0;
@@ -193,14 +302,22 @@ double mem_total_bytes() {
   return kib * 1024.0;
 }
 
-int calibrate(const std::string& out_path) {
+// `sets`: cluster.*/network.* figures given with --set, which replace what is measured (and say so in
+// the source): on one rank, which has no link to measure, the four network figures must be given.
+int calibrate(const std::string& out_path, const std::vector<std::string>& sets) {
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
-  if (world < 2)
+  const auto given = [&](const std::string& key) {
+    return std::any_of(sets.begin(), sets.end(), [&](const std::string& s) { return s.rfind(key + "=", 0) == 0; });
+  };
+  const bool links_given = given("network.intra_node_gbs") && given("network.intra_node_latency_us") &&
+                           given("network.inter_node_gbs") && given("network.inter_node_latency_us");
+  if (world < 2 && !links_given)
     throw InputError("loom plan --calibrate measures the links between ranks: launch it on 2 ranks or more, one "
                      "per device it stands for (mpiexec -n 2 loom plan --calibrate; across 2 nodes for the "
-                     "links between nodes)");
+                     "links between nodes), or on 1 rank with the four network.* figures given by --set");
+  if (!sets.empty()) load_cluster("h100-sxm", sets);  // a bad --set is refused before anything is measured
   // Nodes: the shared-memory domains; every rank learns each rank's node leader.
   MPI_Comm local;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
@@ -223,13 +340,46 @@ int calibrate(const std::string& out_path) {
     if (leaders[static_cast<std::size_t>(r)] == leaders[0] && same < 0) same = r;
     if (leaders[static_cast<std::size_t>(r)] != leaders[0] && other < 0) other = r;
   }
-  // Every rank multiplies at once, as in training; the slowest rank is what a step waits for.
-  double rates[3] = {matmul_rate(DType::f32), matmul_rate(DType::bf16), matmul_rate(DType::f16)};
-  MPI_Allreduce(MPI_IN_PLACE, rates, 3, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
-  double kernels[2] = {attention_rate(), memory_rate()};
-  MPI_Allreduce(MPI_IN_PLACE, kernels, 2, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
-  const Link intra = measure_link(rank, same >= 0 ? 0 : -1, same);
-  const Link inter = measure_link(rank, other >= 0 ? 0 : -1, other);
+  // Every rank computes at once, as in training; the slowest rank is what a step waits for (the
+  // largest fixed costs, the smallest rates).
+  // The short measurements (a product call's fixed cost, attention at its two shapes) are taken at
+  // the start, after the products and at the end, the best of each kept: a machine's speed drifts
+  // (other work, a virtual machine's neighbours) over the seconds calibration takes.
+  double fixed[3] = {1e30, 1e30, 1e30};  // call, attention small, attention large (seconds)
+  const auto sample_fixed = [&] {
+    fixed[0] = std::min(fixed[0], matmul_call_seconds());
+    fixed[1] = std::min(fixed[1], attention_seconds(Bs, Ts, Cs, NH));
+    fixed[2] = std::min(fixed[2], attention_seconds(Bl, Tl, Cl, NH));
+  };
+  sample_fixed();
+  constexpr int kW = static_cast<int>(std::size(kWidths));
+  const DType dtypes[3] = {DType::f32, DType::bf16, DType::f16};
+  double block_s[3][kW];
+  for (int d = 0; d < 3; ++d)
+    for (int w = 0; w < kW; ++w) block_s[d][w] = block_matmul_seconds(dtypes[d], rows_at(kWidths[w]), kWidths[w]);
+  sample_fixed();
+  double kernels[3] = {0, memory_rate(), optimizer_rate()};
+  sample_fixed();
+  const AttentionRate att = attention_rate(fixed[1], fixed[2]);
+  kernels[0] = att.flops_per_s;
+  double costs[2] = {fixed[0], att.head_s};
+  MPI_Allreduce(MPI_IN_PLACE, costs, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  double rates[3][kW];
+  for (int d = 0; d < 3; ++d)
+    for (int w = 0; w < kW; ++w) rates[d][w] = block_matmul_rate(block_s[d][w], rows_at(kWidths[w]), kWidths[w], costs[0]);
+  MPI_Allreduce(MPI_IN_PLACE, &rates[0][0], 3 * kW, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  // Per dtype the peak is the best width's rate, the others a share of it.
+  double peak[3];
+  MatmulEfficiency efficiency[3];
+  for (int d = 0; d < 3; ++d) {
+    peak[d] = *std::max_element(rates[d], rates[d] + kW);
+    efficiency[d].points.clear();
+    for (int w = 0; w < kW; ++w) efficiency[d].points.push_back({double(kWidths[w]), rates[d][w] / peak[d]});
+  }
+  MPI_Allreduce(MPI_IN_PLACE, kernels, 3, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  std::unique_ptr<Communicator> world_comm = make_mpi_communicator(MPI_COMM_WORLD, "world");
+  const Link intra = measure_link(*world_comm, same >= 0 ? 0 : -1, same);
+  const Link inter = measure_link(*world_comm, other >= 0 ? 0 : -1, other);
   if (rank != 0) return 0;
 
   ClusterSpec c;
@@ -240,33 +390,64 @@ int calibrate(const std::string& out_path) {
   c.nodes = static_cast<int>(distinct.size());
   c.devices_per_node = per_node;
   c.device_memory_bytes = mem_total_bytes() / per_node;
-  c.peak_flops_fp32 = rates[0];
-  c.peak_flops_bf16 = rates[1];
-  c.peak_flops_fp16 = rates[2];
+  c.peak_flops_fp32 = peak[0];
+  c.peak_flops_bf16 = peak[1];
+  c.peak_flops_fp16 = peak[2];
+  c.efficiency_fp32 = efficiency[0];
+  c.efficiency_bf16 = efficiency[1];
+  c.efficiency_fp16 = efficiency[2];
+  c.matmul_call_s = costs[0];
   c.attention_flops = kernels[0];
+  c.attention_head_s = costs[1];
   c.memory_bytes_per_s = kernels[1];
+  c.optimizer_bytes_per_s = kernels[2];
   const Link& in_node = intra.measured ? intra : inter;
   const Link& between = inter.measured ? inter : intra;
   c.intra_bytes_per_s = in_node.bytes_per_s;
   c.intra_latency_s = in_node.latency_s;
   c.inter_bytes_per_s = between.bytes_per_s;
   c.inter_latency_s = between.latency_s;
+  if (world < 2) c.intra_bytes_per_s = c.inter_bytes_per_s = 1e9;  // not measured: the --set figures replace them
   c.source = std::string("loom plan --calibrate, loom's host back end (BLAS on 1 thread), all ranks at once, slowest "
-                         "rank: matrix products 768 x 768 (best of 6); attention forward + backward at B=4, T=256, "
-                         "C=256, 4 heads (best of 5, 12 B T^2 C FLOPs); memory_gbs from LayerNorm, GELU (forward "
-                         "and backward) and residual add over 65536 x 256 fp32 (best of 4, bytes as loom plan counts "
-                         "them); memory = MemTotal / ranks per node; MPI ping-pong of 8 B and 16 MiB") +
-             (intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
-             (inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
+                         "rank: matrix products as 2 transformer blocks run them forward and backward at widths 64, "
+                         "128 (1024 rows), 256 (512 rows), 512 (256 rows) (best of 3), less matmul_call_us per GEMM "
+                         "(8 x 8 products, best batch of 200), the peak the best width's rate; "
+                         "attention forward + backward at B=16, T=32, C=64 and B=4, T=256, C=256, 4 heads (best of "
+                         "5 each; 12 B T^2 C FLOPs, B x heads fixed costs); the call's and attention's short "
+                         "measurements taken at the start, middle and end, the best kept; memory_gbs from a block's element-wise "
+                         "kernels (LayerNorm, GELU, residual adds and copies) at 8192 x 256 fp32 (best of 4); "
+                         "optimizer_gbs from gradient zeroing, norm, clip and AdamW over 4M parameters (best of 4); "
+                         "bytes and FLOPs as loom plan counts them; memory = MemTotal / ranks per node; links "
+                         "by ping-pong through loom's communicator while the other ranks wait in it: latency the "
+                         "median one way of 8 B, bandwidth from the best of 1 MiB") +
+             (world < 2 ? "" : intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
+             (world < 2 ? "" : inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
+  if (!sets.empty()) {
+    c.source += "; given, not measured:";
+    for (const std::string& s : sets) c.source += " " + s;
+  }
   std::error_code ec;
   const std::filesystem::path out(out_path);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path(), ec);
-  {
+  const auto write = [&](const ClusterSpec& spec) {
     std::ofstream f(out_path + ".tmp");
     f << "# loom cluster description, written by `loom plan --calibrate`; read with `loom plan --cluster "
       << out_path << " --show`\n"
-      << cluster_text(c);
+      << cluster_text(spec);
     if (!f) throw InputError("cannot write " + quote_path(out_path) + " (folder not writable, or disk full)");
+  };
+  write(c);
+  if (!sets.empty()) {  // the --set figures in place of the measured ones, refused as a file's would be
+    try {
+      const std::string name = c.name, source = c.source;
+      c = load_cluster(out_path + ".tmp", sets);
+      c.name = name;
+      c.source = source;
+    } catch (...) {
+      std::filesystem::remove(out_path + ".tmp", ec);
+      throw;
+    }
+    write(c);
   }
   std::filesystem::rename(out_path + ".tmp", out_path, ec);
   if (ec) throw InputError("cannot write " + quote_path(out_path) + ": " + ec.message());
@@ -294,7 +475,7 @@ int command_plan(const PlanOptions& options, const StrategyRegistry& registry, c
     if (rank == 0) std::cout << schema.describe();
     return 0;
   }
-  if (o.calibrate) return calibrate(o.output.empty() ? calibration_path() : o.output);
+  if (o.calibrate) return calibrate(o.output.empty() ? calibration_path() : o.output, cluster_sets);
   std::string what = o.cluster;
   std::string note;
   if (what.empty()) {

@@ -80,15 +80,16 @@ bool group_in_node(const std::string& group, const Layout& l, int per_node) {
   return span <= per_node;
 }
 
-double matmul_peak(const ClusterSpec& c, const std::string& precision) {
-  if (precision == "bf16") return c.peak_flops_bf16;
-  if (precision == "fp16") return c.peak_flops_fp16;
-  return c.peak_flops_fp32;
-}
+double matmul_peak(const ClusterSpec& c, const std::string& precision) { return c.matmul_peak(precision); }
 
-// Compute per step of rank `r` (see DESIGN.md "Planning"): matrix products at the precision's rate,
-// attention at the attention rate, element-wise kernels and AdamW as bytes over memory bandwidth.
-void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, double flops_per_token) {
+// Compute per step of rank `r` (see DESIGN.md "Planning"), counted by the functions of io/cluster.hpp
+// that `loom plan --calibrate` measured the rates with: a block's products (block_counts: FLOPs at the
+// precision's rate at the block's width, d_model / sqrt(tp) on a rank holding 1/tp of it, the head's
+// product at the same rate; plus matmul_call_us per GEMM), attention (attention_flops at
+// attention_tflops plus attention_head_us per sequence and head), element-wise kernels as bytes over
+// memory_gbs and the optimizer's pass as bytes over optimizer_gbs. Recompute runs the blocks' forward
+// again. Fills the compute fields of `t`.
+void predict_compute(const Prediction& p, const RankPrediction& r, const ClusterSpec& c, TimePrediction& t) {
   const GPTConfig& m = p.plan.model;
   const Layout& l = p.plan.layout;
   const double tp = l.tp, C = m.d_model, T = m.seq_len, V = m.vocab;
@@ -97,28 +98,43 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   const bool last = r.last, first = r.first, sp = r.sequence_parallel;
   const double Nl = sp ? N / tp : N;
   const double recompute = m.recompute ? 1.0 : 0.0;
-  TimePrediction& t = p.time;
-  // Products: 2 flops per multiply-add, backward twice the forward; recompute runs the blocks' forward again.
-  const double block_mm = 2.0 * N * 12.0 * C * C / tp;
+  const BlockCounts b = block_counts(N, Nl, C, tp);
+  // Products: 2 flops per multiply-add, backward twice the forward; the head's [N,C]x[C,V/tp] once
+  // forward (one GEMM), twice backward (two).
   const double head_mm = last ? 2.0 * N * V * C / tp : 0.0;
-  const double mm_flops = mb * (layers_here * block_mm * (3.0 + recompute) + 3.0 * head_mm);
-  // attention_flops: forward + backward (3 x forward), the count --calibrate measured the rate with.
-  const double att_flops = mb * layers_here * attention_flops(rows, T, C / tp) * (1.0 + recompute / 3.0);
-  // Element-wise bytes per element: LayerNorm 8 forward, 12 backward; GELU the same; residual adds 12
-  // each way; the head's cross-entropy 8 + 12 per logit; AdamW 28 per owned parameter (p, g, m, v
-  // read; p, m, v written).
-  using KB = KernelBytes;  // the per-element bytes --calibrate measured memory_gbs with
-  const double block_bytes = 2 * (KB::layernorm_fwd + KB::layernorm_bwd) * Nl * C +
-                             (KB::gelu_fwd + KB::gelu_bwd) * N * 4 * C / tp + 4 * KB::residual * Nl * C;
-  const double head_bytes = last ? (8 + 12) * N * V / tp + (8 + 12) * Nl * C : 0.0;
-  const double emb_bytes = first ? (8 + 12) * N * C : 0.0;
-  const double ew_bytes = mb * (layers_here * block_bytes * (1.0 + recompute * 0.5) + head_bytes + emb_bytes);
-  double owned = static_cast<double>(r.built[static_cast<int>(Mem::optimizer)]) / 8.0;
-  t.matmul_s = mm_flops / matmul_peak(c, p.precision);
-  t.attention_s = att_flops / c.attention_flops;
+  const double mm_flops = mb * (layers_here * (b.matmul_flops_fwd * (1.0 + recompute) + b.matmul_flops_bwd) + 3.0 * head_mm);
+  const double gemms = mb * (layers_here * (b.gemms_fwd * (1.0 + recompute) + b.gemms_bwd) + (last ? 3.0 : 0.0));
+  // Attention: forward + backward over this rank's heads (heads / tp), the forward a third of it
+  // (FLOPs and fixed cost alike), again with recompute.
+  const double att_share = 1.0 + recompute / 3.0;
+  const double att_flops = mb * layers_here * attention_flops(rows, T, C / tp) * att_share;
+  const double att_heads = mb * layers_here * rows * (m.heads / tp) * att_share;
+  // Element-wise: the blocks' (block_counts), the head's LayerNorm and cross-entropy over its logits,
+  // the embedding's lookup and gradient.
+  using KB = KernelBytes;
+  const double head_bytes = last ? KB::crossentropy * N * V / tp + (KB::layernorm_fwd + KB::layernorm_bwd) * Nl * C : 0.0;
+  const double emb_bytes = first ? KB::embedding * N * C : 0.0;
+  const double ew_bytes =
+      mb * (layers_here * (b.elementwise_bytes_fwd * (1.0 + recompute) + b.elementwise_bytes_bwd) + head_bytes + emb_bytes);
+  // The optimizer's pass: the gradients this rank holds zeroed, the elements it updates (AdamW's two
+  // moments are the optimizer category's 8 bytes per element) normed, clipped and updated.
+  const double grads = r.built[static_cast<int>(Mem::grads)] / 4.0;
+  const double owned = r.built[static_cast<int>(Mem::optimizer)] / 8.0;
+  t.matmul_s = mm_flops / c.matmul_rate(p.precision, C / std::sqrt(tp)) + gemms * c.matmul_call_s;
+  t.attention_s = att_flops / c.attention_flops + att_heads * c.attention_head_s;
   t.elementwise_s = ew_bytes / c.memory_bytes_per_s;
-  t.optimizer_s = 28.0 * owned / c.memory_bytes_per_s;
+  t.optimizer_s = optimizer_bytes(grads, owned) / c.optimizer_bytes_per_s;
   t.compute_s = t.matmul_s + t.attention_s + t.elementwise_s + t.optimizer_s;
+}
+
+// The step of rank `r`: its compute (predict_compute), its messages over the links, and with a
+// pipeline the schedule's bubble.
+void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, double flops_per_token) {
+  const Layout& l = p.plan.layout;
+  const double T = p.plan.model.seq_len, mb = p.plan.micro_batches;
+  TimePrediction& t = p.time;
+  t = TimePrediction();
+  predict_compute(p, r, c, t);
   // Messages: ring volume over the group's link, plus its latency per message.
   double overlapped = 0, exposed = 0;
   std::map<std::string, double> by_group;
@@ -135,9 +151,36 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t.comm_s = overlapped + exposed;
   t.comm_exposed_s = exposed + std::max(0.0, overlapped - backward_last);
   t.comm_by_group.assign(by_group.begin(), by_group.end());
-  t.bubble = r.step.bubble;
-  const double busy = t.compute_s - t.optimizer_s;
-  t.step_s = busy / (1.0 - t.bubble) + t.optimizer_s + t.comm_exposed_s;
+  // The pipeline's span. StepPlan::bubble is the mean idle share of the stages in the schedule's
+  // replay with op costs by layer count (forward 1, backward 2 per layer, the head one more layer on
+  // the last stage: Schedule::plan_step): the replayed span exceeds its busiest stage by the other
+  // stages' warm-up and cool-down ops. That excess, in those units, is taken at the stages' mean
+  // predicted time per unit and added to the busiest stage's predicted busy time (each stage's the
+  // slowest of its ranks). The unit costs then decide only the bubble, not the stages' balance.
+  double busy = t.compute_s - t.optimizer_s;
+  t.bubble = 0;
+  if (l.pp > 1 && r.step.bubble > 0) {
+    std::map<int, std::pair<double, double>> stage;  // pp rank -> (busy seconds, replay units)
+    for (const RankPrediction& q : p.ranks) {
+      TimePrediction tq;
+      predict_compute(p, q, c, tq);
+      auto& [seconds, units] = stage[q.pp_rank];
+      seconds = std::max(seconds, tq.compute_s - tq.optimizer_s);
+      units = mb * 3.0 * (q.layers + (q.last ? 1 : 0));
+    }
+    double sum_units = 0, max_units = 0, max_busy = 0, per_unit = 0;
+    for (const auto& [s, su] : stage) {
+      sum_units += su.second;
+      max_units = std::max(max_units, su.second);
+      max_busy = std::max(max_busy, su.first);
+      per_unit += su.first / su.second / static_cast<double>(stage.size());
+    }
+    const double span_units = sum_units / (static_cast<double>(stage.size()) * (1.0 - r.step.bubble));
+    const double span = max_busy + std::max(0.0, span_units - max_units) * per_unit;
+    t.bubble = busy < span ? 1.0 - busy / span : 0.0;  // this rank's idle share of the span
+    busy = std::max(span, busy);
+  }
+  t.step_s = busy + t.optimizer_s + t.comm_exposed_s;
   t.tokens_per_s = p.plan.global_batch * T / t.step_s;
   t.mfu = t.tokens_per_s * flops_per_token / (l.ranks() * matmul_peak(c, p.precision));
 }

@@ -1,5 +1,7 @@
 #include "io/cluster.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,23 +14,32 @@
 namespace loom {
 namespace {
 
-// Published figures, per device. Link bandwidths per direction; memory_gbs the HBM bandwidth;
-// attention_tflops the FP32 peak without tensor cores, as loom's attention kernels compute in fp32.
-// Latencies are not published peak figures but the order of a small NCCL message on such links
-// (stated as an assumption in `source`).
+// Published figures, per device. Link bandwidths per direction; memory_gbs and optimizer_gbs the HBM
+// bandwidth (a GPU's element-wise kernels and AdamW are bound by it); attention_tflops the FP32 peak
+// without tensor cores, as loom's attention kernels compute in fp32. Not published, assumed (and said
+// so in `source`): latencies, the order of a small NCCL message on such links; matmul_efficiency, the
+// peak at every width (narrow models reach less of it: a calibrated cluster knows); matmul_call_us, one
+// kernel launch (a few microseconds); attention_head_us, loom's CUDA attention launching six batched
+// products per sequence (its heads together) at a launch each, over a GPT's ~12 heads.
 const std::map<std::string, std::string>& presets() {
   static const std::map<std::string, std::string> p = {
       {"a100-80gb", R"([cluster]
 name = NVIDIA DGX A100 80GB nodes (8 x A100-SXM4-80GB per node)
-source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
 peak_tflops_fp32 = 19.5
 peak_tflops_bf16 = 312
 peak_tflops_fp16 = 312
+matmul_efficiency_fp32 = 1
+matmul_efficiency_bf16 = 1
+matmul_efficiency_fp16 = 1
+matmul_call_us = 4
 attention_tflops = 19.5
+attention_head_us = 2
 memory_gbs = 2039
+optimizer_gbs = 2039
 [network]
 intra_node_gbs = 300
 intra_node_latency_us = 3
@@ -37,15 +48,21 @@ inter_node_latency_us = 8
 )"},
       {"h100-sxm", R"([cluster]
 name = NVIDIA DGX H100 nodes (8 x H100-SXM5-80GB per node)
-source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
 peak_tflops_fp32 = 67
 peak_tflops_bf16 = 989
 peak_tflops_fp16 = 989
+matmul_efficiency_fp32 = 1
+matmul_efficiency_bf16 = 1
+matmul_efficiency_fp16 = 1
+matmul_call_us = 4
 attention_tflops = 67
+attention_head_us = 2
 memory_gbs = 3350
+optimizer_gbs = 3350
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -54,15 +71,21 @@ inter_node_latency_us = 8
 )"},
       {"h200", R"([cluster]
 name = NVIDIA DGX H200 nodes (8 x H200-SXM-141GB per node)
-source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message)
+source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 141
 peak_tflops_fp32 = 67
 peak_tflops_bf16 = 989
 peak_tflops_fp16 = 989
+matmul_efficiency_fp32 = 1
+matmul_efficiency_bf16 = 1
+matmul_efficiency_fp16 = 1
+matmul_call_us = 4
 attention_tflops = 67
+attention_head_us = 2
 memory_gbs = 4800
+optimizer_gbs = 4800
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -75,7 +98,9 @@ inter_node_latency_us = 8
 
 const char* const kRequired[] = {"cluster.nodes", "cluster.devices_per_node", "cluster.device_memory_gib",
                                  "cluster.peak_tflops_fp32", "cluster.peak_tflops_bf16", "cluster.peak_tflops_fp16",
-                                 "cluster.attention_tflops", "cluster.memory_gbs",
+                                 "cluster.matmul_efficiency_fp32", "cluster.matmul_efficiency_bf16",
+                                 "cluster.matmul_efficiency_fp16", "cluster.matmul_call_us", "cluster.attention_tflops", "cluster.attention_head_us",
+                                 "cluster.memory_gbs", "cluster.optimizer_gbs",
                                  "network.intra_node_gbs", "network.intra_node_latency_us", "network.inter_node_gbs",
                                  "network.inter_node_latency_us"};
 
@@ -92,14 +117,102 @@ void add_cluster_keys(DeckSchema& schema) {
   schema.add(float_key("cluster.peak_tflops_fp32", "1", 1e-6, 1e6, "fp32 matrix-product rate per device, TFLOP/s"));
   schema.add(float_key("cluster.peak_tflops_bf16", "1", 1e-6, 1e6, "bf16 matrix-product rate per device, TFLOP/s"));
   schema.add(float_key("cluster.peak_tflops_fp16", "1", 1e-6, 1e6, "fp16 matrix-product rate per device, TFLOP/s"));
+  const auto efficiency = [](const std::string& v) { return MatmulEfficiency::parse(v, nullptr); };
+  for (const char* t : {"fp32", "bf16", "fp16"})
+    schema.add(string_key(std::string("cluster.matmul_efficiency_") + t, "1",
+                          std::string("the ") + t + " products' rate as a share of peak_tflops_" + t +
+                              " by model width: W:E pairs in increasing width (interpolated in log width), or one "
+                              "share for every width",
+                          efficiency));
+  schema.add(float_key("cluster.matmul_call_us", "0", 0, 1e6,
+                       "fixed cost of one matrix product (a GEMM's launch or library dispatch), microseconds"));
   schema.add(float_key("cluster.attention_tflops", "1", 1e-6, 1e6,
                        "attention kernels' rate per device (QK^T, softmax, AV and their backward, fp32), TFLOP/s"));
+  schema.add(float_key("cluster.attention_head_us", "0", 0, 1e6,
+                       "fixed cost of attention forward + backward per sequence and head, microseconds"));
   schema.add(float_key("cluster.memory_gbs", "1", 1e-6, 1e6,
-                       "memory bandwidth per device (what LayerNorm, GELU, residual adds, AdamW are bound by), GB/s"));
+                       "what a block's element-wise kernels (LayerNorm, GELU, residual adds) run at per device, GB/s"));
+  schema.add(float_key("cluster.optimizer_gbs", "1", 1e-6, 1e6,
+                       "what the optimizer's pass (gradient zeroing, norm, clip, AdamW) runs at per device, GB/s"));
   schema.add(float_key("network.intra_node_gbs", "1", 1e-6, 1e6, "bandwidth between devices of a node, GB/s per device and direction"));
   schema.add(float_key("network.intra_node_latency_us", "0", 0, 1e6, "latency of a message inside a node, microseconds"));
   schema.add(float_key("network.inter_node_gbs", "1", 1e-6, 1e6, "bandwidth between nodes, GB/s per device and direction"));
   schema.add(float_key("network.inter_node_latency_us", "0", 0, 1e6, "latency of a message between nodes, microseconds"));
+}
+
+double MatmulEfficiency::at(double width) const {
+  if (points.empty()) return 1.0;
+  if (width <= points.front().first) return points.front().second;
+  if (width >= points.back().first) return points.back().second;
+  for (std::size_t i = 1; i < points.size(); ++i)
+    if (width <= points[i].first) {
+      const auto& [w0, e0] = points[i - 1];
+      const auto& [w1, e1] = points[i];
+      const double f = std::log(width / w0) / std::log(w1 / w0);
+      return e0 + f * (e1 - e0);
+    }
+  return points.back().second;
+}
+
+std::string MatmulEfficiency::text() const {
+  std::ostringstream o;
+  o << std::setprecision(4);
+  if (points.size() == 1 && points[0].first == 1.0) {
+    o << points[0].second;
+    return o.str();
+  }
+  for (std::size_t i = 0; i < points.size(); ++i) o << (i ? " " : "") << points[i].first << ":" << points[i].second;
+  return o.str();
+}
+
+std::string MatmulEfficiency::parse(const std::string& text, MatmulEfficiency* out) {
+  const std::string allowed = "one share in (0, 1], or WIDTH:SHARE pairs, widths increasing, shares in (0, 1]";
+  MatmulEfficiency e;
+  e.points.clear();
+  std::istringstream in(text);
+  std::string word;
+  while (in >> word) {
+    const std::size_t colon = word.find(':');
+    double w = 1.0, share = 0;
+    try {
+      std::size_t used = 0;
+      if (colon == std::string::npos) {
+        share = std::stod(word, &used);
+        if (used != word.size()) return allowed;
+      } else {
+        w = std::stod(word.substr(0, colon), &used);
+        if (used != colon) return allowed;
+        const std::string rest = word.substr(colon + 1);
+        share = std::stod(rest, &used);
+        if (used != rest.size()) return allowed;
+      }
+    } catch (const std::exception&) {
+      return allowed;
+    }
+    if ((colon == std::string::npos && !e.points.empty()) || !(share > 0 && share <= 1) || !(w > 0 && std::isfinite(w)))
+      return allowed;
+    if (colon == std::string::npos) {
+      e.points.push_back({1.0, share});
+      if (in >> word) return allowed;  // one share stands alone
+      break;
+    }
+    if (!e.points.empty() && w <= e.points.back().first) return allowed;
+    e.points.push_back({w, share});
+  }
+  if (e.points.empty()) return allowed;
+  if (out) *out = e;
+  return "";
+}
+
+double ClusterSpec::matmul_peak(const std::string& precision) const {
+  if (precision == "bf16") return peak_flops_bf16;
+  if (precision == "fp16") return peak_flops_fp16;
+  return peak_flops_fp32;
+}
+
+double ClusterSpec::matmul_rate(const std::string& precision, double width) const {
+  const MatmulEfficiency& e = precision == "bf16" ? efficiency_bf16 : precision == "fp16" ? efficiency_fp16 : efficiency_fp32;
+  return matmul_peak(precision) * e.at(width);
 }
 
 std::vector<std::string> cluster_presets() {
@@ -139,8 +252,14 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   c.peak_flops_fp32 = d.get_float("cluster.peak_tflops_fp32") * 1e12;
   c.peak_flops_bf16 = d.get_float("cluster.peak_tflops_bf16") * 1e12;
   c.peak_flops_fp16 = d.get_float("cluster.peak_tflops_fp16") * 1e12;
+  MatmulEfficiency::parse(d.get_string("cluster.matmul_efficiency_fp32"), &c.efficiency_fp32);
+  MatmulEfficiency::parse(d.get_string("cluster.matmul_efficiency_bf16"), &c.efficiency_bf16);
+  MatmulEfficiency::parse(d.get_string("cluster.matmul_efficiency_fp16"), &c.efficiency_fp16);
+  c.matmul_call_s = d.get_float("cluster.matmul_call_us") * 1e-6;
   c.attention_flops = d.get_float("cluster.attention_tflops") * 1e12;
+  c.attention_head_s = d.get_float("cluster.attention_head_us") * 1e-6;
   c.memory_bytes_per_s = d.get_float("cluster.memory_gbs") * 1e9;
+  c.optimizer_bytes_per_s = d.get_float("cluster.optimizer_gbs") * 1e9;
   c.intra_bytes_per_s = d.get_float("network.intra_node_gbs") * 1e9;
   c.intra_latency_s = d.get_float("network.intra_node_latency_us") * 1e-6;
   c.inter_bytes_per_s = d.get_float("network.inter_node_gbs") * 1e9;
@@ -159,8 +278,12 @@ std::string cluster_text(const ClusterSpec& c) {
   o << "[cluster]\nname = " << c.name << "\nsource = " << c.source << "\nnodes = " << c.nodes
     << "\ndevices_per_node = " << c.devices_per_node << "\ndevice_memory_gib = " << c.device_memory_bytes / 1073741824.0
     << "\npeak_tflops_fp32 = " << c.peak_flops_fp32 / 1e12 << "\npeak_tflops_bf16 = " << c.peak_flops_bf16 / 1e12
-    << "\npeak_tflops_fp16 = " << c.peak_flops_fp16 / 1e12 << "\nattention_tflops = " << c.attention_flops / 1e12
-    << "\nmemory_gbs = " << c.memory_bytes_per_s / 1e9 << "\n[network]\nintra_node_gbs = " << c.intra_bytes_per_s / 1e9
+    << "\npeak_tflops_fp16 = " << c.peak_flops_fp16 / 1e12 << "\nmatmul_efficiency_fp32 = " << c.efficiency_fp32.text()
+    << "\nmatmul_efficiency_bf16 = " << c.efficiency_bf16.text() << "\nmatmul_efficiency_fp16 = " << c.efficiency_fp16.text()
+    << "\nmatmul_call_us = " << c.matmul_call_s * 1e6
+    << "\nattention_tflops = " << c.attention_flops / 1e12 << "\nattention_head_us = " << c.attention_head_s * 1e6
+    << "\nmemory_gbs = " << c.memory_bytes_per_s / 1e9 << "\noptimizer_gbs = " << c.optimizer_bytes_per_s / 1e9
+    << "\n[network]\nintra_node_gbs = " << c.intra_bytes_per_s / 1e9
     << "\nintra_node_latency_us = " << c.intra_latency_s * 1e6 << "\ninter_node_gbs = " << c.inter_bytes_per_s / 1e9
     << "\ninter_node_latency_us = " << c.inter_latency_s * 1e6 << "\n";
   return o.str();
@@ -188,9 +311,12 @@ std::string describe_cluster(const ClusterSpec& c) {
     << "  " << c.nodes << " node(s) x " << c.devices_per_node << " device(s) = " << c.devices() << " devices, "
     << c.device_memory_bytes / 1073741824.0 << " GiB each\n"
     << "  peak per device: fp32 " << c.peak_flops_fp32 / 1e12 << ", bf16 " << c.peak_flops_bf16 / 1e12 << ", fp16 "
-    << c.peak_flops_fp16 / 1e12 << " TFLOP/s (matrix products)\n"
-    << "  attention " << c.attention_flops / 1e12 << " TFLOP/s, memory " << c.memory_bytes_per_s / 1e9
-    << " GB/s (element-wise kernels), per device\n"
+    << c.peak_flops_fp16 / 1e12 << " TFLOP/s (matrix products), " << c.matmul_call_s * 1e6 << " us per product call\n"
+    << "  share of the peak by model width: fp32 " << c.efficiency_fp32.text() << "; bf16 " << c.efficiency_bf16.text()
+    << "; fp16 " << c.efficiency_fp16.text() << "\n"
+    << "  attention " << c.attention_flops / 1e12 << " TFLOP/s + " << c.attention_head_s * 1e6
+    << " us per sequence and head; memory " << c.memory_bytes_per_s / 1e9 << " GB/s (element-wise kernels), optimizer "
+    << c.optimizer_bytes_per_s / 1e9 << " GB/s, per device\n"
     << "  inside a node: " << c.intra_bytes_per_s / 1e9 << " GB/s, " << c.intra_latency_s * 1e6 << " us; between nodes: "
     << c.inter_bytes_per_s / 1e9 << " GB/s, " << c.inter_latency_s * 1e6 << " us\n"
     << "  source: " << c.source << "\n";

@@ -7,32 +7,60 @@
 //   nodes, devices_per_node         inter_node_gbs, inter_node_latency_us
 //   device_memory_gib
 //   peak_tflops_fp32, peak_tflops_bf16, peak_tflops_fp16   (per device, dense: the matrix products)
+//   matmul_efficiency_fp32, _bf16, _fp16   (the products' rate by model width, a share of the peak:
+//                      "W:E W:E ..." or one E for every width; MatmulEfficiency below)
+//   matmul_call_us     (the fixed cost of one matrix product, a GEMM: its launch or library dispatch)
 //   attention_tflops   (per device: the attention kernels, QK^T, softmax, AV and their backward, fp32)
-//   memory_gbs         (per device: memory bandwidth, what the element-wise kernels are bound by)
+//   attention_head_us  (the fixed cost of attention forward + backward per sequence and head)
+//   memory_gbs         (per device: what a block's element-wise kernels run at, BlockCounts below)
+//   optimizer_gbs      (per device: what the optimizer's pass runs at, optimizer_bytes below)
 //
-// A step's time is predicted as its matrix products at peak_tflops_<dtype>, its attention at
-// attention_tflops (FLOPs counted by attention_flops below) and its other kernels (LayerNorm, GELU,
-// residual adds, bias, cross-entropy, AdamW) as bytes moved (KernelBytes below) over memory_gbs.
-// `loom plan --calibrate` measures these with the same counts, so the prediction uses the very
-// figures the rates were taken with.
+// A step's time is predicted from the counts below, which `loom plan --calibrate` measures the rates
+// with, so the prediction uses the very figures the rates were taken with: a block's products
+// (block_counts: FLOPs at peak_tflops_<dtype> x matmul_efficiency_<dtype> at the block's width, plus
+// matmul_call_us per GEMM), its attention (attention_flops at attention_tflops plus attention_head_us
+// per sequence and head), its element-wise kernels (LayerNorm, GELU, residual adds, the backward's
+// residual copies: bytes over memory_gbs) and the optimizer's pass over the parameters
+// (optimizer_bytes over optimizer_gbs).
 // Every key must be given (a plan from a half-described machine would be a guess): a missing one is
 // refused naming it. `loom plan --calibrate` measures this machine and writes such a file.
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/deck.hpp"
 
 namespace loom {
 
+// The matrix products' rate as a share of the peak, by model width (d_model, or d_model / sqrt(tp) for
+// a rank's share of a tensor-parallel block, whose products are that much smaller): points (width,
+// share) in increasing width, interpolated linearly in log width, the end values held beyond them.
+// Text: "64:0.9 128:0.8 512:1" (widths > 0 increasing, shares in (0, 1]) or one share for every width.
+struct MatmulEfficiency {
+  std::vector<std::pair<double, double>> points = std::vector<std::pair<double, double>>(1, std::make_pair(1.0, 1.0));
+  double at(double width) const;
+  std::string text() const;
+  // "" when `text` is well formed (then *out holds it), else what is allowed.
+  static std::string parse(const std::string& text, MatmulEfficiency* out);
+};
+
 struct ClusterSpec {
   std::string name, source, origin;  // origin: the file or "preset NAME"
   int nodes = 1, devices_per_node = 1;
   double device_memory_bytes = 0;
   double peak_flops_fp32 = 0, peak_flops_bf16 = 0, peak_flops_fp16 = 0;  // FLOP/s per device
-  double attention_flops = 0;     // FLOP/s per device of the attention kernels (attention_flops below)
-  double memory_bytes_per_s = 0;  // B/s per device, element-wise kernels (KernelBytes below)
+  MatmulEfficiency efficiency_fp32, efficiency_bf16, efficiency_fp16;     // the products' share of it by width
+  double matmul_call_s = 0;          // seconds per GEMM call, on top of its FLOPs at the peak
+  double attention_flops = 0;        // FLOP/s per device of the attention kernels (attention_flops below)
+  double attention_head_s = 0;       // seconds per sequence and head of attention forward + backward
+  double memory_bytes_per_s = 0;     // B/s per device, a block's element-wise kernels (BlockCounts below)
+  double optimizer_bytes_per_s = 0;  // B/s per device, the optimizer's pass (optimizer_bytes below)
   double intra_bytes_per_s = 0, intra_latency_s = 0, inter_bytes_per_s = 0, inter_latency_s = 0;
   int devices() const { return nodes * devices_per_node; }
+  // FLOP/s of the products of a block `width` wide with `precision` ("fp32", "bf16", "fp16") operands:
+  // the peak times its efficiency at that width.
+  double matmul_peak(const std::string& precision) const;
+  double matmul_rate(const std::string& precision, double width) const;
 };
 
 // The FLOPs of one attention forward + backward over [B, T] tokens of width C (all heads): forward
@@ -51,7 +79,46 @@ struct KernelBytes {
   static constexpr double gelu_fwd = 8;        // read x, write y
   static constexpr double gelu_bwd = 12;       // read x and dout, write dx
   static constexpr double residual = 12;       // read a and b, write out
+  static constexpr double copy = 8;            // read, write (the backward's residual branch)
+  static constexpr double crossentropy = 20;   // per logit: softmax forward 8, backward 12
+  static constexpr double embedding = 20;      // per [N, C] element: forward 8, backward 12
 };
+
+// What one transformer block costs per micro-batch of N token rows, C wide, on a rank holding 1/tp of
+// it (Nl rows of the element-wise work: N / tp with sequence parallelism, else N), as GPT's
+// block_forward / block_backward run it: four products [N,C]x[C,3C/tp], [N,C/tp]x[C/tp,C],
+// [N,C]x[C,4C/tp], [N,4C/tp]x[4C/tp,C] (forward one GEMM each, backward two: dinp and dW); two
+// LayerNorms and two residual adds forward, GELU over [N, 4C/tp]; backward the LayerNorms', GELU's
+// and two copies of the residual branch. Biases are added and summed by kernels that run from cache at
+// a multiple of these rates and are not counted (nor by the calibration). `loom plan --calibrate`
+// measures peak_tflops_<dtype>, matmul_call_us and memory_gbs by running these very calls.
+struct BlockCounts {
+  double matmul_flops_fwd = 0, matmul_flops_bwd = 0;  // 2 FLOPs per multiply-add
+  double gemms_fwd = 0, gemms_bwd = 0;                // GEMM calls
+  double elementwise_bytes_fwd = 0, elementwise_bytes_bwd = 0;
+};
+inline BlockCounts block_counts(double N, double Nl, double C, double tp) {
+  BlockCounts b;
+  b.matmul_flops_fwd = 2.0 * N * 12.0 * C * C / tp;
+  b.matmul_flops_bwd = 2.0 * b.matmul_flops_fwd;
+  b.gemms_fwd = 4;
+  b.gemms_bwd = 8;
+  using KB = KernelBytes;
+  b.elementwise_bytes_fwd = 2 * KB::layernorm_fwd * Nl * C + KB::gelu_fwd * N * 4 * C / tp + 2 * KB::residual * Nl * C;
+  b.elementwise_bytes_bwd = 2 * KB::layernorm_bwd * Nl * C + KB::gelu_bwd * N * 4 * C / tp + 2 * KB::copy * Nl * C;
+  return b;
+}
+
+// The optimizer's pass per step, as the engine runs it: the gradients zeroed (4 B per gradient element
+// held), then per element this rank updates: their squared norm (read 4 B), the clip's scale (read and
+// write 4 B each; counted, as the early steps clip) and AdamW (read p, g, m, v; write p, m, v: 28 B).
+struct OptimizerBytes {
+  static constexpr double zero_grad = 4;  // per gradient element held
+  static constexpr double per_owned = 4 + 8 + 28;
+};
+inline double optimizer_bytes(double grad_elements, double owned_elements) {
+  return OptimizerBytes::zero_grad * grad_elements + OptimizerBytes::per_owned * owned_elements;
+}
 
 void add_cluster_keys(DeckSchema& schema);
 // The presets' names, and the text of one ("" when there is none of that name).

@@ -16,7 +16,9 @@
                      many collectives happened to be in flight at once, is held as a bound: measured <=
                      predicted + 5%, predicted <= 2 x measured. Compression's int8, top-k and PowerSGD
                      (their own buffers and collectives) are among the layouts. The worst cases are printed.
-  cluster_refusals   a missing key (memory_gbs among them), a value out of range (attention_tflops = 0),
+  cluster_refusals   a missing key (memory_gbs, matmul_efficiency_bf16, matmul_call_us, attention_head_us,
+                     optimizer_gbs among them), a value out of range (attention_tflops = 0, optimizer_gbs = 0,
+                     a negative fixed cost, a share above 1), widths out of order,
                      an unknown key, links inside a node slower than between nodes, a name that is
                      neither a file nor a preset: exit 2, named
 Standard library only.
@@ -38,8 +40,14 @@ device_memory_gib = 40
 peak_tflops_fp32 = 10
 peak_tflops_bf16 = 100
 peak_tflops_fp16 = 100
+matmul_efficiency_fp32 = 64:0.5 512:1
+matmul_efficiency_bf16 = 0.8
+matmul_efficiency_fp16 = 1
+matmul_call_us = 4
 attention_tflops = 5
+attention_head_us = 2
 memory_gbs = 500
+optimizer_gbs = 400
 [network]
 intra_node_gbs = 200
 intra_node_latency_us = 2
@@ -185,6 +193,19 @@ def main():
         cases = [
             ("missing", GOOD.replace("inter_node_gbs = 20\n", ""), [], ["network.inter_node_gbs is missing"]),
             ("missing_memory", GOOD.replace("memory_gbs = 500\n", ""), [], ["cluster.memory_gbs is missing"]),
+            ("missing_call", GOOD.replace("matmul_call_us = 4\n", ""), [], ["cluster.matmul_call_us is missing"]),
+            ("missing_head", GOOD.replace("attention_head_us = 2\n", ""), [], ["cluster.attention_head_us is missing"]),
+            ("missing_optimizer", GOOD.replace("optimizer_gbs = 400\n", ""), [], ["cluster.optimizer_gbs is missing"]),
+            ("missing_efficiency", GOOD.replace("matmul_efficiency_bf16 = 0.8\n", ""), [],
+             ["cluster.matmul_efficiency_bf16 is missing"]),
+            ("bad_efficiency", GOOD.replace("64:0.5 512:1", "512:0.5 64:1"), [],
+             ["matmul_efficiency_fp32", "widths increasing"]),
+            ("efficiency_above_1", GOOD.replace("matmul_efficiency_bf16 = 0.8", "matmul_efficiency_bf16 = 1.5"), [],
+             ["matmul_efficiency_bf16", "(0, 1]"]),
+            ("zero_optimizer", GOOD.replace("optimizer_gbs = 400", "optimizer_gbs = 0"), [], ["optimizer_gbs", "range"]),
+            ("negative_call", GOOD.replace("matmul_call_us = 4", "matmul_call_us = -1"), [], ["matmul_call_us", "range"]),
+            ("negative_head", GOOD.replace("attention_head_us = 2", "attention_head_us = -2"), [],
+             ["attention_head_us", "range"]),
             ("zero_attention", GOOD.replace("attention_tflops = 5", "attention_tflops = 0"), [],
              ["attention_tflops", "range"]),
             ("negative", GOOD.replace("device_memory_gib = 40", "device_memory_gib = -40"), [],
