@@ -36,8 +36,7 @@ std::string group_name(const std::string& g) {
   return g;
 }
 
-// How many ranks a group has and whether its ring stays inside a node (ranks are placed tp fastest,
-// then dp, then pp, devices_per_node consecutive ranks to a node; as predict_time assumes).
+// How many ranks a group has.
 int group_size(const std::string& g, const Variant& v) {
   if (g == "dp") return v.dp;
   if (g == "tp") return v.tp;
@@ -45,10 +44,11 @@ int group_size(const std::string& g, const Variant& v) {
   return v.dp * v.tp * v.pp;
 }
 bool group_inside_node(const std::string& g, const Variant& v, int per_node) {
-  int span = v.dp * v.tp * v.pp;
-  if (g == "tp") span = v.tp;
-  else if (g == "dp") span = v.tp * v.dp;
-  return span <= per_node;
+  Layout l;
+  l.dp = v.dp;
+  l.tp = v.tp;
+  l.pp = v.pp;
+  return group_in_node(g, l, per_node);
 }
 
 struct GroupCost {
@@ -437,30 +437,7 @@ class Memo {
     // Where the step goes beyond the ideal of products and kernels on every device.
     const double busy = t.compute_s - t.optimizer_s;
     const double bubble_s = t.bubble > 0 ? busy / (1.0 - t.bubble) - busy : 0.0;
-    std::map<std::string, double> exposed_by_group;
-    {
-      // Exposed messages by group: those not overlapped count whole; overlapped ones share the excess.
-      double overlapped = 0, hidden_room = 0;
-      const RankPrediction& r = chosen_.p.worst();
-      std::map<std::string, double> over_by;
-      for (const CommCost& k : r.step.comm) {
-        const bool in = group_inside_node(k.group, v, cluster_.devices_per_node);
-        const double s = k.bytes / (in ? cluster_.intra_bytes_per_s : cluster_.inter_bytes_per_s) +
-                         k.messages * (in ? cluster_.intra_latency_s : cluster_.inter_latency_s);
-        if (k.overlapped) {
-          overlapped += s;
-          over_by[k.group] += s;
-        } else {
-          exposed_by_group[k.group] += s;
-        }
-      }
-      hidden_room = overlapped - (t.comm_exposed_s - [&] {
-                                    double e = 0;
-                                    for (const auto& [g, s] : exposed_by_group) e += s;
-                                    return e;
-                                  }());
-      for (const auto& [g, s] : over_by) exposed_by_group[g] += overlapped > 0 ? s * (1.0 - hidden_room / overlapped) : 0.0;
-    }
+    const std::map<std::string, double> exposed_by_group(t.comm_exposed_by_group.begin(), t.comm_exposed_by_group.end());
     s_ << "The predicted step of " << ms(t.step_s) << " on " << o_.devices << " devices:\n\n";
     s_ << "| part | time | share |\n| --- | ---: | ---: |\n";
     auto row = [&](const std::string& what, double sec) { s_ << "| " << what << " | " << ms(sec) << " | " << pct(sec / t.step_s) << " |\n"; };

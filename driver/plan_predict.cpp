@@ -71,14 +71,6 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, int rank, 
   return r;
 }
 
-// Which link a group's ring crosses: ranks are placed in order, per_node to a node; a group whose
-// members span ranks [0, span) stays inside a node when span <= per_node.
-bool group_in_node(const std::string& group, const Layout& l, int per_node) {
-  int span = l.ranks();
-  if (group == "tp") span = l.tp;
-  else if (group == "dp") span = l.tp * l.dp;
-  return span <= per_node;
-}
 
 double matmul_peak(const ClusterSpec& c, const std::string& precision) { return c.matmul_peak(precision); }
 
@@ -137,7 +129,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   predict_compute(p, r, c, t);
   // Messages: ring volume over the group's link, plus its latency per message.
   double overlapped = 0, exposed = 0;
-  std::map<std::string, double> by_group;
+  std::map<std::string, double> by_group, exposed_by, overlapped_by;
   for (const CommCost& k : r.step.comm) {
     const bool in_node = group_in_node(k.group, l, c.devices_per_node);
     const double bw = in_node ? c.intra_bytes_per_s : c.inter_bytes_per_s;
@@ -145,12 +137,17 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
     const double s = k.bytes / bw + k.messages * lat;
     by_group[k.group] += s;
     (k.overlapped ? overlapped : exposed) += s;
+    (k.overlapped ? overlapped_by : exposed_by)[k.group] += s;
   }
   // Overlapped messages hide behind the last micro-batch's backward (about 2/3 of its compute).
   const double backward_last = (t.compute_s - t.optimizer_s) / mb * 2.0 / 3.0;
+  const double unhidden = std::max(0.0, overlapped - backward_last);
   t.comm_s = overlapped + exposed;
-  t.comm_exposed_s = exposed + std::max(0.0, overlapped - backward_last);
+  t.comm_exposed_s = exposed + unhidden;
   t.comm_by_group.assign(by_group.begin(), by_group.end());
+  // Each group's exposed part: its messages that do not overlap, and its share of what overlap leaves.
+  for (const auto& [g, sec] : overlapped_by) exposed_by[g] += sec / overlapped * unhidden;
+  t.comm_exposed_by_group.assign(exposed_by.begin(), exposed_by.end());
   // The pipeline's span. StepPlan::bubble is the mean idle share of the stages in the schedule's
   // replay with op costs by layer count (forward 1, backward 2 per layer, the head one more layer on
   // the last stage: Schedule::plan_step): the replayed span exceeds its busiest stage by the other
@@ -194,6 +191,13 @@ std::string mib(double b) {
 }
 
 }  // namespace
+
+bool group_in_node(const std::string& group, const Layout& l, int per_node) {
+  int span = l.ranks();
+  if (group == "tp") span = l.tp;
+  else if (group == "dp") span = l.tp * l.dp;
+  return span <= per_node;
+}
 
 Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster, bool every_rank) {
   Prediction p;

@@ -29,7 +29,8 @@ struct TimePrediction {
   double compute_s = 0, matmul_s = 0, attention_s = 0, elementwise_s = 0, optimizer_s = 0;
   double comm_s = 0, comm_exposed_s = 0;  // all of it, and what does not hide behind compute
   double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
-  std::vector<std::pair<std::string, double>> comm_by_group;  // seconds per group
+  std::vector<std::pair<std::string, double>> comm_by_group;          // seconds per group
+  std::vector<std::pair<std::string, double>> comm_exposed_by_group;  // of which not hidden, per group
 };
 
 struct Prediction {
@@ -47,6 +48,10 @@ struct Prediction {
   }
   TimePrediction time;
 };
+
+// Whether a group's ring stays inside a node: ranks are placed tp fastest, then dp, then pp,
+// per_node consecutive ranks to a node, so a group spanning at most per_node ranks does.
+bool group_in_node(const std::string& group, const Layout& layout, int per_node);
 
 // Predicts `deck` (its own layout) on `cluster`. Throws InputError for a layout that cannot run.
 // every_rank = false (the layout search): only the first and last rank of each tp and dp group on
