@@ -6,6 +6,8 @@
 // (CUDA kernels + cuBLASLt, core/cuda/) is its own library, loaded when a run asks for it
 // (core/backend_select.hpp).
 // Signatures mirror core/kernels.hpp: outputs first, gradients prefixed `d`, shapes in comments.
+#include <mpi.h>
+
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "core/buffer.hpp"
+#include "core/comm.hpp"
 #include "core/step_plan.hpp"
 #include "core/dtype.hpp"
 #include "core/ledger.hpp"
@@ -67,6 +70,11 @@ class Backend {
   }
   // Waits until every operation issued so far has completed (a device back end queues them).
   virtual void synchronize() {}
+  // The communicator over `comm` (every rank of it calls this) for this back end's buffers
+  // (DESIGN.md "Communicators"): MPI for the host; for a device back end, MPI with device buffers
+  // staged through host copies (core/comm_staged.cpp) unless it has a communicator of its own (the
+  // CUDA back end's NCCL, where every rank of `comm` drives its own GPU).
+  virtual std::unique_ptr<Communicator> make_communicator(MPI_Comm comm, const std::string& name);
   // `loom plan`: the workspace this back end takes for a micro-batch's matrix products, in the order
   // the model runs them (operands: null BufferRefs of their type and count).
   struct MatmulCall {
@@ -111,8 +119,22 @@ class Backend {
   virtual void residual_forward(float* out, const float* a, const float* b, std::int64_t n) = 0;
   virtual void crossentropy_forward(float* losses, float* probs, const float* logits,
                                     const std::int32_t* targets, int N, int V) = 0;
+  // targets[n] - vocab_begin is the target's column (none outside [0, V): vocabulary-parallel).
   virtual void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets,
-                                     float dloss, int N, int V) = 0;
+                                     float dloss, int N, int V, int vocab_begin) = 0;
+  // Vocabulary-parallel cross-entropy (the tensor strategy): this rank holds the logits of
+  // vocabulary entries [vocab_begin, vocab_begin + V) of each of N rows. Around the group's reductions:
+  //   crossentropy_row_max  row_max[n] = max_v logits[n,v]                          (then: max over the group)
+  //   crossentropy_partial  probs[n,v] = exp(logits[n,v] - row_max[n]); sum_exp[n] = their sum (fp64);
+  //                         target_logit[n] = logits[n, targets[n] - vocab_begin] where that column is
+  //                         here, else 0                                             (then: sums over the group)
+  //   crossentropy_finish   probs[n,v] /= sum_exp[n]; losses[n] = log sum_exp[n] + row_max[n] - target_logit[n]
+  virtual void crossentropy_row_max(float* row_max, const float* logits, int N, int V) = 0;
+  virtual void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
+                                    const float* row_max, const std::int32_t* targets, int N, int V,
+                                    int vocab_begin) = 0;
+  virtual void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
+                                   const double* target_logit, int N, int V) = 0;
   virtual void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n,
                             float lr, float beta1, float beta2, float eps, float weight_decay,
                             std::int64_t t) = 0;
@@ -171,6 +193,10 @@ inline void ensure_capacity(Backend& backend, TypedBuffer& buffer, const std::st
 
 // The host back end; `threads` sets the BLAS and oneDNN threads of this rank (gemm::set_threads).
 std::unique_ptr<Backend> make_host_backend(int threads);
+// run.backend = fenced (core/fenced_backend.cpp): the host kernels on memory marked device at
+// addresses the host cannot touch, so that a host access to a tensor outside the back end crashes
+// (saying so) as it would on a GPU; for checking strategies' device paths without one.
+std::unique_ptr<Backend> make_fenced_backend(int threads);
 // `loom plan`'s back end (core/sizing_backend.cpp): allocations filed in the ledger at addresses never
 // touched, no kernels; the operand workspace of `like`.
 std::unique_ptr<Backend> make_sizing_backend(std::unique_ptr<Backend> like);

@@ -17,20 +17,22 @@ namespace fs = std::filesystem;
 
 bool cuda_built() { return build::cuda; }
 
-int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, const std::string& why_none) {
+int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, const std::string& why_none,
+                          bool share) {
   if (device_count <= 0)
     throw InputError("run.backend = cuda: no CUDA device is visible on this node" +
                      (why_none.empty() ? std::string() : " (" + why_none + ")") +
                      "; valid here: run.backend = host (or auto, which takes the host when there is no GPU)");
-  if (ranks_per_node > device_count)
+  if (ranks_per_node > device_count && !share)
     throw InputError("run.backend = cuda: " + std::to_string(ranks_per_node) + " ranks on this node but " +
                      std::to_string(device_count) + " CUDA device" + (device_count == 1 ? "" : "s") +
                      " (one device per rank); start at most " + std::to_string(device_count) +
-                     " ranks per node, or run.backend = host");
+                     " ranks per node, or run.backend = host (run.share_gpu = true lets ranks share a GPU, "
+                     "through host copies: for checks, not speed)");
   if (local_rank < 0 || local_rank >= ranks_per_node)
     throw std::logic_error("device_for_local_rank: local rank " + std::to_string(local_rank) + " of " +
                            std::to_string(ranks_per_node));
-  return local_rank;
+  return local_rank % device_count;
 }
 
 namespace {
@@ -88,14 +90,13 @@ const CudaLibrary& cuda_library() {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, MPI_Comm world,
-                                      BackendChoice* choice) {
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, bool share_gpu,
+                                      MPI_Comm world, BackendChoice* choice) {
   BackendChoice c;
   c.requested = requested;
-  if (requested != "host" && requested != "cuda" && requested != "auto")
-    throw InputError("run.backend = '" + requested + "': valid values are host, cuda, auto");
-  int world_size = 1, local_rank = 0, local_size = 1;
-  MPI_Comm_size(world, &world_size);
+  if (requested != "host" && requested != "cuda" && requested != "auto" && requested != "fenced")
+    throw InputError("run.backend = '" + requested + "': valid values are host, cuda, auto, fenced");
+  int local_rank = 0, local_size = 1;
   MPI_Comm node;
   MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   MPI_Comm_rank(node, &local_rank);
@@ -103,31 +104,44 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int threads,
   MPI_Comm_free(&node);
 
   std::unique_ptr<Backend> backend;
-  if (requested != "host") {
+  if (requested == "fenced") backend = make_fenced_backend(threads);
+  if (requested == "cuda" || requested == "auto") {
     const CudaLibrary& lib = cuda_library();
     char why[512] = {0};
     const int devices = lib.loaded ? lib.device_count(why, sizeof why) : 0;
     const std::string why_none = lib.loaded ? std::string(why) : lib.why_not;
     if (requested == "cuda") {
       if (!lib.loaded) throw InputError("run.backend = cuda: " + lib.why_not + "; valid here: run.backend = host");
-      c.device = device_for_local_rank(local_rank, local_size, devices, why_none);
-      if (world_size > 1)
-        throw InputError("run.backend = cuda runs one rank per job in this loom (" + std::to_string(world_size) +
-                         " ranks started): the strategies' device paths over the NCCL communicator are not proven "
-                         "on several GPUs yet; run one rank, or run.backend = host");
+      c.device = device_for_local_rank(local_rank, local_size, devices, why_none, share_gpu);
       backend.reset(lib.create(c.device, tf32 ? 1 : 0));
-    } else if (devices > 0 && local_size <= devices && world_size == 1) {
+      if (local_size > devices)
+        c.reason = std::to_string(local_size) + " ranks share " + std::to_string(devices) + " GPU" +
+                   (devices == 1 ? "" : "s") + " (run.share_gpu)";
+    } else if (devices > 0 && (local_size <= devices || share_gpu)) {
       // auto takes the GPU when it can, and the host when the GPU cannot be used after all.
       try {
-        backend.reset(lib.create(local_rank, tf32 ? 1 : 0));
-        c.device = local_rank;
+        c.device = device_for_local_rank(local_rank, local_size, devices, why_none, share_gpu);
+        backend.reset(lib.create(c.device, tf32 ? 1 : 0));
         c.reason = "auto: " + std::to_string(devices) + " CUDA device" + (devices == 1 ? "" : "s") + " visible";
       } catch (const std::exception& e) {
+        c.device = -1;
         c.reason = std::string("auto: the CUDA device cannot be used (") + e.what() + ")";
       }
-    } else {
+    }
+    if (requested == "auto") {
+      // Every rank computes on one kind of back end: the host for all when one rank cannot use its GPU.
+      int all_cuda = backend ? 1 : 0;
+      MPI_Allreduce(MPI_IN_PLACE, &all_cuda, 1, MPI_INT, MPI_MIN, world);
+      if (!all_cuda && backend) {
+        backend.reset();
+        c.device = -1;
+        c.reason = "auto: another rank cannot use a CUDA device";
+      }
+    }
+    if (requested == "auto" && !backend && c.reason.empty()) {
       c.reason = devices <= 0 ? "auto: no CUDA device (" + why_none + ")"
-                              : "auto: " + std::to_string(world_size) + " ranks (cuda runs one rank per job)";
+                              : "auto: " + std::to_string(local_size) + " ranks on this node, " +
+                                    std::to_string(devices) + " CUDA device" + (devices == 1 ? "" : "s");
     }
   }
   if (!backend) backend = make_host_backend(threads);

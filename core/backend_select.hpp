@@ -28,7 +28,10 @@ typedef loom::Backend* (*loom_cuda_create_fn)(int device, int tf32);
 
 // The GPU a rank drives: its index among the ranks of its node, one device per rank. Throws
 // InputError when the node has no device or fewer devices than ranks.
-int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, const std::string& why_none = "");
+// With `share` (run.share_gpu), several ranks may drive one device: local rank i drives device
+// i mod device_count.
+int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, const std::string& why_none = "",
+                          bool share = false);
 
 // What a run asked for and what it got, for the banner and the report.
 struct BackendChoice {
@@ -39,14 +42,16 @@ struct BackendChoice {
 };
 
 // The back end of this rank. `requested` is run.backend; `world` is split by node to find the rank's
-// local index; `tf32` lets the cuda back end's fp32 products use TF32 (run.tf32). host: the host back end with `threads` BLAS threads. cuda: libloom_cuda.so from the
-// plugin search path, device = the rank's index within its node; refused (InputError, exit 2) when
-// loom was built without CUDA, the library cannot be loaded, no device is visible, a node has fewer
-// devices than ranks, or the job has several ranks (the strategies' device paths over the NCCL
-// communicator are not proven on several GPUs yet). auto: cuda when a device is visible, usable and
-// the job runs one rank, else host (the banner says why).
-std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, MPI_Comm world,
-                                      BackendChoice* choice);
+// local index; `tf32` lets the cuda back end's fp32 products use TF32 (run.tf32); `share_gpu`
+// (run.share_gpu) lets several ranks of a node drive one GPU. host: the host back end with
+// `threads` BLAS threads. fenced: make_fenced_backend. cuda: libloom_cuda.so from the plugin
+// search path, device = the rank's index within its node; refused (InputError, exit 2) when loom
+// was built without CUDA, the library cannot be loaded, no device is visible, or a node has fewer
+// devices than ranks (unless shared). auto: cuda when a device is visible and usable for every rank
+// of the node, else host (the banner says why). Several ranks: each back end makes its groups'
+// communicators (Backend::make_communicator).
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, bool share_gpu,
+                                      MPI_Comm world, BackendChoice* choice);
 
 // Whether this loom was built with the CUDA back end (LOOM_ENABLE_CUDA).
 bool cuda_built();

@@ -23,7 +23,7 @@ BucketedGradSync::BucketedGradSync(Communicator& dp, Backend& backend, GPT& mode
   const float* lo_ptr = nullptr;
   auto close = [&] {
     if (cur.tensors.empty()) return;
-    cur.data = BufferRef(const_cast<float*>(lo_ptr), cur.elements);
+    cur.data = BufferRef(const_cast<float*>(lo_ptr), cur.elements, be_.space());
     buckets_.push_back(std::move(cur));
     cur = Bucket{};
   };

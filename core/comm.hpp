@@ -206,6 +206,16 @@ double link_latency_s();
 // A communicator over `comm` (duplicated, so loom's traffic never mixes with anyone else's).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name);
 
+// `inner` (an MPI communicator) for a device back end's buffers (core/comm_staged.cpp): a device
+// buffer is copied to host memory through backend.copy_to_host when the operation starts, moved by
+// `inner`, and copied back through copy_from_host when its request completes (test or wait); a
+// buffer that lies inside the other (in-place reduce-scatter and all-gather) shares its copy. Host
+// buffers pass straight through. Byte counts and waits are `inner`'s. What a device back end uses
+// where its ranks cannot use NCCL (none loaded, or ranks sharing one GPU); no overlap of copies
+// with compute, so it is for correctness, not speed.
+class Backend;
+std::unique_ptr<Communicator> make_staged_communicator(std::unique_ptr<Communicator> inner, Backend& backend);
+
 // Splitting `total` elements over `n` ranks (ZeRO shards; the counts of the variable-count
 // reduce-scatter and all-gather):
 //   shard_counts   total/n each, one more on the first total % n ranks (the chunks of the ring

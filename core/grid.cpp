@@ -120,7 +120,7 @@ std::unique_ptr<ProcessGrid> ProcessGrid::planned(const Layout& layout, int rank
   return g;
 }
 
-ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout) : layout_(layout) {
+ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout, const CommFactory& make) : layout_(layout) {
   int size = 1;
   MPI_Comm_rank(world, &rank_);
   MPI_Comm_size(world, &size);
@@ -128,17 +128,17 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout) : layout_(layout)
   dp_i_ = (rank_ / layout.tp) % layout.dp;
   pp_i_ = rank_ / (layout.tp * layout.dp);
 
-  world_ = make_mpi_communicator(world, "world");
+  world_ = make(world, "world");
   MPI_Comm c;
   // tp group: same (pp, dp), ordered by tp; dp group: same (pp, tp); pp group: same (dp, tp).
   MPI_Comm_split(world, pp_i_ * layout.dp + dp_i_, tp_i_, &c);
-  tp_ = make_mpi_communicator(c, "tp");
+  tp_ = make(c, "tp");
   MPI_Comm_free(&c);
   MPI_Comm_split(world, pp_i_ * layout.tp + tp_i_, dp_i_, &c);
-  dp_ = make_mpi_communicator(c, "dp");
+  dp_ = make(c, "dp");
   MPI_Comm_free(&c);
   MPI_Comm_split(world, dp_i_ * layout.tp + tp_i_, pp_i_, &c);
-  pp_ = make_mpi_communicator(c, "pp");
+  pp_ = make(c, "pp");
   MPI_Comm_free(&c);
 
   // Node boundaries: ranks that share memory form a node, named by its lowest world rank.

@@ -5,6 +5,7 @@
 // usual block placement. The world is split once into the tp, dp and pp communicators.
 #include <mpi.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,10 +28,14 @@ std::string divisors(long n);
 // deck keys and the values that would work.
 void check_layout(const Layout& layout, int world_size, const GPTConfig& model, int batch, int micro_batches);
 
+// Makes the communicator of one group (every rank of `comm` calls it): the back end's
+// (Backend::make_communicator), MPI by default.
+using CommFactory = std::function<std::unique_ptr<Communicator>(MPI_Comm comm, const std::string& name)>;
+
 class ProcessGrid {
  public:
   // Collective over `world`. The layout must already have passed check_layout.
-  ProcessGrid(MPI_Comm world, const Layout& layout);
+  ProcessGrid(MPI_Comm world, const Layout& layout, const CommFactory& make = make_mpi_communicator);
   // `loom plan`'s grid: rank `rank` of `layout` with `per_node` ranks per node, no MPI; its
   // communicators answer name, size and rank, and throw if asked to communicate.
   static std::unique_ptr<ProcessGrid> planned(const Layout& layout, int rank, int per_node);

@@ -134,8 +134,19 @@ class HostBackend final : public Backend {
     k::crossentropy_forward(losses, probs, logits, targets, N, V);
   }
   void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss,
-                             int N, int V) override {
-    k::crossentropy_backward(dlogits, probs, targets, dloss, N, V);
+                             int N, int V, int vocab_begin) override {
+    k::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin);
+  }
+  void crossentropy_row_max(float* row_max, const float* logits, int N, int V) override {
+    k::crossentropy_row_max(row_max, logits, N, V);
+  }
+  void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
+                            const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin) override {
+    k::crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, V, vocab_begin);
+  }
+  void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
+                           const double* target_logit, int N, int V) override {
+    k::crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, V);
   }
   void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr,
                     float beta1, float beta2, float eps, float weight_decay, std::int64_t t) override {

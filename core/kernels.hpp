@@ -496,16 +496,58 @@ void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,
   });
 }
 
+// targets[n] - vocab_begin is the target's column here (none when it lies outside [0, V): the
+// vocabulary-parallel cross-entropy, where a rank holds vocabulary entries [vocab_begin, +V)).
 template <class T, class Acc = acc_type_t<T>>
 void crossentropy_backward(T* dlogits,                               // [N,V] (=); may alias probs
                            const T* probs, const std::int32_t* targets,  // [N,V], [N]
                            nd<Acc> dloss,                            // d(total loss)/d(loss of one row)
-                           int N, int V) {
+                           int N, int V, int vocab_begin = 0) {
   Kokkos::parallel_for("CrossEntropy::backward", Range(0, N), [=](int n) {
     const T* p = probs + static_cast<std::int64_t>(n) * V;
     T* d = dlogits + static_cast<std::int64_t>(n) * V;
-    const int tgt = targets[n];
+    const int tgt = targets[n] - vocab_begin;
     for (int v = 0; v < V; ++v) d[v] = from_acc<T>(math::crossentropy_dlogit(to_acc<Acc>(p[v]), v == tgt, Acc(dloss)));
+  });
+}
+
+// Vocabulary-parallel cross-entropy (Backend::crossentropy_row_max / _partial / _finish): the three
+// passes around the tensor-parallel group's reductions of the row maxima, the sums of exponentials
+// and the target logits; the [N, V] logits never travel.
+inline void crossentropy_row_max(float* row_max,      // [N]
+                                 const float* logits,  // [N,V]
+                                 int N, int V) {
+  Kokkos::parallel_for("CrossEntropy::row_max", Range(0, N), [=](int n) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float mx = l[0];
+    for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+    row_max[n] = mx;
+  });
+}
+inline void crossentropy_partial(float* probs, double* sum_exp, double* target_logit,  // [N,V], [N], [N]
+                                 const float* logits, const float* row_max,           // [N,V], [N]
+                                 const std::int32_t* targets, int N, int V, int vocab_begin) {
+  Kokkos::parallel_for("CrossEntropy::partial", Range(0, N), [=](int n) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    double s = 0;
+    for (int v = 0; v < V; ++v) {
+      p[v] = exp_k(l[v] - row_max[n]);
+      s += p[v];
+    }
+    sum_exp[n] = s;
+    const int t = targets[n] - vocab_begin;
+    target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;
+  });
+}
+inline void crossentropy_finish(float* losses, float* probs,                          // [N], [N,V]
+                                const double* sum_exp, const float* row_max,          // [N], [N]
+                                const double* target_logit, int N, int V) {           // [N]
+  Kokkos::parallel_for("CrossEntropy::finish", Range(0, N), [=](int n) {
+    const float inv = static_cast<float>(1.0 / sum_exp[n]);
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    for (int v = 0; v < V; ++v) p[v] *= inv;
+    losses[n] = static_cast<float>(std::log(sum_exp[n]) + row_max[n] - target_logit[n]);
   });
 }
 

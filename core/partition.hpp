@@ -50,8 +50,8 @@ class Partition {
     be.crossentropy_forward(losses, probs, logits, targets, N, Vl);
   }
   virtual void crossentropy_backward(Backend& be, float* dlogits, const float* probs, const std::int32_t* targets,
-                                     float dloss, int N, int Vl, int /*vocab_begin*/) {
-    be.crossentropy_backward(dlogits, probs, targets, dloss, N, Vl);
+                                     float dloss, int N, int Vl, int vocab_begin) {
+    be.crossentropy_backward(dlogits, probs, targets, dloss, N, Vl, vocab_begin);
   }
 
   // After the last backward of a step: make the gradients of replicated parameters whole (with

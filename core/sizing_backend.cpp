@@ -59,8 +59,16 @@ class SizingBackend final : public Backend {
   void crossentropy_forward(float*, float*, const float*, const std::int32_t*, int, int) override {
     no("crossentropy_forward");
   }
-  void crossentropy_backward(float*, const float*, const std::int32_t*, float, int, int) override {
+  void crossentropy_backward(float*, const float*, const std::int32_t*, float, int, int, int) override {
     no("crossentropy_backward");
+  }
+  void crossentropy_row_max(float*, const float*, int, int) override { no("crossentropy_row_max"); }
+  void crossentropy_partial(float*, double*, double*, const float*, const float*, const std::int32_t*, int, int,
+                            int) override {
+    no("crossentropy_partial");
+  }
+  void crossentropy_finish(float*, float*, const double*, const float*, const double*, int, int) override {
+    no("crossentropy_finish");
   }
   void adamw_update(float*, float*, float*, const float*, std::int64_t, float, float, float, float, float,
                     std::int64_t) override {

@@ -238,11 +238,14 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
 }
 
 void Session::setup_collective() {
-  backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_bool("run.tf32"), MPI_COMM_WORLD,
+  backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_bool("run.tf32"),
+                         deck.get_bool("run.share_gpu"), MPI_COMM_WORLD,
                          &backend_choice);
   set_comm_timeout(deck.get_float("run.comm_timeout"));
   set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
-  grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout);
+  grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout, [this](MPI_Comm c, const std::string& name) {
+    return backend->make_communicator(c, name);
+  });
   PreModelRoles pre = make_pre_model_roles(deck, strategies, *grid, *backend, model_cfg);
   partition = std::move(pre.partition);
   store = std::move(pre.store);

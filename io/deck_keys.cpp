@@ -142,10 +142,16 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(string_key("run.threads", "auto",
                         "BLAS threads per rank: a number, or auto (OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK, else 1)",
                         check_threads_setting));
-  schema.add(choice_key("run.backend", "host", {"host", "cuda", "auto"},
+  schema.add(choice_key("run.backend", "host", {"host", "cuda", "auto", "fenced"},
                         "where the model computes: host (Kokkos + oneDNN/BLAS on the CPU), cuda (one GPU per rank, "
-                        "the rank's index within its node; CUDA kernels + cuBLASLt) or auto (cuda when a GPU is "
-                        "visible and the job has one rank, else host)"));
+                        "the rank's index within its node; CUDA kernels + cuBLASLt; NCCL between GPUs), auto (cuda "
+                        "when every rank of a node has a GPU, else host) or fenced (the host kernels on memory the "
+                        "host cannot touch: checks without a GPU that a strategy reaches tensors only through the "
+                        "back end)"));
+  schema.add(bool_key("run.share_gpu", "false",
+                      "cuda back end: several ranks of a node may drive one GPU (rank i of a node drives GPU i mod "
+                      "the GPUs); their device buffers then travel through host copies and MPI, as NCCL refuses "
+                      "two ranks on one GPU. For checking layouts on a one-GPU machine, not for speed"));
   schema.add(bool_key("run.tf32", "false",
                       "cuda back end: fp32 matrix products may use TF32 tensor cores (10-bit mantissa products, "
                       "fp32 accumulation; as torch.backends.cuda.matmul.allow_tf32)"));

@@ -2,15 +2,23 @@
 """The GPU path's cases (run.backend, issue 17). One case per invocation:
 
   refusal       run.backend = cuda where it cannot run is refused with exit 2 saying why: on a machine
-                without a GPU (or a loom built without CUDA) at one rank; on a GPU machine with more
-                ranks than the node has GPUs, or several ranks (no NCCL communicator yet). auto runs
-                on what there is and says so in the banner.
+                without a GPU (or a loom built without CUDA) at one and two ranks; on a GPU machine with
+                more ranks than the node has GPUs (unless run.share_gpu). auto runs on what there is and
+                says so in the banner.
   matches_host  (label gpu; skipped, exit 77, without a GPU) the CUDA back end trains the same model
                 as the host back end step for step: fp32 within 1e-4 relative per step over 20 steps
                 (two shapes: head size 8, whose qkv slices are only 32-byte aligned, held to 1e-6, and
                 a wider one), bf16 matrix products within 1e-3; checkpoints cross over: a GPU run resumes
                 the host's step-10 checkpoint and the host resumes the GPU's, each within 1e-4 of
                 the uninterrupted run.
+  fenced        (every machine) every strategy's device path without a GPU: each layout of LAYOUTS (data,
+                tensor with and without sequence parallelism, the three pipeline schedules, ZeRO 1-3,
+                bf16, fp16 with loss scaling, int8, top-k and PowerSGD compression; 2 and 4 ranks) on
+                run.backend = fenced, whose tensors the host cannot touch and whose communicators stage
+                device buffers through host copies: the host's losses and gradient norms, bit for bit.
+  cuda_layouts  (label gpu) the same layouts on the CUDA back end, the ranks sharing the GPU
+                (run.share_gpu: device buffers through host copies and MPI, as NCCL refuses two ranks
+                on one GPU): the host's losses over 20 steps, fp32 within 1e-4 relative, 16-bit 2e-3.
   decks         (label gpu) every one-rank deck of inputs/ (quickstart, synthetic, bf16, fp16 with its
                 loss scaling, memory_saving with recompute and micro-batches), 30 steps with their
                 evaluation and checkpoints on each back end: the same losses, every step, within
@@ -69,8 +77,8 @@ def refusal(args):
                                 r"run\.backend = host"], "the refusal without a GPU at %d ranks" % ranks)
     else:
         p, _ = c.loom("cuda_two_ranks", 2, ["run.backend=cuda", "parallel.dp=2"], expect=2)
-        c.expect(p.stderr, [r"run\.backend = cuda: 2 ranks on this node but 1 CUDA device|run\.backend = cuda runs "
-                            r"one rank per job"], "the refusal of two ranks")
+        c.expect(p.stderr, [r"run\.backend = cuda: 2 ranks on this node but 1 CUDA device", r"run\.share_gpu"],
+                 "the refusal of two ranks on one GPU")
     p, _ = c.loom("bad_value", 1, ["run.backend=gpu"], expect=2)
     c.expect(p.stderr, [r"run\.backend", r"host, cuda, auto|host\|cuda\|auto|cuda"], "the refusal of run.backend = gpu")
     return c.done("refusal")
@@ -141,9 +149,84 @@ def decks(args):
     return c.done("decks")
 
 
+# Every strategy on a device back end, as (name, ranks, --set overrides): the layouts of several
+# ranks that DESIGN.md's "every layout trains the same model as one process" covers on the host.
+LAYOUTS = [
+    ("dp2", 2, ["parallel.dp=2"]),
+    ("tp2", 2, ["parallel.tp=2"]),
+    ("tp2_sp", 2, ["parallel.tp=2", "tensor.sequence_parallel=true"]),
+    ("pp2_gpipe", 2, ["parallel.pp=2", "train.micro_batches=4"]),
+    ("pp2_1f1b_tied_grads", 2, ["parallel.pp=2", "train.micro_batches=4", "pipeline.schedule=1f1b"]),
+    ("pp2_interleaved", 2, ["parallel.pp=2", "train.micro_batches=4", "pipeline.schedule=1f1b",
+                            "pipeline.virtual_stages=2", "model.layers=4"]),
+    ("zero1_dp2", 2, ["parallel.dp=2", "zero.stage=1"]),
+    ("zero2_dp2", 2, ["parallel.dp=2", "zero.stage=2"]),
+    ("zero3_dp2", 2, ["parallel.dp=2", "zero.stage=3", "zero.bucket_mb=0.01"]),
+    ("bf16_dp2", 2, ["parallel.dp=2", "precision.dtype=bf16"]),
+    ("fp16_dp2_loss_scaling", 2, ["parallel.dp=2", "precision.dtype=fp16", "precision.reduce_dtype=fp16"]),
+    ("int8_dp2", 2, ["parallel.dp=2", "compression.method=int8", "compression.start_step=2"]),
+    ("topk_dp2", 2, ["parallel.dp=2", "compression.method=topk", "compression.ratio=0.1",
+                     "compression.start_step=2"]),
+    ("powersgd_dp2", 2, ["parallel.dp=2", "compression.method=powersgd", "compression.rank=2",
+                         "compression.start_step=2"]),
+    ("dp2_tp2", 4, ["parallel.dp=2", "parallel.tp=2"]),
+    ("dp2_pp2_zero1_bf16", 4, ["parallel.dp=2", "parallel.pp=2", "zero.stage=1", "train.micro_batches=2",
+                               "precision.dtype=bf16"]),
+]
+
+
+def layouts_on(c, backend, steps, extra, compare, only_two=False):
+    """Each of LAYOUTS trained on the host and on `backend`; compare(name, host, device) checks them."""
+    for name, ranks, sets in LAYOUTS:
+        if only_two and ranks > 2:
+            continue
+        common = sets + ["train.steps=%d" % steps, "train.log_every=1", "run.peak_tflops=1"]
+        _, host = c.loom(name + "_host", ranks, common + ["run.backend=host"])
+        p, dev = c.loom(name + "_" + backend, ranks, common + ["run.backend=" + backend] + extra)
+        if backend == "fenced":
+            c.expect(p.stdout, [r"backend : run\.backend = fenced: fenced"], name + " banner")
+        compare(name, sets, rows(host), rows(dev), steps)
+
+
+def fenced(args):
+    """Every strategy's device path without a GPU: bit for bit the host's model."""
+    c = Case(args, "fenced", TINY)
+
+    def same(name, sets, host, dev, steps):
+        lh = [(r["loss"], r.get("grad_norm")) for r in host]
+        ld = [(r["loss"], r.get("grad_norm")) for r in dev]
+        print("%s: %d steps, host loss %s, fenced %s" % (name, len(ld), lh[-1][0] if lh else None,
+                                                          ld[-1][0] if ld else None))
+        c.check(len(lh) == steps and lh == ld, "%s: fenced losses and gradient norms are not the host's, bit "
+                "for bit:\n  host   %s\n  fenced %s" % (name, lh, ld))
+
+    layouts_on(c, "fenced", 6, [], same)
+    return c.done("fenced")
+
+
+def cuda_layouts(args):
+    """Every strategy on the CUDA back end, ranks sharing the GPU where there is one: the host's model,
+    fp32 within 1e-4 relative per step, 16-bit within 2e-3."""
+    c = gpu_case(args, "cuda_layouts")
+    if c is None:
+        return SKIP
+
+    def close(name, sets, host, dev, steps):
+        tol = 2e-3 if any(x.startswith("precision.dtype=") and not x.endswith("fp32") for x in sets) else 1e-4
+        lh, ld = [r["loss"] for r in host], [r["loss"] for r in dev]
+        gap = relative_gap(ld, lh)
+        print("%s: %d steps, loss host %.6f cuda %.6f, largest relative gap %.2e (tolerance %g)"
+              % (name, len(ld), lh[-1] if lh else 0, ld[-1] if ld else 0, gap, tol))
+        c.check(len(lh) == steps and gap <= tol, "%s: %d steps, gap %.2e (tolerance %g)" % (name, len(ld), gap, tol))
+
+    layouts_on(c, "cuda", 20, ["run.share_gpu=true"], close)
+    return c.done("cuda_layouts")
+
+
 def main():
     args = case_arguments(__doc__)
-    cases = {"refusal": refusal, "matches_host": matches_host, "decks": decks}
+    cases = {"refusal": refusal, "matches_host": matches_host, "decks": decks, "fenced": fenced,
+             "cuda_layouts": cuda_layouts}
     if args.case not in cases:
         print("unknown case %s; cases: %s" % (args.case, ", ".join(cases)))
         return 2

@@ -14,8 +14,8 @@ then checks, step by step:
                      backward 1 all-gather + 1 reduce-scatter (head) + L x (4 all-gather + 2
                      reduce-scatter) + 1 all-gather (embedding) -- the LayerNorm outputs are gathered
                      again in backward rather than kept whole;
-         vocabulary-parallel cross-entropy: an all-gather of the row maxima (N floats) and two
-         all-reduces of N doubles; with SP, one all-reduce of the replicated gradients that each
+         vocabulary-parallel cross-entropy: a max all-reduce of the row maxima (N floats) and two
+         sum all-reduces of N doubles; with SP, one all-reduce of the replicated gradients that each
          rank saw only in part ((6L + 2) C floats);
        plus the replica check (an all-gather of 2 floats: a hash of the replicated parameters and
        gradients) and the scalar all-reduce of the gradient norm (at most 2(N-1) x 8 bytes);
@@ -71,7 +71,7 @@ def main():
     M = rows * C * 4
     ar = lambda m: 2.0 * (n - 1) / n * m      # ring all-reduce, per rank
     half = lambda m: 1.0 * (n - 1) / n * m    # ring reduce-scatter or all-gather of m bytes in all
-    ce = half(rows * n * 4) + 2 * ar(rows * 8)
+    ce = ar(rows * 4) + 2 * ar(rows * 8)
     replica_check = half(2 * n * 4)
     expected = {
         False: (1 + 2 * L) * ar(M) + (1 + 2 * L) * ar(M) + ce + replica_check,

@@ -20,6 +20,9 @@
 #include "core/backend.hpp"
 #include "core/backend_select.hpp"
 #include "core/cuda/kernels.cuh"
+#ifdef LOOM_CUDA_NCCL
+#include "core/cuda/comm_nccl.hpp"
+#endif
 
 namespace loom {
 namespace {
@@ -107,9 +110,34 @@ class CudaBackend final : public Backend {
       << "; CUDA runtime " << runtime / 1000 << "." << (runtime % 1000) / 10 << ", driver " << driver / 1000 << "."
       << (driver % 1000) / 10 << "; cuBLASLt " << cublasLtGetVersion() << ", fp32 products "
       << (tf32_ ? "TF32" : "full fp32") << ")";
+    if (!comm_note_.empty()) s << "; device buffers between ranks: " << comm_note_;
     return s.str();
   }
   MemSpace space() const override { return MemSpace::device; }
+  // NCCL where every rank of the group drives a GPU of its own; a group whose ranks share a GPU
+  // (run.share_gpu; NCCL refuses it) or a one-rank group (nothing to move: no need for NCCL on a
+  // one-GPU node) stages device buffers through host copies and MPI.
+  std::unique_ptr<Communicator> make_communicator(MPI_Comm comm, const std::string& name) override {
+    int size = 1;
+    MPI_Comm_size(comm, &size);
+    if (size == 1) return Backend::make_communicator(comm, name);
+    std::vector<cudaUUID_t> uuids(static_cast<std::size_t>(size));
+    MPI_Allgather(&props_.uuid, sizeof(cudaUUID_t), MPI_BYTE, uuids.data(), sizeof(cudaUUID_t), MPI_BYTE, comm);
+    bool shared = false;
+    for (int a = 0; a < size; ++a)
+      for (int b = a + 1; b < size; ++b)
+        shared = shared || std::memcmp(&uuids[static_cast<std::size_t>(a)], &uuids[static_cast<std::size_t>(b)],
+                                       sizeof(cudaUUID_t)) == 0;
+#ifdef LOOM_CUDA_NCCL
+    if (!shared) {
+      comm_note_ = nccl_description();
+      return make_nccl_communicator(comm, name, stream_);
+    }
+#endif
+    comm_note_ = shared ? "host copies over MPI (ranks share a GPU)"
+                        : "host copies over MPI (this loom was built without NCCL)";
+    return Backend::make_communicator(comm, name);
+  }
   void set_precision(const Precision& p) override {
     if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
       refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) +
@@ -289,8 +317,19 @@ class CudaBackend final : public Backend {
     cuda::crossentropy_forward(losses, probs, logits, targets, N, V, stream_);
   }
   void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N,
-                             int V) override {
-    cuda::crossentropy_backward(dlogits, probs, targets, dloss, N, V, stream_);
+                             int V, int vocab_begin) override {
+    cuda::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin, stream_);
+  }
+  void crossentropy_row_max(float* row_max, const float* logits, int N, int V) override {
+    cuda::crossentropy_row_max(row_max, logits, N, V, stream_);
+  }
+  void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
+                            const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin) override {
+    cuda::crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, V, vocab_begin, stream_);
+  }
+  void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
+                           const double* target_logit, int N, int V) override {
+    cuda::crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, V, stream_);
   }
   void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
                     float beta2, float eps, float weight_decay, std::int64_t t) override {
@@ -515,6 +554,7 @@ class CudaBackend final : public Backend {
     check_lt(st, "cublasLtMatmul");
   }
 
+  std::string comm_note_;  // how device buffers move between ranks, once a group has several
   int device_;
   bool tf32_;
   cudaDeviceProp props_{};

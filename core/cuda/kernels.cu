@@ -461,12 +461,69 @@ void launch_crossentropy_forward(LaunchGeometry g, std::size_t shared_bytes, flo
 __global__ void crossentropy_backward_kernel(float* dlogits,                // [N,V] (=)
                                              const float* probs,            // [N,V]
                                              const std::int32_t* targets,   // [N]
-                                             float dloss, int N, int V) {
+                                             float dloss, int N, int V, int vocab_begin) {
   for (int n = blockIdx.x; n < N; n += gridDim.x) {
     const float* p = probs + static_cast<std::int64_t>(n) * V;
     float* d = dlogits + static_cast<std::int64_t>(n) * V;
-    const int target = targets[n];
+    const int target = targets[n] - vocab_begin;  // outside [0, V): another rank's vocabulary
     for (int v = threadIdx.x; v < V; v += blockDim.x) d[v] = loom::math::crossentropy_dlogit(p[v], v == target, dloss);
+  }
+}
+
+// Vocabulary-parallel cross-entropy (core/kernels.hpp's crossentropy_row_max / _partial / _finish):
+// one block per row; the sum of exponentials is a block reduction in fp64 (the host's row sum is
+// sequential: the two agree to rounding).
+__global__ void crossentropy_row_max_kernel(float* row_max,       // [N]
+                                            const float* logits,  // [N,V]
+                                            int N, int V) {
+  __shared__ float shared[kWarp];
+  for (int n = blockIdx.x; n < N; n += gridDim.x) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float mx = -INFINITY;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) mx = MaxOp{}(mx, l[v]);
+    mx = block_reduce(mx, -INFINITY, MaxOp{}, shared);
+    if (threadIdx.x == 0) row_max[n] = mx;
+  }
+}
+
+__global__ void crossentropy_partial_kernel(float* probs,                 // [N,V]
+                                            double* sum_exp,              // [N]
+                                            double* target_logit,         // [N]
+                                            const float* logits,          // [N,V]
+                                            const float* row_max,         // [N]
+                                            const std::int32_t* targets,  // [N]
+                                            int N, int V, int vocab_begin) {
+  __shared__ double shared[kWarp];
+  for (int n = blockIdx.x; n < N; n += gridDim.x) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    const float mx = row_max[n];
+    double s = 0.0;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+      const float e = loom::math::exp_fast(l[v] - mx);
+      p[v] = e;
+      s += e;
+    }
+    s = block_reduce(s, 0.0, SumOp{}, shared);
+    if (threadIdx.x == 0) {
+      sum_exp[n] = s;
+      const int t = targets[n] - vocab_begin;
+      target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;
+    }
+  }
+}
+
+__global__ void crossentropy_finish_kernel(float* losses,               // [N]
+                                           float* probs,                // [N,V]
+                                           const double* sum_exp,       // [N]
+                                           const float* row_max,        // [N]
+                                           const double* target_logit,  // [N]
+                                           int N, int V) {
+  for (int n = blockIdx.x; n < N; n += gridDim.x) {
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    const float inv = static_cast<float>(1.0 / sum_exp[n]);
+    for (int v = threadIdx.x; v < V; v += blockDim.x) p[v] *= inv;
+    if (threadIdx.x == 0) losses[n] = static_cast<float>(log(sum_exp[n]) + row_max[n] - target_logit[n]);
   }
 }
 
@@ -761,11 +818,36 @@ void crossentropy_forward(float* losses, float* probs, const float* logits, cons
 }
 
 void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N, int V,
-                           cudaStream_t stream) {
+                           int vocab_begin, cudaStream_t stream) {
   if (N <= 0 || V <= 0) return;
   const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
-  crossentropy_backward_kernel<<<g.blocks, g.threads, 0, stream>>>(dlogits, probs, targets, dloss, N, V);
+  crossentropy_backward_kernel<<<g.blocks, g.threads, 0, stream>>>(dlogits, probs, targets, dloss, N, V, vocab_begin);
   check_launch("crossentropy_backward_kernel");
+}
+
+void crossentropy_row_max(float* row_max, const float* logits, int N, int V, cudaStream_t stream) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  crossentropy_row_max_kernel<<<g.blocks, g.threads, 0, stream>>>(row_max, logits, N, V);
+  check_launch("crossentropy_row_max_kernel");
+}
+
+void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
+                          const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin,
+                          cudaStream_t stream) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  crossentropy_partial_kernel<<<g.blocks, g.threads, 0, stream>>>(probs, sum_exp, target_logit, logits, row_max,
+                                                                   targets, N, V, vocab_begin);
+  check_launch("crossentropy_partial_kernel");
+}
+
+void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
+                         const double* target_logit, int N, int V, cudaStream_t stream) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  crossentropy_finish_kernel<<<g.blocks, g.threads, 0, stream>>>(losses, probs, sum_exp, row_max, target_logit, N, V);
+  check_launch("crossentropy_finish_kernel");
 }
 
 void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,

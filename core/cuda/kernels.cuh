@@ -157,7 +157,28 @@ void crossentropy_backward(float* dlogits,                // [N,V] (=)
                            const float* probs,            // [N,V]
                            const std::int32_t* targets,   // [N]
                            float dloss,                   // d(total loss) / d(loss of one row)
-                           int N, int V, cudaStream_t stream);
+                           int N, int V,
+                           int vocab_begin,               // targets[n] - vocab_begin is the column here
+                           cudaStream_t stream);
+
+// Vocabulary-parallel cross-entropy (Backend::crossentropy_row_max / _partial / _finish): this rank
+// holds vocabulary entries [vocab_begin, vocab_begin + V). One block per row.
+void crossentropy_row_max(float* row_max,       // [N]
+                          const float* logits,  // [N,V]
+                          int N, int V, cudaStream_t stream);
+void crossentropy_partial(float* probs,                 // [N,V] exp(logits - row_max)
+                          double* sum_exp,              // [N]
+                          double* target_logit,         // [N] 0 where the target is another rank's
+                          const float* logits,          // [N,V]
+                          const float* row_max,         // [N]
+                          const std::int32_t* targets,  // [N]
+                          int N, int V, int vocab_begin, cudaStream_t stream);
+void crossentropy_finish(float* losses,               // [N]
+                         float* probs,                // [N,V] (=) divided by sum_exp
+                         const double* sum_exp,       // [N]
+                         const float* row_max,        // [N]
+                         const double* target_logit,  // [N]
+                         int N, int V, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // AdamW (torch.optim.AdamW): t is the 1-based step; the bias corrections are computed on the host

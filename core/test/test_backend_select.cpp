@@ -32,6 +32,14 @@ TEST(BackendSelect, DeviceIsTheRanksIndexWithinItsNode) {
   EXPECT_EQ(loom::device_for_local_rank(0, 1, 1), 0);
 }
 
+TEST(BackendSelect, SharedDevicesGoRoundRobinOnlyWhenAsked) {
+  // run.share_gpu: four ranks on two GPUs drive 0, 1, 0, 1; without it the same node is refused.
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(loom::device_for_local_rank(r, 4, 2, "", true), r % 2);
+  EXPECT_EQ(loom::device_for_local_rank(1, 2, 1, "", true), 0);
+  EXPECT_THROW(loom::device_for_local_rank(1, 2, 1), loom::InputError);
+  EXPECT_THROW(loom::device_for_local_rank(0, 1, 0, "", true), loom::InputError) << "sharing needs a GPU";
+}
+
 TEST(BackendSelect, ANodeWithoutDevicesIsRefusedSayingWhy) {
   const std::string e = refusal(0, 1, 0, "CUDA driver version is insufficient for CUDA runtime version");
   EXPECT_NE(e.find("no CUDA device is visible"), std::string::npos) << e;
@@ -43,6 +51,7 @@ TEST(BackendSelect, MoreRanksThanDevicesOnANodeIsRefused) {
   const std::string e = refusal(3, 4, 2);
   EXPECT_NE(e.find("4 ranks on this node but 2 CUDA devices"), std::string::npos) << e;
   EXPECT_NE(e.find("at most 2 ranks per node"), std::string::npos) << e;
+  EXPECT_NE(e.find("run.share_gpu = true"), std::string::npos) << e;
   EXPECT_EQ(refusal(0, 4, 2), e) << "every rank of an over-full node is refused alike, the first too";
 }
 

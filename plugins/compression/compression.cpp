@@ -106,6 +106,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model,
                      bool say)
       : cfg_(cfg), dp_(dp), be_(be), model_(model), say_(say) {
+    // The methods' arithmetic (quantising, top-k, PowerSGD's orthogonalisation, error feedback) is
+    // host code: on a device back end their state and scratch are host memory, and each bucket is
+    // compressed from a host copy (on_host).
+    if (be.space() != MemSpace::host) {
+      host_ = make_host_backend(1);
+      host_->set_precision(be.precision());
+    }
+    cbe_ = host_ ? host_.get() : &be;
     if (cfg.method == Method::fp16 || cfg.method == Method::bf16)
       inner_ = std::make_unique<CastReducer>(std::move(inner), be, cfg.method == Method::fp16 ? DType::f16 : DType::bf16);
     else
@@ -120,9 +128,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       // (A store that keeps only gradient shares, ZeRO-2/3, hands over pieces: residuals per bucket.)
       const bool pieces = model.store().grad(static_cast<int>(i)).empty();
       if (feedback_ && !pieces)
-        residual_[static_cast<int>(i)] = be.allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
+        residual_[static_cast<int>(i)] = cbe_->allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
       if (cfg.method == Method::powersgd && compressed(p)) {
-        q_[static_cast<int>(i)] = be.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
+        q_[static_cast<int>(i)] = cbe_->allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
         init_q(static_cast<int>(i), 0);
       }
     }
@@ -163,9 +171,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // start those afresh, the same on every rank, so that one bad step does not poison the rest.
   void after_norm(const StepState& st) {
     if (std::isfinite(st.sq_norm) && std::isfinite(st.loss) && st.skip_reason.empty() && !st.nonfinite) return;
-    for (auto& [i, r] : residual_) be_.fill(r.data<float>(), 0.0f, r.count());
+    for (auto& [i, r] : residual_) cbe_->fill(r.data<float>(), 0.0f, r.count());
     for (auto& [k, s] : state_)
-      if (!s.residual.empty()) be_.fill(s.residual.data<float>(), 0.0f, s.residual.count());
+      if (!s.residual.empty()) cbe_->fill(s.residual.data<float>(), 0.0f, s.residual.count());
     for (auto& [i, q] : q_) init_q(i, 0);
     ++resets_;
   }
@@ -183,9 +191,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         formula_ += fp32_factor * 2 * n;
         req = inner_->reduce_async(b);
         break;
-      case Method::int8: req = int8(b, fp32_factor); break;
-      case Method::topk: req = topk(b); break;
-      case Method::powersgd: req = powersgd(b, fp32_factor); break;
+      case Method::int8: req = on_host(b, [&](const GradBucket& hb) { return int8(hb, fp32_factor); }); break;
+      case Method::topk: req = on_host(b, [&](const GradBucket& hb) { return topk(hb); }); break;
+      case Method::powersgd: req = on_host(b, [&](const GradBucket& hb) { return powersgd(hb, fp32_factor); }); break;
       case Method::none: req = inner_->reduce_async(b); break;
     }
     seconds_ += seconds_since(t0);
@@ -256,6 +264,21 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   }
 
  private:
+  // A bucket compressed by `method` on the host: a device bucket goes over in a host copy, and the
+  // summed result comes back into it when the method's collective completes.
+  template <class Fn>
+  CommRequestPtr on_host(const GradBucket& b, Fn method) {
+    if (b.data.space == MemSpace::host) return method(b);
+    TypedBuffer& h = host_copy_[b.index];
+    ensure_capacity(*cbe_, h, "compression::bucket_host_copy", b.data.type, b.data.count, Mem::comm);
+    GradBucket hb = b;
+    hb.data = h.ref().slice(0, b.data.count);
+    be_.copy_to_host(hb.data.data, b.data);
+    Backend& be = be_;
+    const BufferRef device = b.data, host = hb.data;
+    return std::make_unique<ThenRequest>(method(hb), [&be, device, host] { be.copy_from_host(device, host.data); });
+  }
+
   // Per bucket (by index, checked against its size): the residual of error feedback and scratch.
   struct State {
     std::int64_t count = -1;
@@ -268,7 +291,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     if (s.count != b.data.count) {
       s = State();
       s.count = b.data.count;
-      if (feedback_) s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
+      if (feedback_) s.residual = cbe_->allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
     }
     if (!s.residual.empty() && whole_tensors(b))
       for (const GradBucket::Tensor& t : b.tensors)
@@ -304,8 +327,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     State& s = state(b);
     float* x = b.data.as<float>();
     add_residual(s, x, n);
-    ensure_capacity(be_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
-    ensure_capacity(be_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
+    ensure_capacity(*cbe_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
+    ensure_capacity(*cbe_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
     float* amax = s.absmax.data<float>();
     compress::chunk_absmax(amax, x, n, cfg_.chunk);
     // One more element: 1 where this rank holds a NaN or an inf, so that every rank learns of it.
@@ -335,8 +358,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     float* x = b.data.as<float>();
     add_residual(s, x, n);
     const std::int64_t bytes = 8 * k;  // k int32 indices, then k fp32 values
-    ensure_capacity(be_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
-    ensure_capacity(be_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
+    ensure_capacity(*cbe_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
+    ensure_capacity(*cbe_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
     auto* idx = reinterpret_cast<std::int32_t*>(s.send.data<std::uint8_t>());
     auto* val = reinterpret_cast<float*>(s.send.data<std::uint8_t>() + 4 * k);
     if (compress::all_finite(x, n)) {
@@ -375,7 +398,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const std::uint64_t salt = static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ULL;
     std::vector<float> d(static_cast<std::size_t>(q.count()));
     for (std::int64_t i = 0; i < q.count(); ++i) d[static_cast<std::size_t>(i)] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
-    be_.copy_from_host(q.ref(), d.data());  // through the back end: Q lives where it allocates
+    cbe_->copy_from_host(q.ref(), d.data());
   }
   float* q_of(const GradBucket::Tensor& t) {
     if (!cfg_.warm_start) init_q(t.param, step_);
@@ -427,7 +450,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(plain_total + p_total + q_total);
     // Vectors and matrices not worth compressing: one fp32 all-reduce of them packed together.
     if (plain_total > 0) {
-      ensure_capacity(be_, s.packed, "compression::powersgd_plain", DType::f32, plain_total, Mem::comm);
+      ensure_capacity(*cbe_, s.packed, "compression::powersgd_plain", DType::f32, plain_total, Mem::comm);
       float* pk = s.packed.data<float>();
       std::int64_t at = 0;
       for (const auto* t : plain) {
@@ -442,8 +465,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       }
     }
     if (mats.empty()) return std::make_unique<ThenRequest>(nullptr, nullptr);
-    ensure_capacity(be_, s.send, "compression::powersgd_p", DType::f32, p_total, Mem::comm);
-    ensure_capacity(be_, s.recv, "compression::powersgd_q", DType::f32, q_total, Mem::comm);
+    ensure_capacity(*cbe_, s.send, "compression::powersgd_p", DType::f32, p_total, Mem::comm);
+    ensure_capacity(*cbe_, s.recv, "compression::powersgd_q", DType::f32, q_total, Mem::comm);
     float* P = s.send.data<float>();
     float* Qs = s.recv.data<float>();
     float* e = s.residual.empty() ? nullptr : s.residual.data<float>();
@@ -453,13 +476,13 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         float* em = e + a.t->offset;
         for (std::int64_t i = 0; i < a.n * a.m; ++i) M[i] += em[i];
       }
-      be_.matmul(BufferRef(P + a.p_at, a.n * r), BufferRef(M, a.n * a.m), BufferRef(q_of(*a.t), a.m * r),
+      cbe_->matmul(BufferRef(P + a.p_at, a.n * r), BufferRef(M, a.n * a.m), BufferRef(q_of(*a.t), a.m * r),
                  static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
     }
     dp_.all_reduce(s.send.ref().slice(0, p_total), ReduceOp::sum);
     for (const Mat& a : mats) {  // orthonormal P, then Q = M^T P
       compress::orthogonalize(P + a.p_at, static_cast<int>(a.n), r);
-      be_.matmul(BufferRef(Qs + a.q_at, a.m * r), BufferRef(x + a.t->offset, a.n * a.m), BufferRef(P + a.p_at, a.n * r),
+      cbe_->matmul(BufferRef(Qs + a.q_at, a.m * r), BufferRef(x + a.t->offset, a.n * a.m), BufferRef(P + a.p_at, a.n * r),
                  static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
     }
     dp_.all_reduce(s.recv.ref().slice(0, q_total), ReduceOp::sum);
@@ -468,7 +491,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       float* q = q_.at(a.t->param).data<float>();
       std::memcpy(q, Qs + a.q_at, static_cast<std::size_t>(a.m * r) * sizeof(float));  // warm start
       if (e) std::memcpy(e + a.t->offset, M, static_cast<std::size_t>(a.n * a.m) * sizeof(float));
-      be_.matmul(BufferRef(M, a.n * a.m), BufferRef(P + a.p_at, a.n * r), BufferRef(q, a.m * r),
+      cbe_->matmul(BufferRef(M, a.n * a.m), BufferRef(P + a.p_at, a.n * r), BufferRef(q, a.m * r),
                  static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
       if (e) {
         float* em = e + a.t->offset;
@@ -554,6 +577,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::unique_ptr<Reducer> inner_;
   Communicator& dp_;
   Backend& be_;
+  std::unique_ptr<Backend> host_;  // the methods' host back end where be_ is a device one
+  Backend* cbe_ = nullptr;         // where the methods compute and keep their state: be_ or host_
+  std::map<int, TypedBuffer> host_copy_;  // by bucket index: the host copy of a device bucket
   GPT& model_;
   bool say_;  // this rank prints notes (world rank 0)
   std::map<int, State> state_;
@@ -570,11 +596,13 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
 double replicas_identical(GPT& model, Communicator& dp) {
   ParamStore& store = model.store();
   std::uint64_t h = 0xcbf29ce484222325ULL;
+  std::vector<unsigned char> copy;
   for (int i = 0; i < static_cast<int>(model.params().size()); ++i) {
     const BufferRef p = store.param(i);
     if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel > 0) return -1;
-    const auto* bytes = static_cast<const unsigned char*>(p.data);
-    for (std::size_t k = 0; k < p.bytes(); ++k) h = (h ^ bytes[k]) * 0x100000001b3ULL;
+    copy.resize(p.bytes());
+    model.backend().copy_to_host(copy.data(), p);  // the parameters may live on a device
+    for (std::size_t k = 0; k < p.bytes(); ++k) h = (h ^ copy[k]) * 0x100000001b3ULL;
   }
   double v[4] = {static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffULL), -static_cast<double>(h >> 32),
                  -static_cast<double>(h & 0xffffffffULL)};

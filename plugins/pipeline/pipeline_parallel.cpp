@@ -293,11 +293,11 @@ class PipelineSchedule final : public Schedule {
     ensure_capacity(be_, tied_, "Pipeline::tied_wte_gradient", DType::f32, wte.numel, Mem::comm);
     float* tied = tied_.data<float>();
     const int peer = first_ ? p_ - 1 : 0;
-    auto r = pp_.recv_async(tied, wte.numel, peer, kTiedTag);
-    auto s = pp_.send_async(g, wte.numel, peer, kTiedTag);
+    auto r = pp_.recv_async(mine(tied, wte.numel), peer, kTiedTag);
+    auto s = pp_.send_async(mine(g, wte.numel), peer, kTiedTag);
     s->wait();
     r->wait();
-    for (std::int64_t j = 0; j < wte.numel; ++j) g[j] += tied[j];
+    be_.residual_forward(g, g, tied, wte.numel);  // g += tied, by the back end (g may be device memory)
   }
 
   // `loom plan`: the tied gradient's buffer (finish_grads), the stage-boundary messages (each
@@ -363,15 +363,17 @@ class PipelineSchedule final : public Schedule {
     post_act_recv();
     if (backward) post_grad_recv();
   }
+  // n floats at p in the back end's memory (device memory on a device back end), for the communicator.
+  BufferRef mine(const float* p, std::int64_t n) const { return BufferRef(p, n, be_.space()); }
   void post_act_recv() {
     if (act_next_ >= act_needs_.size()) return;
     const Op& op = act_needs_[act_next_];
-    act_recv_ = pp_.recv_async(act_in_.data<float>() + (act_next_ % 2) * boundary_, boundary_, prev_rank(), tag(op.k, op.chunk, 0));
+    act_recv_ = pp_.recv_async(act_in_.ref().slice((act_next_ % 2) * boundary_, boundary_), prev_rank(), tag(op.k, op.chunk, 0));
   }
   void post_grad_recv() {
     if (grad_next_ >= grad_needs_.size()) return;
     const Op& op = grad_needs_[grad_next_];
-    grad_recv_ = pp_.recv_async(grad_in_.data<float>() + (grad_next_ % 2) * boundary_, boundary_, next_rank(), tag(op.k, op.chunk, 1));
+    grad_recv_ = pp_.recv_async(grad_in_.ref().slice((grad_next_ % 2) * boundary_, boundary_), next_rank(), tag(op.k, op.chunk, 1));
   }
 
   // The pipeline's span is the longest stage's (the stages start together: the previous step ended
@@ -431,7 +433,7 @@ class PipelineSchedule final : public Schedule {
     if (!model.holds_head(c)) {
       t0 = now();
       const int to_chunk = i_ + 1 < p_ ? c : c + 1;  // the last stage feeds the first stage's next chunk
-      act_send_[c * m_ + k] = pp_.send_async(model.stage_output(slot, c), boundary_, next_rank(), tag(k, to_chunk, 0));
+      act_send_[c * m_ + k] = pp_.send_async(mine(model.stage_output(slot, c), boundary_), next_rank(), tag(k, to_chunk, 0));
       timed("send", k, c, t0);
     }
     return loss;
@@ -462,9 +464,9 @@ class PipelineSchedule final : public Schedule {
       CommRequestPtr& older = grad_send_[j % 2];
       if (older) older->wait();
       float* out = grad_out_.data<float>() + (j % 2) * boundary_;
-      std::copy_n(dx, boundary_, out);
+      be_.copy(out, dx, boundary_);
       const int to_chunk = i_ > 0 ? c : c - 1;  // the first stage sends back to the last stage's previous chunk
-      older = pp_.send_async(out, boundary_, prev_rank(), tag(k, to_chunk, 1));
+      older = pp_.send_async(mine(out, boundary_), prev_rank(), tag(k, to_chunk, 1));
       timed("send", k, c, t0);
     }
   }

@@ -37,15 +37,17 @@ class TensorPartition final : public Partition {
 
   const float* to_full(const float* local, float* full, std::int64_t rows, int C) override {
     if (!sp_) return local;
-    tp_.all_gather(local, full, rows / tp_.size() * C);
+    const std::int64_t n = rows / tp_.size() * C;
+    tp_.all_gather(BufferRef(local, n, be_.space()), BufferRef(full, n * tp_.size(), be_.space()));
     return full;
   }
   float* reduce_partial(float* partial, float* local, std::int64_t rows, int C) override {
     if (!sp_) {
-      tp_.all_reduce(partial, rows * C);
+      tp_.all_reduce(BufferRef(partial, rows * C, be_.space()));
       return partial;
     }
-    tp_.reduce_scatter(partial, local, rows / tp_.size() * C);
+    const std::int64_t n = rows / tp_.size() * C;
+    tp_.reduce_scatter(BufferRef(partial, n * tp_.size(), be_.space()), BufferRef(local, n, be_.space()));
     return local;
   }
   const float* grad_to_full(const float* dlocal, float* dfull, std::int64_t rows, int C) override {
@@ -63,59 +65,25 @@ class TensorPartition final : public Partition {
     return reduce_partial(dpartial, dlocal, rows, C);  // the backward of an all-gather is a reduce-scatter
   }
 
-  // Vocabulary-parallel softmax cross-entropy: the row maximum, the sum of exponentials and the
-  // target's logit are reduced over the group (N floats each); the [N, V] logits never travel.
+  // Vocabulary-parallel softmax cross-entropy: the row maxima (a max all-reduce), the sums of
+  // exponentials and the target logits (sum all-reduces) travel over the group, N values each; the
+  // [N, V] logits never do. The passes between are the back end's; its backward, the default
+  // partition's (Backend::crossentropy_backward with this rank's vocab_begin).
   void crossentropy_forward(Backend&, float* losses, float* probs, const float* logits, const std::int32_t* targets,
                             int N, int Vl, int vocab_begin) override {
-    const int n = tp_.size();
     // Scratch through the back end and the ledger (communication buffers), grown to the largest N.
     ensure_capacity(be_, row_max_buf_, "TensorPartition::row_max", DType::f32, N, Mem::comm);
-    ensure_capacity(be_, gathered_buf_, "TensorPartition::gathered", DType::f32, static_cast<std::int64_t>(N) * n, Mem::comm);
     ensure_capacity(be_, sum_exp_buf_, "TensorPartition::sum_exp", DType::f64, N, Mem::comm);
     ensure_capacity(be_, target_logit_buf_, "TensorPartition::target_logit", DType::f64, N, Mem::comm);
-    float* row_max_ = row_max_buf_.data<float>();
-    float* gathered_ = gathered_buf_.data<float>();
-    double* sum_exp_ = sum_exp_buf_.data<double>();
-    double* target_logit_ = target_logit_buf_.data<double>();
-    for (int r = 0; r < N; ++r) {
-      const float* l = logits + static_cast<std::int64_t>(r) * Vl;
-      row_max_[r] = *std::max_element(l, l + Vl);
-    }
-    tp_.all_gather(row_max_, gathered_, N);
-    for (int r = 0; r < N; ++r) {
-      float m = gathered_[r];
-      for (int q = 1; q < n; ++q) m = std::max(m, gathered_[static_cast<std::size_t>(q) * N + r]);
-      row_max_[r] = m;
-    }
-    for (int r = 0; r < N; ++r) {
-      const float* l = logits + static_cast<std::int64_t>(r) * Vl;
-      float* p = probs + static_cast<std::int64_t>(r) * Vl;
-      double s = 0;
-      for (int v = 0; v < Vl; ++v) {
-        p[v] = kernels::exp_k(l[v] - row_max_[r]);
-        s += p[v];
-      }
-      sum_exp_[r] = s;
-      const int t = targets[r] - vocab_begin;
-      target_logit_[r] = (t >= 0 && t < Vl) ? l[t] : 0.0;
-    }
-    tp_.all_reduce(sum_exp_, N);
-    tp_.all_reduce(target_logit_, N);
-    for (int r = 0; r < N; ++r) {
-      const float inv = static_cast<float>(1.0 / sum_exp_[r]);
-      float* p = probs + static_cast<std::int64_t>(r) * Vl;
-      for (int v = 0; v < Vl; ++v) p[v] *= inv;
-      losses[r] = static_cast<float>(std::log(sum_exp_[r]) + row_max_[r] - target_logit_[r]);
-    }
-  }
-  void crossentropy_backward(Backend&, float* dlogits, const float* probs, const std::int32_t* targets, float dloss,
-                             int N, int Vl, int vocab_begin) override {
-    for (int r = 0; r < N; ++r) {
-      const float* p = probs + static_cast<std::int64_t>(r) * Vl;
-      float* d = dlogits + static_cast<std::int64_t>(r) * Vl;
-      const int t = targets[r] - vocab_begin;
-      for (int v = 0; v < Vl; ++v) d[v] = (p[v] - (v == t ? 1.0f : 0.0f)) * dloss;
-    }
+    const BufferRef row_max = row_max_buf_.ref().slice(0, N), sum_exp = sum_exp_buf_.ref().slice(0, N),
+                    target_logit = target_logit_buf_.ref().slice(0, N);
+    be_.crossentropy_row_max(row_max.as<float>(), logits, N, Vl);
+    tp_.all_reduce(row_max, ReduceOp::max);
+    be_.crossentropy_partial(probs, sum_exp.as<double>(), target_logit.as<double>(), logits, row_max.as<float>(),
+                             targets, N, Vl, vocab_begin);
+    tp_.all_reduce(sum_exp);
+    tp_.all_reduce(target_logit);
+    be_.crossentropy_finish(losses, probs, sum_exp.as<double>(), row_max.as<float>(), target_logit.as<double>(), N, Vl);
   }
 
   // With sequence parallelism each rank's LayerNorm and row-parallel bias gradients cover only its
@@ -142,7 +110,7 @@ class TensorPartition final : public Partition {
           be_.copy(pack + at, store.owned_grad(o).as<float>(), o.size());
           at += o.size();
         }
-      tp_.all_reduce(pack, total);
+      tp_.all_reduce(pack_buf_.ref().slice(0, total));
       at = 0;
       for (const OwnedSlice& o : owned)
         if (params[static_cast<std::size_t>(o.param)].sp_partial) {
@@ -155,8 +123,11 @@ class TensorPartition final : public Partition {
       const ParamInfo& p = params[static_cast<std::size_t>(o.param)];
       if (p.shadow || p.split != TpSplit::none) continue;
       for (const BufferRef ref : {store.owned_param(o), store.owned_grad(o)}) {
-        const auto* bytes = static_cast<const unsigned char*>(ref.data);
-        for (std::int64_t k = 0; k < o.size() * static_cast<std::int64_t>(sizeof(float)); ++k) h = (h ^ bytes[k]) * 0x100000001b3ULL;
+        // A host copy: the tensors may live on a device (these are the small replicated ones).
+        hash_copy_.resize(static_cast<std::size_t>(o.size()) * sizeof(float));
+        be_.copy_to_host(hash_copy_.data(), ref.slice(0, o.size()));
+        for (std::int64_t k = 0; k < o.size() * static_cast<std::int64_t>(sizeof(float)); ++k)
+          h = (h ^ hash_copy_[static_cast<std::size_t>(k)]) * 0x100000001b3ULL;
       }
     }
     // Two floats carry 48 bits of the hash exactly (24 bits each, within a float's mantissa).
@@ -204,10 +175,10 @@ class TensorPartition final : public Partition {
       plan.add_comm({tp_.name(), "sequence-parallel gradient sum", ring_all_reduce_bytes(partial * 4.0, n), 2.0 * (n - 1), false});
     }
     if (model.stage().last()) {
-      plan.add_scratch(Mem::comm, N * 4.0 + N * n * 4.0 + 2 * N * 8.0);
+      plan.add_scratch(Mem::comm, N * 4.0 + 2 * N * 8.0);
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(static_cast<std::int64_t>(N), n, sizeof(double))));
       plan.add_comm({tp_.name(), "vocabulary-parallel cross-entropy",
-                     m * (ring_all_gather_bytes(N * n * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 5.0 * (n - 1), false});
+                     m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1), false});
     }
     plan.ring_scratch(tp_.name(), {*std::max_element(scratch.begin(), scratch.end())});
   }
@@ -216,7 +187,8 @@ class TensorPartition final : public Partition {
   Communicator& tp_;
   Backend& be_;
   bool sp_;
-  TypedBuffer row_max_buf_, gathered_buf_, pack_buf_, sum_exp_buf_, target_logit_buf_;
+  TypedBuffer row_max_buf_, pack_buf_, sum_exp_buf_, target_logit_buf_;
+  std::vector<unsigned char> hash_copy_;  // host copy of a replicated tensor, for the replica hash
   double identical_ = 1.0;
   std::int64_t steps_done_ = 0;  // steps of this run, for LOOM_INJECT_FAULT
   bool step_started_ = false;

@@ -195,9 +195,9 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
       float* p = whole ? wparams_.data<float>() + at_[static_cast<std::size_t>(i)]
                  : stage_ == 3 ? tensor_in(gathered_, wparams_, i)
                                : params_.data<float>() + at_[static_cast<std::size_t>(i)];
-      v.params.emplace_back(p, count);
+      v.params.emplace_back(p, count, be_->space());
     }
-    if (use == Use::backward) v.grads.emplace_back(tensor_in(staged_, wgrads_, i), count);
+    if (use == Use::backward) v.grads.emplace_back(tensor_in(staged_, wgrads_, i), count, be_->space());
   }
   copies_.attach(unit, v);
   if (masters16_) {

@@ -248,11 +248,49 @@ void crossentropy_against_fp64(int N, int V) {
   };
   as_close_as_host(losses, ref_losses, "losses");
   as_close_as_host(probs, ref_probs, "probs");
-  tw.host->crossentropy_backward(probs.h, probs.h, th, 0.125f, N, V);  // in place, as the model calls it
-  tw.dev->crossentropy_backward(probs.d, probs.d, td, 0.125f, N, V);
+  tw.host->crossentropy_backward(probs.h, probs.h, th, 0.125f, N, V, 0);  // in place, as the model calls it
+  tw.dev->crossentropy_backward(probs.d, probs.d, td, 0.125f, N, V, 0);
   for (int n = 0; n < N; ++n) ref_probs[std::size_t(n) * V + tgt[std::size_t(n)]] -= 1.0f;
   for (float& x : ref_probs) x *= 0.125f;
   as_close_as_host(probs, ref_probs, "dlogits");
+}
+
+// The vocabulary-parallel cross-entropy's three passes and the backward with vocab_begin (the
+// tensor strategy's), against the host's, on a middle shard of the vocabulary: targets below, in
+// and above this rank's columns.
+TEST(CudaBackend, VocabularyParallelCrossEntropy) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int N = 29, V = 1000, vb = 1000;  // this rank: entries [1000, 2000) of a vocabulary of 3000
+  auto logits = tw.make(randn(std::size_t(N) * V, 6, 4.0f)), row_max = tw.zeros(N), probs = tw.zeros(std::int64_t(N) * V),
+       losses = tw.zeros(N);
+  std::vector<std::int32_t> tgt(N);
+  for (int i = 0; i < N; ++i) tgt[std::size_t(i)] = (i * 7919) % (3 * V);
+  auto [th, td] = tw.both(tgt);
+  auto [sh, sd] = tw.both(std::vector<double>(std::size_t(N), 0.0));
+  auto [gh, gd] = tw.both(std::vector<double>(std::size_t(N), 0.0));
+  tw.host->crossentropy_row_max(row_max.h, logits.h, N, V);
+  tw.dev->crossentropy_row_max(row_max.d, logits.d, N, V);
+  EXPECT_EQ(tw.dev_of(row_max), tw.host_of(row_max)) << "row maxima";
+  tw.host->crossentropy_partial(probs.h, sh, gh, logits.h, row_max.h, th, N, V, vb);
+  tw.dev->crossentropy_partial(probs.d, sd, gd, logits.d, row_max.d, td, N, V, vb);
+  EXPECT_EQ(tw.dev_of(probs), tw.host_of(probs)) << "exponentials (the shared exp)";
+  std::vector<double> sum_dev(static_cast<std::size_t>(N)), tl_dev(static_cast<std::size_t>(N));
+  tw.dev->copy_to_host(sum_dev.data(), BufferRef(sd, N, MemSpace::device));
+  tw.dev->copy_to_host(tl_dev.data(), BufferRef(gd, N, MemSpace::device));
+  for (int n = 0; n < N; ++n) {
+    EXPECT_NEAR(sum_dev[std::size_t(n)], sh[n], 1e-12 * sh[n]) << "sum of exponentials, row " << n;
+    EXPECT_EQ(tl_dev[std::size_t(n)], gh[n]) << "target logit, row " << n;
+    const int t = tgt[std::size_t(n)] - vb;
+    EXPECT_EQ(gh[n], t >= 0 && t < V ? double(logits.h[std::size_t(n) * V + std::size_t(t)]) : 0.0) << "row " << n;
+  }
+  tw.host->crossentropy_finish(losses.h, probs.h, sh, row_max.h, gh, N, V);
+  tw.dev->crossentropy_finish(losses.d, probs.d, sd, row_max.d, gd, N, V);
+  EXPECT_LT(tw.err(losses), 1e-6) << "losses";
+  EXPECT_LT(tw.err(probs), 1e-6) << "probabilities";
+  tw.host->crossentropy_backward(probs.h, probs.h, th, 0.25f, N, V, vb);
+  tw.dev->crossentropy_backward(probs.d, probs.d, td, 0.25f, N, V, vb);
+  EXPECT_LT(tw.err(probs), 1e-6) << "dlogits";
 }
 
 TEST(CudaBackend, AdamWAndReductions) {

@@ -60,7 +60,7 @@ TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
 
     std::vector<float> losses_ref(N), probs_ref(logits.size()), dref(logits.size());
     backend->crossentropy_forward(losses_ref.data(), probs_ref.data(), logits.data(), targets.data(), N, V);
-    backend->crossentropy_backward(dref.data(), probs_ref.data(), targets.data(), 0.5f, N, V);
+    backend->crossentropy_backward(dref.data(), probs_ref.data(), targets.data(), 0.5f, N, V, 0);
 
     const int Vl = V / tp, begin = part->rank() * Vl;
     std::vector<float> local(static_cast<std::size_t>(N) * Vl), losses(N), probs(local.size()), dlocal(local.size());
