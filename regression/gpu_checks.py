@@ -185,6 +185,9 @@ def layouts_on(c, backend, steps, extra, compare, only_two=False):
         p, dev = c.loom(name + "_" + backend, ranks, common + ["run.backend=" + backend] + extra)
         if backend == "fenced":
             c.expect(p.stdout, [r"backend : run\.backend = fenced: fenced"], name + " banner")
+        else:  # ranks sharing a GPU stage through host copies (NCCL refuses them); on several GPUs, NCCL
+            c.expect(p.stdout, [r"device buffers between ranks: (host copies over MPI \(ranks share a GPU\)|NCCL)"],
+                     name + " banner")
         compare(name, sets, rows(host), rows(dev), steps)
 
 

@@ -7,7 +7,10 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -89,16 +92,40 @@ class CudaBackend final : public Backend {
     check_cuda(cudaGetDeviceProperties(&props_, device_), "cudaGetDeviceProperties");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
+    const char* profile = std::getenv("LOOM_CUDA_PROFILE");
+    profile_ = profile && *profile && std::string(profile) != "0";
     // 32 MiB covers cuBLASLt's choices for every product of GPT-2-sized models (llm.c uses the same).
     workspace_ = allocate("cuda.cublaslt_workspace", DType::u8, 32ll << 20, Mem::workspace);
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    if (profile_) report_times();
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (auto& [key, algo] : algos_) (void)algo;
     cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
   }
 
+  // LOOM_CUDA_PROFILE=1: each operation between two events on the stream, summed per operation
+  // (matrix products and attention per shape) and printed to stderr when the back end ends. The
+  // events are read when the stream is synchronised anyway, so timing adds no synchronisation.
+  class Timed {
+   public:
+    Timed(CudaBackend* be, const char* op, int a = 0, int b = 0, int c = 0) : be_(be->profile_ ? be : nullptr) {
+      if (!be_) return;
+      key_ = op;
+      if (a || b || c) key_ += " " + std::to_string(a) + "x" + std::to_string(b) + "x" + std::to_string(c);
+      start_ = be_->event();
+    }
+    ~Timed() {
+      if (be_) be_->pending_.push_back({key_, start_, be_->event()});
+    }
+
+   private:
+    CudaBackend* be_;
+    std::string key_;
+    cudaEvent_t start_ = nullptr;
+  };
   std::string name() const override { return "cuda"; }
   std::string description() const override {
     std::ostringstream s;
@@ -177,27 +204,38 @@ class CudaBackend final : public Backend {
     check_cuda(cudaMemcpyAsync(dst, buffer.data, buffer.bytes(), cudaMemcpyDeviceToHost, stream_), "copy to host");
     synchronize();
   }
-  void synchronize() override { check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+  void synchronize() override {
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    settle();
+  }
 
   // ---- the model's kernels -------------------------------------------------------------------
   void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
                        int vocab_begin, int vocab_end, bool add_pos) override {
+    Timed timed(this, "encoder_forward");
     cuda::encoder_forward(out, inp, wte, wpe, B, T, C, vocab_begin, vocab_end, add_pos, stream_);
   }
   void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T, int C,
                         int vocab_begin, int vocab_end) override {
+    Timed timed(this, "encoder_backward");
     cuda::encoder_backward(dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end, stream_);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
                          int N, int C) override {
+    Timed timed(this, "layernorm_forward");
     cuda::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, stream_);
   }
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, int N, int C) override {
+    Timed timed(this, "layernorm_backward");
     cuda::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, stream_);
   }
-  void bias_add(float* out, const float* bias, int N, int OC) override { cuda::bias_add(out, bias, N, OC, stream_); }
+  void bias_add(float* out, const float* bias, int N, int OC) override {
+    Timed timed(this, "bias_add");
+    cuda::bias_add(out, bias, N, OC, stream_);
+  }
   void bias_backward(float* dbias, const float* dout, int N, int OC) override {
+    Timed timed(this, "bias_backward");
     cuda::bias_backward(dbias, dout, N, OC, stream_);
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) override {
@@ -210,6 +248,7 @@ class CudaBackend final : public Backend {
                     BufferRef(weight, static_cast<std::int64_t>(OC) * C, MemSpace::device), N, C, OC);
   }
   void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
+    Timed timed(this, "matmul_forward", N, C, OC);
     const BufferRef x = operand(0, inp, static_cast<std::int64_t>(N) * C);       // [N,C]
     const BufferRef w = operand(1, weight, static_cast<std::int64_t>(OC) * C);   // [OC,C]
     Gemm g;                                                                      // out = x W^T (+ bias)
@@ -222,6 +261,7 @@ class CudaBackend final : public Backend {
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp, BufferRef weight,
                        int N, int C, int OC) override {
+    Timed timed(this, "matmul_backward", N, C, OC);
     const BufferRef d = operand(2, BufferRef(dout, static_cast<std::int64_t>(N) * OC, MemSpace::device),
                                 static_cast<std::int64_t>(N) * OC);             // [N,OC]
     const BufferRef w = operand(1, weight, static_cast<std::int64_t>(OC) * C);   // [OC,C]
@@ -241,6 +281,7 @@ class CudaBackend final : public Backend {
     if (dbias) cuda::bias_backward(dbias, dout, N, OC, stream_);  // a sum, not a product: fp32
   }
   void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
+    Timed timed(this, "attention_forward", B * T, C, NH);
     const int hs = C / NH, C3 = 3 * C;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
     for (int b = 0; b < B; ++b) {  // per sequence, every head in one batched product
@@ -267,6 +308,7 @@ class CudaBackend final : public Backend {
   // in the back end's own [NH,T,T] scratch.
   void attention_backward(float* dqkv, float* /*datt*/, const float* dout, const float* qkv, const float* att, int B,
                           int T, int C, int NH) override {
+    Timed timed(this, "attention_backward", B * T, C, NH);
     const int hs = C / NH, C3 = 3 * C;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
     const long long TT = static_cast<long long>(T) * T;
@@ -305,43 +347,65 @@ class CudaBackend final : public Backend {
       gemm(g4);
     }
   }
-  void gelu_forward(float* out, const float* inp, std::int64_t n) override { cuda::gelu_forward(out, inp, n, stream_); }
+  void gelu_forward(float* out, const float* inp, std::int64_t n) override {
+    Timed timed(this, "gelu_forward");
+    cuda::gelu_forward(out, inp, n, stream_);
+  }
   void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
+    Timed timed(this, "gelu_backward");
     cuda::gelu_backward(dinp, inp, dout, n, stream_);
   }
   void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
+    Timed timed(this, "residual_forward");
     cuda::residual_forward(out, a, b, n, stream_);
   }
   void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* targets, int N,
                             int V) override {
+    Timed timed(this, "crossentropy_forward");
     cuda::crossentropy_forward(losses, probs, logits, targets, N, V, stream_);
   }
   void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N,
                              int V, int vocab_begin) override {
+    Timed timed(this, "crossentropy_backward");
     cuda::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin, stream_);
   }
   void crossentropy_row_max(float* row_max, const float* logits, int N, int V) override {
+    Timed timed(this, "crossentropy_row_max");
     cuda::crossentropy_row_max(row_max, logits, N, V, stream_);
   }
   void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
                             const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin) override {
+    Timed timed(this, "crossentropy_partial");
     cuda::crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, V, vocab_begin, stream_);
   }
   void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
                            const double* target_logit, int N, int V) override {
+    Timed timed(this, "crossentropy_finish");
     cuda::crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, V, stream_);
   }
   void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
                     float beta2, float eps, float weight_decay, std::int64_t t) override {
+    Timed timed(this, "adamw_update");
     cuda::adamw_update(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t, stream_);
   }
   double sum_squares(const float* x, std::int64_t n) override {
+    Timed timed(this, "sum_squares");
     return reduce_one(&cuda::sum_squares, BufferRef(x, n, MemSpace::device));
   }
-  double sum(const float* x, std::int64_t n) override { return reduce_one(&cuda::sum, BufferRef(x, n, MemSpace::device)); }
-  void scale(float* x, float a, std::int64_t n) override { cuda::scale(x, DType::f32, a, n, stream_); }
-  void fill(float* x, float value, std::int64_t n) override { cuda::fill(x, DType::f32, value, n, stream_); }
+  double sum(const float* x, std::int64_t n) override {
+    Timed timed(this, "sum");
+    return reduce_one(&cuda::sum, BufferRef(x, n, MemSpace::device));
+  }
+  void scale(float* x, float a, std::int64_t n) override {
+    Timed timed(this, "scale");
+    cuda::scale(x, DType::f32, a, n, stream_);
+  }
+  void fill(float* x, float value, std::int64_t n) override {
+    Timed timed(this, "fill");
+    cuda::fill(x, DType::f32, value, n, stream_);
+  }
   void copy(float* dst, const float* src, std::int64_t n) override {
+    Timed timed(this, "copy");
     if (n > 0 && dst != src)
       check_cuda(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
                  "copy");
@@ -349,6 +413,7 @@ class CudaBackend final : public Backend {
 
   // ---- typed operations ----------------------------------------------------------------------
   void cast(BufferRef dst, BufferRef src) override {
+    Timed timed(this, "cast");
     require_device(dst, "cast", "dst");
     require_device(src, "cast", "src");
     if (dst.count != src.count)
@@ -359,6 +424,7 @@ class CudaBackend final : public Backend {
   }
   void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool transa, bool transb, float alpha,
               float beta) override {
+    Timed timed(this, "matmul", M, N, K);
     require_device(out, "matmul", "out");
     require_device(a, "matmul", "a");
     require_device(b, "matmul", "b");
@@ -393,6 +459,7 @@ class CudaBackend final : public Backend {
     if (pc.data != out.data) cuda::cast(out.data, out.type, pc.data, DType::f32, out.count, stream_);
   }
   NormCheck sq_norm_check(const std::vector<BufferRef>& tensors) override {
+    Timed timed(this, "sq_norm_check");
     NormCheck r;
     if (tensors.empty()) return r;
     // One reduction per tensor into a device array, one copy back for all of them.
@@ -418,11 +485,13 @@ class CudaBackend final : public Backend {
     return r;
   }
   void scale(BufferRef x, double a) override {
+    Timed timed(this, "scale");
     require_device(x, "scale", "x");
     cuda_type(x.type, "scale");
     cuda::scale(x.data, x.type, a, x.count, stream_);
   }
   void fill(BufferRef x, double value) override {
+    Timed timed(this, "fill");
     require_device(x, "fill", "x");
     cuda_type(x.type, "fill");
     cuda::fill(x.data, x.type, value, x.count, stream_);
@@ -554,6 +623,55 @@ class CudaBackend final : public Backend {
     check_lt(st, "cublasLtMatmul");
   }
 
+  // LOOM_CUDA_PROFILE: operations timed but not yet read, the events to reuse, the sums.
+  struct Pending {
+    std::string key;
+    cudaEvent_t start, end;
+  };
+  struct OpTime {
+    std::int64_t calls = 0;
+    double ms = 0;
+  };
+  cudaEvent_t event() {
+    cudaEvent_t e = nullptr;
+    if (!free_events_.empty()) {
+      e = free_events_.back();
+      free_events_.pop_back();
+    } else {
+      check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+    }
+    check_cuda(cudaEventRecord(e, stream_), "cudaEventRecord");
+    return e;
+  }
+  void settle() {
+    for (const Pending& p : pending_) {
+      float ms = 0;
+      if (cudaEventSynchronize(p.end) == cudaSuccess && cudaEventElapsedTime(&ms, p.start, p.end) == cudaSuccess) {
+        OpTime& t = op_times_[p.key];
+        ++t.calls;
+        t.ms += ms;
+      }
+      free_events_.push_back(p.start);
+      free_events_.push_back(p.end);
+    }
+    pending_.clear();
+  }
+  void report_times() {
+    settle();
+    double total = 0;
+    for (const auto& [k, t] : op_times_) total += t.ms;
+    std::vector<std::pair<std::string, OpTime>> by_time(op_times_.begin(), op_times_.end());
+    std::sort(by_time.begin(), by_time.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+    std::fprintf(stderr, "loom: CUDA operation times on device %d (LOOM_CUDA_PROFILE), %.1f ms in all:\n", device_, total);
+    std::fprintf(stderr, "  %-44s %8s %11s %6s\n", "operation", "calls", "ms", "share");
+    for (const auto& [k, t] : by_time)
+      std::fprintf(stderr, "  %-44s %8lld %11.2f %5.1f%%\n", k.c_str(), static_cast<long long>(t.calls), t.ms,
+                   total > 0 ? 100.0 * t.ms / total : 0.0);
+  }
+  bool profile_ = false;
+  std::vector<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
+  std::map<std::string, OpTime> op_times_;
   std::string comm_note_;  // how device buffers move between ranks, once a group has several
   int device_;
   bool tf32_;
