@@ -15,10 +15,13 @@
                 tensor with and without sequence parallelism, the three pipeline schedules, ZeRO 1-3,
                 bf16, fp16 with loss scaling, int8, top-k and PowerSGD compression; 2 and 4 ranks) on
                 run.backend = fenced, whose tensors the host cannot touch and whose communicators stage
-                device buffers through host copies: the host's losses and gradient norms, bit for bit.
+                device buffers through host copies: the host's losses and gradient norms, bit for bit;
+                and checkpoints cross over (CROSSOVER layouts): each back end resumes the other's
+                mid-run checkpoint and goes on bit for bit as the uninterrupted host run.
   cuda_layouts  (label gpu) the same layouts on the CUDA back end, the ranks sharing the GPU
                 (run.share_gpu: device buffers through host copies and MPI, as NCCL refuses two ranks
-                on one GPU): the host's losses over 20 steps, fp32 within 1e-4 relative, 16-bit 2e-3.
+                on one GPU): the host's losses over 20 steps, fp32 within 1e-4 relative, 16-bit 2e-3;
+                checkpoints cross over as in `fenced`, within the same bounds.
   decks         (label gpu) every one-rank deck of inputs/ (quickstart, synthetic, bf16, fp16 with its
                 loss scaling, memory_saving with recompute and micro-batches), 30 steps with their
                 evaluation and checkpoints on each back end: the same losses, every step, within
@@ -191,6 +194,30 @@ def layouts_on(c, backend, steps, extra, compare, only_two=False):
         compare(name, sets, rows(host), rows(dev), steps)
 
 
+# Layouts whose checkpoints cross between the back ends: sharded tensors (tp, ZeRO-3 shares), pipeline
+# stages, compression's error-feedback residuals (host memory on a device back end), 16-bit masters.
+CROSSOVER = ["tp2_sp", "pp2_1f1b_tied_grads", "zero3_dp2", "int8_dp2", "dp2_pp2_zero1_bf16"]
+
+
+def crossover(c, backend, extra, steps, compare):
+    """Checkpoints of CROSSOVER layouts cross between the host and `backend`: each writes one at step
+    steps/2; the other resumes it; compare(name, sets, uninterrupted host rows, resumed rows)."""
+    half = steps // 2
+    for name, ranks, sets in [x for x in LAYOUTS if x[0] in CROSSOVER]:
+        common = sets + ["train.steps=%d" % steps, "train.log_every=1", "run.peak_tflops=1",
+                         "checkpoint.every=%d" % half]
+        runs = {}
+        for b, more in (("host", []), (backend, extra)):
+            _, runs[b] = c.loom("%s_ckpt_%s" % (name, b), ranks, common + ["run.backend=" + b] + more)
+        for frm, to, more in (("host", backend, extra), (backend, "host", [])):
+            ckpt = os.path.join(runs[frm], "checkpoints", "ckpt-%08d.h5" % half)
+            c.check(os.path.exists(ckpt), "%s: %s was written" % (name, ckpt))
+            tag = "%s_%s_resumes_%s" % (name, to, frm)
+            _, resumed = c.loom(tag, ranks, common + ["run.backend=" + to, "checkpoint.resume=" + ckpt,
+                                                       "checkpoint.dir=" + os.path.join(c.dir, tag + "_ckpt")] + more)
+            compare(tag, sets, rows(runs["host"])[half:], rows(resumed))
+
+
 def fenced(args):
     """Every strategy's device path without a GPU: bit for bit the host's model."""
     c = Case(args, "fenced", TINY)
@@ -204,6 +231,7 @@ def fenced(args):
                 "for bit:\n  host   %s\n  fenced %s" % (name, lh, ld))
 
     layouts_on(c, "fenced", 6, [], same)
+    crossover(c, "fenced", [], 8, lambda name, sets, host, dev: same(name, sets, host, dev, 4))
     return c.done("fenced")
 
 
@@ -223,6 +251,7 @@ def cuda_layouts(args):
         c.check(len(lh) == steps and gap <= tol, "%s: %d steps, gap %.2e (tolerance %g)" % (name, len(ld), gap, tol))
 
     layouts_on(c, "cuda", 20, ["run.share_gpu=true"], close)
+    crossover(c, "cuda", ["run.share_gpu=true"], 20, lambda name, sets, host, dev: close(name, sets, host, dev, 10))
     return c.done("cuda_layouts")
 
 
