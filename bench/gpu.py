@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--workdir", default="build/gpu-bench")
     ap.add_argument("--loom-only", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a deck override for loom's run (repeatable), e.g. --set run.tf32=true")
+                    help="a deck override for loom's run (repeatable), e.g. --set run.tf32=false")
     args = ap.parse_args()
     try:
         import torch

@@ -90,7 +90,14 @@ const CudaLibrary& cuda_library() {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, bool share_gpu,
+int tf32_mode(const std::string& setting) {
+  if (setting == "false") return 0;
+  if (setting == "true") return 1;
+  if (setting == "auto") return 2;
+  throw InputError("run.tf32 = '" + setting + "': valid values are auto, true, false");
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, const std::string& tf32, bool share_gpu,
                                       MPI_Comm world, BackendChoice* choice) {
   BackendChoice c;
   c.requested = requested;
@@ -113,7 +120,7 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int threads,
     if (requested == "cuda") {
       if (!lib.loaded) throw InputError("run.backend = cuda: " + lib.why_not + "; valid here: run.backend = host");
       c.device = device_for_local_rank(local_rank, local_size, devices, why_none, share_gpu);
-      backend.reset(lib.create(c.device, tf32 ? 1 : 0));
+      backend.reset(lib.create(c.device, tf32_mode(tf32)));
       if (local_size > devices)
         c.reason = std::to_string(local_size) + " ranks share " + std::to_string(devices) + " GPU" +
                    (devices == 1 ? "" : "s") + " (run.share_gpu)";
@@ -121,7 +128,7 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int threads,
       // auto takes the GPU when it can, and the host when the GPU cannot be used after all.
       try {
         c.device = device_for_local_rank(local_rank, local_size, devices, why_none, share_gpu);
-        backend.reset(lib.create(c.device, tf32 ? 1 : 0));
+        backend.reset(lib.create(c.device, tf32_mode(tf32)));
         c.reason = "auto: " + std::to_string(devices) + " CUDA device" + (devices == 1 ? "" : "s") + " visible";
       } catch (const std::exception& e) {
         c.device = -1;

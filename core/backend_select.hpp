@@ -13,7 +13,7 @@
 namespace loom {
 
 // The entry points of libloom_cuda.so (extern "C", resolved by dlsym).
-#define LOOM_CUDA_ABI_VERSION 1
+#define LOOM_CUDA_ABI_VERSION 2
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.
@@ -21,9 +21,12 @@ typedef int (*loom_cuda_abi_fn)();
 // The number of CUDA devices this process sees; 0 with the reason in `why` (at most `why_len`
 // bytes, NUL-terminated) when there are none or the driver cannot be used.
 typedef int (*loom_cuda_device_count_fn)(char* why, int why_len);
-// A new CUDA back end on device `device`, fp32 products in TF32 when `tf32` is not 0; throws
-// std::runtime_error when the device cannot be used.
+// A new CUDA back end on device `device`; fp32 products in TF32 when `tf32` is 1, never when 0, and
+// when 2 (run.tf32 = auto) only in a run whose matrix products are 16-bit (attention's, then);
+// throws std::runtime_error when the device cannot be used.
 typedef loom::Backend* (*loom_cuda_create_fn)(int device, int tf32);
+// run.tf32's value as loom_cuda_create takes it: "false" 0, "true" 1, "auto" 2.
+int tf32_mode(const std::string& setting);
 }
 
 // The GPU a rank drives: its index among the ranks of its node, one device per rank. Throws
@@ -42,7 +45,7 @@ struct BackendChoice {
 };
 
 // The back end of this rank. `requested` is run.backend; `world` is split by node to find the rank's
-// local index; `tf32` lets the cuda back end's fp32 products use TF32 (run.tf32); `share_gpu`
+// local index; `tf32` (run.tf32: auto, true, false) lets the cuda back end's fp32 products use TF32; `share_gpu`
 // (run.share_gpu) lets several ranks of a node drive one GPU. host: the host back end with
 // `threads` BLAS threads. fenced: make_fenced_backend. cuda: libloom_cuda.so from the plugin
 // search path, device = the rank's index within its node; refused (InputError, exit 2) when loom
@@ -50,7 +53,7 @@ struct BackendChoice {
 // devices than ranks (unless shared). auto: cuda when a device is visible and usable for every rank
 // of the node, else host (the banner says why). Several ranks: each back end makes its groups'
 // communicators (Backend::make_communicator).
-std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, bool tf32, bool share_gpu,
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, const std::string& tf32, bool share_gpu,
                                       MPI_Comm world, BackendChoice* choice);
 
 // Whether this loom was built with the CUDA back end (LOOM_ENABLE_CUDA).

@@ -238,7 +238,7 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
 }
 
 void Session::setup_collective() {
-  backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_bool("run.tf32"),
+  backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_string("run.tf32"),
                          deck.get_bool("run.share_gpu"), MPI_COMM_WORLD,
                          &backend_choice);
   set_comm_timeout(deck.get_float("run.comm_timeout"));

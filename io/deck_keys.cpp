@@ -152,9 +152,11 @@ void add_core_keys(DeckSchema& schema) {
                       "cuda back end: several ranks of a node may drive one GPU (rank i of a node drives GPU i mod "
                       "the GPUs); their device buffers then travel through host copies and MPI, as NCCL refuses "
                       "two ranks on one GPU. For checking layouts on a one-GPU machine, not for speed"));
-  schema.add(bool_key("run.tf32", "false",
-                      "cuda back end: fp32 matrix products may use TF32 tensor cores (10-bit mantissa products, "
-                      "fp32 accumulation; as torch.backends.cuda.matmul.allow_tf32)"));
+  schema.add(choice_key("run.tf32", "auto", {"auto", "true", "false"},
+                        "cuda back end: whether fp32 matrix products may use TF32 tensor cores (10-bit mantissa "
+                        "products, fp32 accumulation; as torch.backends.cuda.matmul.allow_tf32): true, false, or "
+                        "auto (in a bf16/fp16 run, whose only fp32 products are attention's, which TF32 keeps more "
+                        "exact than the 16-bit products the run asked for; not in an fp32 run)"));
   schema.add(choice_key("run.gemm", "auto", {"auto", "onednn", "blas"},
                         "matrix products of the host back end: auto (oneDNN when loom is built with it, else "
                         "BLAS), onednn (oneDNN matmul primitives, cached per shape) or blas (cblas_sgemm)"));

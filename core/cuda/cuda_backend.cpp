@@ -87,7 +87,7 @@ struct Gemm {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, bool tf32) : device_(device), tf32_(tf32) {
+  CudaBackend(int device, int tf32) : device_(device), tf32_mode_(tf32) {
     check_cuda(cudaSetDevice(device_), "cudaSetDevice");
     check_cuda(cudaGetDeviceProperties(&props_, device_), "cudaGetDeviceProperties");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -136,7 +136,7 @@ class CudaBackend final : public Backend {
       << (props_.totalGlobalMem >> 20) << " MiB, compute capability " << props_.major << "." << props_.minor
       << "; CUDA runtime " << runtime / 1000 << "." << (runtime % 1000) / 10 << ", driver " << driver / 1000 << "."
       << (driver % 1000) / 10 << "; cuBLASLt " << cublasLtGetVersion() << ", fp32 products "
-      << (tf32_ ? "TF32" : "full fp32") << ")";
+      << (tf32() ? "TF32" : "full fp32") << (tf32_mode_ == 2 ? " (run.tf32 = auto)" : "") << ")";
     if (!comm_note_.empty()) s << "; device buffers between ranks: " << comm_note_;
     return s.str();
   }
@@ -545,7 +545,7 @@ class CudaBackend final : public Backend {
     if (g.a_type != g.b_type) refuse("matmul: operands of two types");
     const bool f64 = g.a_type == DType::f64;
     const cublasComputeType_t compute =
-        f64 ? CUBLAS_COMPUTE_64F : (g.a_type == DType::f32 && tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
+        f64 ? CUBLAS_COMPUTE_64F : (g.a_type == DType::f32 && tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
     const cudaDataType scale_type = f64 ? CUDA_R_64F : CUDA_R_32F;
     cublasLtMatmulDesc_t desc = nullptr;
     check_lt(cublasLtMatmulDescCreate(&desc, compute, scale_type), "MatmulDescCreate");
@@ -674,7 +674,8 @@ class CudaBackend final : public Backend {
   std::map<std::string, OpTime> op_times_;
   std::string comm_note_;  // how device buffers move between ranks, once a group has several
   int device_;
-  bool tf32_;
+  int tf32_mode_;  // run.tf32: 0 false, 1 true, 2 auto (TF32 in a run of 16-bit products)
+  bool tf32() const { return tf32_mode_ == 1 || (tf32_mode_ == 2 && precision_.matmul != DType::f32); }
   cudaDeviceProp props_{};
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
@@ -707,5 +708,5 @@ int loom_cuda_device_count(char* why, int why_len) {
   }
   return n;
 }
-loom::Backend* loom_cuda_create(int device, int tf32) { return new loom::CudaBackend(device, tf32 != 0); }
+loom::Backend* loom_cuda_create(int device, int tf32) { return new loom::CudaBackend(device, tf32); }
 }

@@ -417,6 +417,19 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
     const double e = tw.err(c);
     EXPECT_LT(e, 3e-3) << "TF32: 10-bit mantissa products";
     EXPECT_GT(e, 1e-6) << "run.tf32 = true is not TF32 (the products are as exact as fp32)";
+    // run.tf32 = auto: full fp32 in an fp32 run; TF32 in a bf16 run, whose fp32 products are attention's.
+    for (const DType precision : {DType::f32, DType::bf16}) {
+      std::unique_ptr<Backend> autod{loom_cuda_create(0, 2)};
+      autod->set_precision({precision});
+      autod->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device),
+                    BufferRef(b.d, b.n, MemSpace::device), M, N, K, false, false);
+      autod->synchronize();
+      const double ea = tw.err(c);
+      if (precision == DType::f32)
+        EXPECT_LT(ea, 1e-5) << "run.tf32 = auto in an fp32 run: full fp32 products";
+      else
+        EXPECT_GT(ea, 1e-6) << "run.tf32 = auto in a bf16 run: TF32 for the fp32 products";
+    }
   }
   std::vector<float> with_nan = randn(1000, 4);
   with_nan[517] = std::numeric_limits<float>::quiet_NaN();
