@@ -8,6 +8,15 @@
 
 namespace loom {
 
+void Communicator::add_counts_since(const CommStats& inner, CommStats& seen) {
+  for (int i = 0; i < kCommOps; ++i) {
+    stats_.bytes_sent[i] += inner.bytes_sent[i] - seen.bytes_sent[i];
+    stats_.wait_s[i] += inner.wait_s[i] - seen.wait_s[i];
+    stats_.calls[i] += inner.calls[i] - seen.calls[i];
+  }
+  seen = inner;
+}
+
 const char* comm_op_name(CommOp op) {
   switch (op) {
     case CommOp::all_reduce: return "all_reduce";

@@ -177,6 +177,9 @@ class Communicator {
   virtual CommRequestPtr start_recv(BufferRef data, int peer, int tag) = 0;
 
   CommStats stats_;
+  // Adds what `inner` (a communicator this one moves some operations through) counted since `seen`
+  // to this one's counters, and updates `seen`: deltas, so that reset_stats() keeps working.
+  void add_counts_since(const CommStats& inner, CommStats& seen);
 
  private:
   void check_count(const char* op, const char* what, const BufferRef& b) const;

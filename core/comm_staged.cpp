@@ -55,16 +55,8 @@ class StagedCommunicator final : public Communicator {
     inner_->barrier();
     refresh();
   }
-  // Adds what the MPI communicator counted since the last look (so reset_stats() keeps working).
-  void refresh() {
-    const CommStats& m = inner_->stats();
-    for (int i = 0; i < kCommOps; ++i) {
-      stats_.bytes_sent[i] += m.bytes_sent[i] - seen_.bytes_sent[i];
-      stats_.wait_s[i] += m.wait_s[i] - seen_.wait_s[i];
-      stats_.calls[i] += m.calls[i] - seen_.calls[i];
-    }
-    seen_ = m;
-  }
+  // Adds what the MPI communicator counted since the last look.
+  void refresh() { add_counts_since(inner_->stats(), seen_); }
   Backend& backend() { return backend_; }
 
  protected:

@@ -201,15 +201,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Adds what the MPI communicator counted since the last look (so reset_stats() keeps working).
-  void refresh() {
-    const CommStats& m = mpi_->stats();
-    for (int i = 0; i < kCommOps; ++i) {
-      stats_.bytes_sent[i] += m.bytes_sent[i] - seen_.bytes_sent[i];
-      stats_.wait_s[i] += m.wait_s[i] - seen_.wait_s[i];
-      stats_.calls[i] += m.calls[i] - seen_.calls[i];
-    }
-    seen_ = m;
-  }
+  void refresh() { add_counts_since(mpi_->stats(), seen_); }
   void waited(CommOp op, double seconds) { stats_.wait_s[static_cast<int>(op)] += seconds; }
   // The job cannot go on: NCCL's own operations are aborted first, so no rank spins in a kernel.
   [[noreturn]] void stalled(CommOp op, double seconds) {

@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
 #include <numeric>
+#include <vector>
 
 namespace loom::compress {
 
@@ -51,17 +55,39 @@ std::int64_t top_k_count(std::int64_t n, double ratio) {
 }
 
 void top_k(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) {
-  std::vector<std::int32_t> order(static_cast<std::size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  auto larger = [x](std::int32_t a, std::int32_t b) {
-    const float fa = std::fabs(x[a]), fb = std::fabs(x[b]);
-    return fa > fb || (fa == fb && a < b);
+  if (k <= 0) return;
+  // The k-th largest magnitude t, by radix selection: non-negative floats order as their bit
+  // patterns, so one pass counts the magnitudes per top 12 bits (2048 buckets), the bucket holding
+  // the k-th largest is found from the top, and only its members are selected among (a few times
+  // faster than a comparison selection, whose branches a CPU cannot predict). Then one pass in index
+  // order takes every element above t and, of those equal to t, the first ones until k: the same set
+  // as ordering by (magnitude descending, index ascending), in ascending index order.
+  const auto bits = [](float v) {
+    std::uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    return u & 0x7fffffffu;  // |v|
   };
-  std::nth_element(order.begin(), order.begin() + k, order.end(), larger);
-  std::sort(order.begin(), order.begin() + k);
-  for (std::int64_t j = 0; j < k; ++j) {
-    index[j] = order[static_cast<std::size_t>(j)];
-    value[j] = x[index[j]];
+  constexpr int kShift = 20;
+  std::vector<std::int64_t> count(std::size_t(1) << (31 - kShift), 0);
+  for (std::int64_t i = 0; i < n; ++i) ++count[bits(x[i]) >> kShift];
+  std::size_t bucket = count.size();
+  std::int64_t above = 0;  // elements in buckets above the k-th largest's
+  while (bucket-- > 0 && above + count[bucket] < k) above += count[bucket];
+  std::vector<float> members;
+  members.reserve(static_cast<std::size_t>(count[bucket]));
+  for (std::int64_t i = 0; i < n; ++i)
+    if ((bits(x[i]) >> kShift) == bucket) members.push_back(std::fabs(x[i]));
+  const std::int64_t r = k - above;  // the k-th largest is the r-th largest member
+  std::nth_element(members.begin(), members.begin() + (r - 1), members.end(), std::greater<float>());
+  const float t = members[static_cast<std::size_t>(r - 1)];
+  std::int64_t ties = r;  // members equal to t that are taken, the lowest indices first
+  for (std::int64_t i = 0; i < r - 1; ++i) ties -= members[static_cast<std::size_t>(i)] > t;
+  for (std::int64_t i = 0, j = 0; i < n && j < k; ++i) {
+    const float a = std::fabs(x[i]);
+    if (a > t || (a == t && ties-- > 0)) {
+      index[j] = static_cast<std::int32_t>(i);
+      value[j++] = x[i];
+    }
   }
 }
 

@@ -110,6 +110,36 @@ TEST(TopK, KeepsExactlyTheKLargestMagnitudes) {
   EXPECT_EQ(c::top_k_count(10, 1e-6), 1);
 }
 
+// The set is the first k of the order (magnitude descending, index ascending), as a full sort gives
+// it: with ties everywhere (a few magnitudes, both signs, zeros), with ties among larger values in
+// one radix bucket (1, 1 + 2^-7, 1 + 2^-6 share their top 12 bits), and with the plain normal
+// values of a gradient.
+TEST(TopK, IsTheFirstKOfTheFullOrderTiesToTheLowestIndices) {
+  std::mt19937 gen(7);
+  for (int trial = 0; trial < 9; ++trial) {
+    const std::int64_t n = 3001;
+    std::vector<float> x = trial % 3 == 1 ? randn(n, 20 + trial) : std::vector<float>(static_cast<std::size_t>(n));
+    if (trial % 3 == 0)
+      for (auto& v : x) v = static_cast<float>(static_cast<int>(gen() % 7) - 3) * 0.25f;
+    if (trial % 3 == 2)
+      for (auto& v : x) v = (gen() % 2 ? -1.0f : 1.0f) * (1.0f + static_cast<float>(gen() % 3) / 128.0f);
+    std::vector<std::int32_t> order(static_cast<std::size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
+      const float fa = std::fabs(x[a]), fb = std::fabs(x[b]);
+      return fa > fb || (fa == fb && a < b);
+    });
+    for (std::int64_t k : {std::int64_t(1), std::int64_t(5), n / 3, n - 1, n}) {
+      std::vector<std::int32_t> want(order.begin(), order.begin() + k), idx(static_cast<std::size_t>(k));
+      std::sort(want.begin(), want.end());
+      std::vector<float> val(static_cast<std::size_t>(k));
+      c::top_k(idx.data(), val.data(), x.data(), n, k);
+      EXPECT_EQ(idx, want) << "trial " << trial << ", k " << k;
+      for (std::int64_t j = 0; j < k; ++j) EXPECT_EQ(val[j], x[idx[j]]);
+    }
+  }
+}
+
 namespace {
 // Row-major a [n,k] b [k,m] in double.
 std::vector<double> mm(const std::vector<double>& a, const std::vector<double>& b, int n, int k, int m, bool ta = false) {
