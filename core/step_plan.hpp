@@ -31,6 +31,10 @@ struct StepPlan {
   std::array<double, kMemCategories> scratch{};
   std::vector<CommCost> comm;
   double bubble = 0;        // the schedule's idle fraction of a step (pipeline)
+  // The strategies' own host passes per step, beyond the model's kernels (compression's error
+  // feedback, quantising, top-k selection, PowerSGD's skinny products and packing, replica hashes):
+  // bytes read and written; `loom plan` prices them as the optimizer's pass (optimizer_gbs).
+  double host_bytes = 0;
   std::string bubble_note;  // how it was found
 
   void add_scratch(Mem m, double bytes) { scratch[static_cast<int>(m)] += bytes; }

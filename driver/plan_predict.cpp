@@ -79,7 +79,8 @@ double matmul_peak(const ClusterSpec& c, const std::string& precision) { return 
 // precision's rate at the block's width, d_model / sqrt(tp) on a rank holding 1/tp of it, the head's
 // product at the same rate; plus matmul_call_us per GEMM), attention (attention_flops at
 // attention_tflops plus attention_head_us per sequence and head), element-wise kernels as bytes over
-// memory_gbs and the optimizer's pass as bytes over optimizer_gbs. Recompute runs the blocks' forward
+// memory_gbs and the optimizer's pass as bytes over optimizer_gbs, as are the strategies' own host
+// passes (StepPlan::host_bytes: compression, replica hashes). Recompute runs the blocks' forward
 // again. Fills the compute fields of `t`.
 void predict_compute(const Prediction& p, const RankPrediction& r, const ClusterSpec& c, TimePrediction& t) {
   const GPTConfig& m = p.plan.model;
@@ -116,7 +117,8 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   t.attention_s = att_flops / c.attention_flops + att_heads * c.attention_head_s;
   t.elementwise_s = ew_bytes / c.memory_bytes_per_s;
   t.optimizer_s = optimizer_bytes(grads, owned) / c.optimizer_bytes_per_s;
-  t.compute_s = t.matmul_s + t.attention_s + t.elementwise_s + t.optimizer_s;
+  t.strategies_s = r.step.host_bytes / c.optimizer_bytes_per_s;
+  t.compute_s = t.matmul_s + t.attention_s + t.elementwise_s + t.optimizer_s + t.strategies_s;
 }
 
 // The step of rank `r`: its compute (predict_compute), its messages over the links, and with a
@@ -289,7 +291,9 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   s << std::fixed << std::setprecision(3);
   s << "step time (slowest rank): " << t.step_s * 1e3 << " ms = compute " << t.compute_s * 1e3 << " ms (products "
     << t.matmul_s * 1e3 << ", attention " << t.attention_s * 1e3 << ", element-wise " << t.elementwise_s * 1e3
-    << ", AdamW " << t.optimizer_s * 1e3 << ")";
+    << ", AdamW " << t.optimizer_s * 1e3;
+  if (t.strategies_s > 0) s << ", strategies' host passes " << t.strategies_s * 1e3;
+  s << ")";
   if (t.bubble > 0) s << " / (1 - bubble " << std::setprecision(3) << t.bubble << ")";
   s << " + exposed communication " << t.comm_exposed_s * 1e3 << " ms (of " << t.comm_s * 1e3 << " ms";
   for (const auto& [g, sec] : t.comm_by_group) s << "; " << g << " " << sec * 1e3;

@@ -209,6 +209,10 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const int N = dp_.size();
     const std::int64_t n = b.data.count;
     const double residual = feedback_ ? 4.0 * static_cast<double>(n) : 0.0;  // State::residual
+    // Host passes per element, by the code below (reads and writes, 4 bytes a float, 1 an int8):
+    // error feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them
+    // back (8); the replica hash after the update reads the parameters (4, one bucket's share).
+    const double fb = feedback_ ? 28.0 : 0.0, hash = 4.0, elems = static_cast<double>(n);
     auto all_reduce = [&](const std::string& of, std::int64_t count) {
       plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
                      2.0 * (N - 1), false});
@@ -219,6 +223,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         const std::int64_t ch = compress::chunk_count(n, cfg_.chunk);
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(ch + 1) + static_cast<double>(n));  // absmax, q
         const double maxima = all_reduce("chunk maxima", ch + 1);
+        // finiteness (4) and chunk maxima (4) reads, quantising (read 4, int8 1, error 4), the
+        // sum scaled back (int8 1, write 4)
+        plan.host_bytes += elems * (fb + hash + 4 + 4 + 9 + 5);
         GradBucket qb = b;
         qb.data = BufferRef(nullptr, DType::i8, n, b.data.space);
         BucketScratch s = inner_->plan_bucket(plan, qb, w + " int8 sum");
@@ -229,6 +236,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         const double bytes = 8.0 * static_cast<double>(compress::top_k_count(n, cfg_.ratio));  // indices, values
         plan.add_scratch(Mem::comm, residual + bytes + bytes * N);                             // send, recv
         plan.add_comm({dp_.name(), w + " all-gather", ring_all_gather_bytes(bytes * N, N), N - 1.0, false});
+        // finiteness (4); the selection's three passes over the magnitudes' bits (12); the unsent
+        // part kept (8, with feedback); the sum cleared (4) before the k entries of each rank land
+        plan.host_bytes += elems * (fb + hash + 4 + 12 + (feedback_ ? 8 : 0) + 4) + bytes * N;
         return {};
       }
       case Method::powersgd: {
@@ -239,6 +249,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
           plan.comm.resize(messages);
         }
         const PowerSgdSplit split = powersgd_split(b);
+        // Compressed matrices: P = M Q and Q = M^T P read M (8), M = P Q^T writes it (4), the residual
+        // kept and made M - P Q^T / N (8 + 12, with feedback); the rest packed and unpacked (16).
+        const double mats = elems - static_cast<double>(split.plain_total);
+        plan.host_bytes += elems * (fb + hash) + mats * (12 + (feedback_ ? 20 : 0)) +
+                           16.0 * static_cast<double>(split.plain_total);
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
         double ring = 0;
         if (split.plain_total > 0) ring = std::max(ring, all_reduce("uncompressed tensors", split.plain_total));
@@ -602,7 +617,7 @@ double replicas_identical(GPT& model, Communicator& dp) {
     if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel > 0) return -1;
     copy.resize(p.bytes());
     model.backend().copy_to_host(copy.data(), p);  // the parameters may live on a device
-    for (std::size_t k = 0; k < p.bytes(); ++k) h = (h ^ copy[k]) * 0x100000001b3ULL;
+    h = rng::hash_bytes(copy.data(), p.bytes(), h);
   }
   double v[4] = {static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffULL), -static_cast<double>(h >> 32),
                  -static_cast<double>(h & 0xffffffffULL)};

@@ -18,6 +18,7 @@
 #include "core/gpt.hpp"
 #include "core/kernels.hpp"
 #include "core/plugin.hpp"
+#include "core/rng.hpp"
 
 namespace loom {
 namespace {
@@ -126,8 +127,7 @@ class TensorPartition final : public Partition {
         // A host copy: the tensors may live on a device (these are the small replicated ones).
         hash_copy_.resize(static_cast<std::size_t>(o.size()) * sizeof(float));
         be_.copy_to_host(hash_copy_.data(), ref.slice(0, o.size()));
-        for (std::int64_t k = 0; k < o.size() * static_cast<std::int64_t>(sizeof(float)); ++k)
-          h = (h ^ hash_copy_[static_cast<std::size_t>(k)]) * 0x100000001b3ULL;
+        h = rng::hash_bytes(hash_copy_.data(), hash_copy_.size(), h);
       }
     }
     // Two floats carry 48 bits of the hash exactly (24 bits each, within a float's mantissa).
@@ -181,6 +181,14 @@ class TensorPartition final : public Partition {
                      m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1), false});
     }
     plan.ring_scratch(tp_.name(), {*std::max_element(scratch.begin(), scratch.end())});
+    // The replica hash of finish_grads: each replicated parameter and gradient copied to the host
+    // (read and write, 8 bytes a float) and hashed (4).
+    double replicated = 0;
+    for (const OwnedSlice& o : model.store().owned()) {
+      const ParamInfo& p = model.params()[static_cast<std::size_t>(o.param)];
+      if (!p.shadow && p.split == TpSplit::none) replicated += static_cast<double>(o.size());
+    }
+    plan.host_bytes += 2 * 12.0 * replicated;
   }
 
  private:
