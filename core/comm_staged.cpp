@@ -27,16 +27,19 @@ class StagedRequest final : public CommRequest {
  public:
   StagedRequest(StagedCommunicator* c, CommRequestPtr inner, std::vector<std::pair<BufferRef, void*>> back,
                 std::vector<std::byte> host)
-      : comm_(c), inner_(std::move(inner)), back_(std::move(back)), host_(std::move(host)) {}
+      : comm_(c), host_(std::move(host)), inner_(std::move(inner)), back_(std::move(back)) {}
   bool test() override;
   void wait() override;
 
  private:
   void finish();
   StagedCommunicator* comm_;
+  // The copies (one block; aliased buffers share it). Declared before inner_, so destroyed after it:
+  // a request dropped unfinished completes its MPI operation (the MPI requests' destructors do) while
+  // the memory it moves is still there.
+  std::vector<std::byte> host_;
   CommRequestPtr inner_;
   std::vector<std::pair<BufferRef, void*>> back_;  // device buffer <- its host copy, on completion
-  std::vector<std::byte> host_;                     // the copies (one block; aliased buffers share it)
   bool done_ = false;
 };
 

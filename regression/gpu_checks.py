@@ -13,7 +13,8 @@
                 the uninterrupted run.
   fenced        (every machine) every strategy's device path without a GPU: each layout of LAYOUTS (data,
                 tensor with and without sequence parallelism, the three pipeline schedules, ZeRO 1-3,
-                bf16, fp16 with loss scaling, int8, top-k and PowerSGD compression; 2 and 4 ranks) on
+                bf16, fp16 with loss scaling, int8, top-k and PowerSGD compression, int8 on ZeRO-2's pieces;
+                2 and 4 ranks) on
                 run.backend = fenced, whose tensors the host cannot touch and whose communicators stage
                 device buffers through host copies: the host's losses and gradient norms, bit for bit;
                 and checkpoints cross over (CROSSOVER layouts): each back end resumes the other's
@@ -172,6 +173,8 @@ LAYOUTS = [
                      "compression.start_step=2"]),
     ("powersgd_dp2", 2, ["parallel.dp=2", "compression.method=powersgd", "compression.rank=2",
                          "compression.start_step=2"]),
+    ("int8_zero2_dp2_micro2", 2, ["parallel.dp=2", "zero.stage=2", "train.micro_batches=2",
+                                  "compression.method=int8"]),
     ("dp2_tp2", 4, ["parallel.dp=2", "parallel.tp=2"]),
     ("dp2_pp2_zero1_bf16", 4, ["parallel.dp=2", "parallel.pp=2", "zero.stage=1", "train.micro_batches=2",
                                "precision.dtype=bf16"]),

@@ -284,14 +284,24 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   template <class Fn>
   CommRequestPtr on_host(const GradBucket& b, Fn method) {
     if (b.data.space == MemSpace::host) return method(b);
-    TypedBuffer& h = host_copy_[b.index];
-    ensure_capacity(*cbe_, h, "compression::bucket_host_copy", b.data.type, b.data.count, Mem::comm);
+    // A copy from the spares (as many as buckets were ever in flight at once: ZeRO-2/3 number their
+    // pieces afresh every micro-batch), back among them when the bucket's sum is on the device.
+    std::shared_ptr<TypedBuffer> h;
+    if (spare_copies_.empty()) {
+      h = std::make_shared<TypedBuffer>();
+    } else {
+      h = spare_copies_.back();
+      spare_copies_.pop_back();
+    }
+    ensure_capacity(*cbe_, *h, "compression::bucket_host_copy", b.data.type, b.data.count, Mem::comm);
     GradBucket hb = b;
-    hb.data = h.ref().slice(0, b.data.count);
+    hb.data = h->ref().slice(0, b.data.count);
     be_.copy_to_host(hb.data.data, b.data);
-    Backend& be = be_;
     const BufferRef device = b.data, host = hb.data;
-    return std::make_unique<ThenRequest>(method(hb), [&be, device, host] { be.copy_from_host(device, host.data); });
+    return std::make_unique<ThenRequest>(method(hb), [this, h, device, host] {
+      be_.copy_from_host(device, host.data);
+      spare_copies_.push_back(h);
+    });
   }
 
   // Per bucket (by index, checked against its size): the residual of error feedback and scratch.
@@ -594,7 +604,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   Backend& be_;
   std::unique_ptr<Backend> host_;  // the methods' host back end where be_ is a device one
   Backend* cbe_ = nullptr;         // where the methods compute and keep their state: be_ or host_
-  std::map<int, TypedBuffer> host_copy_;  // by bucket index: the host copy of a device bucket
+  std::vector<std::shared_ptr<TypedBuffer>> spare_copies_;  // host copies of device buckets, free for use
   GPT& model_;
   bool say_;  // this rank prints notes (world rank 0)
   std::map<int, State> state_;
