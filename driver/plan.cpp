@@ -451,6 +451,12 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   }
   std::filesystem::rename(out_path + ".tmp", out_path, ec);
   if (ec) throw InputError("cannot write " + quote_path(out_path) + ": " + ec.message());
+  {  // print what the file holds (its figures as rounded in it), as `--cluster FILE --show` will
+    const std::string name = c.name, source = c.source;
+    c = load_cluster(out_path);
+    c.name = name;
+    c.source = source;
+  }
   c.origin = out_path;
   std::cout << describe_cluster(c) << "wrote " << out_path << "\n";
   return 0;

@@ -6,8 +6,9 @@
   presets            a100-80gb, h100-sxm, h200 load, each naming its datasheet and showing its memory
                      bandwidth and attention (fp32) rate; --set overrides a key
   calibrate_np2      `loom plan --calibrate` on 2 ranks writes a cluster file whose every figure is
-                     positive, which `--cluster FILE --show` reads back to the same values; on 1 rank
-                     it is refused (it measures the links between ranks)
+                     positive (the two fixed costs, per product call and per attention head, at least
+                     0), which `--cluster FILE --show` reads back to the same values; on 1 rank it is
+                     refused (it measures the links between ranks)
   memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps, rank by rank
                      and category by category, for every deck of inputs/ and the layouts of the regression
                      cases (dp, tp, sequence parallel, pp with each schedule, ZeRO 1-3, bf16, fp16, recompute,
@@ -179,9 +180,16 @@ def main():
         print("calibrated figures %s, read back %s" % (a, b))
         if not a or a != b:
             failures.append("the file does not read back to what calibration printed: %s vs %s" % (a, b))
-        nums = figures(shown)
+        # Fixed costs are what a measurement has left over beyond its rate, floored at 0: on a busy
+        # machine (ctest -j) noise can leave none, which is a figure loom plan takes. The rest are rates,
+        # sizes and latencies, positive.
+        fixed_rx = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?) us per (?:product call|sequence and head)"
+        fixed = [float(x) for x in re.findall(fixed_rx, shown)]
+        nums = figures(re.sub(fixed_rx, "", shown))
         if any(x <= 0 for x in nums[3:]):  # nodes, devices, memory, rates, links, latencies
             failures.append("a calibrated figure is not positive: %s" % nums)
+        if len(fixed) != 2 or any(x < 0 for x in fixed):
+            failures.append("the fixed costs (per product call, per sequence and head) are not 2 figures >= 0: %s" % fixed)
         if "1 node(s) x 2 device(s)" not in shown:
             failures.append("2 ranks on one node should calibrate as 1 node x 2 devices: " + shown)
         p = run([loom, "plan", "--calibrate", "-o", os.path.join(d, "one.ini")], expect=2)
