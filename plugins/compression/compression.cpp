@@ -625,9 +625,13 @@ double replicas_identical(GPT& model, Communicator& dp) {
   for (int i = 0; i < static_cast<int>(model.params().size()); ++i) {
     const BufferRef p = store.param(i);
     if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel > 0) return -1;
-    copy.resize(p.bytes());
-    model.backend().copy_to_host(copy.data(), p);  // the parameters may live on a device
-    h = rng::hash_bytes(copy.data(), p.bytes(), h);
+    const void* bytes = p.data;
+    if (p.space != MemSpace::host && p.bytes() > 0) {  // device parameters: through a host copy
+      copy.resize(p.bytes());
+      model.backend().copy_to_host(copy.data(), p);
+      bytes = copy.data();
+    }
+    h = rng::hash_bytes(bytes, p.bytes(), h);
   }
   double v[4] = {static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffULL), -static_cast<double>(h >> 32),
                  -static_cast<double>(h & 0xffffffffULL)};

@@ -124,10 +124,14 @@ class TensorPartition final : public Partition {
       const ParamInfo& p = params[static_cast<std::size_t>(o.param)];
       if (p.shadow || p.split != TpSplit::none) continue;
       for (const BufferRef ref : {store.owned_param(o), store.owned_grad(o)}) {
-        // A host copy: the tensors may live on a device (these are the small replicated ones).
-        hash_copy_.resize(static_cast<std::size_t>(o.size()) * sizeof(float));
-        be_.copy_to_host(hash_copy_.data(), ref.slice(0, o.size()));
-        h = rng::hash_bytes(hash_copy_.data(), hash_copy_.size(), h);
+        const BufferRef r = ref.slice(0, o.size());
+        const void* bytes = r.data;
+        if (r.space != MemSpace::host && r.count > 0) {  // device tensors: through a host copy
+          hash_copy_.resize(r.bytes());
+          be_.copy_to_host(hash_copy_.data(), r);
+          bytes = hash_copy_.data();
+        }
+        h = rng::hash_bytes(bytes, r.bytes(), h);
       }
     }
     // Two floats carry 48 bits of the hash exactly (24 bits each, within a float's mantissa).
