@@ -23,6 +23,10 @@ struct CommCost {
   double bytes = 0;         // bytes this rank sends per step (the ring formulas)
   double messages = 0;      // messages this rank sends per step (the latency term)
   bool overlapped = false;  // runs while the step computes (backward), so it hides behind it
+  // The rank waits on it between its kernels (a tensor-parallel collective, a pipeline receive,
+  // ZeRO-3's gather of the next layer), not only at the step's end: each such wait also waits for the
+  // slowest rank of the group to get there (ClusterSpec::sync_wait_share).
+  bool in_step = false;
 };
 
 struct StepPlan {

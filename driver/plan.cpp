@@ -157,52 +157,70 @@ AttentionRate attention_rate(double ts, double tl) {
   return r;
 }
 
-// Bytes per second of a block's element-wise kernels as GPT runs them (block_counts: LayerNorm
-// twice, the residual add twice, GELU over [N, 4C] forward; the LayerNorms', GELU's backward and the
-// residual branch's two copies) at N = 8192 rows, C = 256, fp32: the bytes block_counts counts over
-// the best time of the whole sequence (of 4), so the kernels weigh as they do in a block.
+// A block's element-wise kernels as GPT runs them (block_counts: LayerNorm twice, the residual add
+// twice, GELU over [N, 4C] forward; the LayerNorms', GELU's backward and the residual branch's two
+// copies) over N rows of C, fp32, on the host back end.
+class BlockKernels {
+ public:
+  BlockKernels(int N, int C) : N_(N), C_(C), be_(make_host_backend(1)) {
+    const std::int64_t n = static_cast<std::int64_t>(N) * C;
+    x_ = small_values(*be_, "plan::calibrate.x", n);
+    dy_ = small_values(*be_, "plan::calibrate.dy", n);
+    y_ = be_->allocate("plan::calibrate.y", DType::f32, n, Mem::workspace);
+    y2_ = be_->allocate("plan::calibrate.y2", DType::f32, n, Mem::workspace);
+    dx_ = be_->allocate("plan::calibrate.dx", DType::f32, n, Mem::workspace);
+    h_ = small_values(*be_, "plan::calibrate.h", 4 * n);
+    hg_ = be_->allocate("plan::calibrate.hg", DType::f32, 4 * n, Mem::workspace);
+    dh_ = small_values(*be_, "plan::calibrate.dh", 4 * n);
+    dhg_ = be_->allocate("plan::calibrate.dhg", DType::f32, 4 * n, Mem::workspace);
+    w_ = small_values(*be_, "plan::calibrate.ln_w", C);
+    b_ = small_values(*be_, "plan::calibrate.ln_b", C);
+    dw_ = be_->allocate("plan::calibrate.ln_dw", DType::f32, C, Mem::workspace);
+    db_ = be_->allocate("plan::calibrate.ln_db", DType::f32, C, Mem::workspace);
+    mean_ = be_->allocate("plan::calibrate.mean", DType::f32, N, Mem::workspace);
+    rstd_ = be_->allocate("plan::calibrate.rstd", DType::f32, N, Mem::workspace);
+  }
+  ~BlockKernels() { be_->release_scratch(); }
+  Backend& backend() { return *be_; }
+  // The bytes block_counts counts for one run().
+  double bytes() const {
+    const BlockCounts bc = block_counts(N_, N_, C_, 1);
+    return bc.elementwise_bytes_fwd + bc.elementwise_bytes_bwd;
+  }
+  void run() {
+    const std::int64_t n = static_cast<std::int64_t>(N_) * C_;
+    layernorm_forward();
+    be_->residual_forward(y2_.data<float>(), x_.data<float>(), dy_.data<float>(), n);
+    layernorm_forward();
+    be_->gelu_forward(hg_.data<float>(), h_.data<float>(), 4 * n);
+    be_->residual_forward(y2_.data<float>(), x_.data<float>(), dy_.data<float>(), n);
+    be_->gelu_backward(dhg_.data<float>(), h_.data<float>(), dh_.data<float>(), 4 * n);
+    be_->copy(y2_.data<float>(), dy_.data<float>(), n);
+    layernorm_backward();
+    be_->copy(y2_.data<float>(), dy_.data<float>(), n);
+    layernorm_backward();
+  }
+
+ private:
+  void layernorm_forward() {
+    be_->layernorm_forward(y_.data<float>(), mean_.data<float>(), rstd_.data<float>(), x_.data<float>(), w_.data<float>(),
+                           b_.data<float>(), N_, C_);
+  }
+  void layernorm_backward() {
+    be_->layernorm_backward(dx_.data<float>(), dw_.data<float>(), db_.data<float>(), dy_.data<float>(), x_.data<float>(),
+                            w_.data<float>(), mean_.data<float>(), rstd_.data<float>(), N_, C_);
+  }
+  int N_, C_;
+  std::unique_ptr<Backend> be_;
+  TypedBuffer x_, dy_, y_, y2_, dx_, h_, hg_, dh_, dhg_, w_, b_, dw_, db_, mean_, rstd_;
+};
+
+// Bytes per second of a block's element-wise kernels (BlockKernels) at N = 8192 rows, C = 256: the
+// bytes block_counts counts over the best time of the whole sequence (of 4), so the kernels weigh as
+// they do in a block.
 double memory_rate() {
-  auto be = make_host_backend(1);
-  constexpr int N = 8192, C = 256;
-  const std::int64_t n = static_cast<std::int64_t>(N) * C;
-  TypedBuffer x = small_values(*be, "plan::calibrate.x", n);
-  TypedBuffer dy = small_values(*be, "plan::calibrate.dy", n);
-  TypedBuffer y = be->allocate("plan::calibrate.y", DType::f32, n, Mem::workspace);
-  TypedBuffer y2 = be->allocate("plan::calibrate.y2", DType::f32, n, Mem::workspace);
-  TypedBuffer dx = be->allocate("plan::calibrate.dx", DType::f32, n, Mem::workspace);
-  TypedBuffer h = small_values(*be, "plan::calibrate.h", 4 * n);
-  TypedBuffer hg = be->allocate("plan::calibrate.hg", DType::f32, 4 * n, Mem::workspace);
-  TypedBuffer dh = small_values(*be, "plan::calibrate.dh", 4 * n);
-  TypedBuffer dhg = be->allocate("plan::calibrate.dhg", DType::f32, 4 * n, Mem::workspace);
-  TypedBuffer w = small_values(*be, "plan::calibrate.ln_w", C);
-  TypedBuffer b = small_values(*be, "plan::calibrate.ln_b", C);
-  TypedBuffer dw = be->allocate("plan::calibrate.ln_dw", DType::f32, C, Mem::workspace);
-  TypedBuffer db = be->allocate("plan::calibrate.ln_db", DType::f32, C, Mem::workspace);
-  TypedBuffer mean = be->allocate("plan::calibrate.mean", DType::f32, N, Mem::workspace);
-  TypedBuffer rstd = be->allocate("plan::calibrate.rstd", DType::f32, N, Mem::workspace);
-  const auto ln_f = [&](float* out) {
-    be->layernorm_forward(out, mean.data<float>(), rstd.data<float>(), x.data<float>(), w.data<float>(),
-                          b.data<float>(), N, C);
-  };
-  const auto ln_b = [&] {
-    be->layernorm_backward(dx.data<float>(), dw.data<float>(), db.data<float>(), dy.data<float>(), x.data<float>(),
-                           w.data<float>(), mean.data<float>(), rstd.data<float>(), N, C);
-  };
-  const double t = best_seconds(*be, 4, [&] {
-    ln_f(y.data<float>());
-    be->residual_forward(y2.data<float>(), x.data<float>(), dy.data<float>(), n);
-    ln_f(y.data<float>());
-    be->gelu_forward(hg.data<float>(), h.data<float>(), 4 * n);
-    be->residual_forward(y2.data<float>(), x.data<float>(), dy.data<float>(), n);
-    be->gelu_backward(dhg.data<float>(), h.data<float>(), dh.data<float>(), 4 * n);
-    be->copy(y2.data<float>(), dy.data<float>(), n);
-    ln_b();
-    be->copy(y2.data<float>(), dy.data<float>(), n);
-    ln_b();
-  });
-  be->release_scratch();
-  const BlockCounts bc = block_counts(N, N, C, 1);
-  return (bc.elementwise_bytes_fwd + bc.elementwise_bytes_bwd) / t;
+  BlockKernels k(8192, 256);
+  return k.bytes() / best_seconds(k.backend(), 4, [&] { k.run(); });
 }
 
 // Bytes per second of the optimizer's pass as the engine runs it (optimizer_bytes, io/cluster.hpp):
@@ -286,6 +304,52 @@ Link measure_link(Communicator& world, int a, int b) {
   l.latency_s = v[1];
   l.measured = a >= 0 && b >= 0;
   return l;
+}
+
+// The share of its compute a rank waits for the slowest rank when all of them synchronise between
+// kernels, as a tensor-parallel or pipeline step does (ClusterSpec::sync_wait_share): in pairs of
+// consecutive ranks (a group of 2, placed as tensor-parallel groups are; every pair at once), every
+// rank runs kSegments segments of a block's element-wise kernels (BlockKernels at 512 x 256, about
+// 1 ms here), once with an 8-byte all-reduce of its pair through loom's communicator after each
+// segment, once with the all-reduces alone and once with the segments alone; the first less the other
+// two, over the segments' time, is the share (each paired rank's, their mean). Ranks that run the same
+// kernels in the same time wait for nobody (0); shared cores or a virtual machine's neighbours make
+// them differ. The median of 5 (this measures the machine's variability, which the best of several
+// would hide). 0 on one rank.
+double sync_wait_share(Communicator& world) {
+  if (world.size() < 2) return 0.0;
+  constexpr int kSegments = 40, kRounds = 5;
+  const int rank = world.rank();
+  const bool paired = rank / 2 * 2 + 1 < world.size();  // an odd world's last rank has no partner
+  const int pairs = world.size() / 2;
+  MPI_Comm pair_comm;
+  MPI_Comm_split(MPI_COMM_WORLD, rank / 2, rank, &pair_comm);
+  std::unique_ptr<Communicator> pair = make_mpi_communicator(pair_comm, "pair");
+  BlockKernels k(512, 256);
+  double v[1] = {0};
+  const auto all_reduce = [&] {
+    if (paired) pair->all_reduce_async(BufferRef(v, 1))->wait();
+  };
+  const auto timed = [&](bool compute, bool sync) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = now();
+    for (int i = 0; i < kSegments; ++i) {
+      if (compute) k.run();
+      if (sync) all_reduce();
+    }
+    return now() - t0;
+  };
+  timed(true, true);  // warm-up
+  std::vector<double> shares;
+  for (int r = 0; r < kRounds; ++r) {
+    const double both = timed(true, true), messages = timed(false, true), segments = timed(true, false);
+    double share[1] = {paired ? std::max(0.0, (both - messages - segments) / segments) / (2 * pairs) : 0.0};
+    MPI_Allreduce(MPI_IN_PLACE, share, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    shares.push_back(share[0]);
+  }
+  pair.reset();
+  MPI_Comm_free(&pair_comm);
+  return median(shares);
 }
 
 double mem_total_bytes() {
@@ -380,6 +444,7 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   std::unique_ptr<Communicator> world_comm = make_mpi_communicator(MPI_COMM_WORLD, "world");
   const Link intra = measure_link(*world_comm, same >= 0 ? 0 : -1, same);
   const Link inter = measure_link(*world_comm, other >= 0 ? 0 : -1, other);
+  const double sync_share = sync_wait_share(*world_comm);
   if (rank != 0) return 0;
 
   ClusterSpec c;
@@ -401,6 +466,7 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   c.attention_head_s = costs[1];
   c.memory_bytes_per_s = kernels[1];
   c.optimizer_bytes_per_s = kernels[2];
+  c.sync_wait_share = sync_share;
   const Link& in_node = intra.measured ? intra : inter;
   const Link& between = inter.measured ? inter : intra;
   c.intra_bytes_per_s = in_node.bytes_per_s;
@@ -419,7 +485,11 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
                          "optimizer_gbs from gradient zeroing, norm, clip and AdamW over 4M parameters (best of 4); "
                          "bytes and FLOPs as loom plan counts them; memory = MemTotal / ranks per node; links "
                          "by ping-pong through loom's communicator while the other ranks wait in it: latency the "
-                         "median one way of 8 B, bandwidth from the best of 1 MiB") +
+                         "median one way of 8 B, bandwidth from the best of 1 MiB; sync_wait_share from 40 segments of a "
+                         "block's element-wise kernels at 512 x 256 with an all-reduce of each pair of consecutive "
+                         "ranks after each (every pair at once), against "
+                         "the segments and the all-reduces alone (each rank's extra time over its segments' time, the "
+                         "mean over ranks, the median of 5)") +
              (world < 2 ? "" : intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
              (world < 2 ? "" : inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
   if (!sets.empty()) {

@@ -420,7 +420,8 @@ class Memo {
        << "- **LayerNorm, softmax and the attention's own products, and the cross-entropy**: means, variances and "
        << "exponentials lose accuracy fastest, and their activations are not what dominates memory;\n"
        << "- the **gradient collective** stays fp32 unless `precision.reduce_dtype = bf16` halves its bytes.\n\n"
-       << "Attention's own products run in fp32 in loom (not at the 16-bit peak): here they take "
+       << "Attention's own products run in fp32 in loom (on a GPU as TF32 under `run.tf32 = auto`, not at the 16-bit "
+          "peak), and its kernels write and read the whole [batch, heads, T, T] matrices: here attention takes "
        << pct(half.built ? half.p.time.attention_s / half.p.time.step_s : 0.0) << " of the " << h
        << " step, the largest share a faster (16-bit, fused) attention kernel would win back.\n\n"
        << (h == "fp16" ? "fp16 has 5 exponent bits: small gradients underflow, so loom scales the loss (dynamic loss "
@@ -446,6 +447,7 @@ class Memo {
     row("element-wise kernels (memory-bound)", t.elementwise_s);
     row("AdamW", t.optimizer_s);
     if (bubble_s > 0) row("pipeline bubble", bubble_s);
+    if (t.sync_wait_s > 0) row("waits for each group's slowest rank", t.sync_wait_s);
     for (const auto& [g, sec] : exposed_by_group)
       if (sec > 0) row("exposed " + group_name(g) + " messages", sec);
     s_ << "\n";

@@ -132,7 +132,9 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   // Messages: ring volume over the group's link, plus its latency per message.
   double overlapped = 0, exposed = 0;
   std::map<std::string, double> by_group, exposed_by, overlapped_by;
+  bool syncs_in_step = false;
   for (const CommCost& k : r.step.comm) {
+    syncs_in_step = syncs_in_step || k.in_step;
     const bool in_node = group_in_node(k.group, l, c.devices_per_node);
     const double bw = in_node ? c.intra_bytes_per_s : c.inter_bytes_per_s;
     const double lat = in_node ? c.intra_latency_s : c.inter_latency_s;
@@ -179,7 +181,12 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
     t.bubble = busy < span ? 1.0 - busy / span : 0.0;  // this rank's idle share of the span
     busy = std::max(span, busy);
   }
-  t.step_s = busy + t.optimizer_s + t.comm_exposed_s;
+  // A rank that synchronises with its group between kernels waits, at each synchronisation, for the
+  // group's slowest rank: where ranks run the same kernels in varying times (shared cores, a virtual
+  // machine's neighbours) that is a share of its compute (measured by --calibrate), whatever the
+  // number of synchronisations; 0 on devices that run a kernel in the same time every time.
+  t.sync_wait_s = syncs_in_step ? c.sync_wait_share * (t.compute_s - t.optimizer_s) : 0.0;
+  t.step_s = busy + t.optimizer_s + t.comm_exposed_s + t.sync_wait_s;
   t.tokens_per_s = p.plan.global_batch * T / t.step_s;
   t.mfu = t.tokens_per_s * flops_per_token / (l.ranks() * matmul_peak(c, p.precision));
 }
@@ -262,6 +269,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"compute_ms", p.time.compute_s * 1e3},
                       {"comm_ms", p.time.comm_s * 1e3},
                       {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
+                      {"sync_wait_ms", p.time.sync_wait_s * 1e3},
                       {"bubble", p.time.bubble},
                       {"tokens_per_s", p.time.tokens_per_s},
                       {"mfu", p.time.mfu}};
@@ -297,7 +305,9 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   if (t.bubble > 0) s << " / (1 - bubble " << std::setprecision(3) << t.bubble << ")";
   s << " + exposed communication " << t.comm_exposed_s * 1e3 << " ms (of " << t.comm_s * 1e3 << " ms";
   for (const auto& [g, sec] : t.comm_by_group) s << "; " << g << " " << sec * 1e3;
-  s << ")\n";
+  s << ")";
+  if (t.sync_wait_s > 0) s << " + waits for the group's slowest rank " << t.sync_wait_s * 1e3 << " ms";
+  s << "\n";
   s << std::setprecision(0) << "  " << t.tokens_per_s << " tokens/s, MFU " << std::setprecision(1) << 100.0 * t.mfu
     << "% of " << l.ranks() << " x " << std::setprecision(1) << matmul_peak(cluster, p.precision) / 1e12 << " TFLOP/s ("
     << p.precision << ")\n";

@@ -15,8 +15,12 @@ namespace loom {
 namespace {
 
 // Published figures, per device. Link bandwidths per direction; memory_gbs and optimizer_gbs the HBM
-// bandwidth (a GPU's element-wise kernels and AdamW are bound by it); attention_tflops the FP32 peak
-// without tensor cores, as loom's attention kernels compute in fp32. Not published, assumed (and said
+// bandwidth (a GPU's element-wise kernels and AdamW are bound by it). attention_tflops measured: loom's
+// CUDA attention on an H100 SXM (README, LOOM_CUDA_PROFILE for bench/gpu.deck: forward 2.250 +
+// backward 2.757 ms per layer at B 16, T 1024, d 768, 12 heads, a bf16 run whose attention products
+// are TF32, less 192 x attention_head_us: 12 B T^2 C / 4.62 ms = 33.5 TFLOP/s); its kernels write and
+// read the [B, heads, T, T] matrices, so on the A100 and H200 it is scaled by HBM bandwidth (assumed).
+// Not published, assumed (and said
 // so in `source`): latencies, the order of a small NCCL message on such links; matmul_efficiency, the
 // peak at every width (narrow models reach less of it: a calibrated cluster knows); matmul_call_us, one
 // kernel launch (a few microseconds); attention_head_us, loom's CUDA attention launching six batched
@@ -25,7 +29,7 @@ const std::map<std::string, std::string>& presets() {
   static const std::map<std::string, std::string> p = {
       {"a100-80gb", R"([cluster]
 name = NVIDIA DGX A100 80GB nodes (8 x A100-SXM4-80GB per node)
-source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU)
+source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 2039/3350; a bf16 run, attention's products in TF32); DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
@@ -36,10 +40,11 @@ matmul_efficiency_fp32 = 1
 matmul_efficiency_bf16 = 1
 matmul_efficiency_fp16 = 1
 matmul_call_us = 4
-attention_tflops = 19.5
+attention_tflops = 20.4
 attention_head_us = 2
 memory_gbs = 2039
 optimizer_gbs = 2039
+sync_wait_share = 0
 [network]
 intra_node_gbs = 300
 intra_node_latency_us = 3
@@ -48,7 +53,7 @@ inter_node_latency_us = 8
 )"},
       {"h100-sxm", R"([cluster]
 name = NVIDIA DGX H100 nodes (8 x H100-SXM5-80GB per node)
-source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU)
+source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention_tflops measured: loom's attention on an H100 SXM (bench/gpu.deck, LOOM_CUDA_PROFILE: 5.0 ms forward + backward per layer at B 16, T 1024, d 768, 12 heads; a bf16 run, attention's products in TF32); DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
@@ -59,10 +64,11 @@ matmul_efficiency_fp32 = 1
 matmul_efficiency_bf16 = 1
 matmul_efficiency_fp16 = 1
 matmul_call_us = 4
-attention_tflops = 67
+attention_tflops = 33.5
 attention_head_us = 2
 memory_gbs = 3350
 optimizer_gbs = 3350
+sync_wait_share = 0
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -71,7 +77,7 @@ inter_node_latency_us = 8
 )"},
       {"h200", R"([cluster]
 name = NVIDIA DGX H200 nodes (8 x H200-SXM-141GB per node)
-source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention at the FP32 (non-tensor-core) peak, as loom computes it in fp32; DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU)
+source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 4800/3350; a bf16 run, attention's products in TF32); DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 141
@@ -82,10 +88,11 @@ matmul_efficiency_fp32 = 1
 matmul_efficiency_bf16 = 1
 matmul_efficiency_fp16 = 1
 matmul_call_us = 4
-attention_tflops = 67
+attention_tflops = 48
 attention_head_us = 2
 memory_gbs = 4800
 optimizer_gbs = 4800
+sync_wait_share = 0
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -100,7 +107,7 @@ const char* const kRequired[] = {"cluster.nodes", "cluster.devices_per_node", "c
                                  "cluster.peak_tflops_fp32", "cluster.peak_tflops_bf16", "cluster.peak_tflops_fp16",
                                  "cluster.matmul_efficiency_fp32", "cluster.matmul_efficiency_bf16",
                                  "cluster.matmul_efficiency_fp16", "cluster.matmul_call_us", "cluster.attention_tflops", "cluster.attention_head_us",
-                                 "cluster.memory_gbs", "cluster.optimizer_gbs",
+                                 "cluster.memory_gbs", "cluster.optimizer_gbs", "cluster.sync_wait_share",
                                  "network.intra_node_gbs", "network.intra_node_latency_us", "network.inter_node_gbs",
                                  "network.inter_node_latency_us"};
 
@@ -134,6 +141,10 @@ void add_cluster_keys(DeckSchema& schema) {
                        "what a block's element-wise kernels (LayerNorm, GELU, residual adds) run at per device, GB/s"));
   schema.add(float_key("cluster.optimizer_gbs", "1", 1e-6, 1e6,
                        "what the optimizer's pass (gradient zeroing, norm, clip, AdamW) runs at per device, GB/s"));
+  schema.add(float_key("cluster.sync_wait_share", "0", 0, 10,
+                       "a rank's wait for the slowest of its group at the synchronisations between its kernels "
+                       "(tensor-parallel collectives, pipeline sends, ZeRO-3's gathers), as a share of its compute: "
+                       "0 where devices run a kernel in the same time every time"));
   schema.add(float_key("network.intra_node_gbs", "1", 1e-6, 1e6, "bandwidth between devices of a node, GB/s per device and direction"));
   schema.add(float_key("network.intra_node_latency_us", "0", 0, 1e6, "latency of a message inside a node, microseconds"));
   schema.add(float_key("network.inter_node_gbs", "1", 1e-6, 1e6, "bandwidth between nodes, GB/s per device and direction"));
@@ -260,6 +271,7 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   c.attention_head_s = d.get_float("cluster.attention_head_us") * 1e-6;
   c.memory_bytes_per_s = d.get_float("cluster.memory_gbs") * 1e9;
   c.optimizer_bytes_per_s = d.get_float("cluster.optimizer_gbs") * 1e9;
+  c.sync_wait_share = d.get_float("cluster.sync_wait_share");
   c.intra_bytes_per_s = d.get_float("network.intra_node_gbs") * 1e9;
   c.intra_latency_s = d.get_float("network.intra_node_latency_us") * 1e-6;
   c.inter_bytes_per_s = d.get_float("network.inter_node_gbs") * 1e9;
@@ -283,6 +295,7 @@ std::string cluster_text(const ClusterSpec& c) {
     << "\nmatmul_call_us = " << c.matmul_call_s * 1e6
     << "\nattention_tflops = " << c.attention_flops / 1e12 << "\nattention_head_us = " << c.attention_head_s * 1e6
     << "\nmemory_gbs = " << c.memory_bytes_per_s / 1e9 << "\noptimizer_gbs = " << c.optimizer_bytes_per_s / 1e9
+    << "\nsync_wait_share = " << c.sync_wait_share
     << "\n[network]\nintra_node_gbs = " << c.intra_bytes_per_s / 1e9
     << "\nintra_node_latency_us = " << c.intra_latency_s * 1e6 << "\ninter_node_gbs = " << c.inter_bytes_per_s / 1e9
     << "\ninter_node_latency_us = " << c.inter_latency_s * 1e6 << "\n";
@@ -316,7 +329,8 @@ std::string describe_cluster(const ClusterSpec& c) {
     << "; fp16 " << c.efficiency_fp16.text() << "\n"
     << "  attention " << c.attention_flops / 1e12 << " TFLOP/s + " << c.attention_head_s * 1e6
     << " us per sequence and head; memory " << c.memory_bytes_per_s / 1e9 << " GB/s (element-wise kernels), optimizer "
-    << c.optimizer_bytes_per_s / 1e9 << " GB/s, per device\n"
+    << c.optimizer_bytes_per_s / 1e9 << " GB/s, per device; waits at synchronisations "
+    << 100.0 * c.sync_wait_share << "% of compute\n"
     << "  inside a node: " << c.intra_bytes_per_s / 1e9 << " GB/s, " << c.intra_latency_s * 1e6 << " us; between nodes: "
     << c.inter_bytes_per_s / 1e9 << " GB/s, " << c.inter_latency_s * 1e6 << " us\n"
     << "  source: " << c.source << "\n";

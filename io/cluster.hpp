@@ -14,6 +14,9 @@
 //   attention_head_us  (the fixed cost of attention forward + backward per sequence and head)
 //   memory_gbs         (per device: what a block's element-wise kernels run at, BlockCounts below)
 //   optimizer_gbs      (per device: what the optimizer's pass runs at, optimizer_bytes below)
+//   sync_wait_share    (a rank's waits for the slowest of its group at synchronisations between its
+//                      kernels, as a share of its compute: ranks on shared or noisy cores finish the
+//                      same kernels at different times; 0 for dedicated devices)
 //
 // A step's time is predicted from the counts below, which `loom plan --calibrate` measures the rates
 // with, so the prediction uses the very figures the rates were taken with: a block's products
@@ -55,6 +58,7 @@ struct ClusterSpec {
   double attention_head_s = 0;       // seconds per sequence and head of attention forward + backward
   double memory_bytes_per_s = 0;     // B/s per device, a block's element-wise kernels (BlockCounts below)
   double optimizer_bytes_per_s = 0;  // B/s per device, the optimizer's pass (optimizer_bytes below)
+  double sync_wait_share = 0;        // waits at in-step synchronisations, a share of the rank's compute
   double intra_bytes_per_s = 0, intra_latency_s = 0, inter_bytes_per_s = 0, inter_latency_s = 0;
   int devices() const { return nodes * devices_per_node; }
   // FLOP/s of the products of a block `width` wide with `precision` ("fp32", "bf16", "fp16") operands:

@@ -4,10 +4,11 @@
     python3 regression/plan_checks.py --loom build/loom --workdir build/plan-checks CASE
 
   presets            a100-80gb, h100-sxm, h200 load, each naming its datasheet and showing its memory
-                     bandwidth and attention (fp32) rate; --set overrides a key
+                     bandwidth and attention rate (measured on an H100, scaled by HBM bandwidth for the
+                     others); --set overrides a key
   calibrate_np2      `loom plan --calibrate` on 2 ranks writes a cluster file whose every figure is
-                     positive (the two fixed costs, per product call and per attention head, at least
-                     0), which `--cluster FILE --show` reads back to the same values; on 1 rank it is
+                     positive (the two fixed costs, per product call and per attention head, and the
+                     waits at synchronisations, at least 0), which `--cluster FILE --show` reads back to the same values; on 1 rank it is
                      refused (it measures the links between ranks)
   memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps, rank by rank
                      and category by category, for every deck of inputs/ and the layouts of the regression
@@ -18,8 +19,9 @@
                      predicted + 5%, predicted <= 2 x measured. Compression's int8, top-k and PowerSGD
                      (their own buffers and collectives) are among the layouts. The worst cases are printed.
   cluster_refusals   a missing key (memory_gbs, matmul_efficiency_bf16, matmul_call_us, attention_head_us,
-                     optimizer_gbs among them), a value out of range (attention_tflops = 0, optimizer_gbs = 0,
-                     a negative fixed cost, a share above 1), widths out of order,
+                     optimizer_gbs, sync_wait_share among them), a value out of range (attention_tflops = 0,
+                     optimizer_gbs = 0, a negative fixed cost or sync_wait_share, a share above 1), widths out
+                     of order,
                      an unknown key, links inside a node slower than between nodes, a name that is
                      neither a file nor a preset: exit 2, named
 Standard library only.
@@ -49,6 +51,7 @@ attention_tflops = 5
 attention_head_us = 2
 memory_gbs = 500
 optimizer_gbs = 400
+sync_wait_share = 0.05
 [network]
 intra_node_gbs = 200
 intra_node_latency_us = 2
@@ -160,9 +163,9 @@ def main():
     os.makedirs(d, exist_ok=True)
     loom = args.loom
     if args.case == "presets":
-        for name, words in (("a100-80gb", ["A100", "312", "80 GiB", "memory 2039 GB/s", "attention 19.5 TFLOP/s"]),
-                            ("h100-sxm", ["H100", "989", "80 GiB", "memory 3350 GB/s", "attention 67 TFLOP/s"]),
-                            ("h200", ["H200", "989", "141 GiB", "memory 4800 GB/s", "attention 67 TFLOP/s"])):
+        for name, words in (("a100-80gb", ["A100", "312", "80 GiB", "memory 2039 GB/s", "attention 20.4 TFLOP/s", "waits at synchronisations 0%"]),
+                            ("h100-sxm", ["H100", "989", "80 GiB", "memory 3350 GB/s", "attention 33.5 TFLOP/s"]),
+                            ("h200", ["H200", "989", "141 GiB", "memory 4800 GB/s", "attention 48 TFLOP/s"])):
             p = run([loom, "plan", "--cluster", name, "--show"])
             print(p.stdout.strip())
             for w in words + ["datasheet", "32 devices"]:
@@ -185,7 +188,12 @@ def main():
         # sizes and latencies, positive.
         fixed_rx = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?) us per (?:product call|sequence and head)"
         fixed = [float(x) for x in re.findall(fixed_rx, shown)]
-        nums = figures(re.sub(fixed_rx, "", shown))
+        # Likewise the waits at synchronisations (sync_wait_share): 0 where the ranks kept in step.
+        wait_rx = r"waits at synchronisations ([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)% of compute"
+        waits = [float(x) for x in re.findall(wait_rx, shown)]
+        if len(waits) != 1 or waits[0] < 0:
+            failures.append("the waits at synchronisations are not one share >= 0: %s" % waits)
+        nums = figures(re.sub(wait_rx, "", re.sub(fixed_rx, "", shown)))
         if any(x <= 0 for x in nums[3:]):  # nodes, devices, memory, rates, links, latencies
             failures.append("a calibrated figure is not positive: %s" % nums)
         if len(fixed) != 2 or any(x < 0 for x in fixed):
@@ -204,6 +212,9 @@ def main():
             ("missing_call", GOOD.replace("matmul_call_us = 4\n", ""), [], ["cluster.matmul_call_us is missing"]),
             ("missing_head", GOOD.replace("attention_head_us = 2\n", ""), [], ["cluster.attention_head_us is missing"]),
             ("missing_optimizer", GOOD.replace("optimizer_gbs = 400\n", ""), [], ["cluster.optimizer_gbs is missing"]),
+            ("missing_sync", GOOD.replace("sync_wait_share = 0.05\n", ""), [], ["cluster.sync_wait_share is missing"]),
+            ("negative_sync", GOOD.replace("sync_wait_share = 0.05", "sync_wait_share = -0.1"), [],
+             ["sync_wait_share", "range"]),
             ("missing_efficiency", GOOD.replace("matmul_efficiency_bf16 = 0.8\n", ""), [],
              ["cluster.matmul_efficiency_bf16 is missing"]),
             ("bad_efficiency", GOOD.replace("64:0.5 512:1", "512:0.5 64:1"), [],

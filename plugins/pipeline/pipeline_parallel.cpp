@@ -312,7 +312,8 @@ class PipelineSchedule final : public Schedule {
     if (first_ || last_) plan.add_scratch(Mem::comm, static_cast<double>(tied_numel_) * sizeof(float));
     double sends = 0;
     for (int c = 0; c < v_; ++c) sends += (c + 1 < v_ || !last_ ? 1 : 0) + (c > 0 || !first_ ? 1 : 0);
-    plan.add_comm({pp_.name(), "stage-boundary activations and gradients", sends * m_ * boundary_ * 4.0, sends * m_, false});
+    plan.add_comm({pp_.name(), "stage-boundary activations and gradients", sends * m_ * boundary_ * 4.0, sends * m_, false,
+                   true});
     if (first_ || last_) plan.add_comm({pp_.name(), "tied wte gradient", tied_numel_ * 4.0, 1, false});
     std::vector<std::vector<double>> op_ms(static_cast<std::size_t>(p_));
     for (int s = 0; s < p_; ++s)

@@ -165,12 +165,12 @@ class TensorPartition final : public Partition {
     std::vector<double> scratch;
     if (!sp_) {
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(NC, n, sizeof(float))));
-      plan.add_comm({tp_.name(), "activation all-reduces", ops * ring_all_reduce_bytes(N * C * 4.0, n), ops * 2.0 * (n - 1), false});
+      plan.add_comm({tp_.name(), "activation all-reduces", ops * ring_all_reduce_bytes(N * C * 4.0, n), ops * 2.0 * (n - 1), false, true});
     } else {
       scratch.push_back(static_cast<double>(ring_reduce_scatter_scratch(NC / n, n, sizeof(float), false)));
       const double gathers = ops + m * (model.stage().last() ? 1.0 : 0.0);  // the head's lnf gather
       plan.add_comm({tp_.name(), "sequence-parallel all-gathers and reduce-scatters",
-                     (ops + gathers) * ring_all_gather_bytes(N * C * 4.0, n), (ops + gathers) * (n - 1), false});
+                     (ops + gathers) * ring_all_gather_bytes(N * C * 4.0, n), (ops + gathers) * (n - 1), false, true});
       std::int64_t partial = 0;
       for (const OwnedSlice& o : model.store().owned())
         if (model.params()[static_cast<std::size_t>(o.param)].sp_partial) partial += o.size();
@@ -182,7 +182,8 @@ class TensorPartition final : public Partition {
       plan.add_scratch(Mem::comm, N * 4.0 + 2 * N * 8.0);
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(static_cast<std::int64_t>(N), n, sizeof(double))));
       plan.add_comm({tp_.name(), "vocabulary-parallel cross-entropy",
-                     m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1), false});
+                     m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1), false,
+                     true});
     }
     plan.ring_scratch(tp_.name(), {*std::max_element(scratch.begin(), scratch.end())});
     // The replica hash of finish_grads: each replicated parameter and gradient copied to the host

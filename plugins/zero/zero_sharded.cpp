@@ -349,7 +349,7 @@ void ShardedStore::plan_step(StepPlan& plan) const {
     plan.add_scratch(Mem::params, 4.0 * static_cast<double>(emb + (1 + depth_) * most));
     plan.add_comm({dp_.name(), "parameter all-gathers (forward and backward, every micro-batch)",
                    2.0 * m * ring_all_gather_bytes(4.0 * static_cast<double>(sharded_), n),
-                   2.0 * m * static_cast<double>(units_.size()) * (n - 1), true});
+                   2.0 * m * static_cast<double>(units_.size()) * (n - 1), true, true});
   } else {
     const double elem = masters16_ ? dtype_size(be_->precision().matmul) : sizeof(float);
     plan.add_comm({dp_.name(), "parameter all-gather (refresh)", ring_all_gather_bytes(elem * static_cast<double>(sharded_), n),
