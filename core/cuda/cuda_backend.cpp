@@ -137,7 +137,19 @@ class CudaBackend final : public Backend {
       << "; CUDA runtime " << runtime / 1000 << "." << (runtime % 1000) / 10 << ", driver " << driver / 1000 << "."
       << (driver % 1000) / 10 << "; cuBLASLt " << cublasLtGetVersion() << ", fp32 products "
       << (tf32() ? "TF32" : "full fp32") << (tf32_mode_ == 2 ? " (run.tf32 = auto)" : "") << ")";
-    if (!comm_note_.empty()) s << "; device buffers between ranks: " << comm_note_;
+    // Each group's way (NCCL, or host copies where its ranks share a GPU); one phrase when all agree.
+    std::map<std::string, std::vector<std::string>> groups_by_note;
+    for (const auto& [group, note] : comm_notes_) groups_by_note[note].push_back(group);
+    if (groups_by_note.size() == 1) s << "; device buffers between ranks: " << groups_by_note.begin()->first;
+    for (std::size_t i = 0; groups_by_note.size() > 1 && i < comm_order_.size(); ++i) {
+      const std::string& note = comm_notes_.at(comm_order_[i]);
+      if (groups_by_note.count(note) == 0) continue;  // already said with its first group
+      s << (i == 0 ? "; device buffers between ranks: " : "; ");
+      const std::vector<std::string>& gs = groups_by_note[note];
+      for (std::size_t g = 0; g < gs.size(); ++g) s << (g ? ", " : "") << gs[g];
+      s << ": " << note;
+      groups_by_note.erase(note);
+    }
     return s.str();
   }
   MemSpace space() const override { return MemSpace::device; }
@@ -157,12 +169,12 @@ class CudaBackend final : public Backend {
                                        sizeof(cudaUUID_t)) == 0;
 #ifdef LOOM_CUDA_NCCL
     if (!shared) {
-      comm_note_ = nccl_description();
+      note_comm(name, nccl_description());
       return make_nccl_communicator(comm, name, stream_);
     }
 #endif
-    comm_note_ = shared ? "host copies over MPI (ranks share a GPU)"
-                        : "host copies over MPI (this loom was built without NCCL)";
+    note_comm(name, shared ? "host copies over MPI (ranks share a GPU)"
+                           : "host copies over MPI (this loom was built without NCCL)");
     return Backend::make_communicator(comm, name);
   }
   void set_precision(const Precision& p) override {
@@ -672,7 +684,13 @@ class CudaBackend final : public Backend {
   std::vector<Pending> pending_;
   std::vector<cudaEvent_t> free_events_;
   std::map<std::string, OpTime> op_times_;
-  std::string comm_note_;  // how device buffers move between ranks, once a group has several
+  // How device buffers move between ranks, per group that has several (in the order made).
+  void note_comm(const std::string& group, const std::string& note) {
+    if (comm_notes_.emplace(group, note).second) comm_order_.push_back(group);
+    else comm_notes_[group] = note;
+  }
+  std::map<std::string, std::string> comm_notes_;
+  std::vector<std::string> comm_order_;
   int device_;
   int tf32_mode_;  // run.tf32: 0 false, 1 true, 2 auto (TF32 in a run of 16-bit products)
   bool tf32() const { return tf32_mode_ == 1 || (tf32_mode_ == 2 && precision_.matmul != DType::f32); }
