@@ -315,23 +315,29 @@ Link measure_link(Communicator& world, int a, int b) {
 // two, over the segments' time, is the share (each paired rank's, their mean). Ranks that run the same
 // kernels in the same time wait for nobody (0); shared cores or a virtual machine's neighbours make
 // them differ. The median of 5 (this measures the machine's variability, which the best of several
-// would hide). 0 on one rank.
+// would hide), floored at 0. 0 on one rank.
 double sync_wait_share(Communicator& world) {
   if (world.size() < 2) return 0.0;
   constexpr int kSegments = 40, kRounds = 5;
   const int rank = world.rank();
   const bool paired = rank / 2 * 2 + 1 < world.size();  // an odd world's last rank has no partner
   const int pairs = world.size() / 2;
+  BlockKernels k(512, 256);
   MPI_Comm pair_comm;
   MPI_Comm_split(MPI_COMM_WORLD, rank / 2, rank, &pair_comm);
   std::unique_ptr<Communicator> pair = make_mpi_communicator(pair_comm, "pair");
-  BlockKernels k(512, 256);
   double v[1] = {0};
   const auto all_reduce = [&] {
     if (paired) pair->all_reduce_async(BufferRef(v, 1))->wait();
   };
+  // Every rank starts together, waiting in loom's communicator (which yields, as a step's waits do;
+  // MPI_Barrier would spin on a core another rank needs).
+  const auto start_together = [&] {
+    double z[1] = {0};
+    world.all_reduce_async(BufferRef(z, 1))->wait();
+  };
   const auto timed = [&](bool compute, bool sync) {
-    MPI_Barrier(MPI_COMM_WORLD);
+    start_together();
     const double t0 = now();
     for (int i = 0; i < kSegments; ++i) {
       if (compute) k.run();
@@ -342,14 +348,25 @@ double sync_wait_share(Communicator& world) {
   timed(true, true);  // warm-up
   std::vector<double> shares;
   for (int r = 0; r < kRounds; ++r) {
-    const double both = timed(true, true), messages = timed(false, true), segments = timed(true, false);
-    double share[1] = {paired ? std::max(0.0, (both - messages - segments) / segments) / (2 * pairs) : 0.0};
-    MPI_Allreduce(MPI_IN_PLACE, share, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    // The three timings in turn, in alternating order, so that the machine's drift cancels; each
+    // round's share signed (noise either way), floored at 0 only once, after the median.
+    double both = 0, messages = 0, segments = 0;
+    if (r % 2 == 0) {
+      both = timed(true, true);
+      messages = timed(false, true);
+      segments = timed(true, false);
+    } else {
+      segments = timed(true, false);
+      messages = timed(false, true);
+      both = timed(true, true);
+    }
+    double share[1] = {paired ? (both - messages - segments) / segments / (2 * pairs) : 0.0};
+    world.all_reduce_async(BufferRef(share, 1))->wait();
     shares.push_back(share[0]);
   }
   pair.reset();
   MPI_Comm_free(&pair_comm);
-  return median(shares);
+  return std::max(0.0, median(shares));
 }
 
 double mem_total_bytes() {

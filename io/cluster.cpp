@@ -134,7 +134,7 @@ void add_cluster_keys(DeckSchema& schema) {
   schema.add(float_key("cluster.matmul_call_us", "0", 0, 1e6,
                        "fixed cost of one matrix product (a GEMM's launch or library dispatch), microseconds"));
   schema.add(float_key("cluster.attention_tflops", "1", 1e-6, 1e6,
-                       "attention kernels' rate per device (QK^T, softmax, AV and their backward, fp32), TFLOP/s"));
+                       "attention kernels' rate per device (QK^T, softmax, AV and their backward, as loom runs them), TFLOP/s"));
   schema.add(float_key("cluster.attention_head_us", "0", 0, 1e6,
                        "fixed cost of attention forward + backward per sequence and head, microseconds"));
   schema.add(float_key("cluster.memory_gbs", "1", 1e-6, 1e6,

@@ -10,7 +10,8 @@
 //   matmul_efficiency_fp32, _bf16, _fp16   (the products' rate by model width, a share of the peak:
 //                      "W:E W:E ..." or one E for every width; MatmulEfficiency below)
 //   matmul_call_us     (the fixed cost of one matrix product, a GEMM: its launch or library dispatch)
-//   attention_tflops   (per device: the attention kernels, QK^T, softmax, AV and their backward, fp32)
+//   attention_tflops   (per device: the attention kernels, QK^T, softmax, AV and their backward, as loom
+//                      runs them: fp32 on the host, TF32 products in a GPU's 16-bit run)
 //   attention_head_us  (the fixed cost of attention forward + backward per sequence and head)
 //   memory_gbs         (per device: what a block's element-wise kernels run at, BlockCounts below)
 //   optimizer_gbs      (per device: what the optimizer's pass runs at, optimizer_bytes below)

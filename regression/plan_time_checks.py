@@ -228,7 +228,7 @@ def step_time(args, d, failures):
     # bound in every round may have met a slow spell each time, so it runs again, up to EXTRA_RUNS more
     # times, until within. (A case measured faster than predicted is not noise and runs no more.)
     for c in all_cases:
-        for _ in range(EXTRA_RUNS):
+        for _ in range(EXTRA_RUNS if c[0] not in TIME_SLICED else 0):
             if pred[c[0]]["step_ms"] / min(min(x) for x in meas[c[0]]) >= 1 - BOUND:
                 break
             meas[c[0]].append(measure(args, d, c, steps[c[0]]))
@@ -243,10 +243,10 @@ def step_time(args, d, failures):
           "(the best steady step of %d runs, or up to %d more where slower than predicted beyond the bound; steps "
           "after the first %d):" % (REPEATS, EXTRA_RUNS, WARMUP))
     print("  %-22s %5s %12s %12s %7s   %s" % ("case", "ranks", "predicted ms", "measured ms", "ratio",
-                                            "predicted compute / exposed comm / bubble; each run's best / median step"))
+                                            "predicted compute / exposed comm / sync waits / bubble; each run's best / median step"))
     for tag, ranks, pm, mm, ratio, p, runs in rows:
-        print("  %-22s %5d %12.2f %12.2f %7.3f   %.2f / %.2f / %.3f; %s%s" %
-              (tag, ranks, pm, mm, ratio, p["compute_ms"], p["comm_exposed_ms"], p["bubble"],
+        print("  %-22s %5d %12.2f %12.2f %7.3f   %.2f / %.2f / %.2f / %.3f; %s%s" %
+              (tag, ranks, pm, mm, ratio, p["compute_ms"], p["comm_exposed_ms"], p["sync_wait_ms"], p["bubble"],
                " ".join("%.2f/%.2f" % (min(x), statistics.median(x)) for x in runs),
                "  (time-sliced: not held)" if tag in TIME_SLICED else
                "" if abs(ratio - 1) <= BOUND else "  <- beyond %d%%" % (100 * BOUND)))
