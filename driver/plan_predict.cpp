@@ -183,8 +183,9 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   }
   // A rank that synchronises with its group between kernels waits, at each synchronisation, for the
   // group's slowest rank: where ranks run the same kernels in varying times (shared cores, a virtual
-  // machine's neighbours) that is a share of its compute (measured by --calibrate), whatever the
-  // number of synchronisations; 0 on devices that run a kernel in the same time every time.
+  // machine's neighbours) that is a share of its compute (measured by --calibrate in groups of 2,
+  // ~1 ms apart; assumed the same for every group size and spacing, DESIGN.md "Planning"); 0 on
+  // devices that run a kernel in the same time every time.
   t.sync_wait_s = syncs_in_step ? c.sync_wait_share * (t.compute_s - t.optimizer_s) : 0.0;
   t.step_s = busy + t.optimizer_s + t.comm_exposed_s + t.sync_wait_s;
   t.tokens_per_s = p.plan.global_batch * T / t.step_s;
