@@ -26,6 +26,12 @@ struct GPTConfig {
   bool recompute = false;  // keep only each block's input; recompute its activations in backward
   // Throws InputError naming the deck keys when the shape is inconsistent.
   void validate() const;
+  // Forward FLOPs per token of one block (matrix products 24 C^2, attention 4 T C) and of the head
+  // (the tied projection 2 C V; ln_f and the embedding lookup cost next to nothing): what pipeline
+  // stages are balanced by and their schedule replayed with (the head of GPT-2 124M is ~4.5 blocks).
+  double block_flops() const { return 24.0 * d_model * d_model + 4.0 * seq_len * d_model; }
+  double head_flops() const { return 2.0 * d_model * vocab; }
+  double head_in_blocks() const { return head_flops() / block_flops(); }
 };
 
 // Which part of the model this rank holds (the layer half of the partition role, filled by the

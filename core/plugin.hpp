@@ -26,8 +26,9 @@
 // the role interfaces (core/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
 // checkpoint_part.hpp). ABI 4: declared role claims, the parameter store, step phases, the reducer.
 // ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the roles' plan_step
-// (`loom plan`, core/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step.
-#define LOOM_PLUGIN_ABI_VERSION 7
+// (`loom plan`, core/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step. ABI 8:
+// StepPlan::stage_units and pipeline_span.
+#define LOOM_PLUGIN_ABI_VERSION 8
 
 extern "C" {
 struct loom_plugin_v1 {

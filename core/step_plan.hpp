@@ -7,6 +7,7 @@
 // each role adds here through its `plan_step`, next to the code that allocates and sends them.
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -34,12 +35,16 @@ struct StepPlan {
   // The largest bytes taken during a step beyond what the roles hold from construction, per category.
   std::array<double, kMemCategories> scratch{};
   std::vector<CommCost> comm;
-  double bubble = 0;        // the schedule's idle fraction of a step (pipeline)
+  // A pipeline's schedule, for the planner to replay with its predicted times: stage_units[s] is
+  // stage s's work per step in units (forward 1 and backward 2 per layer, the head by its FLOPs:
+  // GPTConfig::head_in_blocks), and pipeline_span(seconds_per_unit) the step's span when every op of
+  // stage s costs its units x seconds_per_unit[s]. Empty without a pipeline.
+  std::vector<double> stage_units;
+  std::function<double(const std::vector<double>& seconds_per_unit)> pipeline_span;
   // The strategies' own host passes per step, beyond the model's kernels (compression's error
   // feedback, quantising, top-k selection, PowerSGD's skinny products and packing, replica hashes):
   // bytes read and written; `loom plan` prices them as the optimizer's pass (optimizer_gbs).
   double host_bytes = 0;
-  std::string bubble_note;  // how it was found
 
   void add_scratch(Mem m, double bytes) { scratch[static_cast<int>(m)] += bytes; }
   void add_comm(CommCost c) { comm.push_back(std::move(c)); }

@@ -152,32 +152,23 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   // Each group's exposed part: its messages that do not overlap, and its share of what overlap leaves.
   for (const auto& [g, sec] : overlapped_by) exposed_by[g] += sec / overlapped * unhidden;
   t.comm_exposed_by_group.assign(exposed_by.begin(), exposed_by.end());
-  // The pipeline's span. StepPlan::bubble is the mean idle share of the stages in the schedule's
-  // replay with op costs by layer count (forward 1, backward 2 per layer, the head one more layer on
-  // the last stage: Schedule::plan_step): the replayed span exceeds its busiest stage by the other
-  // stages' warm-up and cool-down ops. That excess, in those units, is taken at the stages' mean
-  // predicted time per unit and added to the busiest stage's predicted busy time (each stage's the
-  // slowest of its ranks). The unit costs then decide only the bubble, not the stages' balance.
+  // The pipeline's span: the schedule's own replay (StepPlan::pipeline_span) with each stage's ops
+  // at that stage's predicted time per unit (its busy time, the slowest of its ranks, over its
+  // StepPlan::stage_units: forward 1, backward 2 per layer, the head by its FLOPs), so that a stage's
+  // warm-up and cool-down ops cost what that stage's work is predicted to cost.
   double busy = t.compute_s - t.optimizer_s;
   t.bubble = 0;
-  if (l.pp > 1 && r.step.bubble > 0) {
-    std::map<int, std::pair<double, double>> stage;  // pp rank -> (busy seconds, replay units)
+  if (l.pp > 1 && r.step.pipeline_span) {
+    t.stage_busy_s.assign(static_cast<std::size_t>(l.pp), 0.0);
     for (const RankPrediction& q : p.ranks) {
       TimePrediction tq;
       predict_compute(p, q, c, tq);
-      auto& [seconds, units] = stage[q.pp_rank];
+      double& seconds = t.stage_busy_s.at(static_cast<std::size_t>(q.pp_rank));
       seconds = std::max(seconds, tq.compute_s - tq.optimizer_s);
-      units = mb * 3.0 * (q.layers + (q.last ? 1 : 0));
     }
-    double sum_units = 0, max_units = 0, max_busy = 0, per_unit = 0;
-    for (const auto& [s, su] : stage) {
-      sum_units += su.second;
-      max_units = std::max(max_units, su.second);
-      max_busy = std::max(max_busy, su.first);
-      per_unit += su.first / su.second / static_cast<double>(stage.size());
-    }
-    const double span_units = sum_units / (static_cast<double>(stage.size()) * (1.0 - r.step.bubble));
-    const double span = max_busy + std::max(0.0, span_units - max_units) * per_unit;
+    std::vector<double> per_unit(t.stage_busy_s.size());
+    for (std::size_t s = 0; s < per_unit.size(); ++s) per_unit[s] = t.stage_busy_s[s] / r.step.stage_units.at(s);
+    const double span = r.step.pipeline_span(per_unit);
     t.bubble = busy < span ? 1.0 - busy / span : 0.0;  // this rank's idle share of the span
     busy = std::max(span, busy);
   }
@@ -255,6 +246,8 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
   };
   nlohmann::json by_rank = nlohmann::json::array();
   for (const RankPrediction& r : p.ranks) by_rank.push_back(mem(r.peak, r.total));
+  nlohmann::json stage_ms = nlohmann::json::array();
+  for (double sec : p.time.stage_busy_s) stage_ms.push_back(sec * 1e3);
   const Layout& l = p.plan.layout;
   nlohmann::json j = {{"layout", {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}}},
                       {"micro_batches", p.plan.micro_batches},
@@ -272,6 +265,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
                       {"sync_wait_ms", p.time.sync_wait_s * 1e3},
                       {"bubble", p.time.bubble},
+                      {"stage_busy_ms", stage_ms},
                       {"tokens_per_s", p.time.tokens_per_s},
                       {"mfu", p.time.mfu}};
   return j.dump(2) + "\n";
@@ -309,6 +303,11 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   s << ")";
   if (t.sync_wait_s > 0) s << " + waits for the group's slowest rank " << t.sync_wait_s * 1e3 << " ms";
   s << "\n";
+  if (t.stage_busy_s.size() > 1) {
+    s << "  pipeline stages' forward + backward (each the slowest of its ranks):";
+    for (std::size_t i = 0; i < t.stage_busy_s.size(); ++i) s << (i ? ", " : " ") << t.stage_busy_s[i] * 1e3 << " ms";
+    s << "\n";
+  }
   s << std::setprecision(0) << "  " << t.tokens_per_s << " tokens/s, MFU " << std::setprecision(1) << 100.0 * t.mfu
     << "% of " << l.ranks() << " x " << std::setprecision(1) << matmul_peak(cluster, p.precision) / 1e12 << " TFLOP/s ("
     << p.precision << ")\n";

@@ -31,6 +31,7 @@ struct TimePrediction {
   double comm_s = 0, comm_exposed_s = 0;  // all of it, and what does not hide behind compute
   double sync_wait_s = 0;  // waits for the slowest rank of a group at in-step synchronisations
   double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
+  std::vector<double> stage_busy_s;  // per pipeline stage, its slowest rank's forward + backward compute
   std::vector<std::pair<std::string, double>> comm_by_group;          // seconds per group
   std::vector<std::pair<std::string, double>> comm_exposed_by_group;  // of which not hidden, per group
 };

@@ -24,6 +24,13 @@
                      of order,
                      an unknown key, links inside a node slower than between nodes, a name that is
                      neither a file nor a preset: exit 2, named
+  pipeline_span      the step's pipeline span against the closed forms of two stages whose last, with a
+                     heavy vocabulary head (V 8192 at C 128: ~5 blocks' FLOPs), is the slower: one
+                     micro-batch passes the stages in turn (span = busy0 + busy1), m micro-batches keep
+                     the last stage busy but for the first's first forward and last backward (span = busy1
+                     + busy0 / m), for 1F1B and GPipe; busy from --json stage_busy_ms, the span from
+                     bubble (the slowest rank's idle share of it), within 0.5%. (Timing the replay's ops
+                     at the stages' mean time per unit instead of each stage's own put it 2-6% short.)
 Standard library only.
 """
 import os
@@ -156,6 +163,27 @@ def memory_vs_ledger(args, d, failures):
         print("largest among categories of 1 MiB or more: %s rank %d %s %.3f%%" % (big[0][1], big[0][2], big[0][3], 100 * max(b[0] for b in big)))
 
 
+def pipeline_span(args, d, failures):
+    import json
+    cluster = os.path.join(d, "cluster.ini")
+    with open(cluster, "w") as f:
+        f.write(GOOD)
+    for schedule, m in (("1f1b", 1), ("1f1b", 4), ("gpipe", 4), ("1f1b", 8)):
+        sets = ["parallel.pp=2", "model.layers=4", "model.d_model=128", "model.vocab=8192",
+                "train.micro_batches=%d" % m, "pipeline.schedule=" + schedule]
+        p = json.loads(run([args.loom, "plan", SYN, "--cluster", cluster, "--json"] +
+                           sum((["--set", x] for x in sets), [])).stdout)
+        busy0, busy1 = p["stage_busy_ms"]
+        span = busy1 / (1 - p["bubble"])  # the slowest rank is on the last stage, busy all but its bubble
+        want = busy0 + busy1 if m == 1 else busy1 + busy0 / m
+        print("%s, %d micro-batch(es): stages busy %.3f, %.3f ms; span %.3f ms, closed form %.3f ms (%+.2f%%)" %
+              (schedule, m, busy0, busy1, span, want, 100 * (span / want - 1)))
+        if busy1 <= busy0:
+            failures.append("%s m=%d: the head's stage is not the slower (%s)" % (schedule, m, p["stage_busy_ms"]))
+        if abs(span / want - 1) > 0.005:
+            failures.append("%s m=%d: pipeline span %.3f ms, closed form %.3f ms" % (schedule, m, span, want))
+
+
 def main():
     args = common.case_arguments(__doc__)
     failures = []
@@ -205,6 +233,8 @@ def main():
             failures.append("calibration on 1 rank is not refused saying why: " + p.stderr)
     elif args.case == "memory_vs_ledger":
         memory_vs_ledger(args, d, failures)
+    elif args.case == "pipeline_span":
+        pipeline_span(args, d, failures)
     elif args.case == "cluster_refusals":
         cases = [
             ("missing", GOOD.replace("inter_node_gbs = 20\n", ""), [], ["network.inter_node_gbs is missing"]),

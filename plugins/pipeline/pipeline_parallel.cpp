@@ -48,11 +48,6 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 // ---- layers to stages ---------------------------------------------------------------------------
 
-// Forward FLOPs per token of one block (matrix products 24 C^2, attention 4 T C) and of the head
-// (ln_f is negligible, the tied projection 2 C V); the embedding lookup costs next to nothing.
-double block_cost(const GPTConfig& m) { return 24.0 * m.d_model * m.d_model + 4.0 * m.seq_len * m.d_model; }
-double head_cost(const GPTConfig& m) { return 2.0 * m.d_model * m.vocab; }
-
 std::string example_list(int L, int pp) {
   std::string s;
   for (int i = 0; i < pp; ++i) s += (i ? "," : "") + std::to_string(L / pp + (i < L % pp ? 1 : 0));
@@ -80,7 +75,7 @@ std::vector<int> stage_layers(const std::string& spec, const GPTConfig& m, int s
   if (spec == "balanced") {
     // Contiguous blocks minimising the most expensive stage, the head counted on the last one
     // (dynamic programme over (stages, layers); ties keep more layers on earlier stages).
-    const double b = block_cost(m), h = head_cost(m), inf = std::numeric_limits<double>::infinity();
+    const double b = m.block_flops(), h = m.head_flops(), inf = std::numeric_limits<double>::infinity();
     std::vector<std::vector<double>> best(pp + 1, std::vector<double>(L + 1, inf));
     std::vector<std::vector<int>> take(pp + 1, std::vector<int>(L + 1, 0));
     best[0][0] = 0;
@@ -302,8 +297,9 @@ class PipelineSchedule final : public Schedule {
 
   // `loom plan`: the tied gradient's buffer (finish_grads), the stage-boundary messages (each
   // micro-batch's activations forward, its gradient back: one [Nl,C] message per chunk edge), the
-  // step's one all-reduce of stage numbers, and the bubble of this schedule's replay with forward
-  // ops costing 1 and backward ops 2 per layer of their chunk (plus the head on the last chunk).
+  // step's one all-reduce of stage numbers, and this schedule's replay for the planner to time with
+  // its stages' predicted times: forward ops costing 1 unit and backward ops 2 per layer of their
+  // chunk (plus the head on the last chunk, in layers by its FLOPs: GPTConfig::head_in_blocks).
   void plan_step(StepPlan& plan) const override {
     if (p_ == 1) return;
     const std::size_t ops = order_.size();
@@ -315,20 +311,23 @@ class PipelineSchedule final : public Schedule {
     plan.add_comm({pp_.name(), "stage-boundary activations and gradients", sends * m_ * boundary_ * 4.0, sends * m_, false,
                    true});
     if (first_ || last_) plan.add_comm({pp_.name(), "tied wte gradient", tied_numel_ * 4.0, 1, false});
-    std::vector<std::vector<double>> op_ms(static_cast<std::size_t>(p_));
+    std::vector<std::vector<double>> op_units(static_cast<std::size_t>(p_));
+    plan.stage_units.assign(static_cast<std::size_t>(p_), 0.0);
     for (int s = 0; s < p_; ++s)
       for (const Op& op : orders_[static_cast<std::size_t>(s)]) {
         const std::size_t vs = static_cast<std::size_t>(op.chunk * p_ + s);  // the virtual stage
-        const double layers = (vs < layers_.size() ? layers_[vs] : 1) + (s == p_ - 1 && op.chunk == v_ - 1 ? 1 : 0);
-        op_ms[static_cast<std::size_t>(s)].push_back(op.kind == 'F' ? layers : 2.0 * layers);
+        const double layers = (vs < layers_.size() ? layers_[vs] : 1) +
+                              (s == p_ - 1 && op.chunk == v_ - 1 ? model_->config().head_in_blocks() : 0);
+        op_units[static_cast<std::size_t>(s)].push_back(op.kind == 'F' ? layers : 2.0 * layers);
+        plan.stage_units[static_cast<std::size_t>(s)] += op_units[static_cast<std::size_t>(s)].back();
       }
-    double busy = 0;
-    for (const auto& stage : op_ms)
-      for (double t : stage) busy += t;
-    const double span = replay_span(orders_, op_ms, m_, v_);
-    plan.bubble = span > 0 ? 1.0 - busy / (p_ * span) : 0.0;
-    plan.bubble_note = "replay of the schedule with op costs by layer count (textbook (p-1)/(vm+p-1) = " +
-                       std::to_string(static_cast<double>(p_ - 1) / (v_ * m_ + p_ - 1)) + ")";
+    // The replay outlives this role (the planner keeps the StepPlan): it holds its own copies.
+    plan.pipeline_span = [orders = orders_, op_units, m = m_, v = v_](const std::vector<double>& seconds_per_unit) {
+      std::vector<std::vector<double>> op_s = op_units;
+      for (std::size_t s = 0; s < op_s.size(); ++s)
+        for (double& t : op_s[s]) t *= seconds_per_unit.at(s);
+      return replay_span(orders, op_s, m, v);
+    };
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
