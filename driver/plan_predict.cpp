@@ -168,7 +168,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
     }
     std::vector<double> per_unit(t.stage_busy_s.size());
     for (std::size_t s = 0; s < per_unit.size(); ++s) per_unit[s] = t.stage_busy_s[s] / r.step.stage_units.at(s);
-    const double span = r.step.pipeline_span(per_unit);
+    const double span = t.pipeline_span_s = r.step.pipeline_span(per_unit);
     t.bubble = busy < span ? 1.0 - busy / span : 0.0;  // this rank's idle share of the span
     busy = std::max(span, busy);
   }
@@ -266,6 +266,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"sync_wait_ms", p.time.sync_wait_s * 1e3},
                       {"bubble", p.time.bubble},
                       {"stage_busy_ms", stage_ms},
+                      {"pipeline_span_ms", p.time.pipeline_span_s * 1e3},
                       {"tokens_per_s", p.time.tokens_per_s},
                       {"mfu", p.time.mfu}};
   return j.dump(2) + "\n";

@@ -22,7 +22,7 @@ struct RankPrediction {
   int layers = 0;                // blocks on this rank's pipeline stage
   bool first = true, last = true, sequence_parallel = false;
   std::string precision;         // the products' operand type
-  StepPlan step;                 // its step's scratch, messages, bubble
+  StepPlan step;                 // its step's scratch, messages, pipeline replay (stage_units, pipeline_span)
 };
 
 struct TimePrediction {
@@ -32,6 +32,7 @@ struct TimePrediction {
   double sync_wait_s = 0;  // waits for the slowest rank of a group at in-step synchronisations
   double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
   std::vector<double> stage_busy_s;  // per pipeline stage, its slowest rank's forward + backward compute
+  double pipeline_span_s = 0;        // the schedule's replay at those times (0 without a pipeline)
   std::vector<std::pair<std::string, double>> comm_by_group;          // seconds per group
   std::vector<std::pair<std::string, double>> comm_exposed_by_group;  // of which not hidden, per group
 };

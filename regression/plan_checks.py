@@ -28,8 +28,8 @@
                      heavy vocabulary head (V 8192 at C 128: ~5 blocks' FLOPs), is the slower: one
                      micro-batch passes the stages in turn (span = busy0 + busy1), m micro-batches keep
                      the last stage busy but for the first's first forward and last backward (span = busy1
-                     + busy0 / m), for 1F1B and GPipe; busy from --json stage_busy_ms, the span from
-                     bubble (the slowest rank's idle share of it), within 0.5%. (Timing the replay's ops
+                     + busy0 / m), for 1F1B and GPipe; --json stage_busy_ms and pipeline_span_ms,
+                     within 0.5%. (Timing the replay's ops
                      at the stages' mean time per unit instead of each stage's own put it 2-6% short.)
 Standard library only.
 """
@@ -174,7 +174,7 @@ def pipeline_span(args, d, failures):
         p = json.loads(run([args.loom, "plan", SYN, "--cluster", cluster, "--json"] +
                            sum((["--set", x] for x in sets), [])).stdout)
         busy0, busy1 = p["stage_busy_ms"]
-        span = busy1 / (1 - p["bubble"])  # the slowest rank is on the last stage, busy all but its bubble
+        span = p["pipeline_span_ms"]
         want = busy0 + busy1 if m == 1 else busy1 + busy0 / m
         print("%s, %d micro-batch(es): stages busy %.3f, %.3f ms; span %.3f ms, closed form %.3f ms (%+.2f%%)" %
               (schedule, m, busy0, busy1, span, want, 100 * (span / want - 1)))
