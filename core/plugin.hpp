@@ -27,7 +27,7 @@
 // checkpoint_part.hpp). ABI 4: declared role claims, the parameter store, step phases, the reducer.
 // ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the roles' plan_step
 // (`loom plan`, core/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step. ABI 8:
-// StepPlan::stage_units and pipeline_span.
+// StepPlan::stage_units, pipeline_span and host_copy_bytes.
 #define LOOM_PLUGIN_ABI_VERSION 8
 
 extern "C" {

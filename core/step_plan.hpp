@@ -43,8 +43,12 @@ struct StepPlan {
   std::function<double(const std::vector<double>& seconds_per_unit)> pipeline_span;
   // The strategies' own host passes per step, beyond the model's kernels (compression's error
   // feedback, quantising, top-k selection, PowerSGD's skinny products and packing, replica hashes):
-  // bytes read and written; `loom plan` prices them as the optimizer's pass (optimizer_gbs).
+  // bytes read and written; `loom plan` prices them at the cluster's host_gbs.
   double host_bytes = 0;
+  // Of a device back end, the bytes those passes copy between the device and the host per step (each
+  // bucket there and back, the parameters a replica hash reads); `loom plan` prices them over the
+  // cluster's host link (host_link_gbs: none where the devices are the host's cores).
+  double host_copy_bytes = 0;
 
   void add_scratch(Mem m, double bytes) { scratch[static_cast<int>(m)] += bytes; }
   void add_comm(CommCost c) { comm.push_back(std::move(c)); }

@@ -484,6 +484,8 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   c.memory_bytes_per_s = kernels[1];
   c.optimizer_bytes_per_s = kernels[2];
   c.sync_wait_share = sync_share;
+  c.host_bytes_per_s = kernels[2];  // the host back end's strategies' passes stream as its optimizer's does
+  c.host_link_bytes_per_s = 0;      // its devices are the host's cores: nothing is copied
   const Link& in_node = intra.measured ? intra : inter;
   const Link& between = inter.measured ? inter : intra;
   c.intra_bytes_per_s = in_node.bytes_per_s;
@@ -506,7 +508,8 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
                          "block's element-wise kernels at 512 x 256 with an all-reduce of each pair of consecutive "
                          "ranks after each (every pair at once), against "
                          "the segments and the all-reduces alone (each rank's extra time over its segments' time, the "
-                         "mean over ranks, the median of 5)") +
+                         "mean over ranks, the median of 5); host_gbs the optimizer's figure (the strategies' host "
+                         "passes stream over memory as its pass does); host_link_gbs 0 (the devices are the host)") +
              (world < 2 ? "" : intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
              (world < 2 ? "" : inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
   if (!sets.empty()) {

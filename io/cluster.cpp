@@ -29,7 +29,7 @@ const std::map<std::string, std::string>& presets() {
   static const std::map<std::string, std::string> p = {
       {"a100-80gb", R"([cluster]
 name = NVIDIA DGX A100 80GB nodes (8 x A100-SXM4-80GB per node)
-source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 2039/3350; a bf16 run, attention's products in TF32); DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device)
+source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 2039/3350; a bf16 run, attention's products in TF32); DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen4 x16 (64 GB/s both directions); host_gbs assumed (one host core streaming, which loom's host passes run on)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
@@ -45,6 +45,8 @@ attention_head_us = 2
 memory_gbs = 2039
 optimizer_gbs = 2039
 sync_wait_share = 0
+host_gbs = 10
+host_link_gbs = 32
 [network]
 intra_node_gbs = 300
 intra_node_latency_us = 3
@@ -53,7 +55,7 @@ inter_node_latency_us = 8
 )"},
       {"h100-sxm", R"([cluster]
 name = NVIDIA DGX H100 nodes (8 x H100-SXM5-80GB per node)
-source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention_tflops measured: loom's attention on an H100 SXM (bench/gpu.deck, LOOM_CUDA_PROFILE: 5.0 ms forward + backward per layer at B 16, T 1024, d 768, 12 heads; a bf16 run, attention's products in TF32); DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device)
+source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention_tflops measured: loom's attention on an H100 SXM (bench/gpu.deck, LOOM_CUDA_PROFILE: 5.0 ms forward + backward per layer at B 16, T 1024, d 768, 12 heads; a bf16 run, attention's products in TF32); DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen5 x16 (128 GB/s both directions); host_gbs assumed (one host core streaming, which loom's host passes run on)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
@@ -69,6 +71,8 @@ attention_head_us = 2
 memory_gbs = 3350
 optimizer_gbs = 3350
 sync_wait_share = 0
+host_gbs = 10
+host_link_gbs = 64
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -77,7 +81,7 @@ inter_node_latency_us = 8
 )"},
       {"h200", R"([cluster]
 name = NVIDIA DGX H200 nodes (8 x H200-SXM-141GB per node)
-source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 4800/3350; a bf16 run, attention's products in TF32); DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device)
+source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 4800/3350; a bf16 run, attention's products in TF32); DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen5 x16 (128 GB/s both directions); host_gbs assumed (one host core streaming, which loom's host passes run on)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 141
@@ -93,6 +97,8 @@ attention_head_us = 2
 memory_gbs = 4800
 optimizer_gbs = 4800
 sync_wait_share = 0
+host_gbs = 10
+host_link_gbs = 64
 [network]
 intra_node_gbs = 450
 intra_node_latency_us = 3
@@ -108,6 +114,7 @@ const char* const kRequired[] = {"cluster.nodes", "cluster.devices_per_node", "c
                                  "cluster.matmul_efficiency_fp32", "cluster.matmul_efficiency_bf16",
                                  "cluster.matmul_efficiency_fp16", "cluster.matmul_call_us", "cluster.attention_tflops", "cluster.attention_head_us",
                                  "cluster.memory_gbs", "cluster.optimizer_gbs", "cluster.sync_wait_share",
+                                 "cluster.host_gbs", "cluster.host_link_gbs",
                                  "network.intra_node_gbs", "network.intra_node_latency_us", "network.inter_node_gbs",
                                  "network.inter_node_latency_us"};
 
@@ -145,6 +152,12 @@ void add_cluster_keys(DeckSchema& schema) {
                        "a rank's wait for the slowest of its group at the synchronisations between its kernels "
                        "(tensor-parallel collectives, pipeline sends, ZeRO-3's gathers), as a share of its compute: "
                        "0 where devices run a kernel in the same time every time"));
+  schema.add(float_key("cluster.host_gbs", "1", 1e-6, 1e6,
+                       "what the strategies' host passes (compression's error feedback, quantising, top-k, "
+                       "PowerSGD; replica hashes) run at per device's rank, GB/s: one host core"));
+  schema.add(float_key("cluster.host_link_gbs", "0", 0, 1e6,
+                       "copies between a device and its host (PCIe), GB/s per direction; 0 where the devices are "
+                       "the host's own cores (nothing is copied)"));
   schema.add(float_key("network.intra_node_gbs", "1", 1e-6, 1e6, "bandwidth between devices of a node, GB/s per device and direction"));
   schema.add(float_key("network.intra_node_latency_us", "0", 0, 1e6, "latency of a message inside a node, microseconds"));
   schema.add(float_key("network.inter_node_gbs", "1", 1e-6, 1e6, "bandwidth between nodes, GB/s per device and direction"));
@@ -272,6 +285,8 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   c.memory_bytes_per_s = d.get_float("cluster.memory_gbs") * 1e9;
   c.optimizer_bytes_per_s = d.get_float("cluster.optimizer_gbs") * 1e9;
   c.sync_wait_share = d.get_float("cluster.sync_wait_share");
+  c.host_bytes_per_s = d.get_float("cluster.host_gbs") * 1e9;
+  c.host_link_bytes_per_s = d.get_float("cluster.host_link_gbs") * 1e9;
   c.intra_bytes_per_s = d.get_float("network.intra_node_gbs") * 1e9;
   c.intra_latency_s = d.get_float("network.intra_node_latency_us") * 1e-6;
   c.inter_bytes_per_s = d.get_float("network.inter_node_gbs") * 1e9;
@@ -295,7 +310,8 @@ std::string cluster_text(const ClusterSpec& c) {
     << "\nmatmul_call_us = " << c.matmul_call_s * 1e6
     << "\nattention_tflops = " << c.attention_flops / 1e12 << "\nattention_head_us = " << c.attention_head_s * 1e6
     << "\nmemory_gbs = " << c.memory_bytes_per_s / 1e9 << "\noptimizer_gbs = " << c.optimizer_bytes_per_s / 1e9
-    << "\nsync_wait_share = " << c.sync_wait_share
+    << "\nsync_wait_share = " << c.sync_wait_share << "\nhost_gbs = " << c.host_bytes_per_s / 1e9
+    << "\nhost_link_gbs = " << c.host_link_bytes_per_s / 1e9
     << "\n[network]\nintra_node_gbs = " << c.intra_bytes_per_s / 1e9
     << "\nintra_node_latency_us = " << c.intra_latency_s * 1e6 << "\ninter_node_gbs = " << c.inter_bytes_per_s / 1e9
     << "\ninter_node_latency_us = " << c.inter_latency_s * 1e6 << "\n";
@@ -331,6 +347,12 @@ std::string describe_cluster(const ClusterSpec& c) {
     << " us per sequence and head; memory " << c.memory_bytes_per_s / 1e9 << " GB/s (element-wise kernels), optimizer "
     << c.optimizer_bytes_per_s / 1e9 << " GB/s, per device; waits at synchronisations "
     << 100.0 * c.sync_wait_share << "% of compute\n"
+    << "  strategies' host passes " << c.host_bytes_per_s / 1e9 << " GB/s; device <-> host copies ";
+  if (c.host_link_bytes_per_s > 0)
+    o << c.host_link_bytes_per_s / 1e9 << " GB/s per direction\n";
+  else
+    o << "none (the devices are the host)\n";
+  o
     << "  inside a node: " << c.intra_bytes_per_s / 1e9 << " GB/s, " << c.intra_latency_s * 1e6 << " us; between nodes: "
     << c.inter_bytes_per_s / 1e9 << " GB/s, " << c.inter_latency_s * 1e6 << " us\n"
     << "  source: " << c.source << "\n";

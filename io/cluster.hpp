@@ -18,6 +18,10 @@
 //   sync_wait_share    (a rank's waits for the slowest of its group at synchronisations between its
 //                      kernels, as a share of its compute: ranks on shared or noisy cores finish the
 //                      same kernels at different times; 0 for dedicated devices)
+//   host_gbs           (per device's rank: what the strategies' host passes run at, one host core:
+//                      compression's error feedback, quantising, top-k and PowerSGD, replica hashes)
+//   host_link_gbs      (per device and direction: copies between the device and its host, PCIe; 0 where
+//                      the devices are the host's own cores and nothing is copied)
 //
 // A step's time is predicted from the counts below, which `loom plan --calibrate` measures the rates
 // with, so the prediction uses the very figures the rates were taken with: a block's products
@@ -60,6 +64,8 @@ struct ClusterSpec {
   double memory_bytes_per_s = 0;     // B/s per device, a block's element-wise kernels (BlockCounts below)
   double optimizer_bytes_per_s = 0;  // B/s per device, the optimizer's pass (optimizer_bytes below)
   double sync_wait_share = 0;        // waits at in-step synchronisations, a share of the rank's compute
+  double host_bytes_per_s = 0;       // B/s, the strategies' host passes (StepPlan::host_bytes)
+  double host_link_bytes_per_s = 0;  // B/s per direction, device <-> host copies (0: none, the host is the device)
   double intra_bytes_per_s = 0, intra_latency_s = 0, inter_bytes_per_s = 0, inter_latency_s = 0;
   int devices() const { return nodes * devices_per_node; }
   // FLOP/s of the products of a block `width` wide with `precision` ("fp32", "bf16", "fp16") operands:

@@ -4,8 +4,9 @@
     python3 regression/plan_checks.py --loom build/loom --workdir build/plan-checks CASE
 
   presets            a100-80gb, h100-sxm, h200 load, each naming its datasheet and showing its memory
-                     bandwidth and attention rate (measured on an H100, scaled by HBM bandwidth for the
-                     others); --set overrides a key
+                     bandwidth, attention rate (measured on an H100, scaled by HBM bandwidth for the
+                     others) and PCIe link; --set overrides a key; compression.deck on h100-sxm pays for its
+                     host passes at host_gbs and its copies over host_link_gbs
   calibrate_np2      `loom plan --calibrate` on 2 ranks writes a cluster file whose every figure is
                      positive (the two fixed costs, per product call and per attention head, and the
                      waits at synchronisations, at least 0), which `--cluster FILE --show` reads back to the same values; on 1 rank it is
@@ -19,8 +20,9 @@
                      predicted + 5%, predicted <= 2 x measured. Compression's int8, top-k and PowerSGD
                      (their own buffers and collectives) are among the layouts. The worst cases are printed.
   cluster_refusals   a missing key (memory_gbs, matmul_efficiency_bf16, matmul_call_us, attention_head_us,
-                     optimizer_gbs, sync_wait_share among them), a value out of range (attention_tflops = 0,
-                     optimizer_gbs = 0, a negative fixed cost or sync_wait_share, a share above 1), widths out
+                     optimizer_gbs, sync_wait_share, host_gbs, host_link_gbs among them), a value out of range
+                     (attention_tflops = 0, optimizer_gbs = 0, a negative fixed cost, sync_wait_share or
+                     host_link_gbs, a share above 1), widths out
                      of order,
                      an unknown key, links inside a node slower than between nodes, a name that is
                      neither a file nor a preset: exit 2, named
@@ -59,6 +61,8 @@ attention_head_us = 2
 memory_gbs = 500
 optimizer_gbs = 400
 sync_wait_share = 0.05
+host_gbs = 10
+host_link_gbs = 25
 [network]
 intra_node_gbs = 200
 intra_node_latency_us = 2
@@ -191,9 +195,10 @@ def main():
     os.makedirs(d, exist_ok=True)
     loom = args.loom
     if args.case == "presets":
-        for name, words in (("a100-80gb", ["A100", "312", "80 GiB", "memory 2039 GB/s", "attention 20.4 TFLOP/s", "waits at synchronisations 0%"]),
-                            ("h100-sxm", ["H100", "989", "80 GiB", "memory 3350 GB/s", "attention 33.5 TFLOP/s"]),
-                            ("h200", ["H200", "989", "141 GiB", "memory 4800 GB/s", "attention 48 TFLOP/s"])):
+        for name, words in (("a100-80gb", ["A100", "312", "80 GiB", "memory 2039 GB/s", "attention 20.4 TFLOP/s", "waits at synchronisations 0%",
+                                           "host copies 32 GB/s", "PCIe Gen4"]),
+                            ("h100-sxm", ["H100", "989", "80 GiB", "memory 3350 GB/s", "attention 33.5 TFLOP/s", "host copies 64 GB/s", "PCIe Gen5"]),
+                            ("h200", ["H200", "989", "141 GiB", "memory 4800 GB/s", "attention 48 TFLOP/s", "host copies 64 GB/s"])):
             p = run([loom, "plan", "--cluster", name, "--show"])
             print(p.stdout.strip())
             for w in words + ["datasheet", "32 devices"]:
@@ -202,6 +207,20 @@ def main():
         p = run([loom, "plan", "--cluster", "h100-sxm", "--set", "cluster.nodes=8", "--show"])
         if "64 devices" not in p.stdout:
             failures.append("--set cluster.nodes=8 does not give 64 devices: " + p.stdout)
+        # A GPU's compression runs on a host copy of each bucket (DESIGN.md "The GPU path"): its passes go
+        # at host_gbs and its copies over host_link_gbs, not at the HBM's speed.
+        import json
+        deck = os.path.join(ROOT, "inputs", "compression.deck")
+        def compute_ms(*sets):
+            return json.loads(run([loom, "plan", deck, "--cluster", "h100-sxm", "--json"] +
+                                  sum((["--set", x] for x in sets), [])).stdout)["compute_ms"]
+        base, no_copies, faster_host = compute_ms(), compute_ms("cluster.host_link_gbs=0"), compute_ms("cluster.host_gbs=20")
+        print("compression.deck on h100-sxm: compute %.4f ms; without host copies %.4f ms; host passes at 20 GB/s %.4f ms" %
+              (base, no_copies, faster_host))
+        if not no_copies < base:
+            failures.append("host_link_gbs = 0 does not drop the compression deck's host copies: %s vs %s" % (no_copies, base))
+        if not faster_host < base:
+            failures.append("a faster host_gbs does not speed the compression deck's host passes: %s vs %s" % (faster_host, base))
     elif args.case == "calibrate_np2":
         out = os.path.join(d, "cal", "cluster.ini")
         p = run(common.launch_prefix(args, 2, always=True) + [loom, "plan", "--calibrate", "-o", out])
@@ -243,6 +262,9 @@ def main():
             ("missing_head", GOOD.replace("attention_head_us = 2\n", ""), [], ["cluster.attention_head_us is missing"]),
             ("missing_optimizer", GOOD.replace("optimizer_gbs = 400\n", ""), [], ["cluster.optimizer_gbs is missing"]),
             ("missing_sync", GOOD.replace("sync_wait_share = 0.05\n", ""), [], ["cluster.sync_wait_share is missing"]),
+            ("missing_host", GOOD.replace("host_gbs = 10\n", ""), [], ["cluster.host_gbs is missing"]),
+            ("missing_host_link", GOOD.replace("host_link_gbs = 25\n", ""), [], ["cluster.host_link_gbs is missing"]),
+            ("negative_host_link", GOOD.replace("host_link_gbs = 25", "host_link_gbs = -1"), [], ["host_link_gbs", "range"]),
             ("negative_sync", GOOD.replace("sync_wait_share = 0.05", "sync_wait_share = -0.1"), [],
              ["sync_wait_share", "range"]),
             ("missing_efficiency", GOOD.replace("matmul_efficiency_bf16 = 0.8\n", ""), [],

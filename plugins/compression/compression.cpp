@@ -213,6 +213,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // error feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them
     // back (8); the replica hash after the update reads the parameters (4, one bucket's share).
     const double fb = feedback_ ? 28.0 : 0.0, hash = 4.0, elems = static_cast<double>(n);
+    // On a device back end the compressing methods work on a host copy of the bucket, which goes back
+    // when its collective completes, and the hash reads the parameters through a copy too.
+    const double copies = 2.0 * static_cast<double>(b.data.bytes()) + hash * elems;
     auto all_reduce = [&](const std::string& of, std::int64_t count) {
       plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
                      2.0 * (N - 1), false});
@@ -226,6 +229,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         // finiteness (4) and chunk maxima (4) reads, quantising (read 4, int8 1, error 4), the
         // sum scaled back (int8 1, write 4)
         plan.host_bytes += elems * (fb + hash + 4 + 4 + 9 + 5);
+        plan.host_copy_bytes += copies;
         GradBucket qb = b;
         qb.data = BufferRef(nullptr, DType::i8, n, b.data.space);
         BucketScratch s = inner_->plan_bucket(plan, qb, w + " int8 sum");
@@ -239,6 +243,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         // finiteness (4); the selection's three passes over the magnitudes' bits (12); the unsent
         // part kept (8, with feedback); the sum cleared (4) before the k entries of each rank land
         plan.host_bytes += elems * (fb + hash + 4 + 12 + (feedback_ ? 8 : 0) + 4) + bytes * N;
+        plan.host_copy_bytes += copies;
         return {};
       }
       case Method::powersgd: {
@@ -254,6 +259,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         const double mats = elems - static_cast<double>(split.plain_total);
         plan.host_bytes += elems * (fb + hash) + mats * (12 + (feedback_ ? 20 : 0)) +
                            16.0 * static_cast<double>(split.plain_total);
+        plan.host_copy_bytes += copies;
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
         double ring = 0;
         if (split.plain_total > 0) ring = std::max(ring, all_reduce("uncompressed tensors", split.plain_total));

@@ -194,6 +194,7 @@ class TensorPartition final : public Partition {
       if (!p.shadow && p.split == TpSplit::none) replicated += static_cast<double>(o.size());
     }
     plan.host_bytes += 2 * 12.0 * replicated;
+    plan.host_copy_bytes += 2 * 4.0 * replicated;  // on a device back end, those copies cross to the host
   }
 
  private:
