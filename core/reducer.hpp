@@ -54,6 +54,9 @@ class Reducer {
   virtual BucketScratch plan_bucket(StepPlan& /*plan*/, const GradBucket& /*bucket*/, const std::string& /*what*/) const {
     return {};
   }
+  // `loom plan`: what this reducer does once a step beyond its buckets (a compressing reducer's
+  // replica hash); the planner calls it for every reducer of the chain.
+  virtual void plan_step(StepPlan& /*plan*/) const {}
 };
 
 // The plain one: a sum all-reduce on `comm`.

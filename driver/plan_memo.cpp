@@ -446,6 +446,7 @@ class Memo {
     row("attention", t.attention_s);
     row("element-wise kernels (memory-bound)", t.elementwise_s);
     row("AdamW", t.optimizer_s);
+    if (t.strategies_s > 0) row("the strategies' host passes (replica hashes, compression) and their copies", t.strategies_s);
     if (bubble_s > 0) row("pipeline bubble", bubble_s);
     if (t.sync_wait_s > 0) row("waits for each group's slowest rank", t.sync_wait_s);
     for (const auto& [g, sec] : exposed_by_group)

@@ -61,6 +61,7 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, int rank, 
     model.store().plan_step(s);
     engine.schedule().plan_step(s);
     engine.grad_sync().plan_step(s);
+    for (Reducer* red = roles.reducer.get(); red; red = red->inner()) red->plan_step(s);
     s.close_pools();
     r.scratch = s.scratch;
   }
@@ -298,7 +299,7 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   s << "step time (slowest rank): " << t.step_s * 1e3 << " ms = compute " << t.compute_s * 1e3 << " ms (products "
     << t.matmul_s * 1e3 << ", attention " << t.attention_s * 1e3 << ", element-wise " << t.elementwise_s * 1e3
     << ", AdamW " << t.optimizer_s * 1e3;
-  if (t.strategies_s > 0) s << ", strategies' host passes " << t.strategies_s * 1e3;
+  if (t.strategies_s > 0) s << ", strategies' host passes and copies " << t.strategies_s * 1e3;
   s << ")";
   if (t.bubble > 0) s << " / (1 - bubble " << std::setprecision(3) << t.bubble << ")";
   s << " + exposed communication " << t.comm_exposed_s * 1e3 << " ms (of " << t.comm_s * 1e3 << " ms";

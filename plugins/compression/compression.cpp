@@ -211,11 +211,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const double residual = feedback_ ? 4.0 * static_cast<double>(n) : 0.0;  // State::residual
     // Host passes per element, by the code below (reads and writes, 4 bytes a float, 1 an int8):
     // error feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them
-    // back (8); the replica hash after the update reads the parameters (4, one bucket's share).
-    const double fb = feedback_ ? 28.0 : 0.0, hash = 4.0, elems = static_cast<double>(n);
-    // On a device back end the compressing methods work on a host copy of the bucket, which goes back
-    // when its collective completes, and the hash reads the parameters through a copy too.
-    const double copies = 2.0 * static_cast<double>(b.data.bytes()) + hash * elems;
+    // back (8). (The replica hash is once a step: plan_step.)
+    const double fb = feedback_ ? 28.0 : 0.0, elems = static_cast<double>(n);
+    // On a device back end the compressing methods work on a host copy of the bucket (on_host), which
+    // goes back when its collective completes.
+    const double copies = 2.0 * static_cast<double>(b.data.bytes());
     auto all_reduce = [&](const std::string& of, std::int64_t count) {
       plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
                      2.0 * (N - 1), false});
@@ -228,7 +228,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         const double maxima = all_reduce("chunk maxima", ch + 1);
         // finiteness (4) and chunk maxima (4) reads, quantising (read 4, int8 1, error 4), the
         // sum scaled back (int8 1, write 4)
-        plan.host_bytes += elems * (fb + hash + 4 + 4 + 9 + 5);
+        plan.host_bytes += elems * (fb + 4 + 4 + 9 + 5);
         plan.host_copy_bytes += copies;
         GradBucket qb = b;
         qb.data = BufferRef(nullptr, DType::i8, n, b.data.space);
@@ -242,7 +242,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         plan.add_comm({dp_.name(), w + " all-gather", ring_all_gather_bytes(bytes * N, N), N - 1.0, false});
         // finiteness (4); the selection's three passes over the magnitudes' bits (12); the unsent
         // part kept (8, with feedback); the sum cleared (4) before the k entries of each rank land
-        plan.host_bytes += elems * (fb + hash + 4 + 12 + (feedback_ ? 8 : 0) + 4) + bytes * N;
+        plan.host_bytes += elems * (fb + 4 + 12 + (feedback_ ? 8 : 0) + 4) + bytes * N;
         plan.host_copy_bytes += copies;
         return {};
       }
@@ -257,7 +257,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         // Compressed matrices: P = M Q and Q = M^T P read M (8), M = P Q^T writes it (4), the residual
         // kept and made M - P Q^T / N (8 + 12, with feedback); the rest packed and unpacked (16).
         const double mats = elems - static_cast<double>(split.plain_total);
-        plan.host_bytes += elems * (fb + hash) + mats * (12 + (feedback_ ? 20 : 0)) +
+        plan.host_bytes += elems * fb + mats * (12 + (feedback_ ? 20 : 0)) +
                            16.0 * static_cast<double>(split.plain_total);
         plan.host_copy_bytes += copies;
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
@@ -270,6 +270,20 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       }
       default: return inner_->plan_bucket(plan, b, w);
     }
+  }
+
+  // `loom plan`: the replica hash of every step's refresh phase (replicas_identical), whatever the
+  // method: it reads the parameters this rank holds whole, in order, through a host copy on a device,
+  // and stops at the first the store keeps only in part.
+  void plan_step(StepPlan& plan) const override {
+    double bytes = 0;
+    for (int i = 0; i < static_cast<int>(model_.params().size()); ++i) {
+      const BufferRef p = model_.store().param(i);
+      if (p.empty() && model_.params()[static_cast<std::size_t>(i)].numel > 0) break;
+      bytes += static_cast<double>(p.bytes());
+    }
+    plan.host_bytes += bytes;
+    plan.host_copy_bytes += bytes;
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {

@@ -186,15 +186,15 @@ class TensorPartition final : public Partition {
                      true});
     }
     plan.ring_scratch(tp_.name(), {*std::max_element(scratch.begin(), scratch.end())});
-    // The replica hash of finish_grads: each replicated parameter and gradient copied to the host
-    // (read and write, 8 bytes a float) and hashed (4).
+    // The replica hash of finish_grads: each replicated parameter and gradient hashed (read, 4 bytes
+    // a float), on a device back end from a host copy.
     double replicated = 0;
     for (const OwnedSlice& o : model.store().owned()) {
       const ParamInfo& p = model.params()[static_cast<std::size_t>(o.param)];
       if (!p.shadow && p.split == TpSplit::none) replicated += static_cast<double>(o.size());
     }
-    plan.host_bytes += 2 * 12.0 * replicated;
-    plan.host_copy_bytes += 2 * 4.0 * replicated;  // on a device back end, those copies cross to the host
+    plan.host_bytes += 2 * 4.0 * replicated;
+    plan.host_copy_bytes += 2 * 4.0 * replicated;
   }
 
  private:
