@@ -352,8 +352,7 @@ std::string describe_cluster(const ClusterSpec& c) {
     o << c.host_link_bytes_per_s / 1e9 << " GB/s per direction\n";
   else
     o << "none (the devices are the host)\n";
-  o
-    << "  inside a node: " << c.intra_bytes_per_s / 1e9 << " GB/s, " << c.intra_latency_s * 1e6 << " us; between nodes: "
+  o << "  inside a node: " << c.intra_bytes_per_s / 1e9 << " GB/s, " << c.intra_latency_s * 1e6 << " us; between nodes: "
     << c.inter_bytes_per_s / 1e9 << " GB/s, " << c.inter_latency_s * 1e6 << " us\n"
     << "  source: " << c.source << "\n";
   return o.str();
