@@ -67,8 +67,11 @@
 // Scratch: the rings receive partial results into scratch buffers that the communicator keeps
 // (ScratchPool): filed in the memory ledger under Mem::comm, taken by an operation at issue and
 // handed back when it completes, so that later operations reuse them. The pool holds at most as
-// many buffers as operations were ever outstanding at once; one too small for an operation is
-// replaced by one of the size needed.
+// many buffers as operations were ever outstanding at once. An operation that no free buffer fits
+// frees every free buffer (all too small) and takes a new one of the size it needs, so that when the
+// pool grows it holds only what operations in flight use: its peak is the largest sum over
+// operations outstanding together, whatever order they completed in (`loom plan` predicts that).
+// Keeping a too-small free buffer beside the new one made the peak depend on completion order.
 //
 // Tags: collectives use kCollectiveTagBase + (seq % kCollectiveTagRange), with seq a per-communicator
 // sequence number of collectives. All ranks issue the collectives of a communicator in the same
@@ -233,8 +236,8 @@ Reducer reducer(DType t, ReduceOp op) {
 class ScratchPool {
  public:
   explicit ScratchPool(std::string label) : label_(std::move(label)) {}
-  // The smallest free buffer of at least `bytes`; else a new one, replacing the largest free one
-  // (which is too small).
+  // The smallest free buffer of at least `bytes`; else a new one, replacing every free one (all
+  // too small).
   TypedBuffer take(std::size_t bytes) {
     auto best = free_.end();
     for (auto it = free_.begin(); it != free_.end(); ++it)
@@ -244,9 +247,7 @@ class ScratchPool {
       free_.erase(best);
       return b;
     }
-    if (!free_.empty())
-      free_.erase(std::max_element(free_.begin(), free_.end(),
-                                   [](const TypedBuffer& a, const TypedBuffer& b) { return a.bytes() < b.bytes(); }));
+    free_.clear();
     return TypedBuffer(label_, DType::u8, static_cast<std::int64_t>(bytes), Mem::comm);
   }
   void give_back(TypedBuffer b) {
