@@ -31,8 +31,10 @@ namespace {
 // precision the fp32 masters are sharded too (DeepSpeed's bf16 ZeRO-1, Megatron's distributed
 // optimizer): the block matrices' fp32 values exist only for this rank's share (master_), beside one
 // whole 16-bit copy of the flat range (params16_, all-gathered in refresh); the tensors the model
-// reads in fp32 (LayerNorm, biases, positions, wte) stay whole on every rank (wparams_), all-reduced
-// whole and updated by every rank. Gradients stay whole, as stage 1 keeps them.
+// reads in fp32 (LayerNorm, biases, positions, wte) stay whole on every rank (wparams_), but each
+// rank updates only their elements in its share of the flat range, as it does the matrices', so
+// their AdamW state is sharded too, and refresh all-gathers the updated fp32 elements (wcounts_: each
+// rank's elements of them, one run of wparams_). Gradients stay whole, as stage 1 keeps them.
 class ZeroStore final : public FlatParamStore {
  public:
   explicit ZeroStore(Communicator& dp) : dp_(dp) {}
@@ -81,14 +83,23 @@ class ZeroStore final : public FlatParamStore {
     offsets_ = shard_offsets(counts_);
     lo_ = offsets_[static_cast<std::size_t>(dp_.rank())];
     const std::int64_t hi = offsets_[static_cast<std::size_t>(dp_.rank()) + 1];
-    if (masters16_) master_ = be_->allocate("ZeroStore::master_share", DType::f32, hi - lo_, Mem::master);
+    if (masters16_) {
+      master_ = be_->allocate("ZeroStore::master_share", DType::f32, hi - lo_, Mem::master);
+      // Each rank's elements of the whole tensors: one run of wparams_, as both follow model order.
+      wcounts_.assign(counts_.size(), 0);
+      std::int64_t last_end = 0;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        if (!whole_of_[i]) continue;
+        const ParamInfo& p = params[i];
+        if (p.offset < last_end) throw std::logic_error("ZeRO store: whole tensors out of model order");
+        last_end = p.offset + p.numel;
+        for (std::size_t q = 0; q < counts_.size(); ++q)
+          wcounts_[q] += std::max<std::int64_t>(0, std::min(last_end, offsets_[q + 1]) - std::max(p.offset, offsets_[q]));
+      }
+    }
     owned_.clear();
     for (int i = 0; i < static_cast<int>(params.size()); ++i) {
       const ParamInfo& p = params[static_cast<std::size_t>(i)];
-      if (masters16_ && whole_of_[static_cast<std::size_t>(i)]) {  // every rank updates it, as at stage 0
-        owned_.push_back({i, 0, p.numel, default_primary(p, ctx)});
-        continue;
-      }
       const std::int64_t a = std::max(p.offset, lo_), b = std::min(p.offset + p.numel, hi);
       // Primary: this dp rank alone owns these elements (within its tp group and stage, tp_primary).
       if (a < b) owned_.push_back({i, a - p.offset, b - p.offset, tp_primary(p, ctx)});
@@ -123,24 +134,29 @@ class ZeroStore final : public FlatParamStore {
     FlatParamStore::params_written();
     dirty16_ = masters16_;
   }
-  // Every rank's updated share into every rank's parameters (16-bit copies with sharded masters).
-  // `loom plan`: the refresh phase's all-gather of the updated shares (no scratch).
+  // Every rank's updated share into every rank's parameters (16-bit copies with sharded masters, and
+  // the fp32 whole tensors' elements). `loom plan`: the refresh phase's all-gathers (no scratch).
   void plan_step(StepPlan& plan) const override {
     const int n = dp_.size();
     const double elem = masters16_ ? dtype_size(be_->precision().matmul) : sizeof(float);
     plan.add_comm({dp_.name(), "parameter all-gather (refresh)",
-                   ring_all_gather_bytes(static_cast<double>(params_.count()) * elem, n), n - 1.0, false});
+                   ring_all_gather_bytes(static_cast<double>(local_numel()) * elem, n), n - 1.0, false});
+    if (masters16_ && wparams_.count() > 0)
+      plan.add_comm({dp_.name(), "fp32 whole tensors' all-gather (refresh)",
+                     ring_all_gather_bytes(static_cast<double>(wparams_.count()) * sizeof(float), n), n - 1.0, false});
   }
   void refresh() override {
     if (masters16_) {
       refresh16();
+      const std::vector<std::int64_t> at = shard_offsets(wcounts_);
+      const std::size_t r = static_cast<std::size_t>(dp_.rank());
+      dp_.all_gather(wparams_.ref().slice(at[r], wcounts_[r]), wparams_.ref(), wcounts_);
     } else {
       const std::size_t r = static_cast<std::size_t>(dp_.rank());
       dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
     }
     FlatParamStore::refresh();  // compute copies are stale
   }
-  bool kept_whole(int p) const { return masters16_ && whole_of_[static_cast<std::size_t>(p)]; }
   // The elements of `b` (a run of the flat gradient buffer) in each rank's share.
   std::vector<std::int64_t> rank_counts(const GradBucket& b) const {
     const std::int64_t s = b.data.as<float>() - flat_grads(), e = s + b.data.count;
@@ -165,6 +181,7 @@ class ZeroStore final : public FlatParamStore {
 
   Communicator& dp_;
   std::vector<std::int64_t> counts_, offsets_;
+  std::vector<std::int64_t> wcounts_;  // per rank: its elements of the whole tensors (16-bit precision)
   bool masters16_ = false, dirty16_ = false;
   std::int64_t flat_ = 0, lo_ = 0;
   std::vector<bool> whole_of_;
@@ -208,9 +225,7 @@ class ZeroSync final : public BucketedGradSync {
  public:
   ZeroSync(Communicator& dp, Backend& be, GPT& model, double bucket_mb, bool overlap, const ZeroStore& store)
       : BucketedGradSync(dp, be, model, bucket_mb, overlap,
-                         BucketPlan{[&model, &store](int p) {
-                                      return model.params()[static_cast<std::size_t>(p)].tied || store.kept_whole(p);
-                                    },
+                         BucketPlan{[&model](int p) { return model.params()[static_cast<std::size_t>(p)].tied; },
                                     [&store](const GradBucket& b) { return store.rank_counts(b); },
                                     2}),
         params_bytes_(static_cast<double>(model.store().local_numel()) * sizeof(float)) {}

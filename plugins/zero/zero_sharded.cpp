@@ -45,6 +45,15 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
   offsets_ = shard_offsets(counts_);
   lo_ = offsets_[static_cast<std::size_t>(dp_.rank())];
   hi_ = offsets_[static_cast<std::size_t>(dp_.rank()) + 1];
+  wcounts_.clear();
+  wlo_ = 0;
+  whi_ = whole_;
+  if (masters16_) {  // the whole tensors are all read in fp32 (stage 2 has no tied or shadow tensor)
+    wcounts_ = shard_counts(whole_, dp_.size());
+    const std::vector<std::int64_t> w = shard_offsets(wcounts_);
+    wlo_ = w[static_cast<std::size_t>(dp_.rank())];
+    whi_ = w[static_cast<std::size_t>(dp_.rank()) + 1];
+  }
   // A unit's sharded tensors must be one run of the range (the model declares units in order).
   unit_lo_.assign(units.size(), 0);
   unit_hi_.assign(units.size(), 0);
@@ -80,8 +89,13 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
   owned_.clear();
   for (std::size_t i = 0; i < n; ++i) {
     const ParamInfo& p = params[i];
-    if (whole_of_[i]) {
+    if (whole_of_[i] && wcounts_.empty()) {
       owned_.push_back({static_cast<int>(i), 0, p.numel, default_primary(p, ctx)});
+      continue;
+    }
+    if (whole_of_[i]) {  // its elements in this rank's run of the whole range
+      const std::int64_t a = std::max(at_[i], wlo_), b = std::min(at_[i] + p.numel, whi_);
+      if (a < b) owned_.push_back({static_cast<int>(i), a - at_[i], b - at_[i], tp_primary(p, ctx)});
       continue;
     }
     const std::int64_t a = std::max(at_[i], lo_), b = std::min(at_[i] + p.numel, hi_);
@@ -289,6 +303,7 @@ void ShardedStore::refresh16() {
 void ShardedStore::refresh() {
   if (masters16_) {
     refresh16();
+    dp_.all_gather(wparams_.ref().slice(wlo_, whi_ - wlo_), wparams_.ref(), wcounts_);
   } else if (stage_ == 2) {  // every rank's updated share into every rank's parameters
     const std::size_t r = static_cast<std::size_t>(dp_.rank());
     dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
@@ -354,12 +369,14 @@ void ShardedStore::plan_step(StepPlan& plan) const {
     const double elem = masters16_ ? dtype_size(be_->precision().matmul) : sizeof(float);
     plan.add_comm({dp_.name(), "parameter all-gather (refresh)", ring_all_gather_bytes(elem * static_cast<double>(sharded_), n),
                    n - 1.0, false});
+    if (!wcounts_.empty() && whole_ > 0)
+      plan.add_comm({dp_.name(), "fp32 whole tensors' all-gather (refresh)",
+                     ring_all_gather_bytes(4.0 * static_cast<double>(whole_), n), n - 1.0, false});
   }
 }
 
 void ShardedSync::plan_step(StepPlan& plan) const {
   if (!reducer_) return;
-  const int n = dp_.size();
   const double m = plan.micro_batches;
   // Per unit in backward order: its pieces' scratch. A unit's reductions start before the previous
   // unit's complete (grads_ready pushes, then completes the oldest), so two units overlap.
@@ -396,10 +413,23 @@ void ShardedSync::plan_step(StepPlan& plan) const {
     plan.ring_scratch(dp_.name(), ring);
     held = std::max(held, h);
   }
+  // The whole tensors' gradients, once after the last backward, alone in flight.
+  if (store_.whole_count() > 0) {
+    const Reducer::BucketScratch s = reducer_->plan_bucket(plan, whole_bucket(), "whole tensors' gradients");
+    plan.ring_scratch(dp_.name(), {s.ring});
+    held = std::max(held, s.held);
+  }
   plan.add_scratch(Mem::comm, held);
-  if (store_.whole_count() > 0)
-    plan.add_comm({dp_.name(), "whole tensors' gradient all-reduce", ring_all_reduce_bytes(4.0 * store_.whole_count(), n),
-                   2.0 * (n - 1), false});
+}
+
+// The whole tensors' gradients as one bucket: reduce-scattered into the ranks' runs where the store
+// shards their update, else all-reduced.
+GradBucket ShardedSync::whole_bucket() const {
+  GradBucket k;
+  k.data = store_.whole_grads();
+  k.rank_counts = store_.whole_rank_counts();
+  k.whole = k.rank_counts.empty();
+  return k;
 }
 
 ShardedSync::ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap)
@@ -462,10 +492,8 @@ void ShardedSync::finish(GPT&) {
   while (!in_flight_.empty()) complete_oldest();
   BufferRef whole = store_.whole_grads();
   if (!whole.empty()) {
-    GradBucket k;
+    GradBucket k = whole_bucket();
     k.index = counted_++;
-    k.data = whole;
-    k.whole = true;
     reducer_->reduce_async(k)->wait();
     be_.scale(whole.as<float>(), 1.0f / static_cast<float>(dp_.size()), whole.count);
   }

@@ -5,7 +5,10 @@
 //
 // Layout. The tensors a stage-3 run keeps whole (fewer elements than zero.param_persistence_threshold,
 // and any tied or shadow tensor) lie in a small "whole" buffer, every rank holding all of them as at
-// stage 0 (parameters, gradients all-reduced, AdamW state). Every other tensor lies, in model order,
+// stage 0 (parameters, gradients all-reduced, AdamW state). Stage 2 under 16-bit precision keeps the
+// tensors the model reads in fp32 there (LayerNorm, biases, positions, wte): every rank holds their
+// fp32 values and gradients whole, but updates only its share of them (AdamW state of that share),
+// the gradients reduce-scattered after the last backward and the updated values all-gathered. Every other tensor lies, in model order,
 // in one flat "sharded" range of S elements cut into dp shares (shard_counts); rank r owns share r:
 // the optimizer updates the owned slices (the intersections of tensors with the share). A unit's
 // sharded tensors are one contiguous run [unit_lo, unit_hi) of that range.
@@ -89,14 +92,21 @@ class ShardedStore final : public ParamStore {
   std::vector<std::int64_t> rank_counts(std::int64_t a, std::int64_t b) const;
   // After a detached slot is reduced: add this rank's part into its gradient share, free the slot.
   void accumulate(const Staged& s);
-  // The whole tensors' gradients (all-reduced by the sync), empty when there are none.
+  // The whole tensors' gradients (reduced by the sync), empty when there are none.
   BufferRef whole_grads() { return wgrads_.ref(); }
+  // How many of the whole tensors' elements each rank updates: under 16-bit precision at stage 2 the
+  // whole range is cut into dp shares like the sharded one (its gradients reduce-scattered, its
+  // updated elements all-gathered in refresh); empty when every rank updates all of it.
+  const std::vector<std::int64_t>& whole_rank_counts() const { return wcounts_; }
   BufferRef grad_share() { return gshard_.ref(); }
   // Named buffers loom adds to the textbook's model state, in bytes: the gradient staging slots, the
-  // gathered-parameter slots (stage 3), and the whole tensors' parameters, gradients and AdamW state.
+  // gathered-parameter slots (stage 3), and the whole tensors' parameters, gradients and AdamW state
+  // (of the elements this rank updates).
   double staging_bytes() const;
   double gathered_bytes() const;
-  double whole_bytes() const { return 16.0 * static_cast<double>(whole_); }
+  double whole_bytes() const {
+    return 8.0 * static_cast<double>(whole_) + 8.0 * static_cast<double>(wcounts_.empty() ? whole_ : whi_ - wlo_);
+  }
   std::int64_t share() const { return hi_ - lo_; }
   std::int64_t whole_count() const { return whole_; }
   // This rank's bytes sent by kind of collective since the step began (zero_grads).
@@ -128,6 +138,8 @@ class ShardedStore final : public ParamStore {
   std::vector<std::int64_t> unit_lo_, unit_hi_;
   std::int64_t sharded_ = 0, whole_ = 0, lo_ = 0, hi_ = 0;
   std::vector<std::int64_t> counts_, offsets_;
+  std::vector<std::int64_t> wcounts_;  // see whole_rank_counts(); [wlo_, whi_): this rank's run of them
+  std::int64_t wlo_ = 0, whi_ = 0;
   TypedBuffer params_;   // stage 2: the whole sharded range; stage 3: this rank's share of it
   TypedBuffer gshard_;   // this rank's share of the gradients
   TypedBuffer wparams_, wgrads_;
@@ -151,7 +163,7 @@ class ShardedStore final : public ParamStore {
 
 // Stages 2 and 3's gradient sync: each unit's staging slot is reduce-scattered when backward is done
 // with it (every micro-batch), in pieces of at most bucket_mb, through the run's Reducer; the whole
-// tensors' gradients are all-reduced after the last backward.
+// tensors' gradients are reduced after the last backward (whole_bucket).
 class ShardedSync final : public GradSync {
  public:
   ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap);
@@ -163,7 +175,7 @@ class ShardedSync final : public GradSync {
   double mean_over_replicas(double local) override { return dp_.sum(local) / dp_.size(); }
   std::vector<std::pair<std::string, double>> step_report() const override;
   // `loom plan`: each unit's pieces through the reducer every micro-batch (one unit in flight), the
-  // whole tensors' all-reduce at the end.
+  // whole tensors' reduction at the end.
   void plan_step(StepPlan& plan) const override;
 
  private:
@@ -173,6 +185,7 @@ class ShardedSync final : public GradSync {
     std::vector<CommRequestPtr> reqs;
   };
   void complete_oldest();
+  GradBucket whole_bucket() const;
 
   Communicator& dp_;
   Backend& be_;
