@@ -69,9 +69,11 @@
 // handed back when it completes, so that later operations reuse them. The pool holds at most as
 // many buffers as operations were ever outstanding at once. An operation that no free buffer fits
 // frees every free buffer (all too small) and takes a new one of the size it needs, so that when the
-// pool grows it holds only what operations in flight use: its peak is the largest sum over
-// operations outstanding together, whatever order they completed in (`loom plan` predicts that).
-// Keeping a too-small free buffer beside the new one made the peak depend on completion order.
+// pool grows it holds only the buffers of operations in flight (`loom plan` prices the largest sum
+// of operations that can be in flight together). A buffer in use may be larger than its operation
+// needs (the smallest free one that fits is taken), so the bound holds where the operations in
+// flight together are of like sizes, as loom's buckets are; keeping a too-small free buffer beside
+// the new one broke it whatever the sizes.
 //
 // Tags: collectives use kCollectiveTagBase + (seq % kCollectiveTagRange), with seq a per-communicator
 // sequence number of collectives. All ranks issue the collectives of a communicator in the same

@@ -1,5 +1,6 @@
 #include "core/engine.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -97,11 +98,15 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   // micro_batches: the schedule's forwards and backwards.
   model_.zero_grad();
   // Regression cases poison one weight element of one rank for this step only (a bad batch's NaN):
-  // the first it updates (of the first tensor, with a store that keeps tensors whole).
+  // the first it updates of a tensor the store holds whole (which the forward reads, or casts its
+  // 16-bit copy from), else the first it updates (ZeRO-3's shares, gathered from it). A 16-bit
+  // ZeRO-1/2 rank's first owned slice may be a matrix's fp32 master share, which no forward reads.
   ParamStore& store = model_.store();
-  const bool poison = inject_fault("nan", step) && !store.owned().empty();
+  const auto& owned = store.owned();
+  const bool poison = inject_fault("nan", step) && !owned.empty();
+  const auto read = std::find_if(owned.begin(), owned.end(), [&](const OwnedSlice& o) { return !store.param(o.param).empty(); });
   // Through the back end, so that a device tensor is poisoned alike.
-  const BufferRef poisoned = poison ? store.owned_param(store.owned().front()).slice(0, 1) : BufferRef();
+  const BufferRef poisoned = poison ? store.owned_param(read != owned.end() ? *read : owned.front()).slice(0, 1) : BufferRef();
   float kept = 0.0f;
   if (poison) {
     be_.copy_to_host(&kept, poisoned);

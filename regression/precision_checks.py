@@ -53,6 +53,11 @@ CASE is one of:
                          where=nan) with train.on_nonfinite = skip: the 16-bit compute copies see the
                          poison and then its removal, so step 3 alone is skipped and every later step is
                          finite (a copy left holding the NaN would poison every later step)
+  nonfinite_skip_bf16_zero1_dp2, nonfinite_skip_bf16_zero2_dp2
+                         the same on rank 1 of bf16 ZeRO-1 (ZeRO-2) at dp 2, whose first owned slice is
+                         a matrix's fp32 master share that no forward reads: the poison goes into a
+                         tensor the forward reads from the store's fp32 values, so step 3 is skipped on
+                         both ranks, and only step 3
   checkpoint_fp16_scale  fp16, the scale growing every 2 clean steps, saved at step 4 and resumed: the
                          loss scale and its counters come back, so steps 5..8 log the same scales and,
                          bit for bit, the same losses as the uninterrupted run
@@ -184,10 +189,12 @@ def main():
                 "summary.json precision.compute_copy_bytes is not the 16-bit copies' bytes")
         return c.done(name)
 
-    if name == "nonfinite_skip_bf16":
+    if name.startswith("nonfinite_skip_bf16"):
         c = common.Case(args, name, common.small_deck(steps=8, log_every=1))
-        _, run = c.loom("bf16", 1, ["precision.dtype=bf16", "train.on_nonfinite=skip"],
-                        env={"LOOM_INJECT_FAULT": "rank=0,step=2,where=nan"})
+        zero = name[-9:-4] if "zero" in name else ""
+        layout = ["parallel.dp=2", "zero.stage=" + zero[-1]] if zero else []
+        _, run = c.loom("bf16", 2 if zero else 1, ["precision.dtype=bf16", "train.on_nonfinite=skip"] + layout,
+                        env={"LOOM_INJECT_FAULT": "rank=%d,step=2,where=nan" % (1 if zero else 0)})
         rows = common.rows(run)
         skipped = [r["step"] for r in rows if r.get("skipped")]
         print("skipped steps %s; losses %s" % (skipped, [r["loss"] for r in rows]))

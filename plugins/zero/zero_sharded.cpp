@@ -413,23 +413,34 @@ void ShardedSync::plan_step(StepPlan& plan) const {
     plan.ring_scratch(dp_.name(), ring);
     held = std::max(held, h);
   }
-  // The whole tensors' gradients, once after the last backward, alone in flight.
-  if (store_.whole_count() > 0) {
-    const Reducer::BucketScratch s = reducer_->plan_bucket(plan, whole_bucket(), "whole tensors' gradients");
-    plan.ring_scratch(dp_.name(), {s.ring});
-    held = std::max(held, s.held);
+  // The whole tensors' gradients, once after the last backward, two pieces in flight at a time.
+  std::vector<Reducer::BucketScratch> whole;
+  for (const GradBucket& k : whole_buckets()) whole.push_back(reducer_->plan_bucket(plan, k, "whole tensors' gradients"));
+  for (std::size_t i = 0; i < whole.size(); ++i) {
+    const bool pair = i + 1 < whole.size();
+    plan.ring_scratch(dp_.name(), pair ? std::vector<double>{whole[i].ring, whole[i + 1].ring} : std::vector<double>{whole[i].ring});
+    held = std::max(held, whole[i].held + (pair ? whole[i + 1].held : 0.0));
   }
   plan.add_scratch(Mem::comm, held);
 }
 
-// The whole tensors' gradients as one bucket: reduce-scattered into the ranks' runs where the store
-// shards their update, else all-reduced.
-GradBucket ShardedSync::whole_bucket() const {
-  GradBucket k;
-  k.data = store_.whole_grads();
-  k.rank_counts = store_.whole_rank_counts();
-  k.whole = k.rank_counts.empty();
-  return k;
+// The whole tensors' gradients in pieces of at most bucket_mb (wte alone is V x C): reduce-scattered
+// into the ranks' runs where the store shards their update, else all-reduced.
+std::vector<GradBucket> ShardedSync::whole_buckets() const {
+  const BufferRef g = store_.whole_grads();
+  const std::vector<std::int64_t>& counts = store_.whole_rank_counts();
+  const std::vector<std::int64_t> at = shard_offsets(counts);
+  std::vector<GradBucket> out;
+  for (std::int64_t a = 0; a < g.count; a += piece_) {
+    const std::int64_t n = std::min(g.count - a, piece_);
+    GradBucket k;
+    k.data = g.data ? g.slice(a, n) : BufferRef(nullptr, g.type, n, g.space);  // loom plan: nothing allocated
+    for (std::size_t q = 0; q < counts.size(); ++q)
+      k.rank_counts.push_back(std::max<std::int64_t>(0, std::min(a + n, at[q + 1]) - std::max(a, at[q])));
+    k.whole = k.rank_counts.empty();
+    out.push_back(std::move(k));
+  }
+  return out;
 }
 
 ShardedSync::ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap)
@@ -492,9 +503,17 @@ void ShardedSync::finish(GPT&) {
   while (!in_flight_.empty()) complete_oldest();
   BufferRef whole = store_.whole_grads();
   if (!whole.empty()) {
-    GradBucket k = whole_bucket();
-    k.index = counted_++;
-    reducer_->reduce_async(k)->wait();
+    std::vector<GradBucket> pieces = whole_buckets();  // outlive their requests
+    std::vector<CommRequestPtr> reqs;
+    for (GradBucket& k : pieces) {
+      k.index = counted_++;
+      if (reqs.size() == 2) {  // two in flight, as the units' pieces
+        reqs.front()->wait();
+        reqs.erase(reqs.begin());
+      }
+      reqs.push_back(reducer_->reduce_async(k));
+    }
+    for (auto& r : reqs) r->wait();
     be_.scale(whole.as<float>(), 1.0f / static_cast<float>(dp_.size()), whole.count);
   }
   BufferRef share = store_.grad_share();

@@ -163,7 +163,7 @@ class ShardedStore final : public ParamStore {
 
 // Stages 2 and 3's gradient sync: each unit's staging slot is reduce-scattered when backward is done
 // with it (every micro-batch), in pieces of at most bucket_mb, through the run's Reducer; the whole
-// tensors' gradients are reduced after the last backward (whole_bucket).
+// tensors' gradients are reduced after the last backward (whole_buckets, pieces of bucket_mb too).
 class ShardedSync final : public GradSync {
  public:
   ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap);
@@ -185,7 +185,7 @@ class ShardedSync final : public GradSync {
     std::vector<CommRequestPtr> reqs;
   };
   void complete_oldest();
-  GradBucket whole_bucket() const;
+  std::vector<GradBucket> whole_buckets() const;
 
   Communicator& dp_;
   Backend& be_;
