@@ -312,7 +312,9 @@ class Memo {
     s_ << "Growing from one node (" << small_devices_ << " devices) to " << o_.devices << ", with the same global batch:\n\n";
     s_ << "| devices | layout | dp ring | data-parallel messages | exposed messages | step | tokens/s | speed-up | scaling efficiency |\n"
        << "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
-    auto scale_row = [&](int devices, const Candidate& c, double ref) {
+    // `scaling`: the row's efficiency against the reference (a row of one node other than the
+    // reference has none: it is a comparison at the same size).
+    auto scale_row = [&](int devices, const Candidate& c, double ref, bool scaling) {
       if (!c.built) {
         s_ << "| " << devices << " | " << c.v.describe() << " | | | | " << fits_text(c) << " | | | |\n";
         return;
@@ -324,15 +326,23 @@ class Memo {
       s_ << "| " << devices << " | " << c.v.describe() << (c.fits ? "" : " (" + fits_text(c) + ")") << " | "
          << (c.v.dp > 1 ? link("dp", c.v) : "none") << " | " << ms(dp_s) << " | " << ms(c.p.time.comm_exposed_s) << " | "
          << ms(c.p.time.step_s) << " | " << fixed(c.p.time.tokens_per_s, 0) << " | " << fixed(speedup, 2) << "x | "
-         << pct(speedup * small_devices_ / devices) << " |\n";
+         << (scaling ? pct(speedup * small_devices_ / devices) : std::string("(same size)")) << " |\n";
     };
     const double ref = have_small_ ? small_.p.time.tokens_per_s : 0;
-    scale_row(small_devices_, small_, ref);
-    scale_row(o_.devices, chosen_, ref);
-    if (!best_small.empty() && best_small.front().fits && best_small.front().v.describe() != small_.v.describe())
-      scale_row(small_devices_, best_small.front(), ref);
+    scale_row(small_devices_, small_, ref, true);
+    scale_row(o_.devices, chosen_, ref, true);
+    const bool other_best = !best_small.empty() && best_small.front().fits && best_small.front().built &&
+                            best_small.front().v.describe() != small_.v.describe();
+    if (other_best) scale_row(small_devices_, best_small.front(), ref, false);
     s_ << "\n(" << small_devices_ << " devices: the chosen tp x pp with dp = " << sv.dp << "; the last row, when present, is the "
        << "search's best layout for one node. Scaling efficiency: speed-up / " << o_.devices / small_devices_ << ".)\n\n";
+    if (other_best && chosen_.built) {
+      const double best = best_small.front().p.time.tokens_per_s;
+      const double speedup = chosen_.p.time.tokens_per_s / best;
+      s_ << "Against the fastest layout of one node (" << best_small.front().v.describe() << ", " << fixed(best, 0)
+         << " tokens/s), the " << o_.devices << " devices' " << fixed(chosen_.p.time.tokens_per_s, 0) << " tokens/s are a "
+         << fixed(speedup, 2) << "x speed-up, " << pct(speedup * small_devices_ / o_.devices) << " scaling efficiency.\n\n";
+    }
   }
 
   void micro_batching() {
