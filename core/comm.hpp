@@ -192,6 +192,10 @@ class Communicator {
 // in bytes: what the requests allocate and what `loom plan` counts. `most`: the largest rank's block.
 std::size_t ring_all_reduce_scratch(std::int64_t count, int ranks, std::size_t elem);
 std::size_t ring_reduce_scatter_scratch(std::int64_t most, int ranks, std::size_t elem, bool in_place);
+// The size class a scratch buffer of `bytes` is made in (rounded up to an eighth of its power of
+// two, at least 8 bytes): a pool reuses a buffer only for operations of its class, and keeps of
+// each class as many buffers as operations of it were ever in flight together.
+std::size_t scratch_class(std::size_t bytes);
 
 // How long a wait may see none of its messages complete before it ends the job, in seconds (0: wait
 // forever). Process-wide, for every communicator; the driver sets it from run.comm_timeout.

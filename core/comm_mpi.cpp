@@ -66,14 +66,16 @@
 //
 // Scratch: the rings receive partial results into scratch buffers that the communicator keeps
 // (ScratchPool): filed in the memory ledger under Mem::comm, taken by an operation at issue and
-// handed back when it completes, so that later operations reuse them. The pool holds at most as
-// many buffers as operations were ever outstanding at once. An operation that no free buffer fits
-// frees every free buffer (all too small) and takes a new one of the size it needs, so that when the
-// pool grows it holds only the buffers of operations in flight (`loom plan` prices the largest sum
-// of operations that can be in flight together). A buffer in use may be larger than its operation
-// needs (the smallest free one that fits is taken), so the bound holds where the operations in
-// flight together are of like sizes, as loom's buckets are; keeping a too-small free buffer beside
-// the new one broke it whatever the sizes.
+// handed back when it completes, so that later operations reuse them. Buffers come in size classes
+// (scratch_class: rounded up to an eighth of the power of two), and the pool keeps of each class as
+// many buffers as operations of that class were ever in flight together; an operation takes one of
+// its own class. So the pool's peak is the sum over classes of the class size times the most
+// operations of it in flight together, which `loom plan` prices from the operations that can be in
+// flight together; it does not depend on the order operations complete in, and a step that repeats
+// allocates nothing. (Reusing any free buffer that fit let a small operation hold a large buffer
+// while a large one in flight allocated another, and made the peak depend on completion order:
+// regression.plan.memory_vs_ledger failed now and then. Freeing other classes' buffers to stay
+// within the most ever in flight instead made tensor parallelism allocate ten buffers a step.)
 //
 // Tags: collectives use kCollectiveTagBase + (seq % kCollectiveTagRange), with seq a per-communicator
 // sequence number of collectives. All ranks issue the collectives of a communicator in the same
@@ -87,6 +89,7 @@
 // Messages go out as MPI_BYTE in pieces of at most kMessagePieceBytes (both sides split the same
 // way): element counts beyond INT_MAX work, and a wait sees a large transfer move piece by piece.
 #include <algorithm>
+#include <map>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -234,36 +237,39 @@ Reducer reducer(DType t, ReduceOp op) {
 }
 
 // The ring scratch of one communicator (see "Scratch" above): host buffers filed under Mem::comm,
-// 8-byte aligned.
+// 8-byte aligned, one free list per size class.
 class ScratchPool {
  public:
   explicit ScratchPool(std::string label) : label_(std::move(label)) {}
-  // The smallest free buffer of at least `bytes`; else a new one, replacing every free one (all
-  // too small).
+  // A free buffer of the class of `bytes`, else a new one of that class.
   TypedBuffer take(std::size_t bytes) {
-    auto best = free_.end();
-    for (auto it = free_.begin(); it != free_.end(); ++it)
-      if (it->bytes() >= bytes && (best == free_.end() || it->bytes() < best->bytes())) best = it;
-    if (best != free_.end()) {
-      TypedBuffer b = std::move(*best);
-      free_.erase(best);
-      return b;
-    }
-    free_.clear();
-    return TypedBuffer(label_, DType::u8, static_cast<std::int64_t>(bytes), Mem::comm);
+    const std::size_t c = scratch_class(bytes);
+    std::vector<TypedBuffer>& f = free_[c];
+    if (f.empty()) return TypedBuffer(label_, DType::u8, static_cast<std::int64_t>(c), Mem::comm);
+    TypedBuffer b = std::move(f.back());
+    f.pop_back();
+    return b;
   }
   void give_back(TypedBuffer b) {
-    if (!b.empty()) free_.push_back(std::move(b));
+    if (!b.empty()) free_[b.bytes()].push_back(std::move(b));
   }
 
  private:
   std::string label_;
-  std::vector<TypedBuffer> free_;
+  std::map<std::size_t, std::vector<TypedBuffer>> free_;  // by class (a buffer's size is its class)
 };
 
 class MpiRequest;
 
 }  // namespace
+
+std::size_t scratch_class(std::size_t bytes) {
+  if (bytes == 0) return 0;
+  std::size_t top = 1;
+  while (top <= bytes / 2) top *= 2;  // the largest power of two <= bytes
+  const std::size_t step = std::max<std::size_t>(8, top / 8);
+  return (bytes + step - 1) / step * step;
+}
 
 std::size_t ring_all_reduce_scratch(std::int64_t count, int ranks, std::size_t elem) {
   if (ranks <= 1 || count <= 0) return 0;

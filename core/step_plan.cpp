@@ -1,18 +1,22 @@
 #include "core/step_plan.hpp"
 
 #include <algorithm>
-#include <numeric>
+
+#include "core/comm.hpp"
 
 namespace loom {
 
 void StepPlan::ring_scratch(const std::string& group, const std::vector<double>& concurrent) {
-  const double together = std::accumulate(concurrent.begin(), concurrent.end(), 0.0);
-  double& peak = pools_[group];
-  peak = std::max(peak, together);
+  std::map<std::size_t, int> count;  // operations of each size class in flight together
+  for (double bytes : concurrent)
+    if (bytes > 0) ++count[scratch_class(static_cast<std::size_t>(bytes))];
+  std::map<std::size_t, int>& most = pools_[group];
+  for (const auto& [c, k] : count) most[c] = std::max(most[c], k);
 }
 
 void StepPlan::close_pools() {
-  for (auto& [group, bytes] : pools_) add_scratch(Mem::comm, bytes);
+  for (const auto& [group, classes] : pools_)
+    for (const auto& [c, k] : classes) add_scratch(Mem::comm, static_cast<double>(c) * k);
   pools_.clear();
 }
 

@@ -52,15 +52,16 @@ struct StepPlan {
 
   void add_scratch(Mem m, double bytes) { scratch[static_cast<int>(m)] += bytes; }
   void add_comm(CommCost c) { comm.push_back(std::move(c)); }
-  // A communicator's ring scratch pool (Mem::comm; see ScratchPool in core/comm_mpi.cpp): it keeps
-  // as many buffers as operations were ever in flight at once, so its peak is the largest of the
-  // sums over operations that run together. `concurrent` operations of one call overlap one another.
+  // A communicator's ring scratch pool (Mem::comm; see ScratchPool in core/comm_mpi.cpp): it keeps,
+  // per size class (scratch_class), as many buffers as operations of that class were ever in flight
+  // at once, so its peak is the sum over classes of the class size times the most operations of it
+  // in any one call. `concurrent` operations of one call (their bytes) overlap one another.
   void ring_scratch(const std::string& group, const std::vector<double>& concurrent);
   // Adds the pools' peaks to scratch[comm] once (the planner calls it after every role).
   void close_pools();
 
  private:
-  std::map<std::string, double> pools_;
+  std::map<std::string, std::map<std::size_t, int>> pools_;  // group -> size class -> most in flight
 };
 
 }  // namespace loom

@@ -1104,18 +1104,21 @@ TEST(Comm, ShardCountsAndVolumes) {
   EXPECT_STREQ(reduce_op_name(ReduceOp::max), "max");
 }
 
-// The ring scratch is filed under Mem::comm, kept across operations, grown by replacing the free
-// buffers, and goes with the communicator.
+// The ring scratch is filed under Mem::comm, kept across operations by size class (as many buffers
+// of a class as its operations were ever in flight together), reused only within a class, and goes
+// with the communicator.
 TEST(Comm, ScratchIsFiledInTheLedgerAndReused) {
   Ledger& ledger = Ledger::global();
   const std::size_t before = ledger.current(Mem::comm);
+  ledger.reset_peaks();  // this test's own peak window
   {
     auto c = world_comm();
     const int n = c->size(), r = c->rank();
     EXPECT_EQ(ledger.current(Mem::comm), before);
-    // The largest chunk of an all-reduce of `count` elements of `elem` bytes (none on one rank).
+    // The class of the largest chunk of an all-reduce of `count` elements of `elem` bytes (none on
+    // one rank).
     auto chunk = [&](std::int64_t count, std::size_t elem) -> std::size_t {
-      return n == 1 ? 0 : static_cast<std::size_t>(count / n + (count % n ? 1 : 0)) * elem;
+      return n == 1 ? 0 : scratch_class(static_cast<std::size_t>(count / n + (count % n ? 1 : 0)) * elem);
     };
     const std::int64_t count = 100003;
     std::vector<float> a(count), b(count);
@@ -1123,11 +1126,7 @@ TEST(Comm, ScratchIsFiledInTheLedgerAndReused) {
     c->all_reduce(a.data(), count);
     const std::size_t one = chunk(count, sizeof(float));
     EXPECT_EQ(ledger.current(Mem::comm), before + one);
-    c->all_reduce(a.data(), count);  // reused
-    std::vector<bf16> h(1000);
-    c->all_reduce(ref(h));
-    std::vector<float> rs(n * 1000), rr(1000);
-    c->reduce_scatter(rs.data(), rr.data(), 1000);  // 2 x 4000 bytes: fits too
+    c->all_reduce(a.data(), count - 5);  // reused: the same class
     EXPECT_EQ(ledger.current(Mem::comm), before + one);
     {  // two at once: a second buffer
       auto A = c->all_reduce_async(a.data(), count);
@@ -1136,16 +1135,36 @@ TEST(Comm, ScratchIsFiledInTheLedgerAndReused) {
       B->wait();
     }
     EXPECT_EQ(ledger.current(Mem::comm), before + 2 * one);
-    c->all_reduce(a.data(), count);
-    EXPECT_EQ(ledger.current(Mem::comm), before + 2 * one);
-    // Larger than either: both free buffers are replaced by one, not added to (keeping one beside
-    // the new buffer made the pool's peak exceed what operations in flight together use).
-    std::vector<double> big(4 * count);
+    // A small operation does not take a large buffer (a large operation in flight beside it would
+    // then need another): it gets one of its own class, twice in flight with a large one.
+    std::vector<bf16> h(1000);
+    for (int k = 0; k < 2; ++k) {
+      auto A = c->all_reduce_async(a.data(), count);
+      auto H = c->all_reduce_async(ref(h));
+      auto B = c->all_reduce_async(b.data(), count);
+      A->wait();
+      H->wait();
+      B->wait();
+    }
+    EXPECT_EQ(ledger.current(Mem::comm), before + 2 * one + chunk(1000, sizeof(bf16)));
+    EXPECT_EQ(ledger.peak(Mem::comm), before + 2 * one + chunk(1000, sizeof(bf16)));
+    std::vector<double> big(4 * count);  // another class: a buffer of its own
     c->all_reduce(big.data(), 4 * count);
-    EXPECT_EQ(ledger.current(Mem::comm), before + chunk(4 * count, sizeof(double)));
-    EXPECT_GE(ledger.peak(Mem::comm), ledger.current(Mem::comm));
+    EXPECT_EQ(ledger.current(Mem::comm), before + 2 * one + chunk(1000, sizeof(bf16)) + chunk(4 * count, sizeof(double)));
   }
   EXPECT_EQ(ledger.current(Mem::comm), before);
+  // Classes: an eighth of the power of two, at least 8 bytes; never smaller than asked.
+  EXPECT_EQ(scratch_class(0), 0u);
+  EXPECT_EQ(scratch_class(1), 8u);
+  EXPECT_EQ(scratch_class(64), 64u);
+  EXPECT_EQ(scratch_class(65), 72u);
+  EXPECT_EQ(scratch_class(524288), 524288u);
+  EXPECT_EQ(scratch_class(524289), 589824u);
+  EXPECT_EQ(scratch_class(529408), 589824u);
+  for (std::size_t x = 1; x < 5000000; x = x * 3 + 1) {
+    EXPECT_GE(scratch_class(x), x);
+    EXPECT_LE(scratch_class(x), x + x / 8 + 8);
+  }
 }
 
 // Typed operations of every kind outstanding together, waited on in a different order on odd and

@@ -185,7 +185,7 @@ class TensorPartition final : public Partition {
                      m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1), false,
                      true});
     }
-    plan.ring_scratch(tp_.name(), {*std::max_element(scratch.begin(), scratch.end())});
+    for (double s : scratch) plan.ring_scratch(tp_.name(), {s});  // one at a time
     // The replica hash of finish_grads: each replicated parameter and gradient hashed (read, 4 bytes
     // a float), on a device back end from a host copy.
     double replicated = 0;
