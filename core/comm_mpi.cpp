@@ -89,12 +89,12 @@
 // Messages go out as MPI_BYTE in pieces of at most kMessagePieceBytes (both sides split the same
 // way): element counts beyond INT_MAX work, and a wait sees a large transfer move piece by piece.
 #include <algorithm>
-#include <map>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <iomanip>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <thread>

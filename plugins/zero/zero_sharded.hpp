@@ -8,8 +8,9 @@
 // stage 0 (parameters, gradients all-reduced, AdamW state). Stage 2 under 16-bit precision keeps the
 // tensors the model reads in fp32 there (LayerNorm, biases, positions, wte): every rank holds their
 // fp32 values and gradients whole, but updates only its share of them (AdamW state of that share),
-// the gradients reduce-scattered after the last backward and the updated values all-gathered. Every other tensor lies, in model order,
-// in one flat "sharded" range of S elements cut into dp shares (shard_counts); rank r owns share r:
+// the gradients reduce-scattered after the last backward and the updated values all-gathered.
+// Every other tensor lies, in model order, in one flat "sharded" range of S elements cut into dp
+// shares (shard_counts); rank r owns share r:
 // the optimizer updates the owned slices (the intersections of tensors with the share). A unit's
 // sharded tensors are one contiguous run [unit_lo, unit_hi) of that range.
 //
