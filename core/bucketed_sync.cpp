@@ -132,7 +132,7 @@ void BucketedGradSync::plan_step(StepPlan& plan) const {
     std::vector<double> ring;
     double h = 0;
     for (std::size_t j = i; j < std::min(per.size(), i + window); ++j) {
-      ring.push_back(per[j].ring);
+      ring.insert(ring.end(), per[j].ring.begin(), per[j].ring.end());
       h += per[j].held;
     }
     plan.ring_scratch(dp_.name(), ring);

@@ -43,6 +43,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -129,6 +130,11 @@ class Communicator {
 
   // Advances every outstanding request of this communicator without blocking.
   virtual void progress() = 0;
+  // Makes the ring-scratch pool hold, per size class (scratch_class), at least that many buffers,
+  // so that a step whose collectives stay within them allocates nothing: the run reserves at start-up
+  // what `loom plan` prices (StepPlan::pools), and its ledger's comm peak is the plan's. A back end
+  // whose collectives take no ring scratch (NCCL's own buffers) ignores it.
+  virtual void reserve_scratch(const std::map<std::size_t, int>& /*buffers_per_class*/) {}
   virtual void barrier() = 0;
 
   // Blocking forms: issue, then wait.

@@ -253,6 +253,11 @@ class ScratchPool {
   void give_back(TypedBuffer b) {
     if (!b.empty()) free_[b.bytes()].push_back(std::move(b));
   }
+  // At least `count` free buffers of class `c` (before any is taken: Communicator::reserve_scratch).
+  void reserve(std::size_t c, int count) {
+    std::vector<TypedBuffer>& f = free_[c];
+    while (static_cast<int>(f.size()) < count) f.emplace_back(label_, DType::u8, static_cast<std::int64_t>(c), Mem::comm);
+  }
 
  private:
   std::string label_;
@@ -300,6 +305,9 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
 
   void progress() override;
+  void reserve_scratch(const std::map<std::size_t, int>& buffers_per_class) override {
+    for (const auto& [c, count] : buffers_per_class) scratch_.reserve(c, count);
+  }
   // A one-element all-reduce completes on no rank before every rank has joined it: a barrier that is
   // watched like any wait (it counts as an all_reduce).
   void barrier() override {

@@ -58,6 +58,10 @@ class StagedCommunicator final : public Communicator {
     inner_->barrier();
     refresh();
   }
+  // Its collectives are the MPI communicator's, on host copies: the same ring scratch.
+  void reserve_scratch(const std::map<std::size_t, int>& buffers_per_class) override {
+    inner_->reserve_scratch(buffers_per_class);
+  }
   // Adds what the MPI communicator counted since the last look.
   void refresh() { add_counts_since(inner_->stats(), seen_); }
   Backend& backend() { return backend_; }

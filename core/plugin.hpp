@@ -27,8 +27,9 @@
 // checkpoint_part.hpp). ABI 4: declared role claims, the parameter store, step phases, the reducer.
 // ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the roles' plan_step
 // (`loom plan`, core/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step. ABI 8:
-// StepPlan::stage_units, pipeline_span and host_copy_bytes.
-#define LOOM_PLUGIN_ABI_VERSION 8
+// StepPlan::stage_units, pipeline_span and host_copy_bytes. ABI 9: Communicator::reserve_scratch,
+// StepPlan::pools.
+#define LOOM_PLUGIN_ABI_VERSION 9
 
 extern "C" {
 struct loom_plugin_v1 {

@@ -45,7 +45,7 @@ Reducer::BucketScratch AllReduceReducer::plan_bucket(StepPlan& plan, const GradB
   if (n == 1) return {};
   plan.add_comm({comm_.name(), what + " all-reduce", ring_all_reduce_bytes(static_cast<double>(b.data.bytes()), n),
                  2.0 * (n - 1), false});
-  return {static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type))), 0};
+  return {{static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type)))}, 0};
 }
 
 // The inner reducer on the narrow copy, and the copy itself while it is in flight.

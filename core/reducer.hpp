@@ -47,9 +47,12 @@ class Reducer {
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
   // `loom plan`: adds the bytes reducing `bucket` moves to `plan` (CommCost::what names it) and says
-  // the scratch it takes while in flight: `ring` from the communicator's pool, `held` its own.
+  // the scratch it takes while in flight: `ring` from the communicator's pool, each of its
+  // collectives' in turn (the pool keeps a buffer per size class, so collectives of one bucket that
+  // run one after another still each need their class's), `held` its own.
   struct BucketScratch {
-    double ring = 0, held = 0;
+    std::vector<double> ring;
+    double held = 0;
   };
   virtual BucketScratch plan_bucket(StepPlan& /*plan*/, const GradBucket& /*bucket*/, const std::string& /*what*/) const {
     return {};

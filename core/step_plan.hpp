@@ -57,11 +57,15 @@ struct StepPlan {
   // at once, so its peak is the sum over classes of the class size times the most operations of it
   // in any one call. `concurrent` operations of one call (their bytes) overlap one another.
   void ring_scratch(const std::string& group, const std::vector<double>& concurrent);
-  // Adds the pools' peaks to scratch[comm] once (the planner calls it after every role).
+  // Adds the pools' peaks to scratch[comm], once (after every role's plan_step).
   void close_pools();
+  // Per group ("dp", "tp", "pp", "world"): size class -> the most buffers of it in flight at once,
+  // what the run reserves (Communicator::reserve_scratch) and close_pools prices.
+  const std::map<std::string, std::map<std::size_t, int>>& pools() const { return pools_; }
 
  private:
-  std::map<std::string, std::map<std::size_t, int>> pools_;  // group -> size class -> most in flight
+  std::map<std::string, std::map<std::size_t, int>> pools_;
+  bool pools_closed_ = false;
 };
 
 }  // namespace loom

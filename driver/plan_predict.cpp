@@ -54,16 +54,8 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, int rank, 
     r.sequence_parallel = model.partition().sequence_parallel();
     r.precision = dtype_name(be->precision().matmul);
     flops_per_token = model.flops_per_token();
-    StepPlan& s = r.step;
-    s.micro_batches = ec.micro_batches;
-    s.rows_per_micro = ec.rows_per_micro;
-    model.plan_step(s);
-    model.store().plan_step(s);
-    engine.schedule().plan_step(s);
-    engine.grad_sync().plan_step(s);
-    for (Reducer* red = roles.reducer.get(); red; red = red->inner()) red->plan_step(s);
-    s.close_pools();
-    r.scratch = s.scratch;
+    r.step = plan_rank_step(ec, model, engine, roles.reducer.get());
+    r.scratch = r.step.scratch;
   }
   for (int i = 0; i < kMemCategories; ++i) {
     r.peak[static_cast<std::size_t>(i)] = r.built[static_cast<std::size_t>(i)] + r.scratch[static_cast<std::size_t>(i)];

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 
 #include "core/error.hpp"
 #include "core/fault.hpp"
@@ -237,6 +238,31 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
   return out;
 }
 
+StepPlan plan_rank_step(const EngineConfig& engine_cfg, GPT& model, Engine& engine, Reducer* reducer) {
+  StepPlan s;
+  s.micro_batches = engine_cfg.micro_batches;
+  s.rows_per_micro = engine_cfg.rows_per_micro;
+  model.plan_step(s);
+  model.store().plan_step(s);
+  engine.schedule().plan_step(s);
+  engine.grad_sync().plan_step(s);
+  for (Reducer* red = reducer; red; red = red->inner()) red->plan_step(s);
+  s.close_pools();
+  return s;
+}
+
+void reserve_comm_scratch(ProcessGrid& grid, const StepPlan& plan) {
+  for (const auto& [group, classes] : plan.pools()) {
+    Communicator* c = group == "world" ? &grid.world()
+                      : group == "dp"  ? &grid.dp()
+                      : group == "tp"  ? &grid.tp()
+                      : group == "pp"  ? &grid.pp()
+                                       : nullptr;
+    if (!c || c->name() != group) throw std::logic_error("a step plan names communicator '" + group + "', which the grid lacks");
+    c->reserve_scratch(classes);
+  }
+}
+
 void Session::setup_collective() {
   backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_string("run.tf32"),
                          deck.get_bool("run.share_gpu"), MPI_COMM_WORLD,
@@ -263,6 +289,9 @@ void Session::setup_collective() {
   checkpoint_parts = std::move(roles.checkpoint_parts);
   kept_parts = std::move(roles.kept_parts);
   engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(roles.engine));
+  // The collectives' scratch, reserved now as `loom plan` prices it: no step allocates it, and an
+  // out-of-memory shows here rather than steps into the run.
+  reserve_comm_scratch(*grid, plan_rank_step(engine_cfg, *model, *engine, reducer.get()));
   // Role objects that keep state of their own for checkpoints (after the strategies' listed parts).
   auto contributes = [this](auto* role) {
     if (auto* c = dynamic_cast<CheckpointContributor*>(role)) checkpoint_parts.push_back(c);

@@ -15,6 +15,7 @@
 #include "core/gpt.hpp"
 #include "core/grid.hpp"
 #include "core/plugin.hpp"
+#include "core/step_plan.hpp"
 #include "io/data.hpp"
 #include "io/deck.hpp"
 #include "io/threads.hpp"
@@ -65,6 +66,12 @@ struct AssembledRoles {
 };
 AssembledRoles assemble_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies, ProcessGrid& grid,
                               GPT& model, Backend& backend, const EngineConfig& engine, bool agree);
+// What a step of these roles takes beyond what they hold once built (scratch per category, the
+// communicators' ring-scratch pools, messages, the pipeline's replay): every role's plan_step, pools
+// closed. `loom plan` prices it; a run reserves the pools it lists before its first step.
+StepPlan plan_rank_step(const EngineConfig& engine_cfg, GPT& model, Engine& engine, Reducer* reducer);
+// Each group's communicator of `grid` reserves its pool of `plan` (Communicator::reserve_scratch).
+void reserve_comm_scratch(ProcessGrid& grid, const StepPlan& plan);
 
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.

@@ -14,11 +14,12 @@
   memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps, rank by rank
                      and category by category, for every deck of inputs/ and the layouts of the regression
                      cases (dp, tp, sequence parallel, pp with each schedule, ZeRO 1-3, bf16, fp16, recompute,
-                     combinations): |predicted - measured| <= 5% of measured + 4 KiB (the floor covers the
-                     world's few-byte scalar collectives); comm, whose ring-scratch pools depend on how
-                     many collectives happened to be in flight at once, is held as a bound: measured <=
-                     predicted + 5%, predicted <= 2 x measured. Compression's int8, top-k and PowerSGD
-                     (their own buffers and collectives) are among the layouts. The worst cases are printed.
+                     combinations; past compression.start_step, where the method's state is made): |predicted - measured| <= 5% of measured + 4 KiB (the floor covers the
+                     world's few-byte scalar collectives), comm included: a run reserves its communicators'
+                     ring-scratch pools from the same step plan at start-up (Session), so a collective
+                     in flight beyond the plan, or of a size class it does not list, shows as measured
+                     above predicted. Compression's int8, top-k and PowerSGD (their own buffers and
+                     collectives) are among the layouts. The worst cases are printed.
   cluster_refusals   a missing key (memory_gbs, matmul_efficiency_bf16, matmul_call_us, attention_head_us,
                      optimizer_gbs, sync_wait_share, host_gbs, host_link_gbs among them), a value out of range
                      (attention_tflops = 0, optimizer_gbs = 0, a negative fixed cost, sync_wait_share or
@@ -130,6 +131,16 @@ def deck_ranks(path):
     return n
 
 
+def start_step(path, sets):
+    """compression.start_step of the deck with its --set words (0 when it has none): the compressing
+    reducer allocates its method's state at its first compressed step, which the plan counts."""
+    for s in sets:
+        if s.startswith("compression.start_step="):
+            return int(s.split("=", 1)[1])
+    m = re.search(r"^\s*\[compression\][^\[]*?^\s*start_step\s*=\s*(\d+)", open(path).read(), re.M | re.S)
+    return int(m.group(1)) if m else 0
+
+
 def memory_vs_ledger(args, d, failures):
     import json
     cases = [(os.path.basename(p)[:-5], p, deck_ranks(p), []) for p in
@@ -137,7 +148,7 @@ def memory_vs_ledger(args, d, failures):
     worst = []
     for tag, deck, ranks, sets in cases + LAYOUTS:
         run_dir = os.path.join(d, tag)
-        over = sets + ["train.steps=2", "train.eval_every=0", "train.log_every=1", "run.dir=" + run_dir,
+        over = sets + ["train.steps=%d" % (2 + start_step(deck, sets)), "train.eval_every=0", "train.log_every=1", "run.dir=" + run_dir,
                        "run.overwrite=true", "checkpoint.dir=" + os.path.join(run_dir, "ckpt"), "checkpoint.every=0"]
         sargs = sum((["--set", x] for x in over), [])
         pred = json.loads(run([args.loom, "plan", deck, "--cluster", "h100-sxm", "--json"] + sargs).stdout)
@@ -151,14 +162,7 @@ def memory_vs_ledger(args, d, failures):
                 gap = p[c] - m[c]
                 rel = abs(gap) / m[c] if m[c] else (0.0 if gap == 0 else float("inf"))
                 worst.append((rel, tag, r, c, p[c], m[c]))
-                # comm: the collectives' scratch pools keep as many buffers as were in flight at once,
-                # which depends on timing (run to run); the plan is the bound with every bucket of a
-                # window in flight: measured <= predicted, and predicted at most twice measured.
-                if c == "comm":
-                    bad = m[c] > 1.05 * p[c] + 4096 or p[c] > 2 * m[c] + 4096
-                else:
-                    bad = abs(gap) > 0.05 * m[c] + 4096
-                if bad:
+                if abs(gap) > 0.05 * m[c] + 4096:
                     failures.append("%s rank %d %s: predicted %d bytes, measured %d (%+.1f%%)" %
                                     (tag, r, c, p[c], m[c], 100 * gap / max(m[c], 1)))
     worst.sort(reverse=True)

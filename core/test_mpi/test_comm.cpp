@@ -18,6 +18,7 @@
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -1165,6 +1166,37 @@ TEST(Comm, ScratchIsFiledInTheLedgerAndReused) {
     EXPECT_GE(scratch_class(x), x);
     EXPECT_LE(scratch_class(x), x + x / 8 + 8);
   }
+}
+
+// A reservation (what a run makes from its step plan at start-up) puts the buffers in the pool at
+// once; operations within it allocate nothing more, and one of a class it lacks still gets its own.
+TEST(Comm, ReservedScratchIsAllocatedOnceAndUsed) {
+  Ledger& ledger = Ledger::global();
+  const std::size_t before = ledger.current(Mem::comm);
+  {
+    auto c = world_comm();
+    const int n = c->size();
+    const std::int64_t count = 100003;
+    const std::size_t one = ring_all_reduce_scratch(count, n, sizeof(float));
+    c->reserve_scratch(n == 1 ? std::map<std::size_t, int>{} : std::map<std::size_t, int>{{scratch_class(one), 2}});
+    const std::size_t reserved = n == 1 ? 0 : 2 * scratch_class(one);
+    EXPECT_EQ(ledger.current(Mem::comm), before + reserved);
+    std::vector<float> a(count, 1.0f), b(count, 2.0f);
+    for (int k = 0; k < 3; ++k) {  // two in flight, as reserved
+      auto A = c->all_reduce_async(a.data(), count);
+      auto B = c->all_reduce_async(b.data(), count);
+      A->wait();
+      B->wait();
+    }
+    EXPECT_EQ(ledger.current(Mem::comm), before + reserved);
+    EXPECT_FLOAT_EQ(b[count - 1], 2.0f * static_cast<float>(std::pow(n, 3)));
+    c->reserve_scratch({{scratch_class(one), 1}});  // already held: nothing more
+    EXPECT_EQ(ledger.current(Mem::comm), before + reserved);
+    std::vector<float> small(1000, 1.0f);  // a class not reserved
+    c->all_reduce(small.data(), 1000);
+    EXPECT_EQ(ledger.current(Mem::comm), before + reserved + (n == 1 ? 0 : scratch_class(ring_all_reduce_scratch(1000, n, 4))));
+  }
+  EXPECT_EQ(ledger.current(Mem::comm), before);
 }
 
 // Typed operations of every kind outstanding together, waited on in a different order on odd and

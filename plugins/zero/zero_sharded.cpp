@@ -407,7 +407,7 @@ void ShardedSync::plan_step(StepPlan& plan) const {
     double h = 0;
     for (std::size_t j = i; j < std::min(units.size(), i + window); ++j)
       for (const Reducer::BucketScratch& s : units[j]) {
-        ring.push_back(s.ring);
+        ring.insert(ring.end(), s.ring.begin(), s.ring.end());
         h += s.held;
       }
     plan.ring_scratch(dp_.name(), ring);
@@ -418,7 +418,9 @@ void ShardedSync::plan_step(StepPlan& plan) const {
   for (const GradBucket& k : whole_buckets()) whole.push_back(reducer_->plan_bucket(plan, k, "whole tensors' gradients"));
   for (std::size_t i = 0; i < whole.size(); ++i) {
     const bool pair = i + 1 < whole.size();
-    plan.ring_scratch(dp_.name(), pair ? std::vector<double>{whole[i].ring, whole[i + 1].ring} : std::vector<double>{whole[i].ring});
+    std::vector<double> ring = whole[i].ring;
+    if (pair) ring.insert(ring.end(), whole[i + 1].ring.begin(), whole[i + 1].ring.end());
+    plan.ring_scratch(dp_.name(), ring);
     held = std::max(held, whole[i].held + (pair ? whole[i + 1].held : 0.0));
   }
   plan.add_scratch(Mem::comm, held);
