@@ -125,6 +125,10 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t = TimePrediction();
   predict_compute(p, r, c, t);
   // Messages: ring volume over the group's link, plus its latency per message.
+  // Where the devices are the host's cores (host_link_gbs 0: a calibrated host), a message inside a
+  // node is copied through shared memory by the ranks' own cores, in loom's communication calls
+  // (there is no progress thread): it takes their time whether or not it overlaps, so none hides.
+  const bool cores_copy = c.host_link_bytes_per_s <= 0;
   double overlapped = 0, exposed = 0;
   std::map<std::string, double> by_group, exposed_by, overlapped_by;
   bool syncs_in_step = false;
@@ -134,9 +138,10 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
     const double bw = in_node ? c.intra_bytes_per_s : c.inter_bytes_per_s;
     const double lat = in_node ? c.intra_latency_s : c.inter_latency_s;
     const double s = k.bytes / bw + k.messages * lat;
+    const bool hides = k.overlapped && !(cores_copy && in_node);
     by_group[k.group] += s;
-    (k.overlapped ? overlapped : exposed) += s;
-    (k.overlapped ? overlapped_by : exposed_by)[k.group] += s;
+    (hides ? overlapped : exposed) += s;
+    (hides ? overlapped_by : exposed_by)[k.group] += s;
   }
   // Overlapped messages hide behind the last micro-batch's backward (about 2/3 of its compute).
   const double backward_last = (t.compute_s - t.optimizer_s) / mb * 2.0 / 3.0;

@@ -157,7 +157,8 @@ void add_cluster_keys(DeckSchema& schema) {
                        "PowerSGD; replica hashes) run at per device's rank, GB/s: one host core"));
   schema.add(float_key("cluster.host_link_gbs", "0", 0, 1e6,
                        "copies between a device and its host (PCIe), GB/s per direction; 0 where the devices are "
-                       "the host's own cores (nothing is copied)"));
+                       "the host's own cores (nothing is copied, and those cores copy the messages inside a node "
+                       "themselves: none hides behind compute)"));
   schema.add(float_key("network.intra_node_gbs", "1", 1e-6, 1e6, "bandwidth between devices of a node, GB/s per device and direction"));
   schema.add(float_key("network.intra_node_latency_us", "0", 0, 1e6, "latency of a message inside a node, microseconds"));
   schema.add(float_key("network.inter_node_gbs", "1", 1e-6, 1e6, "bandwidth between nodes, GB/s per device and direction"));
