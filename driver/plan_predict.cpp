@@ -116,9 +116,24 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   t.compute_s = t.matmul_s + t.attention_s + t.elementwise_s + t.optimizer_s + t.strategies_s;
 }
 
+// Each pipeline stage's busy time: the slowest of its ranks' forward + backward compute (empty
+// without a pipeline). Once per prediction: every rank's replay takes the same stages' times.
+std::vector<double> stage_busy(const Prediction& p, const ClusterSpec& c) {
+  if (p.plan.layout.pp <= 1) return {};
+  std::vector<double> busy(static_cast<std::size_t>(p.plan.layout.pp), 0.0);
+  for (const RankPrediction& q : p.ranks) {
+    TimePrediction tq;
+    predict_compute(p, q, c, tq);
+    double& seconds = busy.at(static_cast<std::size_t>(q.pp_rank));
+    seconds = std::max(seconds, tq.compute_s - tq.optimizer_s);
+  }
+  return busy;
+}
+
 // The step of rank `r`: its compute (predict_compute), its messages over the links, and with a
-// pipeline the schedule's bubble.
-void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, double flops_per_token) {
+// pipeline the schedule's bubble (the stages' busy times: stage_busy).
+void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, double flops_per_token,
+                  const std::vector<double>& stages_busy) {
   const Layout& l = p.plan.layout;
   const double T = p.plan.model.seq_len, mb = p.plan.micro_batches;
   TimePrediction& t = p.time;
@@ -159,13 +174,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   double busy = t.compute_s - t.optimizer_s;
   t.bubble = 0;
   if (l.pp > 1 && r.step.pipeline_span) {
-    t.stage_busy_s.assign(static_cast<std::size_t>(l.pp), 0.0);
-    for (const RankPrediction& q : p.ranks) {
-      TimePrediction tq;
-      predict_compute(p, q, c, tq);
-      double& seconds = t.stage_busy_s.at(static_cast<std::size_t>(q.pp_rank));
-      seconds = std::max(seconds, tq.compute_s - tq.optimizer_s);
-    }
+    t.stage_busy_s = stages_busy;
     std::vector<double> per_unit(t.stage_busy_s.size());
     for (std::size_t s = 0; s < per_unit.size(); ++s) per_unit[s] = t.stage_busy_s[s] / r.step.stage_units.at(s);
     const double span = t.pipeline_span_s = r.step.pipeline_span(per_unit);
@@ -229,8 +238,9 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   }
   // The step waits for its slowest rank.
   TimePrediction slowest;
+  const std::vector<double> stages_busy = stage_busy(p, cluster);
   for (const RankPrediction& r : p.ranks) {
-    predict_time(p, r, cluster, fpt);
+    predict_time(p, r, cluster, fpt, stages_busy);
     if (p.time.step_s > slowest.step_s) slowest = p.time;
   }
   p.time = slowest;
