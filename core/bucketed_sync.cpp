@@ -128,16 +128,14 @@ void BucketedGradSync::plan_step(StepPlan& plan) const {
   }
   const std::size_t window = max_in_flight_ > 0 ? static_cast<std::size_t>(max_in_flight_) : per.size();
   double held = 0;
-  for (std::size_t i = 0; i < per.size(); ++i) {
-    std::vector<double> ring;
+  std::vector<std::size_t> first(per.size());
+  for (std::size_t j = 0; j < per.size(); ++j) {
+    first[j] = j + 1 > window ? j + 1 - window : 0;
     double h = 0;
-    for (std::size_t j = i; j < std::min(per.size(), i + window); ++j) {
-      ring.insert(ring.end(), per[j].ring.begin(), per[j].ring.end());
-      h += per[j].held;
-    }
-    plan.ring_scratch(dp_.name(), ring);
+    for (std::size_t i = first[j]; i <= j; ++i) h += per[i].held;
     held = std::max(held, h);
   }
+  plan_ring_in_order(plan, dp_.name(), per, first);
   plan.add_scratch(Mem::comm, held);
 }
 

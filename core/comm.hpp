@@ -133,8 +133,15 @@ class Communicator {
   // Makes the ring-scratch pool hold, per size class (scratch_class), at least that many buffers,
   // so that a step whose collectives stay within them allocates nothing: the run reserves at start-up
   // what `loom plan` prices (StepPlan::pools), and its ledger's comm peak is the plan's. A back end
-  // whose collectives take no ring scratch (NCCL's own buffers) ignores it.
+  // whose collectives take no ring scratch (NCCL's device collectives) ignores it.
   virtual void reserve_scratch(const std::map<std::size_t, int>& /*buffers_per_class*/) {}
+  // The pool's bytes reserved, and those its collectives needed: per size class, the class times the
+  // most buffers of it out at once (what an unreserved pool would have kept), so a reservation far
+  // above the need shows.
+  struct ScratchUse {
+    std::size_t reserved = 0, needed = 0;
+  };
+  virtual ScratchUse scratch_use() const { return {}; }
   virtual void barrier() = 0;
 
   // Blocking forms: issue, then wait.

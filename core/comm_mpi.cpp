@@ -244,6 +244,7 @@ class ScratchPool {
   // A free buffer of the class of `bytes`, else a new one of that class.
   TypedBuffer take(std::size_t bytes) {
     const std::size_t c = scratch_class(bytes);
+    if (c > 0) most_taken_[c] = std::max(most_taken_[c], ++taken_[c]);
     std::vector<TypedBuffer>& f = free_[c];
     if (f.empty()) return TypedBuffer(label_, DType::u8, static_cast<std::int64_t>(c), Mem::comm);
     TypedBuffer b = std::move(f.back());
@@ -251,17 +252,28 @@ class ScratchPool {
     return b;
   }
   void give_back(TypedBuffer b) {
-    if (!b.empty()) free_[b.bytes()].push_back(std::move(b));
+    if (b.empty()) return;
+    --taken_[b.bytes()];
+    free_[b.bytes()].push_back(std::move(b));
   }
   // At least `count` free buffers of class `c` (before any is taken: Communicator::reserve_scratch).
   void reserve(std::size_t c, int count) {
+    if (c == 0 || count <= 0) return;
     std::vector<TypedBuffer>& f = free_[c];
     while (static_cast<int>(f.size()) < count) f.emplace_back(label_, DType::u8, static_cast<std::int64_t>(c), Mem::comm);
+    reserved_[c] = std::max(reserved_[c], count);
+  }
+  Communicator::ScratchUse use() const {
+    Communicator::ScratchUse u;
+    for (const auto& [c, k] : reserved_) u.reserved += c * static_cast<std::size_t>(k);
+    for (const auto& [c, k] : most_taken_) u.needed += c * static_cast<std::size_t>(k);
+    return u;
   }
 
  private:
   std::string label_;
   std::map<std::size_t, std::vector<TypedBuffer>> free_;  // by class (a buffer's size is its class)
+  std::map<std::size_t, int> taken_, most_taken_, reserved_;  // by class: out now, most out at once, reserved
 };
 
 class MpiRequest;
@@ -308,6 +320,7 @@ class MpiCommunicator final : public Communicator {
   void reserve_scratch(const std::map<std::size_t, int>& buffers_per_class) override {
     for (const auto& [c, count] : buffers_per_class) scratch_.reserve(c, count);
   }
+  ScratchUse scratch_use() const override { return scratch_.use(); }
   // A one-element all-reduce completes on no rank before every rank has joined it: a barrier that is
   // watched like any wait (it counts as an all_reduce).
   void barrier() override {

@@ -62,6 +62,7 @@ class StagedCommunicator final : public Communicator {
   void reserve_scratch(const std::map<std::size_t, int>& buffers_per_class) override {
     inner_->reserve_scratch(buffers_per_class);
   }
+  ScratchUse scratch_use() const override { return inner_->scratch_use(); }
   // Adds what the MPI communicator counted since the last look.
   void refresh() { add_counts_since(inner_->stats(), seen_); }
   Backend& backend() { return backend_; }

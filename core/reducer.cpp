@@ -40,12 +40,27 @@ class CastBackRequest final : public CommRequest {
 CastReducer::CastReducer(std::unique_ptr<Reducer> inner, Backend& backend, DType type)
     : inner_(std::move(inner)), be_(backend), type_(type) {}
 
+void plan_ring_in_order(StepPlan& plan, const std::string& group, const std::vector<Reducer::BucketScratch>& buckets,
+                        const std::vector<std::size_t>& first) {
+  for (std::size_t j = 0; j < buckets.size(); ++j) {
+    std::vector<double> in_flight;
+    for (std::size_t i = first.at(j); i < j; ++i) in_flight.insert(in_flight.end(), buckets[i].ring.begin(), buckets[i].ring.end());
+    for (double b : buckets[j].blocking) {
+      std::vector<double> with = in_flight;
+      with.push_back(b);
+      plan.ring_scratch(group, with);
+    }
+    in_flight.insert(in_flight.end(), buckets[j].ring.begin(), buckets[j].ring.end());
+    plan.ring_scratch(group, in_flight);
+  }
+}
+
 Reducer::BucketScratch AllReduceReducer::plan_bucket(StepPlan& plan, const GradBucket& b, const std::string& what) const {
   const int n = comm_.size();
   if (n == 1) return {};
   plan.add_comm({comm_.name(), what + " all-reduce", ring_all_reduce_bytes(static_cast<double>(b.data.bytes()), n),
                  2.0 * (n - 1), false});
-  return {{static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type)))}, 0};
+  return {{static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type)))}, {}, 0};
 }
 
 // The inner reducer on the narrow copy, and the copy itself while it is in flight.

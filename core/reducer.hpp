@@ -47,11 +47,12 @@ class Reducer {
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
   // `loom plan`: adds the bytes reducing `bucket` moves to `plan` (CommCost::what names it) and says
-  // the scratch it takes while in flight: `ring` from the communicator's pool, each of its
-  // collectives' in turn (the pool keeps a buffer per size class, so collectives of one bucket that
-  // run one after another still each need their class's), `held` its own.
+  // the scratch it takes: from the communicator's pool, `ring` for each collective it leaves in
+  // flight (asynchronous) and `blocking` for each it completes before returning (int8's chunk maxima,
+  // PowerSGD's all-reduces), one entry per collective as the pool keeps buffers per size class;
+  // `held` its own while in flight.
   struct BucketScratch {
-    std::vector<double> ring;
+    std::vector<double> ring, blocking;
     double held = 0;
   };
   virtual BucketScratch plan_bucket(StepPlan& /*plan*/, const GradBucket& /*bucket*/, const std::string& /*what*/) const {
@@ -61,6 +62,12 @@ class Reducer {
   // replica hash); the planner calls it for every reducer of the chain.
   virtual void plan_step(StepPlan& /*plan*/) const {}
 };
+
+// `loom plan`: the pool scratch of buckets reduced in order, bucket j starting while the asynchronous
+// collectives of buckets [first[j], j) are still in flight: each of j's blocking collectives beside
+// those, then j's asynchronous ones with them (StepPlan::ring_scratch on `group`).
+void plan_ring_in_order(StepPlan& plan, const std::string& group, const std::vector<Reducer::BucketScratch>& buckets,
+                        const std::vector<std::size_t>& first);
 
 // The plain one: a sum all-reduce on `comm`.
 class AllReduceReducer final : public Reducer {

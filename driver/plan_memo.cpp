@@ -63,14 +63,14 @@ struct GroupCost {
 };
 
 // The rank that sets the step: its messages by group.
-std::map<std::string, GroupCost> comm_by_group(const Candidate& c) {
+std::map<std::string, GroupCost> comm_by_group(const Candidate& c, const ClusterSpec& cluster) {
   std::map<std::string, GroupCost> out;
   const RankPrediction& r = c.p.worst();
   for (const CommCost& k : r.step.comm) {
     GroupCost& g = out[k.group];
     g.bytes += k.bytes;
     g.messages += k.messages;
-    g.overlapped = g.overlapped || k.overlapped;
+    g.overlapped = g.overlapped || comm_hides(k, c.p.plan.layout, cluster);
     const std::string kind = std::regex_replace(k.what, std::regex("bucket [0-9]+ "), "");
     auto it = std::find_if(g.what.begin(), g.what.end(), [&](const auto& w) { return w.first == kind; });
     if (it == g.what.end()) g.what.push_back({kind, 1});
@@ -265,7 +265,7 @@ class Memo {
     s_ << "Messages of the rank that sets the step (rank " << chosen_.p.worst_rank << "), per step:\n\n";
     s_ << "| group | ranks | link | what | MiB sent | messages | time | hidden behind backward |\n"
        << "| --- | ---: | --- | --- | ---: | ---: | ---: | --- |\n";
-    for (const auto& [g, k] : comm_by_group(chosen_)) {
+    for (const auto& [g, k] : comm_by_group(chosen_, cluster_)) {
       s_ << "| " << group_name(g) << " | " << group_size(g, v) << " | " << link(g, v) << " | " << k.list() << " | "
          << fixed(k.bytes / (1 << 20), 1) << " | " << fixed(k.messages, 0) << " | " << ms(k.seconds) << " | "
          << (k.overlapped ? "yes, bucket by bucket" : "no") << " |\n";

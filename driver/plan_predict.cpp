@@ -140,10 +140,6 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t = TimePrediction();
   predict_compute(p, r, c, t);
   // Messages: ring volume over the group's link, plus its latency per message.
-  // Where the devices are the host's cores (host_link_gbs 0: a calibrated host), a message inside a
-  // node is copied through shared memory by the ranks' own cores, in loom's communication calls
-  // (there is no progress thread): it takes their time whether or not it overlaps, so none hides.
-  const bool cores_copy = c.host_link_bytes_per_s <= 0;
   double overlapped = 0, exposed = 0;
   std::map<std::string, double> by_group, exposed_by, overlapped_by;
   bool syncs_in_step = false;
@@ -153,7 +149,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
     const double bw = in_node ? c.intra_bytes_per_s : c.inter_bytes_per_s;
     const double lat = in_node ? c.intra_latency_s : c.inter_latency_s;
     const double s = k.bytes / bw + k.messages * lat;
-    const bool hides = k.overlapped && !(cores_copy && in_node);
+    const bool hides = comm_hides(k, l, c);
     by_group[k.group] += s;
     (hides ? overlapped : exposed) += s;
     (hides ? overlapped_by : exposed_by)[k.group] += s;
@@ -201,6 +197,10 @@ std::string mib(double b) {
 }
 
 }  // namespace
+
+bool comm_hides(const CommCost& k, const Layout& l, const ClusterSpec& c) {
+  return k.overlapped && !(c.host_link_bytes_per_s <= 0 && group_in_node(k.group, l, c.devices_per_node));
+}
 
 bool group_in_node(const std::string& group, const Layout& l, int per_node) {
   int span = l.ranks();

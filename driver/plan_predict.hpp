@@ -56,6 +56,10 @@ struct Prediction {
 // Whether a group's ring stays inside a node: ranks are placed tp fastest, then dp, then pp,
 // per_node consecutive ranks to a node, so a group spanning at most per_node ranks does.
 bool group_in_node(const std::string& group, const Layout& layout, int per_node);
+// Whether a message hides behind compute: it overlaps (CommCost::overlapped), unless the devices are
+// the host's cores (host_link_gbs 0, a calibrated host) and it stays inside a node, where those cores
+// copy it through shared memory themselves, inside loom's communication calls.
+bool comm_hides(const CommCost& k, const Layout& layout, const ClusterSpec& cluster);
 
 // Predicts `deck` (its own layout) on `cluster`. Throws InputError for a layout that cannot run.
 // every_rank = false (the layout search): only the first and last rank of each tp and dp group on

@@ -253,13 +253,14 @@ StepPlan plan_rank_step(const EngineConfig& engine_cfg, GPT& model, Engine& engi
 
 void reserve_comm_scratch(ProcessGrid& grid, const StepPlan& plan) {
   for (const auto& [group, classes] : plan.pools()) {
+    // A group the grid does not have (a strategy's own communicator) is not reserved: its
+    // collectives take their scratch as they run.
     Communicator* c = group == "world" ? &grid.world()
                       : group == "dp"  ? &grid.dp()
                       : group == "tp"  ? &grid.tp()
                       : group == "pp"  ? &grid.pp()
                                        : nullptr;
-    if (!c || c->name() != group) throw std::logic_error("a step plan names communicator '" + group + "', which the grid lacks");
-    c->reserve_scratch(classes);
+    if (c && c->name() == group) c->reserve_scratch(classes);
   }
 }
 
@@ -290,7 +291,7 @@ void Session::setup_collective() {
   kept_parts = std::move(roles.kept_parts);
   engine = std::make_unique<Engine>(engine_cfg, *model, *backend, std::move(roles.engine));
   // The collectives' scratch, reserved now as `loom plan` prices it: no step allocates it, and an
-  // out-of-memory shows here rather than steps into the run.
+  // out-of-memory shows at set-up rather than steps into the run.
   reserve_comm_scratch(*grid, plan_rank_step(engine_cfg, *model, *engine, reducer.get()));
   // Role objects that keep state of their own for checkpoints (after the strategies' listed parts).
   auto contributes = [this](auto* role) {

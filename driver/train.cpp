@@ -394,6 +394,16 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   // Every rank's ledger peaks, for summary.json (`loom plan` is checked against them rank by rank).
   std::vector<double> mine(peak_bytes.begin(), peak_bytes.end()), all_peaks;
   mine.push_back(static_cast<double>(peak_total));
+  // And its collectives' scratch pools: reserved from the step plan, and what they needed.
+  Communicator::ScratchUse pools;
+  std::vector<Communicator*> comms = s.grid->groups();
+  comms.push_back(&s.grid->world());
+  for (const Communicator* c : comms) {
+    pools.reserved += c->scratch_use().reserved;
+    pools.needed += c->scratch_use().needed;
+  }
+  mine.push_back(static_cast<double>(pools.reserved));
+  mine.push_back(static_cast<double>(pools.needed));
   if (io) all_peaks.resize(mine.size() * static_cast<std::size_t>(world));
   MPI_Gather(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, all_peaks.data(), static_cast<int>(mine.size()),
              MPI_DOUBLE, 0, MPI_COMM_WORLD);
@@ -432,14 +442,17 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                             {"ranks", world},
                             {"layout", {{"dp", s.layout.dp}, {"tp", s.layout.tp}, {"pp", s.layout.pp}}},
                             {"comm_wait_share", train_time > 0 ? wait_total / train_time : 0.0}};
-  nlohmann::json by_rank = nlohmann::json::array();
+  nlohmann::json by_rank = nlohmann::json::array(), pools_by_rank = nlohmann::json::array();
   for (int r = 0; r < world; ++r) {
     std::array<std::size_t, kMemCategories> b{};
-    const double* at = all_peaks.data() + static_cast<std::size_t>(r) * (kMemCategories + 1);
+    const double* at = all_peaks.data() + static_cast<std::size_t>(r) * mine.size();
     for (int i = 0; i < kMemCategories; ++i) b[static_cast<std::size_t>(i)] = static_cast<std::size_t>(at[i]);
     by_rank.push_back(memory_json(b, static_cast<std::size_t>(at[kMemCategories])));
+    pools_by_rank.push_back({{"reserved", static_cast<std::int64_t>(at[kMemCategories + 1])},
+                             {"needed", static_cast<std::int64_t>(at[kMemCategories + 2])}});
   }
   summary["mem_peak_bytes_by_rank"] = by_rank;
+  summary["comm_scratch_bytes_by_rank"] = pools_by_rank;
   if (!failure.empty()) summary["error"] = failure;
   if (interrupted) summary["stop_signal"] = Checkpointing::stop_signal();
   {

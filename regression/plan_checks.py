@@ -11,15 +11,19 @@
                      positive (the two fixed costs, per product call and per attention head, and the
                      waits at synchronisations, at least 0), which `--cluster FILE --show` reads back to the same values; on 1 rank it is
                      refused (it measures the links between ranks)
-  memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps, rank by rank
-                     and category by category, for every deck of inputs/ and the layouts of the regression
-                     cases (dp, tp, sequence parallel, pp with each schedule, ZeRO 1-3, bf16, fp16, recompute,
-                     combinations; past compression.start_step, where the method's state is made): |predicted - measured| <= 5% of measured + 4 KiB (the floor covers the
+  memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps (past
+                     compression.start_step, where the method's state is made), rank by rank and category
+                     by category, for every deck of inputs/ and the layouts of the regression cases (dp, tp,
+                     sequence parallel, pp with each schedule, ZeRO 1-3, bf16, fp16, recompute,
+                     combinations): |predicted - measured| <= 5% of measured + 4 KiB (the floor covers the
                      world's few-byte scalar collectives), comm included: a run reserves its communicators'
                      ring-scratch pools from the same step plan at start-up (Session), so a collective
                      in flight beyond the plan, or of a size class it does not list, shows as measured
-                     above predicted. Compression's int8, top-k and PowerSGD (their own buffers and
-                     collectives) are among the layouts. The worst cases are printed.
+                     above predicted; and the reservation (summary.json comm_scratch_bytes_by_rank) at
+                     most twice what the collectives needed (per size class, the most buffers out at
+                     once), so a plan that counts collectives in flight together that never are shows.
+                     Compression's int8, top-k and PowerSGD (their own buffers and collectives) are among
+                     the layouts. The worst cases are printed.
   cluster_refusals   a missing key (memory_gbs, matmul_efficiency_bf16, matmul_call_us, attention_head_us,
                      optimizer_gbs, sync_wait_share, host_gbs, host_link_gbs among them), a value out of range
                      (attention_tflops = 0, optimizer_gbs = 0, a negative fixed cost, sync_wait_share or
@@ -116,8 +120,10 @@ LAYOUTS = [
                                  "precision.dtype=bf16", "train.micro_batches=2"]),
     ("int8_dp2", SYN, 2, ["parallel.dp=2", "compression.method=int8"]),
     ("topk_dp2", SYN, 2, ["parallel.dp=2", "compression.method=topk"]),
+    # Several buckets (data.bucket_mb): PowerSGD's all-reduces complete within each bucket's reduction,
+    # so they are not in flight beside the other buckets' (the pool check fails a plan that says so).
     ("powersgd_dp2", SYN, 2, ["parallel.dp=2", "compression.method=powersgd", "compression.rank=2",
-                              "compression.start_step=0"]),
+                              "compression.start_step=0", "data.bucket_mb=0.01"]),
 ]
 
 
@@ -131,29 +137,44 @@ def deck_ranks(path):
     return n
 
 
-def start_step(path, sets):
-    """compression.start_step of the deck with its --set words (0 when it has none): the compressing
-    reducer allocates its method's state at its first compressed step, which the plan counts."""
-    for s in sets:
-        if s.startswith("compression.start_step="):
-            return int(s.split("=", 1)[1])
-    m = re.search(r"^\s*\[compression\][^\[]*?^\s*start_step\s*=\s*(\d+)", open(path).read(), re.M | re.S)
-    return int(m.group(1)) if m else 0
+def start_step(args, deck, sets):
+    """PowerSGD's compression.start_step for the deck with its --set words, its default filled in by
+    `loom check` (0 for every other method): the method's state is made at its first compressed
+    step, which the plan counts."""
+    text = run([args.loom, "check", deck] + sum((["--set", x] for x in sets), [])).stdout
+    section, keys = "", {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif "=" in line and section == "compression":
+            k, v = line.split("=", 1)
+            keys[k.strip()] = v.strip()
+    return int(keys["start_step"]) if keys.get("method") == "powersgd" else 0
 
 
 def memory_vs_ledger(args, d, failures):
     import json
     cases = [(os.path.basename(p)[:-5], p, deck_ranks(p), []) for p in
              sorted(os.path.join(ROOT, "inputs", f) for f in os.listdir(os.path.join(ROOT, "inputs")) if f.endswith(".deck"))]
-    worst = []
+    worst, pools = [], []
     for tag, deck, ranks, sets in cases + LAYOUTS:
         run_dir = os.path.join(d, tag)
-        over = sets + ["train.steps=%d" % (2 + start_step(deck, sets)), "train.eval_every=0", "train.log_every=1", "run.dir=" + run_dir,
+        over = sets + ["train.steps=%d" % (2 + start_step(args, deck, sets)), "train.eval_every=0", "train.log_every=1", "run.dir=" + run_dir,
                        "run.overwrite=true", "checkpoint.dir=" + os.path.join(run_dir, "ckpt"), "checkpoint.every=0"]
         sargs = sum((["--set", x] for x in over), [])
         pred = json.loads(run([args.loom, "plan", deck, "--cluster", "h100-sxm", "--json"] + sargs).stdout)
         run(common.launch_prefix(args, ranks) + [args.loom, "run", deck] + sargs)
-        meas = json.load(open(os.path.join(run_dir, "summary.json")))["mem_peak_bytes_by_rank"]
+        summary = json.load(open(os.path.join(run_dir, "summary.json")))
+        meas = summary["mem_peak_bytes_by_rank"]
+        # The collectives' pools, reserved from the plan: never outgrown (beyond the world's unplanned
+        # scalar collectives), and at most twice what the
+        # collectives needed (the plan's worst case, every bucket of a window in flight at once).
+        for r, pool in enumerate(summary["comm_scratch_bytes_by_rank"]):
+            pools.append((pool["reserved"] / max(pool["needed"], 1), tag, r, pool["reserved"], pool["needed"]))
+            if pool["needed"] > pool["reserved"] + 4096 or pool["reserved"] > 2 * pool["needed"] + 4096:
+                failures.append("%s rank %d: ring-scratch pools reserved %d bytes, the collectives needed %d" %
+                                (tag, r, pool["reserved"], pool["needed"]))
         if len(meas) != len(pred["mem_peak_bytes_by_rank"]):
             failures.append("%s: %d ranks measured, %d predicted" % (tag, len(meas), len(pred["mem_peak_bytes_by_rank"])))
             continue
@@ -170,6 +191,9 @@ def memory_vs_ledger(args, d, failures):
     for rel, tag, r, c, p, m in worst[:12]:
         print("  %-18s rank %d %-11s predicted %11d measured %11d  %6.2f%%" %
               (tag, r, c, p, m, 100 * rel if rel != float("inf") else float("inf")))
+    pools.sort(reverse=True)
+    print("ring-scratch pools, reserved from the plan against what the collectives needed (largest ratios): " +
+          ", ".join("%s rank %d %d / %d" % (t, r, res, need) for _, t, r, res, need in pools[:4]))
     big = [w for w in worst if w[5] >= 1 << 20]
     if big:
         print("largest among categories of 1 MiB or more: %s rank %d %s %.3f%%" % (big[0][1], big[0][2], big[0][3], 100 * max(b[0] for b in big)))

@@ -1189,12 +1189,17 @@ TEST(Comm, ReservedScratchIsAllocatedOnceAndUsed) {
       B->wait();
     }
     EXPECT_EQ(ledger.current(Mem::comm), before + reserved);
+    EXPECT_EQ(c->scratch_use().reserved, reserved);
+    EXPECT_EQ(c->scratch_use().needed, reserved);  // two were out at once
     EXPECT_FLOAT_EQ(b[count - 1], 2.0f * static_cast<float>(std::pow(n, 3)));
     c->reserve_scratch({{scratch_class(one), 1}});  // already held: nothing more
     EXPECT_EQ(ledger.current(Mem::comm), before + reserved);
     std::vector<float> small(1000, 1.0f);  // a class not reserved
     c->all_reduce(small.data(), 1000);
-    EXPECT_EQ(ledger.current(Mem::comm), before + reserved + (n == 1 ? 0 : scratch_class(ring_all_reduce_scratch(1000, n, 4))));
+    const std::size_t small_class = n == 1 ? 0 : scratch_class(ring_all_reduce_scratch(1000, n, 4));
+    EXPECT_EQ(ledger.current(Mem::comm), before + reserved + small_class);
+    EXPECT_EQ(c->scratch_use().reserved, reserved);
+    EXPECT_EQ(c->scratch_use().needed, reserved + small_class);
   }
   EXPECT_EQ(ledger.current(Mem::comm), before);
 }

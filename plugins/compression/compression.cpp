@@ -233,7 +233,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         GradBucket qb = b;
         qb.data = BufferRef(nullptr, DType::i8, n, b.data.space);
         BucketScratch s = inner_->plan_bucket(plan, qb, w + " int8 sum");
-        s.ring.push_back(maxima);
+        s.blocking.push_back(maxima);  // dp_.all_reduce: complete before the sum starts
         return s;
       }
       case Method::topk: {
@@ -261,10 +261,12 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
                            16.0 * static_cast<double>(split.plain_total);
         plan.host_copy_bytes += copies;
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
-        if (split.plain_total > 0) s.ring.push_back(all_reduce("uncompressed tensors", split.plain_total));
+        // Each all-reduce completes before the next starts (dp_.all_reduce); the bucket's request is
+        // complete when it returns.
+        if (split.plain_total > 0) s.blocking.push_back(all_reduce("uncompressed tensors", split.plain_total));
         if (!split.mats.empty()) {
-          s.ring.push_back(all_reduce("P", split.p_total));
-          s.ring.push_back(all_reduce("Q", split.q_total));
+          s.blocking.push_back(all_reduce("P", split.p_total));
+          s.blocking.push_back(all_reduce("Q", split.q_total));
         }
         return s;
       }

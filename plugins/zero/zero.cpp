@@ -209,11 +209,11 @@ class ReduceScatterReducer final : public Reducer {
     const double bytes = static_cast<double>(b.data.bytes());
     if (b.rank_counts.empty()) {
       plan.add_comm({dp_.name(), what + " all-reduce", ring_all_reduce_bytes(bytes, n), 2.0 * (n - 1), false});
-      return {{static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type)))}, 0};
+      return {{static_cast<double>(ring_all_reduce_scratch(b.data.count, n, dtype_size(b.data.type)))}, {}, 0};
     }
     plan.add_comm({dp_.name(), what + " reduce-scatter", ring_reduce_scatter_bytes(bytes, n), n - 1.0, false});
     const std::int64_t most = *std::max_element(b.rank_counts.begin(), b.rank_counts.end());
-    return {{static_cast<double>(ring_reduce_scatter_scratch(most, n, dtype_size(b.data.type), true))}, 0};
+    return {{static_cast<double>(ring_reduce_scatter_scratch(most, n, dtype_size(b.data.type), true))}, {}, 0};
   }
 
  private:

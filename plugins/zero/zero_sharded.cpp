@@ -400,29 +400,35 @@ void ShardedSync::plan_step(StepPlan& plan) const {
       }
     }
   }
+  // The pieces in the order they start: a piece starts while its unit's earlier pieces and, with
+  // overlap, the previous unit's are in flight.
   const std::size_t window = overlap_ ? 2 : 1;
+  std::vector<Reducer::BucketScratch> pieces;
+  std::vector<std::size_t> unit_start, first;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    unit_start.push_back(pieces.size());
+    for (const Reducer::BucketScratch& s : units[u]) {
+      first.push_back(unit_start[u + 1 > window ? u + 1 - window : 0]);
+      pieces.push_back(s);
+    }
+  }
+  plan_ring_in_order(plan, dp_.name(), pieces, first);
   double held = 0;
-  for (std::size_t i = 0; i < units.size(); ++i) {
-    std::vector<double> ring;
+  for (std::size_t u = 0; u < units.size(); ++u) {
     double h = 0;
-    for (std::size_t j = i; j < std::min(units.size(), i + window); ++j)
-      for (const Reducer::BucketScratch& s : units[j]) {
-        ring.insert(ring.end(), s.ring.begin(), s.ring.end());
-        h += s.held;
-      }
-    plan.ring_scratch(dp_.name(), ring);
+    for (std::size_t i = u + 1 > window ? u + 1 - window : 0; i <= u; ++i)
+      for (const Reducer::BucketScratch& s : units[i]) h += s.held;
     held = std::max(held, h);
   }
   // The whole tensors' gradients, once after the last backward, two pieces in flight at a time.
   std::vector<Reducer::BucketScratch> whole;
   for (const GradBucket& k : whole_buckets()) whole.push_back(reducer_->plan_bucket(plan, k, "whole tensors' gradients"));
-  for (std::size_t i = 0; i < whole.size(); ++i) {
-    const bool pair = i + 1 < whole.size();
-    std::vector<double> ring = whole[i].ring;
-    if (pair) ring.insert(ring.end(), whole[i + 1].ring.begin(), whole[i + 1].ring.end());
-    plan.ring_scratch(dp_.name(), ring);
-    held = std::max(held, whole[i].held + (pair ? whole[i + 1].held : 0.0));
+  std::vector<std::size_t> whole_first;
+  for (std::size_t j = 0; j < whole.size(); ++j) {
+    whole_first.push_back(j > 0 ? j - 1 : 0);
+    held = std::max(held, whole[j].held + (j > 0 ? whole[j - 1].held : 0.0));
   }
+  plan_ring_in_order(plan, dp_.name(), whole, whole_first);
   plan.add_scratch(Mem::comm, held);
 }
 
