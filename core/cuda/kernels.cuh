@@ -124,6 +124,30 @@ void softmax_causal_backward(float* datt,       // [rows,T]: d probabilities in,
                              const float* att,  // [rows,T]
                              int rows, int T, cudaStream_t stream);
 
+// Fused causal attention (flash-style; core/cuda/flash_attention.cuh): the scores are made tile by
+// tile in shared memory, never in device memory; forward saves lse[b,h,t], the log of row t's
+// softmax denominator (its max included), and backward recomputes the probabilities from it. q, k,
+// v, the probabilities, dout and the score gradients are bf16 operands of tensor-core products
+// with fp32 accumulation; softmax, lse and every output are fp32. Head sizes 16, 32, 64, 128, where
+// flash_attention_shared_bytes(hs) fits the device's opt-in shared memory per block.
+std::size_t flash_attention_shared_bytes(int hs);  // the most any of the kernels takes; 0: unsupported
+bool flash_attention_supported(int hs, std::size_t max_shared_bytes);
+
+void attention_forward_flash(float* out,        // [B,T,C]
+                             float* lse,        // [B,NH,T]
+                             const float* qkv,  // [B,T,3C]
+                             int B, int T, int C, int NH, cudaStream_t stream);
+
+// dqkv is overwritten; dsum [B,NH,T] is scratch (sum over a head's columns of dout * out); out is
+// the forward's output as saved (fp32, or bf16 under mixed precision).
+void attention_backward_flash(float* dqkv,        // [B,T,3C] (=)
+                              float* dsum,        // [B,NH,T] scratch
+                              const float* dout,  // [B,T,C]
+                              BufferRef out,      // [B,T,C]
+                              const float* qkv,   // [B,T,3C]
+                              const float* lse,   // [B,NH,T]
+                              int B, int T, int C, int NH, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------
 // GELU (tanh approximation) and the residual add, elementwise.
 

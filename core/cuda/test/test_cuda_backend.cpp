@@ -20,6 +20,8 @@
 #include "core/backend.hpp"
 #include "core/backend_select.hpp"
 #include "core/blas_core.hpp"
+#include "core/cuda/kernels.cuh"
+#include "core/cuda/test/attention_reference.hpp"
 
 extern "C" int loom_cuda_device_count(char* why, int why_len);
 extern "C" loom::Backend* loom_cuda_create(int device, int tf32);
@@ -455,4 +457,63 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   Kokkos::ScopeGuard kokkos(argc, argv);
   return RUN_ALL_TESTS();
+}
+
+// The fused attention kernels on the device against the fp64 reference, as the emulator runs them
+// on the CPU (core/cuda/test/test_flash_attention_emu.cpp): same cases and bounds against the
+// reference on bf16-rounded inputs (5e-3 of the norm; 1e-2 for dqkv, whose q and k parts sum
+// score gradients that cancel). The saved output passes as fp32 and as bf16 (mixed precision saves it so).
+namespace flash_check {
+
+std::vector<float> device_to_host(Twins& tw, const float* d, std::size_t n) {
+  std::vector<float> v(n);
+  tw.dev->copy_to_host(v.data(), BufferRef(const_cast<float*>(d), std::int64_t(n), MemSpace::device));
+  return v;
+}
+
+void run(int B, int T, int C, int NH, float spread, bool bf16_out) {
+  Twins tw;
+  const std::size_t n3 = std::size_t(B) * T * 3 * C, n = std::size_t(B) * T * C, nr = std::size_t(B) * NH * T;
+  const auto qkv_v = randn(n3, 7u + unsigned(T), spread), dout_v = randn(n, 11u + unsigned(T));
+  auto qkv = tw.make(qkv_v), dout = tw.make(dout_v);
+  auto out = tw.zeros(std::int64_t(n)), lse = tw.zeros(std::int64_t(nr)), dsum = tw.zeros(std::int64_t(nr));
+  auto dqkv = tw.make(std::vector<float>(n3, std::nanf("")));
+  int optin = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
+  if (!loom::cuda::flash_attention_supported(C / NH, std::size_t(optin))) {
+    std::printf("fused attention, head size %d: needs %zu bytes of shared memory per block, the device has %d: not run\n",
+                C / NH, loom::cuda::flash_attention_shared_bytes(C / NH), optin);
+    return;
+  }
+  loom::cuda::attention_forward_flash(out.d, lse.d, qkv.d, B, T, C, NH, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> out_v = device_to_host(tw, out.d, n);
+  BufferRef saved(out.d, std::int64_t(n), MemSpace::device);
+  std::vector<loom::bf16> out16(n);
+  if (bf16_out) {
+    for (std::size_t i = 0; i < n; ++i) out16[i] = loom::to_bf16(out_v[i]);
+    auto [h16, d16] = tw.both(out16);
+    (void)h16;
+    saved = BufferRef(d16, std::int64_t(n), MemSpace::device);
+  }
+  loom::cuda::attention_backward_flash(dqkv.d, dsum.d, dout.d, saved, qkv.d, lse.d, B, T, C, NH, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto ref = loom::test::attention_reference(loom::test::bf16_rounded(qkv_v), loom::test::bf16_rounded(dout_v), B, T, C, NH);
+  const auto dqkv_v = device_to_host(tw, dqkv.d, n3);
+  for (float x : dqkv_v) ASSERT_TRUE(std::isfinite(x)) << "an element of dqkv not written or not finite";
+  const std::string what = "hs " + std::to_string(C / NH) + " T " + std::to_string(T) + (bf16_out ? " (bf16 out)" : "");
+  EXPECT_LT(loom::test::relative_gap(out_v, ref.out), 5e-3) << what;
+  EXPECT_LT(loom::test::relative_gap(device_to_host(tw, lse.d, nr), ref.lse), 5e-3) << what;
+  EXPECT_LT(loom::test::relative_gap(dqkv_v, ref.dqkv), 1e-2) << what;
+}
+
+}  // namespace flash_check
+
+TEST(CudaBackend, FusedAttentionMatchesTheReference) {
+  REQUIRE_GPU();
+  flash_check::run(2, 80, 32, 2, 1.0f, false);
+  flash_check::run(1, 130, 64, 2, 1.0f, true);
+  flash_check::run(1, 192, 64, 2, 3.0f, false);
+  flash_check::run(2, 5, 128, 2, 1.0f, false);
+  flash_check::run(1, 70, 128, 1, 1.0f, true);
 }

@@ -1,0 +1,179 @@
+// The emulator's scheduler: a block's threads are ucontext fibers on the calling thread, run in
+// turn until each reaches a barrier or ends; a barrier opens when every live thread of its group
+// (the block, or the warp) has reached it.
+#include "core/cuda/emu/cuda_emu.hpp"
+
+#include <ucontext.h>
+
+#include <memory>
+#include <vector>
+
+namespace loom::cuda_emu {
+namespace {
+
+enum class Wait { none, block, warp, done };
+
+struct Fiber {
+  ucontext_t ctx{};
+  std::vector<unsigned char> stack;
+  dim3 idx;
+  Wait wait = Wait::none;
+};
+
+struct Launch {
+  dim3 grid, block, block_idx;
+  std::vector<unsigned char> shared;
+  std::vector<Fiber> fibers;
+  std::vector<unsigned char> exchange;  // per thread, one shuffle's value
+  ucontext_t scheduler{};
+  std::size_t current = 0;
+  const std::function<void()>* body = nullptr;
+  std::string failure;
+};
+
+thread_local Launch* active = nullptr;
+
+constexpr std::size_t kStackBytes = 256 * 1024;
+constexpr std::size_t kExchangeBytes = 16;
+
+Launch& need_launch(const char* what) {
+  if (!active) throw std::logic_error(std::string("cuda_emu::") + what + " called outside a launch");
+  return *active;
+}
+
+void yield(Wait w) {
+  Launch& l = *active;
+  Fiber& f = l.fibers[l.current];
+  f.wait = w;
+  swapcontext(&f.ctx, &l.scheduler);
+}
+
+void fiber_main() {
+  Launch& l = *active;
+  (*l.body)();
+  l.fibers[l.current].wait = Wait::done;  // returning switches to uc_link, the scheduler
+}
+
+// Runs one block to its end.
+void run_block(Launch& l) {
+  const std::size_t n = l.fibers.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    Fiber& f = l.fibers[i];
+    f.stack.assign(kStackBytes, 0);
+    f.wait = Wait::none;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &l.scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  for (;;) {
+    bool ran = false;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (l.fibers[i].wait != Wait::none) continue;
+      l.current = i;
+      swapcontext(&l.scheduler, &l.fibers[i].ctx);
+      if (!l.failure.empty()) throw std::runtime_error("cuda_emu: " + l.failure);
+      ran = true;
+    }
+    if (ran) continue;
+    // Every live thread waits: open what can open. A warp barrier opens when its warp's live lanes
+    // all wait at it; the block barrier when every live thread of the block does.
+    bool opened = false, live = false, at_block = true;
+    for (std::size_t w = 0; w < n; w += 32) {
+      bool all_warp = true, any = false;
+      for (std::size_t i = w; i < n && i < w + 32; ++i) {
+        const Wait s = l.fibers[i].wait;
+        if (s == Wait::done) continue;
+        any = live = true;
+        if (s != Wait::warp) all_warp = false;
+        if (s != Wait::block) at_block = false;
+      }
+      if (any && all_warp) {
+        for (std::size_t i = w; i < n && i < w + 32; ++i)
+          if (l.fibers[i].wait == Wait::warp) l.fibers[i].wait = Wait::none;
+        opened = true;
+      }
+    }
+    if (!live) return;
+    if (opened) continue;
+    if (at_block) {
+      for (Fiber& f : l.fibers)
+        if (f.wait == Wait::block) f.wait = Wait::none;
+      continue;
+    }
+    throw std::runtime_error("cuda_emu: deadlock in block (" + std::to_string(l.block_idx.x) + "," +
+                             std::to_string(l.block_idx.y) + "): threads wait at different barriers");
+  }
+}
+
+}  // namespace
+
+void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function<void()>& body) {
+  if (active) throw std::logic_error("cuda_emu::launch inside a launch");
+  auto l = std::make_unique<Launch>();
+  l->grid = grid;
+  l->block = block;
+  l->body = &body;
+  const std::size_t threads = static_cast<std::size_t>(block.x) * block.y * block.z;
+  l->fibers.resize(threads);
+  l->exchange.assign(threads * kExchangeBytes, 0);
+  for (std::size_t i = 0; i < threads; ++i)
+    l->fibers[i].idx = dim3(static_cast<unsigned>(i % block.x), static_cast<unsigned>(i / block.x % block.y),
+                            static_cast<unsigned>(i / (static_cast<std::size_t>(block.x) * block.y)));
+  active = l.get();
+  try {
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) {
+          l->block_idx = dim3(x, y, z);
+          l->shared.assign(shared_bytes + 128, 0xff);
+          run_block(*l);
+        }
+  } catch (...) {
+    active = nullptr;
+    throw;
+  }
+  active = nullptr;
+}
+
+const dim3& thread_idx() {
+  Launch& l = need_launch("thread_idx");
+  return l.fibers[l.current].idx;
+}
+const dim3& block_idx() { return need_launch("block_idx").block_idx; }
+const dim3& block_dim() { return need_launch("block_dim").block; }
+const dim3& grid_dim() { return need_launch("grid_dim").grid; }
+unsigned char* dynamic_shared() {
+  Launch& l = need_launch("dynamic_shared");
+  // 128-byte aligned, as the device's dynamic shared memory is at least.
+  const auto base = reinterpret_cast<std::uintptr_t>(l.shared.data());
+  return l.shared.data() + ((128 - base % 128) % 128);
+}
+void sync_block() {
+  need_launch("sync_block");
+  yield(Wait::block);
+}
+void sync_warp() {
+  need_launch("sync_warp");
+  yield(Wait::warp);
+}
+void warp_exchange(const void* mine, void* theirs, unsigned lane_mask, std::size_t bytes) {
+  Launch& l = need_launch("shfl_xor");
+  if (bytes > kExchangeBytes) fail("shuffle of more than 16 bytes");
+  if (l.fibers.size() % 32 != 0) fail("shuffle in a block that is not whole warps");
+  const std::size_t me = l.current, partner = (me & ~std::size_t{31}) | ((me & 31) ^ (lane_mask & 31));
+  yield(Wait::warp);  // every lane has read its partner's previous value before this one is written
+  std::memcpy(&l.exchange[me * kExchangeBytes], mine, bytes);
+  yield(Wait::warp);
+  std::memcpy(theirs, &l.exchange[partner * kExchangeBytes], bytes);
+}
+void fail(const std::string& what) {
+  Launch& l = need_launch("fail");
+  l.failure = what;
+  l.fibers[l.current].wait = Wait::done;
+  swapcontext(&l.fibers[l.current].ctx, &l.scheduler);
+  throw std::logic_error("cuda_emu: a failed thread was resumed");  // never reached
+}
+
+}  // namespace loom::cuda_emu

@@ -1,0 +1,144 @@
+#pragma once
+// A host emulator of the small CUDA subset loom's tiled kernels use (core/cuda/device_portable.hpp),
+// so that the kernels' own source runs in CPU unit tests: indexing, tiling, masking and the
+// arithmetic are checked without a GPU. Not a performance path, and not the hardware's memory
+// model: each block runs alone, its threads as cooperative fibers that switch only at barriers
+// (sync_block, sync_warp, a shuffle), so a missing barrier between a write and another thread's
+// read is not caught here, while a missing barrier before a shuffle or a deadlock is.
+//
+// What it gives a kernel: its thread and block indices, the block's dynamic shared memory (filled
+// with 0xff bytes, a NaN in every float and bf16, so a read of a value never written shows), block
+// and warp barriers, xor shuffles, and the warp matrix-multiply-accumulate API (wmma: 16x16x16
+// tiles of bf16 operands with fp32 accumulators), whose loads and stores check the hardware's rules:
+// a 32-byte aligned pointer and a leading dimension that is a multiple of 16 bytes.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+#include "core/dtype.hpp"
+
+namespace loom::cuda_emu {
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3() = default;
+  constexpr dim3(unsigned x_, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+// Runs body once per thread of every block of `grid`, blocks one after another; `shared_bytes` of
+// dynamic shared memory per block. Throws std::runtime_error on a deadlock (threads of a block at
+// different barriers) or a broken wmma rule, naming it.
+void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function<void()>& body);
+
+// Inside a launch only.
+const dim3& thread_idx();
+const dim3& block_idx();
+const dim3& block_dim();
+const dim3& grid_dim();
+unsigned char* dynamic_shared();
+void sync_block();  // __syncthreads
+void sync_warp();   // __syncwarp (all 32 lanes)
+// __shfl_xor_sync over the whole warp: every lane gives `bytes` at `mine` and gets lane
+// (lane ^ lane_mask)'s into `theirs`.
+void warp_exchange(const void* mine, void* theirs, unsigned lane_mask, std::size_t bytes);
+[[noreturn]] void fail(const std::string& what);  // ends the launch with that message
+
+template <class T>
+T shfl_xor(T v, unsigned lane_mask) {
+  T out;
+  warp_exchange(&v, &out, lane_mask, sizeof(T));
+  return out;
+}
+
+// nvcuda::wmma, 16x16x16 only. Every lane holds the whole tile (the hardware spreads it over the
+// warp in an unspecified way, so a kernel may only touch fragment elements uniformly, which a
+// whole copy per lane computes alike).
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "the emulator has 16x16x16 tiles only");
+  static constexpr int num_elements = 256;
+  T x[256];
+};
+
+// Every wmma call is warp-collective ("_sync"): its lanes enter together, so no lane's store can
+// land before every lane's load of the same call sequence (a load-add-store of accumulators in
+// shared memory then adds once, as on the device, not once per lane).
+inline void check_operand(const void* p, unsigned ldm, std::size_t elem_bytes, const char* what) {
+  sync_warp();
+  if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0)
+    fail(std::string("wmma ") + what + ": pointer not 32-byte aligned");
+  if ((ldm * elem_bytes) % 16 != 0) fail(std::string("wmma ") + what + ": leading dimension not a multiple of 16 bytes");
+}
+
+template <class T>
+void load_matrix_sync(fragment<matrix_a, 16, 16, 16, T, row_major>& f, const T* p, unsigned ldm) {
+  check_operand(p, ldm, sizeof(T), "load matrix_a");
+  for (int m = 0; m < 16; ++m)
+    for (int k = 0; k < 16; ++k) f.x[m * 16 + k] = p[static_cast<std::size_t>(m) * ldm + k];
+}
+template <class T>
+void load_matrix_sync(fragment<matrix_a, 16, 16, 16, T, col_major>& f, const T* p, unsigned ldm) {
+  check_operand(p, ldm, sizeof(T), "load matrix_a");
+  for (int m = 0; m < 16; ++m)
+    for (int k = 0; k < 16; ++k) f.x[m * 16 + k] = p[static_cast<std::size_t>(k) * ldm + m];
+}
+template <class T>
+void load_matrix_sync(fragment<matrix_b, 16, 16, 16, T, row_major>& f, const T* p, unsigned ldm) {
+  check_operand(p, ldm, sizeof(T), "load matrix_b");
+  for (int k = 0; k < 16; ++k)
+    for (int n = 0; n < 16; ++n) f.x[k * 16 + n] = p[static_cast<std::size_t>(k) * ldm + n];
+}
+template <class T>
+void load_matrix_sync(fragment<matrix_b, 16, 16, 16, T, col_major>& f, const T* p, unsigned ldm) {
+  check_operand(p, ldm, sizeof(T), "load matrix_b");
+  for (int k = 0; k < 16; ++k)
+    for (int n = 0; n < 16; ++n) f.x[k * 16 + n] = p[static_cast<std::size_t>(n) * ldm + k];
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
+  check_operand(p, ldm, sizeof(float), "load accumulator");
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n)
+      f.x[m * 16 + n] = l == mem_row_major ? p[static_cast<std::size_t>(m) * ldm + n] : p[static_cast<std::size_t>(n) * ldm + m];
+}
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
+  check_operand(p, ldm, sizeof(float), "store accumulator");
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n)
+      (l == mem_row_major ? p[static_cast<std::size_t>(m) * ldm + n] : p[static_cast<std::size_t>(n) * ldm + m]) = f.x[m * 16 + n];
+}
+inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
+  sync_warp();
+  for (float& e : f.x) e = v;
+}
+
+inline float as_float(float v) { return v; }
+inline float as_float(bf16 v) { return to_float(v); }
+
+// d = a b + c, products exact in fp32 (as bf16 x bf16 are), summed in fp32.
+template <class T, class LA, class LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+  sync_warp();
+  float r[256];
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      float s = c.x[m * 16 + n];
+      for (int k = 0; k < 16; ++k) s += as_float(a.x[m * 16 + k]) * as_float(b.x[k * 16 + n]);
+      r[m * 16 + n] = s;
+    }
+  std::memcpy(d.x, r, sizeof r);
+}
+
+}  // namespace wmma
+}  // namespace loom::cuda_emu

@@ -1,0 +1,108 @@
+// Launch wrappers of the fused attention kernels (core/cuda/flash_attention.cuh), declared with
+// their contracts in core/cuda/kernels.cuh.
+#include "core/cuda/flash_attention.cuh"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "core/cuda/kernels.cuh"
+
+namespace loom::cuda {
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("loom::cuda: ") + what + " failed: " + cudaGetErrorString(err));
+}
+
+// Kernels that take more than 48 KiB of dynamic shared memory must say so once per kernel.
+template <class Kernel>
+void allow_shared(Kernel kernel, std::size_t bytes, bool& done) {
+  if (done) return;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+        "cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for the fused attention");
+  done = true;
+}
+
+dim3 tile_grid(int B, int T, int NH) {
+  const long long heads = static_cast<long long>(B) * NH;
+  if (heads > 65535) throw std::invalid_argument("fused attention: B x NH = " + std::to_string(heads) + " exceeds 65535");
+  return dim3(static_cast<unsigned>((T + flash::kRows - 1) / flash::kRows), static_cast<unsigned>(heads));
+}
+
+template <int HS>
+void forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+  static bool shared_set = false;
+  const std::size_t bytes = flash::forward_smem_bytes<HS>();
+  allow_shared(flash::attention_forward_kernel<HS>, bytes, shared_set);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  flash::attention_forward_kernel<HS><<<tile_grid(B, T, NH), flash::kThreads, bytes, stream>>>(out, lse, qkv, T, C, NH, scale);
+  check(cudaGetLastError(), "launching attention_forward_kernel");
+}
+
+template <int HS>
+void backward(float* dqkv, const float* dsum, const float* dout, const float* qkv, const float* lse, int B, int T,
+              int C, int NH, cudaStream_t stream) {
+  static bool kv_set = false, q_set = false;
+  const std::size_t kv_bytes = flash::backward_kv_smem_bytes<HS>(), q_bytes = flash::backward_q_smem_bytes<HS>();
+  allow_shared(flash::attention_backward_kv_kernel<HS>, kv_bytes, kv_set);
+  allow_shared(flash::attention_backward_q_kernel<HS>, q_bytes, q_set);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  const dim3 grid = tile_grid(B, T, NH);
+  flash::attention_backward_kv_kernel<HS><<<grid, flash::kThreads, kv_bytes, stream>>>(dqkv, dout, qkv, lse, dsum, T, C, NH, scale);
+  check(cudaGetLastError(), "launching attention_backward_kv_kernel");
+  flash::attention_backward_q_kernel<HS><<<grid, flash::kThreads, q_bytes, stream>>>(dqkv, dout, qkv, lse, dsum, T, C, NH, scale);
+  check(cudaGetLastError(), "launching attention_backward_q_kernel");
+}
+
+template <class OutT>
+void dsum_rows(float* dsum, const float* dout, const OutT* out, int B, int T, int C, int NH, cudaStream_t stream) {
+  const LaunchGeometry g = rows_per_warp_geometry(static_cast<std::int64_t>(B) * NH * T);
+  flash::attention_backward_dsum_kernel<OutT><<<g.blocks, g.threads, 0, stream>>>(dsum, dout, out, B, T, C, NH, C / NH);
+  check(cudaGetLastError(), "launching attention_backward_dsum_kernel");
+}
+
+}  // namespace
+
+std::size_t flash_attention_shared_bytes(int hs) {
+  switch (hs) {
+    case 16: return flash::backward_kv_smem_bytes<16>();
+    case 32: return flash::backward_kv_smem_bytes<32>();
+    case 64: return flash::backward_kv_smem_bytes<64>();
+    case 128: return flash::backward_kv_smem_bytes<128>();
+    default: return 0;
+  }
+}
+
+bool flash_attention_supported(int hs, std::size_t max_shared_bytes) {
+  return flash::head_size_supported(hs) && flash_attention_shared_bytes(hs) <= max_shared_bytes;
+}
+
+void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+  switch (C / NH) {
+    case 16: return forward<16>(out, lse, qkv, B, T, C, NH, stream);
+    case 32: return forward<32>(out, lse, qkv, B, T, C, NH, stream);
+    case 64: return forward<64>(out, lse, qkv, B, T, C, NH, stream);
+    case 128: return forward<128>(out, lse, qkv, B, T, C, NH, stream);
+    default: throw std::invalid_argument("fused attention: head size " + std::to_string(C / NH) + " is not 16, 32, 64 or 128");
+  }
+}
+
+void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
+                              const float* lse, int B, int T, int C, int NH, cudaStream_t stream) {
+  if (out.type == DType::f32)
+    dsum_rows(dsum, dout, out.as<float>(), B, T, C, NH, stream);
+  else if (out.type == DType::bf16)
+    dsum_rows(dsum, dout, reinterpret_cast<const __nv_bfloat16*>(out.data), B, T, C, NH, stream);
+  else
+    throw std::invalid_argument("fused attention backward: the saved output must be fp32 or bf16");
+  switch (C / NH) {
+    case 16: return backward<16>(dqkv, dsum, dout, qkv, lse, B, T, C, NH, stream);
+    case 32: return backward<32>(dqkv, dsum, dout, qkv, lse, B, T, C, NH, stream);
+    case 64: return backward<64>(dqkv, dsum, dout, qkv, lse, B, T, C, NH, stream);
+    case 128: return backward<128>(dqkv, dsum, dout, qkv, lse, B, T, C, NH, stream);
+    default: throw std::invalid_argument("fused attention: head size " + std::to_string(C / NH) + " is not 16, 32, 64 or 128");
+  }
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,372 @@
+#pragma once
+// Fused causal attention (flash-style, as FlashAttention-2): per (sequence, head) the scores
+// S = q k^T / sqrt(hs) are made tile by tile in shared memory and never written to device memory;
+// forward keeps a running row maximum and sum (the online softmax) and saves one number per row,
+// lse = max + log(sum); backward recomputes each tile's probabilities from lse.
+//
+// Precision: q, k, v, the probabilities, dout and the score gradients are rounded to bf16 as each
+// tile is loaded or made (the operands of the tensor-core products, as PyTorch's bf16
+// scaled_dot_product_attention and llm.c's cuDNN attention take them); the products accumulate in
+// fp32; the softmax, lse, the rescaling and every output are fp32.
+//
+// Layout as the unfused kernels (core/kernels.hpp attention_forward/_backward): qkv [B,T,3C] with
+// head h's q, k, v in columns h*hs, C + h*hs, 2C + h*hs; out [B,T,C]; lse and dsum [B,NH,T].
+//
+// Work split: a block of 4 warps takes 64 query rows (forward, dq) or 64 key rows (dk, dv) of one
+// (sequence, head), each warp 16 of them; the other side is walked in tiles of 64. The backward is
+// two kernels, one over key tiles (dk, dv) and one over query tiles (dq), each recomputing the
+// probabilities, so no two blocks add into one element: no atomics, and a run repeats bit for bit.
+//
+// The source compiles for the GPU (nvcc) and for the host against core/cuda/emu/ (the unit tests
+// run these very kernels on the CPU); device facilities through core/cuda/device_portable.hpp.
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cuda/device_portable.hpp"
+#include "core/kernel_math.hpp"
+
+namespace loom::cuda::flash {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 16 * kWarps;  // rows of the block's own side (queries, or keys for dk/dv)
+constexpr int kCols = 64;           // rows of each tile of the other side
+static_assert(kRows == kCols, "the causal tile bounds below assume square tiles");
+constexpr float kNoScore = -1e30f;  // a masked score: exp_k(kNoScore - m) is exp(-87), but masked entries are set 0
+
+// Head sizes the kernels are built for (multiples of the 16-wide wmma tile).
+LOOM_HD constexpr bool head_size_supported(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
+
+// Shared memory, carved by the function that sizes it (a null base only counts). Row strides are
+// padded (bf16 by 8 elements, fp32 by 4) so rows start on different banks while every 16-row,
+// 16-column wmma tile stays 32-byte aligned; each array starts on 128 bytes.
+template <int HS>
+struct Strides {
+  static constexpr int h = HS + 8;     // bf16 [64, HS] tiles: q, k, v, dout
+  static constexpr int f = HS + 4;     // fp32 [64, HS] accumulators: out, dq, dk, dv
+  static constexpr int s = kCols + 4;  // fp32 [64, 64] scores and their gradients
+  static constexpr int p = kCols + 8;  // bf16 [64, 64] probabilities and score gradients
+};
+
+struct Carve {
+  unsigned char* base;
+  std::size_t bytes = 0;
+  template <class T>
+  LOOM_HD T* take(std::size_t n) {
+    T* at = base ? reinterpret_cast<T*>(base + bytes) : nullptr;
+    bytes += (n * sizeof(T) + 127) / 128 * 128;
+    return at;
+  }
+};
+
+template <int HS>
+struct ForwardSmem {
+  dev::bf16_t *q, *k, *v, *p;
+  float *o, *s, *m, *l;
+  std::size_t bytes;
+  LOOM_HD explicit ForwardSmem(unsigned char* base) {
+    using S = Strides<HS>;
+    Carve c{base};
+    q = c.take<dev::bf16_t>(kRows * S::h);  // [64, HS] this block's queries
+    k = c.take<dev::bf16_t>(kCols * S::h);  // [64, HS] the tile's keys
+    v = c.take<dev::bf16_t>(kCols * S::h);  // [64, HS] the tile's values
+    p = c.take<dev::bf16_t>(kRows * S::p);  // [64, 64] probabilities (relative to the running max)
+    o = c.take<float>(kRows * S::f);        // [64, HS] output accumulators
+    s = c.take<float>(kRows * S::s);        // [64, 64] scores
+    m = c.take<float>(kRows);               // [64] running max of the scaled scores
+    l = c.take<float>(kRows);               // [64] running sum of exp(score - max)
+    bytes = c.bytes;
+  }
+};
+
+// The backward kernels' tiles: `mine` are the block's own 64 rows (keys for dk/dv, queries for
+// dq), `other` the walked side. dk/dv: a = k, b = v, c = q, d = dout. dq: a = q, b = dout, c = k, d = v.
+template <int HS>
+struct BackwardSmem {
+  dev::bf16_t *a, *b, *c, *d, *p;
+  float *acc1, *acc2, *s, *dp, *lse, *dsum;
+  std::size_t bytes;
+  LOOM_HD BackwardSmem(unsigned char* base, bool two_accumulators) {
+    using S = Strides<HS>;
+    Carve c_{base};
+    a = c_.take<dev::bf16_t>(kRows * S::h);
+    b = c_.take<dev::bf16_t>(kRows * S::h);
+    c = c_.take<dev::bf16_t>(kCols * S::h);
+    d = c_.take<dev::bf16_t>(kCols * S::h);
+    p = c_.take<dev::bf16_t>(kRows * S::p);  // [64, 64] probabilities, then score gradients (bf16)
+    acc1 = c_.take<float>(kRows * S::f);     // [64, HS] dk (dk/dv) or dq
+    acc2 = two_accumulators ? c_.take<float>(kRows * S::f) : nullptr;  // [64, HS] dv
+    s = c_.take<float>(kRows * S::s);        // [64, 64] scores, then score gradients (fp32)
+    dp = c_.take<float>(kRows * S::s);       // [64, 64] probability gradients
+    lse = c_.take<float>(kCols > kRows ? kCols : kRows);   // [64] the query rows' lse
+    dsum = c_.take<float>(kCols > kRows ? kCols : kRows);  // [64] the query rows' sum(dout * out)
+    bytes = c_.bytes;
+  }
+};
+
+template <int HS>
+LOOM_HD inline std::size_t forward_smem_bytes() { return ForwardSmem<HS>(nullptr).bytes; }
+template <int HS>
+LOOM_HD inline std::size_t backward_kv_smem_bytes() { return BackwardSmem<HS>(nullptr, true).bytes; }
+template <int HS>
+LOOM_HD inline std::size_t backward_q_smem_bytes() { return BackwardSmem<HS>(nullptr, false).bytes; }
+
+// rows [row0, row0 + 64) of a [T, hs] slice of qkv or dout (row stride ld floats) into a bf16 tile;
+// rows past T are zeros. All the block's threads take part.
+template <int HS>
+LOOM_DEVICE void load_tile(dev::bf16_t* tile, const float* src, std::int64_t ld, int row0, int T) {
+  for (int i = dev::thread_x(); i < kCols * HS; i += kThreads) {
+    const int r = i / HS, d = i % HS, t = row0 + r;
+    tile[r * Strides<HS>::h + d] = dev::to_bf16(t < T ? src[static_cast<std::int64_t>(t) * ld + d] : 0.0f);
+  }
+}
+
+// [16, 64] = rows16 [16, HS] x others^T (others: [64, HS], row stride ldo), into out (row stride ldout).
+template <int HS>
+LOOM_DEVICE void product_nt(float* out, int ldout, const dev::bf16_t* rows16, const dev::bf16_t* others) {
+  namespace wmma = dev::wmma;
+  constexpr int ld = Strides<HS>::h;
+  for (int n = 0; n < kCols / 16; ++n) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int kk = 0; kk < HS / 16; ++kk) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, dev::bf16_t, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, dev::bf16_t, wmma::col_major> fb;  // others^T
+      wmma::load_matrix_sync(fa, rows16 + kk * 16, ld);
+      wmma::load_matrix_sync(fb, others + n * 16 * ld + kk * 16, ld);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(out + n * 16, acc, ldout, wmma::mem_row_major);
+  }
+}
+
+// acc [16, HS] (fp32, row stride Strides::f) += p16 [16, 64] (bf16, row stride Strides::p) x others [64, HS].
+template <int HS>
+LOOM_DEVICE void product_nn_add(float* acc16, const dev::bf16_t* p16, const dev::bf16_t* others) {
+  namespace wmma = dev::wmma;
+  using S = Strides<HS>;
+  for (int n = 0; n < HS / 16; ++n) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::load_matrix_sync(acc, acc16 + n * 16, S::f, wmma::mem_row_major);
+    for (int kk = 0; kk < kCols / 16; ++kk) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, dev::bf16_t, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, dev::bf16_t, wmma::row_major> fb;
+      wmma::load_matrix_sync(fa, p16 + kk * 16, S::p);
+      wmma::load_matrix_sync(fb, others + kk * 16 * S::h + n * 16, S::h);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(acc16 + n * 16, acc, S::f, wmma::mem_row_major);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward. Grid (ceil(T/64), B*NH), 128 threads, forward_smem_bytes<HS>() of dynamic shared memory.
+
+template <int HS>
+LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [B,NH,T]
+                                          const float* qkv,        // [B,T,3C]
+                                          int T, int C, int NH, float scale) {
+  using S = Strides<HS>;
+  ForwardSmem<HS> sm(dev::shared_memory<unsigned char>());
+  const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
+  const int q0 = dev::block_x() * kRows, bh = dev::block_y(), b = bh / NH, h = bh % NH;
+  const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
+  const float* q_src = qkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;  // row t at t * C3
+
+  load_tile<HS>(sm.q, q_src, C3, q0, T);
+  for (int i = tid; i < kRows * S::f; i += kThreads) sm.o[i] = 0.0f;
+  for (int r = tid; r < kRows; r += kThreads) sm.m[r] = kNoScore, sm.l[r] = 0.0f;
+
+  // Two lanes per row, each with half of the tile's columns and half of the head's.
+  const int r = warp * 16 + lane / 2, half = lane % 2, t = q0 + r;
+  const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
+  for (int k0 = 0; k0 <= last_q; k0 += kCols) {  // causal: no key tile past the block's last query
+    dev::sync_block();  // the previous tile's products are done with k and v
+    load_tile<HS>(sm.k, q_src + C, C3, k0, T);
+    load_tile<HS>(sm.v, q_src + 2 * C, C3, k0, T);
+    dev::sync_block();
+    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.q + warp * 16 * S::h, sm.k);  // scores of the warp's rows
+    dev::sync_warp();
+    float* srow = sm.s + r * S::s;
+    float mx = kNoScore;
+    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+      const int key = k0 + c;
+      const float x = key <= t && key < T ? srow[c] * scale : kNoScore;
+      srow[c] = x;
+      mx = x > mx ? x : mx;
+    }
+    const float other = dev::shfl_xor(mx, 1);
+    mx = other > mx ? other : mx;
+    const float m_old = sm.m[r];
+    const float m_new = m_old > mx ? m_old : mx;
+    float sum = 0.0f;
+    dev::bf16_t* prow = sm.p + r * S::p;
+    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+      const int key = k0 + c;
+      const float pr = key <= t && key < T ? math::exp_k(srow[c] - m_new) : 0.0f;
+      prow[c] = dev::to_bf16(pr);
+      sum += pr;
+    }
+    sum += dev::shfl_xor(sum, 1);
+    const float alpha = math::exp_k(m_old - m_new);  // rescales what earlier tiles accumulated
+    for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); ++d) sm.o[r * S::f + d] *= alpha;
+    dev::sync_warp();  // both lanes have read m[r] and l[r]
+    if (half == 0) sm.m[r] = m_new, sm.l[r] = sm.l[r] * alpha + sum;
+    dev::sync_warp();
+    product_nn_add<HS>(sm.o + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.v);
+  }
+  dev::sync_block();
+  float* out_b = out + static_cast<std::int64_t>(b) * T * C + h * HS;
+  for (int i = tid; i < kRows * HS; i += kThreads) {
+    const int rr = i / HS, d = i % HS, tt = q0 + rr;
+    if (tt < T) out_b[static_cast<std::int64_t>(tt) * C + d] = sm.o[rr * S::f + d] / sm.l[rr];
+  }
+  for (int rr = tid; rr < kRows; rr += kThreads)
+    if (q0 + rr < T) lse[static_cast<std::int64_t>(bh) * T + q0 + rr] = sm.m[rr] + logf(sm.l[rr]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward, step 1: dsum[b,h,t] = sum over the head's columns of dout * out (fp32), one warp per row.
+// Grid: rows_per_warp_geometry(B*NH*T) (kernels.cuh), any multiple of 32 threads.
+
+template <class OutT>
+LOOM_KERNEL void attention_backward_dsum_kernel(float* dsum,                         // [B,NH,T]
+                                                const float* dout, const OutT* out,  // [B,T,C], [B,T,C]
+                                                int B, int T, int C, int NH, int hs) {
+  const std::int64_t rows = static_cast<std::int64_t>(B) * NH * T;
+  const int lane = dev::thread_x() % 32, warps_per_block = dev::block_dim_x() / 32;
+  const std::int64_t stride = static_cast<std::int64_t>(warps_per_block) * dev::grid_x();
+  for (std::int64_t row = static_cast<std::int64_t>(dev::block_x()) * warps_per_block + dev::thread_x() / 32; row < rows;
+       row += stride) {
+    const std::int64_t t = row % T, bh = row / T, b = bh / NH, h = bh % NH;
+    const std::int64_t at = (b * T + t) * C + h * hs;
+    float acc = 0.0f;
+    for (int d = lane; d < hs; d += 32) acc += dout[at + d] * dev::as_float(out[at + d]);
+    for (int m = 16; m > 0; m /= 2) acc += dev::shfl_xor(acc, m);
+    if (lane == 0) dsum[row] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward, step 2: dk and dv. Grid (ceil(T/64), B*NH): a block owns 64 keys and walks the query
+// tiles from its first key on (causal); backward_kv_smem_bytes<HS>() of dynamic shared memory.
+
+template <int HS>
+LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                          // [B,T,3C]: k, v columns (=)
+                                              const float* dout, const float* qkv,  // [B,T,C], [B,T,3C]
+                                              const float* lse, const float* dsum,  // [B,NH,T], [B,NH,T]
+                                              int T, int C, int NH, float scale) {
+  using S = Strides<HS>;
+  BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), true);  // a = k, b = v, c = q, d = dout
+  const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
+  const int k0 = dev::block_x() * kRows, bh = dev::block_y(), b = bh / NH, h = bh % NH;
+  const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
+  const float* qkv_b = qkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;
+  const float* dout_b = dout + static_cast<std::int64_t>(b) * T * C + h * HS;
+  const float* lse_bh = lse + static_cast<std::int64_t>(bh) * T;
+  const float* dsum_bh = dsum + static_cast<std::int64_t>(bh) * T;
+
+  load_tile<HS>(sm.a, qkv_b + C, C3, k0, T);
+  load_tile<HS>(sm.b, qkv_b + 2 * C, C3, k0, T);
+  for (int i = tid; i < kRows * S::f; i += kThreads) sm.acc1[i] = 0.0f, sm.acc2[i] = 0.0f;
+
+  const int r = warp * 16 + lane / 2, half = lane % 2, key = k0 + r;
+  float* srow = sm.s + r * S::s;
+  const float* dprow = sm.dp + r * S::s;
+  dev::bf16_t* prow = sm.p + r * S::p;
+  for (int q0 = k0; q0 < T; q0 += kCols) {  // causal: no query before the block's first key
+    dev::sync_block();  // the previous tile's products are done with q and dout
+    load_tile<HS>(sm.c, qkv_b, C3, q0, T);
+    load_tile<HS>(sm.d, dout_b, C, q0, T);
+    for (int i = tid; i < kCols; i += kThreads) {
+      const bool in = q0 + i < T;
+      sm.lse[i] = in ? lse_bh[q0 + i] : 0.0f;
+      sm.dsum[i] = in ? dsum_bh[q0 + i] : 0.0f;
+    }
+    dev::sync_block();
+    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.a + warp * 16 * S::h, sm.c);   // scores^T = k q^T
+    product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, sm.b + warp * 16 * S::h, sm.d);  // dprobs^T = v dout^T
+    dev::sync_warp();
+    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+      const int t = q0 + c;
+      const bool on = key <= t && t < T && key < T;
+      const float pr = on ? math::exp_k(srow[c] * scale - sm.lse[c]) : 0.0f;
+      prow[c] = dev::to_bf16(pr);
+      srow[c] = on ? math::softmax_backward(pr, dprow[c], sm.dsum[c]) : 0.0f;  // dscores^T
+    }
+    dev::sync_warp();
+    product_nn_add<HS>(sm.acc2 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.d);  // dv += probs^T dout
+    dev::sync_warp();  // every lane is done reading the probabilities
+    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) prow[c] = dev::to_bf16(srow[c]);
+    dev::sync_warp();
+    product_nn_add<HS>(sm.acc1 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.c);  // dk += dscores^T q
+  }
+  dev::sync_block();
+  float* dk = dqkv + static_cast<std::int64_t>(b) * T * C3 + C + h * HS;
+  float* dv = dk + C;
+  for (int i = tid; i < kRows * HS; i += kThreads) {
+    const int rr = i / HS, d = i % HS, tt = k0 + rr;
+    if (tt < T) {
+      dk[static_cast<std::int64_t>(tt) * C3 + d] = sm.acc1[rr * S::f + d] * scale;
+      dv[static_cast<std::int64_t>(tt) * C3 + d] = sm.acc2[rr * S::f + d];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward, step 3: dq. Grid (ceil(T/64), B*NH): a block owns 64 queries and walks the key tiles
+// up to its last query; backward_q_smem_bytes<HS>() of dynamic shared memory.
+
+template <int HS>
+LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                          // [B,T,3C]: q columns (=)
+                                             const float* dout, const float* qkv,  // [B,T,C], [B,T,3C]
+                                             const float* lse, const float* dsum,  // [B,NH,T], [B,NH,T]
+                                             int T, int C, int NH, float scale) {
+  using S = Strides<HS>;
+  BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), false);  // a = q, b = dout, c = k, d = v
+  const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
+  const int q0 = dev::block_x() * kRows, bh = dev::block_y(), b = bh / NH, h = bh % NH;
+  const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
+  const float* qkv_b = qkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;
+  const float* dout_b = dout + static_cast<std::int64_t>(b) * T * C + h * HS;
+
+  load_tile<HS>(sm.a, qkv_b, C3, q0, T);
+  load_tile<HS>(sm.b, dout_b, C, q0, T);
+  for (int i = tid; i < kRows; i += kThreads) {
+    const bool in = q0 + i < T;
+    sm.lse[i] = in ? lse[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
+    sm.dsum[i] = in ? dsum[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
+  }
+  for (int i = tid; i < kRows * S::f; i += kThreads) sm.acc1[i] = 0.0f;
+
+  const int r = warp * 16 + lane / 2, half = lane % 2, t = q0 + r;
+  float* srow = sm.s + r * S::s;
+  const float* dprow = sm.dp + r * S::s;
+  dev::bf16_t* prow = sm.p + r * S::p;
+  const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
+  for (int k0 = 0; k0 <= last_q; k0 += kCols) {
+    dev::sync_block();  // the previous tile's products are done with k and v
+    load_tile<HS>(sm.c, qkv_b + C, C3, k0, T);
+    load_tile<HS>(sm.d, qkv_b + 2 * C, C3, k0, T);
+    dev::sync_block();
+    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.a + warp * 16 * S::h, sm.c);   // scores = q k^T
+    product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, sm.b + warp * 16 * S::h, sm.d);  // dprobs = dout v^T
+    dev::sync_warp();
+    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+      const int key = k0 + c;
+      const bool on = key <= t && key < T && t < T;
+      const float pr = on ? math::exp_k(srow[c] * scale - sm.lse[r]) : 0.0f;
+      prow[c] = dev::to_bf16(on ? math::softmax_backward(pr, dprow[c], sm.dsum[r]) : 0.0f);
+    }
+    dev::sync_warp();
+    product_nn_add<HS>(sm.acc1 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.c);  // dq += dscores k
+  }
+  dev::sync_block();
+  float* dq = dqkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;
+  for (int i = tid; i < kRows * HS; i += kThreads) {
+    const int rr = i / HS, d = i % HS, tt = q0 + rr;
+    if (tt < T) dq[static_cast<std::int64_t>(tt) * C3 + d] = sm.acc1[rr * S::f + d] * scale;
+  }
+}
+
+}  // namespace loom::cuda::flash

@@ -1,0 +1,163 @@
+// The fused attention kernels (core/cuda/flash_attention.cuh), their own source compiled for the
+// host and run through the CUDA emulator (core/cuda/emu/), against the fp64 reference: label unit,
+// no GPU needed. The same kernels on a GPU are held to the same reference by loom_cuda_tests.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/cuda/emu/cuda_emu.hpp"
+#include "core/cuda/flash_attention.cuh"
+#include "core/cuda/test/attention_reference.hpp"
+
+namespace {
+
+namespace emu = loom::cuda_emu;
+namespace flash = loom::cuda::flash;
+
+struct Case {
+  int B, T, C, NH;
+};
+
+struct Result {
+  std::vector<float> out, lse, dqkv;
+};
+
+template <int HS>
+Result run_kernels(const Case& c, const std::vector<float>& qkv, const std::vector<float>& dout) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  Result r;
+  r.out.assign(static_cast<std::size_t>(c.B) * c.T * c.C, std::nanf(""));
+  r.lse.assign(static_cast<std::size_t>(c.B) * c.NH * c.T, std::nanf(""));
+  r.dqkv.assign(static_cast<std::size_t>(c.B) * c.T * 3 * c.C, std::nanf(""));  // every element is written
+  std::vector<float> dsum(r.lse.size(), std::nanf(""));
+  const emu::dim3 grid((c.T + flash::kRows - 1) / flash::kRows, c.B * c.NH), block(flash::kThreads);
+  emu::launch(grid, block, flash::forward_smem_bytes<HS>(), [&] {
+    flash::attention_forward_kernel<HS>(r.out.data(), r.lse.data(), qkv.data(), c.T, c.C, c.NH, scale);
+  });
+  emu::launch(emu::dim3(3), emu::dim3(64), 0, [&] {  // 6 warps over B*NH*T rows: the grid-stride loop
+    flash::attention_backward_dsum_kernel<float>(dsum.data(), dout.data(), r.out.data(), c.B, c.T, c.C, c.NH, HS);
+  });
+  emu::launch(grid, block, flash::backward_kv_smem_bytes<HS>(), [&] {
+    flash::attention_backward_kv_kernel<HS>(r.dqkv.data(), dout.data(), qkv.data(), r.lse.data(), dsum.data(), c.T,
+                                            c.C, c.NH, scale);
+  });
+  emu::launch(grid, block, flash::backward_q_smem_bytes<HS>(), [&] {
+    flash::attention_backward_q_kernel<HS>(r.dqkv.data(), dout.data(), qkv.data(), r.lse.data(), dsum.data(), c.T,
+                                           c.C, c.NH, scale);
+  });
+  return r;
+}
+
+std::vector<float> random_values(std::size_t n, float spread, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, spread);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+// The reference takes the inputs rounded to bf16 as the kernels' products do (rounding q and k
+// moves a score of 50 by ~0.1, which no kernel can undo), so what remains is the rounding of the
+// probabilities and score gradients to bf16 (2^-9 relative each) and fp32 sums: about 1e-3 of the
+// norm. The bound is 5e-3, and 1e-2 for dq and dk: a row's score gradients sum to zero, so their
+// products with k and q cancel and their rounding weighs more (6e-3 with scores of ~50). A kernel
+// that drops the rescaling of earlier tiles, masks one key too many or too few, or mixes up a
+// tile's rows is off by 4% to 100% in these cases.
+constexpr double kTolerance = 5e-3, kScoreGradTolerance = 1e-2;
+
+template <int HS>
+void check_case(const Case& c, float spread) {
+  ASSERT_EQ(c.C / c.NH, HS);
+  const auto qkv = random_values(static_cast<std::size_t>(c.B) * c.T * 3 * c.C, spread, 7u + c.T);
+  const auto dout = random_values(static_cast<std::size_t>(c.B) * c.T * c.C, 1.0f, 11u + c.T);
+  const Result got = run_kernels<HS>(c, qkv, dout);
+  const auto ref = loom::test::attention_reference(loom::test::bf16_rounded(qkv), loom::test::bf16_rounded(dout), c.B,
+                                                   c.T, c.C, c.NH);
+  const std::string what = "hs " + std::to_string(HS) + " T " + std::to_string(c.T) + " B " + std::to_string(c.B) +
+                           " NH " + std::to_string(c.NH) + " spread " + std::to_string(spread);
+  for (float x : got.dqkv) ASSERT_TRUE(std::isfinite(x)) << what << ": an element of dqkv not written or not finite";
+  const double out_gap = loom::test::relative_gap(got.out, ref.out);
+  const double lse_gap = loom::test::relative_gap(got.lse, ref.lse);
+  // q, k and v gradients apart: each is its own kernel's (dq) or half of one (dk, dv).
+  std::vector<bool> cols[3];
+  for (int part = 0; part < 3; ++part) {
+    cols[part].resize(ref.dqkv.size());
+    for (std::size_t i = 0; i < ref.dqkv.size(); ++i) cols[part][i] = static_cast<int>(i % (3 * c.C)) / c.C == part;
+  }
+  const double dq = loom::test::relative_gap(got.dqkv, ref.dqkv, cols[0]);
+  const double dk = loom::test::relative_gap(got.dqkv, ref.dqkv, cols[1]);
+  const double dv = loom::test::relative_gap(got.dqkv, ref.dqkv, cols[2]);
+  EXPECT_LT(out_gap, kTolerance) << what << ": out";
+  EXPECT_LT(lse_gap, kTolerance) << what << ": lse";
+  EXPECT_LT(dq, kScoreGradTolerance) << what << ": dq";
+  EXPECT_LT(dk, kScoreGradTolerance) << what << ": dk";
+  EXPECT_LT(dv, kTolerance) << what << ": dv";
+  std::printf("%s: relative gaps out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", what.c_str(), out_gap, lse_gap, dq, dk, dv);
+}
+
+TEST(FlashAttentionEmu, MatchesTheReferenceAcrossTilesAndTails) {
+  check_case<16>({2, 80, 32, 2}, 1.0f);   // a whole tile and a tail of 16 rows
+  check_case<32>({1, 130, 64, 2}, 1.0f);  // three tiles, the last of 2 rows
+  check_case<64>({1, 64, 128, 2}, 1.0f);  // exactly one tile
+  check_case<64>({2, 5, 64, 1}, 1.0f);    // fewer rows than a warp's 16
+}
+
+TEST(FlashAttentionEmu, LargeScoresNeedTheRunningMaximum) {
+  // Scores of size ~50 overflow exp without the running max; the running max of a row changes from
+  // tile to tile, so every earlier tile's accumulators must be rescaled.
+  check_case<32>({1, 192, 64, 2}, 3.0f);
+}
+
+TEST(FlashAttentionEmu, HeadSize128) { check_case<128>({1, 70, 128, 1}, 1.0f); }
+
+TEST(FlashAttentionEmu, SharedMemoryFitsTheDevices) {
+  // Per block, dynamic, opt-in: A100 allows 163 KiB, H100/H200 227 KiB. Head size 64 (GPT-2) fits
+  // both; 128 fits H100/H200 only (flash_attention_supported checks the device's own limit).
+  EXPECT_LE(flash::backward_kv_smem_bytes<64>(), 163u * 1024);
+  EXPECT_GE(flash::backward_kv_smem_bytes<64>(), flash::forward_smem_bytes<64>());
+  EXPECT_GE(flash::backward_kv_smem_bytes<64>(), flash::backward_q_smem_bytes<64>());
+  EXPECT_LE(flash::backward_kv_smem_bytes<128>(), 227u * 1024);
+  EXPECT_TRUE(flash::head_size_supported(64));
+  EXPECT_FALSE(flash::head_size_supported(8));
+  EXPECT_FALSE(flash::head_size_supported(48));
+}
+
+// The emulator itself: barriers, shuffles and the wmma rules it enforces.
+TEST(CudaEmu, ShuffleAndBarriers) {
+  std::vector<int> got(64, -1);
+  emu::launch(emu::dim3(2), emu::dim3(32), 64, [&] {
+    const int lane = static_cast<int>(emu::thread_idx().x);
+    int* shared = reinterpret_cast<int*>(emu::dynamic_shared());
+    shared[lane] = lane * 10 + static_cast<int>(emu::block_idx().x);
+    emu::sync_block();
+    const int neighbour = shared[(lane + 1) % 32];  // written by another thread before the barrier
+    got[static_cast<std::size_t>(emu::block_idx().x * 32 + lane)] = emu::shfl_xor(neighbour, 3);
+  });
+  for (int b = 0; b < 2; ++b)
+    for (int lane = 0; lane < 32; ++lane) EXPECT_EQ(got[static_cast<std::size_t>(b * 32 + lane)], (((lane ^ 3) + 1) % 32) * 10 + b);
+}
+
+TEST(CudaEmu, RefusesWhatTheHardwareRefuses) {
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(64), 0,
+                           [] {
+                             if (emu::thread_idx().x < 16) emu::sync_block();  // half a warp at each barrier
+                             else emu::sync_warp();
+                           }),
+               std::runtime_error);
+  // Threads that have ended do not hold a barrier (as on Volta and later).
+  EXPECT_NO_THROW(emu::launch(emu::dim3(1), emu::dim3(64), 0, [] {
+    if (emu::thread_idx().x < 32) emu::sync_block();
+  }));
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 4096,
+                           [] {
+                             namespace wmma = emu::wmma;
+                             wmma::fragment<wmma::matrix_a, 16, 16, 16, loom::bf16, wmma::row_major> a;
+                             auto* base = reinterpret_cast<loom::bf16*>(emu::dynamic_shared());
+                             wmma::load_matrix_sync(a, base + 8, 16);  // 16 bytes off a 32-byte boundary
+                           }),
+               std::runtime_error);
+}
+
+}  // namespace
