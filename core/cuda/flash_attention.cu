@@ -15,13 +15,12 @@ void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("loom::cuda: ") + what + " failed: " + cudaGetErrorString(err));
 }
 
-// Kernels that take more than 48 KiB of dynamic shared memory must say so once per kernel.
+// Kernels that take more than 48 KiB of dynamic shared memory must say so, per device: set before
+// every launch (cheap), so a second device or thread needs no bookkeeping.
 template <class Kernel>
-void allow_shared(Kernel kernel, std::size_t bytes, bool& done) {
-  if (done) return;
+void allow_shared(Kernel kernel, std::size_t bytes) {
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
         "cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for the fused attention");
-  done = true;
 }
 
 dim3 tile_grid(int B, int T, int NH) {
@@ -32,9 +31,8 @@ dim3 tile_grid(int B, int T, int NH) {
 
 template <int HS>
 void forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
-  static bool shared_set = false;
   const std::size_t bytes = flash::forward_smem_bytes<HS>();
-  allow_shared(flash::attention_forward_kernel<HS>, bytes, shared_set);
+  allow_shared(flash::attention_forward_kernel<HS>, bytes);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   flash::attention_forward_kernel<HS><<<tile_grid(B, T, NH), flash::kThreads, bytes, stream>>>(out, lse, qkv, T, C, NH, scale);
   check(cudaGetLastError(), "launching attention_forward_kernel");
@@ -43,10 +41,9 @@ void forward(float* out, float* lse, const float* qkv, int B, int T, int C, int 
 template <int HS>
 void backward(float* dqkv, const float* dsum, const float* dout, const float* qkv, const float* lse, int B, int T,
               int C, int NH, cudaStream_t stream) {
-  static bool kv_set = false, q_set = false;
   const std::size_t kv_bytes = flash::backward_kv_smem_bytes<HS>(), q_bytes = flash::backward_q_smem_bytes<HS>();
-  allow_shared(flash::attention_backward_kv_kernel<HS>, kv_bytes, kv_set);
-  allow_shared(flash::attention_backward_q_kernel<HS>, q_bytes, q_set);
+  allow_shared(flash::attention_backward_kv_kernel<HS>, kv_bytes);
+  allow_shared(flash::attention_backward_q_kernel<HS>, q_bytes);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   const dim3 grid = tile_grid(B, T, NH);
   flash::attention_backward_kv_kernel<HS><<<grid, flash::kThreads, kv_bytes, stream>>>(dqkv, dout, qkv, lse, dsum, T, C, NH, scale);
@@ -79,6 +76,7 @@ bool flash_attention_supported(int hs, std::size_t max_shared_bytes) {
 }
 
 void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+  if (B <= 0 || T <= 0 || NH <= 0) return;  // nothing to attend to (an empty grid would fail to launch)
   switch (C / NH) {
     case 16: return forward<16>(out, lse, qkv, B, T, C, NH, stream);
     case 32: return forward<32>(out, lse, qkv, B, T, C, NH, stream);
@@ -90,6 +88,7 @@ void attention_forward_flash(float* out, float* lse, const float* qkv, int B, in
 
 void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
                               const float* lse, int B, int T, int C, int NH, cudaStream_t stream) {
+  if (B <= 0 || T <= 0 || NH <= 0) return;
   if (out.type == DType::f32)
     dsum_rows(dsum, dout, out.as<float>(), B, T, C, NH, stream);
   else if (out.type == DType::bf16)

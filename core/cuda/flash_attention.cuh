@@ -111,6 +111,19 @@ LOOM_HD inline std::size_t backward_kv_smem_bytes() { return BackwardSmem<HS>(nu
 template <int HS>
 LOOM_HD inline std::size_t backward_q_smem_bytes() { return BackwardSmem<HS>(nullptr, false).bytes; }
 
+// One (sequence, head)'s slices: q, k, v rows t at q + t * ld (ld = 3C), dout's at dout + t * C.
+struct HeadSlices {
+  const float *q, *k, *v, *dout;
+  std::int64_t ld;
+};
+LOOM_HD inline HeadSlices head_slices(const float* qkv, const float* dout, int T, int C, int NH, int bh, int hs) {
+  const int b = bh / NH, h = bh % NH;
+  const std::int64_t ld = 3 * static_cast<std::int64_t>(C);
+  const float* q = qkv + static_cast<std::int64_t>(b) * T * ld + static_cast<std::int64_t>(h) * hs;
+  const float* g = dout ? dout + static_cast<std::int64_t>(b) * T * C + static_cast<std::int64_t>(h) * hs : nullptr;
+  return HeadSlices{q, q + C, q + 2 * static_cast<std::int64_t>(C), g, ld};
+}
+
 // rows [row0, row0 + 64) of a [T, hs] slice of qkv or dout (row stride ld floats) into a bf16 tile;
 // rows past T are zeros. All the block's threads take part.
 template <int HS>
@@ -170,10 +183,9 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   ForwardSmem<HS> sm(dev::shared_memory<unsigned char>());
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
   const int q0 = dev::block_x() * kRows, bh = dev::block_y(), b = bh / NH, h = bh % NH;
-  const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
-  const float* q_src = qkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;  // row t at t * C3
+  const HeadSlices x = head_slices(qkv, nullptr, T, C, NH, bh, HS);
 
-  load_tile<HS>(sm.q, q_src, C3, q0, T);
+  load_tile<HS>(sm.q, x.q, x.ld, q0, T);
   for (int i = tid; i < kRows * S::f; i += kThreads) sm.o[i] = 0.0f;
   for (int r = tid; r < kRows; r += kThreads) sm.m[r] = kNoScore, sm.l[r] = 0.0f;
 
@@ -182,8 +194,8 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
   for (int k0 = 0; k0 <= last_q; k0 += kCols) {  // causal: no key tile past the block's last query
     dev::sync_block();  // the previous tile's products are done with k and v
-    load_tile<HS>(sm.k, q_src + C, C3, k0, T);
-    load_tile<HS>(sm.v, q_src + 2 * C, C3, k0, T);
+    load_tile<HS>(sm.k, x.k, x.ld, k0, T);
+    load_tile<HS>(sm.v, x.v, x.ld, k0, T);
     dev::sync_block();
     product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.q + warp * 16 * S::h, sm.k);  // scores of the warp's rows
     dev::sync_warp();
@@ -259,15 +271,13 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
   using S = Strides<HS>;
   BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), true);  // a = k, b = v, c = q, d = dout
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
-  const int k0 = dev::block_x() * kRows, bh = dev::block_y(), b = bh / NH, h = bh % NH;
-  const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
-  const float* qkv_b = qkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;
-  const float* dout_b = dout + static_cast<std::int64_t>(b) * T * C + h * HS;
+  const int k0 = dev::block_x() * kRows, bh = dev::block_y();
+  const HeadSlices x = head_slices(qkv, dout, T, C, NH, bh, HS);
   const float* lse_bh = lse + static_cast<std::int64_t>(bh) * T;
   const float* dsum_bh = dsum + static_cast<std::int64_t>(bh) * T;
 
-  load_tile<HS>(sm.a, qkv_b + C, C3, k0, T);
-  load_tile<HS>(sm.b, qkv_b + 2 * C, C3, k0, T);
+  load_tile<HS>(sm.a, x.k, x.ld, k0, T);
+  load_tile<HS>(sm.b, x.v, x.ld, k0, T);
   for (int i = tid; i < kRows * S::f; i += kThreads) sm.acc1[i] = 0.0f, sm.acc2[i] = 0.0f;
 
   const int r = warp * 16 + lane / 2, half = lane % 2, key = k0 + r;
@@ -276,8 +286,8 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
   dev::bf16_t* prow = sm.p + r * S::p;
   for (int q0 = k0; q0 < T; q0 += kCols) {  // causal: no query before the block's first key
     dev::sync_block();  // the previous tile's products are done with q and dout
-    load_tile<HS>(sm.c, qkv_b, C3, q0, T);
-    load_tile<HS>(sm.d, dout_b, C, q0, T);
+    load_tile<HS>(sm.c, x.q, x.ld, q0, T);
+    load_tile<HS>(sm.d, x.dout, C, q0, T);
     for (int i = tid; i < kCols; i += kThreads) {
       const bool in = q0 + i < T;
       sm.lse[i] = in ? lse_bh[q0 + i] : 0.0f;
@@ -302,13 +312,13 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
     product_nn_add<HS>(sm.acc1 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.c);  // dk += dscores^T q
   }
   dev::sync_block();
-  float* dk = dqkv + static_cast<std::int64_t>(b) * T * C3 + C + h * HS;
-  float* dv = dk + C;
+  float* dk = dqkv + (x.k - qkv);  // the same offsets in dqkv
+  float* dv = dqkv + (x.v - qkv);
   for (int i = tid; i < kRows * HS; i += kThreads) {
     const int rr = i / HS, d = i % HS, tt = k0 + rr;
     if (tt < T) {
-      dk[static_cast<std::int64_t>(tt) * C3 + d] = sm.acc1[rr * S::f + d] * scale;
-      dv[static_cast<std::int64_t>(tt) * C3 + d] = sm.acc2[rr * S::f + d];
+      dk[static_cast<std::int64_t>(tt) * x.ld + d] = sm.acc1[rr * S::f + d] * scale;
+      dv[static_cast<std::int64_t>(tt) * x.ld + d] = sm.acc2[rr * S::f + d];
     }
   }
 }
@@ -325,13 +335,11 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
   using S = Strides<HS>;
   BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), false);  // a = q, b = dout, c = k, d = v
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
-  const int q0 = dev::block_x() * kRows, bh = dev::block_y(), b = bh / NH, h = bh % NH;
-  const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
-  const float* qkv_b = qkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;
-  const float* dout_b = dout + static_cast<std::int64_t>(b) * T * C + h * HS;
+  const int q0 = dev::block_x() * kRows, bh = dev::block_y();
+  const HeadSlices x = head_slices(qkv, dout, T, C, NH, bh, HS);
 
-  load_tile<HS>(sm.a, qkv_b, C3, q0, T);
-  load_tile<HS>(sm.b, dout_b, C, q0, T);
+  load_tile<HS>(sm.a, x.q, x.ld, q0, T);
+  load_tile<HS>(sm.b, x.dout, C, q0, T);
   for (int i = tid; i < kRows; i += kThreads) {
     const bool in = q0 + i < T;
     sm.lse[i] = in ? lse[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
@@ -346,8 +354,8 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
   const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
   for (int k0 = 0; k0 <= last_q; k0 += kCols) {
     dev::sync_block();  // the previous tile's products are done with k and v
-    load_tile<HS>(sm.c, qkv_b + C, C3, k0, T);
-    load_tile<HS>(sm.d, qkv_b + 2 * C, C3, k0, T);
+    load_tile<HS>(sm.c, x.k, x.ld, k0, T);
+    load_tile<HS>(sm.d, x.v, x.ld, k0, T);
     dev::sync_block();
     product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.a + warp * 16 * S::h, sm.c);   // scores = q k^T
     product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, sm.b + warp * 16 * S::h, sm.d);  // dprobs = dout v^T
@@ -362,10 +370,10 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
     product_nn_add<HS>(sm.acc1 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.c);  // dq += dscores k
   }
   dev::sync_block();
-  float* dq = dqkv + static_cast<std::int64_t>(b) * T * C3 + h * HS;
+  float* dq = dqkv + (x.q - qkv);  // the same offset in dqkv
   for (int i = tid; i < kRows * HS; i += kThreads) {
     const int rr = i / HS, d = i % HS, tt = q0 + rr;
-    if (tt < T) dq[static_cast<std::int64_t>(tt) * C3 + d] = sm.acc1[rr * S::f + d] * scale;
+    if (tt < T) dq[static_cast<std::int64_t>(tt) * x.ld + d] = sm.acc1[rr * S::f + d] * scale;
   }
 }
 

@@ -17,6 +17,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "core/dtype.hpp"
 
@@ -81,29 +82,20 @@ inline void check_operand(const void* p, unsigned ldm, std::size_t elem_bytes, c
   if ((ldm * elem_bytes) % 16 != 0) fail(std::string("wmma ") + what + ": leading dimension not a multiple of 16 bytes");
 }
 
+// A 16x16 operand tile: x[i][j] = p[i * ldm + j], or p[j * ldm + i] where the memory is the transpose.
 template <class T>
-void load_matrix_sync(fragment<matrix_a, 16, 16, 16, T, row_major>& f, const T* p, unsigned ldm) {
-  check_operand(p, ldm, sizeof(T), "load matrix_a");
-  for (int m = 0; m < 16; ++m)
-    for (int k = 0; k < 16; ++k) f.x[m * 16 + k] = p[static_cast<std::size_t>(m) * ldm + k];
+void load_tile(T* x, const T* p, unsigned ldm, bool transposed, const char* what) {
+  check_operand(p, ldm, sizeof(T), what);
+  for (std::size_t i = 0; i < 16; ++i)
+    for (std::size_t j = 0; j < 16; ++j) x[i * 16 + j] = transposed ? p[j * ldm + i] : p[i * ldm + j];
 }
-template <class T>
-void load_matrix_sync(fragment<matrix_a, 16, 16, 16, T, col_major>& f, const T* p, unsigned ldm) {
-  check_operand(p, ldm, sizeof(T), "load matrix_a");
-  for (int m = 0; m < 16; ++m)
-    for (int k = 0; k < 16; ++k) f.x[m * 16 + k] = p[static_cast<std::size_t>(k) * ldm + m];
-}
-template <class T>
-void load_matrix_sync(fragment<matrix_b, 16, 16, 16, T, row_major>& f, const T* p, unsigned ldm) {
-  check_operand(p, ldm, sizeof(T), "load matrix_b");
-  for (int k = 0; k < 16; ++k)
-    for (int n = 0; n < 16; ++n) f.x[k * 16 + n] = p[static_cast<std::size_t>(k) * ldm + n];
-}
-template <class T>
-void load_matrix_sync(fragment<matrix_b, 16, 16, 16, T, col_major>& f, const T* p, unsigned ldm) {
-  check_operand(p, ldm, sizeof(T), "load matrix_b");
-  for (int k = 0; k < 16; ++k)
-    for (int n = 0; n < 16; ++n) f.x[k * 16 + n] = p[static_cast<std::size_t>(n) * ldm + k];
+// matrix_a (m, k) and matrix_b (k, n) alike: element (i, j) at i * ldm + j in row_major, at
+// j * ldm + i in col_major.
+template <class Use, class T, class Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+  static_assert(std::is_same_v<Layout, row_major> || std::is_same_v<Layout, col_major>,
+                "an accumulator is loaded with a layout_t argument");
+  load_tile(f.x, p, ldm, std::is_same_v<Layout, col_major>, "load operand");
 }
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
   check_operand(p, ldm, sizeof(float), "load accumulator");

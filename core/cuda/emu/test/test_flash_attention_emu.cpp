@@ -1,6 +1,7 @@
 // The fused attention kernels (core/cuda/flash_attention.cuh), their own source compiled for the
 // host and run through the CUDA emulator (core/cuda/emu/), against the fp64 reference: label unit,
-// no GPU needed. The same kernels on a GPU are held to the same reference by loom_cuda_tests.
+// no GPU or CUDA toolkit needed. The same kernels on a GPU are held to the same reference and
+// bounds by loom_cuda_tests (CudaBackend.FusedAttentionMatchesTheReference).
 #include <gtest/gtest.h>
 
 #include <cmath>
