@@ -114,6 +114,26 @@ class Backend {
   virtual void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) = 0;
   virtual void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv,
                                   const float* att, int B, int T, int C, int NH) = 0;
+  // Fused (flash-style) causal attention, model.attention = flash: the [B,NH,T,T] probabilities are
+  // never stored; forward saves lse [B,NH,T] (each row's max + log sum of exp of the scaled scores) and
+  // backward recomputes them. q, k, v, dout, the probabilities and the score gradients are rounded to
+  // bf16 as the device's tensor-core operands (fp32 products, softmax and outputs), on every back end
+  // alike (core/flash_attention_host.hpp is the host's twin of core/cuda/flash_attention.cuh).
+  // `out` is the forward's output as the model saved it (fp32, bf16 or fp16); dsum [B,NH,T] scratch.
+  // flash_attention_refusal: why this back end cannot run it for head size hs, empty when it can.
+  virtual std::string flash_attention_refusal(int hs) const {
+    (void)hs;
+    return "the " + name() + " back end has no fused attention";
+  }
+  virtual void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
+    (void)out, (void)lse, (void)qkv, (void)B, (void)T, (void)C, (void)NH;
+    throw std::logic_error(flash_attention_refusal(C / NH));
+  }
+  virtual void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
+                                        const float* lse, int B, int T, int C, int NH) {
+    (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B, (void)T;
+    throw std::logic_error(flash_attention_refusal(C / NH));
+  }
   virtual void gelu_forward(float* out, const float* inp, std::int64_t n) = 0;
   virtual void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) = 0;
   virtual void residual_forward(float* out, const float* a, const float* b, std::int64_t n) = 0;

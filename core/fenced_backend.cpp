@@ -100,6 +100,15 @@ class FencedBackend final : public Backend {
                           int C, int NH) override {
     h_->attention_backward(H(dqkv), H(datt), H(dout), H(qkv), H(att), B, T, C, NH);
   }
+  std::string flash_attention_refusal(int hs) const override { return h_->flash_attention_refusal(hs); }
+  void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
+    h_->attention_forward_flash(H(out), H(lse), H(qkv), B, T, C, NH);
+  }
+  void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
+                                const float* lse, int B, int T, int C, int NH) override {
+    h_->attention_backward_flash(H(dqkv), H(dsum), H(dout), fenced(out, "attention_backward_flash"), H(qkv), H(lse), B,
+                                 T, C, NH);
+  }
   void gelu_forward(float* out, const float* inp, std::int64_t n) override { h_->gelu_forward(H(out), H(inp), n); }
   void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
     h_->gelu_backward(H(dinp), H(inp), H(dout), n);

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "core/error.hpp"
+#include "core/kernel_math.hpp"
 #include "core/rng.hpp"
 
 #include <algorithm>
@@ -15,6 +16,9 @@ void GPTConfig::validate() const {
   if (d_model % heads != 0)
     throw InputError("model.d_model = " + std::to_string(d_model) + " is not divisible by model.heads = " +
                      std::to_string(heads) + " (each head needs d_model/heads channels)");
+  if (flash_attention && !math::flash_head_size_supported(d_model / heads))
+    throw InputError("model.attention = flash: head size model.d_model / model.heads = " + std::to_string(d_model / heads) +
+                     " is not one the fused kernels take (16, 32, 64 or 128); use model.attention = unfused");
 }
 
 GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage,
@@ -27,6 +31,10 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       stage_(stage),
       store_(store ? store : &own_store_) {
   cfg_.validate();
+  if (cfg_.flash_attention) {
+    const std::string why = be_.flash_attention_refusal(cfg_.d_model / cfg_.heads);
+    if (!why.empty()) throw InputError("model.attention = flash: " + why + "; use model.attention = unfused");
+  }
   if (stage_.chunks.empty()) stage_.chunks.push_back({0, cfg.layers, 1});
   layer_pos_.assign(static_cast<std::size_t>(cfg.layers), -1);
   int held = 0, prev_end = 0;
@@ -148,7 +156,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   block_buf_ = be_.allocate("GPT::block_activations", DType::f32, a.block_floats, Mem::activations);
   head_buf_ = be_.allocate("GPT::head_activations", DType::f32, a.head_floats, Mem::activations);
   // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
-  // [N,C], dqkv [N,3Cl], datt [T,T], datty [N,Cl], dfch, dfch_gelu [N,Fl]
+  // [N,C], dqkv [N,3Cl], datt [T,T] (flash: dsum [B,NHl,T]), datty [N,Cl], dfch, dfch_gelu [N,Fl]
   scratch_buf_ = be_.allocate("GPT::scratch", DType::f32, a.scratch_floats, Mem::activations);
   tokens_buf_ = be_.allocate("GPT::tokens", DType::i32, a.token_ints, Mem::workspace);
 }
@@ -340,7 +348,11 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   a.ln1_mean = c.take(Nl);
   a.ln1_rstd = c.take(Nl);
   a.qkv = c.take(N * 3 * Cl);
-  a.att = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T * T);
+  // Unfused attention saves the probabilities, flash only each row's log-sum-exp.
+  if (g.cfg.flash_attention)
+    a.lse = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T);
+  else
+    a.att = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T * T);
   a.atty = c.take(mm, N * Cl);
   a.xmid = c.take(Nl * C);
   a.ln2 = c.take(ln, Nl * C);
@@ -354,7 +366,7 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
 
 GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
-  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, Cl = C / g.tp, Fl = 4 * C / g.tp;
+  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = 4 * C / g.tp;
   Carver c{base, g.space};
   Scratch s;
   s.full = c.take(N * C);
@@ -366,7 +378,10 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   s.dfull = c.take(N * C);
   s.dpartial = c.take(N * C);
   s.dqkv = c.take(N * 3 * Cl);
-  s.datt = c.take(T * T);
+  if (g.cfg.flash_attention)
+    s.dsum = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T);
+  else
+    s.datt = c.take(T * T);
   s.datty = c.take(N * Cl);
   s.dfch = c.take(N * Fl);
   s.dfch_gelu = c.take(N * Fl);
@@ -442,7 +457,10 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   be_.layernorm_forward(produce(a.ln1, s.local), a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
   keep(a.ln1, s.local, NlC);
   be_.matmul_forward(a.qkv, input_of(a.ln1, s.full, N, C), w.mqkvw, w.qkvb, N, C, 3 * Cl);  // [N,3Cl]
-  be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);            // [N,Cl]
+  if (cfg_.flash_attention)
+    be_.attention_forward_flash(produce(a.atty, s.full), a.lse, a.qkv, B, T, Cl, NHl);    // [N,Cl]
+  else
+    be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);          // [N,Cl]
   keep(a.atty, s.full, NCl);
   be_.matmul_forward(s.partial, a.atty, w.mprojw, nullptr, N, Cl, C);         // [N,C] partial sum
   float* y = part_->reduce_partial(s.partial, s.local, N, C);                 // [Nl,C]
@@ -492,7 +510,10 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   dy = part_->grad_to_full(dxmid, s.dfull, N, C);
   be_.matmul_backward(s.datty, dw.projw, nullptr, dy, a.atty, w.mprojw, N, Cl, C);
   be_.bias_backward(dw.projb, dxmid, Nl, C);
-  be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
+  if (cfg_.flash_attention)
+    be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+  else
+    be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
   be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, input_of(a.ln1, s.full, N, C), w.mqkvw, N, C, 3 * Cl);
   const float* dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
   be_.copy(dres, dxmid, NlC);  // the residual branch

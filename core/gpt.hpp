@@ -24,6 +24,9 @@ struct GPTConfig {
   int seq_len = 64;   // T (also the number of learned positions)
   int vocab = 256;    // V
   bool recompute = false;  // keep only each block's input; recompute its activations in backward
+  // model.attention = flash: fused attention (Backend::attention_forward_flash), which saves each
+  // row's log-sum-exp instead of the [T,T] probabilities and rounds its operands to bf16.
+  bool flash_attention = false;
   // Throws InputError naming the deck keys when the shape is inconsistent.
   void validate() const;
   // Forward FLOPs per token of one block (matrix products 24 C^2, attention 4 T C) and of the head
@@ -160,7 +163,8 @@ class GPT {
     BufferRef ln1;                     // [Nl,C]
     float *ln1_mean, *ln1_rstd;        // [Nl], [Nl]
     float *qkv;                        // [N,3Cl]
-    float *att;                        // [B,NHl,T,T]
+    float *att = nullptr;              // [B,NHl,T,T] softmax probabilities (unfused attention)
+    float *lse = nullptr;              // [B,NHl,T]   row log-sum-exp of the scaled scores (flash)
     BufferRef atty;                    // [N,Cl]
     float *xmid;                       // [Nl,C]  residual after attention
     BufferRef ln2;                     // [Nl,C]
@@ -172,7 +176,8 @@ class GPT {
   struct Scratch {  // not saved across kernels: forward temporaries and backward gradients
     float *full, *partial, *local;                       // [N,C], [N,C], [Nl,C]
     float *dres, *dother, *dlocal, *dfull, *dpartial;    // [Nl,C] x3, [N,C] x2
-    float *dqkv, *datt, *datty, *dfch, *dfch_gelu;       // [N,3Cl], [T,T], [N,Cl], [N,Fl], [N,Fl]
+    float *dqkv, *datty, *dfch, *dfch_gelu;              // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
+    float *datt = nullptr, *dsum = nullptr;              // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
     std::int64_t floats;
   };
   struct Head {

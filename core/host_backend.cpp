@@ -15,6 +15,7 @@
 
 #include "core/backend.hpp"
 #include "core/gemm.hpp"
+#include "core/flash_attention_host.hpp"
 #include "core/kernels.hpp"
 
 extern "C" char* openblas_get_config(void) __attribute__((weak));
@@ -121,6 +122,26 @@ class HostBackend final : public Backend {
   void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv, const float* att,
                           int B, int T, int C, int NH) override {
     k::attention_backward(dqkv, datt, dout, qkv, att, B, T, C, NH);
+  }
+  std::string flash_attention_refusal(int hs) const override {
+    return k::flash::head_size_supported(hs) ? std::string()
+                                             : "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
+  }
+  void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
+    require_flash(C / NH);
+    k::flash::attention_forward(out, lse, qkv, B, T, C, NH);
+  }
+  void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
+                                const float* lse, int B, int T, int C, int NH) override {
+    require_flash(C / NH);
+    require_host(out, "attention_backward_flash", "out");
+    with_float_type(out.type, "attention_backward_flash", [&](auto t) {
+      using OutT = decltype(t);
+      if constexpr (std::is_same_v<OutT, double>)
+        refuse("attention_backward_flash: the saved output must be fp32, bf16 or fp16");
+      else
+        k::flash::attention_backward(dqkv, dsum, dout, static_cast<const OutT*>(out.data), qkv, lse, B, T, C, NH);
+    });
   }
   void gelu_forward(float* out, const float* inp, std::int64_t n) override { k::gelu_forward(out, inp, n); }
   void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
@@ -292,6 +313,10 @@ class HostBackend final : public Backend {
   }
 
  private:
+  void require_flash(int hs) const {
+    const std::string why = flash_attention_refusal(hs);
+    if (!why.empty()) refuse("fused attention: " + why);
+  }
   // The first n elements of `src` as an operand of the matrix products' 16-bit type, for gemm16:
   // fp32 rounded (nearest even) into workspace operand slot `slot`; a 16-bit buffer of that type as it
   // is (bf16: read in place by gemm_bf16, oneDNN's bf16 kernels with fp32 accumulation; fp16: widened

@@ -118,6 +118,11 @@ LOOM_HD inline Acc softmax_backward(Acc a, Acc d, Acc dot) {
   return a * (d - dot);
 }
 
+// The head sizes the fused attention is built for (multiples of the 16-wide tensor-core tile; 128
+// fits the largest GPUs' shared memory): the device kernels and their host twin take the same, so a
+// deck with model.attention = flash means one model on every back end.
+LOOM_HD constexpr bool flash_head_size_supported(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
+
 // Cross-entropy after softmax: d loss / d logit = (p - [v is the target]) * dloss.
 template <class Acc>
 LOOM_HD inline Acc crossentropy_dlogit(Acc p, bool is_target, Acc dloss) {

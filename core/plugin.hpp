@@ -28,8 +28,9 @@
 // ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the roles' plan_step
 // (`loom plan`, core/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step. ABI 8:
 // StepPlan::stage_units, pipeline_span and host_copy_bytes. ABI 9: Communicator::reserve_scratch,
-// StepPlan::pools.
-#define LOOM_PLUGIN_ABI_VERSION 9
+// StepPlan::pools. ABI 10: Backend's fused attention (attention_forward_flash, _backward_flash,
+// flash_attention_refusal), GPTConfig::flash_attention.
+#define LOOM_PLUGIN_ABI_VERSION 10
 
 extern "C" {
 struct loom_plugin_v1 {

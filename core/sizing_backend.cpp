@@ -53,6 +53,8 @@ class SizingBackend final : public Backend {
   void attention_backward(float*, float*, const float*, const float*, const float*, int, int, int, int) override {
     no("attention_backward");
   }
+  // What the back end it stands for can run.
+  std::string flash_attention_refusal(int hs) const override { return like_->flash_attention_refusal(hs); }
   void gelu_forward(float*, const float*, std::int64_t) override { no("gelu_forward"); }
   void gelu_backward(float*, const float*, const float*, std::int64_t) override { no("gelu_backward"); }
   void residual_forward(float*, const float*, const float*, std::int64_t) override { no("residual_forward"); }

@@ -58,6 +58,7 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   m.seq_len = static_cast<int>(d.get_int("model.seq_len"));
   m.vocab = static_cast<int>(d.get_int("model.vocab"));
   m.recompute = d.get_bool("model.recompute");
+  m.flash_attention = d.get_string("model.attention") == "flash";
   m.validate();
 
   plan.global_batch = static_cast<int>(d.get_int("train.batch"));
@@ -354,7 +355,8 @@ std::string Session::banner() const {
   s << "  deck    : " << deck.path() << "\n";
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()
-    << " parameters" << (model_cfg.recompute ? ", recompute" : "") << "\n";
+    << " parameters" << (model_cfg.recompute ? ", recompute" : "")
+    << (model_cfg.flash_attention ? ", flash attention (bf16 operands, lse saved)" : "") << "\n";
   s << "  weights : " << (init_from.empty() ? "random (train.seed = " + std::to_string(seed) + ")"
                                           : "model.init_from = " + init_from + " (llm.c model file)")
     << (deck.get_string("checkpoint.resume").empty() ? "" : ", unless checkpoint.resume loads a checkpoint") << "\n";

@@ -88,6 +88,13 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("model.vocab", "256", 2, 1048576, "vocabulary size (256 for text:PATH bytes)"));
   schema.add(bool_key("model.recompute", "false",
                       "recompute each block's activations in backward instead of keeping them"));
+  schema.add(choice_key("model.attention", "unfused", {"unfused", "flash"},
+                        "attention kernels: unfused (scores and probabilities [T,T] per head in memory, "
+                        "products in the run's precision) or flash (fused, FlashAttention-2's tiling: saves "
+                        "each row's log-sum-exp instead of the probabilities and recomputes them in backward; "
+                        "q, k, v, probabilities and their gradients as bf16 operands, fp32 softmax and "
+                        "accumulation; head sizes 16, 32, 64, 128; the same arithmetic on the host and cuda "
+                        "back ends)"));
   schema.add(string_key("model.init_from", "",
                         "start from these weights instead of a random initialisation: an llm.c model file "
                         "(.bin, as llm.c's train_gpt2.py writes; `loom ckpt llmc` writes one from a checkpoint); "

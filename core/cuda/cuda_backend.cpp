@@ -359,6 +359,27 @@ class CudaBackend final : public Backend {
       gemm(g4);
     }
   }
+  std::string flash_attention_refusal(int hs) const override {
+    if (props_.major < 8)
+      return "device " + std::to_string(device_) + " has compute capability " + std::to_string(props_.major) + "." +
+             std::to_string(props_.minor) + "; the fused kernels' bf16 tensor-core products need 8.0 or newer";
+    const std::size_t need = cuda::flash_attention_shared_bytes(hs);
+    if (need == 0) return "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
+    if (need > props_.sharedMemPerBlockOptin)
+      return "head size " + std::to_string(hs) + " needs " + std::to_string(need) + " bytes of shared memory per block; device " +
+             std::to_string(device_) + " (" + props_.name + ") has " + std::to_string(props_.sharedMemPerBlockOptin);
+    return {};
+  }
+  void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
+    Timed timed(this, "attention_forward_flash", B * T, C, NH);
+    cuda::attention_forward_flash(out, lse, qkv, B, T, C, NH, stream_);
+  }
+  void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
+                                const float* lse, int B, int T, int C, int NH) override {
+    Timed timed(this, "attention_backward_flash", B * T, C, NH);
+    require_device(out, "attention_backward_flash", "out");
+    cuda::attention_backward_flash(dqkv, dsum, dout, out, qkv, lse, B, T, C, NH, stream_);
+  }
   void gelu_forward(float* out, const float* inp, std::int64_t n) override {
     Timed timed(this, "gelu_forward");
     cuda::gelu_forward(out, inp, n, stream_);

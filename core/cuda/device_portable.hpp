@@ -6,6 +6,7 @@
 // dev::thread_x() threadIdx.x, dev::wmma nvcuda::wmma, dev::bf16_t __nv_bfloat16.
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <mma.h>
 
 #define LOOM_KERNEL __global__
@@ -14,6 +15,7 @@
 namespace loom::dev {
 namespace wmma = nvcuda::wmma;
 using bf16_t = __nv_bfloat16;
+using f16_t = __half;
 LOOM_DEVICE bf16_t to_bf16(float f) { return __float2bfloat16_rn(f); }  // round to nearest even
 LOOM_DEVICE float to_float(bf16_t b) { return __bfloat162float(b); }
 LOOM_DEVICE int thread_x() { return static_cast<int>(threadIdx.x); }
@@ -23,6 +25,7 @@ LOOM_DEVICE int block_dim_x() { return static_cast<int>(blockDim.x); }
 LOOM_DEVICE int grid_x() { return static_cast<int>(gridDim.x); }
 LOOM_DEVICE float as_float(float f) { return f; }
 LOOM_DEVICE float as_float(bf16_t b) { return __bfloat162float(b); }
+LOOM_DEVICE float as_float(f16_t h) { return __half2float(h); }
 LOOM_DEVICE void sync_block() { __syncthreads(); }
 LOOM_DEVICE void sync_warp() { __syncwarp(); }
 template <class T>
@@ -43,6 +46,7 @@ LOOM_DEVICE T* shared_memory() {
 namespace loom::dev {
 namespace wmma = loom::cuda_emu::wmma;
 using bf16_t = loom::bf16;
+using f16_t = loom::f16;
 inline bf16_t to_bf16(float f) { return loom::to_bf16(f); }  // round to nearest even, as the device
 inline float to_float(bf16_t b) { return loom::to_float(b); }
 inline int thread_x() { return static_cast<int>(cuda_emu::thread_idx().x); }
@@ -52,6 +56,7 @@ inline int block_dim_x() { return static_cast<int>(cuda_emu::block_dim().x); }
 inline int grid_x() { return static_cast<int>(cuda_emu::grid_dim().x); }
 inline float as_float(float f) { return f; }
 inline float as_float(bf16_t b) { return loom::to_float(b); }
+inline float as_float(f16_t h) { return loom::to_float(h); }
 inline void sync_block() { cuda_emu::sync_block(); }
 inline void sync_warp() { cuda_emu::sync_warp(); }
 template <class T>

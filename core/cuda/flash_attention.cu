@@ -93,8 +93,10 @@ void attention_backward_flash(float* dqkv, float* dsum, const float* dout, Buffe
     dsum_rows(dsum, dout, out.as<float>(), B, T, C, NH, stream);
   else if (out.type == DType::bf16)
     dsum_rows(dsum, dout, reinterpret_cast<const __nv_bfloat16*>(out.data), B, T, C, NH, stream);
+  else if (out.type == DType::f16)
+    dsum_rows(dsum, dout, reinterpret_cast<const __half*>(out.data), B, T, C, NH, stream);
   else
-    throw std::invalid_argument("fused attention backward: the saved output must be fp32 or bf16");
+    throw std::invalid_argument("fused attention backward: the saved output must be fp32, bf16 or fp16");
   switch (C / NH) {
     case 16: return backward<16>(dqkv, dsum, dout, qkv, lse, B, T, C, NH, stream);
     case 32: return backward<32>(dqkv, dsum, dout, qkv, lse, B, T, C, NH, stream);

@@ -35,7 +35,7 @@ static_assert(kRows == kCols, "the causal tile bounds below assume square tiles"
 constexpr float kNoScore = -1e30f;  // a masked score: exp_k(kNoScore - m) is exp(-87), but masked entries are set 0
 
 // Head sizes the kernels are built for (multiples of the 16-wide wmma tile).
-LOOM_HD constexpr bool head_size_supported(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
+LOOM_HD constexpr bool head_size_supported(int hs) { return math::flash_head_size_supported(hs); }
 
 // Shared memory, carved by the function that sizes it (a null base only counts). Row strides are
 // padded (bf16 by 8 elements, fp32 by 4) so rows start on different banks while every 16-row,

@@ -139,7 +139,7 @@ void attention_forward_flash(float* out,        // [B,T,C]
                              int B, int T, int C, int NH, cudaStream_t stream);
 
 // dqkv is overwritten; dsum [B,NH,T] is scratch (sum over a head's columns of dout * out); out is
-// the forward's output as saved (fp32, or bf16 under mixed precision).
+// the forward's output as saved (fp32, or bf16 or fp16 under mixed precision).
 void attention_backward_flash(float* dqkv,        // [B,T,3C] (=)
                               float* dsum,        // [B,NH,T] scratch
                               const float* dout,  // [B,T,C]
