@@ -109,6 +109,21 @@ void run_block(Launch& l) {
 
 }  // namespace
 
+namespace {
+
+// Past the launch's dynamic shared memory: a guard, checked after each block (a write past the
+// size the launch asked for is a silent corruption on the device, and the heap's here).
+constexpr std::size_t kSharedGuard = 256;
+constexpr unsigned char kGuardByte = 0xa5;
+
+// 128-byte aligned, as the device's dynamic shared memory is at least.
+unsigned char* dynamic_shared_of(Launch& l) {
+  const auto base = reinterpret_cast<std::uintptr_t>(l.shared.data());
+  return l.shared.data() + ((128 - base % 128) % 128);
+}
+
+}  // namespace
+
 void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function<void()>& body) {
   if (active) throw std::logic_error("cuda_emu::launch inside a launch");
   auto l = std::make_unique<Launch>();
@@ -127,8 +142,16 @@ void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function
       for (unsigned y = 0; y < grid.y; ++y)
         for (unsigned x = 0; x < grid.x; ++x) {
           l->block_idx = dim3(x, y, z);
-          l->shared.assign(shared_bytes + 128, 0xff);
+          // NaN bytes, 128 bytes of alignment slack, then a guard the block must leave alone.
+          l->shared.assign(shared_bytes + 128 + kSharedGuard, 0xff);
+          unsigned char* end = dynamic_shared_of(*l) + shared_bytes;
+          std::memset(end, kGuardByte, kSharedGuard);
           run_block(*l);
+          for (std::size_t i = 0; i < kSharedGuard; ++i)
+            if (end[i] != kGuardByte)
+              throw std::runtime_error("cuda_emu: block (" + std::to_string(x) + "," + std::to_string(y) + "," +
+                                       std::to_string(z) + ") wrote byte " + std::to_string(shared_bytes + i) +
+                                       " of its " + std::to_string(shared_bytes) + " bytes of dynamic shared memory");
         }
   } catch (...) {
     active = nullptr;
@@ -144,12 +167,7 @@ const dim3& thread_idx() {
 const dim3& block_idx() { return need_launch("block_idx").block_idx; }
 const dim3& block_dim() { return need_launch("block_dim").block; }
 const dim3& grid_dim() { return need_launch("grid_dim").grid; }
-unsigned char* dynamic_shared() {
-  Launch& l = need_launch("dynamic_shared");
-  // 128-byte aligned, as the device's dynamic shared memory is at least.
-  const auto base = reinterpret_cast<std::uintptr_t>(l.shared.data());
-  return l.shared.data() + ((128 - base % 128) % 128);
-}
+unsigned char* dynamic_shared() { return dynamic_shared_of(need_launch("dynamic_shared")); }
 void sync_block() {
   need_launch("sync_block");
   yield(Wait::block);

@@ -199,7 +199,7 @@ TEST(FlashAttentionEmu, SharedMemoryFitsTheDevices) {
 // The emulator itself: barriers, shuffles and the wmma rules it enforces.
 TEST(CudaEmu, ShuffleAndBarriers) {
   std::vector<int> got(64, -1);
-  emu::launch(emu::dim3(2), emu::dim3(32), 64, [&] {
+  emu::launch(emu::dim3(2), emu::dim3(32), 32 * sizeof(int), [&] {
     const int lane = static_cast<int>(emu::thread_idx().x);
     int* shared = reinterpret_cast<int*>(emu::dynamic_shared());
     shared[lane] = lane * 10 + static_cast<int>(emu::block_idx().x);
@@ -222,6 +222,11 @@ TEST(CudaEmu, RefusesWhatTheHardwareRefuses) {
   EXPECT_NO_THROW(emu::launch(emu::dim3(1), emu::dim3(64), 0, [] {
     if (emu::thread_idx().x < 32) emu::sync_block();
   }));
+  // A block that writes past the dynamic shared memory its launch asked for (this test's own
+  // first version asked for 64 bytes and wrote 128, corrupting the heap unseen).
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 64,
+                           [] { reinterpret_cast<int*>(emu::dynamic_shared())[emu::thread_idx().x] = 1; }),
+               std::runtime_error);
   EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 4096,
                            [] {
                              namespace wmma = emu::wmma;
