@@ -18,11 +18,13 @@
 // whole blocks where no running state intervenes: a block of 64 queries' scores against every key
 // up to its diagonal, a block of 64 keys' against every later query; the device adds a product's
 // terms in its own order, so the twin and the device agree to fp32 rounding (and the rare bf16
-// rounding it tips), not bit for bit. Scratch per (sequence, head) is a few [64, T] blocks.
+// rounding it tips), not bit for bit. Scratch per (sequence, head) is a few [64, T] blocks. The
+// heads are taken in turn, as the unfused kernels take them: the products use the back end's
+// threads (oneDNN's OpenMP, OpenBLAS), which one parallel region over heads would nest or
+// oversubscribe under a threaded Kokkos.
 //
 // Layout as the unfused kernels: qkv [B,T,3C] with head h's q, k, v in columns h*hs, C + h*hs,
 // 2C + h*hs; out [B,T,C]; lse and dsum [B,NH,T].
-#include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -54,8 +56,7 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
   const int hs = C / NH;
   const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  Kokkos::parallel_for("Attention::flash_forward", Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(0, B * NH),
-                       [=](int bh) {
+  for (int bh = 0; bh < B * NH; ++bh) {  // heads in turn: the products inside take the threads (see above)
     const int b = bh / NH, h = bh % NH;
     const float* base = qkv + static_cast<std::int64_t>(b) * T * C3 + static_cast<std::int64_t>(h) * hs;
     std::vector<bf16> q, k, v;  // [T,hs] each
@@ -108,7 +109,7 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
         lse[static_cast<std::int64_t>(bh) * T + t] = m[r] + std::log(l[r]);
       }
     }
-  });
+  }
 }
 
 // out: the forward's output as saved (fp32, bf16 or fp16); dsum [B,NH,T] is scratch.
@@ -120,8 +121,7 @@ void attention_backward(float* dqkv, float* dsum,                     // [B,T,3C
   const int hs = C / NH;
   const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  Kokkos::parallel_for("Attention::flash_backward", Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(0, B * NH),
-                       [=](int bh) {
+  for (int bh = 0; bh < B * NH; ++bh) {
     const int b = bh / NH, h = bh % NH;
     const std::int64_t head = static_cast<std::int64_t>(h) * hs;
     const float* base = qkv + static_cast<std::int64_t>(b) * T * C3 + head;
@@ -177,7 +177,7 @@ void attention_backward(float* dqkv, float* dsum,                     // [B,T,3C
     }
     for (int t = 0; t < T; ++t)
       for (int d = 0; d < hs; ++d) dbase_qkv[static_cast<std::int64_t>(t) * C3 + d] = dq[static_cast<std::size_t>(t) * hs + d] * scale;
-  });
+  }
 }
 
 }  // namespace loom::kernels::flash

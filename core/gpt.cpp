@@ -21,6 +21,12 @@ void GPTConfig::validate() const {
                      " is not one the fused kernels take (16, 32, 64 or 128); use model.attention = unfused");
 }
 
+void GPT::check_attention(const GPTConfig& cfg, const Backend& backend) {
+  if (!cfg.flash_attention) return;
+  const std::string why = backend.flash_attention_refusal(cfg.d_model / cfg.heads);
+  if (!why.empty()) throw InputError("model.attention = flash: " + why + "; use model.attention = unfused");
+}
+
 GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage,
          ParamStore* store, int dp, int dp_rank)
     : cfg_(cfg),
@@ -31,10 +37,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       stage_(stage),
       store_(store ? store : &own_store_) {
   cfg_.validate();
-  if (cfg_.flash_attention) {
-    const std::string why = be_.flash_attention_refusal(cfg_.d_model / cfg_.heads);
-    if (!why.empty()) throw InputError("model.attention = flash: " + why + "; use model.attention = unfused");
-  }
+  check_attention(cfg_, be_);
   if (stage_.chunks.empty()) stage_.chunks.push_back({0, cfg.layers, 1});
   layer_pos_.assign(static_cast<std::size_t>(cfg.layers), -1);
   int held = 0, prev_end = 0;

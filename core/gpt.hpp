@@ -60,6 +60,9 @@ class GPT {
   // store the model owns); `dp`, `dp_rank` place this rank in its data-parallel group (ownership).
   GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {},
       ParamStore* store = nullptr, int dp = 1, int dp_rank = 0);
+  // InputError naming model.attention when `backend` cannot run the configured attention (the
+  // constructor checks it; a session checks it first, agreed over its ranks).
+  static void check_attention(const GPTConfig& cfg, const Backend& backend);
   Partition& partition() { return *part_; }
   ParamStore& store() { return *store_; }
   const ParamStore& store() const { return *store_; }

@@ -430,10 +430,15 @@ class Memo {
        << "- **LayerNorm, softmax and the attention's own products, and the cross-entropy**: means, variances and "
        << "exponentials lose accuracy fastest, and their activations are not what dominates memory;\n"
        << "- the **gradient collective** stays fp32 unless `precision.reduce_dtype = bf16` halves its bytes.\n\n"
-       << "Attention's own products run in fp32 in loom (on a GPU as TF32 under `run.tf32 = auto`, not at the 16-bit "
-          "peak), and its kernels write and read the whole [batch, heads, T, T] matrices: here attention takes "
-       << pct(half.built ? half.p.time.attention_s / half.p.time.step_s : 0.0) << " of the " << h
-       << " step, the largest share a faster (16-bit, fused) attention kernel would win back.\n\n"
+       << (chosen_.p.plan.model.flash_attention
+               ? std::string("Attention is fused here (`model.attention = flash`): bf16 operands, no [batch, heads, T, T] "
+                             "matrices in memory; the time model below still prices it as the unfused kernels.\n\n")
+               : "Attention's own products run in fp32 in loom (on a GPU as TF32 under `run.tf32 = auto`, not at the "
+                 "16-bit peak), and its kernels write and read the whole [batch, heads, T, T] matrices: here attention "
+                 "takes " +
+                     pct(half.built ? half.p.time.attention_s / half.p.time.step_s : 0.0) + " of the " + h +
+                     " step, the largest share a faster (16-bit, fused) attention kernel, `model.attention = flash`, "
+                     "would win back.\n\n")
        << (h == "fp16" ? "fp16 has 5 exponent bits: small gradients underflow, so loom scales the loss (dynamic loss "
                          "scaling: `precision.initial_scale_power`, `loss_scale_window`, `hysteresis`, as Megatron) and "
                          "skips a step whose gradients overflow.\n\n"

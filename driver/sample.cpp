@@ -132,7 +132,8 @@ int command_sample(const SampleOptions& o) {
     ids.push_back(next);
   }
   std::cerr << "loom sample: " << o.steps << " tokens from " << checkpoint_file(o.checkpoint) << " (step " << m.header.step
-            << "; " << cfg.layers << " layers, d_model " << cfg.d_model << ", vocab " << V << "), temperature "
+            << "; " << cfg.layers << " layers, d_model " << cfg.d_model << ", vocab " << V
+            << (cfg.flash_attention ? ", flash attention" : "") << "), temperature "
             << o.temperature << ", top-k " << o.top_k << ", seed " << o.seed << "\n";
   if (bytes) {
     for (std::int32_t id : ids) std::cout << static_cast<char>(id);

@@ -269,6 +269,7 @@ void Session::setup_collective() {
   backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_string("run.tf32"),
                          deck.get_bool("run.share_gpu"), MPI_COMM_WORLD,
                          &backend_choice);
+  run_agreed([&] { GPT::check_attention(model_cfg, *backend); });  // a device may lack what another has
   set_comm_timeout(deck.get_float("run.comm_timeout"));
   set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout, [this](MPI_Comm c, const std::string& name) {

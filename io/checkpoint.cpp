@@ -143,6 +143,10 @@ GPTConfig recorded_model(hid_t file, const std::string& path, const std::string&
     }
     cfg.*k.field = static_cast<int>(v);
   }
+  // The attention kind is no tensor's shape, but the model's arithmetic: a flash run is sampled as it
+  // was trained (decks from before the key are unfused).
+  const auto attention = recorded.find("model.attention");
+  cfg.flash_attention = attention != recorded.end() && attention->second == "flash";
   return cfg;
 }
 }  // namespace

@@ -76,8 +76,9 @@ struct ClusterSpec {
 
 // The FLOPs of one attention forward + backward over [B, T] tokens of width C (all heads): forward
 // 4*B*T*T*C (QK^T and AV, 2 FLOPs per multiply-add), backward twice that (dV, dP, dQ, dK). The full
-// T x T is counted although attention is causal: loom's kernels compute the full products (only the
-// softmax skips the masked half), and the calibration counts the same way, so it cancels.
+// T x T is counted although attention is causal: loom's unfused kernels compute the full products
+// (only the softmax skips the masked half), and the calibration counts the same way, so it cancels
+// (model.attention = flash skips the masked tiles; the time model does not yet price it apart).
 inline double attention_flops(double B, double T, double C) { return 12.0 * B * T * T * C; }
 
 // Bytes moved per element by the element-wise kernels (fp32), for the calibration of memory_gbs and

@@ -23,10 +23,11 @@ void allow_shared(Kernel kernel, std::size_t bytes) {
         "cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for the fused attention");
 }
 
+// (sequence, head) on x, tiles of 64 rows on y: x takes 2^31 - 1 blocks, y 65535 (T up to 4 million).
 dim3 tile_grid(int B, int T, int NH) {
-  const long long heads = static_cast<long long>(B) * NH;
-  if (heads > 65535) throw std::invalid_argument("fused attention: B x NH = " + std::to_string(heads) + " exceeds 65535");
-  return dim3(static_cast<unsigned>((T + flash::kRows - 1) / flash::kRows), static_cast<unsigned>(heads));
+  const long long heads = static_cast<long long>(B) * NH, tiles = (static_cast<long long>(T) + flash::kRows - 1) / flash::kRows;
+  if (tiles > 65535) throw std::invalid_argument("fused attention: T = " + std::to_string(T) + " makes more than 65535 tiles of 64 rows");
+  return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(tiles));
 }
 
 template <int HS>

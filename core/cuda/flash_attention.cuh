@@ -173,7 +173,7 @@ LOOM_DEVICE void product_nn_add(float* acc16, const dev::bf16_t* p16, const dev:
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward. Grid (ceil(T/64), B*NH), 128 threads, forward_smem_bytes<HS>() of dynamic shared memory.
+// Forward. Grid (B*NH, ceil(T/64)) (heads on x, whose limit is 2^31 - 1), 128 threads, forward_smem_bytes<HS>() of dynamic shared memory.
 
 template <int HS>
 LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [B,NH,T]
@@ -182,7 +182,7 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   using S = Strides<HS>;
   ForwardSmem<HS> sm(dev::shared_memory<unsigned char>());
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
-  const int q0 = dev::block_x() * kRows, bh = dev::block_y(), b = bh / NH, h = bh % NH;
+  const int q0 = dev::block_y() * kRows, bh = dev::block_x(), b = bh / NH, h = bh % NH;
   const HeadSlices x = head_slices(qkv, nullptr, T, C, NH, bh, HS);
 
   load_tile<HS>(sm.q, x.q, x.ld, q0, T);
@@ -260,7 +260,7 @@ LOOM_KERNEL void attention_backward_dsum_kernel(float* dsum,                    
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, step 2: dk and dv. Grid (ceil(T/64), B*NH): a block owns 64 keys and walks the query
+// Backward, step 2: dk and dv. Grid (B*NH, ceil(T/64)): a block owns 64 keys and walks the query
 // tiles from its first key on (causal); backward_kv_smem_bytes<HS>() of dynamic shared memory.
 
 template <int HS>
@@ -271,7 +271,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
   using S = Strides<HS>;
   BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), true);  // a = k, b = v, c = q, d = dout
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
-  const int k0 = dev::block_x() * kRows, bh = dev::block_y();
+  const int k0 = dev::block_y() * kRows, bh = dev::block_x();
   const HeadSlices x = head_slices(qkv, dout, T, C, NH, bh, HS);
   const float* lse_bh = lse + static_cast<std::int64_t>(bh) * T;
   const float* dsum_bh = dsum + static_cast<std::int64_t>(bh) * T;
@@ -324,7 +324,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, step 3: dq. Grid (ceil(T/64), B*NH): a block owns 64 queries and walks the key tiles
+// Backward, step 3: dq. Grid (B*NH, ceil(T/64)): a block owns 64 queries and walks the key tiles
 // up to its last query; backward_q_smem_bytes<HS>() of dynamic shared memory.
 
 template <int HS>
@@ -335,7 +335,7 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
   using S = Strides<HS>;
   BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), false);  // a = q, b = dout, c = k, d = v
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
-  const int q0 = dev::block_x() * kRows, bh = dev::block_y();
+  const int q0 = dev::block_y() * kRows, bh = dev::block_x();
   const HeadSlices x = head_slices(qkv, dout, T, C, NH, bh, HS);
 
   load_tile<HS>(sm.a, x.q, x.ld, q0, T);

@@ -570,16 +570,19 @@ TEST(GPT, PipelineStagesComputeTheWholeModel) {
 
 // What `loom plan` predicts activation memory with (GPT::activation_sizes) is what the constructor
 // allocates, for the default stage and for chunks holding several micro-batches, with and without
-// recompute, in fp32 and bf16; and, for the plain fp32 model, the textbook count written out here.
+// recompute, in fp32 and bf16, with unfused and flash attention; and, for the plain fp32 model, the
+// textbook count written out here.
 TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
   auto& ledger = Ledger::global();
-  const GPTConfig base = tiny_config();
+  GPTConfig base = tiny_config();
+  base.heads = 1;  // head size 16: one the fused kernels take
   Stage two_chunks;
   two_chunks.index = 1;
   two_chunks.count = 2;
   two_chunks.chunks = {{0, 1, 3}, {1, 2, 2}};  // layers [0,1) with 3 micro-batches held, [1,2) with 2
   for (DType mm : {DType::f32, DType::bf16})
     for (bool recompute : {false, true})
+      for (bool flash : {false, true})
       for (const Stage* stage : {static_cast<const Stage*>(nullptr), static_cast<const Stage*>(&two_chunks)}) {
         auto be = make_host_backend(1);
         Precision p;
@@ -587,13 +590,14 @@ TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
         be->set_precision(p);
         GPTConfig cfg = base;
         cfg.recompute = recompute;
+        cfg.flash_attention = flash;
         const int rows = 3;
         const Stage st = stage ? *stage : Stage{};
         const GPT::ActivationSizes want = GPT::activation_sizes(cfg, 1, false, st, rows, mm);
         const std::size_t a0 = ledger.current(Mem::activations), w0 = ledger.current(Mem::workspace);
         GPT model(cfg, *be, rows, nullptr, st);
         EXPECT_EQ(ledger.current(Mem::activations) - a0, static_cast<std::size_t>(want.activation_bytes()))
-            << dtype_name(mm) << " recompute " << recompute << (stage ? " two chunks" : " one stage");
+            << dtype_name(mm) << " recompute " << recompute << " flash " << flash << (stage ? " two chunks" : " one stage");
         EXPECT_EQ(ledger.current(Mem::workspace) - w0, static_cast<std::size_t>(want.workspace_bytes()));
       }
   // fp32, one stage, no recompute: residual streams (L + 1) N C; per block 15 N C + 4 N + B NH T^2;
@@ -608,4 +612,12 @@ TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
   const GPT::ActivationSizes a = GPT::activation_sizes(base, 1, false, Stage{}, B, DType::f32);
   EXPECT_EQ(a.activation_bytes(), 4 * ((L + 1) * N * C + L * block + head + scratch));
   EXPECT_EQ(a.workspace_bytes(), 4 * 2 * N);
+  // flash: each block keeps lse B NH T instead of the probabilities B NH T^2; the scratch dsum
+  // B NH T instead of datt T^2.
+  GPTConfig flash = base;
+  flash.flash_attention = true;
+  const std::int64_t flash_block = 15 * N * C + 4 * N + B * NH * T;
+  const std::int64_t flash_scratch = 8 * N * C + 3 * N * C + B * NH * T + N * C + 8 * N * C;
+  const GPT::ActivationSizes f = GPT::activation_sizes(flash, 1, false, Stage{}, B, DType::f32);
+  EXPECT_EQ(f.activation_bytes(), 4 * ((L + 1) * N * C + L * flash_block + head + flash_scratch));
 }

@@ -34,7 +34,7 @@ Result run_kernels(const Case& c, const std::vector<float>& qkv, const std::vect
   r.lse.assign(static_cast<std::size_t>(c.B) * c.NH * c.T, std::nanf(""));
   r.dqkv.assign(static_cast<std::size_t>(c.B) * c.T * 3 * c.C, std::nanf(""));  // every element is written
   std::vector<float> dsum(r.lse.size(), std::nanf(""));
-  const emu::dim3 grid((c.T + flash::kRows - 1) / flash::kRows, c.B * c.NH), block(flash::kThreads);
+  const emu::dim3 grid(c.B * c.NH, (c.T + flash::kRows - 1) / flash::kRows), block(flash::kThreads);
   emu::launch(grid, block, flash::forward_smem_bytes<HS>(), [&] {
     flash::attention_forward_kernel<HS>(r.out.data(), r.lse.data(), qkv.data(), c.T, c.C, c.NH, scale);
   });
