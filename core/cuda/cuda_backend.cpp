@@ -363,6 +363,11 @@ class CudaBackend final : public Backend {
     if (props_.major < 8)
       return "device " + std::to_string(device_) + " has compute capability " + std::to_string(props_.major) + "." +
              std::to_string(props_.minor) + "; the fused kernels' bf16 tensor-core products need 8.0 or newer";
+    const int built = cuda::flash_attention_built_arch();
+    if (built < 80)
+      return "libloom_cuda.so's fused kernels run here as compiled for compute capability " + std::to_string(built / 10) + "." +
+             std::to_string(built % 10) + " (CMAKE_CUDA_ARCHITECTURES), without bf16 tensor-core products; rebuild with "
+             "-DCMAKE_CUDA_ARCHITECTURES covering 80 or newer (the default: 80;90)";
     const std::size_t need = cuda::flash_attention_shared_bytes(hs);
     if (need == 0) return "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
     if (need > props_.sharedMemPerBlockOptin)

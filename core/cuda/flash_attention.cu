@@ -72,6 +72,12 @@ std::size_t flash_attention_shared_bytes(int hs) {
   }
 }
 
+int flash_attention_built_arch() {
+  cudaFuncAttributes a{};
+  check(cudaFuncGetAttributes(&a, flash::attention_forward_kernel<64>), "cudaFuncGetAttributes(attention_forward_kernel)");
+  return a.binaryVersion;  // of the code this device runs: its SASS, or the PTX it was JIT-compiled from
+}
+
 bool flash_attention_supported(int hs, std::size_t max_shared_bytes) {
   return flash::head_size_supported(hs) && flash_attention_shared_bytes(hs) <= max_shared_bytes;
 }

@@ -135,8 +135,21 @@ LOOM_DEVICE void load_tile(dev::bf16_t* tile, const float* src, std::int64_t ld,
 }
 
 // [16, 64] = rows16 [16, HS] x others^T (others: [64, HS], row stride ldo), into out (row stride ldout).
+// The bf16 tensor-core products exist from sm_80 on. Compiled for an older architecture (a
+// CMAKE_CUDA_ARCHITECTURES below 80) they trap; the back end refuses flash attention there
+// (flash_attention_built_arch, kernels.cuh) before any kernel is launched.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define LOOM_FLASH_MMA 0
+#else
+#define LOOM_FLASH_MMA 1
+#endif
+
 template <int HS>
 LOOM_DEVICE void product_nt(float* out, int ldout, const dev::bf16_t* rows16, const dev::bf16_t* others) {
+#if !LOOM_FLASH_MMA
+  (void)out, (void)ldout, (void)rows16, (void)others;
+  __trap();
+#else
   namespace wmma = dev::wmma;
   constexpr int ld = Strides<HS>::h;
   for (int n = 0; n < kCols / 16; ++n) {
@@ -151,11 +164,16 @@ LOOM_DEVICE void product_nt(float* out, int ldout, const dev::bf16_t* rows16, co
     }
     wmma::store_matrix_sync(out + n * 16, acc, ldout, wmma::mem_row_major);
   }
+#endif
 }
 
 // acc [16, HS] (fp32, row stride Strides::f) += p16 [16, 64] (bf16, row stride Strides::p) x others [64, HS].
 template <int HS>
 LOOM_DEVICE void product_nn_add(float* acc16, const dev::bf16_t* p16, const dev::bf16_t* others) {
+#if !LOOM_FLASH_MMA
+  (void)acc16, (void)p16, (void)others;
+  __trap();
+#else
   namespace wmma = dev::wmma;
   using S = Strides<HS>;
   for (int n = 0; n < HS / 16; ++n) {
@@ -170,6 +188,7 @@ LOOM_DEVICE void product_nn_add(float* acc16, const dev::bf16_t* p16, const dev:
     }
     wmma::store_matrix_sync(acc16 + n * 16, acc, S::f, wmma::mem_row_major);
   }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -132,6 +132,9 @@ void softmax_causal_backward(float* datt,       // [rows,T]: d probabilities in,
 // flash_attention_shared_bytes(hs) fits the device's opt-in shared memory per block.
 std::size_t flash_attention_shared_bytes(int hs);  // the most any of the kernels takes; 0: unsupported
 bool flash_attention_supported(int hs, std::size_t max_shared_bytes);
+// The compute capability (major * 10 + minor) the fused kernels this device runs were compiled for:
+// below 80 (CMAKE_CUDA_ARCHITECTURES without 80 or newer) their tensor-core products trap.
+int flash_attention_built_arch();
 
 void attention_forward_flash(float* out,        // [B,T,C]
                              float* lse,        // [B,NH,T]
