@@ -19,6 +19,7 @@
 #include "core/comm.hpp"
 #include "core/step_plan.hpp"
 #include "core/dtype.hpp"
+#include "core/kernel_math.hpp"
 #include "core/ledger.hpp"
 
 namespace loom {
@@ -188,6 +189,13 @@ class Backend {
  protected:
   Precision precision_;
 };
+
+// Every back end's first reason to refuse fused attention: a head size the kernels are not built for
+// (core/kernel_math.hpp flash_head_size_supported); empty when hs is one of them.
+inline std::string flash_head_size_refusal(int hs) {
+  return math::flash_head_size_supported(hs) ? std::string()
+                                             : "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
+}
 
 // The shape checks of Backend::matmul, for every back end: non-negative dimensions, a [M,K], b
 // [K,N] and out [M,N] in element counts; std::invalid_argument naming the operand otherwise.

@@ -124,8 +124,7 @@ class HostBackend final : public Backend {
     k::attention_backward(dqkv, datt, dout, qkv, att, B, T, C, NH);
   }
   std::string flash_attention_refusal(int hs) const override {
-    return k::flash::head_size_supported(hs) ? std::string()
-                                             : "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
+    return flash_head_size_refusal(hs);
   }
   void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
     require_flash(C / NH);

@@ -368,8 +368,8 @@ class CudaBackend final : public Backend {
       return "libloom_cuda.so's fused kernels run here as compiled for compute capability " + std::to_string(built / 10) + "." +
              std::to_string(built % 10) + " (CMAKE_CUDA_ARCHITECTURES), without bf16 tensor-core products; rebuild with "
              "-DCMAKE_CUDA_ARCHITECTURES covering 80 or newer (the default: 80;90)";
+    if (std::string why = flash_head_size_refusal(hs); !why.empty()) return why;
     const std::size_t need = cuda::flash_attention_shared_bytes(hs);
-    if (need == 0) return "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
     if (need > props_.sharedMemPerBlockOptin)
       return "head size " + std::to_string(hs) + " needs " + std::to_string(need) + " bytes of shared memory per block; device " +
              std::to_string(device_) + " (" + props_.name + ") has " + std::to_string(props_.sharedMemPerBlockOptin);
