@@ -241,9 +241,8 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
     sum += dev::shfl_xor(sum, 1);
     const float alpha = math::exp_k(m_old - m_new);  // rescales what earlier tiles accumulated
     for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); ++d) sm.o[r * S::f + d] *= alpha;
-    dev::sync_warp();  // both lanes have read m[r] and l[r]
-    if (half == 0) sm.m[r] = m_new, sm.l[r] = sm.l[r] * alpha + sum;
-    dev::sync_warp();
+    dev::sync_warp();  // the warp's probabilities and rescaled outputs are in; both lanes have read m[r], l[r]
+    if (half == 0) sm.m[r] = m_new, sm.l[r] = sm.l[r] * alpha + sum;  // read again after the next sync_block
     product_nn_add<HS>(sm.o + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.v);
   }
   dev::sync_block();

@@ -5,6 +5,7 @@
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -32,6 +33,7 @@ struct Launch {
 };
 
 thread_local Launch* active = nullptr;
+thread_local Schedule schedule = Schedule::sweep;
 
 constexpr std::size_t kStackBytes = 256 * 1024;
 constexpr std::size_t kExchangeBytes = 16;
@@ -54,9 +56,40 @@ void fiber_main() {
   l.fibers[l.current].wait = Wait::done;  // returning switches to uc_link, the scheduler
 }
 
-// Runs one block to its end.
+// Runs the threads of [first, end) that are not waiting, from `first` up or from `end` down, each
+// until it waits or ends; true if any ran.
+bool run_ready(Launch& l, std::size_t first, std::size_t end, bool descending) {
+  bool ran = false;
+  for (std::size_t k = first; k < end; ++k) {
+    const std::size_t i = descending ? end - 1 - (k - first) : k;
+    if (l.fibers[i].wait != Wait::none) continue;
+    l.current = i;
+    swapcontext(&l.scheduler, &l.fibers[i].ctx);
+    if (!l.failure.empty()) throw std::runtime_error("cuda_emu: " + l.failure);
+    ran = true;
+  }
+  return ran;
+}
+
+// Opens the warp barrier of the warp starting at thread w if its live lanes all wait at it.
+bool open_warp(Launch& l, std::size_t w) {
+  const std::size_t end = std::min(l.fibers.size(), w + 32);
+  bool all_warp = true, any = false;
+  for (std::size_t i = w; i < end; ++i) {
+    const Wait s = l.fibers[i].wait;
+    if (s == Wait::done) continue;
+    any = true;
+    if (s != Wait::warp) all_warp = false;
+  }
+  if (!any || !all_warp) return false;
+  for (std::size_t i = w; i < end; ++i)
+    if (l.fibers[i].wait == Wait::warp) l.fibers[i].wait = Wait::none;
+  return true;
+}
+
+// Runs one block to its end, its threads in the order `schedule` names.
 void run_block(Launch& l) {
-  const std::size_t n = l.fibers.size();
+  const std::size_t n = l.fibers.size(), warps = (n + 31) / 32;
   for (std::size_t i = 0; i < n; ++i) {
     Fiber& f = l.fibers[i];
     f.stack.assign(kStackBytes, 0);
@@ -67,36 +100,35 @@ void run_block(Launch& l) {
     f.ctx.uc_link = &l.scheduler;
     makecontext(&f.ctx, fiber_main, 0);
   }
+  const bool descending = schedule == Schedule::warps_descending;
   for (;;) {
-    bool ran = false;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (l.fibers[i].wait != Wait::none) continue;
-      l.current = i;
-      swapcontext(&l.scheduler, &l.fibers[i].ctx);
-      if (!l.failure.empty()) throw std::runtime_error("cuda_emu: " + l.failure);
-      ran = true;
+    bool progressed = false;
+    if (schedule == Schedule::sweep) {
+      progressed = run_ready(l, 0, n, false);
+      if (progressed) continue;
+      for (std::size_t w = 0; w < n; w += 32) progressed = open_warp(l, w) || progressed;
+    } else {
+      // One warp at a time, as far as it goes before a block barrier.
+      for (std::size_t k = 0; k < warps; ++k) {
+        const std::size_t w = 32 * (descending ? warps - 1 - k : k);
+        for (;;) {
+          const bool ran = run_ready(l, w, std::min(n, w + 32), descending);
+          const bool opened = open_warp(l, w);
+          if (!ran && !opened) break;
+          progressed = true;
+        }
+      }
     }
-    if (ran) continue;
-    // Every live thread waits: open what can open. A warp barrier opens when its warp's live lanes
-    // all wait at it; the block barrier when every live thread of the block does.
-    bool opened = false, live = false, at_block = true;
-    for (std::size_t w = 0; w < n; w += 32) {
-      bool all_warp = true, any = false;
-      for (std::size_t i = w; i < n && i < w + 32; ++i) {
-        const Wait s = l.fibers[i].wait;
-        if (s == Wait::done) continue;
-        any = live = true;
-        if (s != Wait::warp) all_warp = false;
-        if (s != Wait::block) at_block = false;
-      }
-      if (any && all_warp) {
-        for (std::size_t i = w; i < n && i < w + 32; ++i)
-          if (l.fibers[i].wait == Wait::warp) l.fibers[i].wait = Wait::none;
-        opened = true;
-      }
+    if (progressed) continue;
+    // Every live thread waits, and no warp barrier can open: the block barrier opens when every
+    // live thread of the block waits at it.
+    bool live = false, at_block = true;
+    for (const Fiber& f : l.fibers) {
+      if (f.wait == Wait::done) continue;
+      live = true;
+      if (f.wait != Wait::block) at_block = false;
     }
     if (!live) return;
-    if (opened) continue;
     if (at_block) {
       for (Fiber& f : l.fibers)
         if (f.wait == Wait::block) f.wait = Wait::none;
@@ -160,6 +192,16 @@ void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function
   active = nullptr;
 }
 
+const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::sweep: return "sweep";
+    case Schedule::warps_ascending: return "warps_ascending";
+    case Schedule::warps_descending: return "warps_descending";
+  }
+  return "?";
+}
+void set_schedule(Schedule s) { schedule = s; }
+
 const dim3& thread_idx() {
   Launch& l = need_launch("thread_idx");
   return l.fibers[l.current].idx;
@@ -167,6 +209,7 @@ const dim3& thread_idx() {
 const dim3& block_idx() { return need_launch("block_idx").block_idx; }
 const dim3& block_dim() { return need_launch("block_dim").block; }
 const dim3& grid_dim() { return need_launch("grid_dim").grid; }
+unsigned lane() { return static_cast<unsigned>(need_launch("lane").current % 32); }
 unsigned char* dynamic_shared() { return dynamic_shared_of(need_launch("dynamic_shared")); }
 void sync_block() {
   need_launch("sync_block");

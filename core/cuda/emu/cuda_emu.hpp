@@ -3,8 +3,9 @@
 // so that the kernels' own source runs in CPU unit tests: indexing, tiling, masking and the
 // arithmetic are checked without a GPU. Not a performance path, and not the hardware's memory
 // model: each block runs alone, its threads as cooperative fibers that switch only at barriers
-// (sync_block, sync_warp, a shuffle), so a missing barrier between a write and another thread's
-// read is not caught here, while a missing barrier before a shuffle or a deadlock is.
+// (sync_block, sync_warp, a shuffle). A missing barrier before a shuffle, or a deadlock, fails at
+// once; a missing barrier between a write and another thread's read shows as a result that
+// depends on the order the threads run in (Schedule, below), which a test compares.
 //
 // What it gives a kernel: its thread and block indices, the block's dynamic shared memory (filled
 // with 0xff bytes, a NaN in every float and bf16, so a read of a value never written shows), block
@@ -29,6 +30,16 @@ struct dim3 {
   constexpr dim3(unsigned x_, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
+// The order in which a block's threads run between barriers. A correct kernel gives the same bits
+// in every order (CUDA promises none); one that reads what another warp or lane writes without a
+// barrier between gives different ones, or wrong ones, in some order. `sweep` runs every thread in
+// turn to its next barrier, so the warps keep step; `warps_ascending` runs warp 0 alone until it
+// waits at a block barrier or ends, then warp 1, ...; `warps_descending` runs the last warp first
+// and each warp's lanes from the last. A test of a kernel runs it in all three and compares.
+enum class Schedule { sweep, warps_ascending, warps_descending };
+const char* schedule_name(Schedule s);
+void set_schedule(Schedule s);  // for the launches that follow on the calling thread (default sweep)
+
 // Runs body once per thread of every block of `grid`, blocks one after another; `shared_bytes` of
 // dynamic shared memory per block. Throws std::runtime_error on a deadlock (threads of a block at
 // different barriers) or a broken wmma rule, naming it.
@@ -40,6 +51,7 @@ const dim3& block_idx();
 const dim3& block_dim();
 const dim3& grid_dim();
 unsigned char* dynamic_shared();
+unsigned lane();    // the thread's lane in its warp (its index in the block, modulo 32)
 void sync_block();  // __syncthreads
 void sync_warp();   // __syncwarp (all 32 lanes)
 // __shfl_xor_sync over the whole warp: every lane gives `bytes` at `mine` and gets lane
@@ -72,11 +84,16 @@ struct fragment {
   T x[256];
 };
 
-// Every wmma call is warp-collective ("_sync"): its lanes enter together, so no lane's store can
-// land before every lane's load of the same call sequence (a load-add-store of accumulators in
-// shared memory then adds once, as on the device, not once per lane).
+// The hardware spreads a tile's elements over the warp's lanes in an unspecified way, each lane
+// reading and writing its share when it reaches the call, with no ordering against other lanes'
+// writes: a write to shared memory is there for a wmma load of the tile only after a barrier
+// (sync_warp or sync_block) between, which a kernel must have. The emulator is stricter, and so
+// finds a missing barrier in some Schedule: each lane loads the whole tile when it reaches the
+// call (so it may read before any lane has written), and stores its own share, the elements e with
+// e % 32 == its lane (so another lane may read before it has written). A load, mma and store of one
+// accumulator tile then adds once, as on the device: a lane's share of the sum depends only on
+// the same elements it loaded, which no other lane stores.
 inline void check_operand(const void* p, unsigned ldm, std::size_t elem_bytes, const char* what) {
-  sync_warp();
   if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0)
     fail(std::string("wmma ") + what + ": pointer not 32-byte aligned");
   if ((ldm * elem_bytes) % 16 != 0) fail(std::string("wmma ") + what + ": leading dimension not a multiple of 16 bytes");
@@ -98,19 +115,16 @@ void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsig
   load_tile(f.x, p, ldm, std::is_same_v<Layout, col_major>, "load operand");
 }
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
-  check_operand(p, ldm, sizeof(float), "load accumulator");
-  for (int m = 0; m < 16; ++m)
-    for (int n = 0; n < 16; ++n)
-      f.x[m * 16 + n] = l == mem_row_major ? p[static_cast<std::size_t>(m) * ldm + n] : p[static_cast<std::size_t>(n) * ldm + m];
+  load_tile(f.x, p, ldm, l == mem_col_major, "load accumulator");
 }
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
   check_operand(p, ldm, sizeof(float), "store accumulator");
-  for (int m = 0; m < 16; ++m)
-    for (int n = 0; n < 16; ++n)
-      (l == mem_row_major ? p[static_cast<std::size_t>(m) * ldm + n] : p[static_cast<std::size_t>(n) * ldm + m]) = f.x[m * 16 + n];
+  for (unsigned e = lane(); e < 256; e += 32) {
+    const std::size_t m = e / 16, n = e % 16;
+    (l == mem_row_major ? p[m * ldm + n] : p[n * ldm + m]) = f.x[e];
+  }
 }
 inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
-  sync_warp();
   for (float& e : f.x) e = v;
 }
 
@@ -121,7 +135,6 @@ inline float as_float(bf16 v) { return to_float(v); }
 template <class T, class LA, class LB>
 void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
               const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
-  sync_warp();
   float r[256];
   for (int m = 0; m < 16; ++m)
     for (int n = 0; n < 16; ++n) {

@@ -4,7 +4,9 @@
 // bounds by loom_cuda_tests (CudaBackend.FusedAttentionMatchesTheReference).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -27,7 +29,12 @@ struct Result {
 };
 
 template <int HS>
-Result run_kernels(const Case& c, const std::vector<float>& qkv, const std::vector<float>& dout) {
+Result run_kernels(const Case& c, const std::vector<float>& qkv, const std::vector<float>& dout,
+                   emu::Schedule schedule = emu::Schedule::sweep) {
+  struct Restore {
+    ~Restore() { emu::set_schedule(emu::Schedule::sweep); }
+  } restore;
+  emu::set_schedule(schedule);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   Result r;
   r.out.assign(static_cast<std::size_t>(c.B) * c.T * c.C, std::nanf(""));
@@ -100,12 +107,24 @@ double twin_gap(const std::vector<float>& a, const std::vector<float>& b) {
   return loom::test::relative_gap(a, bd);
 }
 
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
 template <int HS>
 void check_case(const Case& c, float spread) {
   ASSERT_EQ(c.C / c.NH, HS);
   const auto qkv = random_values(static_cast<std::size_t>(c.B) * c.T * 3 * c.C, spread, 7u + c.T);
   const auto dout = random_values(static_cast<std::size_t>(c.B) * c.T * c.C, 1.0f, 11u + c.T);
   const Result got = run_kernels<HS>(c, qkv, dout);
+  // The same bits whatever order the threads run in between barriers: a barrier missing between
+  // one warp's (or lane's) write to shared memory and another's read gives another result.
+  for (const emu::Schedule order : {emu::Schedule::warps_ascending, emu::Schedule::warps_descending}) {
+    const Result again = run_kernels<HS>(c, qkv, dout, order);
+    EXPECT_TRUE(same_bits(again.out, got.out) && same_bits(again.lse, got.lse) && same_bits(again.dqkv, got.dqkv))
+        << "hs " << HS << " T " << c.T << ": the kernels' results depend on the threads' order (emulator schedule "
+        << emu::schedule_name(order) << " against sweep): a barrier is missing";
+  }
   const auto ref = loom::test::attention_reference(loom::test::bf16_rounded(qkv), loom::test::bf16_rounded(dout), c.B,
                                                    c.T, c.C, c.NH);
   const std::string what = "hs " + std::to_string(HS) + " T " + std::to_string(c.T) + " B " + std::to_string(c.B) +
@@ -209,6 +228,47 @@ TEST(CudaEmu, ShuffleAndBarriers) {
   });
   for (int b = 0; b < 2; ++b)
     for (int lane = 0; lane < 32; ++lane) EXPECT_EQ(got[static_cast<std::size_t>(b * 32 + lane)], (((lane ^ 3) + 1) % 32) * 10 + b);
+}
+
+// Each thread reads what a thread of the other warp wrote to shared memory: with the barrier
+// between, every schedule gives the same values; without it, some schedule reads before the write.
+std::vector<int> neighbours(emu::Schedule order, bool barrier) {
+  emu::set_schedule(order);
+  std::vector<int> got(64, -1);
+  emu::launch(emu::dim3(1), emu::dim3(64), 64 * sizeof(int), [&] {
+    const int tid = static_cast<int>(emu::thread_idx().x);
+    int* shared = reinterpret_cast<int*>(emu::dynamic_shared());
+    shared[tid] = tid;
+    if (barrier) emu::sync_block();
+    got[static_cast<std::size_t>(tid)] = shared[(tid + 32) % 64];
+  });
+  emu::set_schedule(emu::Schedule::sweep);
+  return got;
+}
+
+TEST(CudaEmu, AMissingBarrierShowsInSomeSchedule) {
+  const auto want = neighbours(emu::Schedule::sweep, true);
+  for (const auto order : {emu::Schedule::warps_ascending, emu::Schedule::warps_descending})
+    EXPECT_EQ(neighbours(order, true), want) << emu::schedule_name(order);
+  EXPECT_NE(neighbours(emu::Schedule::warps_ascending, false), want);
+  EXPECT_NE(neighbours(emu::Schedule::warps_descending, false), want);
+  // And a wmma store's elements come from different lanes: a lane reading the stored tile needs a
+  // warp barrier after the store.
+  for (const bool barrier : {true, false}) {
+    std::vector<float> seen(32);
+    emu::launch(emu::dim3(1), emu::dim3(32), 256 * sizeof(float), [&] {
+      namespace wmma = emu::wmma;
+      auto* tile = reinterpret_cast<float*>(emu::dynamic_shared());
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> f;
+      wmma::fill_fragment(f, 2.0f);
+      wmma::store_matrix_sync(tile, f, 16, wmma::mem_row_major);
+      if (barrier) emu::sync_warp();
+      seen[emu::lane()] = tile[(emu::lane() + 1) % 32];  // stored by the next lane
+    });
+    const auto stale = std::count_if(seen.begin(), seen.end(), [](float v) { return v != 2.0f; });
+    if (barrier) EXPECT_EQ(stale, 0);
+    else EXPECT_GT(stale, 0) << "without the barrier, lanes read before the next lane stored";
+  }
 }
 
 TEST(CudaEmu, RefusesWhatTheHardwareRefuses) {
