@@ -80,7 +80,7 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
           float* sr = s.data() + static_cast<std::size_t>(r) * keys + k0;
           bf16* pr = p.data() + static_cast<std::size_t>(r) * kTile;
           // Two device lanes per row, each with half of the tile's columns: a max of each half, and
-          // a sum of each half added at the end.
+          // a sum of each half, in the lane's order (math::flash_lane_column), added at the end.
           float mx = kNoScore;
           for (int c = 0; c < cols; ++c) {
             sr[c] = k0 + c <= t ? sr[c] * scale : kNoScore;
@@ -88,11 +88,15 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
           }
           const float m_new = m[r] > mx ? m[r] : mx;
           float half_sum[2] = {0.0f, 0.0f};
-          for (int c = 0; c < cols; ++c) {
-            const float e = k0 + c <= t ? math::exp_k(sr[c] - m_new) : 0.0f;
-            pr[c] = to_bf16(e);
-            half_sum[c < kTile / 2 ? 0 : 1] += e;
-          }
+          const int lane = 2 * (r % 16);  // the row's first lane in its device warp
+          for (int step = 0; step < kTile / 2; ++step)
+            for (int half = 0; half < 2; ++half) {
+              const int c = math::flash_lane_column(lane + half, step, kTile);
+              if (c >= cols) continue;  // past T: the device adds zeros
+              const float e = k0 + c <= t ? math::exp_k(sr[c] - m_new) : 0.0f;
+              pr[c] = to_bf16(e);
+              half_sum[half] += e;
+            }
           const float alpha = math::exp_k(m[r] - m_new);  // rescales what earlier tiles accumulated
           float* orow = o.data() + static_cast<std::size_t>(r) * hs;
           for (int d = 0; d < hs; ++d) orow[d] *= alpha;

@@ -123,6 +123,13 @@ LOOM_HD inline Acc softmax_backward(Acc a, Acc d, Acc dot) {
 // deck with model.attention = flash means one model on every back end.
 LOOM_HD constexpr bool flash_head_size_supported(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
 
+// The fused attention's per-element passes: two device lanes per row (a warp's lane takes row
+// lane / 2 of the warp's 16), each with half of the row's n columns (n = 64 scores, or the head's
+// hs). Step `step` of n / 2 goes to this column: the lane's parity, rows 8-15 of the warp a step
+// ahead of rows 0-7, so the warp's 32 lanes touch 32 different shared-memory banks each step. A
+// lane's partial row sum adds its columns in this order, which the host twin repeats.
+LOOM_HD constexpr int flash_lane_column(int lane, int step, int n) { return 2 * ((step + lane / 16) % (n / 2)) + lane % 2; }
+
 // Cross-entropy after softmax: d loss / d logit = (p - [v is the target]) * dloss.
 template <class Acc>
 LOOM_HD inline Acc crossentropy_dlogit(Acc p, bool is_target, Acc dloss) {

@@ -111,6 +111,13 @@ LOOM_HD inline std::size_t backward_kv_smem_bytes() { return BackwardSmem<HS>(nu
 template <int HS>
 LOOM_HD inline std::size_t backward_q_smem_bytes() { return BackwardSmem<HS>(nullptr, false).bytes; }
 
+// The per-element passes between the products: lane `lane` of a warp takes row lane_row(lane) of
+// the warp's 16 and, step by step, the columns lane_column gives (math::flash_lane_column: the two
+// lanes of a row split its columns, and the warp's 32 lanes touch 32 banks of every padded array,
+// fp32 rows of n + 4 floats and bf16 rows of n + 8; FlashAttentionEmu.PerElementPassesAreFreeOfBankConflicts).
+LOOM_HD constexpr int lane_row(int lane) { return lane / 2; }
+LOOM_HD constexpr int lane_column(int lane, int step, int n) { return math::flash_lane_column(lane, step, n); }
+
 // One (sequence, head)'s slices: q, k, v rows t at q + t * ld (ld = 3C), dout's at dout + t * C.
 struct HeadSlices {
   const float *q, *k, *v, *dout;
@@ -208,8 +215,8 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   for (int i = tid; i < kRows * S::f; i += kThreads) sm.o[i] = 0.0f;
   for (int r = tid; r < kRows; r += kThreads) sm.m[r] = kNoScore, sm.l[r] = 0.0f;
 
-  // Two lanes per row, each with half of the tile's columns and half of the head's.
-  const int r = warp * 16 + lane / 2, half = lane % 2, t = q0 + r;
+  // Two lanes per row, each with half of the tile's columns and half of the head's (lane_column).
+  const int r = warp * 16 + lane_row(lane), t = q0 + r;
   const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
   for (int k0 = 0; k0 <= last_q; k0 += kCols) {  // causal: no key tile past the block's last query
     dev::sync_block();  // the previous tile's products are done with k and v
@@ -220,7 +227,8 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
     dev::sync_warp();
     float* srow = sm.s + r * S::s;
     float mx = kNoScore;
-    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+    for (int step = 0; step < kCols / 2; ++step) {
+      const int c = lane_column(lane, step, kCols);
       const int key = k0 + c;
       const float x = key <= t && key < T ? srow[c] * scale : kNoScore;
       srow[c] = x;
@@ -232,7 +240,8 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
     const float m_new = m_old > mx ? m_old : mx;
     float sum = 0.0f;
     dev::bf16_t* prow = sm.p + r * S::p;
-    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+    for (int step = 0; step < kCols / 2; ++step) {
+      const int c = lane_column(lane, step, kCols);
       const int key = k0 + c;
       const float pr = key <= t && key < T ? math::exp_k(srow[c] - m_new) : 0.0f;
       prow[c] = dev::to_bf16(pr);
@@ -240,9 +249,9 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
     }
     sum += dev::shfl_xor(sum, 1);
     const float alpha = math::exp_k(m_old - m_new);  // rescales what earlier tiles accumulated
-    for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); ++d) sm.o[r * S::f + d] *= alpha;
+    for (int step = 0; step < HS / 2; ++step) sm.o[r * S::f + lane_column(lane, step, HS)] *= alpha;
     dev::sync_warp();  // the warp's probabilities and rescaled outputs are in; both lanes have read m[r], l[r]
-    if (half == 0) sm.m[r] = m_new, sm.l[r] = sm.l[r] * alpha + sum;  // read again after the next sync_block
+    if (lane % 2 == 0) sm.m[r] = m_new, sm.l[r] = sm.l[r] * alpha + sum;  // read again after the next sync_block
     product_nn_add<HS>(sm.o + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.v);
   }
   dev::sync_block();
@@ -298,7 +307,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
   load_tile<HS>(sm.b, x.v, x.ld, k0, T);
   for (int i = tid; i < kRows * S::f; i += kThreads) sm.acc1[i] = 0.0f, sm.acc2[i] = 0.0f;
 
-  const int r = warp * 16 + lane / 2, half = lane % 2, key = k0 + r;
+  const int r = warp * 16 + lane_row(lane), key = k0 + r;
   float* srow = sm.s + r * S::s;
   const float* dprow = sm.dp + r * S::s;
   dev::bf16_t* prow = sm.p + r * S::p;
@@ -315,7 +324,8 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
     product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.a + warp * 16 * S::h, sm.c);   // scores^T = k q^T
     product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, sm.b + warp * 16 * S::h, sm.d);  // dprobs^T = v dout^T
     dev::sync_warp();
-    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+    for (int step = 0; step < kCols / 2; ++step) {
+      const int c = lane_column(lane, step, kCols);
       const int t = q0 + c;
       const bool on = key <= t && t < T && key < T;
       const float pr = on ? math::exp_k(srow[c] * scale - sm.lse[c]) : 0.0f;
@@ -325,7 +335,10 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
     dev::sync_warp();
     product_nn_add<HS>(sm.acc2 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.d);  // dv += probs^T dout
     dev::sync_warp();  // every lane is done reading the probabilities
-    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) prow[c] = dev::to_bf16(srow[c]);
+    for (int step = 0; step < kCols / 2; ++step) {
+      const int c = lane_column(lane, step, kCols);
+      prow[c] = dev::to_bf16(srow[c]);
+    }
     dev::sync_warp();
     product_nn_add<HS>(sm.acc1 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.c);  // dk += dscores^T q
   }
@@ -365,7 +378,7 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
   }
   for (int i = tid; i < kRows * S::f; i += kThreads) sm.acc1[i] = 0.0f;
 
-  const int r = warp * 16 + lane / 2, half = lane % 2, t = q0 + r;
+  const int r = warp * 16 + lane_row(lane), t = q0 + r;
   float* srow = sm.s + r * S::s;
   const float* dprow = sm.dp + r * S::s;
   dev::bf16_t* prow = sm.p + r * S::p;
@@ -378,7 +391,8 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
     product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.a + warp * 16 * S::h, sm.c);   // scores = q k^T
     product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, sm.b + warp * 16 * S::h, sm.d);  // dprobs = dout v^T
     dev::sync_warp();
-    for (int c = half * (kCols / 2); c < (half + 1) * (kCols / 2); ++c) {
+    for (int step = 0; step < kCols / 2; ++step) {
+      const int c = lane_column(lane, step, kCols);
       const int key = k0 + c;
       const bool on = key <= t && key < T && t < T;
       const float pr = on ? math::exp_k(srow[c] * scale - sm.lse[r]) : 0.0f;
