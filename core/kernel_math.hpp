@@ -119,7 +119,7 @@ LOOM_HD inline Acc softmax_backward(Acc a, Acc d, Acc dot) {
 }
 
 // The head sizes the fused attention is built for (multiples of the 16-wide tensor-core tile; 128
-// fits the largest GPUs' shared memory): the device kernels and their host twin take the same, so a
+// fits an A100's shared memory and up): the device kernels and their host twin take the same, so a
 // deck with model.attention = flash means one model on every back end.
 LOOM_HD constexpr bool flash_head_size_supported(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
 

@@ -42,7 +42,7 @@ void forward(float* out, float* lse, const float* qkv, int B, int T, int C, int 
 template <int HS>
 void backward(float* dqkv, const float* dsum, const float* dout, const float* qkv, const float* lse, int B, int T,
               int C, int NH, cudaStream_t stream) {
-  const std::size_t kv_bytes = flash::backward_kv_smem_bytes<HS>(), q_bytes = flash::backward_q_smem_bytes<HS>();
+  const std::size_t kv_bytes = flash::backward_smem_bytes<HS>(), q_bytes = kv_bytes;
   allow_shared(flash::attention_backward_kv_kernel<HS>, kv_bytes);
   allow_shared(flash::attention_backward_q_kernel<HS>, q_bytes);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
@@ -62,12 +62,18 @@ void dsum_rows(float* dsum, const float* dout, const OutT* out, int B, int T, in
 
 }  // namespace
 
+template <int HS>
+std::size_t largest_smem_bytes() {
+  const std::size_t f = flash::forward_smem_bytes<HS>(), b = flash::backward_smem_bytes<HS>();
+  return f > b ? f : b;
+}
+
 std::size_t flash_attention_shared_bytes(int hs) {
   switch (hs) {
-    case 16: return flash::backward_kv_smem_bytes<16>();
-    case 32: return flash::backward_kv_smem_bytes<32>();
-    case 64: return flash::backward_kv_smem_bytes<64>();
-    case 128: return flash::backward_kv_smem_bytes<128>();
+    case 16: return largest_smem_bytes<16>();
+    case 32: return largest_smem_bytes<32>();
+    case 64: return largest_smem_bytes<64>();
+    case 128: return largest_smem_bytes<128>();
     default: return 0;
   }
 }

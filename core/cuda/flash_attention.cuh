@@ -81,12 +81,15 @@ struct ForwardSmem {
 
 // The backward kernels' tiles: `mine` are the block's own 64 rows (keys for dk/dv, queries for
 // dq), `other` the walked side. dk/dv: a = k, b = v, c = q, d = dout. dq: a = q, b = dout, c = k, d = v.
+// Their accumulators (dk and dv, or dq) stay in each warp's registers (RowsAcc) for the whole
+// walk; at the end each warp stages its rows in `stage`, the scores' and their gradients' space
+// (s and dp, adjacent), to write the rows inside T.
 template <int HS>
 struct BackwardSmem {
   dev::bf16_t *a, *b, *c, *d, *p;
-  float *acc1, *acc2, *s, *dp, *lse, *dsum;
+  float *s, *dp, *lse, *dsum, *stage;
   std::size_t bytes;
-  LOOM_HD BackwardSmem(unsigned char* base, bool two_accumulators) {
+  LOOM_HD explicit BackwardSmem(unsigned char* base) {
     using S = Strides<HS>;
     Carve c_{base};
     a = c_.take<dev::bf16_t>(kRows * S::h);
@@ -94,10 +97,10 @@ struct BackwardSmem {
     c = c_.take<dev::bf16_t>(kCols * S::h);
     d = c_.take<dev::bf16_t>(kCols * S::h);
     p = c_.take<dev::bf16_t>(kRows * S::p);  // [64, 64] probabilities, then score gradients (bf16)
-    acc1 = c_.take<float>(kRows * S::f);     // [64, HS] dk (dk/dv) or dq
-    acc2 = two_accumulators ? c_.take<float>(kRows * S::f) : nullptr;  // [64, HS] dv
     s = c_.take<float>(kRows * S::s);        // [64, 64] scores, then score gradients (fp32)
     dp = c_.take<float>(kRows * S::s);       // [64, 64] probability gradients
+    stage = s;                               // [64, HS] (row stride S::f) at the end, over s and dp
+    static_assert(kRows * S::f <= 2 * kRows * S::s, "the staged rows fit in s and dp");
     lse = c_.take<float>(kCols > kRows ? kCols : kRows);   // [64] the query rows' lse
     dsum = c_.take<float>(kCols > kRows ? kCols : kRows);  // [64] the query rows' sum(dout * out)
     bytes = c_.bytes;
@@ -107,9 +110,7 @@ struct BackwardSmem {
 template <int HS>
 LOOM_HD inline std::size_t forward_smem_bytes() { return ForwardSmem<HS>(nullptr).bytes; }
 template <int HS>
-LOOM_HD inline std::size_t backward_kv_smem_bytes() { return BackwardSmem<HS>(nullptr, true).bytes; }
-template <int HS>
-LOOM_HD inline std::size_t backward_q_smem_bytes() { return BackwardSmem<HS>(nullptr, false).bytes; }
+LOOM_HD inline std::size_t backward_smem_bytes() { return BackwardSmem<HS>(nullptr).bytes; }
 
 // The per-element passes between the products: lane `lane` of a warp takes row lane_row(lane) of
 // the warp's 16 and, step by step, the columns lane_column gives (math::flash_lane_column: the two
@@ -195,6 +196,68 @@ LOOM_DEVICE void product_nn_add(float* acc16, const dev::bf16_t* p16, const dev:
     }
     wmma::store_matrix_sync(acc16 + n * 16, acc, S::f, wmma::mem_row_major);
   }
+#endif
+}
+
+// A warp's 16 rows of an [rows, HS] fp32 accumulator, in registers: HS / 16 wmma tiles.
+template <int HS>
+struct RowsAcc {
+#if LOOM_FLASH_MMA
+  dev::wmma::fragment<dev::wmma::accumulator, 16, 16, 16, float> tile[HS / 16];
+#endif
+};
+
+template <int HS>
+LOOM_DEVICE void zero(RowsAcc<HS>& acc) {
+#if !LOOM_FLASH_MMA
+  (void)acc;
+  __trap();
+#else
+  for (auto& t : acc.tile) dev::wmma::fill_fragment(t, 0.0f);
+#endif
+}
+
+// acc [16, HS] += p16 [16, 64] (bf16, row stride Strides::p) x others [64, HS].
+template <int HS>
+LOOM_DEVICE void product_nn_acc(RowsAcc<HS>& acc, const dev::bf16_t* p16, const dev::bf16_t* others) {
+#if !LOOM_FLASH_MMA
+  (void)acc, (void)p16, (void)others;
+  __trap();
+#else
+  namespace wmma = dev::wmma;
+  using S = Strides<HS>;
+  for (int n = 0; n < HS / 16; ++n)
+    for (int kk = 0; kk < kCols / 16; ++kk) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, dev::bf16_t, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, dev::bf16_t, wmma::row_major> fb;
+      wmma::load_matrix_sync(fa, p16 + kk * 16, S::p);
+      wmma::load_matrix_sync(fb, others + kk * 16 * S::h + n * 16, S::h);
+      wmma::mma_sync(acc.tile[n], fa, fb, acc.tile[n]);
+    }
+#endif
+}
+
+// The warp's rows [row0, row0 + 16) of the block, times `scale`, through the warp's part of
+// `stage` (row stride Strides::f) to dst rows row0 + t0 ... (row stride ld), those inside T.
+template <int HS>
+LOOM_DEVICE void write_rows(float* dst, std::int64_t ld, int t0, int T, int row0, float* stage, RowsAcc<HS>& acc,
+                            float scale) {
+#if !LOOM_FLASH_MMA
+  (void)dst, (void)ld, (void)t0, (void)T, (void)row0, (void)stage, (void)acc, (void)scale;
+  __trap();
+#else
+  using S = Strides<HS>;
+  float* mine = stage + row0 * S::f;
+  for (int n = 0; n < HS / 16; ++n) {
+    for (int i = 0; i < acc.tile[n].num_elements; ++i) acc.tile[n].x[i] *= scale;
+    dev::wmma::store_matrix_sync(mine + n * 16, acc.tile[n], S::f, dev::wmma::mem_row_major);
+  }
+  dev::sync_warp();  // the warp's rows are staged
+  for (int i = dev::thread_x() % 32; i < 16 * HS; i += 32) {
+    const int rr = i / HS, d = i % HS, t = t0 + row0 + rr;
+    if (t < T) dst[static_cast<std::int64_t>(t) * ld + d] = mine[rr * S::f + d];
+  }
+  dev::sync_warp();  // every lane is done reading the staged rows
 #endif
 }
 
@@ -288,7 +351,7 @@ LOOM_KERNEL void attention_backward_dsum_kernel(float* dsum,                    
 
 // ---------------------------------------------------------------------------------------------
 // Backward, step 2: dk and dv. Grid (B*NH, ceil(T/64)): a block owns 64 keys and walks the query
-// tiles from its first key on (causal); backward_kv_smem_bytes<HS>() of dynamic shared memory.
+// tiles from its first key on (causal); backward_smem_bytes<HS>() of dynamic shared memory.
 
 template <int HS>
 LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                          // [B,T,3C]: k, v columns (=)
@@ -296,7 +359,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
                                               const float* lse, const float* dsum,  // [B,NH,T], [B,NH,T]
                                               int T, int C, int NH, float scale) {
   using S = Strides<HS>;
-  BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), true);  // a = k, b = v, c = q, d = dout
+  BackwardSmem<HS> sm(dev::shared_memory<unsigned char>());  // a = k, b = v, c = q, d = dout
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
   const int k0 = dev::block_y() * kRows, bh = dev::block_x();
   const HeadSlices x = head_slices(qkv, dout, T, C, NH, bh, HS);
@@ -305,7 +368,9 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
 
   load_tile<HS>(sm.a, x.k, x.ld, k0, T);
   load_tile<HS>(sm.b, x.v, x.ld, k0, T);
-  for (int i = tid; i < kRows * S::f; i += kThreads) sm.acc1[i] = 0.0f, sm.acc2[i] = 0.0f;
+  RowsAcc<HS> dk, dv;  // the warp's 16 keys' gradients
+  zero(dk);
+  zero(dv);
 
   const int r = warp * 16 + lane_row(lane), key = k0 + r;
   float* srow = sm.s + r * S::s;
@@ -333,30 +398,23 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
       srow[c] = on ? math::softmax_backward(pr, dprow[c], sm.dsum[c]) : 0.0f;  // dscores^T
     }
     dev::sync_warp();
-    product_nn_add<HS>(sm.acc2 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.d);  // dv += probs^T dout
+    product_nn_acc<HS>(dv, sm.p + warp * 16 * S::p, sm.d);  // dv += probs^T dout
     dev::sync_warp();  // every lane is done reading the probabilities
     for (int step = 0; step < kCols / 2; ++step) {
       const int c = lane_column(lane, step, kCols);
       prow[c] = dev::to_bf16(srow[c]);
     }
     dev::sync_warp();
-    product_nn_add<HS>(sm.acc1 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.c);  // dk += dscores^T q
+    product_nn_acc<HS>(dk, sm.p + warp * 16 * S::p, sm.c);  // dk += dscores^T q
   }
-  dev::sync_block();
-  float* dk = dqkv + (x.k - qkv);  // the same offsets in dqkv
-  float* dv = dqkv + (x.v - qkv);
-  for (int i = tid; i < kRows * HS; i += kThreads) {
-    const int rr = i / HS, d = i % HS, tt = k0 + rr;
-    if (tt < T) {
-      dk[static_cast<std::int64_t>(tt) * x.ld + d] = sm.acc1[rr * S::f + d] * scale;
-      dv[static_cast<std::int64_t>(tt) * x.ld + d] = sm.acc2[rr * S::f + d];
-    }
-  }
+  dev::sync_block();  // every warp is done with s and dp, where the rows are staged
+  write_rows<HS>(dqkv + (x.k - qkv), x.ld, k0, T, warp * 16, sm.stage, dk, scale);  // the same offsets in dqkv
+  write_rows<HS>(dqkv + (x.v - qkv), x.ld, k0, T, warp * 16, sm.stage, dv, 1.0f);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward, step 3: dq. Grid (B*NH, ceil(T/64)): a block owns 64 queries and walks the key tiles
-// up to its last query; backward_q_smem_bytes<HS>() of dynamic shared memory.
+// up to its last query; backward_smem_bytes<HS>() of dynamic shared memory.
 
 template <int HS>
 LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                          // [B,T,3C]: q columns (=)
@@ -364,7 +422,7 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
                                              const float* lse, const float* dsum,  // [B,NH,T], [B,NH,T]
                                              int T, int C, int NH, float scale) {
   using S = Strides<HS>;
-  BackwardSmem<HS> sm(dev::shared_memory<unsigned char>(), false);  // a = q, b = dout, c = k, d = v
+  BackwardSmem<HS> sm(dev::shared_memory<unsigned char>());  // a = q, b = dout, c = k, d = v
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
   const int q0 = dev::block_y() * kRows, bh = dev::block_x();
   const HeadSlices x = head_slices(qkv, dout, T, C, NH, bh, HS);
@@ -376,7 +434,8 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
     sm.lse[i] = in ? lse[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
     sm.dsum[i] = in ? dsum[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
   }
-  for (int i = tid; i < kRows * S::f; i += kThreads) sm.acc1[i] = 0.0f;
+  RowsAcc<HS> dq;  // the warp's 16 queries' gradients
+  zero(dq);
 
   const int r = warp * 16 + lane_row(lane), t = q0 + r;
   float* srow = sm.s + r * S::s;
@@ -399,14 +458,10 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
       prow[c] = dev::to_bf16(on ? math::softmax_backward(pr, dprow[c], sm.dsum[r]) : 0.0f);
     }
     dev::sync_warp();
-    product_nn_add<HS>(sm.acc1 + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.c);  // dq += dscores k
+    product_nn_acc<HS>(dq, sm.p + warp * 16 * S::p, sm.c);  // dq += dscores k
   }
-  dev::sync_block();
-  float* dq = dqkv + (x.q - qkv);  // the same offset in dqkv
-  for (int i = tid; i < kRows * HS; i += kThreads) {
-    const int rr = i / HS, d = i % HS, tt = q0 + rr;
-    if (tt < T) dq[static_cast<std::int64_t>(tt) * x.ld + d] = sm.acc1[rr * S::f + d] * scale;
-  }
+  dev::sync_block();  // every warp is done with s and dp, where the rows are staged
+  write_rows<HS>(dqkv + (x.q - qkv), x.ld, q0, T, warp * 16, sm.stage, dq, scale);  // the same offset in dqkv
 }
 
 }  // namespace loom::cuda::flash

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <random>
 #include <vector>
 
 namespace loom::cuda_emu {
@@ -34,6 +35,7 @@ struct Launch {
 
 thread_local Launch* active = nullptr;
 thread_local Schedule schedule = Schedule::sweep;
+thread_local std::mt19937 random_order;  // warps_random's draws, seeded by set_schedule
 
 constexpr std::size_t kStackBytes = 256 * 1024;
 constexpr std::size_t kExchangeBytes = 16;
@@ -87,6 +89,20 @@ bool open_warp(Launch& l, std::size_t w) {
   return true;
 }
 
+// Whether a lane of the warp starting at thread w can run, or its warp barrier open.
+bool can_progress(const Launch& l, std::size_t w) {
+  const std::size_t end = std::min(l.fibers.size(), w + 32);
+  bool any = false, all_warp = true;
+  for (std::size_t i = w; i < end; ++i) {
+    const Wait s = l.fibers[i].wait;
+    if (s == Wait::none) return true;
+    if (s == Wait::done) continue;
+    any = true;
+    if (s != Wait::warp) all_warp = false;
+  }
+  return any && all_warp;
+}
+
 // Runs one block to its end, its threads in the order `schedule` names.
 void run_block(Launch& l) {
   const std::size_t n = l.fibers.size(), warps = (n + 31) / 32;
@@ -107,6 +123,17 @@ void run_block(Launch& l) {
       progressed = run_ready(l, 0, n, false);
       if (progressed) continue;
       for (std::size_t w = 0; w < n; w += 32) progressed = open_warp(l, w) || progressed;
+    } else if (schedule == Schedule::warps_random) {
+      // One phase (to its next barrier) of a warp drawn at random among those that can go on, so
+      // warps drift phases apart, as far as the block barriers let them.
+      std::vector<std::size_t> can;
+      for (std::size_t w = 0; w < n; w += 32)
+        if (can_progress(l, w)) can.push_back(w);
+      if (!can.empty()) {
+        const std::size_t w = can[std::uniform_int_distribution<std::size_t>(0, can.size() - 1)(random_order)];
+        progressed = run_ready(l, w, std::min(n, w + 32), false);
+        progressed = open_warp(l, w) || progressed;
+      }
     } else {
       // One warp at a time, as far as it goes before a block barrier.
       for (std::size_t k = 0; k < warps; ++k) {
@@ -197,10 +224,14 @@ const char* schedule_name(Schedule s) {
     case Schedule::sweep: return "sweep";
     case Schedule::warps_ascending: return "warps_ascending";
     case Schedule::warps_descending: return "warps_descending";
+    case Schedule::warps_random: return "warps_random";
   }
   return "?";
 }
-void set_schedule(Schedule s) { schedule = s; }
+void set_schedule(Schedule s, unsigned seed) {
+  schedule = s;
+  random_order.seed(seed);
+}
 
 const dim3& thread_idx() {
   Launch& l = need_launch("thread_idx");

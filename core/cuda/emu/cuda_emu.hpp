@@ -35,10 +35,13 @@ struct dim3 {
 // barrier between gives different ones, or wrong ones, in some order. `sweep` runs every thread in
 // turn to its next barrier, so the warps keep step; `warps_ascending` runs warp 0 alone until it
 // waits at a block barrier or ends, then warp 1, ...; `warps_descending` runs the last warp first
-// and each warp's lanes from the last. A test of a kernel runs it in all three and compares.
-enum class Schedule { sweep, warps_ascending, warps_descending };
+// and each warp's lanes from the last; `warps_random` runs one warp, drawn at random (seeded), to
+// its next barrier at a time, so warps drift apart by several warp barriers, as far as the block
+// barriers let them. A test of a kernel runs it in several and compares.
+enum class Schedule { sweep, warps_ascending, warps_descending, warps_random };
 const char* schedule_name(Schedule s);
-void set_schedule(Schedule s);  // for the launches that follow on the calling thread (default sweep)
+// For the launches that follow on the calling thread (default sweep); `seed` starts warps_random's draws.
+void set_schedule(Schedule s, unsigned seed = 0);
 
 // Runs body once per thread of every block of `grid`, blocks one after another; `shared_bytes` of
 // dynamic shared memory per block. Throws std::runtime_error on a deadlock (threads of a block at
