@@ -142,7 +142,7 @@ LOOM_DEVICE void load_tile(dev::bf16_t* tile, const float* src, std::int64_t ld,
   }
 }
 
-// [16, 64] = rows16 [16, HS] x others^T (others: [64, HS], row stride ldo), into out (row stride ldout).
+// The products, each a warp's, on bf16 tiles with fp32 accumulation (wmma).
 // The bf16 tensor-core products exist from sm_80 on. Compiled for an older architecture (a
 // CMAKE_CUDA_ARCHITECTURES below 80) they trap; the back end refuses flash attention there
 // (flash_attention_built_arch, kernels.cuh) before any kernel is launched.
@@ -152,10 +152,31 @@ LOOM_DEVICE void load_tile(dev::bf16_t* tile, const float* src, std::int64_t ld,
 #define LOOM_FLASH_MMA 1
 #endif
 
+// A warp's 16 rows of a [rows, HS] bf16 tile as the left operand of its products, in registers:
+// HS / 16 wmma tiles, loaded once for as long as the rows stay (the block's own queries, keys, ...).
 template <int HS>
-LOOM_DEVICE void product_nt(float* out, int ldout, const dev::bf16_t* rows16, const dev::bf16_t* others) {
+struct RowsOperand {
+#if LOOM_FLASH_MMA
+  dev::wmma::fragment<dev::wmma::matrix_a, 16, 16, 16, dev::bf16_t, dev::wmma::row_major> tile[HS / 16];
+#endif
+};
+
+// The warp's rows [16, HS] of a bf16 tile (row stride Strides::h) into registers.
+template <int HS>
+LOOM_DEVICE void load_rows(RowsOperand<HS>& rows, const dev::bf16_t* rows16) {
 #if !LOOM_FLASH_MMA
-  (void)out, (void)ldout, (void)rows16, (void)others;
+  (void)rows, (void)rows16;
+  __trap();
+#else
+  for (int kk = 0; kk < HS / 16; ++kk) dev::wmma::load_matrix_sync(rows.tile[kk], rows16 + kk * 16, Strides<HS>::h);
+#endif
+}
+
+// [16, 64] = rows [16, HS] x others^T (others: [64, HS], row stride Strides::h), into out (row stride ldout).
+template <int HS>
+LOOM_DEVICE void product_nt(float* out, int ldout, const RowsOperand<HS>& rows, const dev::bf16_t* others) {
+#if !LOOM_FLASH_MMA
+  (void)out, (void)ldout, (void)rows, (void)others;
   __trap();
 #else
   namespace wmma = dev::wmma;
@@ -164,37 +185,11 @@ LOOM_DEVICE void product_nt(float* out, int ldout, const dev::bf16_t* rows16, co
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
     wmma::fill_fragment(acc, 0.0f);
     for (int kk = 0; kk < HS / 16; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, dev::bf16_t, wmma::row_major> fa;
       wmma::fragment<wmma::matrix_b, 16, 16, 16, dev::bf16_t, wmma::col_major> fb;  // others^T
-      wmma::load_matrix_sync(fa, rows16 + kk * 16, ld);
       wmma::load_matrix_sync(fb, others + n * 16 * ld + kk * 16, ld);
-      wmma::mma_sync(acc, fa, fb, acc);
+      wmma::mma_sync(acc, rows.tile[kk], fb, acc);
     }
     wmma::store_matrix_sync(out + n * 16, acc, ldout, wmma::mem_row_major);
-  }
-#endif
-}
-
-// acc [16, HS] (fp32, row stride Strides::f) += p16 [16, 64] (bf16, row stride Strides::p) x others [64, HS].
-template <int HS>
-LOOM_DEVICE void product_nn_add(float* acc16, const dev::bf16_t* p16, const dev::bf16_t* others) {
-#if !LOOM_FLASH_MMA
-  (void)acc16, (void)p16, (void)others;
-  __trap();
-#else
-  namespace wmma = dev::wmma;
-  using S = Strides<HS>;
-  for (int n = 0; n < HS / 16; ++n) {
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::load_matrix_sync(acc, acc16 + n * 16, S::f, wmma::mem_row_major);
-    for (int kk = 0; kk < kCols / 16; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, dev::bf16_t, wmma::row_major> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, dev::bf16_t, wmma::row_major> fb;
-      wmma::load_matrix_sync(fa, p16 + kk * 16, S::p);
-      wmma::load_matrix_sync(fb, others + kk * 16 * S::h + n * 16, S::h);
-      wmma::mma_sync(acc, fa, fb, acc);
-    }
-    wmma::store_matrix_sync(acc16 + n * 16, acc, S::f, wmma::mem_row_major);
   }
 #endif
 }
@@ -217,7 +212,8 @@ LOOM_DEVICE void zero(RowsAcc<HS>& acc) {
 #endif
 }
 
-// acc [16, HS] += p16 [16, 64] (bf16, row stride Strides::p) x others [64, HS].
+// acc [16, HS] += p16 [16, 64] (bf16, row stride Strides::p) x others [64, HS]: each of p16's four
+// 16-column tiles loaded once, every accumulator tile adding them in the same order.
 template <int HS>
 LOOM_DEVICE void product_nn_acc(RowsAcc<HS>& acc, const dev::bf16_t* p16, const dev::bf16_t* others) {
 #if !LOOM_FLASH_MMA
@@ -226,14 +222,32 @@ LOOM_DEVICE void product_nn_acc(RowsAcc<HS>& acc, const dev::bf16_t* p16, const 
 #else
   namespace wmma = dev::wmma;
   using S = Strides<HS>;
-  for (int n = 0; n < HS / 16; ++n)
-    for (int kk = 0; kk < kCols / 16; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, dev::bf16_t, wmma::row_major> fa;
+  for (int kk = 0; kk < kCols / 16; ++kk) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, dev::bf16_t, wmma::row_major> fa;
+    wmma::load_matrix_sync(fa, p16 + kk * 16, S::p);
+    for (int n = 0; n < HS / 16; ++n) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, dev::bf16_t, wmma::row_major> fb;
-      wmma::load_matrix_sync(fa, p16 + kk * 16, S::p);
       wmma::load_matrix_sync(fb, others + kk * 16 * S::h + n * 16, S::h);
       wmma::mma_sync(acc.tile[n], fa, fb, acc.tile[n]);
     }
+  }
+#endif
+}
+
+// The same on an accumulator kept in shared memory (acc16: [16, HS] fp32, row stride Strides::f),
+// as the forward's is, which rescales its rows between tiles.
+template <int HS>
+LOOM_DEVICE void product_nn_add(float* acc16, const dev::bf16_t* p16, const dev::bf16_t* others) {
+#if !LOOM_FLASH_MMA
+  (void)acc16, (void)p16, (void)others;
+  __trap();
+#else
+  namespace wmma = dev::wmma;
+  using S = Strides<HS>;
+  RowsAcc<HS> acc;
+  for (int n = 0; n < HS / 16; ++n) wmma::load_matrix_sync(acc.tile[n], acc16 + n * 16, S::f, wmma::mem_row_major);
+  product_nn_acc<HS>(acc, p16, others);
+  for (int n = 0; n < HS / 16; ++n) wmma::store_matrix_sync(acc16 + n * 16, acc.tile[n], S::f, wmma::mem_row_major);
 #endif
 }
 
@@ -277,6 +291,9 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   load_tile<HS>(sm.q, x.q, x.ld, q0, T);
   for (int i = tid; i < kRows * S::f; i += kThreads) sm.o[i] = 0.0f;
   for (int r = tid; r < kRows; r += kThreads) sm.m[r] = kNoScore, sm.l[r] = 0.0f;
+  dev::sync_block();
+  RowsOperand<HS> q_rows;  // the warp's 16 queries, for every key tile
+  load_rows<HS>(q_rows, sm.q + warp * 16 * S::h);
 
   // Two lanes per row, each with half of the tile's columns and half of the head's (lane_column).
   const int r = warp * 16 + lane_row(lane), t = q0 + r;
@@ -286,7 +303,7 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
     load_tile<HS>(sm.k, x.k, x.ld, k0, T);
     load_tile<HS>(sm.v, x.v, x.ld, k0, T);
     dev::sync_block();
-    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.q + warp * 16 * S::h, sm.k);  // scores of the warp's rows
+    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, q_rows, sm.k);  // scores of the warp's rows
     dev::sync_warp();
     float* srow = sm.s + r * S::s;
     float mx = kNoScore;
@@ -386,8 +403,13 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
       sm.dsum[i] = in ? dsum_bh[q0 + i] : 0.0f;
     }
     dev::sync_block();
-    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.a + warp * 16 * S::h, sm.c);   // scores^T = k q^T
-    product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, sm.b + warp * 16 * S::h, sm.d);  // dprobs^T = v dout^T
+    {  // the warp's keys and values, loaded each tile: kept, they would cost this kernel registers it has not
+      RowsOperand<HS> rows;
+      load_rows<HS>(rows, sm.a + warp * 16 * S::h);
+      product_nt<HS>(sm.s + warp * 16 * S::s, S::s, rows, sm.c);  // scores^T = k q^T
+      load_rows<HS>(rows, sm.b + warp * 16 * S::h);
+      product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, rows, sm.d);  // dprobs^T = v dout^T
+    }
     dev::sync_warp();
     for (int step = 0; step < kCols / 2; ++step) {
       const int c = lane_column(lane, step, kCols);
@@ -434,6 +456,10 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
     sm.lse[i] = in ? lse[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
     sm.dsum[i] = in ? dsum[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
   }
+  dev::sync_block();
+  RowsOperand<HS> q_rows, dout_rows;  // the warp's 16 queries and their output gradients, for every key tile
+  load_rows<HS>(q_rows, sm.a + warp * 16 * S::h);
+  load_rows<HS>(dout_rows, sm.b + warp * 16 * S::h);
   RowsAcc<HS> dq;  // the warp's 16 queries' gradients
   zero(dq);
 
@@ -447,8 +473,8 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
     load_tile<HS>(sm.c, x.k, x.ld, k0, T);
     load_tile<HS>(sm.d, x.v, x.ld, k0, T);
     dev::sync_block();
-    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, sm.a + warp * 16 * S::h, sm.c);   // scores = q k^T
-    product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, sm.b + warp * 16 * S::h, sm.d);  // dprobs = dout v^T
+    product_nt<HS>(sm.s + warp * 16 * S::s, S::s, q_rows, sm.c);      // scores = q k^T
+    product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, dout_rows, sm.d);  // dprobs = dout v^T
     dev::sync_warp();
     for (int step = 0; step < kCols / 2; ++step) {
       const int c = lane_column(lane, step, kCols);
