@@ -105,8 +105,11 @@ def main():
             return 77
         name = torch.cuda.get_device_name(0)
     except ImportError:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True).stdout.strip()
+        try:
+            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                  text=True).stdout.strip()
+        except FileNotFoundError:  # no NVIDIA driver here
+            name = ""
         if not name:
             print("no GPU (and no PyTorch): nothing to measure")
             return 77

@@ -29,11 +29,17 @@
                 loss scaling, memory_saving with recompute and micro-batches, long_context with flash
                 attention), 30 steps with their evaluation and checkpoints on each back end: the same
                 losses, every step, within 1e-4 (fp32) or 2e-3 (16-bit, or flash attention) relative.
+  bundle        (CUDA builds) bench/gpu_bundle.sh packs this build for a node without loom's
+                libraries and bench/gpu_session.sh runs the gpu cases from the bundle: its loom, test
+                programs and MPI launcher find their libraries (refusal passes at 1 and 2 ranks), and
+                without a GPU every other step says it was skipped and the session fails.
 
   gpu_checks.py --loom build/loom --workdir build/gpu-checks [--mpirun mpiexec ...] CASE
 """
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -271,10 +277,44 @@ def cuda_layouts(args):
     return c.done("cuda_layouts")
 
 
+def bundle(args):
+    """bench/gpu_bundle.sh packs this build for a node without loom's libraries, and bench/gpu_session.sh
+    runs the gpu checks from it: the bundle's loom, test programs and MPI launcher find their libraries
+    (the refusal case runs at 1 and 2 ranks through them), and a step that sees no GPU is reported
+    as skipped, which fails the session; on a GPU machine every step passes."""
+    c = Case(args, "bundle", TINY)
+    on_gpu, _ = gpu_visible(c)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    build = os.path.dirname(os.path.abspath(args.loom))
+    if not os.path.exists(os.path.join(build, "lib", "libloom_cuda.so")):
+        print("SKIPPED: this loom was built without the CUDA back end (no bundle to make)")
+        return SKIP
+    tarball = os.path.join(os.path.abspath(args.workdir), "gpu-bundle.tar.xz")
+    out = os.path.join(os.path.abspath(args.workdir), "bundle-session")
+    p = subprocess.run(["bash", "bench/gpu_bundle.sh", build, tarball], cwd=root, capture_output=True, text=True)
+    print(p.stdout + p.stderr)
+    c.check(p.returncode == 0, "gpu_bundle.sh exit %d" % p.returncode)
+    if p.returncode != 0:
+        return c.done("bundle")
+    shutil.rmtree(out, ignore_errors=True)
+    p = subprocess.run(["bash", "bench/gpu_session.sh", tarball, out, "checks"], cwd=root, capture_output=True, text=True)
+    print(p.stdout + p.stderr)
+    summary = open(os.path.join(out, "summary.log")).read() if os.path.exists(os.path.join(out, "summary.log")) else ""
+    c.expect(summary, [r"gpu_checks refusal: exit 0"], "the session's refusal step (the bundle's loom and mpiexec)")
+    if on_gpu:
+        c.check(p.returncode == 0, "on a GPU the session passes every step:\n" + summary)
+    else:
+        c.check(p.returncode == 1, "without a GPU the session fails (exit 1, got %d)" % p.returncode)
+        for step in ("loom_cuda_tests", "loom_nccl_tests", "gpu_checks matches_host", "gpu_checks decks",
+                     "gpu_checks cuda_layouts"):
+            c.expect(summary, [re.escape(step) + r": exit 77 \(skipped: no GPU seen\)"], "the session's " + step)
+    return c.done("bundle")
+
+
 def main():
     args = case_arguments(__doc__)
     cases = {"refusal": refusal, "matches_host": matches_host, "decks": decks, "fenced": fenced,
-             "cuda_layouts": cuda_layouts}
+             "cuda_layouts": cuda_layouts, "bundle": bundle}
     if args.case not in cases:
         print("unknown case %s; cases: %s" % (args.case, ", ".join(cases)))
         return 2
