@@ -3,6 +3,7 @@
 
 Usage (on a machine with a GPU):
   /usr/bin/python3 bench/gpu.py --loom build/loom [--steps N] [--peak-tflops P] [--batch B] [--set KEY=VALUE]
+                                [--torch-attention manual|sdpa]
 
   1. loom run bench/gpu.deck --set train.steps=N --set run.dir=DIR [--set train.batch=B], then
      DIR/summary.json: tokens_per_s (steady state, first step excluded) and the model FLOPs per token.
@@ -64,6 +65,11 @@ def run_torch(args, model, train, batch):
     import torch_gpt
     dev = torch.device("cuda")
     torch.manual_seed(1)
+    if args.torch_attention == "sdpa":
+        if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+            raise RuntimeError("--torch-attention sdpa: torch %s has no scaled_dot_product_attention (PyTorch 2.0 "
+                               "or newer)" % torch.__version__)
+        torch_gpt.CausalSelfAttention.use_sdpa = True
     net = torch_gpt.build_model(model).to(dev)
     opt = torch_gpt.make_optimizer(net, train, fused=True)
     T, V = model["seq_len"], model["vocab"]
@@ -95,6 +101,9 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0)
     ap.add_argument("--workdir", default="build/gpu-bench")
     ap.add_argument("--loom-only", action="store_true")
+    ap.add_argument("--torch-attention", choices=("manual", "sdpa"), default="manual",
+                    help="PyTorch's attention: the [T,T] scores written out (manual, as loom's unfused) or "
+                         "scaled_dot_product_attention (sdpa: fused, the peer of --set model.attention=flash)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a deck override for loom's run (repeatable), e.g. --set run.tf32=false")
     args = ap.parse_args()
@@ -133,8 +142,10 @@ def main():
             tps, version = run_torch(args, model, train, batch)
             out["torch_tokens_per_s"], out["torch_version"] = tps, version
             out["torch_mfu"] = tps * fpt / (args.peak_tflops * 1e12)
-            print("PyTorch : %10.0f tokens/s  MFU %5.1f%%  (torch %s, autocast bf16, fused AdamW)"
-                  % (tps, 100 * out["torch_mfu"], version))
+            out["torch_attention"] = args.torch_attention
+            print("PyTorch : %10.0f tokens/s  MFU %5.1f%%  (torch %s, autocast bf16, fused AdamW, %s attention)"
+                  % (tps, 100 * out["torch_mfu"], version,
+                     "scaled_dot_product_attention" if args.torch_attention == "sdpa" else "manual"))
             if s:
                 out["ratio_loom_over_torch"] = out["loom_tokens_per_s"] / tps
                 print("ratio   : loom / PyTorch = %.2f" % out["ratio_loom_over_torch"])

@@ -8,7 +8,8 @@
 # checks: loom_cuda_tests and loom_nccl_tests (every CUDA kernel against its host twin, the fused
 #   attention against the fp64 reference and the twin), regression/gpu_checks.py refusal,
 #   matches_host, decks and cuda_layouts (as `ctest -L gpu` runs them) -> OUTDIR/checks.log
-# bench: bench/gpu.py (GPT-2 124M in bf16 against PyTorch) with model.attention = unfused and flash,
+# bench: bench/gpu.py (GPT-2 124M in bf16 against PyTorch) with model.attention = unfused (PyTorch's
+#   attention written out) and flash (PyTorch's scaled_dot_product_attention),
 #   then 10 steps of each under LOOM_CUDA_PROFILE (GPU time per operation) -> OUTDIR/bench.log
 # Both: the device and what was found -> OUTDIR/node.log; a line per step with its exit status ->
 #   OUTDIR/summary.log. Exit 0 when every step passed (a skipped gpu case counts as a failure here:
@@ -74,7 +75,7 @@ if [ "$what" = checks ]; then
 else
   log=$out/bench.log
   step "gpu.py unfused" "$log" "$py" bench/gpu.py --loom "$b/bin/loom"
-  step "gpu.py flash" "$log" "$py" bench/gpu.py --loom "$b/bin/loom" --set model.attention=flash
+  step "gpu.py flash" "$log" "$py" bench/gpu.py --loom "$b/bin/loom" --set model.attention=flash --torch-attention sdpa
   for a in unfused flash; do
     step "profile $a" "$log" env LOOM_CUDA_PROFILE=1 "$b/bin/loom" run bench/gpu.deck --set train.steps=10 \
       --set model.attention=$a --set run.dir="$work/profile-$a"

@@ -82,6 +82,10 @@ class Linear(nn.Linear):
 
 
 class CausalSelfAttention(nn.Module):
+    # True: F.scaled_dot_product_attention(is_causal=True) (PyTorch 2.0 on; fused flash kernels on a
+    # GPU, the peer of loom's model.attention = flash); False: the scores written out, as loom's unfused.
+    use_sdpa = False
+
     def __init__(self, d_model, heads, seq_len):
         super().__init__()
         assert d_model % heads == 0
@@ -102,6 +106,9 @@ class CausalSelfAttention(nn.Module):
         # qkv's last dim is [q | k | v], each C = NH x hs (head-major): the same as splitting into
         # q, k, v of [B, T, C] and viewing each as [B, T, NH, hs].
         qkv = self.qkv(x).view(B, T, 3, NH, hs).permute(2, 0, 3, 1, 4)  # [3, B, NH, T, hs]
+        if self.use_sdpa:
+            y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # [B, NH, T, hs]
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
         q = qkv[0].reshape(B * NH, T, hs)
         k = qkv[1].reshape(B * NH, T, hs)
         v = qkv[2].reshape(B * NH, T, hs)
