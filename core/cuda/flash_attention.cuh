@@ -101,6 +101,7 @@ struct BackwardSmem {
     dp = c_.take<float>(kRows * S::s);       // [64, 64] probability gradients
     stage = s;                               // [64, HS] (row stride S::f) at the end, over s and dp
     static_assert(kRows * S::f <= 2 * kRows * S::s, "the staged rows fit in s and dp");
+    static_assert(kRows * S::s * sizeof(float) % 128 == 0, "dp starts where s ends (Carve rounds to 128 bytes)");
     lse = c_.take<float>(kCols > kRows ? kCols : kRows);   // [64] the query rows' lse
     dsum = c_.take<float>(kCols > kRows ? kCols : kRows);  // [64] the query rows' sum(dout * out)
     bytes = c_.bytes;
