@@ -165,12 +165,13 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t.comm_exposed_by_group.assign(exposed_by.begin(), exposed_by.end());
   // The pipeline's span: the schedule's own replay (StepPlan::pipeline_span) with each stage's ops
   // at that stage's predicted time per unit (its busy time, the slowest of its ranks, over its
-  // StepPlan::stage_units: forward 1, backward 2 per layer, the head by its FLOPs), so that a stage's
+  // StepPlan::stage_units: forward 1, backward 2 per layer (3 with recompute), the head by its FLOPs), so that a stage's
   // warm-up and cool-down ops cost what that stage's work is predicted to cost.
   double busy = t.compute_s - t.optimizer_s;
   t.bubble = 0;
   if (l.pp > 1 && r.step.pipeline_span) {
     t.stage_busy_s = stages_busy;
+    t.stage_units = r.step.stage_units;
     std::vector<double> per_unit(t.stage_busy_s.size());
     for (std::size_t s = 0; s < per_unit.size(); ++s) per_unit[s] = t.stage_busy_s[s] / r.step.stage_units.at(s);
     const double span = t.pipeline_span_s = r.step.pipeline_span(per_unit);
@@ -276,6 +277,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"sync_wait_ms", p.time.sync_wait_s * 1e3},
                       {"bubble", p.time.bubble},
                       {"stage_busy_ms", stage_ms},
+                      {"stage_units", p.time.stage_units},
                       {"pipeline_span_ms", p.time.pipeline_span_s * 1e3},
                       {"tokens_per_s", p.time.tokens_per_s},
                       {"mfu", p.time.mfu}};

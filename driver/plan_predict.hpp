@@ -32,6 +32,7 @@ struct TimePrediction {
   double sync_wait_s = 0;  // waits for the slowest rank of a group at in-step synchronisations
   double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
   std::vector<double> stage_busy_s;  // per pipeline stage, its slowest rank's forward + backward compute
+  std::vector<double> stage_units;   // per stage, its work in the replay's units (StepPlan::stage_units)
   double pipeline_span_s = 0;        // the schedule's replay at those times (0 without a pipeline)
   std::vector<std::pair<std::string, double>> comm_by_group;          // seconds per group
   std::vector<std::pair<std::string, double>> comm_exposed_by_group;  // of which not hidden, per group

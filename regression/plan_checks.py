@@ -38,6 +38,8 @@
                      + busy0 / m), for 1F1B and GPipe; --json stage_busy_ms and pipeline_span_ms,
                      within 0.5%. (Timing the replay's ops
                      at the stages' mean time per unit instead of each stage's own put it 2-6% short.)
+                     With model.recompute the replay's units (--json stage_units) grow by 4/3 on the
+                     first stage (a block's backward 3 units, its forward 1) and by less on the head's.
 Standard library only.
 """
 import os
@@ -218,6 +220,23 @@ def pipeline_span(args, d, failures):
             failures.append("%s m=%d: the head's stage is not the slower (%s)" % (schedule, m, p["stage_busy_ms"]))
         if abs(span / want - 1) > 0.005:
             failures.append("%s m=%d: pipeline span %.3f ms, closed form %.3f ms" % (schedule, m, span, want))
+    # With model.recompute a block's backward runs its forward again: 3 units to the forward's 1
+    # (the head, never recomputed, keeps 1 and 2), so the first stage (blocks only) does 4/3 the work
+    # and the replay times its forward ops at a quarter of its busy time, not a third.
+    units = {}
+    for rc in ("false", "true"):
+        sets = ["parallel.pp=2", "model.layers=4", "model.d_model=128", "model.vocab=8192", "train.micro_batches=4",
+                "model.recompute=" + rc]
+        units[rc] = json.loads(run([args.loom, "plan", SYN, "--cluster", cluster, "--json"] +
+                                   sum((["--set", x] for x in sets), [])).stdout)["stage_units"]
+    ratio0, ratio1 = units["true"][0] / units["false"][0], units["true"][1] / units["false"][1]
+    print("replay units per stage, recompute off %s, on %s: first stage x%.4f (want 4/3), last x%.4f" %
+          (units["false"], units["true"], ratio0, ratio1))
+    if abs(ratio0 - 4.0 / 3.0) > 1e-9:
+        failures.append("with recompute the first stage's replay units grow x%.4f, not 4/3" % ratio0)
+    if not 1.0 < ratio1 < 4.0 / 3.0:
+        failures.append("with recompute the head's stage's units grow x%.4f, not between 1 and 4/3 (the head "
+                        "is not recomputed)" % ratio1)
 
 
 def main():

@@ -299,7 +299,8 @@ class PipelineSchedule final : public Schedule {
   // micro-batch's activations forward, its gradient back: one [Nl,C] message per chunk edge), the
   // step's one all-reduce of stage numbers, and this schedule's replay for the planner to time with
   // its stages' predicted times: forward ops costing 1 unit and backward ops 2 per layer of their
-  // chunk (plus the head on the last chunk, in layers by its FLOPs: GPTConfig::head_in_blocks).
+  // chunk, 3 with model.recompute (a block's forward again first), plus the head on the last chunk
+  // (in layers by its FLOPs, GPTConfig::head_in_blocks: 1 forward, 2 backward, never recomputed).
   void plan_step(StepPlan& plan) const override {
     if (p_ == 1) return;
     const std::size_t ops = order_.size();
@@ -316,9 +317,11 @@ class PipelineSchedule final : public Schedule {
     for (int s = 0; s < p_; ++s)
       for (const Op& op : orders_[static_cast<std::size_t>(s)]) {
         const std::size_t vs = static_cast<std::size_t>(op.chunk * p_ + s);  // the virtual stage
-        const double layers = (vs < layers_.size() ? layers_[vs] : 1) +
-                              (s == p_ - 1 && op.chunk == v_ - 1 ? model_->config().head_in_blocks() : 0);
-        op_units[static_cast<std::size_t>(s)].push_back(op.kind == 'F' ? layers : 2.0 * layers);
+        const double blocks = vs < layers_.size() ? layers_[vs] : 1;
+        const double head = s == p_ - 1 && op.chunk == v_ - 1 ? model_->config().head_in_blocks() : 0;
+        const double block_backward = model_->config().recompute ? 3.0 : 2.0;
+        op_units[static_cast<std::size_t>(s)].push_back(op.kind == 'F' ? blocks + head
+                                                                       : block_backward * blocks + 2.0 * head);
         plan.stage_units[static_cast<std::size_t>(s)] += op_units[static_cast<std::size_t>(s)].back();
       }
     // The replay outlives this role (the planner keeps the StepPlan): it holds its own copies.
