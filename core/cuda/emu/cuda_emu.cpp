@@ -73,34 +73,32 @@ bool run_ready(Launch& l, std::size_t first, std::size_t end, bool descending) {
   return ran;
 }
 
-// Opens the warp barrier of the warp starting at thread w if its live lanes all wait at it.
-bool open_warp(Launch& l, std::size_t w) {
+// Whether the warp starting at thread w has live lanes and they all wait at its warp barrier.
+bool warp_barrier_full(const Launch& l, std::size_t w) {
   const std::size_t end = std::min(l.fibers.size(), w + 32);
-  bool all_warp = true, any = false;
+  bool any = false;
   for (std::size_t i = w; i < end; ++i) {
     const Wait s = l.fibers[i].wait;
     if (s == Wait::done) continue;
+    if (s != Wait::warp) return false;
     any = true;
-    if (s != Wait::warp) all_warp = false;
   }
-  if (!any || !all_warp) return false;
-  for (std::size_t i = w; i < end; ++i)
+  return any;
+}
+
+// Opens the warp barrier of the warp starting at thread w if its live lanes all wait at it.
+bool open_warp(Launch& l, std::size_t w) {
+  if (!warp_barrier_full(l, w)) return false;
+  for (std::size_t i = w; i < std::min(l.fibers.size(), w + 32); ++i)
     if (l.fibers[i].wait == Wait::warp) l.fibers[i].wait = Wait::none;
   return true;
 }
 
 // Whether a lane of the warp starting at thread w can run, or its warp barrier open.
 bool can_progress(const Launch& l, std::size_t w) {
-  const std::size_t end = std::min(l.fibers.size(), w + 32);
-  bool any = false, all_warp = true;
-  for (std::size_t i = w; i < end; ++i) {
-    const Wait s = l.fibers[i].wait;
-    if (s == Wait::none) return true;
-    if (s == Wait::done) continue;
-    any = true;
-    if (s != Wait::warp) all_warp = false;
-  }
-  return any && all_warp;
+  for (std::size_t i = w; i < std::min(l.fibers.size(), w + 32); ++i)
+    if (l.fibers[i].wait == Wait::none) return true;
+  return warp_barrier_full(l, w);
 }
 
 // Runs one block to its end, its threads in the order `schedule` names.
