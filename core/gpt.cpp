@@ -152,7 +152,10 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_);
   residual0_ = a.residual_first;
   acts0_ = a.block_first;
-  for (const Stage::Chunk& c : stage_.chunks) slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
+  for (const Stage::Chunk& c : stage_.chunks) {
+    slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
+    slot_scored_.emplace_back(static_cast<std::size_t>(c.activation_slots), false);
+  }
   block_act_floats_ = a.block_table_floats;
   head_floats_ = a.head_table_floats;
   residual_buf_ = be_.allocate("GPT::residual", DType::f32, a.residual_floats, Mem::activations);
@@ -285,6 +288,8 @@ void GPT::load_weights(const std::function<const float*(const std::string& name)
 
 const float* GPT::logits() const {
   if (!holds_head(0) || stage_.chunks.size() != 1) throw std::logic_error("GPT::logits: this rank does not hold the whole model");
+  if (slot_rows_[0][0] == 0 || slot_scored_[0][0])
+    throw std::logic_error("GPT::logits: the last forward had targets, so its logits became probabilities; forward with targets = null");
   return head(0).logits;
 }
 
@@ -401,7 +406,7 @@ GPT::Head GPT::carve_head(const Geometry& g, float* base) {
   h.lnf_mean = c.take(Nl);
   h.lnf_rstd = c.take(Nl);
   h.logits = c.take(N * Vl);
-  h.probs = c.take(N * Vl);
+  h.probs = h.logits;  // the cross-entropy overwrites the logits with the probabilities: one [N,Vl] table, not two
   h.losses = c.take(N);
   h.floats = c.used;
   return h;
@@ -537,6 +542,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
     throw std::logic_error("GPT::forward: " + std::to_string(B) + " rows, allocated for " + std::to_string(max_rows_));
   check_slot(chunk, slot, "forward");
   slot_rows_[chunk][slot] = B;
+  slot_scored_[chunk][slot] = targets != nullptr;
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
   std::int32_t* inp = tokens_buf_.data<std::int32_t>() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
@@ -561,7 +567,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   }
   if (!holds_head(chunk)) return 0.0;
 
-  be_.copy_from_host(BufferRef(tgt, N, be_.space()), targets);
+  if (targets) be_.copy_from_host(BufferRef(tgt, N, be_.space()), targets);
   const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
   const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, wte_apart ? emb_unit_ : -1);
   const BufferRef wte = matmul_operand(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
@@ -571,10 +577,10 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   be_.layernorm_forward(produce(h.lnf, s.local), h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
   keep(h.lnf, s.local, static_cast<std::int64_t>(Nl) * C);
   be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, nullptr, N, C, vocab_local_);  // tied head: [N,Vl]
-  part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
+  if (targets) part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
   if (wte_apart) store_->release(emb_unit_, ParamStore::Use::forward);
   store_->release(head_unit_, ParamStore::Use::forward);
-  return be_.sum(h.losses, N) / N;
+  return targets ? be_.sum(h.losses, N) / N : 0.0;  // without targets the logits stay (sampling)
 }
 
 const float* GPT::backward_stage(int slot, float dloss, const float* dout, int chunk) {
@@ -589,6 +595,8 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   const Scratch s = scratch();
 
   if (holds_head(chunk)) {
+    if (!slot_scored_[chunk][slot])
+      throw std::logic_error("GPT::backward: the forward held in slot " + std::to_string(slot) + " had no targets, so no loss");
     const int next = l1 > l0 ? block_unit_[static_cast<std::size_t>(l1 - 1)] : -1;
     const bool wte_apart = wte_unit() != head_unit_;
     const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);

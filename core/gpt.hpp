@@ -94,13 +94,15 @@ class GPT {
   void load_weights(const std::function<const float*(const std::string& name)>& whole);
 
   // Forward pass on B rows of T tokens; returns the mean cross-entropy over the B*T targets.
-  // (The whole model only: one stage.)
+  // (The whole model only: one stage.) targets = null: no loss (returns 0), the logits are kept.
   double forward(const std::int32_t* inputs, const std::int32_t* targets, int B);  // [B,T], [B,T]
   // Backward pass of the last forward, accumulating parameter gradients. `dloss` is the derivative
   // of the training objective with respect to this forward's mean loss (1/micro_batches when the
   // step averages over micro-batches).
   void backward(float dloss);
-  // The logits of the last forward of the whole model (slot 0): [B*T, V/tp], fp32.
+  // The logits of the last forward of the whole model (slot 0): [B*T, V/tp], fp32. Only after a
+  // forward with targets = null (no loss, no backward): with targets the cross-entropy overwrites
+  // the logits with the probabilities, and this throws.
   const float* logits() const;
   // The back end the model computes on (where its tensors live).
   Backend& backend() const { return be_; }
@@ -186,7 +188,7 @@ class GPT {
   struct Head {
     BufferRef lnf;                     // [Nl,C] (16-bit like ln1 under mixed precision)
     float *lnf_mean, *lnf_rstd;        // [Nl], [Nl]
-    float *logits, *probs, *losses;    // [N,Vl], [N,Vl], [N]
+    float *logits, *probs, *losses;    // [N,Vl], probs = logits (overwritten in place), [N]
     std::int64_t floats;
   };
   // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the
@@ -252,6 +254,7 @@ class GPT {
   ParamStore* store_ = nullptr;
   std::vector<std::int64_t> residual0_, acts0_;  // per chunk: its first residual / block-activation index
   std::vector<std::vector<int>> slot_rows_;     // per chunk and slot: rows of the forward held (0: free)
+  std::vector<std::vector<bool>> slot_scored_;  // per chunk and slot: that forward had targets (a loss to differentiate)
   std::vector<ParamInfo> params_, all_params_;
   std::int64_t num_params_ = 0;
   // activations
@@ -260,7 +263,7 @@ class GPT {
   std::int64_t head_floats_ = 0;
   TypedBuffer residual_buf_;   // per chunk [slots, Lc+1, Nl, C]
   TypedBuffer block_buf_;      // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
-  TypedBuffer head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits, probs [N,Vl], losses [N]
+  TypedBuffer head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits = probs [N,Vl], losses [N]
   TypedBuffer scratch_buf_;    // forward tmp and backward gradients of activations
   TypedBuffer tokens_buf_;     // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
   std::function<void(int)> grad_ready_;

@@ -461,13 +461,14 @@ void residual_forward(T* out, const T* a, const T* b, std::int64_t n) {  // [n],
 // Softmax + cross-entropy, fused. losses[n] = -log softmax(logits[n])[target[n]], kept in Acc.
 
 template <class T, class Acc = acc_type_t<T>>
-void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,V]
+void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,V]; probs may alias logits
                           const T* logits, const std::int32_t* targets,  // [N,V], [N]
                           int N, int V) {
   static_assert(std::is_floating_point_v<Acc>, "losses are float or double");
   Kokkos::parallel_for("CrossEntropy::forward", Range(0, N), [=](int n) {
     const T* l = logits + static_cast<std::int64_t>(n) * V;
     T* p = probs + static_cast<std::int64_t>(n) * V;
+    const Acc target_logit = to_acc<Acc>(l[targets[n]]);  // before p overwrites l (the model's in-place head)
     if constexpr (std::is_same_v<T, Acc>) {
       // The plain loops, as before the types were split (the form the compiler vectorises best).
       T mx = l[0];
@@ -480,7 +481,7 @@ void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,
       const T inv = T(1) / sum;
       for (int v = 0; v < V; ++v) p[v] *= inv;
       // log-sum-exp form: exact even when the target's probability underflows
-      losses[n] = std::log(sum) + mx - l[targets[n]];
+      losses[n] = std::log(sum) + mx - target_logit;
     } else {  // the sum of the unrounded exponentials; each probability rounded once
       Acc mx = to_acc<Acc>(l[0]);
       for (int v = 1; v < V; ++v) {
@@ -491,7 +492,7 @@ void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,
       for (int v = 0; v < V; ++v) sum += exp_k(to_acc<Acc>(l[v]) - mx);
       const Acc inv = Acc(1) / sum;
       for (int v = 0; v < V; ++v) p[v] = from_acc<T>(exp_k(to_acc<Acc>(l[v]) - mx) * inv);
-      losses[n] = std::log(sum) + mx - to_acc<Acc>(l[targets[n]]);
+      losses[n] = std::log(sum) + mx - target_logit;
     }
   });
 }
@@ -530,14 +531,14 @@ inline void crossentropy_partial(float* probs, double* sum_exp, double* target_l
   Kokkos::parallel_for("CrossEntropy::partial", Range(0, N), [=](int n) {
     const float* l = logits + static_cast<std::int64_t>(n) * V;
     float* p = probs + static_cast<std::int64_t>(n) * V;
+    const int t = targets[n] - vocab_begin;
+    target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;  // before p overwrites l (the model's in-place head)
     double s = 0;
     for (int v = 0; v < V; ++v) {
       p[v] = exp_k(l[v] - row_max[n]);
       s += p[v];
     }
     sum_exp[n] = s;
-    const int t = targets[n] - vocab_begin;
-    target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;
   });
 }
 inline void crossentropy_finish(float* losses, float* probs,                          // [N], [N,V]

@@ -106,14 +106,14 @@ int command_sample(const SampleOptions& o) {
   }
   const std::size_t prompt_len = ids.size();
   std::mt19937_64 gen(o.seed);
-  std::vector<std::int32_t> in(static_cast<std::size_t>(T), 0), tgt(static_cast<std::size_t>(T), 0);
+  std::vector<std::int32_t> in(static_cast<std::size_t>(T), 0);
   std::vector<double> p(static_cast<std::size_t>(V));
   std::vector<int> order(static_cast<std::size_t>(V));
   for (int s = 0; s < o.steps; ++s) {
     // The last T tokens; positions after them are padding that causal attention never lets them see.
     const std::size_t n = std::min<std::size_t>(ids.size(), static_cast<std::size_t>(T));
     std::copy(ids.end() - static_cast<std::ptrdiff_t>(n), ids.end(), in.begin());
-    model.forward(in.data(), tgt.data(), 1);
+    model.forward(in.data(), nullptr, 1);  // no targets: the logits stay logits
     const float* logits = model.logits() + static_cast<std::int64_t>(n - 1) * V;  // [V] at the last real position
     int next = 0;
     if (o.temperature <= 0) {

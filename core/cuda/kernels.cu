@@ -498,6 +498,11 @@ __global__ void crossentropy_partial_kernel(float* probs,                 // [N,
     const float* l = logits + static_cast<std::int64_t>(n) * V;
     float* p = probs + static_cast<std::int64_t>(n) * V;
     const float mx = row_max[n];
+    const int t = targets[n] - vocab_begin;
+    // p may alias l (the model's head overwrites its logits): the target's logit is read before
+    // the barrier that every write of p follows.
+    const double tl = threadIdx.x == 0 && t >= 0 && t < V ? l[t] : 0.0;
+    __syncthreads();
     double s = 0.0;
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
       const float e = loom::math::exp_fast(l[v] - mx);
@@ -507,8 +512,7 @@ __global__ void crossentropy_partial_kernel(float* probs,                 // [N,
     s = block_reduce(s, 0.0, SumOp{}, shared);
     if (threadIdx.x == 0) {
       sum_exp[n] = s;
-      const int t = targets[n] - vocab_begin;
-      target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;
+      target_logit[n] = tl;
     }
   }
 }

@@ -572,6 +572,35 @@ TEST(GPT, PipelineStagesComputeTheWholeModel) {
 // allocates, for the default stage and for chunks holding several micro-batches, with and without
 // recompute, in fp32 and bf16, with unfused and flash attention; and, for the plain fp32 model, the
 // textbook count written out here.
+// The head keeps one [N,V] table: a forward without targets leaves the logits there (sampling), a
+// forward with targets overwrites them with the probabilities. The loss of a forward with targets is
+// the log-softmax of the logits a forward without them left.
+TEST(GPT, ForwardWithoutTargetsKeepsTheLogits) {
+  auto be = make_host_backend(1);
+  const GPTConfig cfg = tiny_config();
+  const int rows = 2, N = rows * cfg.seq_len, V = cfg.vocab;
+  GPT m(cfg, *be, rows);
+  m.init_weights(7);
+  perturb(m, 8);
+  const Batch b(cfg, rows, 9);
+  EXPECT_EQ(m.forward(b.inputs.data(), nullptr, rows), 0.0);
+  EXPECT_THROW(m.backward(1.0f), std::logic_error);  // no targets, no loss to differentiate
+  const std::vector<float> logits(m.logits(), m.logits() + static_cast<std::int64_t>(N) * V);
+  double want = 0;
+  for (int n = 0; n < N; ++n) {
+    const float* l = &logits[static_cast<std::size_t>(n) * V];
+    const double mx = *std::max_element(l, l + V);
+    double z = 0;
+    for (int v = 0; v < V; ++v) z += std::exp(l[v] - mx);
+    want += (mx + std::log(z) - l[b.targets[static_cast<std::size_t>(n)]]) / N;
+  }
+  const double loss = m.forward(b.inputs.data(), b.targets.data(), rows);
+  EXPECT_NEAR(loss, want, 1e-6 * want);  // float kernels against a double log-softmax of the same logits
+  EXPECT_THROW(m.logits(), std::logic_error);  // they are probabilities now
+  m.zero_grad();
+  m.backward(1.0f);
+}
+
 TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
   auto& ledger = Ledger::global();
   GPTConfig base = tiny_config();
@@ -601,11 +630,11 @@ TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
         EXPECT_EQ(ledger.current(Mem::workspace) - w0, static_cast<std::size_t>(want.workspace_bytes()));
       }
   // fp32, one stage, no recompute: residual streams (L + 1) N C; per block 15 N C + 4 N + B NH T^2;
-  // head N C + 2 N + 2 N V + N; scratch below.
+  // head N C + 2 N + N V + N (the probabilities overwrite the logits); scratch below.
   const std::int64_t L = base.layers, C = base.d_model, T = base.seq_len, V = base.vocab, NH = base.heads, B = 3;
   const std::int64_t N = B * T;
   const std::int64_t block = 15 * N * C + 4 * N + B * NH * T * T;
-  const std::int64_t head = N * C + 2 * N + 2 * N * V + N;
+  const std::int64_t head = N * C + 2 * N + N * V + N;
   // scratch: full, partial, local, dres, dother, dlocal, dfull, dpartial (8 N C), dqkv 3 N C, datt T^2,
   // datty N C, dfch, dfch_gelu 8 N C
   const std::int64_t scratch = 8 * N * C + 3 * N * C + T * T + N * C + 8 * N * C;

@@ -458,6 +458,48 @@ TEST(Kernels, CrossEntropyBackwardMatchesFiniteDifferences) {
   check_grad("crossentropy dlogits (uniform)", p.logits, dl_inplace, [&] { return p.loss(); });
 }
 
+// The model's head overwrites its logits with the probabilities (one [N,V] table): the kernels must
+// give, in place, exactly what they give into a separate table.
+template <class T, class Acc>
+void expect_crossentropy_in_place_exact() {
+  const Vec l64 = randn(static_cast<std::size_t>(kN) * kV, 64, 3.0);
+  const IVec targets = rand_tokens(kN, kV, 65);
+  std::vector<T> logits(l64.size());
+  for (std::size_t i = 0; i < l64.size(); ++i) logits[i] = static_cast<T>(l64[i]);
+  std::vector<T> probs(logits.size());
+  std::vector<Acc> losses(kN), losses_in_place(kN);
+  k::crossentropy_forward<T, Acc>(losses.data(), probs.data(), logits.data(), targets.data(), kN, kV);
+  std::vector<T> table = logits;
+  k::crossentropy_forward<T, Acc>(losses_in_place.data(), table.data(), table.data(), targets.data(), kN, kV);
+  EXPECT_EQ(losses_in_place, losses);
+  EXPECT_EQ(table, probs);
+}
+
+TEST(Kernels, CrossEntropyInPlaceOverTheLogitsIsExact) {
+  expect_crossentropy_in_place_exact<double, double>();
+  expect_crossentropy_in_place_exact<float, float>();
+  expect_crossentropy_in_place_exact<float, double>();
+
+  // The vocabulary-parallel passes (one rank's slice [vocab_begin, vocab_begin + V) of the targets' range).
+  const Vec l64 = randn(static_cast<std::size_t>(kN) * kV, 66, 3.0);
+  const int vocab_begin = kV / 2;
+  const IVec targets = rand_tokens(kN, 2 * kV, 67);  // some rows' targets fall on other ranks
+  std::vector<float> logits(l64.begin(), l64.end()), probs(logits.size()), row_max(kN), losses(kN), losses_in_place(kN);
+  std::vector<double> sum_exp(kN), target_logit(kN), sum_exp_in_place(kN), target_logit_in_place(kN);
+  k::crossentropy_row_max(row_max.data(), logits.data(), kN, kV);
+  k::crossentropy_partial(probs.data(), sum_exp.data(), target_logit.data(), logits.data(), row_max.data(), targets.data(),
+                          kN, kV, vocab_begin);
+  k::crossentropy_finish(losses.data(), probs.data(), sum_exp.data(), row_max.data(), target_logit.data(), kN, kV);
+  std::vector<float> table = logits;
+  k::crossentropy_partial(table.data(), sum_exp_in_place.data(), target_logit_in_place.data(), table.data(), row_max.data(),
+                          targets.data(), kN, kV, vocab_begin);
+  k::crossentropy_finish(losses_in_place.data(), table.data(), sum_exp_in_place.data(), row_max.data(),
+                         target_logit_in_place.data(), kN, kV);
+  EXPECT_EQ(target_logit_in_place, target_logit);
+  EXPECT_EQ(losses_in_place, losses);
+  EXPECT_EQ(table, probs);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Float math helpers
 
