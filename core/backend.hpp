@@ -186,6 +186,19 @@ class Backend {
   virtual void scale(BufferRef x, double a) = 0;
   virtual void fill(BufferRef x, double value) = 0;
 
+  // int8 gradient compression (plugins/compression: core/kernels.hpp int8_absmax, _quantize,
+  // _dequantize; the per-element rule is math::int8_level), on this back end's memory, so that a
+  // device run compresses where its gradients are. chunks = ceil(n / chunk).
+  //   int8_absmax      absmax[c] = max |x| over chunk c (NaN ignored); absmax[chunks] = 1 if x holds
+  //                    a NaN or an inf, else 0                                   ([chunks + 1], [n])
+  //   int8_quantize    q = x's levels at step absmax[c] / levels; error (may be null) = x - q step
+  //   int8_dequantize  x = q step, or NaN everywhere where absmax[chunks] > 0 (a rank's non-finite value)
+  virtual void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) = 0;
+  virtual void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
+                             const float* absmax, int levels) = 0;
+  virtual void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk,
+                               const float* absmax, int levels) = 0;
+
  protected:
   Precision precision_;
 };

@@ -155,6 +155,17 @@ class FencedBackend final : public Backend {
   }
   void scale(BufferRef x, double a) override { h_->scale(fenced(x, "scale"), a); }
   void fill(BufferRef x, double v) override { h_->fill(fenced(x, "fill"), v); }
+  void int8_absmax(float* a, const float* x, std::int64_t n, std::int64_t chunk) override {
+    h_->int8_absmax(H(a), H(x), n, chunk);
+  }
+  void int8_quantize(std::int8_t* q, float* e, const float* x, std::int64_t n, std::int64_t chunk, const float* a,
+                     int levels) override {
+    h_->int8_quantize(H(q), H(e), H(x), n, chunk, H(a), levels);
+  }
+  void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* a,
+                       int levels) override {
+    h_->int8_dequantize(H(x), H(q), n, chunk, H(a), levels);
+  }
 
 
  private:

@@ -284,6 +284,17 @@ class HostBackend final : public Backend {
       k::fill(static_cast<T*>(x.data), static_cast<acc_type_t<T>>(value), x.count);
     });
   }
+  void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) override {
+    k::int8_absmax(absmax, x, n, chunk);
+  }
+  void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
+                     const float* absmax, int levels) override {
+    k::int8_quantize(q, error, x, n, chunk, absmax, levels);
+  }
+  void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
+                       int levels) override {
+    k::int8_dequantize(x, q, n, chunk, absmax, levels);
+  }
 
   // The operand slots a micro-batch's products grow, as operand16 grows them: a bf16 operand needs
   // none; ensure_capacity makes the larger buffer before it frees the smaller.

@@ -151,4 +151,17 @@ LOOM_HD inline Acc adamw(Acc p, Acc& m, Acc& v, Acc g, const AdamWStep<Acc>& s) 
   return p * (Acc(1) - s.lr * s.weight_decay) - s.lr * (mi / s.bc1) / (sqrt_k(vi / s.bc2) + s.eps);
 }
 
+// int8 gradient compression (plugins/compression, Backend::int8_*): a chunk's values share the step
+// absmax / levels, equal on every rank (absmax is the chunk's largest |x| over the ranks); a value
+// is round(x / step) clamped to +-levels, 0 where the step or x is not finite or the step is 0.
+LOOM_HD inline bool finite_k(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
+LOOM_HD inline float int8_step(float absmax, int levels) { return absmax / static_cast<float>(levels); }
+LOOM_HD inline float int8_level(float x, float step, int levels) {
+  const float v = step > 0.0f && finite_k(step) && finite_k(x) ? rintf(x / step) : 0.0f;  // rintf: half to even
+  const float l = static_cast<float>(levels);
+  return v < -l ? -l : v > l ? l : v;  // |x| <= absmax: rounding only
+}
+// |x| for the chunk maxima; NaN counts as 0 (the finiteness flag reports it), inf as inf.
+LOOM_HD inline float int8_magnitude(float x) { return x == x ? fabsf(x) : 0.0f; }
+
 }  // namespace loom::math

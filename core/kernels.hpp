@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstring>
 #include <numeric>
 #include <type_traits>
@@ -573,6 +574,57 @@ void adamw_update(P* params, Acc* m, Acc* v,                          // [n] eac
     const G* __restrict gg = grads;
     for (std::int64_t i = begin; i < end; ++i)
       p[i] = from_acc<P>(math::adamw(to_acc<Acc>(p[i]), mm[i], vv[i], to_acc<Acc>(gg[i]), step));
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// int8 gradient compression (Backend::int8_*; plugins/compression): x is cut into chunks of `chunk`
+// elements (the last one shorter), each chunk quantised with its own step (math::int8_step), the
+// chunk maxima being the largest over the ranks. One pass per chunk.
+
+// absmax[c] = max |x| over chunk c (NaN ignored), c < chunks; absmax[chunks] = 1 if x holds a NaN
+// or an inf, else 0 (an all-reduce max of the chunks + 1 values tells every rank).
+inline void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) {  // [chunks + 1], [n]
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  int bad = 0;
+  Kokkos::parallel_reduce("Int8::absmax", Range64(0, chunks), [=](std::int64_t c, int& any) {
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    float m = 0.0f;
+    int nonfinite = 0;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float a = math::int8_magnitude(x[i]);
+      m = a > m ? a : m;
+      nonfinite |= !math::finite_k(x[i]);
+    }
+    absmax[c] = m;
+    any = nonfinite > any ? nonfinite : any;
+  }, Kokkos::Max<int>(bad));
+  absmax[chunks] = bad ? 1.0f : 0.0f;
+}
+// q = the levels of x (math::int8_level); error (may be null) = x - q step, what error feedback keeps.
+inline void int8_quantize(std::int8_t* q, float* error, const float* x,  // [n], [n], [n]
+                          std::int64_t n, std::int64_t chunk, const float* absmax, int levels) {
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  Kokkos::parallel_for("Int8::quantize", Range64(0, chunks), [=](std::int64_t c) {
+    const float step = math::int8_step(absmax[c], levels);
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float v = math::int8_level(x[i], step, levels);
+      q[i] = static_cast<std::int8_t>(v);
+      if (error) error[i] = x[i] - v * step;
+    }
+  });
+}
+// x = q step; NaN everywhere when absmax[chunks] (the all-reduced flag) says a rank held a NaN or inf.
+inline void int8_dequantize(float* x, const std::int8_t* q,  // [n], [n]
+                            std::int64_t n, std::int64_t chunk, const float* absmax, int levels) {
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  const bool poisoned = absmax[chunks] > 0.0f;
+  Kokkos::parallel_for("Int8::dequantize", Range64(0, chunks), [=](std::int64_t c) {
+    const float step = math::int8_step(absmax[c], levels);
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    for (std::int64_t i = begin; i < end; ++i)
+      x[i] = poisoned ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(q[i]) * step;
   });
 }
 

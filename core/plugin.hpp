@@ -29,8 +29,9 @@
 // (`loom plan`, core/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step. ABI 8:
 // StepPlan::stage_units, pipeline_span and host_copy_bytes. ABI 9: Communicator::reserve_scratch,
 // StepPlan::pools. ABI 10: Backend's fused attention (attention_forward_flash, _backward_flash,
-// flash_attention_refusal), GPTConfig::flash_attention.
-#define LOOM_PLUGIN_ABI_VERSION 10
+// flash_attention_refusal), GPTConfig::flash_attention. ABI 11: Backend::int8_absmax, _quantize,
+// _dequantize; StepPlan::backend_bytes.
+#define LOOM_PLUGIN_ABI_VERSION 11
 
 extern "C" {
 struct loom_plugin_v1 {

@@ -89,6 +89,13 @@ class SizingBackend final : public Backend {
   }
   void scale(BufferRef, double) override { no("scale"); }
   void fill(BufferRef, double) override { no("fill"); }
+  void int8_absmax(float*, const float*, std::int64_t, std::int64_t) override { no("int8_absmax"); }
+  void int8_quantize(std::int8_t*, float*, const float*, std::int64_t, std::int64_t, const float*, int) override {
+    no("int8_quantize");
+  }
+  void int8_dequantize(float*, const std::int8_t*, std::int64_t, std::int64_t, const float*, int) override {
+    no("int8_dequantize");
+  }
 
  private:
   [[noreturn]] static double no(const char* what) {

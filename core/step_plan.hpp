@@ -49,6 +49,10 @@ struct StepPlan {
   // bucket there and back, the parameters a replica hash reads); `loom plan` prices them over the
   // cluster's host link (host_link_gbs: none where the devices are the host's cores).
   double host_copy_bytes = 0;
+  // The strategies' passes through the back end's kernels, where the tensors are (int8 compression's
+  // chunk maxima, quantising, error feedback): bytes read and written, priced as the model's
+  // element-wise kernels (memory_gbs).
+  double backend_bytes = 0;
 
   void add_scratch(Mem m, double bytes) { scratch[static_cast<int>(m)] += bytes; }
   void add_comm(CommCost c) { comm.push_back(std::move(c)); }

@@ -222,7 +222,7 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
                         " is not finite; the last good checkpoint stays (" + dir_ + "/latest -> " + latest + ")");
   };
   if (const auto bad = find_nonfinite(*s_.grid, *s_.model, sources)) refuse(bad->describe());
-  if (const auto bad = find_nonfinite_contributed(*s_.grid, s_.checkpoint_parts)) refuse("contributed tensor " + *bad);
+  if (const auto bad = find_nonfinite_contributed(*s_.grid, s_.model->backend(), s_.checkpoint_parts)) refuse("contributed tensor " + *bad);
   const std::string name = checkpoint_name(steps_done);
   const std::string path = dir_ + "/" + name;
   CheckpointState st;

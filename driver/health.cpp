@@ -103,19 +103,22 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, c
   return at;
 }
 
-std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, const std::vector<CheckpointContributor*>& parts) {
+std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, Backend& backend,
+                                                      const std::vector<CheckpointContributor*>& parts) {
   constexpr double kNone = -1e300;
   std::vector<std::string> paths;
   double earliest = kNone;  // -(position + 1) of this rank's first bad tensor: the max over ranks is the earliest
   for (CheckpointContributor* c : parts)
     for (const CheckpointTensor& t : c->checkpoint_tensors()) {
       if (earliest == kNone && t.holds && !t.data.empty()) {
-        const float* x = t.data.as<float>();
-        for (std::int64_t j = 0; j < t.data.count; ++j)
-          if (!std::isfinite(x[j])) {
-            earliest = -static_cast<double>(paths.size() + 1);
-            break;
-          }
+        bool finite = true;
+        if (t.data.space != MemSpace::host) {
+          finite = backend.sq_norm_check({t.data}).all_finite;  // compression's int8 residuals on a device
+        } else {
+          const float* x = t.data.as<float>();
+          for (std::int64_t j = 0; j < t.data.count && finite; ++j) finite = std::isfinite(x[j]);
+        }
+        if (!finite) earliest = -static_cast<double>(paths.size() + 1);
       }
       paths.push_back(t.path);
     }

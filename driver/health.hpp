@@ -40,7 +40,9 @@ std::vector<TensorSource> optimizer_state(Optimizer& optimizer);
 std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, const std::vector<TensorSource>& sources);
 
 // Collective over the grid's world: the path of the first contributed checkpoint tensor (in the
-// order `parts` list them) holding a non-finite value on any rank, or nothing.
-std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, const std::vector<CheckpointContributor*>& parts);
+// order `parts` list them) holding a non-finite value on any rank, or nothing. A tensor in the back
+// end's device memory is checked there (Backend::sq_norm_check).
+std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, Backend& backend,
+                                                      const std::vector<CheckpointContributor*>& parts);
 
 }  // namespace loom

@@ -74,7 +74,8 @@ double matmul_peak(const ClusterSpec& c, const std::string& precision) { return 
 // attention_tflops plus attention_head_us per sequence and head), element-wise kernels as bytes over
 // memory_gbs, the optimizer's pass as bytes over optimizer_gbs, the strategies' own host passes
 // (StepPlan::host_bytes: compression, replica hashes) over host_gbs and, where the devices are not the
-// host, their copies between device and host (host_copy_bytes) over host_link_gbs. Recompute runs the blocks' forward
+// host, their copies between device and host (host_copy_bytes) over host_link_gbs; their passes through the
+// back end's kernels (backend_bytes: int8 compression) over memory_gbs. Recompute runs the blocks' forward
 // again. Fills the compute fields of `t`.
 void predict_compute(const Prediction& p, const RankPrediction& r, const ClusterSpec& c, TimePrediction& t) {
   const GPTConfig& m = p.plan.model;
@@ -111,7 +112,7 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   t.attention_s = att_flops / c.attention_flops + att_heads * c.attention_head_s;
   t.elementwise_s = ew_bytes / c.memory_bytes_per_s;
   t.optimizer_s = optimizer_bytes(grads, owned) / c.optimizer_bytes_per_s;
-  t.strategies_s = r.step.host_bytes / c.host_bytes_per_s +
+  t.strategies_s = r.step.host_bytes / c.host_bytes_per_s + r.step.backend_bytes / c.memory_bytes_per_s +
                    (c.host_link_bytes_per_s > 0 ? r.step.host_copy_bytes / c.host_link_bytes_per_s : 0.0);
   t.compute_s = t.matmul_s + t.attention_s + t.elementwise_s + t.optimizer_s + t.strategies_s;
 }

@@ -27,7 +27,7 @@ struct RankPrediction {
 
 struct TimePrediction {
   double compute_s = 0, matmul_s = 0, attention_s = 0, elementwise_s = 0, optimizer_s = 0;
-  double strategies_s = 0;  // the strategies' own host passes (StepPlan::host_bytes) and their copies (host_copy_bytes)
+  double strategies_s = 0;  // the strategies' own host passes (StepPlan::host_bytes), their copies (host_copy_bytes), their back-end passes (backend_bytes)
   double comm_s = 0, comm_exposed_s = 0;  // all of it, and what does not hide behind compute
   double sync_wait_s = 0;  // waits for the slowest rank of a group at in-step synchronisations
   double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;

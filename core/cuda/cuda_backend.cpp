@@ -534,6 +534,21 @@ class CudaBackend final : public Backend {
     cuda_type(x.type, "fill");
     cuda::fill(x.data, x.type, value, x.count, stream_);
   }
+  void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) override {
+    Timed timed(this, "int8_absmax");
+    ensure_capacity(*this, norm_out_, "cuda.norm_results", DType::f64, 2, Mem::workspace);
+    cuda::int8_absmax(absmax, x, n, chunk, norm_out_.data<double>(), reduce_scratch(n), stream_);
+  }
+  void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
+                     const float* absmax, int levels) override {
+    Timed timed(this, "int8_quantize");
+    cuda::int8_quantize(q, error, x, n, chunk, absmax, levels, stream_);
+  }
+  void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
+                       int levels) override {
+    Timed timed(this, "int8_dequantize");
+    cuda::int8_dequantize(x, q, n, chunk, absmax, levels, stream_);
+  }
 
  private:
   using Reduction = void (*)(double*, const void*, DType, std::int64_t, double*, cudaStream_t);

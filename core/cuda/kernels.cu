@@ -631,6 +631,48 @@ __global__ void fill_kernel(storage_t<D>* x,  // [n]
   for (std::int64_t i = global_thread(); i < n; i += grid_threads()) x[i] = stored;
 }
 
+// int8 gradient compression (core/kernels.hpp's int8_*; the per-element rule is math::int8_level).
+// The chunk maxima: one block per chunk (a maximum is the same in any order, so the block's tree
+// gives the host's value bit for bit).
+__global__ void int8_absmax_kernel(float* absmax,   // [chunks] (the finiteness flag: int8_flag_kernel)
+                                   const float* x,  // [n]
+                                   std::int64_t n, std::int64_t chunk, std::int64_t chunks) {
+  __shared__ float shared[kWarp];
+  for (std::int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    float m = 0.0f;
+    for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) m = MaxOp{}(m, loom::math::int8_magnitude(x[i]));
+    m = block_reduce(m, 0.0f, MaxOp{}, shared);
+    if (threadIdx.x == 0) absmax[c] = m;
+  }
+}
+// flag = 1 if the count of non-finite values is not 0, else 0.
+__global__ void int8_flag_kernel(float* flag, const double* nonfinite) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) *flag = *nonfinite != 0.0 ? 1.0f : 0.0f;
+}
+__global__ void int8_quantize_kernel(std::int8_t* q,   // [n]
+                                     float* error,     // [n] or null
+                                     const float* x,   // [n]
+                                     std::int64_t n, std::int64_t chunk,
+                                     const float* absmax,  // [chunks + 1]
+                                     int levels) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const float step = loom::math::int8_step(absmax[i / chunk], levels);
+    const float v = loom::math::int8_level(x[i], step, levels);
+    q[i] = static_cast<std::int8_t>(v);
+    if (error) error[i] = x[i] - v * step;
+  }
+}
+__global__ void int8_dequantize_kernel(float* x,              // [n]
+                                       const std::int8_t* q,  // [n]
+                                       std::int64_t n, std::int64_t chunk,
+                                       const float* absmax,   // [chunks + 1]: absmax[chunks] > 0 poisons x
+                                       std::int64_t chunks, int levels) {
+  const bool poisoned = absmax[chunks] > 0.0f;
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads())
+    x[i] = poisoned ? __int_as_float(0x7fc00000) : static_cast<float>(q[i]) * loom::math::int8_step(absmax[i / chunk], levels);
+}
+
 // Reductions. Each thread adds f(x[i]) over its grid-stride elements in double (the square of a
 // float is exact in double), the block reduces in a fixed tree, block b writes partials[b].
 enum class ReduceOp { sum, sum_squares, nonfinite };
@@ -915,6 +957,35 @@ void sum(double* out, const void* x, DType type, std::int64_t n, double* scratch
 
 void count_nonfinite(double* out, const void* x, DType type, std::int64_t n, double* scratch, cudaStream_t stream) {
   reduce<ReduceOp::nonfinite>("count_nonfinite", out, x, type, n, scratch, stream);
+}
+
+void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk, double* nonfinite, double* scratch,
+                 cudaStream_t stream) {
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  if (chunks > 0) {
+    const LaunchGeometry g = rows_per_block_geometry(chunks, kThreads);
+    int8_absmax_kernel<<<g.blocks, g.threads, 0, stream>>>(absmax, x, n, chunk, chunks);
+    check_launch("int8_absmax_kernel");
+  }
+  count_nonfinite(nonfinite, x, DType::f32, n, scratch, stream);
+  int8_flag_kernel<<<1, kWarp, 0, stream>>>(absmax + chunks, nonfinite);
+  check_launch("int8_flag_kernel");
+}
+
+void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk, const float* absmax,
+                   int levels, cudaStream_t stream) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  int8_quantize_kernel<<<g.blocks, g.threads, 0, stream>>>(q, error, x, n, chunk, absmax, levels);
+  check_launch("int8_quantize_kernel");
+}
+
+void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax, int levels,
+                     cudaStream_t stream) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  int8_dequantize_kernel<<<g.blocks, g.threads, 0, stream>>>(x, q, n, chunk, absmax, (n + chunk - 1) / chunk, levels);
+  check_launch("int8_dequantize_kernel");
 }
 
 }  // namespace loom::cuda

@@ -263,4 +263,25 @@ void count_nonfinite(double* out,      // [1]
                      double* scratch,  // [reduce_scratch_count(n)]
                      cudaStream_t stream);
 
+// int8 gradient compression: core/kernels.hpp's int8_absmax, _quantize and _dequantize (Backend::int8_*),
+// bit for bit. int8_absmax writes [chunks + 1] floats, the last the finiteness flag, through a
+// count of the non-finite values into *nonfinite (a device double; scratch as count_nonfinite's).
+void int8_absmax(float* absmax,     // [chunks + 1]
+                 const float* x,    // [n]
+                 std::int64_t n, std::int64_t chunk,
+                 double* nonfinite, // [1]
+                 double* scratch,   // [reduce_scratch_count(n)]
+                 cudaStream_t stream);
+void int8_quantize(std::int8_t* q,       // [n]
+                   float* error,         // [n] or null
+                   const float* x,       // [n]
+                   std::int64_t n, std::int64_t chunk,
+                   const float* absmax,  // [chunks + 1]
+                   int levels, cudaStream_t stream);
+void int8_dequantize(float* x,              // [n]
+                     const std::int8_t* q,  // [n]
+                     std::int64_t n, std::int64_t chunk,
+                     const float* absmax,   // [chunks + 1]
+                     int levels, cudaStream_t stream);
+
 }  // namespace loom::cuda

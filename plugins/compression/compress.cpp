@@ -20,35 +20,6 @@ bool all_finite(const float* x, std::int64_t n) {
   return true;
 }
 
-void chunk_absmax(float* out, const float* x, std::int64_t n, std::int64_t chunk) {
-  for (std::int64_t c = 0, b = 0; b < n; ++c, b += chunk) {
-    float m = 0.0f;
-    for (std::int64_t i = b, e = std::min(n, b + chunk); i < e; ++i) m = std::max(m, std::fabs(x[i]));
-    out[c] = m;
-  }
-}
-
-void quantize_int8(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
-                   const float* absmax, int levels) {
-  for (std::int64_t c = 0, b = 0; b < n; ++c, b += chunk) {
-    const float step = absmax[c] / static_cast<float>(levels);
-    for (std::int64_t i = b, e = std::min(n, b + chunk); i < e; ++i) {
-      float v = step > 0.0f && std::isfinite(step) && std::isfinite(x[i]) ? std::nearbyint(x[i] / step) : 0.0f;
-      v = std::clamp(v, -static_cast<float>(levels), static_cast<float>(levels));  // |x| <= absmax: rounding only
-      q[i] = static_cast<std::int8_t>(v);
-      if (error) error[i] = x[i] - v * step;
-    }
-  }
-}
-
-void dequantize_int8(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
-                     int levels) {
-  for (std::int64_t c = 0, b = 0; b < n; ++c, b += chunk) {
-    const float step = absmax[c] / static_cast<float>(levels);
-    for (std::int64_t i = b, e = std::min(n, b + chunk); i < e; ++i) x[i] = static_cast<float>(q[i]) * step;
-  }
-}
-
 std::int64_t top_k_count(std::int64_t n, double ratio) {
   const auto k = static_cast<std::int64_t>(std::ceil(ratio * static_cast<double>(n)));
   return std::clamp<std::int64_t>(k, n > 0 ? 1 : 0, n);

@@ -15,17 +15,11 @@ namespace loom::compress {
 // adds them exactly, never saturating. The price is resolution: L levels each side instead of 127.
 std::int64_t chunk_count(std::int64_t n, std::int64_t chunk);
 int int8_levels(int ranks);  // floor(127 / ranks); 0 when int8 cannot hold the sum of that many ranks
+// The chunk maxima, quantising and scaling back run on the back end, where the gradients are:
+// Backend::int8_absmax, _quantize, _dequantize (core/kernels.hpp on the host, core/cuda/kernels.cu on a
+// GPU; per element math::int8_level).
 // Whether x holds no NaN and no inf.
 bool all_finite(const float* x, std::int64_t n);
-// out[c] = max |x| over chunk c (n elements); NaN is ignored (all_finite finds it).
-void chunk_absmax(float* out, const float* x, std::int64_t n, std::int64_t chunk);
-// q = round(x / s_c), s_c = absmax[c] / levels (0 where absmax is 0 or not finite, and for a
-// non-finite x); error (may be null) = x - q s_c.
-void quantize_int8(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
-                   const float* absmax, int levels);
-// x = q s_c.
-void dequantize_int8(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
-                     int levels);
 
 // --- top-k ------------------------------------------------------------------------------------------
 // The k elements of x with the largest |x| (ties to the lower index), as ascending indices and their

@@ -106,10 +106,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model,
                      bool say)
       : cfg_(cfg), dp_(dp), be_(be), model_(model), say_(say) {
-    // The methods' arithmetic (quantising, top-k, PowerSGD's orthogonalisation, error feedback) is
-    // host code: on a device back end their state and scratch are host memory, and each bucket is
-    // compressed from a host copy (on_host).
-    if (be.space() != MemSpace::host) {
+    // int8 runs on the back end (Backend::int8_*, error feedback by copy and residual_forward), where
+    // the gradients are. Top-k's selection and PowerSGD's orthogonalisation are host code: on a
+    // device back end their state and scratch are host memory, and each bucket is compressed from a
+    // host copy (on_host).
+    if (be.space() != MemSpace::host && cfg.method != Method::int8) {
       host_ = make_host_backend(1);
       host_->set_precision(be.precision());
     }
@@ -191,7 +192,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         formula_ += fp32_factor * 2 * n;
         req = inner_->reduce_async(b);
         break;
-      case Method::int8: req = on_host(b, [&](const GradBucket& hb) { return int8(hb, fp32_factor); }); break;
+      case Method::int8: req = int8(b, fp32_factor); break;
       case Method::topk: req = on_host(b, [&](const GradBucket& hb) { return topk(hb); }); break;
       case Method::powersgd: req = on_host(b, [&](const GradBucket& hb) { return powersgd(hb, fp32_factor); }); break;
       case Method::none: req = inner_->reduce_async(b); break;
@@ -209,12 +210,12 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const int N = dp_.size();
     const std::int64_t n = b.data.count;
     const double residual = feedback_ ? 4.0 * static_cast<double>(n) : 0.0;  // State::residual
-    // Host passes per element, by the code below (reads and writes, 4 bytes a float, 1 an int8):
-    // error feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them
-    // back (8). (The replica hash is once a step: plan_step.)
+    // Passes per element, by the code below (reads and writes, 4 bytes a float, 1 an int8): error
+    // feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them back
+    // (8). (The replica hash is once a step: plan_step.)
     const double fb = feedback_ ? 28.0 : 0.0, elems = static_cast<double>(n);
-    // On a device back end the compressing methods work on a host copy of the bucket (on_host), which
-    // goes back when its collective completes.
+    // On a device back end top-k and PowerSGD work on a host copy of the bucket (on_host), which goes
+    // back when its collective completes; int8 works on the bucket where it is.
     const double copies = 2.0 * static_cast<double>(b.data.bytes());
     auto all_reduce = [&](const std::string& of, std::int64_t count) {
       plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
@@ -227,9 +228,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(ch + 1) + static_cast<double>(n));  // absmax, q
         const double maxima = all_reduce("chunk maxima", ch + 1);
         // finiteness (4) and chunk maxima (4) reads, quantising (read 4, int8 1, error 4), the
-        // sum scaled back (int8 1, write 4)
-        plan.host_bytes += elems * (fb + 4 + 4 + 9 + 5);
-        plan.host_copy_bytes += copies;
+        // sum scaled back (int8 1, write 4): the back end's kernels
+        plan.backend_bytes += elems * (fb + 4 + 4 + 9 + 5);
         GradBucket qb = b;
         qb.data = BufferRef(nullptr, DType::i8, n, b.data.space);
         BucketScratch s = inner_->plan_bucket(plan, qb, w + " int8 sum");
@@ -342,16 +342,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     }
     if (!s.residual.empty() && whole_tensors(b))
       for (const GradBucket::Tensor& t : b.tensors)
-        std::memcpy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>(),
-                    static_cast<std::size_t>(t.count) * sizeof(float));
+        cbe_->copy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>(), t.count);
     return s;
   }
   // After the method wrote the bucket's new residual: back into the per-tensor residuals.
   void keep_residual(const GradBucket& b, State& s) {
     if (s.residual.empty() || !whole_tensors(b)) return;
     for (const GradBucket::Tensor& t : b.tensors)
-      std::memcpy(residual_.at(t.param).data<float>(), s.residual.data<float>() + t.offset,
-                  static_cast<std::size_t>(t.count) * sizeof(float));
+      cbe_->copy(residual_.at(t.param).data<float>(), s.residual.data<float>() + t.offset, t.count);
   }
   bool whole_tensors(const GradBucket& b) const {
     for (const GradBucket::Tensor& t : b.tensors)
@@ -359,9 +357,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return true;
   }
   void add_residual(State& s, float* x, std::int64_t n) {
-    if (s.residual.empty()) return;
-    const float* e = s.residual.data<float>();
-    for (std::int64_t i = 0; i < n; ++i) x[i] += e[i];
+    if (!s.residual.empty()) cbe_->residual_forward(x, x, s.residual.data<float>(), n);  // x += residual
   }
   bool compressed(const ParamInfo& p) const {
     return p.local_shape.size() == 2 && compress::worth_compressing(p.local_shape[0], p.local_shape[1], cfg_.rank, cfg_.min_rate);
@@ -377,24 +373,24 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     ensure_capacity(*cbe_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
     ensure_capacity(*cbe_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
     float* amax = s.absmax.data<float>();
-    compress::chunk_absmax(amax, x, n, cfg_.chunk);
-    // One more element: 1 where this rank holds a NaN or an inf, so that every rank learns of it.
-    amax[ch] = compress::all_finite(x, n) ? 0.0f : 1.0f;
+    // The chunk maxima, and one more element: 1 where this rank holds a NaN or an inf, so that every
+    // rank learns of it.
+    cbe_->int8_absmax(amax, x, n, cfg_.chunk);
     dp_.all_reduce(s.absmax.ref().slice(0, ch + 1), ReduceOp::max);  // one step per chunk for every rank
-    const bool poisoned = amax[ch] > 0;
-    compress::quantize_int8(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
-                            cfg_.chunk, amax, levels);
+    cbe_->int8_quantize(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
+                        cfg_.chunk, amax, levels);
     keep_residual(b, s);
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch + 1) + fp32_factor * static_cast<double>(n);
     GradBucket qb = b;
     qb.data = s.q.ref().slice(0, n);
     std::int8_t* q = s.q.data<std::int8_t>();
     const std::int64_t chunk = cfg_.chunk;
-    return std::make_unique<ThenRequest>(inner_->reduce_async(qb), [x, q, n, chunk, amax, levels, poisoned] {
-      compress::dequantize_int8(x, q, n, chunk, amax, levels);  // the exact int8 sum, scaled back
-      // A non-finite value on any rank makes the whole sum NaN on every rank: the step is then not
-      // finite everywhere (skipped, or an fp16 overflow), as it would be uncompressed.
-      if (poisoned) std::fill(x, x + n, std::numeric_limits<float>::quiet_NaN());
+    Backend* cbe = cbe_;
+    // The exact int8 sum, scaled back. A non-finite value on any rank (the all-reduced flag) makes
+    // the whole sum NaN on every rank: the step is then not finite everywhere (skipped, or an fp16
+    // overflow), as it would be uncompressed.
+    return std::make_unique<ThenRequest>(inner_->reduce_async(qb), [cbe, x, q, n, chunk, amax, levels] {
+      cbe->int8_dequantize(x, q, n, chunk, amax, levels);
     });
   }
 

@@ -389,10 +389,11 @@ void ShardedSync::plan_step(StepPlan& plan) const {
       k.data = BufferRef(nullptr, DType::f32, std::min(count, a + piece_) - a, be_.space());
       k.rank_counts = store_.rank_counts(lo + a, lo + a + k.data.count);
       const std::size_t first = plan.comm.size();
-      const double host_before = plan.host_bytes, copies_before = plan.host_copy_bytes;
+      const double host_before = plan.host_bytes, copies_before = plan.host_copy_bytes, backend_before = plan.backend_bytes;
       units.back().push_back(reducer_->plan_bucket(plan, k, "unit " + model_.units()[u].name + " gradients"));
       plan.host_bytes = host_before + (plan.host_bytes - host_before) * m;  // every micro-batch reduces its pieces
       plan.host_copy_bytes = copies_before + (plan.host_copy_bytes - copies_before) * m;
+      plan.backend_bytes = backend_before + (plan.backend_bytes - backend_before) * m;
       for (std::size_t c = first; c < plan.comm.size(); ++c) {
         plan.comm[c].bytes *= m;
         plan.comm[c].messages *= m;

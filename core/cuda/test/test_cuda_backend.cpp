@@ -216,6 +216,38 @@ TEST(CudaBackend, ElementwiseKernels) {
   EXPECT_LT(tw.err(db), kTol) << "bias_backward";
 }
 
+// int8 compression's kernels, bit for bit the host's: the chunk maxima and the flag, the levels and
+// the residual, the sum scaled back, and a NaN poisoning it.
+TEST(CudaBackend, Int8CompressionIsBitForBitTheHosts) {
+  REQUIRE_GPU();
+  Twins tw;
+  const std::int64_t n = 100003, chunk = 1000, chunks = (n + chunk - 1) / chunk;  // a short last chunk
+  std::vector<float> xv = randn(std::size_t(n), 6, 2.0f);
+  for (std::int64_t i = 0; i < n; ++i) xv[std::size_t(i)] *= float(1 + i / chunk % 7);  // chunks of different scales
+  auto x = tw.make(xv), amax = tw.zeros(chunks + 1), err = tw.zeros(n), back = tw.zeros(n);
+  auto [qh, qd] = tw.both(std::vector<std::int8_t>(std::size_t(n), 0));
+  for (const int levels : {127, 31}) {
+    tw.host->int8_absmax(amax.h, x.h, n, chunk);
+    tw.dev->int8_absmax(amax.d, x.d, n, chunk);
+    EXPECT_EQ(tw.dev_of(amax), tw.host_of(amax)) << "int8_absmax";
+    tw.host->int8_quantize(qh, err.h, x.h, n, chunk, amax.h, levels);
+    tw.dev->int8_quantize(qd, err.d, x.d, n, chunk, amax.d, levels);
+    std::vector<std::int8_t> q(static_cast<std::size_t>(n));
+    tw.dev->copy_to_host(q.data(), BufferRef(qd, n, MemSpace::device));
+    EXPECT_EQ(q, std::vector<std::int8_t>(qh, qh + n)) << "int8_quantize levels " << levels;
+    EXPECT_EQ(tw.dev_of(err), tw.host_of(err)) << "int8_quantize's residual";
+    tw.host->int8_dequantize(back.h, qh, n, chunk, amax.h, levels);
+    tw.dev->int8_dequantize(back.d, qd, n, chunk, amax.d, levels);
+    EXPECT_EQ(tw.dev_of(back), tw.host_of(back)) << "int8_dequantize";
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  tw.dev->copy_from_host(BufferRef(x.d + 4321, 1, MemSpace::device), &nan);
+  tw.dev->int8_absmax(amax.d, x.d, n, chunk);
+  EXPECT_EQ(tw.dev_of(amax)[std::size_t(chunks)], 1.0f) << "the finiteness flag";
+  tw.dev->int8_dequantize(back.d, qd, n, chunk, amax.d, 127);
+  for (float v : tw.dev_of(back)) ASSERT_TRUE(std::isnan(v)) << "a flagged sum is NaN everywhere";
+}
+
 void crossentropy_against_fp64(int N, int V);
 TEST(CudaBackend, CrossEntropyForwardAndBackward) {
   REQUIRE_GPU();

@@ -7,13 +7,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include <Kokkos_Core.hpp>
+
+#include "core/kernels.hpp"
 #include "plugins/compression/compress.hpp"
 
 namespace c = loom::compress;
+namespace k = loom::kernels;
 
 namespace {
 std::vector<float> randn(std::size_t n, unsigned seed, float scale = 1.0f) {
@@ -36,11 +41,11 @@ TEST(Int8, RoundTripWithinHalfAStepPerChunk) {
   for (std::int64_t i = 0; i < n; ++i) x[i] *= static_cast<float>(1 + i / chunk);  // chunks of different scales
   for (int ranks : {1, 2, 4, 8}) {
     const int levels = c::int8_levels(ranks);
-    std::vector<float> amax(c::chunk_count(n, chunk)), back(n), err(n);
+    std::vector<float> amax(c::chunk_count(n, chunk) + 1), back(n), err(n);  // + the finiteness flag
     std::vector<std::int8_t> q(n);
-    c::chunk_absmax(amax.data(), x.data(), n, chunk);
-    c::quantize_int8(q.data(), err.data(), x.data(), n, chunk, amax.data(), levels);
-    c::dequantize_int8(back.data(), q.data(), n, chunk, amax.data(), levels);
+    k::int8_absmax(amax.data(), x.data(), n, chunk);
+    k::int8_quantize(q.data(), err.data(), x.data(), n, chunk, amax.data(), levels);
+    k::int8_dequantize(back.data(), q.data(), n, chunk, amax.data(), levels);
     for (std::int64_t i = 0; i < n; ++i) {
       const float step = amax[i / chunk] / levels;
       ASSERT_LE(std::fabs(back[i] - x[i]), 0.5f * step * (1 + 1e-6f)) << "element " << i << ", " << ranks << " ranks";
@@ -54,23 +59,51 @@ TEST(Int8, RoundTripWithinHalfAStepPerChunk) {
   EXPECT_EQ(c::int8_levels(128), 0);
 }
 
+// The chunk maxima ignore NaN and take inf; the extra element flags either, and a flagged sum comes
+// back NaN everywhere (every rank's step is then not finite, as it would be uncompressed).
+TEST(Int8, NonFiniteValuesAreFlaggedAndPoisonTheSum) {
+  const std::int64_t n = 10, chunk = 4, chunks = 3;
+  std::vector<float> x = {1, -2, 0.5f, 0, 3, -1, 2, 1, 0.25f, -0.5f};
+  std::vector<float> amax(chunks + 1, -1.0f), back(n);
+  std::vector<std::int8_t> q(n);
+  k::int8_absmax(amax.data(), x.data(), n, chunk);
+  EXPECT_EQ(amax, (std::vector<float>{2, 3, 0.5f, 0}));
+  k::int8_quantize(q.data(), nullptr, x.data(), n, chunk, amax.data(), 127);
+  EXPECT_EQ(q[1], -127);
+  EXPECT_EQ(q[9], -127);
+  k::int8_dequantize(back.data(), q.data(), n, chunk, amax.data(), 127);
+  for (std::int64_t i = 0; i < n; ++i) EXPECT_NEAR(back[i], x[i], 0.5 * amax[i / chunk] / 127);
+
+  x[5] = std::numeric_limits<float>::quiet_NaN();
+  k::int8_absmax(amax.data(), x.data(), n, chunk);
+  EXPECT_EQ(amax, (std::vector<float>{2, 3, 0.5f, 1})) << "NaN ignored by its chunk's maximum, flagged";
+  x[5] = -std::numeric_limits<float>::infinity();
+  k::int8_absmax(amax.data(), x.data(), n, chunk);
+  EXPECT_EQ(amax[1], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(amax[3], 1.0f);
+  k::int8_quantize(q.data(), nullptr, x.data(), n, chunk, amax.data(), 127);
+  for (std::int64_t i = 4; i < 8; ++i) EXPECT_EQ(q[i], 0) << "an infinite step sends nothing";
+  k::int8_dequantize(back.data(), q.data(), n, chunk, amax.data(), 127);
+  for (std::int64_t i = 0; i < n; ++i) EXPECT_TRUE(std::isnan(back[i])) << i;
+}
+
 // N ranks quantise with the step from the largest |x| over all of them: the exact sum of their int8
 // values never leaves int8's range, so an int8 all-reduce adds them without saturating.
 TEST(Int8, SumOfRanksCannotOverflow) {
   const std::int64_t n = 4096, chunk = 256;
   for (int ranks : {2, 3, 4, 8, 16, 127}) {
     std::vector<std::vector<float>> x;
-    std::vector<float> amax(c::chunk_count(n, chunk), 0.0f), mine(amax.size());
+    std::vector<float> amax(c::chunk_count(n, chunk) + 1, 0.0f), mine(amax.size());
     for (int r = 0; r < ranks; ++r) {
       x.push_back(randn(n, 10 + r));
       for (std::int64_t i = 0; i < n; ++i) x[r][i] = std::copysign(std::fabs(x[r][i]) + 3.0f, 1.0f);  // same signs: worst case
-      c::chunk_absmax(mine.data(), x[r].data(), n, chunk);
-      for (std::size_t k = 0; k < amax.size(); ++k) amax[k] = std::max(amax[k], mine[k]);
+      k::int8_absmax(mine.data(), x[r].data(), n, chunk);
+      for (std::size_t j = 0; j < amax.size(); ++j) amax[j] = std::max(amax[j], mine[j]);
     }
     std::vector<int> sum(n, 0);
     std::vector<std::int8_t> q(n);
     for (int r = 0; r < ranks; ++r) {
-      c::quantize_int8(q.data(), nullptr, x[r].data(), n, chunk, amax.data(), c::int8_levels(ranks));
+      k::int8_quantize(q.data(), nullptr, x[r].data(), n, chunk, amax.data(), c::int8_levels(ranks));
       for (std::int64_t i = 0; i < n; ++i) sum[i] += q[i];
     }
     EXPECT_LE(*std::max_element(sum.begin(), sum.end()), 127) << ranks << " ranks";
@@ -212,11 +245,11 @@ TEST(ErrorFeedback, SumOfSentUpdatesFollowsSumOfGradients) {
           std::fill(sent.begin(), sent.end(), 0.0f);
           for (std::int64_t j = 0; j < k; ++j) sent[idx[j]] = val[j];
         } else {
-          std::vector<float> amax(c::chunk_count(n, 256));
+          std::vector<float> amax(c::chunk_count(n, 256) + 1);
           std::vector<std::int8_t> q(n);
-          c::chunk_absmax(amax.data(), x.data(), n, 256);
-          c::quantize_int8(q.data(), nullptr, x.data(), n, 256, amax.data(), c::int8_levels(4));
-          c::dequantize_int8(sent.data(), q.data(), n, 256, amax.data(), c::int8_levels(4));
+          k::int8_absmax(amax.data(), x.data(), n, 256);
+          k::int8_quantize(q.data(), nullptr, x.data(), n, 256, amax.data(), c::int8_levels(4));
+          k::int8_dequantize(sent.data(), q.data(), n, 256, amax.data(), c::int8_levels(4));
         }
         for (std::int64_t i = 0; i < n; ++i) {
           e[i] = x[i] - sent[i];
@@ -237,4 +270,10 @@ TEST(ErrorFeedback, SumOfSentUpdatesFollowsSumOfGradients) {
       }
     }
   }
+}
+
+int main(int argc, char** argv) {
+  Kokkos::ScopeGuard kokkos(argc, argv);  // the int8 kernels are the host back end's (Kokkos)
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
 }
