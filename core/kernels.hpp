@@ -599,7 +599,7 @@ inline void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int6
     absmax[c] = m;
     any = nonfinite > any ? nonfinite : any;
   }, Kokkos::Max<int>(bad));
-  absmax[chunks] = bad ? 1.0f : 0.0f;
+  absmax[chunks] = bad > 0 ? 1.0f : 0.0f;  // (no chunks: the reducer's identity, INT_MIN)
 }
 // q = the levels of x (math::int8_level); error (may be null) = x - q step, what error feedback keeps.
 inline void int8_quantize(std::int8_t* q, float* error, const float* x,  // [n], [n], [n]

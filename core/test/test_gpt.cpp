@@ -568,10 +568,6 @@ TEST(GPT, PipelineStagesComputeTheWholeModel) {
   }
 }
 
-// What `loom plan` predicts activation memory with (GPT::activation_sizes) is what the constructor
-// allocates, for the default stage and for chunks holding several micro-batches, with and without
-// recompute, in fp32 and bf16, with unfused and flash attention; and, for the plain fp32 model, the
-// textbook count written out here.
 // The head keeps one [N,V] table: a forward without targets leaves the logits there (sampling), a
 // forward with targets overwrites them with the probabilities. The loss of a forward with targets is
 // the log-softmax of the logits a forward without them left.
@@ -601,6 +597,10 @@ TEST(GPT, ForwardWithoutTargetsKeepsTheLogits) {
   m.backward(1.0f);
 }
 
+// What `loom plan` predicts activation memory with (GPT::activation_sizes) is what the constructor
+// allocates, for the default stage and for chunks holding several micro-batches, with and without
+// recompute, in fp32 and bf16, with unfused and flash attention; and, for the plain fp32 model, the
+// textbook count written out here.
 TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
   auto& ledger = Ledger::global();
   GPTConfig base = tiny_config();

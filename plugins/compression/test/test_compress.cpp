@@ -85,6 +85,10 @@ TEST(Int8, NonFiniteValuesAreFlaggedAndPoisonTheSum) {
   for (std::int64_t i = 4; i < 8; ++i) EXPECT_EQ(q[i], 0) << "an infinite step sends nothing";
   k::int8_dequantize(back.data(), q.data(), n, chunk, amax.data(), 127);
   for (std::int64_t i = 0; i < n; ++i) EXPECT_TRUE(std::isnan(back[i])) << i;
+
+  float none[1] = {-1.0f};  // an empty bucket: no chunks, and nothing non-finite
+  k::int8_absmax(none, x.data(), 0, chunk);
+  EXPECT_EQ(none[0], 0.0f);
 }
 
 // N ranks quantise with the step from the largest |x| over all of them: the exact sum of their int8
