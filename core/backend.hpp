@@ -163,6 +163,8 @@ class Backend {
   virtual void scale(float* x, float a, std::int64_t n) = 0;
   virtual void fill(float* x, float value, std::int64_t n) = 0;
   virtual void copy(float* dst, const float* src, std::int64_t n) = 0;
+  // y += a x, the product rounded, then the sum (no fused multiply-add: the host's and CUDA's alike).
+  virtual void axpy(float* y, float a, const float* x, std::int64_t n) = 0;
   virtual double sum(const float* x, std::int64_t n) = 0;
 
   // Generic operations on typed buffers of this back end's space. They throw std::invalid_argument

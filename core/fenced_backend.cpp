@@ -142,6 +142,7 @@ class FencedBackend final : public Backend {
   void scale(float* x, float a, std::int64_t n) override { h_->scale(H(x), a, n); }
   void fill(float* x, float v, std::int64_t n) override { h_->fill(H(x), v, n); }
   void copy(float* d, const float* s, std::int64_t n) override { h_->copy(H(d), H(s), n); }
+  void axpy(float* y, float a, const float* x, std::int64_t n) override { h_->axpy(H(y), a, H(x), n); }
   double sum(const float* x, std::int64_t n) override { return h_->sum(H(x), n); }
   void cast(BufferRef d, BufferRef s) override { h_->cast(fenced(d, "cast"), fenced(s, "cast")); }
   void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool ta, bool tb, float alpha,

@@ -176,6 +176,7 @@ class HostBackend final : public Backend {
   void scale(float* x, float a, std::int64_t n) override { k::scale(x, a, n); }
   void fill(float* x, float value, std::int64_t n) override { k::fill(x, value, n); }
   void copy(float* dst, const float* src, std::int64_t n) override { k::copy(dst, src, n); }
+  void axpy(float* y, float a, const float* x, std::int64_t n) override { k::axpy(y, a, x, n); }
   double sum(const float* x, std::int64_t n) override { return k::sum(x, n); }
 
   void cast(BufferRef dst, BufferRef src) override {

@@ -577,6 +577,15 @@ void adamw_update(P* params, Acc* m, Acc* v,                          // [n] eac
   });
 }
 
+// y += a x (PowerSGD's residual, plugins/compression): a product rounded, then a sum.
+inline void axpy(float* y, float a, const float* x, std::int64_t n) {  // [n], [n]
+  for_chunks("Axpy", n, [=](std::int64_t begin, std::int64_t end) {
+    float* __restrict yy = y;
+    const float* __restrict xx = x;
+    for (std::int64_t i = begin; i < end; ++i) yy[i] += a * xx[i];
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // int8 gradient compression (Backend::int8_*; plugins/compression): x is cut into chunks of `chunk`
 // elements (the last one shorter), each chunk quantised with its own step (math::int8_step), the

@@ -80,6 +80,7 @@ class SizingBackend final : public Backend {
   void scale(float*, float, std::int64_t) override { no("scale"); }
   void fill(float*, float, std::int64_t) override { no("fill"); }
   void copy(float*, const float*, std::int64_t) override { no("copy"); }
+  void axpy(float*, float, const float*, std::int64_t) override { no("axpy"); }
   double sum(const float*, std::int64_t) override { return no("sum"); }
   void cast(BufferRef, BufferRef) override { no("cast"); }
   void matmul(BufferRef, BufferRef, BufferRef, int, int, int, bool, bool, float, float) override { no("matmul"); }

@@ -449,6 +449,11 @@ class CudaBackend final : public Backend {
                  "copy");
   }
 
+  void axpy(float* y, float a, const float* x, std::int64_t n) override {
+    Timed timed(this, "axpy");
+    cuda::axpy(y, a, x, n, stream_);
+  }
+
   // ---- typed operations ----------------------------------------------------------------------
   void cast(BufferRef dst, BufferRef src) override {
     Timed timed(this, "cast");

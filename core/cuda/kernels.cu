@@ -631,6 +631,10 @@ __global__ void fill_kernel(storage_t<D>* x,  // [n]
   for (std::int64_t i = global_thread(); i < n; i += grid_threads()) x[i] = stored;
 }
 
+__global__ void axpy_kernel(float* y, float a, const float* x, std::int64_t n) {  // [n], [n]
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) y[i] += a * x[i];  // --fmad=false: two roundings
+}
+
 // int8 gradient compression (core/kernels.hpp's int8_*; the per-element rule is math::int8_level).
 // The chunk maxima: one block per chunk (a maximum is the same in any order, so the block's tree
 // gives the host's value bit for bit).
@@ -957,6 +961,13 @@ void sum(double* out, const void* x, DType type, std::int64_t n, double* scratch
 
 void count_nonfinite(double* out, const void* x, DType type, std::int64_t n, double* scratch, cudaStream_t stream) {
   reduce<ReduceOp::nonfinite>("count_nonfinite", out, x, type, n, scratch, stream);
+}
+
+void axpy(float* y, float a, const float* x, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  axpy_kernel<<<g.blocks, g.threads, 0, stream>>>(y, a, x, n);
+  check_launch("axpy_kernel");
 }
 
 void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk, double* nonfinite, double* scratch,

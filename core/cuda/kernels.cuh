@@ -263,6 +263,12 @@ void count_nonfinite(double* out,      // [1]
                      double* scratch,  // [reduce_scratch_count(n)]
                      cudaStream_t stream);
 
+// y += a x: core/kernels.hpp's axpy (Backend::axpy), bit for bit.
+void axpy(float* y,        // [n]
+          float a,
+          const float* x,  // [n]
+          std::int64_t n, cudaStream_t stream);
+
 // int8 gradient compression: core/kernels.hpp's int8_absmax, _quantize and _dequantize (Backend::int8_*),
 // bit for bit. int8_absmax writes [chunks + 1] floats, the last the finiteness flag, through a
 // count of the non-finite values into *nonfinite (a device double; scratch as count_nonfinite's).

@@ -437,6 +437,24 @@ TEST(Backend, TypedScaleAndFill) {
   EXPECT_THROW(be->scale(BufferRef(q.data(), 4), 1.0), std::invalid_argument);
 }
 
+// y += a x rounds the product, then the sum (PowerSGD's residual y - P Q^T / N, as it was written on
+// the host before it moved to the back end): no fused multiply-add, on every element.
+TEST(Backend, AxpyRoundsTheProductThenTheSum) {
+  auto be = host();
+  const std::int64_t n = loom::kernels::kChunk + 9;
+  const std::vector<float> x = as<float>(randn(n, 92)), y0 = as<float>(randn(n, 93));
+  std::vector<float> y = y0;
+  const float a = -1.0f / 3.0f;
+  be->axpy(y.data(), a, x.data(), n);
+  std::int64_t fused_would_differ = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float product = a * x[i];
+    ASSERT_EQ(y[i], y0[i] + product) << i;
+    fused_would_differ += std::fma(a, x[i], y0[i]) != y[i];
+  }
+  EXPECT_GT(fused_would_differ, 0) << "the inputs never tell a fused multiply-add apart";
+}
+
 // ---------------------------------------------------------------------------------------------
 // The precision role: with Precision::matmul = bf16 or fp16, the model's matrix products
 // (matmul_forward/_backward) multiply operands rounded to that type, nearest even, and accumulate in

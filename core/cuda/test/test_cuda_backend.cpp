@@ -204,6 +204,9 @@ TEST(CudaBackend, ElementwiseKernels) {
   tw.host->copy(out.h, y.h, n);
   tw.dev->copy(out.d, y.d, n);
   EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "copy";
+  tw.host->axpy(out.h, -0.37f, x.h, n);
+  tw.dev->axpy(out.d, -0.37f, x.d, n);
+  EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "axpy";
   tw.host->fill(out.h, -2.5f, n);
   tw.dev->fill(out.d, -2.5f, n);
   EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "fill";
