@@ -106,11 +106,12 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model,
                      bool say)
       : cfg_(cfg), dp_(dp), be_(be), model_(model), say_(say) {
-    // int8 runs on the back end (Backend::int8_*, error feedback by copy and residual_forward), where
-    // the gradients are. Top-k's selection and PowerSGD's orthogonalisation are host code: on a
-    // device back end their state and scratch are host memory, and each bucket is compressed from a
-    // host copy (on_host).
-    if (be.space() != MemSpace::host && cfg.method != Method::int8) {
+    // int8 and PowerSGD run on the back end (Backend::int8_*, matmul, error feedback by copy,
+    // residual_forward and axpy), where the gradients are; PowerSGD orthogonalises its small P
+    // factors on the host (a copy of them there and back on a device). Top-k's selection is host
+    // code: on a device back end its state and scratch are host memory, and each bucket is
+    // compressed from a host copy (on_host).
+    if (be.space() != MemSpace::host && cfg.method == Method::topk) {
       host_ = make_host_backend(1);
       host_->set_precision(be.precision());
     }
@@ -194,7 +195,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         break;
       case Method::int8: req = int8(b, fp32_factor); break;
       case Method::topk: req = on_host(b, [&](const GradBucket& hb) { return topk(hb); }); break;
-      case Method::powersgd: req = on_host(b, [&](const GradBucket& hb) { return powersgd(hb, fp32_factor); }); break;
+      case Method::powersgd: req = powersgd(b, fp32_factor); break;
       case Method::none: req = inner_->reduce_async(b); break;
     }
     seconds_ += seconds_since(t0);
@@ -214,8 +215,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them back
     // (8). (The replica hash is once a step: plan_step.)
     const double fb = feedback_ ? 28.0 : 0.0, elems = static_cast<double>(n);
-    // On a device back end top-k and PowerSGD work on a host copy of the bucket (on_host), which goes
-    // back when its collective completes; int8 works on the bucket where it is.
+    // On a device back end top-k works on a host copy of the bucket (on_host), which goes back when
+    // its collective completes; int8 and PowerSGD work on the bucket where it is.
     const double copies = 2.0 * static_cast<double>(b.data.bytes());
     auto all_reduce = [&](const std::string& of, std::int64_t count) {
       plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
@@ -255,11 +256,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         }
         const PowerSgdSplit split = powersgd_split(b);
         // Compressed matrices: P = M Q and Q = M^T P read M (8), M = P Q^T writes it (4), the residual
-        // kept and made M - P Q^T / N (8 + 12, with feedback); the rest packed and unpacked (16).
+        // kept and made M - P Q^T / N (8 + 12, with feedback); the rest packed and unpacked (16): the
+        // back end's. P orthogonalised on the host (Gram-Schmidt in double: each column read against
+        // the earlier ones), on a device through a copy there and back.
         const double mats = elems - static_cast<double>(split.plain_total);
-        plan.host_bytes += elems * fb + mats * (12 + (feedback_ ? 20 : 0)) +
-                           16.0 * static_cast<double>(split.plain_total);
-        plan.host_copy_bytes += copies;
+        const double p = static_cast<double>(split.p_total);
+        plan.backend_bytes += elems * fb + mats * (12 + (feedback_ ? 20 : 0)) + 16.0 * static_cast<double>(split.plain_total);
+        plan.host_bytes += 8.0 * p * (cfg_.rank + 1);
+        plan.host_copy_bytes += 8.0 * p;
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
         // Each all-reduce completes before the next starts (dp_.all_reduce); the bucket's request is
         // complete when it returns.
@@ -475,6 +479,19 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return s;
   }
 
+  // Every compressed matrix's P [n, r] made orthonormal (compress::orthogonalize, in double on the
+  // host): in place on the host, through one copy of the packed P there and back on a device.
+  void orthogonalize_all(const std::vector<PowerSgdSplit::Mat>& mats, float* P, std::int64_t p_total) {
+    const bool device = cbe_->space() != MemSpace::host;
+    if (device) {
+      p_host_.resize(static_cast<std::size_t>(p_total));
+      cbe_->copy_to_host(p_host_.data(), BufferRef(P, p_total, cbe_->space()));
+    }
+    float* h = device ? p_host_.data() : P;
+    for (const PowerSgdSplit::Mat& a : mats) compress::orthogonalize(h + a.p_at, static_cast<int>(a.n), cfg_.rank);
+    if (device) cbe_->copy_from_host(BufferRef(P, p_total, cbe_->space()), p_host_.data());
+  }
+
   CommRequestPtr powersgd(const GradBucket& b, double fp32_factor) {
     const double N = dp_.size();
     if (step_ < cfg_.start_step) {  // plain fp32 at first (PyTorch's start_powerSGD_iter)
@@ -497,13 +514,13 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       float* pk = s.packed.data<float>();
       std::int64_t at = 0;
       for (const auto* t : plain) {
-        std::memcpy(pk + at, x + t->offset, static_cast<std::size_t>(t->count) * sizeof(float));
+        cbe_->copy(pk + at, x + t->offset, t->count);
         at += t->count;
       }
       dp_.all_reduce(s.packed.ref().slice(0, plain_total), ReduceOp::sum);
       at = 0;
       for (const auto* t : plain) {
-        std::memcpy(x + t->offset, pk + at, static_cast<std::size_t>(t->count) * sizeof(float));
+        cbe_->copy(x + t->offset, pk + at, t->count);
         at += t->count;
       }
     }
@@ -513,34 +530,28 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     float* P = s.send.data<float>();
     float* Qs = s.recv.data<float>();
     float* e = s.residual.empty() ? nullptr : s.residual.data<float>();
+    const MemSpace at = cbe_->space();  // the matrices, P, Q and the residuals are the back end's
     for (const Mat& a : mats) {  // M = g + e (kept in the residual buffer), P = M Q
       float* M = x + a.t->offset;
-      if (e) {
-        float* em = e + a.t->offset;
-        for (std::int64_t i = 0; i < a.n * a.m; ++i) M[i] += em[i];
-      }
-      cbe_->matmul(BufferRef(P + a.p_at, a.n * r), BufferRef(M, a.n * a.m), BufferRef(q_of(*a.t), a.m * r),
-                 static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
+      if (e) cbe_->residual_forward(M, M, e + a.t->offset, a.n * a.m);
+      cbe_->matmul(BufferRef(P + a.p_at, a.n * r, at), BufferRef(M, a.n * a.m, at), BufferRef(q_of(*a.t), a.m * r, at),
+                   static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
     }
     dp_.all_reduce(s.send.ref().slice(0, p_total), ReduceOp::sum);
-    for (const Mat& a : mats) {  // orthonormal P, then Q = M^T P
-      compress::orthogonalize(P + a.p_at, static_cast<int>(a.n), r);
-      cbe_->matmul(BufferRef(Qs + a.q_at, a.m * r), BufferRef(x + a.t->offset, a.n * a.m), BufferRef(P + a.p_at, a.n * r),
-                 static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
+    orthogonalize_all(mats, P, p_total);
+    for (const Mat& a : mats) {  // Q = M^T P
+      cbe_->matmul(BufferRef(Qs + a.q_at, a.m * r, at), BufferRef(x + a.t->offset, a.n * a.m, at),
+                   BufferRef(P + a.p_at, a.n * r, at), static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
     }
     dp_.all_reduce(s.recv.ref().slice(0, q_total), ReduceOp::sum);
     for (const Mat& a : mats) {  // the sum ~ P Q^T; residual = M - P Q^T / N
       float* M = x + a.t->offset;
       float* q = q_.at(a.t->param).data<float>();
-      std::memcpy(q, Qs + a.q_at, static_cast<std::size_t>(a.m * r) * sizeof(float));  // warm start
-      if (e) std::memcpy(e + a.t->offset, M, static_cast<std::size_t>(a.n * a.m) * sizeof(float));
-      cbe_->matmul(BufferRef(M, a.n * a.m), BufferRef(P + a.p_at, a.n * r), BufferRef(q, a.m * r),
-                 static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
-      if (e) {
-        float* em = e + a.t->offset;
-        const float inv = 1.0f / static_cast<float>(N);
-        for (std::int64_t i = 0; i < a.n * a.m; ++i) em[i] -= M[i] * inv;
-      }
+      cbe_->copy(q, Qs + a.q_at, a.m * r);  // warm start
+      if (e) cbe_->copy(e + a.t->offset, M, a.n * a.m);
+      cbe_->matmul(BufferRef(M, a.n * a.m, at), BufferRef(P + a.p_at, a.n * r, at), BufferRef(q, a.m * r, at),
+                   static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
+      if (e) cbe_->axpy(e + a.t->offset, -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
     }
     keep_residual(b, s);
     return std::make_unique<ThenRequest>(nullptr, nullptr);
@@ -623,6 +634,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::unique_ptr<Backend> host_;  // the methods' host back end where be_ is a device one
   Backend* cbe_ = nullptr;         // where the methods compute and keep their state: be_ or host_
   std::vector<std::shared_ptr<TypedBuffer>> spare_copies_;  // host copies of device buckets, free for use
+  std::vector<float> p_host_;  // PowerSGD's P on the host for its orthogonalisation, on a device back end
   GPT& model_;
   bool say_;  // this rank prints notes (world rank 0)
   std::map<int, State> state_;
