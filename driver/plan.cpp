@@ -279,7 +279,9 @@ struct Link {
 // Between ranks a and b (every rank calls it; -1: no such pair), through loom's communicator while
 // the other ranks wait in one of its collectives: the latency the median one way of 8-byte messages,
 // the bandwidth from 1 MiB messages (a gradient bucket, a small model's activations; larger ones
-// leave the caches), their best one way less the latency.
+// leave the caches), their best one way less the best 8-byte one, and less at most half of it: on a
+// loaded machine the 8-byte times can come near the 1 MiB ones, and the difference alone then gave
+// bandwidths of 1e6 GB/s, which the cluster file written from them refused.
 Link measure_link(Communicator& world, int a, int b) {
   Link l;
   const int rank = world.rank();
@@ -290,11 +292,14 @@ Link measure_link(Communicator& world, int a, int b) {
     std::unique_ptr<Communicator> pair = make_mpi_communicator(pair_comm, "link");
     if (in_pair) {
       one_way_seconds(*pair, 8, 20);  // warm-up
-      l.latency_s = median(one_way_seconds(*pair, 8, 200));
+      const std::vector<double> small = one_way_seconds(*pair, 8, 200);
+      l.latency_s = median(small);
       const std::size_t big = 1u << 20;
       one_way_seconds(*pair, big, 2);
       const std::vector<double> t = one_way_seconds(*pair, big, 20);
-      l.bytes_per_s = static_cast<double>(big) / std::max(*std::min_element(t.begin(), t.end()) - l.latency_s, 1e-9);
+      const double best = *std::min_element(t.begin(), t.end());
+      const double transfer = std::max(best - *std::min_element(small.begin(), small.end()), 0.5 * best);
+      l.bytes_per_s = static_cast<double>(big) / std::max(transfer, 1e-9);
     }
   }
   MPI_Comm_free(&pair_comm);
