@@ -448,10 +448,10 @@ void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [
 // Residual add.
 
 template <class T, class Acc = acc_type_t<T>>
-void residual_forward(T* out, const T* a, const T* b, std::int64_t n) {  // [n], [n], [n]
+void residual_forward(T* out, const T* a, const T* b, std::int64_t n) {  // [n], [n], [n]; out may be a (x += y)
   for_chunks("Residual::forward", n, [=](std::int64_t begin, std::int64_t end) {
-    T* __restrict o = out;
-    const T* __restrict x = a;
+    T* o = out;
+    const T* x = a;
     const T* __restrict y = b;
     for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(to_acc<Acc>(x[i]) + to_acc<Acc>(y[i]));
   });
