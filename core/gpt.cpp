@@ -288,7 +288,9 @@ void GPT::load_weights(const std::function<const float*(const std::string& name)
 
 const float* GPT::logits() const {
   if (!holds_head(0) || stage_.chunks.size() != 1) throw std::logic_error("GPT::logits: this rank does not hold the whole model");
-  if (slot_rows_[0][0] == 0 || slot_scored_[0][0])
+  if (slot_rows_[0][0] == 0)
+    throw std::logic_error("GPT::logits: no forward held (backward consumed it, or none ran); forward with targets = null");
+  if (slot_scored_[0][0])
     throw std::logic_error("GPT::logits: the last forward had targets, so its logits became probabilities; forward with targets = null");
   return head(0).logits;
 }

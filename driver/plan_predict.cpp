@@ -75,7 +75,7 @@ double matmul_peak(const ClusterSpec& c, const std::string& precision) { return 
 // memory_gbs, the optimizer's pass as bytes over optimizer_gbs, the strategies' own host passes
 // (StepPlan::host_bytes: compression, replica hashes) over host_gbs and, where the devices are not the
 // host, their copies between device and host (host_copy_bytes) over host_link_gbs; their passes through the
-// back end's kernels (backend_bytes: int8 compression) over memory_gbs. Recompute runs the blocks' forward
+// back end's kernels (backend_bytes: int8 and PowerSGD compression) over memory_gbs. Recompute runs the blocks' forward
 // again. Fills the compute fields of `t`.
 void predict_compute(const Prediction& p, const RankPrediction& r, const ClusterSpec& c, TimePrediction& t) {
   const GPTConfig& m = p.plan.model;
