@@ -200,6 +200,16 @@ class Backend {
                              const float* absmax, int levels) = 0;
   virtual void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk,
                                const float* absmax, int levels) = 0;
+  // top-k gradient compression (plugins/compression: core/kernels.hpp topk_*, core/cuda/topk.cuh),
+  // on this back end's memory. 0 <= k <= n < 2^31.
+  //   topk_select       index, value [k] = the k elements of x [n] with the largest |x| (ties to the
+  //                     lower index), in ascending index order; where x holds a NaN or an inf, index j
+  //                     = j and value NaN (so every rank's sum is non-finite)
+  //   topk_scatter_add  x[index[j]] += value[j], j < k (distinct indices: one rank's selection)
+  //   topk_clear        x[index[j]] = 0, j < k (error feedback keeps what was not sent)
+  virtual void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) = 0;
+  virtual void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) = 0;
+  virtual void topk_clear(float* x, const std::int32_t* index, std::int64_t k) = 0;
 
  protected:
   Precision precision_;

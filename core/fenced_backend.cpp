@@ -167,6 +167,13 @@ class FencedBackend final : public Backend {
                        int levels) override {
     h_->int8_dequantize(H(x), H(q), n, chunk, H(a), levels);
   }
+  void topk_select(std::int32_t* i, float* v, const float* x, std::int64_t n, std::int64_t k) override {
+    h_->topk_select(H(i), H(v), H(x), n, k);
+  }
+  void topk_scatter_add(float* x, const std::int32_t* i, const float* v, std::int64_t k) override {
+    h_->topk_scatter_add(H(x), H(i), H(v), k);
+  }
+  void topk_clear(float* x, const std::int32_t* i, std::int64_t k) override { h_->topk_clear(H(x), H(i), k); }
 
 
  private:

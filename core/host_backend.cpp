@@ -296,6 +296,13 @@ class HostBackend final : public Backend {
                        int levels) override {
     k::int8_dequantize(x, q, n, chunk, absmax, levels);
   }
+  void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) override {
+    k::topk_select(index, value, x, n, k);
+  }
+  void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) override {
+    k::topk_scatter_add(x, index, value, k);
+  }
+  void topk_clear(float* x, const std::int32_t* index, std::int64_t k) override { k::topk_clear(x, index, k); }
 
   // The operand slots a micro-batch's products grow, as operand16 grows them: a bf16 operand needs
   // none; ensure_capacity makes the larger buffer before it frees the smaller.

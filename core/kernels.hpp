@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <limits>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -635,6 +636,63 @@ inline void int8_dequantize(float* x, const std::int8_t* q,  // [n], [n]
     for (std::int64_t i = begin; i < end; ++i)
       x[i] = poisoned ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(q[i]) * step;
   });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Top-k gradient compression (Backend::topk_*; plugins/compression). core/cuda/topk.cuh is the
+// device's selection, which gives the same set in the same order.
+
+// index[k], value[k]: the k elements of x with the largest |x| (ties to the lower index), in
+// ascending index order. Where x holds a NaN or an inf (which have no order): index[j] = j and
+// value[j] = NaN, so that every rank's sum is non-finite. 0 <= k <= n.
+inline void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) {
+  if (k <= 0) return;
+  bool finite = true;
+  for (std::int64_t i = 0; i < n && finite; ++i) finite = math::finite_k(x[i]);
+  if (!finite) {
+    for (std::int64_t j = 0; j < k; ++j) {
+      index[j] = static_cast<std::int32_t>(j);
+      value[j] = std::numeric_limits<float>::quiet_NaN();
+    }
+    return;
+  }
+  // The k-th largest magnitude t, by radix selection: non-negative floats order as their bit
+  // patterns, so one pass counts the magnitudes per top 11 bits (2048 buckets), the bucket holding
+  // the k-th largest is found from the top, and only its members are selected among (a few times
+  // faster than a comparison selection, whose branches a CPU cannot predict). Then one pass in index
+  // order takes every element above t and, of those equal to t, the first ones until k: the same set
+  // as ordering by (magnitude descending, index ascending), in ascending index order.
+  const auto bits = [](float v) { return math::float_bits(v) & 0x7fffffffu; };  // |v|
+  constexpr int kShift = 20;
+  std::vector<std::int64_t> count(std::size_t(1) << (31 - kShift), 0);
+  for (std::int64_t i = 0; i < n; ++i) ++count[bits(x[i]) >> kShift];
+  std::size_t bucket = count.size();
+  std::int64_t above = 0;  // elements in buckets above the k-th largest's
+  while (bucket-- > 0 && above + count[bucket] < k) above += count[bucket];
+  std::vector<float> members;
+  members.reserve(static_cast<std::size_t>(count[bucket]));
+  for (std::int64_t i = 0; i < n; ++i)
+    if ((bits(x[i]) >> kShift) == bucket) members.push_back(std::fabs(x[i]));
+  const std::int64_t r = k - above;  // the k-th largest is the r-th largest member
+  std::nth_element(members.begin(), members.begin() + (r - 1), members.end(), std::greater<float>());
+  const float t = members[static_cast<std::size_t>(r - 1)];
+  std::int64_t ties = r;  // members equal to t that are taken, the lowest indices first
+  for (std::int64_t i = 0; i < r - 1; ++i) ties -= members[static_cast<std::size_t>(i)] > t;
+  for (std::int64_t i = 0, j = 0; i < n && j < k; ++i) {
+    const float a = std::fabs(x[i]);
+    if (a > t || (a == t && ties-- > 0)) {
+      index[j] = static_cast<std::int32_t>(i);
+      value[j++] = x[i];
+    }
+  }
+}
+// x[index[j]] += value[j], j < k; the k indices are distinct (one rank's selection).
+inline void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) {  // [n], [k], [k]
+  Kokkos::parallel_for("TopK::scatter_add", Range64(0, k), [=](std::int64_t j) { x[index[j]] += value[j]; });
+}
+// x[index[j]] = 0, j < k: what error feedback keeps is everything but the sent elements.
+inline void topk_clear(float* x, const std::int32_t* index, std::int64_t k) {  // [n], [k]
+  Kokkos::parallel_for("TopK::clear", Range64(0, k), [=](std::int64_t j) { x[index[j]] = 0.0f; });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -97,6 +97,9 @@ class SizingBackend final : public Backend {
   void int8_dequantize(float*, const std::int8_t*, std::int64_t, std::int64_t, const float*, int) override {
     no("int8_dequantize");
   }
+  void topk_select(std::int32_t*, float*, const float*, std::int64_t, std::int64_t) override { no("topk_select"); }
+  void topk_scatter_add(float*, const std::int32_t*, const float*, std::int64_t) override { no("topk_scatter_add"); }
+  void topk_clear(float*, const std::int32_t*, std::int64_t) override { no("topk_clear"); }
 
  private:
   [[noreturn]] static double no(const char* what) {

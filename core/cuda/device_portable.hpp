@@ -3,7 +3,8 @@
 // for the GPU (CUDA's intrinsics and nvcuda::wmma), and with the host compiler against the CUDA
 // emulator (core/cuda/emu/), so that a CPU unit test runs the kernels' own source. A kernel written
 // against these names reads as CUDA: LOOM_KERNEL is __global__, dev::sync_block() __syncthreads(),
-// dev::thread_x() threadIdx.x, dev::wmma nvcuda::wmma, dev::bf16_t __nv_bfloat16.
+// dev::atomic_add_shared atomicAdd, dev::thread_x() threadIdx.x, dev::wmma nvcuda::wmma, dev::bf16_t
+// __nv_bfloat16.
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -35,6 +36,8 @@ LOOM_DEVICE T* shared_memory() {
   extern __shared__ __align__(128) unsigned char loom_dynamic_shared[];
   return reinterpret_cast<T*>(loom_dynamic_shared);
 }
+// *p += v for a count in shared memory, atomically (integer: the sum does not depend on the order).
+LOOM_DEVICE void atomic_add_shared(unsigned* p, unsigned v) { atomicAdd(p, v); }
 }  // namespace loom::dev
 
 #else  // the host emulator
@@ -63,5 +66,7 @@ template <class T>
 T shfl_xor(T v, int lane_mask) { return cuda_emu::shfl_xor(v, static_cast<unsigned>(lane_mask)); }
 template <class T>
 T* shared_memory() { return reinterpret_cast<T*>(cuda_emu::dynamic_shared()); }
+// The emulator's threads switch only at barriers, so a read-modify-write is never interleaved.
+inline void atomic_add_shared(unsigned* p, unsigned v) { *p += v; }
 }  // namespace loom::dev
 #endif

@@ -16,8 +16,9 @@
 //
 // Every pointer is a device pointer. Every function launches on `stream` and returns without
 // synchronising; none allocates. A failed launch throws std::runtime_error naming the kernel.
-// Determinism: no kernel here uses atomics; every sum is reduced in a fixed order that depends only
-// on the shapes (never on the device), so the same inputs give the same bits on every run.
+// Determinism: no floating-point sum here uses atomics (top-k's selection counts integers with them,
+// which any order sums alike); every sum is reduced in a fixed order that depends only on the shapes
+// (never on the device), so the same inputs give the same bits on every run.
 //
 // This header is plain C++ (g++ can include it with the CUDA include directory on its path): the
 // launch-geometry helpers below are ordinary inline functions a CPU-only unit test may call.
@@ -289,5 +290,23 @@ void int8_dequantize(float* x,              // [n]
                      std::int64_t n, std::int64_t chunk,
                      const float* absmax,   // [chunks + 1]
                      int levels, cudaStream_t stream);
+
+// top-k gradient compression: core/kernels.hpp's topk_select, _scatter_add and _clear
+// (Backend::topk_*), the same set in the same order (core/cuda/topk.cuh: an exact radix selection
+// whose only atomics are integer counts in shared memory). 0 <= k <= n < 2^31.
+std::int64_t topk_scratch_count(std::int64_t n);  // uint32s of topk_select's scratch for n elements
+void topk_select(std::int32_t* index,      // [k]
+                 float* value,             // [k]
+                 const float* x,           // [n]
+                 std::int64_t n, std::int64_t k,
+                 std::uint32_t* scratch,   // [topk_scratch_count(n)]
+                 cudaStream_t stream);
+void topk_scatter_add(float* x,                  // [n] (+=)
+                      const std::int32_t* index, // [k] distinct
+                      const float* value,        // [k]
+                      std::int64_t k, cudaStream_t stream);
+void topk_clear(float* x,                  // [n]
+                const std::int32_t* index, // [k]
+                std::int64_t k, cudaStream_t stream);
 
 }  // namespace loom::cuda

@@ -18,13 +18,11 @@ int int8_levels(int ranks);  // floor(127 / ranks); 0 when int8 cannot hold the 
 // The chunk maxima, quantising and scaling back run on the back end, where the gradients are:
 // Backend::int8_absmax, _quantize, _dequantize (core/kernels.hpp on the host, core/cuda/kernels.cu on a
 // GPU; per element math::int8_level).
-// Whether x holds no NaN and no inf.
-bool all_finite(const float* x, std::int64_t n);
 
 // --- top-k ------------------------------------------------------------------------------------------
-// The k elements of x with the largest |x| (ties to the lower index), as ascending indices and their
-// values. k <= n.
-void top_k(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k);
+// The selection (the k largest |x|, ties to the lower index) and the scatters of the received pairs
+// run on the back end: Backend::topk_select, _scatter_add, _clear (core/kernels.hpp on the host,
+// core/cuda/topk.cuh on a GPU).
 // k = max(1, ceil(ratio n)), at most n.
 std::int64_t top_k_count(std::int64_t n, double ratio);
 

@@ -106,16 +106,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model,
                      bool say)
       : cfg_(cfg), dp_(dp), be_(be), model_(model), say_(say) {
-    // int8 and PowerSGD run on the back end (Backend::int8_*, matmul, error feedback by copy,
-    // residual_forward and axpy), where the gradients are; PowerSGD orthogonalises its small P
-    // factors on the host (a copy of them there and back on a device). Top-k's selection is host
-    // code: on a device back end its state and scratch are host memory, and each bucket is
-    // compressed from a host copy (on_host).
-    if (be.space() != MemSpace::host && cfg.method == Method::topk) {
-      host_ = make_host_backend(1);
-      host_->set_precision(be.precision());
-    }
-    cbe_ = host_ ? host_.get() : &be;
+    // Every method runs on the back end (Backend::int8_*, topk_*, matmul, error feedback by copy,
+    // residual_forward and axpy), where the gradients are, and keeps its state there; PowerSGD
+    // orthogonalises its small P factors on the host (a copy of them there and back on a device).
     if (cfg.method == Method::fp16 || cfg.method == Method::bf16)
       inner_ = std::make_unique<CastReducer>(std::move(inner), be, cfg.method == Method::fp16 ? DType::f16 : DType::bf16);
     else
@@ -130,9 +123,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       // (A store that keeps only gradient shares, ZeRO-2/3, hands over pieces: residuals per bucket.)
       const bool pieces = model.store().grad(static_cast<int>(i)).empty();
       if (feedback_ && !pieces)
-        residual_[static_cast<int>(i)] = cbe_->allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
+        residual_[static_cast<int>(i)] = be_.allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
       if (cfg.method == Method::powersgd && compressed(p)) {
-        q_[static_cast<int>(i)] = cbe_->allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
+        q_[static_cast<int>(i)] = be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
         init_q(static_cast<int>(i), 0);
       }
     }
@@ -173,9 +166,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // start those afresh, the same on every rank, so that one bad step does not poison the rest.
   void after_norm(const StepState& st) {
     if (std::isfinite(st.sq_norm) && std::isfinite(st.loss) && st.skip_reason.empty() && !st.nonfinite) return;
-    for (auto& [i, r] : residual_) cbe_->fill(r.data<float>(), 0.0f, r.count());
+    for (auto& [i, r] : residual_) be_.fill(r.data<float>(), 0.0f, r.count());
     for (auto& [k, s] : state_)
-      if (!s.residual.empty()) cbe_->fill(s.residual.data<float>(), 0.0f, s.residual.count());
+      if (!s.residual.empty()) be_.fill(s.residual.data<float>(), 0.0f, s.residual.count());
     for (auto& [i, q] : q_) init_q(i, 0);
     ++resets_;
   }
@@ -194,7 +187,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         req = inner_->reduce_async(b);
         break;
       case Method::int8: req = int8(b, fp32_factor); break;
-      case Method::topk: req = on_host(b, [&](const GradBucket& hb) { return topk(hb); }); break;
+      case Method::topk: req = topk(b); break;
       case Method::powersgd: req = powersgd(b, fp32_factor); break;
       case Method::none: req = inner_->reduce_async(b); break;
     }
@@ -215,9 +208,6 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them back
     // (8). (The replica hash is once a step: plan_step.)
     const double fb = feedback_ ? 28.0 : 0.0, elems = static_cast<double>(n);
-    // On a device back end top-k works on a host copy of the bucket (on_host), which goes back when
-    // its collective completes; int8 and PowerSGD work on the bucket where it is.
-    const double copies = 2.0 * static_cast<double>(b.data.bytes());
     auto all_reduce = [&](const std::string& of, std::int64_t count) {
       plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
                      2.0 * (N - 1), false});
@@ -238,13 +228,15 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         return s;
       }
       case Method::topk: {
-        const double bytes = 8.0 * static_cast<double>(compress::top_k_count(n, cfg_.ratio));  // indices, values
-        plan.add_scratch(Mem::comm, residual + bytes + bytes * N);                             // send, recv
+        const std::int64_t k = compress::top_k_count(n, cfg_.ratio);
+        const double bytes = 8.0 * static_cast<double>(k);  // indices, values
+        plan.add_scratch(Mem::comm, residual + bytes + bytes * N);  // send, recv
         plan.add_comm({dp_.name(), w + " all-gather", ring_all_gather_bytes(bytes * N, N), N - 1.0, false});
-        // finiteness (4); the selection's three passes over the magnitudes' bits (12); the unsent
-        // part kept (8, with feedback); the sum cleared (4) before the k entries of each rank land
-        plan.host_bytes += elems * (fb + 4 + 12 + (feedback_ ? 8 : 0) + 4) + bytes * N;
-        plan.host_copy_bytes += copies;
+        // The back end's passes: the selection's reads of x (the host's finiteness, histogram,
+        // members and write passes: 16; a device's three digit passes, count and write: 20, priced)
+        // and its k pairs written; the unsent part kept (a copy, 8, and k entries cleared, with
+        // feedback); the sum cleared (4) before each rank's k pairs are added (read 8, x 8).
+        plan.backend_bytes += elems * (fb + 20 + (feedback_ ? 8 : 0) + 4) + bytes * (feedback_ ? 2 : 1) + 2.0 * bytes * N;
         return {};
       }
       case Method::powersgd: {
@@ -305,31 +297,6 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   }
 
  private:
-  // A bucket compressed by `method` on the host: a device bucket goes over in a host copy, and the
-  // summed result comes back into it when the method's collective completes.
-  template <class Fn>
-  CommRequestPtr on_host(const GradBucket& b, Fn method) {
-    if (b.data.space == MemSpace::host) return method(b);
-    // A copy from the spares (as many as buckets were ever in flight at once: ZeRO-2/3 number their
-    // pieces afresh every micro-batch), back among them when the bucket's sum is on the device.
-    std::shared_ptr<TypedBuffer> h;
-    if (spare_copies_.empty()) {
-      h = std::make_shared<TypedBuffer>();
-    } else {
-      h = spare_copies_.back();
-      spare_copies_.pop_back();
-    }
-    ensure_capacity(*cbe_, *h, "compression::bucket_host_copy", b.data.type, b.data.count, Mem::comm);
-    GradBucket hb = b;
-    hb.data = h->ref().slice(0, b.data.count);
-    be_.copy_to_host(hb.data.data, b.data);
-    const BufferRef device = b.data, host = hb.data;
-    return std::make_unique<ThenRequest>(method(hb), [this, h, device, host] {
-      be_.copy_from_host(device, host.data);
-      spare_copies_.push_back(h);
-    });
-  }
-
   // Per bucket (by index, checked against its size): the residual of error feedback and scratch.
   struct State {
     std::int64_t count = -1;
@@ -342,18 +309,18 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     if (s.count != b.data.count) {
       s = State();
       s.count = b.data.count;
-      if (feedback_) s.residual = cbe_->allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
+      if (feedback_) s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
     }
     if (!s.residual.empty() && whole_tensors(b))
       for (const GradBucket::Tensor& t : b.tensors)
-        cbe_->copy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>(), t.count);
+        be_.copy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>(), t.count);
     return s;
   }
   // After the method wrote the bucket's new residual: back into the per-tensor residuals.
   void keep_residual(const GradBucket& b, State& s) {
     if (s.residual.empty() || !whole_tensors(b)) return;
     for (const GradBucket::Tensor& t : b.tensors)
-      cbe_->copy(residual_.at(t.param).data<float>(), s.residual.data<float>() + t.offset, t.count);
+      be_.copy(residual_.at(t.param).data<float>(), s.residual.data<float>() + t.offset, t.count);
   }
   bool whole_tensors(const GradBucket& b) const {
     for (const GradBucket::Tensor& t : b.tensors)
@@ -361,7 +328,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return true;
   }
   void add_residual(State& s, float* x, std::int64_t n) {
-    if (!s.residual.empty()) cbe_->residual_forward(x, x, s.residual.data<float>(), n);  // x += residual
+    if (!s.residual.empty()) be_.residual_forward(x, x, s.residual.data<float>(), n);  // x += residual
   }
   bool compressed(const ParamInfo& p) const {
     return p.local_shape.size() == 2 && compress::worth_compressing(p.local_shape[0], p.local_shape[1], cfg_.rank, cfg_.min_rate);
@@ -374,14 +341,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     State& s = state(b);
     float* x = b.data.as<float>();
     add_residual(s, x, n);
-    ensure_capacity(*cbe_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
-    ensure_capacity(*cbe_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
+    ensure_capacity(be_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
+    ensure_capacity(be_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
     float* amax = s.absmax.data<float>();
     // The chunk maxima, and one more element: 1 where this rank holds a NaN or an inf, so that every
     // rank learns of it.
-    cbe_->int8_absmax(amax, x, n, cfg_.chunk);
+    be_.int8_absmax(amax, x, n, cfg_.chunk);
     dp_.all_reduce(s.absmax.ref().slice(0, ch + 1), ReduceOp::max);  // one step per chunk for every rank
-    cbe_->int8_quantize(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
+    be_.int8_quantize(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
                         cfg_.chunk, amax, levels);
     keep_residual(b, s);
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch + 1) + fp32_factor * static_cast<double>(n);
@@ -389,7 +356,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     qb.data = s.q.ref().slice(0, n);
     std::int8_t* q = s.q.data<std::int8_t>();
     const std::int64_t chunk = cfg_.chunk;
-    Backend* cbe = cbe_;
+    Backend* cbe = &be_;
     // The exact int8 sum, scaled back. A non-finite value on any rank (the all-reduced flag) makes
     // the whole sum NaN on every rank: the step is then not finite everywhere (skipped, or an fp16
     // overflow), as it would be uncompressed.
@@ -405,33 +372,28 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     float* x = b.data.as<float>();
     add_residual(s, x, n);
     const std::int64_t bytes = 8 * k;  // k int32 indices, then k fp32 values
-    ensure_capacity(*cbe_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
-    ensure_capacity(*cbe_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
+    ensure_capacity(be_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
+    ensure_capacity(be_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
     auto* idx = reinterpret_cast<std::int32_t*>(s.send.data<std::uint8_t>());
     auto* val = reinterpret_cast<float*>(s.send.data<std::uint8_t>() + 4 * k);
-    if (compress::all_finite(x, n)) {
-      compress::top_k(idx, val, x, n, k);
-    } else {  // NaN/inf has no order: send NaNs, so that every rank's sum is non-finite (see int8)
-      for (std::int64_t j = 0; j < k; ++j) {
-        idx[j] = static_cast<std::int32_t>(j);
-        val[j] = std::numeric_limits<float>::quiet_NaN();
-      }
-    }
+    // NaN/inf has no order: the back end then sends NaNs, so that every rank's sum is non-finite
+    // (see int8).
+    be_.topk_select(idx, val, x, n, k);
     if (!s.residual.empty()) {  // what is not sent stays for the next step
       float* e = s.residual.data<float>();
-      std::memcpy(e, x, static_cast<std::size_t>(n) * sizeof(float));
-      for (std::int64_t j = 0; j < k; ++j) e[idx[j]] = 0.0f;
+      be_.copy(e, x, n);
+      be_.topk_clear(e, idx, k);
       keep_residual(b, s);
     }
     formula_ += static_cast<double>(N - 1) * static_cast<double>(bytes);
     std::uint8_t* recv = s.recv.data<std::uint8_t>();
+    Backend* be = &be_;
     return std::make_unique<ThenRequest>(
-        dp_.all_gather_async(s.send.ref().slice(0, bytes), s.recv.ref().slice(0, bytes * N)), [x, n, k, N, recv] {
-          std::memset(x, 0, static_cast<std::size_t>(n) * sizeof(float));
+        dp_.all_gather_async(s.send.ref().slice(0, bytes), s.recv.ref().slice(0, bytes * N)), [be, x, n, k, N, recv] {
+          be->fill(x, 0.0f, n);
           for (int r = 0; r < N; ++r) {  // rank order: the same sum on every rank
-            const auto* ri = reinterpret_cast<const std::int32_t*>(recv + static_cast<std::int64_t>(r) * 8 * k);
-            const auto* rv = reinterpret_cast<const float*>(recv + static_cast<std::int64_t>(r) * 8 * k + 4 * k);
-            for (std::int64_t j = 0; j < k; ++j) x[ri[j]] += rv[j];
+            const std::uint8_t* at = recv + static_cast<std::int64_t>(r) * 8 * k;
+            be->topk_scatter_add(x, reinterpret_cast<const std::int32_t*>(at), reinterpret_cast<const float*>(at + 4 * k), k);
           }
         });
   }
@@ -445,7 +407,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const std::uint64_t salt = static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ULL;
     std::vector<float> d(static_cast<std::size_t>(q.count()));
     for (std::int64_t i = 0; i < q.count(); ++i) d[static_cast<std::size_t>(i)] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
-    cbe_->copy_from_host(q.ref(), d.data());
+    be_.copy_from_host(q.ref(), d.data());
   }
   float* q_of(const GradBucket::Tensor& t) {
     if (!cfg_.warm_start) init_q(t.param, step_);
@@ -482,14 +444,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // Every compressed matrix's P [n, r] made orthonormal (compress::orthogonalize, in double on the
   // host): in place on the host, through one copy of the packed P there and back on a device.
   void orthogonalize_all(const std::vector<PowerSgdSplit::Mat>& mats, float* P, std::int64_t p_total) {
-    const bool device = cbe_->space() != MemSpace::host;
+    const bool device = be_.space() != MemSpace::host;
     if (device) {
       p_host_.resize(static_cast<std::size_t>(p_total));
-      cbe_->copy_to_host(p_host_.data(), BufferRef(P, p_total, cbe_->space()));
+      be_.copy_to_host(p_host_.data(), BufferRef(P, p_total, be_.space()));
     }
     float* h = device ? p_host_.data() : P;
     for (const PowerSgdSplit::Mat& a : mats) compress::orthogonalize(h + a.p_at, static_cast<int>(a.n), cfg_.rank);
-    if (device) cbe_->copy_from_host(BufferRef(P, p_total, cbe_->space()), p_host_.data());
+    if (device) be_.copy_from_host(BufferRef(P, p_total, be_.space()), p_host_.data());
   }
 
   CommRequestPtr powersgd(const GradBucket& b, double fp32_factor) {
@@ -510,48 +472,48 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(plain_total + p_total + q_total);
     // Vectors and matrices not worth compressing: one fp32 all-reduce of them packed together.
     if (plain_total > 0) {
-      ensure_capacity(*cbe_, s.packed, "compression::powersgd_plain", DType::f32, plain_total, Mem::comm);
+      ensure_capacity(be_, s.packed, "compression::powersgd_plain", DType::f32, plain_total, Mem::comm);
       float* pk = s.packed.data<float>();
       std::int64_t at = 0;
       for (const auto* t : plain) {
-        cbe_->copy(pk + at, x + t->offset, t->count);
+        be_.copy(pk + at, x + t->offset, t->count);
         at += t->count;
       }
       dp_.all_reduce(s.packed.ref().slice(0, plain_total), ReduceOp::sum);
       at = 0;
       for (const auto* t : plain) {
-        cbe_->copy(x + t->offset, pk + at, t->count);
+        be_.copy(x + t->offset, pk + at, t->count);
         at += t->count;
       }
     }
     if (mats.empty()) return std::make_unique<ThenRequest>(nullptr, nullptr);
-    ensure_capacity(*cbe_, s.send, "compression::powersgd_p", DType::f32, p_total, Mem::comm);
-    ensure_capacity(*cbe_, s.recv, "compression::powersgd_q", DType::f32, q_total, Mem::comm);
+    ensure_capacity(be_, s.send, "compression::powersgd_p", DType::f32, p_total, Mem::comm);
+    ensure_capacity(be_, s.recv, "compression::powersgd_q", DType::f32, q_total, Mem::comm);
     float* P = s.send.data<float>();
     float* Qs = s.recv.data<float>();
     float* e = s.residual.empty() ? nullptr : s.residual.data<float>();
-    const MemSpace at = cbe_->space();  // the matrices, P, Q and the residuals are the back end's
+    const MemSpace at = be_.space();  // the matrices, P, Q and the residuals are the back end's
     for (const Mat& a : mats) {  // M = g + e (kept in the residual buffer), P = M Q
       float* M = x + a.t->offset;
-      if (e) cbe_->residual_forward(M, M, e + a.t->offset, a.n * a.m);
-      cbe_->matmul(BufferRef(P + a.p_at, a.n * r, at), BufferRef(M, a.n * a.m, at), BufferRef(q_of(*a.t), a.m * r, at),
+      if (e) be_.residual_forward(M, M, e + a.t->offset, a.n * a.m);
+      be_.matmul(BufferRef(P + a.p_at, a.n * r, at), BufferRef(M, a.n * a.m, at), BufferRef(q_of(*a.t), a.m * r, at),
                    static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
     }
     dp_.all_reduce(s.send.ref().slice(0, p_total), ReduceOp::sum);
     orthogonalize_all(mats, P, p_total);
     for (const Mat& a : mats) {  // Q = M^T P
-      cbe_->matmul(BufferRef(Qs + a.q_at, a.m * r, at), BufferRef(x + a.t->offset, a.n * a.m, at),
+      be_.matmul(BufferRef(Qs + a.q_at, a.m * r, at), BufferRef(x + a.t->offset, a.n * a.m, at),
                    BufferRef(P + a.p_at, a.n * r, at), static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
     }
     dp_.all_reduce(s.recv.ref().slice(0, q_total), ReduceOp::sum);
     for (const Mat& a : mats) {  // the sum ~ P Q^T; residual = M - P Q^T / N
       float* M = x + a.t->offset;
       float* q = q_.at(a.t->param).data<float>();
-      cbe_->copy(q, Qs + a.q_at, a.m * r);  // warm start
-      if (e) cbe_->copy(e + a.t->offset, M, a.n * a.m);
-      cbe_->matmul(BufferRef(M, a.n * a.m, at), BufferRef(P + a.p_at, a.n * r, at), BufferRef(q, a.m * r, at),
+      be_.copy(q, Qs + a.q_at, a.m * r);  // warm start
+      if (e) be_.copy(e + a.t->offset, M, a.n * a.m);
+      be_.matmul(BufferRef(M, a.n * a.m, at), BufferRef(P + a.p_at, a.n * r, at), BufferRef(q, a.m * r, at),
                    static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
-      if (e) cbe_->axpy(e + a.t->offset, -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
+      if (e) be_.axpy(e + a.t->offset, -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
     }
     keep_residual(b, s);
     return std::make_unique<ThenRequest>(nullptr, nullptr);
@@ -631,9 +593,6 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::unique_ptr<Reducer> inner_;
   Communicator& dp_;
   Backend& be_;
-  std::unique_ptr<Backend> host_;  // the methods' host back end where be_ is a device one
-  Backend* cbe_ = nullptr;         // where the methods compute and keep their state: be_ or host_
-  std::vector<std::shared_ptr<TypedBuffer>> spare_copies_;  // host copies of device buckets, free for use
   std::vector<float> p_host_;  // PowerSGD's P on the host for its orthogonalisation, on a device back end
   GPT& model_;
   bool say_;  // this rank prints notes (world rank 0)

@@ -251,6 +251,47 @@ TEST(CudaBackend, Int8CompressionIsBitForBitTheHosts) {
   for (float v : tw.dev_of(back)) ASSERT_TRUE(std::isnan(v)) << "a flagged sum is NaN everywhere";
 }
 
+// Top-k compression: the device's radix selection (core/cuda/topk.cuh) keeps the host's set in the
+// host's order, bit for bit, over several blocks (a gradient-like bucket, one with ties everywhere);
+// the scatters as the compressing reducer uses them; a NaN sends NaNs.
+TEST(CudaBackend, TopKIsBitForBitTheHosts) {
+  REQUIRE_GPU();
+  Twins tw;
+  const std::int64_t n = 1000003;
+  const std::vector<float> normal = randn(std::size_t(n), 8, 1.0f);
+  std::vector<float> ties(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) ties[std::size_t(i)] = float(int(i * 7919 % 9) - 4) * 0.125f;
+  for (const std::vector<float>* xv : {&normal, static_cast<const std::vector<float>*>(&ties)}) {
+    auto x = tw.make(*xv), e = tw.make(*xv), sum = tw.zeros(n);
+    for (const std::int64_t k : {std::int64_t(1), n / 100, n / 3, n}) {
+      auto [ih, id] = tw.both(std::vector<std::int32_t>(std::size_t(k), -1));
+      auto val = tw.zeros(k);
+      tw.host->topk_select(ih, val.h, x.h, n, k);
+      tw.dev->topk_select(id, val.d, x.d, n, k);
+      std::vector<std::int32_t> idx(static_cast<std::size_t>(k));
+      tw.dev->copy_to_host(idx.data(), BufferRef(id, k, MemSpace::device));
+      ASSERT_EQ(idx, std::vector<std::int32_t>(ih, ih + k)) << "topk_select k " << k;
+      EXPECT_EQ(tw.dev_of(val), tw.host_of(val)) << "topk_select's values, k " << k;
+      tw.host->topk_clear(e.h, ih, k);
+      tw.dev->topk_clear(e.d, id, k);
+      EXPECT_EQ(tw.dev_of(e), tw.host_of(e)) << "topk_clear";
+      tw.host->topk_scatter_add(sum.h, ih, val.h, k);
+      tw.dev->topk_scatter_add(sum.d, id, val.d, k);
+      EXPECT_EQ(tw.dev_of(sum), tw.host_of(sum)) << "topk_scatter_add";
+    }
+  }
+  auto x = tw.make(normal), val = tw.zeros(10);
+  auto [ih, id] = tw.both(std::vector<std::int32_t>(10, -1));
+  (void)ih;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  tw.dev->copy_from_host(BufferRef(x.d + 654321, 1, MemSpace::device), &nan);
+  tw.dev->topk_select(id, val.d, x.d, n, 10);
+  std::vector<std::int32_t> idx(10);
+  tw.dev->copy_to_host(idx.data(), BufferRef(id, 10, MemSpace::device));
+  for (int j = 0; j < 10; ++j) EXPECT_EQ(idx[std::size_t(j)], j) << "a NaN sends indices 0..k-1";
+  for (float v : tw.dev_of(val)) EXPECT_TRUE(std::isnan(v)) << "and NaN values";
+}
+
 void crossentropy_against_fp64(int N, int V);
 TEST(CudaBackend, CrossEntropyForwardAndBackward) {
   REQUIRE_GPU();

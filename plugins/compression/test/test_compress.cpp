@@ -124,7 +124,7 @@ TEST(TopK, KeepsExactlyTheKLargestMagnitudes) {
     const std::int64_t k = c::top_k_count(n, ratio);
     std::vector<std::int32_t> idx(k);
     std::vector<float> val(k);
-    c::top_k(idx.data(), val.data(), x.data(), n, k);
+    loom::kernels::topk_select(idx.data(), val.data(), x.data(), n, k);
     ASSERT_TRUE(std::is_sorted(idx.begin(), idx.end()));
     std::vector<float> mags(n);
     for (std::int64_t i = 0; i < n; ++i) mags[i] = std::fabs(x[i]);
@@ -170,11 +170,34 @@ TEST(TopK, IsTheFirstKOfTheFullOrderTiesToTheLowestIndices) {
       std::vector<std::int32_t> want(order.begin(), order.begin() + k), idx(static_cast<std::size_t>(k));
       std::sort(want.begin(), want.end());
       std::vector<float> val(static_cast<std::size_t>(k));
-      c::top_k(idx.data(), val.data(), x.data(), n, k);
+      loom::kernels::topk_select(idx.data(), val.data(), x.data(), n, k);
       EXPECT_EQ(idx, want) << "trial " << trial << ", k " << k;
       for (std::int64_t j = 0; j < k; ++j) EXPECT_EQ(val[j], x[idx[j]]);
     }
   }
+}
+
+// A NaN or an inf anywhere: NaN values at indices 0..k-1 (every rank's sum is then non-finite); the
+// scatters add one rank's pairs and clear the sent entries.
+TEST(TopK, NonFiniteValuesSendNaNAndTheScattersTouchOnlyTheIndices) {
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    auto x = randn(100, 4);
+    x[63] = bad;
+    std::vector<std::int32_t> idx(5, -1);
+    std::vector<float> val(5, 0.0f);
+    loom::kernels::topk_select(idx.data(), val.data(), x.data(), 100, 5);
+    for (int j = 0; j < 5; ++j) {
+      EXPECT_EQ(idx[j], j);
+      EXPECT_TRUE(std::isnan(val[j]));
+    }
+  }
+  std::vector<float> x(10, 1.0f);
+  const std::vector<std::int32_t> idx = {2, 5, 9};
+  const std::vector<float> val = {0.5f, -2.0f, 4.0f};
+  k::topk_scatter_add(x.data(), idx.data(), val.data(), 3);
+  EXPECT_EQ(x, (std::vector<float>{1, 1, 1.5f, 1, 1, -1, 1, 1, 1, 5}));
+  k::topk_clear(x.data(), idx.data(), 3);
+  EXPECT_EQ(x, (std::vector<float>{1, 1, 0, 1, 1, 0, 1, 1, 1, 0}));
 }
 
 namespace {
@@ -245,7 +268,7 @@ TEST(ErrorFeedback, SumOfSentUpdatesFollowsSumOfGradients) {
           const std::int64_t k = c::top_k_count(n, 0.01);
           std::vector<std::int32_t> idx(k);
           std::vector<float> val(k);
-          c::top_k(idx.data(), val.data(), x.data(), n, k);
+          loom::kernels::topk_select(idx.data(), val.data(), x.data(), n, k);
           std::fill(sent.begin(), sent.end(), 0.0f);
           for (std::int64_t j = 0; j < k; ++j) sent[idx[j]] = val[j];
         } else {
