@@ -661,7 +661,9 @@ inline void topk_select(std::int32_t* index, float* value, const float* x, std::
   // the k-th largest is found from the top, and only its members are selected among (a few times
   // faster than a comparison selection, whose branches a CPU cannot predict). Then one pass in index
   // order takes every element above t and, of those equal to t, the first ones until k: the same set
-  // as ordering by (magnitude descending, index ascending), in ascending index order.
+  // as ordering by (magnitude descending, index ascending), in ascending index order. Magnitudes
+  // are compared as bits throughout, as the device does (a float comparison would differ where
+  // denormals are flushed to zero).
   const auto bits = [](float v) { return math::float_bits(v) & 0x7fffffffu; };  // |v|
   constexpr int kShift = 20;
   std::vector<std::int64_t> count(std::size_t(1) << (31 - kShift), 0);
@@ -669,17 +671,17 @@ inline void topk_select(std::int32_t* index, float* value, const float* x, std::
   std::size_t bucket = count.size();
   std::int64_t above = 0;  // elements in buckets above the k-th largest's
   while (bucket-- > 0 && above + count[bucket] < k) above += count[bucket];
-  std::vector<float> members;
+  std::vector<std::uint32_t> members;
   members.reserve(static_cast<std::size_t>(count[bucket]));
   for (std::int64_t i = 0; i < n; ++i)
-    if ((bits(x[i]) >> kShift) == bucket) members.push_back(std::fabs(x[i]));
+    if ((bits(x[i]) >> kShift) == bucket) members.push_back(bits(x[i]));
   const std::int64_t r = k - above;  // the k-th largest is the r-th largest member
-  std::nth_element(members.begin(), members.begin() + (r - 1), members.end(), std::greater<float>());
-  const float t = members[static_cast<std::size_t>(r - 1)];
+  std::nth_element(members.begin(), members.begin() + (r - 1), members.end(), std::greater<std::uint32_t>());
+  const std::uint32_t t = members[static_cast<std::size_t>(r - 1)];
   std::int64_t ties = r;  // members equal to t that are taken, the lowest indices first
   for (std::int64_t i = 0; i < r - 1; ++i) ties -= members[static_cast<std::size_t>(i)] > t;
   for (std::int64_t i = 0, j = 0; i < n && j < k; ++i) {
-    const float a = std::fabs(x[i]);
+    const std::uint32_t a = bits(x[i]);
     if (a > t || (a == t && ties-- > 0)) {
       index[j] = static_cast<std::int32_t>(i);
       value[j++] = x[i];

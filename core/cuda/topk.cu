@@ -43,9 +43,9 @@ void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t
                  std::uint32_t* scratch, cudaStream_t stream) {
   if (k <= 0 || n <= 0) return;
   if (k > n || n > 0x7fffffff) throw std::invalid_argument("topk_select: k = " + std::to_string(k) + " of n = " + std::to_string(n));
-  const auto launch = [stream](int blocks, int threads, std::size_t shared, auto kernel, auto... args) {
+  const auto launch = [stream](const char* name, int blocks, int threads, std::size_t shared, auto kernel, auto... args) {
     kernel<<<blocks, threads, shared, stream>>>(args...);
-    check(cudaGetLastError(), "launching a top-k selection kernel");
+    check(cudaGetLastError(), (std::string("launching ") + name).c_str());
   };
   topk::select(launch, index, value, x, n, k, scratch, topk::grid_blocks(n));
 }

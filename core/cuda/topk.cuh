@@ -3,8 +3,9 @@
 // elements of x [n] with the largest |x|, ties to the lower index, written in ascending index order,
 // the set core/kernels.hpp's topk_select gives. A run repeats bit for bit and equals the host's.
 //
-// Exact radix selection on the magnitudes' bits (non-negative floats order as their bit patterns;
-// NaN above inf, as on the host): three digit passes, of bits [20, 31), [9, 20) and [0, 9), each a
+// Exact radix selection on the magnitudes' bits (non-negative floats order as their bit patterns,
+// as the host compares them; a NaN's bits order above inf's, but a NaN or inf poisons the output
+// anyway, below): three digit passes, of bits [20, 31), [9, 20) and [0, 9), each a
 // histogram per block of the elements that share the digits found so far (histogram_kernel) and one
 // block that sums them and finds the digit of the k-th largest key (pick_digit_kernel). That leaves
 // the k-th largest key t and `take`, how many of the elements equal to t are kept (the first ones;
@@ -15,8 +16,9 @@
 // a NaN or an inf, poison_kernel writes index j = j and value NaN, as the host does.
 //
 // Work split: a grid of `blocks` blocks of kThreads threads; block b takes the contiguous range
-// [b span, (b + 1) span) of x (span = ceil(n / blocks)), walked in chunks of kThreads * kItems, each
-// thread kItems neighbouring elements. The scratch (per-block histograms and counts, the selection's
+// [b span, (b + 1) span) of x (span = ceil(n / blocks)): the histogram and count kernels walk it
+// with a stride of kThreads, the write kernel in chunks of kThreads * kItems, each thread kItems
+// neighbouring elements (so that one scan per chunk orders its places). The scratch (per-block histograms and counts, the selection's
 // state) is carved by the function that sizes it.
 //
 // The source compiles for the GPU (nvcc) and for the host against core/cuda/emu/ (a unit test runs
@@ -30,7 +32,7 @@
 namespace loom::cuda::topk {
 
 constexpr int kThreads = 256;
-constexpr int kItems = 8;        // neighbouring elements per thread in count_kernel and write_kernel
+constexpr int kItems = 8;        // neighbouring elements per thread in write_kernel's chunks
 constexpr int kMaxBlocks = 256;  // histograms: 2048 counts of 4 bytes per block, 2 MiB at most
 constexpr int kBins = 2048;      // the widest digit's
 constexpr int kDigits = 3;
@@ -168,7 +170,7 @@ constexpr std::size_t kCountShared = 3 * kThreads * sizeof(std::uint32_t);
 LOOM_KERNEL void count_kernel(std::uint32_t* counts,  // [blocks, 3]
                               const float* x,         // [n]
                               std::int64_t n, const State* state) {
-  std::uint32_t* s = dev::shared_memory<std::uint32_t>();  // [kThreads]
+  std::uint32_t* s = dev::shared_memory<std::uint32_t>();  // [3, kThreads]
   const int t = dev::thread_x(), b = dev::block_x();
   const std::uint32_t key_t = state->prefix;
   const std::int64_t span = block_span(n, dev::grid_x()), begin = b * span, end = begin + span < n ? begin + span : n;
@@ -190,7 +192,7 @@ constexpr std::size_t kOffsetsShared = 3 * kThreads * sizeof(std::uint32_t);
 // One block of kThreads: counts[b, 0..1] become the elements above t and equal to t in the blocks
 // before b (exclusive prefix sums, in block order); state->nonfinite the sum of counts[., 2].
 LOOM_KERNEL void offsets_kernel(State* state, std::uint32_t* counts, int blocks) {  // [1], [blocks, 3]
-  std::uint32_t* s = dev::shared_memory<std::uint32_t>();  // [kThreads]
+  std::uint32_t* s = dev::shared_memory<std::uint32_t>();  // [3, kThreads]
   const int t = dev::thread_x();
   const int per = (blocks + kThreads - 1) / kThreads;  // blocks per thread, neighbouring
   const int first = t * per, last = first + per < blocks ? first + per : blocks;
@@ -265,7 +267,7 @@ LOOM_KERNEL void poison_kernel(std::int32_t* index, float* value, std::int64_t k
   }
 }
 
-// The selection's launches in order, through `launch(blocks, threads, shared_bytes, kernel, args...)`
+// The selection's launches in order, through `launch(name, blocks, threads, shared_bytes, kernel, args...)`
 // (a CUDA launch on a stream, or the emulator's). 0 < k <= n < 2^31; `blocks` from 1 to kMaxBlocks
 // (grid_blocks(n) on a device; a test takes others) and scratch of scratch_count(blocks).
 template <class Launch>
@@ -274,15 +276,15 @@ void select(Launch&& launch, std::int32_t* index, float* value, const float* x, 
   Scratch s;
   carve(&s, scratch, blocks);
   for (int d = 0; d < kDigits; ++d) {
-    launch(blocks, kThreads, kHistogramShared, histogram_kernel, s.hist, x, n, d, static_cast<const State*>(s.state));
-    launch(1, kThreads, kPickShared, pick_digit_kernel, s.state, static_cast<const std::uint32_t*>(s.hist), blocks, d, k);
+    launch("topk histogram_kernel", blocks, kThreads, kHistogramShared, histogram_kernel, s.hist, x, n, d, static_cast<const State*>(s.state));
+    launch("topk pick_digit_kernel", 1, kThreads, kPickShared, pick_digit_kernel, s.state, static_cast<const std::uint32_t*>(s.hist), blocks, d, k);
   }
-  launch(blocks, kThreads, kCountShared, count_kernel, s.counts, x, n, static_cast<const State*>(s.state));
-  launch(1, kThreads, kOffsetsShared, offsets_kernel, s.state, s.counts, blocks);
-  launch(blocks, kThreads, kWriteShared, write_kernel, index, value, x, n, static_cast<const State*>(s.state),
+  launch("topk count_kernel", blocks, kThreads, kCountShared, count_kernel, s.counts, x, n, static_cast<const State*>(s.state));
+  launch("topk offsets_kernel", 1, kThreads, kOffsetsShared, offsets_kernel, s.state, s.counts, blocks);
+  launch("topk write_kernel", blocks, kThreads, kWriteShared, write_kernel, index, value, x, n, static_cast<const State*>(s.state),
          static_cast<const std::uint32_t*>(s.counts));
   const std::int64_t poison_blocks = (k + kThreads - 1) / kThreads;
-  launch(static_cast<int>(poison_blocks < 1024 ? poison_blocks : 1024), kThreads, 0, poison_kernel, index, value, k,
+  launch("topk poison_kernel", static_cast<int>(poison_blocks < 1024 ? poison_blocks : 1024), kThreads, 0, poison_kernel, index, value, k,
          static_cast<const State*>(s.state));
 }
 

@@ -252,8 +252,9 @@ TEST(CudaBackend, Int8CompressionIsBitForBitTheHosts) {
 }
 
 // Top-k compression: the device's radix selection (core/cuda/topk.cuh) keeps the host's set in the
-// host's order, bit for bit, over several blocks (a gradient-like bucket, one with ties everywhere);
-// the scatters as the compressing reducer uses them; a NaN sends NaNs.
+// host's order, bit for bit, over several blocks (a gradient-like bucket, one with ties everywhere)
+// and at the block cap (9M elements, kMaxBlocks blocks); the scatters as the compressing reducer
+// uses them; a NaN sends NaNs.
 TEST(CudaBackend, TopKIsBitForBitTheHosts) {
   REQUIRE_GPU();
   Twins tw;
@@ -290,6 +291,15 @@ TEST(CudaBackend, TopKIsBitForBitTheHosts) {
   tw.dev->copy_to_host(idx.data(), BufferRef(id, 10, MemSpace::device));
   for (int j = 0; j < 10; ++j) EXPECT_EQ(idx[std::size_t(j)], j) << "a NaN sends indices 0..k-1";
   for (float v : tw.dev_of(val)) EXPECT_TRUE(std::isnan(v)) << "and NaN values";
+  const std::int64_t big = 9000000, kb = big / 100;  // 25 MB buckets (data.bucket_mb = 25 is 6.5M elements)
+  auto xb = tw.make(randn(std::size_t(big), 9, 1.0f)), vb = tw.zeros(kb);
+  auto [ibh, ibd] = tw.both(std::vector<std::int32_t>(std::size_t(kb), -1));
+  tw.host->topk_select(ibh, vb.h, xb.h, big, kb);
+  tw.dev->topk_select(ibd, vb.d, xb.d, big, kb);
+  std::vector<std::int32_t> ib(static_cast<std::size_t>(kb));
+  tw.dev->copy_to_host(ib.data(), BufferRef(ibd, kb, MemSpace::device));
+  EXPECT_EQ(ib, std::vector<std::int32_t>(ibh, ibh + kb)) << "topk_select at the block cap";
+  EXPECT_EQ(tw.dev_of(vb), tw.host_of(vb));
 }
 
 void crossentropy_against_fp64(int N, int V);

@@ -39,7 +39,7 @@ Selection run_kernels(const std::vector<float>& x, std::int64_t k, int blocks,
               std::vector<float>(static_cast<std::size_t>(k) + kGuard, -7.0f)};
   // Scratch as the device's: never zeroed between uses, so every kernel must write what it reads.
   std::vector<std::uint32_t> scratch(static_cast<std::size_t>(topk::scratch_count(blocks)), 0xdeadbeefu);
-  const auto launch = [](int grid, int threads, std::size_t shared, auto kernel, auto... args) {
+  const auto launch = [](const char*, int grid, int threads, std::size_t shared, auto kernel, auto... args) {
     emu::launch(emu::dim3(static_cast<unsigned>(grid)), emu::dim3(static_cast<unsigned>(threads)), shared,
                 [&] { kernel(args...); });
   };
