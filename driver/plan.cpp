@@ -125,22 +125,32 @@ int rows_at(int width) { return width <= 128 ? 1024 : 1024 * 128 / width; }
 // backward (fp32) timed at two shapes, B=16, T=32, C=64, 4 heads (the fixed cost dominates) and B=4,
 // T=256, C=256, 4 heads (the FLOPs dominate), best of 5 each (`ts`, `tl`), and t = B * heads * head_s +
 // attention_flops / rate solved for both (io/cluster.hpp counts the FLOPs, for the prediction too).
+// The same for the fused attention (model.attention = flash: head sizes 16 and 64, which it takes),
+// counted with the same FLOPs.
 struct AttentionRate {
   double flops_per_s = 0, head_s = 0;
 };
-double attention_seconds(int B, int T, int C, int NH) {
+double attention_seconds(int B, int T, int C, int NH, bool flash) {
   auto be = make_host_backend(1);
-  const std::int64_t bt = static_cast<std::int64_t>(B) * T, att_n = static_cast<std::int64_t>(B) * NH * T * T;
+  const std::int64_t bt = static_cast<std::int64_t>(B) * T;
+  // The unfused kernels' [B, NH, T, T] probabilities and their gradients; the fused one's lse and dsum [B, NH, T].
+  const std::int64_t saved_n = static_cast<std::int64_t>(B) * NH * T * (flash ? 1 : T);
   TypedBuffer qkv = small_values(*be, "plan::calibrate.qkv", bt * 3 * C);
   TypedBuffer dout = small_values(*be, "plan::calibrate.dout", bt * C);
   TypedBuffer out = be->allocate("plan::calibrate.out", DType::f32, bt * C, Mem::workspace);
-  TypedBuffer att = be->allocate("plan::calibrate.att", DType::f32, att_n, Mem::workspace);
+  TypedBuffer saved = be->allocate("plan::calibrate.att", DType::f32, saved_n, Mem::workspace);
   TypedBuffer dqkv = be->allocate("plan::calibrate.dqkv", DType::f32, bt * 3 * C, Mem::workspace);
-  TypedBuffer datt = be->allocate("plan::calibrate.datt", DType::f32, att_n, Mem::workspace);
+  TypedBuffer dsaved = be->allocate("plan::calibrate.datt", DType::f32, saved_n, Mem::workspace);
   const double t = best_seconds(*be, 5, [&] {
-    be->attention_forward(out.data<float>(), att.data<float>(), qkv.data<float>(), B, T, C, NH);
-    be->attention_backward(dqkv.data<float>(), datt.data<float>(), dout.data<float>(), qkv.data<float>(),
-                           att.data<float>(), B, T, C, NH);
+    if (flash) {
+      be->attention_forward_flash(out.data<float>(), saved.data<float>(), qkv.data<float>(), B, T, C, NH);
+      be->attention_backward_flash(dqkv.data<float>(), dsaved.data<float>(), dout.data<float>(), out.ref(),
+                                   qkv.data<float>(), saved.data<float>(), B, T, C, NH);
+    } else {
+      be->attention_forward(out.data<float>(), saved.data<float>(), qkv.data<float>(), B, T, C, NH);
+      be->attention_backward(dqkv.data<float>(), dsaved.data<float>(), dout.data<float>(), qkv.data<float>(),
+                             saved.data<float>(), B, T, C, NH);
+    }
   });
   be->release_scratch();
   return t;
@@ -431,11 +441,14 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   // The short measurements (a product call's fixed cost, attention at its two shapes) are taken at
   // the start, after the products and at the end, the best of each kept: a machine's speed drifts
   // (other work, a virtual machine's neighbours) over the seconds calibration takes.
-  double fixed[3] = {1e30, 1e30, 1e30};  // call, attention small, attention large (seconds)
+  // call, attention small, attention large, fused attention small, fused attention large (seconds)
+  double fixed[5] = {1e30, 1e30, 1e30, 1e30, 1e30};
   const auto sample_fixed = [&] {
     fixed[0] = std::min(fixed[0], matmul_call_seconds());
-    fixed[1] = std::min(fixed[1], attention_seconds(Bs, Ts, Cs, NH));
-    fixed[2] = std::min(fixed[2], attention_seconds(Bl, Tl, Cl, NH));
+    fixed[1] = std::min(fixed[1], attention_seconds(Bs, Ts, Cs, NH, false));
+    fixed[2] = std::min(fixed[2], attention_seconds(Bl, Tl, Cl, NH, false));
+    fixed[3] = std::min(fixed[3], attention_seconds(Bs, Ts, Cs, NH, true));
+    fixed[4] = std::min(fixed[4], attention_seconds(Bl, Tl, Cl, NH, true));
   };
   sample_fixed();
   constexpr int kW = static_cast<int>(std::size(kWidths));
@@ -444,12 +457,13 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   for (int d = 0; d < 3; ++d)
     for (int w = 0; w < kW; ++w) block_s[d][w] = block_matmul_seconds(dtypes[d], rows_at(kWidths[w]), kWidths[w]);
   sample_fixed();
-  double kernels[3] = {0, memory_rate(), optimizer_rate()};
+  double kernels[4] = {0, memory_rate(), optimizer_rate(), 0};
   sample_fixed();
-  const AttentionRate att = attention_rate(fixed[1], fixed[2]);
+  const AttentionRate att = attention_rate(fixed[1], fixed[2]), flash = attention_rate(fixed[3], fixed[4]);
   kernels[0] = att.flops_per_s;
-  double costs[2] = {fixed[0], att.head_s};
-  MPI_Allreduce(MPI_IN_PLACE, costs, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  kernels[3] = flash.flops_per_s;
+  double costs[3] = {fixed[0], att.head_s, flash.head_s};
+  MPI_Allreduce(MPI_IN_PLACE, costs, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   double rates[3][kW];
   for (int d = 0; d < 3; ++d)
     for (int w = 0; w < kW; ++w) rates[d][w] = block_matmul_rate(block_s[d][w], rows_at(kWidths[w]), kWidths[w], costs[0]);
@@ -462,7 +476,7 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
     efficiency[d].points.clear();
     for (int w = 0; w < kW; ++w) efficiency[d].points.push_back({double(kWidths[w]), rates[d][w] / peak[d]});
   }
-  MPI_Allreduce(MPI_IN_PLACE, kernels, 3, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, kernels, 4, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
   std::unique_ptr<Communicator> world_comm = make_mpi_communicator(MPI_COMM_WORLD, "world");
   const Link intra = measure_link(*world_comm, same >= 0 ? 0 : -1, same);
   const Link inter = measure_link(*world_comm, other >= 0 ? 0 : -1, other);
@@ -486,6 +500,8 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   c.matmul_call_s = costs[0];
   c.attention_flops = kernels[0];
   c.attention_head_s = costs[1];
+  c.flash_attention_flops = kernels[3];
+  c.flash_attention_head_s = costs[2];
   c.memory_bytes_per_s = kernels[1];
   c.optimizer_bytes_per_s = kernels[2];
   c.sync_wait_share = sync_share;
@@ -503,7 +519,8 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
                          "128 (1024 rows), 256 (512 rows), 512 (256 rows) (best of 3), less matmul_call_us per GEMM "
                          "(8 x 8 products, best batch of 200), the peak the best width's rate; "
                          "attention forward + backward at B=16, T=32, C=64 and B=4, T=256, C=256, 4 heads (best of "
-                         "5 each; 12 B T^2 C FLOPs, B x heads fixed costs); the call's and attention's short "
+                         "5 each; 12 B T^2 C FLOPs, B x heads fixed costs), the fused attention (model.attention = "
+                         "flash) likewise; the call's and attention's short "
                          "measurements taken at the start, middle and end, the best kept; memory_gbs from a block's element-wise "
                          "kernels (LayerNorm, GELU, residual adds and copies) at 8192 x 256 fp32 (best of 4); "
                          "optimizer_gbs from gradient zeroing, norm, clip and AdamW over 4M parameters (best of 4); "

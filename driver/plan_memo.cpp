@@ -432,7 +432,11 @@ class Memo {
        << "- the **gradient collective** stays fp32 unless `precision.reduce_dtype = bf16` halves its bytes.\n\n"
        << (chosen_.p.plan.model.flash_attention
                ? std::string("Attention is fused here (`model.attention = flash`): bf16 operands, no [batch, heads, T, T] "
-                             "matrices in memory; the time model below still prices it as the unfused kernels.\n\n")
+                             "matrices in memory; ") +
+                     (cluster_.flash_attention_flops > 0
+                          ? "the time model below prices it at the cluster's measured fused-attention rate.\n\n"
+                          : "the time model below prices it as the unfused kernels, as this cluster's description "
+                            "gives no fused-attention rate (`flash_attention_tflops`).\n\n")
                : "Attention's own products run in fp32 in loom (on a GPU as TF32 under `run.tf32 = auto`, not at the "
                  "16-bit peak), and its kernels write and read the whole [batch, heads, T, T] matrices: here attention "
                  "takes " +

@@ -71,7 +71,8 @@ double matmul_peak(const ClusterSpec& c, const std::string& precision) { return 
 // that `loom plan --calibrate` measured the rates with: a block's products (block_counts: FLOPs at the
 // precision's rate at the block's width, d_model / sqrt(tp) on a rank holding 1/tp of it, the head's
 // product at the same rate; plus matmul_call_us per GEMM), attention (attention_flops at
-// attention_tflops plus attention_head_us per sequence and head), element-wise kernels as bytes over
+// attention_tflops plus attention_head_us per sequence and head; with model.attention = flash the
+// cluster's flash_attention_ figures where it has them), element-wise kernels as bytes over
 // memory_gbs, the optimizer's pass as bytes over optimizer_gbs, the strategies' own host passes
 // (StepPlan::host_bytes: compression, replica hashes) over host_gbs and, where the devices are not the
 // host, their copies between device and host (host_copy_bytes) over host_link_gbs; their passes through the
@@ -93,8 +94,10 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   const double mm_flops = mb * (layers_here * (b.matmul_flops_fwd * (1.0 + recompute) + b.matmul_flops_bwd) + 3.0 * head_mm);
   const double gemms = mb * (layers_here * (b.gemms_fwd * (1.0 + recompute) + b.gemms_bwd) + (last ? 3.0 : 0.0));
   // Attention: forward + backward over this rank's heads (heads / tp), the forward a third of it
-  // (FLOPs and fixed cost alike), again with recompute.
-  const double att_share = 1.0 + recompute / 3.0;
+  // (FLOPs and fixed cost alike), again with recompute; the fused attention's forward 2 of its 7
+  // products (its backward makes the scores again: 5), at its own rate where the cluster measured it.
+  const bool flash = m.flash_attention && c.flash_attention_flops > 0;
+  const double att_share = 1.0 + recompute * (flash ? 2.0 / 7.0 : 1.0 / 3.0);
   const double att_flops = mb * layers_here * attention_flops(rows, T, C / tp) * att_share;
   const double att_heads = mb * layers_here * rows * (m.heads / tp) * att_share;
   // Element-wise: the blocks' (block_counts), the head's LayerNorm and cross-entropy over its logits,
@@ -109,7 +112,8 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   const double grads = r.built[static_cast<int>(Mem::grads)] / 4.0;
   const double owned = r.built[static_cast<int>(Mem::optimizer)] / 8.0;
   t.matmul_s = mm_flops / c.matmul_rate(p.precision, C / std::sqrt(tp)) + gemms * c.matmul_call_s;
-  t.attention_s = att_flops / c.attention_flops + att_heads * c.attention_head_s;
+  t.attention_s = flash ? att_flops / c.flash_attention_flops + att_heads * c.flash_attention_head_s
+                        : att_flops / c.attention_flops + att_heads * c.attention_head_s;
   t.elementwise_s = ew_bytes / c.memory_bytes_per_s;
   t.optimizer_s = optimizer_bytes(grads, owned) / c.optimizer_bytes_per_s;
   t.strategies_s = r.step.host_bytes / c.host_bytes_per_s + r.step.backend_bytes / c.memory_bytes_per_s +
@@ -273,6 +277,9 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"fits", p.peak_total <= cluster.device_memory_bytes},
                       {"step_ms", p.time.step_s * 1e3},
                       {"compute_ms", p.time.compute_s * 1e3},
+                      {"attention_ms", p.time.attention_s * 1e3},
+                      {"attention", p.plan.model.flash_attention ? "flash" : "unfused"},
+                      {"attention_priced_as", p.plan.model.flash_attention && cluster.flash_attention_flops > 0 ? "flash" : "unfused"},
                       {"comm_ms", p.time.comm_s * 1e3},
                       {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
                       {"sync_wait_ms", p.time.sync_wait_s * 1e3},
@@ -317,6 +324,11 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   s << ")";
   if (t.sync_wait_s > 0) s << " + waits for the group's slowest rank " << t.sync_wait_s * 1e3 << " ms";
   s << "\n";
+  if (p.plan.model.flash_attention)
+    s << (cluster.flash_attention_flops > 0
+              ? "  attention fused (model.attention = flash), at the cluster's flash_attention_tflops\n"
+              : "  attention fused (model.attention = flash), priced as the unfused kernels: the cluster gives no "
+                "flash_attention_tflops (loom plan --calibrate measures it)\n");
   if (t.stage_busy_s.size() > 1) {
     s << "  pipeline stages' forward + backward (each the slowest of its ranks):";
     for (std::size_t i = 0; i < t.stage_busy_s.size(); ++i) s << (i ? ", " : " ") << t.stage_busy_s[i] * 1e3 << " ms";

@@ -144,6 +144,12 @@ void add_cluster_keys(DeckSchema& schema) {
                        "attention kernels' rate per device (QK^T, softmax, AV and their backward, as loom runs them), TFLOP/s"));
   schema.add(float_key("cluster.attention_head_us", "0", 0, 1e6,
                        "fixed cost of attention forward + backward per sequence and head, microseconds"));
+  schema.add(float_key("cluster.flash_attention_tflops", "0", 0, 1e6,
+                       "the fused attention's rate per device (model.attention = flash), TFLOP/s counted as "
+                       "attention_tflops counts them; optional: 0 where not measured (a flash run is then priced "
+                       "at attention_tflops)"));
+  schema.add(float_key("cluster.flash_attention_head_us", "0", 0, 1e6,
+                       "the fused attention's fixed cost per sequence and head, microseconds; optional"));
   schema.add(float_key("cluster.memory_gbs", "1", 1e-6, 1e6,
                        "what a block's element-wise kernels (LayerNorm, GELU, residual adds) run at per device, GB/s"));
   schema.add(float_key("cluster.optimizer_gbs", "1", 1e-6, 1e6,
@@ -283,6 +289,8 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   c.matmul_call_s = d.get_float("cluster.matmul_call_us") * 1e-6;
   c.attention_flops = d.get_float("cluster.attention_tflops") * 1e12;
   c.attention_head_s = d.get_float("cluster.attention_head_us") * 1e-6;
+  c.flash_attention_flops = d.get_float("cluster.flash_attention_tflops") * 1e12;
+  c.flash_attention_head_s = d.get_float("cluster.flash_attention_head_us") * 1e-6;
   c.memory_bytes_per_s = d.get_float("cluster.memory_gbs") * 1e9;
   c.optimizer_bytes_per_s = d.get_float("cluster.optimizer_gbs") * 1e9;
   c.sync_wait_share = d.get_float("cluster.sync_wait_share");
@@ -310,6 +318,8 @@ std::string cluster_text(const ClusterSpec& c) {
     << "\nmatmul_efficiency_bf16 = " << c.efficiency_bf16.text() << "\nmatmul_efficiency_fp16 = " << c.efficiency_fp16.text()
     << "\nmatmul_call_us = " << c.matmul_call_s * 1e6
     << "\nattention_tflops = " << c.attention_flops / 1e12 << "\nattention_head_us = " << c.attention_head_s * 1e6
+    << "\nflash_attention_tflops = " << c.flash_attention_flops / 1e12
+    << "\nflash_attention_head_us = " << c.flash_attention_head_s * 1e6
     << "\nmemory_gbs = " << c.memory_bytes_per_s / 1e9 << "\noptimizer_gbs = " << c.optimizer_bytes_per_s / 1e9
     << "\nsync_wait_share = " << c.sync_wait_share << "\nhost_gbs = " << c.host_bytes_per_s / 1e9
     << "\nhost_link_gbs = " << c.host_link_bytes_per_s / 1e9
@@ -345,7 +355,12 @@ std::string describe_cluster(const ClusterSpec& c) {
     << "  share of the peak by model width: fp32 " << c.efficiency_fp32.text() << "; bf16 " << c.efficiency_bf16.text()
     << "; fp16 " << c.efficiency_fp16.text() << "\n"
     << "  attention " << c.attention_flops / 1e12 << " TFLOP/s + " << c.attention_head_s * 1e6
-    << " us per sequence and head; memory " << c.memory_bytes_per_s / 1e9 << " GB/s (element-wise kernels), optimizer "
+    << " us per sequence and head; fused attention (model.attention = flash) ";
+  if (c.flash_attention_flops > 0)
+    o << c.flash_attention_flops / 1e12 << " TFLOP/s + " << c.flash_attention_head_s * 1e6 << " us per sequence and head";
+  else
+    o << "not measured (priced as the unfused)";
+  o << "; memory " << c.memory_bytes_per_s / 1e9 << " GB/s (element-wise kernels), optimizer "
     << c.optimizer_bytes_per_s / 1e9 << " GB/s, per device; waits at synchronisations "
     << 100.0 * c.sync_wait_share << "% of compute\n"
     << "  strategies' host passes " << c.host_bytes_per_s / 1e9 << " GB/s; device <-> host copies ";

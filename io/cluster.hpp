@@ -13,6 +13,9 @@
 //   attention_tflops   (per device: the attention kernels, QK^T, softmax, AV and their backward, as loom
 //                      runs them: fp32 on the host, TF32 products in a GPU's 16-bit run)
 //   attention_head_us  (the fixed cost of attention forward + backward per sequence and head)
+//   flash_attention_tflops, flash_attention_head_us   (the same for the fused attention, model.attention
+//                      = flash, counted with the same attention_flops; optional: 0 or absent where it was
+//                      never measured, and a flash run is then priced at the unfused figures, saying so)
 //   memory_gbs         (per device: what a block's element-wise kernels run at, BlockCounts below)
 //   optimizer_gbs      (per device: what the optimizer's pass runs at, optimizer_bytes below)
 //   sync_wait_share    (a rank's waits for the slowest of its group at synchronisations between its
@@ -31,7 +34,8 @@
 // residual copies: bytes over memory_gbs) and the optimizer's pass over the parameters
 // (optimizer_bytes over optimizer_gbs).
 // Every key must be given (a plan from a half-described machine would be a guess): a missing one is
-// refused naming it. `loom plan --calibrate` measures this machine and writes such a file.
+// refused naming it; only the fused attention's two are optional (a machine described before it, or
+// a GPU whose fused kernels were never timed). `loom plan --calibrate` measures this machine and writes such a file.
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,6 +65,8 @@ struct ClusterSpec {
   double matmul_call_s = 0;          // seconds per GEMM call, on top of its FLOPs at the peak
   double attention_flops = 0;        // FLOP/s per device of the attention kernels (attention_flops below)
   double attention_head_s = 0;       // seconds per sequence and head of attention forward + backward
+  double flash_attention_flops = 0;  // the same for model.attention = flash; 0: not measured
+  double flash_attention_head_s = 0;
   double memory_bytes_per_s = 0;     // B/s per device, a block's element-wise kernels (BlockCounts below)
   double optimizer_bytes_per_s = 0;  // B/s per device, the optimizer's pass (optimizer_bytes below)
   double sync_wait_share = 0;        // waits at in-step synchronisations, a share of the rank's compute
@@ -78,7 +84,8 @@ struct ClusterSpec {
 // 4*B*T*T*C (QK^T and AV, 2 FLOPs per multiply-add), backward twice that (dV, dP, dQ, dK). The full
 // T x T is counted although attention is causal: loom's unfused kernels compute the full products
 // (only the softmax skips the masked half), and the calibration counts the same way, so it cancels
-// (model.attention = flash skips the masked tiles; the time model does not yet price it apart).
+// (model.attention = flash skips the masked tiles and recomputes the scores in its backward: its own
+// rate, flash_attention_tflops, is measured with this same count, so that cancels too).
 inline double attention_flops(double B, double T, double C) { return 12.0 * B * T * T * C; }
 
 // Bytes moved per element by the element-wise kernels (fp32), for the calibration of memory_gbs and

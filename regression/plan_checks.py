@@ -8,9 +8,12 @@
                      others) and PCIe link; --set overrides a key; compression.deck on h100-sxm pays for its
                      host passes at host_gbs and its copies over host_link_gbs
   calibrate_np2      `loom plan --calibrate` on 2 ranks writes a cluster file whose every figure is
-                     positive (the two fixed costs, per product call and per attention head, and the
-                     waits at synchronisations, at least 0), which `--cluster FILE --show` reads back to the same values; on 1 rank it is
-                     refused (it measures the links between ranks)
+                     positive (the three fixed costs, per product call and per sequence and head of the
+                     unfused and the fused attention, and the waits at synchronisations, at least 0), which
+                     `--cluster FILE --show` reads back to the same values; on 1 rank it is
+                     refused (it measures the links between ranks). inputs/long_context.deck (model.attention
+                     = flash) is priced at the file's fused-attention rate, and differently from its unfused
+                     run; on a preset, which has no fused rate, as the unfused kernels, saying so
   memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps (past
                      compression.start_step, where the method's state is made), rank by rank and category
                      by category, for every deck of inputs/ and the layouts of the regression cases (dp, tp,
@@ -294,8 +297,25 @@ def main():
         nums = figures(re.sub(wait_rx, "", re.sub(fixed_rx, "", shown)))
         if any(x <= 0 for x in nums[3:]):  # nodes, devices, memory, rates, links, latencies
             failures.append("a calibrated figure is not positive: %s" % nums)
-        if len(fixed) != 2 or any(x < 0 for x in fixed):
-            failures.append("the fixed costs (per product call, per sequence and head) are not 2 figures >= 0: %s" % fixed)
+        if len(fixed) != 3 or any(x < 0 for x in fixed):
+            failures.append("the fixed costs (per product call, per sequence and head unfused and fused) are not 3 "
+                            "figures >= 0: %s" % fixed)
+        import json
+        deck = os.path.join(ROOT, "inputs", "long_context.deck")
+        def attention(cluster, kind):
+            return json.loads(run([loom, "plan", deck, "--cluster", cluster, "--json", "--set",
+                                   "model.attention=" + kind]).stdout)
+        flash, unfused = attention(out, "flash"), attention(out, "unfused")
+        print("long_context.deck on the calibrated file: attention %.3f ms fused (priced as %s), %.3f ms unfused" %
+              (flash["attention_ms"], flash["attention_priced_as"], unfused["attention_ms"]))
+        if flash["attention_priced_as"] != "flash" or flash["attention_ms"] == unfused["attention_ms"]:
+            failures.append("a flash run is not priced at the calibrated fused-attention rate: %s" % flash)
+        preset = attention("h100-sxm", "flash")
+        if preset["attention_priced_as"] != "unfused":
+            failures.append("a preset without a fused rate does not price flash as unfused: %s" % preset)
+        text = run([loom, "plan", deck, "--cluster", "h100-sxm"]).stdout
+        if "priced as the unfused kernels" not in text:
+            failures.append("the plan of a flash run on a preset does not say it is priced as unfused: " + text)
         if "1 node(s) x 2 device(s)" not in shown:
             failures.append("2 ranks on one node should calibrate as 1 node x 2 devices: " + shown)
         p = run([loom, "plan", "--calibrate", "-o", os.path.join(d, "one.ini")], expect=2)
