@@ -30,7 +30,7 @@
 // StepPlan::stage_units, pipeline_span and host_copy_bytes. ABI 9: Communicator::reserve_scratch,
 // StepPlan::pools. ABI 10: Backend's fused attention (attention_forward_flash, _backward_flash,
 // flash_attention_refusal), GPTConfig::flash_attention. ABI 11: Backend::int8_absmax, _quantize,
-// _dequantize, axpy; StepPlan::backend_bytes. ABI 12: Backend::topk_select, _scatter_add, _clear.
+// _dequantize, axpy; StepPlan::backend_bytes. ABI 12: Backend::topk_select, _scatter_add, _clear; GradBucket::Tensor::begin.
 #define LOOM_PLUGIN_ABI_VERSION 12
 
 extern "C" {

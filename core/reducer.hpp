@@ -24,6 +24,7 @@ struct GradBucket {
     std::string name;                 // "blocks.3.mlp.fc.weight"
     std::vector<std::int64_t> shape;  // this rank's local shape of it
     std::int64_t offset = 0, count = 0;  // where it lies in `data`
+    std::int64_t begin = 0;  // its first element's index in the tensor's local elements (0 when whole)
   };
   int index = 0;            // 0 is the first bucket backward completes
   BufferRef data;           // the gradients, reduced in place

@@ -43,6 +43,10 @@ CASE is one of:
   restart_int8_pp2_dp2
       the same with pipeline stages (4 ranks): the last stage's shadow of wte keeps its own residual
       (".../wte.weight#head"), so both stages' state comes back and steps 5..8 are bit for bit
+  restart_int8_zero2_dp2
+      the same with ZeRO-2 and 2 micro-batches, whose reduce-scatters compress pieces of the units'
+      gradients: each piece's residual is the part of its tensors' per-tensor residuals it covers, so
+      they are saved and come back as the others (they were once kept per piece and not saved)
   nonfinite_skip_int8_dp2, nonfinite_skip_topk_dp2, nonfinite_skip_powersgd_dp2
       a NaN in one rank's weights at step 4 (LOOM_INJECT_FAULT where=nan) with train.on_nonfinite =
       skip: the compressed sum is non-finite on every rank (int8 agrees on it with the chunk maxima,
@@ -175,6 +179,8 @@ def main():
         if "pp2" in name:
             sets += ["parallel.pp=2", "train.micro_batches=2"]
             ranks = 4
+        if "zero2" in name:
+            sets += ["zero.stage=2", "train.micro_batches=2"]
         _, full = c.loom("full", ranks, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
         ckpt = os.path.join(full, "checkpoints", "ckpt-00000004.h5")
         if name.endswith("to_dp4"):

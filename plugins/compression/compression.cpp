@@ -113,16 +113,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       inner_ = std::make_unique<CastReducer>(std::move(inner), be, cfg.method == Method::fp16 ? DType::f16 : DType::bf16);
     else
       inner_ = std::move(inner);
-    // Error feedback keeps a residual per tensor this rank holds (buckets of whole tensors gather
-    // and scatter it; pieces of tensors, ZeRO-2/3's, keep one per bucket); PowerSGD a Q per matrix
+    // Error feedback keeps a residual per tensor this rank holds, which each bucket gathers and
+    // scatters (the parts it holds: ZeRO-2/3 hand over pieces of tensors); PowerSGD a Q per matrix
     // it compresses. Both are made now, so that checkpoints list the same tensors from the start.
     feedback_ = cfg.error_feedback && (cfg.method == Method::int8 || cfg.method == Method::topk ||
                                        cfg.method == Method::powersgd);
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
-      // (A store that keeps only gradient shares, ZeRO-2/3, hands over pieces: residuals per bucket.)
-      const bool pieces = model.store().grad(static_cast<int>(i)).empty();
-      if (feedback_ && !pieces)
+      if (feedback_)
         residual_[static_cast<int>(i)] = be_.allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
       if (cfg.method == Method::powersgd && compressed(p)) {
         q_[static_cast<int>(i)] = be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
@@ -302,8 +300,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     std::int64_t count = -1;
     TypedBuffer residual, absmax, q, send, recv, packed;
   };
-  // A bucket's state; its `residual` is the bucket's error feedback, gathered from the per-tensor
-  // residuals (whole tensors) or kept for the bucket itself (pieces), empty without feedback.
+  // A bucket's state; its `residual` is the bucket's error feedback, gathered from the parts of the
+  // per-tensor residuals it holds, empty without feedback.
   State& state(const GradBucket& b) {
     State& s = state_[b.index];
     if (s.count != b.data.count) {
@@ -311,20 +309,20 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       s.count = b.data.count;
       if (feedback_) s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
     }
-    if (!s.residual.empty() && whole_tensors(b))
+    if (!s.residual.empty() && has_residuals(b))
       for (const GradBucket::Tensor& t : b.tensors)
-        be_.copy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>(), t.count);
+        be_.copy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>() + t.begin, t.count);
     return s;
   }
   // After the method wrote the bucket's new residual: back into the per-tensor residuals.
   void keep_residual(const GradBucket& b, State& s) {
-    if (s.residual.empty() || !whole_tensors(b)) return;
+    if (s.residual.empty() || !has_residuals(b)) return;
     for (const GradBucket::Tensor& t : b.tensors)
-      be_.copy(residual_.at(t.param).data<float>(), s.residual.data<float>() + t.offset, t.count);
+      be_.copy(residual_.at(t.param).data<float>() + t.begin, s.residual.data<float>() + t.offset, t.count);
   }
-  bool whole_tensors(const GradBucket& b) const {
+  bool has_residuals(const GradBucket& b) const {
     for (const GradBucket::Tensor& t : b.tensors)
-      if (t.count != model_.params()[static_cast<std::size_t>(t.param)].numel || !residual_.count(t.param)) return false;
+      if (!residual_.count(t.param) || t.begin + t.count > residual_.at(t.param).count()) return false;
     return true;
   }
   void add_residual(State& s, float* x, std::int64_t n) {
@@ -583,8 +581,6 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       std::printf("  compression: the checkpoint was written at parallel.dp = %d: error-feedback residuals (one per dp "
                   "rank) start from zero at parallel.dp = %d%s\n", static_cast<int>(dp->second), dp_.size(),
                   cfg_.method == Method::powersgd ? "; PowerSGD's Q continues" : "");
-    if (!state_.empty() || model_.store().grad(0).empty())
-      std::printf("  compression: residuals of gradient pieces (ZeRO-2/3) are not in checkpoints and start from zero\n");
   }
 
  private:

@@ -489,7 +489,7 @@ void ShardedSync::grads_ready(GPT& model, int unit) {
       const ParamInfo& p = model.params()[static_cast<std::size_t>(i)];
       if (store_.grad(i).count > 0) continue;  // kept whole: reduced in finish
       const std::int64_t s = std::max(at, a), e = std::min(at + p.numel, b);
-      if (s < e) k.tensors.push_back({i, p.name, p.local_shape, s - a, e - s});
+      if (s < e) k.tensors.push_back({i, p.name, p.local_shape, s - a, e - s, s - at});
       at += p.numel;
     }
     f.buckets.push_back(std::move(k));
