@@ -47,6 +47,9 @@ CASE is one of:
       the same with ZeRO-2 and 2 micro-batches, whose reduce-scatters compress pieces of the units'
       gradients: each piece's residual is the part of its tensors' per-tensor residuals it covers, so
       they are saved and come back as the others (they were once kept per piece and not saved)
+  restart_int8_zero2_bf16_dp2
+      the same in bf16, where ZeRO-2 keeps the tensors the model reads in fp32 whole and reduces
+      them in buckets of their own after the last backward: their residuals come back too
   nonfinite_skip_int8_dp2, nonfinite_skip_topk_dp2, nonfinite_skip_powersgd_dp2
       a NaN in one rank's weights at step 4 (LOOM_INJECT_FAULT where=nan) with train.on_nonfinite =
       skip: the compressed sum is non-finite on every rank (int8 agrees on it with the chunk maxima,
@@ -181,6 +184,8 @@ def main():
             ranks = 4
         if "zero2" in name:
             sets += ["zero.stage=2", "train.micro_batches=2"]
+        if "bf16" in name:  # ZeRO-2 keeps the tensors the model reads in fp32 whole: their own buckets
+            sets += ["precision.dtype=bf16"]
         _, full = c.loom("full", ranks, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
         ckpt = os.path.join(full, "checkpoints", "ckpt-00000004.h5")
         if name.endswith("to_dp4"):

@@ -125,6 +125,8 @@ LAYOUTS = [
                                  "precision.dtype=bf16", "train.micro_batches=2"]),
     ("int8_dp2", SYN, 2, ["parallel.dp=2", "compression.method=int8"]),
     ("topk_dp2", SYN, 2, ["parallel.dp=2", "compression.method=topk"]),
+    # int8 on ZeRO-2's pieces: per-tensor residuals beside each piece's scratch, every micro-batch.
+    ("int8_zero2_micro2", SYN, 2, ["parallel.dp=2", "zero.stage=2", "compression.method=int8", "train.micro_batches=2"]),
     # Several buckets (data.bucket_mb): PowerSGD's all-reduces complete within each bucket's reduction,
     # so they are not in flight beside the other buckets' (the pool check fails a plan that says so).
     ("powersgd_dp2", SYN, 2, ["parallel.dp=2", "compression.method=powersgd", "compression.rank=2",

@@ -295,7 +295,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   }
 
  private:
-  // Per bucket (by index, checked against its size): the residual of error feedback and scratch.
+  // Per bucket (by what it holds: its first tensor and where in it, and its size, so that ZeRO-2/3's
+  // pieces, numbered afresh every micro-batch, find theirs again): error feedback's gathered residual
+  // and scratch.
   struct State {
     std::int64_t count = -1;
     TypedBuffer residual, absmax, q, send, recv, packed;
@@ -303,7 +305,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // A bucket's state; its `residual` is the bucket's error feedback, gathered from the parts of the
   // per-tensor residuals it holds, empty without feedback.
   State& state(const GradBucket& b) {
-    State& s = state_[b.index];
+    State& s = b.tensors.empty() ? state_[{-1 - b.index, 0}]
+                                 : state_[{b.tensors.front().param, b.tensors.front().begin}];
     if (s.count != b.data.count) {
       s = State();
       s.count = b.data.count;
@@ -592,7 +595,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::vector<float> p_host_;  // PowerSGD's P on the host for its orthogonalisation, on a device back end
   GPT& model_;
   bool say_;  // this rank prints notes (world rank 0)
-  std::map<int, State> state_;
+  std::map<std::pair<int, std::int64_t>, State> state_;  // by (first tensor, its begin); (-1 - index, 0) without tensors
   std::map<int, TypedBuffer> residual_, q_;  // by parameter index
   std::int64_t step_ = 0;
   CommStats at_start_;

@@ -447,6 +447,14 @@ std::vector<GradBucket> ShardedSync::whole_buckets() const {
     for (std::size_t q = 0; q < counts.size(); ++q)
       k.rank_counts.push_back(std::max<std::int64_t>(0, std::min(a + n, at[q + 1]) - std::max(a, at[q])));
     k.whole = k.rank_counts.empty();
+    // The tensors (or parts of them) the piece holds, for a reducer that looks at them.
+    for (std::size_t i = 0; i < model_.params().size(); ++i) {
+      const int t = static_cast<int>(i);
+      if (!store_.kept_whole(t)) continue;
+      const ParamInfo& p = model_.params()[i];
+      const std::int64_t at = store_.whole_offset(t), s = std::max(at, a), e = std::min(at + p.numel, a + n);
+      if (s < e) k.tensors.push_back({t, p.name, p.local_shape, s - a, e - s, s - at});
+    }
     out.push_back(std::move(k));
   }
   return out;

@@ -93,8 +93,11 @@ class ShardedStore final : public ParamStore {
   std::vector<std::int64_t> rank_counts(std::int64_t a, std::int64_t b) const;
   // After a detached slot is reduced: add this rank's part into its gradient share, free the slot.
   void accumulate(const Staged& s);
-  // The whole tensors' gradients (reduced by the sync), empty when there are none.
+  // The whole tensors' gradients (reduced by the sync), empty when there are none; tensor i, when
+  // kept whole, lies at whole_offset(i) in them.
   BufferRef whole_grads() { return wgrads_.ref(); }
+  bool kept_whole(int i) const { return whole_of_[static_cast<std::size_t>(i)]; }
+  std::int64_t whole_offset(int i) const { return at_[static_cast<std::size_t>(i)]; }
   // How many of the whole tensors' elements each rank updates: under 16-bit precision at stage 2 the
   // whole range is cut into dp shares like the sharded one (its gradients reduce-scattered, its
   // updated elements all-gathered in refresh); empty when every rank updates all of it.
