@@ -121,7 +121,7 @@ const char* const kRequired[] = {"cluster.nodes", "cluster.devices_per_node", "c
 }  // namespace
 
 // Defaults exist only because a schema needs them: every key must be given (load_cluster refuses a
-// file that leaves one out).
+// file that leaves one out) but the fused attention's two, whose 0 means not measured.
 void add_cluster_keys(DeckSchema& schema) {
   schema.add(string_key("cluster.name", "", "what the machine is"));
   schema.add(string_key("cluster.source", "", "where the figures come from (datasheet, or loom plan --calibrate)"));
@@ -300,6 +300,10 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   c.intra_latency_s = d.get_float("network.intra_node_latency_us") * 1e-6;
   c.inter_bytes_per_s = d.get_float("network.inter_node_gbs") * 1e9;
   c.inter_latency_s = d.get_float("network.inter_node_latency_us") * 1e-6;
+  if (c.flash_attention_head_s > 0 && c.flash_attention_flops <= 0)
+    throw InputError(where + ": cluster.flash_attention_head_us = " + d.values().at("cluster.flash_attention_head_us") +
+                     " without cluster.flash_attention_tflops (give both, or neither: a flash run is then priced as "
+                     "the unfused attention)");
   // Impossible together, though each is in range: a node's own links slower than the ones between nodes.
   if (c.nodes > 1 && c.intra_bytes_per_s < c.inter_bytes_per_s)
     throw InputError(where + ": network.intra_node_gbs = " + d.values().at("network.intra_node_gbs") +

@@ -50,6 +50,9 @@ CASE is one of:
   restart_int8_zero2_bf16_dp2
       the same in bf16, where ZeRO-2 keeps the tensors the model reads in fp32 whole and reduces
       them in buckets of their own after the last backward: their residuals come back too
+  restart_int8_zero3_dp2
+      the same with ZeRO-3, whose tied wte and tensors under zero.param_persistence_threshold (1000
+      here: the LayerNorms and biases) are kept whole
   nonfinite_skip_int8_dp2, nonfinite_skip_topk_dp2, nonfinite_skip_powersgd_dp2
       a NaN in one rank's weights at step 4 (LOOM_INJECT_FAULT where=nan) with train.on_nonfinite =
       skip: the compressed sum is non-finite on every rank (int8 agrees on it with the chunk maxima,
@@ -182,8 +185,10 @@ def main():
         if "pp2" in name:
             sets += ["parallel.pp=2", "train.micro_batches=2"]
             ranks = 4
-        if "zero2" in name:
-            sets += ["zero.stage=2", "train.micro_batches=2"]
+        if "zero2" in name or "zero3" in name:
+            sets += ["zero.stage=" + name.split("zero")[1][0], "train.micro_batches=2"]
+        if "zero3" in name:  # LayerNorms and biases kept whole, beside the tied wte
+            sets += ["zero.param_persistence_threshold=1000"]
         if "bf16" in name:  # ZeRO-2 keeps the tensors the model reads in fp32 whole: their own buckets
             sets += ["precision.dtype=bf16"]
         _, full = c.loom("full", ranks, sets + ["checkpoint.every=4", "checkpoint.keep=5"])

@@ -30,7 +30,7 @@
   cluster_refusals   a missing key (memory_gbs, matmul_efficiency_bf16, matmul_call_us, attention_head_us,
                      optimizer_gbs, sync_wait_share, host_gbs, host_link_gbs among them), a value out of range
                      (attention_tflops = 0, optimizer_gbs = 0, a negative fixed cost, sync_wait_share or
-                     host_link_gbs, a share above 1), widths out
+                     host_link_gbs, a share above 1), the fused attention's fixed cost without its rate, widths out
                      of order,
                      an unknown key, links inside a node slower than between nodes, a name that is
                      neither a file nor a preset: exit 2, named
@@ -352,6 +352,8 @@ def main():
              ["attention_head_us", "range"]),
             ("zero_attention", GOOD.replace("attention_tflops = 5", "attention_tflops = 0"), [],
              ["attention_tflops", "range"]),
+            ("flash_cost_without_rate", GOOD.replace("attention_head_us = 2\n", "attention_head_us = 2\nflash_attention_head_us = 3\n"),
+             [], ["flash_attention_head_us = 3", "without cluster.flash_attention_tflops"]),
             ("negative", GOOD.replace("device_memory_gib = 40", "device_memory_gib = -40"), [],
              ["device_memory_gib", "range"]),
             ("unknown", GOOD + "nvlink_gen = 4\n", [], ["nvlink_gen"]),

@@ -296,7 +296,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
 
  private:
   // Per bucket (by what it holds: its first tensor and where in it, and its size, so that ZeRO-2/3's
-  // pieces, numbered afresh every micro-batch, find theirs again): error feedback's gathered residual
+  // pieces, given new indices every micro-batch, find theirs again): error feedback's gathered residual
   // and scratch.
   struct State {
     std::int64_t count = -1;

@@ -38,10 +38,10 @@ class CountingReducer final : public Reducer, public CheckpointContributor {
     tensors_ += static_cast<double>(b.tensors.size());
     std::int64_t covered = 0;
     for (const GradBucket::Tensor& t : b.tensors) {
-      // The tensor's gradient is where the bucket says it is.
-      if (b.data.as<float>() + t.offset != model_.grad_ptr(t.param)) misplaced_ += 1;
+      // The tensor's gradient (its part from t.begin) is where the bucket says it is.
+      if (b.data.as<float>() + t.offset != model_.grad_ptr(t.param) + t.begin) misplaced_ += 1;
       covered += t.count;
-      float* s = seen_[static_cast<std::size_t>(t.param)].data<float>();
+      float* s = seen_[static_cast<std::size_t>(t.param)].data<float>() + t.begin;
       for (std::int64_t k = 0; k < t.count; ++k) s[k] += 1.0f;
     }
     if (covered != b.data.count) misplaced_ += 1;
