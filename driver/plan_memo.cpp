@@ -433,7 +433,7 @@ class Memo {
        << (chosen_.p.plan.model.flash_attention
                ? std::string("Attention is fused here (`model.attention = flash`): bf16 operands, no [batch, heads, T, T] "
                              "matrices in memory; ") +
-                     (cluster_.flash_attention_flops > 0
+                     (priced_as_flash(chosen_.p.plan.model, cluster_)
                           ? "the time model below prices it at the cluster's measured fused-attention rate.\n\n"
                           : "the time model below prices it as the unfused kernels, as this cluster's description "
                             "gives no fused-attention rate (`flash_attention_tflops`).\n\n")

@@ -96,7 +96,7 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   // Attention: forward + backward over this rank's heads (heads / tp), the forward a third of it
   // (FLOPs and fixed cost alike), again with recompute; the fused attention's forward 2 of its 7
   // products (its backward makes the scores again: 5), at its own rate where the cluster measured it.
-  const bool flash = m.flash_attention && c.flash_attention_flops > 0;
+  const bool flash = priced_as_flash(m, c);
   const double att_share = 1.0 + recompute * (flash ? 2.0 / 7.0 : 1.0 / 3.0);
   const double att_flops = mb * layers_here * attention_flops(rows, T, C / tp) * att_share;
   const double att_heads = mb * layers_here * rows * (m.heads / tp) * att_share;
@@ -253,6 +253,10 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   return p;
 }
 
+bool priced_as_flash(const GPTConfig& model, const ClusterSpec& cluster) {
+  return model.flash_attention && cluster.flash_attention_flops > 0;
+}
+
 std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
   auto mem = [](const std::array<double, kMemCategories>& b, double total) {
     nlohmann::json j;
@@ -279,7 +283,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"compute_ms", p.time.compute_s * 1e3},
                       {"attention_ms", p.time.attention_s * 1e3},
                       {"attention", p.plan.model.flash_attention ? "flash" : "unfused"},
-                      {"attention_priced_as", p.plan.model.flash_attention && cluster.flash_attention_flops > 0 ? "flash" : "unfused"},
+                      {"attention_priced_as", priced_as_flash(p.plan.model, cluster) ? "flash" : "unfused"},
                       {"comm_ms", p.time.comm_s * 1e3},
                       {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
                       {"sync_wait_ms", p.time.sync_wait_s * 1e3},
@@ -325,7 +329,7 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   if (t.sync_wait_s > 0) s << " + waits for the group's slowest rank " << t.sync_wait_s * 1e3 << " ms";
   s << "\n";
   if (p.plan.model.flash_attention)
-    s << (cluster.flash_attention_flops > 0
+    s << (priced_as_flash(p.plan.model, cluster)
               ? "  attention fused (model.attention = flash), at the cluster's flash_attention_tflops\n"
               : "  attention fused (model.attention = flash), priced as the unfused kernels: the cluster gives no "
                 "flash_attention_tflops (loom plan --calibrate measures it)\n");

@@ -68,6 +68,10 @@ bool comm_hides(const CommCost& k, const Layout& layout, const ClusterSpec& clus
 Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster,
                    bool every_rank = true);
 
+// Whether a run of `model` is priced at the cluster's fused-attention rate: model.attention = flash
+// on a cluster that measured it (else as the unfused kernels).
+bool priced_as_flash(const GPTConfig& model, const ClusterSpec& cluster);
+
 // The JSON of `--json`: mem_peak_bytes keyed like summary.json (the largest rank's), by rank, step_ms.
 std::string prediction_json(const Prediction& p, const ClusterSpec& cluster);
 // The human table of one prediction.

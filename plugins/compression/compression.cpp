@@ -357,12 +357,12 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     qb.data = s.q.ref().slice(0, n);
     std::int8_t* q = s.q.data<std::int8_t>();
     const std::int64_t chunk = cfg_.chunk;
-    Backend* cbe = &be_;
+    Backend* be = &be_;
     // The exact int8 sum, scaled back. A non-finite value on any rank (the all-reduced flag) makes
     // the whole sum NaN on every rank: the step is then not finite everywhere (skipped, or an fp16
     // overflow), as it would be uncompressed.
-    return std::make_unique<ThenRequest>(inner_->reduce_async(qb), [cbe, x, q, n, chunk, amax, levels] {
-      cbe->int8_dequantize(x, q, n, chunk, amax, levels);
+    return std::make_unique<ThenRequest>(inner_->reduce_async(qb), [be, x, q, n, chunk, amax, levels] {
+      be->int8_dequantize(x, q, n, chunk, amax, levels);
     });
   }
 

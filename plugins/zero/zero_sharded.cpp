@@ -433,6 +433,13 @@ void ShardedSync::plan_step(StepPlan& plan) const {
   plan.add_scratch(Mem::comm, held);
 }
 
+// Lists in k the part of tensor i (at [at, at + numel) of its range) that the piece [a, b) of the same
+// range holds, if any: for a reducer that looks at the tensors (compression's per-tensor residuals).
+static void list_part(GradBucket& k, int i, const ParamInfo& p, std::int64_t at, std::int64_t a, std::int64_t b) {
+  const std::int64_t s = std::max(at, a), e = std::min(at + p.numel, b);
+  if (s < e) k.tensors.push_back({i, p.name, p.local_shape, s - a, e - s, s - at});
+}
+
 // The whole tensors' gradients in pieces of at most bucket_mb (wte alone is V x C): reduce-scattered
 // into the ranks' runs where the store shards their update, else all-reduced.
 std::vector<GradBucket> ShardedSync::whole_buckets() const {
@@ -447,13 +454,9 @@ std::vector<GradBucket> ShardedSync::whole_buckets() const {
     for (std::size_t q = 0; q < counts.size(); ++q)
       k.rank_counts.push_back(std::max<std::int64_t>(0, std::min(a + n, at[q + 1]) - std::max(a, at[q])));
     k.whole = k.rank_counts.empty();
-    // The tensors (or parts of them) the piece holds, for a reducer that looks at them.
     for (std::size_t i = 0; i < model_.params().size(); ++i) {
       const int t = static_cast<int>(i);
-      if (!store_.kept_whole(t)) continue;
-      const ParamInfo& p = model_.params()[i];
-      const std::int64_t at = store_.whole_offset(t), s = std::max(at, a), e = std::min(at + p.numel, a + n);
-      if (s < e) k.tensors.push_back({t, p.name, p.local_shape, s - a, e - s, s - at});
+      if (store_.kept_whole(t)) list_part(k, t, model_.params()[i], store_.whole_offset(t), a, a + n);
     }
     out.push_back(std::move(k));
   }
@@ -491,13 +494,11 @@ void ShardedSync::grads_ready(GPT& model, int unit) {
     k.index = counted_++;
     k.data = g.slice(a, b - a);
     k.rank_counts = store_.rank_counts(lo + a, lo + b);
-    // The tensors (or parts of them) the piece holds, for a reducer that looks at them.
     std::int64_t at = 0;
     for (int i : model.units()[static_cast<std::size_t>(unit)].params) {
       const ParamInfo& p = model.params()[static_cast<std::size_t>(i)];
       if (store_.grad(i).count > 0) continue;  // kept whole: reduced in finish
-      const std::int64_t s = std::max(at, a), e = std::min(at + p.numel, b);
-      if (s < e) k.tensors.push_back({i, p.name, p.local_shape, s - a, e - s, s - at});
+      list_part(k, i, p, at, a, b);
       at += p.numel;
     }
     f.buckets.push_back(std::move(k));
