@@ -4,11 +4,13 @@
 // emulator (core/cuda/emu/), so that a CPU unit test runs the kernels' own source. A kernel written
 // against these names reads as CUDA: LOOM_KERNEL is __global__, dev::sync_block() __syncthreads(),
 // dev::atomic_add_shared atomicAdd, dev::thread_x() threadIdx.x, dev::wmma nvcuda::wmma, dev::bf16_t
-// __nv_bfloat16.
+// __nv_bfloat16, dev::ballot __ballot_sync, LOOM_SHARED_ARRAY(T, s, n) __shared__ T s[n].
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
+
+#include <cstdint>
 
 #define LOOM_KERNEL __global__
 #define LOOM_DEVICE __device__ __forceinline__
@@ -38,9 +40,31 @@ LOOM_DEVICE T* shared_memory() {
 }
 // *p += v for a count in shared memory, atomically (integer: the sum does not depend on the order).
 LOOM_DEVICE void atomic_add_shared(unsigned* p, unsigned v) { atomicAdd(p, v); }
+// Warp votes over all 32 lanes (__ballot_sync, __any_sync with the full mask), and __ffs.
+LOOM_DEVICE unsigned ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+LOOM_DEVICE bool any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+LOOM_DEVICE int first_set(unsigned mask) { return __ffs(static_cast<int>(mask)); }  // 1 + the lowest set bit; 0: none
+// fp64 -> fp32 rounded toward zero; fp16 bits <-> float (round to nearest even, inf on overflow).
+LOOM_DEVICE float double_to_float_rz(double d) { return __double2float_rz(d); }
+LOOM_DEVICE unsigned long long double_bits(double d) { return static_cast<unsigned long long>(__double_as_longlong(d)); }
+LOOM_DEVICE float f16_bits_to_float(std::uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+LOOM_DEVICE std::uint16_t float_to_f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+LOOM_DEVICE float log_f(float x) { return logf(x); }
+LOOM_DEVICE double log_d(double x) { return log(x); }
+using float4 = ::float4;
+LOOM_DEVICE float4 make_float4(float x, float y, float z, float w) { return ::make_float4(x, y, z, w); }
 }  // namespace loom::dev
+// A kernel's static shared array (__shared__ T name[n]), __launch_bounds__, and an unroll hint.
+#define LOOM_SHARED_ARRAY(T, name, n) __shared__ T name[n]
+#define LOOM_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define LOOM_PRAGMA(x) _Pragma(#x)
+#define LOOM_UNROLL(n) LOOM_PRAGMA(unroll n)
 
 #else  // the host emulator
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
 #include "core/cuda/emu/cuda_emu.hpp"
 
 #define LOOM_KERNEL
@@ -68,5 +92,32 @@ template <class T>
 T* shared_memory() { return reinterpret_cast<T*>(cuda_emu::dynamic_shared()); }
 // The emulator's threads switch only at barriers, so a read-modify-write is never interleaved.
 inline void atomic_add_shared(unsigned* p, unsigned v) { *p += v; }
+inline unsigned ballot(bool p) { return cuda_emu::ballot(p); }
+inline bool any(bool p) { return cuda_emu::ballot(p) != 0; }
+inline int first_set(unsigned mask) { return __builtin_ffs(static_cast<int>(mask)); }
+inline float double_to_float_rz(double d) {
+  float f = static_cast<float>(d);  // to nearest; one step toward zero where that rounded away
+  if (std::isfinite(d) && std::fabs(static_cast<double>(f)) > std::fabs(d)) f = std::nextafter(f, 0.0f);
+  return f;
+}
+inline unsigned long long double_bits(double d) {
+  unsigned long long u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+inline float f16_bits_to_float(std::uint16_t bits) { return loom::to_float(loom::f16{bits}); }
+inline std::uint16_t float_to_f16_bits(float x) { return loom::to_f16(x).bits; }
+inline float log_f(float x) { return std::log(x); }
+inline double log_d(double x) { return std::log(x); }
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 }  // namespace loom::dev
+// One array per block, filled with NaN bytes at the block's start, as the dynamic shared memory.
+#define LOOM_SHARED_ARRAY(T, name, n)                                                                  \
+  static const char name##_site = 0;                                                                   \
+  T* const name = static_cast<T*>(::loom::cuda_emu::static_shared(&name##_site, sizeof(T) * (n)))
+#define LOOM_LAUNCH_BOUNDS(n)
+#define LOOM_UNROLL(n)
 #endif

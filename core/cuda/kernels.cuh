@@ -20,42 +20,17 @@
 // which any order sums alike); every sum is reduced in a fixed order that depends only on the shapes
 // (never on the device), so the same inputs give the same bits on every run.
 //
-// This header is plain C++ (g++ can include it with the CUDA include directory on its path): the
-// launch-geometry helpers below are ordinary inline functions a CPU-only unit test may call.
+// This header is plain C++ (g++ can include it with the CUDA include directory on its path). The
+// kernels themselves are in core/cuda/layer_kernels.cuh, core/cuda/flash_attention.cuh and
+// core/cuda/topk.cuh, which a CPU unit test also runs through the CUDA emulator (core/cuda/emu/).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "core/cuda/launch_geometry.hpp"
 #include "core/dtype.hpp"
 
 namespace loom::cuda {
-
-// ---------------------------------------------------------------------------------------------
-// Launch geometry.
-
-struct LaunchGeometry {
-  unsigned blocks;
-  unsigned threads;
-};
-
-// Grid-stride loops over n elements: blocks = min(ceil(n / threads), max_blocks), at least 1
-// (threads > 0). The kernels loop, so a capped grid still covers every element.
-inline LaunchGeometry elementwise_geometry(std::int64_t n, unsigned threads = 256, unsigned max_blocks = 65535u * 4) {
-  const std::int64_t t = threads;
-  const std::int64_t want = n > 0 ? (n + t - 1) / t : 1;
-  const std::int64_t cap = max_blocks > 0 ? static_cast<std::int64_t>(max_blocks) : 1;
-  return LaunchGeometry{static_cast<unsigned>(want < cap ? want : cap), threads};
-}
-
-// One warp (32 threads) per row: blocks = ceil(rows * 32 / threads), at least 1, at most the grid's
-// x limit 2^31 - 1 (the kernels loop over rows, so the cap only changes how many rows a warp does).
-// threads is a multiple of 32.
-inline LaunchGeometry rows_per_warp_geometry(std::int64_t rows, unsigned threads = 256) {
-  const std::int64_t t = threads;
-  const std::int64_t want = rows > 0 ? (rows * 32 + t - 1) / t : 1;
-  const std::int64_t cap = 0x7fffffff;
-  return LaunchGeometry{static_cast<unsigned>(want < cap ? want : cap), threads};
-}
 
 // ---------------------------------------------------------------------------------------------
 // Token + position embedding. With tensor parallelism the token table is split by vocabulary: this

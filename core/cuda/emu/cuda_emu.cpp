@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace loom::cuda_emu {
@@ -17,9 +18,10 @@ enum class Wait { none, block, warp, done };
 
 struct Fiber {
   ucontext_t ctx{};
-  std::vector<unsigned char> stack;
+  unsigned char* stack = nullptr;  // kStackBytes, from stack_pool
   dim3 idx;
   Wait wait = Wait::none;
+  unsigned long ballots = 0;  // the votes this thread has cast in its block
 };
 
 struct Launch {
@@ -27,6 +29,7 @@ struct Launch {
   std::vector<unsigned char> shared;
   std::vector<Fiber> fibers;
   std::vector<unsigned char> exchange;  // per thread, one shuffle's value
+  std::vector<std::pair<const void*, std::vector<unsigned char>>> statics;  // the block's static shared arrays
   ucontext_t scheduler{};
   std::size_t current = 0;
   const std::function<void()>* body = nullptr;
@@ -38,6 +41,9 @@ thread_local Schedule schedule = Schedule::sweep;
 thread_local std::mt19937 random_order;  // warps_random's draws, seeded by set_schedule
 
 constexpr std::size_t kStackBytes = 256 * 1024;
+// The fibers' stacks, kept from launch to launch on this thread (allocating and freeing up to 1024
+// of them per launch made tests spend most of their time in the kernel's page faults).
+thread_local std::vector<std::unique_ptr<unsigned char[]>> stack_pool;
 constexpr std::size_t kExchangeBytes = 16;
 
 Launch& need_launch(const char* what) {
@@ -106,11 +112,11 @@ void run_block(Launch& l) {
   const std::size_t n = l.fibers.size(), warps = (n + 31) / 32;
   for (std::size_t i = 0; i < n; ++i) {
     Fiber& f = l.fibers[i];
-    f.stack.assign(kStackBytes, 0);
     f.wait = Wait::none;
+    f.ballots = 0;
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_stack.ss_sp = f.stack;
+    f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = &l.scheduler;
     makecontext(&f.ctx, fiber_main, 0);
   }
@@ -189,6 +195,8 @@ void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function
   l->body = &body;
   const std::size_t threads = static_cast<std::size_t>(block.x) * block.y * block.z;
   l->fibers.resize(threads);
+  while (stack_pool.size() < threads) stack_pool.emplace_back(new unsigned char[kStackBytes]);
+  for (std::size_t i = 0; i < threads; ++i) l->fibers[i].stack = stack_pool[i].get();
   l->exchange.assign(threads * kExchangeBytes, 0);
   for (std::size_t i = 0; i < threads; ++i)
     l->fibers[i].idx = dim3(static_cast<unsigned>(i % block.x), static_cast<unsigned>(i / block.x % block.y),
@@ -203,6 +211,7 @@ void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function
           l->shared.assign(shared_bytes + 128 + kSharedGuard, 0xff);
           unsigned char* end = dynamic_shared_of(*l) + shared_bytes;
           std::memset(end, kGuardByte, kSharedGuard);
+          l->statics.clear();
           run_block(*l);
           for (std::size_t i = 0; i < kSharedGuard; ++i)
             if (end[i] != kGuardByte)
@@ -257,6 +266,37 @@ void warp_exchange(const void* mine, void* theirs, unsigned lane_mask, std::size
   std::memcpy(&l.exchange[me * kExchangeBytes], mine, bytes);
   yield(Wait::warp);
   std::memcpy(theirs, &l.exchange[partner * kExchangeBytes], bytes);
+}
+unsigned ballot(bool p) {
+  Launch& l = need_launch("ballot");
+  if (l.fibers.size() % 32 != 0) fail("ballot in a block that is not whole warps");
+  const std::size_t me = l.current, warp = me & ~std::size_t{31};
+  yield(Wait::warp);  // every lane has read the previous exchange before this one is written
+  l.exchange[me * kExchangeBytes] = p ? 1 : 0;
+  ++l.fibers[me].ballots;
+  yield(Wait::warp);
+  // A lane that returned instead of voting let the barrier open without it: its count is behind.
+  // (None can be ahead: its next vote waits at the first barrier until this lane has read.)
+  unsigned mask = 0;
+  for (std::size_t k = 0; k < 32; ++k) {
+    if (l.fibers[warp + k].ballots != l.fibers[me].ballots)
+      fail("ballot without lane " + std::to_string(k) + " of the warp (it returned): the device leaves that undefined");
+    if (l.exchange[(warp + k) * kExchangeBytes] != 0) mask |= 1u << k;
+  }
+  return mask;
+}
+void* static_shared(const void* site, std::size_t bytes) {
+  Launch& l = need_launch("static_shared");
+  std::size_t total = 0;
+  for (auto& [key, memory] : l.statics) {
+    if (key == site) return memory.data();
+    total += memory.size();
+  }
+  constexpr std::size_t kStaticLimit = 48 * 1024;
+  if (total + bytes > kStaticLimit)
+    fail("static shared arrays of " + std::to_string(total + bytes) + " bytes (the device allows 49152)");
+  l.statics.emplace_back(site, std::vector<unsigned char>(bytes, 0xff));
+  return l.statics.back().second.data();
 }
 void fail(const std::string& what) {
   Launch& l = need_launch("fail");

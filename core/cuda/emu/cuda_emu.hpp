@@ -60,6 +60,13 @@ void sync_warp();   // __syncwarp (all 32 lanes)
 // __shfl_xor_sync over the whole warp: every lane gives `bytes` at `mine` and gets lane
 // (lane ^ lane_mask)'s into `theirs`.
 void warp_exchange(const void* mine, void* theirs, unsigned lane_mask, std::size_t bytes);
+// __ballot_sync over the whole warp: bit k set where lane k's p is true. Every lane of the warp must
+// take part (a lane that has returned fails the launch: the device leaves that undefined).
+unsigned ballot(bool p);
+// A kernel's static __shared__ array (LOOM_SHARED_ARRAY): one per `site` and block, `bytes` long,
+// filled with NaN bytes when the block's first thread asks; the block's static arrays together may
+// take 48 KiB, the device's limit.
+void* static_shared(const void* site, std::size_t bytes);
 [[noreturn]] void fail(const std::string& what);  // ends the launch with that message
 
 template <class T>

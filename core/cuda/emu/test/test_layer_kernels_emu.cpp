@@ -1,0 +1,491 @@
+// The CUDA layer kernels' own source (core/cuda/layer_kernels.cuh), with the launch geometry the
+// device uses, run on the CPU through the CUDA emulator against their host twins (core/kernels.hpp):
+// label unit, no GPU or CUDA toolkit needed. Each operation runs under every emulator schedule and
+// must give the same bits in each (a missing barrier or a warp-order dependence shows), and then
+// match the host as loom_cuda_tests holds the device to it (bit for bit where the arithmetic is the
+// shared per-element code; within a stated relative error, against the tensor's norm, where a row or
+// column is summed in a tree instead of a loop). Small shapes: the emulator runs every thread.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cuda/emu/cuda_emu.hpp"
+#include "core/cuda/layer_kernels.cuh"
+#include "core/kernels.hpp"
+
+namespace {
+
+namespace emu = loom::cuda_emu;
+namespace layer = loom::cuda::layer;
+using loom::DType;
+
+// layer_kernels.cuh's `launch`, through the emulator.
+struct OnEmulator {
+  template <class Kernel, class... Args>
+  void operator()(const char*, unsigned blocks, unsigned threads, std::size_t shared, Kernel kernel, Args... args) const {
+    emu::launch(emu::dim3(blocks), emu::dim3(threads), shared, [&] { kernel(args...); });
+  }
+};
+
+std::vector<float> randn(std::size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(gen);
+  return v;
+}
+
+// ||got - want|| / ||want||
+template <class T>
+double rel_err(const std::vector<T>& got, const std::vector<T>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double e = double(got[i]) - double(want[i]);
+    num += e * e;
+    den += double(want[i]) * double(want[i]);
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
+}
+
+template <class T>
+std::vector<unsigned char> bits_of(const std::vector<T>& v) {
+  std::vector<unsigned char> b(v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+// Runs `run` (fresh inputs, the emulated operation, its outputs' bits) under every schedule, expects
+// the same bits from each, and returns the first's.
+using Bits = std::vector<std::vector<unsigned char>>;
+Bits in_every_schedule(const std::function<Bits()>& run) {
+  struct Restore {
+    ~Restore() { emu::set_schedule(emu::Schedule::sweep); }
+  } restore;
+  const std::pair<emu::Schedule, unsigned> schedules[] = {{emu::Schedule::sweep, 0},
+                                                          {emu::Schedule::warps_ascending, 0},
+                                                          {emu::Schedule::warps_descending, 0},
+                                                          {emu::Schedule::warps_random, 7}};
+  Bits first;
+  for (const auto& [schedule, seed] : schedules) {
+    emu::set_schedule(schedule, seed);
+    Bits got = run();
+    if (first.empty()) first = got;
+    else EXPECT_EQ(got, first) << "the result depends on the order of the threads (" << emu::schedule_name(schedule) << ")";
+  }
+  return first;
+}
+
+template <class T>
+std::vector<T> from_bits(const std::vector<unsigned char>& b) {
+  std::vector<T> v(b.size() / sizeof(T));
+  if (!v.empty()) std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+
+TEST(LayerKernelsEmu, EncoderForwardAndBackwardAreTheHostsBitForBit) {
+  const int B = 2, T = 17, C = 40, V = 50, vb = 10, ve = 35, N = B * T;  // a tensor-parallel shard of the vocabulary
+  std::vector<std::int32_t> tok(N);
+  std::mt19937 g(1);
+  for (auto& t : tok) t = std::int32_t(g() % V);  // repeats, and tokens on both sides of the shard
+  const auto wte = randn(std::size_t(ve - vb) * C, 2), wpe = randn(std::size_t(T) * C, 3);
+  const auto dout = randn(std::size_t(N) * C, 4), dwte0 = randn(wte.size(), 5), dwpe0 = randn(wpe.size(), 6);
+  for (bool pos : {true, false}) {
+    const Bits got = in_every_schedule([&] {
+      std::vector<float> out(std::size_t(N) * C, -1.0f);
+      layer::encoder_forward(OnEmulator{}, out.data(), tok.data(), wte.data(), wpe.data(), B, T, C, vb, ve, pos);
+      return Bits{bits_of(out)};
+    });
+    std::vector<float> want(std::size_t(N) * C);
+    loom::kernels::encoder_forward(want.data(), tok.data(), wte.data(), wpe.data(), B, T, C, vb, ve, pos);
+    EXPECT_EQ(from_bits<float>(got[0]), want) << "add_pos " << pos;
+  }
+  const Bits got = in_every_schedule([&] {
+    std::vector<float> dwte = dwte0, dwpe = dwpe0;
+    layer::encoder_backward(OnEmulator{}, dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C, vb, ve);
+    return Bits{bits_of(dwte), bits_of(dwpe)};
+  });
+  std::vector<float> dwte = dwte0, dwpe = dwpe0;
+  loom::kernels::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C, vb, ve);
+  EXPECT_EQ(from_bits<float>(got[0]), dwte) << "a token's rows added in row order, as the host";
+  EXPECT_EQ(from_bits<float>(got[1]), dwpe);
+}
+
+TEST(LayerKernelsEmu, LayerNormForwardAndBackward) {
+  const int N = 19, C = 37;  // C: a partial last tile of columns, and lanes without a column
+  const auto inp = randn(std::size_t(N) * C, 1, 2.0f), w = randn(C, 2), b = randn(C, 3), dout = randn(std::size_t(N) * C, 4);
+  const auto dinp0 = randn(std::size_t(N) * C, 5), dw0 = randn(C, 6), db0 = randn(C, 7);  // accumulated into
+  std::vector<float> out(std::size_t(N) * C), mean(N), rstd(N);
+  loom::kernels::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
+  std::vector<float> dinp = dinp0, dw = dw0, db = db0;
+  loom::kernels::layernorm_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), mean.data(),
+                                    rstd.data(), N, C);
+  const Bits fwd = in_every_schedule([&] {
+    std::vector<float> o(out.size()), m(N), r(N);
+    layer::layernorm_forward(OnEmulator{}, o.data(), m.data(), r.data(), inp.data(), w.data(), b.data(), N, C);
+    return Bits{bits_of(o), bits_of(m), bits_of(r)};
+  });
+  // A row's sums in a warp's tree, not a loop: the GPU test's bound.
+  EXPECT_LT(rel_err(from_bits<float>(fwd[0]), out), 1e-5);
+  EXPECT_LT(rel_err(from_bits<float>(fwd[1]), mean), 1e-5);
+  EXPECT_LT(rel_err(from_bits<float>(fwd[2]), rstd), 1e-5);
+  const Bits bwd = in_every_schedule([&] {
+    std::vector<float> di = dinp0, dwk = dw0, dbk = db0;
+    layer::layernorm_backward(OnEmulator{}, di.data(), dwk.data(), dbk.data(), dout.data(), inp.data(), w.data(),
+                              mean.data(), rstd.data(), N, C);
+    return Bits{bits_of(di), bits_of(dwk), bits_of(dbk)};
+  });
+  EXPECT_LT(rel_err(from_bits<float>(bwd[0]), dinp), 1e-5);
+  EXPECT_LT(rel_err(from_bits<float>(bwd[1]), dw), 1e-5);
+  EXPECT_LT(rel_err(from_bits<float>(bwd[2]), db), 1e-5);
+}
+
+TEST(LayerKernelsEmu, BiasAddAndBackward) {
+  const int N = 300, OC = 21;  // rows beyond the 128 row lanes; a partial column tile
+  const auto bias = randn(OC, 1), rows0 = randn(std::size_t(N) * OC, 2), db0 = randn(OC, 3);
+  std::vector<float> rows = rows0, db = db0;
+  loom::kernels::bias_add(rows.data(), bias.data(), N, OC);
+  loom::kernels::bias_backward(db.data(), rows.data(), N, OC);
+  const Bits got = in_every_schedule([&] {
+    std::vector<float> r = rows0, d = db0;
+    layer::bias_add(OnEmulator{}, r.data(), bias.data(), N, OC);
+    layer::bias_backward(OnEmulator{}, d.data(), r.data(), N, OC);
+    return Bits{bits_of(r), bits_of(d)};
+  });
+  EXPECT_EQ(from_bits<float>(got[0]), rows) << "bias_add";
+  EXPECT_LT(rel_err(from_bits<float>(got[1]), db), 1e-5) << "bias_backward: column sums in a tree";
+}
+
+// The host's causal softmax is inside its attention: the reference here is its float branch.
+TEST(LayerKernelsEmu, CausalSoftmaxForwardAndBackward) {
+  const int T = 45, rows = 2 * T;  // rows longer than a warp: lanes loop
+  const auto scores = randn(std::size_t(rows) * T, 1, 3.0f), dprobs = randn(std::size_t(rows) * T, 2);
+  std::vector<float> probs = scores, dscores = dprobs;
+  for (int r = 0; r < rows; ++r) {
+    const int t = r % T;
+    float* row = probs.data() + std::size_t(r) * T;
+    float mx = row[0];
+    for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
+    float sum = 0;
+    for (int j = 0; j <= t; ++j) sum += row[j] = loom::math::exp_fast(row[j] - mx);
+    for (int j = 0; j < T; ++j) row[j] = j <= t ? row[j] * (1.0f / sum) : 0.0f;
+    float* d = dscores.data() + std::size_t(r) * T;
+    float dot = 0;
+    for (int j = 0; j <= t; ++j) dot += row[j] * d[j];
+    for (int j = 0; j < T; ++j) d[j] = j <= t ? loom::math::softmax_backward(row[j], d[j], dot) : 0.0f;
+  }
+  const Bits got = in_every_schedule([&] {
+    std::vector<float> att = scores, datt = dprobs;
+    layer::softmax_causal_forward(OnEmulator{}, att.data(), rows, T);
+    layer::softmax_causal_backward(OnEmulator{}, datt.data(), att.data(), rows, T);
+    return Bits{bits_of(att), bits_of(datt)};
+  });
+  const auto att = from_bits<float>(got[0]), datt = from_bits<float>(got[1]);
+  EXPECT_LT(rel_err(att, probs), 1e-6);
+  EXPECT_LT(rel_err(datt, dscores), 1e-5);
+  for (int r = 0; r < rows; ++r)
+    for (int j = r % T + 1; j < T; ++j) {
+      ASSERT_EQ(att[std::size_t(r) * T + j], 0.0f) << "masked probability, row " << r << " column " << j;
+      ASSERT_EQ(datt[std::size_t(r) * T + j], 0.0f) << "masked score gradient, row " << r << " column " << j;
+    }
+}
+
+TEST(LayerKernelsEmu, ElementwiseKernelsAreTheHostsBitForBit) {
+  const std::int64_t n = 1000;  // not a multiple of the block
+  const auto x = randn(std::size_t(n), 1, 3.0f), y = randn(std::size_t(n), 2);
+  std::vector<float> gelu(n), dgelu(n), res(n), axpy = y, scaled = y, filled(n);
+  loom::kernels::gelu_forward(gelu.data(), x.data(), n);
+  loom::kernels::gelu_backward(dgelu.data(), x.data(), y.data(), n);
+  loom::kernels::residual_forward(res.data(), x.data(), y.data(), n);
+  loom::kernels::axpy(axpy.data(), -0.37f, x.data(), n);
+  loom::kernels::scale(scaled.data(), 0.37f, n);
+  loom::kernels::fill(filled.data(), -2.5f, n);
+  const Bits got = in_every_schedule([&] {
+    std::vector<float> g(n), dg(n), r(n), a = y, s = y, f(n, 1.0f);
+    layer::gelu_forward(OnEmulator{}, g.data(), x.data(), n);
+    layer::gelu_backward(OnEmulator{}, dg.data(), x.data(), y.data(), n);
+    layer::residual_forward(OnEmulator{}, r.data(), x.data(), y.data(), n);
+    layer::axpy(OnEmulator{}, a.data(), -0.37f, x.data(), n);
+    layer::scale<DType::f32>(OnEmulator{}, s.data(), 0.37f, n);
+    layer::fill<DType::f32>(OnEmulator{}, f.data(), -2.5f, n);
+    return Bits{bits_of(g), bits_of(dg), bits_of(r), bits_of(a), bits_of(s), bits_of(f)};
+  });
+  EXPECT_EQ(from_bits<float>(got[0]), gelu) << "gelu forward";
+  EXPECT_EQ(from_bits<float>(got[1]), dgelu) << "gelu backward";
+  EXPECT_EQ(from_bits<float>(got[2]), res) << "residual";
+  EXPECT_EQ(from_bits<float>(got[3]), axpy) << "axpy";
+  EXPECT_EQ(from_bits<float>(got[4]), scaled) << "scale";
+  EXPECT_EQ(from_bits<float>(got[5]), filled) << "fill";
+}
+
+// Every pair of fp64, fp32, bf16 and fp16: the host's conversion, bit for bit (NaN as NaN).
+TEST(LayerKernelsEmu, CastsAreTheHostsBitForBit) {
+  const std::int64_t n = 300;
+  std::vector<double> src(static_cast<std::size_t>(n));
+  std::mt19937_64 gen(9);
+  std::normal_distribution<double> d(0.0, 100.0);
+  for (auto& x : src) x = d(gen);
+  src[0] = std::numeric_limits<double>::quiet_NaN();
+  src[1] = std::numeric_limits<double>::infinity();
+  src[2] = 1e6;                                                 // overflows fp16
+  src[3] = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);    // rounds up in bf16 only when rounded once
+  src[4] = -std::ldexp(1.0, -140);                              // below fp32's subnormals: toward zero
+  src[5] = std::ldexp(1.0, 128) * 0.99999;                      // beyond fp32's largest: rounded to odd, kept finite
+  const auto in_type = [&](auto tag) {  // the source values as `from` holds them
+    using S = typename decltype(tag)::type;
+    std::vector<S> v(src.size());
+    loom::kernels::cast(v.data(), src.data(), n);
+    return v;
+  };
+  const auto check = [&](auto to, auto from) {
+    using D = typename decltype(to)::type;
+    using S = typename decltype(from)::type;
+    constexpr DType Dt = loom::dtype_of<D>::value, St = loom::dtype_of<S>::value;
+    const std::vector<S> s = in_type(from);
+    std::vector<D> want(s.size());
+    loom::kernels::cast(want.data(), s.data(), n);
+    std::vector<D> got(s.size());
+    layer::cast<Dt, St>(OnEmulator{}, reinterpret_cast<layer::storage_t<Dt>*>(got.data()),
+                        reinterpret_cast<const layer::storage_t<St>*>(s.data()), n);
+    std::vector<double> g64(s.size()), w64(s.size());
+    loom::kernels::cast(g64.data(), got.data(), n);
+    loom::kernels::cast(w64.data(), want.data(), n);
+    int mismatches = 0;
+    for (std::size_t i = 0; i < s.size(); ++i)
+      if (!(g64[i] == w64[i] || (std::isnan(g64[i]) && std::isnan(w64[i])))) ++mismatches;
+    EXPECT_EQ(mismatches, 0) << loom::dtype_name(St) << " -> " << loom::dtype_name(Dt);
+  };
+  struct F64 { using type = double; };
+  struct F32 { using type = float; };
+  struct BF16 { using type = loom::bf16; };
+  struct F16 { using type = loom::f16; };
+  const auto for_each = [&](auto to) {
+    check(to, F64{});
+    check(to, F32{});
+    check(to, BF16{});
+    check(to, F16{});
+  };
+  for_each(F64{});
+  for_each(F32{});
+  for_each(BF16{});
+  for_each(F16{});
+}
+
+// Held, as the device is, to a double-precision reference: at least as close to it as the host
+// (which adds a row's exponentials one after another), or within 1e-6.
+TEST(LayerKernelsEmu, CrossEntropyForwardAndBackward) {
+  struct Case {
+    int N, V;
+    std::size_t shared_limit;  // the device's opt-in shared memory: 0 never stages the row
+    const char* what;
+  };
+  for (const Case& c : {Case{3, 1500, 0, "row from memory, float4"}, Case{3, 1500, 1 << 20, "row staged, float4"},
+                        Case{3, 1001, 0, "row from memory, floats"}, Case{3, 1001, 1 << 20, "row staged, floats"},
+                        Case{2, 3, 1 << 20, "fewer columns than a warp"}}) {
+    SCOPED_TRACE(c.what);
+    const int N = c.N, V = c.V;
+    const auto logits = randn(std::size_t(N) * V, 1, 4.0f);
+    std::vector<std::int32_t> tgt(N);
+    for (int i = 0; i < N; ++i) tgt[std::size_t(i)] = (i * 7919) % V;
+    std::vector<float> ref_probs(std::size_t(N) * V), ref_losses(N), ref_dlogits(ref_probs.size());
+    for (int n = 0; n < N; ++n) {
+      const float* l = logits.data() + std::size_t(n) * V;
+      double mx = l[0], sum = 0;
+      for (int v = 1; v < V; ++v) mx = std::max(mx, double(l[v]));
+      for (int v = 0; v < V; ++v) sum += std::exp(double(l[v]) - mx);
+      for (int v = 0; v < V; ++v) {
+        const double p = std::exp(double(l[v]) - mx) / sum;
+        ref_probs[std::size_t(n) * V + v] = float(p);
+        ref_dlogits[std::size_t(n) * V + v] = float((p - (v == tgt[std::size_t(n)] ? 1.0 : 0.0)) * 0.125);
+      }
+      ref_losses[std::size_t(n)] = float(std::log(sum) + mx - l[tgt[std::size_t(n)]]);
+    }
+    std::vector<float> losses(N), probs(ref_probs.size());
+    loom::kernels::crossentropy_forward(losses.data(), probs.data(), logits.data(), tgt.data(), N, V);
+    std::vector<float> dlogits = probs;
+    loom::kernels::crossentropy_backward(dlogits.data(), dlogits.data(), tgt.data(), 0.125f, N, V);
+    const Bits got = in_every_schedule([&] {
+      std::vector<float> l(N), p = logits;  // in place, as the model's head calls it
+      layer::crossentropy_forward(OnEmulator{}, c.shared_limit, l.data(), p.data(), p.data(), tgt.data(), N, V);
+      std::vector<float> pr = p;
+      layer::crossentropy_backward(OnEmulator{}, p.data(), p.data(), tgt.data(), 0.125f, N, V, 0);
+      return Bits{bits_of(l), bits_of(pr), bits_of(p)};
+    });
+    const auto as_close_as_host = [&](const std::vector<float>& emulated, const std::vector<float>& host,
+                                      const std::vector<float>& ref, const char* what) {
+      const double e = rel_err(emulated, ref), h = rel_err(host, ref);
+      EXPECT_LT(e, std::max(2 * h, 1e-6)) << what << ": emulated " << e << ", host " << h << " from fp64";
+    };
+    as_close_as_host(from_bits<float>(got[0]), losses, ref_losses, "losses");
+    as_close_as_host(from_bits<float>(got[1]), probs, ref_probs, "probs");
+    as_close_as_host(from_bits<float>(got[2]), dlogits, ref_dlogits, "dlogits");
+  }
+}
+
+// The tensor strategy's three passes, on a middle shard of the vocabulary: targets below, in and
+// above this rank's columns.
+TEST(LayerKernelsEmu, VocabularyParallelCrossEntropy) {
+  const int N = 7, V = 700, vb = 700;  // this rank: entries [700, 1400) of a vocabulary of 2100
+  const auto logits = randn(std::size_t(N) * V, 6, 4.0f);
+  std::vector<std::int32_t> tgt(N);
+  for (int i = 0; i < N; ++i) tgt[std::size_t(i)] = (i * 7919) % (3 * V);
+  std::vector<float> row_max(N), probs = logits, losses(N);
+  std::vector<double> sum_exp(N), target_logit(N);
+  loom::kernels::crossentropy_row_max(row_max.data(), logits.data(), N, V);
+  loom::kernels::crossentropy_partial(probs.data(), sum_exp.data(), target_logit.data(), probs.data(), row_max.data(),
+                                      tgt.data(), N, V, vb);
+  const std::vector<float> exps = probs;
+  loom::kernels::crossentropy_finish(losses.data(), probs.data(), sum_exp.data(), row_max.data(), target_logit.data(), N, V);
+  loom::kernels::crossentropy_backward(probs.data(), probs.data(), tgt.data(), 0.25f, N, V, vb);
+  const Bits got = in_every_schedule([&] {
+    std::vector<float> m(N), p = logits, l(N);
+    std::vector<double> s(N, -1.0), t(N, -1.0);
+    layer::crossentropy_row_max(OnEmulator{}, m.data(), p.data(), N, V);
+    layer::crossentropy_partial(OnEmulator{}, p.data(), s.data(), t.data(), p.data(), m.data(), tgt.data(), N, V, vb);
+    const std::vector<float> e = p;
+    layer::crossentropy_finish(OnEmulator{}, l.data(), p.data(), s.data(), m.data(), t.data(), N, V);
+    layer::crossentropy_backward(OnEmulator{}, p.data(), p.data(), tgt.data(), 0.25f, N, V, vb);
+    return Bits{bits_of(m), bits_of(e), bits_of(s), bits_of(t), bits_of(l), bits_of(p)};
+  });
+  EXPECT_EQ(from_bits<float>(got[0]), row_max) << "row maxima";
+  EXPECT_EQ(from_bits<float>(got[1]), exps) << "exponentials (the shared exp)";
+  const auto s = from_bits<double>(got[2]), t = from_bits<double>(got[3]);
+  for (int n = 0; n < N; ++n) {
+    EXPECT_NEAR(s[std::size_t(n)], sum_exp[std::size_t(n)], 1e-12 * sum_exp[std::size_t(n)]) << "sum of exponentials, row " << n;
+    EXPECT_EQ(t[std::size_t(n)], target_logit[std::size_t(n)]) << "target logit, row " << n;
+  }
+  EXPECT_LT(rel_err(from_bits<float>(got[4]), losses), 1e-6) << "losses";
+  EXPECT_LT(rel_err(from_bits<float>(got[5]), probs), 1e-6) << "dlogits";
+}
+
+TEST(LayerKernelsEmu, AdamWIsTheHostsBitForBit) {
+  const std::int64_t n = 700;
+  const auto p0 = randn(std::size_t(n), 1), m0 = randn(std::size_t(n), 2, 0.1f), g = randn(std::size_t(n), 4);
+  std::vector<float> v0 = randn(std::size_t(n), 3, 0.1f);
+  for (float& x : v0) x = x * x;
+  std::vector<float> p = p0, m = m0, v = v0;
+  for (std::int64_t t = 1; t <= 3; ++t)
+    loom::kernels::adamw_update(p.data(), m.data(), v.data(), g.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+  const Bits got = in_every_schedule([&] {
+    std::vector<float> pe = p0, me = m0, ve = v0;
+    for (std::int64_t t = 1; t <= 3; ++t) {  // the bias corrections as core/cuda/kernels.cu makes them
+      const loom::math::AdamWStep<float> step{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f - std::pow(0.9f, float(t)),
+                                              1.0f - std::pow(0.95f, float(t))};
+      layer::adamw_update(OnEmulator{}, pe.data(), me.data(), ve.data(), g.data(), n, step);
+    }
+    return Bits{bits_of(pe), bits_of(me), bits_of(ve)};
+  });
+  EXPECT_EQ(from_bits<float>(got[0]), p) << "parameters";
+  EXPECT_EQ(from_bits<float>(got[1]), m) << "first moments";
+  EXPECT_EQ(from_bits<float>(got[2]), v) << "second moments";
+}
+
+// Sums, sums of squares and non-finite counts over several blocks (a grid-stride tail), in every
+// storage type, against long double; n = 0 gives 0.
+TEST(LayerKernelsEmu, Reductions) {
+  const std::int64_t n = 2 * 256 * 3 + 77;  // more elements than the grid's threads: each thread loops
+  std::vector<double> x64(static_cast<std::size_t>(n));
+  std::mt19937_64 gen(5);
+  std::normal_distribution<double> d(0.0, 3.0);
+  for (auto& x : x64) x = d(gen);
+  const auto check = [&](auto tag, std::int64_t count, const std::vector<double>& src) {
+    using T = typename decltype(tag)::type;
+    constexpr DType D = loom::dtype_of<T>::value;
+    std::vector<T> x(src.size());
+    loom::kernels::cast(x.data(), src.data(), std::int64_t(src.size()));
+    std::vector<double> held(src.size());  // the values as T holds them
+    loom::kernels::cast(held.data(), x.data(), std::int64_t(src.size()));
+    long double want_sum = 0, want_sq = 0;
+    double want_bad = 0;
+    for (std::int64_t i = 0; i < count; ++i) {
+      const double v = held[std::size_t(i)];
+      if (!std::isfinite(v)) ++want_bad;
+      else want_sum += v, want_sq += static_cast<long double>(v) * v;
+    }
+    std::vector<double> scratch(std::size_t(layer::reduce_geometry(count).blocks), -1.0);
+    const auto* xs = reinterpret_cast<const layer::storage_t<D>*>(x.data());
+    const Bits got = in_every_schedule([&] {
+      double s = -1, q = -1, bad = -1;
+      layer::reduce<D, layer::ReduceOp::sum>(OnEmulator{}, &s, xs, count, scratch.data());
+      layer::reduce<D, layer::ReduceOp::sum_squares>(OnEmulator{}, &q, xs, count, scratch.data());
+      layer::reduce<D, layer::ReduceOp::nonfinite>(OnEmulator{}, &bad, xs, count, scratch.data());
+      return Bits{bits_of(std::vector<double>{s, q, bad})};
+    });
+    const auto r = from_bits<double>(got[0]);
+    const char* name = loom::dtype_name(D);
+    EXPECT_EQ(r[2], want_bad) << name << ": non-finite count";
+    if (want_bad == 0) {
+      EXPECT_NEAR(r[0], double(want_sum), 1e-12 * double(want_sq) + 1e-300) << name << ": sum";
+      EXPECT_NEAR(r[1], double(want_sq), 1e-12 * double(want_sq)) << name << ": sum of squares";
+    }
+  };
+  struct F64 { using type = double; };
+  struct F32 { using type = float; };
+  struct BF16 { using type = loom::bf16; };
+  struct F16 { using type = loom::f16; };
+  for (std::int64_t count : {n, std::int64_t(0)}) {
+    check(F64{}, count, x64);
+    check(F32{}, count, x64);
+    check(BF16{}, count, x64);
+    check(F16{}, count, x64);
+  }
+  std::vector<double> bad = x64;
+  bad[3] = std::numeric_limits<double>::quiet_NaN();
+  bad[900] = -std::numeric_limits<double>::infinity();
+  bad[n - 1] = 1e6;  // inf in fp16 only
+  check(F64{}, n, bad);
+  check(F16{}, n, bad);
+}
+
+// int8 compression's kernels, bit for bit the host's: the chunk maxima and the flag, the levels and
+// the residual, the sum scaled back; a NaN or an inf poisons it; no elements give a clear flag.
+TEST(LayerKernelsEmu, Int8CompressionIsTheHostsBitForBit) {
+  const std::int64_t n = 3001, chunk = 300, chunks = (n + chunk - 1) / chunk;  // a short last chunk
+  std::vector<float> x = randn(std::size_t(n), 6, 2.0f);
+  for (std::int64_t i = 0; i < n; ++i) x[std::size_t(i)] *= float(1 + i / chunk % 7);  // chunks of different scales
+  x[5] = 0.0f;
+  x[6] = -0.0f;
+  const auto emulated = [&](const std::vector<float>& in, int levels) {
+    return in_every_schedule([&] {
+      std::vector<float> amax(std::size_t(chunks) + 1, -1.0f), err(in.size(), -1.0f), back(in.size(), -1.0f);
+      std::vector<std::int8_t> q(in.size(), 99);
+      std::vector<double> nonfinite(1, -1.0), scratch(std::size_t(layer::reduce_geometry(n).blocks), -1.0);
+      layer::int8_absmax(OnEmulator{}, amax.data(), in.data(), n, chunk, nonfinite.data(), scratch.data());
+      layer::int8_quantize(OnEmulator{}, q.data(), err.data(), in.data(), n, chunk, amax.data(), levels);
+      layer::int8_dequantize(OnEmulator{}, back.data(), q.data(), n, chunk, amax.data(), levels);
+      return Bits{bits_of(amax), bits_of(q), bits_of(err), bits_of(back)};
+    });
+  };
+  for (const int levels : {127, 31}) {
+    SCOPED_TRACE("levels " + std::to_string(levels));
+    std::vector<float> amax(std::size_t(chunks) + 1), err(x.size()), back(x.size());
+    std::vector<std::int8_t> q(x.size());
+    loom::kernels::int8_absmax(amax.data(), x.data(), n, chunk);
+    loom::kernels::int8_quantize(q.data(), err.data(), x.data(), n, chunk, amax.data(), levels);
+    loom::kernels::int8_dequantize(back.data(), q.data(), n, chunk, amax.data(), levels);
+    const Bits got = emulated(x, levels);
+    EXPECT_EQ(from_bits<float>(got[0]), amax) << "int8_absmax and the flag";
+    EXPECT_EQ(from_bits<std::int8_t>(got[1]), q) << "int8_quantize";
+    EXPECT_EQ(from_bits<float>(got[2]), err) << "int8_quantize's residual";
+    EXPECT_EQ(from_bits<float>(got[3]), back) << "int8_dequantize";
+  }
+  for (const float poison : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    std::vector<float> bad = x;
+    bad[1234] = poison;
+    const Bits got = emulated(bad, 127);
+    EXPECT_EQ(from_bits<float>(got[0])[std::size_t(chunks)], 1.0f) << "the finiteness flag, for " << poison;
+    for (float v : from_bits<float>(got[3])) ASSERT_TRUE(std::isnan(v)) << "a flagged sum is NaN everywhere (" << poison << ")";
+  }
+  float flag = -1.0f;
+  std::vector<double> nonfinite(1, -1.0), scratch(1, -1.0);
+  layer::int8_absmax(OnEmulator{}, &flag, x.data(), 0, chunk, nonfinite.data(), scratch.data());
+  EXPECT_EQ(flag, 0.0f) << "no elements: no chunk, a clear flag";
+}
+
+}  // namespace

@@ -1,0 +1,933 @@
+#pragma once
+// The CUDA layer kernels (the twins of core/kernels.hpp; contracts in core/cuda/kernels.cuh) and how
+// each operation launches them. Semantics follow core/kernels.hpp; per-element arithmetic comes from
+// core/kernel_math.hpp. No atomics anywhere: every sum is reduced in an order fixed by the shapes.
+//
+// The source compiles for the GPU (nvcc, core/cuda/kernels.cu) and for the host against the CUDA
+// emulator (core/cuda/emu/), so a CPU unit test runs these very kernels, with the launch geometry
+// below, against their host twins; device facilities come through core/cuda/device_portable.hpp.
+// Each operation is a function template over `launch`, a callable
+//   launch(name, blocks, threads, dynamic_shared_bytes, kernel, args...)
+// that runs kernel<<<blocks, threads, dynamic_shared_bytes, stream>>>(args...) on a device, or
+// through the emulator in a test.
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cuda/device_portable.hpp"
+#include "core/cuda/launch_geometry.hpp"
+#include "core/dtype.hpp"
+#include "core/kernel_math.hpp"
+
+namespace loom::cuda::layer {
+
+constexpr unsigned kWarp = 32;
+constexpr unsigned kThreads = 256;          // elementwise and warp-per-row kernels
+constexpr unsigned kRowBlockThreads = 512;  // block-per-row kernels along V ~ 50k (cross-entropy backward)
+// The cross-entropy forward keeps a whole row (GPT-2: 50304 floats, 201 kB) in shared memory, so
+// one block fills an SM: it gets the most threads a block can have.
+constexpr unsigned kCrossEntropyForwardThreads = 1024;
+// Column sums (bias and LayerNorm parameter gradients): a block owns kColTile columns over all
+// rows, so no two blocks add into the same gradient (no atomics, fixed order). 8 floats are one
+// 32-byte sector, so a warp (8 columns x 4 rows) reads whole sectors; the 128 threads along the
+// rows keep enough loads in flight for the few blocks that C / 8 gives.
+constexpr unsigned kColTile = 8;
+constexpr unsigned kColRowLanes = 128;
+constexpr unsigned kColThreads = kColTile * kColRowLanes;  // 1024
+// Reductions: the block count depends on n only (never on the device), so the partition, and with
+// it the result, is the same everywhere; 1024 partials are cheap for the one finishing block.
+constexpr unsigned kReduceThreads = 256;
+constexpr unsigned kReduceMaxBlocks = 1024;
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers.
+
+// threadIdx.x, blockDim.x, blockIdx.x and gridDim.x, unsigned as CUDA's are: a loop written
+// `for (int i = tid(); i < n; i += threads_per_block())` then compiles as with the built-ins (the
+// kernels' register use, measured on the device with them, stays), and divisions and remainders by
+// powers of two stay shifts and masks.
+LOOM_DEVICE unsigned tid() { return static_cast<unsigned>(dev::thread_x()); }
+LOOM_DEVICE unsigned threads_per_block() { return static_cast<unsigned>(dev::block_dim_x()); }
+LOOM_DEVICE unsigned block() { return static_cast<unsigned>(dev::block_x()); }
+LOOM_DEVICE unsigned blocks() { return static_cast<unsigned>(dev::grid_x()); }
+LOOM_DEVICE std::int64_t global_thread() { return static_cast<std::int64_t>(block()) * threads_per_block() + tid(); }
+LOOM_DEVICE std::int64_t grid_threads() { return static_cast<std::int64_t>(blocks()) * threads_per_block(); }
+LOOM_DEVICE std::int64_t global_warp() { return global_thread() / kWarp; }
+LOOM_DEVICE std::int64_t grid_warps() { return grid_threads() / kWarp; }
+LOOM_DEVICE int lane_id() { return static_cast<int>(tid() % kWarp); }
+
+struct SumOp {
+  template <class A>
+  LOOM_DEVICE A operator()(A a, A b) const { return a + b; }
+};
+struct MaxOp {  // the host's `x > mx ? x : mx`
+  template <class A>
+  LOOM_DEVICE A operator()(A a, A b) const { return b > a ? b : a; }
+};
+
+// Butterfly reduction: every lane ends with the same value (each level adds the same two operands
+// in both lanes, and + and the max are commutative), so the result is deterministic.
+template <class A, class Op>
+LOOM_DEVICE A warp_reduce(A v, Op op) {
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v = op(v, dev::shfl_xor(v, offset));
+  return v;
+}
+
+// Reduces v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `shared` holds one value per warp; the leading barrier lets consecutive calls reuse it.
+template <class A, class Op>
+LOOM_DEVICE A block_reduce(A v, A identity, Op op, A* shared) {
+  const int lane = lane_id(), warp = static_cast<int>(tid() / kWarp);
+  const int warps = static_cast<int>(threads_per_block() / kWarp);
+  v = warp_reduce(v, op);
+  dev::sync_block();
+  if (lane == 0) shared[warp] = v;
+  dev::sync_block();
+  v = lane < warps ? shared[lane] : identity;
+  return warp_reduce(v, op);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token + position embedding.
+
+// One block per row (b,t), threads along C.
+LOOM_KERNEL void encoder_forward_kernel(float* out,               // [B,T,C]
+                                        const std::int32_t* inp,  // [B,T]
+                                        const float* wte,         // [V_local,C]
+                                        const float* wpe,         // [T,C]
+                                        int N, int T, int C, int vocab_begin, int vocab_end, bool add_pos) {
+  for (int bt = block(); bt < N; bt += blocks()) {
+    const int tok = inp[bt];
+    const bool mine = tok >= vocab_begin && tok < vocab_end;
+    const float* te = mine ? wte + static_cast<std::int64_t>(tok - vocab_begin) * C : nullptr;
+    const float* pe = add_pos ? wpe + static_cast<std::int64_t>(bt % T) * C : nullptr;
+    float* o = out + static_cast<std::int64_t>(bt) * C;
+    for (int c = tid(); c < C; c += threads_per_block()) o[c] = (mine ? te[c] : 0.0f) + (add_pos ? pe[c] : 0.0f);
+  }
+}
+
+// dwpe: one block per position t, threads along C; each element adds its B rows in order b = 0..B-1
+// (the host's order), so no two threads touch one element.
+LOOM_KERNEL void encoder_backward_wpe_kernel(float* dwpe,        // [T,C] (+=)
+                                             const float* dout,  // [B,T,C]
+                                             int B, int T, int C) {
+  for (int t = block(); t < T; t += blocks()) {
+    float* g = dwpe + static_cast<std::int64_t>(t) * C;
+    for (int c = tid(); c < C; c += threads_per_block()) {
+      float acc = g[c];
+      for (int b = 0; b < B; ++b) acc += dout[(static_cast<std::int64_t>(b) * T + t) * C + c];
+      g[c] = acc;
+    }
+  }
+}
+
+// dwte without atomics: one warp per row; the warp of the *first* row holding a token owns that
+// token's gradient row and adds every row holding the token, in row order (the host's order). The
+// cost is the scans of inp (32 tokens per step): a repeated token stops at its first earlier
+// occurrence, a token's owner scans the rows after it, so ~ (distinct tokens) * N / 32 steps.
+LOOM_KERNEL void encoder_backward_wte_kernel(float* dwte,              // [V_local,C] (+=)
+                                             const float* dout,        // [B,T,C]
+                                             const std::int32_t* inp,  // [B,T]
+                                             int N, int C, int vocab_begin, int vocab_end) {
+  const int lane = lane_id();
+  for (std::int64_t row = global_warp(); row < N; row += grid_warps()) {  // warp-uniform
+    const int tok = inp[row];
+    if (tok < vocab_begin || tok >= vocab_end) continue;
+    bool earlier = false;  // does a row before `row` hold tok? (warp-uniform: a vote)
+    for (std::int64_t r0 = 0; r0 < row && !earlier; r0 += kWarp) {
+      const std::int64_t r = r0 + lane;
+      earlier = dev::any(r < row && inp[r] == tok);
+    }
+    if (earlier) continue;
+    float* g = dwte + static_cast<std::int64_t>(tok - vocab_begin) * C;
+    for (std::int64_t r0 = row; r0 < N; r0 += kWarp) {
+      const std::int64_t r = r0 + lane;
+      unsigned match = dev::ballot(r < N && inp[r] == tok);
+      while (match) {  // the matching rows of this step, lowest first
+        const int k = dev::first_set(match) - 1;
+        match &= match - 1;
+        const float* d = dout + (r0 + k) * C;
+        for (int c = lane; c < C; c += kWarp) g[c] += d[c];  // each lane owns its columns of g
+      }
+    }
+  }
+}
+
+template <class Launch>
+void encoder_forward(Launch&& launch, float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B,
+                     int T, int C, int vocab_begin, int vocab_end, bool add_pos) {
+  const std::int64_t N = static_cast<std::int64_t>(B) * T;
+  if (N <= 0 || C <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kThreads);
+  launch("encoder_forward_kernel", g.blocks, g.threads, 0, encoder_forward_kernel, out, inp, wte, wpe,
+         static_cast<int>(N), T, C, vocab_begin, vocab_end, add_pos);
+}
+
+template <class Launch>
+void encoder_backward(Launch&& launch, float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B,
+                      int T, int C, int vocab_begin, int vocab_end) {
+  const std::int64_t N = static_cast<std::int64_t>(B) * T;
+  if (N <= 0 || C <= 0) return;
+  const LaunchGeometry gp = rows_per_block_geometry(T, kThreads);
+  launch("encoder_backward_wpe_kernel", gp.blocks, gp.threads, 0, encoder_backward_wpe_kernel, dwpe, dout, B, T, C);
+  const LaunchGeometry gt = rows_per_warp_geometry(N, kThreads);
+  launch("encoder_backward_wte_kernel", gt.blocks, gt.threads, 0, encoder_backward_wte_kernel, dwte, dout, inp,
+         static_cast<int>(N), C, vocab_begin, vocab_end);
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm.
+
+// One warp per row: mean, then the sum of squared deviations (two passes, as the host), then the
+// normalised output. The row is re-read from L1/L2 rather than held in registers (C is runtime).
+LOOM_KERNEL void layernorm_forward_kernel(float* out,           // [N,C]
+                                          float* mean,          // [N]
+                                          float* rstd,          // [N]
+                                          const float* inp,     // [N,C]
+                                          const float* weight,  // [C]
+                                          const float* bias,    // [C]
+                                          int N, int C) {
+  const int lane = lane_id();
+  for (std::int64_t n = global_warp(); n < N; n += grid_warps()) {
+    const float* x = inp + n * C;
+    float s = 0.0f;
+    for (int c = lane; c < C; c += kWarp) s += x[c];
+    const float m = warp_reduce(s, SumOp{}) / static_cast<float>(C);
+    float v = 0.0f;
+    for (int c = lane; c < C; c += kWarp) {
+      const float xc = x[c] - m;
+      v += xc * xc;
+    }
+    const float r = math::layernorm_rstd(warp_reduce(v, SumOp{}) / static_cast<float>(C));
+    float* o = out + n * C;
+    for (int c = lane; c < C; c += kWarp) o[c] = math::layernorm_out(x[c], m, r, weight[c], bias[c]);
+    if (lane == 0) {
+      mean[n] = m;
+      rstd[n] = r;
+    }
+  }
+}
+
+// dinp, one warp per row: the row's means of dnorm = weight*dout and of dnorm*xhat, then
+// dinp += layernorm_dinp per element (each lane reads and writes only its own columns).
+LOOM_KERNEL void layernorm_backward_dinp_kernel(float* dinp,          // [N,C] (+=)
+                                                const float* dout,    // [N,C]
+                                                const float* inp,     // [N,C]
+                                                const float* weight,  // [C]
+                                                const float* mean,    // [N]
+                                                const float* rstd,    // [N]
+                                                int N, int C) {
+  const int lane = lane_id();
+  for (std::int64_t n = global_warp(); n < N; n += grid_warps()) {
+    const float* d = dout + n * C;
+    const float* x = inp + n * C;
+    float* dx = dinp + n * C;
+    const float m = mean[n], r = rstd[n];
+    float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
+    for (int c = lane; c < C; c += kWarp) {
+      const float xhat = (x[c] - m) * r;
+      const float dnorm = weight[c] * d[c];
+      dnorm_sum += dnorm;
+      dnorm_norm_sum += dnorm * xhat;
+    }
+    const float dnorm_mean = warp_reduce(dnorm_sum, SumOp{}) / static_cast<float>(C);
+    const float dnorm_norm_mean = warp_reduce(dnorm_norm_sum, SumOp{}) / static_cast<float>(C);
+    for (int c = lane; c < C; c += kWarp)
+      dx[c] += math::layernorm_dinp(x[c], m, r, weight[c], d[c], dnorm_mean, dnorm_norm_mean);
+  }
+}
+
+// Adds, for each of the block's kColTile columns, the kColRowLanes partial sums in s (indexed by
+// threadIdx.x = row_lane * kColTile + column) in a fixed tree; the column's total ends in s[column].
+LOOM_DEVICE void column_tree_sum(float* s0, float* s1) {
+  const unsigned t = tid(), row_lane = t / kColTile;
+  dev::sync_block();
+  for (unsigned stride = kColRowLanes / 2; stride > 0; stride >>= 1) {
+    if (row_lane < stride) {
+      s0[t] += s0[t + stride * kColTile];
+      if (s1) s1[t] += s1[t + stride * kColTile];
+    }
+    dev::sync_block();
+  }
+}
+
+// dweight and dbias, coalesced column sums: a block owns kColTile columns over all N rows; its
+// threads take every kColRowLanes-th row, then a fixed tree adds their partials.
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads)
+    layernorm_backward_params_kernel(float* dweight,      // [C] (+=)
+                                     float* dbias,        // [C] (+=)
+                                     const float* dout,   // [N,C]
+                                     const float* inp,    // [N,C]
+                                     const float* mean,   // [N]
+                                     const float* rstd,   // [N]
+                                     int N, int C) {
+  LOOM_SHARED_ARRAY(float, s_dw, kColThreads);
+  LOOM_SHARED_ARRAY(float, s_db, kColThreads);
+  const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
+  for (std::int64_t c0 = static_cast<std::int64_t>(block()) * kColTile; c0 < C;
+       c0 += static_cast<std::int64_t>(blocks()) * kColTile) {  // block-uniform
+    const std::int64_t c = c0 + col;
+    float dw = 0.0f, db = 0.0f;
+    if (c < C) {
+      LOOM_UNROLL(4)
+      for (int n = row_lane; n < N; n += kColRowLanes) {
+        const std::int64_t i = static_cast<std::int64_t>(n) * C + c;
+        const float dc = dout[i];
+        db += dc;
+        dw += (inp[i] - mean[n]) * rstd[n] * dc;
+      }
+    }
+    s_dw[tid()] = dw;
+    s_db[tid()] = db;
+    column_tree_sum(s_dw, s_db);
+    if (row_lane == 0 && c < C) {
+      dweight[c] += s_dw[col];
+      dbias[c] += s_db[col];
+    }
+    dev::sync_block();  // the next tile overwrites s_dw, s_db
+  }
+}
+
+template <class Launch>
+void layernorm_forward(Launch&& launch, float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int N, int C) {
+  if (N <= 0) return;
+  const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
+  launch("layernorm_forward_kernel", g.blocks, g.threads, 0, layernorm_forward_kernel, out, mean, rstd, inp, weight,
+         bias, N, C);
+}
+
+template <class Launch>
+void layernorm_backward(Launch&& launch, float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd, int N, int C) {
+  if (N <= 0 || C <= 0) return;
+  const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
+  launch("layernorm_backward_dinp_kernel", g.blocks, g.threads, 0, layernorm_backward_dinp_kernel, dinp, dout, inp,
+         weight, mean, rstd, N, C);
+  const LaunchGeometry gc = rows_per_block_geometry((static_cast<std::int64_t>(C) + kColTile - 1) / kColTile, kColThreads);
+  launch("layernorm_backward_params_kernel", gc.blocks, gc.threads, 0, layernorm_backward_params_kernel, dweight,
+         dbias, dout, inp, mean, rstd, N, C);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear-layer bias.
+
+// One block per row, threads along OC: no index division.
+LOOM_KERNEL void bias_add_kernel(float* out,         // [N,OC]
+                                 const float* bias,  // [OC]
+                                 int N, int OC) {
+  for (int n = block(); n < N; n += blocks()) {
+    float* o = out + static_cast<std::int64_t>(n) * OC;
+    for (int j = tid(); j < OC; j += threads_per_block()) o[j] += bias[j];
+  }
+}
+
+// As layernorm_backward_params_kernel, dout's column sums only.
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads)
+    bias_backward_kernel(float* dbias,       // [OC] (+=)
+                         const float* dout,  // [N,OC]
+                         int N, int OC) {
+  LOOM_SHARED_ARRAY(float, s_db, kColThreads);
+  const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
+  for (std::int64_t j0 = static_cast<std::int64_t>(block()) * kColTile; j0 < OC;
+       j0 += static_cast<std::int64_t>(blocks()) * kColTile) {  // block-uniform
+    const std::int64_t j = j0 + col;
+    float db = 0.0f;
+    if (j < OC) {
+      LOOM_UNROLL(4)
+      for (int n = row_lane; n < N; n += kColRowLanes) db += dout[static_cast<std::int64_t>(n) * OC + j];
+    }
+    s_db[tid()] = db;
+    column_tree_sum(s_db, nullptr);
+    if (row_lane == 0 && j < OC) dbias[j] += s_db[col];
+    dev::sync_block();  // the next tile overwrites s_db
+  }
+}
+
+template <class Launch>
+void bias_add(Launch&& launch, float* out, const float* bias, int N, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kThreads);
+  launch("bias_add_kernel", g.blocks, g.threads, 0, bias_add_kernel, out, bias, N, OC);
+}
+
+template <class Launch>
+void bias_backward(Launch&& launch, float* dbias, const float* dout, int N, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
+  launch("bias_backward_kernel", g.blocks, g.threads, 0, bias_backward_kernel, dbias, dout, N, OC);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax, one warp per row.
+
+// The host's float branch: max over j <= t, sum of exp_fast(x - max), each probability
+// exp_fast(x - max) * (1 / sum). The exponential is recomputed in the last pass rather than stored
+// and re-read: same function of the same input, so the same value, for less memory traffic.
+LOOM_KERNEL void softmax_causal_forward_kernel(float* att,  // [rows,T]
+                                               int rows, int T) {
+  const int lane = lane_id();
+  for (std::int64_t r = global_warp(); r < rows; r += grid_warps()) {
+    const int t = static_cast<int>(r % T);
+    float* row = att + r * T;
+    float mx = -INFINITY;
+    for (int j = lane; j <= t; j += kWarp) mx = MaxOp{}(mx, row[j]);
+    mx = warp_reduce(mx, MaxOp{});
+    float s = 0.0f;
+    for (int j = lane; j <= t; j += kWarp) s += math::exp_fast(row[j] - mx);
+    const float inv = 1.0f / warp_reduce(s, SumOp{});
+    for (int j = lane; j < T; j += kWarp) row[j] = j <= t ? math::exp_fast(row[j] - mx) * inv : 0.0f;  // causal mask
+  }
+}
+
+// In place on datt; each lane reads and writes only its own entries, so no hazard.
+LOOM_KERNEL void softmax_causal_backward_kernel(float* datt,       // [rows,T]
+                                                const float* att,  // [rows,T]
+                                                int rows, int T) {
+  const int lane = lane_id();
+  for (std::int64_t r = global_warp(); r < rows; r += grid_warps()) {
+    const int t = static_cast<int>(r % T);
+    float* dr = datt + r * T;
+    const float* ar = att + r * T;
+    float dot = 0.0f;
+    for (int j = lane; j <= t; j += kWarp) dot += ar[j] * dr[j];
+    dot = warp_reduce(dot, SumOp{});
+    for (int j = lane; j < T; j += kWarp) dr[j] = j <= t ? math::softmax_backward(ar[j], dr[j], dot) : 0.0f;
+  }
+}
+
+template <class Launch>
+void softmax_causal_forward(Launch&& launch, float* att, int rows, int T) {
+  if (rows <= 0 || T <= 0) return;
+  const LaunchGeometry g = rows_per_warp_geometry(rows, kThreads);
+  launch("softmax_causal_forward_kernel", g.blocks, g.threads, 0, softmax_causal_forward_kernel, att, rows, T);
+}
+
+template <class Launch>
+void softmax_causal_backward(Launch&& launch, float* datt, const float* att, int rows, int T) {
+  if (rows <= 0 || T <= 0) return;
+  const LaunchGeometry g = rows_per_warp_geometry(rows, kThreads);
+  launch("softmax_causal_backward_kernel", g.blocks, g.threads, 0, softmax_causal_backward_kernel, datt, att, rows, T);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise: GELU, residual. No __restrict__: callers may run them in place.
+
+LOOM_KERNEL void gelu_forward_kernel(float* out,        // [n]
+                                     const float* inp,  // [n]
+                                     std::int64_t n) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) out[i] = math::gelu_forward(inp[i]);
+}
+
+LOOM_KERNEL void gelu_backward_kernel(float* dinp,        // [n] (=)
+                                      const float* inp,   // [n]
+                                      const float* dout,  // [n]
+                                      std::int64_t n) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) dinp[i] = math::gelu_backward(inp[i], dout[i]);
+}
+
+LOOM_KERNEL void residual_forward_kernel(float* out,      // [n]
+                                         const float* a,  // [n]
+                                         const float* b,  // [n]
+                                         std::int64_t n) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) out[i] = a[i] + b[i];
+}
+
+template <class Launch>
+void gelu_forward(Launch&& launch, float* out, const float* inp, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("gelu_forward_kernel", g.blocks, g.threads, 0, gelu_forward_kernel, out, inp, n);
+}
+
+template <class Launch>
+void gelu_backward(Launch&& launch, float* dinp, const float* inp, const float* dout, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("gelu_backward_kernel", g.blocks, g.threads, 0, gelu_backward_kernel, dinp, inp, dout, n);
+}
+
+template <class Launch>
+void residual_forward(Launch&& launch, float* out, const float* a, const float* b, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("residual_forward_kernel", g.blocks, g.threads, 0, residual_forward_kernel, out, a, b, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy, one block per row.
+
+// A row is read and written one float at a time, or four (float4: a quarter of the load and store
+// instructions) when V is a multiple of 4 and the rows are 16-byte aligned.
+template <bool Vec4>
+struct RowAccess {
+  using type = float;
+  static constexpr int width = 1;
+};
+template <>
+struct RowAccess<true> {
+  using type = dev::float4;
+  static constexpr int width = 4;
+};
+LOOM_DEVICE float max_into(float m, float a) { return MaxOp{}(m, a); }
+LOOM_DEVICE float max_into(float m, dev::float4 a) { return max_into(max_into(max_into(max_into(m, a.x), a.y), a.z), a.w); }
+LOOM_DEVICE float sum_into(float s, float a) { return s + a; }
+LOOM_DEVICE float sum_into(float s, dev::float4 a) { return s + a.x + a.y + a.z + a.w; }
+LOOM_DEVICE float exp_shifted(float a, float mx) { return math::exp_fast(a - mx); }
+LOOM_DEVICE dev::float4 exp_shifted(dev::float4 a, float mx) {
+  return dev::make_float4(exp_shifted(a.x, mx), exp_shifted(a.y, mx), exp_shifted(a.z, mx), exp_shifted(a.w, mx));
+}
+LOOM_DEVICE float scaled(float a, float k) { return a * k; }
+LOOM_DEVICE dev::float4 scaled(dev::float4 a, float k) { return dev::make_float4(a.x * k, a.y * k, a.z * k, a.w * k); }
+
+// The host's float branch: max, sum of exp_fast(l - max), probs = exp_fast(l - max) * (1 / sum),
+// loss = log(sum) + max - l[target]. Three passes over the row. With Cached the row lives in
+// dynamic shared memory ([V] floats): the first pass copies the logits there, the second replaces
+// them by their exponentials, the third scales those; the logits come from HBM once instead of three
+// times and each exponential is computed once (the host's float branch too stores the exponential
+// and then scales it). Each thread reads back only the entries it wrote itself, so the copy needs no
+// barrier. The target's logit is read before the barriers that precede the writes, so probs may even
+// alias logits.
+template <bool Cached, bool Vec4>
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kCrossEntropyForwardThreads)
+    crossentropy_forward_kernel(float* losses,                // [N]
+                                float* probs,                 // [N,V]
+                                const float* logits,          // [N,V]
+                                const std::int32_t* targets,  // [N]
+                                int N, int V) {
+  using Vec = typename RowAccess<Vec4>::type;
+  Vec* row_copy = dev::shared_memory<Vec>();  // [V] floats if Cached (16-byte aligned)
+  LOOM_SHARED_ARRAY(float, shared, kWarp);
+  const int Q = V / RowAccess<Vec4>::width;  // accesses per row
+  for (int n = block(); n < N; n += blocks()) {
+    const Vec* l = reinterpret_cast<const Vec*>(logits + static_cast<std::int64_t>(n) * V);
+    Vec* p = reinterpret_cast<Vec*>(probs + static_cast<std::int64_t>(n) * V);
+    const float target_logit = tid() == 0 ? logits[static_cast<std::int64_t>(n) * V + targets[n]] : 0.0f;
+    float mx = -INFINITY;
+    for (int q = tid(); q < Q; q += threads_per_block()) {
+      const Vec lq = l[q];
+      if constexpr (Cached) row_copy[q] = lq;
+      mx = max_into(mx, lq);
+    }
+    mx = block_reduce(mx, -INFINITY, MaxOp{}, shared);
+    float s = 0.0f;
+    for (int q = tid(); q < Q; q += threads_per_block()) {
+      if constexpr (Cached) {
+        const Vec e = exp_shifted(row_copy[q], mx);
+        row_copy[q] = e;
+        s = sum_into(s, e);
+      } else {
+        s = sum_into(s, exp_shifted(l[q], mx));
+      }
+    }
+    s = block_reduce(s, 0.0f, SumOp{}, shared);
+    const float inv = 1.0f / s;
+    for (int q = tid(); q < Q; q += threads_per_block()) {
+      if constexpr (Cached) p[q] = scaled(row_copy[q], inv);
+      else p[q] = scaled(exp_shifted(l[q], mx), inv);
+    }
+    if (tid() == 0) losses[n] = dev::log_f(s) + mx - target_logit;  // log-sum-exp: exact when p underflows
+  }
+}
+
+// One block per row (no index division); each element is read, then written, by one thread, so
+// dlogits may alias probs.
+LOOM_KERNEL void crossentropy_backward_kernel(float* dlogits,               // [N,V] (=)
+                                              const float* probs,           // [N,V]
+                                              const std::int32_t* targets,  // [N]
+                                              float dloss, int N, int V, int vocab_begin) {
+  for (int n = block(); n < N; n += blocks()) {
+    const float* p = probs + static_cast<std::int64_t>(n) * V;
+    float* d = dlogits + static_cast<std::int64_t>(n) * V;
+    const int target = targets[n] - vocab_begin;  // outside [0, V): another rank's vocabulary
+    for (int v = tid(); v < V; v += threads_per_block()) d[v] = math::crossentropy_dlogit(p[v], v == target, dloss);
+  }
+}
+
+// Vocabulary-parallel cross-entropy (core/kernels.hpp's crossentropy_row_max / _partial / _finish):
+// one block per row; the sum of exponentials is a block reduction in fp64 (the host's row sum is
+// sequential: the two agree to rounding).
+LOOM_KERNEL void crossentropy_row_max_kernel(float* row_max,       // [N]
+                                             const float* logits,  // [N,V]
+                                             int N, int V) {
+  LOOM_SHARED_ARRAY(float, shared, kWarp);
+  for (int n = block(); n < N; n += blocks()) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float mx = -INFINITY;
+    for (int v = tid(); v < V; v += threads_per_block()) mx = MaxOp{}(mx, l[v]);
+    mx = block_reduce(mx, -INFINITY, MaxOp{}, shared);
+    if (tid() == 0) row_max[n] = mx;
+  }
+}
+
+LOOM_KERNEL void crossentropy_partial_kernel(float* probs,                 // [N,V]
+                                             double* sum_exp,              // [N]
+                                             double* target_logit,         // [N]
+                                             const float* logits,          // [N,V]
+                                             const float* row_max,         // [N]
+                                             const std::int32_t* targets,  // [N]
+                                             int N, int V, int vocab_begin) {
+  LOOM_SHARED_ARRAY(double, shared, kWarp);
+  for (int n = block(); n < N; n += blocks()) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    const float mx = row_max[n];
+    const int t = targets[n] - vocab_begin;
+    // p may alias l (the model's head overwrites its logits): the target's logit is read before
+    // the barrier that every write of p follows.
+    const double tl = tid() == 0 && t >= 0 && t < V ? l[t] : 0.0;
+    dev::sync_block();
+    double s = 0.0;
+    for (int v = tid(); v < V; v += threads_per_block()) {
+      const float e = math::exp_fast(l[v] - mx);
+      p[v] = e;
+      s += e;
+    }
+    s = block_reduce(s, 0.0, SumOp{}, shared);
+    if (tid() == 0) {
+      sum_exp[n] = s;
+      target_logit[n] = tl;
+    }
+  }
+}
+
+LOOM_KERNEL void crossentropy_finish_kernel(float* losses,               // [N]
+                                            float* probs,                // [N,V]
+                                            const double* sum_exp,       // [N]
+                                            const float* row_max,        // [N]
+                                            const double* target_logit,  // [N]
+                                            int N, int V) {
+  for (int n = block(); n < N; n += blocks()) {
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    const float inv = static_cast<float>(1.0 / sum_exp[n]);
+    for (int v = tid(); v < V; v += threads_per_block()) p[v] *= inv;
+    if (tid() == 0) losses[n] = static_cast<float>(dev::log_d(sum_exp[n]) + row_max[n] - target_logit[n]);
+  }
+}
+
+// `shared_limit`: the device's dynamic shared memory per block (opt-in); the row is staged in it
+// when it fits, with the kernel's static reduction scratch.
+template <class Launch>
+void crossentropy_forward(Launch&& launch, std::size_t shared_limit, float* losses, float* probs, const float* logits,
+                          const std::int32_t* targets, int N, int V) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kCrossEntropyForwardThreads);
+  const bool vec4 = V % 4 == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0 &&
+                    reinterpret_cast<std::uintptr_t>(probs) % 16 == 0;
+  const std::size_t row_bytes = static_cast<std::size_t>(V) * sizeof(float);
+  const bool cached = row_bytes + kWarp * sizeof(float) <= shared_limit;
+  const char* name = "crossentropy_forward_kernel";
+  if (cached && vec4)
+    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, true>, losses, probs, logits, targets, N, V);
+  else if (cached)
+    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, false>, losses, probs, logits, targets, N, V);
+  else if (vec4)
+    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, true>, losses, probs, logits, targets, N, V);
+  else
+    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, false>, losses, probs, logits, targets, N, V);
+}
+
+template <class Launch>
+void crossentropy_backward(Launch&& launch, float* dlogits, const float* probs, const std::int32_t* targets, float dloss,
+                           int N, int V, int vocab_begin) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  launch("crossentropy_backward_kernel", g.blocks, g.threads, 0, crossentropy_backward_kernel, dlogits, probs, targets,
+         dloss, N, V, vocab_begin);
+}
+
+template <class Launch>
+void crossentropy_row_max(Launch&& launch, float* row_max, const float* logits, int N, int V) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  launch("crossentropy_row_max_kernel", g.blocks, g.threads, 0, crossentropy_row_max_kernel, row_max, logits, N, V);
+}
+
+template <class Launch>
+void crossentropy_partial(Launch&& launch, float* probs, double* sum_exp, double* target_logit, const float* logits,
+                          const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  launch("crossentropy_partial_kernel", g.blocks, g.threads, 0, crossentropy_partial_kernel, probs, sum_exp,
+         target_logit, logits, row_max, targets, N, V, vocab_begin);
+}
+
+template <class Launch>
+void crossentropy_finish(Launch&& launch, float* losses, float* probs, const double* sum_exp, const float* row_max,
+                         const double* target_logit, int N, int V) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  launch("crossentropy_finish_kernel", g.blocks, g.threads, 0, crossentropy_finish_kernel, losses, probs, sum_exp,
+         row_max, target_logit, N, V);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW.
+
+LOOM_KERNEL void adamw_kernel(float* params,       // [n]
+                              float* m,            // [n]
+                              float* v,            // [n]
+                              const float* grads,  // [n]
+                              std::int64_t n, math::AdamWStep<float> step) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    float mi = m[i], vi = v[i];
+    params[i] = math::adamw(params[i], mi, vi, grads[i], step);
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+// `step` holds the bias corrections, computed on the host as core/kernels.hpp does.
+template <class Launch>
+void adamw_update(Launch&& launch, float* params, float* m, float* v, const float* grads, std::int64_t n,
+                  const math::AdamWStep<float>& step) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("adamw_kernel", g.blocks, g.threads, 0, adamw_kernel, params, m, v, grads, n, step);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed storage: what a DType holds on the device, its compute type, and the exact load / rounded
+// store between them (the device side of to_acc / from_acc in core/dtype.hpp).
+
+template <DType D>
+struct Storage;
+template <>
+struct Storage<DType::f32> {
+  using type = float;
+  using compute = float;
+  LOOM_DEVICE static float load(float x) { return x; }
+  LOOM_DEVICE static float store(float x) { return x; }
+};
+template <>
+struct Storage<DType::f64> {
+  using type = double;
+  using compute = double;
+  LOOM_DEVICE static double load(double x) { return x; }
+  LOOM_DEVICE static double store(double x) { return x; }
+};
+template <>
+struct Storage<DType::bf16> {
+  using type = std::uint16_t;
+  using compute = float;
+  LOOM_DEVICE static float load(std::uint16_t bits) { return math::bf16_value(bits); }
+  LOOM_DEVICE static std::uint16_t store(float x) { return math::bf16_bits(x); }  // RNE, NaN kept
+};
+template <>
+struct Storage<DType::f16> {
+  using type = std::uint16_t;
+  using compute = float;
+  LOOM_DEVICE static float load(std::uint16_t bits) { return dev::f16_bits_to_float(bits); }
+  LOOM_DEVICE static std::uint16_t store(float x) { return dev::float_to_f16_bits(x); }  // RNE, inf on overflow
+};
+
+template <DType D>
+using storage_t = typename Storage<D>::type;
+template <DType D>
+using compute_t = typename Storage<D>::compute;
+
+// double -> float rounded to odd (core/dtype.hpp's to_float_round_odd): truncated toward zero, the
+// last mantissa bit set when inexact, so a following round to nearest even at bf16/fp16 precision
+// equals rounding the double directly.
+LOOM_DEVICE float double_to_float_round_odd(double d) {
+  if (d != d) return static_cast<float>(d);  // NaN
+  const float f = dev::double_to_float_rz(d);
+  if (static_cast<double>(f) == d) return f;  // exact, inf included
+  return math::bits_as_float(math::float_bits(f) | 1u);
+}
+
+// core/kernels.hpp's convert<D>(S): same type as is; from fp64 directly; otherwise through float.
+template <DType Dst, DType Src>
+LOOM_DEVICE storage_t<Dst> convert(storage_t<Src> x) {
+  if constexpr (Dst == Src) {
+    return x;
+  } else if constexpr (Src == DType::f64 && Dst == DType::f32) {
+    return static_cast<float>(x);  // round to nearest even
+  } else if constexpr (Src == DType::f64) {
+    return Storage<Dst>::store(double_to_float_round_odd(x));
+  } else {
+    return Storage<Dst>::store(static_cast<compute_t<Dst>>(Storage<Src>::load(x)));
+  }
+}
+
+template <DType Dst, DType Src>
+LOOM_KERNEL void cast_kernel(storage_t<Dst>* dst,        // [n]
+                             const storage_t<Src>* src,  // [n]
+                             std::int64_t n) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = convert<Dst, Src>(src[i]);
+}
+
+template <DType D>
+LOOM_KERNEL void scale_kernel(storage_t<D>* x,  // [n]
+                              compute_t<D> a, std::int64_t n) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) x[i] = Storage<D>::store(Storage<D>::load(x[i]) * a);
+}
+
+template <DType D>
+LOOM_KERNEL void fill_kernel(storage_t<D>* x,  // [n]
+                             compute_t<D> value, std::int64_t n) {
+  const storage_t<D> stored = Storage<D>::store(value);
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) x[i] = stored;
+}
+
+LOOM_KERNEL void axpy_kernel(float* y, float a, const float* x, std::int64_t n) {  // [n], [n]
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) y[i] += a * x[i];  // --fmad=false: two roundings
+}
+
+template <DType Dst, DType Src, class Launch>
+void cast(Launch&& launch, storage_t<Dst>* dst, const storage_t<Src>* src, std::int64_t n) {
+  if (n <= 0) return;
+  if (Dst == Src && static_cast<const void*>(dst) == static_cast<const void*>(src)) return;  // nothing to convert
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("cast_kernel", g.blocks, g.threads, 0, cast_kernel<Dst, Src>, dst, src, n);
+}
+
+template <DType D, class Launch>
+void scale(Launch&& launch, storage_t<D>* x, compute_t<D> a, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("scale_kernel", g.blocks, g.threads, 0, scale_kernel<D>, x, a, n);
+}
+
+template <DType D, class Launch>
+void fill(Launch&& launch, storage_t<D>* x, compute_t<D> value, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("fill_kernel", g.blocks, g.threads, 0, fill_kernel<D>, x, value, n);
+}
+
+template <class Launch>
+void axpy(Launch&& launch, float* y, float a, const float* x, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("axpy_kernel", g.blocks, g.threads, 0, axpy_kernel, y, a, x, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions. Each thread adds f(x[i]) over its grid-stride elements in double (the square of a
+// float is exact in double), the block reduces in a fixed tree, block b writes partials[b]; one
+// block then adds the partials.
+enum class ReduceOp { sum, sum_squares, nonfinite };
+
+LOOM_DEVICE bool is_finite(float x) { return (math::float_bits(x) & 0x7f800000u) != 0x7f800000u; }
+LOOM_DEVICE bool is_finite(double x) { return (dev::double_bits(x) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull; }
+
+template <DType D, ReduceOp Op>
+LOOM_KERNEL void reduce_partials_kernel(double* partials,       // [gridDim.x]
+                                        const storage_t<D>* x,  // [n]
+                                        std::int64_t n) {
+  LOOM_SHARED_ARRAY(double, shared, kWarp);
+  double acc = 0.0;
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const compute_t<D> v = Storage<D>::load(x[i]);
+    if constexpr (Op == ReduceOp::sum) {
+      acc += static_cast<double>(v);
+    } else if constexpr (Op == ReduceOp::sum_squares) {
+      const double a = static_cast<double>(v);
+      acc += a * a;
+    } else {
+      acc += is_finite(v) ? 0.0 : 1.0;
+    }
+  }
+  acc = block_reduce(acc, 0.0, SumOp{}, shared);
+  if (tid() == 0) partials[block()] = acc;
+}
+
+// One block: thread k adds partials k, k + blockDim.x, ... in order, then a fixed tree.
+LOOM_KERNEL void reduce_finish_kernel(double* out,             // [1]
+                                      const double* partials,  // [count]
+                                      int count) {
+  LOOM_SHARED_ARRAY(double, shared, kWarp);
+  double acc = 0.0;
+  for (int i = tid(); i < count; i += threads_per_block()) acc += partials[i];
+  acc = block_reduce(acc, 0.0, SumOp{}, shared);
+  if (tid() == 0) *out = acc;
+}
+
+inline LaunchGeometry reduce_geometry(std::int64_t n) { return elementwise_geometry(n, kReduceThreads, kReduceMaxBlocks); }
+
+// scratch holds reduce_geometry(n).blocks doubles; n <= 0 gives the empty sum, 0.
+template <DType D, ReduceOp Op, class Launch>
+void reduce(Launch&& launch, double* out, const storage_t<D>* x, std::int64_t n, double* scratch) {
+  if (n <= 0) return fill<DType::f64>(launch, out, 0.0, 1);
+  const LaunchGeometry g = reduce_geometry(n);
+  launch("reduce_partials_kernel", g.blocks, g.threads, 0, reduce_partials_kernel<D, Op>, scratch, x, n);
+  launch("reduce_finish_kernel", 1u, kReduceThreads, 0, reduce_finish_kernel, out, static_cast<const double*>(scratch),
+         static_cast<int>(g.blocks));
+}
+
+// ---------------------------------------------------------------------------------------------
+// int8 gradient compression (core/kernels.hpp's int8_*; the per-element rule is math::int8_level).
+
+// The chunk maxima: one block per chunk (a maximum is the same in any order, so the block's tree
+// gives the host's value bit for bit).
+LOOM_KERNEL void int8_absmax_kernel(float* absmax,   // [chunks] (the finiteness flag: int8_flag_kernel)
+                                    const float* x,  // [n]
+                                    std::int64_t n, std::int64_t chunk, std::int64_t chunks) {
+  LOOM_SHARED_ARRAY(float, shared, kWarp);
+  for (std::int64_t c = block(); c < chunks; c += blocks()) {
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    float m = 0.0f;
+    for (std::int64_t i = begin + tid(); i < end; i += threads_per_block()) m = MaxOp{}(m, math::int8_magnitude(x[i]));
+    m = block_reduce(m, 0.0f, MaxOp{}, shared);
+    if (tid() == 0) absmax[c] = m;
+  }
+}
+// flag = 1 if the count of non-finite values is not 0, else 0.
+LOOM_KERNEL void int8_flag_kernel(float* flag, const double* nonfinite) {
+  if (tid() == 0 && block() == 0) *flag = *nonfinite != 0.0 ? 1.0f : 0.0f;
+}
+LOOM_KERNEL void int8_quantize_kernel(std::int8_t* q,   // [n]
+                                      float* error,     // [n] or null
+                                      const float* x,   // [n]
+                                      std::int64_t n, std::int64_t chunk,
+                                      const float* absmax,  // [chunks + 1]
+                                      int levels) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const float step = math::int8_step(absmax[i / chunk], levels);
+    const float v = math::int8_level(x[i], step, levels);
+    q[i] = static_cast<std::int8_t>(v);
+    if (error) error[i] = x[i] - v * step;
+  }
+}
+LOOM_KERNEL void int8_dequantize_kernel(float* x,              // [n]
+                                        const std::int8_t* q,  // [n]
+                                        std::int64_t n, std::int64_t chunk,
+                                        const float* absmax,   // [chunks + 1]: absmax[chunks] > 0 poisons x
+                                        std::int64_t chunks, int levels) {
+  const bool poisoned = absmax[chunks] > 0.0f;
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads())
+    x[i] = poisoned ? math::bits_as_float(0x7fc00000u) : static_cast<float>(q[i]) * math::int8_step(absmax[i / chunk], levels);
+}
+
+// The chunk maxima and, through count_nonfinite into *nonfinite, the flag at absmax[chunks].
+template <class Launch>
+void int8_absmax(Launch&& launch, float* absmax, const float* x, std::int64_t n, std::int64_t chunk, double* nonfinite,
+                 double* scratch) {
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  if (chunks > 0) {
+    const LaunchGeometry g = rows_per_block_geometry(chunks, kThreads);
+    launch("int8_absmax_kernel", g.blocks, g.threads, 0, int8_absmax_kernel, absmax, x, n, chunk, chunks);
+  }
+  reduce<DType::f32, ReduceOp::nonfinite>(launch, nonfinite, x, n, scratch);
+  launch("int8_flag_kernel", 1u, kWarp, 0, int8_flag_kernel, absmax + chunks, static_cast<const double*>(nonfinite));
+}
+
+template <class Launch>
+void int8_quantize(Launch&& launch, std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
+                   const float* absmax, int levels) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("int8_quantize_kernel", g.blocks, g.threads, 0, int8_quantize_kernel, q, error, x, n, chunk, absmax, levels);
+}
+
+template <class Launch>
+void int8_dequantize(Launch&& launch, float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk,
+                     const float* absmax, int levels) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("int8_dequantize_kernel", g.blocks, g.threads, 0, int8_dequantize_kernel, x, q, n, chunk, absmax,
+         (n + chunk - 1) / chunk, levels);
+}
+
+}  // namespace loom::cuda::layer
