@@ -23,6 +23,7 @@
 #include "core/blas_core.hpp"
 #include "core/cuda/kernels.cuh"
 #include "core/cuda/test/attention_reference.hpp"
+#include "core/test/tensors.hpp"
 
 extern "C" int loom_cuda_device_count(char* why, int why_len);
 extern "C" loom::Backend* loom_cuda_create(int device, int tf32);
@@ -48,22 +49,8 @@ std::string no_gpu_reason() {
     if (!reason.empty()) GTEST_SKIP() << reason;             \
   } while (0)
 
-std::vector<float> randn(std::size_t n, std::uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(0.0f, stddev);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(gen);
-  return v;
-}
-
-double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
+using loom::testing::randn;
+using loom::testing::rel_err;
 
 // The two back ends and tensors held in both: `h` on the host, `d` on the device, same contents.
 struct Twins {

@@ -15,19 +15,14 @@
 #include <Kokkos_Core.hpp>
 
 #include "core/kernels.hpp"
+#include "core/test/tensors.hpp"
 #include "plugins/compression/compress.hpp"
 
 namespace c = loom::compress;
 namespace k = loom::kernels;
 
 namespace {
-std::vector<float> randn(std::size_t n, unsigned seed, float scale = 1.0f) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
+using loom::testing::randn;
 double norm(const std::vector<double>& v) {
   double s = 0;
   for (double x : v) s += x * x;

@@ -19,6 +19,7 @@
 #include "core/cuda/emu/cuda_emu.hpp"
 #include "core/cuda/layer_kernels.cuh"
 #include "core/kernels.hpp"
+#include "core/test/tensors.hpp"
 
 namespace {
 
@@ -34,25 +35,14 @@ struct OnEmulator {
   }
 };
 
-std::vector<float> randn(std::size_t n, unsigned seed, float scale = 1.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(gen);
-  return v;
-}
+using loom::testing::randn;
+using loom::testing::rel_err;
 
-// ||got - want|| / ||want||
-template <class T>
-double rel_err(const std::vector<T>& got, const std::vector<T>& want) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    const double e = double(got[i]) - double(want[i]);
-    num += e * e;
-    den += double(want[i]) * double(want[i]);
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
-}
+// The four storage types, as tags.
+struct F64 { using type = double; };
+struct F32 { using type = float; };
+struct BF16 { using type = loom::bf16; };
+struct F16 { using type = loom::f16; };
 
 template <class T>
 std::vector<unsigned char> bits_of(const std::vector<T>& v) {
@@ -261,10 +251,6 @@ TEST(LayerKernelsEmu, CastsAreTheHostsBitForBit) {
       if (!(g64[i] == w64[i] || (std::isnan(g64[i]) && std::isnan(w64[i])))) ++mismatches;
     EXPECT_EQ(mismatches, 0) << loom::dtype_name(St) << " -> " << loom::dtype_name(Dt);
   };
-  struct F64 { using type = double; };
-  struct F32 { using type = float; };
-  struct BF16 { using type = loom::bf16; };
-  struct F16 { using type = loom::f16; };
   const auto for_each = [&](auto to) {
     check(to, F64{});
     check(to, F32{});
@@ -425,10 +411,6 @@ TEST(LayerKernelsEmu, Reductions) {
       EXPECT_NEAR(r[1], double(want_sq), 1e-12 * double(want_sq)) << name << ": sum of squares";
     }
   };
-  struct F64 { using type = double; };
-  struct F32 { using type = float; };
-  struct BF16 { using type = loom::bf16; };
-  struct F16 { using type = loom::f16; };
   for (std::int64_t count : {n, std::int64_t(0)}) {
     check(F64{}, count, x64);
     check(F32{}, count, x64);
