@@ -288,4 +288,28 @@ void select(Launch&& launch, std::int32_t* index, float* value, const float* x, 
          static_cast<const State*>(s.state));
 }
 
+// x[index[j]] += value[j] (distinct indices: no two threads meet), or = 0 where value is null: the
+// compressing reducer's sum of the all-gathered pairs, rank by rank (topk_scatter_add), and error
+// feedback's clearing of what was sent (topk_clear).
+LOOM_KERNEL void scatter_kernel(float* x,                   // [n]
+                                const std::int32_t* index,  // [k]
+                                const float* value,         // [k] or null
+                                std::int64_t k) {
+  const std::int64_t stride = static_cast<std::int64_t>(dev::grid_x()) * dev::block_dim_x();
+  for (std::int64_t j = static_cast<std::int64_t>(dev::block_x()) * dev::block_dim_x() + dev::thread_x(); j < k; j += stride) {
+    if (value)
+      x[index[j]] += value[j];
+    else
+      x[index[j]] = 0.0f;
+  }
+}
+
+template <class Launch>
+void scatter(Launch&& launch, float* x, const std::int32_t* index, const float* value, std::int64_t k) {
+  if (k <= 0) return;
+  const std::int64_t blocks = (k + kThreads - 1) / kThreads;
+  launch("topk scatter_kernel", static_cast<int>(blocks < 65535 * 4 ? blocks : 65535 * 4), kThreads, 0, scatter_kernel, x,
+         index, value, k);
+}
+
 }  // namespace loom::cuda::topk
