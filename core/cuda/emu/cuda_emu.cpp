@@ -30,6 +30,7 @@ struct Launch {
   std::vector<Fiber> fibers;
   std::vector<unsigned char> exchange;  // per thread, one shuffle's value
   std::vector<std::pair<const void*, std::vector<unsigned char>>> statics;  // the block's static shared arrays
+  std::size_t dynamic_bytes = 0;
   ucontext_t scheduler{};
   std::size_t current = 0;
   const std::function<void()>* body = nullptr;
@@ -189,7 +190,19 @@ unsigned char* dynamic_shared_of(Launch& l) {
 
 void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function<void()>& body) {
   if (active) throw std::logic_error("cuda_emu::launch inside a launch");
+  const auto refuse = [&](const std::string& why) {
+    throw std::runtime_error("cuda_emu: launch of grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
+                             std::to_string(grid.z) + "), block (" + std::to_string(block.x) + "," +
+                             std::to_string(block.y) + "," + std::to_string(block.z) + "), " +
+                             std::to_string(shared_bytes) + " bytes of dynamic shared memory: " + why);
+  };
+  const std::size_t block_threads = static_cast<std::size_t>(block.x) * block.y * block.z;
+  if (block_threads == 0 || block_threads > 1024 || block.z > 64) refuse("a block has 1 to 1024 threads (z at most 64)");
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+    refuse("a grid has 1 to 2^31 - 1 blocks on x, 1 to 65535 on y and z");
+  if (shared_bytes > kMaxSharedPerBlock) refuse("more than the 232448 bytes a block may have");
   auto l = std::make_unique<Launch>();
+  l->dynamic_bytes = shared_bytes;
   l->grid = grid;
   l->block = block;
   l->body = &body;
@@ -295,6 +308,9 @@ void* static_shared(const void* site, std::size_t bytes) {
   constexpr std::size_t kStaticLimit = 48 * 1024;
   if (total + bytes > kStaticLimit)
     fail("static shared arrays of " + std::to_string(total + bytes) + " bytes (the device allows 49152)");
+  if (total + bytes + l.dynamic_bytes > kMaxSharedPerBlock)
+    fail("static shared arrays of " + std::to_string(total + bytes) + " bytes and " + std::to_string(l.dynamic_bytes) +
+         " of dynamic shared memory: more than the 232448 bytes a block may have");
   l.statics.emplace_back(site, std::vector<unsigned char>(bytes, 0xff));
   return l.statics.back().second.data();
 }

@@ -7,9 +7,10 @@
 // once; a missing barrier between a write and another thread's read shows as a result that
 // depends on the order the threads run in (Schedule, below), which a test compares.
 //
-// What it gives a kernel: its thread and block indices, the block's dynamic shared memory (filled
-// with 0xff bytes, a NaN in every float and bf16, so a read of a value never written shows), block
-// and warp barriers, xor shuffles, and the warp matrix-multiply-accumulate API (wmma: 16x16x16
+// What it gives a kernel: its thread and block indices, the block's dynamic shared memory and its
+// static shared arrays (filled with 0xff bytes, a NaN in every float and bf16, so a read of a value
+// never written shows), block and warp barriers, xor shuffles, warp votes, and the warp
+// matrix-multiply-accumulate API (wmma: 16x16x16
 // tiles of bf16 operands with fp32 accumulators), whose loads and stores check the hardware's rules:
 // a 32-byte aligned pointer and a leading dimension that is a multiple of 16 bytes.
 #include <cstddef>
@@ -45,7 +46,10 @@ void set_schedule(Schedule s, unsigned seed = 0);
 
 // Runs body once per thread of every block of `grid`, blocks one after another; `shared_bytes` of
 // dynamic shared memory per block. Throws std::runtime_error on a deadlock (threads of a block at
-// different barriers) or a broken wmma rule, naming it.
+// different barriers) or a broken wmma rule, naming it, and on a launch the device refuses: a block
+// of 0 or more than 1024 threads, a grid of 0 blocks or beyond 2^31 - 1 on x and 65535 on y and z,
+// more shared memory per block (dynamic and static) than an H100's or H200's 227 KiB.
+constexpr std::size_t kMaxSharedPerBlock = 232448;
 void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function<void()>& body);
 
 // Inside a launch only.

@@ -358,6 +358,35 @@ TEST(CudaEmu, RefusesWhatTheHardwareRefuses) {
                              wmma::load_matrix_sync(a, base + 8, 16);  // 16 bytes off a 32-byte boundary
                            }),
                std::runtime_error);
+  // Launches the device refuses: too many threads, no blocks, y beyond 65535, too much shared memory.
+  const auto nothing = [] {};
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(1056), 0, nothing), std::runtime_error);
+  EXPECT_THROW(emu::launch(emu::dim3(0), emu::dim3(32), 0, nothing), std::runtime_error);
+  EXPECT_THROW(emu::launch(emu::dim3(1, 65536), emu::dim3(32), 0, nothing), std::runtime_error);
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), emu::kMaxSharedPerBlock + 1, nothing), std::runtime_error);
+  EXPECT_NO_THROW(emu::launch(emu::dim3(1), emu::dim3(32), emu::kMaxSharedPerBlock, nothing));
+  // Static shared arrays past 48 KiB, or past the block's limit with the dynamic memory.
+  static const char site_a = 0, site_b = 0;
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 0, [] { emu::static_shared(&site_a, 49153); }), std::runtime_error);
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), emu::kMaxSharedPerBlock - 1024,
+                           [] { emu::static_shared(&site_b, 2048); }),
+               std::runtime_error);
+  // A warp vote with a lane that has returned (the device leaves it undefined).
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 0,
+                           [] {
+                             if (emu::thread_idx().x == 7) return;
+                             emu::ballot(true);
+                           }),
+               std::runtime_error);
+  unsigned votes = 0;
+  emu::launch(emu::dim3(1), emu::dim3(64), 0, [&] {
+    const unsigned m = emu::ballot(emu::thread_idx().x % 3 == 0);
+    if (emu::thread_idx().x == 32) votes = m;
+  });
+  unsigned want = 0;
+  for (unsigned lane = 0; lane < 32; ++lane)
+    if ((32 + lane) % 3 == 0) want |= 1u << lane;
+  EXPECT_EQ(votes, want) << "the second warp's vote, lane by lane";
 }
 
 }  // namespace
