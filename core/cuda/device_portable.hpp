@@ -116,7 +116,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return float4{x,
 }  // namespace loom::dev
 // One array per block, filled with NaN bytes at the block's start, as the dynamic shared memory.
 #define LOOM_SHARED_ARRAY(T, name, n)                                                                  \
-  static const char name##_site = 0;                                                                   \
+  static char name##_site; /* its address names the array (not const: never merged with another) */ \
   T* const name = static_cast<T*>(::loom::cuda_emu::static_shared(&name##_site, sizeof(T) * (n)))
 #define LOOM_LAUNCH_BOUNDS(n)
 #define LOOM_UNROLL(n)

@@ -226,11 +226,19 @@ void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function
           std::memset(end, kGuardByte, kSharedGuard);
           l->statics.clear();
           run_block(*l);
+          const std::string block_name =
+              "cuda_emu: block (" + std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) + ")";
           for (std::size_t i = 0; i < kSharedGuard; ++i)
             if (end[i] != kGuardByte)
-              throw std::runtime_error("cuda_emu: block (" + std::to_string(x) + "," + std::to_string(y) + "," +
-                                       std::to_string(z) + ") wrote byte " + std::to_string(shared_bytes + i) +
-                                       " of its " + std::to_string(shared_bytes) + " bytes of dynamic shared memory");
+              throw std::runtime_error(block_name + " wrote byte " + std::to_string(shared_bytes + i) + " of its " +
+                                       std::to_string(shared_bytes) + " bytes of dynamic shared memory");
+          for (const auto& [site, memory] : l->statics) {
+            const std::size_t bytes = memory.size() - kSharedGuard;
+            for (std::size_t i = 0; i < kSharedGuard; ++i)
+              if (memory[bytes + i] != kGuardByte)
+                throw std::runtime_error(block_name + " wrote byte " + std::to_string(bytes + i) + " of a static shared array of " +
+                                         std::to_string(bytes) + " bytes");
+          }
         }
   } catch (...) {
     active = nullptr;
@@ -303,7 +311,7 @@ void* static_shared(const void* site, std::size_t bytes) {
   std::size_t total = 0;
   for (auto& [key, memory] : l.statics) {
     if (key == site) return memory.data();
-    total += memory.size();
+    total += memory.size() - kSharedGuard;
   }
   constexpr std::size_t kStaticLimit = 48 * 1024;
   if (total + bytes > kStaticLimit)
@@ -311,7 +319,10 @@ void* static_shared(const void* site, std::size_t bytes) {
   if (total + bytes + l.dynamic_bytes > kMaxSharedPerBlock)
     fail("static shared arrays of " + std::to_string(total + bytes) + " bytes and " + std::to_string(l.dynamic_bytes) +
          " of dynamic shared memory: more than the 232448 bytes a block may have");
-  l.statics.emplace_back(site, std::vector<unsigned char>(bytes, 0xff));
+  // NaN bytes, then a guard the block must leave alone (checked when it ends).
+  std::vector<unsigned char> memory(bytes + kSharedGuard, 0xff);
+  std::memset(memory.data() + bytes, kGuardByte, kSharedGuard);
+  l.statics.emplace_back(site, std::move(memory));
   return l.statics.back().second.data();
 }
 void fail(const std::string& what) {

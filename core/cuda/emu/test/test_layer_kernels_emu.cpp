@@ -27,10 +27,17 @@ namespace emu = loom::cuda_emu;
 namespace layer = loom::cuda::layer;
 using loom::DType;
 
-// layer_kernels.cuh's `launch`, through the emulator.
+// layer_kernels.cuh's `launch`, through the emulator. With max_blocks, a grid of at most that many
+// blocks: every kernel loops over its rows, columns or elements (grid-stride), so it must give the
+// same bits from a grid too small for its work, as on a device where the work outgrows the grid's
+// cap. Not the reductions': their grid is their partition, which the finishing kernel reads whole.
 struct OnEmulator {
+  unsigned max_blocks = 0;  // 0: the grid the geometry asks for
   template <class Kernel, class... Args>
-  void operator()(const char*, unsigned blocks, unsigned threads, std::size_t shared, Kernel kernel, Args... args) const {
+  void operator()(const char* name, unsigned blocks, unsigned threads, std::size_t shared, Kernel kernel,
+                  Args... args) const {
+    const bool partition = std::string(name).rfind("reduce_", 0) == 0;
+    if (max_blocks > 0 && !partition && blocks > max_blocks) blocks = max_blocks;
     emu::launch(emu::dim3(blocks), emu::dim3(threads), shared, [&] { kernel(args...); });
   }
 };
@@ -51,10 +58,11 @@ std::vector<unsigned char> bits_of(const std::vector<T>& v) {
   return b;
 }
 
-// Runs `run` (fresh inputs, the emulated operation, its outputs' bits) under every schedule, expects
-// the same bits from each, and returns the first's.
+// Runs `run` (fresh inputs, the emulated operation through the launcher it is given, its outputs'
+// bits) under every schedule, and once more on a grid of one block, expects the same bits from each,
+// and returns the first's.
 using Bits = std::vector<std::vector<unsigned char>>;
-Bits in_every_schedule(const std::function<Bits()>& run) {
+Bits in_every_schedule(const std::function<Bits(const OnEmulator&)>& run) {
   struct Restore {
     ~Restore() { emu::set_schedule(emu::Schedule::sweep); }
   } restore;
@@ -65,10 +73,12 @@ Bits in_every_schedule(const std::function<Bits()>& run) {
   Bits first;
   for (const auto& [schedule, seed] : schedules) {
     emu::set_schedule(schedule, seed);
-    Bits got = run();
+    Bits got = run(OnEmulator{});
     if (first.empty()) first = got;
     else EXPECT_EQ(got, first) << "the result depends on the order of the threads (" << emu::schedule_name(schedule) << ")";
   }
+  emu::set_schedule(emu::Schedule::sweep);
+  EXPECT_EQ(run(OnEmulator{1}), first) << "the result depends on the grid's size (one block, looping)";
   return first;
 }
 
@@ -87,18 +97,18 @@ TEST(LayerKernelsEmu, EncoderForwardAndBackwardAreTheHostsBitForBit) {
   const auto wte = randn(std::size_t(ve - vb) * C, 2), wpe = randn(std::size_t(T) * C, 3);
   const auto dout = randn(std::size_t(N) * C, 4), dwte0 = randn(wte.size(), 5), dwpe0 = randn(wpe.size(), 6);
   for (bool pos : {true, false}) {
-    const Bits got = in_every_schedule([&] {
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
       std::vector<float> out(std::size_t(N) * C, -1.0f);
-      layer::encoder_forward(OnEmulator{}, out.data(), tok.data(), wte.data(), wpe.data(), B, T, C, vb, ve, pos);
+      layer::encoder_forward(launch, out.data(), tok.data(), wte.data(), wpe.data(), B, T, C, vb, ve, pos);
       return Bits{bits_of(out)};
     });
     std::vector<float> want(std::size_t(N) * C);
     loom::kernels::encoder_forward(want.data(), tok.data(), wte.data(), wpe.data(), B, T, C, vb, ve, pos);
     EXPECT_EQ(from_bits<float>(got[0]), want) << "add_pos " << pos;
   }
-  const Bits got = in_every_schedule([&] {
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> dwte = dwte0, dwpe = dwpe0;
-    layer::encoder_backward(OnEmulator{}, dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C, vb, ve);
+    layer::encoder_backward(launch, dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C, vb, ve);
     return Bits{bits_of(dwte), bits_of(dwpe)};
   });
   std::vector<float> dwte = dwte0, dwpe = dwpe0;
@@ -116,18 +126,18 @@ TEST(LayerKernelsEmu, LayerNormForwardAndBackward) {
   std::vector<float> dinp = dinp0, dw = dw0, db = db0;
   loom::kernels::layernorm_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), mean.data(),
                                     rstd.data(), N, C);
-  const Bits fwd = in_every_schedule([&] {
+  const Bits fwd = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> o(out.size()), m(N), r(N);
-    layer::layernorm_forward(OnEmulator{}, o.data(), m.data(), r.data(), inp.data(), w.data(), b.data(), N, C);
+    layer::layernorm_forward(launch, o.data(), m.data(), r.data(), inp.data(), w.data(), b.data(), N, C);
     return Bits{bits_of(o), bits_of(m), bits_of(r)};
   });
   // A row's sums in a warp's tree, not a loop: the GPU test's bound.
   EXPECT_LT(rel_err(from_bits<float>(fwd[0]), out), 1e-5);
   EXPECT_LT(rel_err(from_bits<float>(fwd[1]), mean), 1e-5);
   EXPECT_LT(rel_err(from_bits<float>(fwd[2]), rstd), 1e-5);
-  const Bits bwd = in_every_schedule([&] {
+  const Bits bwd = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> di = dinp0, dwk = dw0, dbk = db0;
-    layer::layernorm_backward(OnEmulator{}, di.data(), dwk.data(), dbk.data(), dout.data(), inp.data(), w.data(),
+    layer::layernorm_backward(launch, di.data(), dwk.data(), dbk.data(), dout.data(), inp.data(), w.data(),
                               mean.data(), rstd.data(), N, C);
     return Bits{bits_of(di), bits_of(dwk), bits_of(dbk)};
   });
@@ -142,10 +152,10 @@ TEST(LayerKernelsEmu, BiasAddAndBackward) {
   std::vector<float> rows = rows0, db = db0;
   loom::kernels::bias_add(rows.data(), bias.data(), N, OC);
   loom::kernels::bias_backward(db.data(), rows.data(), N, OC);
-  const Bits got = in_every_schedule([&] {
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> r = rows0, d = db0;
-    layer::bias_add(OnEmulator{}, r.data(), bias.data(), N, OC);
-    layer::bias_backward(OnEmulator{}, d.data(), r.data(), N, OC);
+    layer::bias_add(launch, r.data(), bias.data(), N, OC);
+    layer::bias_backward(launch, d.data(), r.data(), N, OC);
     return Bits{bits_of(r), bits_of(d)};
   });
   EXPECT_EQ(from_bits<float>(got[0]), rows) << "bias_add";
@@ -155,7 +165,11 @@ TEST(LayerKernelsEmu, BiasAddAndBackward) {
 // The host's causal softmax is inside its attention: the reference here is its float branch.
 TEST(LayerKernelsEmu, CausalSoftmaxForwardAndBackward) {
   const int T = 45, rows = 2 * T;  // rows longer than a warp: lanes loop
-  const auto scores = randn(std::size_t(rows) * T, 1, 3.0f), dprobs = randn(std::size_t(rows) * T, 2);
+  auto scores = randn(std::size_t(rows) * T, 1, 3.0f);
+  const auto dprobs = randn(std::size_t(rows) * T, 2);
+  // A score 100 above the rest in every other row: exp overflows (NaN) unless the row's maximum is
+  // found right, which the result's value alone would not show.
+  for (int r = 1; r < rows; r += 2) scores[std::size_t(r) * T + std::size_t(r % T) / 2] += 100.0f;
   std::vector<float> probs = scores, dscores = dprobs;
   for (int r = 0; r < rows; ++r) {
     const int t = r % T;
@@ -170,10 +184,10 @@ TEST(LayerKernelsEmu, CausalSoftmaxForwardAndBackward) {
     for (int j = 0; j <= t; ++j) dot += row[j] * d[j];
     for (int j = 0; j < T; ++j) d[j] = j <= t ? loom::math::softmax_backward(row[j], d[j], dot) : 0.0f;
   }
-  const Bits got = in_every_schedule([&] {
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> att = scores, datt = dprobs;
-    layer::softmax_causal_forward(OnEmulator{}, att.data(), rows, T);
-    layer::softmax_causal_backward(OnEmulator{}, datt.data(), att.data(), rows, T);
+    layer::softmax_causal_forward(launch, att.data(), rows, T);
+    layer::softmax_causal_backward(launch, datt.data(), att.data(), rows, T);
     return Bits{bits_of(att), bits_of(datt)};
   });
   const auto att = from_bits<float>(got[0]), datt = from_bits<float>(got[1]);
@@ -196,14 +210,14 @@ TEST(LayerKernelsEmu, ElementwiseKernelsAreTheHostsBitForBit) {
   loom::kernels::axpy(axpy.data(), -0.37f, x.data(), n);
   loom::kernels::scale(scaled.data(), 0.37f, n);
   loom::kernels::fill(filled.data(), -2.5f, n);
-  const Bits got = in_every_schedule([&] {
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> g(n), dg(n), r(n), a = y, s = y, f(n, 1.0f);
-    layer::gelu_forward(OnEmulator{}, g.data(), x.data(), n);
-    layer::gelu_backward(OnEmulator{}, dg.data(), x.data(), y.data(), n);
-    layer::residual_forward(OnEmulator{}, r.data(), x.data(), y.data(), n);
-    layer::axpy(OnEmulator{}, a.data(), -0.37f, x.data(), n);
-    layer::scale<DType::f32>(OnEmulator{}, s.data(), 0.37f, n);
-    layer::fill<DType::f32>(OnEmulator{}, f.data(), -2.5f, n);
+    layer::gelu_forward(launch, g.data(), x.data(), n);
+    layer::gelu_backward(launch, dg.data(), x.data(), y.data(), n);
+    layer::residual_forward(launch, r.data(), x.data(), y.data(), n);
+    layer::axpy(launch, a.data(), -0.37f, x.data(), n);
+    layer::scale<DType::f32>(launch, s.data(), 0.37f, n);
+    layer::fill<DType::f32>(launch, f.data(), -2.5f, n);
     return Bits{bits_of(g), bits_of(dg), bits_of(r), bits_of(a), bits_of(s), bits_of(f)};
   });
   EXPECT_EQ(from_bits<float>(got[0]), gelu) << "gelu forward";
@@ -214,7 +228,10 @@ TEST(LayerKernelsEmu, ElementwiseKernelsAreTheHostsBitForBit) {
   EXPECT_EQ(from_bits<float>(got[5]), filled) << "fill";
 }
 
-// Every pair of fp64, fp32, bf16 and fp16: the host's conversion, bit for bit (NaN as NaN).
+// Every pair of fp64, fp32, bf16 and fp16: the host's conversion, bit for bit (signed zeros too; NaN
+// as NaN), on the geometry's grid and on one looping block. (The emulator converts to fp16 with the
+// host's own function and rounds toward zero as the host's round-to-odd does: what this checks is the
+// kernel's choice of path per pair; the device's conversions are held to the host's by loom_cuda_tests.)
 TEST(LayerKernelsEmu, CastsAreTheHostsBitForBit) {
   const std::int64_t n = 300;
   std::vector<double> src(static_cast<std::size_t>(n));
@@ -225,8 +242,10 @@ TEST(LayerKernelsEmu, CastsAreTheHostsBitForBit) {
   src[1] = std::numeric_limits<double>::infinity();
   src[2] = 1e6;                                                 // overflows fp16
   src[3] = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);    // rounds up in bf16 only when rounded once
-  src[4] = -std::ldexp(1.0, -140);                              // below fp32's subnormals: toward zero
-  src[5] = std::ldexp(1.0, 128) * 0.99999;                      // beyond fp32's largest: rounded to odd, kept finite
+  src[4] = -(std::ldexp(1.0, -140) + std::ldexp(1.0, -160));   // between two fp32 subnormals: inexact
+  src[5] = std::ldexp(1.0, 128) - std::ldexp(1.0, 98);          // past fp32's largest: inf to nearest, the largest toward zero
+  src[6] = -0.0;
+  src[7] = 0.0;
   const auto in_type = [&](auto tag) {  // the source values as `from` holds them
     using S = typename decltype(tag)::type;
     std::vector<S> v(src.size());
@@ -240,16 +259,18 @@ TEST(LayerKernelsEmu, CastsAreTheHostsBitForBit) {
     const std::vector<S> s = in_type(from);
     std::vector<D> want(s.size());
     loom::kernels::cast(want.data(), s.data(), n);
-    std::vector<D> got(s.size());
-    layer::cast<Dt, St>(OnEmulator{}, reinterpret_cast<layer::storage_t<Dt>*>(got.data()),
-                        reinterpret_cast<const layer::storage_t<St>*>(s.data()), n);
-    std::vector<double> g64(s.size()), w64(s.size());
-    loom::kernels::cast(g64.data(), got.data(), n);
-    loom::kernels::cast(w64.data(), want.data(), n);
-    int mismatches = 0;
-    for (std::size_t i = 0; i < s.size(); ++i)
-      if (!(g64[i] == w64[i] || (std::isnan(g64[i]) && std::isnan(w64[i])))) ++mismatches;
-    EXPECT_EQ(mismatches, 0) << loom::dtype_name(St) << " -> " << loom::dtype_name(Dt);
+    for (const OnEmulator launch : {OnEmulator{}, OnEmulator{1}}) {
+      std::vector<D> got(s.size());
+      layer::cast<Dt, St>(launch, reinterpret_cast<layer::storage_t<Dt>*>(got.data()),
+                          reinterpret_cast<const layer::storage_t<St>*>(s.data()), n);
+      std::vector<double> g64(s.size()), w64(s.size());
+      loom::kernels::cast(g64.data(), got.data(), n);
+      loom::kernels::cast(w64.data(), want.data(), n);
+      int mismatches = 0;
+      for (std::size_t i = 0; i < s.size(); ++i)
+        if (!(std::isnan(g64[i]) && std::isnan(w64[i])) && std::memcmp(&got[i], &want[i], sizeof(D)) != 0) ++mismatches;
+      EXPECT_EQ(mismatches, 0) << loom::dtype_name(St) << " -> " << loom::dtype_name(Dt) << ", max_blocks " << launch.max_blocks;
+    }
   };
   const auto for_each = [&](auto to) {
     check(to, F64{});
@@ -276,7 +297,8 @@ TEST(LayerKernelsEmu, CrossEntropyForwardAndBackward) {
                         Case{2, 3, 1 << 20, "fewer columns than a warp"}}) {
     SCOPED_TRACE(c.what);
     const int N = c.N, V = c.V;
-    const auto logits = randn(std::size_t(N) * V, 1, 4.0f);
+    auto logits = randn(std::size_t(N) * V, 1, 4.0f);
+    for (int n = 0; n < N; ++n) logits[std::size_t(n) * V + std::size_t(n * 31 % V)] += 100.0f;  // as the softmax's
     std::vector<std::int32_t> tgt(N);
     for (int i = 0; i < N; ++i) tgt[std::size_t(i)] = (i * 7919) % V;
     std::vector<float> ref_probs(std::size_t(N) * V), ref_losses(N), ref_dlogits(ref_probs.size());
@@ -296,11 +318,11 @@ TEST(LayerKernelsEmu, CrossEntropyForwardAndBackward) {
     loom::kernels::crossentropy_forward(losses.data(), probs.data(), logits.data(), tgt.data(), N, V);
     std::vector<float> dlogits = probs;
     loom::kernels::crossentropy_backward(dlogits.data(), dlogits.data(), tgt.data(), 0.125f, N, V);
-    const Bits got = in_every_schedule([&] {
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
       std::vector<float> l(N), p = logits;  // in place, as the model's head calls it
-      layer::crossentropy_forward(OnEmulator{}, c.shared_limit, l.data(), p.data(), p.data(), tgt.data(), N, V);
+      layer::crossentropy_forward(launch, c.shared_limit, l.data(), p.data(), p.data(), tgt.data(), N, V);
       std::vector<float> pr = p;
-      layer::crossentropy_backward(OnEmulator{}, p.data(), p.data(), tgt.data(), 0.125f, N, V, 0);
+      layer::crossentropy_backward(launch, p.data(), p.data(), tgt.data(), 0.125f, N, V, 0);
       return Bits{bits_of(l), bits_of(pr), bits_of(p)};
     });
     const auto as_close_as_host = [&](const std::vector<float>& emulated, const std::vector<float>& host,
@@ -329,14 +351,14 @@ TEST(LayerKernelsEmu, VocabularyParallelCrossEntropy) {
   const std::vector<float> exps = probs;
   loom::kernels::crossentropy_finish(losses.data(), probs.data(), sum_exp.data(), row_max.data(), target_logit.data(), N, V);
   loom::kernels::crossentropy_backward(probs.data(), probs.data(), tgt.data(), 0.25f, N, V, vb);
-  const Bits got = in_every_schedule([&] {
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> m(N), p = logits, l(N);
     std::vector<double> s(N, -1.0), t(N, -1.0);
-    layer::crossentropy_row_max(OnEmulator{}, m.data(), p.data(), N, V);
-    layer::crossentropy_partial(OnEmulator{}, p.data(), s.data(), t.data(), p.data(), m.data(), tgt.data(), N, V, vb);
+    layer::crossentropy_row_max(launch, m.data(), p.data(), N, V);
+    layer::crossentropy_partial(launch, p.data(), s.data(), t.data(), p.data(), m.data(), tgt.data(), N, V, vb);
     const std::vector<float> e = p;
-    layer::crossentropy_finish(OnEmulator{}, l.data(), p.data(), s.data(), m.data(), t.data(), N, V);
-    layer::crossentropy_backward(OnEmulator{}, p.data(), p.data(), tgt.data(), 0.25f, N, V, vb);
+    layer::crossentropy_finish(launch, l.data(), p.data(), s.data(), m.data(), t.data(), N, V);
+    layer::crossentropy_backward(launch, p.data(), p.data(), tgt.data(), 0.25f, N, V, vb);
     return Bits{bits_of(m), bits_of(e), bits_of(s), bits_of(t), bits_of(l), bits_of(p)};
   });
   EXPECT_EQ(from_bits<float>(got[0]), row_max) << "row maxima";
@@ -358,12 +380,12 @@ TEST(LayerKernelsEmu, AdamWIsTheHostsBitForBit) {
   std::vector<float> p = p0, m = m0, v = v0;
   for (std::int64_t t = 1; t <= 3; ++t)
     loom::kernels::adamw_update(p.data(), m.data(), v.data(), g.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
-  const Bits got = in_every_schedule([&] {
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> pe = p0, me = m0, ve = v0;
     for (std::int64_t t = 1; t <= 3; ++t) {  // the bias corrections as core/cuda/kernels.cu makes them
       const loom::math::AdamWStep<float> step{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f - std::pow(0.9f, float(t)),
                                               1.0f - std::pow(0.95f, float(t))};
-      layer::adamw_update(OnEmulator{}, pe.data(), me.data(), ve.data(), g.data(), n, step);
+      layer::adamw_update(launch, pe.data(), me.data(), ve.data(), g.data(), n, step);
     }
     return Bits{bits_of(pe), bits_of(me), bits_of(ve)};
   });
@@ -375,7 +397,7 @@ TEST(LayerKernelsEmu, AdamWIsTheHostsBitForBit) {
 // Sums, sums of squares and non-finite counts over several blocks (a grid-stride tail), in every
 // storage type, against long double; n = 0 gives 0.
 TEST(LayerKernelsEmu, Reductions) {
-  const std::int64_t n = 2 * 256 * 3 + 77;  // more elements than the grid's threads: each thread loops
+  const std::int64_t n = 2 * 256 * 3 + 77;  // several blocks, a partial last one
   std::vector<double> x64(static_cast<std::size_t>(n));
   std::mt19937_64 gen(5);
   std::normal_distribution<double> d(0.0, 3.0);
@@ -394,13 +416,13 @@ TEST(LayerKernelsEmu, Reductions) {
       if (!std::isfinite(v)) ++want_bad;
       else want_sum += v, want_sq += static_cast<long double>(v) * v;
     }
-    std::vector<double> scratch(std::size_t(layer::reduce_geometry(count).blocks), -1.0);
     const auto* xs = reinterpret_cast<const layer::storage_t<D>*>(x.data());
-    const Bits got = in_every_schedule([&] {
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+      std::vector<double> scratch(std::size_t(layer::reduce_geometry(count).blocks), -1.0);  // as a device's: stale
       double s = -1, q = -1, bad = -1;
-      layer::reduce<D, layer::ReduceOp::sum>(OnEmulator{}, &s, xs, count, scratch.data());
-      layer::reduce<D, layer::ReduceOp::sum_squares>(OnEmulator{}, &q, xs, count, scratch.data());
-      layer::reduce<D, layer::ReduceOp::nonfinite>(OnEmulator{}, &bad, xs, count, scratch.data());
+      layer::reduce<D, layer::ReduceOp::sum>(launch, &s, xs, count, scratch.data());
+      layer::reduce<D, layer::ReduceOp::sum_squares>(launch, &q, xs, count, scratch.data());
+      layer::reduce<D, layer::ReduceOp::nonfinite>(launch, &bad, xs, count, scratch.data());
       return Bits{bits_of(std::vector<double>{s, q, bad})};
     });
     const auto r = from_bits<double>(got[0]);
@@ -410,7 +432,28 @@ TEST(LayerKernelsEmu, Reductions) {
       EXPECT_NEAR(r[0], double(want_sum), 1e-12 * double(want_sq) + 1e-300) << name << ": sum";
       EXPECT_NEAR(r[1], double(want_sq), 1e-12 * double(want_sq)) << name << ": sum of squares";
     }
+    if (count == 0) return;
+    // The grid-stride loops the geometry's grid does not reach here (a device's does past 2^18
+    // elements): two blocks of partials over all the elements, then the finishing block over them.
+    std::vector<double> partials(2, -1.0);
+    double looped = -1;
+    emu::launch(emu::dim3(2), emu::dim3(layer::kReduceThreads), 0,
+                [&] { layer::reduce_partials_kernel<D, layer::ReduceOp::sum_squares>(partials.data(), xs, count); });
+    emu::launch(emu::dim3(1), emu::dim3(layer::kReduceThreads), 0,
+                [&] { layer::reduce_finish_kernel(&looped, static_cast<const double*>(partials.data()), 2); });
+    if (want_bad == 0) {
+      EXPECT_NEAR(looped, double(want_sq), 1e-12 * double(want_sq)) << name << ": sum of squares, 2 blocks";
+    }
   };
+  {  // the finishing block's own loop: more partials than threads (a device's grid has up to 1024)
+    std::vector<double> partials(700);
+    long double want = 0;
+    for (std::size_t i = 0; i < partials.size(); ++i) want += partials[i] = x64[i];
+    double got = -1;
+    emu::launch(emu::dim3(1), emu::dim3(layer::kReduceThreads), 0,
+                [&] { layer::reduce_finish_kernel(&got, static_cast<const double*>(partials.data()), 700); });
+    EXPECT_NEAR(got, double(want), 1e-12 * 700 * 3.0) << "700 partials";
+  }
   for (std::int64_t count : {n, std::int64_t(0)}) {
     check(F64{}, count, x64);
     check(F32{}, count, x64);
@@ -434,13 +477,13 @@ TEST(LayerKernelsEmu, Int8CompressionIsTheHostsBitForBit) {
   x[5] = 0.0f;
   x[6] = -0.0f;
   const auto emulated = [&](const std::vector<float>& in, int levels) {
-    return in_every_schedule([&] {
+    return in_every_schedule([&](const OnEmulator& launch) {
       std::vector<float> amax(std::size_t(chunks) + 1, -1.0f), err(in.size(), -1.0f), back(in.size(), -1.0f);
       std::vector<std::int8_t> q(in.size(), 99);
       std::vector<double> nonfinite(1, -1.0), scratch(std::size_t(layer::reduce_geometry(n).blocks), -1.0);
-      layer::int8_absmax(OnEmulator{}, amax.data(), in.data(), n, chunk, nonfinite.data(), scratch.data());
-      layer::int8_quantize(OnEmulator{}, q.data(), err.data(), in.data(), n, chunk, amax.data(), levels);
-      layer::int8_dequantize(OnEmulator{}, back.data(), q.data(), n, chunk, amax.data(), levels);
+      layer::int8_absmax(launch, amax.data(), in.data(), n, chunk, nonfinite.data(), scratch.data());
+      layer::int8_quantize(launch, q.data(), err.data(), in.data(), n, chunk, amax.data(), levels);
+      layer::int8_dequantize(launch, back.data(), q.data(), n, chunk, amax.data(), levels);
       return Bits{bits_of(amax), bits_of(q), bits_of(err), bits_of(back)};
     });
   };

@@ -162,25 +162,29 @@ TEST(TopKEmu, NonFiniteValuesSendNaN) {
 
 // The scatters as the compressing reducer uses them: three ranks' pairs added in rank order into a
 // zeroed bucket (indices distinct within a rank, shared across ranks), and error feedback's clear of
-// what was sent; the host's bits, over more pairs than a block has threads.
+// what was sent; the host's bits, over more pairs than a block has threads, on the geometry's grid
+// and on one block that loops.
 TEST(TopKEmu, ScattersAreTheHosts) {
   const std::int64_t n = 3001, k = 700;
-  std::vector<float> host(static_cast<std::size_t>(n), 0.0f), dev = host;
-  const auto launch = [](const char*, int grid, int threads, std::size_t shared, auto kernel, auto... args) {
-    emu::launch(emu::dim3(static_cast<unsigned>(grid)), emu::dim3(static_cast<unsigned>(threads)), shared,
-                [&] { kernel(args...); });
-  };
-  for (int rank = 0; rank < 3; ++rank) {
-    const std::vector<float> x = input(0, n, 40u + static_cast<unsigned>(rank));
-    const Selection s = run_host(x, k);
-    loom::kernels::topk_scatter_add(host.data(), s.index.data(), s.value.data(), k);
-    topk::scatter(launch, dev.data(), s.index.data(), s.value.data(), k);
+  for (const int max_blocks : {0, 1}) {
+    std::vector<float> host(static_cast<std::size_t>(n), 0.0f), dev = host;
+    const auto launch = [max_blocks](const char*, int grid, int threads, std::size_t shared, auto kernel, auto... args) {
+      if (max_blocks > 0 && grid > max_blocks) grid = max_blocks;
+      emu::launch(emu::dim3(static_cast<unsigned>(grid)), emu::dim3(static_cast<unsigned>(threads)), shared,
+                  [&] { kernel(args...); });
+    };
+    for (int rank = 0; rank < 3; ++rank) {
+      const std::vector<float> x = input(0, n, 40u + static_cast<unsigned>(rank));
+      const Selection s = run_host(x, k);
+      loom::kernels::topk_scatter_add(host.data(), s.index.data(), s.value.data(), k);
+      topk::scatter(launch, dev.data(), s.index.data(), s.value.data(), k);
+    }
+    EXPECT_TRUE(same_bits(dev, host)) << "topk_scatter_add, max_blocks " << max_blocks;
+    EXPECT_GT(std::count_if(host.begin(), host.end(), [](float v) { return v != 0.0f; }), k) << "the ranks' pairs overlap only in part";
+    const Selection sent = run_host(host, k);
+    loom::kernels::topk_clear(host.data(), sent.index.data(), k);
+    topk::scatter(launch, dev.data(), sent.index.data(), static_cast<const float*>(nullptr), k);
+    EXPECT_TRUE(same_bits(dev, host)) << "topk_clear, max_blocks " << max_blocks;
+    for (const std::int32_t i : sent.index) ASSERT_EQ(dev[static_cast<std::size_t>(i)], 0.0f) << "cleared element " << i;
   }
-  EXPECT_TRUE(same_bits(dev, host)) << "topk_scatter_add";
-  EXPECT_GT(std::count_if(host.begin(), host.end(), [](float v) { return v != 0.0f; }), k) << "the ranks' pairs overlap only in part";
-  const Selection sent = run_host(host, k);
-  loom::kernels::topk_clear(host.data(), sent.index.data(), k);
-  topk::scatter(launch, dev.data(), sent.index.data(), static_cast<const float*>(nullptr), k);
-  EXPECT_TRUE(same_bits(dev, host)) << "topk_clear";
-  for (const std::int32_t i : sent.index) ASSERT_EQ(dev[static_cast<std::size_t>(i)], 0.0f) << "cleared element " << i;
 }
