@@ -201,7 +201,13 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const std::string w = what + " (" + cfg_.method_name + ")";
     const int N = dp_.size();
     const std::int64_t n = b.data.count;
-    const double residual = feedback_ ? 4.0 * static_cast<double>(n) : 0.0;  // State::residual
+    // Error feedback's bucket-sized scratch: one shared by every bucket whose tensors are listed
+    // (gather_residual: the largest such bucket's, added once by plan_step), else the bucket's own.
+    const bool shared = feedback_ && has_residuals(b);
+    const double residual = feedback_ && !shared ? 4.0 * static_cast<double>(n) : 0.0;  // State::residual
+    const auto share = [&] {
+      if (shared) planned_shared_residual_ = std::max(planned_shared_residual_, n);
+    };
     // Passes per element, by the code below (reads and writes, 4 bytes a float, 1 an int8): error
     // feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them back
     // (8). (The replica hash is once a step: plan_step.)
@@ -215,6 +221,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       case Method::int8: {
         const std::int64_t ch = compress::chunk_count(n, cfg_.chunk);
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(ch + 1) + static_cast<double>(n));  // absmax, q
+        share();
         const double maxima = all_reduce("chunk maxima", ch + 1);
         // finiteness (4) and chunk maxima (4) reads, quantising (read 4, int8 1, error 4), the
         // sum scaled back (int8 1, write 4): the back end's kernels
@@ -229,6 +236,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         const std::int64_t k = compress::top_k_count(n, cfg_.ratio);
         const double bytes = 8.0 * static_cast<double>(k);  // indices, values
         plan.add_scratch(Mem::comm, residual + bytes + bytes * N);  // send, recv
+        share();
         plan.add_comm({dp_.name(), w + " all-gather", ring_all_gather_bytes(bytes * N, N), N - 1.0, false});
         // The back end's passes: the selection's reads of x (the host's finiteness, histogram,
         // members and write passes: 16; a device's three digit passes, count and write: 20, priced)
@@ -255,6 +263,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         plan.host_bytes += 8.0 * p * (cfg_.rank + 1);
         plan.host_copy_bytes += 8.0 * p;
         plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
+        if (!split.mats.empty()) share();  // a bucket of plain tensors only never gathers its residuals
         // Each all-reduce completes before the next starts (dp_.all_reduce); the bucket's request is
         // complete when it returns.
         if (split.plain_total > 0) s.blocking.push_back(all_reduce("uncompressed tensors", split.plain_total));
@@ -272,6 +281,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // method: it reads the parameters this rank holds whole, in order, through a host copy on a device,
   // and stops at the first the store keeps only in part.
   void plan_step(StepPlan& plan) const override {
+    // After every bucket's plan_bucket (the planner's order): the shared error-feedback scratch.
+    plan.add_scratch(Mem::comm, 4.0 * static_cast<double>(planned_shared_residual_));
+    planned_shared_residual_ = 0;
     double bytes = 0;
     for (int i = 0; i < static_cast<int>(model_.params().size()); ++i) {
       const BufferRef p = model_.store().param(i);
@@ -296,40 +308,59 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
 
  private:
   // Per bucket (by what it holds: its first tensor and where in it, and its size, so that ZeRO-2/3's
-  // pieces, given new indices every micro-batch, find theirs again): error feedback's gathered residual
-  // and scratch.
+  // pieces, given new indices every micro-batch, find theirs again): the method's scratch, and the
+  // error feedback of a bucket whose tensors are not listed (kept from step to step: it is the
+  // bucket's only copy).
   struct State {
     std::int64_t count = -1;
     TypedBuffer residual, absmax, q, send, recv, packed;
   };
-  // A bucket's state; its `residual` is the bucket's error feedback, gathered from the parts of the
-  // per-tensor residuals it holds, empty without feedback.
   State& state(const GradBucket& b) {
     State& s = b.tensors.empty() ? state_[{-1 - b.index, 0}]
                                  : state_[{b.tensors.front().param, b.tensors.front().begin}];
     if (s.count != b.data.count) {
       s = State();
       s.count = b.data.count;
-      if (feedback_) s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
+      if (feedback_ && !has_residuals(b))
+        s.residual = be_.allocate("compression::bucket_residual", DType::f32, b.data.count, Mem::comm);
     }
-    if (!s.residual.empty() && has_residuals(b))
-      for (const GradBucket::Tensor& t : b.tensors)
-        be_.copy(s.residual.data<float>() + t.offset, residual_.at(t.param).data<float>() + t.begin, t.count);
     return s;
   }
-  // After the method wrote the bucket's new residual: back into the per-tensor residuals.
-  void keep_residual(const GradBucket& b, State& s) {
-    if (s.residual.empty() || !has_residuals(b)) return;
+  // This call's error feedback for bucket b, [n] floats (null without feedback). A bucket whose
+  // tensors are listed gathers the parts of the per-tensor residuals it holds into one scratch that
+  // every bucket shares: each method reads it and writes the new residual before reduce_async returns
+  // (int8 and top-k before they start their collective, PowerSGD's all-reduces block), and
+  // keep_residual scatters it back, so no bucket needs it afterwards. A bucket without keeps its own.
+  float* gather_residual(const GradBucket& b, State& s) {
+    if (!feedback_) return nullptr;
+    if (!has_residuals(b)) return s.residual.data<float>();
+    const std::int64_t n = b.data.count;
+    if (shared_residual_.count() < n) {
+      shared_residual_ = TypedBuffer();  // released first: the ledger's peak is the largest bucket's, as planned
+      shared_residual_ = be_.allocate("compression::bucket_residual", DType::f32, n, Mem::comm);
+    }
+    float* e = shared_residual_.data<float>();
+    std::int64_t covered = 0;
+    for (const GradBucket::Tensor& t : b.tensors) covered += t.count;
+    if (covered != n) be_.fill(e, 0.0f, n);  // elements of no listed tensor: no feedback (zero), as a bucket's own
     for (const GradBucket::Tensor& t : b.tensors)
-      be_.copy(residual_.at(t.param).data<float>() + t.begin, s.residual.data<float>() + t.offset, t.count);
+      be_.copy(e + t.offset, residual_.at(t.param).data<float>() + t.begin, t.count);
+    return e;
+  }
+  // After the method wrote the bucket's new residual into e: back into the per-tensor residuals.
+  void keep_residual(const GradBucket& b, const float* e) {
+    if (!e || !has_residuals(b)) return;
+    for (const GradBucket::Tensor& t : b.tensors)
+      be_.copy(residual_.at(t.param).data<float>() + t.begin, e + t.offset, t.count);
   }
   bool has_residuals(const GradBucket& b) const {
+    if (b.tensors.empty()) return false;
     for (const GradBucket::Tensor& t : b.tensors)
       if (!residual_.count(t.param) || t.begin + t.count > residual_.at(t.param).count()) return false;
     return true;
   }
-  void add_residual(State& s, float* x, std::int64_t n) {
-    if (!s.residual.empty()) be_.residual_forward(x, x, s.residual.data<float>(), n);  // x += residual
+  void add_residual(const float* e, float* x, std::int64_t n) {
+    if (e) be_.residual_forward(x, x, e, n);  // x += residual
   }
   bool compressed(const ParamInfo& p) const {
     return p.local_shape.size() == 2 && compress::worth_compressing(p.local_shape[0], p.local_shape[1], cfg_.rank, cfg_.min_rate);
@@ -341,7 +372,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const int levels = compress::int8_levels(dp_.size());
     State& s = state(b);
     float* x = b.data.as<float>();
-    add_residual(s, x, n);
+    float* e = gather_residual(b, s);
+    add_residual(e, x, n);
     ensure_capacity(be_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
     ensure_capacity(be_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
     float* amax = s.absmax.data<float>();
@@ -349,9 +381,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // rank learns of it.
     be_.int8_absmax(amax, x, n, cfg_.chunk);
     dp_.all_reduce(s.absmax.ref().slice(0, ch + 1), ReduceOp::max);  // one step per chunk for every rank
-    be_.int8_quantize(s.q.data<std::int8_t>(), s.residual.empty() ? nullptr : s.residual.data<float>(), x, n,
-                        cfg_.chunk, amax, levels);
-    keep_residual(b, s);
+    be_.int8_quantize(s.q.data<std::int8_t>(), e, x, n, cfg_.chunk, amax, levels);
+    keep_residual(b, e);
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch + 1) + fp32_factor * static_cast<double>(n);
     GradBucket qb = b;
     qb.data = s.q.ref().slice(0, n);
@@ -371,7 +402,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const std::int64_t n = b.data.count, k = compress::top_k_count(n, cfg_.ratio);
     State& s = state(b);
     float* x = b.data.as<float>();
-    add_residual(s, x, n);
+    float* e = gather_residual(b, s);
+    add_residual(e, x, n);
     const std::int64_t bytes = 8 * k;  // k int32 indices, then k fp32 values
     ensure_capacity(be_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
     ensure_capacity(be_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
@@ -380,11 +412,10 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // NaN/inf has no order: the back end then sends NaNs, so that every rank's sum is non-finite
     // (see int8).
     be_.topk_select(idx, val, x, n, k);
-    if (!s.residual.empty()) {  // what is not sent stays for the next step
-      float* e = s.residual.data<float>();
+    if (e) {  // what is not sent stays for the next step
       be_.copy(e, x, n);
       be_.topk_clear(e, idx, k);
-      keep_residual(b, s);
+      keep_residual(b, e);
     }
     formula_ += static_cast<double>(N - 1) * static_cast<double>(bytes);
     std::uint8_t* recv = s.recv.data<std::uint8_t>();
@@ -492,7 +523,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     ensure_capacity(be_, s.recv, "compression::powersgd_q", DType::f32, q_total, Mem::comm);
     float* P = s.send.data<float>();
     float* Qs = s.recv.data<float>();
-    float* e = s.residual.empty() ? nullptr : s.residual.data<float>();
+    float* e = gather_residual(b, s);
     const MemSpace at = be_.space();  // the matrices, P, Q and the residuals are the back end's
     for (const Mat& a : mats) {  // M = g + e (kept in the residual buffer), P = M Q
       float* M = x + a.t->offset;
@@ -516,7 +547,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
                    static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
       if (e) be_.axpy(e + a.t->offset, -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
     }
-    keep_residual(b, s);
+    keep_residual(b, e);
     return std::make_unique<ThenRequest>(nullptr, nullptr);
   }
 
@@ -597,6 +628,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   bool say_;  // this rank prints notes (world rank 0)
   std::map<std::pair<int, std::int64_t>, State> state_;  // by (first tensor, its begin); (-1 - index, 0) without tensors
   std::map<int, TypedBuffer> residual_, q_;  // by parameter index
+  TypedBuffer shared_residual_;  // error feedback's bucket-sized scratch (gather_residual)
+  mutable std::int64_t planned_shared_residual_ = 0;  // `loom plan`: its elements, the largest bucket's so far
   std::int64_t step_ = 0;
   CommStats at_start_;
   double sent_ = 0, uncompressed_ = 0, formula_ = 0, seconds_ = 0, identical_ = -1;

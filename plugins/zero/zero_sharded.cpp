@@ -388,6 +388,7 @@ void ShardedSync::plan_step(StepPlan& plan) const {
       GradBucket k;
       k.data = BufferRef(nullptr, DType::f32, std::min(count, a + piece_) - a, be_.space());
       k.rank_counts = store_.rank_counts(lo + a, lo + a + k.data.count);
+      list_unit_part(k, static_cast<int>(u), a, a + k.data.count);
       const std::size_t first = plan.comm.size();
       const double host_before = plan.host_bytes, copies_before = plan.host_copy_bytes, backend_before = plan.backend_bytes;
       units.back().push_back(reducer_->plan_bucket(plan, k, "unit " + model_.units()[u].name + " gradients"));
@@ -440,6 +441,16 @@ static void list_part(GradBucket& k, int i, const ParamInfo& p, std::int64_t at,
   if (s < e) k.tensors.push_back({i, p.name, p.local_shape, s - a, e - s, s - at});
 }
 
+void ShardedSync::list_unit_part(GradBucket& k, int unit, std::int64_t a, std::int64_t b) const {
+  std::int64_t at = 0;
+  for (int i : model_.units()[static_cast<std::size_t>(unit)].params) {
+    const ParamInfo& p = model_.params()[static_cast<std::size_t>(i)];
+    if (store_.kept_whole(i)) continue;  // reduced in finish, with the whole tensors
+    list_part(k, i, p, at, a, b);
+    at += p.numel;
+  }
+}
+
 // The whole tensors' gradients in pieces of at most bucket_mb (wte alone is V x C): reduce-scattered
 // into the ranks' runs where the store shards their update, else all-reduced.
 std::vector<GradBucket> ShardedSync::whole_buckets() const {
@@ -483,7 +494,7 @@ void ShardedSync::begin_micro_batch(GPT&, int, int) {
   while (!in_flight_.empty()) complete_oldest();
 }
 
-void ShardedSync::grads_ready(GPT& model, int unit) {
+void ShardedSync::grads_ready(GPT&, int unit) {
   InFlight f{store_.detach_grads(unit), {}, {}};
   const BufferRef g = f.staged.grads;
   if (g.empty()) return;
@@ -494,13 +505,7 @@ void ShardedSync::grads_ready(GPT& model, int unit) {
     k.index = counted_++;
     k.data = g.slice(a, b - a);
     k.rank_counts = store_.rank_counts(lo + a, lo + b);
-    std::int64_t at = 0;
-    for (int i : model.units()[static_cast<std::size_t>(unit)].params) {
-      const ParamInfo& p = model.params()[static_cast<std::size_t>(i)];
-      if (store_.grad(i).count > 0) continue;  // kept whole: reduced in finish
-      list_part(k, i, p, at, a, b);
-      at += p.numel;
-    }
+    list_unit_part(k, unit, a, b);
     f.buckets.push_back(std::move(k));
   }
   for (const GradBucket& k : f.buckets) f.reqs.push_back(reducer_->reduce_async(k));

@@ -190,6 +190,9 @@ class ShardedSync final : public GradSync {
   };
   void complete_oldest();
   std::vector<GradBucket> whole_buckets() const;
+  // Lists in k the parts of the unit's sharded tensors that the piece [a, b) of its range holds
+  // (the run's pieces and `loom plan`'s alike, so a reducer sizes the same scratch for both).
+  void list_unit_part(GradBucket& k, int unit, std::int64_t a, std::int64_t b) const;
 
   Communicator& dp_;
   Backend& be_;
