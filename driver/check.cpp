@@ -49,7 +49,7 @@ void check_checkpoint_dir(const std::string& dir, const std::string& named) {
 
 // checkpoint.resume names a readable checkpoint: a file, or the one `latest` in `dir` names. With
 // `auto` a missing `latest` means a fresh start; a `latest` that is there must name a checkpoint.
-void check_resume(const std::string& resume, const std::string& dir) {
+void check_resume(const std::string& resume, const std::string& dir, const GPTConfig& model) {
   if (resume.empty()) return;
   std::string file = resume;
   std::string named = "checkpoint.resume = " + resume;
@@ -68,11 +68,16 @@ void check_resume(const std::string& resume, const std::string& dir) {
     file = dir + "/" + name;
     named += " ('" + pointer + "' names " + name + ")";
   }
+  std::string mismatches;
   try {
     checkpoint_info(file);
+    mismatches = model_mismatches(checkpoint_header(file).model, model);
   } catch (const InputError& e) {
     throw InputError(named + ": " + e.what());
   }
+  if (!mismatches.empty())
+    throw InputError(named + ": checkpoint '" + file + "' holds another model: " + mismatches +
+                     " (a checkpoint continues only the model it holds)");
 }
 
 }  // namespace
@@ -92,7 +97,7 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
     named = "checkpoint.dir (default <run.dir>/checkpoints = " + dir + ")";
   }
   check_checkpoint_dir(dir, named);
-  check_resume(deck.get_string("checkpoint.resume"), dir);
+  check_resume(deck.get_string("checkpoint.resume"), dir, plan.model);
   if (rank == 0)
     std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
               << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks; "

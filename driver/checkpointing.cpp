@@ -130,6 +130,16 @@ void Checkpointing::prepare() {
     if (world_rank() != 0) return;
     const auto earlier = earlier_checkpoints(dir_);
     if (resume_path_.empty() && !earlier.empty()) {
+      // checkpoint.resume = auto found no `latest` to continue from (one lost, or never written).
+      if (!s_.deck.get_bool("run.overwrite") && resume_ == "auto") {
+        std::string newest;
+        for (const std::string& f : earlier)
+          if (is_checkpoint_file(f)) newest = f;  // sorted: the highest step last
+        throw InputError("checkpoint.resume = auto: checkpoint.dir = '" + dir_ + "' holds " + list_names(earlier) +
+                         " but no 'latest' file naming the checkpoint to continue from: " +
+                         (newest.empty() ? std::string("") : "resume one by name (--set checkpoint.resume=" + dir_ + "/" + newest + "), ") +
+                         "or set run.overwrite = true to replace them");
+      }
       if (!s_.deck.get_bool("run.overwrite"))
         throw InputError("checkpoint.dir = '" + dir_ + "' holds an earlier run's checkpoints (" + list_names(earlier) +
                          "), which a fresh run would overwrite: continue it with --set checkpoint.resume=auto, "

@@ -166,6 +166,11 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
     throw DeckError("loom plan: --devices, --json and --memo plan a deck: loom plan DECK [--cluster FILE|PRESET] ...");
   if (o.calibrate && (!o.cluster.empty() || o.show))
     throw DeckError("loom plan: --calibrate measures this machine; it takes no --cluster or --show");
+  if (vm.count("cluster") && o.cluster.empty())
+    throw DeckError("loom plan: --cluster is empty: give a cluster file or a preset (loom plan --cluster-keys lists the "
+                    "keys; without --cluster loom plan reads the calibration file, else the preset h100-sxm)");
+  if (vm.count("output") && !o.calibrate)
+    throw DeckError("loom plan: -o/--output names the file --calibrate writes: loom plan --calibrate -o FILE");
   return o;
 }
 

@@ -270,6 +270,17 @@ int command_plan_deck(const PlanOptions& o, const StrategyRegistry& registry, co
   const PlanSearch search{registry, schema, o.deck, o.sets, cluster};
   const std::vector<Candidate> all = search.run(o.devices);
   std::cout << (o.json ? search_json(all, o.devices, cluster) : describe_search(all, o.devices, cluster, o.top, o.all));
+  // No layout could even be built: the deck itself is wrong whatever the layout (a head count that
+  // does not divide d_model, ...), which more devices or memory would not change.
+  if (std::none_of(all.begin(), all.end(), [](const Candidate& c) { return c.built; })) {
+    std::map<std::string, int> reasons;
+    for (const Candidate& c : all) ++reasons[c.reason];
+    const auto most = std::max_element(reasons.begin(), reasons.end(),
+                                       [](const auto& a, const auto& b) { return a.second < b.second; });
+    throw InputError("loom plan: no layout of " + std::to_string(o.devices) + " devices can be built for " + o.deck +
+                     (most == reasons.end() ? std::string() : ": " + most->first + " (" + std::to_string(most->second) +
+                                                                  " of " + std::to_string(all.size()) + " candidates)"));
+  }
   if (!o.memo.empty()) {
     if (all.empty() || !all.front().fits)
       throw InputError("loom plan --memo " + o.memo + ": no layout of " + std::to_string(o.devices) +

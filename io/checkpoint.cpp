@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -406,15 +407,34 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
                    "unchanged");
 }
 
+std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& deck) {
+  std::string mismatches;
+  for (const ModelKey& k : kModelKeys) {
+    const int v = in_checkpoint.*k.field, here = deck.*k.field;
+    if (v != here)
+      mismatches += std::string(mismatches.empty() ? "" : "; ") + k.key + " = " + std::to_string(v) +
+                    " in the checkpoint, " + std::to_string(here) + " in this deck";
+  }
+  return mismatches;
+}
+
+// A checkpoint file HDF5 can read, else an error saying what the path is instead.
+static void require_hdf5(const std::string& path) {
+  if (H5Fis_hdf5(path.c_str()) > 0) return;
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    fail(path, "is a directory, not a checkpoint file: name a ckpt-*.h5 file in it, or set checkpoint.dir to it and "
+               "checkpoint.resume = latest");
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) fail(path, "cannot be read (no such file, or no permission)");
+  std::fclose(f);
+  fail(path, "is not a readable HDF5 file (truncated or corrupt)");
+}
+
 CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
                                 const std::vector<CheckpointContributor*>& parts) {
   static QuietHdf5 quiet;
-  if (H5Fis_hdf5(path.c_str()) <= 0) {
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) fail(path, "cannot be read (no such file, or no permission)");
-    std::fclose(f);
-    fail(path, "is not a readable HDF5 file (truncated or corrupt)");
-  }
+  require_hdf5(path);
   Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
   H5Pset_fapl_mpio(fapl.id, MPI_COMM_WORLD, MPI_INFO_NULL);
   Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.id), H5Fclose};
@@ -442,13 +462,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
   // The whole model shape, before any tensor: a checkpoint of fewer layers or other heads would
   // otherwise load the tensors it shares with the deck's model and silently train another model.
   st.model = recorded_model(file.id, path, st.deck);
-  std::string mismatches;
-  for (const ModelKey& k : kModelKeys) {
-    const int v = st.model.*k.field, here = model.config().*k.field;
-    if (v != here)
-      mismatches += std::string(mismatches.empty() ? "" : "; ") + k.key + " = " + std::to_string(v) +
-                    " in the checkpoint, " + std::to_string(here) + " in this deck";
-  }
+  const std::string mismatches = model_mismatches(st.model, model.config());
   if (!mismatches.empty())
     fail(path, "holds another model: " + mismatches + " (a checkpoint continues only the model it holds)");
   if (st.step < 0 || st.optimizer_steps < 0 || st.skipped_steps < 0 ||
@@ -484,20 +498,21 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     float* data = !t.holds ? &none : on_device ? staged.data() : t.data.as<float>();
     if (H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, dxpl.id, data) < 0)
       fail(path, "cannot read tensor " + name + " (truncated or corrupt)");
-    // Finite first: a checkpoint of a run that diverged is refused as such, not as corrupt. Every
-    // rank learns of a non-finite value any rank read, so all refuse alike.
-    int nonfinite = 0;
-    for (std::int64_t i = 0; t.holds && i < t.shard.numel() && !nonfinite; ++i) nonfinite = !std::isfinite(data[i]);
-    MPI_Allreduce(MPI_IN_PLACE, &nonfinite, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (nonfinite)
-      fail(path, "tensor " + name + " holds non-finite values (nan or inf): the run that wrote it had diverged; "
-                 "resume from an earlier checkpoint");
+    // The checksum (of the values' bits) first: bytes damaged into a NaN are corruption. Then
+    // finiteness: values written as they were, non-finite, are a run that had diverged. Every rank
+    // learns of a non-finite value any rank read, so all refuse alike.
     std::int64_t want = 0;
     if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no checksum attribute (corrupt)");
     const bool owner = t.holds && t.primary_end > t.primary_begin;
     const ShardDesc mine = owner ? t.shard.cut(t.primary_begin, t.primary_end) : t.shard;
     const auto got = static_cast<std::int64_t>(checksum(&mine, owner ? data + t.primary_begin : nullptr, owner));
     if (got != want) fail(path, "tensor " + name + " does not match its checksum: the file is corrupt");
+    int nonfinite = 0;
+    for (std::int64_t i = 0; t.holds && i < t.shard.numel() && !nonfinite; ++i) nonfinite = !std::isfinite(data[i]);
+    MPI_Allreduce(MPI_IN_PLACE, &nonfinite, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (nonfinite)
+      fail(path, "tensor " + name + " holds non-finite values (nan or inf): the run that wrote it had diverged; "
+                 "resume from an earlier checkpoint");
     if (on_device) model.backend().copy_from_host(BufferRef(t.data.as<float>(), t.shard.numel(), t.data.space), data);
   }
   for (CheckpointContributor* c : parts) {
@@ -515,7 +530,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
 
 CheckpointState checkpoint_header(const std::string& path) {
   static QuietHdf5 quiet;
-  if (H5Fis_hdf5(path.c_str()) <= 0) fail(path, "is missing or not a readable HDF5 file");
+  require_hdf5(path);
   Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
   if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
   CheckpointState st;
@@ -529,7 +544,7 @@ CheckpointState checkpoint_header(const std::string& path) {
 
 std::string checkpoint_info(const std::string& path) {
   static QuietHdf5 quiet;
-  if (H5Fis_hdf5(path.c_str()) <= 0) fail(path, "is missing or not a readable HDF5 file");
+  require_hdf5(path);
   Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
   if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
   std::ostringstream out;

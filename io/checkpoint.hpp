@@ -65,6 +65,10 @@ bool checkpoint_file_left_open();
 // that load_checkpoint then fills, as `loom sample` and `loom ckpt llmc` do).
 CheckpointState checkpoint_header(const std::string& path);
 
+// The model.* keys whose values differ between a checkpoint's model and a deck's ("model.heads = 4 in
+// the checkpoint, 2 in this deck; ..."), empty when none: a checkpoint continues only its own model.
+std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& deck);
+
 // `loom ckpt info`: step, layout, deck, and every tensor with its shape and dtype (one process).
 std::string checkpoint_info(const std::string& path);
 

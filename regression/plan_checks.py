@@ -354,6 +354,8 @@ def main():
              ["attention_tflops", "range"]),
             ("flash_cost_without_rate", GOOD.replace("attention_head_us = 2\n", "attention_head_us = 2\nflash_attention_head_us = 3\n"),
              [], ["flash_attention_head_us = 3", "without cluster.flash_attention_tflops"]),
+            ("tiny_flash_rate", GOOD.replace("attention_head_us = 2\n", "attention_head_us = 2\nflash_attention_tflops = 1e-320\n"),
+             [], ["flash_attention_tflops = 1e-320", "0, not measured, or 1e-06"]),
             ("negative", GOOD.replace("device_memory_gib = 40", "device_memory_gib = -40"), [],
              ["device_memory_gib", "range"]),
             ("unknown", GOOD + "nvlink_gen = 4\n", [], ["nvlink_gen"]),

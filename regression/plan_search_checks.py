@@ -252,6 +252,11 @@ def case_deck_refusals(args, d, failures):
         ("top 0", [SYN, "--devices", "2", "--top", "0"], ["--top 0"]),
         ("devices 0", [SYN, "--devices", "0"], ["--devices 0", "at least 1"]),
         ("top alone", [SYN, "--top", "3"], ["--devices"]),
+        # A deck no layout can fix: the search lists every candidate refused, then says why, exit 2.
+        ("search of a wrong deck", [SYN, "--devices", "2", "--set", "model.heads=3"],
+         ["no layout of 2 devices can be built", "model.heads = 3"]),
+        ("empty cluster", [SYN, "--cluster", "", "--show"], ["--cluster is empty"]),
+        ("output without calibrate", [SYN, "-o", os.path.join(d, "x.ini")], ["-o/--output", "--calibrate"]),
     ]
     for tag, argv, words in cases:
         p = run([loom, "plan"] + argv + (["--cluster", "h100-sxm"] if "--cluster" not in argv else []), expect=2)

@@ -18,6 +18,8 @@ CASE is one of:
   resume_refuses_other_model  model.heads or model.layers other than the checkpoint's: refused naming both
                             values; the directory (metrics.jsonl included) byte-identical
   resume_refuses_bad_step   a step attribute that disagrees with optimizer_steps, or is negative: refused
+  resume_refuses_no_file    checkpoint.resume naming a directory, or auto over checkpoints without `latest`:
+                            refused saying so (the latter naming the newest checkpoint); run.dir unchanged
   resume_keeps_metrics      a resume from an earlier checkpoint keeps the metrics rows up to it, sets the
                             later rows aside in metrics.jsonl.superseded, and prints the training-key diff
   fresh_refused_over_checkpoints  a fresh run into a directory with checkpoints is refused naming them and
@@ -119,6 +121,21 @@ def case_nonfinite(c, name):
         c.check(summary(rundir)["status"] == "failed", "summary.json does not say failed")
 
 
+def loom_checksum(values):
+    """io/checkpoint.cpp's checksum of a whole tensor one rank owns: the sum, modulo 2^64, of
+    mix64((index * 0x9e3779b97f4a7c15) ^ the float's bits) over its elements in row-major order."""
+    import numpy
+    bits = numpy.ascontiguousarray(values, dtype=numpy.float32).reshape(-1).view(numpy.uint32).astype(numpy.uint64)
+    with numpy.errstate(over="ignore"):
+        z = (numpy.arange(bits.size, dtype=numpy.uint64) * numpy.uint64(0x9e3779b97f4a7c15)) ^ bits
+        z = z + numpy.uint64(0x9e3779b97f4a7c15)  # core/rng.hpp's mix64 (splitmix64's finaliser)
+        z = (z ^ (z >> numpy.uint64(30))) * numpy.uint64(0xbf58476d1ce4e5b9)
+        z = (z ^ (z >> numpy.uint64(27))) * numpy.uint64(0x94d049bb133111eb)
+        z = z ^ (z >> numpy.uint64(31))
+        total = int(z.sum(dtype=numpy.uint64))
+    return total - (1 << 64) if total >= (1 << 63) else total  # as the int64 attribute holds it
+
+
 def saved_run(c, tag="first", sets=(), ranks=1):
     """8 steps with checkpoints every 2 (keep 4): returns the run directory."""
     _, rundir = c.loom(tag, ranks, ["checkpoint.every=2", "checkpoint.keep=4"] + list(sets))
@@ -131,7 +148,20 @@ def case_resume(c, name):
     ckpt = os.path.join(ckdir, "ckpt-00000004.h5")
     if name == "resume_refuses_nonfinite":
         import h5py
+        import numpy
+        # A NaN written as a diverged run writes it (its checksum the file's own, loom's formula, checked
+        # first against the untouched tensor), then one from damaged bytes (the checksum left as it was).
+        damaged = os.path.join(ckdir, "damaged.h5")
+        shutil.copy(ckpt, damaged)
         with h5py.File(ckpt, "r+") as f:
+            d = f["params/wte.weight"]
+            v = d[...]
+            c.check(loom_checksum(v) == int(d.attrs["checksum"]), "the test's checksum is not loom's: %d against %d" %
+                    (loom_checksum(v), int(d.attrs["checksum"])))
+            v[3, 5] = float("nan")
+            d[...] = v
+            d.attrs["checksum"] = numpy.int64(loom_checksum(v))
+        with h5py.File(damaged, "r+") as f:
             d = f["params/wte.weight"]
             v = d[...]
             v[3, 5] = float("nan")
@@ -139,8 +169,13 @@ def case_resume(c, name):
         before = snapshot(rundir)
         p, _ = c.loom("first", 1, ["checkpoint.resume=" + ckpt], expect=2)
         print(p.stderr.strip())
-        c.expect(p.stderr, [re.escape(ckpt), r"tensor /params/wte\.weight holds non-finite values"], "stderr")
-        c.check(snapshot(rundir) == before, "the refused resume changed the run directory")
+        c.expect(p.stderr, [re.escape(ckpt), r"tensor /params/wte\.weight holds non-finite values", r"diverged"], "stderr")
+        p, _ = c.loom("first", 1, ["checkpoint.resume=" + damaged], expect=2)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [re.escape(damaged), r"tensor /params/wte\.weight does not match its checksum: the file is corrupt"],
+                 "stderr")
+        c.check(snapshot(rundir) == before, "the refused resumes changed the run directory")
+        os.remove(damaged)
     elif name == "resume_refuses_other_model":
         before = snapshot(rundir)
         for sets, rx in ((["model.heads=2"], r"model\.heads = 4 in the checkpoint, 2 in this deck"),
@@ -148,6 +183,14 @@ def case_resume(c, name):
             p, _ = c.loom("first", 1, sets + ["checkpoint.resume=latest"], expect=2)
             print(p.stderr.strip())
             c.expect(p.stderr, [rx, r"holds another model"], "stderr")
+            # `loom check` of the same deck says so before a job is queued.
+            cmd = [c.args.loom, "check", c.deck, "--set", "run.dir=" + rundir] + \
+                sum((["--set", s] for s in sets + ["checkpoint.resume=latest"]), [])
+            print("$ " + " ".join(cmd), flush=True)
+            q = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            print(q.stderr.strip())
+            c.check(q.returncode == 2, "loom check of a resume of another model exited %d, not 2" % q.returncode)
+            c.expect(q.stderr, [r"checkpoint\.resume = latest", rx, r"holds another model"], "loom check's stderr")
         c.check(snapshot(rundir) == before, "a refused resume changed the run directory (metrics.jsonl?)")
     elif name == "resume_refuses_bad_step":
         import h5py
@@ -159,6 +202,24 @@ def case_resume(c, name):
             p, _ = c.loom("bad%d" % step, 1, ["checkpoint.resume=" + bad], expect=2)
             print(p.stderr.strip())
             c.expect(p.stderr, [rx, r"step must be optimizer_steps \+ skipped_steps"], "stderr")
+    elif name == "resume_refuses_no_file":
+        # checkpoint.resume naming the checkpoint directory instead of a file; checkpoint.resume = auto
+        # over checkpoints whose `latest` is gone (it would start afresh over them).
+        before = snapshot(rundir)
+        p, _ = c.loom("first", 1, ["checkpoint.resume=" + ckdir], expect=2)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [re.escape(ckdir), r"is a directory, not a checkpoint file", r"checkpoint\.resume = latest"],
+                 "stderr")
+        latest = os.path.join(ckdir, "latest")
+        kept = open(latest).read()
+        os.remove(latest)
+        p, _ = c.loom("first", 1, ["checkpoint.resume=auto"], expect=2)
+        print(p.stderr.strip())
+        c.expect(p.stderr, [r"checkpoint\.resume = auto", r"no 'latest' file",
+                            r"--set checkpoint\.resume=" + re.escape(os.path.join(ckdir, "ckpt-00000008.h5"))], "stderr")
+        with open(latest, "w") as f:
+            f.write(kept)
+        c.check(snapshot(rundir) == before, "a refused resume changed the run directory")
     elif name == "resume_keeps_metrics":
         first = rows(rundir)
         p, _ = c.loom("first", 1, ["checkpoint.resume=" + ckpt, "train.lr=2e-3", "train.steps=10"])
@@ -326,7 +387,7 @@ CASES = {
     "nonfinite_stop_dp2": case_nonfinite, "nonfinite_weights_never_saved": case_nonfinite,
     "nonfinite_skip_dp2": case_nonfinite, "nonfinite_skip_limit": case_nonfinite, "nonfinite_last_step": case_nonfinite,
     "resume_refuses_nonfinite": case_resume, "resume_refuses_other_model": case_resume,
-    "resume_refuses_bad_step": case_resume, "resume_keeps_metrics": case_resume,
+    "resume_refuses_bad_step": case_resume, "resume_refuses_no_file": case_resume, "resume_keeps_metrics": case_resume,
     "fresh_refused_over_checkpoints": case_directory, "resume_auto_and_at_end": case_directory,
     "lock_one_run_per_dir": case_directory,
     "write_failure_np1": case_write_failure, "write_failure_np2": case_write_failure,
