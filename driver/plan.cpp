@@ -413,7 +413,13 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
     throw InputError("loom plan --calibrate measures the links between ranks: launch it on 2 ranks or more, one "
                      "per device it stands for (mpiexec -n 2 loom plan --calibrate; across 2 nodes for the "
                      "links between nodes), or on 1 rank with the four network.* figures given by --set");
-  if (!sets.empty()) load_cluster("h100-sxm", sets);  // a bad --set is refused before anything is measured
+  // A bad --set key or value is refused before anything is measured. Each alone: rules between keys
+  // (a fixed cost with its rate) apply to the file written, where the measured figures join them.
+  if (!sets.empty()) {
+    DeckSchema schema;
+    add_cluster_keys(schema);
+    (void)Deck::parse(schema, cluster_preset_text("h100-sxm"), "loom plan --calibrate --set", sets);
+  }
   // Nodes: the shared-memory domains; every rank learns each rank's node leader.
   MPI_Comm local;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
