@@ -33,7 +33,9 @@
                      host_link_gbs, a share above 1), the fused attention's fixed cost without its rate, widths out
                      of order,
                      an unknown key, links inside a node slower than between nodes, a name that is
-                     neither a file nor a preset: exit 2, named
+                     neither a file nor a preset, a fused rate below 1e-6 (not 0): exit 2, named; a bad
+                     --set of --calibrate named as the --set's, and a fused fixed cost given to it alone
+                     written with the rate it measures (1 rank, the network figures given)
   pipeline_span      the step's pipeline span against the closed forms of two stages whose last, with a
                      heavy vocabulary head (V 8192 at C 128: ~5 blocks' FLOPs), is the slower: one
                      micro-batch passes the stages in turn (span = busy0 + busy1), m micro-batches keep
@@ -376,6 +378,21 @@ def main():
         p = run([loom, "plan", "--cluster", "h1000", "--show"], expect=2)
         if "h1000" not in p.stderr or "h100-sxm" not in p.stderr:
             failures.append("an unknown cluster is not refused listing the presets: " + p.stderr)
+        # --calibrate's --set values are its own, not a preset's: a bad one is refused naming them.
+        net = sum((["--set", s] for s in ("network.intra_node_gbs=100", "network.intra_node_latency_us=2",
+                                          "network.inter_node_gbs=10", "network.inter_node_latency_us=5")), [])
+        p = run([loom, "plan", "--calibrate", "-o", os.path.join(d, "cal.ini"), "--set", "cluster.flash_attention_tflops=-1"]
+                + net, expect=2)
+        print("calibrate_bad_set: " + p.stderr.strip())
+        if "preset" in p.stderr or "flash_attention_tflops = -1" not in p.stderr or "--set" not in p.stderr:
+            failures.append("a bad --set of --calibrate is not refused as the --set's: " + p.stderr)
+        # ... and a fixed cost given alone joins the rate it measures (it was refused as a preset's rule).
+        cal = os.path.join(d, "cal.ini")
+        p = run([loom, "plan", "--calibrate", "-o", cal, "--set", "cluster.flash_attention_head_us=3"] + net)
+        text = open(cal).read() if os.path.exists(cal) else ""
+        if not re.search(r"^flash_attention_head_us = 3$", text, re.M) or not re.search(r"^flash_attention_tflops = [0-9.e+-]+$", text, re.M):
+            failures.append("--calibrate --set cluster.flash_attention_head_us=3 did not write it with a measured rate: " +
+                            p.stderr + text[:300])
         good = os.path.join(d, "good.ini")
         with open(good, "w") as f:
             f.write(GOOD)
