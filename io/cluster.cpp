@@ -267,6 +267,12 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
     for (const auto& n : cluster_presets()) names += (names.empty() ? "" : ", ") + n;
     throw InputError("--cluster " + quote_path(what) + ": no such file, and not a preset (presets: " + names + ")");
   }
+  // What the deck reader would call a deck: said as the cluster file it is.
+  if (preset.empty() && std::filesystem::is_directory(what, ec))
+    throw InputError("--cluster " + quote_path(what) + ": is a directory, not a cluster file (or a preset)");
+  if (preset.empty() && std::filesystem::is_regular_file(what, ec) && std::filesystem::file_size(what, ec) == 0)
+    throw InputError("cluster file " + quote_path(what) + ": is empty (0 bytes); a cluster description gives every key "
+                     "(loom plan --cluster-keys lists them)");
   const Deck d = preset.empty() ? Deck::load(schema, what, sets) : Deck::parse(schema, preset, "preset " + what, sets);
   const std::string where = preset.empty() ? "cluster file " + quote_path(what) : "cluster preset " + what;
   for (const char* key : kRequired)

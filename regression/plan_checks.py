@@ -375,6 +375,15 @@ def main():
             for w in words:
                 if w not in msg:
                     failures.append("%s: the error does not say %r: %s" % (tag, w, msg))
+        for tag, path, words in (("directory", d, ["is a directory, not a cluster file"]),
+                                 ("empty", os.path.join(d, "empty.ini"), ["cluster file", "is empty", "--cluster-keys"])):
+            if tag == "empty":
+                open(path, "w").close()
+            p = run([loom, "plan", "--cluster", path, "--show"], expect=2)
+            print("%s: %s" % (tag, p.stderr.strip()))
+            for w in words:
+                if w not in p.stderr:
+                    failures.append("%s: the error does not say %r: %s" % (tag, w, p.stderr.strip()))
         p = run([loom, "plan", "--cluster", "h1000", "--show"], expect=2)
         if "h1000" not in p.stderr or "h100-sxm" not in p.stderr:
             failures.append("an unknown cluster is not refused listing the presets: " + p.stderr)
