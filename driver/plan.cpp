@@ -407,12 +407,15 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   const auto given = [&](const std::string& key) {
     return std::any_of(sets.begin(), sets.end(), [&](const std::string& s) { return s.rfind(key + "=", 0) == 0; });
   };
-  const bool links_given = given("network.intra_node_gbs") && given("network.intra_node_latency_us") &&
-                           given("network.inter_node_gbs") && given("network.inter_node_latency_us");
-  if (world < 2 && !links_given)
+  std::string missing;
+  for (const char* key : {"network.intra_node_gbs", "network.intra_node_latency_us", "network.inter_node_gbs",
+                          "network.inter_node_latency_us"})
+    if (!given(key)) missing += std::string(missing.empty() ? "" : ", ") + key;
+  if (world < 2 && !missing.empty())
     throw InputError("loom plan --calibrate measures the links between ranks: launch it on 2 ranks or more, one "
                      "per device it stands for (mpiexec -n 2 loom plan --calibrate; across 2 nodes for the "
-                     "links between nodes), or on 1 rank with the four network.* figures given by --set");
+                     "links between nodes), or on 1 rank with the four network.* figures given by --set (not given: " +
+                     missing + ")");
   // A bad --set key or value is refused before anything is measured. Each alone: rules between keys
   // (a fixed cost with its rate) apply to the file written, where the measured figures join them.
   if (!sets.empty()) {

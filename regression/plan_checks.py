@@ -325,6 +325,10 @@ def main():
         p = run([loom, "plan", "--calibrate", "-o", os.path.join(d, "one.ini")], expect=2)
         if "2 ranks" not in p.stderr or os.path.exists(os.path.join(d, "one.ini")):
             failures.append("calibration on 1 rank is not refused saying why: " + p.stderr)
+        p = run([loom, "plan", "--calibrate", "-o", os.path.join(d, "one.ini"), "--set", "network.intra_node_gbs=100"],
+                expect=2)
+        if "not given: network.intra_node_latency_us, network.inter_node_gbs, network.inter_node_latency_us" not in p.stderr:
+            failures.append("calibration on 1 rank with some network figures does not name the missing ones: " + p.stderr)
     elif args.case == "memory_vs_ledger":
         memory_vs_ledger(args, d, failures)
     elif args.case == "pipeline_span":
