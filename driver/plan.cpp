@@ -421,7 +421,8 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   if (!sets.empty()) {
     DeckSchema schema;
     add_cluster_keys(schema);
-    (void)Deck::parse(schema, cluster_preset_text("h100-sxm"), "loom plan --calibrate --set", sets);
+    check_cluster_values(Deck::parse(schema, cluster_preset_text("h100-sxm"), "loom plan --calibrate --set", sets),
+                         "loom plan --calibrate --set");
   }
   // Nodes: the shared-memory domains; every rank learns each rank's node leader.
   MPI_Comm local;

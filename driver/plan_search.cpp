@@ -211,7 +211,9 @@ std::string describe_search(const std::vector<Candidate>& all, int devices, cons
     << gib(cluster.device_memory_bytes) << " each): " << all.size() << " candidates (dp x tp x pp, micro-batches, ZeRO "
     << "stage, recompute, sequence parallelism, precision), " << built << " buildable, " << fit << " fit\n";
   s << layout_table(all);
-  if (fit == 0) {
+  if (built == 0) {
+    // Nothing to fit: command_plan_deck says why, and exits 2.
+  } else if (fit == 0) {
     s << "no candidate fits: more devices, a smaller batch per micro-batch or a larger device\n";
   } else {
     s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n" << kRowHeader;
@@ -270,8 +272,9 @@ int command_plan_deck(const PlanOptions& o, const StrategyRegistry& registry, co
   const PlanSearch search{registry, schema, o.deck, o.sets, cluster};
   const std::vector<Candidate> all = search.run(o.devices);
   std::cout << (o.json ? search_json(all, o.devices, cluster) : describe_search(all, o.devices, cluster, o.top, o.all));
-  // No layout could even be built: the deck itself is wrong whatever the layout (a head count that
-  // does not divide d_model, ...), which more devices or memory would not change.
+  // No layout could even be built: the deck is wrong whatever the layout (a head count that does not
+  // divide d_model, ...), or no layout of this many devices divides it (3 devices of a deck whose
+  // batch, heads and layers 3 divides none of); more memory would not change either.
   if (std::none_of(all.begin(), all.end(), [](const Candidate& c) { return c.built; })) {
     std::map<std::string, int> reasons;
     for (const Candidate& c : all) ++reasons[c.reason];

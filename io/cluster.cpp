@@ -257,6 +257,14 @@ std::string cluster_preset_text(const std::string& name) {
   return it == presets().end() ? "" : it->second;
 }
 
+void check_cluster_values(const Deck& d, const std::string& where) {
+  // 0 says "not measured"; a measured rate has attention_tflops' range (a rate of 1e-320 would price
+  // a step at infinity).
+  if (const double t = d.get_float("cluster.flash_attention_tflops"); t != 0 && t < 1e-6)
+    throw InputError(where + ": cluster.flash_attention_tflops = " + d.values().at("cluster.flash_attention_tflops") +
+                     " (valid: 0, not measured, or 1e-06 to 1e+06 TFLOP/s)");
+}
+
 ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>& sets) {
   DeckSchema schema;
   add_cluster_keys(schema);
@@ -306,11 +314,7 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   c.intra_latency_s = d.get_float("network.intra_node_latency_us") * 1e-6;
   c.inter_bytes_per_s = d.get_float("network.inter_node_gbs") * 1e9;
   c.inter_latency_s = d.get_float("network.inter_node_latency_us") * 1e-6;
-  // 0 says "not measured"; a measured rate has attention_tflops' range (a rate of 1e-320 would price
-  // a step at infinity).
-  if (const double t = d.get_float("cluster.flash_attention_tflops"); t != 0 && t < 1e-6)
-    throw InputError(where + ": cluster.flash_attention_tflops = " + d.values().at("cluster.flash_attention_tflops") +
-                     " (valid: 0, not measured, or 1e-06 to 1e+06 TFLOP/s)");
+  check_cluster_values(d, where);
   if (c.flash_attention_head_s > 0 && c.flash_attention_flops <= 0)
     throw InputError(where + ": cluster.flash_attention_head_us = " + d.values().at("cluster.flash_attention_head_us") +
                      " without cluster.flash_attention_tflops (give both, or neither: a flash run is then priced as "

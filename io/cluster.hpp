@@ -140,6 +140,9 @@ inline double optimizer_bytes(double grad_elements, double owned_elements) {
 }
 
 void add_cluster_keys(DeckSchema& schema);
+// The rules on one key's value that its range cannot say (a fused-attention rate: 0, not measured, or
+// at least 1e-6), refused naming `where`; load_cluster applies them, and --calibrate to its --set.
+void check_cluster_values(const Deck& d, const std::string& where);
 // The presets' names, and the text of one ("" when there is none of that name).
 std::vector<std::string> cluster_presets();
 std::string cluster_preset_text(const std::string& name);

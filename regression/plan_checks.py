@@ -399,6 +399,13 @@ def main():
         print("calibrate_bad_set: " + p.stderr.strip())
         if "preset" in p.stderr or "flash_attention_tflops = -1" not in p.stderr or "--set" not in p.stderr:
             failures.append("a bad --set of --calibrate is not refused as the --set's: " + p.stderr)
+        p = run([loom, "plan", "--calibrate", "-o", os.path.join(d, "cal.ini"), "--set", "cluster.flash_attention_tflops=1e-9"]
+                + net, expect=2)
+        print("calibrate_tiny_flash_rate: " + p.stderr.strip())
+        if "loom plan --calibrate --set" not in p.stderr or "0, not measured" not in p.stderr or \
+                "calibrate" in p.stdout.lower():
+            failures.append("--calibrate --set cluster.flash_attention_tflops=1e-9 is not refused before measuring: " +
+                            p.stdout[-300:] + p.stderr)
         # ... and a fixed cost given alone joins the rate it measures (it was refused as a preset's rule).
         cal = os.path.join(d, "cal.ini")
         p = run([loom, "plan", "--calibrate", "-o", cal, "--set", "cluster.flash_attention_head_us=3"] + net)
