@@ -13,6 +13,7 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"
@@ -47,17 +48,18 @@ void check_checkpoint_dir(const std::string& dir, const std::string& named) {
                      std::strerror(errno) + ")");
 }
 
-// checkpoint.resume names a readable checkpoint: a file, or the one `latest` in `dir` names. With
-// `auto` a missing `latest` means a fresh start; a `latest` that is there must name a checkpoint.
-void check_resume(const std::string& resume, const std::string& dir, const GPTConfig& model) {
-  if (resume.empty()) return;
+// checkpoint.resume names a readable checkpoint of the deck's model: a file, or the one `latest` in
+// `dir` names. With `auto` a missing `latest` means a fresh start; a `latest` that is there must name
+// a checkpoint. A fresh start over checkpoints is refused as the run refuses it.
+void check_resume(const std::string& resume, const std::string& dir, const GPTConfig& model, bool overwrite) {
+  if (resume.empty()) return refuse_fresh_over_checkpoints(dir, resume, overwrite);
   std::string file = resume;
   std::string named = "checkpoint.resume = " + resume;
   if (resume == "latest" || resume == "auto") {
     const std::string pointer = dir + "/latest";
     std::ifstream in(pointer);
     if (!in) {
-      if (resume == "auto") return;
+      if (resume == "auto") return refuse_fresh_over_checkpoints(dir, resume, overwrite);
       throw InputError("checkpoint.resume = latest, but '" + pointer +
                        "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir + ")");
     }
@@ -97,7 +99,7 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
     named = "checkpoint.dir (default <run.dir>/checkpoints = " + dir + ")";
   }
   check_checkpoint_dir(dir, named);
-  check_resume(deck.get_string("checkpoint.resume"), dir, plan.model);
+  check_resume(deck.get_string("checkpoint.resume"), dir, plan.model, deck.get_bool("run.overwrite"));
   if (rank == 0)
     std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
               << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks; "

@@ -98,6 +98,24 @@ bool same_value(const std::string& a, const std::string& b) {
 
 int Checkpointing::stop_signal() { return g_stop_signal; }
 
+void refuse_fresh_over_checkpoints(const std::string& dir, const std::string& resume, bool overwrite) {
+  const auto earlier = earlier_checkpoints(dir);
+  if (overwrite || earlier.empty()) return;
+  // checkpoint.resume = auto found no `latest` to continue from (one lost, or never written).
+  if (resume == "auto") {
+    std::string newest;
+    for (const std::string& f : earlier)
+      if (is_checkpoint_file(f)) newest = f;  // sorted: the highest step last
+    throw InputError("checkpoint.resume = auto: checkpoint.dir = '" + dir + "' holds " + list_names(earlier) +
+                     " but no 'latest' file naming the checkpoint to continue from: " +
+                     (newest.empty() ? std::string("") : "resume one by name (--set checkpoint.resume=" + dir + "/" + newest + "), ") +
+                     "or set run.overwrite = true to replace them");
+  }
+  throw InputError("checkpoint.dir = '" + dir + "' holds an earlier run's checkpoints (" + list_names(earlier) +
+                   "), which a fresh run would overwrite: continue it with --set checkpoint.resume=auto, "
+                   "choose another run.dir or checkpoint.dir, or set run.overwrite = true to replace them");
+}
+
 Checkpointing::Checkpointing(Session& session) : s_(session) {
   const std::string given_dir = s_.deck.get_string("checkpoint.dir");
   dir_ = given_dir.empty() ? s_.run_dir + "/checkpoints" : given_dir;
@@ -130,20 +148,7 @@ void Checkpointing::prepare() {
     if (world_rank() != 0) return;
     const auto earlier = earlier_checkpoints(dir_);
     if (resume_path_.empty() && !earlier.empty()) {
-      // checkpoint.resume = auto found no `latest` to continue from (one lost, or never written).
-      if (!s_.deck.get_bool("run.overwrite") && resume_ == "auto") {
-        std::string newest;
-        for (const std::string& f : earlier)
-          if (is_checkpoint_file(f)) newest = f;  // sorted: the highest step last
-        throw InputError("checkpoint.resume = auto: checkpoint.dir = '" + dir_ + "' holds " + list_names(earlier) +
-                         " but no 'latest' file naming the checkpoint to continue from: " +
-                         (newest.empty() ? std::string("") : "resume one by name (--set checkpoint.resume=" + dir_ + "/" + newest + "), ") +
-                         "or set run.overwrite = true to replace them");
-      }
-      if (!s_.deck.get_bool("run.overwrite"))
-        throw InputError("checkpoint.dir = '" + dir_ + "' holds an earlier run's checkpoints (" + list_names(earlier) +
-                         "), which a fresh run would overwrite: continue it with --set checkpoint.resume=auto, "
-                         "choose another run.dir or checkpoint.dir, or set run.overwrite = true to replace them");
+      refuse_fresh_over_checkpoints(dir_, resume_, s_.deck.get_bool("run.overwrite"));
       std::error_code ec;
       for (const auto& f : earlier)
         if (!fs::remove(dir_ + "/" + f, ec) && ec)

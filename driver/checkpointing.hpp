@@ -14,6 +14,11 @@
 
 namespace loom {
 
+// A run that starts fresh (checkpoint.resume empty, or auto without `latest`) into a checkpoint.dir
+// holding checkpoints would overwrite them: refused naming them unless run.overwrite (`loom run` and
+// `loom check` alike).
+void refuse_fresh_over_checkpoints(const std::string& dir, const std::string& resume, bool overwrite);
+
 // Exit status of a run stopped by SIGTERM or SIGINT after saving a checkpoint: not finished, resumable.
 inline constexpr int kExitInterrupted = 3;
 

@@ -23,7 +23,8 @@ CASE is one of:
   resume_keeps_metrics      a resume from an earlier checkpoint keeps the metrics rows up to it, sets the
                             later rows aside in metrics.jsonl.superseded, and prints the training-key diff
   fresh_refused_over_checkpoints  a fresh run into a directory with checkpoints is refused naming them and
-                            leaves it byte-identical; run.overwrite = true replaces them
+                            leaves it byte-identical (`loom check` refuses it too); run.overwrite = true
+                            replaces them
   resume_auto_and_at_end    checkpoint.resume = auto starts fresh, then resumes; checkpoint.at_end saves the
                             last step when train.steps is not a multiple of checkpoint.every
   lock_one_run_per_dir      a second run in a directory in use is refused naming the holder's host and pid;
@@ -243,6 +244,13 @@ def case_directory(c, name):
         print(p.stderr.strip())
         c.expect(p.stderr, [r"holds an earlier run's checkpoints \(ckpt-00000002\.h5, ckpt-00000004\.h5, ckpt-00000006\.h5, ckpt-00000008\.h5, latest\)",
                             r"checkpoint\.resume=auto", r"run\.overwrite = true"], "stderr")
+        # `loom check` of the same deck refuses it as the run does (it passed, and the job failed).
+        cmd = [c.args.loom, "check", c.deck, "--set", "run.dir=" + rundir]
+        print("$ " + " ".join(cmd), flush=True)
+        q = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        print(q.stderr.strip())
+        c.check(q.returncode == 2, "loom check of a fresh run over checkpoints exited %d, not 2" % q.returncode)
+        c.expect(q.stderr, [r"holds an earlier run's checkpoints", r"run\.overwrite = true"], "loom check's stderr")
         c.check(snapshot(rundir) == before, "the refused run changed the directory")
         p, _ = c.loom("first", 1, ["run.overwrite=true", "train.steps=3", "checkpoint.every=3"])
         left = sorted(os.listdir(os.path.join(rundir, "checkpoints")))
