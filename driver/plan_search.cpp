@@ -211,10 +211,8 @@ std::string describe_search(const std::vector<Candidate>& all, int devices, cons
     << gib(cluster.device_memory_bytes) << " each): " << all.size() << " candidates (dp x tp x pp, micro-batches, ZeRO "
     << "stage, recompute, sequence parallelism, precision), " << built << " buildable, " << fit << " fit\n";
   s << layout_table(all);
-  if (built == 0) {
-    // Nothing to fit: command_plan_deck says why, and exits 2.
-  } else if (fit == 0) {
-    s << "no candidate fits: more devices, a smaller batch per micro-batch or a larger device\n";
+  if (fit == 0) {  // with nothing buildable, command_plan_deck says why (exit 2) instead
+    if (built > 0) s << "no candidate fits: more devices, a smaller batch per micro-batch or a larger device\n";
   } else {
     s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n" << kRowHeader;
     for (int i = 0; i < std::min(top, fit); ++i) s << candidate_row(i + 1, all[static_cast<std::size_t>(i)], cluster);

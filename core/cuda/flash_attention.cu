@@ -7,20 +7,17 @@
 #include <string>
 
 #include "core/cuda/kernels.cuh"
+#include "core/cuda/on_stream.cuh"
 
 namespace loom::cuda {
 namespace {
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("loom::cuda: ") + what + " failed: " + cudaGetErrorString(err));
-}
 
 // Kernels that take more than 48 KiB of dynamic shared memory must say so, per device: set before
 // every launch (cheap), so a second device or thread needs no bookkeeping.
 template <class Kernel>
 void allow_shared(Kernel kernel, std::size_t bytes) {
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-        "cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for the fused attention");
+  check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for the fused attention");
 }
 
 // (sequence, head) on x, tiles of 64 rows on y: x takes 2^31 - 1 blocks, y 65535 (T up to 4 million).
@@ -36,7 +33,7 @@ void forward(float* out, float* lse, const float* qkv, int B, int T, int C, int 
   allow_shared(flash::attention_forward_kernel<HS>, bytes);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   flash::attention_forward_kernel<HS><<<tile_grid(B, T, NH), flash::kThreads, bytes, stream>>>(out, lse, qkv, T, C, NH, scale);
-  check(cudaGetLastError(), "launching attention_forward_kernel");
+  check_call(cudaGetLastError(), "launching attention_forward_kernel");
 }
 
 template <int HS>
@@ -48,16 +45,16 @@ void backward(float* dqkv, const float* dsum, const float* dout, const float* qk
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   const dim3 grid = tile_grid(B, T, NH);
   flash::attention_backward_kv_kernel<HS><<<grid, flash::kThreads, kv_bytes, stream>>>(dqkv, dout, qkv, lse, dsum, T, C, NH, scale);
-  check(cudaGetLastError(), "launching attention_backward_kv_kernel");
+  check_call(cudaGetLastError(), "launching attention_backward_kv_kernel");
   flash::attention_backward_q_kernel<HS><<<grid, flash::kThreads, q_bytes, stream>>>(dqkv, dout, qkv, lse, dsum, T, C, NH, scale);
-  check(cudaGetLastError(), "launching attention_backward_q_kernel");
+  check_call(cudaGetLastError(), "launching attention_backward_q_kernel");
 }
 
 template <class OutT>
 void dsum_rows(float* dsum, const float* dout, const OutT* out, int B, int T, int C, int NH, cudaStream_t stream) {
   const LaunchGeometry g = rows_per_warp_geometry(static_cast<std::int64_t>(B) * NH * T);
   flash::attention_backward_dsum_kernel<OutT><<<g.blocks, g.threads, 0, stream>>>(dsum, dout, out, B, T, C, NH, C / NH);
-  check(cudaGetLastError(), "launching attention_backward_dsum_kernel");
+  check_call(cudaGetLastError(), "launching attention_backward_dsum_kernel");
 }
 
 }  // namespace
@@ -80,7 +77,7 @@ std::size_t flash_attention_shared_bytes(int hs) {
 
 int flash_attention_built_arch() {
   cudaFuncAttributes a{};
-  check(cudaFuncGetAttributes(&a, flash::attention_forward_kernel<64>), "cudaFuncGetAttributes(attention_forward_kernel)");
+  check_call(cudaFuncGetAttributes(&a, flash::attention_forward_kernel<64>), "cudaFuncGetAttributes(attention_forward_kernel)");
   return a.binaryVersion;  // of the code this device runs: its SASS, or the PTX it was JIT-compiled from
 }
 

@@ -8,32 +8,10 @@
 #include <string>
 
 #include "core/cuda/layer_kernels.cuh"
+#include "core/cuda/on_stream.cuh"
 
 namespace loom::cuda {
 namespace {
-
-void check_call(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("loom::cuda: ") + what + " failed: " + cudaGetErrorString(err));
-}
-
-// layer_kernels.cuh's `launch` on a stream. A kernel whose dynamic and static shared memory
-// together pass the default 48 KiB must say so, per device: set before every launch with dynamic
-// shared memory (cheap; the static part is the kernel's business, so it is set whatever the size),
-// so a second device or thread needs no bookkeeping.
-struct OnStream {
-  cudaStream_t stream;
-  template <class Kernel, class... Args>
-  void operator()(const char* name, unsigned blocks, unsigned threads, std::size_t shared, Kernel kernel,
-                  Args... args) const {
-    if (shared > 0)
-      check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)),
-                 (std::string("cudaFuncSetAttribute(") + name + ")").c_str());
-    kernel<<<blocks, threads, shared, stream>>>(args...);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("loom::cuda: launching ") + name + " failed: " + cudaGetErrorString(err));
-  }
-};
 
 template <DType D>
 struct TypeTag {

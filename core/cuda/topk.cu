@@ -6,25 +6,9 @@
 #include <string>
 
 #include "core/cuda/kernels.cuh"
+#include "core/cuda/on_stream.cuh"
 
 namespace loom::cuda {
-namespace {
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("loom::cuda: ") + what + " failed: " + cudaGetErrorString(err));
-}
-
-// topk.cuh's `launch` on a stream.
-struct OnStream {
-  cudaStream_t stream;
-  template <class Kernel, class... Args>
-  void operator()(const char* name, int blocks, int threads, std::size_t shared, Kernel kernel, Args... args) const {
-    kernel<<<blocks, threads, shared, stream>>>(args...);
-    check(cudaGetLastError(), (std::string("launching ") + name).c_str());
-  }
-};
-
-}  // namespace
 
 std::int64_t topk_scratch_count(std::int64_t n) { return topk::scratch_count(topk::grid_blocks(n)); }
 
