@@ -3,6 +3,8 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
+
 #include <filesystem>
 #include <mutex>
 #include <stdexcept>
@@ -50,6 +52,38 @@ const CudaLibrary& cuda_library() {
   static CudaLibrary lib;
   static std::once_flag once;
   std::call_once(once, [] {
+    // Opens the library at p and checks its entry points and ABI; false (why_not set) if not.
+    const auto open = [](const std::string& p) {
+      void* h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (!h) {
+        lib.why_not = p + " cannot be loaded: " + dlerror() +
+                      " (the CUDA runtime libraries, cuBLAS and cuBLASLt, must be installed on this node)";
+        return false;
+      }
+      const auto abi = reinterpret_cast<loom_cuda_abi_fn>(dlsym(h, "loom_cuda_abi"));
+      lib.device_count = reinterpret_cast<loom_cuda_device_count_fn>(dlsym(h, "loom_cuda_device_count"));
+      lib.create = reinterpret_cast<loom_cuda_create_fn>(dlsym(h, "loom_cuda_create"));
+      if (!abi || !lib.device_count || !lib.create) {
+        lib.why_not = p + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create";
+        return false;
+      }
+      if (abi() != LOOM_CUDA_ABI_VERSION) {
+        lib.why_not = p + " was built for CUDA back-end ABI " + std::to_string(abi()) + ", this loom has " +
+                      std::to_string(LOOM_CUDA_ABI_VERSION) + ": rebuild it with this loom";
+        return false;
+      }
+      lib.loaded = true;
+      lib.path = p;
+      return true;
+    };
+    // A named back-end library (the emulated device's, libloom_cuda_emu.so, for checks without a
+    // GPU) in place of the one beside the plugins, whether or not this loom was built with CUDA.
+    if (const char* named = std::getenv("LOOM_CUDA_BACKEND_LIBRARY"); named && *named) {
+      std::error_code ec;
+      if (!fs::exists(named, ec)) lib.why_not = std::string("LOOM_CUDA_BACKEND_LIBRARY = ") + named + " does not exist";
+      else open(named);
+      return;
+    }
     if (!build::cuda) {
       lib.why_not = "this loom was built without the CUDA back end (LOOM_ENABLE_CUDA=OFF, or nvcc was not found "
                     "when it was configured)";
@@ -60,26 +94,7 @@ const CudaLibrary& cuda_library() {
       const fs::path p = fs::path(dir) / LOOM_CUDA_LIBRARY;
       std::error_code ec;
       if (!fs::exists(p, ec)) continue;
-      void* h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (!h) {
-        lib.why_not = p.string() + " cannot be loaded: " + dlerror() +
-                      " (the CUDA runtime libraries, cuBLAS and cuBLASLt, must be installed on this node)";
-        return;
-      }
-      const auto abi = reinterpret_cast<loom_cuda_abi_fn>(dlsym(h, "loom_cuda_abi"));
-      lib.device_count = reinterpret_cast<loom_cuda_device_count_fn>(dlsym(h, "loom_cuda_device_count"));
-      lib.create = reinterpret_cast<loom_cuda_create_fn>(dlsym(h, "loom_cuda_create"));
-      if (!abi || !lib.device_count || !lib.create) {
-        lib.why_not = p.string() + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create";
-        return;
-      }
-      if (abi() != LOOM_CUDA_ABI_VERSION) {
-        lib.why_not = p.string() + " was built for CUDA back-end ABI " + std::to_string(abi()) + ", this loom has " +
-                      std::to_string(LOOM_CUDA_ABI_VERSION) + ": rebuild it with this loom";
-        return;
-      }
-      lib.loaded = true;
-      lib.path = p.string();
+      open(p.string());
       return;
     }
     for (const std::string& dir : plugin_search_path()) tried += (tried.empty() ? "" : ":") + dir;

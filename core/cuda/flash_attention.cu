@@ -12,14 +12,6 @@
 namespace loom::cuda {
 namespace {
 
-// Kernels that take more than 48 KiB of dynamic shared memory must say so, per device: set before
-// every launch (cheap), so a second device or thread needs no bookkeeping.
-template <class Kernel>
-void allow_shared(Kernel kernel, std::size_t bytes) {
-  check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for the fused attention");
-}
-
 // (sequence, head) on x, tiles of 64 rows on y: x takes 2^31 - 1 blocks, y 65535 (T up to 4 million).
 dim3 tile_grid(int B, int T, int NH) {
   const long long heads = static_cast<long long>(B) * NH, tiles = (static_cast<long long>(T) + flash::kRows - 1) / flash::kRows;
@@ -29,32 +21,29 @@ dim3 tile_grid(int B, int T, int NH) {
 
 template <int HS>
 void forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
-  const std::size_t bytes = flash::forward_smem_bytes<HS>();
-  allow_shared(flash::attention_forward_kernel<HS>, bytes);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
-  flash::attention_forward_kernel<HS><<<tile_grid(B, T, NH), flash::kThreads, bytes, stream>>>(out, lse, qkv, T, C, NH, scale);
-  check_call(cudaGetLastError(), "launching attention_forward_kernel");
+  OnStream{stream}("attention_forward_kernel", tile_grid(B, T, NH), flash::kThreads, flash::forward_smem_bytes<HS>(),
+                   flash::attention_forward_kernel<HS>, out, lse, qkv, T, C, NH, scale);
 }
 
 template <int HS>
 void backward(float* dqkv, const float* dsum, const float* dout, const float* qkv, const float* lse, int B, int T,
               int C, int NH, cudaStream_t stream) {
-  const std::size_t kv_bytes = flash::backward_smem_bytes<HS>(), q_bytes = kv_bytes;
-  allow_shared(flash::attention_backward_kv_kernel<HS>, kv_bytes);
-  allow_shared(flash::attention_backward_q_kernel<HS>, q_bytes);
+  const std::size_t bytes = flash::backward_smem_bytes<HS>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   const dim3 grid = tile_grid(B, T, NH);
-  flash::attention_backward_kv_kernel<HS><<<grid, flash::kThreads, kv_bytes, stream>>>(dqkv, dout, qkv, lse, dsum, T, C, NH, scale);
-  check_call(cudaGetLastError(), "launching attention_backward_kv_kernel");
-  flash::attention_backward_q_kernel<HS><<<grid, flash::kThreads, q_bytes, stream>>>(dqkv, dout, qkv, lse, dsum, T, C, NH, scale);
-  check_call(cudaGetLastError(), "launching attention_backward_q_kernel");
+  const OnStream launch{stream};
+  launch("attention_backward_kv_kernel", grid, flash::kThreads, bytes, flash::attention_backward_kv_kernel<HS>, dqkv,
+         dout, qkv, lse, dsum, T, C, NH, scale);
+  launch("attention_backward_q_kernel", grid, flash::kThreads, bytes, flash::attention_backward_q_kernel<HS>, dqkv, dout,
+         qkv, lse, dsum, T, C, NH, scale);
 }
 
 template <class OutT>
 void dsum_rows(float* dsum, const float* dout, const OutT* out, int B, int T, int C, int NH, cudaStream_t stream) {
   const LaunchGeometry g = rows_per_warp_geometry(static_cast<std::int64_t>(B) * NH * T);
-  flash::attention_backward_dsum_kernel<OutT><<<g.blocks, g.threads, 0, stream>>>(dsum, dout, out, B, T, C, NH, C / NH);
-  check_call(cudaGetLastError(), "launching attention_backward_dsum_kernel");
+  OnStream{stream}("attention_backward_dsum_kernel", g.blocks, g.threads, 0, flash::attention_backward_dsum_kernel<OutT>,
+                   dsum, dout, out, B, T, C, NH, C / NH);
 }
 
 }  // namespace

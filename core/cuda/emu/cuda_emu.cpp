@@ -1,11 +1,15 @@
-// The emulator's scheduler: a block's threads are ucontext fibers on the calling thread, run in
-// turn until each reaches a barrier or ends; a barrier opens when every live thread of its group
-// (the block, or the warp) has reached it.
+// The emulator's scheduler: a block's threads are fibers on the calling thread, run in turn until
+// each reaches a barrier or ends; a barrier opens when every live thread of its group (the block, or
+// the warp) has reached it.
 #include "core/cuda/emu/cuda_emu.hpp"
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <utility>
@@ -16,8 +20,78 @@ namespace {
 
 enum class Wait { none, block, warp, done };
 
-struct Fiber {
+// Switching between fibers. On x86-64 a few instructions that keep the callee-saved registers and
+// the floating-point control words on the fiber's stack: glibc's swapcontext also saves the signal
+// mask, a system call per switch, which made an emulated training step spend most of its time in
+// the kernel. Elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void loom_cuda_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .pushsection .text
+  .globl loom_cuda_emu_switch
+  .hidden loom_cuda_emu_switch
+  .type loom_cuda_emu_switch, @function
+loom_cuda_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size loom_cuda_emu_switch, .-loom_cuda_emu_switch
+  .popsection
+)");
+struct Context {
+  void* sp = nullptr;
+};
+inline void switch_context(Context& from, Context& to) { loom_cuda_emu_switch(&from.sp, to.sp); }
+// A context that starts `entry` (which never returns) on the stack [stack, stack + bytes).
+inline void make_context(Context& c, unsigned char* stack, std::size_t bytes, void (*entry)()) {
+  auto top = (reinterpret_cast<std::uintptr_t>(stack) + bytes) & ~std::uintptr_t{15};
+  auto* slot = reinterpret_cast<std::uint64_t*>(top - 16);  // entry's "return address": 16-aligned
+  slot[1] = 0;
+  slot[0] = reinterpret_cast<std::uint64_t>(entry);
+  for (int r = 1; r <= 6; ++r) slot[-r] = 0;  // rbp, rbx, r12..r15
+  std::uint32_t mxcsr = 0;
+  std::uint16_t fpcw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpcw));
+  auto* controls = reinterpret_cast<unsigned char*>(slot - 7);
+  std::memcpy(controls, &mxcsr, 4);
+  std::memcpy(controls + 4, &fpcw, 2);
+  c.sp = slot - 7;
+}
+#else
+struct Context {
   ucontext_t ctx{};
+};
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.ctx, &to.ctx); }
+inline void make_context(Context& c, unsigned char* stack, std::size_t bytes, void (*entry)()) {
+  getcontext(&c.ctx);
+  c.ctx.uc_stack.ss_sp = stack;
+  c.ctx.uc_stack.ss_size = bytes;
+  c.ctx.uc_link = nullptr;
+  makecontext(&c.ctx, entry, 0);
+}
+#endif
+
+struct Fiber {
+  Context ctx;
   unsigned char* stack = nullptr;  // kStackBytes, from stack_pool
   dim3 idx;
   Wait wait = Wait::none;
@@ -31,7 +105,7 @@ struct Launch {
   std::vector<unsigned char> exchange;  // per thread, one shuffle's value
   std::vector<std::pair<const void*, std::vector<unsigned char>>> statics;  // the block's static shared arrays
   std::size_t dynamic_bytes = 0;
-  ucontext_t scheduler{};
+  Context scheduler;
   std::size_t current = 0;
   const std::function<void()>* body = nullptr;
   std::string failure;
@@ -56,13 +130,24 @@ void yield(Wait w) {
   Launch& l = *active;
   Fiber& f = l.fibers[l.current];
   f.wait = w;
-  swapcontext(&f.ctx, &l.scheduler);
+  switch_context(f.ctx, l.scheduler);
 }
 
-void fiber_main() {
+// A thread's life: the kernel's body, then back to the scheduler for good. An exception that
+// escapes the body (a fiber's stack has no frame to unwind into) fails the launch instead.
+[[noreturn]] void fiber_main() {
   Launch& l = *active;
-  (*l.body)();
-  l.fibers[l.current].wait = Wait::done;  // returning switches to uc_link, the scheduler
+  try {
+    (*l.body)();
+  } catch (const std::exception& e) {
+    if (l.failure.empty()) l.failure = std::string("a thread threw: ") + e.what();
+  } catch (...) {
+    if (l.failure.empty()) l.failure = "a thread threw";
+  }
+  Fiber& f = l.fibers[l.current];
+  f.wait = Wait::done;
+  switch_context(f.ctx, l.scheduler);
+  __builtin_trap();  // a finished thread is never resumed
 }
 
 // Runs the threads of [first, end) that are not waiting, from `first` up or from `end` down, each
@@ -73,7 +158,7 @@ bool run_ready(Launch& l, std::size_t first, std::size_t end, bool descending) {
     const std::size_t i = descending ? end - 1 - (k - first) : k;
     if (l.fibers[i].wait != Wait::none) continue;
     l.current = i;
-    swapcontext(&l.scheduler, &l.fibers[i].ctx);
+    switch_context(l.scheduler, l.fibers[i].ctx);
     if (!l.failure.empty()) throw std::runtime_error("cuda_emu: " + l.failure);
     ran = true;
   }
@@ -115,11 +200,7 @@ void run_block(Launch& l) {
     Fiber& f = l.fibers[i];
     f.wait = Wait::none;
     f.ballots = 0;
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = kStackBytes;
-    f.ctx.uc_link = &l.scheduler;
-    makecontext(&f.ctx, fiber_main, 0);
+    make_context(f.ctx, f.stack, kStackBytes, fiber_main);
   }
   const bool descending = schedule == Schedule::warps_descending;
   for (;;) {
@@ -329,7 +410,7 @@ void fail(const std::string& what) {
   Launch& l = need_launch("fail");
   l.failure = what;
   l.fibers[l.current].wait = Wait::done;
-  swapcontext(&l.fibers[l.current].ctx, &l.scheduler);
+  switch_context(l.fibers[l.current].ctx, l.scheduler);
   throw std::logic_error("cuda_emu: a failed thread was resumed");  // never reached
 }
 

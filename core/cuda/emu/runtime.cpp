@@ -1,0 +1,414 @@
+// The emulated device's runtime (core/cuda/emu/runtime.hpp; the API in include/cuda_runtime.h):
+// allocations, the work queue, streams and events, launches and errors.
+#include "core/cuda/emu/runtime.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+struct CUstream_st {
+  int device = 0;
+};
+struct CUevent_st {
+  unsigned flags = 0;
+  bool recorded = false;         // ever recorded
+  bool pending = false;          // its latest record is queued, not yet reached
+  bool said_not_ready = false;   // a query has seen it pending (the next one waits for it)
+  unsigned long generation = 0;  // which record the queue's marker belongs to
+  std::chrono::steady_clock::time_point at;
+};
+
+namespace loom::cuda_emu::rt {
+namespace {
+
+constexpr std::uintptr_t kAway = std::uintptr_t(1) << 47;
+constexpr std::size_t kDeviceBytes = std::size_t(80) << 30;  // an H100's, for cudaMemGetInfo and refusals
+constexpr std::size_t kDefaultShared = 48 * 1024;              // without cudaFuncSetAttribute
+
+struct Allocation {
+  std::size_t bytes;
+  unsigned char* host;
+};
+struct Work {
+  std::string what;
+  std::function<void()> run;
+};
+
+// Everything below, and the work while it runs (one device: its work runs one item at a time).
+std::recursive_mutex mu;
+std::map<std::uintptr_t, Allocation> allocations;  // by device address
+std::size_t allocated = 0;
+std::deque<Work> queue;
+std::set<CUstream_st*> streams;
+std::set<CUevent_st*> events;
+std::map<const void*, int> dynamic_shared_optin;  // per kernel
+std::string sticky;  // the first failed work: the device's context is lost, as a GPU's after a fault
+thread_local cudaError_t last_error = cudaSuccess;
+thread_local int current_device = 0;
+
+using Lock = std::lock_guard<std::recursive_mutex>;
+
+int device_count() {
+  const char* env = std::getenv("LOOM_CUDA_EMU_DEVICES");
+  if (!env || !*env) return 1;
+  return std::max(0, std::atoi(env));
+}
+
+Schedule schedule_from_environment() {
+  const char* env = std::getenv("LOOM_CUDA_EMU_SCHEDULE");
+  const std::string s = env ? env : "";
+  if (s == "warps_ascending") return Schedule::warps_ascending;
+  if (s == "warps_descending") return Schedule::warps_descending;
+  if (s == "warps_random") return Schedule::warps_random;
+  return Schedule::sweep;
+}
+
+cudaError_t state() { return sticky.empty() ? cudaSuccess : cudaErrorLaunchFailure; }
+
+cudaError_t fail(cudaError_t e, const std::string& why) {
+  set_error(e, why);
+  return e;
+}
+
+void run_front() {
+  Work w = std::move(queue.front());
+  queue.pop_front();
+  if (!sticky.empty()) return;  // a lost context runs nothing more
+  try {
+    w.run();
+  } catch (const std::exception& e) {
+    sticky = w.what + ": " + e.what();
+    std::fprintf(stderr, "loom cuda emulator: %s (the device's context is lost: every later wait fails)\n",
+                 sticky.c_str());
+  }
+}
+void run_all() {
+  while (!queue.empty()) run_front();
+}
+void run_through(CUevent_st* e) {
+  while (e->pending && !queue.empty()) run_front();
+}
+
+bool live_stream(cudaStream_t s) { return s == nullptr || streams.count(s) != 0; }
+
+const Allocation* allocation_of(std::uintptr_t a, std::uintptr_t* start) {
+  auto it = allocations.upper_bound(a);
+  if (it == allocations.begin()) return nullptr;
+  --it;
+  if (a > it->first + it->second.bytes) return nullptr;
+  *start = it->first;
+  return &it->second;
+}
+
+}  // namespace
+
+bool is_device_address(const void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  return a >= kAway && a < 2 * kAway;
+}
+
+void* host_address(const void* p, std::size_t bytes, const std::string& what) {
+  Lock lock(mu);
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!is_device_address(p))
+    throw std::invalid_argument(what + " is a host address (" + std::to_string(a) + "), not device memory");
+  std::uintptr_t start = 0;
+  const Allocation* al = allocation_of(a, &start);
+  if (!al) throw std::invalid_argument(what + " is not in device memory allocated and not yet freed");
+  if (a - start + bytes > al->bytes)
+    throw std::invalid_argument(what + ": " + std::to_string(bytes) + " bytes from offset " + std::to_string(a - start) +
+                                " pass the end of its allocation of " + std::to_string(al->bytes) + " bytes");
+  return al->host + (a - start);
+}
+
+void enqueue(cudaStream_t s, const char* what, std::function<void()> work) {
+  Lock lock(mu);
+  queue.push_back({what, std::move(work)});
+  (void)s;
+}
+
+void set_error(cudaError_t e, const std::string& why) {
+  last_error = e;
+  std::fprintf(stderr, "loom cuda emulator: %s\n", why.c_str());
+}
+
+void launch(cudaStream_t s, const char* name, dim3 grid, dim3 block, std::size_t shared, const void* kernel,
+            std::function<void()> body) {
+  Lock lock(mu);
+  const std::size_t threads = std::size_t(block.x) * block.y * block.z;
+  if (!live_stream(s)) return (void)fail(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a destroyed stream");
+  if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
+    return (void)fail(cudaErrorInvalidConfiguration,
+                      std::string(name) + ": grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
+                          std::to_string(grid.z) + ") of blocks of " + std::to_string(threads) + " threads");
+  const auto optin = dynamic_shared_optin.find(kernel);
+  const std::size_t allowed = optin == dynamic_shared_optin.end() ? kDefaultShared : std::size_t(optin->second);
+  if (shared > allowed)
+    return (void)fail(cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(shared) +
+                                                 " bytes of dynamic shared memory, but the kernel allows " +
+                                                 std::to_string(allowed) +
+                                                 " (cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raises it)");
+  const Schedule order = schedule_from_environment();
+  queue.push_back({std::string("kernel ") + name, [=, body = std::move(body)] {
+                     set_schedule(order, 1);
+                     cuda_emu::launch(grid, block, shared, body);
+                   }});
+}
+
+}  // namespace loom::cuda_emu::rt
+
+using namespace loom::cuda_emu::rt;
+
+
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected (LOOM_CUDA_EMU_DEVICES = 0)";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaGetLastError() {
+  Lock lock(mu);
+  const cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e != cudaSuccess ? e : state();
+}
+
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = device_count();
+  return *n > 0 ? cudaSuccess : cudaErrorNoDevice;
+}
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
+  current_device = device;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = current_device;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
+  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
+  *p = cudaDeviceProp{};
+  std::snprintf(p->name, sizeof p->name, "loom CUDA emulator (H100-like, on the CPU)");
+  // The same device, the same UUID in every process: ranks that share an emulated GPU see so.
+  char uuid[32];
+  std::snprintf(uuid, sizeof uuid, "loom-emu-%07d", device % 10000000);
+  std::memcpy(p->uuid.bytes, uuid, sizeof p->uuid.bytes);
+  p->totalGlobalMem = kDeviceBytes;
+  p->sharedMemPerBlock = kDefaultShared;
+  p->sharedMemPerBlockOptin = loom::cuda_emu::kMaxSharedPerBlock;
+  p->multiProcessorCount = 132;
+  p->major = 9;
+  p->minor = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
+  if (attr != cudaDevAttrMaxSharedMemoryPerBlockOptin) return cudaErrorInvalidValue;
+  *value = static_cast<int>(loom::cuda_emu::kMaxSharedPerBlock);
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = 13000;
+  return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int* v) {
+  *v = 13000;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  Lock lock(mu);
+  *p = nullptr;
+  if (bytes == 0) return cudaSuccess;
+  if (allocated + bytes > kDeviceBytes) return cudaErrorMemoryAllocation;
+  const std::size_t rounded = (bytes + 255) / 256 * 256;  // 256-byte aligned, as cudaMalloc's
+  auto* host = static_cast<unsigned char*>(std::aligned_alloc(256, rounded));
+  if (!host) return cudaErrorMemoryAllocation;
+  std::memset(host, 0xff, rounded);  // NaN in every float: a read of memory never written shows
+  const auto device = reinterpret_cast<std::uintptr_t>(host) + kAway;
+  allocations[device] = {bytes, host};
+  allocated += bytes;
+  *p = reinterpret_cast<void*>(device);
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  Lock lock(mu);
+  if (!p) return cudaSuccess;
+  run_all();  // cudaFree waits for the device, as the runtime's does
+  const auto it = allocations.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == allocations.end()) return fail(cudaErrorInvalidValue, "cudaFree of an address that is not an allocation's start");
+  std::free(it->second.host);
+  allocated -= it->second.bytes;
+  allocations.erase(it);
+  return state();
+}
+cudaError_t cudaMemGetInfo(std::size_t* free_bytes, std::size_t* total_bytes) {
+  Lock lock(mu);
+  *total_bytes = kDeviceBytes;
+  *free_bytes = kDeviceBytes - allocated;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
+  Lock lock(mu);
+  if (!live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemcpyAsync on a destroyed stream");
+  if (bytes == 0) return state();
+  const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  if (kind != cudaMemcpyHostToDevice && kind != cudaMemcpyDeviceToHost && kind != cudaMemcpyDeviceToDevice)
+    return fail(cudaErrorInvalidMemcpyDirection, "cudaMemcpyAsync: only host-to-device, device-to-host and device-to-device");
+  void* d = dst;
+  const void* h = src;
+  try {
+    if (dst_device) d = host_address(dst, bytes, "cudaMemcpyAsync's destination");
+    else if (is_device_address(dst)) throw std::invalid_argument("cudaMemcpyAsync's destination is device memory, the kind says host");
+    if (src_device) h = host_address(src, bytes, "cudaMemcpyAsync's source");
+    else if (is_device_address(src)) throw std::invalid_argument("cudaMemcpyAsync's source is device memory, the kind says host");
+  } catch (const std::invalid_argument& e) {
+    return fail(cudaErrorInvalidValue, e.what());
+  }
+  enqueue(s, "cudaMemcpyAsync", [d, h, bytes] { std::memmove(d, h, bytes); });
+  return state();
+}
+cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t s) {
+  Lock lock(mu);
+  if (!live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync on a destroyed stream");
+  if (bytes == 0) return state();
+  void* h = nullptr;
+  try {
+    h = host_address(p, bytes, "cudaMemsetAsync's destination");
+  } catch (const std::invalid_argument& e) {
+    return fail(cudaErrorInvalidValue, e.what());
+  }
+  enqueue(s, "cudaMemsetAsync", [h, value, bytes] { std::memset(h, value, bytes); });
+  return state();
+}
+
+cudaError_t cudaDeviceSynchronize() {
+  Lock lock(mu);
+  run_all();
+  return state();
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  Lock lock(mu);
+  *s = new CUstream_st{current_device};
+  streams.insert(*s);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  Lock lock(mu);
+  if (!s || !streams.count(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of no stream");
+  run_all();
+  streams.erase(s);
+  delete s;
+  return state();
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  Lock lock(mu);
+  if (!live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize of a destroyed stream");
+  run_all();
+  return state();
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  Lock lock(mu);
+  if (!live_stream(s) || !events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: no such stream or event");
+  return state();  // one queue in issue order: the event's work is already ahead of the stream's next
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
+  Lock lock(mu);
+  *e = new CUevent_st;
+  (*e)->flags = flags;
+  events.insert(*e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  Lock lock(mu);
+  if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy of no event");
+  run_through(e);  // its marker in the queue points at it
+  events.erase(e);
+  delete e;
+  return state();
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  Lock lock(mu);
+  if (!events.count(e) || !live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: no such event or stream");
+  e->recorded = true;
+  e->pending = true;
+  e->said_not_ready = false;
+  const unsigned long generation = ++e->generation;
+  enqueue(s, "cudaEventRecord", [e, generation] {
+    if (e->generation != generation) return;
+    e->pending = false;
+    e->at = std::chrono::steady_clock::now();
+  });
+  return state();
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  Lock lock(mu);
+  if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventQuery of no event");
+  if (e->pending && !e->said_not_ready) {  // in flight once, then done: a poller sees both answers
+    e->said_not_ready = true;
+    return cudaErrorNotReady;
+  }
+  run_through(e);
+  return state();
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  Lock lock(mu);
+  if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize of no event");
+  run_through(e);
+  return state();
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  Lock lock(mu);
+  if (!events.count(start) || !events.count(end)) return cudaErrorInvalidResourceHandle;
+  if ((start->flags | end->flags) & cudaEventDisableTiming) return cudaErrorInvalidResourceHandle;
+  if (!start->recorded || !end->recorded) return cudaErrorInvalidResourceHandle;
+  if (start->pending || end->pending) return cudaErrorNotReady;
+  *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+  return state();
+}
+
+cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  Lock lock(mu);
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      std::size_t(value) > loom::cuda_emu::kMaxSharedPerBlock)
+    return fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: " + std::to_string(value) +
+                                           " bytes of dynamic shared memory (the device allows " +
+                                           std::to_string(loom::cuda_emu::kMaxSharedPerBlock) + ")");
+  dynamic_shared_optin[kernel] = value;
+  return cudaSuccess;
+}
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, const void* kernel) {
+  Lock lock(mu);
+  *a = cudaFuncAttributes{};
+  a->maxThreadsPerBlock = 1024;
+  const auto it = dynamic_shared_optin.find(kernel);
+  a->maxDynamicSharedSizeBytes = it == dynamic_shared_optin.end() ? int(48 * 1024) : it->second;
+  a->ptxVersion = 90;
+  a->binaryVersion = 90;  // the emulator runs the kernels' source as sm_90 would: wmma and all
+  return cudaSuccess;
+}

@@ -1,0 +1,56 @@
+#pragma once
+// The emulated device behind core/cuda/emu/include/ (cuda_runtime.h, cublasLt.h): what the stand-in
+// runtime and cuBLASLt share, and what the launch wrappers (core/cuda/on_stream.cuh) call in an
+// emulated build.
+//
+// Device memory is host memory at addresses moved by 2^47, out of the process's address space (as
+// run.backend = fenced's): host code that dereferences a device pointer crashes, as on a GPU. Every
+// allocation is recorded, so a kernel argument, a copy or a matrix operand is checked to lie inside
+// a live allocation (a host pointer handed to a kernel, a freed buffer, a product that reads past
+// its operand: each an error naming it).
+//
+// Work is asynchronous as on the device: a launch, copy, fill or product is queued and runs when
+// the host waits for it (a stream or event synchronised, an event queried: the first query of a
+// pending event says not ready). One queue serves every stream, in the order work was issued, which
+// respects each stream's order and every event a stream waits for. A kernel that fails (a deadlock,
+// a broken wmma rule, a bad argument) makes the device's error sticky, as a GPU's launch failure:
+// every later call that waits returns cudaErrorLaunchFailure, and the cause is printed to stderr.
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <type_traits>
+
+namespace loom::cuda_emu::rt {
+
+// The host address of device address p, checked to lie in a live allocation with `bytes` from it
+// (bytes 0: p may be the allocation's end); throws std::invalid_argument naming `what` otherwise.
+void* host_address(const void* p, std::size_t bytes, const std::string& what);
+bool is_device_address(const void* p);
+
+// Queues `work` on stream s (null: the default stream); throws nothing.
+void enqueue(cudaStream_t s, const char* what, std::function<void()> work);
+// Sets the calling thread's last error (cudaGetLastError), printing `why` to stderr.
+void set_error(cudaError_t e, const std::string& why);
+
+// A kernel launch: checks the grid against the device's limits and the dynamic shared memory
+// against the kernel's opt-in (cudaFuncSetAttribute beyond 48 KiB), then queues body.
+void launch(cudaStream_t s, const char* name, dim3 grid, dim3 block, std::size_t shared, const void* kernel,
+            std::function<void()> body);
+
+// A kernel's argument as the emulated kernel sees it: a device pointer becomes its host address; a
+// non-null host pointer is an error (a GPU kernel cannot read host memory); other values pass.
+template <class T>
+T kernel_argument(const char* kernel, int index, T v) {
+  if constexpr (std::is_pointer_v<T>) {
+    if (v == nullptr) return v;
+    using Pointee = std::remove_cv_t<std::remove_pointer_t<T>>;
+    void* h = host_address(v, 0, std::string(kernel) + "'s argument " + std::to_string(index));
+    return static_cast<T>(static_cast<Pointee*>(h));
+  } else {
+    return v;
+  }
+}
+
+}  // namespace loom::cuda_emu::rt
