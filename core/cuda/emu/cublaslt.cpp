@@ -65,6 +65,13 @@ bool take(T& field, const void* buf, std::size_t bytes) {
   return true;
 }
 
+// An attribute set, or refused for its size (naming the object and the attribute).
+cublasStatus_t taken(bool ok, const char* object, int attr, std::size_t bytes) {
+  if (ok) return CUBLAS_STATUS_SUCCESS;
+  return refuse(CUBLAS_STATUS_INVALID_VALUE, std::string(object) + " attribute " + std::to_string(attr) + " given " +
+                                                 std::to_string(bytes) + " bytes, not its type's");
+}
+
 std::uint64_t mix(std::uint64_t h, std::uint64_t v) {  // FNV-1a over v's bytes
   for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
   return h;
@@ -179,9 +186,7 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER: ok = take(d->bias, buf, bytes); break;
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: ok = take(d->bias_type, buf, bytes); break;
   }
-  return ok ? CUBLAS_STATUS_SUCCESS
-            : refuse(CUBLAS_STATUS_INVALID_VALUE, "matmul descriptor attribute " + std::to_string(int(attr)) + " given " +
-                                                      std::to_string(bytes) + " bytes, not its type's");
+  return taken(ok, "matmul descriptor", int(attr), bytes);
 }
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
   delete d;
@@ -199,9 +204,7 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l, cublas
     case CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT: ok = take(l->batch, buf, bytes) && l->batch >= 1; break;
     case CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET: ok = take(l->stride, buf, bytes); break;
   }
-  return ok ? CUBLAS_STATUS_SUCCESS
-            : refuse(CUBLAS_STATUS_INVALID_VALUE, "matrix layout attribute " + std::to_string(int(attr)) + " given " +
-                                                      std::to_string(bytes) + " bytes, not its type's");
+  return taken(ok, "matrix layout", int(attr), bytes);
 }
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
   delete l;
@@ -222,9 +225,7 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: ok = take(p->align[2], buf, bytes); break;
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: ok = take(p->align[3], buf, bytes); break;
   }
-  return ok ? CUBLAS_STATUS_SUCCESS
-            : refuse(CUBLAS_STATUS_INVALID_VALUE, "preference attribute " + std::to_string(int(attr)) + " given " +
-                                                      std::to_string(bytes) + " bytes, not its type's");
+  return taken(ok, "preference", int(attr), bytes);
 }
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
   delete p;

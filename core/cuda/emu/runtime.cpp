@@ -13,6 +13,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 struct CUstream_st {
   int device = 0;
@@ -287,7 +288,17 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   } catch (const std::invalid_argument& e) {
     return fail(cudaErrorInvalidValue, e.what());
   }
+  if (kind == cudaMemcpyHostToDevice) {
+    // From pageable host memory (loom has no pinned buffers): the runtime stages the source before
+    // it returns, so the caller may reuse it at once.
+    std::vector<unsigned char> staged(static_cast<const unsigned char*>(h), static_cast<const unsigned char*>(h) + bytes);
+    enqueue(s, "cudaMemcpyAsync", [d, staged = std::move(staged)] { std::memcpy(d, staged.data(), staged.size()); });
+    return state();
+  }
   enqueue(s, "cudaMemcpyAsync", [d, h, bytes] { std::memmove(d, h, bytes); });
+  // Into pageable host memory the runtime returns only once the copy (and the stream's work before
+  // it) is done.
+  if (kind == cudaMemcpyDeviceToHost) run_all();
   return state();
 }
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t s) {

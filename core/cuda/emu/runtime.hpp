@@ -9,10 +9,13 @@
 // a live allocation (a host pointer handed to a kernel, a freed buffer, a product that reads past
 // its operand: each an error naming it).
 //
-// Work is asynchronous as on the device: a launch, copy, fill or product is queued and runs when
-// the host waits for it (a stream or event synchronised, an event queried: the first query of a
-// pending event says not ready). One queue serves every stream, in the order work was issued, which
-// respects each stream's order and every event a stream waits for. A kernel that fails (a deadlock,
+// Work is asynchronous as on the device: a launch, fill, product or device-to-device copy is queued
+// and runs when the host waits for it (a stream or event synchronised, an event queried: the first
+// query of a pending event says not ready). Copies with pageable host memory (loom has no pinned
+// buffers) behave as the runtime's: to the device, the source is staged before the call returns;
+// to the host, the call returns once the copy and the work before it are done. One queue serves
+// every stream, in the order work was issued, which respects each stream's order and every event a
+// stream waits for. A kernel that fails (a deadlock,
 // a broken wmma rule, a bad argument) makes the device's error sticky, as a GPU's launch failure:
 // every later call that waits returns cudaErrorLaunchFailure, and the cause is printed to stderr.
 #include <cuda_runtime.h>
