@@ -81,7 +81,7 @@ const CudaLibrary& cuda_library() {
     if (const char* named = std::getenv("LOOM_CUDA_BACKEND_LIBRARY"); named && *named) {
       std::error_code ec;
       if (!fs::exists(named, ec)) lib.why_not = std::string("LOOM_CUDA_BACKEND_LIBRARY = ") + named + " does not exist";
-      else open(named);
+      else open(fs::absolute(named).string());  // dlopen searches the library path for a bare name
       return;
     }
     if (!build::cuda) {

@@ -142,11 +142,14 @@ def matches_host(args):
     # flash: the device's fused kernels against the host's twin (the same bf16 roundings; the
     # tensor cores' summation order tips a few), at a head size of 64 as GPT-2's. A tipped bf16
     # rounding is 2^-8 of an operand, and WIDER's training (lr 3e-3, gradient norms up to 8) amplifies
-    # it: on the emulated device (regression.gpu.emulated) the first step agrees to 1e-7 and step 16
-    # to 1.1e-3; so 5e-3 over 20 steps, and the first step, before any update, to 1e-5.
+    # it: on the emulated device (the same kernels' source, in fp32 wmma sums of another order than
+    # the host twin's) the first step agrees to 8e-8 and step 16 only to 1.1e-3, so the old 1e-3
+    # over 20 steps would fail there, and a GPU's tensor cores differ from the host more; 5e-3 over
+    # 20 steps, and the first step, before any update has amplified a tipped rounding, to 1e-4.
+    # (Bounds from the emulated device: not yet run on a GPU.)
     against_host(c, [("tiny_fp32", [], 1e-6, 1e-6), ("wider_fp32", WIDER, 1e-4, 1e-5),
                      ("tiny_bf16", ["precision.dtype=bf16"], 1e-3, 1e-4),
-                     ("wider_flash", WIDER + ["model.attention=flash"], 5e-3, 1e-5)])
+                     ("wider_flash", WIDER + ["model.attention=flash"], 5e-3, 1e-4)])
     checkpoints_cross(c)
     return c.done("matches_host")
 
@@ -215,16 +218,19 @@ LAYOUTS = [
 ]
 
 
-def layouts_on(c, backend, steps, extra, compare, only=None):
-    """Each of LAYOUTS (or those named in `only`) trained on the host and on `backend`;
+def layouts_on(c, backend, steps, extra, compare, only=None, env=None, tag="", banner=None):
+    """Each of LAYOUTS (or those named in `only`) trained on the host and on `backend` (its runs with
+    `env` added to the environment, named with `tag`, their banners matching `banner` if given);
     compare(name, sets, host rows, device rows, steps) checks them."""
     for name, ranks, sets in LAYOUTS:
         if only is not None and name not in only:
             continue
         common = sets + ["train.steps=%d" % steps, "train.log_every=1", "run.peak_tflops=1"]
         _, host = c.loom(name + "_host", ranks, common + ["run.backend=host"])
-        p, dev = c.loom(name + "_" + backend, ranks, common + ["run.backend=" + backend] + extra)
-        if backend == "fenced":
+        p, dev = c.loom(name + "_" + backend + tag, ranks, common + ["run.backend=" + backend] + extra, env=env)
+        if banner:
+            c.expect(p.stdout, [banner], name + tag + " banner")
+        elif backend == "fenced":
             c.expect(p.stdout, [r"backend : run\.backend = fenced: fenced"], name + " banner")
         else:  # ranks sharing a GPU stage through host copies (NCCL refuses them); on several GPUs, NCCL
             c.expect(p.stdout, [r"device buffers between ranks: (host copies over MPI \(ranks share a GPU\)|NCCL)"],
@@ -237,7 +243,7 @@ def layouts_on(c, backend, steps, extra, compare, only=None):
 CROSSOVER = ["tp2_sp", "pp2_1f1b_tied_grads", "zero3_dp2", "int8_dp2", "dp2_pp2_zero1_bf16"]
 
 
-def crossover(c, backend, extra, steps, compare, only=CROSSOVER):
+def crossover(c, backend, extra, steps, compare, only=CROSSOVER, env=None):
     """Checkpoints of CROSSOVER layouts (or those named in `only`) cross between the host and
     `backend`: each writes one at step steps/2; the other resumes it; compare(name, sets,
     uninterrupted host rows, resumed rows)."""
@@ -247,13 +253,14 @@ def crossover(c, backend, extra, steps, compare, only=CROSSOVER):
                          "checkpoint.every=%d" % half]
         runs = {}
         for b, more in (("host", []), (backend, extra)):
-            _, runs[b] = c.loom("%s_ckpt_%s" % (name, b), ranks, common + ["run.backend=" + b] + more)
+            _, runs[b] = c.loom("%s_ckpt_%s" % (name, b), ranks, common + ["run.backend=" + b] + more, env=env)
         for frm, to, more in (("host", backend, extra), (backend, "host", [])):
             ckpt = os.path.join(runs[frm], "checkpoints", "ckpt-%08d.h5" % half)
             c.check(os.path.exists(ckpt), "%s: %s was written" % (name, ckpt))
             tag = "%s_%s_resumes_%s" % (name, to, frm)
             _, resumed = c.loom(tag, ranks, common + ["run.backend=" + to, "checkpoint.resume=" + ckpt,
-                                                       "checkpoint.dir=" + os.path.join(c.dir, tag + "_ckpt")] + more)
+                                                       "checkpoint.dir=" + os.path.join(c.dir, tag + "_ckpt")] + more,
+                                env=env)
             compare(tag, sets, rows(runs["host"])[half:], rows(resumed))
 
 
@@ -306,6 +313,11 @@ def cuda_layouts(args):
 # radix selection, flash attention on tp 2), at 2 ranks, in the time a CI machine has.
 EMULATED_LAYOUTS = ["dp2", "tp2_sp", "pp2_1f1b_tied_grads", "zero3_dp2", "bf16_dp2", "int8_dp2", "topk_dp2",
                     "flash_tp2_bf16"]
+# Over the NCCL communicator (core/cuda/comm_nccl.cpp), each rank on an emulated device of its own:
+# every NCCL operation loom issues (all-reduce; reduce-scatter, even and as a group of reduces;
+# all-gather, even and as a group of broadcasts; send and receive; bf16 and fp16 sums), at 2 and 4 ranks.
+NCCL_LAYOUTS = ["dp2", "tp2_sp", "pp2_1f1b_tied_grads", "zero2_dp2", "zero3_dp2", "bf16_dp2", "fp16_dp2_loss_scaling",
+                "int8_zero2_dp2_micro2", "topk_dp2", "powersgd_dp2", "dp2_tp2"]
 
 
 def emulated(args):
@@ -314,7 +326,8 @@ def emulated(args):
     checked (core/cuda/emu/), trained against the host as a GPU is: matches_host's one-rank shapes
     (TINY only: WIDER takes minutes per run here) and checkpoints crossing both ways; the refusal of
     two ranks on its one device; EMULATED_LAYOUTS with the ranks sharing it; zero3_dp2's checkpoints
-    crossing over."""
+    crossing over; NCCL_LAYOUTS with each rank on a device of its own, through the NCCL communicator
+    (LOOM_NCCL_LIBRARY = the emulated device's NCCL, set by CTest too)."""
     library = os.environ.get("LOOM_CUDA_BACKEND_LIBRARY", "")
     c = Case(args, "emulated", TINY + "[run]\npeak_tflops = 1\n")  # MFU's rate given: no timing products
     c.check(os.path.exists(library), "LOOM_CUDA_BACKEND_LIBRARY names the emulated back end (got %r)" % library)
@@ -334,6 +347,12 @@ def emulated(args):
     layouts_on(c, "cuda", 8, ["run.share_gpu=true"], close, only=EMULATED_LAYOUTS)
     crossover(c, "cuda", ["run.share_gpu=true"], 8, lambda name, sets, host, dev: close(name, sets, host, dev, 4),
               only=["zero3_dp2"])
+    if os.environ.get("LOOM_NCCL_LIBRARY"):
+        devices = {"LOOM_CUDA_EMU_DEVICES": "4"}
+        layouts_on(c, "cuda", 8, [], close, only=NCCL_LAYOUTS, env=devices, tag="_nccl",
+                   banner=r"device buffers between ranks: NCCL")
+    else:
+        c.check(False, "LOOM_NCCL_LIBRARY names the emulated device's NCCL (CTest sets it)")
     return c.done("emulated")
 
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <type_traits>
 #include <memory>
 #include <sstream>
@@ -57,10 +58,13 @@ struct Nccl {
 const Nccl& nccl() {
   static Nccl n = [] {
     Nccl r;
-    void* h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    // LOOM_NCCL_LIBRARY names another (an NCCL at a path of its own, or the emulated device's).
+    const char* named = std::getenv("LOOM_NCCL_LIBRARY");
+    const std::string library = named && *named ? named : "libnccl.so.2";
+    void* h = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) {
-      r.why_not = std::string("libnccl.so.2 cannot be loaded (") + dlerror() +
-                  "): install NCCL, or put its library on LD_LIBRARY_PATH";
+      r.why_not = library + " cannot be loaded (" + dlerror() +
+                  "): install NCCL, or put its library on LD_LIBRARY_PATH (or name it in LOOM_NCCL_LIBRARY)";
       return r;
     }
     bool all = true;
@@ -84,7 +88,7 @@ const Nccl& nccl() {
     sym(r.group_start, "ncclGroupStart");
     sym(r.group_end, "ncclGroupEnd");
     if (!all) {
-      r.why_not = "libnccl.so.2 lacks entry points loom needs (NCCL 2.10 or newer is required: bf16, grouped send/recv)";
+      r.why_not = library + " lacks entry points loom needs (NCCL 2.10 or newer is required: bf16, grouped send/recv)";
       return r;
     }
     r.get_version(&r.version);

@@ -146,7 +146,8 @@ void store(cudaDataType t, unsigned char* base, std::int64_t i, double v) {
     case CUDA_R_16F: reinterpret_cast<loom::f16*>(base)[i] = loom::to_f16(static_cast<float>(v)); return;
   }
 }
-// fp32 -> TF32 (10 mantissa bits), to nearest, ties away from zero, as the tensor cores' conversion.
+// fp32 -> TF32 (10 mantissa bits), to nearest, ties away from zero (cvt.rna.tf32.f32; cuBLAS does
+// not document which conversion its kernels use, and one that truncates is as likely).
 float tf32(float x) {
   std::uint32_t u;
   std::memcpy(&u, &x, 4);

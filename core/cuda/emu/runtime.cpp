@@ -13,18 +13,33 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
+#include <memory>
+
+namespace loom::cuda_emu::rt {
+namespace {
+struct Work {
+  std::string what;
+  std::function<bool()> step;  // true when done; false: blocked (tried again as the host waits)
+};
+// What an event's records share with the markers queued for them (which may outlive the event).
+struct EventState {
+  unsigned flags = 0;
+  bool recorded = false;         // ever recorded
+  bool pending = false;          // its latest record is queued, not yet reached by its stream
+  unsigned long generation = 0;  // which record the latest marker belongs to
+  std::chrono::steady_clock::time_point at;
+};
+}  // namespace
+}  // namespace loom::cuda_emu::rt
 
 struct CUstream_st {
   int device = 0;
+  std::deque<loom::cuda_emu::rt::Work> work;  // in issue order; the front runs first
 };
 struct CUevent_st {
-  unsigned flags = 0;
-  bool recorded = false;         // ever recorded
-  bool pending = false;          // its latest record is queued, not yet reached
-  bool said_not_ready = false;   // a query has seen it pending (the next one waits for it)
-  unsigned long generation = 0;  // which record the queue's marker belongs to
-  std::chrono::steady_clock::time_point at;
+  std::shared_ptr<loom::cuda_emu::rt::EventState> state = std::make_shared<loom::cuda_emu::rt::EventState>();
 };
 
 namespace loom::cuda_emu::rt {
@@ -38,16 +53,12 @@ struct Allocation {
   std::size_t bytes;
   unsigned char* host;
 };
-struct Work {
-  std::string what;
-  std::function<void()> run;
-};
 
 // Everything below, and the work while it runs (one device: its work runs one item at a time).
 std::recursive_mutex mu;
 std::map<std::uintptr_t, Allocation> allocations;  // by device address
 std::size_t allocated = 0;
-std::deque<Work> queue;
+CUstream_st default_stream;  // the null stream's work
 std::set<CUstream_st*> streams;
 std::set<CUevent_st*> events;
 std::map<const void*, int> dynamic_shared_optin;  // per kernel
@@ -79,24 +90,75 @@ cudaError_t fail(cudaError_t e, const std::string& why) {
   return e;
 }
 
-void run_front() {
-  Work w = std::move(queue.front());
-  queue.pop_front();
-  if (!sticky.empty()) return;  // a lost context runs nothing more
-  try {
-    w.run();
-  } catch (const std::exception& e) {
-    sticky = w.what + ": " + e.what();
-    std::fprintf(stderr, "loom cuda emulator: %s (the device's context is lost: every later wait fails)\n",
-                 sticky.c_str());
+void lose_context(const std::string& why) {
+  if (!sticky.empty()) return;
+  sticky = why;
+  std::fprintf(stderr, "loom cuda emulator: %s (the device's context is lost: every later wait fails)\n", why.c_str());
+}
+
+CUstream_st* stream_of(cudaStream_t s) { return s ? s : &default_stream; }
+
+// Runs the stream's front item; true if it finished (and is gone).
+bool step_front(CUstream_st* s) {
+  if (s->work.empty()) return false;
+  bool done = true;
+  if (sticky.empty()) {  // a lost context runs nothing more
+    try {
+      done = s->work.front().step();
+    } catch (const std::exception& e) {
+      lose_context(s->work.front().what + ": " + e.what());
+    }
+  }
+  if (done) s->work.pop_front();
+  return done;
+}
+// Every stream as far as it goes without blocking, as a GPU's streams advance on their own; true
+// if anything ran.
+bool progress_all() {
+  bool any = false;
+  for (bool again = true; again;) {
+    again = false;
+    while (step_front(&default_stream)) again = any = true;
+    for (CUstream_st* s : streams)
+      while (step_front(s)) again = any = true;
+  }
+  return any;
+}
+bool all_idle() {
+  if (!default_stream.work.empty()) return false;
+  for (CUstream_st* s : streams)
+    if (!s->work.empty()) return false;
+  return true;
+}
+double wait_timeout_s() {
+  const char* env = std::getenv("LOOM_CUDA_EMU_WAIT_TIMEOUT");
+  return env && *env ? std::atof(env) : 300.0;
+}
+// A host wait: the streams advance until `done`; work blocked for LOOM_CUDA_EMU_WAIT_TIMEOUT seconds
+// (default 300: a peer that never issues its side of an NCCL operation) loses the context, naming
+// what waited, instead of hanging.
+template <class Done>
+void wait_until(Done done, const char* what) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int idle = 0;
+  while (!done() && sticky.empty()) {
+    if (progress_all()) {
+      idle = 0;
+      continue;
+    }
+    if (done()) break;
+    if (++idle > 1000) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (waited > wait_timeout_s()) {
+      std::string blocked;
+      for (CUstream_st* s : streams)
+        if (!s->work.empty()) blocked += (blocked.empty() ? "" : ", ") + s->work.front().what;
+      lose_context(std::string(what) + " waited " + std::to_string(waited) + " s (LOOM_CUDA_EMU_WAIT_TIMEOUT) on " +
+                   (blocked.empty() ? std::string("nothing") : blocked));
+    }
   }
 }
-void run_all() {
-  while (!queue.empty()) run_front();
-}
-void run_through(CUevent_st* e) {
-  while (e->pending && !queue.empty()) run_front();
-}
+void run_all() { wait_until(all_idle, "a wait for the device"); }
 
 bool live_stream(cudaStream_t s) { return s == nullptr || streams.count(s) != 0; }
 
@@ -131,9 +193,15 @@ void* host_address(const void* p, std::size_t bytes, const std::string& what) {
 }
 
 void enqueue(cudaStream_t s, const char* what, std::function<void()> work) {
+  enqueue_step(s, what, [work = std::move(work)] {
+    work();
+    return true;
+  });
+}
+
+void enqueue_step(cudaStream_t s, const char* what, std::function<bool()> step) {
   Lock lock(mu);
-  queue.push_back({what, std::move(work)});
-  (void)s;
+  stream_of(s)->work.push_back({what, std::move(step)});
 }
 
 void set_error(cudaError_t e, const std::string& why) {
@@ -146,7 +214,8 @@ void launch(cudaStream_t s, const char* name, dim3 grid, dim3 block, std::size_t
   Lock lock(mu);
   const std::size_t threads = std::size_t(block.x) * block.y * block.z;
   if (!live_stream(s)) return (void)fail(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a destroyed stream");
-  if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
+  if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu ||
+      grid.y > 65535 || grid.z > 65535)
     return (void)fail(cudaErrorInvalidConfiguration,
                       std::string(name) + ": grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
                           std::to_string(grid.z) + ") of blocks of " + std::to_string(threads) + " threads");
@@ -158,10 +227,11 @@ void launch(cudaStream_t s, const char* name, dim3 grid, dim3 block, std::size_t
                                                  std::to_string(allowed) +
                                                  " (cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raises it)");
   const Schedule order = schedule_from_environment();
-  queue.push_back({std::string("kernel ") + name, [=, body = std::move(body)] {
-                     set_schedule(order, 1);
-                     cuda_emu::launch(grid, block, shared, body);
-                   }});
+  stream_of(s)->work.push_back({std::string("kernel ") + name, [=, body = std::move(body)] {
+                                 set_schedule(order, 1);
+                                 cuda_emu::launch(grid, block, shared, body);
+                                 return true;
+                               }});
 }
 
 }  // namespace loom::cuda_emu::rt
@@ -198,7 +268,7 @@ cudaError_t cudaGetDeviceCount(int* n) {
   return *n > 0 ? cudaSuccess : cudaErrorNoDevice;
 }
 cudaError_t cudaSetDevice(int device) {
-  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
+  if (device < 0 || device >= device_count()) return last_error = cudaErrorInvalidDevice;
   current_device = device;
   return cudaSuccess;
 }
@@ -241,10 +311,11 @@ cudaError_t cudaMalloc(void** p, std::size_t bytes) {
   Lock lock(mu);
   *p = nullptr;
   if (bytes == 0) return cudaSuccess;
-  if (allocated + bytes > kDeviceBytes) return cudaErrorMemoryAllocation;
+  // A failed call sets the last error, as the runtime's do (a later launch's check reports it).
+  if (allocated + bytes > kDeviceBytes) return last_error = cudaErrorMemoryAllocation;
   const std::size_t rounded = (bytes + 255) / 256 * 256;  // 256-byte aligned, as cudaMalloc's
   auto* host = static_cast<unsigned char*>(std::aligned_alloc(256, rounded));
-  if (!host) return cudaErrorMemoryAllocation;
+  if (!host) return last_error = cudaErrorMemoryAllocation;
   std::memset(host, 0xff, rounded);  // NaN in every float: a read of memory never written shows
   const auto device = reinterpret_cast<std::uintptr_t>(host) + kAway;
   allocations[device] = {bytes, host};
@@ -285,6 +356,9 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
     else if (is_device_address(dst)) throw std::invalid_argument("cudaMemcpyAsync's destination is device memory, the kind says host");
     if (src_device) h = host_address(src, bytes, "cudaMemcpyAsync's source");
     else if (is_device_address(src)) throw std::invalid_argument("cudaMemcpyAsync's source is device memory, the kind says host");
+    const auto d0 = reinterpret_cast<std::uintptr_t>(d), h0 = reinterpret_cast<std::uintptr_t>(h);
+    if (kind == cudaMemcpyDeviceToDevice && d0 != h0 && d0 < h0 + bytes && h0 < d0 + bytes)
+      throw std::invalid_argument("cudaMemcpyAsync between overlapping device ranges (undefined on the device)");
   } catch (const std::invalid_argument& e) {
     return fail(cudaErrorInvalidValue, e.what());
   }
@@ -295,10 +369,20 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
     enqueue(s, "cudaMemcpyAsync", [d, staged = std::move(staged)] { std::memcpy(d, staged.data(), staged.size()); });
     return state();
   }
-  enqueue(s, "cudaMemcpyAsync", [d, h, bytes] { std::memmove(d, h, bytes); });
+  enqueue(s, "cudaMemcpyAsync", [d, h, bytes] { std::memcpy(d, h, bytes); });
   // Into pageable host memory the runtime returns only once the copy (and the stream's work before
   // it) is done.
-  if (kind == cudaMemcpyDeviceToHost) run_all();
+  if (kind == cudaMemcpyDeviceToHost) {
+    CUstream_st* on = stream_of(s);
+    wait_until([on] { return on->work.empty(); }, "cudaMemcpyAsync to pageable host memory");
+  }
+  return state();
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
+  Lock lock(mu);
+  const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
+  if (e != cudaSuccess) return e;
+  run_all();  // synchronous: after the work issued before it, and done when it returns
   return state();
 }
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t s) {
@@ -323,14 +407,15 @@ cudaError_t cudaDeviceSynchronize() {
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   Lock lock(mu);
-  *s = new CUstream_st{current_device};
+  *s = new CUstream_st;
+  (*s)->device = current_device;
   streams.insert(*s);
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
   Lock lock(mu);
   if (!s || !streams.count(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of no stream");
-  run_all();
+  wait_until([s] { return s->work.empty(); }, "cudaStreamDestroy");  // its work finishes first
   streams.erase(s);
   delete s;
   return state();
@@ -338,68 +423,72 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   Lock lock(mu);
   if (!live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize of a destroyed stream");
-  run_all();
+  CUstream_st* on = stream_of(s);
+  wait_until([on] { return on->work.empty(); }, "cudaStreamSynchronize");
   return state();
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   Lock lock(mu);
   if (!live_stream(s) || !events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: no such stream or event");
-  return state();  // one queue in issue order: the event's work is already ahead of the stream's next
+  // The stream's later work waits until the event's latest record (as of now) is reached.
+  if (e->state->pending)
+    enqueue_step(s, "cudaStreamWaitEvent", [st = e->state, generation = e->state->generation] {
+      return st->generation != generation || !st->pending;
+    });
+  return state();
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
   Lock lock(mu);
   *e = new CUevent_st;
-  (*e)->flags = flags;
+  (*e)->state->flags = flags;
   events.insert(*e);
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
   Lock lock(mu);
   if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy of no event");
-  run_through(e);  // its marker in the queue points at it
-  events.erase(e);
+  events.erase(e);  // a marker still queued keeps its state
   delete e;
   return state();
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   Lock lock(mu);
   if (!events.count(e) || !live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: no such event or stream");
-  e->recorded = true;
-  e->pending = true;
-  e->said_not_ready = false;
-  const unsigned long generation = ++e->generation;
-  enqueue(s, "cudaEventRecord", [e, generation] {
-    if (e->generation != generation) return;
-    e->pending = false;
-    e->at = std::chrono::steady_clock::now();
+  EventState& st = *e->state;
+  st.recorded = true;
+  st.pending = true;
+  const unsigned long generation = ++st.generation;
+  enqueue(s, "cudaEventRecord", [state = e->state, generation] {
+    if (state->generation != generation) return;  // recorded again since: the later record counts
+    state->pending = false;
+    state->at = std::chrono::steady_clock::now();
   });
   return state();
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   Lock lock(mu);
   if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventQuery of no event");
-  if (e->pending && !e->said_not_ready) {  // in flight once, then done: a poller sees both answers
-    e->said_not_ready = true;
-    return cudaErrorNotReady;
-  }
-  run_through(e);
-  return state();
+  progress_all();  // the streams advance as far as they can without the host waiting
+  if (!sticky.empty()) return state();
+  return e->state->pending ? cudaErrorNotReady : cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   Lock lock(mu);
   if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize of no event");
-  run_through(e);
+  EventState* st = e->state.get();
+  wait_until([st] { return !st->pending; }, "cudaEventSynchronize");
   return state();
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   Lock lock(mu);
   if (!events.count(start) || !events.count(end)) return cudaErrorInvalidResourceHandle;
-  if ((start->flags | end->flags) & cudaEventDisableTiming) return cudaErrorInvalidResourceHandle;
-  if (!start->recorded || !end->recorded) return cudaErrorInvalidResourceHandle;
-  if (start->pending || end->pending) return cudaErrorNotReady;
-  *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+  const EventState &a = *start->state, &b = *end->state;
+  if ((a.flags | b.flags) & cudaEventDisableTiming) return cudaErrorInvalidResourceHandle;
+  if (!a.recorded || !b.recorded) return cudaErrorInvalidResourceHandle;
+  if (a.pending || b.pending) return cudaErrorNotReady;
+  *ms = std::chrono::duration<float, std::milli>(b.at - a.at).count();
   return state();
 }
 

@@ -10,14 +10,15 @@
 // its operand: each an error naming it).
 //
 // Work is asynchronous as on the device: a launch, fill, product or device-to-device copy is queued
-// and runs when the host waits for it (a stream or event synchronised, an event queried: the first
-// query of a pending event says not ready). Copies with pageable host memory (loom has no pinned
+// on its stream and runs when the host waits (a stream or event synchronised, an event queried),
+// every stream then advancing as far as it can, as a GPU's streams do on their own: in issue order
+// each, an item blocked (a cudaStreamWaitEvent not yet reached, an NCCL operation whose peers have
+// not joined) holding up only its own stream. Copies with pageable host memory (loom has no pinned
 // buffers) behave as the runtime's: to the device, the source is staged before the call returns;
-// to the host, the call returns once the copy and the work before it are done. One queue serves
-// every stream, in the order work was issued, which respects each stream's order and every event a
-// stream waits for. A kernel that fails (a deadlock,
-// a broken wmma rule, a bad argument) makes the device's error sticky, as a GPU's launch failure:
-// every later call that waits returns cudaErrorLaunchFailure, and the cause is printed to stderr.
+// to the host, the call returns once the copy and its stream's work before it are done. A failed
+// kernel makes the error sticky, as a GPU's launch failure: every later call that waits returns
+// cudaErrorLaunchFailure, and the cause is printed to stderr; so does a wait that sees nothing move
+// for LOOM_CUDA_EMU_WAIT_TIMEOUT seconds (default 300), naming what each stream is blocked on.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -34,6 +35,8 @@ bool is_device_address(const void* p);
 
 // Queues `work` on stream s (null: the default stream); throws nothing.
 void enqueue(cudaStream_t s, const char* what, std::function<void()> work);
+// Queues a step that may block: step() is called as the streams advance, until it returns true.
+void enqueue_step(cudaStream_t s, const char* what, std::function<bool()> step);
 // Sets the calling thread's last error (cudaGetLastError), printing `why` to stderr.
 void set_error(cudaError_t e, const std::string& why);
 
