@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -106,35 +108,53 @@ MPI_Op mpi_op(ncclDataType_t t, ncclRedOp_t op) {
 // Queues an operation on the stream: its MPI request is posted when the stream reaches it (its
 // inputs are ready then), and the stream goes on once the request completes. Within a group, every
 // operation is posted before any is waited for (at ncclGroupEnd), as NCCL runs a group's together.
+// An operation in flight: its request, and a host copy of an input MPI must not see aliased by the
+// output (kept until the request completes).
+struct InFlight {
+  MPI_Request request = MPI_REQUEST_NULL;
+  std::vector<unsigned char> staged;
+};
 struct Pending {
   cudaStream_t stream;
-  std::shared_ptr<MPI_Request> request;
+  std::shared_ptr<InFlight> op;
   std::string what;
 };
 std::vector<Pending> group_waits;
 
 void queue_wait(const Pending& p) {
-  loom::cuda_emu::rt::enqueue_step(p.stream, "an NCCL operation", [request = p.request] {
+  loom::cuda_emu::rt::enqueue_step(p.stream, "an NCCL operation", [op = p.op] {
     int done = 0;
-    MPI_Test(request.get(), &done, MPI_STATUS_IGNORE);
+    MPI_Test(&op->request, &done, MPI_STATUS_IGNORE);
     return done != 0;
   });
+}
+
+// What the emulator does not carry: a reduction MPI has no match for, or a count beyond an int.
+bool emulated(ncclDataType_t type, ncclRedOp_t op, std::size_t count, const char* what) {
+  const bool sixteen = type == ncclFloat16 || type == ncclBfloat16;
+  std::string why;
+  if (op == ncclAvg) why = "ncclAvg";
+  else if (sixteen && op != ncclSum && op != ncclMax) why = "a 16-bit reduction other than sum and max";
+  else if (count > static_cast<std::size_t>(std::numeric_limits<int>::max())) why = "a count beyond 2^31 - 1";
+  if (why.empty()) return true;
+  std::fprintf(stderr, "loom cuda emulator: %s: %s is not emulated\n", what, why.c_str());
+  return false;
 }
 
 template <class Start>
 ncclResult_t issue(const char* what, ncclComm_t comm, cudaStream_t stream, Start&& start) {
   if (!comm || comm->comm == MPI_COMM_NULL) return ncclInvalidArgument;
-  auto request = std::make_shared<MPI_Request>(MPI_REQUEST_NULL);
+  auto op = std::make_shared<InFlight>();
   const std::string name = what;
-  loom::cuda_emu::rt::enqueue_step(stream, what, [request, name, start] {
+  loom::cuda_emu::rt::enqueue_step(stream, what, [op, name, start] {
     try {
-      start(request.get());
+      start(op.get());
     } catch (const std::invalid_argument& e) {
       throw std::runtime_error(name + ": " + e.what());
     }
     return true;
   });
-  const Pending p{stream, request, what};
+  const Pending p{stream, op, what};
   if (group_depth > 0) group_waits.push_back(p);
   else queue_wait(p);
   return ncclSuccess;
@@ -211,7 +231,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   return ncclSuccess;
 }
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
-  delete comm;  // its MPI communicator is left to MPI_Abort, which follows
+  (void)comm;  // kept (steps still queued hold it); its MPI communicator is left to MPI_Abort, which follows
   return ncclSuccess;
 }
 ncclResult_t ncclGroupStart() {
@@ -229,56 +249,70 @@ ncclResult_t ncclGroupEnd() {
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream) {
-  return issue("ncclAllReduce", comm, stream, [=](MPI_Request* r) {
+  if (!emulated(type, op, count, "ncclAllReduce")) return ncclInvalidArgument;
+  return issue("ncclAllReduce", comm, stream, [=](InFlight* f) {
     void* out = device(recv, count, type, "ncclAllReduce's output");
     const void* in = send == recv ? MPI_IN_PLACE : device(send, count, type, "ncclAllReduce's input");
-    MPI_Iallreduce(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), comm->comm, r);
+    MPI_Iallreduce(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), comm->comm, &f->request);
   });
 }
 ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclRedOp_t op,
                                ncclComm_t comm, cudaStream_t stream) {
-  return issue("ncclReduceScatter", comm, stream, [=](MPI_Request* r) {
+  if (!emulated(type, op, count * std::size_t(comm ? comm->size : 1), "ncclReduceScatter")) return ncclInvalidArgument;
+  return issue("ncclReduceScatter", comm, stream, [=](InFlight* f) {
     const void* in = device(send, count * std::size_t(comm->size), type, "ncclReduceScatter's input");
     void* out = device(recv, count, type, "ncclReduceScatter's output");
-    MPI_Ireduce_scatter_block(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), comm->comm, r);
+    // NCCL's in place is the output inside the input (ZeRO's shards do that); MPI forbids aliased
+    // buffers and means another layout by MPI_IN_PLACE: reduce a copy of the input.
+    const auto* bytes = static_cast<const unsigned char*>(in);
+    f->staged.assign(bytes, bytes + count * std::size_t(comm->size) * type_bytes(type));
+    in = f->staged.data();
+    MPI_Ireduce_scatter_block(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), comm->comm, &f->request);
   });
 }
 ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclComm_t comm,
                            cudaStream_t stream) {
-  return issue("ncclAllGather", comm, stream, [=](MPI_Request* r) {
+  if (!emulated(type, ncclSum, count * std::size_t(comm ? comm->size : 1), "ncclAllGather")) return ncclInvalidArgument;
+  return issue("ncclAllGather", comm, stream, [=](InFlight* f) {
     void* out = device(recv, count * std::size_t(comm->size), type, "ncclAllGather's output");
     const void* in = device(send, count, type, "ncclAllGather's input");
     if (in == static_cast<char*>(out) + std::size_t(comm->rank) * count * type_bytes(type)) in = MPI_IN_PLACE;
-    MPI_Iallgather(in, static_cast<int>(count), mpi_type(type), out, static_cast<int>(count), mpi_type(type), comm->comm, r);
+    MPI_Iallgather(in, static_cast<int>(count), mpi_type(type), out, static_cast<int>(count), mpi_type(type), comm->comm, &f->request);
   });
 }
 ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t type, int root,
                            ncclComm_t comm, cudaStream_t stream) {
-  return issue("ncclBroadcast", comm, stream, [=](MPI_Request* r) {
+  if (!emulated(type, ncclSum, count, "ncclBroadcast")) return ncclInvalidArgument;
+  return issue("ncclBroadcast", comm, stream, [=](InFlight* f) {
     void* out = device(recv, count, type, "ncclBroadcast's output");
     if (comm->rank == root && send != recv) std::memmove(out, device(send, count, type, "ncclBroadcast's input"), count * type_bytes(type));
-    MPI_Ibcast(out, static_cast<int>(count), mpi_type(type), root, comm->comm, r);
+    MPI_Ibcast(out, static_cast<int>(count), mpi_type(type), root, comm->comm, &f->request);
   });
 }
 ncclResult_t ncclReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclRedOp_t op, int root,
                         ncclComm_t comm, cudaStream_t stream) {
-  return issue("ncclReduce", comm, stream, [=](MPI_Request* r) {
+  if (!emulated(type, op, count, "ncclReduce")) return ncclInvalidArgument;
+  return issue("ncclReduce", comm, stream, [=](InFlight* f) {
     const void* in = device(send, count, type, "ncclReduce's input");
     void* out = comm->rank == root ? device(recv, count, type, "ncclReduce's output") : nullptr;
     if (comm->rank == root && in == out) in = MPI_IN_PLACE;
-    MPI_Ireduce(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), root, comm->comm, r);
+    MPI_Ireduce(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), root, comm->comm, &f->request);
   });
 }
 ncclResult_t ncclSend(const void* send, std::size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
-  return issue("ncclSend", comm, stream, [=](MPI_Request* r) {
-    MPI_Isend(device(send, count, type, "ncclSend's input"), static_cast<int>(count), mpi_type(type), peer, 0, comm->comm, r);
+  if (!emulated(type, ncclSum, count, "ncclSend")) return ncclInvalidArgument;
+  return issue("ncclSend", comm, stream, [=](InFlight* f) {
+    // Synchronous mode: complete only when the peer receives, as NCCL's send (an eager MPI send would
+    // let an unmatched send pass here that deadlocks on a GPU).
+    MPI_Issend(device(send, count, type, "ncclSend's input"), static_cast<int>(count), mpi_type(type), peer, 0, comm->comm, &f->request);
   });
 }
 ncclResult_t ncclRecv(void* recv, std::size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
-  return issue("ncclRecv", comm, stream, [=](MPI_Request* r) {
-    MPI_Irecv(device(recv, count, type, "ncclRecv's output"), static_cast<int>(count), mpi_type(type), peer, 0, comm->comm, r);
+  if (!emulated(type, ncclSum, count, "ncclRecv")) return ncclInvalidArgument;
+  return issue("ncclRecv", comm, stream, [=](InFlight* f) {
+    MPI_Irecv(device(recv, count, type, "ncclRecv's output"), static_cast<int>(count), mpi_type(type), peer, 0, comm->comm, &f->request);
   });
 }
 

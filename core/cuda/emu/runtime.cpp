@@ -23,12 +23,10 @@ struct Work {
   std::string what;
   std::function<bool()> step;  // true when done; false: blocked (tried again as the host waits)
 };
-// What an event's records share with the markers queued for them (which may outlive the event).
-struct EventState {
-  unsigned flags = 0;
-  bool recorded = false;         // ever recorded
-  bool pending = false;          // its latest record is queued, not yet reached by its stream
-  unsigned long generation = 0;  // which record the latest marker belongs to
+// One cudaEventRecord: reached when its stream gets there. Shared by the event (its latest record),
+// the marker queued for it, and any stream told to wait for it, each of which may outlive the others.
+struct Record {
+  bool reached = false;
   std::chrono::steady_clock::time_point at;
 };
 }  // namespace
@@ -39,7 +37,9 @@ struct CUstream_st {
   std::deque<loom::cuda_emu::rt::Work> work;  // in issue order; the front runs first
 };
 struct CUevent_st {
-  std::shared_ptr<loom::cuda_emu::rt::EventState> state = std::make_shared<loom::cuda_emu::rt::EventState>();
+  unsigned flags = 0;
+  std::shared_ptr<loom::cuda_emu::rt::Record> latest;  // null until first recorded
+  bool pending() const { return latest && !latest->reached; }
 };
 
 namespace loom::cuda_emu::rt {
@@ -139,11 +139,12 @@ double wait_timeout_s() {
 // what waited, instead of hanging.
 template <class Done>
 void wait_until(Done done, const char* what) {
-  const auto t0 = std::chrono::steady_clock::now();
+  auto t0 = std::chrono::steady_clock::now();  // the last time anything moved
   int idle = 0;
   while (!done() && sticky.empty()) {
     if (progress_all()) {
       idle = 0;
+      t0 = std::chrono::steady_clock::now();
       continue;
     }
     if (done()) break;
@@ -431,10 +432,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   Lock lock(mu);
   if (!live_stream(s) || !events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: no such stream or event");
   // The stream's later work waits until the event's latest record (as of now) is reached.
-  if (e->state->pending)
-    enqueue_step(s, "cudaStreamWaitEvent", [st = e->state, generation = e->state->generation] {
-      return st->generation != generation || !st->pending;
-    });
+  if (e->pending())
+    enqueue_step(s, "cudaStreamWaitEvent", [record = e->latest] { return record->reached; });
   return state();
 }
 
@@ -442,7 +441,7 @@ cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e,
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
   Lock lock(mu);
   *e = new CUevent_st;
-  (*e)->state->flags = flags;
+  (*e)->flags = flags;
   events.insert(*e);
   return cudaSuccess;
 }
@@ -456,14 +455,10 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   Lock lock(mu);
   if (!events.count(e) || !live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: no such event or stream");
-  EventState& st = *e->state;
-  st.recorded = true;
-  st.pending = true;
-  const unsigned long generation = ++st.generation;
-  enqueue(s, "cudaEventRecord", [state = e->state, generation] {
-    if (state->generation != generation) return;  // recorded again since: the later record counts
-    state->pending = false;
-    state->at = std::chrono::steady_clock::now();
+  e->latest = std::make_shared<Record>();  // a stream already waiting keeps the record it was given
+  enqueue(s, "cudaEventRecord", [record = e->latest] {
+    record->reached = true;
+    record->at = std::chrono::steady_clock::now();
   });
   return state();
 }
@@ -472,23 +467,22 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
   if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventQuery of no event");
   progress_all();  // the streams advance as far as they can without the host waiting
   if (!sticky.empty()) return state();
-  return e->state->pending ? cudaErrorNotReady : cudaSuccess;
+  return e->pending() ? cudaErrorNotReady : cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   Lock lock(mu);
   if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize of no event");
-  EventState* st = e->state.get();
-  wait_until([st] { return !st->pending; }, "cudaEventSynchronize");
+  const std::shared_ptr<Record> record = e->latest;
+  if (record) wait_until([&record] { return record->reached; }, "cudaEventSynchronize");
   return state();
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   Lock lock(mu);
   if (!events.count(start) || !events.count(end)) return cudaErrorInvalidResourceHandle;
-  const EventState &a = *start->state, &b = *end->state;
-  if ((a.flags | b.flags) & cudaEventDisableTiming) return cudaErrorInvalidResourceHandle;
-  if (!a.recorded || !b.recorded) return cudaErrorInvalidResourceHandle;
-  if (a.pending || b.pending) return cudaErrorNotReady;
-  *ms = std::chrono::duration<float, std::milli>(b.at - a.at).count();
+  if ((start->flags | end->flags) & cudaEventDisableTiming) return cudaErrorInvalidResourceHandle;
+  if (!start->latest || !end->latest) return cudaErrorInvalidResourceHandle;
+  if (start->pending() || end->pending()) return cudaErrorNotReady;
+  *ms = std::chrono::duration<float, std::milli>(end->latest->at - start->latest->at).count();
   return state();
 }
 

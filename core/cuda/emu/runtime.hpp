@@ -19,6 +19,8 @@
 // kernel makes the error sticky, as a GPU's launch failure: every later call that waits returns
 // cudaErrorLaunchFailure, and the cause is printed to stderr; so does a wait that sees nothing move
 // for LOOM_CUDA_EMU_WAIT_TIMEOUT seconds (default 300), naming what each stream is blocked on.
+// Unlike a GPU's, the streams move only inside runtime calls: an NCCL operation queued behind work
+// is posted when the host next waits or queries, not while it sits in a host MPI call.
 #include <cuda_runtime.h>
 
 #include <cstddef>
