@@ -243,7 +243,7 @@ def layouts_on(c, backend, steps, extra, compare, only=None, env=None, tag="", b
 CROSSOVER = ["tp2_sp", "pp2_1f1b_tied_grads", "zero3_dp2", "int8_dp2", "dp2_pp2_zero1_bf16"]
 
 
-def crossover(c, backend, extra, steps, compare, only=CROSSOVER, env=None):
+def crossover(c, backend, extra, steps, compare, only=CROSSOVER):
     """Checkpoints of CROSSOVER layouts (or those named in `only`) cross between the host and
     `backend`: each writes one at step steps/2; the other resumes it; compare(name, sets,
     uninterrupted host rows, resumed rows)."""
@@ -253,14 +253,13 @@ def crossover(c, backend, extra, steps, compare, only=CROSSOVER, env=None):
                          "checkpoint.every=%d" % half]
         runs = {}
         for b, more in (("host", []), (backend, extra)):
-            _, runs[b] = c.loom("%s_ckpt_%s" % (name, b), ranks, common + ["run.backend=" + b] + more, env=env)
+            _, runs[b] = c.loom("%s_ckpt_%s" % (name, b), ranks, common + ["run.backend=" + b] + more)
         for frm, to, more in (("host", backend, extra), (backend, "host", [])):
             ckpt = os.path.join(runs[frm], "checkpoints", "ckpt-%08d.h5" % half)
             c.check(os.path.exists(ckpt), "%s: %s was written" % (name, ckpt))
             tag = "%s_%s_resumes_%s" % (name, to, frm)
             _, resumed = c.loom(tag, ranks, common + ["run.backend=" + to, "checkpoint.resume=" + ckpt,
-                                                       "checkpoint.dir=" + os.path.join(c.dir, tag + "_ckpt")] + more,
-                                env=env)
+                                                       "checkpoint.dir=" + os.path.join(c.dir, tag + "_ckpt")] + more)
             compare(tag, sets, rows(runs["host"])[half:], rows(resumed))
 
 

@@ -277,6 +277,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
   }
   // Every operand inside its allocation: the last element of its last matrix.
   const unsigned char* host[4] = {};
+  const unsigned char* bias = nullptr;
+  const cudaDataType bias_type = d->bias_type == -1 ? Ddesc->type : cudaDataType(d->bias_type);
   try {
     for (int i = 0; i < 4; ++i) {
       const cublasLtMatrixLayoutOpaque_t& l = *layouts[i];
@@ -286,7 +288,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     }
     if (d->epilogue == CUBLASLT_EPILOGUE_BIAS) {
       if (!d->bias) return refuse(CUBLAS_STATUS_INVALID_VALUE, "the bias epilogue without a bias pointer");
-      host_address(d->bias, Ddesc->rows * type_bytes(d->bias_type == -1 ? Ddesc->type : cudaDataType(d->bias_type)), "the bias");
+      bias = static_cast<const unsigned char*>(host_address(d->bias, Ddesc->rows * type_bytes(bias_type), "the bias"));
     }
     if (workspace_bytes > 0) host_address(workspace, workspace_bytes, "the workspace");
   } catch (const std::invalid_argument& e) {
@@ -295,9 +297,6 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
   const bool f64 = d->compute == CUBLAS_COMPUTE_64F;
   const double a = f64 ? *static_cast<const double*>(alpha) : *static_cast<const float*>(alpha);
   const double b = f64 ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
-  const unsigned char* bias =
-      d->epilogue == CUBLASLT_EPILOGUE_BIAS ? static_cast<const unsigned char*>(host_address(d->bias, 0, "the bias")) : nullptr;
-  const cudaDataType bias_type = d->bias_type == -1 ? Ddesc->type : cudaDataType(d->bias_type);
   const cublasLtMatmulDescOpaque_t desc = *d;
   const cublasLtMatrixLayoutOpaque_t la = *Adesc, lb = *Bdesc, lc = *Cdesc, ld = *Ddesc;
   unsigned char* out = const_cast<unsigned char*>(host[3]);

@@ -117,12 +117,12 @@ struct InFlight {
 struct Pending {
   cudaStream_t stream;
   std::shared_ptr<InFlight> op;
-  std::string what;
+  const char* what;  // the operation's name (a literal), which a stalled wait reports
 };
 std::vector<Pending> group_waits;
 
 void queue_wait(const Pending& p) {
-  loom::cuda_emu::rt::enqueue_step(p.stream, "an NCCL operation", [op = p.op] {
+  loom::cuda_emu::rt::enqueue_step(p.stream, p.what, [op = p.op] {
     int done = 0;
     MPI_Test(&op->request, &done, MPI_STATUS_IGNORE);
     return done != 0;

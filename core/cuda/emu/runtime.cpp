@@ -160,6 +160,27 @@ void wait_until(Done done, const char* what) {
   }
 }
 void run_all() { wait_until(all_idle, "a wait for the device"); }
+// A host wait for one stream's work so far.
+void drain(CUstream_st* on, const char* what) {
+  wait_until([on] { return on->work.empty(); }, what);
+}
+
+// Streams and events: handles the runtime hands out and recognises until they are destroyed.
+template <class Handle>
+cudaError_t make_handle(Handle** out, std::set<Handle*>& live) {
+  Lock lock(mu);
+  *out = new Handle;
+  live.insert(*out);
+  return cudaSuccess;
+}
+template <class Handle>
+cudaError_t drop_handle(Handle* h, std::set<Handle*>& live, const char* what) {
+  Lock lock(mu);
+  if (!h || !live.count(h)) return fail(cudaErrorInvalidResourceHandle, std::string(what) + " of no such handle");
+  live.erase(h);
+  delete h;
+  return state();
+}
 
 bool live_stream(cudaStream_t s) { return s == nullptr || streams.count(s) != 0; }
 
@@ -373,10 +394,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   enqueue(s, "cudaMemcpyAsync", [d, h, bytes] { std::memcpy(d, h, bytes); });
   // Into pageable host memory the runtime returns only once the copy (and the stream's work before
   // it) is done.
-  if (kind == cudaMemcpyDeviceToHost) {
-    CUstream_st* on = stream_of(s);
-    wait_until([on] { return on->work.empty(); }, "cudaMemcpyAsync to pageable host memory");
-  }
+  if (kind == cudaMemcpyDeviceToHost) drain(stream_of(s), "cudaMemcpyAsync to pageable host memory");
   return state();
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
@@ -407,25 +425,19 @@ cudaError_t cudaDeviceSynchronize() {
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
-  Lock lock(mu);
-  *s = new CUstream_st;
+  const cudaError_t e = make_handle(s, streams);
   (*s)->device = current_device;
-  streams.insert(*s);
-  return cudaSuccess;
+  return e;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
   Lock lock(mu);
-  if (!s || !streams.count(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of no stream");
-  wait_until([s] { return s->work.empty(); }, "cudaStreamDestroy");  // its work finishes first
-  streams.erase(s);
-  delete s;
-  return state();
+  if (s && streams.count(s)) drain(s, "cudaStreamDestroy");  // its work finishes first
+  return drop_handle(s, streams, "cudaStreamDestroy");
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   Lock lock(mu);
   if (!live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize of a destroyed stream");
-  CUstream_st* on = stream_of(s);
-  wait_until([on] { return on->work.empty(); }, "cudaStreamSynchronize");
+  drain(stream_of(s), "cudaStreamSynchronize");
   return state();
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
@@ -439,19 +451,12 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
 
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
-  Lock lock(mu);
-  *e = new CUevent_st;
+  const cudaError_t r = make_handle(e, events);
   (*e)->flags = flags;
-  events.insert(*e);
-  return cudaSuccess;
+  return r;
 }
-cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  Lock lock(mu);
-  if (!events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy of no event");
-  events.erase(e);  // a marker still queued keeps its state
-  delete e;
-  return state();
-}
+// A marker still queued for the event keeps its record.
+cudaError_t cudaEventDestroy(cudaEvent_t e) { return drop_handle(e, events, "cudaEventDestroy"); }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   Lock lock(mu);
   if (!events.count(e) || !live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: no such event or stream");
