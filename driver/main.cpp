@@ -42,6 +42,9 @@ const char* kUsage =
     "                 train on one process and write weights, batches, losses and gradients for the PyTorch\n"
     "                 oracle (regression/oracle.py)\n"
     "  ckpt info FILE print a checkpoint's step, layout, deck, and every tensor with its shape and dtype\n"
+    "  ckpt verify FILE|DIR\n"
+    "                 read checkpoints whole: every tensor against its checksum, finite, and present for the\n"
+    "                 model recorded; for a checkpoint.dir each ckpt-*.h5 and `latest` (exit 1 if any is damaged)\n"
     "  ckpt llmc CKPT OUT.bin\n"
     "                 write a checkpoint's weights as an llm.c model file (train_gpt2.c reads it; a deck's\n"
     "                 model.init_from reads it back)\n"
@@ -221,8 +224,9 @@ int dispatch(int argc, char** argv, int rank) {
 
   if (command == "ckpt") {
     if (a.positional.size() == 3 && a.positional[0] == "llmc") return command_ckpt_llmc(a.positional[1], a.positional[2]);
+    if (a.positional.size() == 2 && a.positional[0] == "verify") return command_ckpt_verify(a.positional[1]);
     if (a.positional.size() != 2 || a.positional[0] != "info")
-      throw DeckError("usage: loom ckpt info FILE | loom ckpt llmc CKPT OUT.bin\n" + std::string(kUsage));
+      throw DeckError("usage: loom ckpt info FILE | loom ckpt verify FILE|DIR | loom ckpt llmc CKPT OUT.bin\n" + std::string(kUsage));
     if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
     return 0;
   }

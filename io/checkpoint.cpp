@@ -2,6 +2,7 @@
 
 #include <hdf5.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -10,10 +11,12 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
 
+#include "core/backend.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/rng.hpp"
@@ -179,19 +182,23 @@ namespace {
 // A layout-independent checksum of a logical tensor: the sum over its elements of a hash of
 // (index in the full tensor, value bits). Each element is counted by its one primary owner, so the
 // partial sums of any layout add up (MPI_SUM over the world) to the same number.
+// The part of it for `count` consecutive elements `x` starting at index `global` of the full tensor.
+std::uint64_t checksum_run(std::int64_t global, const float* x, std::int64_t count) {
+  const std::uint64_t g0 = static_cast<std::uint64_t>(global);
+  std::uint64_t part = 0;
+  for (std::int64_t c = 0; c < count; ++c) {
+    std::uint32_t bits;
+    std::memcpy(&bits, x + c, sizeof bits);
+    part += rng::mix64((g0 + static_cast<std::uint64_t>(c)) * 0x9e3779b97f4a7c15ULL ^ bits);
+  }
+  return part;
+}
+
 std::uint64_t checksum(const ShardDesc* shard, const float* data, bool owner) {
   std::uint64_t sum = 0;
   if (owner && shard)
     shard->for_each_run([&](std::int64_t local, std::int64_t global, std::int64_t count) {
-      const float* x = data + local;
-      const std::uint64_t g0 = static_cast<std::uint64_t>(global);
-      std::uint64_t part = 0;
-      for (std::int64_t c = 0; c < count; ++c) {
-        std::uint32_t bits;
-        std::memcpy(&bits, x + c, sizeof bits);
-        part += rng::mix64((g0 + static_cast<std::uint64_t>(c)) * 0x9e3779b97f4a7c15ULL ^ bits);
-      }
-      sum += part;
+      sum += checksum_run(global, data + local, count);
     });
   MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD);
   return sum;
@@ -431,6 +438,38 @@ static void require_hdf5(const std::string& path) {
   fail(path, "is not a readable HDF5 file (truncated or corrupt)");
 }
 
+namespace {
+// A checkpoint's attributes, checked for what any reader needs: a loom checkpoint of this format
+// version, every piece of metadata, the model shape, and steps that add up.
+CheckpointState read_state(hid_t file, const std::string& path) {
+  CheckpointState st;
+  std::int64_t version = 0;
+  if (!read_attr_i64(file, "format_version", version))
+    fail(path, "has no format_version attribute: not a loom checkpoint");
+  if (version != kCheckpointFormatVersion)
+    fail(path, "is format version " + std::to_string(version) + "; this loom reads version " +
+                   std::to_string(kCheckpointFormatVersion));
+  std::int64_t seed = 0, dp = 1, tp = 1, pp = 1;
+  if (!read_attr_i64(file, "step", st.step) || !read_attr_i64(file, "optimizer_steps", st.optimizer_steps) ||
+      !read_attr_i64(file, "seed", seed) || !read_attr_f64(file, "loss_scale", st.loss_scale) ||
+      !read_attr_string(file, "deck", st.deck) || !read_attr_i64(file, "layout_dp", dp) ||
+      !read_attr_i64(file, "layout_tp", tp) || !read_attr_i64(file, "layout_pp", pp))
+    fail(path, "is missing metadata (step, optimizer_steps, seed, loss_scale, deck or layout): corrupt");
+  st.seed = static_cast<std::uint64_t>(seed);
+  st.layout.dp = static_cast<int>(dp);
+  st.layout.tp = static_cast<int>(tp);
+  st.layout.pp = static_cast<int>(pp);
+  if (!read_attr_i64(file, "skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // written before skipping existed
+  st.model = recorded_model(file, path, st.deck);
+  if (st.step < 0 || st.optimizer_steps < 0 || st.skipped_steps < 0 ||
+      st.step != st.optimizer_steps + st.skipped_steps)
+    fail(path, "has step = " + std::to_string(st.step) + ", optimizer_steps = " + std::to_string(st.optimizer_steps) +
+                   " and skipped_steps = " + std::to_string(st.skipped_steps) +
+                   ": step must be optimizer_steps + skipped_steps, none negative (corrupt)");
+  return st;
+}
+}  // namespace
+
 CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
                                 const std::vector<CheckpointContributor*>& parts) {
   static QuietHdf5 quiet;
@@ -440,36 +479,12 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
   Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.id), H5Fclose};
   if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
 
-  CheckpointState st;
-  std::int64_t version = 0;
-  if (!read_attr_i64(file.id, "format_version", version))
-    fail(path, "has no format_version attribute: not a loom checkpoint");
-  if (version != kCheckpointFormatVersion)
-    fail(path, "is format version " + std::to_string(version) + "; this loom reads version " +
-                   std::to_string(kCheckpointFormatVersion));
-  std::int64_t seed = 0, dp = 1, tp = 1, pp = 1;
-  if (!read_attr_i64(file.id, "step", st.step) || !read_attr_i64(file.id, "optimizer_steps", st.optimizer_steps) ||
-      !read_attr_i64(file.id, "seed", seed) || !read_attr_f64(file.id, "loss_scale", st.loss_scale) ||
-      !read_attr_string(file.id, "deck", st.deck) || !read_attr_i64(file.id, "layout_dp", dp) ||
-      !read_attr_i64(file.id, "layout_tp", tp) || !read_attr_i64(file.id, "layout_pp", pp))
-    fail(path, "is missing metadata (step, optimizer_steps, seed, loss_scale, deck or layout): corrupt");
-  st.seed = static_cast<std::uint64_t>(seed);
-  st.layout.dp = static_cast<int>(dp);
-  st.layout.tp = static_cast<int>(tp);
-  st.layout.pp = static_cast<int>(pp);
-  if (!read_attr_i64(file.id, "skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // written before skipping existed
-
   // The whole model shape, before any tensor: a checkpoint of fewer layers or other heads would
   // otherwise load the tensors it shares with the deck's model and silently train another model.
-  st.model = recorded_model(file.id, path, st.deck);
+  CheckpointState st = read_state(file.id, path);
   const std::string mismatches = model_mismatches(st.model, model.config());
   if (!mismatches.empty())
     fail(path, "holds another model: " + mismatches + " (a checkpoint continues only the model it holds)");
-  if (st.step < 0 || st.optimizer_steps < 0 || st.skipped_steps < 0 ||
-      st.step != st.optimizer_steps + st.skipped_steps)
-    fail(path, "has step = " + std::to_string(st.step) + ", optimizer_steps = " + std::to_string(st.optimizer_steps) +
-                   " and skipped_steps = " + std::to_string(st.skipped_steps) +
-                   ": step must be optimizer_steps + skipped_steps, none negative (corrupt)");
 
   Handle dxpl{H5Pcreate(H5P_DATASET_XFER), H5Pclose};
   H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_COLLECTIVE);
@@ -583,6 +598,103 @@ std::string checkpoint_info(const std::string& path) {
       &visit);
   if (read_attr_string(file.id, "deck", deck)) out << "  deck:\n" << deck;
   return out.str();
+}
+
+
+CheckpointVerdict verify_checkpoint(const std::string& path) {
+  static QuietHdf5 quiet;
+  CheckpointVerdict v;
+  try {
+    require_hdf5(path);
+    Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
+    if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
+    const CheckpointState st = read_state(file.id, path);
+    v.step = st.step;
+    v.layout = st.layout;
+
+    // Every tensor a resume needs: the recorded model's parameters and AdamW's state, whole, as
+    // load_checkpoint lists them (built on the sizing back end: nothing is allocated).
+    std::unique_ptr<Backend> be = make_sizing_backend(make_host_backend(1));
+    GPT model(st.model, *be, 1);
+    AdamW optimizer(OptimizerConfig{}, *be, model.params(), model.store().owned());
+    for (const CheckpointTensor& t : checkpoint_tensors(model, optimizer, {})) {
+      if (!path_exists(file.id, t.path)) {
+        v.problems.push_back("has no tensor " + t.path + " (the model it records needs it)");
+        continue;
+      }
+      Handle ds{H5Dopen2(file.id, t.path.c_str(), H5P_DEFAULT), H5Dclose};
+      Handle space{H5Dget_space(ds.id), H5Sclose};
+      std::vector<hsize_t> dims(static_cast<std::size_t>(std::max(0, H5Sget_simple_extent_ndims(space.id))));
+      H5Sget_simple_extent_dims(space.id, dims.data(), nullptr);
+      if (ds.id < 0 || dims != std::vector<hsize_t>(t.shard.shape.begin(), t.shard.shape.end()))
+        v.problems.push_back("tensor " + t.path + " has shape " + shape_text(dims) + ", but the model it records needs " +
+                             shape_text(t.shard.shape));
+    }
+
+    // Every dataset in the file (the plugins' state too), read whole in blocks of rows: its values
+    // against the checksum its writers recorded, then finiteness, as load_checkpoint checks them.
+    std::vector<std::string> names;
+    H5Ovisit(
+        file.id, H5_INDEX_NAME, H5_ITER_INC,
+        [](hid_t, const char* name, const H5O_info_t* info, void* out) -> herr_t {
+          if (info->type == H5O_TYPE_DATASET) static_cast<std::vector<std::string>*>(out)->push_back("/" + std::string(name));
+          return 0;
+        },
+        &names);
+    std::vector<float> block;
+    for (const std::string& name : names) {
+      Handle ds{H5Dopen2(file.id, name.c_str(), H5P_DEFAULT), H5Dclose};
+      if (ds.id < 0) {
+        v.problems.push_back("cannot open tensor " + name + " (corrupt)");
+        continue;
+      }
+      std::int64_t want = 0;
+      if (!read_attr_i64(ds.id, "checksum", want)) {
+        v.problems.push_back("tensor " + name + " has no checksum attribute (corrupt)");
+        continue;
+      }
+      Handle fspace{H5Dget_space(ds.id), H5Sclose};
+      const int rank = std::max(0, H5Sget_simple_extent_ndims(fspace.id));
+      std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
+      H5Sget_simple_extent_dims(fspace.id, dims.data(), nullptr);
+      const hsize_t rows = rank ? dims[0] : 1;
+      hsize_t row = 1;
+      for (int d = 1; d < rank; ++d) row *= dims[static_cast<std::size_t>(d)];
+      const hsize_t per_block = std::max<hsize_t>(1, (hsize_t{1} << 20) / std::max<hsize_t>(row, 1));
+      std::uint64_t got = 0;
+      std::int64_t nonfinite = 0;
+      bool readable = true;
+      for (hsize_t r0 = 0; r0 < rows && readable; r0 += per_block) {
+        const hsize_t n = std::min(per_block, rows - r0);
+        std::vector<hsize_t> start(static_cast<std::size_t>(rank), 0), count(dims);
+        if (rank) {
+          start[0] = r0;
+          count[0] = n;
+          H5Sselect_hyperslab(fspace.id, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+        }
+        const hsize_t elems = n * row;
+        block.resize(static_cast<std::size_t>(elems));
+        Handle mspace{H5Screate_simple(1, &elems, nullptr), H5Sclose};
+        readable = H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, H5P_DEFAULT, block.data()) >= 0;
+        if (!readable) break;
+        got += checksum_run(static_cast<std::int64_t>(r0 * row), block.data(), static_cast<std::int64_t>(elems));
+        for (float x : block) nonfinite += !std::isfinite(x);
+      }
+      ++v.tensors;
+      v.bytes += static_cast<std::int64_t>(rows * row * sizeof(float));
+      if (!readable)
+        v.problems.push_back("cannot read tensor " + name + " (truncated or corrupt)");
+      else if (static_cast<std::int64_t>(got) != want)
+        v.problems.push_back("tensor " + name + " does not match its checksum: the file is corrupt");
+      else if (nonfinite)
+        v.problems.push_back("tensor " + name + " holds " + std::to_string(nonfinite) +
+                             (nonfinite == 1 ? " non-finite value" : " non-finite values") +
+                             " (nan or inf): the run that wrote it had diverged");
+    }
+  } catch (const InputError& e) {
+    v.problems.push_back(e.what());
+  }
+  return v;
 }
 
 }  // namespace loom

@@ -72,4 +72,16 @@ std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& de
 // `loom ckpt info`: step, layout, deck, and every tensor with its shape and dtype (one process).
 std::string checkpoint_info(const std::string& path);
 
+// `loom ckpt verify`: what one process finds reading a whole checkpoint file, no collective.
+struct CheckpointVerdict {
+  std::int64_t step = -1;             // -1: its metadata could not be read
+  Layout layout;                      // the layout that wrote it
+  std::int64_t tensors = 0, bytes = 0;  // datasets read whole, and their values' bytes
+  std::vector<std::string> problems;  // each naming the tensor or attribute; empty: intact
+};
+// The checks of load_checkpoint, on every tensor at once instead of stopping at the first: the
+// metadata and the model shape, every parameter and optimizer tensor of that model present with its
+// shape, and every dataset in the file (the plugins' too) matching its checksum and finite.
+CheckpointVerdict verify_checkpoint(const std::string& path);
+
 }  // namespace loom

@@ -22,6 +22,9 @@ CASE is one of:
                      each refused with exit status 2 and a message naming the file and the mismatch,
                      the file read left unchanged (refuse_corrupt and refuse_version use h5py: run
                      them with /usr/bin/python3, which has it)
+  verify             `loom ckpt verify` on a checkpoint.dir: intact; the newest checkpoint damaged (named
+                     with its tensor, the older one advised, and resuming from it continues exactly); a
+                     tensor missing; a path that does not exist (uses h5py)
   kill_mid_write     rank 1 dies while the step-4 checkpoint is being written: the step-2 checkpoint
                      is intact, `latest` still names it, and a resume from `latest` continues the run
   sigterm            SIGTERM to a running job: it saves a checkpoint, points `latest` at it and exits
@@ -188,6 +191,52 @@ def main():
         c.expect_error(p, patterns)
         if open(ckpt, "rb").read() != before:
             c.failures.append("the checkpoint that was read changed")
+    elif name == "verify":
+        # `loom ckpt verify` on a run's checkpoint.dir: intact, then with the newest checkpoint damaged
+        # (it names the tensor and says which checkpoint to resume from, and that resume continues
+        # the run exactly), a tensor missing, an unfinished write and a path that does not exist.
+        import h5py  # run this case with /usr/bin/python3, which has it
+        ref, ckpt4 = saved(c, 1, [])
+        ckdir = os.path.dirname(ckpt4)
+        ckpt8 = os.path.join(ckdir, "ckpt-00000008.h5")
+
+        def verify(target, expect, patterns):
+            before = {f: open(os.path.join(ckdir, f), "rb").read() for f in os.listdir(ckdir)}
+            cmd = [args.loom, "ckpt", "verify", target]
+            print("$ " + " ".join(cmd), flush=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            print(p.stdout + p.stderr, end="")
+            if p.returncode != expect:
+                c.failures.append("%s: exit status %d, expected %d" % (" ".join(cmd), p.returncode, expect))
+            for rx in patterns:
+                if not re.search(rx, p.stdout + p.stderr):
+                    c.failures.append("%s: the output does not match /%s/" % (" ".join(cmd), rx))
+            if {f: open(os.path.join(ckdir, f), "rb").read() for f in os.listdir(ckdir)} != before:
+                c.failures.append("%s changed the checkpoint directory" % " ".join(cmd))
+
+        verify(ckdir, 0, [r"ckpt-00000004\.h5': step 4, written at dp 1 x tp 1 x pp 1, \d+ tensors \([\d.]+ MB\) read: intact",
+                          r"latest: ckpt-00000008\.h5, intact", r"2 of 2 checkpoints intact"])
+        with h5py.File(ckpt8, "r") as f:
+            offset = f["optimizer/m/blocks.0.attn.proj.weight"].id.get_offset()
+        with open(ckpt8, "r+b") as f:  # garbage over one tensor's data, the file structure intact
+            f.seek(offset + 64)
+            f.write(b"\x5a" * 64)
+        open(os.path.join(ckdir, "ckpt-00000012.h5.tmp"), "wb").write(b"half")
+        verify(ckdir, 1, [r"ckpt-00000008\.h5': step 8, .* read: DAMAGED\n"
+                          r"  tensor /optimizer/m/blocks\.0\.attn\.proj\.weight does not match its checksum",
+                          r"ckpt-00000012\.h5\.tmp': an unfinished write",
+                          r"latest: ckpt-00000008\.h5, which is damaged; the newest intact checkpoint is ckpt-00000004\.h5: "
+                          r"resume with checkpoint\.resume = " + re.escape(ckpt4), r"1 of 2 checkpoints intact"])
+        os.remove(os.path.join(ckdir, "ckpt-00000012.h5.tmp"))
+        c.loom("resumed", 1, ["checkpoint.resume=" + ckpt4])  # as it advises: the run continues exactly
+        c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, 0.0)
+        missing = os.path.join(ckdir, "missing.h5")
+        shutil.copy(ckpt4, missing)
+        with h5py.File(missing, "r+") as f:
+            del f["optimizer/v/blocks.1.ln2.bias"]
+        verify(missing, 1, [r"DAMAGED\n  has no tensor /optimizer/v/blocks\.1\.ln2\.bias \(the model it records needs it\)"])
+        os.remove(missing)
+        verify(os.path.join(c.dir, "nowhere"), 2, [r"nowhere' does not exist: name a checkpoint file or a checkpoint directory"])
     elif name == "kill_mid_write":
         ref, _ = saved(c, 2, ["parallel.dp=2"], tag="reference")
         sets = ["parallel.dp=2", "checkpoint.every=2", "checkpoint.keep=1"]

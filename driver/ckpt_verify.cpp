@@ -1,0 +1,98 @@
+// `loom ckpt verify FILE|DIR`: reads checkpoints whole on one process and says which are intact, before
+// a long job is launched to resume from one. For a checkpoint directory it checks every ckpt-*.h5,
+// says whether `latest` names an intact one, and if not which checkpoint to resume from instead.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "driver/commands.hpp"
+#include "io/checkpoint.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+namespace {
+
+std::string megabytes(std::int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MB", static_cast<double>(bytes) / 1e6);
+  return buf;
+}
+
+// One line for the file, then a line per problem (without the "checkpoint 'FILE': " each begins with
+// when it comes from the reader's own refusal). True when intact.
+bool report(const std::string& file, const CheckpointVerdict& v) {
+  std::cout << "checkpoint " << quote_path(file) << ": ";
+  if (v.step >= 0)
+    std::cout << "step " << v.step << ", written at dp " << v.layout.dp << " x tp " << v.layout.tp << " x pp "
+              << v.layout.pp << ", " << v.tensors << " tensors (" << megabytes(v.bytes) << ") read: ";
+  if (v.problems.empty()) {
+    std::cout << "intact\n";
+    return true;
+  }
+  std::cout << "DAMAGED\n";
+  const std::string prefix = "checkpoint " + quote_path(file) + ": ";
+  for (const std::string& p : v.problems)
+    std::cout << "  " << (p.rfind(prefix, 0) == 0 ? p.substr(prefix.size()) : p) << "\n";
+  return false;
+}
+
+}  // namespace
+
+int command_ckpt_verify(const std::string& path) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world != 1) throw InputError("loom ckpt verify runs on one process; launched on " + std::to_string(world));
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw InputError(quote_path(path) + " does not exist: name a checkpoint file or a checkpoint directory");
+  if (!fs::is_directory(path, ec)) return report(path, verify_checkpoint(path)) ? 0 : 1;
+
+  // A directory: its checkpoints oldest first, and the writes that never finished (a crash mid-write
+  // leaves ckpt-*.h5.tmp; the next save removes it).
+  std::vector<std::string> files, unfinished;
+  for (const auto& e : fs::directory_iterator(path, ec)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("ckpt-", 0) != 0) continue;
+    if (e.path().extension() == ".h5") files.push_back(f);
+    if (e.path().extension() == ".tmp") unfinished.push_back(f);
+  }
+  if (ec) throw InputError(quote_path(path) + ": cannot be listed (" + ec.message() + ")");
+  std::sort(files.begin(), files.end());
+  std::sort(unfinished.begin(), unfinished.end());
+  if (files.empty())
+    throw InputError(quote_path(path) + " holds no checkpoint (ckpt-*.h5): name a checkpoint file or the checkpoint.dir of a run");
+  std::vector<std::string> intact;
+  for (const std::string& f : files)
+    if (report(path + "/" + f, verify_checkpoint(path + "/" + f))) intact.push_back(f);
+  for (const std::string& f : unfinished)
+    std::cout << quote_path(path + "/" + f) << ": an unfinished write (not a checkpoint; the next save removes it)\n";
+
+  std::string latest;
+  std::ifstream in(path + "/latest");
+  if (in) std::getline(in, latest);
+  const bool latest_intact = std::find(intact.begin(), intact.end(), latest) != intact.end();
+  if (latest.empty())
+    std::cout << "latest: none";
+  else if (latest_intact)
+    std::cout << "latest: " << latest << ", intact: checkpoint.resume = latest continues from it\n";
+  else
+    std::cout << "latest: " << latest << (std::find(files.begin(), files.end(), latest) == files.end() ? ", which does not exist" : ", which is damaged");
+  if (!latest_intact) {
+    if (intact.empty())
+      std::cout << "; no checkpoint here is intact\n";
+    else
+      std::cout << "; the newest intact checkpoint is " << intact.back() << ": resume with checkpoint.resume = "
+                << path << "/" << intact.back() << "\n";
+  }
+  std::cout << intact.size() << " of " << files.size() << " checkpoints intact\n";
+  return intact.size() == files.size() && latest_intact ? 0 : 1;
+}
+
+}  // namespace loom
