@@ -40,6 +40,9 @@ CASE is one of:
   restart_topk_dp2_to_dp4
       a top-k checkpoint from dp 2 resumed at dp 4: the run says the residuals start from zero and
       trains on
+  restart_powersgd_dp2_rank2
+      a PowerSGD checkpoint (compression.rank = 4) resumed at compression.rank = 2: the run says that
+      Q starts from its initial draw (its datasets are per rank) and trains on
   restart_int8_pp2_dp2
       the same with pipeline stages (4 ranks): the last stage's shadow of wte keeps its own residual
       (".../wte.weight#head"), so both stages' state comes back and steps 5..8 are bit for bit
@@ -193,6 +196,12 @@ def main():
             sets += ["precision.dtype=bf16"]
         _, full = c.loom("full", ranks, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
         ckpt = os.path.join(full, "checkpoints", "ckpt-00000004.h5")
+        if name.endswith("_rank2"):  # PowerSGD resumed at another compression.rank: told that Q starts afresh
+            p, resumed = c.loom("resumed_rank2", ranks, sets + ["compression.rank=2", "checkpoint.resume=" + ckpt])
+            c.expect(p.stdout, [r"compression: the checkpoint's PowerSGD Q has compression\.rank = 4: at compression\.rank = 2 "
+                                r"Q starts from its initial draw"], "the note on another PowerSGD rank")
+            c.check([r["step"] for r in common.rows(resumed)] == [5, 6, 7, 8], "the rank 2 run did not go on from step 5")
+            return c.done(name)
         if name.endswith("to_dp4"):
             p, resumed = c.loom("resumed_dp4", 4, ["parallel.dp=4"] + METHOD_SETS[method] + ["checkpoint.resume=" + ckpt])
             c.expect(p.stdout, [r"compression: the checkpoint was written at parallel\.dp = 2: error-feedback residuals "

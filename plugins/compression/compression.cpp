@@ -604,10 +604,18 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return out;
   }
   std::map<std::string, double> checkpoint_attributes() const override {
-    return {{"compression_dp", static_cast<double>(dp_.size())}};
+    std::map<std::string, double> a{{"compression_dp", static_cast<double>(dp_.size())}};
+    if (cfg_.method == Method::powersgd) a["compression_powersgd_rank"] = cfg_.rank;
+    return a;
   }
   void restore_attributes(const std::map<std::string, double>& found) override {
     const auto dp = found.find("compression_dp");
+    // Q's datasets name their rank (q_rank<r>): at another compression.rank none is found and Q keeps
+    // its initial draw, which a user who changed the rank on resume should be told.
+    const auto q_rank = found.find("compression_powersgd_rank");
+    if (say_ && q_rank != found.end() && static_cast<int>(q_rank->second) != cfg_.rank)
+      std::printf("  compression: the checkpoint's PowerSGD Q has compression.rank = %d: at compression.rank = %d "
+                  "Q starts from its initial draw\n", static_cast<int>(q_rank->second), cfg_.rank);
     if (residual_.empty() || !say_) return;
     if (dp == found.end())
       std::printf("  compression: the checkpoint holds no compression state: error-feedback residuals start from zero\n");
