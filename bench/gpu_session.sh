@@ -8,7 +8,7 @@
 #
 # checks: loom_cuda_tests and loom_nccl_tests (every CUDA kernel against its host twin, the fused
 #   attention against the fp64 reference and the twin), regression/gpu_checks.py refusal,
-#   matches_host, decks and cuda_layouts (as `ctest -L gpu` runs them) -> OUTDIR/checks.log
+#   matches_host, decks, cuda_layouts and plan_memory (as `ctest -L gpu` runs them) -> OUTDIR/checks.log
 # bench: bench/gpu.py (GPT-2 124M in bf16 against PyTorch) with model.attention = unfused (PyTorch's
 #   attention written out) and flash (PyTorch's scaled_dot_product_attention),
 #   then 10 steps of each under LOOM_CUDA_PROFILE (GPU time per operation) -> OUTDIR/bench.log
@@ -87,7 +87,7 @@ case "$what" in
   checks)
     step loom_cuda_tests "$b/bin/loom_cuda_tests"
     if [ -e "$b/bin/loom_nccl_tests" ]; then step loom_nccl_tests "$b/bin/loom_nccl_tests"; fi
-    for c in refusal matches_host decks cuda_layouts; do gpu_case "$c"; done
+    for c in refusal matches_host decks cuda_layouts plan_memory; do gpu_case "$c"; done
     ;;
   bench)
     step "gpu.py unfused" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench"

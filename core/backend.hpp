@@ -77,13 +77,22 @@ class Backend {
   // CUDA back end's NCCL, where every rank of `comm` drives its own GPU).
   virtual std::unique_ptr<Communicator> make_communicator(MPI_Comm comm, const std::string& name);
   // `loom plan`: the workspace this back end takes for a micro-batch's matrix products, in the order
-  // the model runs them (operands: null BufferRefs of their type and count).
+  // the model runs them (operands: null BufferRefs of their type and count), and for its attention.
   struct MatmulCall {
     bool backward = false;
     BufferRef inp, weight;
     int N = 0, C = 0, OC = 0;
   };
-  virtual void plan_matmuls(StepPlan& /*plan*/, const std::vector<MatmulCall>& /*calls*/) const {}
+  struct AttentionShape {
+    int B = 0, T = 0, NH = 0;  // NH: this rank's heads
+    bool flash = false;
+  };
+  virtual void plan_workspace(StepPlan& /*plan*/, const std::vector<MatmulCall>& /*calls*/,
+                              const AttentionShape& /*attention*/) const {}
+  // Whether the communicators between ranks it makes keep loom's ring-scratch pools (MPI, direct or
+  // staged: Mem::comm, reserved from the plan); false where they are NCCL's, whose buffers are NCCL's
+  // own and outside the ledger.
+  virtual bool ring_scratch_pools() const { return true; }
 
   // wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor parallelism).
   virtual void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe,
@@ -253,5 +262,10 @@ std::unique_ptr<Backend> make_fenced_backend(int threads);
 // `loom plan`'s back end (core/sizing_backend.cpp): allocations filed in the ledger at addresses never
 // touched, no kernels; the operand workspace of `like`.
 std::unique_ptr<Backend> make_sizing_backend(std::unique_ptr<Backend> like);
+// The same for a run on the cuda back end, planned where there is no GPU: its workspace as
+// core/cuda/workspace_plan.hpp says the CUDA back end takes it (cuBLASLt's, the operands' 16-bit
+// copies, the attention's scratch), its communicators NCCL's (no ring-scratch pools), and the fused
+// attention refused only for its head sizes (every GPU of the presets runs it).
+std::unique_ptr<Backend> make_cuda_sizing_backend();
 
 }  // namespace loom

@@ -191,7 +191,7 @@ void GPT::plan_step(StepPlan& plan) const {
     calls.push_back(*it);
     calls.back().backward = true;
   }
-  be_.plan_matmuls(plan, calls);
+  be_.plan_workspace(plan, calls, {max_rows_, cfg_.seq_len, cfg_.heads / tp_, cfg_.flash_attention});
   part_->plan_step(plan, *this);
 }
 

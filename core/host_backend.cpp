@@ -306,7 +306,7 @@ class HostBackend final : public Backend {
 
   // The operand slots a micro-batch's products grow, as operand16 grows them: a bf16 operand needs
   // none; ensure_capacity makes the larger buffer before it frees the smaller.
-  void plan_matmuls(StepPlan& plan, const std::vector<MatmulCall>& calls) const override {
+  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls, const AttentionShape&) const override {
     if (precision_.matmul == DType::f32) return;
     const double elem = precision_.matmul == DType::bf16 ? 2.0 : 4.0;
     std::array<double, 3> have{};

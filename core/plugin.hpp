@@ -31,7 +31,9 @@
 // StepPlan::pools. ABI 10: Backend's fused attention (attention_forward_flash, _backward_flash,
 // flash_attention_refusal), GPTConfig::flash_attention. ABI 11: Backend::int8_absmax, _quantize,
 // _dequantize, axpy; StepPlan::backend_bytes. ABI 12: Backend::topk_select, _scatter_add, _clear; GradBucket::Tensor::begin.
-#define LOOM_PLUGIN_ABI_VERSION 12
+// ABI 13: Backend::plan_workspace (plan_matmuls with the attention's shape), ring_scratch_pools;
+// StepPlan::price_pools.
+#define LOOM_PLUGIN_ABI_VERSION 13
 
 extern "C" {
 struct loom_plugin_v1 {

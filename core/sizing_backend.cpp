@@ -2,19 +2,23 @@
 // allocation is filed in the ledger as the real back end would file it, at an address that is never
 // dereferenced (device space, so host code that reached into it would be a bug the seams tests
 // catch); every kernel throws, so a planner that ran one would say so rather than predict from
-// garbage. The workspace of a step's products is the wrapped back end's (plan_matmuls).
+// garbage. The workspace of a step's products is the wrapped back end's (plan_workspace), or for a
+// cuda run the CUDA back end's (core/cuda/workspace_plan.hpp), whose communicators are NCCL's.
 #include <stdexcept>
 
 #include "core/backend.hpp"
+#include "core/cuda/workspace_plan.hpp"
 
 namespace loom {
 namespace {
 
 class SizingBackend final : public Backend {
  public:
-  explicit SizingBackend(std::unique_ptr<Backend> like) : like_(std::move(like)) {}
+  SizingBackend(std::unique_ptr<Backend> like, bool cuda) : like_(std::move(like)), cuda_(cuda) {}
   std::string name() const override { return "sizing"; }
-  std::string description() const override { return "counts allocations for loom plan (" + like_->name() + ")"; }
+  std::string description() const override {
+    return "counts allocations for loom plan (" + (cuda_ ? std::string("cuda") : like_->name()) + ")";
+  }
   MemSpace space() const override { return MemSpace::device; }
   void set_precision(const Precision& p) override {
     like_->set_precision(p);
@@ -28,7 +32,13 @@ class SizingBackend final : public Backend {
   }
   void copy_from_host(BufferRef, const void*) override {}  // initial values: nothing to size
   void copy_to_host(void*, BufferRef) override { no("copy_to_host"); }
-  void plan_matmuls(StepPlan& plan, const std::vector<MatmulCall>& calls) const override { like_->plan_matmuls(plan, calls); }
+  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls, const AttentionShape& attention) const override {
+    if (cuda_)
+      plan.add_scratch(Mem::workspace, cuda_plan::workspace_bytes(precision_.matmul, calls, attention));
+    else
+      like_->plan_workspace(plan, calls, attention);
+  }
+  bool ring_scratch_pools() const override { return cuda_ ? false : like_->ring_scratch_pools(); }
 
   void encoder_forward(float*, const std::int32_t*, const float*, const float*, int, int, int, int, int, bool) override {
     no("encoder_forward");
@@ -54,7 +64,9 @@ class SizingBackend final : public Backend {
     no("attention_backward");
   }
   // What the back end it stands for can run.
-  std::string flash_attention_refusal(int hs) const override { return like_->flash_attention_refusal(hs); }
+  std::string flash_attention_refusal(int hs) const override {
+    return cuda_ ? flash_head_size_refusal(hs) : like_->flash_attention_refusal(hs);
+  }
   void gelu_forward(float*, const float*, std::int64_t) override { no("gelu_forward"); }
   void gelu_backward(float*, const float*, const float*, std::int64_t) override { no("gelu_backward"); }
   void residual_forward(float*, const float*, const float*, std::int64_t) override { no("residual_forward"); }
@@ -107,13 +119,18 @@ class SizingBackend final : public Backend {
                            "): building a rank's roles must only allocate");
   }
   std::unique_ptr<Backend> like_;
+  bool cuda_;  // plans a cuda run: its workspace and NCCL, not like_'s
   std::uintptr_t next_ = std::uintptr_t{1} << 48;
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_sizing_backend(std::unique_ptr<Backend> like) {
-  return std::make_unique<SizingBackend>(std::move(like));
+  return std::make_unique<SizingBackend>(std::move(like), false);
+}
+
+std::unique_ptr<Backend> make_cuda_sizing_backend() {
+  return std::make_unique<SizingBackend>(make_host_backend(1), true);
 }
 
 }  // namespace loom

@@ -19,6 +19,7 @@ void StepPlan::ring_scratch(const std::string& group, const std::vector<double>&
 void StepPlan::close_pools() {
   if (pools_closed_) return;
   pools_closed_ = true;
+  if (!price_pools) return;
   for (const auto& [group, classes] : pools_)
     for (const auto& [c, k] : classes) add_scratch(Mem::comm, static_cast<double>(c) * k);
 }

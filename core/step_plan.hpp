@@ -61,8 +61,10 @@ struct StepPlan {
   // at once, so its peak is the sum over classes of the class size times the most operations of it
   // in any one call. `concurrent` operations of one call (their bytes) overlap one another.
   void ring_scratch(const std::string& group, const std::vector<double>& concurrent);
-  // Adds the pools' peaks to scratch[comm], once (after every role's plan_step).
+  // Adds the pools' peaks to scratch[comm], once (after every role's plan_step), unless price_pools
+  // is false (the back end's communicators are NCCL's: Backend::ring_scratch_pools).
   void close_pools();
+  bool price_pools = true;
   // Per group ("dp", "tp", "pp", "world"): size class -> the most buffers of it in flight at once,
   // what the run reserves (Communicator::reserve_scratch) and close_pools prices.
   const std::map<std::string, std::map<std::size_t, int>>& pools() const { return pools_; }

@@ -28,13 +28,13 @@ std::array<double, kMemCategories> ledger_now() {
 // Rank `rank` of the deck's layout, built as `loom run` builds it (make_pre_model_roles, the GPT,
 // assemble_roles, the engine) on the sizing back end and a planned grid: what it allocates is the
 // ledger's difference; then each role adds what its step takes.
-RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, int rank, int per_node, EngineConfig ec,
-                            double& flops_per_token) {
+RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std::string& backend, int rank, int per_node,
+                            EngineConfig ec, double& flops_per_token) {
   RankPrediction r;
   r.rank = rank;
   const std::array<double, kMemCategories> before = ledger_now();
   {
-    std::unique_ptr<Backend> be = make_sizing_backend(make_host_backend(1));
+    std::unique_ptr<Backend> be = backend == "cuda" ? make_cuda_sizing_backend() : make_sizing_backend(make_host_backend(1));
     std::unique_ptr<ProcessGrid> grid = ProcessGrid::planned(plan.layout, rank, per_node);
     r.dp_rank = grid->dp_rank();
     r.tp_rank = grid->tp_rank();
@@ -215,9 +215,15 @@ bool group_in_node(const std::string& group, const Layout& l, int per_node) {
   return span <= per_node;
 }
 
+std::string planned_backend(const Deck& deck, const ClusterSpec& cluster) {
+  const std::string b = deck.get_string("run.backend");
+  return b == "cuda" || (b == "auto" && cluster.host_link_bytes_per_s > 0) ? "cuda" : "host";
+}
+
 Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster, bool every_rank) {
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
+  p.backend = planned_backend(deck, cluster);
   EngineConfig ec;
   ec.micro_batches = p.plan.micro_batches;
   ec.rows_per_micro = p.plan.rows_per_micro;
@@ -233,7 +239,7 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
     const int tp_i = rank % l.tp, dp_i = (rank / l.tp) % l.dp;
     if (!every_rank && tp_i != 0 && tp_i != l.tp - 1) continue;
     if (!every_rank && dp_i != 0 && dp_i != l.dp - 1) continue;
-    p.ranks.push_back(predict_rank(deck, p.plan, rank, cluster.devices_per_node, ec, fpt));
+    p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, cluster.devices_per_node, ec, fpt));
     const RankPrediction& r = p.ranks.back();
     p.precision = r.precision == "f32" ? "fp32" : r.precision == "f16" ? "fp16" : r.precision;
     for (int i = 0; i < kMemCategories; ++i) p.peak[static_cast<std::size_t>(i)] = std::max(p.peak[static_cast<std::size_t>(i)], r.peak[static_cast<std::size_t>(i)]);
@@ -272,6 +278,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
   nlohmann::json j = {{"layout", {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}}},
                       {"micro_batches", p.plan.micro_batches},
                       {"precision", p.precision},
+                      {"backend", p.backend},
                       {"zero_stage", p.zero_stage},
                       {"recompute", p.plan.model.recompute},
                       {"cluster", cluster.name},
@@ -302,7 +309,7 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   s << "plan: dp " << l.dp << " x tp " << l.tp << " x pp " << l.pp << " = " << l.ranks() << " device(s), "
     << p.plan.micro_batches << " micro-batch(es) of " << p.plan.rows_per_micro << " sequence(s), " << p.precision
     << (p.zero_stage ? ", ZeRO stage " + std::to_string(p.zero_stage) : std::string()) << (p.plan.model.recompute ? ", recompute" : "")
-    << "\n  on " << cluster.name << "\n";
+    << ", " << p.backend << " back end\n  on " << cluster.name << "\n";
   s << "memory per rank (the ledger's categories; built = allocated when the run is set up, step = taken during a step):\n";
   s << "  rank  coords(dp,tp,pp)";
   for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mem_name(static_cast<Mem>(i));

@@ -40,6 +40,7 @@ struct TimePrediction {
 
 struct Prediction {
   LayoutPlan plan;
+  std::string backend = "host";  // the back end whose memory is planned (planned_backend)
   std::string precision = "fp32";
   int zero_stage = 0;
   std::vector<RankPrediction> ranks;
@@ -62,6 +63,9 @@ bool group_in_node(const std::string& group, const Layout& layout, int per_node)
 // copy it through shared memory themselves, inside loom's communication calls.
 bool comm_hides(const CommCost& k, const Layout& layout, const ClusterSpec& cluster);
 
+// The back end a run of `deck` on `cluster` takes, whose workspace and communicators' memory the plan
+// counts: run.backend = cuda, or auto on a cluster of GPUs (host_link_gbs > 0), is "cuda"; else "host".
+std::string planned_backend(const Deck& deck, const ClusterSpec& cluster);
 // Predicts `deck` (its own layout) on `cluster`. Throws InputError for a layout that cannot run.
 // every_rank = false (the layout search): only the first and last rank of each tp and dp group on
 // every pipeline stage are built, the others being alike.

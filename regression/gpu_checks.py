@@ -29,6 +29,11 @@
                 loss scaling, memory_saving with recompute and micro-batches, long_context with flash
                 attention), 30 steps with their evaluation and checkpoints on each back end: the same
                 losses, every step, within 1e-4 (fp32) or 2e-3 (16-bit, or flash attention) relative.
+  plan_memory   (label gpu) `loom plan` of cuda decks against the CUDA back end's ledger, rank by rank and
+                category by category within 5% + 4 KiB (the workspace beyond cuBLASLt's 32 MiB): one rank
+                in each precision, with flash attention and with recompute; with a device per rank
+                (on the emulated device, regression.gpu.emulated_plan) dp, tp with sequence
+                parallelism, 1F1B, ZeRO-3, int8 compression and dp x tp over NCCL too.
   bundle        (CUDA builds) bench/gpu_bundle.sh packs this build for a node without loom's
                 libraries and bench/gpu_session.sh runs its smoke stage from the bundle: its loom, test
                 program and MPI launcher find their libraries (refusal passes at 1 and 2 ranks), and
@@ -358,6 +363,79 @@ def emulated(args):
     return c.done("emulated")
 
 
+# `loom plan` of a cuda run against the CUDA back end's own ledger: a model whose operand copies and
+# attention scratch are large beside the 4 KiB floor; each layout's own ranks on devices of their own.
+PLAN_MODEL = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.seq_len=64", "model.vocab=256",
+              "train.batch=4"]
+PLAN_LAYOUTS = [
+    ("fp32", 1, []),
+    ("bf16", 1, ["precision.dtype=bf16"]),
+    ("fp16", 1, ["precision.dtype=fp16"]),
+    ("bf16_flash", 1, ["precision.dtype=bf16", "model.attention=flash"]),
+    ("bf16_recompute_micro2", 1, ["precision.dtype=bf16", "model.recompute=true", "train.micro_batches=2"]),
+    ("dp2", 2, ["parallel.dp=2"]),
+    ("tp2_sp_bf16", 2, ["parallel.tp=2", "tensor.sequence_parallel=true", "precision.dtype=bf16"]),
+    ("pp2_1f1b", 2, ["parallel.pp=2", "train.micro_batches=2", "pipeline.schedule=1f1b"]),
+    ("zero3_bf16_dp2", 2, ["parallel.dp=2", "zero.stage=3", "precision.dtype=bf16"]),
+    ("int8_dp2", 2, ["parallel.dp=2", "compression.method=int8"]),
+    ("dp2_tp2", 4, ["parallel.dp=2", "parallel.tp=2"]),
+]
+CUBLASLT_WORKSPACE = 32 << 20  # core/cuda/workspace_plan.hpp kCublasLtWorkspaceBytes
+CATEGORIES = ["params", "grads", "master", "optimizer", "activations", "workspace", "comm"]
+
+
+def plan_memory(args):
+    """`loom plan DECK --set run.backend=cuda --json` against the ledger of the same deck run for 2
+    steps on the CUDA back end, rank by rank and category by category, as regression.plan.memory_vs_ledger
+    holds the host's: |predicted - measured| <= 5% of measured + 4 KiB, the workspace's beyond cuBLASLt's
+    32 MiB (which both must hold) so that the operands' 16-bit copies and the attention's scratch are
+    seen, and comm without ring-scratch pools (NCCL keeps its own buffers). On one GPU the one-rank
+    layouts; where there are devices for every rank (the emulated device's LOOM_CUDA_EMU_DEVICES) the
+    rest over NCCL too."""
+    import json
+    c = gpu_case(args, "plan_memory")
+    if c is None:
+        return SKIP
+    devices = int(os.environ.get("LOOM_CUDA_EMU_DEVICES", "0") or 0)
+    worst = []
+    for name, ranks, sets in PLAN_LAYOUTS:
+        if ranks > 1 and devices < ranks:
+            print("%s: not run (%d ranks need a device each; LOOM_CUDA_EMU_DEVICES = %d)" % (name, ranks, devices))
+            continue
+        over = PLAN_MODEL + sets + ["run.backend=cuda", "train.steps=2", "train.log_every=1", "run.peak_tflops=1"]
+        p = subprocess.run([args.loom, "plan", c.deck, "--cluster", "h100-sxm", "--json"] +
+                           sum((["--set", x] for x in over), []), capture_output=True, text=True)
+        c.check(p.returncode == 0, "%s: loom plan exit %d: %s" % (name, p.returncode, p.stderr[-2000:]))
+        if p.returncode != 0:
+            continue
+        pred = json.loads(p.stdout)
+        c.check(pred.get("backend") == "cuda", "%s: the plan is not for the cuda back end: %s" % (name, pred.get("backend")))
+        _, run_dir = c.loom(name, ranks, over)
+        summary_file = os.path.join(run_dir, "summary.json")
+        if not os.path.exists(summary_file):
+            continue
+        meas = json.load(open(summary_file))["mem_peak_bytes_by_rank"]
+        c.check(len(meas) == len(pred["mem_peak_bytes_by_rank"]), "%s: %d ranks measured, %d predicted"
+                % (name, len(meas), len(pred["mem_peak_bytes_by_rank"])))
+        for r, (m, pr) in enumerate(zip(meas, pred["mem_peak_bytes_by_rank"])):
+            for cat in CATEGORIES:
+                got, want = pr[cat], m[cat]
+                if cat == "workspace":
+                    c.check(got >= CUBLASLT_WORKSPACE and want >= CUBLASLT_WORKSPACE,
+                            "%s rank %d: workspace predicted %d, measured %d: cuBLASLt's 32 MiB missing" % (name, r, got, want))
+                    got, want = got - CUBLASLT_WORKSPACE, want - CUBLASLT_WORKSPACE
+                gap = got - want
+                worst.append((abs(gap) / max(want, 1), name, r, cat, got, want))
+                c.check(abs(gap) <= 0.05 * want + 4096, "%s rank %d %s%s: predicted %d bytes, measured %d (%+.1f%%)"
+                        % (name, r, cat, " beyond cuBLASLt's" if cat == "workspace" else "", got, want,
+                           100.0 * gap / max(want, 1)))
+    worst.sort(reverse=True)
+    print("largest relative gaps (predicted vs the CUDA back end's ledger; workspace beyond cuBLASLt's 32 MiB):")
+    for rel, name, r, cat, got, want in worst[:8]:
+        print("  %-22s rank %d %-11s predicted %9d measured %9d  %6.2f%%" % (name, r, cat, got, want, 100 * rel))
+    return c.done("plan_memory")
+
+
 def bundle(args):
     """bench/gpu_bundle.sh packs this build for a node without loom's libraries, and bench/gpu_session.sh
     runs from it (its `smoke` stage: one CUDA kernel test and the refusal case): the bundle's loom, test
@@ -394,7 +472,7 @@ def bundle(args):
 def main():
     args = case_arguments(__doc__)
     cases = {"refusal": refusal, "matches_host": matches_host, "decks": decks, "fenced": fenced,
-             "cuda_layouts": cuda_layouts, "bundle": bundle, "emulated": emulated}
+             "cuda_layouts": cuda_layouts, "bundle": bundle, "emulated": emulated, "plan_memory": plan_memory}
     if args.case not in cases:
         print("unknown case %s; cases: %s" % (args.case, ", ".join(cases)))
         return 2

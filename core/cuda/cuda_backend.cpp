@@ -23,6 +23,7 @@
 #include "core/backend.hpp"
 #include "core/backend_select.hpp"
 #include "core/cuda/kernels.cuh"
+#include "core/cuda/workspace_plan.hpp"
 #ifdef LOOM_CUDA_NCCL
 #include "core/cuda/comm_nccl.hpp"
 #endif
@@ -94,8 +95,8 @@ class CudaBackend final : public Backend {
     check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
     const char* profile = std::getenv("LOOM_CUDA_PROFILE");
     profile_ = profile && *profile && std::string(profile) != "0";
-    // 32 MiB covers cuBLASLt's choices for every product of GPT-2-sized models (llm.c uses the same).
-    workspace_ = allocate("cuda.cublaslt_workspace", DType::u8, 32ll << 20, Mem::workspace);
+    // What it takes as workspace is planned in core/cuda/workspace_plan.hpp (`loom plan` reads it).
+    workspace_ = allocate("cuda.cublaslt_workspace", DType::u8, cuda_plan::kCublasLtWorkspaceBytes, Mem::workspace);
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
@@ -169,6 +170,7 @@ class CudaBackend final : public Backend {
                                        sizeof(cudaUUID_t)) == 0;
 #ifdef LOOM_CUDA_NCCL
     if (!shared) {
+      nccl_made_ = true;
       note_comm(name, nccl_description());
       return make_nccl_communicator(comm, name, stream_);
     }
@@ -177,6 +179,7 @@ class CudaBackend final : public Backend {
                            : "host copies over MPI (this loom was built without NCCL)");
     return Backend::make_communicator(comm, name);
   }
+  bool ring_scratch_pools() const override { return !nccl_made_; }
   void set_precision(const Precision& p) override {
     if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
       refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) +
@@ -261,8 +264,8 @@ class CudaBackend final : public Backend {
   }
   void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
     Timed timed(this, "matmul_forward", N, C, OC);
-    const BufferRef x = operand(0, inp, static_cast<std::int64_t>(N) * C);       // [N,C]
-    const BufferRef w = operand(1, weight, static_cast<std::int64_t>(OC) * C);   // [OC,C]
+    const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
+    const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
     Gemm g;                                                                      // out = x W^T (+ bias)
     g.ta = false, g.tb = true, g.M = N, g.N = OC, g.K = C;
     g.A = x.data, g.a_type = x.type, g.lda = C;
@@ -274,10 +277,10 @@ class CudaBackend final : public Backend {
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp, BufferRef weight,
                        int N, int C, int OC) override {
     Timed timed(this, "matmul_backward", N, C, OC);
-    const BufferRef d = operand(2, BufferRef(dout, static_cast<std::int64_t>(N) * OC, MemSpace::device),
-                                static_cast<std::int64_t>(N) * OC);             // [N,OC]
-    const BufferRef w = operand(1, weight, static_cast<std::int64_t>(OC) * C);   // [OC,C]
-    const BufferRef x = operand(0, inp, static_cast<std::int64_t>(N) * C);       // [N,C]
+    const BufferRef d = operand(cuda_plan::kDout, BufferRef(dout, static_cast<std::int64_t>(N) * OC, MemSpace::device),
+                                static_cast<std::int64_t>(N) * OC);                              // [N,OC]
+    const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
+    const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
     Gemm g;  // dinp = dout W
     g.M = N, g.N = C, g.K = OC;
     g.A = d.data, g.a_type = d.type, g.lda = OC;
@@ -324,7 +327,8 @@ class CudaBackend final : public Backend {
     const int hs = C / NH, C3 = 3 * C;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
     const long long TT = static_cast<long long>(T) * T;
-    ensure_capacity(*this, att_scratch_, "cuda.attention_datt", DType::f32, NH * TT, Mem::workspace);
+    ensure_capacity(*this, att_scratch_, "cuda.attention_datt", DType::f32, cuda_plan::attention_scratch_floats(NH, T),
+                    Mem::workspace);
     float* datt = att_scratch_.data<float>();  // [NH,T,T]
     for (int b = 0; b < B; ++b) {
       const std::int64_t base = static_cast<std::int64_t>(b) * T * C3;
@@ -758,7 +762,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   TypedBuffer workspace_;
-  std::array<TypedBuffer, 3> operands_;  // 16-bit (or widened) operands of one product: input, weight, gradient
+  bool nccl_made_ = false;  // a communicator it made is NCCL's (no ring-scratch pools)
+  std::array<TypedBuffer, cuda_plan::kSlots> operands_;  // 16-bit (or widened) operands of one product: input, weight, gradient
   TypedBuffer att_scratch_;              // [NH,T,T] attention-score gradients of one sequence
   TypedBuffer reduce_scratch_;           // per-block partial sums of a reduction
   TypedBuffer topk_scratch_;             // top-k's histograms and counts (cuda::topk_scratch_count)
