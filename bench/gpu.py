@@ -14,6 +14,12 @@ Usage (on a machine with a GPU):
      A100 312, H100 SXM / H200 989.4 TFLOP/s, NVIDIA's datasheets), the ratio loom / PyTorch, and
      llm.c's figure for reference (about 60% MFU on A100, from its README; not measured here).
 A benchmark, not a test: exit 0 when both parts ran, 1 otherwise; no GPU: exit 77 saying so.
+--set model.* and train.* reach both: loom's run and PyTorch's model and optimizer.
+
+--smoke runs all of it where there is no GPU, to check the script, not to measure: a small model
+(SMOKE_SETS), loom's cuda back end on the emulated device (LOOM_CUDA_BACKEND_LIBRARY =
+build/lib/libloom_cuda_emu.so, which the caller sets) and PyTorch on the CPU (autocast bf16, AdamW
+unfused), 3 steps, a peak of 1 TFLOP/s assumed (regression.gpu.emulated_bench).
 """
 import argparse
 import configparser
@@ -27,13 +33,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "regression"))
 
 PEAKS = [("H200", 989.4), ("H100", 989.4), ("A100", 312.0)]  # dense bf16 TFLOP/s (SXM datasheets)
+SMOKE_SETS = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.seq_len=64", "model.vocab=256",
+              "train.batch=4"]
 
 
-def deck_values(path):
+def deck_values(path, sets):
+    """The deck's model and train sections, with the --set overrides of those sections applied."""
     cp = configparser.ConfigParser(inline_comment_prefixes=("#",))
     cp.read(path)
     model = {k: int(cp["model"][k]) for k in ("layers", "d_model", "heads", "seq_len", "vocab")}
     train = {k: cp["train"][k] for k in cp["train"]}
+    for kv in sets:
+        key, _, value = kv.partition("=")
+        section, _, name = key.partition(".")
+        if section == "model" and name in model:
+            model[name] = int(value)
+        elif section == "train":
+            train[name] = value
     return model, train
 
 
@@ -63,7 +79,9 @@ def run_loom(args, model, batch):
 def run_torch(args, model, train, batch):
     import torch
     import torch_gpt
-    dev = torch.device("cuda")
+    kind = "cpu" if args.smoke else "cuda"
+    dev = torch.device(kind)
+    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
     torch.manual_seed(1)
     if args.torch_attention == "sdpa":
         if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
@@ -71,13 +89,13 @@ def run_torch(args, model, train, batch):
                                "or newer)" % torch.__version__)
         torch_gpt.CausalSelfAttention.use_sdpa = True
     net = torch_gpt.build_model(model).to(dev)
-    opt = torch_gpt.make_optimizer(net, train, fused=True)
+    opt = torch_gpt.make_optimizer(net, train, **({"fused": True} if kind == "cuda" else {}))
     T, V = model["seq_len"], model["vocab"]
 
     def step():
         idx = torch.randint(0, V, (batch, T + 1), device=dev)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(kind, dtype=torch.bfloat16):
             _, loss = net(idx[:, :-1], idx[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), float(train.get("grad_clip", 1.0)))
@@ -85,18 +103,34 @@ def run_torch(args, model, train, batch):
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     return batch * T * args.steps / (time.perf_counter() - t0), torch.__version__
+
+
+def gpu_name():
+    """(the GPU's name, "") or ("", why there is none)."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return "", "no GPU: torch.cuda.is_available() is False; nothing to measure"
+        return torch.cuda.get_device_name(0), ""
+    except ImportError:
+        try:
+            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                  text=True).stdout.strip()
+        except FileNotFoundError:  # no NVIDIA driver here
+            name = ""
+        return name, "" if name else "no GPU (and no PyTorch): nothing to measure"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=0, help="timed steps (default 20; 3 with --smoke)")
     ap.add_argument("--batch", type=int, default=0, help="sequences per step (default: the deck's)")
     ap.add_argument("--peak-tflops", type=float, default=0)
     ap.add_argument("--workdir", default="build/gpu-bench")
@@ -105,27 +139,28 @@ def main():
                     help="PyTorch's attention: the [T,T] scores written out (manual, as loom's unfused) or "
                          "scaled_dot_product_attention (sdpa: fused, the peer of --set model.attention=flash)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a deck override for loom's run (repeatable), e.g. --set run.tf32=false")
+                    help="a deck override for loom's run (repeatable), e.g. --set run.tf32=false; model.* and "
+                         "train.* apply to PyTorch's run too")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the script without a GPU: a small model on the emulated device and PyTorch on the CPU")
     args = ap.parse_args()
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            print("no GPU: torch.cuda.is_available() is False; nothing to measure")
-            return 77
-        name = torch.cuda.get_device_name(0)
-    except ImportError:
-        try:
-            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                  text=True).stdout.strip()
-        except FileNotFoundError:  # no NVIDIA driver here
-            name = ""
+    args.steps = args.steps or (3 if args.smoke else 20)
+    if args.smoke:
+        args.set = SMOKE_SETS + args.set
+        args.peak_tflops = args.peak_tflops or 1.0
+        if not os.environ.get("LOOM_CUDA_BACKEND_LIBRARY"):
+            print("--smoke runs loom on the emulated device: set LOOM_CUDA_BACKEND_LIBRARY=build/lib/libloom_cuda_emu.so")
+            return 2
+        name = "smoke: loom on its emulated device, PyTorch on the CPU (nothing measured)"
+    else:
+        name, why = gpu_name()
         if not name:
-            print("no GPU (and no PyTorch): nothing to measure")
+            print(why)
             return 77
     if args.peak_tflops <= 0:
         args.peak_tflops = next((p for key, p in PEAKS if key in name), 0) or 989.4
     os.makedirs(args.workdir, exist_ok=True)
-    model, train = deck_values(os.path.join(HERE, "gpu.deck"))
+    model, train = deck_values(os.path.join(HERE, "gpu.deck"), args.set)
     batch = args.batch or int(train["batch"])
     fpt = flops_per_token(model)
     print("device: %s, dense bf16 peak %.1f TFLOP/s; GPT-2 %d layers, d %d, T %d, vocab %d; batch %d; %.3g FLOP/token"
@@ -133,6 +168,9 @@ def main():
     s = run_loom(args, model, batch)
     out = {"device": name, "peak_tflops": args.peak_tflops, "batch": batch, "steps": args.steps}
     ok = s is not None
+    if s and abs(s["model_flops_per_token"] - fpt) > 1e-9 * fpt:  # PyTorch's model is not loom's
+        print("loom's run counts %.6g FLOP/token, this script's model %.6g: the two models differ" % (s["model_flops_per_token"], fpt))
+        ok = False
     if s:
         out["loom_tokens_per_s"] = s["tokens_per_s"]
         out["loom_mfu"] = s["tokens_per_s"] * fpt / (args.peak_tflops * 1e12)
@@ -143,8 +181,8 @@ def main():
             out["torch_tokens_per_s"], out["torch_version"] = tps, version
             out["torch_mfu"] = tps * fpt / (args.peak_tflops * 1e12)
             out["torch_attention"] = args.torch_attention
-            print("PyTorch : %10.0f tokens/s  MFU %5.1f%%  (torch %s, autocast bf16, fused AdamW, %s attention)"
-                  % (tps, 100 * out["torch_mfu"], version,
+            print("PyTorch : %10.0f tokens/s  MFU %5.1f%%  (torch %s, autocast bf16, %s AdamW, %s attention)"
+                  % (tps, 100 * out["torch_mfu"], version, "unfused" if args.smoke else "fused",
                      "scaled_dot_product_attention" if args.torch_attention == "sdpa" else "manual"))
             if s:
                 out["ratio_loom_over_torch"] = out["loom_tokens_per_s"] / tps
