@@ -14,7 +14,7 @@ Usage (on a machine with a GPU):
      A100 312, H100 SXM / H200 989.4 TFLOP/s, NVIDIA's datasheets), the ratio loom / PyTorch, and
      llm.c's figure for reference (about 60% MFU on A100, from its README; not measured here).
 A benchmark, not a test: exit 0 when both parts ran, 1 otherwise; no GPU: exit 77 saying so.
---set model.* and train.* reach both: loom's run and PyTorch's model and optimizer.
+--set of the model's shape and of train.* reach both: loom's run and PyTorch's model and optimizer.
 
 --smoke runs all of it where there is no GPU, to check the script, not to measure: a small model
 (SMOKE_SETS), loom's cuda back end on the emulated device (LOOM_CUDA_BACKEND_LIBRARY =
@@ -139,12 +139,16 @@ def main():
                     help="PyTorch's attention: the [T,T] scores written out (manual, as loom's unfused) or "
                          "scaled_dot_product_attention (sdpa: fused, the peer of --set model.attention=flash)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a deck override for loom's run (repeatable), e.g. --set run.tf32=false; model.* and "
-                         "train.* apply to PyTorch's run too")
+                    help="a deck override for loom's run (repeatable), e.g. --set run.tf32=false; the model's "
+                         "shape (model.layers, d_model, heads, seq_len, vocab) and train.* apply to PyTorch's run "
+                         "too (model.attention: --torch-attention)")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script without a GPU: a small model on the emulated device and PyTorch on the CPU")
     args = ap.parse_args()
     args.steps = args.steps or (3 if args.smoke else 20)
+    if args.batch and any(kv.startswith("train.batch=") for kv in args.set):
+        print("--batch and --set train.batch both set the batch: give one")
+        return 2
     if args.smoke:
         args.set = SMOKE_SETS + args.set
         args.peak_tflops = args.peak_tflops or 1.0

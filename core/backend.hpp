@@ -89,9 +89,10 @@ class Backend {
   };
   virtual void plan_workspace(StepPlan& /*plan*/, const std::vector<MatmulCall>& /*calls*/,
                               const AttentionShape& /*attention*/) const {}
-  // Whether the communicators between ranks it makes keep loom's ring-scratch pools (MPI, direct or
-  // staged: Mem::comm, reserved from the plan); false where they are NCCL's, whose buffers are NCCL's
-  // own and outside the ledger.
+  // `loom plan`: whether the communicators between ranks it stands for keep loom's ring-scratch pools
+  // (MPI, direct or staged: Mem::comm, reserved from the plan); false for a planned cuda run over
+  // NCCL, whose buffers are NCCL's own and outside the ledger. (A run reserves the pools it plans on
+  // each communicator; NCCL's ignore the reservation.)
   virtual bool ring_scratch_pools() const { return true; }
 
   // wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor parallelism).
@@ -264,8 +265,9 @@ std::unique_ptr<Backend> make_fenced_backend(int threads);
 std::unique_ptr<Backend> make_sizing_backend(std::unique_ptr<Backend> like);
 // The same for a run on the cuda back end, planned where there is no GPU: its workspace as
 // core/cuda/workspace_plan.hpp says the CUDA back end takes it (cuBLASLt's, the operands' 16-bit
-// copies, the attention's scratch), its communicators NCCL's (no ring-scratch pools), and the fused
-// attention refused only for its head sizes (every GPU of the presets runs it).
+// copies, the attention's scratch), its communicators NCCL's (no ring-scratch pools: a plan puts one
+// rank on each device, so run.share_gpu, which lets ranks share one through host copies and MPI, does
+// not arise), and the fused attention refused only for its head sizes (every GPU of the presets runs it).
 std::unique_ptr<Backend> make_cuda_sizing_backend();
 
 }  // namespace loom

@@ -38,7 +38,7 @@ class SizingBackend final : public Backend {
     else
       like_->plan_workspace(plan, calls, attention);
   }
-  bool ring_scratch_pools() const override { return cuda_ ? false : like_->ring_scratch_pools(); }
+  bool ring_scratch_pools() const override { return !cuda_ && like_->ring_scratch_pools(); }
 
   void encoder_forward(float*, const std::int32_t*, const float*, const float*, int, int, int, int, int, bool) override {
     no("encoder_forward");
@@ -119,7 +119,7 @@ class SizingBackend final : public Backend {
                            "): building a rank's roles must only allocate");
   }
   std::unique_ptr<Backend> like_;
-  bool cuda_;  // plans a cuda run: its workspace and NCCL, not like_'s
+  bool cuda_;  // plans a cuda run: its workspace, not like_'s, and NCCL between ranks
   std::uintptr_t next_ = std::uintptr_t{1} << 48;
 };
 

@@ -1,6 +1,7 @@
 // `loom ckpt verify FILE|DIR`: reads checkpoints whole on one process and says which are intact, before
-// a long job is launched to resume from one. For a checkpoint directory it checks every ckpt-*.h5,
-// says whether `latest` names an intact one, and if not which checkpoint to resume from instead.
+// a long job is launched to resume from one. For a checkpoint directory it checks every ckpt-*.h5 (and
+// the file `latest` names), says whether `latest` names an intact one, and if not which checkpoint
+// (the newest intact by its step) to resume from instead.
 #include <mpi.h>
 
 #include <algorithm>
@@ -54,32 +55,41 @@ int command_ckpt_verify(const std::string& path) {
   if (!fs::exists(path, ec)) throw InputError(quote_path(path) + " does not exist: name a checkpoint file or a checkpoint directory");
   if (!fs::is_directory(path, ec)) return report(path, verify_checkpoint(path)) ? 0 : 1;
 
-  // A directory: its checkpoints oldest first, and the writes that never finished (a crash mid-write
-  // leaves ckpt-*.h5.tmp; the next save removes it).
+  // A directory: its checkpoints, and the writes that never finished (a crash mid-write leaves
+  // ckpt-*.h5.tmp; the next save removes it).
   std::vector<std::string> files, unfinished;
-  for (const auto& e : fs::directory_iterator(path, ec)) {
-    const std::string f = e.path().filename().string();
+  for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string f = it->path().filename().string();
     if (f.rfind("ckpt-", 0) != 0) continue;
-    if (e.path().extension() == ".h5") files.push_back(f);
-    if (e.path().extension() == ".tmp") unfinished.push_back(f);
+    if (it->path().extension() == ".h5") files.push_back(f);
+    if (it->path().extension() == ".tmp") unfinished.push_back(f);
   }
   if (ec) throw InputError(quote_path(path) + ": cannot be listed (" + ec.message() + ")");
-  std::sort(files.begin(), files.end());
   std::sort(unfinished.begin(), unfinished.end());
+  // `latest` may name a file the pattern does not take (a user's own name): verified too.
+  std::string latest;
+  std::ifstream in(path + "/latest");
+  const bool has_latest = static_cast<bool>(in);
+  if (has_latest) std::getline(in, latest);
+  if (!latest.empty() && std::find(files.begin(), files.end(), latest) == files.end() && fs::is_regular_file(path + "/" + latest, ec))
+    files.push_back(latest);
   if (files.empty())
     throw InputError(quote_path(path) + " holds no checkpoint (ckpt-*.h5): name a checkpoint file or the checkpoint.dir of a run");
-  std::vector<std::string> intact;
-  for (const std::string& f : files)
-    if (report(path + "/" + f, verify_checkpoint(path + "/" + f))) intact.push_back(f);
+  // Oldest first by the step each records (a file whose step cannot be read goes first).
+  std::vector<std::pair<std::string, CheckpointVerdict>> checked;
+  for (const std::string& f : files) checked.emplace_back(f, verify_checkpoint(path + "/" + f));
+  std::stable_sort(checked.begin(), checked.end(), [](const auto& a, const auto& b) { return a.second.step < b.second.step; });
+  std::vector<std::string> intact;  // oldest first
+  for (const auto& [f, verdict] : checked)
+    if (report(path + "/" + f, verdict)) intact.push_back(f);
   for (const std::string& f : unfinished)
     std::cout << quote_path(path + "/" + f) << ": an unfinished write (not a checkpoint; the next save removes it)\n";
 
-  std::string latest;
-  std::ifstream in(path + "/latest");
-  if (in) std::getline(in, latest);
   const bool latest_intact = std::find(intact.begin(), intact.end(), latest) != intact.end();
-  if (latest.empty())
+  if (!has_latest)
     std::cout << "latest: none";
+  else if (latest.empty())
+    std::cout << "latest: the file is empty (damaged)";
   else if (latest_intact)
     std::cout << "latest: " << latest << ", intact: checkpoint.resume = latest continues from it\n";
   else

@@ -461,6 +461,14 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   st.layout.pp = static_cast<int>(pp);
   if (!read_attr_i64(file, "skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // written before skipping existed
   st.model = recorded_model(file, path, st.deck);
+  // A model no run could have written (a damaged attribute) is corruption, named before anything is
+  // built from it.
+  for (const ModelKey& k : kModelKeys)
+    if (st.model.*k.field < 1)
+      fail(path, std::string("records ") + k.key + " = " + std::to_string(st.model.*k.field) + ": corrupt (a model's sizes are at least 1)");
+  if (st.model.d_model % st.model.heads != 0)
+    fail(path, "records model.d_model = " + std::to_string(st.model.d_model) + " and model.heads = " +
+                   std::to_string(st.model.heads) + ", which does not divide it: corrupt");
   if (st.step < 0 || st.optimizer_steps < 0 || st.skipped_steps < 0 ||
       st.step != st.optimizer_steps + st.skipped_steps)
     fail(path, "has step = " + std::to_string(st.step) + ", optimizer_steps = " + std::to_string(st.optimizer_steps) +
@@ -623,10 +631,14 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
         continue;
       }
       Handle ds{H5Dopen2(file.id, t.path.c_str(), H5P_DEFAULT), H5Dclose};
+      if (ds.id < 0) {
+        v.problems.push_back("cannot open tensor " + t.path + " (corrupt)");
+        continue;
+      }
       Handle space{H5Dget_space(ds.id), H5Sclose};
       std::vector<hsize_t> dims(static_cast<std::size_t>(std::max(0, H5Sget_simple_extent_ndims(space.id))));
       H5Sget_simple_extent_dims(space.id, dims.data(), nullptr);
-      if (ds.id < 0 || dims != std::vector<hsize_t>(t.shard.shape.begin(), t.shard.shape.end()))
+      if (dims != std::vector<hsize_t>(t.shard.shape.begin(), t.shard.shape.end()))
         v.problems.push_back("tensor " + t.path + " has shape " + shape_text(dims) + ", but the model it records needs " +
                              shape_text(t.shard.shape));
     }
@@ -634,13 +646,16 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
     // Every dataset in the file (the plugins' state too), read whole in blocks of rows: its values
     // against the checksum its writers recorded, then finiteness, as load_checkpoint checks them.
     std::vector<std::string> names;
-    H5Ovisit(
+    const herr_t visited = H5Ovisit(
         file.id, H5_INDEX_NAME, H5_ITER_INC,
         [](hid_t, const char* name, const H5O_info_t* info, void* out) -> herr_t {
           if (info->type == H5O_TYPE_DATASET) static_cast<std::vector<std::string>*>(out)->push_back("/" + std::string(name));
           return 0;
         },
         &names);
+    if (visited < 0)
+      v.problems.push_back("cannot list its datasets (a damaged group): those after " +
+                           (names.empty() ? std::string("the first") : names.back()) + " are not checked");
     std::vector<float> block;
     for (const std::string& name : names) {
       Handle ds{H5Dopen2(file.id, name.c_str(), H5P_DEFAULT), H5Dclose};
@@ -660,26 +675,37 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
       const hsize_t rows = rank ? dims[0] : 1;
       hsize_t row = 1;
       for (int d = 1; d < rank; ++d) row *= dims[static_cast<std::size_t>(d)];
-      const hsize_t per_block = std::max<hsize_t>(1, (hsize_t{1} << 20) / std::max<hsize_t>(row, 1));
+      // Pieces of about 2^20 elements: blocks of whole rows, or a long row of a matrix in parts (a
+      // compression residual's row is a whole tensor).
+      const hsize_t piece = hsize_t{1} << 20;
+      const hsize_t per_block = std::max<hsize_t>(1, piece / std::max<hsize_t>(row, 1));
+      const hsize_t cols_per_piece = rank == 2 && row > piece ? piece : row;
       std::uint64_t got = 0;
       std::int64_t nonfinite = 0;
       bool readable = true;
-      for (hsize_t r0 = 0; r0 < rows && readable; r0 += per_block) {
-        const hsize_t n = std::min(per_block, rows - r0);
-        std::vector<hsize_t> start(static_cast<std::size_t>(rank), 0), count(dims);
-        if (rank) {
-          start[0] = r0;
-          count[0] = n;
-          H5Sselect_hyperslab(fspace.id, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+      for (hsize_t r0 = 0; r0 < rows && readable; r0 += cols_per_piece < row ? 1 : per_block)
+        for (hsize_t c0 = 0; c0 < std::max<hsize_t>(row, 1) && readable; c0 += cols_per_piece) {
+          const hsize_t n = cols_per_piece < row ? 1 : std::min(per_block, rows - r0);
+          const hsize_t m = std::min(cols_per_piece, row - c0);
+          std::vector<hsize_t> start(static_cast<std::size_t>(rank), 0), count(dims);
+          if (rank) {
+            start[0] = r0;
+            count[0] = n;
+            if (rank == 2) {
+              start[1] = c0;
+              count[1] = m;
+            }
+            H5Sselect_hyperslab(fspace.id, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+          }
+          const hsize_t elems = n * m;
+          block.resize(static_cast<std::size_t>(elems));
+          Handle mspace{H5Screate_simple(1, &elems, nullptr), H5Sclose};
+          readable = H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, H5P_DEFAULT, block.data()) >= 0;
+          if (!readable) break;
+          got += checksum_run(static_cast<std::int64_t>(r0 * row + c0), block.data(), static_cast<std::int64_t>(elems));
+          for (float x : block) nonfinite += !std::isfinite(x);
+          if (row == 0) break;
         }
-        const hsize_t elems = n * row;
-        block.resize(static_cast<std::size_t>(elems));
-        Handle mspace{H5Screate_simple(1, &elems, nullptr), H5Sclose};
-        readable = H5Dread(ds.id, H5T_NATIVE_FLOAT, mspace.id, fspace.id, H5P_DEFAULT, block.data()) >= 0;
-        if (!readable) break;
-        got += checksum_run(static_cast<std::int64_t>(r0 * row), block.data(), static_cast<std::int64_t>(elems));
-        for (float x : block) nonfinite += !std::isfinite(x);
-      }
       ++v.tensors;
       v.bytes += static_cast<std::int64_t>(rows * row * sizeof(float));
       if (!readable)
@@ -693,7 +719,14 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
     }
   } catch (const InputError& e) {
     v.problems.push_back(e.what());
+  } catch (const std::exception& e) {  // anything else a damaged file leads to: said, and the next file read
+    v.problems.push_back(std::string("cannot be checked: ") + e.what());
   }
+  // A tensor both lists name (a required one that cannot be opened) is said once.
+  std::vector<std::string> once;
+  for (std::string& p : v.problems)
+    if (std::find(once.begin(), once.end(), p) == once.end()) once.push_back(std::move(p));
+  v.problems = std::move(once);
   return v;
 }
 

@@ -24,7 +24,8 @@ CASE is one of:
                      them with /usr/bin/python3, which has it)
   verify             `loom ckpt verify` on a checkpoint.dir: intact; the newest checkpoint damaged (named
                      with its tensor, the older one advised, and resuming from it continues exactly); a
-                     tensor missing; a path that does not exist (uses h5py)
+                     tensor missing; a damaged model attribute (heads 0); a path that does not exist
+                     (uses h5py)
   kill_mid_write     rank 1 dies while the step-4 checkpoint is being written: the step-2 checkpoint
                      is intact, `latest` still names it, and a resume from `latest` continues the run
   sigterm            SIGTERM to a running job: it saves a checkpoint, points `latest` at it and exits
@@ -236,6 +237,12 @@ def main():
             del f["optimizer/v/blocks.1.ln2.bias"]
         verify(missing, 1, [r"DAMAGED\n  has no tensor /optimizer/v/blocks\.1\.ln2\.bias \(the model it records needs it\)"])
         os.remove(missing)
+        heads0 = os.path.join(ckdir, "heads0.h5")  # a damaged attribute: named, not a crash
+        shutil.copy(ckpt4, heads0)
+        with h5py.File(heads0, "r+") as f:
+            f.attrs["model_heads"] = 0
+        verify(heads0, 1, [r"heads0\.h5': DAMAGED\n  records model\.heads = 0: corrupt"])
+        os.remove(heads0)
         verify(os.path.join(c.dir, "nowhere"), 2, [r"nowhere' does not exist: name a checkpoint file or a checkpoint directory"])
     elif name == "kill_mid_write":
         ref, _ = saved(c, 2, ["parallel.dp=2"], tag="reference")

@@ -390,17 +390,20 @@ def plan_memory(args):
     holds the host's: |predicted - measured| <= 5% of measured + 4 KiB, the workspace's beyond cuBLASLt's
     32 MiB (which both must hold) so that the operands' 16-bit copies and the attention's scratch are
     seen, and comm without ring-scratch pools (NCCL keeps its own buffers). On one GPU the one-rank
-    layouts; where there are devices for every rank (the emulated device's LOOM_CUDA_EMU_DEVICES) the
-    rest over NCCL too."""
+    layouts; where there are devices for every rank (nvidia-smi's GPUs, or the emulated device's
+    LOOM_CUDA_EMU_DEVICES) the rest over NCCL too."""
     import json
     c = gpu_case(args, "plan_memory")
     if c is None:
         return SKIP
     devices = int(os.environ.get("LOOM_CUDA_EMU_DEVICES", "0") or 0)
+    if not devices and shutil.which("nvidia-smi"):  # a GPU node: its GPUs, one per rank
+        devices = len([l for l in subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines()
+                       if l.startswith("GPU ")])
     worst = []
     for name, ranks, sets in PLAN_LAYOUTS:
         if ranks > 1 and devices < ranks:
-            print("%s: not run (%d ranks need a device each; LOOM_CUDA_EMU_DEVICES = %d)" % (name, ranks, devices))
+            print("%s: not run (%d ranks need a device each; %d here)" % (name, ranks, devices))
             continue
         over = PLAN_MODEL + sets + ["run.backend=cuda", "train.steps=2", "train.log_every=1", "run.peak_tflops=1"]
         p = subprocess.run([args.loom, "plan", c.deck, "--cluster", "h100-sxm", "--json"] +

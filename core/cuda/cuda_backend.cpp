@@ -170,7 +170,6 @@ class CudaBackend final : public Backend {
                                        sizeof(cudaUUID_t)) == 0;
 #ifdef LOOM_CUDA_NCCL
     if (!shared) {
-      nccl_made_ = true;
       note_comm(name, nccl_description());
       return make_nccl_communicator(comm, name, stream_);
     }
@@ -179,7 +178,6 @@ class CudaBackend final : public Backend {
                            : "host copies over MPI (this loom was built without NCCL)");
     return Backend::make_communicator(comm, name);
   }
-  bool ring_scratch_pools() const override { return !nccl_made_; }
   void set_precision(const Precision& p) override {
     if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
       refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) +
@@ -762,7 +760,6 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   TypedBuffer workspace_;
-  bool nccl_made_ = false;  // a communicator it made is NCCL's (no ring-scratch pools)
   std::array<TypedBuffer, cuda_plan::kSlots> operands_;  // 16-bit (or widened) operands of one product: input, weight, gradient
   TypedBuffer att_scratch_;              // [NH,T,T] attention-score gradients of one sequence
   TypedBuffer reduce_scratch_;           // per-block partial sums of a reduction

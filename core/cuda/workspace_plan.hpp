@@ -20,7 +20,10 @@ inline constexpr std::int64_t kCublasLtWorkspaceBytes = 32ll << 20;
 // The operand slots of the products: matmul_forward casts inp [N,C] into slot kInp and weight [OC,C]
 // into kWeight; matmul_backward dout [N,OC] into kDout, then weight and inp. Only an operand not
 // already of the products' type (precision.matmul) is cast; a slot grows with the largest call
-// (ensure_capacity makes the larger buffer before it frees the smaller).
+// (ensure_capacity makes the larger buffer before it frees the smaller). The generic Backend::matmul
+// uses the slots too, as fp32 copies of 16-bit operands or of a 16-bit out: during a step only
+// PowerSGD calls it, with fp32 operands and out, which take none (a mixed call would change a slot's
+// type and reallocate it, which this plan does not count).
 enum Slot { kInp = 0, kWeight = 1, kDout = 2, kSlots = 3 };
 
 // The unfused attention's backward: the scores' gradient of one sequence's heads at once, [NH,T,T]

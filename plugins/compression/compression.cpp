@@ -613,7 +613,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // Q's datasets name their rank (q_rank<r>): at another compression.rank none is found and Q keeps
     // its initial draw, which a user who changed the rank on resume should be told.
     const auto q_rank = found.find("compression_powersgd_rank");
-    if (say_ && q_rank != found.end() && static_cast<int>(q_rank->second) != cfg_.rank)
+    const bool q_continues = q_rank == found.end() || static_cast<int>(q_rank->second) == cfg_.rank;
+    if (say_ && !q_continues)
       std::printf("  compression: the checkpoint's PowerSGD Q has compression.rank = %d: at compression.rank = %d "
                   "Q starts from its initial draw\n", static_cast<int>(q_rank->second), cfg_.rank);
     if (residual_.empty() || !say_) return;
@@ -622,7 +623,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     else if (static_cast<int>(dp->second) != dp_.size())
       std::printf("  compression: the checkpoint was written at parallel.dp = %d: error-feedback residuals (one per dp "
                   "rank) start from zero at parallel.dp = %d%s\n", static_cast<int>(dp->second), dp_.size(),
-                  cfg_.method == Method::powersgd ? "; PowerSGD's Q continues" : "");
+                  cfg_.method == Method::powersgd && q_continues ? "; PowerSGD's Q continues" : "");
   }
 
  private:
