@@ -220,6 +220,9 @@ class Backend {
   virtual void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) = 0;
   virtual void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) = 0;
   virtual void topk_clear(float* x, const std::int32_t* index, std::int64_t k) = 0;
+  // `loom plan`: the workspace topk_select over n elements takes, kept and grown to the largest n
+  // (none on the host).
+  virtual std::int64_t topk_scratch_bytes(std::int64_t /*n*/) const { return 0; }
 
  protected:
   Precision precision_;

@@ -14,7 +14,7 @@ namespace loom {
 
 // The entry points of libloom_cuda.so (extern "C", resolved by dlsym).
 #define LOOM_CUDA_ABI_VERSION 7  // 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy; 6: Backend::topk_*;
-                                 // 7: Backend::plan_workspace, ring_scratch_pools
+                                 // 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

@@ -31,8 +31,8 @@
 // StepPlan::pools. ABI 10: Backend's fused attention (attention_forward_flash, _backward_flash,
 // flash_attention_refusal), GPTConfig::flash_attention. ABI 11: Backend::int8_absmax, _quantize,
 // _dequantize, axpy; StepPlan::backend_bytes. ABI 12: Backend::topk_select, _scatter_add, _clear; GradBucket::Tensor::begin.
-// ABI 13: Backend::plan_workspace (plan_matmuls with the attention's shape), ring_scratch_pools;
-// StepPlan::price_pools.
+// ABI 13: Backend::plan_workspace (plan_matmuls with the attention's shape), ring_scratch_pools,
+// topk_scratch_bytes; StepPlan::price_pools.
 #define LOOM_PLUGIN_ABI_VERSION 13
 
 extern "C" {

@@ -38,6 +38,9 @@ class SizingBackend final : public Backend {
     else
       like_->plan_workspace(plan, calls, attention);
   }
+  std::int64_t topk_scratch_bytes(std::int64_t n) const override {
+    return cuda_ ? cuda_plan::topk_scratch_bytes(n) : like_->topk_scratch_bytes(n);
+  }
   bool ring_scratch_pools() const override { return !cuda_ && like_->ring_scratch_pools(); }
 
   void encoder_forward(float*, const std::int32_t*, const float*, const float*, int, int, int, int, int, bool) override {

@@ -33,7 +33,7 @@
                 category by category within 5% + 4 KiB (the workspace beyond cuBLASLt's 32 MiB): one rank
                 in each precision, with flash attention and with recompute; with a device per rank
                 (on the emulated device, regression.gpu.emulated_plan) dp, tp with sequence
-                parallelism, 1F1B, ZeRO-3, int8 compression and dp x tp over NCCL too.
+                parallelism, 1F1B, ZeRO-3, int8 and top-k compression and dp x tp over NCCL too.
   bundle        (CUDA builds) bench/gpu_bundle.sh packs this build for a node without loom's
                 libraries and bench/gpu_session.sh runs its smoke stage from the bundle: its loom, test
                 program and MPI launcher find their libraries (refusal passes at 1 and 2 ranks), and
@@ -378,6 +378,7 @@ PLAN_LAYOUTS = [
     ("pp2_1f1b", 2, ["parallel.pp=2", "train.micro_batches=2", "pipeline.schedule=1f1b"]),
     ("zero3_bf16_dp2", 2, ["parallel.dp=2", "zero.stage=3", "precision.dtype=bf16"]),
     ("int8_dp2", 2, ["parallel.dp=2", "compression.method=int8"]),
+    ("topk_dp2", 2, ["parallel.dp=2", "compression.method=topk", "compression.ratio=0.1"]),
     ("dp2_tp2", 4, ["parallel.dp=2", "parallel.tp=2"]),
 ]
 CUBLASLT_WORKSPACE = 32 << 20  # core/cuda/workspace_plan.hpp kCublasLtWorkspaceBytes

@@ -558,10 +558,12 @@ class CudaBackend final : public Backend {
   }
   void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) override {
     Timed timed(this, "topk_select");
-    ensure_capacity(*this, topk_scratch_, "cuda.topk_scratch", DType::i32, cuda::topk_scratch_count(n), Mem::workspace);
+    ensure_capacity(*this, topk_scratch_, "cuda.topk_scratch", DType::i32, cuda_plan::topk_scratch_bytes(n) / 4,
+                    Mem::workspace);
     cuda::topk_select(index, value, x, n, k, reinterpret_cast<std::uint32_t*>(topk_scratch_.data<std::int32_t>()),
                       stream_);
   }
+  std::int64_t topk_scratch_bytes(std::int64_t n) const override { return cuda_plan::topk_scratch_bytes(n); }
   void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) override {
     Timed timed(this, "topk_scatter_add");
     cuda::topk_scatter_add(x, index, value, k, stream_);
@@ -763,7 +765,7 @@ class CudaBackend final : public Backend {
   std::array<TypedBuffer, cuda_plan::kSlots> operands_;  // 16-bit (or widened) operands of one product: input, weight, gradient
   TypedBuffer att_scratch_;              // [NH,T,T] attention-score gradients of one sequence
   TypedBuffer reduce_scratch_;           // per-block partial sums of a reduction
-  TypedBuffer topk_scratch_;             // top-k's histograms and counts (cuda::topk_scratch_count)
+  TypedBuffer topk_scratch_;             // top-k's histograms and counts (cuda_plan::topk_scratch_bytes)
   TypedBuffer norm_out_;                 // reduction results on the device, copied back together
   std::map<std::tuple<bool, bool, int, int, int, int, int, int, int, int, int, bool, std::array<std::uint32_t, 3>, bool,
                       long long, long long, long long, int>,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/cuda/topk_geometry.hpp"
 
 namespace loom::cuda_plan {
 
@@ -36,8 +37,8 @@ inline std::int64_t attention_scratch_floats(int NH, int T) {
 // them. The attention's scratch is made at the first attention backward, after the products of that
 // block's MLP and projection: by then every slot has its final size (the head's and the MLP's are the
 // largest operands, and the query-key-value product's backward comes after), so it adds to their sum.
-// Not counted: the reductions' partial sums and results (a few KiB: norms, clipping, int8 maxima) and
-// top-k compression's selection scratch.
+// Not counted: the reductions' partial sums and results (a few KiB: norms, clipping, int8 maxima);
+// top-k compression's selection scratch is topk_scratch_bytes, which the compression plugin plans.
 inline double workspace_bytes(DType matmul, const std::vector<Backend::MatmulCall>& calls,
                               const Backend::AttentionShape& attention) {
   const double elem = static_cast<double>(dtype_size(matmul));
@@ -58,6 +59,12 @@ inline double workspace_bytes(DType matmul, const std::vector<Backend::MatmulCal
   const double att = attention.flash ? 0.0 : 4.0 * static_cast<double>(attention_scratch_floats(attention.NH, attention.T));
   peak = std::max(peak, have[0] + have[1] + have[2] + att);
   return static_cast<double>(kCublasLtWorkspaceBytes) + peak;
+}
+
+// Top-k selection's scratch over n elements (per block a histogram and counts: 2 MiB at most),
+// Backend::topk_scratch_bytes of the CUDA back end.
+inline std::int64_t topk_scratch_bytes(std::int64_t n) {
+  return 4 * cuda::topk::scratch_count(cuda::topk::grid_blocks(n));
 }
 
 }  // namespace loom::cuda_plan

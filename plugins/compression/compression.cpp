@@ -234,6 +234,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       }
       case Method::topk: {
         const std::int64_t k = compress::top_k_count(n, cfg_.ratio);
+        planned_topk_scratch_ = std::max(planned_topk_scratch_, be_.topk_scratch_bytes(n));  // the back end's, kept
         const double bytes = 8.0 * static_cast<double>(k);  // indices, values
         plan.add_scratch(Mem::comm, residual + bytes + bytes * N);  // send, recv
         share();
@@ -284,6 +285,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // After every bucket's plan_bucket (the planner's order): the shared error-feedback scratch.
     plan.add_scratch(Mem::comm, 4.0 * static_cast<double>(planned_shared_residual_));
     planned_shared_residual_ = 0;
+    plan.add_scratch(Mem::workspace, static_cast<double>(planned_topk_scratch_));
+    planned_topk_scratch_ = 0;
     double bytes = 0;
     for (int i = 0; i < static_cast<int>(model_.params().size()); ++i) {
       const BufferRef p = model_.store().param(i);
@@ -639,6 +642,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::map<int, TypedBuffer> residual_, q_;  // by parameter index
   TypedBuffer shared_residual_;  // error feedback's bucket-sized scratch (gather_residual)
   mutable std::int64_t planned_shared_residual_ = 0;  // `loom plan`: its elements, the largest bucket's so far
+  mutable std::int64_t planned_topk_scratch_ = 0;     // `loom plan`: the back end's selection scratch, likewise
   std::int64_t step_ = 0;
   CommStats at_start_;
   double sent_ = 0, uncompressed_ = 0, formula_ = 0, seconds_ = 0, identical_ = -1;
