@@ -76,6 +76,9 @@ std::string list_names(const std::vector<std::string>& names, std::size_t most =
 
 std::string read_latest(const std::string& dir) {
   const std::string pointer = dir + "/latest";
+  std::error_code ec;
+  if (fs::exists(pointer, ec) && !fs::is_regular_file(pointer, ec))  // a FIFO would wait for a writer
+    throw InputError("'" + pointer + "' is not a regular file: it should be a text file naming a checkpoint in " + dir);
   std::ifstream in(pointer);
   if (!in)
     throw InputError("checkpoint.resume = latest, but '" + pointer +

@@ -68,9 +68,12 @@ int command_ckpt_verify(const std::string& path) {
   std::sort(unfinished.begin(), unfinished.end());
   // `latest` may name a file the pattern does not take (a user's own name): verified too.
   std::string latest;
-  std::ifstream in(path + "/latest");
-  const bool has_latest = static_cast<bool>(in);
-  if (has_latest) std::getline(in, latest);
+  const bool has_latest = fs::exists(path + "/latest", ec);
+  const bool latest_readable = has_latest && fs::is_regular_file(path + "/latest", ec);  // a FIFO would wait
+  if (latest_readable) {
+    std::ifstream in(path + "/latest");
+    std::getline(in, latest);
+  }
   if (!latest.empty() && std::find(files.begin(), files.end(), latest) == files.end() && fs::is_regular_file(path + "/" + latest, ec))
     files.push_back(latest);
   if (files.empty())
@@ -88,12 +91,17 @@ int command_ckpt_verify(const std::string& path) {
   const bool latest_intact = std::find(intact.begin(), intact.end(), latest) != intact.end();
   if (!has_latest)
     std::cout << "latest: none";
+  else if (!latest_readable)
+    std::cout << "latest: not a regular file (damaged)";
   else if (latest.empty())
     std::cout << "latest: the file is empty (damaged)";
   else if (latest_intact)
     std::cout << "latest: " << latest << ", intact: checkpoint.resume = latest continues from it\n";
   else
-    std::cout << "latest: " << latest << (std::find(files.begin(), files.end(), latest) == files.end() ? ", which does not exist" : ", which is damaged");
+    std::cout << "latest: " << latest
+              << (std::find(files.begin(), files.end(), latest) != files.end() ? ", which is damaged"
+                  : fs::exists(path + "/" + latest, ec)                     ? ", which is not a checkpoint file"
+                                                                            : ", which does not exist");
   if (!latest_intact) {
     if (intact.empty())
       std::cout << "; no checkpoint here is intact\n";

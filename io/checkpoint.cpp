@@ -10,6 +10,7 @@
 #include <functional>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -145,8 +146,16 @@ GPTConfig recorded_model(hid_t file, const std::string& path, const std::string&
       if (it == recorded.end()) fail(path, std::string("records no ") + k.key + " (neither attribute " + k.attr + " nor its deck): corrupt");
       v = std::atoll(it->second.c_str());
     }
+    // A damaged attribute: named before anything is built from it (an int holds every real size).
+    if (v < 1 || v > std::numeric_limits<int>::max())
+      fail(path, std::string("records ") + k.key + " = " + std::to_string(v) + ": corrupt (a model's sizes are 1 to " +
+                     std::to_string(std::numeric_limits<int>::max()) + ")");
     cfg.*k.field = static_cast<int>(v);
   }
+  const double L = cfg.layers, C = cfg.d_model, params = L * 12.0 * C * C + (double(cfg.vocab) + cfg.seq_len) * C;
+  if (cfg.layers > 100000 || params > 1e13)
+    fail(path, "records a model of " + std::to_string(cfg.layers) + " layers and about " + std::to_string(params) +
+                   " parameters: corrupt (beyond any model loom builds)");
   // The attention kind is no tensor's shape, but the model's arithmetic: a flash run is sampled as it
   // was trained (decks from before the key are unfused).
   const auto attention = recorded.find("model.attention");
@@ -427,11 +436,14 @@ std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& de
 
 // A checkpoint file HDF5 can read, else an error saying what the path is instead.
 static void require_hdf5(const std::string& path) {
-  if (H5Fis_hdf5(path.c_str()) > 0) return;
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     fail(path, "is a directory, not a checkpoint file: name a ckpt-*.h5 file in it, or set checkpoint.dir to it and "
                "checkpoint.resume = latest");
+  // Opening a FIFO would wait for a writer: only regular files (symbolic links to them) are read.
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    fail(path, "is not a regular file (a FIFO, socket or device): not a checkpoint");
+  if (H5Fis_hdf5(path.c_str()) > 0) return;
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) fail(path, "cannot be read (no such file, or no permission)");
   std::fclose(f);
@@ -450,22 +462,28 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     fail(path, "is format version " + std::to_string(version) + "; this loom reads version " +
                    std::to_string(kCheckpointFormatVersion));
   std::int64_t seed = 0, dp = 1, tp = 1, pp = 1;
-  if (!read_attr_i64(file, "step", st.step) || !read_attr_i64(file, "optimizer_steps", st.optimizer_steps) ||
-      !read_attr_i64(file, "seed", seed) || !read_attr_f64(file, "loss_scale", st.loss_scale) ||
-      !read_attr_string(file, "deck", st.deck) || !read_attr_i64(file, "layout_dp", dp) ||
-      !read_attr_i64(file, "layout_tp", tp) || !read_attr_i64(file, "layout_pp", pp))
-    fail(path, "is missing metadata (step, optimizer_steps, seed, loss_scale, deck or layout): corrupt");
+  const auto need = [&](bool found, const char* name) {
+    if (!found) fail(path, std::string("has no readable attribute ") + name + ": corrupt");
+  };
+  need(read_attr_i64(file, "step", st.step), "step");
+  need(read_attr_i64(file, "optimizer_steps", st.optimizer_steps), "optimizer_steps");
+  need(read_attr_i64(file, "seed", seed), "seed");
+  need(read_attr_f64(file, "loss_scale", st.loss_scale), "loss_scale");
+  need(read_attr_string(file, "deck", st.deck), "deck");
+  need(read_attr_i64(file, "layout_dp", dp), "layout_dp");
+  need(read_attr_i64(file, "layout_tp", tp), "layout_tp");
+  need(read_attr_i64(file, "layout_pp", pp), "layout_pp");
+  if (dp < 1 || tp < 1 || pp < 1 || dp > 1000000 || tp > 1000000 || pp > 1000000)
+    fail(path, "records the layout dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " +
+                   std::to_string(pp) + ": corrupt (each at least 1)");
+  if (!std::isfinite(st.loss_scale) || st.loss_scale <= 0)
+    fail(path, "records loss_scale = " + std::to_string(st.loss_scale) + ": corrupt (a loss scale is positive and finite)");
   st.seed = static_cast<std::uint64_t>(seed);
   st.layout.dp = static_cast<int>(dp);
   st.layout.tp = static_cast<int>(tp);
   st.layout.pp = static_cast<int>(pp);
   if (!read_attr_i64(file, "skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // written before skipping existed
   st.model = recorded_model(file, path, st.deck);
-  // A model no run could have written (a damaged attribute) is corruption, named before anything is
-  // built from it.
-  for (const ModelKey& k : kModelKeys)
-    if (st.model.*k.field < 1)
-      fail(path, std::string("records ") + k.key + " = " + std::to_string(st.model.*k.field) + ": corrupt (a model's sizes are at least 1)");
   if (st.model.d_model % st.model.heads != 0)
     fail(path, "records model.d_model = " + std::to_string(st.model.d_model) + " and model.heads = " +
                    std::to_string(st.model.heads) + ", which does not divide it: corrupt");
@@ -615,7 +633,7 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
   try {
     require_hdf5(path);
     Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
-    if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
+    if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt, or locked: open for writing elsewhere)");
     const CheckpointState st = read_state(file.id, path);
     v.step = st.step;
     v.layout = st.layout;
@@ -628,6 +646,12 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
     for (const CheckpointTensor& t : checkpoint_tensors(model, optimizer, {})) {
       if (!path_exists(file.id, t.path)) {
         v.problems.push_back("has no tensor " + t.path + " (the model it records needs it)");
+        continue;
+      }
+      H5L_info_t link{};
+      if (H5Lget_info(file.id, t.path.c_str(), &link, H5P_DEFAULT) < 0 || link.type != H5L_TYPE_HARD) {
+        v.problems.push_back("tensor " + t.path + " is a link (soft, or into another file), not data of its own: "
+                             "not as loom writes it");
         continue;
       }
       Handle ds{H5Dopen2(file.id, t.path.c_str(), H5P_DEFAULT), H5Dclose};
@@ -665,9 +689,12 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
       }
       std::int64_t want = 0;
       if (!read_attr_i64(ds.id, "checksum", want)) {
-        v.problems.push_back("tensor " + name + " has no checksum attribute (corrupt)");
+        v.problems.push_back("tensor " + name + " has no checksum attribute (corrupt, or not loom's)");
         continue;
       }
+      Handle type{H5Dget_type(ds.id), H5Tclose};
+      if (H5Tget_class(type.id) != H5T_FLOAT || H5Tget_size(type.id) != sizeof(float))
+        v.problems.push_back("tensor " + name + " is not stored as float32, as loom writes it (corrupt, or rewritten)");
       Handle fspace{H5Dget_space(ds.id), H5Sclose};
       const int rank = std::max(0, H5Sget_simple_extent_ndims(fspace.id));
       std::vector<hsize_t> dims(static_cast<std::size_t>(rank));

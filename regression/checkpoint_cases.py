@@ -24,8 +24,9 @@ CASE is one of:
                      them with /usr/bin/python3, which has it)
   verify             `loom ckpt verify` on a checkpoint.dir: intact; the newest checkpoint damaged (named
                      with its tensor, the older one advised, and resuming from it continues exactly); a
-                     tensor missing; a damaged model attribute (heads 0); a path that does not exist
-                     (uses h5py)
+                     tensor missing; a damaged model attribute (heads 0); a FIFO named as a checkpoint, a
+                     NaN loss scale, a tensor linked into another file; a path that does not exist (uses
+                     h5py)
   kill_mid_write     rank 1 dies while the step-4 checkpoint is being written: the step-2 checkpoint
                      is intact, `latest` still names it, and a resume from `latest` continues the run
   sigterm            SIGTERM to a running job: it saves a checkpoint, points `latest` at it and exits
@@ -243,6 +244,23 @@ def main():
             f.attrs["model_heads"] = 0
         verify(heads0, 1, [r"heads0\.h5': DAMAGED\n  records model\.heads = 0: corrupt"])
         os.remove(heads0)
+        # Beside the run's directory (a FIFO there would block the snapshot's reads): a FIFO named as a
+        # checkpoint (opening it would wait for a writer), a damaged loss scale, a tensor that is a link
+        # into another file (loom never writes one; it would pass another checkpoint's values off).
+        odd = os.path.join(c.dir, "odd")
+        os.makedirs(odd)
+        os.mkfifo(os.path.join(odd, "ckpt-00000050.h5"))
+        shutil.copy(ckpt4, os.path.join(odd, "ckpt-00000004.h5"))
+        with h5py.File(os.path.join(odd, "ckpt-00000004.h5"), "r+") as f:
+            f.attrs["loss_scale"] = float("nan")
+        shutil.copy(ckpt4, os.path.join(odd, "ckpt-00000008.h5"))
+        with h5py.File(os.path.join(odd, "ckpt-00000008.h5"), "r+") as f:
+            del f["params/wpe.weight"]
+            f["params/wpe.weight"] = h5py.ExternalLink(ckpt8, "/params/wpe.weight")
+        verify(odd, 1, [r"ckpt-00000050\.h5': DAMAGED\n  is not a regular file \(a FIFO",
+                        r"ckpt-00000004\.h5': DAMAGED\n  records loss_scale = nan: corrupt",
+                        r"ckpt-00000008\.h5': step 4, .* DAMAGED\n  tensor /params/wpe\.weight is a link",
+                        r"latest: none; no checkpoint here is intact", r"0 of 3 checkpoints intact"])
         verify(os.path.join(c.dir, "nowhere"), 2, [r"nowhere' does not exist: name a checkpoint file or a checkpoint directory"])
     elif name == "kill_mid_write":
         ref, _ = saved(c, 2, ["parallel.dp=2"], tag="reference")
