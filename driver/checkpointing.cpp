@@ -49,10 +49,6 @@ std::string checkpoint_name(std::int64_t step) {
   return buf;
 }
 
-bool is_checkpoint_file(const std::string& f) {
-  return f.rfind("ckpt-", 0) == 0 && f.size() > 3 && f.compare(f.size() - 3, 3, ".h5") == 0;
-}
-
 // What a fresh run would overwrite: checkpoint files (also half-written .tmp ones) and `latest`.
 std::vector<std::string> earlier_checkpoints(const std::string& dir) {
   std::vector<std::string> found;
@@ -60,7 +56,7 @@ std::vector<std::string> earlier_checkpoints(const std::string& dir) {
   if (!fs::is_directory(dir, ec)) return found;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string f = e.path().filename().string();
-    if (is_checkpoint_file(f) || f == "latest" || (f.rfind("ckpt-", 0) == 0 && e.path().extension() == ".tmp"))
+    if (is_checkpoint_file(f) || f == "latest" || is_unfinished_checkpoint(f))
       found.push_back(f);
   }
   std::sort(found.begin(), found.end());
@@ -297,6 +293,14 @@ nlohmann::json Checkpointing::summary() const {
     j["read_mb_per_s"] = load_bytes_ / 1e6 / load_seconds_;
   }
   return j;
+}
+
+bool is_checkpoint_file(const std::string& f) {
+  return f.rfind("ckpt-", 0) == 0 && f.size() > 3 && f.compare(f.size() - 3, 3, ".h5") == 0;
+}
+
+bool is_unfinished_checkpoint(const std::string& f) {
+  return f.rfind("ckpt-", 0) == 0 && f.size() > 4 && f.compare(f.size() - 4, 4, ".tmp") == 0;
 }
 
 }  // namespace loom

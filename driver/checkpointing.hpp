@@ -19,6 +19,11 @@ namespace loom {
 // `loom check` alike).
 void refuse_fresh_over_checkpoints(const std::string& dir, const std::string& resume, bool overwrite);
 
+// A checkpoint file's name (ckpt-*.h5), and a write of one that never finished (ckpt-*.tmp: a crash
+// mid-write leaves it; the next save removes it).
+bool is_checkpoint_file(const std::string& name);
+bool is_unfinished_checkpoint(const std::string& name);
+
 // Exit status of a run stopped by SIGTERM or SIGINT after saving a checkpoint: not finished, resumable.
 inline constexpr int kExitInterrupted = 3;
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "io/checkpoint.hpp"
 
@@ -60,9 +61,8 @@ int command_ckpt_verify(const std::string& path) {
   std::vector<std::string> files, unfinished;
   for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string f = it->path().filename().string();
-    if (f.rfind("ckpt-", 0) != 0) continue;
-    if (it->path().extension() == ".h5") files.push_back(f);
-    if (it->path().extension() == ".tmp") unfinished.push_back(f);
+    if (is_checkpoint_file(f)) files.push_back(f);
+    if (is_unfinished_checkpoint(f)) unfinished.push_back(f);
   }
   if (ec) throw InputError(quote_path(path) + ": cannot be listed (" + ec.message() + ")");
   std::sort(unfinished.begin(), unfinished.end());
