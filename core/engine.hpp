@@ -94,7 +94,7 @@ class AccumulateSchedule final : public Schedule {
 };
 
 struct StepStats {
-  std::int64_t step = 0;
+  std::int64_t step = 0;  // from 0: the steps done before this one (messages say step + 1, as the step lines do)
   double loss = 0, lr = 0, grad_norm = 0, clip_coef = 1;
   double loss_scale = 1;  // the factor backward started from (StepState::loss_scale)
   // The loss or the gradient norm was not finite: the update was not applied (on every rank alike,
@@ -119,7 +119,7 @@ const char* step_phase_name(StepPhase p);  // "micro_batches", ...
 // unscale_check may set skip_reason (no clip, optimize or refresh follows; a gradient that is not
 // finite is then no failure) or mark `nonfinite`; begin may set loss_scale.
 struct StepState {
-  std::int64_t step = 0;
+  std::int64_t step = 0;  // from 0: the steps done before this one (messages say step + 1, as the step lines do)
   double loss_scale = 1;            // set in begin: backward starts from loss_scale / micro_batches
   double local_loss = 0, loss = 0;  // this rank's share; the mean over the global batch
   double sq_norm = 0;               // the squared global gradient norm (after norm)

@@ -69,6 +69,11 @@ std::vector<std::string> plugin_search_path() {
   return dirs;
 }
 
+// loom's own libraries beside the plugins: the core, I/O, and the CUDA back ends (the real one and
+// the emulated device), which a run opens by run.backend, never as strategies.
+const std::set<std::string> kNotPlugins = {"libloom_core.so", "libloom_io.so", "libloom_cuda.so",
+                                           "libloom_cuda_emu.so"};
+
 void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>& dirs) {
   std::set<std::string> seen;
   for (const auto& dir : dirs) {
@@ -77,8 +82,7 @@ void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>
     std::vector<fs::path> libs;
     for (const auto& e : fs::directory_iterator(dir, ec)) {
       const std::string f = e.path().filename().string();
-      if (f.rfind("libloom_", 0) == 0 && e.path().extension() == ".so" && f != "libloom_core.so" &&
-          f != "libloom_io.so" && f != "libloom_cuda.so")
+      if (f.rfind("libloom_", 0) == 0 && e.path().extension() == ".so" && !kNotPlugins.count(f))
         libs.push_back(e.path());
     }
     std::sort(libs.begin(), libs.end());

@@ -1,7 +1,9 @@
 // loom check DECK: everything a run of the deck would refuse before training, found without
 // launching the job: the deck, the layout for as many ranks as it needs, the data files, the thread
 // count, the weights to start from (model.init_from), the checkpoint directory and the checkpoint to
-// resume from. Nothing is created.
+// resume from. Nothing is created (a probe file in each directory the run writes in is made and
+// removed at once).
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -25,11 +27,22 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool writable_directory(const fs::path& p) { return ::access(p.c_str(), W_OK | X_OK) == 0; }
+// Whether the run could create files in directory p: a probe file made and removed at once. Not
+// access(2): for root it says yes to directories no file can be made in (/proc, a read-only mount).
+// errno is left as the failed creation set it.
+bool writable_directory(const fs::path& p) {
+  const fs::path probe = p / (".loom-check-probe-" + std::to_string(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return false;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return true;
+}
 
-// The checkpoint directory exists as a writable directory, or its nearest existing ancestor is one,
-// so that the run can create it. `named` says which deck key (and default) gave `dir`.
-void check_checkpoint_dir(const std::string& dir, const std::string& named) {
+// A directory the run writes in (checkpoint.dir, run.dir) exists as a writable directory, or its
+// nearest existing ancestor is one, so that the run can create it. `named` says which deck key (and
+// default) gave `dir`.
+void check_writable_dir(const std::string& dir, const std::string& named) {
   std::error_code ec;
   const fs::path path(dir);
   if (fs::exists(path, ec)) {
@@ -98,7 +111,8 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
     dir = deck.get_string("run.dir") + "/checkpoints";
     named = "checkpoint.dir (default <run.dir>/checkpoints = " + dir + ")";
   }
-  check_checkpoint_dir(dir, named);
+  check_writable_dir(deck.get_string("run.dir"), "run.dir = " + deck.get_string("run.dir"));
+  check_writable_dir(dir, named);
   check_resume(deck.get_string("checkpoint.resume"), dir, plan.model, deck.get_bool("run.overwrite"));
   if (rank == 0)
     std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "

@@ -73,7 +73,8 @@ const char* kUsage =
     "                 their versions and deck options\n"
     "\n"
     "Launch with mpirun/srun for more ranks (mpirun -n 1 build/loom run inputs/quickstart.deck), or directly.\n"
-    "--set may be repeated; later values win. Exit status: 0 done, 2 bad input (deck, data, layout), 1 failure.\n";
+    "--set may be repeated; later values win. Exit status: 0 done, 2 bad input (deck, data, layout), 1 failure,\n"
+    "3 stopped by SIGTERM or SIGINT after saving a checkpoint (continue with --set checkpoint.resume=auto).\n";
 
 struct Args {
   std::string command;

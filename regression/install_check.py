@@ -14,7 +14,9 @@
 Standard library only.
 """
 import argparse
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,7 +115,16 @@ def main():
     if "lossguard: step" not in p.stderr:
         failures.append("a tripped guard did not stop the run with its reason: " + p.stderr[-500:])
     else:
-        print("tripped: " + [l for l in p.stderr.splitlines() if "lossguard: step" in l][0])
+        line = [l for l in p.stderr.splitlines() if "lossguard: step" in l][0]
+        print("tripped: " + line)
+        # The step it names is the step lines' and metrics.jsonl's (counted from 1), with that loss.
+        m = re.search(r"lossguard: step (\d+) loss (\S+)", line)
+        with open(os.path.join(elsewhere, "tripped", "metrics.jsonl")) as f:
+            losses = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r and "step" in r}
+        step, loss = int(m.group(1)), float(m.group(2))
+        if step not in losses or abs(losses[step] - loss) > 1e-5 * abs(loss):
+            failures.append("lossguard names step %d loss %g, but metrics.jsonl has %s at that step (steps count from 1)"
+                            % (step, loss, losses.get(step)))
     p = run(base + ["--set", "run.dir=typo", "--set", "lossguard.max_rato=3"], failures, expect=2, env=env, cwd=elsewhere)
     if "lossguard.max_ratio" not in p.stderr:
         failures.append("a misspelt plugin key is not refused with the right name: " + p.stderr[-500:])

@@ -29,7 +29,8 @@ struct LossGuard {
     ++seen;
     if (seen > after && s.loss > max_ratio * lowest) {
       std::ostringstream why;
-      why << "lossguard: step " << s.step << " loss " << s.loss << " is more than lossguard.max_ratio = " << max_ratio
+      why << "lossguard: step " << s.step + 1 << " loss " << s.loss  // s.step counts from 0
+          << " is more than lossguard.max_ratio = " << max_ratio
           << " times the lowest loss so far (" << lowest << "); stopped (raise lossguard.max_ratio, or lower train.lr)";
       s.failure = why.str();
     }

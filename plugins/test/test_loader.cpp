@@ -42,6 +42,16 @@ TEST(PluginLoader, LoadsDataPluginAndBuiltins) {
   EXPECT_EQ(resolve_strategies(r, {{"data", "parallel.dp = 2"}}).size(), 1u);
 }
 
+// loom's own libraries sit beside the plugins in build/lib (core, I/O, the CUDA back end and the
+// emulated device): the loader passes them by, so no run's banner reports them as broken plugins.
+TEST(PluginLoader, PassesByLoomsOwnLibraries) {
+  auto r = load_all();
+  for (const char* own : {"core", "io", "cuda", "cuda_emu"}) {
+    EXPECT_EQ(r.unusable.count(own), 0u) << own << ": " << r.unusable[own];
+    for (const auto& line : r.log) EXPECT_NE(line.rfind(std::string("plugin ") + own + ":", 0), 0u) << line;
+  }
+}
+
 TEST(PluginLoader, RefusesAbiMismatch) {
   auto r = load_all();
   EXPECT_EQ(r.find("badabi"), nullptr);
