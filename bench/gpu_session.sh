@@ -4,7 +4,9 @@
 #
 #   bash bench/gpu_session.sh gpu-bundle.tar.xz OUTDIR checks   # the gpu-labelled tests (~5 min on an H100)
 #   bash bench/gpu_session.sh gpu-bundle.tar.xz OUTDIR bench    # bench/gpu.py, unfused and flash, and profiles
+#   bash bench/gpu_session.sh gpu-bundle.tar.xz OUTDIR all      # both, in the order of what is least known
 #   bash bench/gpu_session.sh gpu-bundle.tar.xz OUTDIR smoke    # one kernel test and the refusals (seconds)
+#   bash bench/gpu_session.sh gpu-bundle.tar.xz OUTDIR 'matches_host bench_flash'   # these steps only
 #
 # checks: loom_cuda_tests and loom_nccl_tests (every CUDA kernel against its host twin, the fused
 #   attention against the fp64 reference and the twin), regression/gpu_checks.py refusal,
@@ -12,20 +14,41 @@
 # bench: bench/gpu.py (GPT-2 124M in bf16 against PyTorch) with model.attention = unfused (PyTorch's
 #   attention written out) and flash (PyTorch's scaled_dot_product_attention),
 #   then 10 steps of each under LOOM_CUDA_PROFILE (GPU time per operation) -> OUTDIR/bench.log
+# all: every step of checks and bench in one call, what has never run on a GPU first (the kernel
+#   tests, flash's benchmark, matches_host), so that a lease that ends early has brought back the
+#   most -> OUTDIR/all.log
 # smoke: CudaBackend.EncoderForwardAndBackward and regression/gpu_checks.py refusal -> OUTDIR/smoke.log
 #   (regression.gpu.bundle runs it on every CUDA build).
+# 'STEP ...': those steps, by the names in known_items below -> OUTDIR/steps.log.
 # Each: the device and the CUDA libraries found -> OUTDIR/node.log; a line per step with its exit
-#   status -> OUTDIR/summary.log (both started afresh). Exit 0 when every step passed: on a GPU node
-#   a skipped test is a failure (it says the GPU, or a library, was not found), 2 on a bad call.
+#   status and seconds -> OUTDIR/summary.log (both started afresh; the logs are written as each step
+#   ends). A step still running after LOOM_GPU_STEP_TIMEOUT seconds (default 300) is stopped, it and
+#   its children (exit 124, noted), so that a hung kernel or rank costs one step, not the lease. Exit
+#   0 when every step passed: on a GPU node a skipped test is a failure (it says the GPU, or a
+#   library, was not found), 2 on a bad call.
 set -uo pipefail
-usage="usage: bash bench/gpu_session.sh BUNDLE.tar.xz OUTDIR checks|bench|smoke"
+usage="usage: bash bench/gpu_session.sh BUNDLE.tar.xz OUTDIR checks|bench|all|smoke|'STEP ...'"
 bundle=${1:?$usage}
 out=${2:?$usage}
 what=${3:?$usage}
-case "$what" in checks|bench|smoke) ;; *) echo "gpu_session: the third argument is checks, bench or smoke, not '$what'" >&2; exit 2 ;; esac
+known_items="cuda_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory bench_unfused bench_flash profile_unfused profile_flash smoke_kernel"
+case "$what" in
+  checks|bench|all|smoke) ;;
+  *)  # a list of steps by name, e.g. to run again the ones that failed
+    [ -n "${what// /}" ] || { echo "$usage" >&2; exit 2; }
+    for item in $what; do
+      case " $known_items " in *" $item "*) ;; *)
+        echo "gpu_session: the third argument is checks, bench, all or smoke, or steps among: $known_items; not '$item'" >&2
+        exit 2 ;;
+      esac
+    done ;;
+esac
+step_timeout=${LOOM_GPU_STEP_TIMEOUT:-300}
 [ -f regression/gpu_checks.py ] || { echo "gpu_session: run from loom's repository root" >&2; exit 2; }
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
-rm -f "$out/node.log" "$out/summary.log" "$out/$what.log"
+log_name=$what
+case "$what" in checks|bench|all|smoke) ;; *) log_name=steps ;; esac
+rm -f "$out/node.log" "$out/summary.log" "$out/$log_name.log"
 work=$(mktemp -d /tmp/loom-gpu-session.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 tar -C "$work" -xJf "$bundle" || { echo "gpu_session: cannot unpack $bundle" >&2; exit 2; }
@@ -60,18 +83,21 @@ export LOOM_CUDA_LIB_DIRS=$dirs LOOM_PLUGIN_PATH=$b/lib PATH=$b/bin:$PATH
 } >> "$out/node.log" 2>&1
 
 status=0
-log=$out/$what.log
+log=$out/$log_name.log
 step() {  # step NAME COMMAND...: runs it, appending to the log, and notes its exit status
   local name=$1
   shift
   local t0=$SECONDS
   echo "=== $name: $*" >> "$log"
-  "$@" > "$work/step.log" 2>&1
+  # timeout runs the step in a process group of its own and stops the whole group (mpiexec's ranks too).
+  timeout --kill-after=10 "$step_timeout" "$@" > "$work/step.log" 2>&1
   local rc=$?
   cat "$work/step.log" >> "$log"
   local note=""
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    note=" (timed out: stopped after LOOM_GPU_STEP_TIMEOUT = $step_timeout s)"
   # A skip here says the GPU (or a library it needs) was not found: a failure on a GPU node.
-  if [ $rc -eq 77 ] || grep -q -E '^\[  SKIPPED \] [0-9]+ test' "$work/step.log"; then
+  elif [ $rc -eq 77 ] || grep -q -E '^\[  SKIPPED \] [0-9]+ test' "$work/step.log"; then
     note=" (skipped: no GPU seen, or a library missing; the log says which)"
     [ $rc -ne 0 ] || rc=77
   fi
@@ -83,24 +109,29 @@ gpu_case() {  # gpu_case CASE: a case of regression/gpu_checks.py through the bu
     --mpirun "$b/bin/mpiexec" "$1"
 }
 
-case "$what" in
-  checks)
-    step loom_cuda_tests "$b/bin/loom_cuda_tests"
-    if [ -e "$b/bin/loom_nccl_tests" ]; then step loom_nccl_tests "$b/bin/loom_nccl_tests"; fi
-    for c in refusal matches_host decks cuda_layouts plan_memory; do gpu_case "$c"; done
-    ;;
-  bench)
-    step "gpu.py unfused" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench"
-    step "gpu.py flash" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" \
-      --set model.attention=flash --torch-attention sdpa
-    for a in unfused flash; do
+# The steps by name; each mode is a list of them.
+run_item() {
+  case "$1" in
+    cuda_tests) step loom_cuda_tests "$b/bin/loom_cuda_tests" ;;
+    nccl_tests) if [ -e "$b/bin/loom_nccl_tests" ]; then step loom_nccl_tests "$b/bin/loom_nccl_tests"; fi ;;
+    bench_unfused) step "gpu.py unfused" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" ;;
+    bench_flash)
+      step "gpu.py flash" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" \
+        --set model.attention=flash --torch-attention sdpa ;;
+    profile_*)
+      local a=${1#profile_}
       step "profile $a" env LOOM_CUDA_PROFILE=1 "$b/bin/loom" run bench/gpu.deck --set train.steps=10 \
-        --set model.attention=$a --set run.dir="$work/profile-$a"
-    done
-    ;;
-  smoke)
-    step loom_cuda_tests "$b/bin/loom_cuda_tests" --gtest_filter=CudaBackend.EncoderForwardAndBackward
-    gpu_case refusal
-    ;;
+        --set model.attention="$a" --set run.dir="$work/profile-$a" ;;
+    smoke_kernel) step loom_cuda_tests "$b/bin/loom_cuda_tests" --gtest_filter=CudaBackend.EncoderForwardAndBackward ;;
+    *) gpu_case "$1" ;;  # a case of regression/gpu_checks.py
+  esac
+}
+case "$what" in
+  checks) items="cuda_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory" ;;
+  bench) items="bench_unfused bench_flash profile_unfused profile_flash" ;;
+  all) items="cuda_tests bench_flash matches_host refusal nccl_tests cuda_layouts decks plan_memory profile_flash bench_unfused profile_unfused" ;;
+  smoke) items="smoke_kernel refusal" ;;
+  *) items=$what ;;
 esac
+for item in $items; do run_item "$item"; done
 exit $status

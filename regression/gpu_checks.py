@@ -444,7 +444,8 @@ def bundle(args):
     """bench/gpu_bundle.sh packs this build for a node without loom's libraries, and bench/gpu_session.sh
     runs from it (its `smoke` stage: one CUDA kernel test and the refusal case): the bundle's loom, test
     program and MPI launcher find their libraries (refusal runs at 1 and 2 ranks through them), and a
-    test that sees no GPU is reported as skipped, which fails the session; on a GPU both pass."""
+    test that sees no GPU is reported as skipped, which fails the session; on a GPU both pass. Then one
+    step by name under a step timeout it cannot meet: stopped, noted as timed out, the session failed."""
     c = Case(args, "bundle", TINY)
     on_gpu, _ = gpu_visible(c)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -470,6 +471,14 @@ def bundle(args):
     else:
         c.check(p.returncode == 1, "without a GPU the session fails (exit 1, got %d)" % p.returncode)
         c.expect(summary, [r"loom_cuda_tests: exit 77 \(skipped"], "the session's kernel test without a GPU")
+    # A step by name, stopped by the step timeout (a hung step must not take the rest of the lease).
+    shutil.rmtree(out, ignore_errors=True)
+    p = subprocess.run(["bash", "bench/gpu_session.sh", tarball, out, "refusal"], cwd=root, capture_output=True,
+                       text=True, env=dict(os.environ, LOOM_GPU_STEP_TIMEOUT="0.05"))
+    print(p.stdout + p.stderr)
+    summary = open(summary_file).read() if os.path.exists(summary_file) else ""
+    c.expect(summary, [r"gpu_checks refusal: exit 124 \(timed out"], "a step past LOOM_GPU_STEP_TIMEOUT")
+    c.check(p.returncode == 1, "a session with a step timed out fails (exit 1, got %d)" % p.returncode)
     return c.done("bundle")
 
 
