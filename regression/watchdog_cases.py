@@ -12,6 +12,11 @@ CASE is one of:
                      a core while it waits (CPU time over 2 s of the wait < 30% of the wall time)
   stalled_stage_pp2  the same at pp = 2 (8 micro-batches): stage 0 waits in the pipeline's send/recv
                      (or the pp all-reduce of the loss and the gradient norm)
+  stalled_rank_dp2_nccl, stalled_rank_zero3_nccl, stalled_rank_tp2_nccl
+                     the same on the CUDA back end, each rank on a device of its own of the emulated
+                     device (libloom_cuda_emu.so), so that dp's, ZeRO-3's and tp's device buffers go
+                     through the NCCL communicator: its watchdog names the operation and NCCL, which
+                     cannot say whose part is missing
   timeout_off        run.comm_timeout = 0 (wait forever) is accepted and a short dp = 2 run trains;
                      a negative value is refused naming the key
 
@@ -116,12 +121,12 @@ class Case:
         print("$ " + " ".join(cmd), flush=True)
         return cmd
 
-    def stalled(self, sets, waited_in):
+    def stalled(self, sets, waited_in, env=None):
         """Stops world rank 1 of a 2-rank run once it trains; checks how the job ends."""
         out_path, err_path = os.path.join(self.dir, "stdout"), os.path.join(self.dir, "stderr")
         with open(out_path, "w") as out, open(err_path, "w") as err:
             job = subprocess.Popen(self.command(2, sets + ["run.comm_timeout=%d" % TIMEOUT]), stdout=out, stderr=err,
-                                   env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"))
+                                   env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", **(env or {})))
         ranks = {}
         try:
             # Training is under way once rank 0 has logged a few steps.
@@ -167,6 +172,9 @@ class Case:
             named = (r"rank 0: error: (?:%s) waited [0-9.]+ s \(run\.comm_timeout = %d\) for world rank 1"
                      r"(?: \((?:dp|pp) rank 1\))?: (?:its message never arrived|it never took the message sent to it)"
                      % (waited_in, TIMEOUT))
+            if env and "LOOM_NCCL_LIBRARY" in env:  # NCCL does not say which rank's part is missing
+                named = (r"rank 0: error: (?:%s) \(NCCL, rank 0 of 2\) did not complete in [0-9.]+ s \(run\.comm_timeout = %d\): "
+                         r"a rank of this communicator is stalled or dead|%s" % (waited_in, TIMEOUT, named))
             if not re.search(named, stderr):
                 self.failures.append("stderr does not match /%s/" % named)
         finally:
@@ -187,6 +195,14 @@ class Case:
         return 1 if self.failures else 0
 
 
+# Stalls over the NCCL communicator: the layout, and the operations rank 0 may be found waiting in.
+NCCL_CASES = {
+    "stalled_rank_dp2_nccl": (["parallel.dp=2"], "dp all_reduce"),
+    "stalled_rank_zero3_nccl": (["parallel.dp=2", "zero.stage=3"], "dp (?:all_reduce|all_gather|reduce_scatter)"),
+    "stalled_rank_tp2_nccl": (["parallel.tp=2"], "tp (?:all_reduce|all_gather|reduce_scatter)"),
+}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
@@ -201,6 +217,13 @@ def main():
         c.stalled(["parallel.dp=2"], "dp all_reduce|" + world_all_reduce)
     elif name == "stalled_stage_pp2":
         c.stalled(["parallel.pp=2", "train.micro_batches=8"], "pp (?:send|recv|all_reduce)|" + world_all_reduce)
+    elif name in NCCL_CASES:
+        # The CUDA back end on the emulated device, one device per rank, so device buffers go through
+        # the NCCL communicator (its NCCL carried by MPI): its own watchdog must end the job as MPI's does.
+        lib = os.path.join(os.path.dirname(os.path.abspath(args.loom)), "lib", "libloom_cuda_emu.so")
+        sets, waited_in = NCCL_CASES[name]
+        c.stalled(sets + ["run.backend=cuda", "run.peak_tflops=1"], waited_in + "|" + world_all_reduce,
+                  env={"LOOM_CUDA_BACKEND_LIBRARY": lib, "LOOM_NCCL_LIBRARY": lib, "LOOM_CUDA_EMU_DEVICES": "2"})
     elif name == "timeout_off":
         p = subprocess.run(c.command(2, ["parallel.dp=2", "train.steps=4", "run.comm_timeout=0"]),
                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
