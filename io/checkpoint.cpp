@@ -95,19 +95,33 @@ void write_attr_string(hid_t obj, const char* name, const std::string& value) {
   H5Awrite(a.id, type.id, value.c_str());
 }
 
-bool read_attr_i64(hid_t obj, const char* name, std::int64_t& out) {
-  if (H5Aexists(obj, name) <= 0) return false;
+// An attribute that holds one value of one of the type classes asked for, opened; else an invalid
+// handle. Anything else (an array, a string where a number belongs) is unreadable, never read into a
+// buffer of one value: a damaged or hand-edited file must not overrun it.
+Handle open_single_attr(hid_t obj, const char* name, std::initializer_list<H5T_class_t> classes) {
+  if (H5Aexists(obj, name) <= 0) return Handle{-1, H5Aclose};
   Handle a{H5Aopen(obj, name, H5P_DEFAULT), H5Aclose};
-  return H5Aread(a.id, H5T_NATIVE_INT64, &out) >= 0;
+  if (a.id < 0) return a;
+  Handle space{H5Aget_space(a.id), H5Sclose};
+  Handle type{H5Aget_type(a.id), H5Tclose};
+  const H5T_class_t cls = H5Tget_class(type.id);
+  const bool string_ok = cls != H5T_STRING || H5Tis_variable_str(type.id) == 0;
+  if (space.id < 0 || H5Sget_simple_extent_npoints(space.id) != 1 || !string_ok ||
+      std::find(classes.begin(), classes.end(), cls) == classes.end())
+    return Handle{-1, H5Aclose};
+  return a;
+}
+bool read_attr_i64(hid_t obj, const char* name, std::int64_t& out) {
+  Handle a = open_single_attr(obj, name, {H5T_INTEGER});
+  return a.id >= 0 && H5Aread(a.id, H5T_NATIVE_INT64, &out) >= 0;
 }
 bool read_attr_f64(hid_t obj, const char* name, double& out) {
-  if (H5Aexists(obj, name) <= 0) return false;
-  Handle a{H5Aopen(obj, name, H5P_DEFAULT), H5Aclose};
-  return H5Aread(a.id, H5T_NATIVE_DOUBLE, &out) >= 0;
+  Handle a = open_single_attr(obj, name, {H5T_FLOAT, H5T_INTEGER});
+  return a.id >= 0 && H5Aread(a.id, H5T_NATIVE_DOUBLE, &out) >= 0;
 }
 bool read_attr_string(hid_t obj, const char* name, std::string& out) {
-  if (H5Aexists(obj, name) <= 0) return false;
-  Handle a{H5Aopen(obj, name, H5P_DEFAULT), H5Aclose};
+  Handle a = open_single_attr(obj, name, {H5T_STRING});
+  if (a.id < 0) return false;
   Handle type{H5Aget_type(a.id), H5Tclose};
   const std::size_t n = H5Tget_size(type.id);
   std::vector<char> buf(n + 1, 0);
@@ -543,7 +557,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     // finiteness: values written as they were, non-finite, are a run that had diverged. Every rank
     // learns of a non-finite value any rank read, so all refuse alike.
     std::int64_t want = 0;
-    if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no checksum attribute (corrupt)");
+    if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no readable checksum attribute (one integer): corrupt");
     const bool owner = t.holds && t.primary_end > t.primary_begin;
     const ShardDesc mine = owner ? t.shard.cut(t.primary_begin, t.primary_end) : t.shard;
     const auto got = static_cast<std::int64_t>(checksum(&mine, owner ? data + t.primary_begin : nullptr, owner));
@@ -689,7 +703,7 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
       }
       std::int64_t want = 0;
       if (!read_attr_i64(ds.id, "checksum", want)) {
-        v.problems.push_back("tensor " + name + " has no checksum attribute (corrupt, or not loom's)");
+        v.problems.push_back("tensor " + name + " has no readable checksum attribute (one integer): corrupt, or not loom's");
         continue;
       }
       Handle type{H5Dget_type(ds.id), H5Tclose};

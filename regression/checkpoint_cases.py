@@ -198,6 +198,7 @@ def main():
         # (it names the tensor and says which checkpoint to resume from, and that resume continues
         # the run exactly), a tensor missing, an unfinished write and a path that does not exist.
         import h5py  # run this case with /usr/bin/python3, which has it
+        import numpy
         ref, ckpt4 = saved(c, 1, [])
         ckdir = os.path.dirname(ckpt4)
         ckpt8 = os.path.join(ckdir, "ckpt-00000008.h5")
@@ -257,10 +258,23 @@ def main():
         with h5py.File(os.path.join(odd, "ckpt-00000008.h5"), "r+") as f:
             del f["params/wpe.weight"]
             f["params/wpe.weight"] = h5py.ExternalLink(ckpt8, "/params/wpe.weight")
+        # Attributes that hold arrays where loom writes one value (read into one value's room, they
+        # overran it: a segfault): unreadable, named.
+        shutil.copy(ckpt4, os.path.join(odd, "ckpt-00000012.h5"))
+        with h5py.File(os.path.join(odd, "ckpt-00000012.h5"), "r+") as f:
+            f.attrs["step"] = numpy.arange(1000, dtype=numpy.int64)
+        shutil.copy(ckpt4, os.path.join(odd, "ckpt-00000016.h5"))
+        with h5py.File(os.path.join(odd, "ckpt-00000016.h5"), "r+") as f:
+            f["params/wte.weight"].attrs["checksum"] = numpy.arange(1000, dtype=numpy.int64)
         verify(odd, 1, [r"ckpt-00000050\.h5': DAMAGED\n  is not a regular file \(a FIFO",
                         r"ckpt-00000004\.h5': DAMAGED\n  records loss_scale = nan: corrupt",
                         r"ckpt-00000008\.h5': step 4, .* DAMAGED\n  tensor /params/wpe\.weight is a link",
-                        r"latest: none; no checkpoint here is intact", r"0 of 3 checkpoints intact"])
+                        r"ckpt-00000012\.h5': DAMAGED\n  has no readable attribute step: corrupt",
+                        r"ckpt-00000016\.h5': step 4, .* DAMAGED\n  tensor /params/wte\.weight has no readable checksum "
+                        r"attribute \(one integer\)",
+                        r"latest: none; no checkpoint here is intact", r"0 of 5 checkpoints intact"])
+        p, _ = c.loom("array_checksum", 1, ["checkpoint.resume=" + os.path.join(odd, "ckpt-00000016.h5")], expect=2)
+        c.expect_error(p, [r"tensor /params/wte\.weight has no readable checksum attribute"])
         verify(os.path.join(c.dir, "nowhere"), 2, [r"nowhere' does not exist: name a checkpoint file or a checkpoint directory"])
     elif name == "kill_mid_write":
         ref, _ = saved(c, 2, ["parallel.dp=2"], tag="reference")
