@@ -1,5 +1,5 @@
 #pragma once
-// Element types and memory spaces (DESIGN.md "Typed buffers"): what a buffer holds and where it
+// Element types and memory spaces (DESIGN.md "Typed buffers and memory spaces"): what a buffer holds and where it
 // lives. A BufferRef is the typed, non-owning view that back ends, collectives, the parameter store
 // and the checkpoint pass around instead of a bare float*; a TypedBuffer (core/buffer.hpp) owns one.
 #include <cmath>

@@ -1,5 +1,5 @@
 #pragma once
-// The engine runs one training step (DESIGN.md "The training step") as explicit phases:
+// The engine runs one training step (DESIGN.md "The step") as explicit phases:
 //   begin (hooks only: a loss scaler sets the step's scale) -> micro_batches (schedule) -> grads_final (gradient sync, the partition's and the schedule's
 //   finish_grads) -> unscale_check -> norm (over the elements each rank owns, summed over the world)
 //   -> clip -> optimize (the optimizer role on the owned slices) -> refresh (the store's refresh).

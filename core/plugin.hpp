@@ -1,5 +1,5 @@
 #pragma once
-// Strategy plugins (DESIGN.md "The training step and the strategy roles", LAMMPS-style).
+// Strategy plugins (DESIGN.md "Declared composition", LAMMPS-style).
 //
 // A plugin is a shared library libloom_<name>.so exporting ONE C entry point,
 //     extern "C" const loom_plugin_v1* loom_plugin_entry(void);

@@ -1,7 +1,7 @@
 #pragma once
 // Counter-based random numbers: a value is a pure function of (seed, stream, counter), so any rank
 // can draw exactly the elements it owns and get the same numbers as one process drawing them all
-// (DESIGN.md: "Parameters, shards and determinism").
+// (DESIGN.md: "Shards and ownership", its determinism paragraph).
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

@@ -1,5 +1,5 @@
 #pragma once
-// The shard descriptor (DESIGN.md "Parameters, shards and ownership"): which elements of a full
+// The shard descriptor (DESIGN.md "Shards and ownership"): which elements of a full
 // logical tensor this rank holds, composed from the tensor-parallel split and any further range a
 // strategy cuts (ZeRO cuts the flattened tp shard into dp ranges). Initialisation draws element i
 // by global_index(i); the checksum hashes (global index, value); the checkpoint selects boxes();

@@ -191,7 +191,7 @@ def decks(args):
 
 
 # Every strategy on a device back end, as (name, ranks, --set overrides): the layouts of several
-# ranks that DESIGN.md's "every layout trains the same model as one process" covers on the host.
+# ranks that the regression cases hold, on the host, to training the same model as one process.
 LAYOUTS = [
     ("dp2", 2, ["parallel.dp=2"]),
     ("tp2", 2, ["parallel.tp=2"]),

@@ -5,7 +5,7 @@
 // matrix products take 16-bit operands (inputs, weights and output gradients rounded to nearest even)
 // and accumulate in fp32. Everything else stays fp32: master weights, gradients and their
 // accumulation over micro-batches, AdamW's moments, activations, LayerNorm, softmax, the loss and the
-// gradient norm (DESIGN.md "Mixed precision").
+// gradient norm (DESIGN.md "The parameter store", its 16-bit paragraph).
 //
 // fp16 adds dynamic loss scaling (Megatron's DynamicGradScaler, DeepSpeed's keys): backward starts
 // from the loss times the scale (the `begin` hook), so that small gradients survive fp16's range;

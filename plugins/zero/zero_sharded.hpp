@@ -1,5 +1,5 @@
 #pragma once
-// ZeRO stages 2 and 3 (DESIGN.md "ZeRO"): the store that keeps only this rank's share of the
+// ZeRO stages 2 and 3 (DESIGN.md "The parameter store" and "The roles as filled today"): the store that keeps only this rank's share of the
 // gradients (stage 2) and of the parameters too (stage 3), and the gradient sync that reduce-scatters
 // each unit's gradients into the shares as backward finishes the unit.
 //
