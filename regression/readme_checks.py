@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""What README.md shows of decks, held to the files and to what loom prints, so that it cannot drift:
+"""What README.md and DESIGN.md state that the files and loom can check, held to them so that it
+cannot drift:
 
-    python3 regression/readme_checks.py --loom build/loom --workdir build/readme-checks decks
+    python3 regression/readme_checks.py --loom build/loom --workdir build/readme-checks decks|abi
 
   decks: the "Decks" section's ini block is inputs/quickstart.deck, whole; and each `loom: error:`
          line it quotes for a bad deck is what `loom check` prints for that deck today (up to the
          README's "..." where it shortens one).
+  abi:   the plugin ABI (LOOM_PLUGIN_ABI_VERSION, core/plugin.hpp) and the CUDA back end's
+         (LOOM_CUDA_ABI_VERSION, core/backend_select.hpp) as DESIGN.md states them, and the plugin ABI
+         README's `loom plugins` line shows and `loom plugins` prints.
 Standard library only.
 """
+import re
 import os
 import shutil
 import subprocess
@@ -60,10 +65,34 @@ def check_decks(args, failures):
                             % (want, " ".join(cmd[1:]), p.returncode, got[-1] if got else p.stderr[-300:]))
 
 
+def check_abi(args, failures):
+    def define(path, name):
+        with open(os.path.join(ROOT, path)) as f:
+            return int(re.search(r"#define %s (\d+)" % name, f.read()).group(1))
+    plugin, cuda = define("core/plugin.hpp", "LOOM_PLUGIN_ABI_VERSION"), define("core/backend_select.hpp",
+                                                                              "LOOM_CUDA_ABI_VERSION")
+    with open(os.path.join(ROOT, "DESIGN.md")) as f:
+        design = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    p = subprocess.run([args.loom, "plugins"], capture_output=True, text=True, timeout=60)
+    print("plugin ABI %d, CUDA ABI %d; loom plugins: %s" % (plugin, cuda, p.stdout.splitlines()[0] if p.stdout else ""))
+    stated = {
+        "DESIGN.md's abi_version": re.findall(r"`abi_version` \((\d+),", design),
+        "DESIGN.md's LOOM_CUDA_ABI_VERSION": re.findall(r"`LOOM_CUDA_ABI_VERSION` \((\d+),", design),
+        "README's `loom plugins` line": re.findall(r"plugin lossguard [0-9.]+ \(ABI (\d+)\)", readme),
+        "`loom plugins`": re.findall(r"plugin ABI (\d+)", p.stdout),
+    }
+    for what, found in stated.items():
+        want = cuda if "CUDA" in what else plugin
+        if not found or any(int(n) != want for n in found):
+            failures.append("%s says ABI %s; the code's is %d" % (what, ", ".join(found) or "nothing", want))
+
+
 def main():
     args = common.case_arguments(__doc__)
     failures = []
-    {"decks": check_decks}[args.case](args, failures)
+    {"decks": check_decks, "abi": check_abi}[args.case](args, failures)
     sys.exit(common.finish(failures))
 
 
