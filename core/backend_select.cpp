@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include <filesystem>
+#include <iostream>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -53,22 +54,35 @@ const CudaLibrary& cuda_library() {
   static std::once_flag once;
   std::call_once(once, [] {
     // Opens the library at p and checks its entry points and ABI; false (why_not set) if not.
-    const auto open = [](const std::string& p) {
+    // `named`: p came from LOOM_CUDA_BACKEND_LIBRARY, so the messages name that variable.
+    const auto open = [](const std::string& p, bool named) {
+      const std::string what = named ? "LOOM_CUDA_BACKEND_LIBRARY = " + p : p;
+      std::error_code ec;
+      if (fs::is_directory(p, ec)) {
+        lib.why_not = what + " is a directory (name the back end's library file: " LOOM_CUDA_LIBRARY
+                             ", or the emulated device's libloom_cuda_emu.so)";
+        return false;
+      }
       void* h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
       if (!h) {
-        lib.why_not = p + " cannot be loaded: " + dlerror() +
-                      " (the CUDA runtime libraries, cuBLAS and cuBLASLt, must be installed on this node)";
+        lib.why_not = what + " cannot be loaded: " + dlerror() +
+                      (named ? std::string(" (it should name " LOOM_CUDA_LIBRARY " or libloom_cuda_emu.so of this loom's "
+                                           "build; " LOOM_CUDA_LIBRARY " also needs the CUDA runtime libraries, cuBLAS "
+                                           "and cuBLASLt)")
+                             : std::string(" (the CUDA runtime libraries, cuBLAS and cuBLASLt, must be installed on this "
+                                           "node)"));
         return false;
       }
       const auto abi = reinterpret_cast<loom_cuda_abi_fn>(dlsym(h, "loom_cuda_abi"));
       lib.device_count = reinterpret_cast<loom_cuda_device_count_fn>(dlsym(h, "loom_cuda_device_count"));
       lib.create = reinterpret_cast<loom_cuda_create_fn>(dlsym(h, "loom_cuda_create"));
       if (!abi || !lib.device_count || !lib.create) {
-        lib.why_not = p + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create";
+        lib.why_not = what + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create" +
+                      (named ? " (it is not a loom CUDA back end: name " LOOM_CUDA_LIBRARY " or libloom_cuda_emu.so)" : "");
         return false;
       }
       if (abi() != LOOM_CUDA_ABI_VERSION) {
-        lib.why_not = p + " was built for CUDA back-end ABI " + std::to_string(abi()) + ", this loom has " +
+        lib.why_not = what + " was built for CUDA back-end ABI " + std::to_string(abi()) + ", this loom has " +
                       std::to_string(LOOM_CUDA_ABI_VERSION) + ": rebuild it with this loom";
         return false;
       }
@@ -81,7 +95,7 @@ const CudaLibrary& cuda_library() {
     if (const char* named = std::getenv("LOOM_CUDA_BACKEND_LIBRARY"); named && *named) {
       std::error_code ec;
       if (!fs::exists(named, ec)) lib.why_not = std::string("LOOM_CUDA_BACKEND_LIBRARY = ") + named + " does not exist";
-      else open(fs::absolute(named).string());  // dlopen searches the library path for a bare name
+      else open(fs::absolute(named).string(), true);  // dlopen searches the library path for a bare name
       return;
     }
     if (!build::cuda) {
@@ -94,7 +108,7 @@ const CudaLibrary& cuda_library() {
       const fs::path p = fs::path(dir) / LOOM_CUDA_LIBRARY;
       std::error_code ec;
       if (!fs::exists(p, ec)) continue;
-      open(p.string());
+      open(p.string(), false);
       return;
     }
     for (const std::string& dir : plugin_search_path()) tried += (tried.empty() ? "" : ":") + dir;
@@ -165,6 +179,14 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int threads,
                               : "auto: " + std::to_string(local_size) + " ranks on this node, " +
                                     std::to_string(devices) + " CUDA device" + (devices == 1 ? "" : "s");
     }
+    // A back-end library the user named and that cannot serve is a mistake to say aloud, even where
+    // auto goes on on the host (once, from world rank 0).
+    const char* named = std::getenv("LOOM_CUDA_BACKEND_LIBRARY");
+    int world_rank = 0;
+    MPI_Comm_rank(world, &world_rank);
+    if (requested == "auto" && !backend && named && *named && world_rank == 0)
+      std::cerr << "loom: warning: run.backend = auto trains on the host: " << c.reason.substr(6)
+                << " (LOOM_CUDA_BACKEND_LIBRARY is set)" << std::endl;
   }
   if (!backend) backend = make_host_backend(threads);
   c.name = backend->name();

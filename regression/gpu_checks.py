@@ -329,6 +329,35 @@ NCCL_LAYOUTS = ["dp2", "tp2_sp", "pp2_1f1b_tied_grads", "zero2_dp2", "zero3_dp2"
                 "int8_zero2_dp2_micro2", "topk_dp2", "powersgd_dp2", "dp2_tp2"]
 
 
+def emulated_environment(c, library):
+    """What a user sets wrong around the emulated device: each refused with exit 2 naming the variable
+    and what would do, a run.backend = auto that falls back to the host warning that the library it
+    was given failed; and the emulated device's own NCCL taken where LOOM_NCCL_LIBRARY is unset."""
+    two = {"LOOM_CUDA_EMU_DEVICES": "2"}
+    dp2 = ["run.backend=cuda", "parallel.dp=2", "train.steps=1"]
+    p, _ = c.loom("nccl_missing", 2, dp2, env=dict(two, LOOM_NCCL_LIBRARY="/nonexistent/libnccl.so.2"), expect=2)
+    c.expect(p.stderr, [r"LOOM_NCCL_LIBRARY = /nonexistent/libnccl\.so\.2 cannot be loaded", r"run\.share_gpu = true"],
+             "a LOOM_NCCL_LIBRARY that does not load")
+    c.check(p.stderr.count("device buffers need NCCL") == 1, "the NCCL refusal said once:\n" + p.stderr)
+    p, _ = c.loom("nccl_default", 2, dp2, env=dict(two, LOOM_NCCL_LIBRARY=""))
+    c.expect(p.stdout, [r"device buffers between ranks: NCCL 0\.0\.0"], "the emulated device's own NCCL, unnamed")
+    for value in ("2x", "-1"):
+        p, _ = c.loom("devices_" + value, 1, ["run.backend=cuda"], env={"LOOM_CUDA_EMU_DEVICES": value}, expect=2)
+        c.expect(p.stderr, [r"LOOM_CUDA_EMU_DEVICES = '%s' is not a number of emulated devices" % re.escape(value)],
+                 "LOOM_CUDA_EMU_DEVICES = %s" % value)
+    p, _ = c.loom("library_dir", 1, ["run.backend=cuda"], env={"LOOM_CUDA_BACKEND_LIBRARY": os.path.dirname(library)},
+                  expect=2)
+    c.expect(p.stderr, [r"LOOM_CUDA_BACKEND_LIBRARY = \S+ is a directory"], "a directory as the back-end library")
+    core = os.path.join(os.path.dirname(library), "libloom_core.so")
+    p, _ = c.loom("library_core", 1, ["run.backend=cuda"], env={"LOOM_CUDA_BACKEND_LIBRARY": core}, expect=2)
+    c.expect(p.stderr, [r"LOOM_CUDA_BACKEND_LIBRARY = \S+libloom_core\.so lacks the entry points .* not a loom CUDA "
+                        r"back end"], "another library as the back-end library")
+    p, _ = c.loom("auto_broken", 1, ["run.backend=auto", "train.steps=1"],
+                  env={"LOOM_CUDA_BACKEND_LIBRARY": "/nonexistent/libloom_cuda.so"})
+    c.expect(p.stderr, [r"warning: run\.backend = auto trains on the host: .*LOOM_CUDA_BACKEND_LIBRARY"],
+             "auto with a back-end library that does not load")
+
+
 def emulated(args):
     """The CUDA back end on the emulated device (LOOM_CUDA_BACKEND_LIBRARY = libloom_cuda_emu.so, set by
     CTest): its own host code, launch wrappers and kernels, with cuBLASLt's and the runtime's calls
@@ -353,6 +382,7 @@ def emulated(args):
     p, _ = c.loom("cuda_two_ranks", 2, ["run.backend=cuda", "parallel.dp=2"], expect=2)
     c.expect(p.stderr, [r"run\.backend = cuda: 2 ranks on this node but 1 CUDA device", r"run\.share_gpu"],
              "the refusal of two ranks on one device")
+    emulated_environment(c, library)
     if os.environ.get("LOOM_NCCL_LIBRARY"):
         # A stalled rank fails in a minute, naming what waited, before the harness's own limit.
         devices = {"LOOM_CUDA_EMU_DEVICES": "4", "LOOM_CUDA_EMU_WAIT_TIMEOUT": "60"}

@@ -24,6 +24,7 @@
 
 #include "core/comm.hpp"
 #include "core/cuda/comm_nccl.hpp"
+#include "core/error.hpp"
 #include "core/fault.hpp"
 
 namespace loom {
@@ -60,11 +61,21 @@ const Nccl& nccl() {
     Nccl r;
     // LOOM_NCCL_LIBRARY names another (an NCCL at a path of its own, or the emulated device's).
     const char* named = std::getenv("LOOM_NCCL_LIBRARY");
-    const std::string library = named && *named ? named : "libnccl.so.2";
+    std::string library = named && *named ? named : "libnccl.so.2";
+#ifdef LOOM_CUDA_EMULATED
+    // The emulated device's NCCL is this library's own: a real NCCL cannot drive an emulated device.
+    Dl_info self{};
+    if (!(named && *named) && dladdr(reinterpret_cast<void*>(&make_nccl_communicator), &self) && self.dli_fname)
+      library = self.dli_fname;
+#endif
+    const std::string what = named && *named ? "LOOM_NCCL_LIBRARY = " + library : library;
     void* h = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) {
-      r.why_not = library + " cannot be loaded (" + dlerror() +
-                  "): install NCCL, or put its library on LD_LIBRARY_PATH (or name it in LOOM_NCCL_LIBRARY)";
+      r.why_not = what + " cannot be loaded (" + dlerror() + "): " +
+                  (named && *named ? "name NCCL's library (libnccl.so.2 of NCCL 2.10 or newer), or unset "
+                                     "LOOM_NCCL_LIBRARY to take the one on the library path"
+                                   : "install NCCL (2.10 or newer), or put its library on LD_LIBRARY_PATH, or name it "
+                                     "in LOOM_NCCL_LIBRARY");
       return r;
     }
     bool all = true;
@@ -88,7 +99,7 @@ const Nccl& nccl() {
     sym(r.group_start, "ncclGroupStart");
     sym(r.group_end, "ncclGroupEnd");
     if (!all) {
-      r.why_not = library + " lacks entry points loom needs (NCCL 2.10 or newer is required: bf16, grouped send/recv)";
+      r.why_not = what + " lacks entry points loom needs (NCCL 2.10 or newer is required: bf16, grouped send/recv)";
       return r;
     }
     r.get_version(&r.version);
@@ -172,13 +183,24 @@ class NcclCommunicator final : public Communicator {
     }
     MPI_Comm dup;
     MPI_Comm_dup(comm, &dup);
-    int ok = local_error.empty() ? 1 : 0;
-    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, dup);
-    if (ok) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, dup);
+    int failed = local_error.empty() ? 0 : 1;
+    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_SUM, dup);
+    if (failed == 0) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, dup);
     MPI_Comm_free(&dup);
-    if (!ok)
-      throw std::runtime_error("communicator " + name + ": device buffers need NCCL on every rank; " +
-                               (local_error.empty() ? std::string("another rank could not set it up") : local_error));
+    if (failed > 0) {  // a node without NCCL, or a library misnamed: refused as bad input is
+      const std::string why = "communicator " + name + ": device buffers need NCCL on every rank; " +
+                              (local_error.empty() ? std::string("another rank could not set it up") : local_error) +
+                              "; or run.share_gpu = true (host copies over MPI, for checks) or run.backend = host";
+      int world_size = 1;
+      MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+      // Over the whole job every rank knows and stops here: said once where all failed alike (else by
+      // each rank that failed), exit 2, no abort. A smaller group's ranks abort the job, since the
+      // ranks outside it would wait for them.
+      if (size_ < world_size) throw InputError(why);
+      if (failed == size_ ? rank_ == 0 : !local_error.empty())
+        write_stderr(failed == size_ ? "loom: error: " + why + "\n" : rank_error_text(rank_, why));
+      throw ReportedError(why);
+    }
     check_nccl(n.comm_init_rank(&comm_, size_, id, rank_), "ncclCommInitRank for communicator " + name);
   }
   ~NcclCommunicator() override {

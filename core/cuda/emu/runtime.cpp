@@ -3,6 +3,7 @@
 #include "core/cuda/emu/runtime.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -68,11 +69,34 @@ thread_local int current_device = 0;
 
 using Lock = std::lock_guard<std::recursive_mutex>;
 
-int device_count() {
-  const char* env = std::getenv("LOOM_CUDA_EMU_DEVICES");
-  if (!env || !*env) return 1;
-  return std::max(0, std::atoi(env));
+// LOOM_CUDA_EMU_DEVICES: devices per node, 1 when unset; a value that is not a whole number from 0
+// to kMaxDevices gives none, and cudaGetErrorString(cudaErrorNoDevice) says why. Read once.
+constexpr long kMaxDevices = 1024;
+struct Devices {
+  int count = 1;
+  std::string none_why = "no CUDA-capable device is detected (LOOM_CUDA_EMU_DEVICES = 0)";
+};
+const Devices& devices() {
+  static const Devices d = [] {
+    Devices r;
+    const char* env = std::getenv("LOOM_CUDA_EMU_DEVICES");
+    if (!env || !*env) return r;
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(env, &end, 10);
+    if (errno != 0 || end == env || *end != '\0' || n < 0 || n > kMaxDevices) {
+      r.count = 0;
+      r.none_why = std::string("LOOM_CUDA_EMU_DEVICES = '") + env +
+                   "' is not a number of emulated devices (a whole number from 0 to " + std::to_string(kMaxDevices) +
+                   "; unset: 1)";
+    } else {
+      r.count = static_cast<int>(n);
+    }
+    return r;
+  }();
+  return d;
 }
+int device_count() { return devices().count; }
 
 Schedule schedule_from_environment() {
   const char* env = std::getenv("LOOM_CUDA_EMU_SCHEDULE");
@@ -269,7 +293,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevicePointer: return "invalid device pointer";
     case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
-    case cudaErrorNoDevice: return "no CUDA-capable device is detected (LOOM_CUDA_EMU_DEVICES = 0)";
+    case cudaErrorNoDevice: return devices().none_why.c_str();
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorNotReady: return "device not ready";
