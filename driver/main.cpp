@@ -4,6 +4,7 @@
 #include <Kokkos_Core.hpp>
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <cstdio>
@@ -285,6 +286,21 @@ int dispatch(int argc, char** argv, int rank) {
   std::exit(1);
 }
 
+// LOOM_STATUS_FILE: world rank 0 writes the exit status there ("3\n"), for job scripts whose
+// launcher does not pass it on: MPICH's mpiexec (hydra), signalled, often exits 0 though every rank
+// exits 3 after saving its checkpoint. A job that MPI_Abort ends writes nothing; its launcher fails.
+static void write_status_file(int rank, int status) {
+  const char* path = std::getenv("LOOM_STATUS_FILE");
+  if (rank != 0 || !path || !*path) return;
+  if (FILE* f = std::fopen(path, "w")) {
+    std::fprintf(f, "%d\n", status);
+    if (std::fclose(f) != 0) write_stderr(std::string("loom: warning: cannot write LOOM_STATUS_FILE = ") + path + "\n");
+  } else {
+    write_stderr(std::string("loom: warning: cannot write LOOM_STATUS_FILE = ") + path + " (" + std::strerror(errno) +
+                 ")\n");
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "plot") exec_plot(argc, argv);
   select_openblas_core(argv);  // may re-execute this program with a better OpenBLAS kernel set
@@ -321,6 +337,7 @@ int main(int argc, char** argv) {
       write_stderr("loom: error: " + std::string(e.what()) + "\n");
     }
   }
+  write_status_file(rank, status);
   if (checkpoint_file_left_open()) {
     // The ranks agreed on it and the reason is printed; HDF5's clean-up at MPI_Finalize or exit()
     // would crash on the file it could not close.

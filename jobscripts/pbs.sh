@@ -79,8 +79,18 @@ fi
 command=("$mpirun" -n "$ranks" ${hostfile[@]+"${hostfile[@]}"} "${LOOM:-build/loom}" run "$DECK"
          ${defaults[@]+"${defaults[@]}"} ${sets[@]+"${sets[@]}"})
 echo "pbs.sh: job ${PBS_JOBID:-local}: ${command[*]}"
+# loom's own exit status, written by its rank 0: a launcher may lose it (MPICH's mpiexec, signalled,
+# often exits 0 though every rank exits 3 after saving its checkpoint).
+status_file=$(mktemp "${TMPDIR:-/tmp}/loom-status.XXXXXX")
+export LOOM_STATUS_FILE=$status_file
 status=0
 "${command[@]}" || status=$?
+loom_status=$(cat "$status_file" 2>/dev/null || true)
+rm -f "$status_file"
+if [ "$status" -eq 0 ] && [ -n "$loom_status" ] && [ "$loom_status" != 0 ]; then
+  echo "pbs.sh: the launcher exited 0, loom exited $loom_status: taking loom's"
+  status=$loom_status
+fi
 if [ "$status" -eq 3 ]; then
   echo "pbs.sh: loom was interrupted and saved a checkpoint; the next job of the chain (or the same qsub again) resumes from it"
 fi

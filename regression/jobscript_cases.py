@@ -31,6 +31,9 @@ n=$(find "$FAKE_LOG" -name "$name.*.argv" | wc -l)
 printf '%s\0' "$@" > "$FAKE_LOG/$name.$n.argv"
 env > "$FAKE_LOG/$name.$n.env"
 status_var="FAKE_${name^^}_STATUS"
+# FAKE_<NAME>_LOOM_STATUS: what loom's rank 0 would write to LOOM_STATUS_FILE (a launcher that loses it)
+loom_status_var="FAKE_${name^^}_LOOM_STATUS"
+if [ -n "${!loom_status_var:-}" ] && [ -n "${LOOM_STATUS_FILE:-}" ]; then echo "${!loom_status_var}" > "$LOOM_STATUS_FILE"; fi
 exit "${!status_var:-0}"
 """
 
@@ -197,6 +200,22 @@ def case_slurm_requeue_on_interrupt(workdir, failures):
     job = Job(workdir, "slurm_requeue_refused", SLURM, [],
               {"SLURM_JOB_ID": "4242", "FAKE_SRUN_STATUS": "3", "FAKE_SCONTROL_STATUS": "1"})
     expect(failures, job.status == 3, "a refused requeue leaves exit status 3 (for an afternotok chain): %d" % job.status)
+
+
+def case_launcher_loses_status(workdir, failures):
+    """A launcher that exits 0 though loom's ranks exited 3 (MPICH's mpiexec, signalled): the scripts
+    take loom's own status from LOOM_STATUS_FILE, so Slurm requeues and PBS releases its chain."""
+    job = Job(workdir, "slurm_lost_status", SLURM, [],
+              {"SLURM_JOB_ID": "4243", "FAKE_SRUN_STATUS": "0", "FAKE_SRUN_LOOM_STATUS": "3"})
+    requeues = [argv for argv, _ in job.calls("scontrol")]
+    expect(failures, requeues == [["requeue", "4243"]], "srun exit 0, loom 3 -> scontrol requeue 4243: %s" % requeues)
+    _, env = job.launch()
+    expect(failures, env.get("LOOM_STATUS_FILE", "").startswith("/"), "srun gets LOOM_STATUS_FILE: %s"
+           % env.get("LOOM_STATUS_FILE"))
+    job, _ = pbs_job(workdir, "pbs_lost_status", HYDRA_VERSION, {"FAKE_MPIRUN_STATUS": "0", "FAKE_MPIRUN_LOOM_STATUS": "3"})
+    expect(failures, job.status == 3, "mpirun exit 0, loom 3 -> script exit 3: %d" % job.status)
+    job, _ = pbs_job(workdir, "pbs_both_zero", HYDRA_VERSION, {"FAKE_MPIRUN_STATUS": "0", "FAKE_MPIRUN_LOOM_STATUS": "0"})
+    expect(failures, job.status == 0, "mpirun exit 0, loom 0 -> script exit 0: %d" % job.status)
 
 
 def case_slurm_mpi_flavour(workdir, failures):

@@ -33,7 +33,8 @@ CASE is one of:
                             the file and "File too large", no segmentation fault; earlier checkpoint intact
   write_failure_metrics     a metrics.jsonl write that crosses the limit exits 1 naming the file
   interrupt_exit_status     SIGTERM to the ranks of a 2-rank job and SIGINT to one process: a checkpoint,
-                            exit status 3, summary.json status interrupted; resume = auto continues
+                            exit status 3, summary.json status interrupted; resume = auto continues;
+                            SIGTERM to the 2-rank job's launcher: LOOM_STATUS_FILE holds 3
   numbers                   per-step comm bytes of a resumed run equal the uninterrupted run's; parameters
                             is the model's count at tp = 2; report.json has the command line and the --set
                             keys; metrics rows carry elapsed_s, eta_s, time and mfu
@@ -365,6 +366,25 @@ def case_interrupt(c, name):
         p, _ = c.loom(tag, ranks, ["parallel.dp=%d" % ranks, "train.schedule=constant", "checkpoint.resume=auto",
                                    "train.steps=%d" % (int(latest(ckdir)[5:13]) + 2)])
         c.expect(p.stdout, [r"resumed from"], "%s resume stdout" % tag)
+    # SIGTERM to the launcher itself (as a user's kill, or a scheduler that signals only it): the
+    # ranks save and exit 3, which the launcher may not pass on (MPICH's mpiexec often exits 0), so
+    # loom's rank 0 writes it to LOOM_STATUS_FILE for job scripts.
+    status_file = os.path.join(c.dir, "status")
+    cmd, rundir = c.command("sigterm_launcher_np2", 2, ["parallel.dp=2"] + const)
+    if cmd[0] == c.args.loom:
+        return
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OPENBLAS_NUM_THREADS="1", LOOM_STATUS_FILE=status_file))
+    deadline = time.time() + 60
+    while time.time() < deadline and len(rows(rundir)) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    written = open(status_file).read().strip() if os.path.exists(status_file) else "(no file)"
+    print("sigterm_launcher_np2: the launcher exited %d; LOOM_STATUS_FILE holds %s" % (proc.returncode, written))
+    c.check(written == "3", "LOOM_STATUS_FILE holds %r after SIGTERM to the launcher, expected 3" % written)
+    c.check(summary(rundir)["status"] == "interrupted", "sigterm_launcher_np2: summary.json status %r"
+            % summary(rundir)["status"])
 
 
 def case_numbers(c, name):
