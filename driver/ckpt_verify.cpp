@@ -54,6 +54,14 @@ int command_ckpt_verify(const std::string& path) {
   if (world != 1) throw InputError("loom ckpt verify runs on one process; launched on " + std::to_string(world));
   std::error_code ec;
   if (!fs::exists(path, ec)) throw InputError(quote_path(path) + " does not exist: name a checkpoint file or a checkpoint directory");
+  // loom's `latest` pointer (a line naming the newest checkpoint) stands for its directory.
+  const fs::path given(path);
+  if (given.filename() == "latest" && fs::is_regular_file(given, ec) && fs::file_size(given, ec) < 4096) {
+    const std::string dir = given.parent_path().empty() ? "." : given.parent_path().string();
+    std::cout << quote_path(path) << " is the pointer to the newest checkpoint: verifying its directory " << quote_path(dir)
+              << "\n";
+    return command_ckpt_verify(dir);
+  }
   if (!fs::is_directory(path, ec)) return report(path, verify_checkpoint(path)) ? 0 : 1;
 
   // A directory: its checkpoints, and the writes that never finished (a crash mid-write leaves

@@ -2,6 +2,7 @@
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include <unistd.h>
 #include <boost/program_options.hpp>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -76,6 +78,19 @@ const char* kUsage =
     "Launch with mpirun/srun for more ranks (mpirun -n 1 build/loom run inputs/quickstart.deck), or directly.\n"
     "--set may be repeated; later values win. Exit status: 0 done, 2 bad input (deck, data, layout), 1 failure,\n"
     "3 stopped by SIGTERM or SIGINT after saving a checkpoint (continue with --set checkpoint.resume=auto).\n";
+
+// The lines of kUsage for one command: each line "  COMMAND ..." and the lines indented under it.
+std::string command_usage(const std::string& command) {
+  std::istringstream in(kUsage);
+  std::string line, out;
+  bool inside = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("  " + command + " ", 0) == 0) inside = true;
+    else if (line.rfind("  ", 0) != 0 || line[2] != ' ') inside = false;  // another command, or the end
+    if (inside) out += line + "\n";
+  }
+  return out;
+}
 
 struct Args {
   std::string command;
@@ -191,6 +206,12 @@ int dispatch(int argc, char** argv, int rank) {
     return 0;
   }
   const std::string command = args[0];
+  // COMMAND --help: that command's usage (run, check and export print the deck keys, as --help-deck).
+  if ((command == "sample" || command == "ckpt" || command == "plan") &&
+      std::any_of(args.begin() + 1, args.end(), [](const std::string& x) { return x == "--help" || x == "-h"; })) {
+    if (rank == 0) std::cout << "usage:\n" << command_usage(command);
+    return 0;
+  }
   if (command == "sample") return command_sample(parse_sample({args.begin() + 1, args.end()}));
   // Built-in strategies and every plugin on the search path register first, so that their deck
   // keys are part of the schema every deck is checked against.

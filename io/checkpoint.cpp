@@ -460,7 +460,20 @@ static void require_hdf5(const std::string& path) {
   if (H5Fis_hdf5(path.c_str()) > 0) return;
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) fail(path, "cannot be read (no such file, or no permission)");
+  // loom's own `latest` (one line naming the newest checkpoint) given as the file: say what to give.
+  char head[256] = {0};
+  const std::size_t n = std::fread(head, 1, sizeof head - 1, f);
   std::fclose(f);
+  std::string named(head, n);
+  while (!named.empty() && (named.back() == '\n' || named.back() == '\r')) named.pop_back();
+  const std::filesystem::path p(path);
+  if (p.filename() == "latest" && named.rfind("ckpt-", 0) == 0 && named.size() > 8 &&
+      named.compare(named.size() - 3, 3, ".h5") == 0 && named.find('/') == std::string::npos) {
+    const std::string dir = p.parent_path().empty() ? "." : p.parent_path().string();
+    fail(path, "is the pointer to the newest checkpoint (it names " + named + "), not a checkpoint: give "
+               "checkpoint.resume = latest with checkpoint.dir = " + dir + ", or the file it names, " +
+               (p.parent_path() / named).string());
+  }
   fail(path, "is not a readable HDF5 file (truncated or corrupt)");
 }
 

@@ -233,6 +233,14 @@ def main():
         os.remove(os.path.join(ckdir, "ckpt-00000012.h5.tmp"))
         c.loom("resumed", 1, ["checkpoint.resume=" + ckpt4])  # as it advises: the run continues exactly
         c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, 0.0)
+        # loom's `latest` pointer named as the checkpoint: verify takes its directory; a resume says
+        # what to give instead of calling the pointer a corrupt HDF5 file.
+        pointer = os.path.join(ckdir, "latest")
+        verify(pointer, 1, [r"latest' is the pointer to the newest checkpoint: verifying its directory",
+                            r"latest: ckpt-00000008\.h5, which is damaged"])
+        p, _ = c.loom("resume_pointer", 1, ["checkpoint.resume=" + pointer], expect=2)
+        c.expect_error(p, [r"is the pointer to the newest checkpoint \(it names ckpt-00000008\.h5\), not a checkpoint: "
+                           r"give checkpoint\.resume = latest with checkpoint\.dir = "])
         missing = os.path.join(ckdir, "missing.h5")
         shutil.copy(ckpt4, missing)
         with h5py.File(missing, "r+") as f:

@@ -2,7 +2,7 @@
 """What README.md and DESIGN.md state that the files and loom can check, held to them so that it
 cannot drift:
 
-    python3 regression/readme_checks.py --loom build/loom --workdir build/readme-checks decks|abi
+    python3 regression/readme_checks.py --loom build/loom --workdir build/readme-checks decks|abi|usage
 
   decks: the "Decks" section's ini block is inputs/quickstart.deck, whole; and each `loom: error:`
          line it quotes for a bad deck is what `loom check` prints for that deck today (up to the
@@ -10,6 +10,8 @@ cannot drift:
   abi:   the plugin ABI (LOOM_PLUGIN_ABI_VERSION, core/plugin.hpp) and the CUDA back end's
          (LOOM_CUDA_ABI_VERSION, core/backend_select.hpp) as DESIGN.md states them, and the plugin ABI
          README's `loom plugins` line shows and `loom plugins` prints.
+  usage: every command of README's Commands table is in `loom --help`; `loom plan|sample|ckpt --help`
+         print that command's usage and exit 0.
 Standard library only.
 """
 import re
@@ -89,10 +91,29 @@ def check_abi(args, failures):
             failures.append("%s says ABI %s; the code's is %d" % (what, ", ".join(found) or "nothing", want))
 
 
+def check_usage(args, failures):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        commands = section(f.read(), "Commands")
+    table = sorted({m for m in re.findall(r"^\| `loom (\w+)", commands, re.M)} - {"--help"})
+    p = subprocess.run([args.loom, "--help"], capture_output=True, text=True, timeout=60)
+    listed = set(re.findall(r"^  (\w+)", p.stdout, re.M))
+    print("README's commands: %s; loom --help lists: %s" % (" ".join(table), " ".join(sorted(listed))))
+    if p.returncode != 0 or not table:
+        failures.append("loom --help: exit %d; README's table gave %s" % (p.returncode, table))
+    for c in table:
+        if c not in listed:
+            failures.append("README's Commands table has `loom %s`, which `loom --help` does not list" % c)
+    for c in ("plan", "sample", "ckpt"):
+        p = subprocess.run([args.loom, c, "--help"], capture_output=True, text=True, timeout=60)
+        print("$ loom %s --help  (exit %d)\n%s" % (c, p.returncode, p.stdout[:200]))
+        if p.returncode != 0 or not p.stdout.startswith("usage:\n  %s " % c):
+            failures.append("loom %s --help: exit %d, printed %r" % (c, p.returncode, (p.stdout + p.stderr)[:200]))
+
+
 def main():
     args = common.case_arguments(__doc__)
     failures = []
-    {"decks": check_decks, "abi": check_abi}[args.case](args, failures)
+    {"decks": check_decks, "abi": check_abi, "usage": check_usage}[args.case](args, failures)
     sys.exit(common.finish(failures))
 
 
