@@ -22,8 +22,9 @@
 # 'STEP ...': those steps, by the names in known_items below -> OUTDIR/steps.log.
 # Each: the device and the CUDA libraries found -> OUTDIR/node.log; a line per step with its exit
 #   status and seconds -> OUTDIR/summary.log (both started afresh; the logs are written as each step
-#   ends). A step still running after LOOM_GPU_STEP_TIMEOUT seconds (default 300) is stopped, it and
-#   its children (exit 124, noted), so that a hung kernel or rank costs one step, not the lease. Exit
+#   ends). A step still running after LOOM_GPU_STEP_TIMEOUT seconds (default 300; 0: no limit) is
+#   stopped, it and its children (exit 124, noted), so that a hung kernel or rank costs one step, not
+#   the lease; a signal to the session stops the running step, then the session. Exit
 #   0 when every step passed: on a GPU node a skipped test is a failure (it says the GPU, or a
 #   library, was not found), 2 on a bad call.
 set -uo pipefail
@@ -84,18 +85,35 @@ export LOOM_CUDA_LIB_DIRS=$dirs LOOM_PLUGIN_PATH=$b/lib PATH=$b/bin:$PATH
 
 status=0
 log=$out/$log_name.log
+# Ctrl-C or a TERM to this session stops the running step (in a process group of its own) first.
+step_pid=""
+stop_step() {
+  if [ -n "$step_pid" ]; then
+    kill -TERM "$step_pid" 2>/dev/null
+    wait "$step_pid" 2>/dev/null
+  fi
+  echo "gpu_session: stopped by a signal" | tee -a "$out/summary.log" >&2
+  exit 130
+}
+trap stop_step INT TERM
 step() {  # step NAME COMMAND...: runs it, appending to the log, and notes its exit status
   local name=$1
   shift
   local t0=$SECONDS
   echo "=== $name: $*" >> "$log"
-  # timeout runs the step in a process group of its own and stops the whole group (mpiexec's ranks too).
-  timeout --kill-after=10 "$step_timeout" "$@" > "$work/step.log" 2>&1
+  # timeout runs the step in a process group of its own and stops the whole group (mpiexec's ranks
+  # too); in the background, so that a signal to this session reaches it (stop_step).
+  timeout --kill-after=10 "$step_timeout" "$@" > "$work/step.log" 2>&1 &
+  step_pid=$!
+  wait "$step_pid"
   local rc=$?
+  step_pid=""
   cat "$work/step.log" >> "$log"
   local note=""
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+  if [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ "$step_timeout" != 0 ] && [ $((SECONDS - t0)) -ge "${step_timeout%.*}" ]; }; then
     note=" (timed out: stopped after LOOM_GPU_STEP_TIMEOUT = $step_timeout s)"
+  elif [ $rc -eq 137 ]; then
+    note=" (killed by SIGKILL before its time was up: out of memory?)"
   # A skip here says the GPU (or a library it needs) was not found: a failure on a GPU node.
   elif [ $rc -eq 77 ] || grep -q -E '^\[  SKIPPED \] [0-9]+ test' "$work/step.log"; then
     note=" (skipped: no GPU seen, or a library missing; the log says which)"

@@ -31,8 +31,8 @@ namespace fs = std::filesystem;
 // access(2): for root it says yes to directories no file can be made in (/proc, a read-only mount).
 // errno is left as the failed creation set it.
 bool writable_directory(const fs::path& p) {
-  const fs::path probe = p / (".loom-check-probe-" + std::to_string(::getpid()));
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  std::string probe = (p / ".loom-check-probe-XXXXXX").string();  // a name of its own on every rank
+  const int fd = ::mkstemp(probe.data());
   if (fd < 0) return false;
   ::close(fd);
   ::unlink(probe.c_str());

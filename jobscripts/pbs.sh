@@ -80,15 +80,25 @@ command=("$mpirun" -n "$ranks" ${hostfile[@]+"${hostfile[@]}"} "${LOOM:-build/lo
          ${defaults[@]+"${defaults[@]}"} ${sets[@]+"${sets[@]}"})
 echo "pbs.sh: job ${PBS_JOBID:-local}: ${command[*]}"
 # loom's own exit status, written by its rank 0: a launcher may lose it (MPICH's mpiexec, signalled,
-# often exits 0 though every rank exits 3 after saving its checkpoint).
-status_file=$(mktemp "${TMPDIR:-/tmp}/loom-status.XXXXXX")
-export LOOM_STATUS_FILE=$status_file
+# often exits 0 though every rank exits 3 after saving its checkpoint). Without a temporary file
+# (no writable TMPDIR or /tmp) the launcher's status alone decides, as before.
+status_file=$(mktemp "${TMPDIR:-/tmp}/loom-status.XXXXXX" 2>/dev/null || mktemp /tmp/loom-status.XXXXXX 2>/dev/null ||
+              true)
+if [ -n "$status_file" ]; then
+  export LOOM_STATUS_FILE=$status_file
+  trap 'rm -f "$status_file"' EXIT
+fi
+# A signal to the whole job (a scheduler's time limit or cancel) must not end this shell before the
+# status is read: a handler, not an ignore, so the launcher and loom still get the signal.
+trap ':' TERM INT
 status=0
 "${command[@]}" || status=$?
-loom_status=$(cat "$status_file" 2>/dev/null || true)
-rm -f "$status_file"
-if [ "$status" -eq 0 ] && [ -n "$loom_status" ] && [ "$loom_status" != 0 ]; then
-  echo "pbs.sh: the launcher exited 0, loom exited $loom_status: taking loom's"
+loom_status=$(cat "${status_file:-/dev/null}" 2>/dev/null || true)
+# loom's 3 (every rank saved its checkpoint) wins over whatever the launcher said; otherwise loom's
+# status where the launcher says 0.
+if [ -n "$loom_status" ] && [ "$loom_status" != "$status" ] &&
+   { [ "$loom_status" = 3 ] || { [ "$status" -eq 0 ] && [ "$loom_status" != 0 ]; }; }; then
+  echo "pbs.sh: the launcher exited $status, loom exited $loom_status: taking loom's"
   status=$loom_status
 fi
 if [ "$status" -eq 3 ]; then

@@ -11,8 +11,10 @@ status. Standard library only.
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBSCRIPTS = os.path.join(os.path.dirname(HERE), "jobscripts")
@@ -30,6 +32,12 @@ fi
 n=$(find "$FAKE_LOG" -name "$name.*.argv" | wc -l)
 printf '%s\0' "$@" > "$FAKE_LOG/$name.$n.argv"
 env > "$FAKE_LOG/$name.$n.env"
+if [ -n "${FAKE_WAIT_FOR_TERM:-}" ]; then  # a launcher the scheduler signals with its whole job: the
+  # ranks save and exit 3, which this launcher loses (exit 0)
+  trap 'echo 3 > "$LOOM_STATUS_FILE"; exit 0' TERM
+  touch "$FAKE_LOG/waiting"
+  while :; do sleep 0.05; done
+fi
 status_var="FAKE_${name^^}_STATUS"
 # FAKE_<NAME>_LOOM_STATUS: what loom's rank 0 would write to LOOM_STATUS_FILE (a launcher that loses it)
 loom_status_var="FAKE_${name^^}_LOOM_STATUS"
@@ -71,8 +79,22 @@ class Job:
         if script == PBS:
             full_env.setdefault("DECK", self.deck)
         print("$ " + " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd), flush=True)
-        p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=60)
-        self.status, self.stdout, self.stderr = p.returncode, p.stdout, p.stderr
+        if not full_env.get("FAKE_WAIT_FOR_TERM"):
+            p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=60)
+            self.status, self.stdout, self.stderr = p.returncode, p.stdout, p.stderr
+        else:  # SIGTERM to the job's whole process group once the launcher runs, as PBS sends at walltime
+            p = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+            deadline = time.time() + 30
+            while time.time() < deadline and not os.path.exists(os.path.join(self.log, "waiting")):
+                time.sleep(0.02)
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                self.stdout, self.stderr = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                self.stdout, self.stderr = p.communicate()
+            self.status = p.returncode
         sys.stdout.write(self.stdout + self.stderr)
 
     def calls(self, name):
@@ -216,6 +238,15 @@ def case_launcher_loses_status(workdir, failures):
     expect(failures, job.status == 3, "mpirun exit 0, loom 3 -> script exit 3: %d" % job.status)
     job, _ = pbs_job(workdir, "pbs_both_zero", HYDRA_VERSION, {"FAKE_MPIRUN_STATUS": "0", "FAKE_MPIRUN_LOOM_STATUS": "0"})
     expect(failures, job.status == 0, "mpirun exit 0, loom 0 -> script exit 0: %d" % job.status)
+    job, _ = pbs_job(workdir, "pbs_lost_status_5", HYDRA_VERSION, {"FAKE_MPIRUN_STATUS": "5", "FAKE_MPIRUN_LOOM_STATUS": "3"})
+    expect(failures, job.status == 3, "mpirun exit 5, loom 3 -> script exit 3 (every rank saved): %d" % job.status)
+    # The scheduler signals the whole job (script, launcher, ranks): the script outlives it and reads
+    # loom's status.
+    job, _ = pbs_job(workdir, "pbs_job_signalled", HYDRA_VERSION, {"FAKE_WAIT_FOR_TERM": "1"})
+    expect(failures, job.status == 3, "SIGTERM to the whole job, loom 3, mpirun 0 -> script exit 3: %d" % job.status)
+    # No writable temporary directory: the launcher's status decides, as before the file existed.
+    job, _ = pbs_job(workdir, "pbs_no_tmp", HYDRA_VERSION, {"FAKE_MPIRUN_STATUS": "3", "TMPDIR": "/nonexistent"})
+    expect(failures, job.status == 3, "TMPDIR missing: the job still runs, mpirun 3 -> script exit 3: %d" % job.status)
 
 
 def case_slurm_mpi_flavour(workdir, failures):

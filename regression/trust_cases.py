@@ -379,7 +379,14 @@ def case_interrupt(c, name):
     while time.time() < deadline and len(rows(rundir)) < 3:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # nothing of this job may outlive the case
+        for pid in loom_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        out, err = proc.communicate()
+        c.check(False, "sigterm_launcher_np2: the job did not end within 120 s of SIGTERM to its launcher")
     written = open(status_file).read().strip() if os.path.exists(status_file) else "(no file)"
     print("sigterm_launcher_np2: the launcher exited %d; LOOM_STATUS_FILE holds %s" % (proc.returncode, written))
     c.check(written == "3", "LOOM_STATUS_FILE holds %r after SIGTERM to the launcher, expected 3" % written)

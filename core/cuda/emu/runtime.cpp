@@ -3,6 +3,7 @@
 #include "core/cuda/emu/runtime.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -84,7 +85,7 @@ const Devices& devices() {
     char* end = nullptr;
     errno = 0;
     const long n = std::strtol(env, &end, 10);
-    if (errno != 0 || end == env || *end != '\0' || n < 0 || n > kMaxDevices) {
+    if (errno != 0 || !std::isdigit(static_cast<unsigned char>(env[0])) || *end != '\0' || n > kMaxDevices) {
       r.count = 0;
       r.none_why = std::string("LOOM_CUDA_EMU_DEVICES = '") + env +
                    "' is not a number of emulated devices (a whole number from 0 to " + std::to_string(kMaxDevices) +
