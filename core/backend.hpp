@@ -33,8 +33,8 @@ struct NormCheck {
 
 // The precision of a run's compute (the `precision` role, filled by the `mixed_precision` strategy;
 // DESIGN.md "The parameter store", its 16-bit paragraph). Master weights, gradients, optimizer
-// state and every other activation stay fp32; `matmul` names what the model's matrix products (matmul_forward/_backward)
-// take as operands: their inputs, weights and output gradients are in that type (the store's 16-bit
+// state and every other activation stay fp32; `matmul` names what the model's matrix products
+// (matmul_forward/_backward) take as operands: their inputs, weights and output gradients are in that type (the store's 16-bit
 // compute copies of the weights, the model's 16-bit saved inputs, or fp32 rounded to it), and the
 // products accumulate in fp32 into fp32 outputs (torch.autocast's rule for linear layers).
 struct Precision {

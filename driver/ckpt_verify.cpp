@@ -55,8 +55,8 @@ int command_ckpt_verify(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw InputError(quote_path(path) + " does not exist: name a checkpoint file or a checkpoint directory");
   // loom's `latest` pointer (a line naming the newest checkpoint) stands for its directory.
-  const fs::path given(path);
-  if (given.filename() == "latest" && fs::is_regular_file(given, ec) && fs::file_size(given, ec) < 4096) {
+  if (!latest_pointer_target(path).empty()) {
+    const fs::path given(path);
     const std::string dir = given.parent_path().empty() ? "." : given.parent_path().string();
     std::cout << quote_path(path) << " is the pointer to the newest checkpoint: verifying its directory " << quote_path(dir)
               << "\n";

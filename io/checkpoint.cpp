@@ -460,21 +460,30 @@ static void require_hdf5(const std::string& path) {
   if (H5Fis_hdf5(path.c_str()) > 0) return;
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) fail(path, "cannot be read (no such file, or no permission)");
-  // loom's own `latest` (one line naming the newest checkpoint) given as the file: say what to give.
-  char head[256] = {0};
-  const std::size_t n = std::fread(head, 1, sizeof head - 1, f);
   std::fclose(f);
-  std::string named(head, n);
-  while (!named.empty() && (named.back() == '\n' || named.back() == '\r')) named.pop_back();
-  const std::filesystem::path p(path);
-  if (p.filename() == "latest" && named.rfind("ckpt-", 0) == 0 && named.size() > 8 &&
-      named.compare(named.size() - 3, 3, ".h5") == 0 && named.find('/') == std::string::npos) {
+  if (const std::string named = latest_pointer_target(path); !named.empty()) {
+    const std::filesystem::path p(path);
     const std::string dir = p.parent_path().empty() ? "." : p.parent_path().string();
     fail(path, "is the pointer to the newest checkpoint (it names " + named + "), not a checkpoint: give "
                "checkpoint.resume = latest with checkpoint.dir = " + dir + ", or the file it names, " +
                (p.parent_path() / named).string());
   }
   fail(path, "is not a readable HDF5 file (truncated or corrupt)");
+}
+
+std::string latest_pointer_target(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::path(path).filename() != "latest" || !std::filesystem::is_regular_file(path, ec)) return "";
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return "";
+  char head[256] = {0};
+  const std::size_t n = std::fread(head, 1, sizeof head - 1, f);
+  std::fclose(f);
+  std::string named(head, n);
+  while (!named.empty() && (named.back() == '\n' || named.back() == '\r')) named.pop_back();
+  const bool is_name = named.rfind("ckpt-", 0) == 0 && named.size() > 8 &&
+                       named.compare(named.size() - 3, 3, ".h5") == 0 && named.find('/') == std::string::npos;
+  return is_name ? named : "";
 }
 
 namespace {
@@ -570,7 +579,8 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     // finiteness: values written as they were, non-finite, are a run that had diverged. Every rank
     // learns of a non-finite value any rank read, so all refuse alike.
     std::int64_t want = 0;
-    if (!read_attr_i64(ds.id, "checksum", want)) fail(path, "tensor " + name + " has no readable checksum attribute (one integer): corrupt");
+    if (!read_attr_i64(ds.id, "checksum", want))
+      fail(path, "tensor " + name + " has no readable checksum attribute (one integer): corrupt");
     const bool owner = t.holds && t.primary_end > t.primary_begin;
     const ShardDesc mine = owner ? t.shard.cut(t.primary_begin, t.primary_end) : t.shard;
     const auto got = static_cast<std::int64_t>(checksum(&mine, owner ? data + t.primary_begin : nullptr, owner));
@@ -716,7 +726,8 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
       }
       std::int64_t want = 0;
       if (!read_attr_i64(ds.id, "checksum", want)) {
-        v.problems.push_back("tensor " + name + " has no readable checksum attribute (one integer): corrupt, or not loom's");
+        v.problems.push_back("tensor " + name +
+                             " has no readable checksum attribute (one integer): corrupt, or not loom's");
         continue;
       }
       Handle type{H5Dget_type(ds.id), H5Tclose};

@@ -69,6 +69,10 @@ CheckpointState checkpoint_header(const std::string& path);
 // the checkpoint, 2 in this deck; ..."), empty when none: a checkpoint continues only its own model.
 std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& deck);
 
+// The checkpoint file a `latest` pointer at `path` names (one line, ckpt-*.h5, in its directory), or
+// "" when `path` is not such a pointer: resume and `ckpt verify` say what to give instead of "corrupt".
+std::string latest_pointer_target(const std::string& path);
+
 // `loom ckpt info`: step, layout, deck, and every tensor with its shape and dtype (one process).
 std::string checkpoint_info(const std::string& path);
 
