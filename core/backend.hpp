@@ -34,9 +34,10 @@ struct NormCheck {
 // The precision of a run's compute (the `precision` role, filled by the `mixed_precision` strategy;
 // DESIGN.md "The parameter store", its 16-bit paragraph). Master weights, gradients, optimizer
 // state and every other activation stay fp32; `matmul` names what the model's matrix products
-// (matmul_forward/_backward) take as operands: their inputs, weights and output gradients are in that type (the store's 16-bit
-// compute copies of the weights, the model's 16-bit saved inputs, or fp32 rounded to it), and the
-// products accumulate in fp32 into fp32 outputs (torch.autocast's rule for linear layers).
+// (matmul_forward/_backward) take as operands: their inputs, weights and output gradients are in
+// that type (the store's 16-bit compute copies of the weights, the model's 16-bit saved inputs, or
+// fp32 rounded to it), and the products accumulate in fp32 into fp32 outputs (torch.autocast's rule
+// for linear layers).
 struct Precision {
   DType matmul = DType::f32;  // fp32, bf16 or fp16
   DType reduce = DType::f32;  // the gradient collective's element type (the session's CastReducer)
