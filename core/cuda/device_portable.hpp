@@ -26,6 +26,7 @@ LOOM_DEVICE int block_x() { return static_cast<int>(blockIdx.x); }
 LOOM_DEVICE int block_y() { return static_cast<int>(blockIdx.y); }
 LOOM_DEVICE int block_dim_x() { return static_cast<int>(blockDim.x); }
 LOOM_DEVICE int grid_x() { return static_cast<int>(gridDim.x); }
+LOOM_DEVICE int grid_y() { return static_cast<int>(gridDim.y); }
 LOOM_DEVICE float as_float(float f) { return f; }
 LOOM_DEVICE float as_float(bf16_t b) { return __bfloat162float(b); }
 LOOM_DEVICE float as_float(f16_t h) { return __half2float(h); }
@@ -81,6 +82,7 @@ inline int block_x() { return static_cast<int>(cuda_emu::block_idx().x); }
 inline int block_y() { return static_cast<int>(cuda_emu::block_idx().y); }
 inline int block_dim_x() { return static_cast<int>(cuda_emu::block_dim().x); }
 inline int grid_x() { return static_cast<int>(cuda_emu::grid_dim().x); }
+inline int grid_y() { return static_cast<int>(cuda_emu::grid_dim().y); }
 inline float as_float(float f) { return f; }
 inline float as_float(bf16_t b) { return loom::to_float(b); }
 inline float as_float(f16_t h) { return loom::to_float(h); }

@@ -133,13 +133,41 @@ LOOM_HD inline HeadSlices head_slices(const float* qkv, const float* dout, int T
   return HeadSlices{q, q + C, q + 2 * static_cast<std::int64_t>(C), g, ld};
 }
 
-// rows [row0, row0 + 64) of a [T, hs] slice of qkv or dout (row stride ld floats) into a bf16 tile;
-// rows past T are zeros. All the block's threads take part.
-template <int HS>
-LOOM_DEVICE void load_tile(dev::bf16_t* tile, const float* src, std::int64_t ld, int row0, int T) {
-  for (int i = dev::thread_x(); i < kCols * HS; i += kThreads) {
-    const int r = i / HS, d = i % HS, t = row0 + r;
-    tile[r * Strides<HS>::h + d] = dev::to_bf16(t < T ? src[static_cast<std::int64_t>(t) * ld + d] : 0.0f);
+// A tile to fill: rows [row0, row0 + 64) of a [T, HS] slice of qkv or dout (row stride ld floats)
+// into the bf16 tile; rows past T are zeros.
+struct TileLoad {
+  dev::bf16_t* tile;
+  const float* src;
+  std::int64_t ld;
+};
+
+// Fills the tiles, all the block's threads taking part. Each thread issues a batch of loads (16 of
+// every tile) before it converts and stores any: one load after another, each waiting for the
+// last, left the kernels waiting on device memory most of their time (12 TFLOP/s on an H200).
+template <int HS, int N>
+LOOM_DEVICE void load_tiles(const TileLoad (&loads)[N], int row0, int T) {
+  constexpr int kPerThread = kCols * HS / kThreads;  // of each tile
+  constexpr int kBatch = kPerThread < 16 ? kPerThread : 16;
+  static_assert(kCols * HS % kThreads == 0 && kPerThread % kBatch == 0, "whole batches of every tile");
+  const int tid = dev::thread_x();
+  for (int first = 0; first < kPerThread; first += kBatch) {
+    float staged[N][kBatch];
+    LOOM_UNROLL(4)
+    for (int n = 0; n < N; ++n) {
+      LOOM_UNROLL(16)
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = tid + (first + j) * kThreads, t = row0 + i / HS;
+        staged[n][j] = t < T ? loads[n].src[static_cast<std::int64_t>(t) * loads[n].ld + i % HS] : 0.0f;
+      }
+    }
+    LOOM_UNROLL(4)
+    for (int n = 0; n < N; ++n) {
+      LOOM_UNROLL(16)
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = tid + (first + j) * kThreads;
+        loads[n].tile[(i / HS) * Strides<HS>::h + i % HS] = dev::to_bf16(staged[n][j]);
+      }
+    }
   }
 }
 
@@ -276,6 +304,12 @@ LOOM_DEVICE void write_rows(float* dst, std::int64_t ld, int t0, int T, int row0
 #endif
 }
 
+// The query tile of a forward or dq block: the last first. Blocks start roughly in the order of
+// their index, and a causal query tile's work grows with its index (it walks every key tile up to
+// its own): the longest start first, so the short ones fill the end rather than one long one
+// running alone. (dk/dv's heaviest key tile is already the first.)
+LOOM_DEVICE int last_tile_first() { return dev::grid_y() - 1 - dev::block_y(); }
+
 // ---------------------------------------------------------------------------------------------
 // Forward. Grid (B*NH, ceil(T/64)) (heads on x, whose limit is 2^31 - 1), 128 threads, forward_smem_bytes<HS>() of dynamic shared memory.
 
@@ -286,10 +320,10 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   using S = Strides<HS>;
   ForwardSmem<HS> sm(dev::shared_memory<unsigned char>());
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
-  const int q0 = dev::block_y() * kRows, bh = dev::block_x(), b = bh / NH, h = bh % NH;
+  const int q0 = last_tile_first() * kRows, bh = dev::block_x(), b = bh / NH, h = bh % NH;
   const HeadSlices x = head_slices(qkv, nullptr, T, C, NH, bh, HS);
 
-  load_tile<HS>(sm.q, x.q, x.ld, q0, T);
+  load_tiles<HS>({TileLoad{sm.q, x.q, x.ld}}, q0, T);
   for (int i = tid; i < kRows * S::f; i += kThreads) sm.o[i] = 0.0f;
   for (int r = tid; r < kRows; r += kThreads) sm.m[r] = kNoScore, sm.l[r] = 0.0f;
   dev::sync_block();
@@ -301,8 +335,7 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
   for (int k0 = 0; k0 <= last_q; k0 += kCols) {  // causal: no key tile past the block's last query
     dev::sync_block();  // the previous tile's products are done with k and v
-    load_tile<HS>(sm.k, x.k, x.ld, k0, T);
-    load_tile<HS>(sm.v, x.v, x.ld, k0, T);
+    load_tiles<HS>({TileLoad{sm.k, x.k, x.ld}, TileLoad{sm.v, x.v, x.ld}}, k0, T);
     dev::sync_block();
     product_nt<HS>(sm.s + warp * 16 * S::s, S::s, q_rows, sm.k);  // scores of the warp's rows
     dev::sync_warp();
@@ -384,8 +417,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
   const float* lse_bh = lse + static_cast<std::int64_t>(bh) * T;
   const float* dsum_bh = dsum + static_cast<std::int64_t>(bh) * T;
 
-  load_tile<HS>(sm.a, x.k, x.ld, k0, T);
-  load_tile<HS>(sm.b, x.v, x.ld, k0, T);
+  load_tiles<HS>({TileLoad{sm.a, x.k, x.ld}, TileLoad{sm.b, x.v, x.ld}}, k0, T);
   RowsAcc<HS> dk, dv;  // the warp's 16 keys' gradients
   zero(dk);
   zero(dv);
@@ -396,8 +428,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
   dev::bf16_t* prow = sm.p + r * S::p;
   for (int q0 = k0; q0 < T; q0 += kCols) {  // causal: no query before the block's first key
     dev::sync_block();  // the previous tile's products are done with q and dout
-    load_tile<HS>(sm.c, x.q, x.ld, q0, T);
-    load_tile<HS>(sm.d, x.dout, C, q0, T);
+    load_tiles<HS>({TileLoad{sm.c, x.q, x.ld}, TileLoad{sm.d, x.dout, C}}, q0, T);
     for (int i = tid; i < kCols; i += kThreads) {
       const bool in = q0 + i < T;
       sm.lse[i] = in ? lse_bh[q0 + i] : 0.0f;
@@ -447,11 +478,10 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
   using S = Strides<HS>;
   BackwardSmem<HS> sm(dev::shared_memory<unsigned char>());  // a = q, b = dout, c = k, d = v
   const int tid = dev::thread_x(), warp = tid / 32, lane = tid % 32;
-  const int q0 = dev::block_y() * kRows, bh = dev::block_x();
+  const int q0 = last_tile_first() * kRows, bh = dev::block_x();
   const HeadSlices x = head_slices(qkv, dout, T, C, NH, bh, HS);
 
-  load_tile<HS>(sm.a, x.q, x.ld, q0, T);
-  load_tile<HS>(sm.b, x.dout, C, q0, T);
+  load_tiles<HS>({TileLoad{sm.a, x.q, x.ld}, TileLoad{sm.b, x.dout, C}}, q0, T);
   for (int i = tid; i < kRows; i += kThreads) {
     const bool in = q0 + i < T;
     sm.lse[i] = in ? lse[static_cast<std::int64_t>(bh) * T + q0 + i] : 0.0f;
@@ -471,8 +501,7 @@ LOOM_KERNEL void attention_backward_q_kernel(float* dqkv,                       
   const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
   for (int k0 = 0; k0 <= last_q; k0 += kCols) {
     dev::sync_block();  // the previous tile's products are done with k and v
-    load_tile<HS>(sm.c, x.k, x.ld, k0, T);
-    load_tile<HS>(sm.d, x.v, x.ld, k0, T);
+    load_tiles<HS>({TileLoad{sm.c, x.k, x.ld}, TileLoad{sm.d, x.v, x.ld}}, k0, T);
     dev::sync_block();
     product_nt<HS>(sm.s + warp * 16 * S::s, S::s, q_rows, sm.c);      // scores = q k^T
     product_nt<HS>(sm.dp + warp * 16 * S::s, S::s, dout_rows, sm.d);  // dprobs = dout v^T
