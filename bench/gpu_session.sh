@@ -19,7 +19,9 @@
 #   most -> OUTDIR/all.log
 # smoke: CudaBackend.EncoderForwardAndBackward and regression/gpu_checks.py refusal -> OUTDIR/smoke.log
 #   (regression.gpu.bundle runs it on every CUDA build).
-# 'STEP ...': those steps, by the names in known_items below -> OUTDIR/steps.log.
+# 'STEP ...': those steps, by the names in known_items below -> OUTDIR/steps.log. One is in no mode:
+#   ncu_flash, Nsight Compute's sections (occupancy, warp stalls, pipes, memory) for one launch of
+#   each fused attention kernel, where ncu is on the node.
 # Each: the device and the CUDA libraries found -> OUTDIR/node.log; a line per step with its exit
 #   status and seconds -> OUTDIR/summary.log (both started afresh; the logs are written as each step
 #   ends). A step still running after LOOM_GPU_STEP_TIMEOUT seconds (default 300; 0: no limit) is
@@ -32,7 +34,7 @@ usage="usage: bash bench/gpu_session.sh BUNDLE.tar.xz OUTDIR checks|bench|all|sm
 bundle=${1:?$usage}
 out=${2:?$usage}
 what=${3:?$usage}
-known_items="cuda_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory bench_unfused bench_flash profile_unfused profile_flash smoke_kernel"
+known_items="cuda_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory bench_unfused bench_flash profile_unfused profile_flash smoke_kernel ncu_flash"
 case "$what" in
   checks|bench|all|smoke) ;;
   *)  # a list of steps by name, e.g. to run again the ones that failed
@@ -141,6 +143,20 @@ run_item() {
       step "profile $a" env LOOM_CUDA_PROFILE=1 "$b/bin/loom" run bench/gpu.deck --set train.steps=10 \
         --set model.attention="$a" --set run.dir="$work/profile-$a" ;;
     smoke_kernel) step loom_cuda_tests "$b/bin/loom_cuda_tests" --gtest_filter=CudaBackend.EncoderForwardAndBackward ;;
+    ncu_flash)  # Nsight Compute on one launch of each fused attention kernel of bench/gpu.deck's step
+      local ncu k
+      ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -z "$ncu" ]; then
+        echo "ncu_flash: no ncu (Nsight Compute) on this node" | tee -a "$out/summary.log"
+        status=1
+        return
+      fi
+      for k in attention_forward_kernel attention_backward_kv_kernel attention_backward_q_kernel; do
+        step "ncu $k" "$ncu" -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+          --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis "$b/bin/loom" run bench/gpu.deck --set train.steps=1 \
+          --set model.attention=flash --set run.peak_tflops=1 --set run.dir="$work/ncu-$k"
+      done ;;
     *) gpu_case "$1" ;;  # a case of regression/gpu_checks.py
   esac
 }

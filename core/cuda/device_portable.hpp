@@ -54,6 +54,8 @@ LOOM_DEVICE float log_f(float x) { return logf(x); }
 LOOM_DEVICE double log_d(double x) { return log(x); }
 using float4 = ::float4;
 LOOM_DEVICE float4 make_float4(float x, float y, float z, float w) { return ::make_float4(x, y, z, w); }
+// Four floats from a 16-byte-aligned address in one load.
+LOOM_DEVICE float4 load_float4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 }  // namespace loom::dev
 // A kernel's static shared array (__shared__ T name[n]), __launch_bounds__, and an unroll hint.
 #define LOOM_SHARED_ARRAY(T, name, n) __shared__ T name[n]
@@ -115,6 +117,11 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline float4 load_float4(const float* p) {
+  float4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 }  // namespace loom::dev
 // One array per block, filled with NaN bytes at the block's start, as the dynamic shared memory.
 #define LOOM_SHARED_ARRAY(T, name, n)                                                                  \

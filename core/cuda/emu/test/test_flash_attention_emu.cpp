@@ -29,8 +29,8 @@ struct Result {
 };
 
 template <int HS>
-Result run_kernels(const Case& c, const std::vector<float>& qkv, const std::vector<float>& dout,
-                   emu::Schedule schedule = emu::Schedule::sweep, unsigned seed = 0) {
+Result run_kernels(const Case& c, const float* qkv, const float* dout, emu::Schedule schedule = emu::Schedule::sweep,
+                   unsigned seed = 0) {
   struct Restore {
     ~Restore() { emu::set_schedule(emu::Schedule::sweep); }
   } restore;
@@ -43,17 +43,17 @@ Result run_kernels(const Case& c, const std::vector<float>& qkv, const std::vect
   std::vector<float> dsum(r.lse.size(), std::nanf(""));
   const emu::dim3 grid(c.B * c.NH, (c.T + flash::kRows - 1) / flash::kRows), block(flash::kThreads);
   emu::launch(grid, block, flash::forward_smem_bytes<HS>(), [&] {
-    flash::attention_forward_kernel<HS>(r.out.data(), r.lse.data(), qkv.data(), c.T, c.C, c.NH, scale);
+    flash::attention_forward_kernel<HS>(r.out.data(), r.lse.data(), qkv, c.T, c.C, c.NH, scale);
   });
   emu::launch(emu::dim3(3), emu::dim3(64), 0, [&] {  // 6 warps over B*NH*T rows: the grid-stride loop
-    flash::attention_backward_dsum_kernel<float>(dsum.data(), dout.data(), r.out.data(), c.B, c.T, c.C, c.NH, HS);
+    flash::attention_backward_dsum_kernel<float>(dsum.data(), dout, r.out.data(), c.B, c.T, c.C, c.NH, HS);
   });
   emu::launch(grid, block, flash::backward_smem_bytes<HS>(), [&] {
-    flash::attention_backward_kv_kernel<HS>(r.dqkv.data(), dout.data(), qkv.data(), r.lse.data(), dsum.data(), c.T,
+    flash::attention_backward_kv_kernel<HS>(r.dqkv.data(), dout, qkv, r.lse.data(), dsum.data(), c.T,
                                             c.C, c.NH, scale);
   });
   emu::launch(grid, block, flash::backward_smem_bytes<HS>(), [&] {
-    flash::attention_backward_q_kernel<HS>(r.dqkv.data(), dout.data(), qkv.data(), r.lse.data(), dsum.data(), c.T,
+    flash::attention_backward_q_kernel<HS>(r.dqkv.data(), dout, qkv, r.lse.data(), dsum.data(), c.T,
                                            c.C, c.NH, scale);
   });
   return r;
@@ -119,7 +119,18 @@ void check_case(const Case& c, float spread) {
   ASSERT_EQ(c.C / c.NH, HS);
   const auto qkv = random_values(static_cast<std::size_t>(c.B) * c.T * 3 * c.C, spread, 7u + c.T);
   const auto dout = random_values(static_cast<std::size_t>(c.B) * c.T * c.C, 1.0f, 11u + c.T);
-  const Result got = run_kernels<HS>(c, qkv, dout);
+  ASSERT_EQ(reinterpret_cast<std::uintptr_t>(qkv.data()) % 16, 0u);  // the kernels load 4 floats at a time
+  ASSERT_EQ(reinterpret_cast<std::uintptr_t>(dout.data()) % 16, 0u);
+  const Result got = run_kernels<HS>(c, qkv.data(), dout.data());
+  {  // from copies one float past 16-byte alignment, the kernels load one float at a time: the same bits
+    std::vector<float> qkv1(qkv.size() + 1), dout1(dout.size() + 1);
+    std::copy(qkv.begin(), qkv.end(), qkv1.begin() + 1);
+    std::copy(dout.begin(), dout.end(), dout1.begin() + 1);
+    const Result unaligned = run_kernels<HS>(c, qkv1.data() + 1, dout1.data() + 1);
+    EXPECT_TRUE(same_bits(unaligned.out, got.out) && same_bits(unaligned.lse, got.lse) &&
+                same_bits(unaligned.dqkv, got.dqkv))
+        << "hs " << HS << " T " << c.T << ": unaligned inputs (one float at a time) give other results than aligned ones";
+  }
   // The same bits whatever order the threads run in between barriers: a barrier missing between
   // one warp's (or lane's) write to shared memory and another's read gives another result.
   const std::pair<emu::Schedule, unsigned> orders[] = {{emu::Schedule::warps_ascending, 0},
@@ -127,7 +138,7 @@ void check_case(const Case& c, float spread) {
                                                         {emu::Schedule::warps_random, 1},
                                                         {emu::Schedule::warps_random, 2}};
   for (const auto& [order, seed] : orders) {
-    const Result again = run_kernels<HS>(c, qkv, dout, order, seed);
+    const Result again = run_kernels<HS>(c, qkv.data(), dout.data(), order, seed);
     EXPECT_TRUE(same_bits(again.out, got.out) && same_bits(again.lse, got.lse) && same_bits(again.dqkv, got.dqkv))
         << "hs " << HS << " T " << c.T << ": the kernels' results depend on the threads' order (emulator schedule "
         << emu::schedule_name(order) << " seed " << seed << " against sweep): a barrier is missing";
