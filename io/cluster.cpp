@@ -15,11 +15,16 @@ namespace loom {
 namespace {
 
 // Published figures, per device. Link bandwidths per direction; memory_gbs and optimizer_gbs the HBM
-// bandwidth (a GPU's element-wise kernels and AdamW are bound by it). attention_tflops measured: loom's
-// CUDA attention on an H100 SXM (README, LOOM_CUDA_PROFILE for bench/gpu.deck: forward 2.250 +
-// backward 2.757 ms per layer at B 16, T 1024, d 768, 12 heads, a bf16 run whose attention products
-// are TF32, less 192 x attention_head_us: 12 B T^2 C / 4.62 ms = 33.5 TFLOP/s); its kernels write and
-// read the [B, heads, T, T] matrices, so on the A100 and H200 it is scaled by HBM bandwidth (assumed).
+// bandwidth (a GPU's element-wise kernels and AdamW are bound by it). attention_tflops and
+// flash_attention_tflops measured on an H100 SXM and an H200 (README "On a GPU", LOOM_CUDA_PROFILE
+// for bench/gpu.deck, 10 steps: B 16, T 1024, d 768, 12 heads, a bf16 run whose unfused attention
+// products are TF32), 12 B T^2 C = 1.546e11 FLOPs per layer over the time per layer: unfused, less
+// 192 x attention_head_us, H100 (240.41 + 329.30) ms / 120 -> 35.4 TFLOP/s, H200 (201.95 + 273.50)
+// / 120 -> 43.2; fused, whose four launches per layer carry no per-head cost, H100 (90.32 + 263.79)
+// / 120 -> 52.4, H200 (89.68 + 260.92) / 120 -> 52.9. The unfused kernels write and read the
+// [B, heads, T, T] matrices, so the A100's is the H100's scaled by HBM bandwidth (assumed); the
+// fused kernels are bound by their instructions, not memory (Nsight Compute on the H200), and have
+// not run on an A100: its preset prices flash as unfused.
 // Not published, assumed (and said
 // so in `source`): latencies, the order of a small NCCL message on such links; matmul_efficiency, the
 // peak at every width (narrow models reach less of it: a calibrated cluster knows); matmul_call_us, one
@@ -29,7 +34,7 @@ const std::map<std::string, std::string>& presets() {
   static const std::map<std::string, std::string> p = {
       {"a100-80gb", R"([cluster]
 name = NVIDIA DGX A100 80GB nodes (8 x A100-SXM4-80GB per node)
-source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 2039/3350; a bf16 run, attention's products in TF32); DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen4 x16 (64 GB/s both directions; a peak, which loom's copies from pageable host memory will not reach); host_gbs assumed (one host core streaming, which loom's host passes run on)
+source = NVIDIA A100 Tensor Core GPU datasheet (FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink 600 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's unfused attention measured on an H100 SXM (35.4 TFLOP/s x 2039/3350; a bf16 run, attention's products in TF32); no flash_attention_tflops (the fused kernels have not run on an A100: a flash run is priced as unfused); DGX A100 user guide (one 200 Gb/s HDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen4 x16 (64 GB/s both directions; a peak, which loom's copies from pageable host memory will not reach); host_gbs assumed (one host core streaming, which loom's host passes run on)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
@@ -40,7 +45,7 @@ matmul_efficiency_fp32 = 1
 matmul_efficiency_bf16 = 1
 matmul_efficiency_fp16 = 1
 matmul_call_us = 4
-attention_tflops = 20.4
+attention_tflops = 21.5
 attention_head_us = 2
 memory_gbs = 2039
 optimizer_gbs = 2039
@@ -55,7 +60,7 @@ inter_node_latency_us = 8
 )"},
       {"h100-sxm", R"([cluster]
 name = NVIDIA DGX H100 nodes (8 x H100-SXM5-80GB per node)
-source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention_tflops measured: loom's attention on an H100 SXM (bench/gpu.deck, LOOM_CUDA_PROFILE: 5.0 ms forward + backward per layer at B 16, T 1024, d 768, 12 heads; a bf16 run, attention's products in TF32); DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen5 x16 (128 GB/s both directions; a peak, which loom's copies from pageable host memory will not reach); host_gbs assumed (one host core streaming, which loom's host passes run on)
+source = NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3350 GB/s, NVLink 900 GB/s bidirectional); attention_tflops and flash_attention_tflops measured: loom's attention on an H100 SXM (bench/gpu.deck, LOOM_CUDA_PROFILE: forward + backward per layer at B 16, T 1024, d 768, 12 heads, a bf16 run: unfused 4.75 ms, its products in TF32; fused 2.95 ms, bf16 products); DGX H100 user guide (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen5 x16 (128 GB/s both directions; a peak, which loom's copies from pageable host memory will not reach); host_gbs assumed (one host core streaming, which loom's host passes run on)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 80
@@ -66,8 +71,10 @@ matmul_efficiency_fp32 = 1
 matmul_efficiency_bf16 = 1
 matmul_efficiency_fp16 = 1
 matmul_call_us = 4
-attention_tflops = 33.5
+attention_tflops = 35.4
 attention_head_us = 2
+flash_attention_tflops = 52.4
+flash_attention_head_us = 0
 memory_gbs = 3350
 optimizer_gbs = 3350
 sync_wait_share = 0
@@ -81,7 +88,7 @@ inter_node_latency_us = 8
 )"},
       {"h200", R"([cluster]
 name = NVIDIA DGX H200 nodes (8 x H200-SXM-141GB per node)
-source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention_tflops scaled by HBM bandwidth from loom's attention measured on an H100 SXM (33.5 TFLOP/s x 4800/3350; a bf16 run, attention's products in TF32); DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen5 x16 (128 GB/s both directions; a peak, which loom's copies from pageable host memory will not reach); host_gbs assumed (one host core streaming, which loom's host passes run on)
+source = NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4800 GB/s, NVLink 900 GB/s bidirectional); attention_tflops and flash_attention_tflops measured: loom's attention on an H200 (bench/gpu.deck, LOOM_CUDA_PROFILE: forward + backward per layer at B 16, T 1024, d 768, 12 heads, a bf16 run: unfused 3.96 ms, its products in TF32; fused 2.92 ms, bf16 products); DGX H200 (one 400 Gb/s NDR InfiniBand NIC per GPU); latencies assumed (typical NCCL small message); matmul_efficiency 1 at every width assumed (no per-width figures published: small models will run below it); matmul_call_us assumed (one kernel launch, ~4 us); attention_head_us assumed (6 launches per sequence shared by ~12 heads); memory_gbs and optimizer_gbs at the HBM bandwidth (element-wise kernels and AdamW are memory-bound on a GPU); sync_wait_share 0 assumed (a GPU runs a kernel in the same time on every device); host_link_gbs the datasheet's PCIe Gen5 x16 (128 GB/s both directions; a peak, which loom's copies from pageable host memory will not reach); host_gbs assumed (one host core streaming, which loom's host passes run on)
 nodes = 4
 devices_per_node = 8
 device_memory_gib = 141
@@ -92,8 +99,10 @@ matmul_efficiency_fp32 = 1
 matmul_efficiency_bf16 = 1
 matmul_efficiency_fp16 = 1
 matmul_call_us = 4
-attention_tflops = 48
+attention_tflops = 43.2
 attention_head_us = 2
+flash_attention_tflops = 52.9
+flash_attention_head_us = 0
 memory_gbs = 4800
 optimizer_gbs = 4800
 sync_wait_share = 0
