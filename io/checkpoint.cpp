@@ -105,8 +105,7 @@ Handle open_single_attr(hid_t obj, const char* name, std::initializer_list<H5T_c
   Handle space{H5Aget_space(a.id), H5Sclose};
   Handle type{H5Aget_type(a.id), H5Tclose};
   const H5T_class_t cls = H5Tget_class(type.id);
-  const bool string_ok = cls != H5T_STRING || H5Tis_variable_str(type.id) == 0;
-  if (space.id < 0 || H5Sget_simple_extent_npoints(space.id) != 1 || !string_ok ||
+  if (space.id < 0 || H5Sget_simple_extent_npoints(space.id) != 1 ||
       std::find(classes.begin(), classes.end(), cls) == classes.end())
     return Handle{-1, H5Aclose};
   return a;
@@ -119,13 +118,26 @@ bool read_attr_f64(hid_t obj, const char* name, double& out) {
   Handle a = open_single_attr(obj, name, {H5T_FLOAT, H5T_INTEGER});
   return a.id >= 0 && H5Aread(a.id, H5T_NATIVE_DOUBLE, &out) >= 0;
 }
+// A string attribute of fixed length, as loom writes them, or of variable length, as h5py writes a
+// Python str (a deck attribute edited there); read in the attribute's own character set (HDF5 does
+// not convert between ASCII and UTF-8), the bytes as they are.
 bool read_attr_string(hid_t obj, const char* name, std::string& out) {
   Handle a = open_single_attr(obj, name, {H5T_STRING});
   if (a.id < 0) return false;
   Handle type{H5Aget_type(a.id), H5Tclose};
+  Handle mem{H5Tcopy(H5T_C_S1), H5Tclose};
+  H5Tset_cset(mem.id, H5Tget_cset(type.id));
+  if (H5Tis_variable_str(type.id) > 0) {
+    H5Tset_size(mem.id, H5T_VARIABLE);
+    char* text = nullptr;
+    if (H5Aread(a.id, mem.id, &text) < 0) return false;
+    const bool read = text != nullptr;  // a null string: nothing stored
+    if (read) out.assign(text);
+    H5free_memory(text);
+    return read;
+  }
   const std::size_t n = H5Tget_size(type.id);
   std::vector<char> buf(n + 1, 0);
-  Handle mem{H5Tcopy(H5T_C_S1), H5Tclose};
   H5Tset_size(mem.id, n);
   if (H5Aread(a.id, mem.id, buf.data()) < 0) return false;
   out.assign(buf.data());

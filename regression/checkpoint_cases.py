@@ -253,6 +253,23 @@ def main():
             f.attrs["model_heads"] = 0
         verify(heads0, 1, [r"heads0\.h5': DAMAGED\n  records model\.heads = 0: corrupt"])
         os.remove(heads0)
+        # The deck attribute rewritten in h5py, which stores a Python str as a variable-length UTF-8
+        # string (loom writes fixed-length ASCII): the same deck, read (it was called unreadable).
+        vlen = os.path.join(c.dir, "vlen_deck.h5")
+        shutil.copy(ckpt4, vlen)
+        with h5py.File(vlen, "r+") as f:
+            deck = f.attrs["deck"]
+            deck = deck.decode() if isinstance(deck, bytes) else str(deck)
+            del f.attrs["deck"]
+            f.attrs["deck"] = deck
+            if h5py.check_string_dtype(f.attrs.get_id("deck").dtype).length is not None:
+                c.failures.append("h5py did not write the deck as a variable-length string")
+        verify(vlen, 0, [r"vlen_deck\.h5': step 4, .*: intact"])
+        p = subprocess.run([args.loom, "ckpt", "info", vlen], capture_output=True, text=True, timeout=120)
+        if p.returncode != 0 or "# loom deck, resolved" not in p.stdout:
+            c.failures.append("ckpt info of a checkpoint with a variable-length deck attribute does not show the deck: "
+                              "exit %d\n%s%s" % (p.returncode, p.stdout[-400:], p.stderr))
+        c.loom("vlen_deck_resume", 1, ["checkpoint.resume=" + vlen, "train.steps=6"], expect=0)
         # Beside the run's directory (a FIFO there would block the snapshot's reads): a FIFO named as a
         # checkpoint (opening it would wait for a writer), a damaged loss scale, a tensor that is a link
         # into another file (loom never writes one; it would pass another checkpoint's values off).
