@@ -145,7 +145,7 @@ run_item() {
     smoke_kernel) step loom_cuda_tests "$b/bin/loom_cuda_tests" --gtest_filter=CudaBackend.EncoderForwardAndBackward ;;
     ncu_flash)  # Nsight Compute on one launch of each fused attention kernel of bench/gpu.deck's step
       local ncu k
-      ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -1)
       if [ -z "$ncu" ]; then
         echo "ncu_flash: no ncu (Nsight Compute) on this node" | tee -a "$out/summary.log"
         status=1

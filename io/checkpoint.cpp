@@ -138,7 +138,7 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
   }
   const std::size_t n = H5Tget_size(type.id);
   std::vector<char> buf(n + 1, 0);
-  H5Tset_size(mem.id, n);
+  H5Tset_size(mem.id, n + 1);  // room for the terminator: a null-padded string of n characters keeps all n
   if (H5Aread(a.id, mem.id, buf.data()) < 0) return false;
   out.assign(buf.data());
   return true;

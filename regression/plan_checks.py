@@ -13,7 +13,8 @@
                      `--cluster FILE --show` reads back to the same values; on 1 rank it is
                      refused (it measures the links between ranks). inputs/long_context.deck (model.attention
                      = flash) is priced at the file's fused-attention rate, and differently from its unfused
-                     run; on a preset, which has no fused rate, as the unfused kernels, saying so
+                     run; on the a100-80gb preset, which has no fused rate, as the unfused kernels, saying
+                     so; on h100-sxm and h200 at their measured fused rate, below the unfused
   memory_vs_ledger   `loom plan DECK --json` against the ledger of the same deck run for 2 steps (past
                      compression.start_step, where the method's state is made), rank by rank and category
                      by category, for every deck of inputs/ and the layouts of the regression cases (dp, tp,

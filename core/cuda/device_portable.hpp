@@ -54,8 +54,15 @@ LOOM_DEVICE float log_f(float x) { return logf(x); }
 LOOM_DEVICE double log_d(double x) { return log(x); }
 using float4 = ::float4;
 LOOM_DEVICE float4 make_float4(float x, float y, float z, float w) { return ::make_float4(x, y, z, w); }
-// Four floats from a 16-byte-aligned address in one load.
+// Four floats from a 16-byte-aligned address in one load; four bf16 (each rounded as to_bf16) to an
+// 8-byte-aligned address in one store.
 LOOM_DEVICE float4 load_float4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+struct alignas(8) Bf16x4 {
+  bf16_t v[4];
+};
+LOOM_DEVICE void store_bf16x4(bf16_t* p, float4 f) {
+  *reinterpret_cast<Bf16x4*>(p) = Bf16x4{{to_bf16(f.x), to_bf16(f.y), to_bf16(f.z), to_bf16(f.w)}};
+}
 }  // namespace loom::dev
 // A kernel's static shared array (__shared__ T name[n]), __launch_bounds__, and an unroll hint.
 #define LOOM_SHARED_ARRAY(T, name, n) __shared__ T name[n]
@@ -117,10 +124,17 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+// As the device's, which faults on a misaligned address: so does the emulator.
 inline float4 load_float4(const float* p) {
+  if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) cuda_emu::fail("load_float4: address not 16-byte aligned");
   float4 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+inline void store_bf16x4(bf16_t* p, float4 f) {
+  if (reinterpret_cast<std::uintptr_t>(p) % 8 != 0) cuda_emu::fail("store_bf16x4: address not 8-byte aligned");
+  const bf16_t v[4] = {to_bf16(f.x), to_bf16(f.y), to_bf16(f.z), to_bf16(f.w)};
+  std::memcpy(p, v, sizeof v);
 }
 }  // namespace loom::dev
 // One array per block, filled with NaN bytes at the block's start, as the dynamic shared memory.

@@ -143,13 +143,11 @@ struct TileLoad {
 
 // Fills the tiles, all the block's threads taking part. Each thread issues a batch of loads (16
 // floats of every tile) before it converts and stores any: one load after another, each waiting
-// for the last, left the kernels waiting on device memory most of their time (12 TFLOP/s on an
-// H200). Where every source is 16-byte aligned (rows of qkv and dout are, when the buffers are:
-// hs and C are multiples of 16), the loads are 4 floats and the stores 4 bf16 at a time, a quarter
-// of the instructions; elsewhere one float at a time, with the same results.
-struct alignas(8) Bf16x4 {
-  dev::bf16_t v[4];
-};
+// for the last, left the kernels waiting on device memory most of their time (on an H200, 1084 ms
+// of attention in 10 steps of bench/gpu.deck; 351 ms with this). Where every source is 16-byte
+// aligned (rows of qkv and dout are, when the buffers are: hs and C are multiples of 16), the loads
+// are 4 floats and the stores 4 bf16 at a time, a quarter of the instructions; elsewhere one float
+// at a time, with the same results.
 
 template <int HS, int N>
 LOOM_DEVICE bool loads_aligned(const TileLoad (&loads)[N]) {
@@ -183,9 +181,7 @@ LOOM_DEVICE void load_tiles(const TileLoad (&loads)[N], int row0, int T) {
         LOOM_UNROLL(4)
         for (int j = 0; j < kBatch; ++j) {
           const int i = tid + (first + j) * kThreads;
-          const dev::float4 f = staged[n][j];
-          *reinterpret_cast<Bf16x4*>(loads[n].tile + (i / kQuads) * Strides<HS>::h + 4 * (i % kQuads)) =
-              Bf16x4{{dev::to_bf16(f.x), dev::to_bf16(f.y), dev::to_bf16(f.z), dev::to_bf16(f.w)}};
+          dev::store_bf16x4(loads[n].tile + (i / kQuads) * Strides<HS>::h + 4 * (i % kQuads), staged[n][j]);
         }
       }
     }
@@ -351,7 +347,8 @@ LOOM_DEVICE void write_rows(float* dst, std::int64_t ld, int t0, int T, int row0
 // The query tile of a forward or dq block: the last first. Blocks start roughly in the order of
 // their index, and a causal query tile's work grows with its index (it walks every key tile up to
 // its own): the longest start first, so the short ones fill the end rather than one long one
-// running alone. (dk/dv's heaviest key tile is already the first.)
+// running alone. (dk/dv's heaviest key tile is already the first.) The grid's y must be exactly
+// ceil(T/64), as tile_grid (flash_attention.cu) makes it: a larger one would skip the first tiles.
 LOOM_DEVICE int last_tile_first() { return dev::grid_y() - 1 - dev::block_y(); }
 
 // ---------------------------------------------------------------------------------------------

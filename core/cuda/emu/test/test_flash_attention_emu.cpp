@@ -369,6 +369,24 @@ TEST(CudaEmu, RefusesWhatTheHardwareRefuses) {
                              wmma::load_matrix_sync(a, base + 8, 16);  // 16 bytes off a 32-byte boundary
                            }),
                std::runtime_error);
+  // The vector accesses of the fused kernels' tile loads, misaligned (on the device: a fault).
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 0,
+                           [] {
+                             alignas(16) static const float src[8] = {};
+                             (void)loom::dev::load_float4(src + 1);
+                           }),
+               std::runtime_error);
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 256,
+                           [] {
+                             auto* tile = reinterpret_cast<loom::bf16*>(emu::dynamic_shared());
+                             loom::dev::store_bf16x4(tile + 2, loom::dev::make_float4(1, 2, 3, 4));  // 4 bytes off
+                           }),
+               std::runtime_error);
+  EXPECT_NO_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 256, [] {
+    alignas(16) static const float src[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    auto* tile = reinterpret_cast<loom::bf16*>(emu::dynamic_shared());
+    loom::dev::store_bf16x4(tile + 4 * emu::lane() % 64, loom::dev::load_float4(src + 4));
+  }));
   // Launches the device refuses: too many threads, no blocks, y beyond 65535, too much shared memory.
   const auto nothing = [] {};
   EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(1056), 0, nothing), std::runtime_error);
