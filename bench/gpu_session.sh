@@ -151,8 +151,11 @@ run_item() {
         status=1
         return
       fi
+      # ncu exits 0 when no launch matched: the step fails unless a section was printed.
       for k in attention_forward_kernel attention_backward_kv_kernel attention_backward_q_kernel; do
-        step "ncu $k" "$ncu" -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        step "ncu $k" bash -c '"$@" > "$0" 2>&1; rc=$?; cat "$0"; [ $rc -eq 0 ] || exit $rc
+          grep -q "Section: GPU Speed Of Light" "$0" || { echo "ncu_flash: ncu profiled no launch"; exit 1; }' \
+          "$work/ncu.out" "$ncu" -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
           --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis "$b/bin/loom" run bench/gpu.deck --set train.steps=1 \
           --set model.attention=flash --set run.peak_tflops=1 --set run.dir="$work/ncu-$k"
