@@ -7,14 +7,16 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/backend.hpp"
 
 namespace loom {
 
 // The entry points of libloom_cuda.so (extern "C", resolved by dlsym).
-#define LOOM_CUDA_ABI_VERSION 7  // 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy; 6: Backend::topk_*;
-                                 // 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes
+#define LOOM_CUDA_ABI_VERSION 8  // 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy; 6: Backend::topk_*;
+                                 // 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes;
+                                 // 8: loom_cuda_device_uuids
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.
@@ -22,6 +24,9 @@ typedef int (*loom_cuda_abi_fn)();
 // The number of CUDA devices this process sees; 0 with the reason in `why` (at most `why_len`
 // bytes, NUL-terminated) when there are none or the driver cannot be used.
 typedef int (*loom_cuda_device_count_fn)(char* why, int why_len);
+// The identities (16-byte UUIDs) of the devices this process sees, in the order of their ordinals:
+// the first `max` written to `uuids` (16 bytes each); returns how many it sees, 0 where it sees none.
+typedef int (*loom_cuda_device_uuids_fn)(unsigned char* uuids, int max);
 // A new CUDA back end on device `device`; fp32 products in TF32 when `tf32` is 1, never when 0, and
 // when 2 (run.tf32 = auto) only in a run whose matrix products are 16-bit (attention's, then);
 // throws std::runtime_error when the device cannot be used.
@@ -30,10 +35,19 @@ typedef loom::Backend* (*loom_cuda_create_fn)(int device, int tf32);
 int tf32_mode(const std::string& setting);
 }
 
-// The GPU a rank drives: its index among the ranks of its node, one device per rank. Throws
-// InputError when the node has no device or fewer devices than ranks.
-// With `share` (run.share_gpu), several ranks may drive one device: local rank i drives device
-// i mod device_count.
+// The GPU a rank drives, one device per rank: the devices its node's ranks see are told apart by
+// identity (their UUIDs, `seen[q]` for local rank q in the order of q's ordinals), and each rank, in
+// local-rank order, takes the first device it sees that no rank before it took; returned as the
+// ordinal in `local_rank`'s own list. Where every rank sees every device, rank i drives device i; where
+// the scheduler gives each rank its own (Slurm's --gpus-per-task=1 or --gpu-bind, or a per-rank
+// CUDA_VISIBLE_DEVICES, each rank seeing one device as its ordinal 0), each drives that one. Throws
+// InputError, the same on every rank of the node, when local_rank sees no device, or some rank finds
+// none left (fewer distinct devices than ranks, or ranks that see only devices taken before them).
+// With `share` (run.share_gpu) such a rank drives ordinal (local rank mod the devices it sees) instead.
+using DeviceIds = std::vector<std::string>;
+int device_for_local_rank(int local_rank, const std::vector<DeviceIds>& seen, const std::string& why_none = "",
+                          bool share = false);
+// The same where every rank of the node sees the same `device_count` devices.
 int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, const std::string& why_none = "",
                           bool share = false);
 

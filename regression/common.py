@@ -80,17 +80,20 @@ class Case:
             f.write(deck)
         self.failures = []
 
-    def command(self, tag, ranks, sets, deck=None):
-        """loom run of the case's deck (or `deck`, another file) with run.dir=<case>/<tag> and `sets`."""
+    def command(self, tag, ranks, sets, deck=None, per_rank=None):
+        """loom run of the case's deck (or `deck`, another file) with run.dir=<case>/<tag> and `sets`;
+        `per_rank`: shell words each rank runs before loom (e.g. an environment per rank, as a
+        scheduler's binding sets it; the rank is $PMI_RANK, or $SLURM_PROCID under srun)."""
         rundir = os.path.join(self.dir, tag)
-        cmd = launch_prefix(self.args, ranks) + [self.args.loom, "run", deck or self.deck,
-                                                                           "--set", "run.dir=" + rundir]
+        wrap = ["sh", "-c", per_rank + ' && exec "$@"', "sh"] if per_rank else []
+        cmd = launch_prefix(self.args, ranks) + wrap + [self.args.loom, "run", deck or self.deck,
+                                                        "--set", "run.dir=" + rundir]
         for s in sets:
             cmd += ["--set", s]
         return cmd, rundir
 
-    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None, deck=None):
-        cmd, rundir = self.command(tag, ranks, sets, deck)
+    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None, deck=None, per_rank=None):
+        cmd, rundir = self.command(tag, ranks, sets, deck, per_rank)
         e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         e.update(env or {})
         shown = " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd)

@@ -353,6 +353,21 @@ def emulated_environment(c, library):
     p, _ = c.loom("library_core", 1, ["run.backend=cuda"], env={"LOOM_CUDA_BACKEND_LIBRARY": core}, expect=2)
     c.expect(p.stderr, [r"LOOM_CUDA_BACKEND_LIBRARY = \S+libloom_core\.so lacks the entry points .* not a loom CUDA "
                         r"back end"], "another library as the back-end library")
+    # One GPU per rank from the scheduler (Slurm --gpus-per-task=1, --gpu-bind; a per-rank
+    # CUDA_VISIBLE_DEVICES): each rank sees one device, its ordinal 0, another on each; told apart by
+    # UUID, they train over NCCL (this was refused: "2 ranks on this node but 1 CUDA device"). Both
+    # given the same one: refused as one device for two ranks. A CUDA_VISIBLE_DEVICES naming none of
+    # the node's devices: no device, saying so.
+    rank = "${PMI_RANK:-${SLURM_PROCID:-0}}"
+    p, _ = c.loom("gpu_per_rank", 2, dp2, env=two, per_rank="export CUDA_VISIBLE_DEVICES=" + rank)
+    c.expect(p.stdout, [r"device 0: loom CUDA emulator", r"device buffers between ranks: NCCL"],
+             "one GPU per rank, each its ordinal 0")
+    p, _ = c.loom("gpu_per_rank_same", 2, dp2, env=two, per_rank="export CUDA_VISIBLE_DEVICES=1", expect=2)
+    c.expect(p.stderr, [r"2 ranks on this node but 1 CUDA device \(one device per rank\)"],
+             "two ranks given the same GPU")
+    p, _ = c.loom("visible_none", 1, ["run.backend=cuda"], env=dict(two, CUDA_VISIBLE_DEVICES="5"), expect=2)
+    c.expect(p.stderr, [r"no CUDA device is visible on this node .*CUDA_VISIBLE_DEVICES = '5' names none of the "
+                        r"node's 2 emulated devices"], "CUDA_VISIBLE_DEVICES naming no device")
     p, _ = c.loom("auto_broken", 1, ["run.backend=auto", "train.steps=1"],
                   env={"LOOM_CUDA_BACKEND_LIBRARY": "/nonexistent/libloom_cuda.so"})
     c.expect(p.stderr, [r"warning: run\.backend = auto trains on the host: .*LOOM_CUDA_BACKEND_LIBRARY"],

@@ -791,5 +791,22 @@ int loom_cuda_device_count(char* why, int why_len) {
   }
   return n;
 }
+int loom_cuda_device_uuids(unsigned char* uuids, int max) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear it
+    return 0;
+  }
+  for (int d = 0; d < n && d < max; ++d) {
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, d) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;  // no identities: the caller takes the ordinals
+    }
+    static_assert(sizeof p.uuid.bytes == 16, "a device's UUID is 16 bytes");
+    std::memcpy(uuids + 16 * d, p.uuid.bytes, 16);
+  }
+  return n;
+}
 loom::Backend* loom_cuda_create(int device, int tf32) { return new loom::CudaBackend(device, tf32); }
 }

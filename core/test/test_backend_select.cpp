@@ -9,6 +9,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "core/backend_select.hpp"
 #include "core/dtype.hpp"
@@ -38,6 +39,51 @@ TEST(BackendSelect, SharedDevicesGoRoundRobinOnlyWhenAsked) {
   EXPECT_EQ(loom::device_for_local_rank(1, 2, 1, "", true), 0);
   EXPECT_THROW(loom::device_for_local_rank(1, 2, 1), loom::InputError);
   EXPECT_THROW(loom::device_for_local_rank(0, 1, 0, "", true), loom::InputError) << "sharing needs a GPU";
+}
+
+// The node's ranks, each with the devices it sees (identities, in the order of its ordinals).
+std::vector<int> devices_of(const std::vector<loom::DeviceIds>& seen, bool share = false) {
+  std::vector<int> d;
+  for (int r = 0; r < static_cast<int>(seen.size()); ++r) d.push_back(loom::device_for_local_rank(r, seen, "", share));
+  return d;
+}
+std::string node_refusal(const std::vector<loom::DeviceIds>& seen) {
+  try {
+    devices_of(seen);
+  } catch (const loom::InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(BackendSelect, EachRankDrivesADeviceOfItsOwnWhateverItSees) {
+  // Every rank sees the node's four GPUs: rank i drives device i.
+  const loom::DeviceIds all{"a", "b", "c", "d"};
+  EXPECT_EQ(devices_of({all, all, all, all}), (std::vector<int>{0, 1, 2, 3}));
+  // The scheduler gives each rank one GPU (Slurm --gpus-per-task=1 or --gpu-bind, a cgroup per task,
+  // CUDA_VISIBLE_DEVICES per rank): each sees one device, its ordinal 0, and drives it. This node was
+  // refused before ("4 ranks on this node but 1 CUDA device").
+  EXPECT_EQ(devices_of({{"a"}, {"b"}, {"c"}, {"d"}}), (std::vector<int>{0, 0, 0, 0}));
+  // Two GPUs per rank, in their own order: each rank its first.
+  EXPECT_EQ(devices_of({{"b", "a"}, {"d", "c"}}), (std::vector<int>{0, 0}));
+  // An earlier rank gives up its first choice for a later rank that sees only that one.
+  EXPECT_EQ(devices_of({{"a", "b"}, {"a"}, {"c"}}), (std::vector<int>{1, 0, 0}));
+}
+
+TEST(BackendSelect, RanksThatCannotEachHaveADeviceAreRefused) {
+  // Two ranks given the same GPU: one device for two ranks, said as before; shared when asked.
+  std::string e = node_refusal({{"a"}, {"a"}});
+  EXPECT_NE(e.find("2 ranks on this node but 1 CUDA device (one device per rank)"), std::string::npos) << e;
+  EXPECT_EQ(devices_of({{"a"}, {"a"}}, true), (std::vector<int>{0, 0}));
+  // As many devices as ranks in all, but two ranks see only the same one.
+  e = node_refusal({{"a"}, {"a"}, {"b", "c"}});
+  EXPECT_NE(e.find("the 3 ranks of this node see 3 CUDA devices in all, but not so that each can drive one of "
+                   "its own (local rank 1 sees 1)"),
+            std::string::npos)
+      << e;
+  // Every rank refuses alike: it is the node's assignment, not the rank's own, that fails.
+  for (int r = 0; r < 3; ++r)
+    EXPECT_THROW(loom::device_for_local_rank(r, {{"a"}, {"a"}, {"b", "c"}}), loom::InputError) << "rank " << r;
 }
 
 TEST(BackendSelect, ANodeWithoutDevicesIsRefusedSayingWhy) {

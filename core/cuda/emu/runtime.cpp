@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -71,28 +72,55 @@ thread_local int current_device = 0;
 using Lock = std::lock_guard<std::recursive_mutex>;
 
 // LOOM_CUDA_EMU_DEVICES: devices per node, 1 when unset; a value that is not a whole number from 0
-// to kMaxDevices gives none, and cudaGetErrorString(cudaErrorNoDevice) says why. Read once.
+// to kMaxDevices gives none, and cudaGetErrorString(cudaErrorNoDevice) says why. CUDA_VISIBLE_DEVICES,
+// as the CUDA runtime reads it (a scheduler's binding of GPUs to ranks): the node's devices this
+// process sees, by index, as its ordinals 0, 1, ...; an entry that is not one of them ends the list;
+// empty, none. Read once.
 constexpr long kMaxDevices = 1024;
 struct Devices {
   int count = 1;
+  std::vector<int> node_index{0};  // per ordinal, the device of the node it is
   std::string none_why = "no CUDA-capable device is detected (LOOM_CUDA_EMU_DEVICES = 0)";
 };
 const Devices& devices() {
   static const Devices d = [] {
     Devices r;
-    const char* env = std::getenv("LOOM_CUDA_EMU_DEVICES");
-    if (!env || !*env) return r;
-    char* end = nullptr;
-    errno = 0;
-    const long n = std::strtol(env, &end, 10);
-    if (errno != 0 || !std::isdigit(static_cast<unsigned char>(env[0])) || *end != '\0' || n > kMaxDevices) {
-      r.count = 0;
-      r.none_why = std::string("LOOM_CUDA_EMU_DEVICES = '") + env +
-                   "' is not a number of emulated devices (a whole number from 0 to " + std::to_string(kMaxDevices) +
-                   "; unset: 1)";
-    } else {
-      r.count = static_cast<int>(n);
+    int on_node = 1;
+    if (const char* env = std::getenv("LOOM_CUDA_EMU_DEVICES"); env && *env) {
+      char* end = nullptr;
+      errno = 0;
+      const long n = std::strtol(env, &end, 10);
+      if (errno != 0 || !std::isdigit(static_cast<unsigned char>(env[0])) || *end != '\0' || n > kMaxDevices) {
+        r.count = 0;
+        r.node_index.clear();
+        r.none_why = std::string("LOOM_CUDA_EMU_DEVICES = '") + env +
+                     "' is not a number of emulated devices (a whole number from 0 to " + std::to_string(kMaxDevices) +
+                     "; unset: 1)";
+        return r;
+      }
+      on_node = static_cast<int>(n);
     }
+    r.node_index.clear();
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    if (!visible) {
+      for (int i = 0; i < on_node; ++i) r.node_index.push_back(i);
+    } else {
+      std::string entry;
+      std::istringstream list(visible);
+      while (std::getline(list, entry, ',')) {
+        char* end = nullptr;
+        errno = 0;
+        const long i = std::strtol(entry.c_str(), &end, 10);
+        if (entry.empty() || !std::isdigit(static_cast<unsigned char>(entry[0])) || *end != '\0' || errno != 0 ||
+            i >= on_node)
+          break;
+        r.node_index.push_back(static_cast<int>(i));
+      }
+      if (r.node_index.empty() && on_node > 0)
+        r.none_why = std::string("no CUDA-capable device is detected (CUDA_VISIBLE_DEVICES = '") + visible +
+                     "' names none of the node's " + std::to_string(on_node) + " emulated devices)";
+    }
+    r.count = static_cast<int>(r.node_index.size());
     return r;
   }();
   return d;
@@ -327,9 +355,10 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
   if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
   *p = cudaDeviceProp{};
   std::snprintf(p->name, sizeof p->name, "loom CUDA emulator (H100-like, on the CPU)");
-  // The same device, the same UUID in every process: ranks that share an emulated GPU see so.
+  // The same device of the node, the same UUID in every process, whatever its ordinal there: ranks
+  // that share an emulated GPU see so.
   char uuid[32];
-  std::snprintf(uuid, sizeof uuid, "loom-emu-%07d", device % 10000000);
+  std::snprintf(uuid, sizeof uuid, "loom-emu-%07d", devices().node_index[static_cast<std::size_t>(device)] % 10000000);
   std::memcpy(p->uuid.bytes, uuid, sizeof p->uuid.bytes);
   p->totalGlobalMem = kDeviceBytes;
   p->sharedMemPerBlock = kDefaultShared;
