@@ -217,10 +217,13 @@ std::vector<DeviceIds> node_devices(MPI_Comm node, loom_cuda_device_uuids_fn uui
   std::vector<unsigned char> all(mine.size() * static_cast<std::size_t>(size));
   MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, all.data(), static_cast<int>(mine.size()), MPI_BYTE,
                 node);
+  // Where one rank has no identities, no rank's count: a GPU named by UUID on one rank and by its
+  // ordinal on another would pass for two.
+  const bool by_ordinals = std::find(ordinal_flags.begin(), ordinal_flags.end(), 1) != ordinal_flags.end();
   std::vector<DeviceIds> seen(static_cast<std::size_t>(size));
   for (int q = 0; q < size; ++q)
     for (int d = 0; d < counts[static_cast<std::size_t>(q)]; ++d) {
-      if (ordinal_flags[static_cast<std::size_t>(q)]) {
+      if (by_ordinals) {
         seen[static_cast<std::size_t>(q)].push_back("ordinal " + std::to_string(d));
         continue;
       }

@@ -37,13 +37,15 @@ int tf32_mode(const std::string& setting);
 
 // The GPU a rank drives, one device per rank: the devices its node's ranks see are told apart by
 // identity (their UUIDs, `seen[q]` for local rank q in the order of q's ordinals), and each rank, in
-// local-rank order, takes the first device it sees that no rank before it took; returned as the
+// local-rank order, takes the first device it sees that no rank before it took, or, where none is
+// free, one that an earlier rank gives up for another it sees (a maximum matching); returned as the
 // ordinal in `local_rank`'s own list. Where every rank sees every device, rank i drives device i; where
 // the scheduler gives each rank its own (Slurm's --gpus-per-task=1 or --gpu-bind, or a per-rank
 // CUDA_VISIBLE_DEVICES, each rank seeing one device as its ordinal 0), each drives that one. Throws
-// InputError, the same on every rank of the node, when local_rank sees no device, or some rank finds
-// none left (fewer distinct devices than ranks, or ranks that see only devices taken before them).
-// With `share` (run.share_gpu) such a rank drives ordinal (local rank mod the devices it sees) instead.
+// InputError when local_rank sees no device, and, the same on every rank of the node, when some rank
+// is left without one (fewer distinct devices than ranks, or too few that the ranks can each see).
+// With `share` (run.share_gpu) a rank left without one drives ordinal (local rank mod the devices it
+// sees) instead.
 using DeviceIds = std::vector<std::string>;
 int device_for_local_rank(int local_rank, const std::vector<DeviceIds>& seen, const std::string& why_none = "",
                           bool share = false);

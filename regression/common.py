@@ -83,7 +83,8 @@ class Case:
     def command(self, tag, ranks, sets, deck=None, per_rank=None):
         """loom run of the case's deck (or `deck`, another file) with run.dir=<case>/<tag> and `sets`;
         `per_rank`: shell words each rank runs before loom (e.g. an environment per rank, as a
-        scheduler's binding sets it; the rank is $PMI_RANK, or $SLURM_PROCID under srun)."""
+        scheduler's binding sets it; the rank is $PMI_RANK under MPICH, $OMPI_COMM_WORLD_RANK under Open
+        MPI, $SLURM_PROCID under srun)."""
         rundir = os.path.join(self.dir, tag)
         wrap = ["sh", "-c", per_rank + ' && exec "$@"', "sh"] if per_rank else []
         cmd = launch_prefix(self.args, ranks) + wrap + [self.args.loom, "run", deck or self.deck,

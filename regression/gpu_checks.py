@@ -358,7 +358,7 @@ def emulated_environment(c, library):
     # UUID, they train over NCCL (this was refused: "2 ranks on this node but 1 CUDA device"). Both
     # given the same one: refused as one device for two ranks. A CUDA_VISIBLE_DEVICES naming none of
     # the node's devices: no device, saying so.
-    rank = "${PMI_RANK:-${SLURM_PROCID:-0}}"
+    rank = "${PMI_RANK:-${PMIX_RANK:-${OMPI_COMM_WORLD_RANK:-${SLURM_PROCID:-0}}}}"  # MPICH, PMIx, Open MPI, srun
     p, _ = c.loom("gpu_per_rank", 2, dp2, env=two, per_rank="export CUDA_VISIBLE_DEVICES=" + rank)
     c.expect(p.stdout, [r"device 0: loom CUDA emulator", r"device buffers between ranks: NCCL"],
              "one GPU per rank, each its ordinal 0")
