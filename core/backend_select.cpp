@@ -27,6 +27,13 @@ bool cuda_built() { return build::cuda; }
 
 namespace {
 
+// The devices of a node, each counted once however many of its ranks see it.
+int distinct_devices(const std::vector<DeviceIds>& seen) {
+  std::set<std::string> all;
+  for (const DeviceIds& ids : seen) all.insert(ids.begin(), ids.end());
+  return static_cast<int>(all.size());
+}
+
 // A device for every rank where one exists (a maximum matching of ranks to the devices they see):
 // each rank, in local-rank order, takes the first free device it sees, and where none is free, one
 // that an earlier rank can give up for another it sees (an augmenting path). Where every rank sees
@@ -73,9 +80,7 @@ int device_for_local_rank(int local_rank, const std::vector<DeviceIds>& seen, co
   // Every rank computes the whole node's assignment from the same lists, so all agree on a refusal.
   const std::vector<int> ordinal = DeviceMatching{seen, {}, {}}.ordinals();
   const int without = static_cast<int>(std::find(ordinal.begin(), ordinal.end(), -1) - ordinal.begin());
-  std::set<std::string> distinct;
-  for (const DeviceIds& ids : seen) distinct.insert(ids.begin(), ids.end());
-  const int devices = static_cast<int>(distinct.size());
+  const int devices = distinct_devices(seen);
   if (without < ranks && !share) {
     if (devices < ranks)
       throw InputError("run.backend = cuda: " + std::to_string(ranks) + " ranks on this node but " +
@@ -233,12 +238,6 @@ std::vector<DeviceIds> node_devices(MPI_Comm node, loom_cuda_device_uuids_fn uui
       seen[static_cast<std::size_t>(q)].emplace_back(hex);
     }
   return seen;
-}
-
-int distinct_devices(const std::vector<DeviceIds>& seen) {
-  std::set<std::string> all;
-  for (const DeviceIds& ids : seen) all.insert(ids.begin(), ids.end());
-  return static_cast<int>(all.size());
 }
 
 }  // namespace

@@ -77,8 +77,14 @@ using Lock = std::lock_guard<std::recursive_mutex>;
 // process sees, by index, as its ordinals 0, 1, ...; an entry that is not one of them ends the list;
 // empty, none. Read once.
 constexpr long kMaxDevices = 1024;
+// A whole number from 0 to `max` (digits only, no sign or blank), into `out`; false otherwise.
+bool whole_number(const std::string& text, long max, long& out) {
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtol(text.c_str(), &end, 10);
+  return !text.empty() && std::isdigit(static_cast<unsigned char>(text[0])) && *end == '\0' && errno == 0 && out <= max;
+}
 struct Devices {
-  int count = 1;
   std::vector<int> node_index{0};  // per ordinal, the device of the node it is
   std::string none_why = "no CUDA-capable device is detected (LOOM_CUDA_EMU_DEVICES = 0)";
 };
@@ -87,11 +93,8 @@ const Devices& devices() {
     Devices r;
     int on_node = 1;
     if (const char* env = std::getenv("LOOM_CUDA_EMU_DEVICES"); env && *env) {
-      char* end = nullptr;
-      errno = 0;
-      const long n = std::strtol(env, &end, 10);
-      if (errno != 0 || !std::isdigit(static_cast<unsigned char>(env[0])) || *end != '\0' || n > kMaxDevices) {
-        r.count = 0;
+      long n = 0;
+      if (!whole_number(env, kMaxDevices, n)) {
         r.node_index.clear();
         r.none_why = std::string("LOOM_CUDA_EMU_DEVICES = '") + env +
                      "' is not a number of emulated devices (a whole number from 0 to " + std::to_string(kMaxDevices) +
@@ -107,25 +110,17 @@ const Devices& devices() {
     } else {
       std::string entry;
       std::istringstream list(visible);
-      while (std::getline(list, entry, ',')) {
-        char* end = nullptr;
-        errno = 0;
-        const long i = std::strtol(entry.c_str(), &end, 10);
-        if (entry.empty() || !std::isdigit(static_cast<unsigned char>(entry[0])) || *end != '\0' || errno != 0 ||
-            i >= on_node)
-          break;
-        r.node_index.push_back(static_cast<int>(i));
-      }
+      long i = 0;
+      while (std::getline(list, entry, ',') && whole_number(entry, on_node - 1L, i)) r.node_index.push_back(static_cast<int>(i));
       if (r.node_index.empty() && on_node > 0)
         r.none_why = std::string("no CUDA-capable device is detected (CUDA_VISIBLE_DEVICES = '") + visible +
                      "' names none of the node's " + std::to_string(on_node) + " emulated devices)";
     }
-    r.count = static_cast<int>(r.node_index.size());
     return r;
   }();
   return d;
 }
-int device_count() { return devices().count; }
+int device_count() { return static_cast<int>(devices().node_index.size()); }
 
 Schedule schedule_from_environment() {
   const char* env = std::getenv("LOOM_CUDA_EMU_SCHEDULE");
