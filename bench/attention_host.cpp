@@ -1,5 +1,5 @@
 // attention_host: the host back end's attention, fused (model.attention = flash: the twin of the CUDA
-// kernels, core/flash_attention_host.hpp) against unfused (core/kernels.hpp: the [T,T] probabilities
+// kernels, core/backend/flash_attention_host.hpp) against unfused (core/backend/kernels.hpp: the [T,T] probabilities
 // through BLAS or oneDNN products), in the same run, on one thread, through the Backend interface as
 // the model calls it. Per shape: forward and backward milliseconds of each, the ratio flash/unfused,
 // and the bytes each saves for backward (unfused: B*NH*T*T probabilities; flash: B*NH*T lse).
@@ -16,8 +16,8 @@
 #include <random>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/blas_core.hpp"
+#include "core/backend/backend.hpp"
+#include "core/backend/blas_core.hpp"
 
 namespace {
 

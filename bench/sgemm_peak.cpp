@@ -1,4 +1,4 @@
-// sgemm_peak: single-thread GEMM throughput of loom's matrix-product implementations (core/gemm.hpp)
+// sgemm_peak: single-thread GEMM throughput of loom's matrix-product implementations (core/backend/gemm.hpp)
 // on the GEMM shapes of the bench model (bench/bench.deck: B*T = 1024 rows, d_model 256,
 // 4*d_model 1024, 3*d_model 768, seq_len 128, head size 32): OpenBLAS cblas_sgemm (run.gemm = blas),
 // oneDNN fp32 and oneDNN bf16 operands with fp32 accumulation (run.gemm = onednn), each through
@@ -10,7 +10,7 @@
 //
 // OpenBLAS built with DYNAMIC_ARCH picks its kernels from the CPU model id, and on virtual machines
 // often falls back to Prescott (SSE3) on an AVX-512 CPU. loom then re-executes itself with
-// OPENBLAS_CORETYPE set (core/blas_core.cpp); this program applies that very code, so that the
+// OPENBLAS_CORETYPE set (core/backend/blas_core.cpp); this program applies that very code, so that the
 // peak is measured with the kernels loom uses, and reports the core in the JSON line.
 #include <cblas.h>
 #include <unistd.h>
@@ -22,9 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "core/blas_core.hpp"  // the same kernel-set rule as loom itself
-#include "core/dtype.hpp"
-#include "core/gemm.hpp"
+#include "core/backend/blas_core.hpp"  // the same kernel-set rule as loom itself
+#include "core/base/dtype.hpp"
+#include "core/backend/gemm.hpp"
 
 extern "C" char* openblas_get_corename(void) __attribute__((weak));
 

@@ -16,7 +16,7 @@ set_target_properties(loom PROPERTIES INSTALL_RPATH "$ORIGIN/../lib")
 install(TARGETS loom RUNTIME DESTINATION bin)
 install(TARGETS loom_core loom_io loom_plugin EXPORT loomTargets
         LIBRARY DESTINATION lib ARCHIVE DESTINATION lib INCLUDES DESTINATION include/loom)
-# Headers keep their folders (#include "core/plugin.hpp"), under P/include/loom.
+# Headers keep their folders (#include "core/engine/plugin.hpp"), under P/include/loom.
 foreach(dir core io)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir}/ DESTINATION include/loom/${dir}
           FILES_MATCHING PATTERN "*.hpp" PATTERN "test" EXCLUDE PATTERN "test_mpi" EXCLUDE)

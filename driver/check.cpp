@@ -14,7 +14,7 @@
 #include <iostream>
 #include <string>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 #include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"

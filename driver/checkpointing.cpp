@@ -13,8 +13,8 @@
 #include <sstream>
 #include <vector>
 
-#include "core/error.hpp"
-#include "core/fault.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
 #include "driver/health.hpp"
 #include "driver/run_dir.hpp"
 

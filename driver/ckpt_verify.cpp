@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 #include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "io/checkpoint.hpp"

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "core/plugin.hpp"
+#include "core/engine/plugin.hpp"
 #include "io/cluster.hpp"
 #include "io/deck.hpp"
 

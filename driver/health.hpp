@@ -8,10 +8,10 @@
 #include <utility>
 #include <vector>
 
-#include "core/gpt.hpp"
-#include "core/checkpoint_part.hpp"
-#include "core/grid.hpp"
-#include "core/optimizer.hpp"
+#include "core/model/gpt.hpp"
+#include "core/engine/checkpoint_part.hpp"
+#include "core/comm/grid.hpp"
+#include "core/model/optimizer.hpp"
 
 namespace loom {
 

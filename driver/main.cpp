@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "core/error.hpp"
-#include "core/fault.hpp"
-#include "core/plugin.hpp"
-#include "core/blas_core.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
+#include "core/engine/plugin.hpp"
+#include "core/backend/blas_core.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"

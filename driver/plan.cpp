@@ -16,9 +16,9 @@
 #include <sstream>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/comm.hpp"
-#include "core/error.hpp"
+#include "core/backend/backend.hpp"
+#include "core/comm/comm.hpp"
+#include "core/base/error.hpp"
 #include "driver/commands.hpp"
 #include "io/cluster.hpp"
 

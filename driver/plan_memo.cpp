@@ -14,7 +14,7 @@
 #include <regex>
 #include <sstream>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 #include "driver/commands.hpp"
 #include "driver/plan_search.hpp"
 

@@ -11,9 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/error.hpp"
-#include "core/gpt.hpp"
-#include "core/grid.hpp"
+#include "core/base/error.hpp"
+#include "core/model/gpt.hpp"
+#include "core/comm/grid.hpp"
 #include "driver/commands.hpp"
 
 namespace loom {

@@ -1,14 +1,14 @@
 #pragma once
 // `loom plan DECK` (issue 16): a deck's memory per rank and step time on a described machine, before
 // the job runs. Memory: every rank of the layout is built for real on a back end that only counts
-// (core/step_plan.hpp); step time: the rates of the cluster description (io/cluster.hpp).
+// (core/comm/step_plan.hpp); step time: the rates of the cluster description (io/cluster.hpp).
 #include <array>
 #include <string>
 #include <vector>
 
-#include "core/ledger.hpp"
-#include "core/plugin.hpp"
-#include "core/step_plan.hpp"
+#include "core/base/ledger.hpp"
+#include "core/engine/plugin.hpp"
+#include "core/comm/step_plan.hpp"
 #include "driver/session.hpp"
 #include "io/cluster.hpp"
 

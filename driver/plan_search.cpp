@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 #include "driver/commands.hpp"
 
 namespace loom {

@@ -13,7 +13,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 
 namespace fs = std::filesystem;
 

@@ -13,9 +13,9 @@
 #include <random>
 #include <sstream>
 
-#include "core/error.hpp"
-#include "core/grid.hpp"
-#include "core/optimizer.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/grid.hpp"
+#include "core/model/optimizer.hpp"
 #include "driver/commands.hpp"
 #include "io/checkpoint.hpp"
 #include "io/llmc.hpp"

@@ -7,9 +7,9 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "core/error.hpp"
-#include "core/fault.hpp"
-#include "core/blas_core.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
+#include "core/backend/blas_core.hpp"
 #include "io/llmc.hpp"
 #include "io/report.hpp"
 #include "io/threads.hpp"

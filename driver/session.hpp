@@ -7,15 +7,15 @@
 #include <optional>
 #include <string>
 
-#include "core/backend.hpp"
-#include "core/backend_select.hpp"
-#include "core/checkpoint_part.hpp"
-#include "core/engine.hpp"
-#include "core/gemm.hpp"
-#include "core/gpt.hpp"
-#include "core/grid.hpp"
-#include "core/plugin.hpp"
-#include "core/step_plan.hpp"
+#include "core/backend/backend.hpp"
+#include "core/backend/backend_select.hpp"
+#include "core/engine/checkpoint_part.hpp"
+#include "core/engine/engine.hpp"
+#include "core/backend/gemm.hpp"
+#include "core/model/gpt.hpp"
+#include "core/comm/grid.hpp"
+#include "core/engine/plugin.hpp"
+#include "core/comm/step_plan.hpp"
 #include "io/data.hpp"
 #include "io/deck.hpp"
 #include "io/threads.hpp"
@@ -41,7 +41,7 @@ struct DeckData {
 };
 DeckData open_deck_data(const Deck& deck, const GPTConfig& model);
 
-// run.gemm as an implementation of the matrix products (core/gemm.hpp); throws InputError naming
+// run.gemm as an implementation of the matrix products (core/backend/gemm.hpp); throws InputError naming
 // the key when this build lacks it (onednn without oneDNN).
 gemm::Impl gemm_impl_from_deck(const Deck& deck);
 

@@ -13,9 +13,9 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "core/blas_core.hpp"
-#include "core/error.hpp"
-#include "core/fault.hpp"
+#include "core/backend/blas_core.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
 #include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "driver/health.hpp"

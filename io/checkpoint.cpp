@@ -17,10 +17,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/error.hpp"
-#include "core/fault.hpp"
-#include "core/rng.hpp"
+#include "core/backend/backend.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
+#include "core/base/rng.hpp"
 
 namespace loom {
 namespace {

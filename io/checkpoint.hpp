@@ -13,10 +13,10 @@
 
 #include <vector>
 
-#include "core/checkpoint_part.hpp"
-#include "core/gpt.hpp"
-#include "core/grid.hpp"
-#include "core/optimizer.hpp"
+#include "core/engine/checkpoint_part.hpp"
+#include "core/model/gpt.hpp"
+#include "core/comm/grid.hpp"
+#include "core/model/optimizer.hpp"
 
 namespace loom {
 

@@ -9,7 +9,7 @@
 #include <map>
 #include <sstream>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 
 namespace loom {
 namespace {

@@ -11,7 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "core/rng.hpp"
+#include "core/base/rng.hpp"
 #include "io/util.hpp"
 
 namespace loom {

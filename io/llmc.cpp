@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 #include "io/util.hpp"
 
 namespace loom {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "core/gpt.hpp"
+#include "core/model/gpt.hpp"
 
 namespace loom {
 

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 #include "loom/build_info.hpp"
 
 namespace loom {

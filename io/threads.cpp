@@ -2,7 +2,7 @@
 
 #include <cctype>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 
 namespace loom {
 namespace {

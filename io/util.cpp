@@ -7,7 +7,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 
 namespace loom {
 

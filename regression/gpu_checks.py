@@ -427,7 +427,7 @@ PLAN_LAYOUTS = [
     ("topk_dp2", 2, ["parallel.dp=2", "compression.method=topk", "compression.ratio=0.1"]),
     ("dp2_tp2", 4, ["parallel.dp=2", "parallel.tp=2"]),
 ]
-CUBLASLT_WORKSPACE = 32 << 20  # core/cuda/workspace_plan.hpp kCublasLtWorkspaceBytes
+CUBLASLT_WORKSPACE = 32 << 20  # core/backend/workspace_plan.hpp kCublasLtWorkspaceBytes
 CATEGORIES = ["params", "grads", "master", "optimizer", "activations", "workspace", "comm"]
 
 

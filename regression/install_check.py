@@ -56,7 +56,7 @@ def main():
     for rel in ("bin/loom", "lib/libloom_core.so", "lib/libloom_io.so", "lib/loom/libloom_data.so",
                 "lib/loom/libloom_tensor.so", "lib/loom/libloom_pipeline.so", "lib/loom/libloom_zero.so",
                 "lib/loom/libloom_mixed_precision.so", "lib/loom/libloom_compression.so",
-                "include/loom/core/plugin.hpp", "include/loom/io/deck.hpp", "include/loom/loom/build_info.hpp",
+                "include/loom/core/engine/plugin.hpp", "include/loom/io/deck.hpp", "include/loom/loom/build_info.hpp",
                 "lib/cmake/loom/loomConfig.cmake", "lib/cmake/loom/loomTargets.cmake",
                 "share/loom/inputs/quickstart.deck", "share/loom/jobscripts/slurm.sbatch",
                 "share/loom/examples/plugin/CMakeLists.txt"):

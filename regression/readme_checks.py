@@ -7,8 +7,8 @@ cannot drift:
   decks: the "Decks" section's ini block is inputs/quickstart.deck, whole; and each `loom: error:`
          line it quotes for a bad deck is what `loom check` prints for that deck today (up to the
          README's "..." where it shortens one).
-  abi:   the plugin ABI (LOOM_PLUGIN_ABI_VERSION, core/plugin.hpp) and the CUDA back end's
-         (LOOM_CUDA_ABI_VERSION, core/backend_select.hpp) as DESIGN.md states them, and the plugin ABI
+  abi:   the plugin ABI (LOOM_PLUGIN_ABI_VERSION, core/engine/plugin.hpp) and the CUDA back end's
+         (LOOM_CUDA_ABI_VERSION, core/backend/backend_select.hpp) as DESIGN.md states them, and the plugin ABI
          README's `loom plugins` line shows and `loom plugins` prints.
   usage: every command of README's Commands table is in `loom --help`; `loom plan|sample|ckpt --help`
          print that command's usage and exit 0.
@@ -71,7 +71,7 @@ def check_abi(args, failures):
     def define(path, name):
         with open(os.path.join(ROOT, path)) as f:
             return int(re.search(r"#define %s (\d+)" % name, f.read()).group(1))
-    plugin, cuda = define("core/plugin.hpp", "LOOM_PLUGIN_ABI_VERSION"), define("core/backend_select.hpp",
+    plugin, cuda = define("core/engine/plugin.hpp", "LOOM_PLUGIN_ABI_VERSION"), define("core/backend/backend_select.hpp",
                                                                               "LOOM_CUDA_ABI_VERSION")
     with open(os.path.join(ROOT, "DESIGN.md")) as f:
         design = f.read()

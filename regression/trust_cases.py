@@ -130,7 +130,7 @@ def loom_checksum(values):
     bits = numpy.ascontiguousarray(values, dtype=numpy.float32).reshape(-1).view(numpy.uint32).astype(numpy.uint64)
     with numpy.errstate(over="ignore"):
         z = (numpy.arange(bits.size, dtype=numpy.uint64) * numpy.uint64(0x9e3779b97f4a7c15)) ^ bits
-        z = z + numpy.uint64(0x9e3779b97f4a7c15)  # core/rng.hpp's mix64 (splitmix64's finaliser)
+        z = z + numpy.uint64(0x9e3779b97f4a7c15)  # core/base/rng.hpp's mix64 (splitmix64's finaliser)
         z = (z ^ (z >> numpy.uint64(30))) * numpy.uint64(0xbf58476d1ce4e5b9)
         z = (z ^ (z >> numpy.uint64(27))) * numpy.uint64(0x94d049bb133111eb)
         z = z ^ (z >> numpy.uint64(31))

@@ -5,7 +5,7 @@
 // stream's work so far (an event), and completes a request that is tested with cudaEventQuery and
 // waited on as the MPI requests are: watched, and a wait that sees no completion for
 // run.comm_timeout seconds aborts the NCCL communicator and ends the job naming it. Byte counters:
-// NCCL moves the bytes itself, so what a rank sends is counted by the ring formulas of core/comm.hpp
+// NCCL moves the bytes itself, so what a rank sends is counted by the ring formulas of core/comm/comm.hpp
 // (the textbook volumes the MPI back end measures), in the element type's size.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -22,10 +22,10 @@
 #include <thread>
 #include <vector>
 
-#include "core/comm.hpp"
+#include "core/comm/comm.hpp"
 #include "core/cuda/comm_nccl.hpp"
-#include "core/error.hpp"
-#include "core/fault.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
 
 namespace loom {
 namespace {

@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "core/comm.hpp"
+#include "core/comm/comm.hpp"
 
 namespace loom {
 

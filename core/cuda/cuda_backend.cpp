@@ -1,9 +1,9 @@
 // The CUDA back end: every Backend operation on device memory of one GPU, on one stream. Kernels
 // are in kernels.cu (their per-element arithmetic shared with the host kernels through
-// core/kernel_math.hpp); matrix products go through cuBLASLt: fp32 (TF32 when run.tf32 allows it),
+// core/backend/kernel_math.hpp); matrix products go through cuBLASLt: fp32 (TF32 when run.tf32 allows it),
 // bf16 and fp16 operands with fp32 accumulation, the bias fused into the forward product's
 // epilogue. Every buffer, the cuBLASLt workspace and the back end's own scratch are allocated here
-// and filed in the memory ledger. Built into libloom_cuda.so and opened by core/backend_select.cpp.
+// and filed in the memory ledger. Built into libloom_cuda.so and opened by core/backend/backend_select.cpp.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -20,10 +20,10 @@
 #include <tuple>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/backend_select.hpp"
+#include "core/backend/backend.hpp"
+#include "core/backend/backend_select.hpp"
 #include "core/cuda/kernels.cuh"
-#include "core/cuda/workspace_plan.hpp"
+#include "core/backend/workspace_plan.hpp"
 #ifdef LOOM_CUDA_NCCL
 #include "core/cuda/comm_nccl.hpp"
 #endif
@@ -95,7 +95,7 @@ class CudaBackend final : public Backend {
     check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
     const char* profile = std::getenv("LOOM_CUDA_PROFILE");
     profile_ = profile && *profile && std::string(profile) != "0";
-    // What it takes as workspace is planned in core/cuda/workspace_plan.hpp (`loom plan` reads it).
+    // What it takes as workspace is planned in core/backend/workspace_plan.hpp (`loom plan` reads it).
     workspace_ = allocate("cuda.cublaslt_workspace", DType::u8, cuda_plan::kCublasLtWorkspaceBytes, Mem::workspace);
   }
   ~CudaBackend() override {

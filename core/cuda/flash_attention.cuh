@@ -9,7 +9,7 @@
 // scaled_dot_product_attention and llm.c's cuDNN attention take them); the products accumulate in
 // fp32; the softmax, lse, the rescaling and every output are fp32.
 //
-// Layout as the unfused kernels (core/kernels.hpp attention_forward/_backward): qkv [B,T,3C] with
+// Layout as the unfused kernels (core/backend/kernels.hpp attention_forward/_backward): qkv [B,T,3C] with
 // head h's q, k, v in columns h*hs, C + h*hs, 2C + h*hs; out [B,T,C]; lse and dsum [B,NH,T].
 //
 // Work split: a block of 4 warps takes 64 query rows (forward, dq) or 64 key rows (dk, dv) of one
@@ -23,7 +23,7 @@
 #include <cstdint>
 
 #include "core/cuda/device_portable.hpp"
-#include "core/kernel_math.hpp"
+#include "core/backend/kernel_math.hpp"
 
 namespace loom::cuda::flash {
 

@@ -123,7 +123,7 @@ void crossentropy_finish(float* losses, float* probs, const double* sum_exp, con
 
 void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, std::int64_t t, cudaStream_t stream) {
-  // As core/kernels.hpp: std::pow(float, float), in float, on the host.
+  // As core/backend/kernels.hpp: std::pow(float, float), in float, on the host.
   const float bc1 = 1.0f - std::pow(beta1, static_cast<float>(t));
   const float bc2 = 1.0f - std::pow(beta2, static_cast<float>(t));
   const loom::math::AdamWStep<float> step{lr, beta1, beta2, eps, weight_decay, bc1, bc2};

@@ -1,10 +1,10 @@
 #pragma once
-// The CUDA twins of the host layer kernels (core/kernels.hpp, the semantic reference: shapes,
+// The CUDA twins of the host layer kernels (core/backend/kernels.hpp, the semantic reference: shapes,
 // accumulation rules, the tensor-parallel vocabulary range, the causal mask). The per-element
-// arithmetic comes from core/kernel_math.hpp, compiled for host and device alike, so both back ends
+// arithmetic comes from core/backend/kernel_math.hpp, compiled for host and device alike, so both back ends
 // compute the same function of each element; only how rows and columns are reduced differs.
 //
-// As in core/kernels.hpp (and llm.c's train_gpt2.cu): each layer's _forward is followed by its
+// As in core/backend/kernels.hpp (and llm.c's train_gpt2.cu): each layer's _forward is followed by its
 // _backward, outputs first, then inputs; gradients carry a `d` prefix.
 //
 // Shape letters: B batch, T sequence length, C channels, NH heads, N = B*T rows, V vocabulary,
@@ -28,7 +28,7 @@
 #include <cstdint>
 
 #include "core/cuda/launch_geometry.hpp"
-#include "core/dtype.hpp"
+#include "core/base/dtype.hpp"
 
 namespace loom::cuda {
 
@@ -185,7 +185,7 @@ void crossentropy_finish(float* losses,               // [N]
 
 // ---------------------------------------------------------------------------------------------
 // AdamW (torch.optim.AdamW): t is the 1-based step; the bias corrections are computed on the host
-// in float as core/kernels.hpp does.
+// in float as core/backend/kernels.hpp does.
 
 void adamw_update(float* params,       // [n] (updated)
                   float* m,            // [n] (updated)
@@ -239,13 +239,13 @@ void count_nonfinite(double* out,      // [1]
                      double* scratch,  // [reduce_scratch_count(n)]
                      cudaStream_t stream);
 
-// y += a x: core/kernels.hpp's axpy (Backend::axpy), bit for bit.
+// y += a x: core/backend/kernels.hpp's axpy (Backend::axpy), bit for bit.
 void axpy(float* y,        // [n]
           float a,
           const float* x,  // [n]
           std::int64_t n, cudaStream_t stream);
 
-// int8 gradient compression: core/kernels.hpp's int8_absmax, _quantize and _dequantize (Backend::int8_*),
+// int8 gradient compression: core/backend/kernels.hpp's int8_absmax, _quantize and _dequantize (Backend::int8_*),
 // bit for bit. int8_absmax writes [chunks + 1] floats, the last the finiteness flag, through a
 // count of the non-finite values into *nonfinite (a device double; scratch as count_nonfinite's).
 void int8_absmax(float* absmax,     // [chunks + 1]
@@ -266,7 +266,7 @@ void int8_dequantize(float* x,              // [n]
                      const float* absmax,   // [chunks + 1]
                      int levels, cudaStream_t stream);
 
-// top-k gradient compression: core/kernels.hpp's topk_select, _scatter_add and _clear
+// top-k gradient compression: core/backend/kernels.hpp's topk_select, _scatter_add and _clear
 // (Backend::topk_*), the same set in the same order (core/cuda/topk.cuh: an exact radix selection
 // whose only atomics are integer counts in shared memory). 0 <= k <= n < 2^31.
 std::int64_t topk_scratch_count(std::int64_t n);  // uint32s of topk_select's scratch for n elements

@@ -1,7 +1,7 @@
 #pragma once
-// The CUDA layer kernels (the twins of core/kernels.hpp; contracts in core/cuda/kernels.cuh) and how
-// each operation launches them. Semantics follow core/kernels.hpp; per-element arithmetic comes from
-// core/kernel_math.hpp. No atomics anywhere: every sum is reduced in an order fixed by the shapes.
+// The CUDA layer kernels (the twins of core/backend/kernels.hpp; contracts in core/cuda/kernels.cuh) and how
+// each operation launches them. Semantics follow core/backend/kernels.hpp; per-element arithmetic comes from
+// core/backend/kernel_math.hpp. No atomics anywhere: every sum is reduced in an order fixed by the shapes.
 //
 // The source compiles for the GPU (nvcc, core/cuda/kernels.cu) and for the host against the CUDA
 // emulator (core/cuda/emu/), so a CPU unit test runs these very kernels, with the launch geometry
@@ -16,8 +16,8 @@
 
 #include "core/cuda/device_portable.hpp"
 #include "core/cuda/launch_geometry.hpp"
-#include "core/dtype.hpp"
-#include "core/kernel_math.hpp"
+#include "core/base/dtype.hpp"
+#include "core/backend/kernel_math.hpp"
 
 namespace loom::cuda::layer {
 
@@ -544,7 +544,7 @@ LOOM_KERNEL void crossentropy_backward_kernel(float* dlogits,               // [
   }
 }
 
-// Vocabulary-parallel cross-entropy (core/kernels.hpp's crossentropy_row_max / _partial / _finish):
+// Vocabulary-parallel cross-entropy (core/backend/kernels.hpp's crossentropy_row_max / _partial / _finish):
 // one block per row; the sum of exponentials is a block reduction in fp64 (the host's row sum is
 // sequential: the two agree to rounding).
 LOOM_KERNEL void crossentropy_row_max_kernel(float* row_max,       // [N]
@@ -677,7 +677,7 @@ LOOM_KERNEL void adamw_kernel(float* params,       // [n]
   }
 }
 
-// `step` holds the bias corrections, computed on the host as core/kernels.hpp does.
+// `step` holds the bias corrections, computed on the host as core/backend/kernels.hpp does.
 template <class Launch>
 void adamw_update(Launch&& launch, float* params, float* m, float* v, const float* grads, std::int64_t n,
                   const math::AdamWStep<float>& step) {
@@ -688,7 +688,7 @@ void adamw_update(Launch&& launch, float* params, float* m, float* v, const floa
 
 // ---------------------------------------------------------------------------------------------
 // Typed storage: what a DType holds on the device, its compute type, and the exact load / rounded
-// store between them (the device side of to_acc / from_acc in core/dtype.hpp).
+// store between them (the device side of to_acc / from_acc in core/base/dtype.hpp).
 
 template <DType D>
 struct Storage;
@@ -726,7 +726,7 @@ using storage_t = typename Storage<D>::type;
 template <DType D>
 using compute_t = typename Storage<D>::compute;
 
-// double -> float rounded to odd (core/dtype.hpp's to_float_round_odd): truncated toward zero, the
+// double -> float rounded to odd (core/base/dtype.hpp's to_float_round_odd): truncated toward zero, the
 // last mantissa bit set when inexact, so a following round to nearest even at bf16/fp16 precision
 // equals rounding the double directly.
 LOOM_DEVICE float double_to_float_round_odd(double d) {
@@ -736,7 +736,7 @@ LOOM_DEVICE float double_to_float_round_odd(double d) {
   return math::bits_as_float(math::float_bits(f) | 1u);
 }
 
-// core/kernels.hpp's convert<D>(S): same type as is; from fp64 directly; otherwise through float.
+// core/backend/kernels.hpp's convert<D>(S): same type as is; from fp64 directly; otherwise through float.
 template <DType Dst, DType Src>
 LOOM_DEVICE storage_t<Dst> convert(storage_t<Src> x) {
   if constexpr (Dst == Src) {
@@ -857,7 +857,7 @@ void reduce(Launch&& launch, double* out, const storage_t<D>* x, std::int64_t n,
 }
 
 // ---------------------------------------------------------------------------------------------
-// int8 gradient compression (core/kernels.hpp's int8_*; the per-element rule is math::int8_level).
+// int8 gradient compression (core/backend/kernels.hpp's int8_*; the per-element rule is math::int8_level).
 
 // The chunk maxima: one block per chunk (a maximum is the same in any order, so the block's tree
 // gives the host's value bit for bit).

@@ -1,7 +1,7 @@
 #pragma once
 // Top-k selection for gradient compression (Backend::topk_select; plugins/compression): the k
 // elements of x [n] with the largest |x|, ties to the lower index, written in ascending index order,
-// the set core/kernels.hpp's topk_select gives. A run repeats bit for bit and equals the host's.
+// the set core/backend/kernels.hpp's topk_select gives. A run repeats bit for bit and equals the host's.
 //
 // Exact radix selection on the magnitudes' bits (non-negative floats order as their bit patterns,
 // as the host compares them; a NaN's bits order above inf's, but a NaN or inf poisons the output
@@ -27,13 +27,13 @@
 #include <cstdint>
 
 #include "core/cuda/device_portable.hpp"
-#include "core/cuda/topk_geometry.hpp"
-#include "core/kernel_math.hpp"
+#include "core/backend/topk_geometry.hpp"
+#include "core/backend/kernel_math.hpp"
 
 namespace loom::cuda::topk {
 
 // The selection's geometry and scratch layout (constants, State, grid_blocks, carve, scratch_count):
-// core/cuda/topk_geometry.hpp, plain C++ that `loom plan` sizes the scratch with too.
+// core/backend/topk_geometry.hpp, plain C++ that `loom plan` sizes the scratch with too.
 
 // |x|'s bits: the order of magnitudes (0 and -0 alike; NaN above inf).
 LOOM_HD inline std::uint32_t magnitude_key(float x) { return math::float_bits(x) & 0x7fffffffu; }

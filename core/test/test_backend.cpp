@@ -1,4 +1,4 @@
-// Unit tests of the back end's generic operations on typed buffers (core/backend.hpp): cast,
+// Unit tests of the back end's generic operations on typed buffers (core/backend/backend.hpp): cast,
 // matmul, sq_norm_check, scale and fill, on the host back end.
 #include <gtest/gtest.h>
 
@@ -11,10 +11,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/dtype.hpp"
-#include "core/gemm.hpp"
-#include "core/kernels.hpp"
+#include "core/backend/backend.hpp"
+#include "core/base/dtype.hpp"
+#include "core/backend/gemm.hpp"
+#include "core/backend/kernels.hpp"
 
 using loom::bf16;
 using loom::BufferRef;

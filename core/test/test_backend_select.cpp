@@ -1,6 +1,6 @@
 // Unit tests of what the GPU path shares with the host and decides without a GPU: the device a rank
-// drives (core/backend_select.hpp) and the per-element arithmetic both back ends compile
-// (core/kernel_math.hpp).
+// drives (core/backend/backend_select.hpp) and the per-element arithmetic both back ends compile
+// (core/backend/kernel_math.hpp).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "core/backend_select.hpp"
-#include "core/dtype.hpp"
-#include "core/error.hpp"
-#include "core/kernel_math.hpp"
+#include "core/backend/backend_select.hpp"
+#include "core/base/dtype.hpp"
+#include "core/base/error.hpp"
+#include "core/backend/kernel_math.hpp"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // The seams a device back end relies on, checked without a GPU: run.backend = fenced
-// (core/fenced_backend.cpp), the host kernels on memory whose addresses the host cannot touch. A
+// (core/backend/fenced_backend.cpp), the host kernels on memory whose addresses the host cannot touch. A
 // model trained through it must train the same model as the plain host back end, bit for bit:
 // tokens, initial weights and everything else reach its tensors through copy_from_host /
 // copy_to_host, and code that touches a tensor through a pointer crashes the test.
@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/engine.hpp"
-#include "core/gpt.hpp"
+#include "core/backend/backend.hpp"
+#include "core/engine/engine.hpp"
+#include "core/model/gpt.hpp"
 
 namespace loom {
 namespace {

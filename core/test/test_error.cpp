@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 
 using loom::escape_value;
 using loom::quote_value;

@@ -2,7 +2,7 @@
 // once can be told apart (each message also goes out in one write, which this cannot observe).
 #include <gtest/gtest.h>
 
-#include "core/fault.hpp"
+#include "core/comm/fault.hpp"
 
 TEST(RankErrorText, EveryLineNamesTheRank) {
   EXPECT_EQ(loom::rank_error_text(3, "data plugin: injected fault at step 3"),

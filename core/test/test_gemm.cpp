@@ -1,4 +1,4 @@
-// Unit tests of the matrix-product seam (core/gemm.hpp) for each implementation: every transpose
+// Unit tests of the matrix-product seam (core/backend/gemm.hpp) for each implementation: every transpose
 // combination, leading dimensions larger than the rows (padding holds NaN that must never be read,
 // and C's padding must stay untouched), alpha != 1, beta 0 (over NaN in C), 1 and 0.5, odd shapes,
 // against an fp64 reference from the same operands (bf16: from the rounded operands).
@@ -21,9 +21,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/dtype.hpp"
-#include "core/gemm.hpp"
+#include "core/backend/backend.hpp"
+#include "core/base/dtype.hpp"
+#include "core/backend/gemm.hpp"
 
 namespace gemm = loom::gemm;
 

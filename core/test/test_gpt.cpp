@@ -1,4 +1,4 @@
-// Unit tests of the GPT model (core/gpt.hpp) on the host back end: whole-model gradient check in
+// Unit tests of the GPT model (core/model/gpt.hpp) on the host back end: whole-model gradient check in
 // float, activation recompute, initialisation, micro-batch equivalence, training, FLOP count, and
 // the model split into pipeline stages against the whole.
 #include <gtest/gtest.h>
@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/gpt.hpp"
-#include "core/ledger.hpp"
-#include "core/optimizer.hpp"
-#include "core/rng.hpp"
+#include "core/backend/backend.hpp"
+#include "core/model/gpt.hpp"
+#include "core/base/ledger.hpp"
+#include "core/model/optimizer.hpp"
+#include "core/base/rng.hpp"
 
 using namespace loom;
 

@@ -1,4 +1,4 @@
-// Unit tests of core/kernels.hpp: every backward against central finite differences of a scalar
+// Unit tests of core/backend/kernels.hpp: every backward against central finite differences of a scalar
 // objective, in double precision; the accumulation rules; the attention forward against a naive
 // reference; the float math helpers; AdamW against a scalar reference; float vs double forwards;
 // the bf16 and fp16 instantiations against float, and sums sized so that 16-bit accumulation fails.
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "core/kernels.hpp"
+#include "core/backend/kernels.hpp"
 
 namespace k = loom::kernels;
 

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "core/buffer.hpp"
-#include "core/ledger.hpp"
+#include "core/base/buffer.hpp"
+#include "core/base/ledger.hpp"
 
 using namespace loom;
 

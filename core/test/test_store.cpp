@@ -1,4 +1,4 @@
-// The parameter store seam (core/param_store.hpp) and the shard descriptor (core/shard.hpp).
+// The parameter store seam (core/model/param_store.hpp) and the shard descriptor (core/base/shard.hpp).
 //
 // PieceStore keeps each unit's parameters and gradients in its own allocation and hands the model
 // a compute copy of a unit's parameters only between acquire and release, poisoned with NaN
@@ -15,10 +15,10 @@
 #include <random>
 #include <set>
 
-#include "core/engine.hpp"
-#include "core/gpt.hpp"
-#include "core/param_store.hpp"
-#include "core/shard.hpp"
+#include "core/engine/engine.hpp"
+#include "core/model/gpt.hpp"
+#include "core/model/param_store.hpp"
+#include "core/base/shard.hpp"
 
 namespace loom {
 namespace {

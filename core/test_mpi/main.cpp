@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <string>
 
-#include "core/blas_core.hpp"
+#include "core/backend/blas_core.hpp"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// The MPI communicator (core/comm_mpi.cpp) under 1, 2 and 4 ranks: results of every operation on
+// The MPI communicator (core/comm/comm_mpi.cpp) under 1, 2 and 4 ranks: results of every operation on
 // every rank, bitwise-identical all-reduce results, several outstanding operations completing out of
 // order, and byte counters equal to what the ring (chain) algorithms send. The typed operations for
 // every element type: sums and maxima (exact on small integers), reduce-scatter and all-gather with
@@ -25,9 +25,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/comm.hpp"
-#include "core/dtype.hpp"
-#include "core/ledger.hpp"
+#include "core/comm/comm.hpp"
+#include "core/base/dtype.hpp"
+#include "core/base/ledger.hpp"
 
 namespace loom {
 namespace {

@@ -1,7 +1,7 @@
 // Unit tests of io.
 #include <gtest/gtest.h>
 
-#include "core/blas_core.hpp"
+#include "core/backend/blas_core.hpp"
 
 int main(int argc, char** argv) {
   loom::select_openblas_core(argv);  // the driver's kernel-set rule: the tests check what loom runs

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "core/error.hpp"
-#include "core/rng.hpp"
+#include "core/base/error.hpp"
+#include "core/base/rng.hpp"
 #include "io/data.hpp"
 
 using namespace loom;

@@ -8,7 +8,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/error.hpp"
+#include "core/base/error.hpp"
 #include "io/deck.hpp"
 #include "io/threads.hpp"
 

@@ -7,7 +7,7 @@
 //
 //   fp16, bf16  each bucket cast to 16 bits and reduced by the wrapped reducer in that type: the ring
 //               adds the incoming 16-bit values in fp32 and rounds the partial sum back to 16 bits at
-//               every step (core/comm_mpi.cpp), then the result is cast back into the fp32 bucket
+//               every step (core/comm/comm_mpi.cpp), then the result is cast back into the fp32 bucket
 //               (PyTorch's fp16_compress_hook; the core's CastReducer). Half the bytes.
 //   int8        error feedback added, then per chunk of compression.int8_chunk elements a step shared
 //               by all ranks (one all-reduce max of the chunks' largest |x|) with floor(127/N) levels,
@@ -40,12 +40,12 @@
 #include <sstream>
 #include <string>
 
-#include "core/checkpoint_part.hpp"
-#include "core/comm.hpp"
-#include "core/error.hpp"
-#include "core/grid.hpp"
-#include "core/plugin.hpp"
-#include "core/rng.hpp"
+#include "core/engine/checkpoint_part.hpp"
+#include "core/comm/comm.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/grid.hpp"
+#include "core/engine/plugin.hpp"
+#include "core/base/rng.hpp"
 #include "plugins/compression/compress.hpp"
 
 namespace loom {

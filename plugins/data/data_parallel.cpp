@@ -1,5 +1,5 @@
 // The `data` strategy plugin (libloom_data.so): data parallelism. Fills the gradient-sync role with
-// the core's BucketedGradSync (core/bucketed_sync.hpp) and the reducer with a ring all-reduce:
+// the core's BucketedGradSync (core/engine/bucketed_sync.hpp) and the reducer with a ring all-reduce:
 // gradients are grouped into buckets of about data.bucket_mb; a bucket's all-reduce starts as soon
 // as backward has finished all its gradients (on the last micro-batch only) and overlaps the rest of
 // backward; at the end of backward the remaining buckets are waited on and the sum is turned into a
@@ -10,11 +10,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "core/bucketed_sync.hpp"
-#include "core/comm.hpp"
-#include "core/fault.hpp"
-#include "core/grid.hpp"
-#include "core/plugin.hpp"
+#include "core/engine/bucketed_sync.hpp"
+#include "core/comm/comm.hpp"
+#include "core/comm/fault.hpp"
+#include "core/comm/grid.hpp"
+#include "core/engine/plugin.hpp"
 
 namespace loom {
 namespace {

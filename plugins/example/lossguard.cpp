@@ -14,7 +14,7 @@
 #include <sstream>
 #include <string>
 
-#include "core/plugin.hpp"
+#include "core/engine/plugin.hpp"
 
 namespace {
 

@@ -20,10 +20,10 @@
 #include <sstream>
 #include <string>
 
-#include "core/comm.hpp"
-#include "core/error.hpp"
-#include "core/grid.hpp"
-#include "core/plugin.hpp"
+#include "core/comm/comm.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/grid.hpp"
+#include "core/engine/plugin.hpp"
 
 namespace loom {
 namespace {

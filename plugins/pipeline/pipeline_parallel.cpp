@@ -26,13 +26,13 @@
 #include <string>
 #include <vector>
 
-#include "core/buffer.hpp"
-#include "core/comm.hpp"
-#include "core/error.hpp"
-#include "core/fault.hpp"
-#include "core/grid.hpp"
-#include "core/ledger.hpp"
-#include "core/plugin.hpp"
+#include "core/base/buffer.hpp"
+#include "core/comm/comm.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
+#include "core/comm/grid.hpp"
+#include "core/base/ledger.hpp"
+#include "core/engine/plugin.hpp"
 #include "plugins/pipeline/schedule.hpp"
 
 namespace loom {

@@ -12,13 +12,13 @@
 #include <string>
 #include <vector>
 
-#include "core/comm.hpp"
-#include "core/error.hpp"
-#include "core/fault.hpp"
-#include "core/gpt.hpp"
-#include "core/kernels.hpp"
-#include "core/plugin.hpp"
-#include "core/rng.hpp"
+#include "core/comm/comm.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
+#include "core/model/gpt.hpp"
+#include "core/backend/kernels.hpp"
+#include "core/engine/plugin.hpp"
+#include "core/base/rng.hpp"
 
 namespace loom {
 namespace {

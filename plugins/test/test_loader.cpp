@@ -2,8 +2,8 @@
 // ones it can), a combination a plugin declares incompatible; and the happy path for `data`.
 #include <gtest/gtest.h>
 
-#include "core/error.hpp"
-#include "core/plugin.hpp"
+#include "core/base/error.hpp"
+#include "core/engine/plugin.hpp"
 
 using namespace loom;
 
@@ -89,7 +89,7 @@ TEST(PluginLoader, RefusesDuplicateRegistration) {
   EXPECT_THROW(register_builtin_strategies(r), InputError);
 }
 
-// Declared composition (core/plugin.cpp check_role_claims), on strategies described in place.
+// Declared composition (core/engine/plugin.cpp check_role_claims), on strategies described in place.
 namespace {
 StrategyInfo strategy(const std::string& name, std::vector<RoleClaim> claims) {
   StrategyInfo s;

@@ -1,6 +1,6 @@
 // Plugins that exist only to be refused by the loader tests. Built into build/test-plugins/, never
 // on the default plugin path. Which one is compiled is chosen by a macro.
-#include "core/plugin.hpp"
+#include "core/engine/plugin.hpp"
 
 #ifndef LOOM_TEST_NO_ENTRY
 namespace {

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "core/checkpoint_part.hpp"
-#include "core/plugin.hpp"
+#include "core/engine/checkpoint_part.hpp"
+#include "core/engine/plugin.hpp"
 
 namespace loom {
 namespace {

@@ -16,12 +16,12 @@
 #include <memory>
 #include <string>
 
-#include "core/bucketed_sync.hpp"
-#include "core/comm.hpp"
-#include "core/error.hpp"
-#include "core/grid.hpp"
-#include "core/ledger.hpp"
-#include "core/plugin.hpp"
+#include "core/engine/bucketed_sync.hpp"
+#include "core/comm/comm.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/grid.hpp"
+#include "core/base/ledger.hpp"
+#include "core/engine/plugin.hpp"
 #include "plugins/zero/zero_sharded.hpp"
 
 namespace loom {

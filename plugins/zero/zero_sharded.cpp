@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "core/ledger.hpp"
+#include "core/base/ledger.hpp"
 
 namespace loom {
 

@@ -36,9 +36,9 @@
 #include <string>
 #include <vector>
 
-#include "core/comm.hpp"
-#include "core/engine.hpp"
-#include "core/param_store.hpp"
+#include "core/comm/comm.hpp"
+#include "core/engine/engine.hpp"
+#include "core/model/param_store.hpp"
 
 namespace loom {
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/cuda/emu/runtime.hpp"
-#include "core/dtype.hpp"
+#include "core/base/dtype.hpp"
 
 struct cublasLtContext {
   int alive = 1;

@@ -21,7 +21,7 @@
 #include <string>
 #include <type_traits>
 
-#include "core/dtype.hpp"
+#include "core/base/dtype.hpp"
 
 namespace loom::cuda_emu {
 

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "core/cuda/emu/runtime.hpp"
-#include "core/dtype.hpp"
+#include "core/base/dtype.hpp"
 
 struct ncclComm {
   MPI_Comm comm = MPI_COMM_NULL;

@@ -1,7 +1,7 @@
 #pragma once
 // Causal multi-head attention in fp64 on fp32 inputs, forward and backward, written for clarity:
 // the reference the fused (flash-style) kernels are held to, on the GPU and through the emulator.
-// Layout as core/kernels.hpp: qkv [B,T,3C] (head h's q, k, v at columns h*hs, C + h*hs, 2C + h*hs),
+// Layout as core/backend/kernels.hpp: qkv [B,T,3C] (head h's q, k, v at columns h*hs, C + h*hs, 2C + h*hs),
 // out and dout [B,T,C], lse [B,NH,T] = log of the softmax's denominator with the row max included.
 #include <algorithm>
 #include <cmath>

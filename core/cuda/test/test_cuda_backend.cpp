@@ -2,7 +2,7 @@
 // outputs agree to a relative error of the whole tensor's norm (||dev - host|| / ||host||), 1e-5
 // for fp32 kernels (the order of the sums differs), and bit for
 // bit where the arithmetic has no order: casts, fills, and the elementwise kernels whose arithmetic
-// is core/kernel_math.hpp (GELU, AdamW: compiled without fused multiply-adds on both sides). Labelled
+// is core/backend/kernel_math.hpp (GELU, AdamW: compiled without fused multiply-adds on both sides). Labelled
 // `gpu`: without a visible GPU every test is skipped and says why.
 #include <gtest/gtest.h>
 
@@ -18,9 +18,9 @@
 #include <tuple>
 #include <vector>
 
-#include "core/backend.hpp"
-#include "core/backend_select.hpp"
-#include "core/blas_core.hpp"
+#include "core/backend/backend.hpp"
+#include "core/backend/backend_select.hpp"
+#include "core/backend/blas_core.hpp"
 #include "core/cuda/kernels.cuh"
 #include "core/cuda/test/attention_reference.hpp"
 #include "core/test/tensors.hpp"
@@ -600,7 +600,7 @@ TEST(CudaBackend, FusedAttentionMatchesTheReference) {
 }
 
 // model.attention = flash through the Backend interface on both back ends: the device's kernels
-// against the host's twin (core/flash_attention_host.hpp), which rounds the same values to bf16 at
+// against the host's twin (core/backend/flash_attention_host.hpp), which rounds the same values to bf16 at
 // the same points. What remains is the order the tensor cores add a product's terms in (fp32,
 // ~1e-6 relative), and the bf16 roundings of probabilities and score gradients that order tips
 // (2^-8 of the few elements it tips): estimated at a few 1e-5 of the norm, not yet measured on a

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "core/comm.hpp"
+#include "core/comm/comm.hpp"
 #include "core/cuda/comm_nccl.hpp"
 
 namespace {

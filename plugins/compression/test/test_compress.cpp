@@ -14,7 +14,7 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "core/kernels.hpp"
+#include "core/backend/kernels.hpp"
 #include "core/test/tensors.hpp"
 #include "plugins/compression/compress.hpp"
 

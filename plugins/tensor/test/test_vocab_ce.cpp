@@ -8,11 +8,11 @@
 #include <cmath>
 #include <random>
 
-#include "core/backend.hpp"
-#include "core/blas_core.hpp"
-#include "core/error.hpp"
-#include "core/grid.hpp"
-#include "core/plugin.hpp"
+#include "core/backend/backend.hpp"
+#include "core/backend/blas_core.hpp"
+#include "core/base/error.hpp"
+#include "core/comm/grid.hpp"
+#include "core/engine/plugin.hpp"
 #include "io/deck.hpp"
 
 using namespace loom;

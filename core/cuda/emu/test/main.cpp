@@ -4,7 +4,7 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "core/blas_core.hpp"
+#include "core/backend/blas_core.hpp"
 
 int main(int argc, char** argv) {
   loom::select_openblas_core(argv);  // the driver's kernel-set rule: the twin's products are loom's

@@ -13,7 +13,7 @@
 #include "core/cuda/emu/cuda_emu.hpp"
 #include "core/cuda/flash_attention.cuh"
 #include "core/cuda/test/attention_reference.hpp"
-#include "core/flash_attention_host.hpp"
+#include "core/backend/flash_attention_host.hpp"
 
 namespace {
 
@@ -59,7 +59,7 @@ Result run_kernels(const Case& c, const float* qkv, const float* dout, emu::Sche
   return r;
 }
 
-// The host back end's twin (core/flash_attention_host.hpp), on the same inputs; the saved output
+// The host back end's twin (core/backend/flash_attention_host.hpp), on the same inputs; the saved output
 // as the model would keep it under mixed precision when `saved` is 16-bit.
 template <class Saved = float>
 Result run_host_twin(const Case& c, const std::vector<float>& qkv, const std::vector<float>& dout) {

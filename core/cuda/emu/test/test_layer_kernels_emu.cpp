@@ -1,5 +1,5 @@
 // The CUDA layer kernels' own source (core/cuda/layer_kernels.cuh), with the launch geometry the
-// device uses, run on the CPU through the CUDA emulator against their host twins (core/kernels.hpp):
+// device uses, run on the CPU through the CUDA emulator against their host twins (core/backend/kernels.hpp):
 // label unit, no GPU or CUDA toolkit needed. Each operation runs under every emulator schedule and
 // must give the same bits in each (a missing barrier or a warp-order dependence shows), and then
 // match the host as loom_cuda_tests holds the device to it (bit for bit where the arithmetic is the
@@ -18,7 +18,7 @@
 
 #include "core/cuda/emu/cuda_emu.hpp"
 #include "core/cuda/layer_kernels.cuh"
-#include "core/kernels.hpp"
+#include "core/backend/kernels.hpp"
 #include "core/test/tensors.hpp"
 
 namespace {

@@ -1,5 +1,5 @@
 // The top-k selection's kernels (core/cuda/topk.cuh), their own source compiled for the host and run
-// through the CUDA emulator, against the host's selection (core/kernels.hpp topk_select) and the
+// through the CUDA emulator, against the host's selection (core/backend/kernels.hpp topk_select) and the
 // full order it defines: label unit, no GPU or CUDA toolkit needed. On a GPU the same kernels are
 // held to the host's bits by loom_cuda_tests (CudaBackend.TopKIsBitForBitTheHosts).
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@
 
 #include "core/cuda/emu/cuda_emu.hpp"
 #include "core/cuda/topk.cuh"
-#include "core/kernels.hpp"
+#include "core/backend/kernels.hpp"
 
 namespace {
 

@@ -1,0 +1,398 @@
+// The host back end: Kokkos kernels on the default host execution space, matrix products through
+// core/backend/gemm (oneDNN or CBLAS, run.gemm).
+#include <Kokkos_Core.hpp>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/backend/backend.hpp"
+#include "core/backend/gemm.hpp"
+#include "core/backend/flash_attention_host.hpp"
+#include "core/backend/kernels.hpp"
+
+extern "C" char* openblas_get_config(void) __attribute__((weak));
+
+namespace loom {
+namespace {
+
+namespace k = kernels;
+
+[[noreturn]] void refuse(const std::string& what) { throw std::invalid_argument(what); }
+
+void require_host(const BufferRef& b, const char* op, const char* name) {
+  if (b.space != MemSpace::host)
+    refuse(std::string(op) + ": " + name + " is in " + mem_space_name(b.space) +
+           " memory; the host back end takes host buffers");
+}
+
+// Calls f with a value of the C++ element type of a floating-point DType.
+template <class F>
+void with_float_type(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::f32: f(float{}); return;
+    case DType::f64: f(double{}); return;
+    case DType::bf16: f(bf16{}); return;
+    case DType::f16: f(f16{}); return;
+    default: refuse(std::string(op) + ": element type " + dtype_name(t) + " is not fp32, fp64, bf16 or fp16");
+  }
+}
+
+class HostBackend final : public Backend {
+ public:
+  // The threads of OpenBLAS and of oneDNN's OpenMP runtime (core/backend/gemm.hpp).
+  explicit HostBackend(int threads) : threads_(threads) { gemm::set_threads(threads); }
+  std::string name() const override { return "host"; }
+  std::string description() const override {
+    std::ostringstream s;
+    s << "host (Kokkos " << Kokkos::DefaultHostExecutionSpace::name() << ", BLAS "
+      << (openblas_get_config ? openblas_get_config() : "cblas") << ", matrix products "
+      << (gemm::impl() == gemm::Impl::onednn ? "oneDNN" : "BLAS") << ", " << threads_ << " BLAS thread"
+      << (threads_ == 1 ? "" : "s") << ")";
+    return s.str();
+  }
+  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T,
+                       int C, int vocab_begin, int vocab_end, bool add_pos) override {
+    k::encoder_forward(out, inp, wte, wpe, B, T, C, vocab_begin, vocab_end, add_pos);
+  }
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T,
+                        int C, int vocab_begin, int vocab_end) override {
+    k::encoder_backward(dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end);
+  }
+  void bias_add(float* out, const float* bias, int N, int OC) override { k::bias_add(out, bias, N, OC); }
+  void bias_backward(float* dbias, const float* dout, int N, int OC) override { k::bias_backward(dbias, dout, N, OC); }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int N, int C) override {
+    k::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int N,
+                          int C) override {
+    k::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void set_precision(const Precision& p) override {
+    if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
+      refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) + "; the host back end takes fp32, bf16 or fp16");
+    precision_ = p;
+  }
+  void release_scratch() override {
+    for (TypedBuffer& b : operands_) b = TypedBuffer();
+  }
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                      int OC) override {
+    if (precision_.matmul == DType::f32) return k::matmul_forward(out, inp, weight, bias, N, C, OC);
+    matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C), BufferRef(weight, static_cast<std::int64_t>(OC) * C),
+                   bias, N, C, OC);
+  }
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int N, int C, int OC) override {
+    if (precision_.matmul == DType::f32) return k::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+    matmul_backward(dinp, dweight, dbias, dout, BufferRef(inp, static_cast<std::int64_t>(N) * C),
+                    BufferRef(weight, static_cast<std::int64_t>(OC) * C), N, C, OC);
+  }
+  void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
+    if (precision_.matmul == DType::f32)
+      return k::matmul_forward(out, inp.as<float>(), weight.as<float>(), bias, N, C, OC);
+    const void* x = operand16(0, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
+    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
+    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, out, OC);                // out = x W^T
+    if (bias) k::bias_add(out, bias, N, OC);
+  }
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp,
+                       BufferRef weight, int N, int C, int OC) override {
+    if (precision_.matmul == DType::f32)
+      return k::matmul_backward(dinp, dweight, dbias, dout, inp.as<float>(), weight.as<float>(), N, C, OC);
+    const void* d = operand16(0, BufferRef(dout, static_cast<std::int64_t>(N) * OC), static_cast<std::int64_t>(N) * OC);
+    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
+    const void* x = operand16(2, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
+    gemm16(false, false, N, C, OC, d, OC, w, C, 0.0f, dinp, C);               // dinp = dout W
+    gemm16(true, false, OC, C, N, d, OC, x, C, 1.0f, dweight, C);             // dW += dout^T x
+    if (dbias) k::bias_backward(dbias, dout, N, OC);                        // a sum, not a product: fp32
+  }
+  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
+    k::attention_forward(out, att, qkv, B, T, C, NH);
+  }
+  void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv, const float* att,
+                          int B, int T, int C, int NH) override {
+    k::attention_backward(dqkv, datt, dout, qkv, att, B, T, C, NH);
+  }
+  std::string flash_attention_refusal(int hs) const override {
+    return flash_head_size_refusal(hs);
+  }
+  void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
+    require_flash(C / NH);
+    k::flash::attention_forward(out, lse, qkv, B, T, C, NH);
+  }
+  void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
+                                const float* lse, int B, int T, int C, int NH) override {
+    require_flash(C / NH);
+    require_host(out, "attention_backward_flash", "out");
+    with_float_type(out.type, "attention_backward_flash", [&](auto t) {
+      using OutT = decltype(t);
+      if constexpr (std::is_same_v<OutT, double>)
+        refuse("attention_backward_flash: the saved output must be fp32, bf16 or fp16");
+      else
+        k::flash::attention_backward(dqkv, dsum, dout, static_cast<const OutT*>(out.data), qkv, lse, B, T, C, NH);
+    });
+  }
+  void gelu_forward(float* out, const float* inp, std::int64_t n) override { k::gelu_forward(out, inp, n); }
+  void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
+    k::gelu_backward(dinp, inp, dout, n);
+  }
+  void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
+    k::residual_forward(out, a, b, n);
+  }
+  void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* targets,
+                            int N, int V) override {
+    k::crossentropy_forward(losses, probs, logits, targets, N, V);
+  }
+  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss,
+                             int N, int V, int vocab_begin) override {
+    k::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin);
+  }
+  void crossentropy_row_max(float* row_max, const float* logits, int N, int V) override {
+    k::crossentropy_row_max(row_max, logits, N, V);
+  }
+  void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
+                            const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin) override {
+    k::crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, V, vocab_begin);
+  }
+  void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
+                           const double* target_logit, int N, int V) override {
+    k::crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, V);
+  }
+  void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr,
+                    float beta1, float beta2, float eps, float weight_decay, std::int64_t t) override {
+    k::adamw_update(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t);
+  }
+  double sum_squares(const float* x, std::int64_t n) override { return k::sum_squares(x, n); }
+  void scale(float* x, float a, std::int64_t n) override { k::scale(x, a, n); }
+  void fill(float* x, float value, std::int64_t n) override { k::fill(x, value, n); }
+  void copy(float* dst, const float* src, std::int64_t n) override { k::copy(dst, src, n); }
+  void axpy(float* y, float a, const float* x, std::int64_t n) override { k::axpy(y, a, x, n); }
+  double sum(const float* x, std::int64_t n) override { return k::sum(x, n); }
+
+  void cast(BufferRef dst, BufferRef src) override {
+    require_host(dst, "cast", "dst");
+    require_host(src, "cast", "src");
+    if (dst.count != src.count)
+      refuse("cast: dst holds " + std::to_string(dst.count) + " elements, src " + std::to_string(src.count));
+    with_float_type(dst.type, "cast", [&](auto d) {
+      with_float_type(src.type, "cast", [&](auto s) {
+        using D = decltype(d);
+        using S = decltype(s);
+        if constexpr (std::is_same_v<D, S>)
+          if (dst.data == src.data) return;
+        k::cast(static_cast<D*>(dst.data), static_cast<const S*>(src.data), dst.count);
+      });
+    });
+  }
+
+  void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool transa, bool transb, float alpha,
+              float beta) override {
+    require_host(out, "matmul", "out");
+    require_host(a, "matmul", "a");
+    require_host(b, "matmul", "b");
+    check_matmul_shapes(out, a, b, M, N, K);
+    const int lda = std::max(1, transa ? M : K), ldb = std::max(1, transb ? K : N), ldc = std::max(1, N);
+    const auto all = [&](DType t) { return a.type == t && b.type == t && out.type == t; };
+    if (all(DType::f32)) {
+      k::gemm(transa, transb, M, N, K, alpha, a.as<const float>(), lda, b.as<const float>(), ldb, beta,
+              out.as<float>(), ldc);
+      return;
+    }
+    if (all(DType::f64)) {
+      k::gemm(transa, transb, M, N, K, double(alpha), a.as<const double>(), lda, b.as<const double>(), ldb,
+              double(beta), out.as<double>(), ldc);
+      return;
+    }
+    // bf16 operands: straight into loom::gemm::gemm_bf16 (fp32 accumulation); a bf16 out through an
+    // fp32 copy, rounded once.
+    if (a.type == DType::bf16 && b.type == DType::bf16 && (out.type == DType::f32 || out.type == DType::bf16)) {
+      std::vector<float> fc;
+      float* pc = out.type == DType::f32 ? out.as<float>() : nullptr;
+      if (!pc) {
+        fc.resize(static_cast<std::size_t>(out.count));
+        if (beta != 0.0f) cast(BufferRef(fc.data(), out.count), out);
+        pc = fc.data();
+      }
+      gemm::gemm_bf16(transa, transb, M, N, K, alpha, a.as<const bf16>(), lda, b.as<const bf16>(), ldb, beta, pc, ldc);
+      if (!fc.empty()) cast(out, BufferRef(pc, out.count));
+      return;
+    }
+    for (const BufferRef* x : {&out, &a, &b})
+      if (x->type != DType::f32 && x->type != DType::bf16 && x->type != DType::f16)
+        refuse(std::string("matmul: operands of ") + dtype_name(out.type) + " = " + dtype_name(a.type) + " x " +
+               dtype_name(b.type) + "; mixed operands are fp32, bf16 or fp16 (fp64 only with fp64)");
+    // Other 16-bit operands (fp16, or a mix) go through fp32 copies and one sgemm.
+    std::vector<float> fa, fb, fc;
+    const auto as_f32 = [&](const BufferRef& x, std::vector<float>& copy) -> float* {
+      if (x.type == DType::f32) return static_cast<float*>(x.data);
+      copy.resize(static_cast<std::size_t>(x.count));
+      if (&x != &out || beta != 0.0f) cast(BufferRef(copy.data(), x.count), x);
+      return copy.data();
+    };
+    const float* pa = as_f32(a, fa);
+    const float* pb = as_f32(b, fb);
+    float* pc = as_f32(out, fc);
+    k::gemm(transa, transb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc);
+    if (out.type != DType::f32) cast(out, BufferRef(pc, out.count));
+  }
+
+  NormCheck sq_norm_check(const std::vector<BufferRef>& tensors) override {
+    NormCheck r;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const BufferRef& t = tensors[i];
+      require_host(t, "sq_norm_check", "a tensor");
+      double sq = 0;
+      bool finite = true;
+      with_float_type(t.type, "sq_norm_check", [&](auto tag) {
+        using T = decltype(tag);
+        const T* x = static_cast<const T*>(t.data);
+        sq = k::sum_squares(x, t.count);
+        // A NaN or an inf makes its chunk's partial sum, and so the total, non-finite: a finite sum
+        // proves the tensor finite without a second look. A non-finite one (a NaN, an inf, or
+        // finite values whose squares overflow the partial sums' type) is looked at again.
+        if (!std::isfinite(sq)) finite = k::all_finite(x, t.count);
+      });
+      r.sum_squares += sq;
+      if (!finite && r.all_finite) {
+        r.all_finite = false;
+        r.first_nonfinite = static_cast<int>(i);
+      }
+    }
+    return r;
+  }
+
+  void scale(BufferRef x, double a) override {
+    require_host(x, "scale", "x");
+    with_float_type(x.type, "scale", [&](auto tag) {
+      using T = decltype(tag);
+      k::scale(static_cast<T*>(x.data), static_cast<acc_type_t<T>>(a), x.count);
+    });
+  }
+  void fill(BufferRef x, double value) override {
+    require_host(x, "fill", "x");
+    with_float_type(x.type, "fill", [&](auto tag) {
+      using T = decltype(tag);
+      k::fill(static_cast<T*>(x.data), static_cast<acc_type_t<T>>(value), x.count);
+    });
+  }
+  void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) override {
+    k::int8_absmax(absmax, x, n, chunk);
+  }
+  void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
+                     const float* absmax, int levels) override {
+    k::int8_quantize(q, error, x, n, chunk, absmax, levels);
+  }
+  void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
+                       int levels) override {
+    k::int8_dequantize(x, q, n, chunk, absmax, levels);
+  }
+  void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) override {
+    k::topk_select(index, value, x, n, k);
+  }
+  void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) override {
+    k::topk_scatter_add(x, index, value, k);
+  }
+  void topk_clear(float* x, const std::int32_t* index, std::int64_t k) override { k::topk_clear(x, index, k); }
+
+  // The operand slots a micro-batch's products grow, as operand16 grows them: a bf16 operand needs
+  // none; ensure_capacity makes the larger buffer before it frees the smaller.
+  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls, const AttentionShape&) const override {
+    if (precision_.matmul == DType::f32) return;
+    const double elem = precision_.matmul == DType::bf16 ? 2.0 : 4.0;
+    std::array<double, 3> have{};
+    double peak = 0;
+    auto need = [&](int slot, DType type, double n) {
+      if (type == DType::bf16 || n * elem <= have[static_cast<std::size_t>(slot)]) return;
+      peak = std::max(peak, have[0] + have[1] + have[2] + n * elem);
+      have[static_cast<std::size_t>(slot)] = n * elem;
+    };
+    for (const MatmulCall& c : calls) {
+      const double NC = double(c.N) * c.C, WC = double(c.OC) * c.C;
+      if (!c.backward) {
+        need(0, c.inp.type, NC);
+        need(1, c.weight.type, WC);
+      } else {
+        need(0, DType::f32, double(c.N) * c.OC);
+        need(1, c.weight.type, WC);
+        need(2, c.inp.type, NC);
+      }
+    }
+    plan.add_scratch(Mem::workspace, peak);
+  }
+
+ private:
+  void require_flash(int hs) const {
+    const std::string why = flash_attention_refusal(hs);
+    if (!why.empty()) refuse("fused attention: " + why);
+  }
+  // The first n elements of `src` as an operand of the matrix products' 16-bit type, for gemm16:
+  // fp32 rounded (nearest even) into workspace operand slot `slot`; a 16-bit buffer of that type as it
+  // is (bf16: read in place by gemm_bf16, oneDNN's bf16 kernels with fp32 accumulation; fp16: widened
+  // into the slot, exactly). fp16 operands reach the fp32 product widened: this CPU has no fp16
+  // arithmetic, so the product is the fp16 operands' product accumulated in fp32, honest, not faster.
+  const void* operand16(int slot, BufferRef src, std::int64_t n) {
+    if (src.count < n)
+      throw std::invalid_argument("Backend::matmul: an operand of " + std::to_string(src.count) + " elements, " +
+                                  std::to_string(n) + " needed");
+    if (src.type != DType::f32 && src.type != precision_.matmul)
+      throw std::invalid_argument(std::string("Backend::matmul: a ") + dtype_name(src.type) + " operand in a " +
+                                  dtype_name(precision_.matmul) + " run (fp32 or " + dtype_name(precision_.matmul) +
+                                  " expected)");
+    require_host(src, "matmul", "operand");
+    if (src.type == DType::bf16) return src.data;
+    TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
+    const DType slot_type = precision_.matmul == DType::bf16 ? DType::bf16 : DType::f32;
+    ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), slot_type, n, Mem::workspace);
+    if (src.type == DType::f16) {  // a stored fp16 copy, widened exactly
+      k::cast(buf.data<float>(), static_cast<const f16*>(src.data), n);
+      return buf.data<float>();
+    }
+    const float* in = src.as<float>();
+    if (precision_.matmul == DType::bf16) {
+      k::cast(buf.data<bf16>(), in, n);
+      return buf.data<bf16>();
+    }
+    round_fp16(buf.data<float>(), in, n);
+    return buf.data<float>();
+  }
+  // dst = src rounded to fp16 and widened back (the values an fp16 operand holds).
+  static void round_fp16(float* dst, const float* src, std::int64_t n) {
+    k::for_chunks("Matmul::round_fp16", n, [=](std::int64_t b, std::int64_t e) {
+      std::int64_t i = b;
+#if defined(__F16C__)
+      // The CPU's conversion (F16C: round to nearest even, inf on overflow, NaN kept), 8 at a time;
+      // the same values as to_f16, about 10x faster.
+      for (; i + 8 <= e; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+      for (; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
+    });
+  }
+  // C[M,N] = op(A) op(B) + beta C on two operand16 results, fp32 accumulation.
+  void gemm16(bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B, int ldb, float beta,
+              float* C, int ldc) {
+    if (precision_.matmul == DType::bf16)
+      gemm::gemm_bf16(ta, tb, M, N, K, 1.0f, static_cast<const bf16*>(A), lda, static_cast<const bf16*>(B), ldb, beta, C, ldc);
+    else
+      gemm::sgemm(ta, tb, M, N, K, 1.0f, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C, ldc);
+  }
+
+  int threads_;
+  std::array<TypedBuffer, 3> operands_;  // the 16-bit operands of one matrix product (input, weight, gradient)
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_host_backend(int threads) { return std::make_unique<HostBackend>(threads); }
+
+}  // namespace loom

@@ -1,0 +1,795 @@
+#pragma once
+// The GPT-2 layer kernels of the host back end: Kokkos kernels on the host execution space, matrix
+// products through core/backend/gemm (oneDNN or CBLAS, run.gemm). Each layer's _forward is immediately
+// followed by its _backward, with mirrored signatures: outputs first, then inputs; gradients carry
+// a `d` prefix.
+//
+// Storage and compute types. Each kernel is `template <class T, class Acc = acc_type_t<T>>`: T is
+// what the tensors hold, Acc what the kernel adds, multiplies and reduces in (core/base/dtype.hpp:
+// float -> float, double -> double, bf16 -> float, fp16 -> float). Every stored value is loaded with
+// to_acc and stored with from_acc (the identity when T == Acc, so the float and double
+// instantiations are the plain code, operation for operation); statistics and sums stay in Acc:
+// LayerNorm mean and rstd (stored as Acc), the backward's two row sums, the softmax max and sum,
+// the attention backward's row dot products, the cross-entropy loss (stored as Acc), and the sums
+// of parameter gradients over rows (dbias, dweight of LayerNorm, the embedding rows), which for
+// 16-bit storage are summed in an Acc copy and rounded once at the end. AdamW keeps its moments in
+// Acc; parameters and gradients may each be another type. The unit tests run the double
+// instantiation against finite differences and the bf16/fp16 ones against float; the trainer
+// instantiates float.
+//
+// Matrix products with bf16/fp16 storage accumulate in float and round the result once: bf16
+// operands go to loom::gemm::gemm_bf16 as they are, fp16 ones through float copies and sgemm.
+//
+// Shape letters, used in every comment below:
+//   B  batch (sequences in this micro-batch)   T  sequence length     C  channels (d_model)
+//   NH attention heads                         hs head size = C / NH  V  vocabulary
+//   N  rows = B * T                            OC output channels of a linear layer
+//
+// Accumulation rules (why: residual connections and micro-batches add gradients):
+//   - parameter gradients (dweight, dbias, dwte, dwpe) are always accumulated (+=);
+//   - layernorm_backward accumulates into dinp (it sits on the residual stream);
+//   - every other dinp is overwritten.
+#include <cblas.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "core/base/dtype.hpp"
+#include "core/backend/gemm.hpp"
+#include "core/backend/kernel_math.hpp"
+
+namespace loom::kernels {
+
+using Exec = Kokkos::DefaultHostExecutionSpace;
+using Range = Kokkos::RangePolicy<Exec>;
+using Range64 = Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>;
+
+// A parameter that takes no part in template argument deduction: scalar arguments (dloss, the
+// learning rate, a fill value) are of the compute type Acc, which follows from the tensors' types.
+template <class T>
+struct non_deduced {
+  using type = T;
+};
+template <class T>
+using nd = typename non_deduced<T>::type;
+
+template <class T>
+inline constexpr bool is_16bit_v = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+
+// The sum of a parameter gradient over rows, accumulated in Acc: for T == Acc the gradient buffer
+// itself, else an Acc copy of it that store() rounds back once.
+template <class T, class Acc>
+class GradSum {
+ public:
+  GradSum(T* g, std::int64_t n) : g_(g), n_(g ? n : 0) {
+    if constexpr (!std::is_same_v<T, Acc>) {
+      buf_.resize(static_cast<std::size_t>(n_));
+      for (std::int64_t i = 0; i < n_; ++i) buf_[i] = to_acc<Acc>(g_[i]);
+    }
+  }
+  Acc* data() {
+    if constexpr (std::is_same_v<T, Acc>) return g_;
+    else return buf_.data();
+  }
+  void store() {
+    if constexpr (!std::is_same_v<T, Acc>)
+      for (std::int64_t i = 0; i < n_; ++i) g_[i] = from_acc<T>(buf_[i]);
+  }
+
+ private:
+  T* g_;
+  std::int64_t n_;
+  std::vector<Acc> buf_;
+};
+
+// Elementwise kernels run over chunks: the body sees a plain [begin, end) loop on local restrict
+// pointers, which the compiler vectorises (a per-element functor reads its captured pointers
+// through the closure and is not vectorised).
+inline constexpr std::int64_t kChunk = 4096;
+template <class Body>
+void for_chunks(const char* label, std::int64_t n, Body body) {
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+  Kokkos::parallel_for(label, Range64(0, chunks), [=](std::int64_t c) {
+    const std::int64_t begin = c * kChunk;
+    body(begin, begin + kChunk < n ? begin + kChunk : n);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Math helpers: shared with the CUDA kernels (core/backend/kernel_math.hpp).
+
+using math::exp_fast;
+using math::exp_k;
+using math::tanh_k;
+
+// ---------------------------------------------------------------------------------------------
+// Matrix products: row-major C[M,N] = alpha * op(A) op(B) + beta * C. float through core/backend/gemm
+// (oneDNN or OpenBLAS, run.gemm), double through cblas_dgemm.
+
+inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
+                 const float* B, int ldb, float beta, float* C, int ldc) {
+  loom::gemm::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+inline void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const double* A, int lda,
+                 const double* B, int ldb, double beta, double* C, int ldc) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K,
+              alpha, A, lda, B, ldb, beta, C, ldc);
+}
+// bf16/fp16 storage, float accumulation, the result rounded back into C once. bf16: A and B as they
+// are (loom::gemm::gemm_bf16), C through a float copy. fp16: op(A) and op(B) converted to float, one
+// sgemm. Correct; only the bf16 operands avoid the copies.
+template <class T, std::enable_if_t<is_16bit_v<T>, int> = 0>
+void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int lda, const T* B, int ldb,
+          float beta, T* C, int ldc) {
+  const auto to_dense = [](const T* X, int rows, int cols, int ld) {
+    std::vector<float> d(static_cast<std::size_t>(rows) * cols);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c)
+        d[static_cast<std::size_t>(r) * cols + c] = to_float(X[static_cast<std::int64_t>(r) * ld + c]);
+    return d;
+  };
+  std::vector<float> c = beta != 0.0f ? to_dense(C, M, N, ldc) : std::vector<float>(static_cast<std::size_t>(M) * N);
+  if constexpr (std::is_same_v<T, bf16>) {
+    loom::gemm::gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, c.data(), std::max(1, N));
+  } else {
+    const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    const std::vector<float> a = to_dense(A, ar, ac, lda), b = to_dense(B, br, bc, ldb);
+    gemm(ta, tb, M, N, K, alpha, a.data(), std::max(1, ac), b.data(), std::max(1, bc), beta, c.data(), std::max(1, N));
+  }
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < N; ++j)
+      C[static_cast<std::int64_t>(r) * ldc + j] = from_acc<T>(c[static_cast<std::size_t>(r) * N + j]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token + position embedding.
+
+// With tensor parallelism the token table is split by vocabulary: this rank holds rows
+// [vocab_begin, vocab_end) and contributes zeros for other tokens (the tp all-reduce completes the
+// sum); the position embedding is added by one rank only (add_pos).
+template <class T, class Acc = acc_type_t<T>>
+void encoder_forward(T* out,                                        // [B,T,C]
+                     const std::int32_t* inp,                       // [B,T]
+                     const T* wte, const T* wpe,                    // [V or V/tp, C], [T,C]
+                     int B, int Tn, int C,
+                     int vocab_begin = 0, int vocab_end = 1 << 30, bool add_pos = true) {
+  Kokkos::parallel_for("Encoder::forward", Range(0, B * Tn), [=](int bt) {
+    const int t = bt % Tn, tok = inp[bt];
+    const bool mine = tok >= vocab_begin && tok < vocab_end;
+    const T* te = wte + static_cast<std::int64_t>(mine ? tok - vocab_begin : 0) * C;
+    const T* pe = wpe + static_cast<std::int64_t>(t) * C;
+    T* o = out + static_cast<std::int64_t>(bt) * C;
+    for (int c = 0; c < C; ++c)
+      o[c] = from_acc<T>((mine ? to_acc<Acc>(te[c]) : Acc(0)) + (add_pos ? to_acc<Acc>(pe[c]) : Acc(0)));
+  });
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void encoder_backward(T* dwte, T* dwpe,                             // [V or V/tp, C] (+=), [T,C] (+=)
+                      const T* dout,                                // [B,T,C]
+                      const std::int32_t* inp,                      // [B,T]
+                      int B, int Tn, int C,
+                      int vocab_begin = 0, int vocab_end = 1 << 30) {
+  if constexpr (std::is_same_v<T, Acc>) {
+    // Serial over rows: two rows may hit the same token, so rows must not race.
+    Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+      for (int bt = 0; bt < B * Tn; ++bt) {
+        const T* d = dout + static_cast<std::int64_t>(bt) * C;
+        const int tok = inp[bt];
+        T* pe = dwpe + static_cast<std::int64_t>(bt % Tn) * C;
+        for (int c = 0; c < C; ++c) pe[c] += d[c];
+        if (tok < vocab_begin || tok >= vocab_end) continue;
+        T* te = dwte + static_cast<std::int64_t>(tok - vocab_begin) * C;
+        for (int c = 0; c < C; ++c) te[c] += d[c];
+      }
+    });
+  } else {
+    // 16-bit storage: each gradient row's sum is accumulated in Acc and rounded once. A row of dwpe
+    // (dwte) gets the rows of dout at its position (of its token) in row order, as above.
+    Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+      std::vector<Acc> acc(static_cast<std::size_t>(C));
+      const auto add_rows = [&](T* g, const int* rows, std::size_t count) {
+        for (int c = 0; c < C; ++c) acc[c] = to_acc<Acc>(g[c]);
+        for (std::size_t i = 0; i < count; ++i) {
+          const T* d = dout + static_cast<std::int64_t>(rows[i]) * C;
+          for (int c = 0; c < C; ++c) acc[c] += to_acc<Acc>(d[c]);
+        }
+        for (int c = 0; c < C; ++c) g[c] = from_acc<T>(acc[c]);
+      };
+      std::vector<int> rows(static_cast<std::size_t>(B));
+      for (int t = 0; t < Tn; ++t) {
+        for (int b = 0; b < B; ++b) rows[b] = b * Tn + t;
+        add_rows(dwpe + static_cast<std::int64_t>(t) * C, rows.data(), rows.size());
+      }
+      std::vector<int> order(static_cast<std::size_t>(B) * Tn);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return inp[x] < inp[y]; });
+      for (std::size_t i = 0; i < order.size();) {
+        const int tok = inp[order[i]];
+        std::size_t j = i;
+        while (j < order.size() && inp[order[j]] == tok) ++j;
+        if (tok >= vocab_begin && tok < vocab_end)
+          add_rows(dwte + static_cast<std::int64_t>(tok - vocab_begin) * C, order.data() + i, j - i);
+        i = j;
+      }
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm over the last dimension, eps 1e-5 (as GPT-2 and torch.nn.LayerNorm).
+
+template <class T, class Acc = acc_type_t<T>>
+void layernorm_forward(T* out, Acc* mean, Acc* rstd,                // [N,C], [N], [N]
+                       const T* inp, const T* weight, const T* bias,  // [N,C], [C], [C]
+                       int N, int C) {
+  static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
+  Kokkos::parallel_for("LayerNorm::forward", Range(0, N), [=](int n) {
+    const T* x = inp + static_cast<std::int64_t>(n) * C;
+    Acc m = 0;
+    for (int c = 0; c < C; ++c) m += to_acc<Acc>(x[c]);
+    m /= C;
+    Acc v = 0;
+    for (int c = 0; c < C; ++c) {
+      const Acc xc = to_acc<Acc>(x[c]);
+      v += (xc - m) * (xc - m);
+    }
+    v /= C;
+    const Acc s = math::layernorm_rstd(v);
+    T* o = out + static_cast<std::int64_t>(n) * C;
+    for (int c = 0; c < C; ++c)
+      o[c] = from_acc<T>(math::layernorm_out(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), to_acc<Acc>(bias[c])));
+    mean[n] = m;
+    rstd[n] = s;
+  });
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=), [C] (+=), [C] (+=)
+                        const T* dout, const T* inp, const T* weight,  // [N,C], [N,C], [C]
+                        const Acc* mean, const Acc* rstd,           // [N], [N]
+                        int N, int C) {
+  static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
+  // dweight/dbias sum over rows: serial in rows so they do not race; vectorised along C.
+  Kokkos::parallel_for("LayerNorm::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+    GradSum<T, Acc> dw_sum(dweight, C), db_sum(dbias, C);
+    Acc* dw = dw_sum.data();
+    Acc* db = db_sum.data();
+    for (int n = 0; n < N; ++n) {
+      const T* d = dout + static_cast<std::int64_t>(n) * C;
+      const T* x = inp + static_cast<std::int64_t>(n) * C;
+      T* dx = dinp + static_cast<std::int64_t>(n) * C;
+      const Acc m = mean[n], s = rstd[n];
+      Acc dnorm_mean = 0, dnorm_norm_mean = 0;
+      for (int c = 0; c < C; ++c) {
+        const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
+        const Acc dnorm = to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]);
+        dnorm_mean += dnorm;
+        dnorm_norm_mean += dnorm * xhat;
+      }
+      dnorm_mean /= C;
+      dnorm_norm_mean /= C;
+      for (int c = 0; c < C; ++c) {
+        const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
+        const Acc dc = to_acc<Acc>(d[c]);
+        db[c] += dc;
+        dw[c] += xhat * dc;
+        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + math::layernorm_dinp(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), dc,
+                                                                   dnorm_mean, dnorm_norm_mean));
+      }
+    }
+    dw_sum.store();
+    db_sum.store();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layer y = x W^T + b, weights [OC, C] as torch.nn.Linear. bias may be null.
+
+// out[n, :] += bias: the bias of a row-parallel layer is added once, after the tp reduction.
+template <class T, class Acc = acc_type_t<T>>
+void bias_add(T* out, const T* bias, int N, int OC) {  // [N,OC], [OC]
+  Kokkos::parallel_for("Matmul::bias", Range(0, N), [=](int n) {
+    T* o = out + static_cast<std::int64_t>(n) * OC;
+    for (int j = 0; j < OC; ++j) o[j] = from_acc<T>(to_acc<Acc>(o[j]) + to_acc<Acc>(bias[j]));
+  });
+}
+
+// dbias += sum over rows of dout: the backward of bias_add.
+template <class T, class Acc = acc_type_t<T>>
+void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,OC]
+  Kokkos::parallel_for("Matmul::backward_bias", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
+    GradSum<T, Acc> sum(dbias, OC);
+    Acc* db = sum.data();
+    for (int n = 0; n < N; ++n) {
+      const T* d = dout + static_cast<std::int64_t>(n) * OC;
+      for (int j = 0; j < OC; ++j) db[j] += to_acc<Acc>(d[j]);
+    }
+    sum.store();
+  });
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void matmul_forward(T* out,                                          // [N,OC]
+                    const T* inp, const T* weight, const T* bias,    // [N,C], [OC,C], [OC] or null
+                    int N, int C, int OC) {
+  gemm(false, true, N, OC, C, Acc(1), inp, C, weight, C, Acc(0), out, OC);
+  if (bias) bias_add<T, Acc>(out, bias, N, OC);
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void matmul_backward(T* dinp, T* dweight, T* dbias,                  // [N,C] (=), [OC,C] (+=), [OC] (+=) or null
+                     const T* dout, const T* inp, const T* weight,   // [N,OC], [N,C], [OC,C]
+                     int N, int C, int OC) {
+  gemm(false, false, N, C, OC, Acc(1), dout, OC, weight, C, Acc(0), dinp, C);   // dinp = dout W
+  gemm(true, false, OC, C, N, Acc(1), dout, OC, inp, C, Acc(1), dweight, C);    // dW += dout^T x
+  if (dbias) bias_backward<T, Acc>(dbias, dout, N, OC);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal multi-head self-attention on a fused qkv activation. Per (b, h) the products are
+// strided BLAS calls straight into qkv (leading dimension 3C), so q, k, v are never copied.
+
+template <class T, class Acc = acc_type_t<T>>
+void attention_forward(T* out, T* att,                               // [B,T,C], [B,NH,T,T] (softmax probs)
+                       const T* qkv,                                 // [B,T,3C]
+                       int B, int Tn, int C, int NH) {
+  const int hs = C / NH, C3 = 3 * C;
+  const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < NH; ++h) {
+      const T* q = qkv + static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
+      const T* k = q + C;
+      const T* v = q + 2 * C;
+      T* a = att + (static_cast<std::int64_t>(b) * NH + h) * Tn * Tn;
+      gemm(false, true, Tn, Tn, hs, scale, q, C3, k, C3, Acc(0), a, Tn);  // scores = q k^T / sqrt(hs)
+      Kokkos::parallel_for("Attention::softmax_forward", Range(0, Tn), [=](int t) {
+        T* row = a + static_cast<std::int64_t>(t) * Tn;
+        if constexpr (std::is_same_v<T, Acc>) {
+          // The plain loops, written as before the types were split: this form of the max is what
+          // the compiler vectorises (the split form costs the forward ~5% on the bench model).
+          T mx = row[0];
+          for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
+          T sum = 0;
+          for (int j = 0; j <= t; ++j) {
+            row[j] = exp_k(row[j] - mx);
+            sum += row[j];
+          }
+          const T inv = T(1) / sum;
+          for (int j = 0; j <= t; ++j) row[j] *= inv;
+        } else {  // the scores are kept until the sum is known, so each probability is rounded once
+          Acc mx = to_acc<Acc>(row[0]);
+          for (int j = 1; j <= t; ++j) {
+            const Acc r = to_acc<Acc>(row[j]);
+            mx = r > mx ? r : mx;
+          }
+          Acc sum = 0;
+          for (int j = 0; j <= t; ++j) sum += exp_k(to_acc<Acc>(row[j]) - mx);
+          const Acc inv = Acc(1) / sum;
+          for (int j = 0; j <= t; ++j) row[j] = from_acc<T>(exp_k(to_acc<Acc>(row[j]) - mx) * inv);
+        }
+        for (int j = t + 1; j < Tn; ++j) row[j] = from_acc<T>(Acc(0));  // causal mask
+      });
+      gemm(false, false, Tn, hs, Tn, Acc(1), a, Tn, v, C3, Acc(0),
+           out + static_cast<std::int64_t>(b) * Tn * C + h * hs, C);    // out_h = att v
+    }
+  }
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void attention_backward(T* dqkv, T* datt,                            // [B,T,3C] (=), [T,T] scratch
+                        const T* dout,                               // [B,T,C]
+                        const T* qkv, const T* att,                  // [B,T,3C], [B,NH,T,T]
+                        int B, int Tn, int C, int NH) {
+  const int hs = C / NH, C3 = 3 * C;
+  const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < NH; ++h) {
+      const std::int64_t base = static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
+      const T* q = qkv + base;
+      const T* k = q + C;
+      const T* v = q + 2 * C;
+      T* dq = dqkv + base;
+      T* dk = dq + C;
+      T* dv = dq + 2 * C;
+      const T* a = att + (static_cast<std::int64_t>(b) * NH + h) * Tn * Tn;
+      const T* d = dout + static_cast<std::int64_t>(b) * Tn * C + h * hs;
+      gemm(true, false, Tn, hs, Tn, Acc(1), a, Tn, d, C, Acc(0), dv, C3);   // dv = att^T dout
+      gemm(false, true, Tn, Tn, hs, Acc(1), d, C, v, C3, Acc(0), datt, Tn);  // datt = dout v^T
+      // softmax backward in place: dscores = att * (datt - sum_j att*datt), masked entries 0
+      Kokkos::parallel_for("Attention::softmax_backward", Range(0, Tn), [=](int t) {
+        T* dr = datt + static_cast<std::int64_t>(t) * Tn;
+        const T* ar = a + static_cast<std::int64_t>(t) * Tn;
+        Acc dot = 0;
+        for (int j = 0; j <= t; ++j) dot += to_acc<Acc>(ar[j]) * to_acc<Acc>(dr[j]);
+        for (int j = 0; j <= t; ++j) dr[j] = from_acc<T>(math::softmax_backward(to_acc<Acc>(ar[j]), to_acc<Acc>(dr[j]), dot));
+        for (int j = t + 1; j < Tn; ++j) dr[j] = from_acc<T>(Acc(0));
+      });
+      gemm(false, false, Tn, hs, Tn, scale, datt, Tn, k, C3, Acc(0), dq, C3);  // dq = ds k / sqrt(hs)
+      gemm(true, false, Tn, hs, Tn, scale, datt, Tn, q, C3, Acc(0), dk, C3);   // dk = ds^T q / sqrt(hs)
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU, tanh approximation (GPT-2).
+
+template <class T, class Acc = acc_type_t<T>>
+void gelu_forward(T* out, const T* inp, std::int64_t n) {  // [n], [n]
+  for_chunks("GELU::forward", n, [=](std::int64_t begin, std::int64_t end) {
+    T* __restrict o = out;
+    const T* __restrict in = inp;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(math::gelu_forward(to_acc<Acc>(in[i])));
+  });
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [n] (=), [n], [n]
+  for_chunks("GELU::backward", n, [=](std::int64_t begin, std::int64_t end) {
+    T* __restrict di = dinp;
+    const T* __restrict in = inp;
+    const T* __restrict d = dout;
+    for (std::int64_t i = begin; i < end; ++i)
+      di[i] = from_acc<T>(math::gelu_backward(to_acc<Acc>(in[i]), to_acc<Acc>(d[i])));
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Residual add.
+
+template <class T, class Acc = acc_type_t<T>>
+void residual_forward(T* out, const T* a, const T* b, std::int64_t n) {  // [n], [n], [n]; out may be a (x += y)
+  for_chunks("Residual::forward", n, [=](std::int64_t begin, std::int64_t end) {
+    T* o = out;
+    const T* x = a;
+    const T* __restrict y = b;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(to_acc<Acc>(x[i]) + to_acc<Acc>(y[i]));
+  });
+}
+// The residual's backward is the identity on both branches: callers copy the incoming gradient.
+
+// ---------------------------------------------------------------------------------------------
+// Softmax + cross-entropy, fused. losses[n] = -log softmax(logits[n])[target[n]], kept in Acc.
+
+template <class T, class Acc = acc_type_t<T>>
+void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,V]; probs may alias logits
+                          const T* logits, const std::int32_t* targets,  // [N,V], [N]
+                          int N, int V) {
+  static_assert(std::is_floating_point_v<Acc>, "losses are float or double");
+  Kokkos::parallel_for("CrossEntropy::forward", Range(0, N), [=](int n) {
+    const T* l = logits + static_cast<std::int64_t>(n) * V;
+    T* p = probs + static_cast<std::int64_t>(n) * V;
+    const Acc target_logit = to_acc<Acc>(l[targets[n]]);  // before p overwrites l (the model's in-place head)
+    if constexpr (std::is_same_v<T, Acc>) {
+      // The plain loops, as before the types were split (the form the compiler vectorises best).
+      T mx = l[0];
+      for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+      T sum = 0;
+      for (int v = 0; v < V; ++v) {
+        p[v] = exp_k(l[v] - mx);
+        sum += p[v];
+      }
+      const T inv = T(1) / sum;
+      for (int v = 0; v < V; ++v) p[v] *= inv;
+      // log-sum-exp form: exact even when the target's probability underflows
+      losses[n] = std::log(sum) + mx - target_logit;
+    } else {  // the sum of the unrounded exponentials; each probability rounded once
+      Acc mx = to_acc<Acc>(l[0]);
+      for (int v = 1; v < V; ++v) {
+        const Acc lv = to_acc<Acc>(l[v]);
+        mx = lv > mx ? lv : mx;
+      }
+      Acc sum = 0;
+      for (int v = 0; v < V; ++v) sum += exp_k(to_acc<Acc>(l[v]) - mx);
+      const Acc inv = Acc(1) / sum;
+      for (int v = 0; v < V; ++v) p[v] = from_acc<T>(exp_k(to_acc<Acc>(l[v]) - mx) * inv);
+      losses[n] = std::log(sum) + mx - target_logit;
+    }
+  });
+}
+
+// targets[n] - vocab_begin is the target's column here (none when it lies outside [0, V): the
+// vocabulary-parallel cross-entropy, where a rank holds vocabulary entries [vocab_begin, +V)).
+template <class T, class Acc = acc_type_t<T>>
+void crossentropy_backward(T* dlogits,                               // [N,V] (=); may alias probs
+                           const T* probs, const std::int32_t* targets,  // [N,V], [N]
+                           nd<Acc> dloss,                            // d(total loss)/d(loss of one row)
+                           int N, int V, int vocab_begin = 0) {
+  Kokkos::parallel_for("CrossEntropy::backward", Range(0, N), [=](int n) {
+    const T* p = probs + static_cast<std::int64_t>(n) * V;
+    T* d = dlogits + static_cast<std::int64_t>(n) * V;
+    const int tgt = targets[n] - vocab_begin;
+    for (int v = 0; v < V; ++v) d[v] = from_acc<T>(math::crossentropy_dlogit(to_acc<Acc>(p[v]), v == tgt, Acc(dloss)));
+  });
+}
+
+// Vocabulary-parallel cross-entropy (Backend::crossentropy_row_max / _partial / _finish): the three
+// passes around the tensor-parallel group's reductions of the row maxima, the sums of exponentials
+// and the target logits; the [N, V] logits never travel.
+inline void crossentropy_row_max(float* row_max,      // [N]
+                                 const float* logits,  // [N,V]
+                                 int N, int V) {
+  Kokkos::parallel_for("CrossEntropy::row_max", Range(0, N), [=](int n) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float mx = l[0];
+    for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+    row_max[n] = mx;
+  });
+}
+inline void crossentropy_partial(float* probs, double* sum_exp, double* target_logit,  // [N,V], [N], [N]
+                                 const float* logits, const float* row_max,           // [N,V], [N]
+                                 const std::int32_t* targets, int N, int V, int vocab_begin) {
+  Kokkos::parallel_for("CrossEntropy::partial", Range(0, N), [=](int n) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    const int t = targets[n] - vocab_begin;
+    target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;  // before p overwrites l (the model's in-place head)
+    double s = 0;
+    for (int v = 0; v < V; ++v) {
+      p[v] = exp_k(l[v] - row_max[n]);
+      s += p[v];
+    }
+    sum_exp[n] = s;
+  });
+}
+inline void crossentropy_finish(float* losses, float* probs,                          // [N], [N,V]
+                                const double* sum_exp, const float* row_max,          // [N], [N]
+                                const double* target_logit, int N, int V) {           // [N]
+  Kokkos::parallel_for("CrossEntropy::finish", Range(0, N), [=](int n) {
+    const float inv = static_cast<float>(1.0 / sum_exp[n]);
+    float* p = probs + static_cast<std::int64_t>(n) * V;
+    for (int v = 0; v < V; ++v) p[v] *= inv;
+    losses[n] = static_cast<float>(std::log(sum_exp[n]) + row_max[n] - target_logit[n]);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW (torch.optim.AdamW semantics): decoupled weight decay, bias-corrected moments. The moments
+// and the arithmetic are in Acc (float or double); the parameters P (fp32 master weights, or the
+// storage type itself) and the gradients G may each be another type.
+
+template <class P, class Acc, class G>
+void adamw_update(P* params, Acc* m, Acc* v,                          // [n] each, updated
+                  const G* grads, std::int64_t n,                     // [n]
+                  nd<Acc> lr, nd<Acc> beta1, nd<Acc> beta2, nd<Acc> eps, nd<Acc> weight_decay,
+                  std::int64_t t /* 1-based */) {
+  static_assert(std::is_floating_point_v<Acc>, "AdamW moments are float or double");
+  const math::AdamWStep<Acc> step{lr, beta1, beta2, eps, weight_decay,
+                                  Acc(1) - std::pow(beta1, static_cast<Acc>(t)),
+                                  Acc(1) - std::pow(beta2, static_cast<Acc>(t))};
+  for_chunks("AdamW::update", n, [=](std::int64_t begin, std::int64_t end) {
+    P* __restrict p = params;
+    Acc* __restrict mm = m;
+    Acc* __restrict vv = v;
+    const G* __restrict gg = grads;
+    for (std::int64_t i = begin; i < end; ++i)
+      p[i] = from_acc<P>(math::adamw(to_acc<Acc>(p[i]), mm[i], vv[i], to_acc<Acc>(gg[i]), step));
+  });
+}
+
+// y += a x (PowerSGD's residual, plugins/compression): a product rounded, then a sum.
+inline void axpy(float* y, float a, const float* x, std::int64_t n) {  // [n], [n]
+  for_chunks("Axpy", n, [=](std::int64_t begin, std::int64_t end) {
+    float* __restrict yy = y;
+    const float* __restrict xx = x;
+    for (std::int64_t i = begin; i < end; ++i) yy[i] += a * xx[i];
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// int8 gradient compression (Backend::int8_*; plugins/compression): x is cut into chunks of `chunk`
+// elements (the last one shorter), each chunk quantised with its own step (math::int8_step), the
+// chunk maxima being the largest over the ranks. One pass per chunk.
+
+// absmax[c] = max |x| over chunk c (NaN ignored), c < chunks; absmax[chunks] = 1 if x holds a NaN
+// or an inf, else 0 (an all-reduce max of the chunks + 1 values tells every rank).
+inline void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) {  // [chunks + 1], [n]
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  int bad = 0;
+  Kokkos::parallel_reduce("Int8::absmax", Range64(0, chunks), [=](std::int64_t c, int& any) {
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    float m = 0.0f;
+    int nonfinite = 0;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float a = math::int8_magnitude(x[i]);
+      m = a > m ? a : m;
+      nonfinite |= !math::finite_k(x[i]);
+    }
+    absmax[c] = m;
+    any = nonfinite > any ? nonfinite : any;
+  }, Kokkos::Max<int>(bad));
+  absmax[chunks] = bad > 0 ? 1.0f : 0.0f;  // (no chunks: the reducer's identity, INT_MIN)
+}
+// q = the levels of x (math::int8_level); error (may be null) = x - q step, what error feedback keeps.
+inline void int8_quantize(std::int8_t* q, float* error, const float* x,  // [n], [n], [n]
+                          std::int64_t n, std::int64_t chunk, const float* absmax, int levels) {
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  Kokkos::parallel_for("Int8::quantize", Range64(0, chunks), [=](std::int64_t c) {
+    const float step = math::int8_step(absmax[c], levels);
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float v = math::int8_level(x[i], step, levels);
+      q[i] = static_cast<std::int8_t>(v);
+      if (error) error[i] = x[i] - v * step;
+    }
+  });
+}
+// x = q step; NaN everywhere when absmax[chunks] (the all-reduced flag) says a rank held a NaN or inf.
+inline void int8_dequantize(float* x, const std::int8_t* q,  // [n], [n]
+                            std::int64_t n, std::int64_t chunk, const float* absmax, int levels) {
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  const bool poisoned = absmax[chunks] > 0.0f;
+  Kokkos::parallel_for("Int8::dequantize", Range64(0, chunks), [=](std::int64_t c) {
+    const float step = math::int8_step(absmax[c], levels);
+    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+    for (std::int64_t i = begin; i < end; ++i)
+      x[i] = poisoned ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(q[i]) * step;
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Top-k gradient compression (Backend::topk_*; plugins/compression). core/cuda/topk.cuh is the
+// device's selection, which gives the same set in the same order.
+
+// index[k], value[k]: the k elements of x with the largest |x| (ties to the lower index), in
+// ascending index order. Where x holds a NaN or an inf (which have no order): index[j] = j and
+// value[j] = NaN, so that every rank's sum is non-finite. 0 <= k <= n.
+inline void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) {
+  if (k <= 0) return;
+  bool finite = true;
+  for (std::int64_t i = 0; i < n && finite; ++i) finite = math::finite_k(x[i]);
+  if (!finite) {
+    for (std::int64_t j = 0; j < k; ++j) {
+      index[j] = static_cast<std::int32_t>(j);
+      value[j] = std::numeric_limits<float>::quiet_NaN();
+    }
+    return;
+  }
+  // The k-th largest magnitude t, by radix selection: non-negative floats order as their bit
+  // patterns, so one pass counts the magnitudes per top 11 bits (2048 buckets), the bucket holding
+  // the k-th largest is found from the top, and only its members are selected among (a few times
+  // faster than a comparison selection, whose branches a CPU cannot predict). Then one pass in index
+  // order takes every element above t and, of those equal to t, the first ones until k: the same set
+  // as ordering by (magnitude descending, index ascending), in ascending index order. Magnitudes
+  // are compared as bits throughout, as the device does (a float comparison would differ where
+  // denormals are flushed to zero).
+  const auto bits = [](float v) { return math::float_bits(v) & 0x7fffffffu; };  // |v|
+  constexpr int kShift = 20;
+  std::vector<std::int64_t> count(std::size_t(1) << (31 - kShift), 0);
+  for (std::int64_t i = 0; i < n; ++i) ++count[bits(x[i]) >> kShift];
+  std::size_t bucket = count.size();
+  std::int64_t above = 0;  // elements in buckets above the k-th largest's
+  while (bucket-- > 0 && above + count[bucket] < k) above += count[bucket];
+  std::vector<std::uint32_t> members;
+  members.reserve(static_cast<std::size_t>(count[bucket]));
+  for (std::int64_t i = 0; i < n; ++i)
+    if ((bits(x[i]) >> kShift) == bucket) members.push_back(bits(x[i]));
+  const std::int64_t r = k - above;  // the k-th largest is the r-th largest member
+  std::nth_element(members.begin(), members.begin() + (r - 1), members.end(), std::greater<std::uint32_t>());
+  const std::uint32_t t = members[static_cast<std::size_t>(r - 1)];
+  std::int64_t ties = r;  // members equal to t that are taken, the lowest indices first
+  for (std::int64_t i = 0; i < r - 1; ++i) ties -= members[static_cast<std::size_t>(i)] > t;
+  for (std::int64_t i = 0, j = 0; i < n && j < k; ++i) {
+    const std::uint32_t a = bits(x[i]);
+    if (a > t || (a == t && ties-- > 0)) {
+      index[j] = static_cast<std::int32_t>(i);
+      value[j++] = x[i];
+    }
+  }
+}
+// x[index[j]] += value[j], j < k; the k indices are distinct (one rank's selection).
+inline void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) {  // [n], [k], [k]
+  Kokkos::parallel_for("TopK::scatter_add", Range64(0, k), [=](std::int64_t j) { x[index[j]] += value[j]; });
+}
+// x[index[j]] = 0, j < k: what error feedback keeps is everything but the sent elements.
+inline void topk_clear(float* x, const std::int32_t* index, std::int64_t k) {  // [n], [k]
+  Kokkos::parallel_for("TopK::clear", Range64(0, k), [=](std::int64_t j) { x[index[j]] = 0.0f; });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions and fills used by the engine.
+
+// Sum of f(x[i]) over [0, n): partial sums per chunk in `Partial`, accumulated in double.
+template <class Partial, class T, class F>
+double reduce_chunks(const char* label, const T* x, std::int64_t n, F f) {
+  double s = 0;
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+  Kokkos::parallel_reduce(label, Range64(0, chunks), [=](std::int64_t c, double& acc) {
+    const T* __restrict in = x;
+    const std::int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
+    Partial part = 0;
+    for (std::int64_t i = begin; i < end; ++i) part += f(in[i]);
+    acc += static_cast<double>(part);
+  }, s);
+  return s;
+}
+
+// Partial sums per chunk in Acc (float for float, bf16 and fp16), chunks added in double.
+template <class T, class Acc = acc_type_t<T>>
+double sum_squares(const T* x, std::int64_t n) {
+  return reduce_chunks<Acc>("Reduce::sum_squares", x, n, [](T v) {
+    const Acc a = to_acc<Acc>(v);
+    return a * a;
+  });
+}
+
+template <class T>
+double sum(const T* x, std::int64_t n) {
+  return reduce_chunks<double>("Reduce::sum", x, n, [](T v) { return to_acc<double>(v); });
+}
+
+// Whether every element is finite (no NaN, no inf).
+template <class T>
+bool all_finite(const T* x, std::int64_t n) {
+  return reduce_chunks<double>("Reduce::all_finite", x, n, [](T v) {
+    return std::isfinite(to_acc<acc_type_t<T>>(v)) ? 0.0 : 1.0;
+  }) == 0.0;
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void scale(T* x, nd<Acc> a, std::int64_t n) {
+  for_chunks("Scale", n, [=](std::int64_t begin, std::int64_t end) {
+    T* __restrict o = x;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(to_acc<Acc>(o[i]) * a);
+  });
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void fill(T* x, nd<Acc> value, std::int64_t n) {
+  const T stored = from_acc<T>(value);
+  for_chunks("Fill", n, [=](std::int64_t begin, std::int64_t end) {
+    T* __restrict o = x;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = stored;
+  });
+}
+
+// dst[i] = src[i] converted between float, double, bf16 and fp16, rounded to nearest even (double
+// to bf16/fp16 directly, not through a rounded float). dst and src must not overlap.
+template <class D, class S>
+inline D convert(S x) {
+  if constexpr (std::is_same_v<D, S>) return x;
+  else if constexpr (std::is_same_v<S, double>) return from_acc<D>(x);
+  else return from_acc<D>(to_acc<float>(x));
+}
+template <class D, class S>
+void cast(D* dst, const S* src, std::int64_t n) {
+  for_chunks("Cast", n, [=](std::int64_t begin, std::int64_t end) {
+    D* __restrict o = dst;
+    const S* __restrict in = src;
+    std::int64_t i = begin;
+#if defined(__F16C__)
+    // fp32 <-> fp16 with the CPU's conversion, 8 at a time: round to nearest even, inf on overflow,
+    // NaN kept, the same values as to_f16 / to_float (test_backend checks them bit for bit).
+    if constexpr (std::is_same_v<D, f16> && std::is_same_v<S, float>) {
+      for (; i + 8 <= end; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+    } else if constexpr (std::is_same_v<D, float> && std::is_same_v<S, f16>) {
+      for (; i + 8 <= end; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    }
+#endif
+    for (; i < end; ++i) o[i] = convert<D>(in[i]);
+  });
+}
+
+template <class T>
+void copy(T* dst, const T* src, std::int64_t n) {
+  for_chunks("Copy", n, [=](std::int64_t begin, std::int64_t end) {
+    T* __restrict o = dst;
+    const T* __restrict in = src;
+    for (std::int64_t i = begin; i < end; ++i) o[i] = in[i];
+  });
+}
+
+}  // namespace loom::kernels

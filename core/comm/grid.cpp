@@ -1,0 +1,184 @@
+#include "core/comm/grid.hpp"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+#include "core/base/error.hpp"
+
+namespace loom {
+std::string divisors(long n) {
+  std::ostringstream s;
+  bool first = true;
+  for (long d = 1; d <= n; ++d)
+    if (n % d == 0) {
+      s << (first ? "" : ", ") << d;
+      first = false;
+    }
+  return s.str();
+}
+
+namespace {
+
+std::string s(long v) { return std::to_string(v); }
+
+}  // namespace
+
+void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int micro) {
+  if (l.ranks() != world) {
+    std::ostringstream msg;
+    msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = "
+        << l.ranks() << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s")
+        << "; either launch with mpirun -n " << l.ranks() << ", or choose a layout whose product is " << world;
+    // Suggest the dp that fills the job with the deck's tp and pp, when the batch splits over it.
+    const int tp_pp = l.tp * l.pp;
+    if (world % tp_pp == 0) {
+      const int dp_fit = world / tp_pp;
+      if (batch % (dp_fit * micro) == 0) msg << " (e.g. parallel.dp = " << dp_fit << ")";
+    }
+    throw InputError(msg.str());
+  }
+  // tp splits heads, channels and the vocabulary: it must divide all three.
+  const long tp_ok = std::gcd(std::gcd(m.heads, m.d_model), m.vocab);
+  if (m.heads % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.heads = " + s(m.heads) +
+                     "; tp sizes that work: " + divisors(tp_ok));
+  if (m.d_model % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.d_model = " + s(m.d_model) +
+                     "; tp sizes that work: " + divisors(tp_ok));
+  if (m.vocab % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.vocab = " + s(m.vocab) +
+                     " (the token embedding is split by vocabulary); tp sizes that work: " + divisors(tp_ok));
+  if (l.pp > m.layers)
+    throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
+                     "; pp sizes that work: 1 .. " + s(m.layers));
+  if (batch % (l.dp * micro) != 0) {
+    std::ostringstream msg;
+    msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp << " ranks x train.micro_batches = "
+        << micro << " micro-batches (" << l.dp * micro << " must divide it)";
+    if (batch % l.dp == 0) msg << "; micro_batches that work with this dp: " << divisors(batch / l.dp);
+    // A dp works when each rank's share of the batch still splits into the micro-batches.
+    if (batch % micro == 0)
+      msg << "; dp sizes that work with train.micro_batches = " << micro << ": " << divisors(batch / micro);
+    else if (batch % l.dp == 0)
+      msg << "; no dp works with train.micro_batches = " << micro << " (it does not divide train.batch)";
+    else
+      msg << "; no dp works with train.micro_batches = " << micro
+          << " (it does not divide train.batch); micro_batches that do: " << divisors(batch);
+    throw InputError(msg.str());
+  }
+}
+
+namespace {
+
+class PlannedCommunicator final : public Communicator {
+ public:
+  PlannedCommunicator(std::string name, int rank, int size) : name_(std::move(name)), rank_(rank), size_(size) {}
+  const std::string& name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void progress() override {}
+  void barrier() override { no(); }
+
+ protected:
+  CommRequestPtr start_all_reduce(BufferRef, ReduceOp) override { return no(); }
+  CommRequestPtr start_reduce_scatter(BufferRef, BufferRef, const std::vector<std::int64_t>&, ReduceOp) override {
+    return no();
+  }
+  CommRequestPtr start_all_gather(BufferRef, BufferRef, const std::vector<std::int64_t>&) override { return no(); }
+  CommRequestPtr start_broadcast(BufferRef, int) override { return no(); }
+  CommRequestPtr start_send(BufferRef, int, int) override { return no(); }
+  CommRequestPtr start_recv(BufferRef, int, int) override { return no(); }
+
+ private:
+  [[noreturn]] CommRequestPtr no() const {
+    throw std::logic_error("loom plan's " + name_ + " communicator was asked to communicate: building a rank's roles "
+                           "must not");
+  }
+  std::string name_;
+  int rank_, size_;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGrid> ProcessGrid::planned(const Layout& layout, int rank, int per_node) {
+  std::unique_ptr<ProcessGrid> g(new ProcessGrid());
+  g->layout_ = layout;
+  g->rank_ = rank;
+  g->tp_i_ = rank % layout.tp;
+  g->dp_i_ = (rank / layout.tp) % layout.dp;
+  g->pp_i_ = rank / (layout.tp * layout.dp);
+  g->world_ = std::make_unique<PlannedCommunicator>("world", rank, layout.ranks());
+  g->tp_ = std::make_unique<PlannedCommunicator>("tp", g->tp_i_, layout.tp);
+  g->dp_ = std::make_unique<PlannedCommunicator>("dp", g->dp_i_, layout.dp);
+  g->pp_ = std::make_unique<PlannedCommunicator>("pp", g->pp_i_, layout.pp);
+  g->node_ = rank / std::max(per_node, 1);
+  g->nodes_ = (layout.ranks() + std::max(per_node, 1) - 1) / std::max(per_node, 1);
+  g->description_ = "planned grid: rank " + std::to_string(rank) + " of dp " + std::to_string(layout.dp) + " x tp " +
+                    std::to_string(layout.tp) + " x pp " + std::to_string(layout.pp) + "\n";
+  return g;
+}
+
+ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout, const CommFactory& make) : layout_(layout) {
+  int size = 1;
+  MPI_Comm_rank(world, &rank_);
+  MPI_Comm_size(world, &size);
+  tp_i_ = rank_ % layout.tp;
+  dp_i_ = (rank_ / layout.tp) % layout.dp;
+  pp_i_ = rank_ / (layout.tp * layout.dp);
+
+  world_ = make(world, "world");
+  MPI_Comm c;
+  // tp group: same (pp, dp), ordered by tp; dp group: same (pp, tp); pp group: same (dp, tp).
+  MPI_Comm_split(world, pp_i_ * layout.dp + dp_i_, tp_i_, &c);
+  tp_ = make(c, "tp");
+  MPI_Comm_free(&c);
+  MPI_Comm_split(world, pp_i_ * layout.tp + tp_i_, dp_i_, &c);
+  dp_ = make(c, "dp");
+  MPI_Comm_free(&c);
+  MPI_Comm_split(world, dp_i_ * layout.tp + tp_i_, pp_i_, &c);
+  pp_ = make(c, "pp");
+  MPI_Comm_free(&c);
+
+  // Node boundaries: ranks that share memory form a node, named by its lowest world rank.
+  MPI_Comm local;
+  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
+  int leader = rank_;
+  MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, local);
+  MPI_Comm_free(&local);
+  std::vector<int> leaders(size);
+  MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, world);
+  std::map<int, int> node_index;
+  for (int r = 0; r < size; ++r) node_index.emplace(leaders[r], 0);
+  int k = 0;
+  for (auto& [lead, idx] : node_index) idx = k++;
+  nodes_ = k;
+  node_ = node_index[leader];
+
+  std::ostringstream d;
+  d << "process grid: " << size << " rank" << (size == 1 ? "" : "s") << " = dp " << layout.dp << " x tp " << layout.tp
+    << " x pp " << layout.pp << " on " << nodes_ << " node" << (nodes_ == 1 ? "" : "s")
+    << " (rank = (pp_i * dp + dp_i) * tp + tp_i)\n";
+  for (int p = 0; p < layout.pp; ++p) {
+    if (layout.pp > 1) d << "  stage pp " << p << ":\n";
+    for (int q = 0; q < layout.dp; ++q) {
+      d << "    dp " << q << ": ";
+      for (int t = 0; t < layout.tp; ++t) {
+        const int r = layout.rank_of(q, t, p);
+        d << (t ? "  " : "") << "rank " << r << " [node " << node_index[leaders[r]] << "]";
+      }
+      d << "\n";
+      const int first_node = node_index[leaders[layout.rank_of(q, 0, p)]];
+      for (int t = 1; t < layout.tp; ++t)
+        if (node_index[leaders[layout.rank_of(q, t, p)]] != first_node) {
+          d << "    warning: the tp group of dp " << q << (layout.pp > 1 ? ", pp " + std::to_string(p) : "")
+            << " spans nodes: its all-reduces cross the network on every layer\n";
+          break;
+        }
+    }
+  }
+  description_ = d.str();
+}
+
+}  // namespace loom

@@ -1,0 +1,652 @@
+#include "core/model/gpt.hpp"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "core/base/error.hpp"
+#include "core/backend/kernel_math.hpp"
+#include "core/base/rng.hpp"
+
+#include <algorithm>
+#include <vector>
+
+namespace loom {
+
+void GPTConfig::validate() const {
+  if (d_model % heads != 0)
+    throw InputError("model.d_model = " + std::to_string(d_model) + " is not divisible by model.heads = " +
+                     std::to_string(heads) + " (each head needs d_model/heads channels)");
+  if (flash_attention && !math::flash_head_size_supported(d_model / heads))
+    throw InputError("model.attention = flash: head size model.d_model / model.heads = " + std::to_string(d_model / heads) +
+                     " is not one the fused kernels take (16, 32, 64 or 128); use model.attention = unfused");
+}
+
+void GPT::check_attention(const GPTConfig& cfg, const Backend& backend) {
+  if (!cfg.flash_attention) return;
+  const std::string why = backend.flash_attention_refusal(cfg.d_model / cfg.heads);
+  if (!why.empty()) throw InputError("model.attention = flash: " + why + "; use model.attention = unfused");
+}
+
+GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage,
+         ParamStore* store, int dp, int dp_rank)
+    : cfg_(cfg),
+      be_(backend),
+      part_(partition ? partition : &default_partition_),
+      max_rows_(max_rows),
+      mm16_(backend.precision().matmul),
+      stage_(stage),
+      store_(store ? store : &own_store_) {
+  cfg_.validate();
+  check_attention(cfg_, be_);
+  if (stage_.chunks.empty()) stage_.chunks.push_back({0, cfg.layers, 1});
+  layer_pos_.assign(static_cast<std::size_t>(cfg.layers), -1);
+  int held = 0, prev_end = 0;
+  for (const Stage::Chunk& c : stage_.chunks) {
+    if (c.first_layer < prev_end || c.first_layer >= c.end_layer || c.end_layer > cfg.layers || c.activation_slots < 1)
+      throw std::logic_error("GPT: stage " + std::to_string(stage_.index) + " chunk [" + std::to_string(c.first_layer) +
+                             ", " + std::to_string(c.end_layer) + ") of " + std::to_string(cfg.layers) + " layers");
+    for (int l = c.first_layer; l < c.end_layer; ++l) layer_pos_[l] = held++;
+    prev_end = c.end_layer;
+  }
+  tp_ = part_->size();
+  tp_rank_ = part_->rank();
+  sp_ = part_->sequence_parallel();
+  const std::int64_t L = cfg.layers, C = cfg.d_model, T = cfg.seq_len, V = cfg.vocab, tp = tp_;
+  const std::int64_t Vl = V / tp;  // this rank's vocabulary rows
+  vocab_local_ = static_cast<int>(Vl);
+  vocab_begin_ = static_cast<int>(tp_rank_ * Vl);
+  const double resid_std = 0.02 / std::sqrt(2.0 * L);
+  // Every tensor of the whole model, then this stage's share of them. The tp piece (local shape,
+  // element count) comes from the shard descriptor alone.
+  auto add = [&](std::string name, std::vector<std::int64_t> shape, TpSplit split, ParamInfo::Init init, double std) {
+    ParamInfo p;
+    p.name = std::move(name);
+    p.decay = shape.size() >= 2;
+    p.matmul_weight = p.decay && p.name != "wpe.weight";  // wte: the tied head's weight
+    p.shape = std::move(shape);
+    p.shard = ShardDesc::make(p.shape, split, static_cast<int>(tp), tp_rank_);
+    p.split = p.shard.split;
+    p.local_shape = p.shard.tp_shape;
+    p.numel = p.shard.numel();
+    p.sp_partial = sp_ && split == TpSplit::none && p.name != "wpe.weight";
+    p.init = init;
+    p.init_std = std;
+    all_params_.push_back(std::move(p));
+  };
+  using I = ParamInfo::Init;
+  add("wte.weight", {V, C}, TpSplit::rows, I::normal, 0.02);
+  add("wpe.weight", {T, C}, TpSplit::none, I::normal, 0.02);
+  for (int l = 0; l < L; ++l) {
+    const std::string b = "blocks." + std::to_string(l) + ".";
+    add(b + "ln1.weight", {C}, TpSplit::none, I::ones, 0);
+    add(b + "ln1.bias", {C}, TpSplit::none, I::zeros, 0);
+    add(b + "attn.qkv.weight", {3 * C, C}, TpSplit::qkv_rows, I::normal, 0.02);
+    add(b + "attn.qkv.bias", {3 * C}, TpSplit::qkv_rows, I::zeros, 0);
+    add(b + "attn.proj.weight", {C, C}, TpSplit::cols, I::normal, resid_std);
+    add(b + "attn.proj.bias", {C}, TpSplit::none, I::zeros, 0);
+    add(b + "ln2.weight", {C}, TpSplit::none, I::ones, 0);
+    add(b + "ln2.bias", {C}, TpSplit::none, I::zeros, 0);
+    add(b + "mlp.fc.weight", {4 * C, C}, TpSplit::rows, I::normal, 0.02);
+    add(b + "mlp.fc.bias", {4 * C}, TpSplit::rows, I::zeros, 0);
+    add(b + "mlp.proj.weight", {C, 4 * C}, TpSplit::cols, I::normal, resid_std);
+    add(b + "mlp.proj.bias", {C}, TpSplit::none, I::zeros, 0);
+  }
+  add("ln_f.weight", {C}, TpSplit::none, I::ones, 0);
+  add("ln_f.bias", {C}, TpSplit::none, I::zeros, 0);
+  // The first stage holds the embeddings, the last ln_f and the head, whose weight is wte (tied):
+  // a last stage that is not also the first holds a shadow copy of wte, in its head unit.
+  block_unit_.assign(static_cast<std::size_t>(L), -1);
+  auto unit_of = [&](const std::string& name) -> int {
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].name == name) return static_cast<int>(u);
+    units_.push_back({name, {}});
+    return static_cast<int>(units_.size()) - 1;
+  };
+  auto hold = [&](const ParamInfo& whole, const std::string& unit, bool shadow) {
+    ParamInfo local = whole;
+    local.shadow = shadow;
+    local.offset = num_params_;
+    local.unit = unit_of(unit);
+    num_params_ += local.numel;
+    const int index = static_cast<int>(params_.size());
+    units_[static_cast<std::size_t>(local.unit)].params.push_back(index);
+    pos_in_unit_.push_back(static_cast<int>(units_[static_cast<std::size_t>(local.unit)].params.size()) - 1);
+    params_.push_back(std::move(local));
+    return index;
+  };
+  const std::string block_prefix = "blocks.";
+  for (ParamInfo& p : all_params_) {
+    const std::string& n = p.name;
+    int held = -1;
+    if (n == "wte.weight") {
+      if (stage_.first()) held = wte_ = hold(p, "embeddings", false);
+      else if (stage_.last()) held = wte_ = -2;  // added to the head unit below, after ln_f
+    } else if (n == "wpe.weight") {
+      if (stage_.first()) held = wpe_ = hold(p, "embeddings", false);
+    } else if (n.compare(0, block_prefix.size(), block_prefix) == 0) {
+      const int layer = std::stoi(n.substr(block_prefix.size()));
+      if (layer_pos_[static_cast<std::size_t>(layer)] >= 0) {
+        held = hold(p, "blocks." + std::to_string(layer), false);
+        block_unit_[static_cast<std::size_t>(layer)] = params_[static_cast<std::size_t>(held)].unit;
+      }
+    } else if (stage_.last()) {
+      held = hold(p, "head", false);
+      (n == "ln_f.weight" ? lnfw_ : lnfb_) = held;
+    }
+    if (held == -1) {
+      p.offset = -1;
+      p.numel = 0;
+    }
+  }
+  if (wte_ == -2) wte_ = hold(all_params_.front(), "head", true);
+  if (wte_ >= 0) params_[static_cast<std::size_t>(wte_)].tied = stage_.count > 1;
+  // The first stage's wte feeds only the embedding lookup (fp32) when another stage holds the head.
+  if (wte_ >= 0 && !stage_.last()) params_[static_cast<std::size_t>(wte_)].matmul_weight = false;
+  emb_unit_ = stage_.first() ? params_[static_cast<std::size_t>(wpe_)].unit : -1;
+  head_unit_ = stage_.last() ? params_[static_cast<std::size_t>(lnfw_)].unit : -1;
+  StoreContext sctx{backend, dp, dp_rank, tp_rank_};
+  store_->build(sctx, params_, units_);
+
+  // Activations, sized by activation_sizes (what `loom plan` predicts with, too).
+  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space()};
+  const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_);
+  residual0_ = a.residual_first;
+  acts0_ = a.block_first;
+  for (const Stage::Chunk& c : stage_.chunks) {
+    slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
+    slot_scored_.emplace_back(static_cast<std::size_t>(c.activation_slots), false);
+  }
+  block_act_floats_ = a.block_table_floats;
+  head_floats_ = a.head_table_floats;
+  residual_buf_ = be_.allocate("GPT::residual", DType::f32, a.residual_floats, Mem::activations);
+  block_buf_ = be_.allocate("GPT::block_activations", DType::f32, a.block_floats, Mem::activations);
+  head_buf_ = be_.allocate("GPT::head_activations", DType::f32, a.head_floats, Mem::activations);
+  // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
+  // [N,C], dqkv [N,3Cl], datt [T,T] (flash: dsum [B,NHl,T]), datty [N,Cl], dfch, dfch_gelu [N,Fl]
+  scratch_buf_ = be_.allocate("GPT::scratch", DType::f32, a.scratch_floats, Mem::activations);
+  tokens_buf_ = be_.allocate("GPT::tokens", DType::i32, a.token_ints, Mem::workspace);
+}
+
+void GPT::plan_step(StepPlan& plan) const {
+  // The saved inputs' types, as the tables are carved (a null base only types and counts them).
+  const BlockActs a = carve_block(geom_, nullptr);
+  const Head h = carve_head(geom_, nullptr);
+  const int N = max_rows_ * cfg_.seq_len, C = cfg_.d_model, Cl = C / tp_, Fl = 4 * C / tp_;
+  auto full = [&](const BufferRef& saved, int cols) {  // input_of: gathered fp32 unless saved 16-bit
+    return BufferRef(nullptr, saved.type, static_cast<std::int64_t>(N) * cols, be_.space());
+  };
+  auto weight = [&](std::int64_t n) { return BufferRef(nullptr, mm16_, n, be_.space()); };
+  using Call = Backend::MatmulCall;
+  std::vector<Call> fwd;
+  for (const Stage::Chunk& c : stage_.chunks)
+    for (int l = c.first_layer; l < c.end_layer; ++l) {
+      fwd.push_back({false, full(a.ln1, C), weight(3ll * Cl * C), N, C, 3 * Cl});
+      fwd.push_back({false, full(a.atty, Cl), weight(static_cast<std::int64_t>(C) * Cl), N, Cl, C});
+      fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl});
+      fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
+    }
+  if (stage_.last()) fwd.push_back({false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_});
+  std::vector<Call> calls = fwd;
+  for (auto it = fwd.rbegin(); it != fwd.rend(); ++it) {
+    calls.push_back(*it);
+    calls.back().backward = true;
+  }
+  be_.plan_workspace(plan, calls, {max_rows_, cfg_.seq_len, cfg_.heads / tp_, cfg_.flash_attention});
+  part_->plan_step(plan, *this);
+}
+
+GPT::ActivationSizes GPT::activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage_in, int max_rows,
+                                           DType mm16) {
+  // Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one set per slot
+  // (in-flight micro-batch) of each chunk.
+  Stage stage = stage_in;
+  if (stage.chunks.empty()) stage.chunks.push_back({0, cfg.layers, 1});
+  const Geometry g{cfg, tp, sp, max_rows, mm16};
+  const std::int64_t N = static_cast<std::int64_t>(max_rows) * cfg.seq_len, Nl = sp ? N / tp : N, C = cfg.d_model;
+  ActivationSizes a;
+  a.block_table_floats = carve_block(g, nullptr).floats;
+  a.head_table_floats = carve_head(g, nullptr).floats;
+  std::int64_t residuals = 0, acts = 0;
+  int max_slots = 1;
+  for (const Stage::Chunk& c : stage.chunks) {
+    a.residual_first.push_back(residuals);
+    a.block_first.push_back(acts);
+    residuals += static_cast<std::int64_t>(c.activation_slots) * (c.end_layer - c.first_layer + 1);
+    acts += static_cast<std::int64_t>(c.activation_slots) * (c.end_layer - c.first_layer);
+    max_slots = std::max(max_slots, c.activation_slots);
+  }
+  const std::int64_t saved_blocks = cfg.recompute ? 1 : acts;
+  const std::int64_t head_slots = stage.last() ? stage.chunks.back().activation_slots : 0;
+  a.residual_floats = residuals * Nl * C;
+  a.block_floats = saved_blocks * a.block_table_floats;
+  a.head_floats = head_slots * a.head_table_floats;
+  a.scratch_floats = carve_scratch(g, nullptr).floats;
+  a.token_ints = static_cast<std::int64_t>(max_slots) * 2 * N;
+  return a;
+}
+
+const ParamInfo* GPT::find_param(const std::string& name) const {
+  for (const auto& p : params_)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+int GPT::param_index(const std::string& name) const {
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+const ParamInfo& GPT::param(const std::string& name) const {
+  if (const ParamInfo* p = find_param(name)) return *p;
+  throw std::out_of_range("GPT: no parameter named '" + name + "' on this rank");
+}
+
+void GPT::init_weights(std::uint64_t seed) {
+  // Each rank draws exactly its own elements, by their index in the full tensor: tensors the store
+  // keeps whole, and the owned slices of those it keeps only in part (ZeRO-3).
+  auto fill = [&](const ParamInfo& p, float* w, std::int64_t begin, std::int64_t end) {
+    const std::uint64_t stream = rng::hash_name(p.name);
+    switch (p.init) {
+      case ParamInfo::Init::normal:
+        for (std::int64_t i = begin; i < end; ++i)
+          w[i - begin] = static_cast<float>(p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(p.shard.global_index(i))));
+        break;
+      case ParamInfo::Init::ones: std::fill(w, w + (end - begin), 1.0f); break;  // host memory (write_held)
+      case ParamInfo::Init::zeros: std::fill(w, w + (end - begin), 0.0f); break;
+    }
+  };
+  write_held(fill);
+}
+
+void GPT::write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write) {
+  // `write` fills host memory: the store's own buffers on the host back end, a host copy that goes
+  // to the device afterwards on a device back end.
+  std::vector<float> staging;
+  const auto held = [&](const ParamInfo& p, BufferRef w, std::int64_t begin, std::int64_t end) {
+    if (w.space == MemSpace::host) return write(p, w.as<float>(), begin, end);
+    staging.assign(static_cast<std::size_t>(end - begin), 0.0f);
+    write(p, staging.data(), begin, end);
+    be_.copy_from_host(BufferRef(w.as<float>(), end - begin, w.space), staging.data());
+  };
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const BufferRef w = store_->param(static_cast<int>(i));
+    if (!w.empty()) held(params_[i], w, 0, params_[i].numel);
+  }
+  for (const OwnedSlice& o : store_->owned())
+    if (store_->param(o.param).empty()) held(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o), o.begin, o.end);
+  store_->params_written();
+}
+
+void GPT::load_weights(const std::function<const float*(const std::string& name)>& whole) {
+  auto take = [&](const ParamInfo& p, float* w, std::int64_t begin, std::int64_t end) {
+    const float* src = whole(p.name);
+    for (std::int64_t i = begin; i < end; ++i) w[i - begin] = src[p.shard.global_index(i)];
+  };
+  write_held(take);
+}
+
+const float* GPT::logits() const {
+  if (!holds_head(0) || stage_.chunks.size() != 1) throw std::logic_error("GPT::logits: this rank does not hold the whole model");
+  if (slot_rows_[0][0] == 0)
+    throw std::logic_error("GPT::logits: no forward held (backward consumed it, or none ran); forward with targets = null");
+  if (slot_scored_[0][0])
+    throw std::logic_error("GPT::logits: the last forward had targets, so its logits became probabilities; forward with targets = null");
+  return head(0).logits;
+}
+
+GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads) const {
+  // A block's unit lists its 12 tensors in the order they are declared above.
+  const std::vector<BufferRef>& t = grads ? view.grads : view.params;
+  float* q[12];
+  for (int i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(i)].as<float>();
+  BlockParams w{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], {}, {}, {}, {}};
+  if (!grads) {
+    auto mm = [&](std::size_t k) { return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k]; };
+    w.mqkvw = mm(2);
+    w.mprojw = mm(4);
+    w.mfcw = mm(8);
+    w.mfcprojw = mm(10);
+  }
+  return w;
+}
+
+BufferRef GPT::matmul_operand(const ParamStore::UnitView& view, int param) const {
+  const std::size_t k = static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)]);
+  return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k];
+}
+
+void GPT::keep(const BufferRef& saved, const float* tmp, std::int64_t n) {
+  if (saved.type != DType::f32) be_.cast(saved.slice(0, n), BufferRef(tmp, n, be_.space()));
+}
+
+BufferRef GPT::input_of(const BufferRef& saved, float* full, int N, int C) {
+  const std::int64_t n = static_cast<std::int64_t>(N) * C;
+  if (saved.type != DType::f32) return saved.slice(0, n);  // never gathered: saved 16-bit only without sp
+  return BufferRef(part_->to_full(saved.as<float>(), full, N, C), n, be_.space());
+}
+
+// Activation tables (llm.c's habit): each group's tensors are carved from one run of floats by one
+// function, which also sizes the group (carving from a null base only counts).
+namespace {
+struct Carver {
+  float* base;
+  MemSpace space = MemSpace::host;
+  std::int64_t used = 0;
+  float* take(std::int64_t n) {
+    float* p = base ? base + used : nullptr;
+    used += n;
+    return p;
+  }
+  // n elements of `type` (fp32 or 16-bit), in whole floats.
+  BufferRef take(DType type, std::int64_t n) {
+    const std::int64_t floats = (n * static_cast<std::int64_t>(dtype_size(type)) + 3) / 4;
+    return BufferRef(take(floats), type, n, space);
+  }
+};
+}  // namespace
+
+GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
+  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = 4 * C / g.tp;
+  Carver c{base, g.space};
+  BlockActs a;
+  // 16-bit copies of the products' inputs under mixed precision; ln1 and ln2 stay fp32 with
+  // sequence parallelism, where their [Nl,C] pieces are gathered (in fp32) before each product.
+  const DType mm = g.mm16, ln = g.sp ? DType::f32 : g.mm16;
+  a.ln1 = c.take(ln, Nl * C);
+  a.ln1_mean = c.take(Nl);
+  a.ln1_rstd = c.take(Nl);
+  a.qkv = c.take(N * 3 * Cl);
+  // Unfused attention saves the probabilities, flash only each row's log-sum-exp.
+  if (g.cfg.flash_attention)
+    a.lse = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T);
+  else
+    a.att = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T * T);
+  a.atty = c.take(mm, N * Cl);
+  a.xmid = c.take(Nl * C);
+  a.ln2 = c.take(ln, Nl * C);
+  a.ln2_mean = c.take(Nl);
+  a.ln2_rstd = c.take(Nl);
+  a.fch = c.take(N * Fl);
+  a.fch_gelu = c.take(mm, N * Fl);
+  a.floats = c.used;
+  return a;
+}
+
+GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
+  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = 4 * C / g.tp;
+  Carver c{base, g.space};
+  Scratch s;
+  s.full = c.take(N * C);
+  s.partial = c.take(N * C);
+  s.local = c.take(Nl * C);
+  s.dres = c.take(Nl * C);
+  s.dother = c.take(Nl * C);
+  s.dlocal = c.take(Nl * C);
+  s.dfull = c.take(N * C);
+  s.dpartial = c.take(N * C);
+  s.dqkv = c.take(N * 3 * Cl);
+  if (g.cfg.flash_attention)
+    s.dsum = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T);
+  else
+    s.datt = c.take(T * T);
+  s.datty = c.take(N * Cl);
+  s.dfch = c.take(N * Fl);
+  s.dfch_gelu = c.take(N * Fl);
+  s.floats = c.used;
+  return s;
+}
+
+GPT::Head GPT::carve_head(const Geometry& g, float* base) {
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
+  const std::int64_t Vl = g.cfg.vocab / g.tp;
+  Carver c{base, g.space};
+  Head h;
+  h.lnf = c.take(g.sp ? DType::f32 : g.mm16, Nl * g.cfg.d_model);
+  h.lnf_mean = c.take(Nl);
+  h.lnf_rstd = c.take(Nl);
+  h.logits = c.take(N * Vl);
+  h.probs = h.logits;  // the cross-entropy overwrites the logits with the probabilities: one [N,Vl] table, not two
+  h.losses = c.take(N);
+  h.floats = c.used;
+  return h;
+}
+
+GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
+  const Stage::Chunk& c = stage_.chunks[chunk];
+  const std::int64_t index =
+      cfg_.recompute ? 0 : acts0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer) + layer - c.first_layer;
+  return carve_block(geom_, block_buf_.data<float>() + index * block_act_floats_);
+}
+
+float* GPT::residual(int chunk, int slot, int layer) const {
+  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
+  const Stage::Chunk& c = stage_.chunks[chunk];
+  const std::int64_t index =
+      residual0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer + 1) + layer - c.first_layer;
+  return residual_buf_.data<float>() + index * Nl * cfg_.d_model;
+}
+
+std::int64_t GPT::stage_boundary_floats(int B) const {
+  const std::int64_t N = static_cast<std::int64_t>(B) * cfg_.seq_len;
+  return (sp_ ? N / tp_ : N) * cfg_.d_model;
+}
+
+const float* GPT::stage_output(int slot, int chunk) const { return residual(chunk, slot, stage_.chunks[chunk].end_layer); }
+
+void GPT::check_slot(int chunk, int slot, const char* what) const {
+  if (chunk < 0 || chunk >= static_cast<int>(stage_.chunks.size()) || slot < 0 ||
+      slot >= stage_.chunks[chunk].activation_slots)
+    throw std::logic_error(std::string("GPT::") + what + ": no slot " + std::to_string(slot) + " in chunk " +
+                           std::to_string(chunk));
+}
+
+GPT::Scratch GPT::scratch() const { return carve_scratch(geom_, scratch_buf_.data<float>()); }
+
+void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
+  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
+  const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C, NCl = static_cast<std::int64_t>(N) * Cl,
+                     NFl = static_cast<std::int64_t>(N) * Fl;
+  const int unit = block_unit_[static_cast<std::size_t>(l)];
+  // Next: the following block's forward, or (recomputing in backward) this block's backward.
+  const int next = recompute                               ? unit
+                   : l + 1 < stage_.chunks[chunk].end_layer ? block_unit_[static_cast<std::size_t>(l + 1)]
+                   : holds_head(chunk)                      ? head_unit_
+                                                            : -1;
+  const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), false);
+  const BlockActs a = block_acts(chunk, slot, l);
+  const Scratch s = scratch();
+  float* x = residual(chunk, slot, l);         // [Nl,C] block input
+  float* xout = residual(chunk, slot, l + 1);  // [Nl,C] block output
+  // attention: column-parallel qkv (this rank's heads), row-parallel output projection
+  // (Scratch as fp32 staging of 16-bit saves: s.local [Nl,C] before it holds a reduced sum, s.full
+  // [N,C] once the gathered ln1 is used, s.dfch_gelu [N,Fl], a backward buffer, in forward.)
+  be_.layernorm_forward(produce(a.ln1, s.local), a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
+  keep(a.ln1, s.local, NlC);
+  be_.matmul_forward(a.qkv, input_of(a.ln1, s.full, N, C), w.mqkvw, w.qkvb, N, C, 3 * Cl);  // [N,3Cl]
+  if (cfg_.flash_attention)
+    be_.attention_forward_flash(produce(a.atty, s.full), a.lse, a.qkv, B, T, Cl, NHl);    // [N,Cl]
+  else
+    be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);          // [N,Cl]
+  keep(a.atty, s.full, NCl);
+  be_.matmul_forward(s.partial, a.atty, w.mprojw, nullptr, N, Cl, C);         // [N,C] partial sum
+  float* y = part_->reduce_partial(s.partial, s.local, N, C);                 // [Nl,C]
+  be_.bias_add(y, w.projb, Nl, C);
+  be_.residual_forward(a.xmid, x, y, static_cast<std::int64_t>(Nl) * C);
+  // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection
+  be_.layernorm_forward(produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, a.xmid, w.ln2w, w.ln2b, Nl, C);
+  keep(a.ln2, s.local, NlC);
+  be_.matmul_forward(a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C, Fl);       // [N,Fl]
+  be_.gelu_forward(produce(a.fch_gelu, s.dfch_gelu), a.fch, NFl);
+  keep(a.fch_gelu, s.dfch_gelu, NFl);
+  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, nullptr, N, Fl, C);   // [N,C] partial sum
+  y = part_->reduce_partial(s.partial, s.local, N, C);                        // [Nl,C]
+  be_.bias_add(y, w.fcprojb, Nl, C);
+  be_.residual_forward(xout, a.xmid, y, static_cast<std::int64_t>(Nl) * C);
+  store_->release(unit, ParamStore::Use::forward);
+}
+
+// s.dres [Nl,C]: gradient of the block's output on entry, of its input on return.
+void GPT::block_backward(int chunk, int slot, int l, int B) {
+  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
+  const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
+  if (cfg_.recompute) block_forward(chunk, slot, l, B, true);  // rebuild this block's activations from its saved input
+  const int unit = block_unit_[static_cast<std::size_t>(l)];
+  const int next = l > stage_.chunks[chunk].first_layer ? block_unit_[static_cast<std::size_t>(l - 1)]
+                   : holds_embeddings(chunk)            ? emb_unit_
+                                                        : -1;
+  const ParamStore::UnitView& view = store_->acquire(unit, ParamStore::Use::backward, next);
+  const BlockParams w = block_params(view, false);
+  const BlockParams dw = block_params(view, true);
+  const BlockActs a = block_acts(chunk, slot, l);
+  const Scratch s = scratch();
+  float* dres = s.dres;
+  float* dxmid = s.dother;
+
+  // MLP, in reverse: x_out = xmid + fcproj(gelu(fc(ln2(xmid))))
+  const float* dy = part_->grad_to_full(dres, s.dfull, N, C);                 // [N,C]
+  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, nullptr, dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
+  be_.bias_backward(dw.fcprojb, dres, Nl, C);
+  be_.gelu_backward(s.dfch, a.fch, s.dfch_gelu, static_cast<std::int64_t>(N) * Fl);
+  be_.matmul_backward(s.dpartial, dw.fcw, dw.fcb, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
+  const float* dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
+  be_.copy(dxmid, dres, NlC);  // the residual branch
+  be_.layernorm_backward(dxmid, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);
+  // attention, in reverse: xmid = x + proj(attention(qkv(ln1(x))))
+  dy = part_->grad_to_full(dxmid, s.dfull, N, C);
+  be_.matmul_backward(s.datty, dw.projw, nullptr, dy, a.atty, w.mprojw, N, Cl, C);
+  be_.bias_backward(dw.projb, dxmid, Nl, C);
+  if (cfg_.flash_attention)
+    be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+  else
+    be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
+  be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, input_of(a.ln1, s.full, N, C), w.mqkvw, N, C, 3 * Cl);
+  const float* dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
+  be_.copy(dres, dxmid, NlC);  // the residual branch
+  be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
+  store_->release(unit, ParamStore::Use::backward);
+}
+
+double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int B) {
+  if (!stage_.first() || !stage_.last()) throw std::logic_error("GPT::forward on a pipeline stage: use forward_stage");
+  return forward_stage(0, inputs, nullptr, targets, B);
+}
+
+void GPT::backward(float dloss) { backward_stage(0, dloss, nullptr); }
+
+double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B,
+                          int chunk) {
+  if (B < 1 || B > max_rows_)
+    throw std::logic_error("GPT::forward: " + std::to_string(B) + " rows, allocated for " + std::to_string(max_rows_));
+  check_slot(chunk, slot, "forward");
+  slot_rows_[chunk][slot] = B;
+  slot_scored_[chunk][slot] = targets != nullptr;
+  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
+  std::int32_t* inp = tokens_buf_.data<std::int32_t>() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
+  std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
+  const Scratch s = scratch();
+
+  if (holds_embeddings(chunk)) {
+    // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
+    be_.copy_from_host(BufferRef(inp, N, be_.space()), inputs);
+    const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
+    const float* wte = tensor(e, wte_);  // [Vl,C] this rank's vocabulary rows
+    const float* wpe = tensor(e, wpe_);  // [T,C]
+    be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
+    store_->release(emb_unit_, ParamStore::Use::forward);
+    be_.copy(residual(chunk, slot, l0), part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
+  } else {
+    be_.copy(residual(chunk, slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous chunk's output
+  }
+  for (int l = l0; l < l1; ++l) {
+    block_forward(chunk, slot, l, B);
+    if (progress_) progress_();
+  }
+  if (!holds_head(chunk)) return 0.0;
+
+  if (targets) be_.copy_from_host(BufferRef(tgt, N, be_.space()), targets);
+  const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
+  const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, wte_apart ? emb_unit_ : -1);
+  const BufferRef wte = matmul_operand(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
+  const float* lnfw = tensor(hv, lnfw_);
+  const float* lnfb = tensor(hv, lnfb_);
+  const Head h = head(slot);
+  be_.layernorm_forward(produce(h.lnf, s.local), h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
+  keep(h.lnf, s.local, static_cast<std::int64_t>(Nl) * C);
+  be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, nullptr, N, C, vocab_local_);  // tied head: [N,Vl]
+  if (targets) part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
+  if (wte_apart) store_->release(emb_unit_, ParamStore::Use::forward);
+  store_->release(head_unit_, ParamStore::Use::forward);
+  return targets ? be_.sum(h.losses, N) / N : 0.0;  // without targets the logits stay (sampling)
+}
+
+const float* GPT::backward_stage(int slot, float dloss, const float* dout, int chunk) {
+  check_slot(chunk, slot, "backward");
+  if (slot_rows_[chunk][slot] == 0)
+    throw std::logic_error("GPT::backward: no forward held in slot " + std::to_string(slot) + " of chunk " +
+                           std::to_string(chunk));
+  const int B = slot_rows_[chunk][slot], T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
+  const std::int32_t* inp = tokens_buf_.data<std::int32_t>() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
+  const std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
+  const Scratch s = scratch();
+
+  if (holds_head(chunk)) {
+    if (!slot_scored_[chunk][slot])
+      throw std::logic_error("GPT::backward: the forward held in slot " + std::to_string(slot) + " had no targets, so no loss");
+    const int next = l1 > l0 ? block_unit_[static_cast<std::size_t>(l1 - 1)] : -1;
+    const bool wte_apart = wte_unit() != head_unit_;
+    const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);
+    const ParamStore::UnitView& wv = wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::backward, next) : hv;
+    const BufferRef wte = matmul_operand(wv, wte_);
+    const float* lnfw = tensor(hv, lnfw_);
+    float* dwte = tensor_grad(wv, wte_);
+    float* dlnfw = tensor_grad(hv, lnfw_);
+    float* dlnfb = tensor_grad(hv, lnfb_);
+    const Head h = head(slot);
+    float* dlogits = h.probs;  // in place
+    part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_, vocab_begin_);
+    be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
+    const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
+    be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);
+    be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
+    if (wte_apart) store_->release(emb_unit_, ParamStore::Use::backward);
+    store_->release(head_unit_, ParamStore::Use::backward);
+    if (grad_ready_) grad_ready_(head_unit_);  // ln_f, and the shadow of wte on a last stage
+  } else {
+    be_.copy(s.dres, dout, static_cast<std::int64_t>(Nl) * C);  // from the next chunk
+  }
+  for (int l = l1 - 1; l >= l0; --l) {
+    block_backward(chunk, slot, l, B);
+    if (grad_ready_) grad_ready_(block_unit_[static_cast<std::size_t>(l)]);
+    if (progress_) progress_();
+  }
+  slot_rows_[chunk][slot] = 0;
+  if (!holds_embeddings(chunk)) return s.dres;  // to the previous chunk
+
+  const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::backward, -1);
+  float* dwte = tensor_grad(e, wte_);
+  float* dwpe = tensor_grad(e, wpe_);
+  const float* demb = part_->grad_to_full(s.dres, s.dfull, N, C);  // [N,C]
+  be_.encoder_backward(dwte, dwpe, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
+  store_->release(emb_unit_, ParamStore::Use::backward);
+  if (grad_ready_) grad_ready_(emb_unit_);  // wte (tied head included), wpe
+  return nullptr;
+}
+
+GPT::Head GPT::head(int slot) const { return carve_head(geom_, head_buf_.data<float>() + slot * head_floats_); }
+
+void GPT::zero_grad() { store_->zero_grads(); }
+
+double GPT::flops_per_token() const {
+  const double L = cfg_.layers, C = cfg_.d_model, T = cfg_.seq_len, V = cfg_.vocab;
+  const double matmul_weights = L * 12.0 * C * C + V * C;
+  return 6.0 * matmul_weights + 12.0 * L * T * C;
+}
+
+}  // namespace loom

@@ -1,0 +1,273 @@
+#pragma once
+// The GPT-2 model: parameters with stable global names, their initialisation from
+// (seed, name, element index), and the forward and backward passes of a micro-batch on a Backend.
+//
+// Shape letters: B micro-batch rows, T sequence length, C d_model, NH heads, V vocabulary,
+// L layers, N = B*T rows of a flattened activation, Nl rows on this rank (N/tp with sequence
+// parallelism), Ls layers on this pipeline stage.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/backend/backend.hpp"
+#include "core/base/buffer.hpp"
+#include "core/model/param_store.hpp"
+#include "core/model/partition.hpp"
+
+namespace loom {
+
+struct GPTConfig {
+  int layers = 4;     // L
+  int d_model = 128;  // C
+  int heads = 4;      // NH
+  int seq_len = 64;   // T (also the number of learned positions)
+  int vocab = 256;    // V
+  bool recompute = false;  // keep only each block's input; recompute its activations in backward
+  // model.attention = flash: fused attention (Backend::attention_forward_flash), which saves each
+  // row's log-sum-exp instead of the [T,T] probabilities and rounds its operands to bf16.
+  bool flash_attention = false;
+  // Throws InputError naming the deck keys when the shape is inconsistent.
+  void validate() const;
+  // Forward FLOPs per token of one block (matrix products 24 C^2, attention 4 T C) and of the head
+  // (the tied projection 2 C V; ln_f and the embedding lookup cost next to nothing): what pipeline
+  // stages are balanced by and their schedule replayed with (the head of GPT-2 124M is ~4.5 blocks).
+  double block_flops() const { return 24.0 * d_model * d_model + 4.0 * seq_len * d_model; }
+  double head_flops() const { return 2.0 * d_model * vocab; }
+  double head_in_blocks() const { return head_flops() / block_flops(); }
+};
+
+// Which part of the model this rank holds (the layer half of the partition role, filled by the
+// `pipeline` strategy). Default: the whole model, one micro-batch of activations.
+struct Stage {
+  // A run of consecutive blocks [first_layer, end_layer) and how many micro-batches' activations it
+  // holds at once. One chunk per virtual stage (interleaved pipelines hold several), in model order.
+  struct Chunk {
+    int first_layer = 0, end_layer = 0, activation_slots = 1;
+  };
+  int index = 0, count = 1;  // this stage of `count`
+  std::vector<Chunk> chunks; // empty: every block, one slot
+  bool first() const { return index == 0; }            // chunk 0 holds the embeddings (wte, wpe)
+  bool last() const { return index == count - 1; }     // the last chunk holds ln_f, the tied head and the loss
+};
+
+class GPT {
+ public:
+  // Declares this rank's tensors and units to the parameter store (which allocates them), and
+  // allocates for each chunk of its stage the activations of that chunk's activation_slots
+  // micro-batches of up to `max_rows` rows. `partition` decides the tp shards (default: whole),
+  // `stage` the layers (default: all), `store` where parameters and gradients live (default: a flat
+  // store the model owns); `dp`, `dp_rank` place this rank in its data-parallel group (ownership).
+  GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {},
+      ParamStore* store = nullptr, int dp = 1, int dp_rank = 0);
+  // InputError naming model.attention when `backend` cannot run the configured attention (the
+  // constructor checks it; a session checks it first, agreed over its ranks).
+  static void check_attention(const GPTConfig& cfg, const Backend& backend);
+  Partition& partition() { return *part_; }
+  ParamStore& store() { return *store_; }
+  const ParamStore& store() const { return *store_; }
+  // The units this rank holds ("embeddings", "blocks.<l>", "head"), each listing its tensors.
+  const std::vector<Unit>& units() const { return units_; }
+
+  const GPTConfig& config() const { return cfg_; }
+  const Stage& stage() const { return stage_; }
+  // This rank's parameters (its stage's, in its tp shard), in forward order.
+  const std::vector<ParamInfo>& params() const { return params_; }
+  // Every parameter of the whole model, whichever stage holds it (offset and numel: -1 and 0 when
+  // not held here); the checkpoint writes them all.
+  const std::vector<ParamInfo>& all_params() const { return all_params_; }
+  const ParamInfo& param(const std::string& name) const;  // throws std::out_of_range
+  const ParamInfo* find_param(const std::string& name) const;  // null when this rank does not hold it
+  int param_index(const std::string& name) const;              // index into params(), -1 when not held
+  std::int64_t num_params() const { return num_params_; }
+  // Tensor i of params(), through the store (see ParamStore::param/grad).
+  float* param_ptr(int i) { return store_->param(i).as<float>(); }
+  float* grad_ptr(int i) { return store_->grad(i).as<float>(); }
+  int max_rows() const { return max_rows_; }
+
+  // GPT-2 initialisation: normal(0, 0.02), residual projections scaled by 1/sqrt(2L), LayerNorm
+  // weights 1, biases 0; element i of parameter p is drawn from (seed, name of p, i).
+  void init_weights(std::uint64_t seed);
+  // Weights from elsewhere (an llm.c model file): `whole(name)` gives tensor `name` whole, row-major
+  // in its full shape (rows past it, e.g. more learned positions than seq_len, are not read). Each
+  // rank takes exactly its own elements, as init_weights draws them.
+  void load_weights(const std::function<const float*(const std::string& name)>& whole);
+
+  // Forward pass on B rows of T tokens; returns the mean cross-entropy over the B*T targets.
+  // (The whole model only: one stage.) targets = null: no loss (returns 0), the logits are kept.
+  double forward(const std::int32_t* inputs, const std::int32_t* targets, int B);  // [B,T], [B,T]
+  // Backward pass of the last forward, accumulating parameter gradients. `dloss` is the derivative
+  // of the training objective with respect to this forward's mean loss (1/micro_batches when the
+  // step averages over micro-batches).
+  void backward(float dloss);
+  // The logits of the last forward of the whole model (slot 0): [B*T, V/tp], fp32. Only after a
+  // forward with targets = null (no loss, no backward): with targets the cross-entropy overwrites
+  // the logits with the probabilities, and this throws.
+  const float* logits() const;
+  // The back end the model computes on (where its tensors live).
+  Backend& backend() const { return be_; }
+
+  // The activation memory a rank allocates for `stage` (default: every layer, one slot), in the
+  // constructor's own terms: the tables are carved by the same functions. Floats are fp32 slots (a
+  // 16-bit saved tensor takes half of its elements' floats); token_ints int32 (inputs and targets).
+  struct ActivationSizes {
+    std::int64_t residual_floats = 0, block_floats = 0, head_floats = 0, scratch_floats = 0, token_ints = 0;
+    std::int64_t block_table_floats = 0, head_table_floats = 0;  // one block's, one slot's head
+    std::vector<std::int64_t> residual_first, block_first;      // per chunk: its first residual / block table
+    std::int64_t activation_bytes() const { return 4 * (residual_floats + block_floats + head_floats + scratch_floats); }
+    std::int64_t workspace_bytes() const { return 4 * token_ints; }
+  };
+  static ActivationSizes activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage, int max_rows,
+                                          DType mm16);
+
+  // The same for chunk `chunk` of a pipeline stage, on the activations of slot `slot` (one
+  // in-flight micro-batch). inputs [B,T] (chunk 0 of the first stage), x_in [Nl,C] the previous
+  // chunk's output (elsewhere), targets [B,T] (the last chunk of the last stage). Returns the mean
+  // loss on the model's last chunk, 0 elsewhere.
+  double forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B,
+                       int chunk = 0);
+  const float* stage_output(int slot, int chunk = 0) const;  // [Nl,C] the chunk's last block's output
+  std::int64_t stage_boundary_floats(int B) const;  // Nl*C of a micro-batch of B rows
+  // dout [Nl,C]: gradient of stage_output (not on the model's last chunk). Returns the gradient of
+  // x_in [Nl,C] (valid until the next backward), or null on the model's first chunk.
+  const float* backward_stage(int slot, float dloss, const float* dout, int chunk = 0);
+  bool holds_embeddings(int chunk) const { return stage_.first() && chunk == 0; }
+  bool holds_head(int chunk) const { return stage_.last() && chunk == static_cast<int>(stage_.chunks.size()) - 1; }
+  void zero_grad();
+  // Called during backward each time the gradients of a unit's tensors (units()[unit].params) are
+  // complete for this micro-batch, in backward order: the head, the blocks from last to first, then
+  // the embeddings. Gradient sync uses it to start communication early.
+  void set_grad_ready_hook(std::function<void(int unit)> hook) { grad_ready_ = std::move(hook); }
+  // Called after every block's forward and backward: a strategy with messages in flight advances
+  // them there (MPI moves a large message only while one of its ends is inside an MPI call).
+  void set_progress_hook(std::function<void()> hook) { progress_ = std::move(hook); }
+
+  // Model FLOPs per trained token (forward + backward = 3 x forward) of the whole model, whatever
+  // the layout: 6 x (weights in matrix products, the tied head included) + 12 x L x T x C for
+  // attention (PaLM's convention).
+  double flops_per_token() const;
+  // `loom plan`: what a micro-batch's step takes beyond the tables the constructor allocated (the back
+  // end's operand workspace for the products in the order they run, the partition's scratch) and the
+  // bytes the partition moves (core/comm/step_plan.hpp).
+  void plan_step(StepPlan& plan) const;
+
+ private:
+  // Every element this rank holds, tensor by tensor: write(p, w, begin, end) fills w[0, end - begin)
+  // with elements [begin, end) of p's shard (whole tensors, and ZeRO-3's owned slices); then the
+  // store's copies are marked stale.
+  void write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write);
+  struct BlockParams {  // pointers into the store's unit view (parameters or their gradients)
+    float *ln1w, *ln1b, *qkvw, *qkvb, *projw, *projb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+    // The matrix products' weight operands: the store's 16-bit compute copies, else the fp32 weights.
+    BufferRef mqkvw, mprojw, mfcw, mfcprojw;
+  };
+  // What one block saves for its backward. The inputs of matrix products (ln1, atty, ln2, fch_gelu)
+  // are saved in the products' 16-bit type under mixed precision (ln1 and ln2 only without sequence
+  // parallelism, whose [Nl,C] pieces are gathered in fp32 before each product), else in fp32.
+  struct BlockActs {
+    BufferRef ln1;                     // [Nl,C]
+    float *ln1_mean, *ln1_rstd;        // [Nl], [Nl]
+    float *qkv;                        // [N,3Cl]
+    float *att = nullptr;              // [B,NHl,T,T] softmax probabilities (unfused attention)
+    float *lse = nullptr;              // [B,NHl,T]   row log-sum-exp of the scaled scores (flash)
+    BufferRef atty;                    // [N,Cl]
+    float *xmid;                       // [Nl,C]  residual after attention
+    BufferRef ln2;                     // [Nl,C]
+    float *ln2_mean, *ln2_rstd;        // [Nl], [Nl]
+    float *fch;                        // [N,Fl]
+    BufferRef fch_gelu;                // [N,Fl]
+    std::int64_t floats;               // the whole table, in floats
+  };
+  struct Scratch {  // not saved across kernels: forward temporaries and backward gradients
+    float *full, *partial, *local;                       // [N,C], [N,C], [Nl,C]
+    float *dres, *dother, *dlocal, *dfull, *dpartial;    // [Nl,C] x3, [N,C] x2
+    float *dqkv, *datty, *dfch, *dfch_gelu;              // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
+    float *datt = nullptr, *dsum = nullptr;              // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
+    std::int64_t floats;
+  };
+  struct Head {
+    BufferRef lnf;                     // [Nl,C] (16-bit like ln1 under mixed precision)
+    float *lnf_mean, *lnf_rstd;        // [Nl], [Nl]
+    float *logits, *probs, *losses;    // [N,Vl], probs = logits (overwritten in place), [N]
+    std::int64_t floats;
+  };
+  // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the
+  // products' operand type.
+  struct Geometry {
+    GPTConfig cfg;
+    int tp = 1;
+    bool sp = false;
+    int max_rows = 1;
+    DType mm16 = DType::f32;
+    MemSpace space = MemSpace::host;  // where the tables live (the back end's space)
+  };
+  // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
+  static BlockActs carve_block(const Geometry& g, float* base);
+  static Scratch carve_scratch(const Geometry& g, float* base);
+  static Head carve_head(const Geometry& g, float* base);
+  // The block's tensors from the store's view of its unit.
+  BlockParams block_params(const ParamStore::UnitView& view, bool grads) const;
+  // Tensor `param`'s operand in a matrix product: its 16-bit compute copy when the store has one.
+  BufferRef matmul_operand(const ParamStore::UnitView& view, int param) const;
+  // A kernel's fp32 result that a matrix product takes as input and backward needs again: written
+  // straight into `saved` when that is fp32, else into `tmp` (n floats) and rounded into `saved`
+  // by keep(). input_of: the product's operand, gathered to all N rows (Partition::to_full) when
+  // the saved piece has Nl; a 16-bit piece is never gathered (saved so only without sequence parallelism).
+  float* produce(const BufferRef& saved, float* tmp) const { return saved.type == DType::f32 ? saved.as<float>() : tmp; }
+  void keep(const BufferRef& saved, const float* tmp, std::int64_t n);
+  BufferRef input_of(const BufferRef& saved, float* full, int N, int C);
+  float* tensor(const ParamStore::UnitView& view, int param) const {
+    return view.params[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])].as<float>();
+  }
+  float* tensor_grad(const ParamStore::UnitView& view, int param) const {
+    return view.grads[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])].as<float>();
+  }
+  // The unit holding the tied wte on this rank: the embeddings on the first stage, else the head.
+  int wte_unit() const { return params_[static_cast<std::size_t>(wte_)].unit; }
+  BlockActs block_acts(int chunk, int slot, int layer) const;
+  Scratch scratch() const;
+  Head head(int slot) const;
+  // block `layer`'s input in slot `slot` of chunk `chunk`, [Nl,C]; at the chunk's end_layer, its output
+  float* residual(int chunk, int slot, int layer) const;
+  void block_forward(int chunk, int slot, int layer, int B, bool recompute = false);
+  void block_backward(int chunk, int slot, int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
+  void check_slot(int chunk, int slot, const char* what) const;
+
+  GPTConfig cfg_;
+  Backend& be_;
+  Partition default_partition_;
+  Partition* part_;
+  int tp_ = 1, tp_rank_ = 0;
+  bool sp_ = false;
+  int vocab_begin_ = 0, vocab_local_ = 0;  // this rank's rows of the token table
+  int max_rows_;
+  DType mm16_ = DType::f32;  // the matrix products' operand type (Precision::matmul)
+  Stage stage_;
+  std::vector<int> layer_pos_;           // per layer of the model: its position among this rank's, or -1
+  // Handles: indices into params_ (-1: not on this rank) and units_.
+  int wte_ = -1, wpe_ = -1, lnfw_ = -1, lnfb_ = -1;
+  int emb_unit_ = -1, head_unit_ = -1;
+  std::vector<int> block_unit_;          // per layer of the model, -1 when not on this rank
+  std::vector<int> pos_in_unit_;         // per tensor: its position in its unit
+  std::vector<Unit> units_;
+  FlatParamStore own_store_;
+  ParamStore* store_ = nullptr;
+  std::vector<std::int64_t> residual0_, acts0_;  // per chunk: its first residual / block-activation index
+  std::vector<std::vector<int>> slot_rows_;     // per chunk and slot: rows of the forward held (0: free)
+  std::vector<std::vector<bool>> slot_scored_;  // per chunk and slot: that forward had targets (a loss to differentiate)
+  std::vector<ParamInfo> params_, all_params_;
+  std::int64_t num_params_ = 0;
+  // activations
+  Geometry geom_;
+  std::int64_t block_act_floats_ = 0;
+  std::int64_t head_floats_ = 0;
+  TypedBuffer residual_buf_;   // per chunk [slots, Lc+1, Nl, C]
+  TypedBuffer block_buf_;      // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
+  TypedBuffer head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits = probs [N,Vl], losses [N]
+  TypedBuffer scratch_buf_;    // forward tmp and backward gradients of activations
+  TypedBuffer tokens_buf_;     // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
+  std::function<void(int)> grad_ready_;
+  std::function<void()> progress_;
+};
+
+}  // namespace loom

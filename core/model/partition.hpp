@@ -1,0 +1,66 @@
+#pragma once
+// Role "partition" (DESIGN.md): which slice of each weight this rank holds, and the collectives that
+// a split layer needs. The core's default keeps every weight whole (one tensor-parallel rank) and
+// every operation below is the identity; the `tensor` plugin splits attention heads, the MLP's inner
+// dimension and the vocabulary over the tp group (Megatron-style), optionally with sequence
+// parallelism.
+//
+// Shape letters: N rows (B*T) of a micro-batch, Nl rows on this rank (N/tp with sequence
+// parallelism, else N), C channels, V vocabulary, Vl = V/tp.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/backend/backend.hpp"
+#include "core/base/shard.hpp"  // TpSplit
+#include "core/comm/step_plan.hpp"
+
+namespace loom {
+
+class GPT;
+
+
+class Partition {
+ public:
+  virtual ~Partition() = default;
+  virtual std::string name() const { return "none (whole weights on every rank)"; }
+  virtual int size() const { return 1; }
+  virtual int rank() const { return 0; }
+  virtual bool sequence_parallel() const { return false; }
+
+  // Megatron's conjugate operators on activations [rows, C]:
+  // the replicated input of a column-parallel layer, from this rank's rows (SP: all-gather into
+  // `full`; otherwise the rows are already whole and `local` is returned).
+  virtual const float* to_full(const float* local, float* /*full*/, std::int64_t /*rows*/, int /*C*/) { return local; }
+  // the partial output of a row-parallel layer summed over the group, as this rank's rows
+  // (all-reduce in place, or SP: reduce-scatter into `local`).
+  virtual float* reduce_partial(float* partial, float* /*local*/, std::int64_t /*rows*/, int /*C*/) { return partial; }
+  // backward of reduce_partial: this rank's row gradients as the whole gradient (SP: all-gather).
+  virtual const float* grad_to_full(const float* dlocal, float* /*dfull*/, std::int64_t /*rows*/, int /*C*/) { return dlocal; }
+  // backward of to_full: a partial gradient of the whole input summed over the group, as this
+  // rank's rows (all-reduce in place, or SP: reduce-scatter into `dlocal`).
+  virtual float* reduce_partial_grad(float* dpartial, float* /*dlocal*/, std::int64_t /*rows*/, int /*C*/) { return dpartial; }
+
+  // Cross-entropy over logits whose vocabulary is split: this rank holds columns
+  // [vocab_begin, vocab_begin + Vl) of every row. losses [N] (every rank gets every row's loss),
+  // probs [N, Vl] (this rank's slice of the softmax).
+  virtual void crossentropy_forward(Backend& be, float* losses, float* probs, const float* logits,
+                                    const std::int32_t* targets, int N, int Vl, int /*vocab_begin*/) {
+    be.crossentropy_forward(losses, probs, logits, targets, N, Vl);
+  }
+  virtual void crossentropy_backward(Backend& be, float* dlogits, const float* probs, const std::int32_t* targets,
+                                     float dloss, int N, int Vl, int vocab_begin) {
+    be.crossentropy_backward(dlogits, probs, targets, dloss, N, Vl, vocab_begin);
+  }
+
+  // After the last backward of a step: make the gradients of replicated parameters whole (with
+  // sequence parallelism each rank saw only its rows).
+  virtual void finish_grads(GPT& /*model*/) {}
+  // Numbers for the metrics of the last step.
+  virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // `loom plan`: the scratch a step of `model` takes here and the bytes it moves (core/comm/step_plan.hpp).
+  virtual void plan_step(StepPlan& /*plan*/, const GPT& /*model*/) const {}
+};
+
+}  // namespace loom
