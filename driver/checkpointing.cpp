@@ -13,6 +13,7 @@
 #include <sstream>
 #include <vector>
 
+#include "core/base/clock.hpp"
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
 #include "driver/health.hpp"
@@ -35,7 +36,6 @@ extern "C" void on_stop_signal(int sig) {
   g_stop_signal = sig;
 }
 
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 int world_rank() {
   int r = 0;
@@ -257,7 +257,7 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
       failure = e.what();
     }
   }
-  agree_on_failure(*s_.grid, failure, {},
+  agree_on_failure(s_.grid->world(), failure, {},
                    "checkpoint '" + path + "' was written but `latest` could not be pointed at it");
   if (root) {
     // Older checkpoints go only after a newer one is complete and named by `latest`.

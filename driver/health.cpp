@@ -97,9 +97,10 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, c
   at.value = static_cast<float>(found[2 * best + 1]);
   at.rank = best;
   const Layout& l = grid.layout();
-  at.tp = best % l.tp;
-  at.dp = best / l.tp % l.dp;
-  at.pp = best / (l.tp * l.dp);
+  const Layout::Coords c = l.coords_of(best);
+  at.tp = c.tp;
+  at.dp = c.dp;
+  at.pp = c.pp;
   return at;
 }
 

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <cstdio>
 #include <unistd.h>
 #include <boost/program_options.hpp>
@@ -108,7 +110,7 @@ Args parse_subcommand(const std::string& command, const std::vector<std::string>
   try {
     po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
   } catch (const po::error& e) {
-    throw DeckError(std::string("loom ") + command + ": " + e.what() + "\n" + kUsage);
+    throw UsageError(std::string("loom ") + command + ": " + e.what() + "\n" + kUsage);
   }
   Args a;
   a.command = command;
@@ -120,7 +122,7 @@ Args parse_subcommand(const std::string& command, const std::vector<std::string>
 
 void need_positional(const Args& a, std::size_t n, const char* what) {
   if (a.positional.size() != n)
-    throw DeckError("loom " + a.command + " expects " + what + " (got " + std::to_string(a.positional.size()) +
+    throw UsageError("loom " + a.command + " expects " + what + " (got " + std::to_string(a.positional.size()) +
                      " arguments)\n" + kUsage);
 }
 
@@ -142,13 +144,13 @@ SampleOptions parse_sample(const std::vector<std::string>& rest) {
     po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
     po::notify(vm);
   } catch (const po::error& e) {
-    throw DeckError(std::string("loom sample: ") + e.what() + "\n" + kUsage);
+    throw UsageError(std::string("loom sample: ") + e.what() + "\n" + kUsage);
   }
-  if (o.checkpoint.empty()) throw DeckError(std::string("loom sample expects CKPT (a checkpoint file or directory)\n") + kUsage);
-  if (o.steps < 1 || o.steps > 1000000) throw DeckError("loom sample: --steps " + std::to_string(o.steps) + " is not in 1 .. 1000000");
+  if (o.checkpoint.empty()) throw UsageError(std::string("loom sample expects CKPT (a checkpoint file or directory)\n") + kUsage);
+  if (o.steps < 1 || o.steps > 1000000) throw UsageError("loom sample: --steps " + std::to_string(o.steps) + " is not in 1 .. 1000000");
   if (!(o.temperature >= 0) || o.temperature > 100)
-    throw DeckError("loom sample: --temperature " + std::to_string(o.temperature) + " is not in [0, 100]");
-  if (o.top_k < 0) throw DeckError("loom sample: --top-k " + std::to_string(o.top_k) + " is negative (0: all tokens)");
+    throw UsageError("loom sample: --temperature " + std::to_string(o.temperature) + " is not in [0, 100]");
+  if (o.top_k < 0) throw UsageError("loom sample: --top-k " + std::to_string(o.top_k) + " is negative (0: all tokens)");
   return o;
 }
 
@@ -174,25 +176,143 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
     po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
     po::notify(vm);
   } catch (const po::error& e) {
-    throw DeckError(std::string("loom plan: ") + e.what() + "\n" + kUsage);
+    throw UsageError(std::string("loom plan: ") + e.what() + "\n" + kUsage);
   }
   if (vm.count("devices") && o.devices < 1)
-    throw DeckError("loom plan: --devices " + std::to_string(o.devices) + " must be at least 1 (the devices to search the layouts of)");
-  if (o.top < 1) throw DeckError("loom plan: --top " + std::to_string(o.top) + " must be at least 1");
+    throw UsageError("loom plan: --devices " + std::to_string(o.devices) + " must be at least 1 (the devices to search the layouts of)");
+  if (o.top < 1) throw UsageError("loom plan: --top " + std::to_string(o.top) + " must be at least 1");
   if ((o.all || vm.count("top")) && o.devices == 0)
-    throw DeckError("loom plan: --top and --all list the layout search's candidates: give --devices N");
+    throw UsageError("loom plan: --top and --all list the layout search's candidates: give --devices N");
   o.command = "loom plan";
   for (const std::string& a : rest) o.command += " " + a;
   if ((o.devices > 0 || o.json || !o.memo.empty()) && o.deck.empty())
-    throw DeckError("loom plan: --devices, --json and --memo plan a deck: loom plan DECK [--cluster FILE|PRESET] ...");
+    throw UsageError("loom plan: --devices, --json and --memo plan a deck: loom plan DECK [--cluster FILE|PRESET] ...");
   if (o.calibrate && (!o.cluster.empty() || o.show))
-    throw DeckError("loom plan: --calibrate measures this machine; it takes no --cluster or --show");
+    throw UsageError("loom plan: --calibrate measures this machine; it takes no --cluster or --show");
   if (vm.count("cluster") && o.cluster.empty())
-    throw DeckError("loom plan: --cluster is empty: give a cluster file or a preset (loom plan --cluster-keys lists the "
+    throw UsageError("loom plan: --cluster is empty: give a cluster file or a preset (loom plan --cluster-keys lists the "
                     "keys; without --cluster loom plan reads the calibration file, else the preset h100-sxm)");
   if (vm.count("output") && !o.calibrate)
-    throw DeckError("loom plan: -o/--output names the file --calibrate writes: loom plan --calibrate -o FILE");
+    throw UsageError("loom plan: -o/--output names the file --calibrate writes: loom plan --calibrate -o FILE");
   return o;
+}
+
+// What every command but `sample` reads first: the strategies (built-ins and every plugin on the
+// search path) and the schema of every deck key they and the core declare.
+struct Loaded {
+  StrategyRegistry registry;
+  DeckSchema schema;
+};
+
+std::unique_ptr<Loaded> load_strategies() {
+  auto l = std::make_unique<Loaded>();
+  register_builtin_strategies(l->registry);
+  discover_plugins(l->registry, plugin_search_path());
+  add_core_keys(l->schema);
+  for (const auto& [name, info] : l->registry.all())
+    for (const auto& key : info.keys) l->schema.add(key);
+  return l;
+}
+
+int list_plugins(const StrategyRegistry& registry, int rank) {
+  if (rank != 0) return 0;
+  std::cout << "plugin search path:";
+  for (const auto& d : plugin_search_path()) std::cout << " " << d;
+  std::cout << "\nplugin ABI " << LOOM_PLUGIN_ABI_VERSION << "\n";
+  for (const auto& line : registry.log) std::cout << "  " << line << "\n";
+  for (const auto& [name, info] : registry.all()) {
+    std::cout << "\n" << name << " " << info.version << " (" << info.origin << ")\n  " << info.description << "\n";
+    if (!info.incompatible.empty()) {
+      std::cout << "  cannot be combined with:";
+      for (const auto& other : info.incompatible) std::cout << " " << other;
+      std::cout << "\n";
+    }
+    DeckSchema own;
+    for (const auto& key : info.keys) own.add(key);
+    if (!info.keys.empty()) std::cout << own.describe();
+  }
+  for (const auto& [name, why] : registry.unusable) std::cout << "\n" << name << ": unusable: " << why << "\n";
+  return 0;
+}
+
+int ckpt(const Args& a, int rank) {
+  if (a.positional.size() == 3 && a.positional[0] == "llmc") return command_ckpt_llmc(a.positional[1], a.positional[2]);
+  if (a.positional.size() == 2 && a.positional[0] == "verify") return command_ckpt_verify(a.positional[1]);
+  if (a.positional.size() != 2 || a.positional[0] != "info")
+    throw UsageError("usage: loom ckpt info FILE | loom ckpt verify FILE|DIR | loom ckpt llmc CKPT OUT.bin\n" + std::string(kUsage));
+  if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
+  return 0;
+}
+
+// A job that trains checks LOOM_INJECT_FAULT first: a fault that would never fire proves nothing.
+void check_injection() {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  check_fault_injection(world);
+}
+
+// The commands, one entry each: the words after the command go to `run` as they are (sample, plan:
+// their own options) or parsed as DECK/operands with --set (the rest). `own_help`: COMMAND --help
+// prints its usage (run, check and export take --help as --help-deck, the key table).
+struct Command {
+  const char* name;
+  bool own_help;
+  std::function<int(const std::vector<std::string>& rest, int rank)> run;
+};
+
+// Commands of DECK/operands and --set; --help-deck prints the key table for those that read a deck
+// (`keys_on_help`).
+std::function<int(const std::vector<std::string>&, int)> with_args(const char* name,
+                                                                   std::function<int(const Args&, Loaded&, int)> f,
+                                                                   bool keys_on_help = true) {
+  return [name, f, keys_on_help](const std::vector<std::string>& rest, int rank) {
+    auto l = load_strategies();
+    const Args a = parse_subcommand(name, rest);
+    if (a.help_deck && keys_on_help) {
+      if (rank == 0) std::cout << l->schema.describe();
+      return 0;
+    }
+    return f(a, *l, rank);
+  };
+}
+
+const std::vector<Command>& commands() {
+  static const std::vector<Command> table = {
+      {"sample", true, [](const std::vector<std::string>& rest, int) { return command_sample(parse_sample(rest)); }},
+      {"plan", true,
+       [](const std::vector<std::string>& rest, int) {
+         auto l = load_strategies();
+         return command_plan(parse_plan(rest), l->registry, l->schema);
+       }},
+      {"plugins", false, with_args("plugins", [](const Args&, Loaded& l, int rank) { return list_plugins(l.registry, rank); }, false)},
+      {"ckpt", true, with_args("ckpt", [](const Args& a, Loaded&, int rank) { return ckpt(a, rank); }, false)},
+      {"keys", false,
+       with_args("keys",
+                 [](const Args&, Loaded& l, int rank) {
+                   if (rank == 0) std::cout << l.schema.describe();
+                   return 0;
+                 })},
+      {"check", false,
+       with_args("check",
+                 [](const Args& a, Loaded& l, int rank) {
+                   need_positional(a, 1, "DECK");
+                   return command_check(load_deck(l.schema, a.positional[0], a.sets), l.registry, rank);
+                 })},
+      {"run", false,
+       with_args("run",
+                 [](const Args& a, Loaded& l, int) {
+                   check_injection();
+                   need_positional(a, 1, "DECK");
+                   return command_run(load_deck(l.schema, a.positional[0], a.sets), l.registry);
+                 })},
+      {"export", false,
+       with_args("export", [](const Args& a, Loaded& l, int) {
+         check_injection();
+         need_positional(a, 2, "DECK OUT.h5");
+         return command_export(load_deck(l.schema, a.positional[0], a.sets), l.registry, a.positional[1]);
+       })},
+  };
+  return table;
 }
 
 int dispatch(int argc, char** argv, int rank) {
@@ -206,76 +326,16 @@ int dispatch(int argc, char** argv, int rank) {
     return 0;
   }
   const std::string command = args[0];
-  // COMMAND --help: that command's usage (run, check and export print the deck keys, as --help-deck).
-  if ((command == "sample" || command == "ckpt" || command == "plan") &&
-      std::any_of(args.begin() + 1, args.end(), [](const std::string& x) { return x == "--help" || x == "-h"; })) {
-    if (rank == 0) std::cout << "usage:\n" << command_usage(command);
-    return 0;
-  }
-  if (command == "sample") return command_sample(parse_sample({args.begin() + 1, args.end()}));
-  // Built-in strategies and every plugin on the search path register first, so that their deck
-  // keys are part of the schema every deck is checked against.
-  StrategyRegistry registry;
-  register_builtin_strategies(registry);
-  discover_plugins(registry, plugin_search_path());
-  DeckSchema schema;
-  add_core_keys(schema);
-  for (const auto& [name, info] : registry.all())
-    for (const auto& key : info.keys) schema.add(key);
-
-  if (command == "plan") return command_plan(parse_plan({args.begin() + 1, args.end()}), registry, schema);
-  const Args a = parse_subcommand(command, {args.begin() + 1, args.end()});
-  if (command == "plugins") {
-    if (rank != 0) return 0;
-    std::cout << "plugin search path:";
-    for (const auto& d : plugin_search_path()) std::cout << " " << d;
-    std::cout << "\nplugin ABI " << LOOM_PLUGIN_ABI_VERSION << "\n";
-    for (const auto& line : registry.log) std::cout << "  " << line << "\n";
-    for (const auto& [name, info] : registry.all()) {
-      std::cout << "\n" << name << " " << info.version << " (" << info.origin << ")\n  " << info.description << "\n";
-      if (!info.incompatible.empty()) {
-        std::cout << "  cannot be combined with:";
-        for (const auto& other : info.incompatible) std::cout << " " << other;
-        std::cout << "\n";
-      }
-      DeckSchema own;
-      for (const auto& key : info.keys) own.add(key);
-      if (!info.keys.empty()) std::cout << own.describe();
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  for (const Command& c : commands()) {
+    if (command != c.name) continue;
+    if (c.own_help && std::any_of(rest.begin(), rest.end(), [](const std::string& x) { return x == "--help" || x == "-h"; })) {
+      if (rank == 0) std::cout << "usage:\n" << command_usage(command);
+      return 0;
     }
-    for (const auto& [name, why] : registry.unusable) std::cout << "\n" << name << ": unusable: " << why << "\n";
-    return 0;
+    return c.run(rest, rank);
   }
-
-  if (command == "ckpt") {
-    if (a.positional.size() == 3 && a.positional[0] == "llmc") return command_ckpt_llmc(a.positional[1], a.positional[2]);
-    if (a.positional.size() == 2 && a.positional[0] == "verify") return command_ckpt_verify(a.positional[1]);
-    if (a.positional.size() != 2 || a.positional[0] != "info")
-      throw DeckError("usage: loom ckpt info FILE | loom ckpt verify FILE|DIR | loom ckpt llmc CKPT OUT.bin\n" + std::string(kUsage));
-    if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
-    return 0;
-  }
-  if (command == "keys" || a.help_deck) {
-    if (rank == 0) std::cout << schema.describe();
-    return 0;
-  }
-  if (command == "check") {
-    need_positional(a, 1, "DECK");
-    return command_check(Deck::load(schema, a.positional[0], a.sets), registry, rank);
-  }
-  if (command == "run" || command == "export") {
-    int world = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    check_fault_injection(world);
-  }
-  if (command == "run") {
-    need_positional(a, 1, "DECK");
-    return command_run(Deck::load(schema, a.positional[0], a.sets), registry);
-  }
-  if (command == "export") {
-    need_positional(a, 2, "DECK OUT.h5");
-    return command_export(Deck::load(schema, a.positional[0], a.sets), registry, a.positional[1]);
-  }
-  throw DeckError("unknown command " + quote_value(command) + "\n" + kUsage);
+  throw UsageError("unknown command " + quote_value(command) + "\n" + kUsage);
 }
 
 }  // namespace
@@ -345,8 +405,8 @@ int main(int argc, char** argv) {
       status = 1;
     } catch (const ReportedError&) {
       status = 2;  // setup failed; the ranks agreed and the ones that found it said why
-    } catch (const DeckError& e) {
-      // A deck (or command line) is read alike on every rank before anything else: report once.
+    } catch (const AlikeOnEveryRank& e) {
+      // A deck or command line is read alike on every rank before anything else: report once.
       if (rank == 0) write_stderr("loom: error: " + std::string(e.what()) + "\n");
       status = 2;
     } catch (const std::exception& e) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/backend/backend.hpp"
+#include "core/base/clock.hpp"
 #include "core/comm/comm.hpp"
 #include "core/base/error.hpp"
 #include "driver/commands.hpp"
@@ -25,7 +26,6 @@
 namespace loom {
 namespace {
 
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // A buffer of `n` values of `type` of the back end, filled with small values (varied, so LayerNorm's
 // rows have a spread and GELU is not evaluated at one point).
@@ -421,7 +421,7 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   if (!sets.empty()) {
     DeckSchema schema;
     add_cluster_keys(schema);
-    check_cluster_values(Deck::parse(schema, cluster_preset_text("h100-sxm"), "loom plan --calibrate --set", sets),
+    check_cluster_values(parse_deck(schema, cluster_preset_text("h100-sxm"), "loom plan --calibrate --set", sets),
                          "loom plan --calibrate --set");
   }
   // Nodes: the shared-memory domains; every rank learns each rank's node leader.

@@ -95,7 +95,7 @@ class Memo {
   Memo(const PlanSearch& search, const PlanOptions& o, const std::vector<Candidate>& all)
       : search_(search), o_(o), all_(all), cluster_(search.cluster) {
     chosen_ = search_.evaluate(all.front().v, true);  // every rank, for the memo
-    base_ = Deck::load(search_.schema, search_.deck_path, search_.deck_sets);
+    base_ = load_deck(search_.schema, search_.deck_path, search_.deck_sets);
   }
 
   std::string write() {

@@ -194,7 +194,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t.mfu = t.tokens_per_s * flops_per_token / (l.ranks() * matmul_peak(c, p.precision));
 }
 
-std::string mib(double b) {
+std::string mib_or_gib(double b) {
   std::ostringstream s;
   s << std::fixed << std::setprecision(b >= 1024.0 * 1024 * 1024 ? 2 : 1);
   if (b >= 1024.0 * 1024 * 1024) s << b / (1024.0 * 1024 * 1024) << " GiB";
@@ -236,9 +236,9 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
     // model exactly, ZeRO pads its shares to equal size); where anything differs it is at a group's
     // end (tp-replicated tensors' owned slices on tp rank 0), so the first and last of each group on
     // every stage stand for the rest. regression/plan_search_checks.py holds it to every rank built.
-    const int tp_i = rank % l.tp, dp_i = (rank / l.tp) % l.dp;
-    if (!every_rank && tp_i != 0 && tp_i != l.tp - 1) continue;
-    if (!every_rank && dp_i != 0 && dp_i != l.dp - 1) continue;
+    const Layout::Coords at = l.coords_of(rank);
+    if (!every_rank && at.tp != 0 && at.tp != l.tp - 1) continue;
+    if (!every_rank && at.dp != 0 && at.dp != l.dp - 1) continue;
     p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, cluster.devices_per_node, ec, fpt));
     const RankPrediction& r = p.ranks.back();
     p.precision = r.precision == "f32" ? "fp32" : r.precision == "f16" ? "fp16" : r.precision;
@@ -316,12 +316,12 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   s << std::setw(13) << "total" << "\n";
   for (const RankPrediction& r : p.ranks) {
     s << "  " << std::setw(4) << r.rank << "  (" << r.dp_rank << "," << r.tp_rank << "," << r.pp_rank << ")          ";
-    for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mib(r.peak[static_cast<std::size_t>(i)]);
-    s << std::setw(13) << mib(r.total) << "\n";
+    for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mib_or_gib(r.peak[static_cast<std::size_t>(i)]);
+    s << std::setw(13) << mib_or_gib(r.total) << "\n";
   }
   const double cap = cluster.device_memory_bytes;
-  s << "  largest rank " << p.worst_rank << ": " << mib(p.peak_total) << " of " << mib(cap) << " ("
-    << (p.peak_total <= cap ? "fits" : "out of memory by " + mib(p.peak_total - cap)) << ")\n";
+  s << "  largest rank " << p.worst_rank << ": " << mib_or_gib(p.peak_total) << " of " << mib_or_gib(cap) << " ("
+    << (p.peak_total <= cap ? "fits" : "out of memory by " + mib_or_gib(p.peak_total - cap)) << ")\n";
   const TimePrediction& t = p.time;
   s << std::fixed << std::setprecision(3);
   s << "step time (slowest rank): " << t.step_s * 1e3 << " ms = compute " << t.compute_s * 1e3 << " ms (products "

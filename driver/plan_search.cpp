@@ -68,7 +68,7 @@ Candidate PlanSearch::evaluate(const Variant& v, bool every_rank) const {
   std::vector<std::string> sets = deck_sets;
   for (const std::string& s : v.sets()) sets.push_back(s);
   try {
-    const Deck deck = Deck::load(schema, deck_path, sets);
+    const Deck deck = load_deck(schema, deck_path, sets);
     c.p = predict(deck, registry, cluster, every_rank);
     c.built = true;
     c.over = c.p.peak_total - cluster.device_memory_bytes;
@@ -102,7 +102,7 @@ bool faster(const Candidate& a, const Candidate& b) {
 }  // namespace
 
 std::vector<Candidate> PlanSearch::run(int devices) const {
-  const Deck base = Deck::load(schema, deck_path, deck_sets);
+  const Deck base = load_deck(schema, deck_path, deck_sets);
   const int batch = static_cast<int>(base.get_int("train.batch"));
   const std::string own = base.get_string("precision.dtype");
   const std::vector<std::string> precisions = {"fp32", own == "fp16" ? "fp16" : "bf16"};
@@ -262,7 +262,7 @@ int command_plan_deck(const PlanOptions& o, const StrategyRegistry& registry, co
                      std::to_string(cluster.devices()));
   if (rank != 0) return 0;  // a plan is one process's arithmetic
   if (o.devices == 0) {
-    const Deck deck = Deck::load(schema, o.deck, o.sets);
+    const Deck deck = load_deck(schema, o.deck, o.sets);
     const Prediction p = predict(deck, registry, cluster);
     std::cout << (o.json ? prediction_json(p, cluster) : describe_prediction(p, cluster));
     return 0;

@@ -9,6 +9,7 @@
 
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
+#include "core/model/layout_check.hpp"
 #include "core/backend/blas_core.hpp"
 #include "io/llmc.hpp"
 #include "io/report.hpp"
@@ -71,11 +72,8 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   plan.rows_per_micro = plan.rows_per_rank / plan.micro_batches;
 
   // The strategies this run needs, each with the deck setting that asks for it.
-  std::vector<std::pair<std::string, std::string>> wanted;
   const Layout& l = plan.layout;
-  if (l.dp > 1) wanted.push_back({"data", "parallel.dp = " + std::to_string(l.dp)});
-  if (l.tp > 1) wanted.push_back({"tensor", "parallel.tp = " + std::to_string(l.tp)});
-  if (l.pp > 1) wanted.push_back({"pipeline", "parallel.pp = " + std::to_string(l.pp)});
+  std::vector<std::pair<std::string, std::string>> wanted = layout_strategies(l);
   {
     std::stringstream list(d.get_string("run.plugins"));
     std::string name;

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/backend/blas_core.hpp"
+#include "core/base/clock.hpp"
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
 #include "driver/checkpointing.hpp"
@@ -26,7 +27,6 @@
 namespace loom {
 namespace {
 
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 nlohmann::json memory_json(const std::array<std::size_t, kMemCategories>& bytes, std::size_t total) {
   nlohmann::json m;
@@ -80,7 +80,8 @@ std::string duration_text(double seconds) {
   return buf;
 }
 
-// This rank's matrix-product rate in FLOP/s on a square product of 512, best of 8 after a warm-up:
+// This rank's matrix-product rate in FLOP/s on a square product (512, 4096 on a GPU), the best of 8
+// after two warm-up products:
 // the peak the MFU figure is measured against when run.peak_tflops is not given.
 double measured_matmul_flops(Backend& be) {
   // A GPU needs a larger product than a CPU core to approach its rate.
@@ -103,12 +104,6 @@ double measured_matmul_flops(Backend& be) {
     be.release_scratch();  // the 16-bit operand copies of these large products
     return 2.0 * n * n * n / best;
   }
-}
-
-std::optional<double> value_of(const std::vector<std::pair<std::string, double>>& values, const std::string& key) {
-  for (const auto& [k, v] : values)
-    if (k == key) return v;
-  return std::nullopt;
 }
 
 }  // namespace
@@ -240,7 +235,6 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     for (auto& kv : s.engine->schedule().step_report()) report_values.push_back(kv);
     report_all.add(report_values);
     if (step > start_step) report_steady.add(report_values);  // steady steps, like the throughput
-    const auto bubble = value_of(report_values, "pp_bubble");
     train_time += st.seconds;
     ++steps_run;
     if (step > start_step) {  // the first step pays for first-touch allocation: not steady state
@@ -336,8 +330,7 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
       std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(bytes).c_str(),
                   100.0 * step_wait / st.seconds, t_min * 1e3, t_max * 1e3);
     }
-    if (bubble)
-      std::printf(" | bubble %.2f (textbook %.2f)", *bubble, value_of(report_values, "pp_bubble_textbook").value_or(0.0));
+    std::printf("%s", s.engine->schedule().step_line(report_values).c_str());
     if (val) std::printf(" | val %.4f", *val);
     if (st.nonfinite) std::printf(" | update skipped");
     if (!st.skip_reason.empty()) std::printf(" | update skipped: %s", st.skip_reason.c_str());
@@ -537,33 +530,10 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                   groups[gi]->name().c_str(), groups[gi]->size(),
                   format_bytes(group_bytes_total[gi] / per_step_divisor).c_str(), group_wait_total[gi],
                   100.0 * group_wait_total[gi] / train_time);
-  if (report_means.count("dp_allreduce_ratio"))
-    std::printf("         dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f\n", report_means["dp_allreduce_ratio"]);
-  if (report_means.count("zero_ratio")) {
-    const int stage = static_cast<int>(report_means["zero_stage"]);
-    const char* bytes_formula = stage == 3 ? "3(N-1)/N*M" : "2(N-1)/N*M";
-    const char* state_formula = stage == 3 ? "16P/N" : stage == 2 ? "4P + 4P/N + 8P/N" : "4P + 4P + 8P/N";
-    std::string added = "the collectives' scratch, " + format_bytes(report_means["zero_comm_scratch_bytes"]);
-    if (report_means["zero_grad_staging_bytes"] > 0)
-      added += "; gradient staging, " + format_bytes(report_means["zero_grad_staging_bytes"]);
-    if (report_means["zero_param_gather_bytes"] > 0)
-      added += "; gathered parameters, " + format_bytes(report_means["zero_param_gather_bytes"]);
-    if (report_means["zero_whole_bytes"] > 0)
-      added += "; tensors kept whole, " + format_bytes(report_means["zero_whole_bytes"]);
-    std::printf("         ZeRO stage %d: bytes sent / textbook %s = %.4f; model state per rank %s (parameters,\n"
-                "         gradients, AdamW) against the textbook %s = %s; loom adds %s\n",
-                stage, bytes_formula, report_means["zero_ratio"], format_bytes(report_means["zero_state_bytes"]).c_str(),
-                state_formula, format_bytes(report_means["zero_state_textbook_bytes"]).c_str(), added.c_str());
-  }
-  if (report_means.count("compression_ratio")) {
-    const double identical = report_means["compression_replicas_identical"];
-    std::printf("         compression: sent %s per step against the fp32 collective's %s (ratio %.4f; the method's\n"
-                "         formula %.4f), %.2f ms per step compressing; dp replicas identical after %s\n",
-                format_bytes(report_means["compression_bytes"]).c_str(),
-                format_bytes(report_means["compression_uncompressed_bytes"]).c_str(), report_means["compression_ratio"],
-                report_means["compression_formula_ratio"], 1e3 * report_means["compression_seconds"],
-                identical == 1 ? "every step" : identical < 0 ? "(not checked: parameters kept in shares)" : "NOT every step");
-  }
+  // Each role's own lines (data parallelism, ZeRO, compression through the gradient sync and its
+  // reducers), then precision's, then the schedule's (a pipeline's bubble).
+  for (const std::string& line : s.engine->grad_sync().summary_lines(report_means))
+    std::printf("         %s\n", line.c_str());
   std::string scale_note;
   if (precision_summary.contains("loss_scale_final")) {
     char note[160];
@@ -586,10 +556,8 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
                 format_bytes(precision_summary["textbook_bytes"]).c_str(),
                 format_bytes(peak_bytes[static_cast<int>(Mem::workspace)]).c_str(),
                 scale_note.c_str());
-  if (report_means.count("pp_bubble"))
-    std::printf("         pipeline bubble: measured %.3f (mean over stages and steady steps); the schedule replayed\n"
-                "         with the measured op times and free communication %.3f; textbook (p-1)/(vm+p-1) %.3f\n",
-                report_means["pp_bubble"], report_means["pp_bubble_expected"], report_means["pp_bubble_textbook"]);
+  for (const std::string& line : s.engine->schedule().summary_lines(report_means))
+    std::printf("         %s\n", line.c_str());
   if (interrupted)
     std::printf("         interrupted by signal %d after a checkpoint: exit status %d; continue with --set "
                 "checkpoint.resume=auto\n", Checkpointing::stop_signal(), kExitInterrupted);

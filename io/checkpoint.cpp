@@ -444,7 +444,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   int left_open = g_file_left_open ? 1 : 0;
   MPI_Allreduce(MPI_IN_PLACE, &left_open, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   g_file_left_open = left_open != 0;
-  agree_on_failure(grid, failure, [&] { std::remove(tmp.c_str()); },
+  agree_on_failure(grid.world(), failure, [&] { std::remove(tmp.c_str()); },
                    "checkpoint '" + tmp + "' was not written, and the earlier checkpoints and `latest` are "
                    "unchanged");
 }

@@ -290,7 +290,7 @@ ClusterSpec load_cluster(const std::string& what, const std::vector<std::string>
   if (preset.empty() && std::filesystem::is_regular_file(what, ec) && std::filesystem::file_size(what, ec) == 0)
     throw InputError("cluster file " + quote_path(what) + ": is empty (0 bytes); a cluster description gives every key "
                      "(loom plan --cluster-keys lists them)");
-  const Deck d = preset.empty() ? Deck::load(schema, what, sets) : Deck::parse(schema, preset, "preset " + what, sets);
+  const Deck d = preset.empty() ? load_deck(schema, what, sets) : parse_deck(schema, preset, "preset " + what, sets);
   const std::string where = preset.empty() ? "cluster file " + quote_path(what) : "cluster preset " + what;
   for (const char* key : kRequired)
     if (d.is_default(key))

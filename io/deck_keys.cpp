@@ -8,53 +8,6 @@
 
 namespace loom {
 
-KeySpec int_key(std::string name, std::string def, double lo, double hi, std::string help) {
-  KeySpec k;
-  k.name = std::move(name);
-  k.type = KeyType::Int;
-  k.default_value = std::move(def);
-  k.min = lo;
-  k.max = hi;
-  k.help = std::move(help);
-  return k;
-}
-
-KeySpec float_key(std::string name, std::string def, double lo, double hi, std::string help) {
-  KeySpec k = int_key(std::move(name), std::move(def), lo, hi, std::move(help));
-  k.type = KeyType::Float;
-  return k;
-}
-
-KeySpec bool_key(std::string name, std::string def, std::string help) {
-  KeySpec k;
-  k.name = std::move(name);
-  k.type = KeyType::Bool;
-  k.default_value = std::move(def);
-  k.help = std::move(help);
-  return k;
-}
-
-KeySpec string_key(std::string name, std::string def, std::string help,
-                   std::function<std::string(const std::string&)> validate) {
-  KeySpec k;
-  k.name = std::move(name);
-  k.type = KeyType::String;
-  k.default_value = std::move(def);
-  k.help = std::move(help);
-  k.validate = std::move(validate);
-  return k;
-}
-
-KeySpec choice_key(std::string name, std::string def, std::vector<std::string> choices, std::string help) {
-  KeySpec k;
-  k.name = std::move(name);
-  k.type = KeyType::Choice;
-  k.default_value = std::move(def);
-  k.choices = std::move(choices);
-  k.help = std::move(help);
-  return k;
-}
-
 namespace {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }

@@ -1,5 +1,5 @@
 #pragma once
-// Small helpers shared by io/: file reading and name matching.
+// Small helpers shared by io/: file reading.
 #include <string>
 #include <vector>
 
@@ -7,6 +7,4 @@ namespace loom {
 // Whole file as bytes; throws InputError("<what> '<path>': cannot be read (<reason>)"), or "...: is a
 // directory, not a file".
 std::string read_file(const std::string& path, const std::string& what);
-// Levenshtein distance, for "did you mean".
-int edit_distance(const std::string& a, const std::string& b);
 }  // namespace loom

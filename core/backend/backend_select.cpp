@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "core/base/error.hpp"
-#include "core/engine/plugin.hpp"
+#include "core/base/search_path.hpp"
 #include "loom/build_info.hpp"
 
 namespace loom {

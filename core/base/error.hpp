@@ -10,9 +10,17 @@ namespace loom {
 struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-// A deck or command line that cannot be used: read alike on every rank, so reported once.
-struct DeckError : InputError {
+// Input read alike on every rank before any work, so reported once, by rank 0.
+struct AlikeOnEveryRank : InputError {
   using InputError::InputError;
+};
+// A deck (its file, a key, a value, a --set) that cannot be used.
+struct DeckError : AlikeOnEveryRank {
+  using AlikeOnEveryRank::AlikeOnEveryRank;
+};
+// A command line (a command, an option, an argument) that cannot be used.
+struct UsageError : AlikeOnEveryRank {
+  using AlikeOnEveryRank::AlikeOnEveryRank;
 };
 
 // A failure that every rank knows about alike (the ranks agreed on it, e.g. a checkpoint write that
@@ -36,4 +44,6 @@ std::string quote_value(std::string_view value, std::size_t max_chars = 80);
 // A file or directory name: escaped like any value, but never cut short (a cut path names no file).
 inline std::string quote_path(std::string_view path) { return quote_value(path, 4096); }
 std::string escape_value(std::string_view value, std::size_t max_chars = 80);
+// Levenshtein distance, for "did you mean".
+int edit_distance(const std::string& a, const std::string& b);
 }  // namespace loom

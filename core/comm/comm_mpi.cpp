@@ -102,6 +102,7 @@
 #include <vector>
 
 #include "core/base/buffer.hpp"
+#include "core/base/clock.hpp"
 #include "core/comm/comm.hpp"
 #include "core/comm/fault.hpp"
 
@@ -130,7 +131,6 @@ bool mpi_finalized() {
   return f != 0;
 }
 
-double now() { return MPI_Wtime(); }
 double g_link_free_at = 0;  // the emulated link (set_link_model) is busy until then
 
 // Paces a wait's polling loop: flat out until `spin` seconds after the last progress, then sleeps

@@ -104,13 +104,13 @@ void abort_job(const std::string& why, int status) {
   std::abort();
 }
 
-void agree_on_failure(ProcessGrid& grid, const std::string& local_failure, const std::function<void()>& clean_up,
+void agree_on_failure(Communicator& comm, const std::string& local_failure, const std::function<void()>& clean_up,
                       const std::string& consequence) {
   // Each rank's failure flag in its own slot: the lowest failing rank is the one named.
-  const int world = grid.layout().ranks();
+  const int world = comm.size();
   std::vector<double> failed(static_cast<std::size_t>(world), 0.0);
-  failed[grid.rank()] = local_failure.empty() ? 0.0 : 1.0;
-  grid.world().all_reduce(failed.data(), world);
+  failed[comm.rank()] = local_failure.empty() ? 0.0 : 1.0;
+  comm.all_reduce(failed.data(), world);
   int first = -1, count = 0;
   for (int r = 0; r < world; ++r)
     if (failed[r] > 0) {
@@ -119,8 +119,8 @@ void agree_on_failure(ProcessGrid& grid, const std::string& local_failure, const
     }
   if (first < 0) return;
   // The failing ranks say why (their reasons may differ); rank 0 runs the clean-up.
-  if (!local_failure.empty()) write_stderr(rank_error_text(grid.rank(), local_failure));
-  if (grid.rank() == 0 && clean_up) clean_up();
+  if (!local_failure.empty()) write_stderr(rank_error_text(comm.rank(), local_failure));
+  if (comm.rank() == 0 && clean_up) clean_up();
   throw AgreedFailure(consequence + ": it failed on " + std::to_string(count) + " of " + std::to_string(world) +
                       " rank(s), first on rank " + std::to_string(first));
 }

@@ -15,7 +15,7 @@
 #include <functional>
 #include <string>
 
-#include "core/comm/grid.hpp"
+#include "core/comm/comm.hpp"
 
 namespace loom {
 bool inject_fault(const char* where, std::int64_t step);
@@ -36,9 +36,9 @@ std::string rank_error_text(int rank, const std::string& why);
 // unwinding would run collective clean-up that the other ranks never join.
 [[noreturn]] void abort_job(const std::string& why, int status);
 
-// Collective over the grid's world: the ranks agree whether any of them failed (`local_failure`
+// Collective over `comm` (the grid's world): the ranks agree whether any of them failed (`local_failure`
 // non-empty). If one did, each failing rank prints its reason, rank 0 runs `clean_up`, and every rank
 // throws AgreedFailure("<consequence>: it failed on K of N rank(s), first on rank R").
-void agree_on_failure(ProcessGrid& grid, const std::string& local_failure, const std::function<void()>& clean_up,
+void agree_on_failure(Communicator& comm, const std::string& local_failure, const std::function<void()>& clean_up,
                       const std::string& consequence);
 }  // namespace loom

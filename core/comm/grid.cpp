@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <numeric>
 #include <sstream>
 
 #include "core/base/error.hpp"
@@ -19,56 +18,6 @@ std::string divisors(long n) {
   return s.str();
 }
 
-namespace {
-
-std::string s(long v) { return std::to_string(v); }
-
-}  // namespace
-
-void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int micro) {
-  if (l.ranks() != world) {
-    std::ostringstream msg;
-    msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = "
-        << l.ranks() << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s")
-        << "; either launch with mpirun -n " << l.ranks() << ", or choose a layout whose product is " << world;
-    // Suggest the dp that fills the job with the deck's tp and pp, when the batch splits over it.
-    const int tp_pp = l.tp * l.pp;
-    if (world % tp_pp == 0) {
-      const int dp_fit = world / tp_pp;
-      if (batch % (dp_fit * micro) == 0) msg << " (e.g. parallel.dp = " << dp_fit << ")";
-    }
-    throw InputError(msg.str());
-  }
-  // tp splits heads, channels and the vocabulary: it must divide all three.
-  const long tp_ok = std::gcd(std::gcd(m.heads, m.d_model), m.vocab);
-  if (m.heads % l.tp != 0)
-    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.heads = " + s(m.heads) +
-                     "; tp sizes that work: " + divisors(tp_ok));
-  if (m.d_model % l.tp != 0)
-    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.d_model = " + s(m.d_model) +
-                     "; tp sizes that work: " + divisors(tp_ok));
-  if (m.vocab % l.tp != 0)
-    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.vocab = " + s(m.vocab) +
-                     " (the token embedding is split by vocabulary); tp sizes that work: " + divisors(tp_ok));
-  if (l.pp > m.layers)
-    throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
-                     "; pp sizes that work: 1 .. " + s(m.layers));
-  if (batch % (l.dp * micro) != 0) {
-    std::ostringstream msg;
-    msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp << " ranks x train.micro_batches = "
-        << micro << " micro-batches (" << l.dp * micro << " must divide it)";
-    if (batch % l.dp == 0) msg << "; micro_batches that work with this dp: " << divisors(batch / l.dp);
-    // A dp works when each rank's share of the batch still splits into the micro-batches.
-    if (batch % micro == 0)
-      msg << "; dp sizes that work with train.micro_batches = " << micro << ": " << divisors(batch / micro);
-    else if (batch % l.dp == 0)
-      msg << "; no dp works with train.micro_batches = " << micro << " (it does not divide train.batch)";
-    else
-      msg << "; no dp works with train.micro_batches = " << micro
-          << " (it does not divide train.batch); micro_batches that do: " << divisors(batch);
-    throw InputError(msg.str());
-  }
-}
 
 namespace {
 
@@ -106,9 +55,10 @@ std::unique_ptr<ProcessGrid> ProcessGrid::planned(const Layout& layout, int rank
   std::unique_ptr<ProcessGrid> g(new ProcessGrid());
   g->layout_ = layout;
   g->rank_ = rank;
-  g->tp_i_ = rank % layout.tp;
-  g->dp_i_ = (rank / layout.tp) % layout.dp;
-  g->pp_i_ = rank / (layout.tp * layout.dp);
+  const Layout::Coords at = layout.coords_of(rank);
+  g->tp_i_ = at.tp;
+  g->dp_i_ = at.dp;
+  g->pp_i_ = at.pp;
   g->world_ = std::make_unique<PlannedCommunicator>("world", rank, layout.ranks());
   g->tp_ = std::make_unique<PlannedCommunicator>("tp", g->tp_i_, layout.tp);
   g->dp_ = std::make_unique<PlannedCommunicator>("dp", g->dp_i_, layout.dp);
@@ -124,9 +74,10 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout, const CommFactory
   int size = 1;
   MPI_Comm_rank(world, &rank_);
   MPI_Comm_size(world, &size);
-  tp_i_ = rank_ % layout.tp;
-  dp_i_ = (rank_ / layout.tp) % layout.dp;
-  pp_i_ = rank_ / (layout.tp * layout.dp);
+  const Layout::Coords at = layout.coords_of(rank_);
+  tp_i_ = at.tp;
+  dp_i_ = at.dp;
+  pp_i_ = at.pp;
 
   world_ = make(world, "world");
   MPI_Comm c;

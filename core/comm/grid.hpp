@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "core/comm/comm.hpp"
-#include "core/model/gpt.hpp"
 
 namespace loom {
 
@@ -19,14 +18,15 @@ struct Layout {
   int dp = 1, tp = 1, pp = 1;
   int ranks() const { return dp * tp * pp; }
   int rank_of(int dp_i, int tp_i, int pp_i) const { return (pp_i * dp + dp_i) * tp + tp_i; }
+  // A rank's place in each group: the inverse of rank_of, the one place the order is decoded.
+  struct Coords {
+    int dp = 0, tp = 0, pp = 0;
+  };
+  Coords coords_of(int rank) const { return {(rank / tp) % dp, rank % tp, rank / (tp * dp)}; }
 };
 
 // "1, 2, 4, 8": the divisors of n, for messages that say which sizes would work.
 std::string divisors(long n);
-
-// Checks the layout against the job and the model before any work; throws InputError naming the
-// deck keys and the values that would work.
-void check_layout(const Layout& layout, int world_size, const GPTConfig& model, int batch, int micro_batches);
 
 // Makes the communicator of one group (every rank of `comm` calls it): the back end's
 // (Backend::make_communicator), MPI by default.

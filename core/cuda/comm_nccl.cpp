@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/comm/comm.hpp"
+#include "core/base/clock.hpp"
 #include "core/cuda/comm_nccl.hpp"
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
@@ -30,9 +31,6 @@
 namespace loom {
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // The NCCL entry points loom uses, resolved from libnccl.so.2 once per process.
 struct Nccl {

@@ -1,8 +1,8 @@
 #include "core/engine/bucketed_sync.hpp"
 
+#include <cstdio>
 #include <stdexcept>
 
-#include "core/comm/fault.hpp"
 
 namespace loom {
 
@@ -77,9 +77,6 @@ std::string BucketedGradSync::name() const {
 }
 
 void BucketedGradSync::begin_micro_batch(GPT&, int k, int m) {
-  if (k == 0 && inject_fault("plugin", step_))
-    throw std::runtime_error("data plugin: injected fault at step " + std::to_string(step_) + " (LOOM_INJECT_FAULT)");
-  if (k == m - 1) ++step_;
   last_micro_ = k == m - 1;
   if (!last_micro_) return;
   for (auto& b : buckets_) {
@@ -142,6 +139,23 @@ void BucketedGradSync::plan_step(StepPlan& plan) const {
 void BucketedGradSync::append_reducer_report(std::vector<std::pair<std::string, double>>& r) const {
   for (Reducer* k = reducer_; k; k = k->inner())
     for (auto& kv : k->step_report()) r.push_back(kv);
+}
+
+void BucketedGradSync::append_reducer_summary(const std::map<std::string, double>& means,
+                                              std::vector<std::string>& lines) const {
+  for (Reducer* k = reducer_; k; k = k->inner())
+    for (auto& line : k->summary_lines(means)) lines.push_back(line);
+}
+
+std::vector<std::string> BucketedGradSync::summary_lines(const std::map<std::string, double>& means) const {
+  std::vector<std::string> lines;
+  if (const auto it = means.find("dp_allreduce_ratio"); it != means.end()) {
+    char line[160];
+    std::snprintf(line, sizeof line, "dp all-reduce: measured bytes / ring 2(N-1)/N*M = %.4f", it->second);
+    lines.push_back(line);
+  }
+  append_reducer_summary(means, lines);
+  return lines;
 }
 
 std::vector<std::pair<std::string, double>> BucketedGradSync::step_report() const {

@@ -40,12 +40,15 @@ class BucketedGradSync : public GradSync {
   // dp_allreduce_bytes (measured), dp_allreduce_ring_bytes (2(N-1)/N M) and their ratio, then the
   // reducers' own numbers.
   std::vector<std::pair<std::string, double>> step_report() const override;
+  // The ring all-reduce's measured bytes against 2(N-1)/N M, then the reducers' lines.
+  std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override;
   const std::vector<GradBucket>& buckets() const { return plain_; }
   void plan_step(StepPlan& plan) const override;
 
  protected:
-  // Reducers' numbers, outermost first.
+  // Reducers' numbers and summary lines, outermost first.
   void append_reducer_report(std::vector<std::pair<std::string, double>>& r) const;
+  void append_reducer_summary(const std::map<std::string, double>& means, std::vector<std::string>& lines) const;
   Communicator& dp_;
   Backend& be_;
   bool overlap_;
@@ -67,7 +70,6 @@ class BucketedGradSync : public GradSync {
   std::vector<Bucket*> in_flight_;  // started and not yet waited on, oldest first
   int max_in_flight_ = 0;
   bool last_micro_ = false;
-  std::int64_t step_ = 0;
 };
 
 }  // namespace loom

@@ -5,11 +5,11 @@
 #include <cmath>
 #include <limits>
 
+#include "core/base/clock.hpp"
 #include "core/comm/fault.hpp"
 
 namespace loom {
 namespace {
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 }  // namespace
 
 double AccumulateSchedule::run(StepContext& ctx) {

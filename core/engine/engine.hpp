@@ -3,12 +3,14 @@
 //   begin (hooks only: a loss scaler sets the step's scale) -> micro_batches (schedule) -> grads_final (gradient sync, the partition's and the schedule's
 //   finish_grads) -> unscale_check -> norm (over the elements each rank owns, summed over the world)
 //   -> clip -> optimize (the optimizer role on the owned slices) -> refresh (the store's refresh).
-// Each phase runs the core's built-in work, then the hooks strategies registered for it (a mixed
-// precision strategy unscales in unscale_check and may skip the update; ZeRO gathers in refresh).
+// Each phase runs the core's built-in work, then the hooks strategies registered for it (mixed
+// precision sets the loss scale in begin, unscales in unscale_check and may skip the update). ZeRO's
+// gather after the update is its store's refresh, a role, not a hook.
 // This header declares the roles the engine calls and the core's single-process default of each.
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +51,10 @@ class GradSync {
   virtual void use_reducer(Reducer* /*reducer*/) {}
   // Numbers for the metrics of the last step (name -> value), e.g. measured vs textbook volume.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // The run summary's lines about this role (and the reducers it holds), from the means over the
+  // steady steps of every role's step_report values by name; the driver prints them, indented, under
+  // "summary:", so that it knows no strategy's numbers.
+  virtual std::vector<std::string> summary_lines(const std::map<std::string, double>& /*means*/) const { return {}; }
   // `loom plan`: the scratch a step takes and the bytes it moves (core/comm/step_plan.hpp).
   virtual void plan_step(StepPlan& /*plan*/) const {}
 };
@@ -83,6 +89,10 @@ class Schedule {
   virtual void finish_grads(GPT& /*model*/) {}
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // What the step line adds from this step's step_report values (" | name value ..."), and the
+  // summary's lines from their means (GradSync::summary_lines).
+  virtual std::string step_line(const std::vector<std::pair<std::string, double>>& /*values*/) const { return {}; }
+  virtual std::vector<std::string> summary_lines(const std::map<std::string, double>& /*means*/) const { return {}; }
   // `loom plan`: the scratch a step takes, the bytes it moves and the idle share (core/comm/step_plan.hpp).
   virtual void plan_step(StepPlan& /*plan*/) const {}
 };

@@ -52,22 +52,6 @@ std::vector<std::string> StrategyRegistry::names() const {
   return n;
 }
 
-std::vector<std::string> plugin_search_path() {
-  std::vector<std::string> dirs;
-  if (const char* env = std::getenv("LOOM_PLUGIN_PATH")) {
-    std::stringstream ss(env);
-    std::string d;
-    while (std::getline(ss, d, ':'))
-      if (!d.empty()) dirs.push_back(d);
-  }
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    dirs.push_back((exe.parent_path() / "lib").string());               // build tree: build/loom, build/lib/
-    dirs.push_back((exe.parent_path() / ".." / "lib" / "loom").lexically_normal().string());  // install prefix
-  }
-  return dirs;
-}
 
 // loom's own libraries beside the plugins: the core, I/O, and the CUDA back ends (the real one and
 // the emulated device), which a run opens by run.backend, never as strategies.
@@ -116,6 +100,14 @@ void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>
       }
     }
   }
+}
+
+std::vector<std::pair<std::string, std::string>> layout_strategies(const Layout& l) {
+  std::vector<std::pair<std::string, std::string>> wanted;
+  if (l.dp > 1) wanted.push_back({"data", "parallel.dp = " + std::to_string(l.dp)});
+  if (l.tp > 1) wanted.push_back({"tensor", "parallel.tp = " + std::to_string(l.tp)});
+  if (l.pp > 1) wanted.push_back({"pipeline", "parallel.pp = " + std::to_string(l.pp)});
+  return wanted;
 }
 
 std::vector<const StrategyInfo*> resolve_strategies(const StrategyRegistry& registry,

@@ -20,7 +20,8 @@
 #include "core/model/param_store.hpp"
 #include "core/model/partition.hpp"
 #include "core/engine/reducer.hpp"
-#include "io/deck.hpp"  // KeySpec: a plugin declares its deck keys like the core does
+#include "core/base/search_path.hpp"  // plugin_search_path
+#include "core/engine/keys.hpp"  // KeySpec: a plugin declares its deck keys like the core does
 
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, or
 // the role interfaces (core/engine/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
@@ -32,8 +33,10 @@
 // flash_attention_refusal), GPTConfig::flash_attention. ABI 11: Backend::int8_absmax, _quantize,
 // _dequantize, axpy; StepPlan::backend_bytes. ABI 12: Backend::topk_select, _scatter_add, _clear; GradBucket::Tensor::begin.
 // ABI 13: Backend::plan_workspace (plan_matmuls with the attention's shape), ring_scratch_pools,
-// topk_scratch_bytes; StepPlan::price_pools.
-#define LOOM_PLUGIN_ABI_VERSION 13
+// topk_scratch_bytes; StepPlan::price_pools. ABI 14: the core in layer folders (core/engine/plugin.hpp),
+// deck keys in core/engine/keys.hpp (files read by io's load_deck), agree_on_failure over a
+// communicator, check_layout in core/model, BucketedGradSync without a step counter.
+#define LOOM_PLUGIN_ABI_VERSION 14
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -165,15 +168,15 @@ class StrategyRegistry {
 // The built-in strategies (the core's single-process defaults).
 void register_builtin_strategies(StrategyRegistry& registry);
 
-// Directories searched for libloom_<name>.so, in order: every entry of LOOM_PLUGIN_PATH
-// (colon-separated), the build tree's lib/ and the install prefix's lib/loom/ (both found relative
-// to the running executable).
-std::vector<std::string> plugin_search_path();
-
 // dlopens every libloom_<name>.so in `dirs` (the first found of each name wins), looks up the one
 // entry point and registers what it returns. Unusable libraries are recorded, not fatal: they
 // become an error only when a deck asks for them.
 void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>& dirs);
+
+// The strategy each axis of the layout needs where it has more than one rank, with the setting that
+// asks for it: dp the data-parallel strategy, tp the tensor one, pp the pipeline one. The core names
+// them, so that the driver knows no strategy.
+std::vector<std::pair<std::string, std::string>> layout_strategies(const Layout& layout);
 
 // The strategies a run needs: each requested name with the reason it is needed (e.g. "parallel.dp
 // = 2"). Throws InputError naming the reason for: a name not found (listing those that are), an

@@ -5,6 +5,7 @@
 // tensors and shapes it holds, before the collective does.
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -47,6 +48,8 @@ class Reducer {
   virtual Reducer* inner() { return nullptr; }
   // Numbers for the metrics of the last step.
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
+  // The run summary's lines about this reducer (GradSync::summary_lines, which asks each of its chain).
+  virtual std::vector<std::string> summary_lines(const std::map<std::string, double>& /*means*/) const { return {}; }
   // `loom plan`: adds the bytes reducing `bucket` moves to `plan` (CommCost::what names it) and says
   // the scratch it takes: from the communicator's pool, `ring` for each collective it leaves in
   // flight (asynchronous) and `blocking` for each it completes before returning (int8's chunk maxima,

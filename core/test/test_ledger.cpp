@@ -31,12 +31,12 @@ TEST(Ledger, BuffersFileTheirBytesForTheirLifetime) {
   auto& g = Ledger::global();
   const auto before = g.current(Mem::optimizer);
   {
-    Buffer<float> a("test.a", 1000, Mem::optimizer);
+    TypedBuffer a("test.a", DType::f32, 1000, Mem::optimizer);
     EXPECT_EQ(g.current(Mem::optimizer), before + 4000);
-    Buffer<float> b = std::move(a);  // a move does not double-count
+    TypedBuffer b = std::move(a);  // a move does not double-count
     EXPECT_EQ(g.current(Mem::optimizer), before + 4000);
-    EXPECT_EQ(b.size(), 1000u);
-    EXPECT_EQ(b[999], 0.0f);  // zero-initialised
+    EXPECT_EQ(b.count(), 1000);
+    EXPECT_EQ(b.data<float>()[999], 0.0f);  // zero-initialised
   }
   EXPECT_EQ(g.current(Mem::optimizer), before);
 }

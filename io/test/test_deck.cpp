@@ -25,7 +25,7 @@ DeckSchema core_schema() {
 std::string error_of(const std::string& text, const std::vector<std::string>& sets = {}) {
   static const DeckSchema schema = core_schema();
   try {
-    Deck::parse(schema, text, "deck.ini", sets);
+    parse_deck(schema, text, "deck.ini", sets);
   } catch (const InputError& e) {
     return e.what();
   }
@@ -71,7 +71,7 @@ TEST(DeckSchema, AddRefusesDuplicatesAndBadDefaults) {
   ok.help = "a plugin key";
   s.add(ok);
   EXPECT_EQ(s.sections().back(), "plugin");
-  const Deck d = Deck::parse(s, "[plugin]\nk = 1\n", "deck.ini");
+  const Deck d = parse_deck(s, "[plugin]\nk = 1\n", "deck.ini");
   EXPECT_EQ(d.get_int("plugin.k"), 1);
 }
 
@@ -99,7 +99,7 @@ TEST(DeckSchema, DescribeListsEveryKey) {
 
 TEST(Deck, DefaultsWhenEmpty) {
   const DeckSchema s = core_schema();
-  const Deck d = Deck::parse(s, "", "deck.ini");
+  const Deck d = parse_deck(s, "", "deck.ini");
   EXPECT_EQ(d.get_int("model.layers"), 4);
   EXPECT_EQ(d.get_int("model.d_model"), 128);
   EXPECT_FALSE(d.get_bool("model.recompute"));
@@ -134,7 +134,7 @@ TEST(Deck, ReadsValuesWithLinesAndComments) {
       "source = text:corpus.txt\r\n"   // 11
       "[model]\n"                      // 12
       "recompute = yes\n";             // 13
-  const Deck d = Deck::parse(s, text, "deck.ini");
+  const Deck d = parse_deck(s, text, "deck.ini");
   EXPECT_EQ(d.get_int("model.layers"), 8);
   EXPECT_EQ(d.get_int("model.d_model"), 256);
   EXPECT_DOUBLE_EQ(d.get_float("train.lr"), 1e-3);
@@ -153,12 +153,12 @@ TEST(Deck, ReadsValuesWithLinesAndComments) {
 TEST(Deck, Booleans) {
   const DeckSchema s = core_schema();
   for (const char* t : {"true", "1", "yes", "on", "True", "YES"})
-    EXPECT_TRUE(Deck::parse(s, std::string("[model]\nrecompute = ") + t + "\n", "d").get_bool("model.recompute"))
+    EXPECT_TRUE(parse_deck(s, std::string("[model]\nrecompute = ") + t + "\n", "d").get_bool("model.recompute"))
         << t;
   for (const char* f : {"false", "0", "no", "off", "OFF"})
-    EXPECT_FALSE(Deck::parse(s, std::string("[model]\nrecompute = ") + f + "\n", "d").get_bool("model.recompute"))
+    EXPECT_FALSE(parse_deck(s, std::string("[model]\nrecompute = ") + f + "\n", "d").get_bool("model.recompute"))
         << f;
-  const Deck d = Deck::parse(s, "[model]\nrecompute = on\n", "d");
+  const Deck d = parse_deck(s, "[model]\nrecompute = on\n", "d");
   EXPECT_EQ(d.values().at("model.recompute"), "true");  // normalized
   const std::string e = error_of("[model]\nrecompute = maybe\n");
   EXPECT_HAS(e, "deck.ini:2: model.recompute = 'maybe' is not a boolean");
@@ -168,7 +168,7 @@ TEST(Deck, Booleans) {
 TEST(Deck, IntegerParsing) {
   const DeckSchema s = core_schema();
   auto steps = [&](const std::string& v) {
-    return Deck::parse(s, "[train]\nsteps = " + v + "\n", "d").get_int("train.steps");
+    return parse_deck(s, "[train]\nsteps = " + v + "\n", "d").get_int("train.steps");
   };
   EXPECT_EQ(steps("4096"), 4096);
   EXPECT_EQ(steps("+12"), 12);
@@ -177,8 +177,8 @@ TEST(Deck, IntegerParsing) {
   EXPECT_EQ(steps("2.5e3"), 2500);
   EXPECT_EQ(steps("1e12"), 1000000000000LL);
   EXPECT_EQ(steps("10.0"), 10);
-  EXPECT_EQ(Deck::parse(s, "[train]\nsteps = 1e3\n", "d").values().at("train.steps"), "1000");
-  const Deck seed = Deck::parse(s, "[train]\nseed = 9200000000000000000\n", "d");
+  EXPECT_EQ(parse_deck(s, "[train]\nsteps = 1e3\n", "d").values().at("train.steps"), "1000");
+  const Deck seed = parse_deck(s, "[train]\nseed = 9200000000000000000\n", "d");
   EXPECT_EQ(seed.get_int("train.seed"), 9200000000000000000LL);
 
   std::string e = error_of("[train]\nsteps = 1.5\n");
@@ -209,7 +209,7 @@ TEST(Deck, IntegerOutOfRange) {
 
 TEST(Deck, FloatParsing) {
   const DeckSchema s = core_schema();
-  auto lr = [&](const std::string& v) { return Deck::parse(s, "[train]\nlr = " + v + "\n", "d").get_float("train.lr"); };
+  auto lr = [&](const std::string& v) { return parse_deck(s, "[train]\nlr = " + v + "\n", "d").get_float("train.lr"); };
   EXPECT_DOUBLE_EQ(lr("1e-3"), 1e-3);
   EXPECT_DOUBLE_EQ(lr("0.5"), 0.5);
   EXPECT_DOUBLE_EQ(lr(".25"), 0.25);
@@ -239,13 +239,13 @@ TEST(Deck, ChoiceAndValidate) {
   std::string e = error_of("[train]\n\n\nschedule = linear\n");
   EXPECT_HAS(e, "deck.ini:4: train.schedule = 'linear' is not one of: constant, cosine");
 
-  EXPECT_EQ(Deck::parse(s, "[data]\nsource = tokens:data/*.bin\n", "d").get_string("data.source"), "tokens:data/*.bin");
+  EXPECT_EQ(parse_deck(s, "[data]\nsource = tokens:data/*.bin\n", "d").get_string("data.source"), "tokens:data/*.bin");
   e = error_of("[data]\nsource = text:\n");
   EXPECT_HAS(e, "deck.ini:2: data.source = 'text:' is not allowed (allowed: synthetic, text:PATH or tokens:GLOB");
   e = error_of("[data]\nsource = wiki\n");
   EXPECT_HAS(e, "data.source = 'wiki' is not allowed");
-  EXPECT_EQ(Deck::parse(s, "[data]\nval_source = text:val.txt\n", "d").get_string("data.val_source"), "text:val.txt");
-  EXPECT_EQ(Deck::parse(s, "[data]\nval_source =\n", "d").get_string("data.val_source"), "");
+  EXPECT_EQ(parse_deck(s, "[data]\nval_source = text:val.txt\n", "d").get_string("data.val_source"), "text:val.txt");
+  EXPECT_EQ(parse_deck(s, "[data]\nval_source =\n", "d").get_string("data.val_source"), "");
   e = error_of("[data]\nval_source = tokens:\n");
   EXPECT_HAS(e, "deck.ini:2: data.val_source = 'tokens:' is not allowed");
   e = error_of("[data]\nval_fraction = 0.95\n");
@@ -254,9 +254,9 @@ TEST(Deck, ChoiceAndValidate) {
 
 TEST(Deck, ThreadsAutoOrCount) {
   const DeckSchema s = core_schema();
-  EXPECT_EQ(Deck::parse(s, "[run]\nthreads = auto\n", "d").get_string("run.threads"), "auto");
-  EXPECT_EQ(Deck::parse(s, "[run]\nthreads = 8\n", "d").get_string("run.threads"), "8");
-  EXPECT_EQ(Deck::parse(s, "", "d", {"run.threads=1024"}).get_string("run.threads"), "1024");
+  EXPECT_EQ(parse_deck(s, "[run]\nthreads = auto\n", "d").get_string("run.threads"), "auto");
+  EXPECT_EQ(parse_deck(s, "[run]\nthreads = 8\n", "d").get_string("run.threads"), "8");
+  EXPECT_EQ(parse_deck(s, "", "d", {"run.threads=1024"}).get_string("run.threads"), "1024");
   for (const char* bad : {"0", "-2", "1025", "2.5", "Auto", "four", "8 threads"}) {
     const std::string e = error_of(std::string("[run]\nthreads = ") + bad + "\n");
     EXPECT_HAS(e, std::string("deck.ini:2: run.threads = '") + bad + "' is not allowed (allowed: auto, or an integer in [1, 1024])");
@@ -346,7 +346,7 @@ TEST(Deck, FirstErrorInFileOrder) {
 
 TEST(Deck, SetOverrides) {
   const DeckSchema s = core_schema();
-  const Deck d = Deck::parse(s, "[train]\nlr = 1e-3\nsteps = 10\n", "deck.ini",
+  const Deck d = parse_deck(s, "[train]\nlr = 1e-3\nsteps = 10\n", "deck.ini",
                              {"train.lr=2e-3", "model.layers = 6", "train.lr=5e-3", "data.val_source=text:v.txt"});
   EXPECT_DOUBLE_EQ(d.get_float("train.lr"), 5e-3);  // the later --set wins
   EXPECT_EQ(d.origin("train.lr"), "--set");
@@ -357,7 +357,7 @@ TEST(Deck, SetOverrides) {
   EXPECT_EQ(d.origin("train.steps"), "deck.ini:3");
   EXPECT_EQ(d.get_string("data.val_source"), "text:v.txt");
   // A --set with an empty value is allowed where the key allows it.
-  EXPECT_EQ(Deck::parse(s, "[data]\nval_source = text:a\n", "d", {"data.val_source="}).get_string("data.val_source"), "");
+  EXPECT_EQ(parse_deck(s, "[data]\nval_source = text:a\n", "d", {"data.val_source="}).get_string("data.val_source"), "");
 }
 
 TEST(Deck, SetErrors) {
@@ -383,7 +383,7 @@ TEST(Deck, SetErrors) {
 
 TEST(Deck, ResolvedTextRoundTrips) {
   const DeckSchema s = core_schema();
-  const Deck d = Deck::parse(s, "[model]\nlayers = 1e1\nrecompute = on\n[train]\nlr = 6e-4\nschedule = constant\n",
+  const Deck d = parse_deck(s, "[model]\nlayers = 1e1\nrecompute = on\n[train]\nlr = 6e-4\nschedule = constant\n",
                              "deck.ini", {"run.dir=runs/x y", "train.seed=42"});
   const std::string t = d.resolved_text();
   EXPECT_EQ(t.rfind("#", 0), 0u);  // header comment
@@ -403,21 +403,21 @@ TEST(Deck, ResolvedTextRoundTrips) {
   EXPECT_LT(pt, pp);
   EXPECT_LT(pp, pr);
 
-  const Deck again = Deck::parse(s, t, "resolved.ini");
+  const Deck again = parse_deck(s, t, "resolved.ini");
   EXPECT_EQ(again.values(), d.values());
   // The resolved file gives every key, so nothing is left at its default any more.
   EXPECT_EQ(again.origin("model.heads"), "resolved.ini:7");  // 2 header lines, blank, [model], layers, d_model
   EXPECT_EQ(again.resolved_text().find("# default\n"), std::string::npos);
-  EXPECT_EQ(Deck::parse(s, again.resolved_text(), "again.ini").values(), d.values());
+  EXPECT_EQ(parse_deck(s, again.resolved_text(), "again.ini").values(), d.values());
 
   // The defaults alone round-trip too.
-  const Deck defaults = Deck::parse(s, "", "empty.ini");
-  EXPECT_EQ(Deck::parse(s, defaults.resolved_text(), "r.ini").values(), defaults.values());
+  const Deck defaults = parse_deck(s, "", "empty.ini");
+  EXPECT_EQ(parse_deck(s, defaults.resolved_text(), "r.ini").values(), defaults.values());
 }
 
 TEST(Deck, GettersRefuseWrongUse) {
   const DeckSchema s = core_schema();
-  const Deck d = Deck::parse(s, "", "deck.ini");
+  const Deck d = parse_deck(s, "", "deck.ini");
   EXPECT_THROW(d.get_int("train.nope"), std::logic_error);
   EXPECT_THROW(d.get_int("train.lr"), std::logic_error);
   EXPECT_THROW(d.get_float("train.steps"), std::logic_error);
@@ -431,7 +431,7 @@ TEST(Deck, GettersRefuseWrongUse) {
 TEST(Deck, LoadMissingFile) {
   const DeckSchema s = core_schema();
   try {
-    Deck::load(s, "x.deck");
+    load_deck(s, "x.deck");
     FAIL() << "no InputError";
   } catch (const InputError& e) {
     EXPECT_EQ(std::string(e.what()), "deck 'x.deck': cannot be read (No such file or directory)");
@@ -442,7 +442,7 @@ TEST(Deck, LoadMissingFile) {
 std::string load_error(const std::string& path) {
   static const DeckSchema schema = core_schema();
   try {
-    Deck::load(schema, path);
+    load_deck(schema, path);
   } catch (const DeckError& e) {
     return e.what();
   }

@@ -45,6 +45,7 @@
 #include "core/base/error.hpp"
 #include "core/comm/grid.hpp"
 #include "core/engine/plugin.hpp"
+#include "core/backend/tensor_hash.hpp"
 #include "core/base/rng.hpp"
 #include "plugins/compression/compress.hpp"
 
@@ -295,6 +296,20 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     }
     plan.host_bytes += bytes;
     plan.host_copy_bytes += bytes;
+  }
+
+  std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override {
+    if (!means.count("compression_ratio")) return {};
+    const double identical = means.at("compression_replicas_identical");
+    char line[1024];
+    std::snprintf(line, sizeof line,
+                  "compression: sent %s per step against the fp32 collective's %s (ratio %.4f; the method's\n"
+                  "         formula %.4f), %.2f ms per step compressing; dp replicas identical after %s",
+                  format_bytes(means.at("compression_bytes")).c_str(),
+                  format_bytes(means.at("compression_uncompressed_bytes")).c_str(), means.at("compression_ratio"),
+                  means.at("compression_formula_ratio"), 1e3 * means.at("compression_seconds"),
+                  identical == 1 ? "every step" : identical < 0 ? "(not checked: parameters kept in shares)" : "NOT every step");
+    return {line};
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
@@ -659,13 +674,7 @@ double replicas_identical(GPT& model, Communicator& dp) {
   for (int i = 0; i < static_cast<int>(model.params().size()); ++i) {
     const BufferRef p = store.param(i);
     if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel > 0) return -1;
-    const void* bytes = p.data;
-    if (p.space != MemSpace::host && p.bytes() > 0) {  // device parameters: through a host copy
-      copy.resize(p.bytes());
-      model.backend().copy_to_host(copy.data(), p);
-      bytes = copy.data();
-    }
-    h = rng::hash_bytes(bytes, p.bytes(), h);
+    h = hash_tensor(model.backend(), p, copy, h);
   }
   double v[4] = {static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffULL), -static_cast<double>(h >> 32),
                  -static_cast<double>(h & 0xffffffffULL)};

@@ -5,19 +5,33 @@
 // backward; at the end of backward the remaining buckets are waited on and the sum is turned into a
 // mean. Each dp rank reads only its part of every global batch (the core's batch slicing), and the
 // loss is averaged over the dp group, so the logged numbers mean the same at any dp.
-#include <algorithm>
-#include <cmath>
+#include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
 #include "core/engine/bucketed_sync.hpp"
-#include "core/comm/comm.hpp"
 #include "core/comm/fault.hpp"
-#include "core/comm/grid.hpp"
 #include "core/engine/plugin.hpp"
 
 namespace loom {
 namespace {
+
+// The core's bucketed sync, with the regression cases' injected fault (LOOM_INJECT_FAULT
+// where=plugin) thrown from inside this plugin's work, counting steps from the first of this run.
+class DataGradSync final : public BucketedGradSync {
+ public:
+  using BucketedGradSync::BucketedGradSync;
+  void begin_micro_batch(GPT& model, int k, int m) override {
+    if (k == 0 && inject_fault("plugin", step_))
+      throw std::runtime_error("data plugin: injected fault at step " + std::to_string(step_) + " (LOOM_INJECT_FAULT)");
+    if (k == m - 1) ++step_;
+    BucketedGradSync::begin_micro_batch(model, k, m);
+  }
+
+ private:
+  std::int64_t step_ = 0;
+};
 
 void register_data(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
@@ -29,9 +43,9 @@ void register_data(void* p) {
   info.claims = {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}};
   info.create = [](StrategyContext& ctx, Roles& roles) {
     roles.reducer = std::make_unique<AllReduceReducer>(ctx.grid.dp());
-    roles.grad_sync = std::make_unique<BucketedGradSync>(ctx.grid.dp(), ctx.backend, ctx.model,
-                                                         ctx.deck.get_float("data.bucket_mb"),
-                                                         ctx.deck.get_bool("data.overlap"));
+    roles.grad_sync = std::make_unique<DataGradSync>(ctx.grid.dp(), ctx.backend, ctx.model,
+                                                     ctx.deck.get_float("data.bucket_mb"),
+                                                     ctx.deck.get_bool("data.overlap"));
   };
 }
 

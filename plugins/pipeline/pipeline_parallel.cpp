@@ -13,20 +13,22 @@
 // averaged over stages) goes in the metrics next to the textbook (p-1)/(m+p-1) and next to the
 // bubble the schedule leaves with the step's measured op times and free communication (a replay),
 // and pipeline.trace writes the intervals of every rank as a Chrome-trace timeline.
-#include <mpi.h>
 
 #include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/base/buffer.hpp"
+#include "core/base/clock.hpp"
 #include "core/comm/comm.hpp"
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
@@ -44,7 +46,6 @@ using pipeline::Op;
 using pipeline::replay_span;
 using pipeline::stage_order;
 
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // ---- layers to stages ---------------------------------------------------------------------------
 
@@ -188,10 +189,11 @@ class PipelineSchedule final : public Schedule {
     if (trace_ && traced_ == 0 && !trace_origin_set_) {
       // One time origin for every rank's timeline: on one node the steady clock is shared, so rank
       // 0's reading is exact for all; across nodes, each rank's reading as it leaves a barrier.
-      MPI_Barrier(MPI_COMM_WORLD);
+      // Through the world communicator, so that a stalled rank meets run.comm_timeout here too.
+      grid_.world().barrier();
       trace_origin_ = now();
       double origin0 = trace_origin_;
-      MPI_Bcast(&origin0, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+      grid_.world().broadcast(BufferRef(&origin0, 1), 0);
       if (grid_.nodes() == 1) trace_origin_ = origin0;
       trace_origin_set_ = true;
     }
@@ -331,6 +333,27 @@ class PipelineSchedule final : public Schedule {
         for (double& t : op_s[s]) t *= seconds_per_unit.at(s);
       return replay_span(orders, op_s, m, v);
     };
+  }
+
+  std::string step_line(const std::vector<std::pair<std::string, double>>& values) const override {
+    double bubble = -1, textbook = 0;
+    for (const auto& [k, v] : values) {
+      if (k == "pp_bubble") bubble = v;
+      if (k == "pp_bubble_textbook") textbook = v;
+    }
+    if (bubble < 0) return {};
+    char s[96];
+    std::snprintf(s, sizeof s, " | bubble %.2f (textbook %.2f)", bubble, textbook);
+    return s;
+  }
+  std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override {
+    if (!means.count("pp_bubble")) return {};
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "pipeline bubble: measured %.3f (mean over stages and steady steps); the schedule replayed\n"
+                  "         with the measured op times and free communication %.3f; textbook (p-1)/(vm+p-1) %.3f",
+                  means.at("pp_bubble"), means.at("pp_bubble_expected"), means.at("pp_bubble_textbook"));
+    return {line};
   }
 
   std::vector<std::pair<std::string, double>> step_report() const override {
@@ -514,17 +537,18 @@ class PipelineSchedule final : public Schedule {
          << grid_.tp_rank() << ")\"}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" << rank
          << ",\"args\":{\"sort_index\":" << rank << "}}";
     const std::string mine = trace_text_ + meta.str();
-    int world = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    int len = static_cast<int>(mine.size());
-    std::vector<int> lens(world), displs(world, 0);
-    MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-    std::string all;
-    if (rank == 0) {
-      for (int r = 1; r < world; ++r) displs[r] = displs[r - 1] + lens[r - 1];
-      all.resize(static_cast<std::size_t>(displs[world - 1] + lens[world - 1]));
-    }
-    MPI_Gatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0, MPI_COMM_WORLD);
+    // Every rank's text to every rank (an all-gather: the communicators have no gather), through the
+    // world communicator and so under run.comm_timeout; only rank 0 writes it.
+    Communicator& world_comm = grid_.world();
+    const int world = world_comm.size();
+    std::int64_t len = static_cast<std::int64_t>(mine.size());
+    std::vector<std::int64_t> lens(static_cast<std::size_t>(world)), displs(static_cast<std::size_t>(world), 0);
+    world_comm.all_gather(BufferRef(&len, 1), BufferRef(lens.data(), world));
+    for (int r = 1; r < world; ++r) displs[r] = displs[r - 1] + lens[r - 1];
+    std::string all(static_cast<std::size_t>(displs[world - 1] + lens[world - 1]), '\0');
+    world_comm.all_gather(BufferRef(reinterpret_cast<const std::uint8_t*>(mine.data()), len),
+                          BufferRef(reinterpret_cast<std::uint8_t*>(all.data()), static_cast<std::int64_t>(all.size())),
+                          lens);
     trace_text_.clear();
     trace_steps_ = traced_;  // written once
     if (rank != 0) return;

@@ -18,7 +18,7 @@
 #include "core/model/gpt.hpp"
 #include "core/backend/kernels.hpp"
 #include "core/engine/plugin.hpp"
-#include "core/base/rng.hpp"
+#include "core/backend/tensor_hash.hpp"
 
 namespace loom {
 namespace {
@@ -124,14 +124,7 @@ class TensorPartition final : public Partition {
       const ParamInfo& p = params[static_cast<std::size_t>(o.param)];
       if (p.shadow || p.split != TpSplit::none) continue;
       for (const BufferRef ref : {store.owned_param(o), store.owned_grad(o)}) {
-        const BufferRef r = ref.slice(0, o.size());
-        const void* bytes = r.data;
-        if (r.space != MemSpace::host && r.count > 0) {  // device tensors: through a host copy
-          hash_copy_.resize(r.bytes());
-          be_.copy_to_host(hash_copy_.data(), r);
-          bytes = hash_copy_.data();
-        }
-        h = rng::hash_bytes(bytes, r.bytes(), h);
+        h = hash_tensor(be_, ref.slice(0, o.size()), hash_copy_, h);
       }
     }
     // Two floats carry 48 bits of the hash exactly (24 bits each, within a float's mantissa).

@@ -12,6 +12,7 @@
 // (N-1)/N M, the 2(N-1)/N M of an all-reduce. A tied embedding (wte with pp > 1), whose gradient
 // another stage adds to after sync, is all-reduced whole.
 // Stages 2 and 3 (gradients, then parameters too, kept only as shares): zero_sharded.hpp.
+#include <map>
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -240,6 +241,12 @@ class ZeroSync final : public BucketedGradSync {
     auto r = zero_step_report(1, dp_, before_, params_bytes_ / sizeof(float));
     append_reducer_report(r);
     return r;
+  }
+  std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override {
+    std::vector<std::string> lines;
+    if (means.count("zero_ratio")) lines.push_back(zero_summary_line(means));
+    append_reducer_summary(means, lines);
+    return lines;
   }
 
  private:

@@ -1,6 +1,7 @@
 #include "plugins/zero/zero_sharded.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <stdexcept>
 
 #include "core/base/ledger.hpp"
@@ -569,6 +570,36 @@ std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Co
           {"zero_state_bytes", state},
           {"zero_state_textbook_bytes", textbook_state},
           {"zero_comm_scratch_bytes", static_cast<double>(ledger.peak(Mem::comm))}};
+}
+
+std::string zero_summary_line(const std::map<std::string, double>& means) {
+  const auto mean = [&](const char* key) {
+    const auto it = means.find(key);
+    return it == means.end() ? 0.0 : it->second;
+  };
+  const int stage = static_cast<int>(mean("zero_stage"));
+  const char* bytes_formula = stage == 3 ? "3(N-1)/N*M" : "2(N-1)/N*M";
+  const char* state_formula = stage == 3 ? "16P/N" : stage == 2 ? "4P + 4P/N + 8P/N" : "4P + 4P + 8P/N";
+  std::string added = "the collectives' scratch, " + format_bytes(mean("zero_comm_scratch_bytes"));
+  if (mean("zero_grad_staging_bytes") > 0) added += "; gradient staging, " + format_bytes(mean("zero_grad_staging_bytes"));
+  if (mean("zero_param_gather_bytes") > 0)
+    added += "; gathered parameters, " + format_bytes(mean("zero_param_gather_bytes"));
+  if (mean("zero_whole_bytes") > 0) added += "; tensors kept whole, " + format_bytes(mean("zero_whole_bytes"));
+  char line[1024];
+  std::snprintf(line, sizeof line,
+                "ZeRO stage %d: bytes sent / textbook %s = %.4f; model state per rank %s (parameters,\n"
+                "         gradients, AdamW) against the textbook %s = %s; loom adds %s",
+                stage, bytes_formula, mean("zero_ratio"), format_bytes(mean("zero_state_bytes")).c_str(), state_formula,
+                format_bytes(mean("zero_state_textbook_bytes")).c_str(), added.c_str());
+  return line;
+}
+
+std::vector<std::string> ShardedSync::summary_lines(const std::map<std::string, double>& means) const {
+  std::vector<std::string> lines;
+  if (means.count("zero_ratio")) lines.push_back(zero_summary_line(means));
+  for (Reducer* k = reducer_; k; k = k->inner())
+    for (auto& line : k->summary_lines(means)) lines.push_back(line);
+  return lines;
 }
 
 std::vector<std::pair<std::string, double>> ShardedSync::step_report() const {

@@ -32,6 +32,7 @@
 // i+1..i+prefetch_depth, so they travel while the current one computes (before the order is known,
 // or if a step departs from it, the model's next-unit hint is fetched instead).
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,6 +49,9 @@ namespace loom {
 // 4P + 4P/N + 8P/N, 16P/N), and the collectives' scratch.
 std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Communicator& dp, const CommStats& before,
                                                              double params);
+// The summary's line from those reports' means: the bytes and the model state against the textbook,
+// and what loom adds to it.
+std::string zero_summary_line(const std::map<std::string, double>& means);
 
 class ShardedStore final : public ParamStore {
  public:
@@ -178,6 +182,7 @@ class ShardedSync final : public GradSync {
   void finish(GPT& model) override;
   double mean_over_replicas(double local) override { return dp_.sum(local) / dp_.size(); }
   std::vector<std::pair<std::string, double>> step_report() const override;
+  std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override;
   // `loom plan`: each unit's pieces through the reducer every micro-batch (one unit in flight), the
   // whole tensors' reduction at the end.
   void plan_step(StepPlan& plan) const override;

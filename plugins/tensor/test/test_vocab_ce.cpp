@@ -38,7 +38,7 @@ TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
   add_core_keys(schema);
   for (const auto& k : tensor->keys) schema.add(k);
   for (const bool sp : {false, true}) {
-    const Deck deck = Deck::parse(schema, std::string("[tensor]\nsequence_parallel = ") + (sp ? "true" : "false"), "test");
+    const Deck deck = parse_deck(schema, std::string("[tensor]\nsequence_parallel = ") + (sp ? "true" : "false"), "test");
     Layout layout;
     layout.tp = tp;
     ProcessGrid grid(MPI_COMM_WORLD, layout);

@@ -1,0 +1,61 @@
+#include "core/model/layout_check.hpp"
+
+#include <numeric>
+#include <sstream>
+
+#include "core/base/error.hpp"
+
+namespace loom {
+
+namespace {
+
+std::string s(long v) { return std::to_string(v); }
+
+}  // namespace
+
+void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int micro) {
+  if (l.ranks() != world) {
+    std::ostringstream msg;
+    msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = "
+        << l.ranks() << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s")
+        << "; either launch with mpirun -n " << l.ranks() << ", or choose a layout whose product is " << world;
+    // Suggest the dp that fills the job with the deck's tp and pp, when the batch splits over it.
+    const int tp_pp = l.tp * l.pp;
+    if (world % tp_pp == 0) {
+      const int dp_fit = world / tp_pp;
+      if (batch % (dp_fit * micro) == 0) msg << " (e.g. parallel.dp = " << dp_fit << ")";
+    }
+    throw InputError(msg.str());
+  }
+  // tp splits heads, channels and the vocabulary: it must divide all three.
+  const long tp_ok = std::gcd(std::gcd(m.heads, m.d_model), m.vocab);
+  if (m.heads % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.heads = " + s(m.heads) +
+                     "; tp sizes that work: " + divisors(tp_ok));
+  if (m.d_model % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.d_model = " + s(m.d_model) +
+                     "; tp sizes that work: " + divisors(tp_ok));
+  if (m.vocab % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.vocab = " + s(m.vocab) +
+                     " (the token embedding is split by vocabulary); tp sizes that work: " + divisors(tp_ok));
+  if (l.pp > m.layers)
+    throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
+                     "; pp sizes that work: 1 .. " + s(m.layers));
+  if (batch % (l.dp * micro) != 0) {
+    std::ostringstream msg;
+    msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp << " ranks x train.micro_batches = "
+        << micro << " micro-batches (" << l.dp * micro << " must divide it)";
+    if (batch % l.dp == 0) msg << "; micro_batches that work with this dp: " << divisors(batch / l.dp);
+    // A dp works when each rank's share of the batch still splits into the micro-batches.
+    if (batch % micro == 0)
+      msg << "; dp sizes that work with train.micro_batches = " << micro << ": " << divisors(batch / micro);
+    else if (batch % l.dp == 0)
+      msg << "; no dp works with train.micro_batches = " << micro << " (it does not divide train.batch)";
+    else
+      msg << "; no dp works with train.micro_batches = " << micro
+          << " (it does not divide train.batch); micro_batches that do: " << divisors(batch);
+    throw InputError(msg.str());
+  }
+}
+
+}  // namespace loom

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Holds the source tree to its layers (DESIGN.md "Layers"): a file includes only from its own layer
+or the ones below, a plugin includes from no other plugin, and a plugin calls no MPI function itself
+(its waits go through the communicators, which run.comm_timeout watches).
+
+    python3 regression/check_layers.py [--root DIR]     # exit 1 naming each upward include
+    python3 regression/check_layers.py --planted        # proves it fails: a copy of the tree with an
+                                                        # upward and a cross-plugin include planted
+
+Layers, lowest first:
+    core/base < core/comm < core/backend < core/model < core/engine < io < plugins < driver
+core/cuda (the CUDA back-end library) sits beside core/model: it may include base, comm and backend,
+and nothing in core outside it includes it. A test folder belongs to the layer it tests (core/test, core/test_mpi
+and the CUDA back end's tests to the whole core). bench/ and regression/ are above everything. Generated
+headers (loom/build_info.hpp) count as core/base.
+"""
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+ORDER = ["core/base", "core/comm", "core/backend", "core/model", "core/engine", "io", "plugins", "driver", "top"]
+RANK = {name: i for i, name in enumerate(ORDER)}
+SOURCE_EXT = (".hpp", ".cpp", ".h", ".cu", ".cuh", ".in")
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+# A plugin waits only through the communicators (run.comm_timeout watches them): a direct MPI call
+# would be a wait that no watchdog sees.
+MPI_CALL = re.compile(r"\bMPI_[A-Z][a-z_]+\s*\(")
+
+
+def layer_of(path):
+    """The layer a tree path belongs to: (name, rank), or None for a path outside the layers."""
+    p = path.replace(os.sep, "/")
+    if p.startswith("loom/"):  # generated build_info.hpp
+        return "core/base", RANK["core/base"]
+    if p.startswith("core/cuda/") and "/test/" in p:
+        return "core tests", RANK["core/engine"]
+    if p.startswith("core/cuda/"):
+        return "core/cuda", RANK["core/backend"] + 0.5
+    if p.startswith(("core/test/", "core/test_mpi/")):
+        return "core tests", RANK["core/engine"]
+    for name in ORDER[:6]:
+        if p.startswith(name + "/"):
+            return name, RANK[name]
+    if p.startswith("plugins/"):
+        return "plugins", RANK["plugins"]
+    if p.startswith("driver/"):
+        return "driver", RANK["driver"]
+    if p.startswith(("bench/", "regression/")):
+        return "top", RANK["top"]
+    return None
+
+
+def plugin_of(path):
+    parts = path.split("/")
+    # plugins/<name>/..., and plugins/test/ (the loader's own test plugins) as a plugin of its own
+    return parts[1] if len(parts) > 2 and parts[0] == "plugins" else None
+
+
+def check(root):
+    problems = []
+    checked = 0
+    for top in ("core", "io", "plugins", "driver", "bench", "regression"):
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for f in files:
+                if not f.endswith(SOURCE_EXT):
+                    continue
+                full = os.path.join(dirpath, f)
+                rel = os.path.relpath(full, root).replace(os.sep, "/")
+                mine = layer_of(rel)
+                if mine is None:
+                    continue
+                with open(full, encoding="utf-8", errors="replace") as fh:
+                    text = fh.read()
+                checked += 1
+                if mine[0] == "plugins" and "/test/" not in rel:
+                    for m in MPI_CALL.finditer(text):
+                        line = text.count("\n", 0, m.start()) + 1
+                        problems.append("%s:%d: calls %s) directly; a plugin waits through the grid's "
+                                        "communicators, which run.comm_timeout watches" % (rel, line, m.group(0).rstrip()))
+                for m in INCLUDE.finditer(text):
+                    inc = m.group(1)
+                    theirs = layer_of(inc)
+                    if theirs is None:
+                        continue  # a sibling header by a relative name, or a system one in quotes
+                    line = text.count("\n", 0, m.start()) + 1
+                    where = "%s:%d: includes \"%s\"" % (rel, line, inc)
+                    if theirs[1] > mine[1]:
+                        problems.append("%s: %s (layer %s) is above %s (layer %s)" % (where, inc, theirs[0], rel, mine[0]))
+                    elif theirs[0] == "core/cuda" and mine[0] not in ("core/cuda", "core tests", "top"):
+                        problems.append("%s: only the CUDA back end's own files and tests include core/cuda/" % where)
+                    elif mine[0] == "plugins" and theirs[0] == "plugins" and plugin_of(inc) != plugin_of(rel):
+                        problems.append("%s: plugin '%s' includes plugin '%s'; what two strategies share belongs "
+                                        "in core" % (where, plugin_of(rel), plugin_of(inc)))
+                    elif mine[0] == "core/cuda" and theirs[0] in ("core/model", "core/engine"):
+                        problems.append("%s: the CUDA back end sits beside core/model and includes only base, comm and "
+                                        "backend" % where)
+    return checked, problems
+
+
+def planted():
+    """Copies the sources, plants an upward include, a cross-plugin include and a direct MPI call in a
+    plugin, and requires each named."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="loom-layers-") as tmp:
+        for top in ("core", "io", "plugins", "driver"):
+            shutil.copytree(os.path.join(root, top), os.path.join(tmp, top),
+                            ignore=shutil.ignore_patterns("*.json", "*.deck", "*.h5"))
+        checked, clean = check(tmp)
+        if clean:
+            print("check_layers --planted: the copy fails before planting:\n  " + "\n  ".join(clean))
+            return 1
+        with open(os.path.join(tmp, "core/base/dtype.hpp"), "a") as fh:
+            fh.write('\n#include "driver/session.hpp"\n')
+        with open(os.path.join(tmp, "plugins/zero/zero.cpp"), "a") as fh:
+            fh.write('\n#include "plugins/compression/compress.hpp"\n')
+        with open(os.path.join(tmp, "plugins/pipeline/schedule.cpp"), "a") as fh:
+            fh.write('\nvoid planted_wait() { MPI_Barrier(MPI_COMM_WORLD); }\n')
+        _, found = check(tmp)
+        want = ["core/base/dtype.hpp", "plugins/zero/zero.cpp", "plugins/pipeline/schedule.cpp"]
+        missed = [w for w in want if not any(p.startswith(w + ":") for p in found)]
+        for p in found:
+            print("planted and found: " + p)
+        if missed or len(found) != len(want):
+            print("check_layers --planted: expected exactly the %d planted lines, missed %s" % (len(want), missed))
+            return 1
+        print("check_layers --planted: the upward include, the cross-plugin include and the direct MPI call "
+              "all refused (%d files checked)" % checked)
+        return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--planted", action="store_true", help="check that a planted upward include is refused")
+    args = ap.parse_args()
+    if args.planted:
+        return planted()
+    checked, problems = check(args.root)
+    for p in problems:
+        print(p)
+    if problems:
+        print("check_layers: %d line(s) against the layers in %d files (DESIGN.md \"Layers\")" % (len(problems), checked))
+        return 1
+    print("check_layers: %d files, every include within its layer or below" % checked)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
