@@ -19,6 +19,7 @@
 #include "core/comm/comm.hpp"
 #include "core/comm/step_plan.hpp"
 #include "core/base/dtype.hpp"
+#include "core/backend/backend_ops.hpp"
 #include "core/backend/kernel_math.hpp"
 #include "core/base/ledger.hpp"
 
@@ -96,23 +97,12 @@ class Backend {
   // each communicator; NCCL's ignore the reservation.)
   virtual bool ring_scratch_pools() const { return true; }
 
-  // wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor parallelism).
-  virtual void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe,
-                               int B, int T, int C, int vocab_begin, int vocab_end, bool add_pos) = 0;
-  virtual void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp,
-                                int B, int T, int C, int vocab_begin, int vocab_end) = 0;
-  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                                 const float* weight, const float* bias, int N, int C) = 0;
-  virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                                  const float* inp, const float* weight, const float* mean,
-                                  const float* rstd, int N, int C) = 0;
-  virtual void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                              int N, int C, int OC) = 0;
-  virtual void bias_add(float* out, const float* bias, int N, int OC) = 0;
-  virtual void bias_backward(float* dbias, const float* dout, int N, int OC) = 0;
-  virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                               const float* inp, const float* weight, int N, int C, int OC) = 0;
-  // The same products with typed operands: `inp` and `weight` are fp32 (rounded to the precision's
+  // `loom plan`: the workspace topk_select over n elements takes, kept and grown to the largest n
+  // (none on the host).
+  virtual std::int64_t topk_scratch_bytes(std::int64_t /*n*/) const { return 0; }
+
+  // --- The operations of LOOM_BACKEND_DEFAULTED_OPS, with their default bodies.
+  // The products with typed operands: `inp` and `weight` are fp32 (rounded to the precision's
   // matmul type here) or already of that type (a 16-bit compute copy of the weights, a saved 16-bit
   // activation), so a run that keeps them in 16 bits is not rounded twice. Outputs and gradients stay
   // fp32. Throws std::invalid_argument for an operand of another type. The default takes fp32 only.
@@ -123,9 +113,6 @@ class Backend {
                                BufferRef weight, int N, int C, int OC) {
     matmul_backward(dinp, dweight, dbias, dout, inp.as<float>(), weight.as<float>(), N, C, OC);
   }
-  virtual void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) = 0;
-  virtual void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv,
-                                  const float* att, int B, int T, int C, int NH) = 0;
   // Fused (flash-style) causal attention, model.attention = flash: the [B,NH,T,T] probabilities are
   // never stored; forward saves lse [B,NH,T] (each row's max + log sum of exp of the scaled scores) and
   // backward recomputes them. q, k, v, dout, the probabilities and the score gradients are rounded to
@@ -146,59 +133,42 @@ class Backend {
     (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B, (void)T;
     throw std::logic_error(flash_attention_refusal(C / NH));
   }
-  virtual void gelu_forward(float* out, const float* inp, std::int64_t n) = 0;
-  virtual void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) = 0;
-  virtual void residual_forward(float* out, const float* a, const float* b, std::int64_t n) = 0;
-  virtual void crossentropy_forward(float* losses, float* probs, const float* logits,
-                                    const std::int32_t* targets, int N, int V) = 0;
-  // targets[n] - vocab_begin is the target's column (none outside [0, V): vocabulary-parallel).
-  virtual void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets,
-                                     float dloss, int N, int V, int vocab_begin) = 0;
-  // Vocabulary-parallel cross-entropy (the tensor strategy): this rank holds the logits of
-  // vocabulary entries [vocab_begin, vocab_begin + V) of each of N rows. Around the group's reductions:
+  // --- The compute operations, declared once in core/backend/backend_ops.hpp (LOOM_BACKEND_OPS), all
+  // on this back end's memory. What they compute, by group:
+  //
+  // encoder_*: wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor
+  // parallelism). layernorm_*, matmul_* (out = inp weight^T + bias), bias_*, attention_* (causal, att
+  // the [B,NH,T,T] probabilities), gelu_*, residual_forward: the model's layers, as
+  // core/backend/kernels.hpp computes them on the host.
+  // crossentropy_backward: targets[n] - vocab_begin is the target's column (none outside [0, V):
+  // vocabulary-parallel). Vocabulary-parallel cross-entropy (the tensor strategy): this rank holds the
+  // logits of vocabulary entries [vocab_begin, vocab_begin + V) of each of N rows. Around the group's
+  // reductions:
   //   crossentropy_row_max  row_max[n] = max_v logits[n,v]                          (then: max over the group)
   //   crossentropy_partial  probs[n,v] = exp(logits[n,v] - row_max[n]); sum_exp[n] = their sum (fp64);
   //                         target_logit[n] = logits[n, targets[n] - vocab_begin] where that column is
   //                         here, else 0                                             (then: sums over the group)
   //   crossentropy_finish   probs[n,v] /= sum_exp[n]; losses[n] = log sum_exp[n] + row_max[n] - target_logit[n]
-  virtual void crossentropy_row_max(float* row_max, const float* logits, int N, int V) = 0;
-  virtual void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
-                                    const float* row_max, const std::int32_t* targets, int N, int V,
-                                    int vocab_begin) = 0;
-  virtual void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
-                                   const double* target_logit, int N, int V) = 0;
-  virtual void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n,
-                            float lr, float beta1, float beta2, float eps, float weight_decay,
-                            std::int64_t t) = 0;
-  virtual double sum_squares(const float* x, std::int64_t n) = 0;
-  virtual void scale(float* x, float a, std::int64_t n) = 0;
-  virtual void fill(float* x, float value, std::int64_t n) = 0;
-  virtual void copy(float* dst, const float* src, std::int64_t n) = 0;
-  // y += a x, the product rounded, then the sum (no fused multiply-add: the host's and CUDA's alike).
-  virtual void axpy(float* y, float a, const float* x, std::int64_t n) = 0;
-  virtual double sum(const float* x, std::int64_t n) = 0;
-
-  // Generic operations on typed buffers of this back end's space. They throw std::invalid_argument
-  // for an element type they do not take, a buffer in another memory space or mismatched counts.
+  // adamw_update, sum_squares, scale, fill, copy, sum on fp32; axpy: y += a x, the product rounded, then
+  // the sum (no fused multiply-add: the host's and CUDA's alike).
   //
-  // dst = src converted, between fp32, fp64, bf16 and fp16, rounded to nearest even (fp64 to a
-  // 16-bit type directly, not through a rounded fp32). Equal counts; the buffers must not overlap
-  // unless they are the same buffer of the same type.
-  virtual void cast(BufferRef dst, BufferRef src) = 0;
-  // Row-major out[M,N] = alpha * op(a) op(b) + beta * out, op(a) [M,K] (a is stored [K,M] when
-  // transa), op(b) [K,N] (b stored [N,K] when transb), all dense. Operands of fp32, bf16 or fp16 in
-  // any mix, accumulated in fp32 (all fp32: loom::gemm::sgemm directly; bf16 x bf16 into fp32 or
-  // bf16: loom::gemm::gemm_bf16); all fp64: dgemm. With beta == 0 the old contents of out are not read.
-  virtual void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool transa, bool transb,
-                      float alpha = 1.0f, float beta = 0.0f) = 0;
-  // One pass over the tensors (fp32, bf16, fp16, fp64): the sum of their sums of squares and where
-  // the first NaN or inf is. Each tensor's sum of squares is reduced as sum_squares reduces it (for
-  // fp32 bit for bit the same value), and the tensors' sums are added in list order.
-  virtual NormCheck sq_norm_check(const std::vector<BufferRef>& tensors) = 0;
-  // x *= a and x = value, computed in the element type's compute type (fp64 for fp64, else fp32).
-  virtual void scale(BufferRef x, double a) = 0;
-  virtual void fill(BufferRef x, double value) = 0;
-
+  // Operations on typed buffers of this back end's space. They throw std::invalid_argument for an
+  // element type they do not take, a buffer in another memory space or mismatched counts.
+  //   cast           dst = src converted, between fp32, fp64, bf16 and fp16, rounded to nearest even (fp64
+  //                  to a 16-bit type directly, not through a rounded fp32). Equal counts; the buffers
+  //                  must not overlap unless they are the same buffer of the same type.
+  //   matmul         row-major out[M,N] = alpha * op(a) op(b) + beta * out, op(a) [M,K] (a is stored
+  //                  [K,M] when transa), op(b) [K,N] (b stored [N,K] when transb), all dense. Operands of
+  //                  fp32, bf16 or fp16 in any mix, accumulated in fp32 (all fp32: loom::gemm::sgemm
+  //                  directly; bf16 x bf16 into fp32 or bf16: loom::gemm::gemm_bf16); all fp64: dgemm.
+  //                  With beta == 0 the old contents of out are not read.
+  //   sq_norm_check  one pass over the tensors (fp32, bf16, fp16, fp64): the sum of their sums of squares
+  //                  and where the first NaN or inf is. Each tensor's sum of squares is reduced as
+  //                  sum_squares reduces it (for fp32 bit for bit the same value), and the tensors' sums
+  //                  are added in list order.
+  //   scale, fill    x *= a and x = value, computed in the element type's compute type (fp64 for fp64,
+  //                  else fp32).
+  //
   // int8 gradient compression (plugins/compression: core/backend/kernels.hpp int8_absmax, _quantize,
   // _dequantize; the per-element rule is math::int8_level), on this back end's memory, so that a
   // device run compresses where its gradients are. chunks = ceil(n / chunk).
@@ -206,11 +176,6 @@ class Backend {
   //                    a NaN or an inf, else 0                                   ([chunks + 1], [n])
   //   int8_quantize    q = x's levels at step absmax[c] / levels; error (may be null) = x - q step
   //   int8_dequantize  x = q step, or NaN everywhere where absmax[chunks] > 0 (a rank's non-finite value)
-  virtual void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) = 0;
-  virtual void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
-                             const float* absmax, int levels) = 0;
-  virtual void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk,
-                               const float* absmax, int levels) = 0;
   // top-k gradient compression (plugins/compression: core/backend/kernels.hpp topk_*, core/cuda/topk.cuh),
   // on this back end's memory. 0 <= k <= n < 2^31.
   //   topk_select       index, value [k] = the k elements of x [n] with the largest |x| (ties to the
@@ -218,12 +183,16 @@ class Backend {
   //                     = j and value NaN (so every rank's sum is non-finite)
   //   topk_scatter_add  x[index[j]] += value[j], j < k (distinct indices: one rank's selection)
   //   topk_clear        x[index[j]] = 0, j < k (error feedback keeps what was not sent)
-  virtual void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) = 0;
-  virtual void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) = 0;
-  virtual void topk_clear(float* x, const std::int32_t* index, std::int64_t k) = 0;
-  // `loom plan`: the workspace topk_select over n elements takes, kept and grown to the largest n
-  // (none on the host).
-  virtual std::int64_t topk_scratch_bytes(std::int64_t /*n*/) const { return 0; }
+#define LOOM_DECLARE_OP(ret, name, params, args) virtual ret name params = 0;
+  LOOM_BACKEND_OPS(LOOM_DECLARE_OP)
+#undef LOOM_DECLARE_OP
+  // (Nothing virtual after the list: an operation added at its end takes the last vtable slot, so the
+  // slots of everything before it stay where callers built against an older loom expect them.)
+  void matmul(BufferRef out, BufferRef a, BufferRef b, int M, int N, int K, bool transa, bool transb) {
+    matmul(out, a, b, M, N, K, transa, transb, 1.0f, 0.0f);
+  }
+
+
 
  protected:
   Precision precision_;

@@ -2,6 +2,8 @@
 // allocations, the work queue, streams and events, launches and errors.
 #include "core/cuda/emu/runtime.hpp"
 
+#include "core/backend/device_address.hpp"
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -48,7 +50,6 @@ struct CUevent_st {
 namespace loom::cuda_emu::rt {
 namespace {
 
-constexpr std::uintptr_t kAway = std::uintptr_t(1) << 47;
 constexpr std::size_t kDeviceBytes = std::size_t(80) << 30;  // an H100's, for cudaMemGetInfo and refusals
 constexpr std::size_t kDefaultShared = 48 * 1024;              // without cudaFuncSetAttribute
 
@@ -244,8 +245,7 @@ const Allocation* allocation_of(std::uintptr_t a, std::uintptr_t* start) {
 }  // namespace
 
 bool is_device_address(const void* p) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p);
-  return a >= kAway && a < 2 * kAway;
+  return loom::device_address::is_moved(p);
 }
 
 void* host_address(const void* p, std::size_t bytes, const std::string& what) {
@@ -388,7 +388,7 @@ cudaError_t cudaMalloc(void** p, std::size_t bytes) {
   auto* host = static_cast<unsigned char*>(std::aligned_alloc(256, rounded));
   if (!host) return last_error = cudaErrorMemoryAllocation;
   std::memset(host, 0xff, rounded);  // NaN in every float: a read of memory never written shows
-  const auto device = reinterpret_cast<std::uintptr_t>(host) + kAway;
+  const auto device = reinterpret_cast<std::uintptr_t>(loom::device_address::away(host));
   allocations[device] = {bytes, host};
   allocated += bytes;
   *p = reinterpret_cast<void*>(device);

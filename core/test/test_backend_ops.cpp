@@ -1,0 +1,115 @@
+// Tests generated from the back end's one list of operations (core/backend/backend_ops.hpp): an
+// operation added to the list is covered here without a line of this file changing.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "core/backend/backend.hpp"
+#include "core/backend/forwarding_backend.hpp"
+
+namespace loom {
+namespace {
+
+// Calls `op` on `be` with value-initialised arguments (null pointers, zero sizes, empty buffers).
+template <class R, class... A>
+R call_with_nothing(Backend& be, R (Backend::*op)(A...)) {
+  std::tuple<std::decay_t<A>...> args{};
+  return std::apply([&](auto&... a) -> R { return (be.*op)(a...); }, args);
+}
+
+// Every operation of the list by name, each with its member pointer (overloads told apart by their
+// parameters, as the list declares them).
+struct OpCall {
+  std::string name;
+  std::function<void(Backend&)> call;
+};
+std::vector<OpCall> every_op() {
+  std::vector<OpCall> ops;
+#define LOOM_TEST_OP(ret, name, params, args)                                    \
+  ops.push_back({#name, [](Backend& be) {                                        \
+                   call_with_nothing(be, static_cast<ret(Backend::*) params>(&Backend::name)); \
+                 }});
+  LOOM_BACKEND_OPS(LOOM_TEST_OP)
+  LOOM_BACKEND_DEFAULTED_OPS(LOOM_TEST_OP)
+#undef LOOM_TEST_OP
+  return ops;
+}
+
+// A back end whose every operation records its name and does nothing else (so reads no argument).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+class RecordingBackend final : public Backend {
+ public:
+  std::string name() const override { return "recording"; }
+  std::string description() const override { return "records the operations it is asked for"; }
+#define LOOM_RECORD_OP(ret, name, params, args) \
+  ret name params override {                  \
+    calls.push_back(#name);                   \
+    return ret();                             \
+  }
+  LOOM_BACKEND_OPS(LOOM_RECORD_OP)
+  LOOM_BACKEND_DEFAULTED_OPS(LOOM_RECORD_OP)
+#undef LOOM_RECORD_OP
+  std::vector<std::string> calls;
+};
+#pragma GCC diagnostic pop
+
+TEST(BackendOps, AForwardingBackendPassesEachOperationToTheSameOne) {
+  auto recording = std::make_unique<RecordingBackend>();
+  RecordingBackend* inner = recording.get();
+  ForwardingBackend forwarding(std::move(recording));
+  for (const OpCall& op : every_op()) {
+    inner->calls.clear();
+    op.call(forwarding);
+    ASSERT_EQ(inner->calls.size(), 1u) << op.name;
+    EXPECT_EQ(inner->calls[0], op.name);
+  }
+}
+
+TEST(BackendOps, TheSizingBackendRefusesEachOperationByName) {
+  auto sizing = make_sizing_backend(make_host_backend(1));
+  for (const OpCall& op : every_op()) {
+    try {
+      op.call(*sizing);
+      ADD_FAILURE() << "the sizing back end ran " << op.name;
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("ran a kernel (" + op.name + ")"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The fenced back end moves each pointer back into the host's address space on its way to the host
+// kernels: a wrapper that maps pointers sees every pointer argument of every operation mapped.
+class ShiftingBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  mutable int mapped = 0;
+
+ protected:
+  void* map_pointer(void* p) const override {
+    ++mapped;
+    return p;
+  }
+};
+
+TEST(BackendOps, EveryPointerArgumentIsMapped) {
+  ShiftingBackend shifting(std::make_unique<RecordingBackend>());
+  int ops_with_pointers = 0;
+  for (const OpCall& op : every_op()) {
+    shifting.mapped = 0;
+    op.call(shifting);
+    ops_with_pointers += shifting.mapped > 0;
+  }
+  // Every operation but those on typed buffers only (cast, matmul, sq_norm_check, scale and fill on
+  // BufferRef) takes pointers.
+  EXPECT_EQ(ops_with_pointers, static_cast<int>(every_op().size()) - 5);
+}
+
+}  // namespace
+}  // namespace loom
