@@ -305,8 +305,14 @@ void register_zero(void* p) {
       roles.grad_sync = std::make_unique<ShardedSync>(ctx.grid.dp(), ctx.backend, ctx.model, *sharded, bucket_mb, overlap);
       return;
     }
-    const auto& store = dynamic_cast<const ZeroStore&>(ctx.model.store());
-    roles.grad_sync = std::make_unique<ZeroSync>(ctx.grid.dp(), ctx.backend, ctx.model, bucket_mb, overlap, store);
+    // Another strategy's store in the run (one that replaced zero's): refused by name, never bad_cast.
+    const auto* store = dynamic_cast<const ZeroStore*>(&ctx.model.store());
+    if (!store)
+      throw InputError("zero.stage = " + std::to_string(ctx.deck.get_int("zero.stage")) +
+                       ": ZeRO's gradient sync needs ZeRO's parameter store, but the run's store is " +
+                       quote_value(ctx.model.store().name()) +
+                       " (another strategy supplies it); set zero.stage = 0, or leave the store to zero");
+    roles.grad_sync = std::make_unique<ZeroSync>(ctx.grid.dp(), ctx.backend, ctx.model, bucket_mb, overlap, *store);
   };
 }
 
