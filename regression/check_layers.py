@@ -5,7 +5,8 @@ or the ones below, a plugin includes from no other plugin, and a plugin calls no
 
     python3 regression/check_layers.py [--root DIR]     # exit 1 naming each upward include
     python3 regression/check_layers.py --planted        # proves it fails: a copy of the tree with an
-                                                        # upward and a cross-plugin include planted
+                                                        # upward include, a cross-plugin include and
+                                                        # a direct MPI call in a plugin planted
 
 Layers, lowest first:
     core/base < core/comm < core/backend < core/model < core/engine < io < plugins < driver

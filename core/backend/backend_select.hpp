@@ -17,7 +17,8 @@ namespace loom {
 #define LOOM_CUDA_ABI_VERSION 9  // 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy; 6: Backend::topk_*;
                                  // 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes;
                                  // 8: loom_cuda_device_uuids; 9: Backend's operations from one list
-                                 // (core/backend/backend_ops.hpp), the defaulted ones after it
+                                 // (core/backend/backend_ops.hpp), last in the vtable, the defaulted
+                                 // ones before them
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

@@ -53,7 +53,7 @@ class GradSync {
   virtual std::vector<std::pair<std::string, double>> step_report() const { return {}; }
   // The run summary's lines about this role (and the reducers it holds), from the means over the
   // steady steps of every role's step_report values by name; the driver prints them, indented, under
-  // "summary:", so that it knows no strategy's numbers.
+  // "summary:", so that it does not restate a strategy's formulas.
   virtual std::vector<std::string> summary_lines(const std::map<std::string, double>& /*means*/) const { return {}; }
   // `loom plan`: the scratch a step takes and the bytes it moves (core/comm/step_plan.hpp).
   virtual void plan_step(StepPlan& /*plan*/) const {}

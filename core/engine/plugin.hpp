@@ -35,7 +35,9 @@
 // ABI 13: Backend::plan_workspace (plan_matmuls with the attention's shape), ring_scratch_pools,
 // topk_scratch_bytes; StepPlan::price_pools. ABI 14: the core in layer folders (core/engine/plugin.hpp),
 // deck keys in core/engine/keys.hpp (files read by io's load_deck), agree_on_failure over a
-// communicator, check_layout in core/model, BucketedGradSync without a step counter.
+// communicator, check_layout in core/model, BucketedGradSync without a step counter; Backend's
+// operations from one list (core/backend/backend_ops.hpp), reordered in its vtable; the roles'
+// summary_lines and Schedule::step_line.
 #define LOOM_PLUGIN_ABI_VERSION 14
 
 extern "C" {

@@ -23,6 +23,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -336,14 +337,15 @@ class PipelineSchedule final : public Schedule {
   }
 
   std::string step_line(const std::vector<std::pair<std::string, double>>& values) const override {
-    double bubble = -1, textbook = 0;
+    std::optional<double> bubble;
+    double textbook = 0;
     for (const auto& [k, v] : values) {
       if (k == "pp_bubble") bubble = v;
       if (k == "pp_bubble_textbook") textbook = v;
     }
-    if (bubble < 0) return {};
+    if (!bubble) return {};
     char s[96];
-    std::snprintf(s, sizeof s, " | bubble %.2f (textbook %.2f)", bubble, textbook);
+    std::snprintf(s, sizeof s, " | bubble %.2f (textbook %.2f)", *bubble, textbook);
     return s;
   }
   std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override {

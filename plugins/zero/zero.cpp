@@ -20,6 +20,7 @@
 #include "core/engine/bucketed_sync.hpp"
 #include "core/comm/comm.hpp"
 #include "core/base/error.hpp"
+#include "core/comm/fault.hpp"
 #include "core/comm/grid.hpp"
 #include "core/base/ledger.hpp"
 #include "core/engine/plugin.hpp"
@@ -232,6 +233,9 @@ class ZeroSync final : public BucketedGradSync {
         params_bytes_(static_cast<double>(model.store().local_numel()) * sizeof(float)) {}
   std::string name() const override { return "ZeRO stage 1: " + BucketedGradSync::name(); }
   void begin_micro_batch(GPT& model, int k, int m) override {
+    if (k == 0 && inject_fault("plugin", step_))
+      throw std::runtime_error("zero plugin: injected fault at step " + std::to_string(step_) + " (LOOM_INJECT_FAULT)");
+    if (k == m - 1) ++step_;
     BucketedGradSync::begin_micro_batch(model, k, m);
     if (k == m - 1) before_ = dp_.stats();
   }
@@ -252,6 +256,7 @@ class ZeroSync final : public BucketedGradSync {
  private:
   double params_bytes_;
   CommStats before_;
+  std::int64_t step_ = 0;  // steps of this run, for LOOM_INJECT_FAULT where=plugin
 };
 
 void register_zero(void* p) {

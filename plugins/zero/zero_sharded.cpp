@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "core/base/ledger.hpp"
+#include "core/comm/fault.hpp"
 
 namespace loom {
 
@@ -489,7 +490,10 @@ std::string ShardedSync::name() const {
          std::to_string(piece_ * sizeof(float) / 1024) + " KiB" + (overlap_ ? ", overlapped with backward" : ", waited at once");
 }
 
-void ShardedSync::begin_micro_batch(GPT&, int, int) {
+void ShardedSync::begin_micro_batch(GPT&, int k, int m) {
+  if (k == 0 && inject_fault("plugin", step_))
+    throw std::runtime_error("zero plugin: injected fault at step " + std::to_string(step_) + " (LOOM_INJECT_FAULT)");
+  if (k == m - 1) ++step_;
   // The previous micro-batch's last reduction had this one's forward to finish in: its slot (the
   // embeddings') is free again before the head's backward asks for one.
   while (!in_flight_.empty()) complete_oldest();

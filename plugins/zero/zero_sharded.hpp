@@ -188,6 +188,7 @@ class ShardedSync final : public GradSync {
   void plan_step(StepPlan& plan) const override;
 
  private:
+  std::int64_t step_ = 0;  // steps of this run, for LOOM_INJECT_FAULT where=plugin
   struct InFlight {
     ShardedStore::Staged staged;
     std::vector<GradBucket> buckets;
