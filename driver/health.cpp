@@ -52,7 +52,7 @@ std::vector<TensorSource> optimizer_state(Optimizer& optimizer) {
 
 namespace {
 // The elements of a device tensor, copied to the host; empty for a host tensor (read in place).
-std::vector<float> host_copy(Backend& backend, const BufferRef& ref) {
+std::vector<float> host_copy(BackendFace& backend, const BufferRef& ref) {
   std::vector<float> copy;
   if (ref.space == MemSpace::host || ref.empty()) return copy;
   copy.resize(static_cast<std::size_t>(ref.count));
@@ -104,7 +104,7 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, c
   return at;
 }
 
-std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, Backend& backend,
+std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, BackendFace& backend,
                                                       const std::vector<CheckpointContributor*>& parts) {
   constexpr double kNone = -1e300;
   std::vector<std::string> paths;

@@ -42,7 +42,7 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, c
 // Collective over the grid's world: the path of the first contributed checkpoint tensor (in the
 // order `parts` list them) holding a non-finite value on any rank, or nothing. A tensor in the back
 // end's device memory is checked there (Backend::sq_norm_check).
-std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, Backend& backend,
+std::optional<std::string> find_nonfinite_contributed(ProcessGrid& grid, BackendFace& backend,
                                                       const std::vector<CheckpointContributor*>& parts);
 
 }  // namespace loom

@@ -241,7 +241,7 @@ StepPlan plan_rank_step(const EngineConfig& engine_cfg, GPT& model, Engine& engi
   StepPlan s;
   s.micro_batches = engine_cfg.micro_batches;
   s.rows_per_micro = engine_cfg.rows_per_micro;
-  s.price_pools = model.backend().ring_scratch_pools();
+  s.price_pools = engine.backend().ring_scratch_pools();
   model.plan_step(s);
   model.store().plan_step(s);
   engine.schedule().plan_step(s);

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Holds the source tree to its layers (DESIGN.md "Layers"): a file includes only from its own layer
-or the ones below, a plugin includes from no other plugin, and a plugin calls no MPI function itself
-(its waits go through the communicators, which run.comm_timeout watches).
+or the ones below, a plugin includes from no other plugin, a plugin calls no MPI function itself
+(its waits go through the communicators, which run.comm_timeout watches), and a plugin sees the back
+end only through its face (BackendFace, core/backend/backend_face.hpp: the part of the plugin ABI that
+an added back-end operation does not move), never naming Backend or including the headers of the
+whole back end.
 
     python3 regression/check_layers.py [--root DIR]     # exit 1 naming each upward include
-    python3 regression/check_layers.py --planted        # proves it fails: a copy of the tree with an
-                                                        # upward include, a cross-plugin include and
-                                                        # a direct MPI call in a plugin planted
+    python3 regression/check_layers.py --planted        # proves it fails: a copy of the tree with
+                                                        # an upward include, a cross-plugin include, a
+                                                        # direct MPI call and a use of the whole Backend
+                                                        # in a plugin planted
 
 Layers, lowest first:
     core/base < core/comm < core/backend < core/model < core/engine < io < plugins < driver
@@ -29,6 +33,12 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 # A plugin waits only through the communicators (run.comm_timeout watches them): a direct MPI call
 # would be a wait that no watchdog sees.
 MPI_CALL = re.compile(r"\bMPI_[A-Z][a-z_]+\s*\(")
+# A plugin calls the back end through BackendFace: the slots of the whole Backend move when an
+# operation is added, which would break a plugin built against an older loom.
+WHOLE_BACKEND = re.compile(r"\bBackend\b")
+WHOLE_BACKEND_HEADERS = ("core/backend/backend.hpp", "core/backend/forwarding_backend.hpp", "core/backend/kernels.hpp",
+                         "core/backend/backend_ops.hpp")
+COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 def layer_of(path):
@@ -76,6 +86,14 @@ def check(root):
                 with open(full, encoding="utf-8", errors="replace") as fh:
                     text = fh.read()
                 checked += 1
+                # (a plugin's tests are not loaded as a plugin: they may test against the whole back end)
+                plugin_code = mine[0] == "plugins" and "/test/" not in rel
+                if plugin_code:
+                    for m in WHOLE_BACKEND.finditer(COMMENT.sub(lambda c: " " * len(c.group(0)), text)):
+                        line = text.count("\n", 0, m.start()) + 1
+                        problems.append("%s:%d: names Backend; a plugin sees the back end as BackendFace "
+                                        "(core/backend/backend_face.hpp), whose slots an added operation does not "
+                                        "move" % (rel, line))
                 if mine[0] == "plugins" and "/test/" not in rel:
                     for m in MPI_CALL.finditer(text):
                         line = text.count("\n", 0, m.start()) + 1
@@ -88,7 +106,10 @@ def check(root):
                         continue  # a sibling header by a relative name, or a system one in quotes
                     line = text.count("\n", 0, m.start()) + 1
                     where = "%s:%d: includes \"%s\"" % (rel, line, inc)
-                    if theirs[1] > mine[1]:
+                    if plugin_code and inc in WHOLE_BACKEND_HEADERS:
+                        problems.append("%s: a plugin includes the back end's face (core/backend/backend_face.hpp, "
+                                        "through core/engine/plugin.hpp), not the whole back end" % where)
+                    elif theirs[1] > mine[1]:
                         problems.append("%s: %s (layer %s) is above %s (layer %s)" % (where, inc, theirs[0], rel, mine[0]))
                     elif theirs[0] == "core/cuda" and mine[0] not in ("core/cuda", "core tests", "top"):
                         problems.append("%s: only the CUDA back end's own files and tests include core/cuda/" % where)
@@ -119,16 +140,19 @@ def planted():
             fh.write('\n#include "plugins/compression/compress.hpp"\n')
         with open(os.path.join(tmp, "plugins/pipeline/schedule.cpp"), "a") as fh:
             fh.write('\nvoid planted_wait() { MPI_Barrier(MPI_COMM_WORLD); }\n')
+        with open(os.path.join(tmp, "plugins/data/data_parallel.cpp"), "a") as fh:
+            fh.write('\n#include "core/backend/kernels.hpp"\nvoid planted_call(loom::Backend& be);\n')
         _, found = check(tmp)
-        want = ["core/base/dtype.hpp", "plugins/zero/zero.cpp", "plugins/pipeline/schedule.cpp"]
+        want = ["core/base/dtype.hpp", "plugins/zero/zero.cpp", "plugins/pipeline/schedule.cpp",
+                "plugins/data/data_parallel.cpp", "plugins/data/data_parallel.cpp"]
         missed = [w for w in want if not any(p.startswith(w + ":") for p in found)]
         for p in found:
             print("planted and found: " + p)
         if missed or len(found) != len(want):
             print("check_layers --planted: expected exactly the %d planted lines, missed %s" % (len(want), missed))
             return 1
-        print("check_layers --planted: the upward include, the cross-plugin include and the direct MPI call "
-              "all refused (%d files checked)" % checked)
+        print("check_layers --planted: the upward include, the cross-plugin include, the direct MPI call and "
+              "the plugin's include and use of the whole back end all refused (%d files checked)" % checked)
         return 0
 
 

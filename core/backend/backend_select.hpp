@@ -14,11 +14,12 @@
 namespace loom {
 
 // The entry points of libloom_cuda.so (extern "C", resolved by dlsym).
-#define LOOM_CUDA_ABI_VERSION 9  // 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy; 6: Backend::topk_*;
+#define LOOM_CUDA_ABI_VERSION 10  // 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy; 6: Backend::topk_*;
                                  // 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes;
                                  // 8: loom_cuda_device_uuids; 9: Backend's operations from one list
                                  // (core/backend/backend_ops.hpp), last in the vtable, the defaulted
-                                 // ones before them
+                                 // ones before them; 10: BackendFace first (the plugin face,
+                                 // LOOM_FACE_OPS), then the rest of Backend
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

@@ -1,6 +1,6 @@
 #pragma once
 // A back end that wraps another and passes every operation on (the fenced and the sizing back ends):
-// each operation of core/backend/backend_ops.hpp is generated here, so a wrapper overrides only what
+// each operation of core/backend/backend_ops.hpp (both lists) is generated here, so a wrapper overrides only what
 // differs. Before an operation it calls before_op(name); on the way, each pointer argument goes
 // through map_pointer and each typed buffer through map_buffer (both identity here). The communicator
 // is Backend's own choice for this back end's space(), not the wrapped one's.
@@ -66,6 +66,7 @@ class ForwardingBackend : public Backend {
     before_op(#name);                                                                         \
     return pass(#name, [this](auto... a) -> ret { return inner_->name(a...); }, LOOM_EXPAND args); \
   }
+  LOOM_FACE_OPS(LOOM_FORWARD_OP)
   LOOM_BACKEND_OPS(LOOM_FORWARD_OP)
   LOOM_BACKEND_DEFAULTED_OPS(LOOM_FORWARD_OP)
 #undef LOOM_FORWARD_OP

@@ -4,14 +4,14 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/backend/backend.hpp"
+#include "core/backend/backend_face.hpp"
 #include "core/base/rng.hpp"
 
 namespace loom {
 
 // rng::hash_bytes of `t`'s bytes continuing from h, read through a host copy (kept in `scratch`)
 // where the tensor is on a device.
-inline std::uint64_t hash_tensor(Backend& be, BufferRef t, std::vector<unsigned char>& scratch,
+inline std::uint64_t hash_tensor(BackendFace& be, BufferRef t, std::vector<unsigned char>& scratch,
                                  std::uint64_t h = 0xcbf29ce484222325ULL) {
   const void* bytes = t.data;
   if (t.space != MemSpace::host && t.bytes() > 0) {

@@ -10,7 +10,7 @@ namespace loom {
 // gradients are adjacent in the store's memory, closed once it holds at least bucket_mb (or where
 // the next tensor is not adjacent: a store that keeps units apart gets buckets per unit). A tensor
 // the plan wants whole gets a bucket of its own.
-BucketedGradSync::BucketedGradSync(Communicator& dp, Backend& backend, GPT& model, double bucket_mb, bool overlap,
+BucketedGradSync::BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& model, double bucket_mb, bool overlap,
                                    BucketPlan plan)
     : dp_(dp), be_(backend), overlap_(overlap), max_in_flight_(plan.max_in_flight) {
   const auto& params = model.params();

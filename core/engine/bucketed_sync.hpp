@@ -30,7 +30,7 @@ struct BucketPlan {
 
 class BucketedGradSync : public GradSync {
  public:
-  BucketedGradSync(Communicator& dp, Backend& backend, GPT& model, double bucket_mb, bool overlap, BucketPlan plan = {});
+  BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& model, double bucket_mb, bool overlap, BucketPlan plan = {});
   std::string name() const override;
   void use_reducer(Reducer* reducer) override { reducer_ = reducer; }
   void begin_micro_batch(GPT& model, int k, int m) override;
@@ -50,7 +50,7 @@ class BucketedGradSync : public GradSync {
   void append_reducer_report(std::vector<std::pair<std::string, double>>& r) const;
   void append_reducer_summary(const std::map<std::string, double>& means, std::vector<std::string>& lines) const;
   Communicator& dp_;
-  Backend& be_;
+  BackendFace& be_;
   bool overlap_;
   Reducer* reducer_ = nullptr;
   double measured_bytes_ = 0, gradient_bytes_ = 0;  // of the last step's reduction

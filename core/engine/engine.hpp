@@ -178,6 +178,7 @@ class Engine {
   // Mean loss over `batches` global batches drawn by `fetch` (step = batch number), forward only.
   double evaluate(int batches, const BatchFn& fetch);
   GPT& model() { return model_; }
+  Backend& backend() { return be_; }
   Optimizer& optimizer() { return *optimizer_; }
   const Schedule& schedule() const { return *schedule_; }
   Schedule& schedule() { return *schedule_; }

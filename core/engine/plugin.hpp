@@ -23,9 +23,11 @@
 #include "core/base/search_path.hpp"  // plugin_search_path
 #include "core/engine/keys.hpp"  // KeySpec: a plugin declares its deck keys like the core does
 
-// Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, or
-// the role interfaces (core/engine/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
-// checkpoint_part.hpp). ABI 4: declared role claims, the parameter store, step phases, the reducer.
+// Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, the
+// role interfaces (core/engine/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
+// checkpoint_part.hpp), or the back end's face (core/backend/backend_face.hpp, LOOM_FACE_OPS). An
+// operation added to the whole back end (LOOM_BACKEND_OPS) is not a change of the face: a plugin
+// built before it keeps loading (regression/abi_old_plugin.sh shows it). ABI 4: declared role claims, the parameter store, step phases, the reducer.
 // ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the roles' plan_step
 // (`loom plan`, core/comm/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step. ABI 8:
 // StepPlan::stage_units, pipeline_span and host_copy_bytes. ABI 9: Communicator::reserve_scratch,
@@ -37,8 +39,9 @@
 // deck keys in core/engine/keys.hpp (files read by io's load_deck), agree_on_failure over a
 // communicator, check_layout in core/model, BucketedGradSync without a step counter; Backend's
 // operations from one list (core/backend/backend_ops.hpp), reordered in its vtable; the roles'
-// summary_lines and Schedule::step_line.
-#define LOOM_PLUGIN_ABI_VERSION 14
+// summary_lines and Schedule::step_line. ABI 15: the plugin face: strategies see the back end as
+// BackendFace (allocation, host copies, LOOM_FACE_OPS), first in Backend's vtable.
+#define LOOM_PLUGIN_ABI_VERSION 15
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -62,7 +65,7 @@ struct StrategyContext {
   const Deck& deck;
   ProcessGrid& grid;
   GPT& model;
-  Backend& backend;
+  BackendFace& backend;
   const EngineConfig& engine;
 };
 
@@ -121,7 +124,7 @@ struct LayoutContext {
 struct PartitionContext {
   const Deck& deck;
   ProcessGrid& grid;
-  Backend& backend;
+  BackendFace& backend;
   const GPTConfig& model;
 };
 

@@ -8,7 +8,7 @@ namespace {
 // Completes the inner reduction, then casts the reduced 16-bit copy back into the fp32 bucket.
 class CastBackRequest final : public CommRequest {
  public:
-  CastBackRequest(CommRequestPtr inner, Backend& be, BufferRef fp32, BufferRef narrow, bool* busy)
+  CastBackRequest(CommRequestPtr inner, BackendFace& be, BufferRef fp32, BufferRef narrow, bool* busy)
       : inner_(std::move(inner)), be_(be), fp32_(fp32), narrow_(narrow), busy_(busy) {}
   bool test() override {
     if (done_) return true;
@@ -29,7 +29,7 @@ class CastBackRequest final : public CommRequest {
     done_ = true;
   }
   CommRequestPtr inner_;
-  Backend& be_;
+  BackendFace& be_;
   BufferRef fp32_, narrow_;
   bool* busy_;
   bool done_ = false;
@@ -37,7 +37,7 @@ class CastBackRequest final : public CommRequest {
 
 }  // namespace
 
-CastReducer::CastReducer(std::unique_ptr<Reducer> inner, Backend& backend, DType type)
+CastReducer::CastReducer(std::unique_ptr<Reducer> inner, BackendFace& backend, DType type)
     : inner_(std::move(inner)), be_(backend), type_(type) {}
 
 void plan_ring_in_order(StepPlan& plan, const std::string& group, const std::vector<Reducer::BucketScratch>& buckets,

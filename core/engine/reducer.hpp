@@ -85,7 +85,7 @@ class AllReduceReducer final : public Reducer {
   Communicator& comm_;
 };
 
-class Backend;
+class BackendFace;
 
 // The gradient collective in a narrower type (precision.reduce_dtype): each bucket is cast from fp32
 // into a scratch buffer of `type` (a pool with one buffer per bucket in flight, filed under
@@ -96,7 +96,7 @@ class Backend;
 // inside any wrapper, so that a wrapping strategy still sees fp32 gradients.
 class CastReducer final : public Reducer {
  public:
-  CastReducer(std::unique_ptr<Reducer> inner, Backend& backend, DType type);
+  CastReducer(std::unique_ptr<Reducer> inner, BackendFace& backend, DType type);
   std::string name() const override;
   CommRequestPtr reduce_async(const GradBucket& bucket) override;
   Reducer* inner() override { return inner_.get(); }
@@ -104,7 +104,7 @@ class CastReducer final : public Reducer {
 
  private:
   std::unique_ptr<Reducer> inner_;
-  Backend& be_;
+  BackendFace& be_;
   DType type_;
   struct Slot {
     TypedBuffer buffer;

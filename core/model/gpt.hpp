@@ -105,7 +105,7 @@ class GPT {
   // the logits with the probabilities, and this throws.
   const float* logits() const;
   // The back end the model computes on (where its tensors live).
-  Backend& backend() const { return be_; }
+  BackendFace& backend() const { return be_; }
 
   // The activation memory a rank allocates for `stage` (default: every layer, one slot), in the
   // constructor's own terms: the tables are carved by the same functions. Floats are fp32 slots (a

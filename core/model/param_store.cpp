@@ -8,7 +8,7 @@ bool tp_primary(const ParamInfo& p, const StoreContext& ctx) {
 
 bool default_primary(const ParamInfo& p, const StoreContext& ctx) { return ctx.dp_rank == 0 && tp_primary(p, ctx); }
 
-void ComputeCopies::build(Backend& backend, const std::vector<ParamInfo>& params, const std::vector<Unit>& units,
+void ComputeCopies::build(BackendFace& backend, const std::vector<ParamInfo>& params, const std::vector<Unit>& units,
                           bool resident) {
   be_ = &backend;
   type_ = backend.precision().matmul;

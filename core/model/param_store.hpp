@@ -61,7 +61,7 @@ struct OwnedSlice {
 
 // What a store knows of the run when it is built.
 struct StoreContext {
-  Backend& backend;
+  BackendFace& backend;
   int dp = 1, dp_rank = 0;  // the data-parallel group
   int tp_rank = 0;          // a tensor replicated over the tp group is owned by tp rank 0
 };
@@ -122,7 +122,7 @@ class ParamStore {
 // otherwise a unit's copy exists while the store holds the unit's parameters (`drop` frees it).
 class ComputeCopies {
  public:
-  void build(Backend& backend, const std::vector<ParamInfo>& params, const std::vector<Unit>& units, bool resident);
+  void build(BackendFace& backend, const std::vector<ParamInfo>& params, const std::vector<Unit>& units, bool resident);
   bool active() const { return type_ != DType::f32; }
   // view.compute for unit u, from view.params (cast when stale). Nothing when inactive.
   void attach(int u, ParamStore::UnitView& view);
@@ -131,7 +131,7 @@ class ComputeCopies {
   std::int64_t elements(int u) const { return count_[static_cast<std::size_t>(u)]; }
 
  private:
-  Backend* be_ = nullptr;
+  BackendFace* be_ = nullptr;
   DType type_ = DType::f32;
   bool resident_ = true;
   std::vector<std::vector<std::int64_t>> at_;  // per unit, per tensor of it: offset in its copy, -1: none
@@ -164,7 +164,7 @@ class FlatParamStore : public ParamStore {
   float* flat_grads() const { return grads_.data<float>(); }
 
  protected:
-  Backend* be_ = nullptr;
+  BackendFace* be_ = nullptr;
   std::vector<ParamInfo> info_;
   TypedBuffer params_, grads_;
   std::vector<UnitView> forward_, backward_;

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/backend/backend.hpp"
+#include "core/backend/backend_face.hpp"
 #include "core/base/shard.hpp"  // TpSplit
 #include "core/comm/step_plan.hpp"
 
@@ -45,11 +45,11 @@ class Partition {
   // Cross-entropy over logits whose vocabulary is split: this rank holds columns
   // [vocab_begin, vocab_begin + Vl) of every row. losses [N] (every rank gets every row's loss),
   // probs [N, Vl] (this rank's slice of the softmax).
-  virtual void crossentropy_forward(Backend& be, float* losses, float* probs, const float* logits,
+  virtual void crossentropy_forward(BackendFace& be, float* losses, float* probs, const float* logits,
                                     const std::int32_t* targets, int N, int Vl, int /*vocab_begin*/) {
     be.crossentropy_forward(losses, probs, logits, targets, N, Vl);
   }
-  virtual void crossentropy_backward(Backend& be, float* dlogits, const float* probs, const std::int32_t* targets,
+  virtual void crossentropy_backward(BackendFace& be, float* dlogits, const float* probs, const std::int32_t* targets,
                                      float dloss, int N, int Vl, int vocab_begin) {
     be.crossentropy_backward(dlogits, probs, targets, dloss, N, Vl, vocab_begin);
   }

@@ -42,6 +42,7 @@ std::vector<OpCall> every_op() {
   ops.push_back({#name,                                                                               \
                  [](Backend& be) { call_with_nothing(be, static_cast<ret(Backend::*) params>(&Backend::name)); }, \
                  pointer_params(static_cast<ret(Backend::*) params>(&Backend::name))});
+  LOOM_FACE_OPS(LOOM_TEST_OP)
   LOOM_BACKEND_OPS(LOOM_TEST_OP)
   LOOM_BACKEND_DEFAULTED_OPS(LOOM_TEST_OP)
 #undef LOOM_TEST_OP
@@ -60,6 +61,7 @@ class RecordingBackend final : public Backend {
     calls.push_back(#name);                   \
     return ret();                             \
   }
+  LOOM_FACE_OPS(LOOM_RECORD_OP)
   LOOM_BACKEND_OPS(LOOM_RECORD_OP)
   LOOM_BACKEND_DEFAULTED_OPS(LOOM_RECORD_OP)
 #undef LOOM_RECORD_OP

@@ -86,7 +86,7 @@ class PieceStore final : public ParamStore {
   };
   Piece& piece_of(int i) { return pieces_[static_cast<std::size_t>(where_[i].first)]; }
   void poison(Piece& p) { be_->fill(p.compute.data<float>(), std::numeric_limits<float>::quiet_NaN(), p.compute.count()); }
-  Backend* be_ = nullptr;
+  BackendFace* be_ = nullptr;
   std::vector<ParamInfo> info_;
   std::vector<Unit> units_;
   std::vector<Piece> pieces_;

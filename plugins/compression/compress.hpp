@@ -16,12 +16,12 @@ namespace loom::compress {
 std::int64_t chunk_count(std::int64_t n, std::int64_t chunk);
 int int8_levels(int ranks);  // floor(127 / ranks); 0 when int8 cannot hold the sum of that many ranks
 // The chunk maxima, quantising and scaling back run on the back end, where the gradients are:
-// Backend::int8_absmax, _quantize, _dequantize (core/backend/kernels.hpp on the host, core/cuda/kernels.cu on a
+// BackendFace::int8_absmax, _quantize, _dequantize (core/backend/kernels.hpp on the host, core/cuda/kernels.cu on a
 // GPU; per element math::int8_level).
 
 // --- top-k ------------------------------------------------------------------------------------------
 // The selection (the k largest |x|, ties to the lower index) and the scatters of the received pairs
-// run on the back end: Backend::topk_select, _scatter_add, _clear (core/backend/kernels.hpp on the host,
+// run on the back end: BackendFace::topk_select, _scatter_add, _clear (core/backend/kernels.hpp on the host,
 // core/cuda/topk.cuh on a GPU).
 // k = max(1, ceil(ratio n)), at most n.
 std::int64_t top_k_count(std::int64_t n, double ratio);

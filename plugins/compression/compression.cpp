@@ -104,10 +104,10 @@ class ThenRequest final : public CommRequest {
 
 class CompressingReducer final : public Reducer, public CheckpointContributor {
  public:
-  CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, Backend& be, GPT& model,
+  CompressingReducer(std::unique_ptr<Reducer> inner, const Config& cfg, Communicator& dp, BackendFace& be, GPT& model,
                      bool say)
       : cfg_(cfg), dp_(dp), be_(be), model_(model), say_(say) {
-    // Every method runs on the back end (Backend::int8_*, topk_*, matmul, error feedback by copy,
+    // Every method runs on the back end (BackendFace::int8_*, topk_*, matmul, error feedback by copy,
     // residual_forward and axpy), where the gradients are, and keeps its state there; PowerSGD
     // orthogonalises its small P factors on the host (a copy of them there and back on a device).
     if (cfg.method == Method::fp16 || cfg.method == Method::bf16)
@@ -406,7 +406,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     qb.data = s.q.ref().slice(0, n);
     std::int8_t* q = s.q.data<std::int8_t>();
     const std::int64_t chunk = cfg_.chunk;
-    Backend* be = &be_;
+    BackendFace* be = &be_;
     // The exact int8 sum, scaled back. A non-finite value on any rank (the all-reduced flag) makes
     // the whole sum NaN on every rank: the step is then not finite everywhere (skipped, or an fp16
     // overflow), as it would be uncompressed.
@@ -437,7 +437,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     }
     formula_ += static_cast<double>(N - 1) * static_cast<double>(bytes);
     std::uint8_t* recv = s.recv.data<std::uint8_t>();
-    Backend* be = &be_;
+    BackendFace* be = &be_;
     return std::make_unique<ThenRequest>(
         dp_.all_gather_async(s.send.ref().slice(0, bytes), s.recv.ref().slice(0, bytes * N)), [be, x, n, k, N, recv] {
           be->fill(x, 0.0f, n);
@@ -649,7 +649,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   Config cfg_;
   std::unique_ptr<Reducer> inner_;
   Communicator& dp_;
-  Backend& be_;
+  BackendFace& be_;
   std::vector<float> p_host_;  // PowerSGD's P on the host for its orthogonalisation, on a device back end
   GPT& model_;
   bool say_;  // this rank prints notes (world rank 0)
@@ -785,7 +785,7 @@ void register_compression(void* p) {
     cfg.seed = static_cast<std::uint64_t>(ctx.deck.get_int("train.seed"));
     auto made = std::make_shared<CompressingReducer*>(nullptr);
     Communicator& dp = ctx.grid.dp();
-    Backend& be = ctx.backend;
+    BackendFace& be = ctx.backend;
     GPT& model = ctx.model;
     const bool say = ctx.grid.world().rank() == 0;
     roles.wrap_reducer = [made, cfg, &dp, &be, &model, say](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {

@@ -49,7 +49,7 @@ std::string number(double v) {
 // fp16's loss scale, shared by the strategy's hooks and saved with checkpoints.
 class LossScaler final : public CheckpointContributor {
  public:
-  LossScaler(const ScalerConfig& cfg, GPT& model, Backend& backend, Communicator& world)
+  LossScaler(const ScalerConfig& cfg, GPT& model, BackendFace& backend, Communicator& world)
       : cfg_(cfg), model_(model), be_(backend), world_(world),
         scale_(cfg.fixed > 0 ? cfg.fixed : cfg.initial), hysteresis_left_(cfg.hysteresis) {}
 
@@ -123,7 +123,7 @@ class LossScaler final : public CheckpointContributor {
  private:
   ScalerConfig cfg_;
   GPT& model_;
-  Backend& be_;
+  BackendFace& be_;
   Communicator& world_;
   double scale_;
   std::int64_t growth_tracker_ = 0;    // clean steps since the last overflow or growth

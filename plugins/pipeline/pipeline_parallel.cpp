@@ -141,7 +141,7 @@ enum Stat { kBubble = 0, kInflight, kActBytes, kForwardMs, kBackwardMs, kRecvMs,
 
 class PipelineSchedule final : public Schedule {
  public:
-  PipelineSchedule(ProcessGrid& grid, Backend& backend, GPT& model, Kind kind, int micro_batches, int rows, bool trace,
+  PipelineSchedule(ProcessGrid& grid, BackendFace& backend, GPT& model, Kind kind, int micro_batches, int rows, bool trace,
                    int trace_steps, std::int64_t total_steps, std::string run_dir, std::vector<int> layers)
       : grid_(grid), be_(backend), pp_(grid.pp()), kind_(kind), m_(micro_batches), p_(pp_.size()), i_(pp_.rank()),
         v_(static_cast<int>(model.stage().chunks.size())), first_(i_ == 0), last_(i_ == p_ - 1),
@@ -569,7 +569,7 @@ class PipelineSchedule final : public Schedule {
   }
 
   ProcessGrid& grid_;
-  Backend& be_;
+  BackendFace& be_;
   Communicator& pp_;
   GPT* model_ = nullptr;
   Kind kind_;

@@ -16,7 +16,6 @@
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
 #include "core/model/gpt.hpp"
-#include "core/backend/kernels.hpp"
 #include "core/engine/plugin.hpp"
 #include "core/backend/tensor_hash.hpp"
 
@@ -25,7 +24,7 @@ namespace {
 
 class TensorPartition final : public Partition {
  public:
-  TensorPartition(Communicator& tp, Backend& backend, bool sequence_parallel)
+  TensorPartition(Communicator& tp, BackendFace& backend, bool sequence_parallel)
       : tp_(tp), be_(backend), sp_(sequence_parallel) {}
 
   std::string name() const override {
@@ -69,8 +68,8 @@ class TensorPartition final : public Partition {
   // Vocabulary-parallel softmax cross-entropy: the row maxima (a max all-reduce), the sums of
   // exponentials and the target logits (sum all-reduces) travel over the group, N values each; the
   // [N, V] logits never do. The passes between are the back end's; its backward, the default
-  // partition's (Backend::crossentropy_backward with this rank's vocab_begin).
-  void crossentropy_forward(Backend&, float* losses, float* probs, const float* logits, const std::int32_t* targets,
+  // partition's (BackendFace::crossentropy_backward with this rank's vocab_begin).
+  void crossentropy_forward(BackendFace&, float* losses, float* probs, const float* logits, const std::int32_t* targets,
                             int N, int Vl, int vocab_begin) override {
     // Scratch through the back end and the ledger (communication buffers), grown to the largest N.
     ensure_capacity(be_, row_max_buf_, "TensorPartition::row_max", DType::f32, N, Mem::comm);
@@ -192,7 +191,7 @@ class TensorPartition final : public Partition {
 
  private:
   Communicator& tp_;
-  Backend& be_;
+  BackendFace& be_;
   bool sp_;
   TypedBuffer row_max_buf_, pack_buf_, sum_exp_buf_, target_logit_buf_;
   std::vector<unsigned char> hash_copy_;  // host copy of a replicated tensor, for the replica hash

@@ -24,7 +24,7 @@ namespace {
 #if defined(LOOM_TEST_COUNT)
 class CountingReducer final : public Reducer, public CheckpointContributor {
  public:
-  CountingReducer(std::unique_ptr<Reducer> inner, GPT& model, Backend& be) : inner_(std::move(inner)), model_(model) {
+  CountingReducer(std::unique_ptr<Reducer> inner, GPT& model, BackendFace& be) : inner_(std::move(inner)), model_(model) {
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
       seen_.push_back(be.allocate("countreducer::seen." + p.name, DType::f32, p.numel, Mem::workspace));
@@ -125,7 +125,7 @@ void register_test(void* p) {
   info.create = [](StrategyContext& ctx, Roles& roles) {
     auto counter = std::make_shared<CountingReducer*>(nullptr);
     GPT& model = ctx.model;
-    Backend& be = ctx.backend;
+    BackendFace& be = ctx.backend;
     roles.wrap_reducer = [counter, &model, &be](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {
       auto r = std::make_unique<CountingReducer>(std::move(inner), model, be);
       *counter = r.get();

@@ -225,7 +225,7 @@ class ReduceScatterReducer final : public Reducer {
 // The bucketed sync with ZeRO's buckets, and the step's traffic against the textbook.
 class ZeroSync final : public BucketedGradSync {
  public:
-  ZeroSync(Communicator& dp, Backend& be, GPT& model, double bucket_mb, bool overlap, const ZeroStore& store)
+  ZeroSync(Communicator& dp, BackendFace& be, GPT& model, double bucket_mb, bool overlap, const ZeroStore& store)
       : BucketedGradSync(dp, be, model, bucket_mb, overlap,
                          BucketPlan{[&model](int p) { return model.params()[static_cast<std::size_t>(p)].tied; },
                                     [&store](const GradBucket& b) { return store.rank_counts(b); },

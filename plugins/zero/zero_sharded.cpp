@@ -476,7 +476,7 @@ std::vector<GradBucket> ShardedSync::whole_buckets() const {
   return out;
 }
 
-ShardedSync::ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap)
+ShardedSync::ShardedSync(Communicator& dp, BackendFace& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap)
     : dp_(dp),
       be_(be),
       model_(model),

@@ -138,7 +138,7 @@ class ShardedStore final : public ParamStore {
   int stage_;
   std::int64_t persist_below_;
   int depth_;
-  Backend* be_ = nullptr;
+  BackendFace* be_ = nullptr;
   std::vector<ParamInfo> info_;
   std::vector<Unit> units_;
   std::vector<bool> whole_of_;         // per tensor: kept whole
@@ -174,7 +174,7 @@ class ShardedStore final : public ParamStore {
 // tensors' gradients are reduced after the last backward (whole_buckets, pieces of bucket_mb too).
 class ShardedSync final : public GradSync {
  public:
-  ShardedSync(Communicator& dp, Backend& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap);
+  ShardedSync(Communicator& dp, BackendFace& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap);
   std::string name() const override;
   void use_reducer(Reducer* reducer) override { reducer_ = reducer; }
   void begin_micro_batch(GPT& model, int k, int m) override;
@@ -201,7 +201,7 @@ class ShardedSync final : public GradSync {
   void list_unit_part(GradBucket& k, int unit, std::int64_t a, std::int64_t b) const;
 
   Communicator& dp_;
-  Backend& be_;
+  BackendFace& be_;
   GPT& model_;
   ShardedStore& store_;
   std::int64_t piece_;  // elements per bucket
