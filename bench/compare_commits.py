@@ -16,7 +16,7 @@ tree's own build (--old-build / --new-build DIR, default build/; not built here,
      old new, new old, ... so drift and warm-up hit both alike), one BLAS thread per rank, each build
      on its own commit's bench/bench.deck (the script says whether the two decks differ):
        single  1 rank, loom run bench.deck (as bench/gpt_vs_torch.py runs loom)
-       dp2     mpirun -n 2, parallel.dp=2, per-rank batch 8, data.bucket_mb=4 (as bench/weak_scaling.py)
+       dp2     mpirun -n 2, parallel.dp=2, per-rank batch 8, data_parallel.bucket_mb=4 (as bench/weak_scaling.py)
        pp2     mpirun -n 2, parallel.pp=2, 1F1B, m = 4 micro-batches (as bench/pipeline.py)
      and reads tokens_per_s (steady state, first step excluded) from each run's summary.json.
   3. PyTorch's tokens/s on the same model, once, for scale (bench/gpt_vs_torch.py --torch-only under
@@ -121,6 +121,16 @@ def worktree_build(repo, build_dir):
                 deck=os.path.join(top, "bench", "bench.deck"), built="not built here")
 
 
+def bucket_key(build):
+    """data_parallel.bucket_mb, or data.bucket_mb for a loom from before the data-parallel keys had
+    their own section."""
+    if "bucket_key" not in build:
+        p = subprocess.run([build["loom"], "check", build["deck"], "--set", "data_parallel.bucket_mb=4"],
+                           capture_output=True, text=True)
+        build["bucket_key"] = "data_parallel.bucket_mb" if p.returncode == 0 else "data.bucket_mb"
+    return build["bucket_key"]
+
+
 def bench_cmd(name, build, mpirun, steps, rundir):
     deck = build["deck"]
     common = ["--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir]
@@ -128,7 +138,7 @@ def bench_cmd(name, build, mpirun, steps, rundir):
         return [build["loom"], "run", deck] + common
     if name == "dp2":
         return [mpirun, "-n", "2", build["loom"], "run", deck, "--set", "parallel.dp=2", "--set", "train.batch=16",
-                "--set", "data.bucket_mb=4"] + common
+                "--set", bucket_key(build) + "=4"] + common
     if name == "pp2":
         return [mpirun, "-n", "2", build["loom"], "run", deck, "--set", "parallel.pp=2",
                 "--set", "pipeline.schedule=1f1b", "--set", "pipeline.virtual_stages=1",

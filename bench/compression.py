@@ -4,7 +4,7 @@ on this node's own transport and over emulated slower links.
 
     python3 bench/compression.py --loom build/loom [--steps 20] [--links 0 10 1 0.1] [--ranks 2]
 
-Trains bench/bench.deck at dp = N (per-rank batch 8, one BLAS thread per rank, data.bucket_mb = 4)
+Trains bench/bench.deck at dp = N (per-rank batch 8, one BLAS thread per rank, data_parallel.bucket_mb = 4)
 with compression.method = none, fp16, bf16, int8, topk (ratio 0.01) and powersgd (rank 4, compressing
 from step 6), each over every link in --links: 0 is the node's shared memory as it is; a positive value
 is run.emulate_link_gbps, a link of that many Gbit/s per rank that every send waits its turn on (the
@@ -35,7 +35,7 @@ def run(args, method, sets, gbps):
     cmd = [args.mpirun, "-n", str(args.ranks), args.loom, "run", os.path.join(HERE, "bench.deck"),
            "--set", "parallel.dp=%d" % args.ranks, "--set", "train.batch=%d" % (8 * args.ranks),
            "--set", "train.steps=%d" % args.steps, "--set", "run.dir=" + rundir, "--set", "run.overwrite=true",
-           "--set", "data.bucket_mb=4", "--set", "train.log_every=1", "--set", "compression.method=" + method,
+           "--set", "data_parallel.bucket_mb=4", "--set", "train.log_every=1", "--set", "compression.method=" + method,
            "--set", "run.emulate_link_gbps=%g" % gbps]
     for s in sets:
         cmd += ["--set", s]

@@ -25,7 +25,7 @@ def run(loom, mpirun, ranks, steps, per_rank_batch, workdir):
     rundir = os.path.join(workdir, "dp%d" % ranks)
     cmd = [mpirun, "-n", str(ranks), loom, "run", os.path.join(HERE, "bench.deck"),
            "--set", "parallel.dp=%d" % ranks, "--set", "train.batch=%d" % (per_rank_batch * ranks),
-           "--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir, "--set", "data.bucket_mb=4"]
+           "--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir, "--set", "data_parallel.bucket_mb=4"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     print("$ " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)

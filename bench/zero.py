@@ -5,7 +5,7 @@
 
 For each dp size N, trains bench/bench.deck (4 layers; --layers L: L instead, to see how the
 buffers loom adds shrink against the model as it deepens; per-rank batch 8, one BLAS thread per rank,
-zero.bucket_mb = data.bucket_mb = 4) at zero.stage = 0 (plain data parallelism), 1, 2 and 3 (prefetch
+zero.bucket_mb = data_parallel.bucket_mb = 4) at zero.stage = 0 (plain data parallelism), 1, 2 and 3 (prefetch
 depth 1), and stages 1-3 once more with nothing overlapped (zero.overlap_comm = false, and at stage 3
 zero.prefetch_depth = 0: every gather waited when its unit is used), and prints for each:
   - tokens/s and the step time against stage 0's (median of the steady steps, the first excluded);
@@ -33,7 +33,7 @@ def run(args, n, stage, workdir, overlap=True):
     rundir = os.path.join(workdir, "dp%d-zero%d%s-L%s" % (n, stage, "" if overlap else "-serial", args.layers or "deck"))
     cmd = [args.mpirun, "-n", str(n), args.loom, "run", os.path.join(HERE, "bench.deck"),
            "--set", "parallel.dp=%d" % n, "--set", "train.batch=%d" % (8 * n), "--set", "train.steps=%d" % args.steps,
-           "--set", "run.dir=" + rundir, "--set", "run.overwrite=true", "--set", "data.bucket_mb=4",
+           "--set", "run.dir=" + rundir, "--set", "run.overwrite=true", "--set", "data_parallel.bucket_mb=4",
            "--set", "zero.stage=%d" % stage, "--set", "zero.bucket_mb=4", "--set", "train.log_every=1"]
     if not overlap:
         cmd += ["--set", "zero.overlap_comm=false", "--set", "zero.prefetch_depth=0"]

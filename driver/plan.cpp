@@ -399,11 +399,10 @@ double mem_total_bytes() {
 }
 
 // `sets`: cluster.*/network.* figures given with --set, which replace what is measured (and say so in
-// the source): on one rank, which has no link to measure, the four network figures must be given.
-int calibrate(const std::string& out_path, const std::vector<std::string>& sets) {
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+// the source): on one rank, which has no link to measure, the four network figures must be given. A
+// bad --set key or value is refused before anything is measured. Each alone: rules between keys (a
+// fixed cost with its rate) apply to the file written, where the measured figures join them.
+void check_calibration_sets(int world, const std::vector<std::string>& sets) {
   const auto given = [&](const std::string& key) {
     return std::any_of(sets.begin(), sets.end(), [&](const std::string& s) { return s.rfind(key + "=", 0) == 0; });
   };
@@ -416,21 +415,23 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
                      "per device it stands for (mpiexec -n 2 loom plan --calibrate; across 2 nodes for the "
                      "links between nodes), or on 1 rank with the four network.* figures given by --set (not given: " +
                      missing + ")");
-  // A bad --set key or value is refused before anything is measured. Each alone: rules between keys
-  // (a fixed cost with its rate) apply to the file written, where the measured figures join them.
   if (!sets.empty()) {
     DeckSchema schema;
     add_cluster_keys(schema);
     check_cluster_values(parse_deck(schema, cluster_preset_text("h100-sxm"), "loom plan --calibrate --set", sets),
                          "loom plan --calibrate --set");
   }
-  // Nodes: the shared-memory domains; every rank learns each rank's node leader.
+}
+
+// The nodes (shared-memory domains) of the ranks, and the peers whose links are measured: rank 0 and
+// another rank of its node (same), rank 0 and the first rank of another node (other); -1 where none.
+struct NodeMap {
+  int nodes = 1, per_node = 1, same = -1, other = -1;
+};
+NodeMap map_nodes(int rank, int world) {
   MPI_Comm local;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
-  int local_rank = 0, local_size = 1;
-  MPI_Comm_rank(local, &local_rank);
-  MPI_Comm_size(local, &local_size);
-  int leader = rank;
+  int leader = rank;  // every rank learns each rank's node leader
   MPI_Bcast(&leader, 1, MPI_INT, 0, local);
   MPI_Comm_free(&local);
   std::vector<int> leaders(static_cast<std::size_t>(world));
@@ -438,14 +439,25 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   std::vector<int> distinct(leaders);
   std::sort(distinct.begin(), distinct.end());
   distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-  int per_node = 0;
-  for (int l : distinct) per_node = std::max<int>(per_node, static_cast<int>(std::count(leaders.begin(), leaders.end(), l)));
-  // Peers: rank 0 and another rank of its node; rank 0 and the first rank of another node.
-  int same = -1, other = -1;
+  NodeMap m;
+  m.nodes = static_cast<int>(distinct.size());
+  m.per_node = 0;
+  for (int l : distinct) m.per_node = std::max<int>(m.per_node, static_cast<int>(std::count(leaders.begin(), leaders.end(), l)));
   for (int r = 1; r < world; ++r) {
-    if (leaders[static_cast<std::size_t>(r)] == leaders[0] && same < 0) same = r;
-    if (leaders[static_cast<std::size_t>(r)] != leaders[0] && other < 0) other = r;
+    if (leaders[static_cast<std::size_t>(r)] == leaders[0] && m.same < 0) m.same = r;
+    if (leaders[static_cast<std::size_t>(r)] != leaders[0] && m.other < 0) m.other = r;
   }
+  return m;
+}
+
+// What every rank measures of its compute, reduced to the slowest rank's figures.
+struct ComputeFigures {
+  double peak[3] = {};               // fp32, bf16, fp16 matrix-product peaks (FLOP/s)
+  MatmulEfficiency efficiency[3];    // their shares of the peak by width
+  double costs[3] = {};              // a product call's, an attention head's, a fused attention head's fixed cost (s)
+  double kernels[4] = {};            // attention FLOP/s, memory B/s, optimizer B/s, fused attention FLOP/s
+};
+ComputeFigures measure_compute() {
   // Every rank computes at once, as in training; the slowest rank is what a step waits for (the
   // largest fixed costs, the smallest rates).
   // The short measurements (a product call's fixed cost, attention at its two shapes) are taken at
@@ -467,56 +479,83 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   for (int d = 0; d < 3; ++d)
     for (int w = 0; w < kW; ++w) block_s[d][w] = block_matmul_seconds(dtypes[d], rows_at(kWidths[w]), kWidths[w]);
   sample_fixed();
-  double kernels[4] = {0, memory_rate(), optimizer_rate(), 0};
+  ComputeFigures f;
+  f.kernels[1] = memory_rate();
+  f.kernels[2] = optimizer_rate();
   sample_fixed();
   const AttentionRate att = attention_rate(fixed[1], fixed[2]), flash = attention_rate(fixed[3], fixed[4]);
-  kernels[0] = att.flops_per_s;
-  kernels[3] = flash.flops_per_s;
-  double costs[3] = {fixed[0], att.head_s, flash.head_s};
-  MPI_Allreduce(MPI_IN_PLACE, costs, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  f.kernels[0] = att.flops_per_s;
+  f.kernels[3] = flash.flops_per_s;
+  f.costs[0] = fixed[0], f.costs[1] = att.head_s, f.costs[2] = flash.head_s;
+  MPI_Allreduce(MPI_IN_PLACE, f.costs, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   double rates[3][kW];
   for (int d = 0; d < 3; ++d)
-    for (int w = 0; w < kW; ++w) rates[d][w] = block_matmul_rate(block_s[d][w], rows_at(kWidths[w]), kWidths[w], costs[0]);
+    for (int w = 0; w < kW; ++w) rates[d][w] = block_matmul_rate(block_s[d][w], rows_at(kWidths[w]), kWidths[w], f.costs[0]);
   MPI_Allreduce(MPI_IN_PLACE, &rates[0][0], 3 * kW, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
   // Per dtype the peak is the best width's rate, the others a share of it.
-  double peak[3];
-  MatmulEfficiency efficiency[3];
   for (int d = 0; d < 3; ++d) {
-    peak[d] = *std::max_element(rates[d], rates[d] + kW);
-    efficiency[d].points.clear();
-    for (int w = 0; w < kW; ++w) efficiency[d].points.push_back({double(kWidths[w]), rates[d][w] / peak[d]});
+    f.peak[d] = *std::max_element(rates[d], rates[d] + kW);
+    for (int w = 0; w < kW; ++w) f.efficiency[d].points.push_back({double(kWidths[w]), rates[d][w] / f.peak[d]});
   }
-  MPI_Allreduce(MPI_IN_PLACE, kernels, 4, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
-  std::unique_ptr<Communicator> world_comm = make_mpi_communicator(MPI_COMM_WORLD, "world");
-  const Link intra = measure_link(*world_comm, same >= 0 ? 0 : -1, same);
-  const Link inter = measure_link(*world_comm, other >= 0 ? 0 : -1, other);
-  const double sync_share = sync_wait_share(*world_comm);
-  if (rank != 0) return 0;
+  MPI_Allreduce(MPI_IN_PLACE, f.kernels, 4, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  return f;
+}
 
+// How a calibrated description was measured, for its `source`.
+std::string calibration_source(int world, const Link& intra, const Link& inter, const std::vector<std::string>& sets) {
+  std::string source = std::string("loom plan --calibrate, loom's host back end (BLAS on 1 thread), all ranks at once, slowest "
+                                    "rank: matrix products as 2 transformer blocks run them forward and backward at widths 64, "
+                                    "128 (1024 rows), 256 (512 rows), 512 (256 rows) (best of 3), less matmul_call_us per GEMM "
+                                    "(8 x 8 products, best batch of 200), the peak the best width's rate; "
+                                    "attention forward + backward at B=16, T=32, C=64 and B=4, T=256, C=256, 4 heads (best of "
+                                    "5 each; 12 B T^2 C FLOPs, B x heads fixed costs), the fused attention (model.attention = "
+                                    "flash) likewise; the call's and attention's short "
+                                    "measurements taken at the start, middle and end, the best kept; memory_gbs from a block's element-wise "
+                                    "kernels (LayerNorm, GELU, residual adds and copies) at 8192 x 256 fp32 (best of 4); "
+                                    "optimizer_gbs from gradient zeroing, norm, clip and AdamW over 4M parameters (best of 4); "
+                                    "bytes and FLOPs as loom plan counts them; memory = MemTotal / ranks per node; links "
+                                    "by ping-pong through loom's communicator while the other ranks wait in it: latency the "
+                                    "median one way of 8 B, bandwidth from the best of 1 MiB; sync_wait_share from 40 segments of a "
+                                    "block's element-wise kernels at 512 x 256 with an all-reduce of each pair of consecutive "
+                                    "ranks after each (every pair at once), against "
+                                    "the segments and the all-reduces alone (each rank's extra time over its segments' time, the "
+                                    "mean over ranks, the median of 5); host_gbs the optimizer's figure (the strategies' host "
+                                    "passes stream over memory as its pass does); host_link_gbs 0 (the devices are the host)") +
+      (world < 2 ? "" : intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
+      (world < 2 ? "" : inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
+  if (!sets.empty()) {
+    source += "; given, not measured:";
+    for (const std::string& s : sets) source += " " + s;
+  }
+  return source;
+}
+
+ClusterSpec calibrated_spec(int world, const NodeMap& nodes, const ComputeFigures& f, const Link& intra,
+                            const Link& inter, double sync_share) {
   ClusterSpec c;
   char host[256] = "this machine";
   gethostname(host, sizeof host);
-  c.name = std::string(host) + " (calibrated: " + std::to_string(world) + " ranks on " + std::to_string(distinct.size()) +
+  c.name = std::string(host) + " (calibrated: " + std::to_string(world) + " ranks on " + std::to_string(nodes.nodes) +
            " node(s))";
-  c.nodes = static_cast<int>(distinct.size());
-  c.devices_per_node = per_node;
-  c.device_memory_bytes = mem_total_bytes() / per_node;
-  c.peak_flops_fp32 = peak[0];
-  c.peak_flops_bf16 = peak[1];
-  c.peak_flops_fp16 = peak[2];
-  c.efficiency_fp32 = efficiency[0];
-  c.efficiency_bf16 = efficiency[1];
-  c.efficiency_fp16 = efficiency[2];
-  c.matmul_call_s = costs[0];
-  c.attention_flops = kernels[0];
-  c.attention_head_s = costs[1];
-  c.flash_attention_flops = kernels[3];
-  c.flash_attention_head_s = costs[2];
-  c.memory_bytes_per_s = kernels[1];
-  c.optimizer_bytes_per_s = kernels[2];
+  c.nodes = nodes.nodes;
+  c.devices_per_node = nodes.per_node;
+  c.device_memory_bytes = mem_total_bytes() / nodes.per_node;
+  c.peak_flops_fp32 = f.peak[0];
+  c.peak_flops_bf16 = f.peak[1];
+  c.peak_flops_fp16 = f.peak[2];
+  c.efficiency_fp32 = f.efficiency[0];
+  c.efficiency_bf16 = f.efficiency[1];
+  c.efficiency_fp16 = f.efficiency[2];
+  c.matmul_call_s = f.costs[0];
+  c.attention_flops = f.kernels[0];
+  c.attention_head_s = f.costs[1];
+  c.flash_attention_flops = f.kernels[3];
+  c.flash_attention_head_s = f.costs[2];
+  c.memory_bytes_per_s = f.kernels[1];
+  c.optimizer_bytes_per_s = f.kernels[2];
   c.sync_wait_share = sync_share;
-  c.host_bytes_per_s = kernels[2];  // the host back end's strategies' passes stream as its optimizer's does
-  c.host_link_bytes_per_s = 0;      // its devices are the host's cores: nothing is copied
+  c.host_bytes_per_s = f.kernels[2];  // the host back end's strategies' passes stream as its optimizer's does
+  c.host_link_bytes_per_s = 0;        // its devices are the host's cores: nothing is copied
   const Link& in_node = intra.measured ? intra : inter;
   const Link& between = inter.measured ? inter : intra;
   c.intra_bytes_per_s = in_node.bytes_per_s;
@@ -524,30 +563,12 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   c.inter_bytes_per_s = between.bytes_per_s;
   c.inter_latency_s = between.latency_s;
   if (world < 2) c.intra_bytes_per_s = c.inter_bytes_per_s = 1e9;  // not measured: the --set figures replace them
-  c.source = std::string("loom plan --calibrate, loom's host back end (BLAS on 1 thread), all ranks at once, slowest "
-                         "rank: matrix products as 2 transformer blocks run them forward and backward at widths 64, "
-                         "128 (1024 rows), 256 (512 rows), 512 (256 rows) (best of 3), less matmul_call_us per GEMM "
-                         "(8 x 8 products, best batch of 200), the peak the best width's rate; "
-                         "attention forward + backward at B=16, T=32, C=64 and B=4, T=256, C=256, 4 heads (best of "
-                         "5 each; 12 B T^2 C FLOPs, B x heads fixed costs), the fused attention (model.attention = "
-                         "flash) likewise; the call's and attention's short "
-                         "measurements taken at the start, middle and end, the best kept; memory_gbs from a block's element-wise "
-                         "kernels (LayerNorm, GELU, residual adds and copies) at 8192 x 256 fp32 (best of 4); "
-                         "optimizer_gbs from gradient zeroing, norm, clip and AdamW over 4M parameters (best of 4); "
-                         "bytes and FLOPs as loom plan counts them; memory = MemTotal / ranks per node; links "
-                         "by ping-pong through loom's communicator while the other ranks wait in it: latency the "
-                         "median one way of 8 B, bandwidth from the best of 1 MiB; sync_wait_share from 40 segments of a "
-                         "block's element-wise kernels at 512 x 256 with an all-reduce of each pair of consecutive "
-                         "ranks after each (every pair at once), against "
-                         "the segments and the all-reduces alone (each rank's extra time over its segments' time, the "
-                         "mean over ranks, the median of 5); host_gbs the optimizer's figure (the strategies' host "
-                         "passes stream over memory as its pass does); host_link_gbs 0 (the devices are the host)") +
-             (world < 2 ? "" : intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
-             (world < 2 ? "" : inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
-  if (!sets.empty()) {
-    c.source += "; given, not measured:";
-    for (const std::string& s : sets) c.source += " " + s;
-  }
+  return c;
+}
+
+// Writes `c` to out_path (through a .tmp file, renamed into place), the --set figures in place of the
+// measured ones, and prints what the file holds.
+void write_calibration(ClusterSpec c, const std::string& out_path, const std::vector<std::string>& sets) {
   std::error_code ec;
   const std::filesystem::path out(out_path);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path(), ec);
@@ -581,6 +602,23 @@ int calibrate(const std::string& out_path, const std::vector<std::string>& sets)
   }
   c.origin = out_path;
   std::cout << describe_cluster(c) << "wrote " << out_path << "\n";
+}
+
+int calibrate(const std::string& out_path, const std::vector<std::string>& sets) {
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  check_calibration_sets(world, sets);
+  const NodeMap nodes = map_nodes(rank, world);
+  const ComputeFigures figures = measure_compute();
+  std::unique_ptr<Communicator> world_comm = make_mpi_communicator(MPI_COMM_WORLD, "world");
+  const Link intra = measure_link(*world_comm, nodes.same >= 0 ? 0 : -1, nodes.same);
+  const Link inter = measure_link(*world_comm, nodes.other >= 0 ? 0 : -1, nodes.other);
+  const double sync_share = sync_wait_share(*world_comm);
+  if (rank != 0) return 0;
+  ClusterSpec c = calibrated_spec(world, nodes, figures, intra, inter, sync_share);
+  c.source = calibration_source(world, intra, inter, sets);
+  write_calibration(c, out_path, sets);
   return 0;
 }
 

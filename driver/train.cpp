@@ -106,138 +106,27 @@ double measured_matmul_flops(Backend& be) {
   }
 }
 
-}  // namespace
-
-int command_run(const Deck& deck, const StrategyRegistry& registry) {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const double t_start = now();
-  Session s(deck, registry);
-  const bool io = rank == 0;
-  Checkpointing checkpoints(s);
-  // One run at a time per directory: rank 0 locks run.dir (and checkpoint.dir when it lies
-  // elsewhere) before anything is written there. A run refused before it wrote anything leaves the
-  // directories as they were (a directory it created for the lock is removed again).
-  std::unique_ptr<DirLock> run_lock, checkpoint_lock;
-  bool writing = false;
-  struct Abandon {
-    std::unique_ptr<DirLock>*a, *b;
-    const bool* writing;
-    ~Abandon() {
-      if (*writing) return;
-      if (*b) (*b)->abandon();
-      if (*a) (*a)->abandon();
-    }
-  } abandon{&run_lock, &checkpoint_lock, &writing};
-  run_agreed([&] {
-    if (!io) return;
-    run_lock = std::make_unique<DirLock>(s.run_dir, "run.dir");
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    const fs::path run_abs = fs::weakly_canonical(s.run_dir, ec), ckpt_abs = fs::weakly_canonical(checkpoints.dir(), ec);
-    if (ckpt_abs.parent_path() != run_abs) checkpoint_lock = std::make_unique<DirLock>(checkpoints.dir(), "checkpoint.dir");
-  });
-  if (io) std::cout << s.banner() << std::flush;
-  checkpoints.prepare();
-  const std::int64_t start_step = checkpoints.resume();
-  const std::string metrics_path = s.run_dir + "/metrics.jsonl";
-  MetricsFile metrics;
-  if (io) {
-    if (checkpoints.resuming()) {
-      const int aside = metrics.resume(metrics_path, start_step);
-      if (aside > 0)
-        std::cout << "metrics: " << aside << " row(s) past step " << start_step << " from the earlier run moved to "
-                  << metrics_path << ".superseded; " << metrics_path << " continues from step " << start_step + 1
-                  << std::endl;
-    } else {
-      metrics.start(metrics_path);
-    }
-  }
-  writing = true;
-  const double tokens_per_step = static_cast<double>(s.global_batch) * s.model_cfg.seq_len;
-  const double flops_per_token = s.model->flops_per_token();
-  const int world = s.layout.ranks();
-  // MFU is measured against every rank's peak: run.peak_tflops, or the matrix-product rate each rank
-  // measures now (all ranks at once, as they will train).
-  double peak_flops = deck.get_float("run.peak_tflops") * 1e12;
-  const std::string peak_source = peak_flops > 0 ? "run.peak_tflops" : "measured matrix-product rate";
-  if (peak_flops <= 0) peak_flops = measured_matmul_flops(*s.backend);
-  s.grid->world().all_reduce(&peak_flops, 1);
-  if (io)
-    std::printf("  MFU     : against %.3f TFLOP/s (%s, summed over %d rank%s)\n", peak_flops / 1e12,
-                peak_source.c_str(), world, world == 1 ? "" : "s");
-  if (io && link_gbit_per_s() > 0)
-    std::printf("  link    : EMULATED, %g Gbit/s per rank, %g us per message (run.emulate_link_gbps): every send "
-                "waits its turn on it\n", link_gbit_per_s(), 1e6 * link_latency_s());
-  const double t_init = now() - t_start;
-
-  double train_time = 0, steady_time = 0, eval_time = 0, last_loss = NAN, last_loss_scale = 1;
-  std::int64_t steady_steps = 0;
+// What a run adds up over its steps, for the summary and the report.
+struct RunTotals {
+  double train_time = 0, steady_time = 0, eval_time = 0, wait_total = 0;
+  double last_loss = NAN, last_loss_scale = 1;
+  std::int64_t steps_run = 0, steady_steps = 0, skipped_total = 0, skipped_in_row = 0;
   PhaseTimes phase_sum;
   std::array<std::size_t, kMemCategories> peak_bytes{};
   std::size_t peak_total = 0;
   std::optional<double> last_val;
-
-  auto evaluate = [&]() {
-    const double t0 = now();
-    const double v = s.engine->evaluate(s.eval_batches, s.val_batches);
-    eval_time += now() - t0;
-    last_val = v;
-    return v;
-  };
-
-  // Communication, per group (dp, tp, pp): counted by the communicators, read after every step.
-  auto groups = s.grid->groups();
-  std::vector<double> group_bytes_total(groups.size(), 0.0), group_wait_total(groups.size(), 0.0);
-  double wait_total = 0;
+  std::vector<double> group_bytes, group_wait;  // per group, summed over the steps
   // Every value the roles report per step (measured vs textbook volumes, bubbles, ...), summed over
   // the steady steps (all steps if there is only one) for the summary.
   ReportMeans report_steady, report_all;
-  const bool skip_nonfinite = deck.get_string("train.on_nonfinite") == "skip";
-  const bool loss_scaled = s.backend->precision().matmul == DType::f16;  // the step line shows the scale
-  const std::int64_t max_skipped = deck.get_int("train.max_skipped");
-  std::int64_t skipped_total = 0, skipped_in_row = 0;
-  std::string failure;  // why the run failed (the same on every rank); empty while it goes well
-  bool interrupted = false;
-  const double t_loop = now();
 
-  std::int64_t steps_run = 0;
-  for (std::int64_t step = start_step; step < s.steps; ++step) {
-    for (auto* g : groups) g->reset_stats();
-    const StepStats st = s.engine->train_step(step, s.train_batches);
-    nlohmann::json comm = nlohmann::json::object();
-    double step_wait = 0;
-    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-      const CommStats& cs = groups[gi]->stats();
-      if (groups[gi]->size() == 1) continue;
-      nlohmann::json by_op = nlohmann::json::object();
-      for (int op = 0; op < kCommOps; ++op)
-        if (cs.calls[op]) by_op[comm_op_name(static_cast<CommOp>(op))] = {{"bytes", cs.bytes_sent[op]}, {"wait_ms", cs.wait_s[op] * 1e3}, {"calls", cs.calls[op]}};
-      comm[groups[gi]->name()] = {{"bytes_sent", cs.total_bytes()}, {"wait_ms", cs.total_wait() * 1e3}, {"ops", by_op}};
-      group_bytes_total[gi] += static_cast<double>(cs.total_bytes());
-      group_wait_total[gi] += cs.total_wait();
-      step_wait += cs.total_wait();
-    }
-    wait_total += step_wait;
-    // The slowest and the fastest rank's step time (a straggler shows): a metrics-only reduction,
-    // through the world communicator so that a stalled rank is caught here too. It only sums: every
-    // rank puts its time at its own index.
-    double t_min = st.seconds, t_max = st.seconds;
-    if (world > 1) {
-      std::vector<double> step_times(world, 0.0);
-      step_times[s.grid->rank()] = st.seconds;
-      s.grid->world().all_reduce(step_times.data(), world);
-      t_min = *std::min_element(step_times.begin(), step_times.end());
-      t_max = *std::max_element(step_times.begin(), step_times.end());
-    }
-    auto report_values = s.engine->grad_sync().step_report();
-    for (auto& kv : s.model->partition().step_report()) report_values.push_back(kv);
-    for (auto& kv : s.engine->schedule().step_report()) report_values.push_back(kv);
-    report_all.add(report_values);
-    if (step > start_step) report_steady.add(report_values);  // steady steps, like the throughput
+  // `steady`: not the run's first step, which pays for first-touch allocation.
+  void add(const StepStats& st, const std::vector<std::pair<std::string, double>>& report, bool steady) {
+    report_all.add(report);
     train_time += st.seconds;
     ++steps_run;
-    if (step > start_step) {  // the first step pays for first-touch allocation: not steady state
+    if (steady) {
+      report_steady.add(report);
       steady_time += st.seconds;
       ++steady_steps;
     }
@@ -250,195 +139,329 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
     peak_total = std::max(peak_total, st.peak_total);
     last_loss = st.loss;
     last_loss_scale = st.loss_scale;
+  }
+  std::map<std::string, double> report_means() const { return (report_steady.steps ? report_steady : report_all).means(); }
+  double mean_step() const {
+    return steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, steps_run);
+  }
+};
 
-    // A non-finite loss or gradient norm (the same on every rank): the engine applied no update.
-    std::string nonfinite_note;
-    if (st.nonfinite) {
-      ++skipped_total;
-      ++skipped_in_row;
-      const auto bad = find_nonfinite(*s.grid, *s.model, {gradients(*s.model)});  // collective
-      char what[160];
-      std::snprintf(what, sizeof what, "step %lld: loss %g, gradient norm %g: not finite",
-                    static_cast<long long>(step + 1), st.loss, st.grad_norm);
-      nonfinite_note = std::string(what) + (bad ? "; first non-finite: " + bad->describe() : "");
-      // Gradient sync spreads a NaN to every replica; the ranks whose own loss was not finite are
-      // where it came from (pipeline stages other than the last compute no loss).
-      std::vector<double> own(static_cast<std::size_t>(world), 0.0);
-      own[s.grid->rank()] = std::isfinite(st.local_loss) ? 0.0 : 1.0;
-      s.grid->world().all_reduce(own.data(), world);
-      std::string origin;
-      for (int r = 0; r < world; ++r)
-        if (own[r] > 0) origin += (origin.empty() ? "" : ", ") + std::to_string(r);
-      if (!origin.empty()) nonfinite_note += "; the loss was not finite on rank(s) " + origin;
-      if (!skip_nonfinite)
-        failure = nonfinite_note + "; stopped without applying it (train.on_nonfinite = stop; lower train.lr, or "
+// One step's communication per group (counted by the communicators), and the slowest and fastest
+// rank's step time.
+struct StepComm {
+  nlohmann::json by_group = nlohmann::json::object();
+  double wait = 0, bytes = 0, t_min = 0, t_max = 0;
+};
+
+// The mixed-precision textbook's model state per rank, 2P (16-bit weights) + 2P (16-bit gradients)
+// + 12P (fp32 master weights and AdamW's moments), the parts the ranks split divided by N
+// (GradSync::state_sharding: ZeRO's stages), with the formula as the summary prints it.
+std::pair<double, std::string> textbook_state(double P, const StateSharding& sh) {
+  const double N = sh.ranks;
+  const double bytes = 2 * P / (sh.weights ? N : 1) + 2 * P / (sh.grads ? N : 1) + 12 * P / (sh.optimizer ? N : 1);
+  if (sh.weights && sh.grads && sh.optimizer) return {bytes, "16P/N"};
+  std::string whole, split;
+  int n_split = 0;
+  for (const auto& [term, by] : {std::pair<const char*, bool>{"2P", sh.weights}, {"2P", sh.grads}, {"12P", sh.optimizer}}) {
+    std::string& to = by ? split : whole;
+    to += (to.empty() ? "" : " + ") + std::string(term);
+    n_split += by ? 1 : 0;
+  }
+  if (n_split == 0) return {bytes, whole};
+  return {bytes, whole + " + " + (n_split > 1 ? "(" + split + ")/N" : split + "/N")};
+}
+
+// `loom run`: one run of a deck, from the locks on its directories to summary.json.
+class TrainingRun {
+ public:
+  TrainingRun(const Deck& deck, const StrategyRegistry& registry)
+      : deck_(deck), s_(deck, registry), checkpoints_(s_), io_(s_.grid->rank() == 0), world_(s_.layout.ranks()),
+        groups_(s_.grid->groups()) {}
+  // A run refused before it wrote anything leaves the directories as they were (a directory it
+  // created for the lock is removed again).
+  ~TrainingRun() {
+    if (writing_) return;
+    if (checkpoint_lock_) checkpoint_lock_->abandon();
+    if (run_lock_) run_lock_->abandon();
+  }
+  int run();
+
+ private:
+  void lock_directories();
+  void open_metrics();
+  void measure_peak();
+  StepComm read_comm(const StepStats& st);
+  void judge_step(std::int64_t step, const StepStats& st);
+  bool after_step(std::int64_t step, std::optional<double>& val, nlohmann::json& saved);
+  void log_step(std::int64_t step, const StepStats& st, const StepComm& comm,
+                const std::vector<std::pair<std::string, double>>& report, const std::optional<double>& val,
+                const nlohmann::json& saved);
+  void check_the_end();
+  std::vector<double> gather_rank_peaks();
+  nlohmann::json summary_json(const std::vector<double>& all_peaks, const std::map<std::string, double>& means);
+  void write_report(const nlohmann::json& summary);
+  void print_summary(const nlohmann::json& summary, const std::map<std::string, double>& means);
+  std::string status() const { return !failure_.empty() ? "failed" : interrupted_ ? "interrupted" : "finished"; }
+  int exit_status() const { return !failure_.empty() ? 1 : interrupted_ ? kExitInterrupted : 0; }
+
+  const double t_start_ = now();  // before the session is set up: its time is the run's init
+  const Deck& deck_;
+  Session s_;
+  Checkpointing checkpoints_;
+  const bool io_;
+  const int world_;
+  std::vector<Communicator*> groups_;
+  // One run at a time per directory: rank 0 locks run.dir (and checkpoint.dir when it lies
+  // elsewhere) before anything is written there.
+  std::unique_ptr<DirLock> run_lock_, checkpoint_lock_;
+  bool writing_ = false;
+  MetricsFile metrics_;
+  std::int64_t start_step_ = 0;
+  double t_init_ = 0, t_loop_ = 0;
+  double tokens_per_step_ = 0, flops_per_token_ = 0, peak_flops_ = 0;
+  std::string peak_source_;
+  RunTotals totals_;
+  std::string failure_;     // why the run failed (the same on every rank); empty while it goes well
+  std::string nonfinite_note_;  // the last step's, when its loss or gradient norm was not finite
+  bool interrupted_ = false;
+};
+
+void TrainingRun::lock_directories() {
+  run_agreed([&] {
+    if (!io_) return;
+    run_lock_ = std::make_unique<DirLock>(s_.run_dir, "run.dir");
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path run_abs = fs::weakly_canonical(s_.run_dir, ec), ckpt_abs = fs::weakly_canonical(checkpoints_.dir(), ec);
+    if (ckpt_abs.parent_path() != run_abs) checkpoint_lock_ = std::make_unique<DirLock>(checkpoints_.dir(), "checkpoint.dir");
+  });
+}
+
+void TrainingRun::open_metrics() {
+  if (!io_) return;
+  const std::string path = s_.run_dir + "/metrics.jsonl";
+  if (!checkpoints_.resuming()) return metrics_.start(path);
+  const int aside = metrics_.resume(path, start_step_);
+  if (aside > 0)
+    std::cout << "metrics: " << aside << " row(s) past step " << start_step_ << " from the earlier run moved to "
+              << path << ".superseded; " << path << " continues from step " << start_step_ + 1 << std::endl;
+}
+
+// MFU is measured against every rank's peak: run.peak_tflops, or the matrix-product rate each rank
+// measures now (all ranks at once, as they will train).
+void TrainingRun::measure_peak() {
+  peak_flops_ = deck_.get_float("run.peak_tflops") * 1e12;
+  peak_source_ = peak_flops_ > 0 ? "run.peak_tflops" : "measured matrix-product rate";
+  if (peak_flops_ <= 0) peak_flops_ = measured_matmul_flops(*s_.backend);
+  s_.grid->world().all_reduce(&peak_flops_, 1);
+  if (io_)
+    std::printf("  MFU     : against %.3f TFLOP/s (%s, summed over %d rank%s)\n", peak_flops_ / 1e12,
+                peak_source_.c_str(), world_, world_ == 1 ? "" : "s");
+  if (io_ && link_gbit_per_s() > 0)
+    std::printf("  link    : EMULATED, %g Gbit/s per rank, %g us per message (run.emulate_link_gbps): every send "
+                "waits its turn on it\n", link_gbit_per_s(), 1e6 * link_latency_s());
+}
+
+StepComm TrainingRun::read_comm(const StepStats& st) {
+  StepComm c;
+  for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
+    const CommStats& cs = groups_[gi]->stats();
+    if (groups_[gi]->size() == 1) continue;
+    nlohmann::json by_op = nlohmann::json::object();
+    for (int op = 0; op < kCommOps; ++op)
+      if (cs.calls[op]) by_op[comm_op_name(static_cast<CommOp>(op))] = {{"bytes", cs.bytes_sent[op]}, {"wait_ms", cs.wait_s[op] * 1e3}, {"calls", cs.calls[op]}};
+    c.by_group[groups_[gi]->name()] = {{"bytes_sent", cs.total_bytes()}, {"wait_ms", cs.total_wait() * 1e3}, {"ops", by_op}};
+    totals_.group_bytes[gi] += static_cast<double>(cs.total_bytes());
+    totals_.group_wait[gi] += cs.total_wait();
+    c.wait += cs.total_wait();
+    c.bytes += static_cast<double>(cs.total_bytes());
+  }
+  totals_.wait_total += c.wait;
+  // The slowest and the fastest rank's step time (a straggler shows): a metrics-only reduction,
+  // through the world communicator so that a stalled rank is caught here too. It only sums: every
+  // rank puts its time at its own index.
+  c.t_min = c.t_max = st.seconds;
+  if (world_ > 1) {
+    std::vector<double> step_times(world_, 0.0);
+    step_times[s_.grid->rank()] = st.seconds;
+    s_.grid->world().all_reduce(step_times.data(), world_);
+    c.t_min = *std::min_element(step_times.begin(), step_times.end());
+    c.t_max = *std::max_element(step_times.begin(), step_times.end());
+  }
+  return c;
+}
+
+// Counts a skipped update, and sets failure_ when the run must stop (train.on_nonfinite,
+// train.max_skipped, a strategy's failure).
+void TrainingRun::judge_step(std::int64_t step, const StepStats& st) {
+  nonfinite_note_.clear();
+  if (st.nonfinite) {  // the loss or the gradient norm (the same on every rank): no update applied
+    ++totals_.skipped_total;
+    ++totals_.skipped_in_row;
+    const auto bad = find_nonfinite(*s_.grid, *s_.model, {gradients(*s_.model)});  // collective
+    char what[160];
+    std::snprintf(what, sizeof what, "step %lld: loss %g, gradient norm %g: not finite",
+                  static_cast<long long>(step + 1), st.loss, st.grad_norm);
+    nonfinite_note_ = std::string(what) + (bad ? "; first non-finite: " + bad->describe() : "");
+    // Gradient sync spreads a NaN to every replica; the ranks whose own loss was not finite are
+    // where it came from (pipeline stages other than the last compute no loss).
+    std::vector<double> own(static_cast<std::size_t>(world_), 0.0);
+    own[s_.grid->rank()] = std::isfinite(st.local_loss) ? 0.0 : 1.0;
+    s_.grid->world().all_reduce(own.data(), world_);
+    std::string origin;
+    for (int r = 0; r < world_; ++r)
+      if (own[r] > 0) origin += (origin.empty() ? "" : ", ") + std::to_string(r);
+    if (!origin.empty()) nonfinite_note_ += "; the loss was not finite on rank(s) " + origin;
+    const std::int64_t max_skipped = deck_.get_int("train.max_skipped");
+    if (deck_.get_string("train.on_nonfinite") != "skip")
+      failure_ = nonfinite_note_ + "; stopped without applying it (train.on_nonfinite = stop; lower train.lr, or "
                                    "set train.on_nonfinite = skip to drop such steps)";
-      else if (skipped_in_row > max_skipped)
-        failure = nonfinite_note + "; " + std::to_string(skipped_in_row) +
-                  " steps in a row were not finite (train.max_skipped = " + std::to_string(max_skipped) + "): stopping";
-      else if (io)
-        std::cout << "loom: warning: " << nonfinite_note << "; update skipped (train.on_nonfinite = skip; "
-                  << skipped_in_row << " in a row, " << skipped_total << " in all)" << std::endl;
-    } else if (!st.failure.empty()) {
-      ++skipped_total;
-      failure = st.failure;
-    } else if (!st.skip_reason.empty()) {
-      // A phase hook skipped the update on purpose (a loss-scale overflow): counted as a skipped step
-      // (step = optimizer_steps + skipped_steps), never a failure.
-      ++skipped_total;
-      skipped_in_row = 0;
-    } else {
-      skipped_in_row = 0;
-    }
-
-    const bool last = step + 1 == s.steps;
-    std::optional<double> val;
-    nlohmann::json saved = nlohmann::json::object();
-    bool stop = false;
-    if (failure.empty()) {
-      if (s.val_data && ((s.eval_every > 0 && (step + 1) % s.eval_every == 0) || last)) val = evaluate();
-      try {
-        stop = checkpoints.after_step(step + 1, saved);  // collective
-        if (last && !stop) checkpoints.at_end(step + 1, saved);
-      } catch (const AgreedFailure& e) {
-        failure = e.what();
-      }
-    }
-    interrupted = stop;
-    const bool end = !failure.empty() || stop;
-    if (!io) {
-      if (end) break;
-      continue;
-    }
-    const bool log = step % s.log_every == 0 || last || val || end || !saved.empty() || st.nonfinite ||
-                     !st.skip_reason.empty();
-    if (!log) continue;
-    const double tps = tokens_per_step / st.seconds;
-    const double tflops = tps * flops_per_token / 1e12;
-    const double mfu = tps * flops_per_token / peak_flops;
-    const double elapsed = now() - t_start;
-    const double eta = (now() - t_loop) / static_cast<double>(steps_run) * static_cast<double>(s.steps - step - 1);
-    char line[512];
-    std::snprintf(line, sizeof line,
-                  "step %6lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.0f tok/s | %.4f TFLOP/s | MFU %.1f%% | %7.1f ms | mem %s",
-                  static_cast<long long>(step + 1), static_cast<long long>(s.steps), st.loss, st.lr, st.grad_norm, tps,
-                  tflops, 100.0 * mfu, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
-    std::cout << line;
-    if (world > 1) {
-      double bytes = 0;
-      for (auto* g : groups) bytes += g->size() > 1 ? static_cast<double>(g->stats().total_bytes()) : 0.0;
-      std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(bytes).c_str(),
-                  100.0 * step_wait / st.seconds, t_min * 1e3, t_max * 1e3);
-    }
-    std::printf("%s", s.engine->schedule().step_line(report_values).c_str());
-    if (val) std::printf(" | val %.4f", *val);
-    if (st.nonfinite) std::printf(" | update skipped");
-    if (!st.skip_reason.empty()) std::printf(" | update skipped: %s", st.skip_reason.c_str());
-    if (loss_scaled) std::printf(" | scale %g, %lld skipped", st.loss_scale, static_cast<long long>(skipped_total));
-    std::printf(" | %s in, ETA %s", duration_text(elapsed).c_str(), duration_text(eta).c_str());
-    std::cout << std::endl;
-    nlohmann::json rec = {{"step", step + 1},
-                          {"loss", st.loss},
-                          {"lr", st.lr},
-                          {"grad_norm", st.grad_norm},
-                          {"clip_coef", st.clip_coef},
-                          {"loss_scale", st.loss_scale},
-                          {"skipped_steps", skipped_total},
-                          {"tokens_per_s", tps},
-                          {"tflops", tflops},
-                          {"mfu", mfu},
-                          {"step_ms", st.seconds * 1e3},
-                          {"elapsed_s", elapsed},
-                          {"eta_s", eta},
-                          {"time", utc_timestamp()},
-                          {"times_ms",
-                           {{"data", st.times.data * 1e3},
-                            {"forward", st.times.forward * 1e3},
-                            {"backward", st.times.backward * 1e3},
-                            {"sync", st.times.sync * 1e3},
-                            {"optimizer", st.times.optimizer * 1e3}}},
-                          {"mem_peak_bytes", memory_json(st.peak_bytes, st.peak_total)},
-                          {"comm", comm},
-                          {"comm_wait_share", step_wait / st.seconds},
-                          {"step_ms_min", t_min * 1e3},
-                          {"step_ms_max", t_max * 1e3}};
-    for (const auto& [k, v] : report_values) rec[k] = v;
-    if (val) rec["val_loss"] = *val;
-    if (st.nonfinite) rec["skipped"] = true;
-    if (!st.skip_reason.empty()) {
-      rec["skipped"] = true;
-      rec["skip_reason"] = st.skip_reason;
-    }
-    for (const auto& [k, v] : saved.items()) rec[k] = v;
-    metrics.write(rec);
-    if (end) break;
+    else if (totals_.skipped_in_row > max_skipped)
+      failure_ = nonfinite_note_ + "; " + std::to_string(totals_.skipped_in_row) +
+                 " steps in a row were not finite (train.max_skipped = " + std::to_string(max_skipped) + "): stopping";
+    else if (io_)
+      std::cout << "loom: warning: " << nonfinite_note_ << "; update skipped (train.on_nonfinite = skip; "
+                << totals_.skipped_in_row << " in a row, " << totals_.skipped_total << " in all)" << std::endl;
+  } else if (!st.failure.empty()) {
+    ++totals_.skipped_total;
+    failure_ = st.failure;
+  } else if (!st.skip_reason.empty()) {
+    // A phase hook skipped the update on purpose (a loss-scale overflow): counted as a skipped step
+    // (step = optimizer_steps + skipped_steps), never a failure.
+    ++totals_.skipped_total;
+    totals_.skipped_in_row = 0;
+  } else {
+    totals_.skipped_in_row = 0;
   }
+}
 
-  // A run that trained to the end must end with finite weights and a finite validation loss.
-  if (failure.empty() && !interrupted) {
-    if (const auto bad = find_nonfinite(*s.grid, *s.model, {parameters(*s.model)}))
-      failure = "training ended with non-finite weights: " + bad->describe();
-    else if (last_val && !std::isfinite(*last_val))
-      failure = "training ended with a non-finite validation loss (" + std::to_string(*last_val) + ")";
+// Evaluation and checkpoints after a step that went well (collective); true when a stop signal asks
+// the run to end here.
+bool TrainingRun::after_step(std::int64_t step, std::optional<double>& val, nlohmann::json& saved) {
+  if (!failure_.empty()) return false;
+  const bool last = step + 1 == s_.steps;
+  if (s_.val_data && ((s_.eval_every > 0 && (step + 1) % s_.eval_every == 0) || last)) {
+    const double t0 = now();
+    val = totals_.last_val = s_.engine->evaluate(s_.eval_batches, s_.val_batches);
+    totals_.eval_time += now() - t0;
   }
-  const std::string status = !failure.empty() ? "failed" : interrupted ? "interrupted" : "finished";
-  const int exit_status = !failure.empty() ? 1 : interrupted ? kExitInterrupted : 0;
-  if (!failure.empty() && io) write_stderr("loom: error: " + failure);
-  // Every rank's ledger peaks, for summary.json (`loom plan` is checked against them rank by rank).
-  std::vector<double> mine(peak_bytes.begin(), peak_bytes.end()), all_peaks;
-  mine.push_back(static_cast<double>(peak_total));
-  // And its collectives' scratch pools: reserved from the step plan, and what they needed.
+  try {
+    const bool stop = checkpoints_.after_step(step + 1, saved);  // collective
+    if (last && !stop) checkpoints_.at_end(step + 1, saved);
+    return stop;
+  } catch (const AgreedFailure& e) {
+    failure_ = e.what();
+    return false;
+  }
+}
+
+// The step line on stdout and its row of metrics.jsonl (rank 0).
+void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepComm& comm,
+                           const std::vector<std::pair<std::string, double>>& report, const std::optional<double>& val,
+                           const nlohmann::json& saved) {
+  const double tps = tokens_per_step_ / st.seconds;
+  const double tflops = tps * flops_per_token_ / 1e12;
+  const double mfu = tps * flops_per_token_ / peak_flops_;
+  const double elapsed = now() - t_start_;
+  const double eta = (now() - t_loop_) / static_cast<double>(totals_.steps_run) * static_cast<double>(s_.steps - step - 1);
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "step %6lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.0f tok/s | %.4f TFLOP/s | MFU %.1f%% | %7.1f ms | mem %s",
+                static_cast<long long>(step + 1), static_cast<long long>(s_.steps), st.loss, st.lr, st.grad_norm, tps,
+                tflops, 100.0 * mfu, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
+  std::cout << line;
+  if (world_ > 1)
+    std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(comm.bytes).c_str(),
+                100.0 * comm.wait / st.seconds, comm.t_min * 1e3, comm.t_max * 1e3);
+  std::printf("%s", s_.engine->schedule().step_line(report).c_str());
+  if (val) std::printf(" | val %.4f", *val);
+  if (st.nonfinite) std::printf(" | update skipped");
+  if (!st.skip_reason.empty()) std::printf(" | update skipped: %s", st.skip_reason.c_str());
+  if (s_.backend->precision().matmul == DType::f16)  // a loss-scaled run shows the scale
+    std::printf(" | scale %g, %lld skipped", st.loss_scale, static_cast<long long>(totals_.skipped_total));
+  std::printf(" | %s in, ETA %s", duration_text(elapsed).c_str(), duration_text(eta).c_str());
+  std::cout << std::endl;
+  nlohmann::json rec = {{"step", step + 1}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
+                        {"clip_coef", st.clip_coef}, {"loss_scale", st.loss_scale},
+                        {"skipped_steps", totals_.skipped_total}, {"tokens_per_s", tps}, {"tflops", tflops},
+                        {"mfu", mfu}, {"step_ms", st.seconds * 1e3}, {"elapsed_s", elapsed}, {"eta_s", eta},
+                        {"time", utc_timestamp()},
+                        {"times_ms",
+                         {{"data", st.times.data * 1e3},
+                          {"forward", st.times.forward * 1e3},
+                          {"backward", st.times.backward * 1e3},
+                          {"sync", st.times.sync * 1e3},
+                          {"optimizer", st.times.optimizer * 1e3}}},
+                        {"mem_peak_bytes", memory_json(st.peak_bytes, st.peak_total)},
+                        {"comm", comm.by_group}, {"comm_wait_share", comm.wait / st.seconds},
+                        {"step_ms_min", comm.t_min * 1e3}, {"step_ms_max", comm.t_max * 1e3}};
+  for (const auto& [k, v] : report) rec[k] = v;
+  if (val) rec["val_loss"] = *val;
+  if (st.nonfinite) rec["skipped"] = true;
+  if (!st.skip_reason.empty()) {
+    rec["skipped"] = true;
+    rec["skip_reason"] = st.skip_reason;
+  }
+  for (const auto& [k, v] : saved.items()) rec[k] = v;
+  metrics_.write(rec);
+}
+
+// A run that trained to the end must end with finite weights and a finite validation loss.
+void TrainingRun::check_the_end() {
+  if (!failure_.empty() || interrupted_) return;
+  if (const auto bad = find_nonfinite(*s_.grid, *s_.model, {parameters(*s_.model)}))
+    failure_ = "training ended with non-finite weights: " + bad->describe();
+  else if (totals_.last_val && !std::isfinite(*totals_.last_val))
+    failure_ = "training ended with a non-finite validation loss (" + std::to_string(*totals_.last_val) + ")";
+}
+
+// Every rank's ledger peaks (`loom plan` is checked against them rank by rank), then its collectives'
+// scratch pools, reserved from the step plan and needed: kMemCategories + 3 values per rank, on every
+// rank (through the world communicator, which run.comm_timeout watches).
+std::vector<double> TrainingRun::gather_rank_peaks() {
+  std::vector<double> mine(totals_.peak_bytes.begin(), totals_.peak_bytes.end());
+  mine.push_back(static_cast<double>(totals_.peak_total));
   Communicator::ScratchUse pools;
-  std::vector<Communicator*> comms = s.grid->groups();
-  comms.push_back(&s.grid->world());
+  std::vector<Communicator*> comms = groups_;
+  comms.push_back(&s_.grid->world());
   for (const Communicator* c : comms) {
     pools.reserved += c->scratch_use().reserved;
     pools.needed += c->scratch_use().needed;
   }
   mine.push_back(static_cast<double>(pools.reserved));
   mine.push_back(static_cast<double>(pools.needed));
-  if (io) all_peaks.resize(mine.size() * static_cast<std::size_t>(world));
-  MPI_Gather(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, all_peaks.data(), static_cast<int>(mine.size()),
-             MPI_DOUBLE, 0, MPI_COMM_WORLD);
-  if (!io) return exit_status;
+  std::vector<double> all(mine.size() * static_cast<std::size_t>(world_));
+  s_.grid->world().all_gather(BufferRef(mine.data(), static_cast<std::int64_t>(mine.size())),
+                              BufferRef(all.data(), static_cast<std::int64_t>(all.size())));
+  return all;
+}
 
-  std::map<std::string, double> report_means = (report_steady.steps ? report_steady : report_all).means();
-  const double mean_step = steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, steps_run);
-  const double tps = tokens_per_step / mean_step;
-  const std::int64_t per_step_divisor = std::max<std::int64_t>(1, steps_run);
+nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks, const std::map<std::string, double>& means) {
+  const RunTotals& t = totals_;
+  const double tps = tokens_per_step_ / t.mean_step();
   std::int64_t model_params = 0;
-  for (const ParamInfo& p : s.model->all_params()) {
+  for (const ParamInfo& p : s_.model->all_params()) {
     std::int64_t n = 1;
     for (auto d : p.shape) n *= d;
     model_params += n;
   }
-  nlohmann::json summary = {{"status", status},
-                            {"exit_status", exit_status},
-                            {"steps", s.steps},
-                            {"start_step", start_step},
-                            {"steps_run", steps_run},
-                            {"skipped_steps", skipped_total},
-                            {"checkpoint", checkpoints.summary()},
-                            {"time_s", now() - t_start},
-                            {"train_time_s", train_time},
-                            {"eval_time_s", eval_time},
-                            {"tokens_per_s", tps},
-                            {"model_flops_per_token", flops_per_token},
-                            {"tflops", tps * flops_per_token / 1e12},
-                            {"mfu", tps * flops_per_token / peak_flops},
-                            {"peak_tflops", peak_flops / 1e12},
-                            {"peak_source", peak_source},
-                            {"final_loss", last_loss},
-                            {"parameters", model_params},
-                            {"parameters_rank0", s.model->num_params()},
-                            {"mem_peak_bytes", memory_json(peak_bytes, peak_total)},
-                            {"ranks", world},
-                            {"layout", {{"dp", s.layout.dp}, {"tp", s.layout.tp}, {"pp", s.layout.pp}}},
-                            {"comm_wait_share", train_time > 0 ? wait_total / train_time : 0.0}};
+  nlohmann::json summary = {{"status", status()}, {"exit_status", exit_status()}, {"steps", s_.steps},
+                            {"start_step", start_step_}, {"steps_run", t.steps_run},
+                            {"skipped_steps", t.skipped_total}, {"checkpoint", checkpoints_.summary()},
+                            {"time_s", now() - t_start_}, {"train_time_s", t.train_time}, {"eval_time_s", t.eval_time},
+                            {"tokens_per_s", tps}, {"model_flops_per_token", flops_per_token_},
+                            {"tflops", tps * flops_per_token_ / 1e12}, {"mfu", tps * flops_per_token_ / peak_flops_},
+                            {"peak_tflops", peak_flops_ / 1e12}, {"peak_source", peak_source_},
+                            {"final_loss", t.last_loss}, {"parameters", model_params},
+                            {"parameters_rank0", s_.model->num_params()},
+                            {"mem_peak_bytes", memory_json(t.peak_bytes, t.peak_total)}, {"ranks", world_},
+                            {"layout", {{"dp", s_.layout.dp}, {"tp", s_.layout.tp}, {"pp", s_.layout.pp}}},
+                            {"comm_wait_share", t.train_time > 0 ? t.wait_total / t.train_time : 0.0}};
   nlohmann::json by_rank = nlohmann::json::array(), pools_by_rank = nlohmann::json::array();
-  for (int r = 0; r < world; ++r) {
+  const std::size_t per_rank = kMemCategories + 3;
+  for (int r = 0; r < world_; ++r) {
     std::array<std::size_t, kMemCategories> b{};
-    const double* at = all_peaks.data() + static_cast<std::size_t>(r) * mine.size();
+    const double* at = all_peaks.data() + static_cast<std::size_t>(r) * per_rank;
     for (int i = 0; i < kMemCategories; ++i) b[static_cast<std::size_t>(i)] = static_cast<std::size_t>(at[i]);
     by_rank.push_back(memory_json(b, static_cast<std::size_t>(at[kMemCategories])));
     pools_by_rank.push_back({{"reserved", static_cast<std::int64_t>(at[kMemCategories + 1])},
@@ -446,124 +469,161 @@ int command_run(const Deck& deck, const StrategyRegistry& registry) {
   }
   summary["mem_peak_bytes_by_rank"] = by_rank;
   summary["comm_scratch_bytes_by_rank"] = pools_by_rank;
-  if (!failure.empty()) summary["error"] = failure;
-  if (interrupted) summary["stop_signal"] = Checkpointing::stop_signal();
-  {
-    nlohmann::json comm = nlohmann::json::object();
-    for (std::size_t gi = 0; gi < groups.size(); ++gi)
-      if (groups[gi]->size() > 1)
-        comm[groups[gi]->name()] = {{"bytes_sent_per_step", group_bytes_total[gi] / per_step_divisor},
-                                    {"wait_s", group_wait_total[gi]}};
-    summary["comm"] = comm;
-    for (const auto& [k, v] : report_means) summary[k] = v;
+  if (!failure_.empty()) summary["error"] = failure_;
+  if (interrupted_) summary["stop_signal"] = Checkpointing::stop_signal();
+  nlohmann::json comm = nlohmann::json::object();
+  for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+    if (groups_[gi]->size() > 1)
+      comm[groups_[gi]->name()] = {{"bytes_sent_per_step", t.group_bytes[gi] / std::max<std::int64_t>(1, t.steps_run)},
+                                   {"wait_s", t.group_wait[gi]}};
+  summary["comm"] = comm;
+  for (const auto& [k, v] : means) summary[k] = v;
+  if (s_.backend->precision().matmul != DType::f32) {
+    const auto& pb = t.peak_bytes;
+    const auto at = [&](Mem m) { return pb[static_cast<int>(m)]; };
+    const auto [textbook, formula] = textbook_state(static_cast<double>(s_.model->num_params()),
+                                                    s_.engine->grad_sync().state_sharding());
+    nlohmann::json precision = {{"dtype", dtype_name(s_.backend->precision().matmul)},
+                                {"state_bytes", at(Mem::params) + at(Mem::master) + at(Mem::grads) + at(Mem::optimizer)},
+                                {"compute_copy_bytes", at(Mem::params)},
+                                {"master_bytes", at(Mem::master)},
+                                {"textbook_bytes", textbook},
+                                {"textbook_formula", formula},
+                                {"workspace_peak_bytes", at(Mem::workspace)}};
+    if (s_.backend->precision().matmul == DType::f16) precision["loss_scale_final"] = t.last_loss_scale;
+    summary["precision"] = precision;
   }
-  // Mixed precision: the model state per rank against the textbook's 2P + 2P + 12P (ZeRO: the
-  // paper's K = 12 split over the dp ranks by stage), P the parameters this rank holds.
-  nlohmann::json precision_summary = nlohmann::json::object();
-  if (s.backend->precision().matmul != DType::f32) {
-    const double P = static_cast<double>(s.model->num_params()), N = s.layout.dp;
-    const int stage = report_means.count("zero_stage") ? static_cast<int>(report_means["zero_stage"]) : 0;
-    const double textbook = stage == 3 ? 16 * P / N : stage == 2 ? 2 * P + 14 * P / N : stage == 1 ? 4 * P + 12 * P / N : 16 * P;
-    const char* formula = stage == 3 ? "16P/N" : stage == 2 ? "2P + (2P + 12P)/N" : stage == 1 ? "2P + 2P + 12P/N" : "2P + 2P + 12P";
-    precision_summary = {{"dtype", dtype_name(s.backend->precision().matmul)},
-                         {"state_bytes", peak_bytes[static_cast<int>(Mem::params)] + peak_bytes[static_cast<int>(Mem::master)] +
-                                             peak_bytes[static_cast<int>(Mem::grads)] + peak_bytes[static_cast<int>(Mem::optimizer)]},
-                         {"compute_copy_bytes", peak_bytes[static_cast<int>(Mem::params)]},
-                         {"master_bytes", peak_bytes[static_cast<int>(Mem::master)]},
-                         {"textbook_bytes", textbook},
-                         {"textbook_formula", formula},
-                         {"workspace_peak_bytes", peak_bytes[static_cast<int>(Mem::workspace)]}};
-    if (loss_scaled) precision_summary["loss_scale_final"] = last_loss_scale;
-    summary["precision"] = precision_summary;
-  }
-  if (last_val) summary["final_val_loss"] = *last_val;
-  if (auto best = s.train_data->best_loss()) summary["best_possible_loss"] = *best;
-  write_json_atomic(s.run_dir + "/summary.json", summary);
+  if (t.last_val) summary["final_val_loss"] = *t.last_val;
+  if (auto best = s_.train_data->best_loss()) summary["best_possible_loss"] = *best;
+  return summary;
+}
 
+void TrainingRun::write_report(const nlohmann::json& summary) {
   nlohmann::json params, from_command_line = nlohmann::json::object();
-  for (const auto& [k, v] : deck.values()) {
+  for (const auto& [k, v] : deck_.values()) {
     params[k] = v;
-    if (deck.origin(k) == "--set") from_command_line[k] = v;
+    if (deck_.origin(k) == "--set") from_command_line[k] = v;
   }
-  nlohmann::json report = {{"deck", deck.path()},
-                           {"command_line", command_line()},
-                           {"set_on_command_line", from_command_line},
-                           {"parameters", params},
-                           {"resolved_deck", deck.resolved_text()},
-                           {"platform", platform_info()},
-                           {"build", build_info()},
-                           {"backend", s.backend->description()},
-                           {"openblas_core_note", openblas_core_note()},
-                           {"gemm", gemm::describe()},
+  const PhaseTimes& ph = totals_.phase_sum;
+  nlohmann::json report = {{"deck", deck_.path()}, {"command_line", command_line()},
+                           {"set_on_command_line", from_command_line}, {"parameters", params},
+                           {"resolved_deck", deck_.resolved_text()}, {"platform", platform_info()},
+                           {"build", build_info()}, {"backend", s_.backend->description()},
+                           {"openblas_core_note", openblas_core_note()}, {"gemm", gemm::describe()},
                            {"gemm_impls_used", gemm::impls_used()},
                            {"timings_s",
-                            {{"total", now() - t_start},
-                             {"init", t_init},
-                             {"train", train_time},
-                             {"eval", eval_time},
-                             {"data", phase_sum.data},
-                             {"forward", phase_sum.forward},
-                             {"backward", phase_sum.backward},
-                             {"sync", phase_sum.sync},
-                             {"optimizer", phase_sum.optimizer}}},
+                            {{"total", now() - t_start_}, {"init", t_init_}, {"train", totals_.train_time},
+                             {"eval", totals_.eval_time}, {"data", ph.data}, {"forward", ph.forward},
+                             {"backward", ph.backward}, {"sync", ph.sync}, {"optimizer", ph.optimizer}}},
                            {"summary", summary}};
-  write_json_atomic(s.run_dir + "/report.json", report);
+  write_json_atomic(s_.run_dir + "/report.json", report);
+}
 
-  std::printf("\nsummary: %s: %lld steps (%lld .. %lld) in %.1f s | final loss %.4f", status.c_str(),
-              static_cast<long long>(steps_run), static_cast<long long>(start_step + 1),
-              static_cast<long long>(start_step + steps_run), train_time, last_loss);
-  if (last_val) std::printf(" | val loss %.4f", *last_val);
-  if (auto best = s.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
-  std::printf("\n         %lld parameters (%lld on rank 0)", static_cast<long long>(model_params),
-              static_cast<long long>(s.model->num_params()));
-  if (skipped_total) std::printf(" | %lld step(s) skipped (not finite, or a loss-scale overflow)", static_cast<long long>(skipped_total));
+void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<std::string, double>& means) {
+  const RunTotals& t = totals_;
+  const double tps = tokens_per_step_ / t.mean_step();
+  std::printf("\nsummary: %s: %lld steps (%lld .. %lld) in %.1f s | final loss %.4f", status().c_str(),
+              static_cast<long long>(t.steps_run), static_cast<long long>(start_step_ + 1),
+              static_cast<long long>(start_step_ + t.steps_run), t.train_time, t.last_loss);
+  if (t.last_val) std::printf(" | val loss %.4f", *t.last_val);
+  if (auto best = s_.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
+  std::printf("\n         %lld parameters (%lld on rank 0)", static_cast<long long>(summary["parameters"].get<std::int64_t>()),
+              static_cast<long long>(s_.model->num_params()));
+  if (t.skipped_total)
+    std::printf(" | %lld step(s) skipped (not finite, or a loss-scale overflow)", static_cast<long long>(t.skipped_total));
   std::printf("\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | MFU %.1f%% of %.3f TFLOP/s (%s) | steady step %.1f ms\n",
-              tps, tps * flops_per_token / 1e12, flops_per_token, 100.0 * tps * flops_per_token / peak_flops,
-              peak_flops / 1e12, peak_source.c_str(), mean_step * 1e3);
+              tps, tps * flops_per_token_ / 1e12, flops_per_token_, 100.0 * tps * flops_per_token_ / peak_flops_,
+              peak_flops_ / 1e12, peak_source_.c_str(), t.mean_step() * 1e3);
   std::printf("         time: forward %.1f s, backward %.1f s, optimizer %.1f s, data %.2f s, eval %.1f s\n",
-              phase_sum.forward, phase_sum.backward, phase_sum.optimizer, phase_sum.data, eval_time);
-  std::printf("         peak memory per rank: %s\n", memory_line(peak_bytes, peak_total).c_str());
+              t.phase_sum.forward, t.phase_sum.backward, t.phase_sum.optimizer, t.phase_sum.data, t.eval_time);
+  std::printf("         peak memory per rank: %s\n", memory_line(t.peak_bytes, t.peak_total).c_str());
   std::printf("         gemm: %s\n", gemm::describe().c_str());
-  for (std::size_t gi = 0; gi < groups.size(); ++gi)
-    if (groups[gi]->size() > 1)
+  for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+    if (groups_[gi]->size() > 1)
       std::printf("         comm %s (%d ranks): %s sent per rank per step, %.2f s waiting (%.1f%% of training)\n",
-                  groups[gi]->name().c_str(), groups[gi]->size(),
-                  format_bytes(group_bytes_total[gi] / per_step_divisor).c_str(), group_wait_total[gi],
-                  100.0 * group_wait_total[gi] / train_time);
+                  groups_[gi]->name().c_str(), groups_[gi]->size(),
+                  format_bytes(t.group_bytes[gi] / std::max<std::int64_t>(1, t.steps_run)).c_str(), t.group_wait[gi],
+                  100.0 * t.group_wait[gi] / t.train_time);
   // Each role's own lines (data parallelism, ZeRO, compression through the gradient sync and its
   // reducers), then precision's, then the schedule's (a pipeline's bubble).
-  for (const std::string& line : s.engine->grad_sync().summary_lines(report_means))
-    std::printf("         %s\n", line.c_str());
-  std::string scale_note;
-  if (precision_summary.contains("loss_scale_final")) {
-    char note[160];
-    std::snprintf(note, sizeof note, "; fp16 loss scale of the last step %g, %lld step(s) skipped on overflow",
-                  precision_summary["loss_scale_final"].get<double>(), static_cast<long long>(skipped_total));
-    scale_note = note;
-  }
-  if (precision_summary.contains("dtype"))
+  for (const std::string& line : s_.engine->grad_sync().summary_lines(means)) std::printf("         %s\n", line.c_str());
+  if (summary.contains("precision")) {
+    const nlohmann::json& p = summary["precision"];
+    std::string scale_note;
+    if (p.contains("loss_scale_final")) {
+      char note[160];
+      std::snprintf(note, sizeof note, "; fp16 loss scale of the last step %g, %lld step(s) skipped on overflow",
+                    p["loss_scale_final"].get<double>(), static_cast<long long>(t.skipped_total));
+      scale_note = note;
+    }
+    const auto at = [&](Mem m) { return format_bytes(t.peak_bytes[static_cast<int>(m)]); };
     std::printf("         precision %s: model state per rank %s = 16-bit weight copies %s + fp32 master weights %s\n"
                 "         + gradients (fp32) %s + AdamW %s, against the textbook's mixed precision %s = %s (16-bit\n"
                 "         weights and gradients, fp32 masters and moments): loom keeps fp32 gradients (accumulated over\n"
                 "         micro-batches in fp32) and 16-bit copies of the matrix weights only (LayerNorm, biases and\n"
                 "         positions are used in fp32); operand workspace peak %s%s\n",
-                precision_summary["dtype"].get<std::string>().c_str(), format_bytes(precision_summary["state_bytes"]).c_str(),
-                format_bytes(peak_bytes[static_cast<int>(Mem::params)]).c_str(),
-                format_bytes(peak_bytes[static_cast<int>(Mem::master)]).c_str(),
-                format_bytes(peak_bytes[static_cast<int>(Mem::grads)]).c_str(),
-                format_bytes(peak_bytes[static_cast<int>(Mem::optimizer)]).c_str(),
-                precision_summary["textbook_formula"].get<std::string>().c_str(),
-                format_bytes(precision_summary["textbook_bytes"]).c_str(),
-                format_bytes(peak_bytes[static_cast<int>(Mem::workspace)]).c_str(),
-                scale_note.c_str());
-  for (const std::string& line : s.engine->schedule().summary_lines(report_means))
-    std::printf("         %s\n", line.c_str());
-  if (interrupted)
+                p["dtype"].get<std::string>().c_str(), format_bytes(p["state_bytes"]).c_str(), at(Mem::params).c_str(),
+                at(Mem::master).c_str(), at(Mem::grads).c_str(), at(Mem::optimizer).c_str(),
+                p["textbook_formula"].get<std::string>().c_str(), format_bytes(p["textbook_bytes"]).c_str(),
+                at(Mem::workspace).c_str(), scale_note.c_str());
+  }
+  for (const std::string& line : s_.engine->schedule().summary_lines(means)) std::printf("         %s\n", line.c_str());
+  if (interrupted_)
     std::printf("         interrupted by signal %d after a checkpoint: exit status %d; continue with --set "
                 "checkpoint.resume=auto\n", Checkpointing::stop_signal(), kExitInterrupted);
-  std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s.run_dir.c_str());
+  std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s_.run_dir.c_str());
   std::fflush(stdout);
-  return exit_status;
+}
+
+int TrainingRun::run() {
+  lock_directories();
+  if (io_) std::cout << s_.banner() << std::flush;
+  checkpoints_.prepare();
+  start_step_ = checkpoints_.resume();
+  open_metrics();
+  writing_ = true;
+  tokens_per_step_ = static_cast<double>(s_.global_batch) * s_.model_cfg.seq_len;
+  flops_per_token_ = s_.model->flops_per_token();
+  measure_peak();
+  t_init_ = now() - t_start_;
+  totals_.group_bytes.assign(groups_.size(), 0.0);
+  totals_.group_wait.assign(groups_.size(), 0.0);
+  t_loop_ = now();
+  for (std::int64_t step = start_step_; step < s_.steps; ++step) {
+    for (auto* g : groups_) g->reset_stats();
+    const StepStats st = s_.engine->train_step(step, s_.train_batches);
+    const StepComm comm = read_comm(st);
+    auto report = s_.engine->grad_sync().step_report();
+    for (auto& kv : s_.model->partition().step_report()) report.push_back(kv);
+    for (auto& kv : s_.engine->schedule().step_report()) report.push_back(kv);
+    totals_.add(st, report, step > start_step_);
+    judge_step(step, st);
+    std::optional<double> val;
+    nlohmann::json saved = nlohmann::json::object();
+    interrupted_ = after_step(step, val, saved);
+    const bool end = !failure_.empty() || interrupted_;
+    const bool log = step % s_.log_every == 0 || step + 1 == s_.steps || val || end || !saved.empty() ||
+                     st.nonfinite || !st.skip_reason.empty();
+    if (io_ && log) log_step(step, st, comm, report, val, saved);
+    if (end) break;
+  }
+  check_the_end();
+  if (!failure_.empty() && io_) write_stderr("loom: error: " + failure_);
+  const std::vector<double> all_peaks = gather_rank_peaks();
+  if (!io_) return exit_status();
+  const std::map<std::string, double> means = totals_.report_means();
+  const nlohmann::json summary = summary_json(all_peaks, means);
+  write_json_atomic(s_.run_dir + "/summary.json", summary);
+  write_report(summary);
+  print_summary(summary, means);
+  return exit_status();
+}
+
+}  // namespace
+
+int command_run(const Deck& deck, const StrategyRegistry& registry) {
+  TrainingRun run(deck, registry);
+  return run.run();
 }
 
 }  // namespace loom

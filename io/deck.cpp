@@ -92,6 +92,7 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
                        hint + " (valid sections: " + valid_sections + ")");
     }
     const std::string name = section + "." + key;
+    if (!schema.find(name) && schema.renamed(name)) throw DeckError(where + schema.renamed_message(name));
     if (!schema.find(name)) {
       std::vector<std::string> valid;
       for (const auto& spec : schema.keys())
@@ -174,6 +175,7 @@ Deck parse_deck(const DeckSchema& schema, const std::string& text_in, const std:
     const std::string key = trim(set.substr(0, eq));
     const std::string text_value = trim(set.substr(eq + 1));
     const KeySpec* spec = schema.find(key);
+    if (!spec && schema.renamed(key)) throw DeckError(where + schema.renamed_message(key));
     if (!spec) {
       const auto [section, short_key] = split_name(key);
       const auto sections = schema.sections();

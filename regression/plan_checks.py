@@ -130,10 +130,10 @@ LAYOUTS = [
     ("topk_dp2", SYN, 2, ["parallel.dp=2", "compression.method=topk"]),
     # int8 on ZeRO-2's pieces: per-tensor residuals beside each piece's scratch, every micro-batch.
     ("int8_zero2_micro2", SYN, 2, ["parallel.dp=2", "zero.stage=2", "compression.method=int8", "train.micro_batches=2"]),
-    # Several buckets (data.bucket_mb): PowerSGD's all-reduces complete within each bucket's reduction,
+    # Several buckets (data_parallel.bucket_mb): PowerSGD's all-reduces complete within each bucket's reduction,
     # so they are not in flight beside the other buckets' (the pool check fails a plan that says so).
     ("powersgd_dp2", SYN, 2, ["parallel.dp=2", "compression.method=powersgd", "compression.rank=2",
-                              "compression.start_step=0", "data.bucket_mb=0.01"]),
+                              "compression.start_step=0", "data_parallel.bucket_mb=0.01"]),
 ]
 
 

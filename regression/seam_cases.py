@@ -66,7 +66,7 @@ def undeclared_role(c):
 
 
 def reducer_wrap_dp2(c):
-    sets = ["parallel.dp=2", "data.bucket_mb=0.02"]
+    sets = ["parallel.dp=2", "data_parallel.bucket_mb=0.02"]
     plain_p, plain = c.loom("plain", 2, sets)
     p, wrapped = c.loom("wrapped", 2, sets + ["run.plugins=countreducer"])
     m = re.search(r"gradient sync data-parallel counted all-reduce over dp 2, (\d+) buckets", p.stdout)
@@ -90,7 +90,7 @@ def reducer_wrap_dp2(c):
 
 def contributed_state_tp2(c):
     import h5py
-    sets = ["parallel.dp=2", "parallel.tp=2", "data.bucket_mb=0.02", "run.plugins=countreducer"]
+    sets = ["parallel.dp=2", "parallel.tp=2", "data_parallel.bucket_mb=0.02", "run.plugins=countreducer"]
     ck = os.path.join(c.dir, "ckpt")
     _, full = c.loom("full", 4, sets + ["checkpoint.every=2", "checkpoint.dir=" + ck])
     final = rows(full)[-1] if rows(full) else {}

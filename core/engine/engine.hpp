@@ -33,6 +33,14 @@ struct PhaseTimes {  // seconds, per step
 };
 
 
+// Which parts of the model state the data-parallel ranks split among themselves (ZeRO: the optimizer
+// state from stage 1, the gradients from 2, the weights at 3), for the run summary's textbook of the
+// state per rank (core/engine/engine.hpp GradSync::state_sharding); none by default.
+struct StateSharding {
+  int ranks = 1;  // how many ranks share a split part (the dp group)
+  bool weights = false, grads = false, optimizer = false;
+};
+
 // Role "gradient sync": what happens to a gradient when backward has produced it and at the end of
 // backward, and how per-rank scalars become global ones. Default: one process, nothing to do.
 class GradSync {
@@ -57,6 +65,8 @@ class GradSync {
   virtual std::vector<std::string> summary_lines(const std::map<std::string, double>& /*means*/) const { return {}; }
   // `loom plan`: the scratch a step takes and the bytes it moves (core/comm/step_plan.hpp).
   virtual void plan_step(StepPlan& /*plan*/) const {}
+  // Which parts of the model state this sync's strategy splits over the ranks.
+  virtual StateSharding state_sharding() const { return {}; }
 };
 
 struct StepContext {

@@ -341,6 +341,20 @@ std::vector<std::string> DeckSchema::sections() const {
   return out;
 }
 
+const KeySpec* DeckSchema::renamed(const std::string& name) const {
+  for (const KeySpec& k : keys_)
+    for (const std::string& former : k.former_names)
+      if (former == name) return &k;
+  return nullptr;
+}
+
+std::string DeckSchema::renamed_message(const std::string& name) const {
+  const KeySpec* k = renamed(name);
+  if (!k) return "";
+  const std::string section = k->name.substr(0, k->name.find('.'));
+  return "key '" + name + "' is now '" + k->name + "' (section [" + section + "]); rename it in the deck or --set";
+}
+
 std::string DeckSchema::nearest_key(const std::string& name) const {
   const auto [section, key] = split_name(name);
   std::string best;

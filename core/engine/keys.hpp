@@ -26,6 +26,8 @@ struct KeySpec {
   // Extra check on the textual value (after type/range checks): returns "" when fine, otherwise
   // what is allowed (e.g. "synthetic, text:PATH or tokens:GLOB").
   std::function<std::string(const std::string&)> validate;
+  // Names this key had before (a deck that uses one is refused with a message naming this one).
+  std::vector<std::string> former_names;
 };
 
 class DeckSchema {
@@ -37,6 +39,10 @@ class DeckSchema {
   // The declared key closest to `name` (edit distance; used for "did you mean").
   std::string nearest_key(const std::string& name) const;
   std::string nearest_section(const std::string& section) const;
+  // The key that was called `name` before (KeySpec::former_names), or null.
+  const KeySpec* renamed(const std::string& name) const;
+  // What a deck that uses the former name `name` is told (empty when `name` is no former name).
+  std::string renamed_message(const std::string& name) const;
   // Human-readable table of every key: name, type, default, range/choices, help.
   std::string describe() const;
 

@@ -40,8 +40,9 @@
 // communicator, check_layout in core/model, BucketedGradSync without a step counter; Backend's
 // operations from one list (core/backend/backend_ops.hpp), reordered in its vtable; the roles'
 // summary_lines and Schedule::step_line. ABI 15: the plugin face: strategies see the back end as
-// BackendFace (allocation, host copies, LOOM_FACE_OPS), first in Backend's vtable.
-#define LOOM_PLUGIN_ABI_VERSION 15
+// BackendFace (allocation, host copies, LOOM_FACE_OPS), first in Backend's vtable. ABI 16:
+// KeySpec::former_names, GradSync::state_sharding.
+#define LOOM_PLUGIN_ABI_VERSION 16
 
 extern "C" {
 struct loom_plugin_v1 {

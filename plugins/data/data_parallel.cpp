@@ -1,6 +1,6 @@
 // The `data` strategy plugin (libloom_data.so): data parallelism. Fills the gradient-sync role with
 // the core's BucketedGradSync (core/engine/bucketed_sync.hpp) and the reducer with a ring all-reduce:
-// gradients are grouped into buckets of about data.bucket_mb; a bucket's all-reduce starts as soon
+// gradients are grouped into buckets of about data_parallel.bucket_mb; a bucket's all-reduce starts as soon
 // as backward has finished all its gradients (on the last micro-batch only) and overlaps the rest of
 // backward; at the end of backward the remaining buckets are waited on and the sum is turned into a
 // mean. Each dp rank reads only its part of every global batch (the core's batch slicing), and the
@@ -35,17 +35,22 @@ class DataGradSync final : public BucketedGradSync {
 
 void register_data(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
-  info.keys.push_back(float_key("data.bucket_mb", "25", 0.001, 1e6,
-                                "data parallel: gradient bucket size in MiB; each bucket's all-reduce starts "
-                                "when its gradients are done"));
-  info.keys.push_back(bool_key("data.overlap", "true",
-                               "data parallel: start bucket all-reduces during backward (false: all after backward)"));
+  // Their own section: [data] is the dataset's (and a resume reports a changed data.* key as a
+  // changed training key). The former names are refused with the new ones.
+  KeySpec bucket = float_key("data_parallel.bucket_mb", "25", 0.001, 1e6,
+                             "gradient bucket size in MiB; each bucket's all-reduce starts when its gradients are done");
+  bucket.former_names = {"data.bucket_mb"};
+  KeySpec overlap = bool_key("data_parallel.overlap", "true",
+                             "start bucket all-reduces during backward (false: all after backward)");
+  overlap.former_names = {"data.overlap"};
+  info.keys.push_back(bucket);
+  info.keys.push_back(overlap);
   info.claims = {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}};
   info.create = [](StrategyContext& ctx, Roles& roles) {
     roles.reducer = std::make_unique<AllReduceReducer>(ctx.grid.dp());
     roles.grad_sync = std::make_unique<DataGradSync>(ctx.grid.dp(), ctx.backend, ctx.model,
-                                                     ctx.deck.get_float("data.bucket_mb"),
-                                                     ctx.deck.get_bool("data.overlap"));
+                                                     ctx.deck.get_float("data_parallel.bucket_mb"),
+                                                     ctx.deck.get_bool("data_parallel.overlap"));
   };
 }
 

@@ -37,7 +37,7 @@ TEST(PluginLoader, LoadsDataPluginAndBuiltins) {
   EXPECT_TRUE(logged);
   // Its deck section is declared like the core's.
   bool has_bucket = false;
-  for (const auto& k : r.find("data")->keys) has_bucket |= k.name == "data.bucket_mb";
+  for (const auto& k : r.find("data")->keys) has_bucket |= k.name == "data_parallel.bucket_mb";
   EXPECT_TRUE(has_bucket);
   EXPECT_EQ(resolve_strategies(r, {{"data", "parallel.dp = 2"}}).size(), 1u);
 }

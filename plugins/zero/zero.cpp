@@ -246,6 +246,7 @@ class ZeroSync final : public BucketedGradSync {
     append_reducer_report(r);
     return r;
   }
+  StateSharding state_sharding() const override { return {dp_.size(), false, false, true}; }
   std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override {
     std::vector<std::string> lines;
     if (means.count("zero_ratio")) lines.push_back(zero_summary_line(means));

@@ -183,6 +183,7 @@ class ShardedSync final : public GradSync {
   double mean_over_replicas(double local) override { return dp_.sum(local) / dp_.size(); }
   std::vector<std::pair<std::string, double>> step_report() const override;
   std::vector<std::string> summary_lines(const std::map<std::string, double>& means) const override;
+  StateSharding state_sharding() const override { return {dp_.size(), store_.stage() == 3, true, true}; }
   // `loom plan`: each unit's pieces through the reducer every micro-batch (one unit in flight), the
   // whole tensors' reduction at the end.
   void plan_step(StepPlan& plan) const override;

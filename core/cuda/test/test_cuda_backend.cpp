@@ -278,7 +278,7 @@ TEST(CudaBackend, TopKIsBitForBitTheHosts) {
   tw.dev->copy_to_host(idx.data(), BufferRef(id, 10, MemSpace::device));
   for (int j = 0; j < 10; ++j) EXPECT_EQ(idx[std::size_t(j)], j) << "a NaN sends indices 0..k-1";
   for (float v : tw.dev_of(val)) EXPECT_TRUE(std::isnan(v)) << "and NaN values";
-  const std::int64_t big = 9000000, kb = big / 100;  // 25 MB buckets (data.bucket_mb = 25 is 6.5M elements)
+  const std::int64_t big = 9000000, kb = big / 100;  // 25 MB buckets (data_parallel.bucket_mb = 25 is 6.5M elements)
   auto xb = tw.make(randn(std::size_t(big), 9, 1.0f)), vb = tw.zeros(kb);
   auto [ibh, ibd] = tw.both(std::vector<std::int32_t>(std::size_t(kb), -1));
   tw.host->topk_select(ibh, vb.h, xb.h, big, kb);
