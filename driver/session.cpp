@@ -91,8 +91,11 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
     }
   if (wanted.empty()) wanted.push_back({"local", "one replica"});
   plan.strategies = resolve_strategies(registry, wanted);
+  RunTraits traits;
   for (const StrategyInfo* strategy : plan.strategies)
-    if (strategy->check) strategy->check(LayoutContext{d, l, m, plan.rows_per_micro});
+    if (strategy->traits) strategy->traits(d, traits);
+  for (const StrategyInfo* strategy : plan.strategies)
+    if (strategy->check) strategy->check(LayoutContext{d, l, m, plan.rows_per_micro, traits});
   return plan;
 }
 
@@ -183,11 +186,14 @@ PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const Str
                                    ProcessGrid& grid, Backend& backend, const GPTConfig& model) {
   PartitionContext pctx{deck, grid, backend, model};
   PreModelRoles r;
+  // Each role from the strategy that fills it for this run (check_role_claims settled that there is
+  // at most one): a strategy another one replaces is not asked, whatever the order of the strategies.
   for (const StrategyInfo* strategy : strategies) {
-    if (strategy->make_precision) backend.set_precision(strategy->make_precision(pctx));
-    if (strategy->make_partition) r.partition = strategy->make_partition(pctx);
-    if (strategy->assign_stage) r.stage = strategy->assign_stage(pctx);
-    if (strategy->make_store) r.store = strategy->make_store(pctx);
+    auto used = [&](Role role) { return fills_role(strategies, *strategy, role); };
+    if (strategy->make_precision && used(Role::precision)) backend.set_precision(strategy->make_precision(pctx));
+    if (strategy->make_partition && used(Role::partition)) r.partition = strategy->make_partition(pctx);
+    if (strategy->assign_stage && used(Role::stage)) r.stage = strategy->assign_stage(pctx);
+    if (strategy->make_store && used(Role::store)) r.store = strategy->make_store(pctx);
   }
   return r;
 }
@@ -205,9 +211,9 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
     strategy->create(ctx, roles);
     // The same on every rank: said once, exit 2, before any training.
     if (agree)
-      run_agreed([&] { check_filled_roles(*strategy, filled_roles(roles)); });
+      run_agreed([&] { check_filled_roles(*strategy, roles); });
     else
-      check_filled_roles(*strategy, filled_roles(roles));
+      check_filled_roles(*strategy, roles);
     // A strategy another one replaces (by its claims) built its objects, but the run uses the
     // replacement's, whatever the order of the strategies.
     auto used = [&](Role role) { return fills_role(strategies, *strategy, role); };
@@ -215,6 +221,7 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
     if (roles.grad_sync && used(Role::grad_sync)) engine_roles.grad_sync = std::move(roles.grad_sync);
     if (roles.optimizer && used(Role::optimizer)) engine_roles.optimizer = std::move(roles.optimizer);
     if (roles.reducer && used(Role::reducer)) reducer = std::move(roles.reducer);
+    if (roles.progress && used(Role::progress)) model.set_progress_hook(std::move(roles.progress));
     for (auto& part : roles.checkpoint_parts) {
       out.checkpoint_parts.push_back(part.get());
       out.kept_parts.push_back(std::move(part));

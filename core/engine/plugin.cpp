@@ -151,6 +151,8 @@ const char* role_name(Role r) {
     case Role::optimizer: return "optimizer";
     case Role::phase_hooks: return "phase hooks";
     case Role::precision: return "precision";
+    case Role::checkpoint: return "checkpoint state";
+    case Role::progress: return "progress hook";
     case Role::count_: break;
   }
   return "?";
@@ -174,7 +176,7 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
   auto who = [&](std::size_t i) { return "'" + strategies[i]->name + "' (" + reasons[i] + ")"; };
   for (int r = 0; r < kRoles; ++r) {
     const Role role = static_cast<Role>(r);
-    if (role == Role::phase_hooks) continue;  // any number of strategies may add hooks
+    if (role == Role::phase_hooks || role == Role::checkpoint) continue;  // any number of strategies may add them
     // The strategies that fill this role for the run: providers, minus those replaced.
     std::vector<std::size_t> fillers;
     for (std::size_t i = 0; i < strategies.size(); ++i) {
@@ -216,7 +218,7 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
 }
 
 bool fills_role(const std::vector<const StrategyInfo*>& run, const StrategyInfo& strategy, Role role) {
-  if (role == Role::phase_hooks) return true;
+  if (role == Role::phase_hooks || role == Role::checkpoint) return true;
   for (const StrategyInfo* other : run)
     for (const RoleClaim& c : other->claims)
       if (c.role == role && c.claim == Claim::replaces && c.target == strategy.name) return false;
@@ -230,6 +232,8 @@ std::vector<Role> filled_roles(const Roles& roles) {
   if (roles.reducer || roles.wrap_reducer) r.push_back(Role::reducer);
   if (roles.optimizer) r.push_back(Role::optimizer);
   if (!roles.hooks.empty()) r.push_back(Role::phase_hooks);
+  if (!roles.checkpoint_parts.empty()) r.push_back(Role::checkpoint);
+  if (roles.progress) r.push_back(Role::progress);
   return r;
 }
 
@@ -242,6 +246,22 @@ void check_filled_roles(const StrategyInfo& strategy, const std::vector<Role>& f
                        " role without declaring it; add {" + role_name(role) +
                        ", provides | replaces | wraps, ...} to its StrategyInfo::claims");
   }
+}
+
+void check_filled_roles(const StrategyInfo& strategy, const Roles& roles) {
+  check_filled_roles(strategy, filled_roles(roles));
+  const RoleClaim* claim = nullptr;
+  for (const RoleClaim& c : strategy.claims)
+    if (c.role == Role::reducer) claim = &c;
+  if (!claim) return;  // (a reducer filled without a claim was refused above)
+  const std::string who = "strategy '" + strategy.name + "' (" + strategy.origin + ")";
+  if (roles.reducer && claim->claim == Claim::wraps)
+    throw InputError(who + " declares that it wraps the reducer of '" + claim->target + "' but sets Roles::reducer, "
+                     "which would replace it; a wrapper sets Roles::wrap_reducer");
+  if (roles.wrap_reducer && claim->claim != Claim::wraps)
+    throw InputError(who + " sets Roles::wrap_reducer but declares that it " +
+                     (claim->claim == Claim::provides ? std::string("provides") : "replaces") +
+                     " the reducer; a wrapper declares {reducer, wraps, \"<strategy it wraps>\"}");
 }
 
 }  // namespace loom

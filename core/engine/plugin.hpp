@@ -41,7 +41,7 @@
 // operations from one list (core/backend/backend_ops.hpp), reordered in its vtable; the roles'
 // summary_lines and Schedule::step_line. ABI 15: the plugin face: strategies see the back end as
 // BackendFace (allocation, host copies, LOOM_FACE_OPS), first in Backend's vtable. ABI 16:
-// KeySpec::former_names, GradSync::state_sharding.
+// KeySpec::former_names, GradSync::state_sharding; the checkpoint and progress roles; RunTraits.
 #define LOOM_PLUGIN_ABI_VERSION 16
 
 extern "C" {
@@ -81,6 +81,8 @@ enum class Role : int {
   optimizer,      // Roles::optimizer: the update of the owned slices
   phase_hooks,    // Roles::hooks: work in a phase of the step (unscale, refresh, ...); any number may add
   precision,      // StrategyInfo::make_precision: the element type of the matrix products' operands
+  checkpoint,     // Roles::checkpoint_parts: state kept outside the role objects, saved with checkpoints; any number
+  progress,       // Roles::progress: what the model calls between kernels so that messages in flight advance
   count_
 };
 inline constexpr int kRoles = static_cast<int>(Role::count_);
@@ -110,6 +112,18 @@ struct Roles {
   // and restored with checkpoints. Role objects that implement CheckpointContributor are found
   // without being listed here.
   std::vector<std::shared_ptr<CheckpointContributor>> checkpoint_parts;
+  // Called by the model between its layers' kernels (GPT::set_progress_hook), so that the strategy's
+  // messages in flight advance while it computes (a pipeline's sends and receives).
+  std::function<void()> progress;
+};
+
+// What the strategies of a run tell each other about it (StrategyInfo::traits), so that one checks
+// what another's settings do through these fields, never by reading its keys. Each names the
+// setting that does it, for messages ("zero.stage = 2"); empty when no strategy of the run does.
+struct RunTraits {
+  std::string grads_scattered_by;     // gradients reduce-scattered in pieces every micro-batch (ZeRO-2 and -3)
+  std::string dynamic_loss_scale_by;  // a loss scale that moves during the run (fp16's dynamic scaling)
+  std::string reduce_dtype_by;        // the gradient collective in a type narrower than fp32
 };
 
 // What a strategy may check before any work (every rank alike, no communication).
@@ -117,7 +131,8 @@ struct LayoutContext {
   const Deck& deck;
   const Layout& layout;
   const GPTConfig& model;
-  int rows_per_micro;  // sequences per micro-batch on one rank
+  int rows_per_micro;        // sequences per micro-batch on one rank
+  const RunTraits& traits;  // what the run's strategies said (all of them, this one included)
 };
 
 // What the partition, stage and store factories see: the model is not built yet (they decide its
@@ -137,6 +152,9 @@ struct StrategyInfo {
   // Optional: whether a deck asks for this strategy by its own keys, without run.plugins: the setting
   // that does ("zero.stage = 1"), or empty. May throw InputError for a setting that cannot work.
   std::function<std::string(const Deck&, const Layout&)> requested_by;
+  // Optional: what this strategy's settings do that others may need to know (RunTraits), from the
+  // deck; asked of every strategy of the run before any `check`.
+  std::function<void(const Deck&, RunTraits&)> traits;
   // Optional: refuse a layout this strategy cannot run (throw InputError naming keys and what works).
   std::function<void(const LayoutContext&)> check;
   // Optional: the partition role (at most one strategy of a run fills it).
@@ -200,6 +218,10 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
 // Refuses (InputError) a strategy whose factories filled a role it did not declare: after
 // StrategyInfo::create, `filled` lists the roles its Roles came back with.
 void check_filled_roles(const StrategyInfo& strategy, const std::vector<Role>& filled);
+// The same, and a reducer filled as its claim does not say: Roles::reducer from a strategy that
+// declared it wraps the reducer (it would replace it), or Roles::wrap_reducer from one that declared
+// it provides or replaces it.
+void check_filled_roles(const StrategyInfo& strategy, const Roles& roles);
 // The roles a Roles holds.
 std::vector<Role> filled_roles(const Roles& roles);
 // Whether `strategy`'s object for `role` is the one the run uses: it provides or replaces the role

@@ -728,7 +728,6 @@ void register_compression(void* p) {
   info.claims = {{Role::reducer, Claim::wraps, "data"}, {Role::phase_hooks, Claim::provides, ""}};
   info.requested_by = [](const Deck& deck, const Layout& layout) -> std::string {
     const std::string m = deck.get_string("compression.method");
-    const auto values = deck.values();
     if (m == "none") return "";
     const std::string setting = "compression.method = " + m;
     if (layout.dp < 2)
@@ -740,29 +739,30 @@ void register_compression(void* p) {
                        "different shards, so " + m + " would drop or round a tp-replicated tensor (LayerNorm, biases) "
                        "differently on each tp rank and the replicas would drift apart; use fp16 or bf16 with "
                        "tensor parallelism, or parallel.tp = 1");
-    const auto stage = values.find("zero.stage");
-    if (stage != values.end() && (stage->second == "2" || stage->second == "3") &&
-        (method == Method::topk || method == Method::powersgd))
-      throw InputError(setting + " with zero.stage = " + stage->second + ": " + m + " sums whole matrices or "
-                       "(index, value) pairs, not the reduce-scatter of gradient pieces that ZeRO-2/3 runs every "
-                       "micro-batch (DeepSpeed refuses the same); use zero.stage = 0 or 1, or fp16, bf16 or int8");
-    const auto dtype = values.find("precision.dtype");
-    const auto fixed = values.find("precision.loss_scale");
-    if (dtype != values.end() && dtype->second == "fp16" && (fixed == values.end() || std::atof(fixed->second.c_str()) <= 0) &&
-        deck.get_bool("compression.error_feedback") &&
-        (method == Method::int8 || method == Method::topk || method == Method::powersgd))
-      throw InputError(setting + " keeps error-feedback residuals in the units of the gradient it compressed, and "
-                       "precision.dtype = fp16 with dynamic loss scaling changes those units whenever the scale moves: "
-                       "use bf16, a fixed precision.loss_scale, compression.error_feedback = false, or "
-                       "compression.method = fp16/bf16");
-    const auto reduce = values.find("precision.reduce_dtype");
-    if (reduce != values.end() && reduce->second != "fp32")
-      throw InputError(setting + " and precision.reduce_dtype = " + reduce->second + " both change the gradient "
-                       "collective: keep one (compression.method = fp16/bf16 is the same cast)");
     if (method == Method::int8 && compress::int8_levels(layout.dp) < 1)
       throw InputError(setting + " at parallel.dp = " + std::to_string(layout.dp) + ": the int8 sum of that many "
                        "ranks cannot be held without overflow (at most 127 ranks); use fp16, bf16, topk or powersgd");
     return setting;
+  };
+  // What the other strategies of the run do to the gradient collective (RunTraits), against the method.
+  info.check = [](const LayoutContext& ctx) {
+    const std::string m = ctx.deck.get_string("compression.method");
+    const Method method = method_of(m);
+    const std::string setting = "compression.method = " + m;
+    const RunTraits& t = ctx.traits;
+    if (!t.grads_scattered_by.empty() && (method == Method::topk || method == Method::powersgd))
+      throw InputError(setting + " with " + t.grads_scattered_by + ": " + m + " sums whole matrices or "
+                       "(index, value) pairs, not the reduce-scatter of gradient pieces that ZeRO-2/3 runs every "
+                       "micro-batch (DeepSpeed refuses the same); use zero.stage = 0 or 1, or fp16, bf16 or int8");
+    if (!t.dynamic_loss_scale_by.empty() && ctx.deck.get_bool("compression.error_feedback") &&
+        (method == Method::int8 || method == Method::topk || method == Method::powersgd))
+      throw InputError(setting + " keeps error-feedback residuals in the units of the gradient it compressed, and " +
+                       t.dynamic_loss_scale_by + " changes those units whenever the scale moves: "
+                       "use bf16, a fixed precision.loss_scale, compression.error_feedback = false, or "
+                       "compression.method = fp16/bf16");
+    if (!t.reduce_dtype_by.empty())
+      throw InputError(setting + " and " + t.reduce_dtype_by + " both change the gradient "
+                       "collective: keep one (compression.method = fp16/bf16 is the same cast)");
   };
   info.create = [](StrategyContext& ctx, Roles& roles) {
     // A deck that sweeps the method keeps the other methods' keys: they are ignored, and said so.

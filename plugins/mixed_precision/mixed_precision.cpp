@@ -163,7 +163,9 @@ void register_mixed_precision(void* p) {
                                 "fp16, dynamic: the scale is multiplied by this on a back-off (torch GradScaler)"));
   info.keys.push_back(float_key("precision.growth_factor", "2", 1.000001, 1e6,
                                 "fp16, dynamic: the scale is multiplied by this after a window of clean steps"));
-  info.claims = {{Role::precision, Claim::provides, ""}, {Role::phase_hooks, Claim::provides, ""}};
+  info.claims = {{Role::precision, Claim::provides, ""},
+                 {Role::phase_hooks, Claim::provides, ""},
+                 {Role::checkpoint, Claim::provides, ""}};
   info.requested_by = [](const Deck& deck, const Layout&) -> std::string {
     const std::string dtype = deck.get_string("precision.dtype");
     // Loss scaling is for fp16 only: bf16 has fp32's exponent range. A scaling key set for another
@@ -185,6 +187,12 @@ void register_mixed_precision(void* p) {
       throw InputError("precision.reduce_dtype = " + values.at("precision.reduce_dtype") + " needs precision.dtype = bf16 "
                        "or fp16 (here fp32): set one, or remove precision.reduce_dtype");
     return dtype == "fp32" ? "" : "precision.dtype = " + dtype;
+  };
+  info.traits = [](const Deck& deck, RunTraits& traits) {
+    if (deck.get_string("precision.dtype") == "fp16" && deck.get_float("precision.loss_scale") <= 0)
+      traits.dynamic_loss_scale_by = "precision.dtype = fp16 with dynamic loss scaling";
+    if (deck.get_string("precision.reduce_dtype") != "fp32")
+      traits.reduce_dtype_by = "precision.reduce_dtype = " + deck.get_string("precision.reduce_dtype");
   };
   info.make_precision = [](PartitionContext& ctx) {
     Precision p;

@@ -169,9 +169,6 @@ class PipelineSchedule final : public Schedule {
     for (int c = 0; c < v_; ++c) describe_ += (c ? "+" : "") + std::to_string(slots_[c]);
     describe_ += " micro-batch(es); layers per " + std::string(v_ > 1 ? "virtual stage " : "stage ");
     for (std::size_t s = 0; s < layers_.size(); ++s) describe_ += (s ? "," : "") + std::to_string(layers_[s]);
-    // Between blocks, move the stage-boundary messages in flight: a large message travels only
-    // while one of its ends is inside MPI, and the neighbour stage is waiting for it.
-    model.set_progress_hook([this] { pp_.progress(); });
     model_ = &model;
     for (int s = 0; s < p_; ++s) orders_.push_back(stage_order(kind_, m_, p_, s, v_));
     order_ = orders_[i_];
@@ -182,8 +179,6 @@ class PipelineSchedule final : public Schedule {
       if (op.kind == 'B' && !model.holds_head(op.chunk)) grad_needs_.push_back(op);
     }
   }
-  ~PipelineSchedule() override { model_->set_progress_hook({}); }
-
   std::string name() const override { return "pipeline " + describe_; }
 
   double run(StepContext& ctx) override {
@@ -634,7 +629,9 @@ void register_pipeline(void* p) {
                        ", " + std::to_string(2 * pp) + ", ... (dividing the batch per dp rank)");
     stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, pp, v);  // throws if it cannot
   };
-  info.claims = {{Role::stage, Claim::provides, ""}, {Role::schedule, Claim::provides, ""}};
+  info.claims = {{Role::stage, Claim::provides, ""},
+                 {Role::schedule, Claim::provides, ""},
+                 {Role::progress, Claim::provides, ""}};
   info.assign_stage = [](PartitionContext& ctx) {
     const int pp = ctx.grid.layout().pp, i = ctx.grid.pp_rank();
     const int v = static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages"));
@@ -662,6 +659,9 @@ void register_pipeline(void* p) {
         ctx.grid, ctx.backend, ctx.model, kind_of(ctx.deck), ctx.engine.micro_batches, ctx.engine.rows_per_micro,
         ctx.deck.get_bool("pipeline.trace"), static_cast<int>(ctx.deck.get_int("pipeline.trace_steps")),
         ctx.engine.optimizer.steps, ctx.deck.get_string("run.dir"), counts);
+    // Between blocks, move the stage-boundary messages in flight: a large message travels only
+    // while one of its ends is inside MPI, and the neighbour stage is waiting for it.
+    roles.progress = [pp = &ctx.grid.pp()] { pp->progress(); };
   };
 }
 

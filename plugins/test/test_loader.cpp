@@ -156,6 +156,62 @@ TEST(RoleClaims, FillingAnUndeclaredRoleIsRefused) {
   EXPECT_NO_THROW(check_filled_roles(s, filled_roles(declared)));
 }
 
+// A reducer filled as its claim does not say: a wrapper that sets Roles::reducer would replace the
+// reducer it declared it wraps, and a provider that sets Roles::wrap_reducer would wrap one.
+TEST(RoleClaims, AReducerIsFilledAsItsClaimSays) {
+  const auto error = [](const StrategyInfo& s, const Roles& roles) -> std::string {
+    try {
+      check_filled_roles(s, roles);
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const StrategyInfo wrapper = strategy("compress", {{Role::reducer, Claim::wraps, "data"}});
+  const StrategyInfo provider = strategy("data", {{Role::reducer, Claim::provides, ""}});
+  Roles sets_reducer;
+  struct NoReducer final : Reducer {  // never asked to reduce
+    std::string name() const override { return "none"; }
+    CommRequestPtr reduce_async(const GradBucket&) override { return nullptr; }
+  };
+  sets_reducer.reducer = std::make_unique<NoReducer>();
+  Roles sets_wrapper;
+  sets_wrapper.wrap_reducer = [](std::unique_ptr<Reducer> inner) { return inner; };
+  EXPECT_NE(error(wrapper, sets_reducer).find("declares that it wraps the reducer of 'data' but sets Roles::reducer"),
+            std::string::npos) << error(wrapper, sets_reducer);
+  EXPECT_NE(error(provider, sets_wrapper).find("sets Roles::wrap_reducer but declares that it provides the reducer"),
+            std::string::npos) << error(provider, sets_wrapper);
+  EXPECT_EQ(error(wrapper, sets_wrapper), "");
+  EXPECT_EQ(error(provider, sets_reducer), "");
+}
+
+// Checkpoint state and the model's progress hook are roles too: filled only when declared.
+TEST(RoleClaims, CheckpointStateAndTheProgressHookMustBeClaimed) {
+  const StrategyInfo quiet = strategy("quiet", {{Role::phase_hooks, Claim::provides, ""}});
+  Roles parts;
+  parts.checkpoint_parts.push_back(nullptr);
+  Roles progress;
+  progress.progress = [] {};
+  for (const Roles* r : {&parts, &progress}) {
+    try {
+      check_filled_roles(quiet, *r);
+      ADD_FAILURE() << "accepted an undeclared role";
+    } catch (const InputError& e) {
+      EXPECT_TRUE(std::string(e.what()).find("fills the checkpoint state role without declaring it") != std::string::npos ||
+                  std::string(e.what()).find("fills the progress hook role without declaring it") != std::string::npos)
+          << e.what();
+    }
+  }
+  const StrategyInfo a = strategy("a", {{Role::checkpoint, Claim::provides, ""}, {Role::progress, Claim::provides, ""}});
+  const StrategyInfo b = strategy("b", {{Role::checkpoint, Claim::provides, ""}, {Role::progress, Claim::provides, ""}});
+  EXPECT_NO_THROW(check_filled_roles(a, parts));
+  EXPECT_NO_THROW(check_filled_roles(a, progress));
+  // any number of strategies may keep checkpoint state; one progress hook per run
+  const StrategyInfo c = strategy("c", {{Role::checkpoint, Claim::provides, ""}});
+  EXPECT_EQ(claims_error({&a, &c}), "");
+  EXPECT_NE(claims_error({&a, &b}).find("both fill the progress hook role"), std::string::npos) << claims_error({&a, &b});
+}
+
 TEST(RoleClaims, ARegisteredPartitionFactoryMustBeClaimed) {
   static const auto reg = [](void* p) {
     auto& info = *static_cast<StrategyInfo*>(p);

@@ -296,6 +296,10 @@ void register_zero(void* p) {
                        "optimizer)");
     return setting;
   };
+  info.traits = [](const Deck& deck, RunTraits& traits) {
+    const std::int64_t stage = deck.get_int("zero.stage");
+    if (stage > 1) traits.grads_scattered_by = "zero.stage = " + std::to_string(stage);
+  };
   info.make_store = [](PartitionContext& ctx) -> std::unique_ptr<ParamStore> {
     const std::int64_t stage = ctx.deck.get_int("zero.stage");
     if (stage == 1) return std::make_unique<ZeroStore>(ctx.grid.dp());
