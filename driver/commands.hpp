@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "core/engine/plugin.hpp"
-#include "io/cluster.hpp"
+#include "driver/plan/cost_model.hpp"
 #include "io/deck.hpp"
 
 namespace loom {
@@ -31,7 +31,7 @@ struct PlanOptions {  // loom plan [DECK] [options]
   std::string command;  // the command line, for the memo's first line
 };
 int command_plan(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema);
-// The part of it that predicts a deck (driver/plan_predict.cpp); `cluster` is resolved.
+// The part of it that predicts a deck (driver/plan/predict.cpp); `cluster` is resolved.
 int command_plan_deck(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema,
                       const ClusterSpec& cluster);
 int command_ckpt_llmc(const std::string& checkpoint, const std::string& out);  // loom ckpt llmc CKPT OUT.bin

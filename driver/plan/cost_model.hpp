@@ -36,6 +36,7 @@
 // Every key must be given (a plan from a half-described machine would be a guess): a missing one is
 // refused naming it; only the fused attention's two are optional (a machine described before it, or
 // a GPU whose fused kernels were never timed). `loom plan --calibrate` measures this machine and writes such a file.
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,6 +44,9 @@
 #include "io/deck.hpp"
 
 namespace loom {
+
+// The presets, name -> text, from driver/plan/presets/<name>.cluster (generated at configure time).
+const std::map<std::string, std::string>& cluster_preset_files();
 
 // The matrix products' rate as a share of the peak, by model width (d_model, or d_model / sqrt(tp) for
 // a rank's share of a tensor-parallel block, whose products are that much smaller): points (width,

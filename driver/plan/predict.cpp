@@ -1,4 +1,4 @@
-#include "driver/plan_predict.hpp"
+#include "driver/plan/predict.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -67,7 +67,7 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std:
 
 double matmul_peak(const ClusterSpec& c, const std::string& precision) { return c.matmul_peak(precision); }
 
-// Compute per step of rank `r` (see DESIGN.md "Planning"), counted by the functions of io/cluster.hpp
+// Compute per step of rank `r` (see DESIGN.md "Planning"), counted by the functions of driver/plan/cost_model.hpp
 // that `loom plan --calibrate` measured the rates with: a block's products (block_counts: FLOPs at the
 // precision's rate at the block's width, d_model / sqrt(tp) on a rank holding 1/tp of it, the head's
 // product at the same rate; plus matmul_call_us per GEMM), attention (attention_flops at

@@ -1,12 +1,12 @@
 #pragma once
 // The layout search of `loom plan DECK --devices N` and its memo (issue 16): every dp x tp x pp of N
 // devices with every micro-batch count, ZeRO stage, recompute, sequence parallelism and precision,
-// each predicted by `predict` (driver/plan_predict.hpp) from the deck with the variant's --set
+// each predicted by `predict` (driver/plan/predict.hpp) from the deck with the variant's --set
 // overrides, so a rejected variant is refused by the same checks `loom run` makes.
 #include <string>
 #include <vector>
 
-#include "driver/plan_predict.hpp"
+#include "driver/plan/predict.hpp"
 
 namespace loom {
 
@@ -48,7 +48,7 @@ struct PlanSearch {
 std::string describe_search(const std::vector<Candidate>& all, int devices, const ClusterSpec& cluster, int top,
                             bool every);
 std::string search_json(const std::vector<Candidate>& all, int devices, const ClusterSpec& cluster);
-// The memo of the chosen (first) candidate, written to options.memo (driver/plan_memo.cpp).
+// The memo of the chosen (first) candidate, written to options.memo (driver/plan/memo.cpp).
 void write_memo(const PlanSearch& search, const PlanOptions& options, const std::vector<Candidate>& all);
 
 std::string gib(double bytes);

@@ -1,6 +1,6 @@
-// `loom plan DECK`: the deck's own layout (driver/plan_predict.hpp), or with --devices N the search
-// over the layouts of N devices, and with --memo the memo for the one chosen (driver/plan_memo.cpp).
-#include "driver/plan_search.hpp"
+// `loom plan DECK`: the deck's own layout (driver/plan/predict.hpp), or with --devices N the search
+// over the layouts of N devices, and with --memo the memo for the one chosen (driver/plan/memo.cpp).
+#include "driver/plan/search.hpp"
 
 #include <mpi.h>
 

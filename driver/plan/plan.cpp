@@ -1,8 +1,8 @@
 // `loom plan` (issue 16): the machine a plan is for. `--cluster FILE|PRESET` reads a cluster
-// description (io/cluster.hpp) and `--show` prints it; `--calibrate` measures the machine it runs on
+// description (driver/plan/cost_model.hpp) and `--show` prints it; `--calibrate` measures the machine it runs on
 // with loom's own back end (the matrix products' rate per dtype and fixed cost per call, attention's
 // rate and fixed cost per sequence and head, a block's element-wise kernels, the optimizer's pass, each
-// counted by the functions of io/cluster.hpp that the prediction counts with) and MPI (bandwidth and
+// counted by the functions of driver/plan/cost_model.hpp that the prediction counts with) and MPI (bandwidth and
 // latency between ranks inside a node and between nodes), and writes such a file.
 #include <mpi.h>
 #include <unistd.h>
@@ -21,7 +21,7 @@
 #include "core/comm/comm.hpp"
 #include "core/base/error.hpp"
 #include "driver/commands.hpp"
-#include "io/cluster.hpp"
+#include "driver/plan/cost_model.hpp"
 
 namespace loom {
 namespace {
@@ -70,7 +70,7 @@ double matmul_call_seconds() {
 }
 
 // Seconds of the back end's matrix products with `dtype` operands (fp32 accumulation) as a step runs
-// them: the products of kLayers transformer blocks `C` wide (block_counts, io/cluster.hpp) at N token
+// them: the products of kLayers transformer blocks `C` wide (block_counts, driver/plan/cost_model.hpp) at N token
 // rows, forward layer by layer and backward in reverse through matmul_forward/_backward, the weights
 // of `dtype` (a 16-bit run's compute copies), the activations fp32 and each layer's its own (so that,
 // as in a step, a product's operands were last touched a while before): the best of 3 passes. Of those, kLayers * (block_counts' GEMMs) x matmul_call_us are the calls' fixed cost, the
@@ -124,7 +124,7 @@ int rows_at(int width) { return width <= 128 ? 1024 : 1024 * 128 / width; }
 // The attention's rate and its fixed cost per sequence and head: the back end's attention forward +
 // backward (fp32) timed at two shapes, B=16, T=32, C=64, 4 heads (the fixed cost dominates) and B=4,
 // T=256, C=256, 4 heads (the FLOPs dominate), best of 5 each (`ts`, `tl`), and t = B * heads * head_s +
-// attention_flops / rate solved for both (io/cluster.hpp counts the FLOPs, for the prediction too).
+// attention_flops / rate solved for both (driver/plan/cost_model.hpp counts the FLOPs, for the prediction too).
 // The same for the fused attention (model.attention = flash: head sizes 16 and 64, which it takes),
 // counted with the same FLOPs.
 struct AttentionRate {
@@ -233,7 +233,7 @@ double memory_rate() {
   return k.bytes() / best_seconds(k.backend(), 4, [&] { k.run(); });
 }
 
-// Bytes per second of the optimizer's pass as the engine runs it (optimizer_bytes, io/cluster.hpp):
+// Bytes per second of the optimizer's pass as the engine runs it (optimizer_bytes, driver/plan/cost_model.hpp):
 // the gradients zeroed, their squared norm, the clip's scale and AdamW over 4M parameters (64 MiB of
 // weights, gradients and moments, more than a cache holds, as a model's are); best of 4.
 double optimizer_rate() {

@@ -16,7 +16,7 @@
 
 #include "core/base/error.hpp"
 #include "driver/commands.hpp"
-#include "driver/plan_search.hpp"
+#include "driver/plan/search.hpp"
 
 namespace loom {
 namespace {

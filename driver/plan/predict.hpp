@@ -1,7 +1,7 @@
 #pragma once
 // `loom plan DECK` (issue 16): a deck's memory per rank and step time on a described machine, before
 // the job runs. Memory: every rank of the layout is built for real on a back end that only counts
-// (core/comm/step_plan.hpp); step time: the rates of the cluster description (io/cluster.hpp).
+// (core/comm/step_plan.hpp); step time: the rates of the cluster description (driver/plan/cost_model.hpp).
 #include <array>
 #include <string>
 #include <vector>
@@ -10,7 +10,7 @@
 #include "core/engine/plugin.hpp"
 #include "core/comm/step_plan.hpp"
 #include "driver/session.hpp"
-#include "io/cluster.hpp"
+#include "driver/plan/cost_model.hpp"
 
 namespace loom {
 
