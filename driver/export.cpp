@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <iostream>
+#include <stdexcept>
 #include <vector>
 
 #include "driver/commands.hpp"
@@ -20,8 +21,9 @@ void write_params(h5::File& f, const std::string& group, GPT& model, bool grads)
     const int index = static_cast<int>(i);
     // Through a host copy: on a device back end the store's pointers are device memory.
     std::vector<float> host(static_cast<std::size_t>(p.numel));
-    model.backend().copy_to_host(host.data(), BufferRef(grads ? model.grad_ptr(index) : model.param_ptr(index), p.numel,
-                                                        model.backend().space()));
+    const BufferRef t = grads ? model.grad_ref(index) : model.param_ref(index);
+    if (t.count != p.numel) throw std::logic_error("loom export: the store does not hold " + p.name + " whole");
+    model.backend().copy_to_host(host.data(), t);
     f.write(group + "/" + p.name, host.data(), p.local_shape);
   }
 }

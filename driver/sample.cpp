@@ -154,7 +154,7 @@ int command_ckpt_llmc(const std::string& checkpoint, const std::string& out) {
   std::map<std::string, std::vector<float>> whole;
   for (std::size_t i = 0; i < model.params().size(); ++i) {
     const ParamInfo& p = model.params()[i];
-    const float* w = model.param_ptr(static_cast<int>(i));
+    const float* w = model.param_ref(static_cast<int>(i)).as<float>();
     whole[p.name].assign(w, w + p.numel);
   }
   write_llmc_model(out, model.config(), [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });

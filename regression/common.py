@@ -40,6 +40,17 @@ def launch_prefix(args, ranks, always=False):
     return [args.mpirun, args.np_flag, str(ranks)] + shlex.split(args.mpi_preflags)
 
 
+def run_noting(cmd, failures, expect=0, timeout=600, **kw):
+    """Runs cmd (printed first), capturing its output; an exit other than `expect` (None: any) shows
+    the output's tail and adds a line to `failures`."""
+    print("$ " + " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if expect is not None and p.returncode != expect:
+        sys.stdout.write(p.stdout[-3000:] + p.stderr[-3000:])
+        failures.append("%s: exit %d, expected %d" % (" ".join(cmd[:3]), p.returncode, expect))
+    return p
+
+
 def finish(failures):
     """The exit status of a script that collected `failures`, after saying FAIL (each) or OK."""
     if failures:

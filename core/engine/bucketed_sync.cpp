@@ -28,7 +28,7 @@ BucketedGradSync::BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& 
     cur = Bucket{};
   };
   for (int p : order) {
-    const float* g = model.grad_ptr(p);
+    const float* g = model.grad_ref(p).as<float>();
     const std::int64_t n = params[static_cast<std::size_t>(p)].numel;
     const bool whole = plan.whole && plan.whole(p);
     // Backward order walks the flat layout downwards: a tensor joins the bucket if it ends where

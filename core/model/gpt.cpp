@@ -11,6 +11,18 @@
 #include <vector>
 
 namespace loom {
+namespace {
+// A block's tensors as GPT::BlockParams lists them, by their names after "blocks.<l>.".
+constexpr const char* kBlockTensors[12] = {"ln1.weight",      "ln1.bias",      "attn.qkv.weight", "attn.qkv.bias",
+                                           "attn.proj.weight", "attn.proj.bias", "ln2.weight",      "ln2.bias",
+                                           "mlp.fc.weight",    "mlp.fc.bias",    "mlp.proj.weight", "mlp.proj.bias"};
+std::size_t block_tensor_index(const std::string& name) {
+  for (std::size_t i = 0; i < 12; ++i)
+    if (name == kBlockTensors[i]) return i;
+  throw std::logic_error("GPT: no block tensor named " + name);
+}
+}  // namespace
+
 
 void GPTConfig::validate() const {
   if (d_model % heads != 0)
@@ -96,6 +108,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   // The first stage holds the embeddings, the last ln_f and the head, whose weight is wte (tied):
   // a last stage that is not also the first holds a shadow copy of wte, in its head unit.
   block_unit_.assign(static_cast<std::size_t>(L), -1);
+  block_tensors_.assign(static_cast<std::size_t>(L), {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1});
   auto unit_of = [&](const std::string& name) -> int {
     for (std::size_t u = 0; u < units_.size(); ++u)
       if (units_[u].name == name) return static_cast<int>(u);
@@ -128,6 +141,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       if (layer_pos_[static_cast<std::size_t>(layer)] >= 0) {
         held = hold(p, "blocks." + std::to_string(layer), false);
         block_unit_[static_cast<std::size_t>(layer)] = params_[static_cast<std::size_t>(held)].unit;
+        block_tensors_[static_cast<std::size_t>(layer)][block_tensor_index(n.substr(n.find('.', block_prefix.size()) + 1))] = held;
       }
     } else if (stage_.last()) {
       held = hold(p, "head", false);
@@ -295,18 +309,17 @@ const float* GPT::logits() const {
   return head(0).logits;
 }
 
-GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, bool grads) const {
-  // A block's unit lists its 12 tensors in the order they are declared above.
+GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, int l, bool grads) const {
+  const std::array<int, 12>& h = block_tensors_[static_cast<std::size_t>(l)];
   const std::vector<BufferRef>& t = grads ? view.grads : view.params;
   float* q[12];
-  for (int i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(i)].as<float>();
+  for (std::size_t i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])].as<float>();
   BlockParams w{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], {}, {}, {}, {}};
   if (!grads) {
-    auto mm = [&](std::size_t k) { return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k]; };
-    w.mqkvw = mm(2);
-    w.mprojw = mm(4);
-    w.mfcw = mm(8);
-    w.mfcprojw = mm(10);
+    w.mqkvw = matmul_operand(view, h[2]);
+    w.mprojw = matmul_operand(view, h[4]);
+    w.mfcw = matmul_operand(view, h[8]);
+    w.mfcprojw = matmul_operand(view, h[10]);
   }
   return w;
 }
@@ -456,7 +469,7 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
                    : l + 1 < stage_.chunks[chunk].end_layer ? block_unit_[static_cast<std::size_t>(l + 1)]
                    : holds_head(chunk)                      ? head_unit_
                                                             : -1;
-  const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), false);
+  const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), l, false);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
   float* x = residual(chunk, slot, l);         // [Nl,C] block input
@@ -500,8 +513,8 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
                    : holds_embeddings(chunk)            ? emb_unit_
                                                         : -1;
   const ParamStore::UnitView& view = store_->acquire(unit, ParamStore::Use::backward, next);
-  const BlockParams w = block_params(view, false);
-  const BlockParams dw = block_params(view, true);
+  const BlockParams w = block_params(view, l, false);
+  const BlockParams dw = block_params(view, l, true);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
   float* dres = s.dres;

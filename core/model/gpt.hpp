@@ -5,6 +5,7 @@
 // Shape letters: B micro-batch rows, T sequence length, C d_model, NH heads, V vocabulary,
 // L layers, N = B*T rows of a flattened activation, Nl rows on this rank (N/tp with sequence
 // parallelism), Ls layers on this pipeline stage.
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -81,8 +82,8 @@ class GPT {
   int param_index(const std::string& name) const;              // index into params(), -1 when not held
   std::int64_t num_params() const { return num_params_; }
   // Tensor i of params(), through the store (see ParamStore::param/grad).
-  float* param_ptr(int i) { return store_->param(i).as<float>(); }
-  float* grad_ptr(int i) { return store_->grad(i).as<float>(); }
+  BufferRef param_ref(int i) { return store_->param(i); }
+  BufferRef grad_ref(int i) { return store_->grad(i); }
   int max_rows() const { return max_rows_; }
 
   // GPT-2 initialisation: normal(0, 0.02), residual projections scaled by 1/sqrt(2L), LayerNorm
@@ -206,7 +207,8 @@ class GPT {
   static Scratch carve_scratch(const Geometry& g, float* base);
   static Head carve_head(const Geometry& g, float* base);
   // The block's tensors from the store's view of its unit.
-  BlockParams block_params(const ParamStore::UnitView& view, bool grads) const;
+  // Layer l's tensors in `view` (its unit's), found by their handles.
+  BlockParams block_params(const ParamStore::UnitView& view, int l, bool grads) const;
   // Tensor `param`'s operand in a matrix product: its 16-bit compute copy when the store has one.
   BufferRef matmul_operand(const ParamStore::UnitView& view, int param) const;
   // A kernel's fp32 result that a matrix product takes as input and backward needs again: written
@@ -248,6 +250,7 @@ class GPT {
   int wte_ = -1, wpe_ = -1, lnfw_ = -1, lnfb_ = -1;
   int emb_unit_ = -1, head_unit_ = -1;
   std::vector<int> block_unit_;          // per layer of the model, -1 when not on this rank
+  std::vector<std::array<int, 12>> block_tensors_;  // per layer: its tensors' handles, in BlockParams order
   std::vector<int> pos_in_unit_;         // per tensor: its position in its unit
   std::vector<Unit> units_;
   FlatParamStore own_store_;

@@ -160,8 +160,8 @@ class FlatParamStore : public ParamStore {
   void params_written() override { copies_.mark_stale(); }
   void local_params_written() override { copies_.mark_stale(); }
   // The flat buffers themselves (for tests and tools that read a layout's whole state).
-  float* flat_params() const { return params_.data<float>(); }
-  float* flat_grads() const { return grads_.data<float>(); }
+  BufferRef flat_params() const { return params_.ref(); }
+  BufferRef flat_grads() const { return grads_.ref(); }
 
  protected:
   BackendFace* be_ = nullptr;

@@ -25,8 +25,8 @@ namespace {
 
 // The flat store's buffers (every GPT here keeps the default store): this rank's parameters and
 // gradients, tensor p at p.offset.
-float* flat_params(const GPT& m) { return dynamic_cast<const FlatParamStore&>(m.store()).flat_params(); }
-float* flat_grads(const GPT& m) { return dynamic_cast<const FlatParamStore&>(m.store()).flat_grads(); }
+float* flat_params(const GPT& m) { return dynamic_cast<const FlatParamStore&>(m.store()).flat_params().as<float>(); }
+float* flat_grads(const GPT& m) { return dynamic_cast<const FlatParamStore&>(m.store()).flat_grads().as<float>(); }
 
 GPTConfig tiny_config() {
   GPTConfig c;

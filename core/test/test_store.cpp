@@ -121,7 +121,7 @@ BatchFn batches(const GPTConfig& c) {
 std::vector<float> all_params(GPT& m) {
   std::vector<float> out;
   for (int i = 0; i < static_cast<int>(m.params().size()); ++i) {
-    const float* p = m.param_ptr(i);
+    const float* p = m.param_ref(i).as<float>();
     out.insert(out.end(), p, p + m.params()[static_cast<std::size_t>(i)].numel);
   }
   return out;

@@ -53,6 +53,8 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std:
     r.last = model.stage().last();
     r.sequence_parallel = model.partition().sequence_parallel();
     r.precision = dtype_name(be->precision().matmul);
+    const StateSharding sh = engine.grad_sync().state_sharding();
+    r.state_parts_split = (sh.weights ? 1 : 0) + (sh.grads ? 1 : 0) + (sh.optimizer ? 1 : 0);
     flops_per_token = model.flops_per_token();
     r.step = plan_rank_step(ec, model, engine, roles.reducer.get());
     r.scratch = r.step.scratch;
@@ -227,8 +229,6 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   EngineConfig ec;
   ec.micro_batches = p.plan.micro_batches;
   ec.rows_per_micro = p.plan.rows_per_micro;
-  for (const StrategyInfo* s : p.plan.strategies)
-    if (s->name == "zero") p.zero_stage = static_cast<int>(deck.get_int("zero.stage"));
   double fpt = 0;
   const Layout& l = p.plan.layout;
   for (int rank = 0; rank < l.ranks(); ++rank) {
@@ -241,6 +241,7 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
     if (!every_rank && at.dp != 0 && at.dp != l.dp - 1) continue;
     p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, cluster.devices_per_node, ec, fpt));
     const RankPrediction& r = p.ranks.back();
+    p.zero_stage = r.state_parts_split;
     p.precision = r.precision == "f32" ? "fp32" : r.precision == "f16" ? "fp16" : r.precision;
     for (int i = 0; i < kMemCategories; ++i) p.peak[static_cast<std::size_t>(i)] = std::max(p.peak[static_cast<std::size_t>(i)], r.peak[static_cast<std::size_t>(i)]);
     if (r.total > p.peak_total) {

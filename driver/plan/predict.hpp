@@ -22,6 +22,7 @@ struct RankPrediction {
   int layers = 0;                // blocks on this rank's pipeline stage
   bool first = true, last = true, sequence_parallel = false;
   std::string precision;         // the products' operand type
+  int state_parts_split = 0;     // how many of weights, gradients, optimizer state the dp ranks split (GradSync::state_sharding)
   StepPlan step;                 // its step's scratch, messages, pipeline replay (stage_units, pipeline_span)
 };
 
@@ -42,7 +43,7 @@ struct Prediction {
   LayoutPlan plan;
   std::string backend = "host";  // the back end whose memory is planned (planned_backend)
   std::string precision = "fp32";
-  int zero_stage = 0;
+  int zero_stage = 0;  // the parts of the model state the dp ranks split: ZeRO's stage (RankPrediction::state_parts_split)
   std::vector<RankPrediction> ranks;
   std::array<double, kMemCategories> peak{};  // the largest over ranks, per category
   double peak_total = 0;                      // the largest rank's total

@@ -282,7 +282,7 @@ class PipelineSchedule final : public Schedule {
     if (p_ == 1 || (!first_ && !last_)) return;
     const int index = model.param_index("wte.weight");  // the first stage's, or the last stage's shadow
     const ParamInfo& wte = model.params()[static_cast<std::size_t>(index)];
-    float* g = model.grad_ptr(index);
+    float* g = model.grad_ref(index).as<float>();
     ensure_capacity(be_, tied_, "Pipeline::tied_wte_gradient", DType::f32, wte.numel, Mem::comm);
     float* tied = tied_.data<float>();
     const int peer = first_ ? p_ - 1 : 0;

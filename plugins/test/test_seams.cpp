@@ -39,7 +39,7 @@ class CountingReducer final : public Reducer, public CheckpointContributor {
     std::int64_t covered = 0;
     for (const GradBucket::Tensor& t : b.tensors) {
       // The tensor's gradient (its part from t.begin) is where the bucket says it is.
-      if (b.data.as<float>() + t.offset != model_.grad_ptr(t.param) + t.begin) misplaced_ += 1;
+      if (b.data.as<float>() + t.offset != model_.grad_ref(t.param).as<float>() + t.begin) misplaced_ += 1;
       covered += t.count;
       float* s = seen_[static_cast<std::size_t>(t.param)].data<float>() + t.begin;
       for (std::int64_t k = 0; k < t.count; ++k) s[k] += 1.0f;

@@ -159,9 +159,12 @@ class ZeroStore final : public FlatParamStore {
     }
     FlatParamStore::refresh();  // compute copies are stale
   }
-  // The elements of `b` (a run of the flat gradient buffer) in each rank's share.
+  // The elements of `b` (a run of the flat gradient buffer, found by its first tensor's offset in
+  // it) in each rank's share.
   std::vector<std::int64_t> rank_counts(const GradBucket& b) const {
-    const std::int64_t s = b.data.as<float>() - flat_grads(), e = s + b.data.count;
+    const GradBucket::Tensor& first = b.tensors.front();
+    const std::int64_t s = info_[static_cast<std::size_t>(first.param)].offset + first.begin - first.offset;
+    const std::int64_t e = s + b.data.count;
     std::vector<std::int64_t> c(counts_.size());
     for (std::size_t q = 0; q < counts_.size(); ++q)
       c[q] = std::max<std::int64_t>(0, std::min(e, offsets_[q + 1]) - std::max(s, offsets_[q]));
