@@ -318,8 +318,12 @@ def cuda_layouts(args):
     if c is None:
         return SKIP
     close = close_to_host(c)
-    layouts_on(c, "cuda", 20, ["run.share_gpu=true"], close)
-    crossover(c, "cuda", ["run.share_gpu=true"], 20, lambda name, sets, host, dev: close(name, sets, host, dev, 10))
+    # 20 steps on a GPU; the emulated device's run in the suite (regression.gpu.emulated_layouts)
+    # takes fewer (LOOM_GPU_CASE_STEPS), its kernels being the CPU's emulation of the device's.
+    steps = int(os.environ.get("LOOM_GPU_CASE_STEPS", "20"))
+    layouts_on(c, "cuda", steps, ["run.share_gpu=true"], close)
+    crossover(c, "cuda", ["run.share_gpu=true"], steps,
+              lambda name, sets, host, dev: close(name, sets, host, dev, steps - steps // 2))
     return c.done("cuda_layouts")
 
 
