@@ -75,14 +75,16 @@ def check_abi(args, failures):
                                                                               "LOOM_CUDA_ABI_VERSION")
     with open(os.path.join(ROOT, "DESIGN.md")) as f:
         design = f.read()
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
+    readme = ""  # README.md and the user guide it points to (docs/*.md)
+    for name in ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))):
+        with open(os.path.join(ROOT, name)) as f:
+            readme += f.read()
     p = subprocess.run([args.loom, "plugins"], capture_output=True, text=True, timeout=60)
     print("plugin ABI %d, CUDA ABI %d; loom plugins: %s" % (plugin, cuda, p.stdout.splitlines()[0] if p.stdout else ""))
     stated = {
         "DESIGN.md's abi_version": re.findall(r"`abi_version` \((\d+),", design),
         "DESIGN.md's LOOM_CUDA_ABI_VERSION": re.findall(r"`LOOM_CUDA_ABI_VERSION` \((\d+),", design),
-        "README's `loom plugins` line": re.findall(r"plugin lossguard [0-9.]+ \(ABI (\d+)\)", readme),
+        "the guide's `loom plugins` line": re.findall(r"plugin lossguard [0-9.]+ \(ABI (\d+)\)", readme),
         "`loom plugins`": re.findall(r"plugin ABI (\d+)", p.stdout),
     }
     for what, found in stated.items():
