@@ -4,7 +4,8 @@ or the ones below, a plugin includes from no other plugin, a plugin calls no MPI
 (its waits go through the communicators, which run.comm_timeout watches), and a plugin sees the back
 end only through its face (BackendFace, core/backend/backend_face.hpp: the part of the plugin ABI that
 an added back-end operation does not move), never naming Backend or including the headers of the
-whole back end.
+whole back end, and the driver knows no strategy: no string in driver/ names a plugin's deck key
+(the sections the plugins declare, `zero.`, `precision.`, ...) or compares with a plugin's name.
 
     python3 regression/check_layers.py [--root DIR]     # exit 1 naming each upward include
     python3 regression/check_layers.py --planted        # proves it fails: a copy of the tree with
@@ -39,6 +40,46 @@ WHOLE_BACKEND = re.compile(r"\bBackend\b")
 WHOLE_BACKEND_HEADERS = ("core/backend/backend.hpp", "core/backend/forwarding_backend.hpp", "core/backend/kernels.hpp",
                          "core/backend/backend_ops.hpp")
 COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+# A plugin declares its keys as int_key("zero.stage", ...), choice_key(...), ...
+KEY_DECL = re.compile(r'\b(?:int|float|bool|string|choice)_key\(\s*"([a-z_0-9]+)\.')
+
+
+def plugin_knowledge(root):
+    """The key sections and the names of the plugins under root/plugins."""
+    sections, names = set(), set()
+    base = os.path.join(root, "plugins")
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        folder = os.path.join(base, name)
+        if not os.path.isdir(folder) or name == "test":
+            continue
+        for dirpath, _, files in os.walk(folder):
+            if "/test" in dirpath.replace(os.sep, "/")[len(folder):]:
+                continue
+            for f in files:
+                if f.endswith(SOURCE_EXT):
+                    with open(os.path.join(dirpath, f), encoding="utf-8", errors="replace") as fh:
+                        text = fh.read()
+                    sections.update(KEY_DECL.findall(text))
+                    names.update(re.findall(r'\{LOOM_PLUGIN_ABI_VERSION,\s*"([a-z_0-9]+)"', text))
+    return sections, names
+
+
+def strategy_mentions(rel, text, sections, names):
+    """Where a driver file names a plugin's key or compares with a plugin's name."""
+    out = []
+    code = COMMENT.sub(lambda c: " " * len(c.group(0)), text)
+    key = re.compile(r"\b(%s)\.[a-z_]" % "|".join(sorted(sections))) if sections else None
+    compare = re.compile(r'(?:[=!]=\s*"(%s)")|(?:"(%s)"\s*[=!]=)' % ("|".join(sorted(names)), "|".join(sorted(names)))) if names else None
+    for m in STRING.finditer(code):
+        if key and key.search(m.group(0)):
+            line = text.count("\n", 0, m.start()) + 1
+            out.append("%s:%d: names the plugin key %s; the driver knows no strategy: the plugin says it through "
+                       "its StrategyInfo (its plan terms, summary lines, traits)" % (rel, line, m.group(0)))
+    for m in compare.finditer(code) if compare else []:
+        line = text.count("\n", 0, m.start()) + 1
+        out.append("%s:%d: compares with the plugin name %s; the driver knows no strategy" % (rel, line, m.group(0).strip()))
+    return out
 
 
 def layer_of(path):
@@ -73,6 +114,7 @@ def plugin_of(path):
 def check(root):
     problems = []
     checked = 0
+    sections, names = plugin_knowledge(root)
     for top in ("core", "io", "plugins", "driver", "bench", "regression"):
         for dirpath, _, files in os.walk(os.path.join(root, top)):
             for f in files:
@@ -86,6 +128,8 @@ def check(root):
                 with open(full, encoding="utf-8", errors="replace") as fh:
                     text = fh.read()
                 checked += 1
+                if mine[0] == "driver":
+                    problems.extend(strategy_mentions(rel, text, sections, names))
                 # (a plugin's tests are not loaded as a plugin: they may test against the whole back end)
                 plugin_code = mine[0] == "plugins" and "/test/" not in rel
                 if plugin_code:
@@ -142,17 +186,22 @@ def planted():
             fh.write('\nvoid planted_wait() { MPI_Barrier(MPI_COMM_WORLD); }\n')
         with open(os.path.join(tmp, "plugins/data/data_parallel.cpp"), "a") as fh:
             fh.write('\n#include "core/backend/kernels.hpp"\nvoid planted_call(loom::Backend& be);\n')
+        with open(os.path.join(tmp, "driver/plan/memo.cpp"), "a") as fh:
+            fh.write('\nstatic const char* planted_key = "zero.stage=1";\n'
+                     'static bool planted_name(const std::string& s) { return s == "zero"; }\n')
         _, found = check(tmp)
         want = ["core/base/dtype.hpp", "plugins/zero/zero.cpp", "plugins/pipeline/schedule.cpp",
-                "plugins/data/data_parallel.cpp", "plugins/data/data_parallel.cpp"]
+                "plugins/data/data_parallel.cpp", "plugins/data/data_parallel.cpp", "driver/plan/memo.cpp",
+                "driver/plan/memo.cpp"]
         missed = [w for w in want if not any(p.startswith(w + ":") for p in found)]
         for p in found:
             print("planted and found: " + p)
         if missed or len(found) != len(want):
             print("check_layers --planted: expected exactly the %d planted lines, missed %s" % (len(want), missed))
             return 1
-        print("check_layers --planted: the upward include, the cross-plugin include, the direct MPI call and "
-              "the plugin's include and use of the whole back end all refused (%d files checked)" % checked)
+        print("check_layers --planted: the upward include, the cross-plugin include, the direct MPI call, "
+              "the plugin's include and use of the whole back end, and the driver's plugin key and plugin name "
+              "all refused (%d files checked)" % checked)
         return 0
 
 
@@ -169,7 +218,7 @@ def main():
     if problems:
         print("check_layers: %d line(s) against the layers in %d files (DESIGN.md \"Layers\")" % (len(problems), checked))
         return 1
-    print("check_layers: %d files, every include within its layer or below" % checked)
+    print("check_layers: %d files, every include within its layer or below, no plugin key or name in driver/" % checked)
     return 0
 
 

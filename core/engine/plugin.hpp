@@ -22,6 +22,7 @@
 #include "core/engine/reducer.hpp"
 #include "core/base/search_path.hpp"  // plugin_search_path
 #include "core/engine/keys.hpp"  // KeySpec: a plugin declares its deck keys like the core does
+#include "core/engine/plan_terms.hpp"
 
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, the
 // role interfaces (core/engine/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
@@ -42,7 +43,8 @@
 // summary_lines and Schedule::step_line. ABI 15: the plugin face: strategies see the back end as
 // BackendFace (allocation, host copies, LOOM_FACE_OPS), first in Backend's vtable. ABI 16:
 // KeySpec::former_names, GradSync::state_sharding; the checkpoint and progress roles; RunTraits.
-#define LOOM_PLUGIN_ABI_VERSION 16
+// ABI 17: StrategyInfo::plan (core/engine/plan_terms.hpp), what a strategy adds to `loom plan`.
+#define LOOM_PLUGIN_ABI_VERSION 17
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -169,6 +171,9 @@ struct StrategyInfo {
   std::function<Precision(PartitionContext&)> make_precision;
   // The other roles, once the model exists.
   std::function<void(StrategyContext&, Roles&)> create;
+  // Optional: what it adds to `loom plan`'s layout search and memo (its keys worth searching, its
+  // sentences and levers); the planner names no strategy.
+  PlanTerms plan;
 };
 
 // The creator map: built-ins and loaded plugins alike.

@@ -121,6 +121,14 @@ class Memo {
   bool have_small_ = false;
   int small_devices_ = 0;
 
+  // A variant as the strategies' memo sentences see it, with the operand type its prediction found.
+  PlanPoint point(const Variant& v, const std::string& precision) const {
+    PlanPoint p = v.point(&base_);
+    p.precision = precision;
+    return p;
+  }
+  PlanPoint chosen_point() const { return point(chosen_.v, chosen_.p.precision); }
+
   Candidate with(Variant v, const std::vector<std::string>& extra = {}) const {
     v.extra.insert(v.extra.end(), extra.begin(), extra.end());
     return search_.evaluate(v, false);
@@ -161,20 +169,28 @@ class Memo {
   }
 
   void out_of_memory() {
-    const Variant& v = chosen_.v;
+    // One device, each dimension at its plain (first) value.
     Variant plain;
-    plain.micro = 1;
-    plain.precision = "fp32";
+    plain.dims = &search_.dims;
+    plain = search_.normalise(plain, base_);
     const Candidate one = with(plain);
-    // The most one device can do alone: 16-bit products, recompute, one sequence per micro-batch.
+    // The most one device can do alone: each dimension's lean value (16-bit products), recompute, one
+    // sequence per micro-batch.
     Variant frugal = plain;
-    frugal.precision = v.precision == "fp32" ? (base_.get_string("precision.dtype") == "fp16" ? "fp16" : "bf16") : v.precision;
-    frugal.recompute = true;
+    std::string lean_words;
+    for (const PlanDimension* d : search_.columns()) {
+      const std::string value = d->lean ? d->lean(chosen_point()) : std::string();
+      if (value.empty()) continue;
+      frugal.set(d->key, value);
+      const std::string words = d->describe ? d->describe(value) : value;
+      if (!words.empty()) lean_words += words + " + ";
+    }
+    frugal.set(Variant::kRecomputeKey, "true");
     frugal.micro = chosen_.p.plan.global_batch;
     const Candidate lean = with(frugal);
     s_ << "## 1. How the layout removes the out-of-memory\n\n";
     s_ << "Peak memory of one device by the ledger's categories, against the chosen layout's largest rank:\n\n";
-    s_ << "| category | one device, fp32 | one device, " << frugal.precision << " + recompute + 1 sequence per micro-batch | chosen, rank "
+    s_ << "| category | one device, fp32 | one device, " << lean_words << "recompute + 1 sequence per micro-batch | chosen, rank "
        << chosen_.p.worst_rank << " |\n| --- | ---: | ---: | ---: |\n";
     auto cell = [](const Candidate& c, int i) { return c.built ? gib(c.p.peak[static_cast<std::size_t>(i)]) : "-"; };
     const RankPrediction& worst = chosen_.p.worst();
@@ -190,38 +206,44 @@ class Memo {
       const double params = static_cast<double>(lean.p.ranks.front().params_held);
       s_ << "The model has " << fixed(params / 1e9, 2) << " billion parameters. On one device its model states alone "
          << "(parameters, gradients, AdamW's two moments";
-      if (frugal.precision != "fp32") s_ << ", fp32 masters and 16-bit copies";
+      if (lean.p.precision != "fp32") s_ << ", fp32 masters and 16-bit copies";
       s_ << ") take " << gib(states) << " (" << fixed(states / params, 1) << " bytes per parameter)"
          << (states > cluster_.device_memory_bytes ? ", more than the device holds, whatever is done to activations: "
                                                      "the model states themselves must be split over devices."
                                                    : ".")
          << "\n\n";
     }
+    what_is_split();
+    what_each_choice_buys();
+  }
+
+  void what_is_split() {
+    const Variant& v = chosen_.v;
     s_ << "What the chosen layout splits:\n\n";
     if (v.tp > 1)
       s_ << "- **Tensor parallelism over " << v.tp << "** splits every block's weight matrices (and their gradients and "
          << "optimizer state) by columns and rows, and the attention heads and MLP activations with them: each rank "
-         << "holds 1/" << v.tp << " of each block." << (v.sp ? " Sequence parallelism splits LayerNorm and the residual "
+         << "holds 1/" << v.tp << " of each block." << (chosen_.p.worst().sequence_parallel ? " Sequence parallelism splits LayerNorm and the residual "
          "stream's activations by tokens too." : "") << "\n";
     if (v.pp > 1)
       s_ << "- **Pipeline parallelism over " << v.pp << "** gives each stage " << chosen_.p.plan.model.layers / v.pp
          << " or so of the " << chosen_.p.plan.model.layers << " blocks; a stage keeps the activations of the micro-batches "
          << "it has in flight (the schedule bounds how many).\n";
-    if (v.zero)
-      s_ << "- **ZeRO stage " << v.zero << " over the " << v.dp << " data-parallel ranks** shards "
-         << (v.zero == 1 ? "the optimizer state (AdamW's m and v" : v.zero == 2 ? "the optimizer state and the gradients ("
-                                                                                 "m, v, gradients"
-                                                                               : "the optimizer state, gradients and "
-                                                                                 "parameters (m, v, gradients, weights")
-         << (v.precision != "fp32" ? " and the fp32 masters" : "") << "): each rank keeps 1/" << v.dp << ".\n";
-    else if (v.dp > 1)
+    // What the strategies split over the dp ranks (ZeRO's shards), else the plain replicas.
+    const std::string splits = search_.memo_text("split", chosen_point());
+    s_ << splits;
+    if (splits.empty() && v.dp > 1)
       s_ << "- **Data parallelism over " << v.dp << "** splits the batch, not the model: every dp rank keeps a full "
          << "copy of its shard of the model states.\n";
-    if (v.recompute)
+    if (v.recompute())
       s_ << "- **Recompute** keeps only each block's input during forward and runs the block again in backward.\n";
     if (v.micro > 1)
       s_ << "- **" << v.micro << " micro-batches** of " << chosen_.p.plan.rows_per_micro << " sequence(s): the activations "
          << "of one micro-batch (a few with a pipeline) are alive at a time, not the rank's whole batch.\n";
+  }
+
+  void what_each_choice_buys() {
+    const Variant& v = chosen_.v;
     s_ << "\nWhat each choice buys, one change at a time from the chosen layout:\n\n";
     s_ << "| change | largest rank | against " << gib(cluster_.device_memory_bytes) << " | tokens/s |\n| --- | ---: | --- | ---: |\n";
     s_ << "| none (chosen) | " << gib(chosen_.p.peak_total) << " | fits | " << fixed(chosen_.p.time.tokens_per_s, 0) << " |\n";
@@ -230,27 +252,17 @@ class Memo {
       s_ << "| " << what << " | " << (c.built ? gib(c.p.peak_total) : "-") << " | " << fits_text(c) << " | "
          << (c.built ? fixed(c.p.time.tokens_per_s, 0) : "-") << " |\n";
     };
+    // The model's own choice first, then each strategy's what-ifs in column order.
     Variant w = v;
-    w.recompute = !v.recompute;
-    row(v.recompute ? "no recompute" : "recompute", w);
-    if (v.zero) {
-      w = v;
-      w.zero = 0;
-      row("no ZeRO", w);
-    }
-    if (v.dp > 1 && v.zero < (v.pp > 1 ? 1 : 3)) {
-      w = v;
-      w.zero = v.zero + 1;
-      row("ZeRO stage " + std::to_string(w.zero), w);
-    }
-    if (v.tp > 1) {
-      w = v;
-      w.sp = !v.sp;
-      row(v.sp ? "no sequence parallelism" : "sequence parallelism", w);
-    }
-    w = v;
-    w.precision = v.precision == "fp32" ? "bf16" : "fp32";
-    row(w.precision, w);
+    w.set(Variant::kRecomputeKey, v.recompute() ? "false" : "true");
+    row(v.recompute() ? "no recompute" : "recompute", w);
+    for (const PlanDimension* d : search_.columns())
+      if (d->what_if)
+        for (const auto& [words, value] : d->what_if(chosen_point())) {
+          w = v;
+          w.set(d->key, value);
+          row(words, w);
+        }
     if (v.micro > 1) {
       w = v;
       w.micro = 1;
@@ -274,24 +286,26 @@ class Memo {
     s_ << "\nOf " << ms(t.comm_s) << " of messages, " << ms(t.comm_exposed_s) << " are exposed (not hidden behind "
        << "compute); compute is " << ms(t.compute_s) << ".\n\n";
     s_ << "Gradients are summed over the " << v.dp << " data-parallel replicas so that every replica takes the same step";
-    if (v.dp > 1)
-      s_ << ": " << (v.zero >= 1 ? "ZeRO reduce-scatters each bucket so each rank receives the sum of the range it owns, "
-                                   "updates it, and all-gathers the updated parameters"
-                                 : "each bucket of gradients is all-reduced as soon as backward has finished it")
-         << (v.zero == 1 ? " (stage 1 reduce-scatters after the last micro-batch's backward)" : "")
+    if (v.dp > 1) {
+      const std::string sync = search_.memo_text("dp_sync", chosen_point());
+      s_ << ": " << (sync.empty() ? "each bucket of gradients is all-reduced as soon as backward has finished it" : sync)
          << ". A ring moves about 2(n-1)/n of the gradients' bytes per rank, nearly independent of n, so what changes as "
          << "the job grows is the link the ring crosses and how much backward is left to hide it behind.\n";
-    else
+    } else
       s_ << "; with dp = 1 there is no gradient synchronisation, only the tensor-parallel and pipeline messages.\n";
     if (v.tp > 1)
       s_ << "Tensor parallelism combines activations inside every block, forward and backward ("
-         << (v.sp ? "all-gathers and reduce-scatters, with sequence parallelism" : "all-reduces")
+         << (chosen_.p.worst().sequence_parallel ? "all-gathers and reduce-scatters, with sequence parallelism" : "all-reduces")
          << "), on the critical path: that is why tp stays within a node (" << v.tp << " <= " << cluster_.devices_per_node << ").\n";
     if (v.pp > 1)
       s_ << "The pipeline sends each micro-batch's boundary activation forward and its gradient back, point to point.\n";
     s_ << "\n";
+    one_node_to_all();
+  }
 
-    // The same layout on fewer devices: dp shrinks, the global batch stays.
+  // The same layout on fewer devices: dp shrinks, the global batch stays.
+  void one_node_to_all() {
+    const Variant& v = chosen_.v;
     const int per_node = cluster_.devices_per_node;
     small_devices_ = o_.devices > per_node ? per_node : 0;
     if (small_devices_ == 0 || (v.tp * v.pp) > small_devices_ || small_devices_ % (v.tp * v.pp) != 0) {
@@ -304,10 +318,10 @@ class Memo {
     // Keep the sequences per micro-batch: the same activations per micro-batch, more micro-batches.
     const int rows_small = chosen_.p.plan.global_batch / sv.dp;
     sv.micro = std::max(1, rows_small / std::max(1, chosen_.p.plan.rows_per_micro));
-    if (sv.dp == 1) sv.zero = 0;
+    sv = search_.normalise(sv, base_);  // a dimension the smaller dp no longer allows at its plain value
     small_ = with(sv);
     have_small_ = small_.built;
-    const PlanSearch one_node{search_.registry, search_.schema, search_.deck_path, search_.deck_sets, cluster_};
+    const PlanSearch one_node(search_.registry, search_.schema, search_.deck_path, search_.deck_sets, cluster_);
     const std::vector<Candidate> best_small = one_node.run(small_devices_);
     s_ << "Growing from one node (" << small_devices_ << " devices) to " << o_.devices << ", with the same global batch:\n\n";
     s_ << "| devices | layout | dp ring | data-parallel messages | exposed messages | step | tokens/s | speed-up | scaling efficiency |\n"
@@ -370,7 +384,7 @@ class Memo {
     Variant naive = w;
     naive.micro = 1;
     const Candidate one = with(naive);
-    const std::string schedule = base_.get_string("pipeline.schedule");
+    const std::string schedule = search_.memo_text("schedule", point(w, piped.p.precision));
     s_ << "| " << w.pp << " stages, schedule " << schedule << " | micro-batches | bubble (idle share of a step) | step | tokens/s | largest rank |\n"
        << "| --- | ---: | ---: | ---: | ---: | ---: |\n";
     auto row = [&](const std::string& what, const Candidate& c) {
@@ -392,20 +406,29 @@ class Memo {
        << " for equal stages; the planner replays the " << schedule << " schedule itself, with each stage's own "
        << "work (the first also embeds, the last also runs the vocabulary head and the loss), and finds "
        << pct(piped.p.time.bubble) << "."
-       << (schedule == "1f1b" ? " 1F1B runs each micro-batch's backward as soon as it can, so a stage holds at most pp "
-                                "micro-batches' activations instead of all m (GPipe)."
-                              : "")
+       << search_.memo_text("schedule_note", point(w, piped.p.precision))
        << " More micro-batches shrink the bubble further but make each product smaller and add a boundary message each.\n\n";
   }
 
   void precision() {
+    // The chosen variant against the what-if of the dimension that sets the products' operand type.
     const Variant& v = chosen_.v;
     Variant other = v;
-    other.precision = v.precision == "fp32" ? "bf16" : "fp32";
+    std::string other_precision = chosen_.p.precision;
+    for (const PlanDimension* d : search_.columns())
+      if (d->sets_precision && d->what_if)
+        for (const auto& [words, value] : d->what_if(chosen_point())) {
+          other.set(d->key, value);
+          other_precision = value;
+          break;
+        }
+    const bool fp32 = chosen_.p.precision == "fp32";
     const Candidate o = with(other);
-    const Candidate& half = v.precision == "fp32" ? o : chosen_;
-    const Candidate& full = v.precision == "fp32" ? chosen_ : o;
-    const std::string h = v.precision == "fp32" ? other.precision : v.precision;
+    const Candidate& half = fp32 ? o : chosen_;
+    const Candidate& full = fp32 ? chosen_ : o;
+    const std::string h = fp32 ? other_precision : chosen_.p.precision;
+    PlanPoint half_point = chosen_point();
+    half_point.precision = h;
     s_ << "## 4. Mixed precision: what it saves, what stays fp32\n\n";
     s_ << "The chosen layout in fp32 and in " << h << " (largest rank):\n\n";
     s_ << "| | fp32 | " << h << " |\n| --- | ---: | ---: |\n";
@@ -429,7 +452,7 @@ class Memo {
        << "the loss, where many small terms are added;\n"
        << "- **LayerNorm, softmax and the attention's own products, and the cross-entropy**: means, variances and "
        << "exponentials lose accuracy fastest, and their activations are not what dominates memory;\n"
-       << "- the **gradient collective** stays fp32 unless `precision.reduce_dtype = bf16` halves its bytes.\n\n"
+       << search_.memo_text("precision_stays", half_point) << "\n"
        << (chosen_.p.plan.model.flash_attention
                ? std::string("Attention is fused here (`model.attention = flash`): bf16 operands, no [batch, heads, T, T] "
                              "matrices in memory; ") +
@@ -443,21 +466,14 @@ class Memo {
                      pct(half.built ? half.p.time.attention_s / half.p.time.step_s : 0.0) + " of the " + h +
                      " step, the largest share a faster (16-bit, fused) attention kernel, `model.attention = flash`, "
                      "would win back.\n\n")
-       << (h == "fp16" ? "fp16 has 5 exponent bits: small gradients underflow, so loom scales the loss (dynamic loss "
-                         "scaling: `precision.initial_scale_power`, `loss_scale_window`, `hysteresis`, as Megatron) and "
-                         "skips a step whose gradients overflow.\n\n"
-                       : "bf16 has fp32's 8 exponent bits, so gradients do not underflow and no loss scaling is needed "
-                         "(fp16 would need it: `precision.dtype = fp16` brings dynamic loss scaling).\n\n");
+       << search_.memo_text("precision_scaling", half_point);
   }
 
-  void bottleneck() {
-    const Variant& v = chosen_.v;
+  // The step's parts, beyond the ideal of products and kernels on every device; returns the bubble's time.
+  double step_parts(const std::map<std::string, double>& exposed_by_group) {
     const TimePrediction& t = chosen_.p.time;
-    s_ << "## 5. The first bottleneck to perfect scaling, and what to try first\n\n";
-    // Where the step goes beyond the ideal of products and kernels on every device.
     const double busy = t.compute_s - t.optimizer_s;
     const double bubble_s = t.bubble > 0 ? busy / (1.0 - t.bubble) - busy : 0.0;
-    const std::map<std::string, double> exposed_by_group(t.comm_exposed_by_group.begin(), t.comm_exposed_by_group.end());
     s_ << "The predicted step of " << ms(t.step_s) << " on " << o_.devices << " devices:\n\n";
     s_ << "| part | time | share |\n| --- | ---: | ---: |\n";
     auto row = [&](const std::string& what, double sec) { s_ << "| " << what << " | " << ms(sec) << " | " << pct(sec / t.step_s) << " |\n"; };
@@ -471,6 +487,15 @@ class Memo {
     for (const auto& [g, sec] : exposed_by_group)
       if (sec > 0) row("exposed " + group_name(g) + " messages", sec);
     s_ << "\n";
+    return bubble_s;
+  }
+
+  void bottleneck() {
+    const Variant& v = chosen_.v;
+    const TimePrediction& t = chosen_.p.time;
+    s_ << "## 5. The first bottleneck to perfect scaling, and what to try first\n\n";
+    const std::map<std::string, double> exposed_by_group(t.comm_exposed_by_group.begin(), t.comm_exposed_by_group.end());
+    const double bubble_s = step_parts(exposed_by_group);
     // The candidates for the bottleneck: what does not shrink with more devices.
     struct Loss {
       std::string what;
@@ -479,7 +504,8 @@ class Memo {
     std::vector<Loss> losses;
     if (bubble_s > 0) losses.push_back({"bubble", bubble_s});
     for (const auto& [g, sec] : exposed_by_group) losses.push_back({g, sec});
-    if (v.zero == 0 && v.dp > 1) losses.push_back({"optimizer", t.optimizer_s});
+    // Every dp rank updates all it holds where no strategy splits the state (Prediction::zero_stage).
+    if (chosen_.p.zero_stage == 0 && v.dp > 1) losses.push_back({"optimizer", t.optimizer_s});
     std::sort(losses.begin(), losses.end(), [](const Loss& a, const Loss& b) { return a.seconds > b.seconds; });
     if (have_small_) {
       const double ideal = small_.p.time.step_s * small_devices_ / o_.devices;
@@ -515,26 +541,18 @@ class Memo {
       name = "the pipeline bubble";
       why = "each of " + std::to_string(v.pp) + " stages idles while the pipeline fills and drains, and with more devices "
             "(fixed global batch) each rank has fewer sequences to cut into micro-batches";
-      const int layers = chosen_.p.plan.model.layers;
-      if (layers % (2 * v.pp) == 0 && base_.get_string("pipeline.schedule") == "1f1b") {
-        lever("the interleaved schedule (pipeline.virtual_stages = 2)", {"pipeline.virtual_stages=2"});
-        lever("the interleaved schedule with recompute", {"pipeline.virtual_stages=2", "model.recompute=true"});
-      }
+      for (const PlanLever& l : search_.levers("bubble", chosen_point())) lever(l.what, l.sets);
       lever(larger_batch, {}, 2);
     } else if (top.what == "optimizer") {
       name = "the replicated optimizer step";
       why = "every data-parallel rank updates all of its parameters, which does not shrink as dp grows";
-      lever("ZeRO stage 1 (zero.stage = 1), which shards AdamW over dp", {"zero.stage=1"});
+      for (const PlanLever& l : search_.levers("optimizer", chosen_point())) lever(l.what, l.sets);
     } else if (top.what == "dp") {
       name = "the data-parallel gradient synchronisation";
       why = std::string("its ring runs ") +
             (group_inside_node("dp", v, cluster_.devices_per_node) ? "inside a node" : "across nodes, over the slower links,") +
             " and with a fixed global batch each rank's backward, which hides it, shrinks as dp grows";
-      if (v.precision != "fp32")
-        lever(v.precision + " gradient collectives (precision.reduce_dtype = " + v.precision + "), half the bytes",
-              {"precision.reduce_dtype=" + v.precision});
-      else
-        lever("bf16 gradient compression (compression.method = bf16), half the bytes", {"compression.method=bf16"});
+      for (const PlanLever& l : search_.levers("dp", chosen_point())) lever(l.what, l.sets);
       lever(larger_batch, {}, 2);
     } else if (top.what == "tp") {
       name = "the tensor-parallel activation all-reduces";
@@ -547,6 +565,12 @@ class Memo {
     }
     s_ << "**Bottleneck: " << name << "** (" << ms(top.seconds) << " of the step, " << pct(top.seconds / t.step_s) << "): " << why
        << ".\n\n";
+    lever_table(levers);
+  }
+
+  // Each lever predicted on the chosen layout, and the first that fits and pays.
+  void lever_table(const std::vector<std::pair<std::string, Variant>>& levers) {
+    const TimePrediction& t = chosen_.p.time;
     s_ << "Levers the search does not vary, each predicted on the chosen layout:\n\n";
     s_ << "| lever | tokens/s | against the chosen | largest rank |\n| --- | ---: | ---: | --- |\n";
     const Candidate* first = nullptr;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -19,13 +20,66 @@
 
 namespace loom {
 
+namespace {
+
+std::vector<const PlanDimension*> by_column(const std::vector<PlanDimension>* dims) {
+  std::vector<const PlanDimension*> out;
+  if (dims)
+    for (const PlanDimension& d : *dims) out.push_back(&d);
+  std::stable_sort(out.begin(), out.end(),
+                   [](const PlanDimension* a, const PlanDimension* b) { return a->column_order < b->column_order; });
+  return out;
+}
+
+// The model's own dimension: recompute (model.recompute), searched beside the strategies'.
+PlanDimension recompute_dimension() {
+  PlanDimension d;
+  d.key = Variant::kRecomputeKey;
+  d.what = "recompute";
+  d.column = "rec";
+  d.width = 5;
+  d.json = "recompute";
+  d.json_type = PlanDimension::Json::boolean;
+  d.nest = 30;
+  d.column_order = 30;
+  d.values = [](const PlanPoint&) { return std::vector<std::string>{"false", "true"}; };
+  d.describe = [](const std::string& v) { return v == "true" ? std::string("recompute") : std::string(); };
+  return d;
+}
+
+}  // namespace
+
+std::string Variant::get(const std::string& key) const {
+  for (const auto& [k, value] : settings)
+    if (k == key) return value;
+  return "";
+}
+
+void Variant::set(const std::string& key, const std::string& value) {
+  for (auto& [k, old] : settings)
+    if (k == key) {
+      old = value;
+      return;
+    }
+  // In the nest order of the dimensions, so that the --set list reads the same however it was built.
+  const auto rank = [&](const std::string& k) {
+    int i = 0;
+    if (dims)
+      for (const PlanDimension& d : *dims) {
+        if (d.key == k) return i;
+        ++i;
+      }
+    return i;
+  };
+  auto it = settings.begin();
+  while (it != settings.end() && rank(it->first) <= rank(key)) ++it;
+  settings.insert(it, {key, value});
+}
+
 std::vector<std::string> Variant::sets() const {
   std::vector<std::string> s = {"parallel.dp=" + std::to_string(dp), "parallel.tp=" + std::to_string(tp),
-                                "parallel.pp=" + std::to_string(pp), "train.micro_batches=" + std::to_string(micro),
-                                "zero.stage=" + std::to_string(zero), std::string("model.recompute=") + (recompute ? "true" : "false"),
-                                "precision.dtype=" + precision};
-  // Sequence parallelism is a tensor-parallel option; with tp = 1 the deck's own value stays.
-  if (tp > 1) s.push_back(std::string("tensor.sequence_parallel=") + (sp ? "true" : "false"));
+                                "parallel.pp=" + std::to_string(pp), "train.micro_batches=" + std::to_string(micro)};
+  for (const auto& [key, value] : settings) s.push_back(key + "=" + value);
   s.insert(s.end(), extra.begin(), extra.end());
   return s;
 }
@@ -36,12 +90,66 @@ std::string Variant::layout() const {
 
 std::string Variant::describe() const {
   std::string s = layout() + ", " + std::to_string(micro) + " micro-batch" + (micro == 1 ? "" : "es");
-  if (zero) s += ", ZeRO " + std::to_string(zero);
-  if (recompute) s += ", recompute";
-  if (sp) s += ", sequence parallel";
-  s += ", " + precision;
+  for (const PlanDimension* d : by_column(dims)) {
+    const std::string value = get(d->key);
+    const std::string words = value.empty() || !d->describe ? std::string() : d->describe(value);
+    if (!words.empty()) s += ", " + words;
+  }
   for (const std::string& e : extra) s += ", " + e;
   return s;
+}
+
+PlanPoint Variant::point(const Deck* deck) const {
+  PlanPoint p;
+  p.layout.dp = dp;
+  p.layout.tp = tp;
+  p.layout.pp = pp;
+  p.micro = micro;
+  p.settings.insert(settings.begin(), settings.end());
+  p.deck = deck;
+  return p;
+}
+
+PlanSearch::PlanSearch(const StrategyRegistry& r, const DeckSchema& s, std::string path, std::vector<std::string> sets,
+                       ClusterSpec c)
+    : registry(r), schema(s), deck_path(std::move(path)), deck_sets(std::move(sets)), cluster(std::move(c)) {
+  dims.push_back(recompute_dimension());
+  for (const auto& [name, info] : registry.all())
+    for (const PlanDimension& d : info.plan.dimensions)
+      if (d.values) dims.push_back(d);
+  std::stable_sort(dims.begin(), dims.end(), [](const PlanDimension& a, const PlanDimension& b) { return a.nest < b.nest; });
+}
+
+std::vector<const PlanDimension*> PlanSearch::columns() const { return by_column(&dims); }
+
+Variant PlanSearch::normalise(Variant v, const Deck& base) const {
+  v.dims = &dims;
+  for (const PlanDimension& d : dims) {
+    const std::vector<std::string> values = d.values(v.point(&base));
+    const std::string now = v.get(d.key);
+    if (values.empty()) {
+      v.settings.erase(std::remove_if(v.settings.begin(), v.settings.end(), [&](const auto& kv) { return kv.first == d.key; }),
+                       v.settings.end());
+    } else if (std::find(values.begin(), values.end(), now) == values.end()) {
+      v.set(d.key, values.front());
+    }
+  }
+  return v;
+}
+
+std::string PlanSearch::memo_text(const std::string& topic, const PlanPoint& p) const {
+  std::string s;
+  for (const auto& [name, info] : registry.all())
+    if (info.plan.memo) s += info.plan.memo(topic, p);
+  return s;
+}
+
+std::vector<PlanLever> PlanSearch::levers(const std::string& bottleneck, const PlanPoint& p) const {
+  std::vector<PlanLever> out;
+  for (const auto& [name, info] : registry.all())
+    if (info.plan.levers)
+      for (PlanLever& l : info.plan.levers(bottleneck, p)) out.push_back(std::move(l));
+  return out;
 }
 
 std::string gib(double bytes) {
@@ -104,33 +212,36 @@ bool faster(const Candidate& a, const Candidate& b) {
 std::vector<Candidate> PlanSearch::run(int devices) const {
   const Deck base = load_deck(schema, deck_path, deck_sets);
   const int batch = static_cast<int>(base.get_int("train.batch"));
-  const std::string own = base.get_string("precision.dtype");
-  const std::vector<std::string> precisions = {"fp32", own == "fp16" ? "fp16" : "bf16"};
   std::vector<Candidate> out;
+  // Every value of every dimension, outer dimensions first; one that has no values at a layout
+  // leaves the deck's own.
+  std::function<void(std::size_t, Variant&)> enumerate = [&](std::size_t i, Variant& v) {
+    if (i == dims.size()) {
+      out.push_back(evaluate(v, false));
+      return;
+    }
+    const std::vector<std::string> values = dims[i].values(v.point(&base));
+    if (values.empty()) return enumerate(i + 1, v);
+    for (const std::string& value : values) {
+      v.settings.push_back({dims[i].key, value});
+      enumerate(i + 1, v);
+      v.settings.pop_back();
+    }
+  };
   for (int tp : divisors_of(devices))
     for (int pp : divisors_of(devices / tp)) {
       const int dp = devices / tp / pp;
       Variant v;
+      v.dims = &dims;
       v.dp = dp;
       v.tp = tp;
       v.pp = pp;
       // A layout whose batch does not split over dp is one rejection, not one per micro-batch count.
       std::vector<int> micros = batch % dp == 0 ? divisors_of(batch / dp) : std::vector<int>{1};
-      // ZeRO shards over dp; stages 2 and 3 are refused with pipelines (zero.cpp says why).
-      std::vector<int> zeros = {0};
-      if (dp > 1) zeros = pp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0, 1, 2, 3};
-      for (int micro : micros)
-        for (int zero : zeros)
-          for (bool recompute : {false, true})
-            for (const std::string& precision : precisions)
-              for (bool sp : tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
-                v.micro = micro;
-                v.zero = zero;
-                v.recompute = recompute;
-                v.precision = precision;
-                v.sp = sp;
-                out.push_back(evaluate(v, false));
-              }
+      for (int micro : micros) {
+        v.micro = micro;
+        enumerate(0, v);
+      }
     }
   // Fitting ones first, fastest first; then the rest as enumerated.
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
@@ -177,12 +288,20 @@ std::string layout_table(const std::vector<Candidate>& all) {
   return s.str();
 }
 
-std::string candidate_row(int index, const Candidate& c, const ClusterSpec& cluster) {
+// A dimension's cell: "-" where it does not apply, yes/no for a flag, else its value.
+std::string cell(const PlanDimension& d, const Variant& v) {
+  const std::string value = v.get(d.key);
+  if (value.empty()) return "-";
+  if (d.json_type == PlanDimension::Json::boolean) return value == "true" ? "yes" : "no";
+  return value;
+}
+
+std::string candidate_row(int index, const Candidate& c, const std::vector<const PlanDimension*>& columns) {
   std::ostringstream s;
   const Variant& v = c.v;
   s << "  " << std::setw(3) << index << std::setw(5) << v.dp << std::setw(4) << v.tp << std::setw(4) << v.pp << std::setw(5)
-    << v.micro << std::setw(5) << v.zero << std::setw(5) << (v.recompute ? "yes" : "no") << std::setw(4)
-    << (v.tp > 1 ? (v.sp ? "yes" : "no") : "-") << std::setw(6) << v.precision;
+    << v.micro;
+  for (const PlanDimension* d : columns) s << std::setw(d->width) << cell(*d, v);
   if (!c.built) return s.str() + "   " + c.reason + "\n";
   const TimePrediction& t = c.p.time;
   const double step_ms = t.step_s * 1e3;
@@ -190,48 +309,69 @@ std::string candidate_row(int index, const Candidate& c, const ClusterSpec& clus
     << fixed(t.tokens_per_s, 0) << std::setw(6) << fixed(100 * t.mfu, 1) << std::setw(7) << fixed(t.bubble, 3)
     << std::setw(10) << fixed(t.comm_exposed_s * 1e3, 1);
   if (!c.fits) s << "   out of memory by " << gib(c.over);
-  (void)cluster;
   return s.str() + "\n";
 }
 
-const char* kRowHeader =
-    "    #   dp  tp  pp   mb zero  rec  sp  prec     memory   step ms   tokens/s  MFU% bubble exposed ms\n";
+std::string row_header(const std::vector<const PlanDimension*>& columns) {
+  std::ostringstream s;
+  s << "    #   dp  tp  pp   mb";
+  for (const PlanDimension* d : columns) s << std::setw(d->width) << d->column;
+  s << "     memory   step ms   tokens/s  MFU% bubble exposed ms\n";
+  return s.str();
+}
+
+nlohmann::json typed(const PlanDimension& d, const std::string& value) {
+  if (value.empty()) return nlohmann::json();
+  switch (d.json_type) {
+    case PlanDimension::Json::integer: return std::stoll(value);
+    case PlanDimension::Json::boolean: return value == "true";
+    case PlanDimension::Json::text: break;
+  }
+  return value;
+}
 
 }  // namespace
 
-std::string describe_search(const std::vector<Candidate>& all, int devices, const ClusterSpec& cluster, int top,
-                            bool every) {
+std::string describe_search(const PlanSearch& search, const std::vector<Candidate>& all, int devices, int top, bool every) {
+  const ClusterSpec& cluster = search.cluster;
+  const std::vector<const PlanDimension*> columns = search.columns();
+  const std::string header = row_header(columns);
   std::ostringstream s;
   int fit = 0, built = 0;
   for (const Candidate& c : all) {
     fit += c.fits;
     built += c.built;
   }
+  std::string varied = "dp x tp x pp, micro-batches";
+  for (const PlanDimension* d : columns) varied += ", " + d->what;
   s << "search: " << devices << " devices of " << cluster.name << " (" << cluster.devices_per_node << " per node, "
-    << gib(cluster.device_memory_bytes) << " each): " << all.size() << " candidates (dp x tp x pp, micro-batches, ZeRO "
-    << "stage, recompute, sequence parallelism, precision), " << built << " buildable, " << fit << " fit\n";
+    << gib(cluster.device_memory_bytes) << " each): " << all.size() << " candidates (" << varied << "), " << built
+    << " buildable, " << fit << " fit\n";
   s << layout_table(all);
   if (fit == 0) {  // with nothing buildable, command_plan_deck says why (exit 2) instead
     if (built > 0) s << "no candidate fits: more devices, a smaller batch per micro-batch or a larger device\n";
   } else {
-    s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n" << kRowHeader;
-    for (int i = 0; i < std::min(top, fit); ++i) s << candidate_row(i + 1, all[static_cast<std::size_t>(i)], cluster);
+    s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n" << header;
+    for (int i = 0; i < std::min(top, fit); ++i) s << candidate_row(i + 1, all[static_cast<std::size_t>(i)], columns);
     s << "chosen: " << all.front().v.describe() << "\n";
   }
   if (every) {
-    s << "every candidate:\n" << kRowHeader;
-    for (std::size_t i = 0; i < all.size(); ++i) s << candidate_row(static_cast<int>(i + 1), all[i], cluster);
+    s << "every candidate:\n" << header;
+    for (std::size_t i = 0; i < all.size(); ++i) s << candidate_row(static_cast<int>(i + 1), all[i], columns);
   }
   return s.str();
 }
 
-std::string search_json(const std::vector<Candidate>& all, int devices, const ClusterSpec& cluster) {
+std::string search_json(const PlanSearch& search, const std::vector<Candidate>& all, int devices) {
+  const ClusterSpec& cluster = search.cluster;
   nlohmann::json list = nlohmann::json::array();
   for (const Candidate& c : all) {
-    nlohmann::json j = {{"dp", c.v.dp},         {"tp", c.v.tp},       {"pp", c.v.pp},
-                        {"micro_batches", c.v.micro}, {"zero_stage", c.v.zero}, {"recompute", c.v.recompute},
-                        {"sequence_parallel", c.v.sp}, {"precision", c.v.precision}, {"fits", c.fits},
-                        {"reason", c.reason}};
+    nlohmann::json j = {{"dp", c.v.dp}, {"tp", c.v.tp}, {"pp", c.v.pp}, {"micro_batches", c.v.micro},
+                        {"fits", c.fits}, {"reason", c.reason}};
+    for (const PlanDimension& d : search.dims) {
+      const std::string value = c.v.get(d.key);
+      j[d.json] = typed(d, value.empty() ? d.unset : value);
+    }
     if (c.built) {
       j["mem_peak_bytes_total"] = static_cast<std::int64_t>(c.p.peak_total);
       j["step_ms"] = c.p.time.step_s * 1e3;
@@ -269,7 +409,7 @@ int command_plan_deck(const PlanOptions& o, const StrategyRegistry& registry, co
   }
   const PlanSearch search{registry, schema, o.deck, o.sets, cluster};
   const std::vector<Candidate> all = search.run(o.devices);
-  std::cout << (o.json ? search_json(all, o.devices, cluster) : describe_search(all, o.devices, cluster, o.top, o.all));
+  std::cout << (o.json ? search_json(search, all, o.devices) : describe_search(search, all, o.devices, o.top, o.all));
   // No layout could even be built: the deck is wrong whatever the layout (a head count that does not
   // divide d_model, ...), or no layout of this many devices divides it (3 devices of a deck whose
   // batch, heads and layers 3 divides none of); more memory would not change either.

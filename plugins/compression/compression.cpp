@@ -701,6 +701,16 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return s;
 }
 
+// `loom plan`: where the gradients travel in fp32, bf16 compression halves the dp synchronisation's bytes.
+PlanTerms compression_plan_terms() {
+  PlanTerms t;
+  t.levers = [](const std::string& bottleneck, const PlanPoint& p) -> std::vector<PlanLever> {
+    if (bottleneck != "dp" || p.precision != "fp32") return {};  // the predicted operand type, not another's key
+    return {{"bf16 gradient compression (compression.method = bf16), half the bytes", {"compression.method=bf16"}}};
+  };
+  return t;
+}
+
 void register_compression(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   info.keys.push_back(choice_key("compression.method", "none", {"none", "fp16", "bf16", "int8", "topk", "powersgd"},
@@ -764,6 +774,7 @@ void register_compression(void* p) {
       throw InputError(setting + " and " + t.reduce_dtype_by + " both change the gradient "
                        "collective: keep one (compression.method = fp16/bf16 is the same cast)");
   };
+  info.plan = compression_plan_terms();
   info.create = [](StrategyContext& ctx, Roles& roles) {
     // A deck that sweeps the method keeps the other methods' keys: they are ignored, and said so.
     const std::string m = ctx.deck.get_string("compression.method");

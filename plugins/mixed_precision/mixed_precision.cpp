@@ -137,6 +137,54 @@ DType dtype_of_deck(const Deck& deck) {
   return d == "bf16" ? DType::bf16 : d == "fp16" ? DType::f16 : DType::f32;
 }
 
+// `loom plan`: fp32 against the deck's 16-bit type (bf16 unless the deck asks for fp16), the memo's
+// sentences on the gradient collective and loss scaling, and the narrower collective as a lever.
+PlanTerms precision_plan_terms() {
+  PlanTerms t;
+  PlanDimension d;
+  d.key = "precision.dtype";
+  d.what = "precision";
+  d.column = "prec";
+  d.width = 6;
+  d.json = "precision";
+  d.json_type = PlanDimension::Json::text;
+  d.nest = 40;
+  d.column_order = 50;
+  d.sets_precision = true;
+  const auto half = [](const PlanPoint& p) {
+    return p.deck && p.deck->get_string("precision.dtype") == "fp16" ? std::string("fp16") : std::string("bf16");
+  };
+  d.values = [half](const PlanPoint& p) -> std::vector<std::string> { return {"fp32", half(p)}; };
+  d.lean = [half](const PlanPoint& p) {
+    const std::string v = p.setting("precision.dtype");
+    return v == "fp32" || v.empty() ? half(p) : v;
+  };
+  d.describe = [](const std::string& v) { return v; };
+  d.what_if = [](const PlanPoint& p) -> std::vector<std::pair<std::string, std::string>> {
+    const std::string other = p.setting("precision.dtype") == "fp32" ? "bf16" : "fp32";
+    return {{other, other}};
+  };
+  t.dimensions.push_back(d);
+  t.memo = [](const std::string& topic, const PlanPoint& p) -> std::string {
+    if (topic == "precision_stays")
+      return "- the **gradient collective** stays fp32 unless `precision.reduce_dtype = bf16` halves its bytes.\n";
+    if (topic == "precision_scaling")
+      return p.precision == "fp16"
+                 ? "fp16 has 5 exponent bits: small gradients underflow, so loom scales the loss (dynamic loss scaling: "
+                   "`precision.initial_scale_power`, `loss_scale_window`, `hysteresis`, as Megatron) and skips a step "
+                   "whose gradients overflow.\n\n"
+                 : "bf16 has fp32's 8 exponent bits, so gradients do not underflow and no loss scaling is needed (fp16 "
+                   "would need it: `precision.dtype = fp16` brings dynamic loss scaling).\n\n";
+    return "";
+  };
+  t.levers = [](const std::string& bottleneck, const PlanPoint& p) -> std::vector<PlanLever> {
+    const std::string v = p.setting("precision.dtype");
+    if (bottleneck != "dp" || v.empty() || v == "fp32") return {};
+    return {{v + " gradient collectives (precision.reduce_dtype = " + v + "), half the bytes", {"precision.reduce_dtype=" + v}}};
+  };
+  return t;
+}
+
 void register_mixed_precision(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   info.keys.push_back(choice_key("precision.dtype", "fp32", {"fp32", "bf16", "fp16"},
@@ -201,6 +249,7 @@ void register_mixed_precision(void* p) {
     p.reduce = reduce == "bf16" ? DType::bf16 : reduce == "fp16" ? DType::f16 : DType::f32;
     return p;
   };
+  info.plan = precision_plan_terms();
   info.create = [](StrategyContext& ctx, Roles& roles) {
     if (dtype_of_deck(ctx.deck) != DType::f16) return;  // bf16: nothing to scale
     ScalerConfig cfg;

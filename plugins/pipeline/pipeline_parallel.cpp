@@ -598,6 +598,29 @@ class PipelineSchedule final : public Schedule {
 
 Kind kind_of(const Deck& deck) { return deck.get_string("pipeline.schedule") == "gpipe" ? Kind::gpipe : Kind::one_f_one_b; }
 
+// `loom plan`: the memo's words on the deck's schedule, and the interleaved schedule as a lever against
+// the bubble (where the layers split into 2 chunks per stage).
+PlanTerms pipeline_plan_terms() {
+  PlanTerms t;
+  t.memo = [](const std::string& topic, const PlanPoint& p) -> std::string {
+    if (!p.deck) return "";
+    const std::string schedule = p.deck->get_string("pipeline.schedule");
+    if (topic == "schedule") return schedule;
+    if (topic == "schedule_note" && kind_of(*p.deck) == Kind::one_f_one_b)
+      return " 1F1B runs each micro-batch's backward as soon as it can, so a stage holds at most pp micro-batches' "
+             "activations instead of all m (GPipe).";
+    return "";
+  };
+  t.levers = [](const std::string& bottleneck, const PlanPoint& p) -> std::vector<PlanLever> {
+    if (bottleneck != "bubble" || !p.deck) return {};
+    const std::int64_t layers = p.deck->get_int("model.layers");
+    if (layers % (2 * p.layout.pp) != 0 || kind_of(*p.deck) != Kind::one_f_one_b) return {};
+    return {{"the interleaved schedule (pipeline.virtual_stages = 2)", {"pipeline.virtual_stages=2"}},
+            {"the interleaved schedule with recompute", {"pipeline.virtual_stages=2", "model.recompute=true"}}};
+  };
+  return t;
+}
+
 void register_pipeline(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   info.keys.push_back(choice_key("pipeline.schedule", "1f1b", {"1f1b", "gpipe"},
@@ -651,6 +674,7 @@ void register_pipeline(void* p) {
     }
     return st;
   };
+  info.plan = pipeline_plan_terms();
   info.create = [](StrategyContext& ctx, Roles& roles) {
     const std::vector<int> counts = stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model.config(),
                                                  ctx.grid.layout().pp,

@@ -200,6 +200,34 @@ class TensorPartition final : public Partition {
   bool step_started_ = false;
 };
 
+// `loom plan`: sequence parallelism, a tensor-parallel option, searched where tp > 1 (with tp = 1 the
+// deck's own value stays).
+PlanTerms tensor_plan_terms() {
+  PlanTerms t;
+  PlanDimension d;
+  d.key = "tensor.sequence_parallel";
+  d.what = "sequence parallelism";
+  d.column = "sp";
+  d.width = 4;
+  d.json = "sequence_parallel";
+  d.json_type = PlanDimension::Json::boolean;
+  d.unset = "false";
+  d.nest = 50;
+  d.column_order = 40;
+  d.values = [](const PlanPoint& p) -> std::vector<std::string> {
+    if (p.layout.tp < 2) return {};
+    return {"false", "true"};
+  };
+  d.describe = [](const std::string& v) { return v == "true" ? std::string("sequence parallel") : std::string(); };
+  d.what_if = [](const PlanPoint& p) -> std::vector<std::pair<std::string, std::string>> {
+    if (p.layout.tp < 2) return {};
+    const bool sp = p.setting("tensor.sequence_parallel") == "true";
+    return {{sp ? "no sequence parallelism" : "sequence parallelism", sp ? "false" : "true"}};
+  };
+  t.dimensions.push_back(d);
+  return t;
+}
+
 void register_tensor(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   info.keys.push_back(bool_key("tensor.sequence_parallel", "false",
@@ -219,6 +247,7 @@ void register_tensor(void* p) {
   info.make_partition = [](PartitionContext& ctx) -> std::unique_ptr<Partition> {
     return std::make_unique<TensorPartition>(ctx.grid.tp(), ctx.backend, ctx.deck.get_bool("tensor.sequence_parallel"));
   };
+  info.plan = tensor_plan_terms();
   info.create = [](StrategyContext&, Roles&) {};
 }
 

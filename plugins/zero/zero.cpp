@@ -263,6 +263,57 @@ class ZeroSync final : public BucketedGradSync {
   std::int64_t step_ = 0;  // steps of this run, for LOOM_INJECT_FAULT where=plugin
 };
 
+// `loom plan`: the stages worth searching (2 and 3 are refused with a pipeline, as requested_by says),
+// what a stage shards, and the lever against a replicated optimizer step.
+PlanTerms zero_plan_terms() {
+  PlanTerms t;
+  PlanDimension d;
+  d.key = "zero.stage";
+  d.what = "ZeRO stage";
+  d.column = "zero";
+  d.width = 5;
+  d.json = "zero_stage";
+  d.json_type = PlanDimension::Json::integer;
+  d.nest = 20;
+  d.column_order = 20;
+  d.values = [](const PlanPoint& p) -> std::vector<std::string> {
+    if (p.layout.dp < 2) return {"0"};
+    if (p.layout.pp > 1) return {"0", "1"};
+    return {"0", "1", "2", "3"};
+  };
+  d.describe = [](const std::string& v) { return v == "0" ? std::string() : "ZeRO " + v; };
+  d.what_if = [](const PlanPoint& p) {
+    std::vector<std::pair<std::string, std::string>> rows;
+    const int stage = std::stoi(p.setting("zero.stage").empty() ? "0" : p.setting("zero.stage"));
+    if (stage) rows.push_back({"no ZeRO", "0"});
+    if (p.layout.dp > 1 && stage < (p.layout.pp > 1 ? 1 : 3))
+      rows.push_back({"ZeRO stage " + std::to_string(stage + 1), std::to_string(stage + 1)});
+    return rows;
+  };
+  t.dimensions.push_back(d);
+  t.memo = [](const std::string& topic, const PlanPoint& p) -> std::string {
+    const std::string stage = p.setting("zero.stage");
+    if (stage.empty() || stage == "0") return "";
+    const std::string dp = std::to_string(p.layout.dp);
+    if (topic == "split")
+      return "- **ZeRO stage " + stage + " over the " + dp + " data-parallel ranks** shards " +
+             (stage == "1"   ? "the optimizer state (AdamW's m and v"
+              : stage == "2" ? "the optimizer state and the gradients (m, v, gradients"
+                             : "the optimizer state, gradients and parameters (m, v, gradients, weights") +
+             (p.precision != "fp32" ? " and the fp32 masters" : "") + "): each rank keeps 1/" + dp + ".\n";
+    if (topic == "dp_sync")
+      return std::string("ZeRO reduce-scatters each bucket so each rank receives the sum of the range it owns, updates "
+                         "it, and all-gathers the updated parameters") +
+             (stage == "1" ? " (stage 1 reduce-scatters after the last micro-batch's backward)" : "");
+    return "";
+  };
+  t.levers = [](const std::string& bottleneck, const PlanPoint&) -> std::vector<PlanLever> {
+    if (bottleneck != "optimizer") return {};
+    return {{"ZeRO stage 1 (zero.stage = 1), which shards AdamW over dp", {"zero.stage=1"}}};
+  };
+  return t;
+}
+
 void register_zero(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   info.keys.push_back(int_key("zero.stage", "0", 0, 3,
@@ -310,6 +361,7 @@ void register_zero(void* p) {
                                           ctx.deck.get_int("zero.param_persistence_threshold"),
                                           static_cast<int>(ctx.deck.get_int("zero.prefetch_depth")));
   };
+  info.plan = zero_plan_terms();
   info.create = [](StrategyContext& ctx, Roles& roles) {
     roles.reducer = std::make_unique<ReduceScatterReducer>(ctx.grid.dp());
     const double bucket_mb = ctx.deck.get_float("zero.bucket_mb");
