@@ -1,6 +1,7 @@
 #include "core/base/ledger.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <stdexcept>
 
@@ -38,7 +39,25 @@ Ledger& Ledger::global() {
   return ledger;
 }
 
-std::string format_bytes(double bytes) {
+namespace {
+
+std::string fixed_unit(double value, int digits, const char* unit) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*f %s", digits, value, unit);
+  return buf;
+}
+
+}  // namespace
+
+std::string format_bytes(double bytes, ByteStyle style) {
+  constexpr double MiB = 1024.0 * 1024, GiB = MiB * 1024;
+  if (style == ByteStyle::mib_gib)
+    return bytes >= GiB ? fixed_unit(bytes / GiB, 2, "GiB") : fixed_unit(bytes / MiB, 1, "MiB");
+  if (style == ByteStyle::planner) {
+    const double a = std::abs(bytes);
+    if (a < GiB) return fixed_unit(bytes / MiB, a >= 100 * MiB ? 0 : a >= 10 * MiB ? 1 : 2, "MiB");
+    return fixed_unit(bytes / GiB, bytes >= 100 * GiB ? 0 : bytes >= 10 * GiB ? 1 : 2, "GiB");
+  }
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
   while (bytes >= 1024.0 && u < 4) {

@@ -39,7 +39,12 @@ class Ledger {
   std::size_t total_current_ = 0, total_peak_ = 0;
 };
 
-// "12.3 MiB"
-std::string format_bytes(double bytes);
+// Bytes for people, in one of the three ways loom prints them (each kept where users know it):
+//   units    "12.3 MiB": the largest unit below the value, one decimal (run summaries, logs)
+//   mib_gib  "0.5 MiB", "1.25 GiB": MiB to one decimal below a GiB, GiB to two (loom plan's rank table)
+//   planner  three significant figures in MiB below a GiB, GiB above ("512 MiB", "39.4 GiB"; the
+//            layout search and the memo)
+enum class ByteStyle { units, mib_gib, planner };
+std::string format_bytes(double bytes, ByteStyle style = ByteStyle::units);
 
 }  // namespace loom

@@ -196,13 +196,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t.mfu = t.tokens_per_s * flops_per_token / (l.ranks() * matmul_peak(c, p.precision));
 }
 
-std::string mib_or_gib(double b) {
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(b >= 1024.0 * 1024 * 1024 ? 2 : 1);
-  if (b >= 1024.0 * 1024 * 1024) s << b / (1024.0 * 1024 * 1024) << " GiB";
-  else s << b / (1024.0 * 1024) << " MiB";
-  return s.str();
-}
+std::string mib_or_gib(double b) { return format_bytes(b, ByteStyle::mib_gib); }
 
 }  // namespace
 

@@ -152,17 +152,7 @@ std::vector<PlanLever> PlanSearch::levers(const std::string& bottleneck, const P
   return out;
 }
 
-std::string gib(double bytes) {
-  std::ostringstream s;
-  if (std::abs(bytes) < 1024.0 * 1024 * 1024) {  // below a GiB, in MiB
-    s << std::fixed << std::setprecision(std::abs(bytes) >= 100.0 * (1 << 20) ? 0 : std::abs(bytes) >= 10.0 * (1 << 20) ? 1 : 2)
-      << bytes / (1024.0 * 1024) << " MiB";
-    return s.str();
-  }
-  s << std::fixed << std::setprecision(bytes >= 100.0 * (1 << 30) ? 0 : bytes >= 10.0 * (1 << 30) ? 1 : 2)
-    << bytes / (1024.0 * 1024 * 1024) << " GiB";
-  return s.str();
-}
+std::string gib(double bytes) { return format_bytes(bytes, ByteStyle::planner); }
 
 std::string fixed(double v, int digits) {
   std::ostringstream s;
