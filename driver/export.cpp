@@ -20,11 +20,11 @@ void write_params(h5::File& f, const std::string& group, GPT& model, bool grads)
     const ParamInfo& p = model.params()[i];
     const int index = static_cast<int>(i);
     // Through a host copy: on a device back end the store's pointers are device memory.
-    std::vector<float> host(static_cast<std::size_t>(p.numel));
+    std::vector<float> host(static_cast<std::size_t>(p.numel()));
     const BufferRef t = grads ? model.grad_ref(index) : model.param_ref(index);
-    if (t.count != p.numel) throw std::logic_error("loom export: the store does not hold " + p.name + " whole");
+    if (t.count != p.numel()) throw std::logic_error("loom export: the store does not hold " + p.name + " whole");
     model.backend().copy_to_host(host.data(), t);
-    f.write(group + "/" + p.name, host.data(), p.local_shape);
+    f.write(group + "/" + p.name, host.data(), p.local_shape());
   }
 }
 }  // namespace

@@ -155,7 +155,7 @@ int command_ckpt_llmc(const std::string& checkpoint, const std::string& out) {
   for (std::size_t i = 0; i < model.params().size(); ++i) {
     const ParamInfo& p = model.params()[i];
     const float* w = model.param_ref(static_cast<int>(i)).as<float>();
-    whole[p.name].assign(w, w + p.numel);
+    whole[p.name].assign(w, w + p.numel());
   }
   write_llmc_model(out, model.config(), [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });
   std::cout << "wrote " << out << ": llm.c model file version 3 (fp32), " << model.config().layers << " layers, d_model "

@@ -442,7 +442,7 @@ nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks, c
   std::int64_t model_params = 0;
   for (const ParamInfo& p : s_.model->all_params()) {
     std::int64_t n = 1;
-    for (auto d : p.shape) n *= d;
+    for (auto d : p.shape()) n *= d;
     model_params += n;
   }
   nlohmann::json summary = {{"status", status()}, {"exit_status", exit_status()}, {"steps", s_.steps},

@@ -261,7 +261,7 @@ std::vector<CheckpointTensor> checkpoint_tensors(GPT& model, Optimizer& optimize
     return -1;
   };
   const auto shape_only = [](const ParamInfo& whole) {
-    ShardDesc d = ShardDesc::make(whole.shape, TpSplit::none, 1, 0);
+    ShardDesc d = ShardDesc::make(whole.shape(), TpSplit::none, 1, 0);
     return d;
   };
   for (const ParamInfo& whole : model.all_params()) {

@@ -29,7 +29,7 @@ BucketedGradSync::BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& 
   };
   for (int p : order) {
     const float* g = model.grad_ref(p).as<float>();
-    const std::int64_t n = params[static_cast<std::size_t>(p)].numel;
+    const std::int64_t n = params[static_cast<std::size_t>(p)].numel();
     const bool whole = plan.whole && plan.whole(p);
     // Backward order walks the flat layout downwards: a tensor joins the bucket if it ends where
     // the bucket starts.
@@ -37,7 +37,7 @@ BucketedGradSync::BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& 
     lo_ptr = g;
     cur.elements += n;
     cur.tensors.insert(cur.tensors.begin(), {p, params[static_cast<std::size_t>(p)].name,
-                                              params[static_cast<std::size_t>(p)].local_shape, 0, n});
+                                              params[static_cast<std::size_t>(p)].local_shape(), 0, n});
     bucket_of_[static_cast<std::size_t>(p)] = static_cast<int>(buckets_.size());
     if (static_cast<double>(cur.elements) * sizeof(float) >= limit || whole) {
       cur.whole = whole;

@@ -43,7 +43,8 @@
 // summary_lines and Schedule::step_line. ABI 15: the plugin face: strategies see the back end as
 // BackendFace (allocation, host copies, LOOM_FACE_OPS), first in Backend's vtable. ABI 16:
 // KeySpec::former_names, GradSync::state_sharding; the checkpoint and progress roles; RunTraits.
-// ABI 17: StrategyInfo::plan (core/engine/plan_terms.hpp), what a strategy adds to `loom plan`.
+// ABI 17: StrategyInfo::plan (core/engine/plan_terms.hpp), what a strategy adds to `loom plan`;
+// ParamInfo's shape, local_shape, split and numel read from its ShardDesc (accessors, not fields).
 #define LOOM_PLUGIN_ABI_VERSION 17
 
 extern "C" {

@@ -75,11 +75,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     p.name = std::move(name);
     p.decay = shape.size() >= 2;
     p.matmul_weight = p.decay && p.name != "wpe.weight";  // wte: the tied head's weight
-    p.shape = std::move(shape);
-    p.shard = ShardDesc::make(p.shape, split, static_cast<int>(tp), tp_rank_);
-    p.split = p.shard.split;
-    p.local_shape = p.shard.tp_shape;
-    p.numel = p.shard.numel();
+    p.shard = ShardDesc::make(std::move(shape), split, static_cast<int>(tp), tp_rank_);
     p.sp_partial = sp_ && split == TpSplit::none && p.name != "wpe.weight";
     p.init = init;
     p.init_std = std;
@@ -120,7 +116,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     local.shadow = shadow;
     local.offset = num_params_;
     local.unit = unit_of(unit);
-    num_params_ += local.numel;
+    num_params_ += local.numel();
     const int index = static_cast<int>(params_.size());
     units_[static_cast<std::size_t>(local.unit)].params.push_back(index);
     pos_in_unit_.push_back(static_cast<int>(units_[static_cast<std::size_t>(local.unit)].params.size()) - 1);
@@ -149,7 +145,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     }
     if (held == -1) {
       p.offset = -1;
-      p.numel = 0;
+      p.shard = p.shard.cut(0, 0);  // the shape stays; no element of it is held here
     }
   }
   if (wte_ == -2) wte_ = hold(all_params_.front(), "head", true);
@@ -285,7 +281,7 @@ void GPT::write_held(const std::function<void(const ParamInfo&, float*, std::int
   };
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const BufferRef w = store_->param(static_cast<int>(i));
-    if (!w.empty()) held(params_[i], w, 0, params_[i].numel);
+    if (!w.empty()) held(params_[i], w, 0, params_[i].numel());
   }
   for (const OwnedSlice& o : store_->owned())
     if (store_->param(o.param).empty()) held(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o), o.begin, o.end);

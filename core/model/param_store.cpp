@@ -3,7 +3,7 @@
 namespace loom {
 
 bool tp_primary(const ParamInfo& p, const StoreContext& ctx) {
-  return !p.shadow && (p.split != TpSplit::none || ctx.tp_rank == 0);
+  return !p.shadow && (p.split() != TpSplit::none || ctx.tp_rank == 0);
 }
 
 bool default_primary(const ParamInfo& p, const StoreContext& ctx) { return ctx.dp_rank == 0 && tp_primary(p, ctx); }
@@ -23,7 +23,7 @@ void ComputeCopies::build(BackendFace& backend, const std::vector<ParamInfo>& pa
     for (int i : units[u].params) {
       const ParamInfo& p = params[static_cast<std::size_t>(i)];
       at_[u].push_back(p.matmul_weight ? count_[u] : -1);
-      if (p.matmul_weight) count_[u] += p.numel;
+      if (p.matmul_weight) count_[u] += p.numel();
     }
     if (resident_ && count_[u] > 0) copy_[u] = backend.allocate("ParamStore::compute_copy." + units[u].name, type_, count_[u], Mem::params);
   }
@@ -61,7 +61,7 @@ void FlatParamStore::build(const StoreContext& ctx, const std::vector<ParamInfo>
   be_ = &ctx.backend;
   info_ = params;
   std::int64_t n = 0;
-  for (const ParamInfo& p : params) n = std::max(n, p.offset + p.numel);
+  for (const ParamInfo& p : params) n = std::max(n, p.offset + p.numel());
   // With 16-bit compute copies the fp32 parameters are the master weights.
   copies_.build(*be_, params, units, true);
   params_ = be_->allocate("GPT::params", DType::f32, n, copies_.active() ? Mem::master : Mem::params);
@@ -76,7 +76,7 @@ void FlatParamStore::build(const StoreContext& ctx, const std::vector<ParamInfo>
     }
   owned_.clear();
   for (int i = 0; i < static_cast<int>(params.size()); ++i)
-    owned_.push_back({i, 0, params[i].numel, default_primary(params[i], ctx)});
+    owned_.push_back({i, 0, params[i].numel(), default_primary(params[i], ctx)});
 }
 
 void FlatParamStore::zero_grads() { be_->fill(grads_.data<float>(), 0.0f, grads_.count()); }

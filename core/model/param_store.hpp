@@ -24,10 +24,14 @@ namespace loom {
 struct ParamInfo {
   enum class Init { normal, ones, zeros };
   std::string name;                  // "blocks.3.attn.qkv.weight"
-  std::vector<std::int64_t> shape;   // full logical shape
-  std::vector<std::int64_t> local_shape;  // this rank's tp piece of it (= shape when not split; shard.tp_shape)
-  TpSplit split = TpSplit::none;     // how the tp group splits it (shard.split)
-  ShardDesc shard;                   // which elements of the full tensor this rank holds
+  // Which elements of the full tensor this rank holds: its shape, its tp piece and the range of
+  // that piece held (empty where this rank's pipeline stage does not hold the tensor). The
+  // accessors below read it; nothing about the shape is kept twice.
+  ShardDesc shard;
+  const std::vector<std::int64_t>& shape() const { return shard.shape; }           // full logical shape
+  const std::vector<std::int64_t>& local_shape() const { return shard.tp_shape; }  // this rank's tp piece
+  TpSplit split() const { return shard.split; }                                    // how the tp group splits it
+  std::int64_t numel() const { return shard.numel(); }                             // elements held here
   int unit = -1;                     // the unit it belongs to (index into GPT::units()), -1 when not held
   bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
   bool shadow = false;               // a copy of a tensor another stage owns (the tied head's wte on the
@@ -35,7 +39,6 @@ struct ParamInfo {
   bool tied = false;                 // its gradient is added to a copy's on another pipeline stage after
                                      // gradient sync (wte with pp > 1): a sharding sync reduces it whole
   std::int64_t offset = 0;           // position among this rank's parameter elements (the flat store's layout)
-  std::int64_t numel = 0;            // elements of the local shard
   bool decay = false;                // AdamW weight decay applies (matrices)
   bool matmul_weight = false;        // a weight of the model's matrix products: under 16-bit precision
                                      // the store hands out a 16-bit compute copy of it (UnitView::compute)
@@ -151,8 +154,8 @@ class FlatParamStore : public ParamStore {
     copies_.attach(unit, v);
     return v;
   }
-  BufferRef param(int i) override { return params_.ref().slice(info_[i].offset, info_[i].numel); }
-  BufferRef grad(int i) override { return grads_.ref().slice(info_[i].offset, info_[i].numel); }
+  BufferRef param(int i) override { return params_.ref().slice(info_[i].offset, info_[i].numel()); }
+  BufferRef grad(int i) override { return grads_.ref().slice(info_[i].offset, info_[i].numel()); }
   void zero_grads() override;
   const std::vector<OwnedSlice>& owned() const override { return owned_; }
   std::int64_t local_numel() const override { return params_.count(); }

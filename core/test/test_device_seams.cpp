@@ -63,7 +63,7 @@ void trains_like_the_host(DType precision, bool recompute) {
     EXPECT_EQ(sa.grad_norm, sb.grad_norm) << "step " << step;
   }
   for (int i = 0; i < static_cast<int>(a.params().size()); ++i) {
-    const std::int64_t n = a.params()[static_cast<std::size_t>(i)].numel;
+    const std::int64_t n = a.params()[static_cast<std::size_t>(i)].numel();
     std::vector<float> pb(static_cast<std::size_t>(n));
     fenced.copy_to_host(pb.data(), b.store().param(i).slice(0, n));
     EXPECT_EQ(std::memcmp(a.param_ref(i).as<float>(), pb.data(), pb.size() * sizeof(float)), 0) << a.params()[static_cast<std::size_t>(i)].name;

@@ -67,7 +67,7 @@ std::vector<float> params_of(const GPT& m) { return {flat_params(m), flat_params
 // which can cancel to ~0; so the bound is relative to the tensor's largest gradient.
 double tensor_rel_diff(const std::vector<float>& a, const std::vector<float>& b, const ParamInfo& p) {
   double diff = 0, scale = 0;
-  for (std::int64_t i = p.offset; i < p.offset + p.numel; ++i) {
+  for (std::int64_t i = p.offset; i < p.offset + p.numel(); ++i) {
     diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
     scale = std::max(scale, std::abs(double(b[i])));
   }
@@ -83,7 +83,7 @@ void perturb(GPT& m, std::uint64_t seed) {
   std::normal_distribution<float> d(0.0f, 0.1f);
   float* w = flat_params(m);
   for (const auto& p : m.params())
-    for (std::int64_t i = 0; i < p.numel; ++i) {
+    for (std::int64_t i = 0; i < p.numel(); ++i) {
       float& x = w[p.offset + i];
       x = p.init == ParamInfo::Init::normal ? 5.0f * x : x + d(gen);
     }
@@ -165,7 +165,7 @@ TEST(GPT, DirectionalDerivativesMatchBackwardForEveryTensor) {
   // Each tensor in full, with h = 1e-2 (a step of norm <= 0.32, the largest tensor having 1024
   // elements); then all parameters at once, with h = 2e-3 to keep the step's norm (0.17 for
   // 6928 elements) in the same range, where the O(h^4) truncation is negligible.
-  for (const auto& p : f.m.params()) check(p.name, p.offset, p.offset + p.numel, 1e-2);
+  for (const auto& p : f.m.params()) check(p.name, p.offset, p.offset + p.numel(), 1e-2);
   check("all parameters", 0, f.m.num_params(), 2e-3);
   std::printf("[ gradchk ] GPT directional derivatives (%zu tensors + all): worst abs err %.2e, worst rel err %.2e\n",
               f.m.params().size(), worst_abs, worst_rel);
@@ -178,7 +178,7 @@ TEST(GPT, SingleElementGradientsMatchFiniteDifferences) {
   double worst_abs = 0;
   int checked = 0;
   for (const auto& p : f.m.params()) {  // one random element of every tensor (28 here)
-    const std::int64_t i = p.offset + std::uniform_int_distribution<std::int64_t>(0, p.numel - 1)(gen);
+    const std::int64_t i = p.offset + std::uniform_int_distribution<std::int64_t>(0, p.numel() - 1)(gen);
     std::vector<double> e(f.m.num_params(), 0.0);
     e[i] = 1.0;
     const double fd = f.richardson(e, i, i + 1, h);
@@ -259,7 +259,7 @@ TEST(GPT, InitialisationIsDeterministicPerSeed) {
   for (const auto& p : a.params()) {
     if (p.init != ParamInfo::Init::normal) continue;
     std::int64_t same = 0;
-    for (std::int64_t i = 0; i < p.numel; ++i) same += flat_params(a)[p.offset + i] == flat_params(c)[p.offset + i];
+    for (std::int64_t i = 0; i < p.numel(); ++i) same += flat_params(a)[p.offset + i] == flat_params(c)[p.offset + i];
     EXPECT_EQ(same, 0) << p.name << ": another seed gives equal elements";
   }
   // Re-initialising overwrites whatever was there (e.g. after training).
@@ -282,15 +282,15 @@ TEST(GPT, InitialisationFollowsGPT2AndTheCounterBasedGenerator) {
                               p.name.compare(p.name.size() - 7, 7, ".weight") == 0;
     const bool is_bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
     if (is_ln_weight) {
-      for (std::int64_t i = 0; i < p.numel; ++i) ASSERT_EQ(x[i], 1.0f) << p.name << "[" << i << "]";
+      for (std::int64_t i = 0; i < p.numel(); ++i) ASSERT_EQ(x[i], 1.0f) << p.name << "[" << i << "]";
     } else if (is_bias) {
-      for (std::int64_t i = 0; i < p.numel; ++i) ASSERT_EQ(x[i], 0.0f) << p.name << "[" << i << "]";
+      for (std::int64_t i = 0; i < p.numel(); ++i) ASSERT_EQ(x[i], 0.0f) << p.name << "[" << i << "]";
     } else {
       ++normals;
       const double sd = expected_std(p.name, cfg.layers);
       EXPECT_DOUBLE_EQ(p.init_std, sd) << p.name;
       // Element i is a pure function of (seed, name, i): the same whatever the buffer layout.
-      for (std::int64_t i = 0; i < p.numel; ++i)
+      for (std::int64_t i = 0; i < p.numel(); ++i)
         ASSERT_EQ(x[i], static_cast<float>(sd * rng::normal(seed, rng::hash_name(p.name), static_cast<std::uint64_t>(i))))
             << p.name << "[" << i << "]";
     }
@@ -313,16 +313,16 @@ TEST(GPT, InitialisationIsLayoutIndependent) {
   for (const auto& p : m2.params()) {
     const ParamInfo& q = m3.param(p.name);
     if (p.name == "wpe.weight") {
-      EXPECT_EQ(q.numel, 2 * p.numel);
+      EXPECT_EQ(q.numel(), 2 * p.numel());
     } else {
-      EXPECT_EQ(p.shape, q.shape) << p.name;
+      EXPECT_EQ(p.shape(), q.shape()) << p.name;
     }
     // wte first, then wpe at the same place; everything after wpe moves
     if (p.name != "wte.weight" && p.name != "wpe.weight") {
       EXPECT_NE(p.offset, q.offset) << p.name;
     }
     const double ratio = expected_std(p.name, 3) / expected_std(p.name, 2);
-    for (std::int64_t i = 0; i < p.numel; ++i) {
+    for (std::int64_t i = 0; i < p.numel(); ++i) {
       const float a = flat_params(m2)[p.offset + i], b = flat_params(m3)[q.offset + i];
       if (ratio == 1.0) {
         ASSERT_EQ(a, b) << p.name << "[" << i << "]";
@@ -354,7 +354,7 @@ TEST(GPT, InitialisationHasGPT2Statistics) {
     if (p.init != ParamInfo::Init::normal) continue;
     const double sd = expected_std(p.name, cfg.layers);
     Acc& a = sd == 0.02 ? base : resid;
-    for (std::int64_t i = 0; i < p.numel; ++i) {
+    for (std::int64_t i = 0; i < p.numel(); ++i) {
       const double x = flat_params(m)[p.offset + i];
       a.n += 1;
       a.s += x / sd;  // standardised, so both pools are N(0,1) if the scales are right
@@ -374,14 +374,14 @@ TEST(GPT, InitialisationHasGPT2Statistics) {
   for (const std::string name : {"blocks.2.mlp.fc.weight", "blocks.2.mlp.proj.weight"}) {
     const ParamInfo& p = m.param(name);
     double s = 0, ss = 0;
-    for (std::int64_t i = 0; i < p.numel; ++i) {
+    for (std::int64_t i = 0; i < p.numel(); ++i) {
       const double x = flat_params(m)[p.offset + i];
       s += x;
       ss += x * x;
     }
-    const double mean = s / p.numel, sd = std::sqrt(ss / p.numel - mean * mean);
+    const double mean = s / p.numel(), sd = std::sqrt(ss / p.numel() - mean * mean);
     const double want = name == "blocks.2.mlp.fc.weight" ? 0.02 : 0.02 / std::sqrt(2.0 * cfg.layers);
-    std::printf("[ init    ] %s: n=%lld sd %.5f (want %.5f)\n", name.c_str(), static_cast<long long>(p.numel), sd, want);
+    std::printf("[ init    ] %s: n=%lld sd %.5f (want %.5f)\n", name.c_str(), static_cast<long long>(p.numel()), sd, want);
     EXPECT_NEAR(sd, want, 0.05 * want) << name;
   }
 }
@@ -470,7 +470,7 @@ TEST(GPT, FlopsPerTokenFollowsTheDocumentedFormula) {
   // The same count from the parameter list: every 2-D weight except wpe (a lookup, not a product).
   double matrix_weights = 0;
   for (const auto& p : m.params())
-    if (p.shape.size() == 2 && p.name != "wpe.weight") matrix_weights += static_cast<double>(p.numel);
+    if (p.shape().size() == 2 && p.name != "wpe.weight") matrix_weights += static_cast<double>(p.numel());
   EXPECT_DOUBLE_EQ(matrix_weights, 6352.0);
   EXPECT_DOUBLE_EQ(m.flops_per_token(), 6 * matrix_weights + 12.0 * cfg.layers * cfg.seq_len * cfg.d_model);
 }
@@ -496,7 +496,7 @@ Stage stage_of(int index, int count, std::vector<std::pair<int, int>> chunks, in
 
 std::vector<float> grad_of(const GPT& m, const std::string& name) {
   const ParamInfo& p = m.param(name);
-  return {flat_grads(m) + p.offset, flat_grads(m) + p.offset + p.numel};
+  return {flat_grads(m) + p.offset, flat_grads(m) + p.offset + p.numel()};
 }
 
 }  // namespace
@@ -526,7 +526,7 @@ TEST(GPT, PipelineStagesComputeTheWholeModel) {
     EXPECT_EQ(s0.find_param("ln_f.weight"), nullptr);
     EXPECT_EQ(s1.find_param("wpe.weight"), nullptr);
     EXPECT_EQ(s0.all_params().size(), whole.params().size());
-    EXPECT_EQ(s0.num_params() + s1.num_params(), whole.num_params() + s1.param("wte.weight").numel);
+    EXPECT_EQ(s0.num_params() + s1.num_params(), whole.num_params() + s1.param("wte.weight").numel());
 
     // Two micro-batches in flight (slots 0 and 1), the second the same rows with dloss 0. Model
     // chunk j runs on stage j % 2 as its chunk j / 2.

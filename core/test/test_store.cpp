@@ -32,14 +32,14 @@ class PieceStore final : public ParamStore {
     units_ = units;
     for (const Unit& u : units) {
       std::int64_t n = 0;
-      for (int i : u.params) n += params[static_cast<std::size_t>(i)].numel;
+      for (int i : u.params) n += params[static_cast<std::size_t>(i)].numel();
       Piece p;
       p.master = be_->allocate(u.name + ".params", DType::f32, n, Mem::params);
       p.compute = be_->allocate(u.name + ".compute", DType::f32, n, Mem::workspace);
       p.grads = be_->allocate(u.name + ".grads", DType::f32, n, Mem::grads);
       std::int64_t at = 0;
       for (int i : u.params) {
-        const std::int64_t k = params[static_cast<std::size_t>(i)].numel;
+        const std::int64_t k = params[static_cast<std::size_t>(i)].numel();
         where_[i] = {static_cast<int>(pieces_.size()), at};
         p.view.params.push_back(p.compute.ref().slice(at, k));
         p.view.grads.push_back(p.grads.ref().slice(at, k));
@@ -48,7 +48,7 @@ class PieceStore final : public ParamStore {
       poison(p);
       pieces_.push_back(std::move(p));
     }
-    for (int i = 0; i < static_cast<int>(params.size()); ++i) owned_.push_back({i, 0, params[i].numel, !params[i].shadow});
+    for (int i = 0; i < static_cast<int>(params.size()); ++i) owned_.push_back({i, 0, params[i].numel(), !params[i].shadow});
   }
   const UnitView& acquire(int unit, Use, int next_unit) override {
     Piece& p = pieces_[static_cast<std::size_t>(unit)];
@@ -65,8 +65,8 @@ class PieceStore final : public ParamStore {
     p.held = false;
     poison(p);
   }
-  BufferRef param(int i) override { return piece_of(i).master.ref().slice(where_[i].second, info_[i].numel); }
-  BufferRef grad(int i) override { return piece_of(i).grads.ref().slice(where_[i].second, info_[i].numel); }
+  BufferRef param(int i) override { return piece_of(i).master.ref().slice(where_[i].second, info_[i].numel()); }
+  BufferRef grad(int i) override { return piece_of(i).grads.ref().slice(where_[i].second, info_[i].numel()); }
   void zero_grads() override {
     for (Piece& p : pieces_) be_->fill(p.grads.data<float>(), 0.0f, p.grads.count());
   }
@@ -122,7 +122,7 @@ std::vector<float> all_params(GPT& m) {
   std::vector<float> out;
   for (int i = 0; i < static_cast<int>(m.params().size()); ++i) {
     const float* p = m.param_ref(i).as<float>();
-    out.insert(out.end(), p, p + m.params()[static_cast<std::size_t>(i)].numel);
+    out.insert(out.end(), p, p + m.params()[static_cast<std::size_t>(i)].numel());
   }
   return out;
 }

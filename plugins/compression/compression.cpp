@@ -122,9 +122,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
       if (feedback_)
-        residual_[static_cast<int>(i)] = be_.allocate("compression::residual." + p.name, DType::f32, p.numel, Mem::comm);
+        residual_[static_cast<int>(i)] = be_.allocate("compression::residual." + p.name, DType::f32, p.numel(), Mem::comm);
       if (cfg.method == Method::powersgd && compressed(p)) {
-        q_[static_cast<int>(i)] = be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape[1] * cfg.rank, Mem::comm);
+        q_[static_cast<int>(i)] = be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape()[1] * cfg.rank, Mem::comm);
         init_q(static_cast<int>(i), 0);
       }
     }
@@ -291,7 +291,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     double bytes = 0;
     for (int i = 0; i < static_cast<int>(model_.params().size()); ++i) {
       const BufferRef p = model_.store().param(i);
-      if (p.empty() && model_.params()[static_cast<std::size_t>(i)].numel > 0) break;
+      if (p.empty() && model_.params()[static_cast<std::size_t>(i)].numel() > 0) break;
       bytes += static_cast<double>(p.bytes());
     }
     plan.host_bytes += bytes;
@@ -381,7 +381,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     if (e) be_.residual_forward(x, x, e, n);  // x += residual
   }
   bool compressed(const ParamInfo& p) const {
-    return p.local_shape.size() == 2 && compress::worth_compressing(p.local_shape[0], p.local_shape[1], cfg_.rank, cfg_.min_rate);
+    return p.local_shape().size() == 2 && compress::worth_compressing(p.local_shape()[0], p.local_shape()[1], cfg_.rank, cfg_.min_rate);
   }
 
   CommRequestPtr int8(const GradBucket& b, double fp32_factor) {
@@ -479,7 +479,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     PowerSgdSplit s;
     const int r = cfg_.rank;
     for (const GradBucket::Tensor& t : b.tensors) {
-      if (t.count == model_.params()[static_cast<std::size_t>(t.param)].numel && q_.count(t.param)) {
+      if (t.count == model_.params()[static_cast<std::size_t>(t.param)].numel() && q_.count(t.param)) {
         s.mats.push_back({&t, t.shape[0], t.shape[1], s.p_total, s.q_total});
         s.p_total += t.shape[0] * r;
         s.q_total += t.shape[1] * r;
@@ -601,11 +601,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         t.required = false;
         out.push_back(std::move(t));
       }
-      if (cfg_.method == Method::powersgd && whole.shape.size() == 2 &&
-          compress::worth_compressing(whole.shape[0], whole.shape[1], cfg_.rank, cfg_.min_rate)) {
+      if (cfg_.method == Method::powersgd && whole.shape().size() == 2 &&
+          compress::worth_compressing(whole.shape()[0], whole.shape()[1], cfg_.rank, cfg_.min_rate)) {
         CheckpointTensor t;
         t.path = "/plugins/compression/q_rank" + std::to_string(cfg_.rank) + "/" + whole.name + suffix;
-        t.shard = ShardDesc::make({whole.shape[1], cfg_.rank}, TpSplit::none, 1, 0);
+        t.shard = ShardDesc::make({whole.shape()[1], cfg_.rank}, TpSplit::none, 1, 0);
         if (i >= 0 && q_.count(i)) {
           t.data = q_.at(i).ref();
           t.holds = true;
@@ -673,7 +673,7 @@ double replicas_identical(GPT& model, Communicator& dp) {
   std::vector<unsigned char> copy;
   for (int i = 0; i < static_cast<int>(model.params().size()); ++i) {
     const BufferRef p = store.param(i);
-    if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel > 0) return -1;
+    if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel() > 0) return -1;
     h = hash_tensor(model.backend(), p, copy, h);
   }
   double v[4] = {static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffULL), -static_cast<double>(h >> 32),

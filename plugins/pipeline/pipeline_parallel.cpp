@@ -148,7 +148,7 @@ class PipelineSchedule final : public Schedule {
         boundary_(model.stage_boundary_floats(rows)), trace_(trace), trace_steps_(trace_steps),
         total_steps_(total_steps), run_dir_(std::move(run_dir)), layers_(std::move(layers)) {
     const Stage& st = model.stage();
-    if (p_ > 1 && (first_ || last_)) tied_numel_ = model.params()[static_cast<std::size_t>(model.param_index("wte.weight"))].numel;
+    if (p_ > 1 && (first_ || last_)) tied_numel_ = model.params()[static_cast<std::size_t>(model.param_index("wte.weight"))].numel();
     bool takes_input = false, takes_gradient = false;
     for (int c = 0; c < v_; ++c) {
       slots_.push_back(st.chunks[c].activation_slots);
@@ -283,14 +283,14 @@ class PipelineSchedule final : public Schedule {
     const int index = model.param_index("wte.weight");  // the first stage's, or the last stage's shadow
     const ParamInfo& wte = model.params()[static_cast<std::size_t>(index)];
     float* g = model.grad_ref(index).as<float>();
-    ensure_capacity(be_, tied_, "Pipeline::tied_wte_gradient", DType::f32, wte.numel, Mem::comm);
+    ensure_capacity(be_, tied_, "Pipeline::tied_wte_gradient", DType::f32, wte.numel(), Mem::comm);
     float* tied = tied_.data<float>();
     const int peer = first_ ? p_ - 1 : 0;
-    auto r = pp_.recv_async(mine(tied, wte.numel), peer, kTiedTag);
-    auto s = pp_.send_async(mine(g, wte.numel), peer, kTiedTag);
+    auto r = pp_.recv_async(mine(tied, wte.numel()), peer, kTiedTag);
+    auto s = pp_.send_async(mine(g, wte.numel()), peer, kTiedTag);
     s->wait();
     r->wait();
-    be_.residual_forward(g, g, tied, wte.numel);  // g += tied, by the back end (g may be device memory)
+    be_.residual_forward(g, g, tied, wte.numel());  // g += tied, by the back end (g may be device memory)
   }
 
   // `loom plan`: the tied gradient's buffer (finish_grads), the stage-boundary messages (each

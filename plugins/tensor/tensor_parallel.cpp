@@ -121,7 +121,7 @@ class TensorPartition final : public Partition {
     std::uint64_t h = 0xcbf29ce484222325ULL;
     for (const OwnedSlice& o : owned) {
       const ParamInfo& p = params[static_cast<std::size_t>(o.param)];
-      if (p.shadow || p.split != TpSplit::none) continue;
+      if (p.shadow || p.split() != TpSplit::none) continue;
       for (const BufferRef ref : {store.owned_param(o), store.owned_grad(o)}) {
         h = hash_tensor(be_, ref.slice(0, o.size()), hash_copy_, h);
       }
@@ -183,7 +183,7 @@ class TensorPartition final : public Partition {
     double replicated = 0;
     for (const OwnedSlice& o : model.store().owned()) {
       const ParamInfo& p = model.params()[static_cast<std::size_t>(o.param)];
-      if (!p.shadow && p.split == TpSplit::none) replicated += static_cast<double>(o.size());
+      if (!p.shadow && p.split() == TpSplit::none) replicated += static_cast<double>(o.size());
     }
     plan.host_bytes += 2 * 4.0 * replicated;
     plan.host_copy_bytes += 2 * 4.0 * replicated;

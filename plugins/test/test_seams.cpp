@@ -27,7 +27,7 @@ class CountingReducer final : public Reducer, public CheckpointContributor {
   CountingReducer(std::unique_ptr<Reducer> inner, GPT& model, BackendFace& be) : inner_(std::move(inner)), model_(model) {
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
-      seen_.push_back(be.allocate("countreducer::seen." + p.name, DType::f32, p.numel, Mem::workspace));
+      seen_.push_back(be.allocate("countreducer::seen." + p.name, DType::f32, p.numel(), Mem::workspace));
     }
   }
   std::string name() const override { return "counted " + inner_->name(); }
@@ -71,7 +71,7 @@ class CountingReducer final : public Reducer, public CheckpointContributor {
       t.path = "/plugins/countreducer/seen/" + whole.name;
       const int i = model_.param_index(whole.name);
       if (i < 0) {
-        t.shard = ShardDesc::make(whole.shape, TpSplit::none, 1, 0);
+        t.shard = ShardDesc::make(whole.shape(), TpSplit::none, 1, 0);
       } else {
         const ParamInfo& p = model_.params()[static_cast<std::size_t>(i)];
         t.shard = p.shard;

@@ -53,7 +53,7 @@ class ZeroStore final : public FlatParamStore {
       be_ = &ctx.backend;
       info_ = params;
       std::int64_t n = 0;
-      for (const ParamInfo& p : params) n = std::max(n, p.offset + p.numel);
+      for (const ParamInfo& p : params) n = std::max(n, p.offset + p.numel());
       flat_ = n;
       whole_of_.assign(params.size(), false);
       wat_.assign(params.size(), -1);
@@ -62,7 +62,7 @@ class ZeroStore final : public FlatParamStore {
       for (std::size_t i = 0; i < params.size(); ++i) {
         const ParamInfo& p = params[i];
         whole_of_[i] = !p.matmul_weight || p.name == "wte.weight" || p.tied || p.shadow;
-        if (whole_of_[i]) wat_[i] = w, w += p.numel;
+        if (whole_of_[i]) wat_[i] = w, w += p.numel();
         copied[i].matmul_weight = p.matmul_weight && whole_of_[i];
       }
       grads_ = be_->allocate("GPT::grads", DType::f32, n, Mem::grads);
@@ -94,7 +94,7 @@ class ZeroStore final : public FlatParamStore {
         if (!whole_of_[i]) continue;
         const ParamInfo& p = params[i];
         if (p.offset < last_end) throw std::logic_error("ZeRO store: whole tensors out of model order");
-        last_end = p.offset + p.numel;
+        last_end = p.offset + p.numel();
         for (std::size_t q = 0; q < counts_.size(); ++q)
           wcounts_[q] += std::max<std::int64_t>(0, std::min(last_end, offsets_[q + 1]) - std::max(p.offset, offsets_[q]));
       }
@@ -102,7 +102,7 @@ class ZeroStore final : public FlatParamStore {
     owned_.clear();
     for (int i = 0; i < static_cast<int>(params.size()); ++i) {
       const ParamInfo& p = params[static_cast<std::size_t>(i)];
-      const std::int64_t a = std::max(p.offset, lo_), b = std::min(p.offset + p.numel, hi);
+      const std::int64_t a = std::max(p.offset, lo_), b = std::min(p.offset + p.numel(), hi);
       // Primary: this dp rank alone owns these elements (within its tp group and stage, tp_primary).
       if (a < b) owned_.push_back({i, a - p.offset, b - p.offset, tp_primary(p, ctx)});
     }
@@ -111,7 +111,7 @@ class ZeroStore final : public FlatParamStore {
   BufferRef param(int i) override {
     if (!masters16_) return FlatParamStore::param(i);
     const std::size_t k = static_cast<std::size_t>(i);
-    return whole_of_[k] ? wparams_.ref().slice(wat_[k], info_[k].numel) : BufferRef();
+    return whole_of_[k] ? wparams_.ref().slice(wat_[k], info_[k].numel()) : BufferRef();
   }
   BufferRef owned_param(const OwnedSlice& o) override {
     if (!masters16_) return FlatParamStore::owned_param(o);
@@ -129,7 +129,7 @@ class ZeroStore final : public FlatParamStore {
     const std::vector<int>& ps = unit_params(unit);
     for (std::size_t k = 0; k < ps.size(); ++k)
       if (!whole_of_[static_cast<std::size_t>(ps[k])])
-        v.compute[k] = params16_.ref().slice(info_[static_cast<std::size_t>(ps[k])].offset, info_[static_cast<std::size_t>(ps[k])].numel);
+        v.compute[k] = params16_.ref().slice(info_[static_cast<std::size_t>(ps[k])].offset, info_[static_cast<std::size_t>(ps[k])].numel());
     return v;
   }
   void params_written() override {

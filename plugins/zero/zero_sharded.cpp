@@ -38,10 +38,10 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
     const ParamInfo& p = params[i];
     // Kept whole: small tensors at stage 3 (DeepSpeed's param persistence), and tensors another
     // stage keeps a copy of (never with stages 2 and 3 today: pipeline parallelism is refused).
-    whole_of_[i] = p.tied || p.shadow || (stage_ == 3 && p.numel < persist_below_) ||
+    whole_of_[i] = p.tied || p.shadow || (stage_ == 3 && p.numel() < persist_below_) ||
                    (masters16_ && (!p.matmul_weight || p.name == "wte.weight"));
     at_[i] = whole_of_[i] ? whole_ : sharded_;
-    (whole_of_[i] ? whole_ : sharded_) += p.numel;
+    (whole_of_[i] ? whole_ : sharded_) += p.numel();
   }
   counts_ = shard_counts(sharded_, dp_.size());
   offsets_ = shard_offsets(counts_);
@@ -63,7 +63,7 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
     bool first = true;
     for (int i : units[u].params) {
       if (whole_of_[static_cast<std::size_t>(i)]) continue;
-      const std::int64_t a = at_[static_cast<std::size_t>(i)], b = a + params[static_cast<std::size_t>(i)].numel;
+      const std::int64_t a = at_[static_cast<std::size_t>(i)], b = a + params[static_cast<std::size_t>(i)].numel();
       if (!first && a != unit_hi_[u])
         throw std::logic_error("ZeRO store: unit " + units[u].name + " is not contiguous in model order");
       if (first) unit_lo_[u] = a;
@@ -92,15 +92,15 @@ void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& 
   for (std::size_t i = 0; i < n; ++i) {
     const ParamInfo& p = params[i];
     if (whole_of_[i] && wcounts_.empty()) {
-      owned_.push_back({static_cast<int>(i), 0, p.numel, default_primary(p, ctx)});
+      owned_.push_back({static_cast<int>(i), 0, p.numel(), default_primary(p, ctx)});
       continue;
     }
     if (whole_of_[i]) {  // its elements in this rank's run of the whole range
-      const std::int64_t a = std::max(at_[i], wlo_), b = std::min(at_[i] + p.numel, whi_);
+      const std::int64_t a = std::max(at_[i], wlo_), b = std::min(at_[i] + p.numel(), whi_);
       if (a < b) owned_.push_back({static_cast<int>(i), a - at_[i], b - at_[i], tp_primary(p, ctx)});
       continue;
     }
-    const std::int64_t a = std::max(at_[i], lo_), b = std::min(at_[i] + p.numel, hi_);
+    const std::int64_t a = std::max(at_[i], lo_), b = std::min(at_[i] + p.numel(), hi_);
     if (a < b) owned_.push_back({static_cast<int>(i), a - at_[i], b - at_[i], tp_primary(p, ctx)});
   }
   gathered_.assign(units.size(), nullptr);
@@ -203,7 +203,7 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
   v.params.clear();
   v.grads.clear();
   for (int i : units_[u].params) {
-    const std::int64_t count = info_[static_cast<std::size_t>(i)].numel;
+    const std::int64_t count = info_[static_cast<std::size_t>(i)].numel();
     const bool whole = whole_of_[static_cast<std::size_t>(i)];
     if (masters16_ && !whole) {
       v.params.emplace_back();  // no fp32 copy of a sharded matrix: its operand is the 16-bit one below
@@ -221,7 +221,7 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
     for (std::size_t k = 0; k < v.params.size(); ++k) {
       const int i = units_[u].params[k];
       if (!whole_of_[static_cast<std::size_t>(i)])
-        v.compute[k] = params16_.ref().slice(at_[static_cast<std::size_t>(i)], info_[static_cast<std::size_t>(i)].numel);
+        v.compute[k] = params16_.ref().slice(at_[static_cast<std::size_t>(i)], info_[static_cast<std::size_t>(i)].numel());
     }
   }
   dp_.progress();
@@ -262,13 +262,13 @@ void ShardedStore::accumulate(const Staged& st) {
 
 BufferRef ShardedStore::param(int i) {
   const std::size_t k = static_cast<std::size_t>(i);
-  if (whole_of_[k]) return wparams_.ref().slice(at_[k], info_[k].numel);
-  return stage_ == 3 || masters16_ ? BufferRef() : params_.ref().slice(at_[k], info_[k].numel);
+  if (whole_of_[k]) return wparams_.ref().slice(at_[k], info_[k].numel());
+  return stage_ == 3 || masters16_ ? BufferRef() : params_.ref().slice(at_[k], info_[k].numel());
 }
 
 BufferRef ShardedStore::grad(int i) {
   const std::size_t k = static_cast<std::size_t>(i);
-  return whole_of_[k] ? wgrads_.ref().slice(at_[k], info_[k].numel) : BufferRef();
+  return whole_of_[k] ? wgrads_.ref().slice(at_[k], info_[k].numel()) : BufferRef();
 }
 
 BufferRef ShardedStore::owned_param(const OwnedSlice& o) {
@@ -439,8 +439,8 @@ void ShardedSync::plan_step(StepPlan& plan) const {
 // Lists in k the part of tensor i (at [at, at + numel) of its range) that the piece [a, b) of the same
 // range holds, if any: for a reducer that looks at the tensors (compression's per-tensor residuals).
 static void list_part(GradBucket& k, int i, const ParamInfo& p, std::int64_t at, std::int64_t a, std::int64_t b) {
-  const std::int64_t s = std::max(at, a), e = std::min(at + p.numel, b);
-  if (s < e) k.tensors.push_back({i, p.name, p.local_shape, s - a, e - s, s - at});
+  const std::int64_t s = std::max(at, a), e = std::min(at + p.numel(), b);
+  if (s < e) k.tensors.push_back({i, p.name, p.local_shape(), s - a, e - s, s - at});
 }
 
 void ShardedSync::list_unit_part(GradBucket& k, int unit, std::int64_t a, std::int64_t b) const {
@@ -449,7 +449,7 @@ void ShardedSync::list_unit_part(GradBucket& k, int unit, std::int64_t a, std::i
     const ParamInfo& p = model_.params()[static_cast<std::size_t>(i)];
     if (store_.kept_whole(i)) continue;  // reduced in finish, with the whole tensors
     list_part(k, i, p, at, a, b);
-    at += p.numel;
+    at += p.numel();
   }
 }
 
