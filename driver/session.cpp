@@ -203,8 +203,9 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
   AssembledRoles out;
   EngineRoles& engine_roles = out.engine;
   std::unique_ptr<Reducer>& reducer = out.reducer;
-  // The other roles, strategy by strategy: each may fill only what it declared.
-  std::vector<std::pair<std::string, ReducerWrapper>> wrappers;
+  // The other roles, strategy by strategy: each may fill only what it declared. Wrappers of the run's
+  // reducer (a wrap claim with no target) go right around the collective, the others around them.
+  std::vector<std::pair<std::string, ReducerWrapper>> wrappers, inner_wrappers;
   for (const StrategyInfo* strategy : strategies) {
     Roles roles;
     StrategyContext ctx{deck, grid, model, backend, engine_cfg};
@@ -226,15 +227,19 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
       out.checkpoint_parts.push_back(part.get());
       out.kept_parts.push_back(std::move(part));
     }
-    if (roles.wrap_reducer) wrappers.push_back({strategy->name, std::move(roles.wrap_reducer)});
+    if (roles.wrap_reducer) {
+      const bool of_any = std::any_of(strategy->claims.begin(), strategy->claims.end(), [](const RoleClaim& c) {
+        return c.role == Role::reducer && c.claim == Claim::wraps && c.target.empty();
+      });
+      (of_any ? inner_wrappers : wrappers).push_back({strategy->name, std::move(roles.wrap_reducer)});
+    }
     for (PhaseHook& h : roles.hooks) {
       if (h.owner.empty()) h.owner = strategy->name;
       engine_roles.hooks.push_back(std::move(h));
     }
   }
-  // A narrower gradient collective goes right around the collective itself, inside any wrapper.
-  if (reducer && backend.precision().reduce != DType::f32)
-    reducer = std::make_unique<CastReducer>(std::move(reducer), backend, backend.precision().reduce);
+  if (reducer)
+    for (auto& [name, wrap] : inner_wrappers) reducer = wrap(std::move(reducer));
   for (auto& [name, wrap] : wrappers) {
     if (!reducer) throw InputError("strategy '" + name + "' wraps the gradient reducer, but no strategy of this run provides one");
     reducer = wrap(std::move(reducer));

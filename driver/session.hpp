@@ -55,7 +55,8 @@ struct PreModelRoles {
 PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies,
                                    ProcessGrid& grid, Backend& backend, const GPTConfig& model);
 // The other roles, once the model exists: each strategy's `create`, installed by the claims, the
-// reducer chain composed (a CastReducer innermost, then the wrappers) and handed to the gradient sync.
+// reducer chain composed (the wrappers of the run's reducer innermost, such as the precision
+// strategy's cast, then those of a named strategy's) and handed to the gradient sync.
 // `agree`: check the filled roles with the other ranks (run_agreed); false for one process alone
 // (`loom plan`).
 struct AssembledRoles {

@@ -33,7 +33,7 @@ struct NormCheck {
 // for linear layers).
 struct Precision {
   DType matmul = DType::f32;  // fp32, bf16 or fp16
-  DType reduce = DType::f32;  // the gradient collective's element type (the session's CastReducer)
+  DType reduce = DType::f32;  // the gradient collective's element type (the precision strategy's CastReducer)
 };
 
 class BackendFace {

@@ -159,6 +159,9 @@ const char* role_name(Role r) {
 }
 
 namespace {
+// The roles any number of strategies may add to (phase hooks, checkpoint state): no one provides them.
+bool shared_role(Role r) { return r == Role::phase_hooks || r == Role::checkpoint; }
+
 const char* claim_word(Claim c) { return c == Claim::provides ? "provides" : c == Claim::replaces ? "replaces" : "wraps"; }
 }  // namespace
 
@@ -176,7 +179,7 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
   auto who = [&](std::size_t i) { return "'" + strategies[i]->name + "' (" + reasons[i] + ")"; };
   for (int r = 0; r < kRoles; ++r) {
     const Role role = static_cast<Role>(r);
-    if (role == Role::phase_hooks || role == Role::checkpoint) continue;  // any number of strategies may add them
+    if (shared_role(role)) continue;
     // The strategies that fill this role for the run: providers, minus those replaced.
     std::vector<std::size_t> fillers;
     for (std::size_t i = 0; i < strategies.size(); ++i) {
@@ -191,6 +194,7 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
       if (c->claim == Claim::wraps && role != Role::reducer)
         throw InputError("strategy " + who(i) + " declares that it wraps the " + role_name(role) + " of '" + c->target +
                          "', but only the reducer can be wrapped; declare that it replaces it instead");
+      if (c->claim == Claim::wraps && c->target.empty()) continue;  // the run's reducer, if it has one
       if (t < 0)
         throw InputError("strategy " + who(i) + " " + claim_word(c->claim) + " the " + role_name(role) + " of '" +
                          c->target + "', which is not in this run");
@@ -218,7 +222,7 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
 }
 
 bool fills_role(const std::vector<const StrategyInfo*>& run, const StrategyInfo& strategy, Role role) {
-  if (role == Role::phase_hooks || role == Role::checkpoint) return true;
+  if (shared_role(role)) return true;
   for (const StrategyInfo* other : run)
     for (const RoleClaim& c : other->claims)
       if (c.role == role && c.claim == Claim::replaces && c.target == strategy.name) return false;

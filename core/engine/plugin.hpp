@@ -94,12 +94,14 @@ const char* role_name(Role r);  // "gradient sync", ...
 // How a strategy fills a role: it provides it (no other strategy of the run may), it replaces the
 // named strategy's (which must be in the run and provide it), or it wraps the named strategy's
 // (only the reducer can be wrapped). A second filler that declared neither is refused before any
-// work, naming both.
+// work, naming both. A wrap with no target wraps the run's reducer whichever strategy provides it,
+// right around the collective (inside the wrappers of a named strategy's), and is not used in a run
+// that has none (the precision strategy's cast of the gradient collective).
 enum class Claim { provides, replaces, wraps };
 struct RoleClaim {
   Role role;
   Claim claim = Claim::provides;
-  std::string target;  // the strategy replaced or wrapped
+  std::string target;  // the strategy replaced or wrapped (a wrap: empty for the run's reducer)
 };
 
 // The roles a strategy fills once the model exists; null members keep the core's default (or another

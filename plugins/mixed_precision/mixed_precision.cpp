@@ -212,6 +212,7 @@ void register_mixed_precision(void* p) {
   info.keys.push_back(float_key("precision.growth_factor", "2", 1.000001, 1e6,
                                 "fp16, dynamic: the scale is multiplied by this after a window of clean steps"));
   info.claims = {{Role::precision, Claim::provides, ""},
+                 {Role::reducer, Claim::wraps, ""},  // precision.reduce_dtype: the run's collective in 16 bits
                  {Role::phase_hooks, Claim::provides, ""},
                  {Role::checkpoint, Claim::provides, ""}};
   info.requested_by = [](const Deck& deck, const Layout&) -> std::string {
@@ -251,6 +252,15 @@ void register_mixed_precision(void* p) {
   };
   info.plan = precision_plan_terms();
   info.create = [](StrategyContext& ctx, Roles& roles) {
+    // A narrower gradient collective: each bucket cast to reduce_dtype around the run's reducer, the
+    // sums cast back into the fp32 gradients.
+    const DType reduce = ctx.backend.precision().reduce;
+    if (reduce != DType::f32) {
+      BackendFace& be = ctx.backend;
+      roles.wrap_reducer = [&be, reduce](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {
+        return std::make_unique<CastReducer>(std::move(inner), be, reduce);
+      };
+    }
     if (dtype_of_deck(ctx.deck) != DType::f16) return;  // bf16: nothing to scale
     ScalerConfig cfg;
     cfg.fixed = ctx.deck.get_float("precision.loss_scale");

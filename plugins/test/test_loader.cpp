@@ -132,6 +132,11 @@ TEST(RoleClaims, ReplacingAndWrappingComposeAndAreCheckedAgainstTheRun) {
   EXPECT_NE(claims_error({&zero}).find("replaces the gradient sync of 'data', which is not in this run"), std::string::npos)
       << claims_error({&zero});
   EXPECT_NE(claims_error({&wrap}).find("wraps the reducer of 'data', which is not in this run"), std::string::npos);
+  // a wrap of the run's reducer, whichever strategy provides it (the precision strategy's cast): no
+  // target to check, and a run without a reducer is no error (the wrapper is then not used)
+  const StrategyInfo cast = strategy("cast", {{Role::reducer, Claim::wraps, ""}});
+  EXPECT_EQ(claims_error({&cast}), "");
+  EXPECT_EQ(claims_error({&data, &zero, &cast, &wrap}), "");
   // a wrap of a role that cannot be wrapped
   const StrategyInfo bad = strategy("bad", {{Role::optimizer, Claim::wraps, "data"}});
   EXPECT_NE(claims_error({&data, &bad}).find("only the reducer can be wrapped"), std::string::npos);
