@@ -18,6 +18,7 @@ Standard library only.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -50,6 +51,20 @@ def family(test, mpiexec):
     return os.path.basename(cmd[0])
 
 
+def test_files_copy(build, workdir):
+    """The build's CTestTestfile.cmake files (they name every test by absolute paths) copied under
+    workdir: `ctest --show-only` rewrites its test directory's Testing/Temporary/LastTest.log, which in
+    the build itself is the log of the suite this check runs inside."""
+    copy = os.path.join(os.path.abspath(workdir), "test-files")
+    shutil.rmtree(copy, ignore_errors=True)
+    for dirpath, _, files in os.walk(build):
+        if "CTestTestfile.cmake" in files:
+            rel = os.path.relpath(dirpath, build)
+            os.makedirs(os.path.join(copy, rel), exist_ok=True)
+            shutil.copy(os.path.join(dirpath, "CTestTestfile.cmake"), os.path.join(copy, rel))
+    return copy
+
+
 def two_ranks(name):
     return any(w in name for w in ("dp2", "np2", "pp2", "tp2")) or name == "regression.pp_trace"
 
@@ -62,7 +77,8 @@ def main():
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--static-only", action="store_true")
     args = ap.parse_args()
-    p = subprocess.run(["ctest", "--test-dir", args.build, "--show-only=json-v1"], capture_output=True, text=True)
+    p = subprocess.run(["ctest", "--test-dir", test_files_copy(args.build, args.workdir), "--show-only=json-v1"],
+                       capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit("ctest --show-only failed: " + p.stderr)
     tests = json.loads(p.stdout)["tests"]
