@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <cstdio>
 #include <unistd.h>
@@ -94,6 +95,49 @@ std::string command_usage(const std::string& command) {
   return out;
 }
 
+// Where to read more about each command, for its --help.
+std::string read_more(const std::string& command) {
+  static const std::map<std::string, std::string> pages = {
+      {"run", "docs/parallel.md (layouts), docs/checkpoints.md (restart), loom keys (every deck key)"},
+      {"check", "loom keys (every deck key), docs/troubleshooting.md"},
+      {"export", "docs/tests.md (the PyTorch oracle)"},
+      {"ckpt", "docs/checkpoints.md, docs/trained-model.md"},
+      {"sample", "docs/trained-model.md"},
+      {"plan", "docs/parallel.md, DESIGN.md \"Planning\""},
+      {"keys", "README.md \"Decks\""},
+      {"plugins", "docs/install-and-plugins.md"}};
+  const auto it = pages.find(command);
+  return it == pages.end() ? "README.md" : it->second;
+}
+
+// `loom COMMAND --help`: its lines of the usage, then where to read more.
+std::string command_help(const std::string& command) {
+  std::string s = "usage:\n" + command_usage(command);
+  if (command == "run" || command == "check" || command == "export")
+    s += "  --set section.key=value   override a deck key (repeatable; the later value wins)\n";
+  if (command == "run") s += "  --help-deck               print every deck key (as loom keys)\n";
+  return s + "more: " + read_more(command) + "\n";
+}
+
+// One line for a mistyped command line: what was wrong, the nearest word when one is close, and where
+// the usage is (never the whole usage).
+[[noreturn]] void usage_error(const std::string& command, const std::string& what) {
+  throw UsageError("loom " + command + ": " + what + " (loom " + command + " --help shows its usage)");
+}
+
+// Boost's refusal of an option, with the option of `opts` nearest to the one given.
+[[noreturn]] void option_error(const std::string& command, const po::error& e, const po::options_description& opts) {
+  std::string what = e.what();
+  if (const auto* u = dynamic_cast<const po::unknown_option*>(&e)) {
+    std::vector<std::string> names;
+    for (const auto& o : opts.options())
+      if (!o->long_name().empty() && !o->description().empty()) names.push_back("--" + o->long_name());
+    const std::string near = nearest_word(u->get_option_name(), names);
+    if (!near.empty()) what += "; did you mean " + near + "?";
+  }
+  usage_error(command, what);
+}
+
 struct Args {
   std::string command;
   std::vector<std::string> positional, sets;
@@ -110,7 +154,7 @@ Args parse_subcommand(const std::string& command, const std::vector<std::string>
   try {
     po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
   } catch (const po::error& e) {
-    throw UsageError(std::string("loom ") + command + ": " + e.what() + "\n" + kUsage);
+    option_error(command, e, opts);
   }
   Args a;
   a.command = command;
@@ -122,8 +166,7 @@ Args parse_subcommand(const std::string& command, const std::vector<std::string>
 
 void need_positional(const Args& a, std::size_t n, const char* what) {
   if (a.positional.size() != n)
-    throw UsageError("loom " + a.command + " expects " + what + " (got " + std::to_string(a.positional.size()) +
-                     " arguments)\n" + kUsage);
+    usage_error(a.command, std::string("expects ") + what + " (got " + std::to_string(a.positional.size()) + " arguments)");
 }
 
 SampleOptions parse_sample(const std::vector<std::string>& rest) {
@@ -144,9 +187,9 @@ SampleOptions parse_sample(const std::vector<std::string>& rest) {
     po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
     po::notify(vm);
   } catch (const po::error& e) {
-    throw UsageError(std::string("loom sample: ") + e.what() + "\n" + kUsage);
+    option_error("sample", e, opts);
   }
-  if (o.checkpoint.empty()) throw UsageError(std::string("loom sample expects CKPT (a checkpoint file or directory)\n") + kUsage);
+  if (o.checkpoint.empty()) usage_error("sample", "expects CKPT (a checkpoint file or directory)");
   if (o.steps < 1 || o.steps > 1000000) throw UsageError("loom sample: --steps " + std::to_string(o.steps) + " is not in 1 .. 1000000");
   if (!(o.temperature >= 0) || o.temperature > 100)
     throw UsageError("loom sample: --temperature " + std::to_string(o.temperature) + " is not in [0, 100]");
@@ -176,7 +219,7 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
     po::store(po::command_line_parser(rest).options(opts).positional(pos).run(), vm);
     po::notify(vm);
   } catch (const po::error& e) {
-    throw UsageError(std::string("loom plan: ") + e.what() + "\n" + kUsage);
+    option_error("plan", e, opts);
   }
   if (vm.count("devices") && o.devices < 1)
     throw UsageError("loom plan: --devices " + std::to_string(o.devices) + " must be at least 1 (the devices to search the layouts of)");
@@ -239,7 +282,7 @@ int ckpt(const Args& a, int rank) {
   if (a.positional.size() == 3 && a.positional[0] == "llmc") return command_ckpt_llmc(a.positional[1], a.positional[2]);
   if (a.positional.size() == 2 && a.positional[0] == "verify") return command_ckpt_verify(a.positional[1]);
   if (a.positional.size() != 2 || a.positional[0] != "info")
-    throw UsageError("usage: loom ckpt info FILE | loom ckpt verify FILE|DIR | loom ckpt llmc CKPT OUT.bin\n" + std::string(kUsage));
+    usage_error("ckpt", "expects info FILE, verify FILE|DIR or llmc CKPT OUT.bin");
   if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
   return 0;
 }
@@ -252,11 +295,10 @@ void check_injection() {
 }
 
 // The commands, one entry each: the words after the command go to `run` as they are (sample, plan:
-// their own options) or parsed as DECK/operands with --set (the rest). `own_help`: COMMAND --help
-// prints its usage (run, check and export take --help as --help-deck, the key table).
+// their own options) or parsed as DECK/operands with --set (the rest). COMMAND --help prints its
+// usage and where to read more (command_help); the key table is `loom keys` (or run --help-deck).
 struct Command {
   const char* name;
-  bool own_help;
   std::function<int(const std::vector<std::string>& rest, int rank)> run;
 };
 
@@ -278,34 +320,34 @@ std::function<int(const std::vector<std::string>&, int)> with_args(const char* n
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {
-      {"sample", true, [](const std::vector<std::string>& rest, int) { return command_sample(parse_sample(rest)); }},
-      {"plan", true,
+      {"sample", [](const std::vector<std::string>& rest, int) { return command_sample(parse_sample(rest)); }},
+      {"plan",
        [](const std::vector<std::string>& rest, int) {
          auto l = load_strategies();
          return command_plan(parse_plan(rest), l->registry, l->schema);
        }},
-      {"plugins", false, with_args("plugins", [](const Args&, Loaded& l, int rank) { return list_plugins(l.registry, rank); }, false)},
-      {"ckpt", true, with_args("ckpt", [](const Args& a, Loaded&, int rank) { return ckpt(a, rank); }, false)},
-      {"keys", false,
+      {"plugins", with_args("plugins", [](const Args&, Loaded& l, int rank) { return list_plugins(l.registry, rank); }, false)},
+      {"ckpt", with_args("ckpt", [](const Args& a, Loaded&, int rank) { return ckpt(a, rank); }, false)},
+      {"keys",
        with_args("keys",
                  [](const Args&, Loaded& l, int rank) {
                    if (rank == 0) std::cout << l.schema.describe();
                    return 0;
                  })},
-      {"check", false,
+      {"check",
        with_args("check",
                  [](const Args& a, Loaded& l, int rank) {
                    need_positional(a, 1, "DECK");
                    return command_check(load_deck(l.schema, a.positional[0], a.sets), l.registry, rank);
                  })},
-      {"run", false,
+      {"run",
        with_args("run",
                  [](const Args& a, Loaded& l, int) {
                    check_injection();
                    need_positional(a, 1, "DECK");
                    return command_run(load_deck(l.schema, a.positional[0], a.sets), l.registry);
                  })},
-      {"export", false,
+      {"export",
        with_args("export", [](const Args& a, Loaded& l, int) {
          check_injection();
          need_positional(a, 2, "DECK OUT.h5");
@@ -329,13 +371,17 @@ int dispatch(int argc, char** argv, int rank) {
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   for (const Command& c : commands()) {
     if (command != c.name) continue;
-    if (c.own_help && std::any_of(rest.begin(), rest.end(), [](const std::string& x) { return x == "--help" || x == "-h"; })) {
-      if (rank == 0) std::cout << "usage:\n" << command_usage(command);
+    if (std::any_of(rest.begin(), rest.end(), [](const std::string& x) { return x == "--help" || x == "-h"; })) {
+      if (rank == 0) std::cout << command_help(command);
       return 0;
     }
     return c.run(rest, rank);
   }
-  throw UsageError("unknown command " + quote_value(command) + "\n" + kUsage);
+  std::vector<std::string> names = {"plot"};
+  for (const Command& c : commands()) names.push_back(c.name);
+  const std::string near = nearest_word(command, names);
+  throw UsageError("loom: unknown command " + quote_value(command) + (near.empty() ? "" : "; did you mean " + near + "?") +
+                   " (loom --help lists the commands)");
 }
 
 }  // namespace

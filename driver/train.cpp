@@ -364,10 +364,15 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
   const double mfu = tps * flops_per_token_ / peak_flops_;
   const double elapsed = now() - t_start_;
   const double eta = (now() - t_loop_) / static_cast<double>(totals_.steps_run) * static_cast<double>(s_.steps - step - 1);
-  char line[512];
+  // A norm that is not finite is a skipped step (a loss-scale overflow, or train.on_nonfinite = skip):
+  // said in words, not as -nan.
+  char norm[48];
+  if (std::isfinite(st.grad_norm)) std::snprintf(norm, sizeof norm, "%.3f", st.grad_norm);
+  else std::snprintf(norm, sizeof norm, "%s", st.skip_reason.empty() ? "not finite" : "overflow: skipped");
+  char line[560];
   std::snprintf(line, sizeof line,
-                "step %6lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.0f tok/s | %.4f TFLOP/s | MFU %.1f%% | %7.1f ms | mem %s",
-                static_cast<long long>(step + 1), static_cast<long long>(s_.steps), st.loss, st.lr, st.grad_norm, tps,
+                "step %6lld/%lld | loss %.4f | lr %.3e | norm %s | %8.0f tok/s | %.4f TFLOP/s | MFU %.1f%% | %7.1f ms | mem %s",
+                static_cast<long long>(step + 1), static_cast<long long>(s_.steps), st.loss, st.lr, norm, tps,
                 tflops, 100.0 * mfu, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
   std::cout << line;
   if (world_ > 1)

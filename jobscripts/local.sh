@@ -2,7 +2,7 @@
 # Run a deck on this machine with mpirun: the rank count comes from the deck's layout.
 #   jobscripts/local.sh inputs/data_parallel.deck
 #   jobscripts/local.sh inputs/quickstart.deck --set parallel.dp=2 --set train.steps=50
-# Environment: LOOM (default build/loom), MPIRUN (default mpirun), RANKS (override the rank count).
+# Environment: LOOM (default: build/loom of this checkout, the installed one), MPIRUN, RANKS.
 set -euo pipefail
 if [ $# -lt 1 ]; then
   sed -n '2,5p' "$0" >&2
@@ -11,7 +11,20 @@ fi
 deck=$1
 shift
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-loom=${LOOM:-$here/build/loom}
+# The loom to run: LOOM, else this checkout's build/loom (jobscripts/ in a source tree), else the
+# installed one this script came with (P/share/loom/jobscripts -> P/bin/loom), else loom on PATH.
+if [ -n "${LOOM:-}" ]; then
+  loom=$LOOM
+elif [ -x "$here/build/loom" ]; then
+  loom=$here/build/loom
+elif [ -x "$here/../../bin/loom" ]; then
+  loom=$(cd "$here/../../bin" && pwd)/loom
+elif command -v loom >/dev/null 2>&1; then
+  loom=$(command -v loom)
+else
+  echo "jobscripts/local.sh: no loom: not $here/build/loom, not $here/../../bin/loom, none on PATH; set LOOM" >&2
+  exit 2
+fi
 # The layout is dp x tp x pp: ask loom for the resolved deck (with the overrides) and multiply.
 resolved=$("$loom" check "$deck" "$@")
 section_get() {  # section key
@@ -22,7 +35,7 @@ section_get() {  # section key
 dp=$(section_get parallel dp); tp=$(section_get parallel tp); pp=$(section_get parallel pp)
 ranks=${RANKS:-$((dp * tp * pp))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-echo "jobscripts/local.sh: $ranks ranks (dp $dp x tp $tp x pp $pp)"
+echo "jobscripts/local.sh: $ranks ranks (dp $dp x tp $tp x pp $pp) of $loom"
 # MPIRUN_NP_FLAG / MPIRUN_PREFLAGS: the launcher's rank-count flag and flags before the program (CTest
 # passes CMake's MPIEXEC_NUMPROC_FLAG and MPIEXEC_PREFLAGS).
 # shellcheck disable=SC2086

@@ -11,7 +11,7 @@
 #   checkpoint.resume  auto: go on from `latest` in checkpoint.dir, or start fresh when there is none
 # Environment (qsub -v): DECK (required), SETS (--set arguments), RUN_NAME (default: the deck's file
 #   name without .deck), THREADS (BLAS threads per rank, default 1: ask for ncpus = mpiprocs x THREADS),
-#   LOOM (default build/loom), MPIRUN (default mpirun).
+#   LOOM (default build/loom, else loom on PATH), MPIRUN (default mpirun).
 # Interruption: loom exits 3 after saving a checkpoint on SIGTERM, and so does this script. PBS has
 # no requeue a job may ask for itself (qrerun needs operator rights), so interrupted runs continue in
 # the next job of an afternotok chain as above (a failed job, exit 1 or 2, also releases it; that job
@@ -75,8 +75,21 @@ if [ -n "${PBS_NODEFILE:-}" ]; then
   esac
 fi
 
+# The loom to run: LOOM, else build/loom under the submit directory (a source checkout), else loom on
+# PATH (an installed one: P/bin on PATH). The batch system runs a copy of this script, so its own
+# folder says nothing.
+if [ -n "${LOOM:-}" ]; then
+  loom=$LOOM
+elif [ -x build/loom ]; then
+  loom=build/loom
+elif command -v loom >/dev/null 2>&1; then
+  loom=$(command -v loom)
+else
+  echo "pbs.sh: no loom: neither build/loom under $(pwd) nor loom on PATH; set LOOM=/path/to/loom" >&2
+  exit 2
+fi
 # The user's SETS come last, so they would win even over a default added by mistake.
-command=("$mpirun" -n "$ranks" ${hostfile[@]+"${hostfile[@]}"} "${LOOM:-build/loom}" run "$DECK"
+command=("$mpirun" -n "$ranks" ${hostfile[@]+"${hostfile[@]}"} "$loom" run "$DECK"
          ${defaults[@]+"${defaults[@]}"} ${sets[@]+"${sets[@]}"})
 echo "pbs.sh: job ${PBS_JOBID:-local}: ${command[*]}"
 # loom's own exit status, written by its rank 0: a launcher may lose it (MPICH's mpiexec, signalled,

@@ -11,6 +11,8 @@
 3. Moves P (the installed tree must not depend on where it was installed) and, from another
    directory with LOOM_PLUGIN_PATH unset, runs P/bin/loom: `plugins` lists lossguard; a deck with
    run.plugins=lossguard finishes; with a guard that must trip, the run stops with its reason (exit 1).
+4. The installed job script P/share/loom/jobscripts/local.sh runs the installed quickstart deck with
+   no LOOM set and no loom on PATH: it finds P/bin/loom beside it and says so.
 Standard library only.
 """
 import argparse
@@ -40,6 +42,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", required=True)
     ap.add_argument("--workdir", required=True)
+    common.add_launcher_arguments(ap)
     args = ap.parse_args()
     build, work = os.path.abspath(args.build), os.path.abspath(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
@@ -122,6 +125,18 @@ def main():
     p = run(base + ["--set", "run.dir=typo", "--set", "lossguard.max_rato=3"], failures, expect=2, env=env, cwd=elsewhere)
     if "lossguard.max_ratio" not in p.stderr:
         failures.append("a misspelt plugin key is not refused with the right name: " + p.stderr[-500:])
+
+    # The installed job script finds the installed loom by itself.
+    script = os.path.join(moved, "share", "loom", "jobscripts", "local.sh")
+    quick = os.path.join(moved, "share", "loom", "inputs", "quickstart.deck")
+    path = [d for d in env.get("PATH", "").split(":") if d and not os.access(os.path.join(d, "loom"), os.X_OK)]
+    js_env = {k: v for k, v in env.items() if k != "LOOM"}
+    js_env.update(PATH=":".join(path), MPIRUN=args.mpirun, MPIRUN_NP_FLAG=args.np_flag, MPIRUN_PREFLAGS=args.mpi_preflags)
+    p = run(["bash", script, quick, "--set", "train.steps=2", "--set", "run.dir=jobscript"], failures, env=js_env,
+            cwd=elsewhere)
+    print(p.stdout[:400])
+    if "of " + loom not in p.stdout:
+        failures.append("the installed local.sh does not say it runs the installed " + loom + ": " + p.stdout[:300])
 
     return common.finish(failures)
 

@@ -113,8 +113,8 @@ def main():
     if name == "fp16_overflow_backoff":
         c = common.Case(args, name, learning_deck())
         window = 10
-        _, run = c.loom("fp16", 1, ["precision.dtype=fp16", "precision.initial_scale_power=32",
-                                    "precision.loss_scale_window=%d" % window, "train.log_every=1"])
+        p16, run = c.loom("fp16", 1, ["precision.dtype=fp16", "precision.initial_scale_power=32",
+                                      "precision.loss_scale_window=%d" % window, "train.log_every=1"])
         _, ref = c.loom("fp32", 1, [])
         rows = common.rows(run)
         skipped = [bool(r.get("skipped")) for r in rows]
@@ -125,6 +125,12 @@ def main():
         c.check(first_clean >= 2, "the first steps did not overflow from a scale of 2^32")
         c.check(all("fp16 gradient overflow" in r.get("skip_reason", "") for r, s in zip(rows, skipped) if s),
                 "a skipped step does not name the overflow")
+        # The step lines say so in words: no nan for the norm of a step that overflowed.
+        lines = [l for l in p16.stdout.splitlines() if l.startswith("step ")]
+        c.check(not any("nan" in l for l in lines), "a step line prints nan: %s" % [l for l in lines if "nan" in l][:1])
+        c.check(sum("norm overflow: skipped" in l for l in lines) == sum(skipped),
+                "%d step lines say 'norm overflow: skipped', %d steps were skipped"
+                % (sum("norm overflow: skipped" in l for l in lines), sum(skipped)))
         want = expected_scales(skipped, 2.0 ** 32, window, 2)
         bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(scales, want)) if a != b]
         c.check(not bad, "logged scales differ from the dynamic rule's at (step, logged, expected) %s" % bad[:5])

@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace loom {
 // Input the user can fix (deck, data file, layout): reported without a stack of context and
@@ -46,4 +47,7 @@ inline std::string quote_path(std::string_view path) { return quote_value(path, 
 std::string escape_value(std::string_view value, std::size_t max_chars = 80);
 // Levenshtein distance, for "did you mean".
 int edit_distance(const std::string& a, const std::string& b);
+// The word of `candidates` closest to `word`, when close enough to be a slip of the keyboard (at most
+// a third of its letters edited, at least one); "" when none is.
+std::string nearest_word(const std::string& word, const std::vector<std::string>& candidates);
 }  // namespace loom

@@ -39,3 +39,15 @@ TEST(EscapeValue, SameEscapesAndCutWithoutQuotes) {
   EXPECT_EQ(escape_value(std::string("a\0b", 3)), "a\\x00b");
   EXPECT_EQ(escape_value(std::string(100, '9'), 4), "9999... (100 bytes)");
 }
+
+// "Did you mean": the nearest word within a third of the word's letters (a swap of two neighbours is
+// one slip), and no guess for a word near nothing.
+TEST(NearestWord, SuggestsOnlyASlipOfTheKeyboard) {
+  const std::vector<std::string> commands = {"run", "check", "export", "plan", "keys", "plugins"};
+  EXPECT_EQ(loom::nearest_word("rnu", commands), "run");
+  EXPECT_EQ(loom::nearest_word("chek", commands), "check");
+  EXPECT_EQ(loom::nearest_word("plugin", commands), "plugins");
+  EXPECT_EQ(loom::nearest_word("frobnicate", commands), "");
+  EXPECT_EQ(loom::nearest_word("x", commands), "");
+  EXPECT_EQ(loom::nearest_word(std::string(1000, 'r'), commands), "");
+}

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The command line explains itself: each command's --help gives its usage and where to read more, and a
+mistyped command or option gets one line with the nearest word, not the whole usage.
+
+    python3 regression/cli_checks.py --loom build/loom help|mistyped
+
+  help      `loom COMMAND --help` for every command of `loom --help`: exit 0, its own usage line, a
+            "more:" line, at most 25 lines (`loom run --help` no longer prints the 100-line key
+            table; `loom keys` and `loom run --help-deck` do)
+  mistyped  `loom rnu`, `loom run DECK --sett ...`, `loom plan DECK --devise 4`, `loom sample --stpes 3`:
+            exit 2, one line naming the nearest command or option and `loom COMMAND --help`; a word
+            near nothing (`loom frobnicate`) gets no guess
+Standard library only.
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECK = os.path.join(ROOT, "inputs", "quickstart.deck")
+COMMANDS = ["run", "check", "export", "ckpt", "sample", "plan", "keys", "plugins"]
+
+
+def loom(args, argv):
+    p = subprocess.run([args.loom] + argv, capture_output=True, text=True, timeout=120)
+    print("$ loom %s  (exit %d)\n%s%s" % (" ".join(argv), p.returncode, p.stdout[:1500], p.stderr[:1500]))
+    return p
+
+
+def case_help(args, failures):
+    listed = loom(args, ["--help"]).stdout
+    for c in COMMANDS:
+        if "  " + c not in listed:
+            failures.append("loom --help does not list %s" % c)
+        p = loom(args, [c, "--help"])
+        lines = p.stdout.splitlines()
+        if p.returncode != 0 or not lines or lines[0] != "usage:":
+            failures.append("loom %s --help: exit %d, first line %r" % (c, p.returncode, lines[:1]))
+            continue
+        if not any(l.startswith("  " + c) for l in lines):
+            failures.append("loom %s --help does not give its own usage line" % c)
+        if not any(l.startswith("more: ") for l in lines):
+            failures.append("loom %s --help does not say where to read more" % c)
+        if len(lines) > 25:
+            failures.append("loom %s --help prints %d lines (the key table belongs to loom keys)" % (c, len(lines)))
+    keys = loom(args, ["run", "--help-deck"])
+    if keys.returncode != 0 or "train.lr" not in keys.stdout:
+        failures.append("loom run --help-deck no longer prints the key table")
+
+
+def one_line(p, failures, what, want):
+    err = p.stderr.strip()
+    if p.returncode != 2:
+        failures.append("%s: exit %d, expected 2" % (what, p.returncode))
+    if len(err.splitlines()) != 1:
+        failures.append("%s: %d lines on stderr, expected one" % (what, len(err.splitlines())))
+    for w in want:
+        if w not in err:
+            failures.append("%s: stderr does not say %r: %s" % (what, w, err))
+
+
+def case_mistyped(args, failures):
+    one_line(loom(args, ["rnu", DECK]), failures, "loom rnu", ["unknown command 'rnu'", "did you mean run?", "loom --help"])
+    one_line(loom(args, ["run", DECK, "--sett", "train.steps=1"]), failures, "loom run --sett",
+             ["did you mean --set?", "loom run --help"])
+    one_line(loom(args, ["plan", DECK, "--devise", "4"]), failures, "loom plan --devise",
+             ["did you mean --devices?", "loom plan --help"])
+    one_line(loom(args, ["sample", "x.h5", "--stpes", "3"]), failures, "loom sample --stpes",
+             ["did you mean --steps?", "loom sample --help"])
+    one_line(loom(args, ["check"]), failures, "loom check (no deck)", ["expects DECK", "loom check --help"])
+    p = loom(args, ["frobnicate"])
+    one_line(p, failures, "loom frobnicate", ["unknown command 'frobnicate'"])
+    if "did you mean" in p.stderr:
+        failures.append("loom frobnicate: a guess for a word near no command: " + p.stderr.strip())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("case", choices=["help", "mistyped"])
+    args = ap.parse_args()
+    failures = []
+    {"help": case_help, "mistyped": case_mistyped}[args.case](args, failures)
+    return common.finish(failures)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
