@@ -21,6 +21,7 @@
 
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
+#include "core/engine/keys_reference.hpp"
 #include "core/engine/plugin.hpp"
 #include "core/backend/blas_core.hpp"
 #include "driver/commands.hpp"
@@ -74,7 +75,8 @@ const char* kUsage =
     "                 ~/.config/loom/cluster.ini); without --cluster, this machine's file, else h100-sxm\n"
     "  plot RUN_DIR... [-o OUTDIR] | plot --sweep RESULT.csv --x KEY [-o OUTDIR]\n"
     "                 draw loss curves of runs, or a sweep's table against a swept key, as PNGs\n"
-    "  keys           list every deck key with its type, default, range and help\n"
+    "  keys [--markdown]\n"
+    "                 list every deck key with its type, default, range and help (--markdown: docs/keys.md)\n"
     "  plugins        list the strategies found (built-in and libloom_<name>.so on the plugin path) with\n"
     "                 their versions and deck options\n"
     "\n"
@@ -329,11 +331,18 @@ const std::vector<Command>& commands() {
       {"plugins", with_args("plugins", [](const Args&, Loaded& l, int rank) { return list_plugins(l.registry, rank); }, false)},
       {"ckpt", with_args("ckpt", [](const Args& a, Loaded&, int rank) { return ckpt(a, rank); }, false)},
       {"keys",
-       with_args("keys",
-                 [](const Args&, Loaded& l, int rank) {
-                   if (rank == 0) std::cout << l.schema.describe();
-                   return 0;
-                 })},
+       [](const std::vector<std::string>& rest, int rank) {
+         // --markdown: the reference page docs/keys.md is (regression.docs.keys holds them equal).
+         const bool markdown = rest.size() == 1 && rest[0] == "--markdown";
+         if (!rest.empty() && !markdown) {
+           const std::string near = nearest_word(rest[0], {"--markdown"});
+           usage_error("keys", "takes no argument but --markdown, not " + quote_value(rest[0]) +
+                                   (near.empty() ? std::string() : "; did you mean " + near + "?"));
+         }
+         auto l = load_strategies();
+         if (rank == 0) std::cout << (markdown ? keys_markdown(l->schema) : l->schema.describe());
+         return 0;
+       }},
       {"check",
        with_args("check",
                  [](const Args& a, Loaded& l, int rank) {
