@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The GPU path's cases (run.backend, issue 17). One case per invocation:
+"""The GPU path's cases (run.backend). One case per invocation:
 
   refusal       run.backend = cuda where it cannot run is refused with exit 2 saying why: on a machine
                 without a GPU (or a loom built without CUDA) at one and two ranks; on a GPU machine with

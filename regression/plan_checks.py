@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`loom plan`'s cluster descriptions (issue 16, the part built so far).
+"""`loom plan`'s cluster descriptions.
 
     python3 regression/plan_checks.py --loom build/loom --workdir build/plan-checks CASE
 

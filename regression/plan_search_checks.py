@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`loom plan DECK --devices N` (the layout search), `--memo`, and `loom plan DECK`'s refusals (issue 16).
+"""`loom plan DECK --devices N` (the layout search), `--memo`, and `loom plan DECK`'s refusals.
 
     python3 regression/plan_search_checks.py --loom build/loom --workdir build/plan-search CASE
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`loom plan`'s step time against measured runs (issue 16: "predicted step time within 15% of measured
+"""`loom plan`'s step time against measured runs ("predicted step time within 15% of measured
 on this machine after --calibrate; noise: best of repeated runs; report the worst cases").
 
     python3 regression/plan_time_checks.py --loom build/loom --workdir build/plan-time-checks step_time
@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from plan_checks import LAYOUTS, ROOT, deck_ranks, run  # noqa: E402
 
-BOUND = 0.15   # issue 16: within 15% of measured
+BOUND = 0.15   # within 15% of measured
 WARMUP = 3     # steps left out (kernel creation, first touch, pipeline start)
 STEADY_S = 0.5  # seconds of steady steps per run (the machine's speed drifts within a second: a run
                 # should see several of its states), at least MIN_STEPS and at most MAX_STEPS steps

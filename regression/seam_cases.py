@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The core's seams, as a user's run exercises them (issue 11): declared role composition, a
+"""The core's seams, as a user's run exercises them: declared role composition, a
 strategy that wraps data parallelism's gradient reducer, phase hooks, and checkpoint state that a
 strategy contributes. The strategies are test plugins in build/test-plugins (plugins/test/
 test_seams.cpp), found through LOOM_PLUGIN_PATH.

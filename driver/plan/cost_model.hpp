@@ -1,5 +1,5 @@
 #pragma once
-// The machine a plan is for (`loom plan`, issue 16): a cluster description, an INI file read like a
+// The machine a plan is for (`loom plan`): a cluster description, an INI file read like a
 // deck (unknown keys, types and ranges refused naming file:line and key), or a preset built in.
 //
 //   [cluster]                       [network]

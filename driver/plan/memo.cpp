@@ -1,4 +1,4 @@
-// `loom plan DECK --devices N --memo FILE.md` (issue 16): the memo for the chosen layout, answering
+// `loom plan DECK --devices N --memo FILE.md`: the memo for the chosen layout, answering
 // the planning exercise's questions (../shared/reference/planning-exercises.txt) with the planner's
 // numbers: how the layout removes the out-of-memory, where gradients are synchronised and what that
 // costs from one node to N devices, micro-batching against naive layer splitting, what mixed

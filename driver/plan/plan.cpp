@@ -1,4 +1,4 @@
-// `loom plan` (issue 16): the machine a plan is for. `--cluster FILE|PRESET` reads a cluster
+// `loom plan`: the machine a plan is for. `--cluster FILE|PRESET` reads a cluster
 // description (driver/plan/cost_model.hpp) and `--show` prints it; `--calibrate` measures the machine it runs on
 // with loom's own back end (the matrix products' rate per dtype and fixed cost per call, attention's
 // rate and fixed cost per sequence and head, a block's element-wise kernels, the optimizer's pass, each

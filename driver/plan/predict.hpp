@@ -1,5 +1,5 @@
 #pragma once
-// `loom plan DECK` (issue 16): a deck's memory per rank and step time on a described machine, before
+// `loom plan DECK`: a deck's memory per rank and step time on a described machine, before
 // the job runs. Memory: every rank of the layout is built for real on a back end that only counts
 // (core/comm/step_plan.hpp); step time: the rates of the cluster description (driver/plan/cost_model.hpp).
 #include <array>

@@ -1,5 +1,5 @@
 #pragma once
-// The layout search of `loom plan DECK --devices N` and its memo (issue 16): every dp x tp x pp of N
+// The layout search of `loom plan DECK --devices N` and its memo: every dp x tp x pp of N
 // devices with every micro-batch count, recompute, and every value of the search dimensions the
 // strategies declare (StrategyInfo::plan, core/engine/plan_terms.hpp: ZeRO's stage, the precision,
 // sequence parallelism, ...), each predicted by `predict` (driver/plan/predict.hpp) from the deck with
