@@ -84,10 +84,10 @@ inter_node_latency_us = 6
 """
 
 
-def run(cmd, expect=0):
+def run(cmd, expect=0, env=None):
     print("$ " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+                       env=dict(env or os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
     if expect is not None and p.returncode != expect:
         sys.stdout.write(p.stdout[-2000:] + p.stderr[-2000:])
         raise SystemExit("FAIL: exit %d, expected %d" % (p.returncode, expect))
@@ -280,6 +280,21 @@ def main():
             failures.append("host_link_gbs = 0 does not drop the compression deck's host copies: %s vs %s" % (no_copies, base))
         if not faster_host < base:
             failures.append("a faster host_gbs does not speed the compression deck's host passes: %s vs %s" % (faster_host, base))
+        # The human plan of a small machine: its rate readable (not "0.0 TFLOP/s"), the run's whole time,
+        # and, without --cluster and calibration file, a loud word on which machine it prices.
+        quick = os.path.join(ROOT, "inputs", "quickstart.deck")
+        p = run([loom, "plan", quick, "--cluster", "h100-sxm", "--set", "cluster.peak_tflops_fp32=0.047"])
+        print(p.stdout.strip())
+        for w in ["x 47.0 GFLOP/s (fp32)", "the run: 300 steps (train.steps) x ", "NOTE: this deck runs on the host back end"]:
+            if w not in p.stdout:
+                failures.append("loom plan of quickstart.deck on a 47 GFLOP/s device does not say %r" % w)
+        if "0.0 TFLOP/s" in p.stdout:
+            failures.append("loom plan rounds a small rate to 0.0 TFLOP/s")
+        bare = {k: v for k, v in os.environ.items() if k != "XDG_CONFIG_HOME"}
+        p = run([loom, "plan", quick], env=dict(bare, HOME=d))  # no calibration file under this HOME
+        if not p.stdout.startswith("loom plan: NOTE: priced on the preset h100-sxm, not on this machine"):
+            failures.append("loom plan without --cluster or calibration does not say first which machine it prices: "
+                            + p.stdout[:200])
     elif args.case == "calibrate_np2":
         out = os.path.join(d, "cal", "cluster.ini")
         p = run(common.launch_prefix(args, 2, always=True) + [loom, "plan", "--calibrate", "-o", out])

@@ -648,13 +648,14 @@ int command_plan(const PlanOptions& options, const StrategyRegistry& registry, c
     what = default_cluster_file();
     if (what.empty()) {
       what = "h100-sxm";
-      note = "(no --cluster and no calibration file " + calibration_path() + ": preset h100-sxm; `loom plan --calibrate` "
-             "measures this machine)\n";
+      note = "loom plan: NOTE: priced on the preset h100-sxm, not on this machine: there is no --cluster and no "
+             "calibration file " + calibration_path() + ". `loom plan --calibrate` measures this machine; "
+             "--cluster FILE|PRESET names another.\n";
     }
   }
   const ClusterSpec c = load_cluster(what, cluster_sets);
   if (!o.deck.empty() && !o.show) {
-    if (rank == 0 && !o.json) std::cout << note;
+    if (rank == 0) (o.json ? std::cerr : std::cout) << note;  // JSON on stdout stays JSON
     return command_plan_deck(o, registry, schema, c);
   }
   if (rank == 0) std::cout << note << describe_cluster(c);

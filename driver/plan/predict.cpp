@@ -198,6 +198,25 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
 
 std::string mib_or_gib(double b) { return format_bytes(b, ByteStyle::mib_gib); }
 
+// A rate readable at any size: 989.0 TFLOP/s, 47.3 GFLOP/s (a CPU's figure is not rounded to 0.0).
+std::string flops_text(double flops) {
+  char buf[48];
+  if (flops >= 1e12) std::snprintf(buf, sizeof buf, "%.1f TFLOP/s", flops / 1e12);
+  else std::snprintf(buf, sizeof buf, "%.1f GFLOP/s", flops / 1e9);
+  return buf;
+}
+
+// A span of time in the unit that reads best: 84.2 ms, 12.5 s, 7.3 min, 2.4 h.
+std::string span_text(double s) {
+  char buf[48];
+  if (s < 0.01) std::snprintf(buf, sizeof buf, "%.3f ms", s * 1e3);
+  else if (s < 1) std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
+  else if (s < 120) std::snprintf(buf, sizeof buf, "%.1f s", s);
+  else if (s < 7200) std::snprintf(buf, sizeof buf, "%.1f min", s / 60);
+  else std::snprintf(buf, sizeof buf, "%.1f h", s / 3600);
+  return buf;
+}
+
 }  // namespace
 
 bool comm_hides(const CommCost& k, const Layout& l, const ClusterSpec& c) {
@@ -220,6 +239,7 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = planned_backend(deck, cluster);
+  p.steps = deck.get_int("train.steps");
   EngineConfig ec;
   ec.micro_batches = p.plan.micro_batches;
   ec.rows_per_micro = p.plan.rows_per_micro;
@@ -282,6 +302,8 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"device_memory_bytes", cluster.device_memory_bytes},
                       {"fits", p.peak_total <= cluster.device_memory_bytes},
                       {"step_ms", p.time.step_s * 1e3},
+                      {"steps", p.steps},
+                      {"run_s", p.time.step_s * static_cast<double>(p.steps)},
                       {"compute_ms", p.time.compute_s * 1e3},
                       {"attention_ms", p.time.attention_s * 1e3},
                       {"attention", p.plan.model.flash_attention ? "flash" : "unfused"},
@@ -341,8 +363,12 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
     s << "\n";
   }
   s << std::setprecision(0) << "  " << t.tokens_per_s << " tokens/s, MFU " << std::setprecision(1) << 100.0 * t.mfu
-    << "% of " << l.ranks() << " x " << std::setprecision(1) << matmul_peak(cluster, p.precision) / 1e12 << " TFLOP/s ("
-    << p.precision << ")\n";
+    << "% of " << l.ranks() << " x " << flops_text(matmul_peak(cluster, p.precision)) << " (" << p.precision << ")\n";
+  s << "  the run: " << p.steps << " steps (train.steps) x " << span_text(t.step_s) << " = " << span_text(t.step_s * static_cast<double>(p.steps))
+    << " of training steps (evaluation, checkpoints and start-up not counted)\n";
+  if (p.backend == "host" && cluster.host_link_bytes_per_s > 0)
+    s << "  NOTE: this deck runs on the host back end (run.backend), but " << cluster.name << " is a cluster of GPUs: "
+      << "the figures above price its devices, not this host; `loom plan --calibrate` measures this machine\n";
   return s.str();
 }
 

@@ -44,6 +44,7 @@ struct Prediction {
   std::string backend = "host";  // the back end whose memory is planned (planned_backend)
   std::string precision = "fp32";
   int zero_stage = 0;  // the parts of the model state the dp ranks split: ZeRO's stage (RankPrediction::state_parts_split)
+  std::int64_t steps = 0;  // the deck's train.steps: the run's time is steps x step
   std::vector<RankPrediction> ranks;
   std::array<double, kMemCategories> peak{};  // the largest over ranks, per category
   double peak_total = 0;                      // the largest rank's total
