@@ -149,7 +149,15 @@ def case_memo(args, d, failures):
     first = text.splitlines()[0]
     if "`loom plan " + " ".join(cmd[2:]) + "`" not in first:
         failures.append("the memo's first line does not give the command: " + first)
-    for w in ["## 1. How the layout removes the out-of-memory", "## 2. Where gradients are synchronised",
+    # The first section fits the case: one device that holds the run is not an out-of-memory to remove.
+    against = [l.split("|")[1:-1] for l in text.splitlines() if l.startswith("| against ")]
+    one_fits = bool(against) and against[0][1].strip() == "fits"
+    title = "## 1. Memory: one device already holds this run" if one_fits else "## 1. How the layout removes the out-of-memory"
+    if title not in text:
+        failures.append("one device %s, but the memo's first section is not %r" % ("fits" if one_fits else "does not fit", title))
+    if re.search(r"The model has 0\.00 billion", text):
+        failures.append("the memo counts a small model as 0.00 billion parameters")
+    for w in ["## 2. Where gradients are synchronised",
               "from one node to 8 devices", "| 4 |", "| 8 |", "## 3. Pipeline micro-batching against naive layer splitting",
               "## 4. Mixed precision", "What stays fp32", "## 5. The first bottleneck", "**Bottleneck:",
               "Recommendation: "]:

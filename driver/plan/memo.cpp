@@ -27,6 +27,12 @@ const char* const kCategoryWhat[kMemCategories] = {
     "communication buffers", "workspace (operand slots, scratch)"};
 
 std::string pct(double x) { return fixed(100.0 * x, 1) + "%"; }
+// 12.85 billion, 3.4 million, 41472: a count readable at any size.
+std::string count_text(double n) {
+  if (n >= 1e9) return fixed(n / 1e9, 2) + " billion";
+  if (n >= 1e6) return fixed(n / 1e6, 1) + " million";
+  return fixed(n, 0);
+}
 std::string ms(double s) { return fixed(s * 1e3, s < 1e-3 ? 4 : s < 0.1 ? 2 : 1) + " ms"; }
 
 std::string group_name(const std::string& g) {
@@ -153,7 +159,10 @@ class Memo {
     s_.seekp(-1, std::ios_base::cur);
     s_ << "`).\n\n";
     s_ << "- Cluster: " << cluster_.name << ", " << cluster_.nodes << " nodes x " << cluster_.devices_per_node
-       << " devices, " << gib(cluster_.device_memory_bytes) << " each (" << cluster_.source << ").\n";
+       << " devices, " << gib(cluster_.device_memory_bytes) << " each (" << cluster_.source << ")";
+    // A plan for part of the cluster says how much of it.
+    if (o_.devices < cluster_.devices()) s_ << "; this plan is for " << o_.devices << " of its " << cluster_.devices() << " devices";
+    s_ << ".\n";
     s_ << "- Batch: " << p.plan.global_batch << " sequences of " << m.seq_len << " tokens per step ("
        << p.plan.global_batch * m.seq_len << " tokens), " << p.plan.rows_per_micro << " sequence"
        << (p.plan.rows_per_micro == 1 ? "" : "s") << " per micro-batch.\n";
@@ -188,7 +197,14 @@ class Memo {
     frugal.set(Variant::kRecomputeKey, "true");
     frugal.micro = chosen_.p.plan.global_batch;
     const Candidate lean = with(frugal);
-    s_ << "## 1. How the layout removes the out-of-memory\n\n";
+    // The section answers the question the case asks: how the layout removes an out-of-memory, or,
+    // where one device already holds the run, what the layout does to memory instead.
+    if (one.fits)
+      s_ << "## 1. Memory: one device already holds this run\n\nNothing here runs out of memory on one device (fp32, "
+         << "no recompute, the whole batch at once): the layout below is chosen for speed, and this is what it "
+            "does to each rank's memory.\n\n";
+    else
+      s_ << "## 1. How the layout removes the out-of-memory\n\n";
     s_ << "Peak memory of one device by the ledger's categories, against the chosen layout's largest rank:\n\n";
     s_ << "| category | one device, fp32 | one device, " << lean_words << "recompute + 1 sequence per micro-batch | chosen, rank "
        << chosen_.p.worst_rank << " |\n| --- | ---: | ---: | ---: |\n";
@@ -204,7 +220,7 @@ class Memo {
     if (lean.built) {
       const double states = model_states(lean.p.peak);
       const double params = static_cast<double>(lean.p.ranks.front().params_held);
-      s_ << "The model has " << fixed(params / 1e9, 2) << " billion parameters. On one device its model states alone "
+      s_ << "The model has " << count_text(params) << " parameters. On one device its model states alone "
          << "(parameters, gradients, AdamW's two moments";
       if (lean.p.precision != "fp32") s_ << ", fp32 masters and 16-bit copies";
       s_ << ") take " << gib(states) << " (" << fixed(states / params, 1) << " bytes per parameter)"
