@@ -10,7 +10,7 @@
 #   checkpoint.dir     runs/RUN_NAME/checkpoints (the same for every job of a chain)
 #   checkpoint.resume  auto: go on from `latest` in checkpoint.dir, or start fresh when there is none
 # Environment (qsub -v): DECK (required), SETS (--set arguments), RUN_NAME (default: the deck's file
-#   name without .deck), THREADS (BLAS threads per rank, default 1: ask for ncpus = mpiprocs x THREADS),
+#   name without .deck, then a digest of SETS when given), THREADS (BLAS threads per rank, default 1: ask for ncpus = mpiprocs x THREADS),
 #   LOOM (default build/loom, else loom on PATH), MPIRUN (default mpirun).
 # Interruption: loom exits 3 after saving a checkpoint on SIGTERM, and so does this script. PBS has
 # no requeue a job may ask for itself (qrerun needs operator rights), so interrupted runs continue in
@@ -48,7 +48,18 @@ deck_sets_key() {
     END { exit !found }' "$1"
 }
 
-run_name=${RUN_NAME:-$(basename "$DECK" .deck)}
+# The run's name keys its checkpoint chain: RUN_NAME, else the deck's file name, followed, when the
+# job has overrides, by a digest of them: a job with other --set values starts a chain of its own
+# instead of going on from another experiment's checkpoints; the same command continues its own.
+if [ -n "${RUN_NAME:-}" ]; then
+  run_name=$RUN_NAME
+else
+  run_name=$(basename "$DECK" .deck)
+  if [ ${#sets[@]} -gt 0 ]; then
+    run_name="$run_name-$(printf '%08x' "$(printf '%s\n' "${sets[@]}" | cksum | cut -d' ' -f1)")"
+  fi
+fi
+echo "pbs.sh: run name $run_name (checkpoints in runs/$run_name/checkpoints unless the deck or --set names them)"
 defaults=()
 if ! sets_key run.dir ${sets[@]+"${sets[@]}"}; then
   defaults+=(--set "run.dir=runs/$run_name/pbs-${PBS_JOBID:-local}")

@@ -53,7 +53,7 @@ class Job:
     """One run of a job script in its own submit directory, with the fakes first on PATH."""
 
     def __init__(self, workdir, tag, script, args=(), env=None, deck_lines=("[train]", "steps = 4"), files=(),
-                 fakes=("srun", "scontrol", "mpirun")):
+                 fakes=("srun", "scontrol", "mpirun"), build_loom=True):
         self.dir = os.path.join(workdir, tag)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.bin = os.path.join(self.dir, "bin")
@@ -67,6 +67,11 @@ class Job:
             os.chmod(path, 0o755)
         for name in files:  # empty files in the submit directory, for globs to match
             open(os.path.join(self.dir, name), "w").close()
+        if build_loom:  # the submit directory is a source checkout: build/loom (never run: the launcher is fake)
+            os.makedirs(os.path.join(self.dir, "build"))
+            with open(os.path.join(self.dir, "build", "loom"), "w") as f:
+                f.write("#!/bin/sh\nexit 0\n")
+            os.chmod(os.path.join(self.dir, "build", "loom"), 0o755)
         self.deck = os.path.join(self.dir, "tiny.deck")
         with open(self.deck, "w") as f:
             f.write("\n".join(deck_lines) + "\n")
@@ -174,6 +179,14 @@ def case_slurm_checkpoint_dir_same_across_jobs(workdir, failures):
     expect(failures, dirs[0] is not None and dirs[0] == dirs[1] and "101" not in dirs[0],
            "checkpoint.dir is the same for jobs 101 and 202: %s" % dirs)
     expect(failures, run_dirs[0] != run_dirs[1], "run.dir differs per job: %s" % run_dirs)
+    # Another experiment (other --set values) starts a chain of its own; the same command continues its own.
+    chains = []
+    for tag, sets in (("a", ["--set", "train.lr=1e-3"]), ("a_again", ["--set", "train.lr=1e-3"]), ("b", ["--set", "train.lr=3e-3"])):
+        job = Job(workdir, "slurm_chain_sets_" + tag, SLURM, sets, {"SLURM_JOB_ID": "404"})
+        argv, _ = job.launch()
+        chains.append(effective(argv, "checkpoint.dir"))
+    expect(failures, chains[0] == chains[1] and chains[0] != chains[2] and chains[0] != "runs/tiny/checkpoints",
+           "checkpoint chains by overrides (lr 1e-3, lr 1e-3 again, lr 3e-3): %s" % chains)
     job = Job(workdir, "slurm_chain_named", SLURM, [], {"SLURM_JOB_ID": "303", "RUN_NAME": "study"})
     argv, _ = job.launch()
     expect(failures, effective(argv, "checkpoint.dir") == "runs/study/checkpoints",
@@ -259,6 +272,14 @@ def case_slurm_mpi_flavour(workdir, failures):
     loom_at = argv.index("build/loom") if "build/loom" in argv else -1
     expect(failures, loom_at > 0 and argv[loom_at + 1:loom_at + 3] == ["run", job.deck],
            "srun runs build/loom run DECK: %s" % argv)
+    # Submitted from elsewhere (no build/loom there): the loom on PATH, an installed one; none: refused.
+    job = Job(workdir, "slurm_loom_on_path", SLURM, [], {"SLURM_JOB_ID": "1"}, fakes=("srun", "scontrol", "loom"),
+              build_loom=False)
+    argv, _ = job.launch()
+    expect(failures, os.path.join(job.bin, "loom") in argv, "without build/loom, the loom on PATH runs: %s" % argv)
+    job = Job(workdir, "slurm_no_loom", SLURM, [], {"SLURM_JOB_ID": "1", "PATH": "/usr/bin:/bin"}, build_loom=False)
+    expect(failures, job.status == 2 and "no loom" in job.stderr and "set LOOM=" in job.stderr,
+           "no build/loom and no loom on PATH: exit 2 saying so (%d, %s)" % (job.status, job.stderr.strip()[-200:]))
 
 
 def pbs_job(workdir, tag, version, env=None, files=()):
