@@ -15,6 +15,7 @@ packages=(
   googletest libgtest-dev libbenchmark-dev
   python3-torch python3-h5py python3-numpy
   jube python3-matplotlib
+  clang-format
 )
 if [ "${LOOM_SKIP_INSTALL:-0}" != 1 ]; then
   missing=()

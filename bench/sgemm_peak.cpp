@@ -34,8 +34,8 @@ namespace gemm = loom::gemm;
 
 struct Shape {
   int m, n, k;
-  bool ta, tb;       // op(A) = A^T (A stored [k,m]); op(B) = B^T (B stored [n,k]), like y = x W^T
-  int lda, ldb, ldc; // 0: dense
+  bool ta, tb;        // op(A) = A^T (A stored [k,m]); op(B) = B^T (B stored [n,k]), like y = x W^T
+  int lda, ldb, ldc;  // 0: dense
   const char* what;
 };
 
@@ -88,12 +88,12 @@ int main(int argc, char** argv) {
   // backward's dinp = dout W and dW += dout^T x, and one attention head's q k^T and att v, strided
   // in the qkv activation as loom runs them.
   const std::vector<Shape> shapes = {
-      {1024, 768, 256, false, true, 0, 0, 0, "qkv fwd"},     {1024, 768, 256, false, false, 0, 0, 0, "NN"},
-      {1024, 1024, 256, false, true, 0, 0, 0, "fc fwd"},     {1024, 1024, 256, false, false, 0, 0, 0, "NN"},
-      {1024, 256, 1024, false, true, 0, 0, 0, "proj fwd"},   {1024, 256, 1024, false, false, 0, 0, 0, "fc dinp"},
-      {1024, 256, 768, false, false, 0, 0, 0, "qkv dinp"},   {768, 256, 1024, true, false, 0, 0, 0, "qkv dW"},
-      {1024, 256, 1024, true, false, 0, 0, 0, "fc dW"},      {512, 512, 512, false, true, 0, 0, 0, "MFU probe"},
-      {512, 512, 512, false, false, 0, 0, 0, "NN"},          {128, 128, 32, false, true, 768, 768, 0, "att q k^T"},
+      {1024, 768, 256, false, true, 0, 0, 0, "qkv fwd"},   {1024, 768, 256, false, false, 0, 0, 0, "NN"},
+      {1024, 1024, 256, false, true, 0, 0, 0, "fc fwd"},   {1024, 1024, 256, false, false, 0, 0, 0, "NN"},
+      {1024, 256, 1024, false, true, 0, 0, 0, "proj fwd"}, {1024, 256, 1024, false, false, 0, 0, 0, "fc dinp"},
+      {1024, 256, 768, false, false, 0, 0, 0, "qkv dinp"}, {768, 256, 1024, true, false, 0, 0, 0, "qkv dW"},
+      {1024, 256, 1024, true, false, 0, 0, 0, "fc dW"},    {512, 512, 512, false, true, 0, 0, 0, "MFU probe"},
+      {512, 512, 512, false, false, 0, 0, 0, "NN"},        {128, 128, 32, false, true, 768, 768, 0, "att q k^T"},
       {128, 32, 128, false, false, 0, 768, 256, "att v"},
   };
   const Kind kinds[] = {Kind::openblas, Kind::onednn_f32, Kind::onednn_bf16};
@@ -142,9 +142,10 @@ int main(int argc, char** argv) {
     gemm::set_impl(gemm::Impl::onednn);
     std::printf("kernels: %s\n", gemm::describe().c_str());
   }
-  std::printf("{\"sgemm_gflops\": %.3f, \"onednn_f32_gflops\": %.3f, \"onednn_bf16_gflops\": %.3f, "
-              "\"onednn_f32_over_openblas\": %.3f, \"onednn_bf16_over_openblas\": %.3f, \"core\": \"%s\", "
-              "\"threads\": \"gemm::set_threads(1)\", \"reps\": %d, \"shapes\": [%s]}\n",
-              peak[0], peak[1], peak[2], peak[1] / peak[0], peak[2] / peak[0], core.c_str(), reps, rows.c_str());
+  std::printf(
+      "{\"sgemm_gflops\": %.3f, \"onednn_f32_gflops\": %.3f, \"onednn_bf16_gflops\": %.3f, "
+      "\"onednn_f32_over_openblas\": %.3f, \"onednn_bf16_over_openblas\": %.3f, \"core\": \"%s\", "
+      "\"threads\": \"gemm::set_threads(1)\", \"reps\": %d, \"shapes\": [%s]}\n",
+      peak[0], peak[1], peak[2], peak[1] / peak[0], peak[2] / peak[0], core.c_str(), reps, rows.c_str());
   return 0;
 }

@@ -103,8 +103,8 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
   open_deck_data(deck, plan.model);
   if (!deck.get_string("model.init_from").empty()) read_init_from(deck.get_string("model.init_from"), plan.model);
   gemm_impl_from_deck(deck);
-  const ThreadCount threads =
-      resolve_threads(deck.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
+  const ThreadCount threads = resolve_threads(deck.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"),
+                                              std::getenv("SLURM_CPUS_PER_TASK"));
   std::string dir = deck.get_string("checkpoint.dir");
   std::string named = "checkpoint.dir = " + dir;
   if (dir.empty()) {

@@ -36,7 +36,6 @@ extern "C" void on_stop_signal(int sig) {
   g_stop_signal = sig;
 }
 
-
 int world_rank() {
   int r = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -56,8 +55,7 @@ std::vector<std::string> earlier_checkpoints(const std::string& dir) {
   if (!fs::is_directory(dir, ec)) return found;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string f = e.path().filename().string();
-    if (is_checkpoint_file(f) || f == "latest" || is_unfinished_checkpoint(f))
-      found.push_back(f);
+    if (is_checkpoint_file(f) || f == "latest" || is_unfinished_checkpoint(f)) found.push_back(f);
   }
   std::sort(found.begin(), found.end());
   return found;
@@ -107,7 +105,8 @@ void refuse_fresh_over_checkpoints(const std::string& dir, const std::string& re
       if (is_checkpoint_file(f)) newest = f;  // sorted: the highest step last
     throw InputError("checkpoint.resume = auto: checkpoint.dir = '" + dir + "' holds " + list_names(earlier) +
                      " but no 'latest' file naming the checkpoint to continue from: " +
-                     (newest.empty() ? std::string("") : "resume one by name (--set checkpoint.resume=" + dir + "/" + newest + "), ") +
+                     (newest.empty() ? std::string("")
+                                     : "resume one by name (--set checkpoint.resume=" + dir + "/" + newest + "), ") +
                      "or set run.overwrite = true to replace them");
   }
   throw InputError("checkpoint.dir = '" + dir + "' holds an earlier run's checkpoints (" + list_names(earlier) +
@@ -179,12 +178,12 @@ std::int64_t Checkpointing::resume() {
   std::error_code ec;
   load_bytes_ = static_cast<double>(fs::file_size(path, ec));
   if (st.step >= s_.steps)
-    throw DeckError("checkpoint " + quote_path(path) + " is at step " + std::to_string(st.step) + ", and train.steps = " +
-                    std::to_string(s_.steps) + ": nothing left to train (raise train.steps)");
+    throw DeckError("checkpoint " + quote_path(path) + " is at step " + std::to_string(st.step) +
+                    ", and train.steps = " + std::to_string(s_.steps) + ": nothing left to train (raise train.steps)");
   if (world_rank() != 0) return st.step;
   std::cout << "resumed from " << path << " at step " << st.step << " (written by dp " << st.layout.dp << " x tp "
-            << st.layout.tp << " x pp " << st.layout.pp << "; read " << load_bytes_ / 1e6 << " MB in "
-            << load_seconds_ << " s)" << std::endl;
+            << st.layout.tp << " x pp " << st.layout.pp << "; read " << load_bytes_ / 1e6 << " MB in " << load_seconds_
+            << " s)" << std::endl;
   // The training keys of the run that wrote it, against this deck's: a change is allowed, and shown.
   const auto before = resolved_deck_values(st.deck);
   const auto after = s_.deck.values();
@@ -201,10 +200,11 @@ std::int64_t Checkpointing::resume() {
     if (old_steps != before.end() && !same_value(old_steps->second, after.at("train.steps"))) {
       OptimizerConfig was = s_.engine_cfg.optimizer;
       was.steps = std::atoll(old_steps->second.c_str());
-      std::printf("resume: the learning-rate schedule is a function of the step and train.steps, so it continues on "
-                  "the curve for %lld steps: at step %lld the rate is %.4e (%.4e on the curve for %lld steps)\n",
-                  static_cast<long long>(s_.steps), static_cast<long long>(st.step + 1),
-                  lr_at(s_.engine_cfg.optimizer, st.step), lr_at(was, st.step), static_cast<long long>(was.steps));
+      std::printf(
+          "resume: the learning-rate schedule is a function of the step and train.steps, so it continues on "
+          "the curve for %lld steps: at step %lld the rate is %.4e (%.4e on the curve for %lld steps)\n",
+          static_cast<long long>(s_.steps), static_cast<long long>(st.step + 1),
+          lr_at(s_.engine_cfg.optimizer, st.step), lr_at(was, st.step), static_cast<long long>(was.steps));
     }
     std::cout << std::flush;
   }
@@ -236,7 +236,8 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
                         " is not finite; the last good checkpoint stays (" + dir_ + "/latest -> " + latest + ")");
   };
   if (const auto bad = find_nonfinite(*s_.grid, *s_.model, sources)) refuse(bad->describe());
-  if (const auto bad = find_nonfinite_contributed(*s_.grid, s_.model->backend(), s_.checkpoint_parts)) refuse("contributed tensor " + *bad);
+  if (const auto bad = find_nonfinite_contributed(*s_.grid, s_.model->backend(), s_.checkpoint_parts))
+    refuse("contributed tensor " + *bad);
   const std::string name = checkpoint_name(steps_done);
   const std::string path = dir_ + "/" + name;
   CheckpointState st;

@@ -53,13 +53,14 @@ int command_ckpt_verify(const std::string& path) {
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   if (world != 1) throw InputError("loom ckpt verify runs on one process; launched on " + std::to_string(world));
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw InputError(quote_path(path) + " does not exist: name a checkpoint file or a checkpoint directory");
+  if (!fs::exists(path, ec))
+    throw InputError(quote_path(path) + " does not exist: name a checkpoint file or a checkpoint directory");
   // loom's `latest` pointer (a line naming the newest checkpoint) stands for its directory.
   if (!latest_pointer_target(path).empty()) {
     const fs::path given(path);
     const std::string dir = given.parent_path().empty() ? "." : given.parent_path().string();
-    std::cout << quote_path(path) << " is the pointer to the newest checkpoint: verifying its directory " << quote_path(dir)
-              << "\n";
+    std::cout << quote_path(path) << " is the pointer to the newest checkpoint: verifying its directory "
+              << quote_path(dir) << "\n";
     return command_ckpt_verify(dir);
   }
   if (!fs::is_directory(path, ec)) return report(path, verify_checkpoint(path)) ? 0 : 1;
@@ -82,14 +83,17 @@ int command_ckpt_verify(const std::string& path) {
     std::ifstream in(path + "/latest");
     std::getline(in, latest);
   }
-  if (!latest.empty() && std::find(files.begin(), files.end(), latest) == files.end() && fs::is_regular_file(path + "/" + latest, ec))
+  if (!latest.empty() && std::find(files.begin(), files.end(), latest) == files.end() &&
+      fs::is_regular_file(path + "/" + latest, ec))
     files.push_back(latest);
   if (files.empty())
-    throw InputError(quote_path(path) + " holds no checkpoint (ckpt-*.h5): name a checkpoint file or the checkpoint.dir of a run");
+    throw InputError(quote_path(path) +
+                     " holds no checkpoint (ckpt-*.h5): name a checkpoint file or the checkpoint.dir of a run");
   // Oldest first by the step each records (a file whose step cannot be read goes first).
   std::vector<std::pair<std::string, CheckpointVerdict>> checked;
   for (const std::string& f : files) checked.emplace_back(f, verify_checkpoint(path + "/" + f));
-  std::stable_sort(checked.begin(), checked.end(), [](const auto& a, const auto& b) { return a.second.step < b.second.step; });
+  std::stable_sort(checked.begin(), checked.end(),
+                   [](const auto& a, const auto& b) { return a.second.step < b.second.step; });
   std::vector<std::string> intact;  // oldest first
   for (const auto& [f, verdict] : checked)
     if (report(path + "/" + f, verdict)) intact.push_back(f);
@@ -108,14 +112,14 @@ int command_ckpt_verify(const std::string& path) {
   else
     std::cout << "latest: " << latest
               << (std::find(files.begin(), files.end(), latest) != files.end() ? ", which is damaged"
-                  : fs::exists(path + "/" + latest, ec)                     ? ", which is not a checkpoint file"
-                                                                            : ", which does not exist");
+                  : fs::exists(path + "/" + latest, ec)                        ? ", which is not a checkpoint file"
+                                                                               : ", which does not exist");
   if (!latest_intact) {
     if (intact.empty())
       std::cout << "; no checkpoint here is intact\n";
     else
-      std::cout << "; the newest intact checkpoint is " << intact.back() << ": resume with checkpoint.resume = "
-                << path << "/" << intact.back() << "\n";
+      std::cout << "; the newest intact checkpoint is " << intact.back() << ": resume with checkpoint.resume = " << path
+                << "/" << intact.back() << "\n";
   }
   std::cout << intact.size() << " of " << files.size() << " checkpoints intact\n";
   return intact.size() == files.size() && latest_intact ? 0 : 1;

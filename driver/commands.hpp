@@ -9,9 +9,10 @@
 #include "io/deck.hpp"
 
 namespace loom {
-int command_check(const Deck& deck, const StrategyRegistry& registry, int rank);                  // loom check DECK
-int command_run(const Deck& deck, const StrategyRegistry& registry);                             // loom run DECK
-int command_export(const Deck& deck, const StrategyRegistry& registry, const std::string& out);  // loom export DECK OUT.h5
+int command_check(const Deck& deck, const StrategyRegistry& registry, int rank);  // loom check DECK
+int command_run(const Deck& deck, const StrategyRegistry& registry);              // loom run DECK
+int command_export(const Deck& deck, const StrategyRegistry& registry,
+                   const std::string& out);  // loom export DECK OUT.h5
 
 struct SampleOptions {  // loom sample CKPT [options]
   std::string checkpoint, prompt, tokens, tokenizer;
@@ -25,9 +26,9 @@ struct PlanOptions {  // loom plan [DECK] [options]
   std::string deck, cluster, output, memo;
   std::vector<std::string> sets;  // cluster.* and network.* go to the cluster, the rest to the deck
   bool calibrate = false, show = false, cluster_keys = false, json = false;
-  int devices = 0;  // > 0: search the layouts of this many devices
-  int top = 10;     // how many of the fitting layouts the search's table lists
-  bool all = false;  // list every candidate of the search too
+  int devices = 0;      // > 0: search the layouts of this many devices
+  int top = 10;         // how many of the fitting layouts the search's table lists
+  bool all = false;     // list every candidate of the search too
   std::string command;  // the command line, for the memo's first line
 };
 int command_plan(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema);
@@ -35,5 +36,5 @@ int command_plan(const PlanOptions& options, const StrategyRegistry& registry, c
 int command_plan_deck(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema,
                       const ClusterSpec& cluster);
 int command_ckpt_llmc(const std::string& checkpoint, const std::string& out);  // loom ckpt llmc CKPT OUT.bin
-int command_ckpt_verify(const std::string& path);  // loom ckpt verify FILE|DIR
+int command_ckpt_verify(const std::string& path);                              // loom ckpt verify FILE|DIR
 }  // namespace loom

@@ -28,13 +28,15 @@ BufferRef whole_or_owned(ParamStore& store, int i, Whole whole, Slice slice) {
 TensorSource gradients(GPT& model) {
   return {"gradient", [&model](int i) {
             ParamStore& s = model.store();
-            return whole_or_owned(s, i, [&s](int k) { return s.grad(k); }, [&s](const OwnedSlice& o) { return s.owned_grad(o); });
+            return whole_or_owned(
+                s, i, [&s](int k) { return s.grad(k); }, [&s](const OwnedSlice& o) { return s.owned_grad(o); });
           }};
 }
 TensorSource parameters(GPT& model) {
   return {"parameter", [&model](int i) {
             ParamStore& s = model.store();
-            return whole_or_owned(s, i, [&s](int k) { return s.param(k); }, [&s](const OwnedSlice& o) { return s.owned_param(o); });
+            return whole_or_owned(
+                s, i, [&s](int k) { return s.param(k); }, [&s](const OwnedSlice& o) { return s.owned_param(o); });
           }};
 }
 std::vector<TensorSource> optimizer_state(Optimizer& optimizer) {
@@ -61,7 +63,8 @@ std::vector<float> host_copy(BackendFace& backend, const BufferRef& ref) {
 }
 }  // namespace
 
-std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, const std::vector<TensorSource>& buffers) {
+std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model,
+                                          const std::vector<TensorSource>& buffers) {
   const auto& all = model.all_params();
   // This rank's first hit as one position (kind-major, then model order) and its value.
   double position = -1, value = 0;

@@ -37,7 +37,8 @@ std::vector<TensorSource> optimizer_state(Optimizer& optimizer);
 
 // Collective over the grid's world: the first non-finite element, searched kind by kind, tensor by
 // tensor in the model's order. The same answer on every rank.
-std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model, const std::vector<TensorSource>& sources);
+std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model,
+                                          const std::vector<TensorSource>& sources);
 
 // Collective over the grid's world: the path of the first contributed checkpoint tensor (in the
 // order `parts` list them) holding a non-finite value on any rank, or nothing. A tensor in the back

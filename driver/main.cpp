@@ -67,7 +67,8 @@ const char* kUsage =
     "                 search the layouts of N devices (dp x tp x pp, micro-batches, ZeRO stage, recompute,\n"
     "                 sequence parallelism, precision): those that fit ranked by predicted tokens/s, why each\n"
     "                 layout that does not fit fails; --memo writes the chosen layout's memo (Markdown)\n"
-    "  plan --cluster FILE|PRESET [--set section.key=value ...] --show | plan --calibrate [-o FILE] [--set network.*=...]\n"
+    "  plan --cluster FILE|PRESET [--set section.key=value ...] --show | plan --calibrate [-o FILE] [--set "
+    "network.*=...]\n"
     "  plan --cluster-keys\n"
     "                 the machine a plan is for: a cluster description (presets a100-80gb, h100-sxm, h200), or\n"
     "                 this machine measured (on 2 ranks or more, or on 1 with the network.* figures given by\n"
@@ -90,8 +91,10 @@ std::string command_usage(const std::string& command) {
   std::string line, out;
   bool inside = false;
   while (std::getline(in, line)) {
-    if (line.rfind("  " + command + " ", 0) == 0) inside = true;
-    else if (line.rfind("  ", 0) != 0 || line[2] != ' ') inside = false;  // another command, or the end
+    if (line.rfind("  " + command + " ", 0) == 0)
+      inside = true;
+    else if (line.rfind("  ", 0) != 0 || line[2] != ' ')
+      inside = false;  // another command, or the end
     if (inside) out += line + "\n";
   }
   return out;
@@ -168,7 +171,8 @@ Args parse_subcommand(const std::string& command, const std::vector<std::string>
 
 void need_positional(const Args& a, std::size_t n, const char* what) {
   if (a.positional.size() != n)
-    usage_error(a.command, std::string("expects ") + what + " (got " + std::to_string(a.positional.size()) + " arguments)");
+    usage_error(a.command,
+                std::string("expects ") + what + " (got " + std::to_string(a.positional.size()) + " arguments)");
 }
 
 SampleOptions parse_sample(const std::vector<std::string>& rest) {
@@ -180,8 +184,8 @@ SampleOptions parse_sample(const std::vector<std::string>& rest) {
       "temperature", po::value(&o.temperature)->default_value(o.temperature), "0: greedy")(
       "top-k", po::value(&o.top_k)->default_value(o.top_k), "sample among the k most likely (0: all)")(
       "seed", po::value(&o.seed)->default_value(o.seed), "random seed")(
-      "tokenizer", po::value(&o.tokenizer), "llm.c tokenizer file to decode ids with")(
-      "checkpoint", po::value(&o.checkpoint), "");
+      "tokenizer", po::value(&o.tokenizer), "llm.c tokenizer file to decode ids with")("checkpoint",
+                                                                                       po::value(&o.checkpoint), "");
   po::positional_options_description pos;
   pos.add("checkpoint", 1);
   po::variables_map vm;
@@ -192,7 +196,8 @@ SampleOptions parse_sample(const std::vector<std::string>& rest) {
     option_error("sample", e, opts);
   }
   if (o.checkpoint.empty()) usage_error("sample", "expects CKPT (a checkpoint file or directory)");
-  if (o.steps < 1 || o.steps > 1000000) throw UsageError("loom sample: --steps " + std::to_string(o.steps) + " is not in 1 .. 1000000");
+  if (o.steps < 1 || o.steps > 1000000)
+    throw UsageError("loom sample: --steps " + std::to_string(o.steps) + " is not in 1 .. 1000000");
   if (!(o.temperature >= 0) || o.temperature > 100)
     throw UsageError("loom sample: --temperature " + std::to_string(o.temperature) + " is not in [0, 100]");
   if (o.top_k < 0) throw UsageError("loom sample: --top-k " + std::to_string(o.top_k) + " is negative (0: all tokens)");
@@ -202,13 +207,13 @@ SampleOptions parse_sample(const std::vector<std::string>& rest) {
 PlanOptions parse_plan(const std::vector<std::string>& rest) {
   PlanOptions o;
   po::options_description opts("loom plan options");
-  opts.add_options()("deck", po::value(&o.deck), "the deck to plan")(
-      "devices", po::value(&o.devices), "search the layouts of this many devices")(
+  opts.add_options()("deck", po::value(&o.deck), "the deck to plan")("devices", po::value(&o.devices),
+                                                                     "search the layouts of this many devices")(
       "json", po::bool_switch(&o.json), "print the deck's prediction as JSON")(
       "memo", po::value(&o.memo), "write a Markdown memo for the chosen layout")(
       "top", po::value(&o.top), "how many fitting layouts the search lists")(
-      "all", po::bool_switch(&o.all), "list every candidate of the search")(
-      "cluster", po::value(&o.cluster), "cluster file or preset")(
+      "all", po::bool_switch(&o.all), "list every candidate of the search")("cluster", po::value(&o.cluster),
+                                                                            "cluster file or preset")(
       "set", po::value(&o.sets)->composing(), "override section.key=value of the cluster description")(
       "show", po::bool_switch(&o.show), "print the cluster description resolved")(
       "calibrate", po::bool_switch(&o.calibrate), "measure this machine and write a cluster file")(
@@ -224,7 +229,8 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
     option_error("plan", e, opts);
   }
   if (vm.count("devices") && o.devices < 1)
-    throw UsageError("loom plan: --devices " + std::to_string(o.devices) + " must be at least 1 (the devices to search the layouts of)");
+    throw UsageError("loom plan: --devices " + std::to_string(o.devices) +
+                     " must be at least 1 (the devices to search the layouts of)");
   if (o.top < 1) throw UsageError("loom plan: --top " + std::to_string(o.top) + " must be at least 1");
   if ((o.all || vm.count("top")) && o.devices == 0)
     throw UsageError("loom plan: --top and --all list the layout search's candidates: give --devices N");
@@ -235,8 +241,9 @@ PlanOptions parse_plan(const std::vector<std::string>& rest) {
   if (o.calibrate && (!o.cluster.empty() || o.show))
     throw UsageError("loom plan: --calibrate measures this machine; it takes no --cluster or --show");
   if (vm.count("cluster") && o.cluster.empty())
-    throw UsageError("loom plan: --cluster is empty: give a cluster file or a preset (loom plan --cluster-keys lists the "
-                    "keys; without --cluster loom plan reads the calibration file, else the preset h100-sxm)");
+    throw UsageError(
+        "loom plan: --cluster is empty: give a cluster file or a preset (loom plan --cluster-keys lists the "
+        "keys; without --cluster loom plan reads the calibration file, else the preset h100-sxm)");
   if (vm.count("output") && !o.calibrate)
     throw UsageError("loom plan: -o/--output names the file --calibrate writes: loom plan --calibrate -o FILE");
   return o;
@@ -328,8 +335,11 @@ const std::vector<Command>& commands() {
          auto l = load_strategies();
          return command_plan(parse_plan(rest), l->registry, l->schema);
        }},
-      {"plugins", with_args("plugins", [](const Args&, Loaded& l, int rank) { return list_plugins(l.registry, rank); }, false)},
-      {"ckpt", with_args("ckpt", [](const Args& a, Loaded&, int rank) { return ckpt(a, rank); }, false)},
+      {"plugins",
+       with_args(
+           "plugins", [](const Args&, Loaded& l, int rank) { return list_plugins(l.registry, rank); }, false)},
+      {"ckpt", with_args(
+                   "ckpt", [](const Args& a, Loaded&, int rank) { return ckpt(a, rank); }, false)},
       {"keys",
        [](const std::vector<std::string>& rest, int rank) {
          // --markdown: the reference page docs/keys.md is (regression.docs.keys holds them equal).
@@ -343,25 +353,24 @@ const std::vector<Command>& commands() {
          if (rank == 0) std::cout << (markdown ? keys_markdown(l->schema) : l->schema.describe());
          return 0;
        }},
-      {"check",
-       with_args("check",
-                 [](const Args& a, Loaded& l, int rank) {
-                   need_positional(a, 1, "DECK");
-                   return command_check(load_deck(l.schema, a.positional[0], a.sets), l.registry, rank);
-                 })},
-      {"run",
-       with_args("run",
-                 [](const Args& a, Loaded& l, int) {
-                   check_injection();
-                   need_positional(a, 1, "DECK");
-                   return command_run(load_deck(l.schema, a.positional[0], a.sets), l.registry);
-                 })},
-      {"export",
-       with_args("export", [](const Args& a, Loaded& l, int) {
-         check_injection();
-         need_positional(a, 2, "DECK OUT.h5");
-         return command_export(load_deck(l.schema, a.positional[0], a.sets), l.registry, a.positional[1]);
-       })},
+      {"check", with_args("check",
+                          [](const Args& a, Loaded& l, int rank) {
+                            need_positional(a, 1, "DECK");
+                            return command_check(load_deck(l.schema, a.positional[0], a.sets), l.registry, rank);
+                          })},
+      {"run", with_args("run",
+                        [](const Args& a, Loaded& l, int) {
+                          check_injection();
+                          need_positional(a, 1, "DECK");
+                          return command_run(load_deck(l.schema, a.positional[0], a.sets), l.registry);
+                        })},
+      {"export", with_args("export",
+                           [](const Args& a, Loaded& l, int) {
+                             check_injection();
+                             need_positional(a, 2, "DECK OUT.h5");
+                             return command_export(load_deck(l.schema, a.positional[0], a.sets), l.registry,
+                                                   a.positional[1]);
+                           })},
   };
   return table;
 }
@@ -389,8 +398,8 @@ int dispatch(int argc, char** argv, int rank) {
   std::vector<std::string> names = {"plot"};
   for (const Command& c : commands()) names.push_back(c.name);
   const std::string near = nearest_word(command, names);
-  throw UsageError("loom: unknown command " + quote_value(command) + (near.empty() ? "" : "; did you mean " + near + "?") +
-                   " (loom --help lists the commands)");
+  throw UsageError("loom: unknown command " + quote_value(command) +
+                   (near.empty() ? "" : "; did you mean " + near + "?") + " (loom --help lists the commands)");
 }
 
 }  // namespace
@@ -405,7 +414,8 @@ int dispatch(int argc, char** argv, int rank) {
   if (!ec) candidates.push_back(exe.parent_path() / ".." / "share" / "loom" / "jobscripts" / "loom_plot.py");
   candidates.push_back(fs::path(build::source_dir) / "jobscripts" / "loom_plot.py");
   const char* python = std::getenv("LOOM_PYTHON");
-  const std::string interpreter = python && *python ? python : (fs::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3");
+  const std::string interpreter =
+      python && *python ? python : (fs::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3");
   for (const fs::path& script : candidates) {
     if (!fs::exists(script, ec)) continue;
     std::vector<std::string> words{interpreter, script.lexically_normal().string()};

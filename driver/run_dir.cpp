@@ -87,8 +87,8 @@ DirLock::DirLock(const std::string& dir, const std::string& key) : dir_(dir), lo
   if (lf >= 0) ::close(lf);
   if (err != 0) {
     abandon();
-    throw InputError(key + " = '" + dir_ + "' is not writable: cannot write " + lock_file_ + " (" +
-                     std::strerror(err) + ")");
+    throw InputError(key + " = '" + dir_ + "' is not writable: cannot write " + lock_file_ + " (" + std::strerror(err) +
+                     ")");
   }
 }
 

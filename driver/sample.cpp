@@ -39,14 +39,16 @@ std::string checkpoint_file(const std::string& path) {
   std::ifstream in(path + "/latest");
   std::string name;
   if (!in || !std::getline(in, name) || name.empty())
-    throw InputError(quote_path(path) + " is a directory without a `latest` checkpoint: name a checkpoint file (ckpt-*.h5)");
+    throw InputError(quote_path(path) +
+                     " is a directory without a `latest` checkpoint: name a checkpoint file (ckpt-*.h5)");
   return path + "/" + name;
 }
 
 LoadedModel load_whole(const std::string& path, const char* command, int rows) {
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
-  if (world != 1) throw InputError(std::string("loom ") + command + " runs on one process; launched on " + std::to_string(world));
+  if (world != 1)
+    throw InputError(std::string("loom ") + command + " runs on one process; launched on " + std::to_string(world));
   const std::string file = checkpoint_file(path);
   LoadedModel m;
   m.header = checkpoint_header(file);
@@ -113,7 +115,7 @@ int command_sample(const SampleOptions& o) {
     // The last T tokens; positions after them are padding that causal attention never lets them see.
     const std::size_t n = std::min<std::size_t>(ids.size(), static_cast<std::size_t>(T));
     std::copy(ids.end() - static_cast<std::ptrdiff_t>(n), ids.end(), in.begin());
-    model.forward(in.data(), nullptr, 1);  // no targets: the logits stay logits
+    model.forward(in.data(), nullptr, 1);                                         // no targets: the logits stay logits
     const float* logits = model.logits() + static_cast<std::int64_t>(n - 1) * V;  // [V] at the last real position
     int next = 0;
     if (o.temperature <= 0) {
@@ -122,7 +124,8 @@ int command_sample(const SampleOptions& o) {
       // Softmax of logits / temperature over the top-k (all when k = 0), then one draw.
       for (int v = 0; v < V; ++v) order[static_cast<std::size_t>(v)] = v;
       const int k = o.top_k > 0 && o.top_k < V ? o.top_k : V;
-      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int a, int b) { return logits[a] > logits[b]; });
       const double top = logits[order[0]];
       for (int j = 0; j < k; ++j)
         p[static_cast<std::size_t>(j)] = std::exp((logits[order[static_cast<std::size_t>(j)]] - top) / o.temperature);
@@ -131,10 +134,10 @@ int command_sample(const SampleOptions& o) {
     }
     ids.push_back(next);
   }
-  std::cerr << "loom sample: " << o.steps << " tokens from " << checkpoint_file(o.checkpoint) << " (step " << m.header.step
-            << "; " << cfg.layers << " layers, d_model " << cfg.d_model << ", vocab " << V
-            << (cfg.flash_attention ? ", flash attention" : "") << "), temperature "
-            << o.temperature << ", top-k " << o.top_k << ", seed " << o.seed << "\n";
+  std::cerr << "loom sample: " << o.steps << " tokens from " << checkpoint_file(o.checkpoint) << " (step "
+            << m.header.step << "; " << cfg.layers << " layers, d_model " << cfg.d_model << ", vocab " << V
+            << (cfg.flash_attention ? ", flash attention" : "") << "), temperature " << o.temperature << ", top-k "
+            << o.top_k << ", seed " << o.seed << "\n";
   if (bytes) {
     for (std::int32_t id : ids) std::cout << static_cast<char>(id);
     std::cout << "\n";
@@ -157,11 +160,13 @@ int command_ckpt_llmc(const std::string& checkpoint, const std::string& out) {
     const float* w = model.param_ref(static_cast<int>(i)).as<float>();
     whole[p.name].assign(w, w + p.numel());
   }
-  write_llmc_model(out, model.config(), [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });
-  std::cout << "wrote " << out << ": llm.c model file version 3 (fp32), " << model.config().layers << " layers, d_model "
-            << model.config().d_model << ", " << model.config().heads << " heads, vocab " << model.config().vocab
-            << " (padded to " << (model.config().vocab + 127) / 128 * 128 << "), max_seq_len " << model.config().seq_len
-            << ", from step " << m.header.step << " of " << checkpoint_file(checkpoint) << "\n";
+  write_llmc_model(out, model.config(),
+                   [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });
+  std::cout << "wrote " << out << ": llm.c model file version 3 (fp32), " << model.config().layers
+            << " layers, d_model " << model.config().d_model << ", " << model.config().heads << " heads, vocab "
+            << model.config().vocab << " (padded to " << (model.config().vocab + 127) / 128 * 128 << "), max_seq_len "
+            << model.config().seq_len << ", from step " << m.header.step << " of " << checkpoint_file(checkpoint)
+            << "\n";
   return 0;
 }
 

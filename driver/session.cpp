@@ -166,7 +166,8 @@ void Session::setup_local() {
   log_every = d.get_int("train.log_every");
   run_dir = d.get_string("run.dir");
   init_from = d.get_string("model.init_from");
-  threads = resolve_threads(d.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
+  threads =
+      resolve_threads(d.get_string("run.threads"), std::getenv("OMP_NUM_THREADS"), std::getenv("SLURM_CPUS_PER_TASK"));
   gemm::set_impl(gemm_impl_from_deck(d));
 
   data_source = d.get_string("data.source");
@@ -241,7 +242,8 @@ AssembledRoles assemble_roles(const Deck& deck, const std::vector<const Strategy
   if (reducer)
     for (auto& [name, wrap] : inner_wrappers) reducer = wrap(std::move(reducer));
   for (auto& [name, wrap] : wrappers) {
-    if (!reducer) throw InputError("strategy '" + name + "' wraps the gradient reducer, but no strategy of this run provides one");
+    if (!reducer)
+      throw InputError("strategy '" + name + "' wraps the gradient reducer, but no strategy of this run provides one");
     reducer = wrap(std::move(reducer));
   }
   if (reducer && engine_roles.grad_sync) engine_roles.grad_sync->use_reducer(reducer.get());
@@ -278,8 +280,7 @@ void reserve_comm_scratch(ProcessGrid& grid, const StepPlan& plan) {
 
 void Session::setup_collective() {
   backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_string("run.tf32"),
-                         deck.get_bool("run.share_gpu"), MPI_COMM_WORLD,
-                         &backend_choice);
+                         deck.get_bool("run.share_gpu"), MPI_COMM_WORLD, &backend_choice);
   run_agreed([&] { GPT::check_attention(model_cfg, *backend); });  // a device may lack what another has
   set_comm_timeout(deck.get_float("run.comm_timeout"));
   set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
@@ -349,8 +350,9 @@ std::string Session::banner() const {
     << KOKKOS_VERSION % 100 << " [" << Kokkos::DefaultHostExecutionSpace::name() << "] via " << build::kokkos_origin
     << "\n";
   s << "            HDF5 " << build::hdf5_version << "; CUDA back end "
-    << (build::cuda ? std::string("built (CUDA ") + build::cuda_version + ", architectures " + build::cuda_architectures + ")"
-                    : std::string("not built"))
+    << (build::cuda
+            ? std::string("built (CUDA ") + build::cuda_version + ", architectures " + build::cuda_architectures + ")"
+            : std::string("not built"))
     << "\n";
   s << "  backend : run.backend = " << backend_choice.requested << ": " << backend->description()
     << (backend_choice.reason.empty() ? "" : "; " + backend_choice.reason) << "\n";
@@ -369,8 +371,9 @@ std::string Session::banner() const {
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()
     << " parameters" << (model_cfg.recompute ? ", recompute" : "")
     << (model_cfg.flash_attention ? ", flash attention (bf16 operands, lse saved)" : "") << "\n";
-  s << "  weights : " << (init_from.empty() ? "random (train.seed = " + std::to_string(seed) + ")"
-                                          : "model.init_from = " + init_from + " (llm.c model file)")
+  s << "  weights : "
+    << (init_from.empty() ? "random (train.seed = " + std::to_string(seed) + ")"
+                          : "model.init_from = " + init_from + " (llm.c model file)")
     << (deck.get_string("checkpoint.resume").empty() ? "" : ", unless checkpoint.resume loads a checkpoint") << "\n";
   s << "  data    : " << train_data->describe() << "\n";
   if (val_owned) s << "  val     : " << val_owned->describe() << "\n";

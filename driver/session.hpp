@@ -50,7 +50,7 @@ gemm::Impl gemm_impl_from_deck(const Deck& deck);
 struct PreModelRoles {
   std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
   Stage stage;
-  std::unique_ptr<ParamStore> store;     // null: the model's own flat store
+  std::unique_ptr<ParamStore> store;  // null: the model's own flat store
 };
 PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies,
                                    ProcessGrid& grid, Backend& backend, const GPTConfig& model);
@@ -86,7 +86,7 @@ struct Session {
   std::uint64_t seed = 0;
   std::string run_dir;
   std::string init_from;  // model.init_from: an llm.c model file to start from (empty: random initialisation)
-  ThreadCount threads;  // run.threads resolved, with where the count came from
+  ThreadCount threads;    // run.threads resolved, with where the count came from
 
   Layout layout;
   std::unique_ptr<ProcessGrid> grid;
@@ -96,13 +96,13 @@ struct Session {
   std::unique_ptr<Backend> backend;
   BackendChoice backend_choice;  // run.backend: what was asked for, what this rank got, its device
   std::unique_ptr<Dataset> train_data;
-  std::unique_ptr<Dataset> val_owned;  // data.val_source, when given
-  const Dataset* val_data = nullptr;   // null when there is no validation split
-  Split val_split = Split::val;        // which split of val_data holds the validation tokens
+  std::unique_ptr<Dataset> val_owned;    // data.val_source, when given
+  const Dataset* val_data = nullptr;     // null when there is no validation split
+  Split val_split = Split::val;          // which split of val_data holds the validation tokens
   std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
   std::unique_ptr<ParamStore> store;     // null: the model's own flat store
   std::unique_ptr<GPT> model;
-  std::unique_ptr<Reducer> reducer;      // the composed gradient reducer (wrappers outermost), if any
+  std::unique_ptr<Reducer> reducer;  // the composed gradient reducer (wrappers outermost), if any
   std::unique_ptr<Engine> engine;
   // Every role object of the run that contributes to checkpoints (the optimizer's state and the
   // model's parameters are written by the checkpoint itself).

@@ -27,7 +27,6 @@
 namespace loom {
 namespace {
 
-
 nlohmann::json memory_json(const std::array<std::size_t, kMemCategories>& bytes, std::size_t total) {
   nlohmann::json m;
   for (int i = 0; i < kMemCategories; ++i) m[mem_name(static_cast<Mem>(i))] = bytes[i];
@@ -74,9 +73,12 @@ std::string utc_timestamp() {
 std::string duration_text(double seconds) {
   char buf[32];
   const long long s = static_cast<long long>(seconds + 0.5);
-  if (s < 100) std::snprintf(buf, sizeof buf, "%lld s", s);
-  else if (s < 3600) std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
-  else std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, s / 60 % 60);
+  if (s < 100)
+    std::snprintf(buf, sizeof buf, "%lld s", s);
+  else if (s < 3600)
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, s / 60 % 60);
   return buf;
 }
 
@@ -140,7 +142,9 @@ struct RunTotals {
     last_loss = st.loss;
     last_loss_scale = st.loss_scale;
   }
-  std::map<std::string, double> report_means() const { return (report_steady.steps ? report_steady : report_all).means(); }
+  std::map<std::string, double> report_means() const {
+    return (report_steady.steps ? report_steady : report_all).means();
+  }
   double mean_step() const {
     return steady_steps > 0 ? steady_time / steady_steps : train_time / std::max<std::int64_t>(1, steps_run);
   }
@@ -162,7 +166,8 @@ std::pair<double, std::string> textbook_state(double P, const StateSharding& sh)
   if (sh.weights && sh.grads && sh.optimizer) return {bytes, "16P/N"};
   std::string whole, split;
   int n_split = 0;
-  for (const auto& [term, by] : {std::pair<const char*, bool>{"2P", sh.weights}, {"2P", sh.grads}, {"12P", sh.optimizer}}) {
+  for (const auto& [term, by] :
+       {std::pair<const char*, bool>{"2P", sh.weights}, {"2P", sh.grads}, {"12P", sh.optimizer}}) {
     std::string& to = by ? split : whole;
     to += (to.empty() ? "" : " + ") + std::string(term);
     n_split += by ? 1 : 0;
@@ -175,7 +180,11 @@ std::pair<double, std::string> textbook_state(double P, const StateSharding& sh)
 class TrainingRun {
  public:
   TrainingRun(const Deck& deck, const StrategyRegistry& registry)
-      : deck_(deck), s_(deck, registry), checkpoints_(s_), io_(s_.grid->rank() == 0), world_(s_.layout.ranks()),
+      : deck_(deck),
+        s_(deck, registry),
+        checkpoints_(s_),
+        io_(s_.grid->rank() == 0),
+        world_(s_.layout.ranks()),
         groups_(s_.grid->groups()) {}
   // A run refused before it wrote anything leaves the directories as they were (a directory it
   // created for the lock is removed again).
@@ -221,7 +230,7 @@ class TrainingRun {
   double tokens_per_step_ = 0, flops_per_token_ = 0, peak_flops_ = 0;
   std::string peak_source_;
   RunTotals totals_;
-  std::string failure_;     // why the run failed (the same on every rank); empty while it goes well
+  std::string failure_;         // why the run failed (the same on every rank); empty while it goes well
   std::string nonfinite_note_;  // the last step's, when its loss or gradient norm was not finite
   bool interrupted_ = false;
 };
@@ -232,8 +241,10 @@ void TrainingRun::lock_directories() {
     run_lock_ = std::make_unique<DirLock>(s_.run_dir, "run.dir");
     namespace fs = std::filesystem;
     std::error_code ec;
-    const fs::path run_abs = fs::weakly_canonical(s_.run_dir, ec), ckpt_abs = fs::weakly_canonical(checkpoints_.dir(), ec);
-    if (ckpt_abs.parent_path() != run_abs) checkpoint_lock_ = std::make_unique<DirLock>(checkpoints_.dir(), "checkpoint.dir");
+    const fs::path run_abs = fs::weakly_canonical(s_.run_dir, ec),
+                   ckpt_abs = fs::weakly_canonical(checkpoints_.dir(), ec);
+    if (ckpt_abs.parent_path() != run_abs)
+      checkpoint_lock_ = std::make_unique<DirLock>(checkpoints_.dir(), "checkpoint.dir");
   });
 }
 
@@ -258,8 +269,10 @@ void TrainingRun::measure_peak() {
     std::printf("  MFU     : against %.3f TFLOP/s (%s, summed over %d rank%s)\n", peak_flops_ / 1e12,
                 peak_source_.c_str(), world_, world_ == 1 ? "" : "s");
   if (io_ && link_gbit_per_s() > 0)
-    std::printf("  link    : EMULATED, %g Gbit/s per rank, %g us per message (run.emulate_link_gbps): every send "
-                "waits its turn on it\n", link_gbit_per_s(), 1e6 * link_latency_s());
+    std::printf(
+        "  link    : EMULATED, %g Gbit/s per rank, %g us per message (run.emulate_link_gbps): every send "
+        "waits its turn on it\n",
+        link_gbit_per_s(), 1e6 * link_latency_s());
 }
 
 StepComm TrainingRun::read_comm(const StepStats& st) {
@@ -269,8 +282,11 @@ StepComm TrainingRun::read_comm(const StepStats& st) {
     if (groups_[gi]->size() == 1) continue;
     nlohmann::json by_op = nlohmann::json::object();
     for (int op = 0; op < kCommOps; ++op)
-      if (cs.calls[op]) by_op[comm_op_name(static_cast<CommOp>(op))] = {{"bytes", cs.bytes_sent[op]}, {"wait_ms", cs.wait_s[op] * 1e3}, {"calls", cs.calls[op]}};
-    c.by_group[groups_[gi]->name()] = {{"bytes_sent", cs.total_bytes()}, {"wait_ms", cs.total_wait() * 1e3}, {"ops", by_op}};
+      if (cs.calls[op])
+        by_op[comm_op_name(static_cast<CommOp>(op))] = {
+            {"bytes", cs.bytes_sent[op]}, {"wait_ms", cs.wait_s[op] * 1e3}, {"calls", cs.calls[op]}};
+    c.by_group[groups_[gi]->name()] = {
+        {"bytes_sent", cs.total_bytes()}, {"wait_ms", cs.total_wait() * 1e3}, {"ops", by_op}};
     totals_.group_bytes[gi] += static_cast<double>(cs.total_bytes());
     totals_.group_wait[gi] += cs.total_wait();
     c.wait += cs.total_wait();
@@ -314,8 +330,9 @@ void TrainingRun::judge_step(std::int64_t step, const StepStats& st) {
     if (!origin.empty()) nonfinite_note_ += "; the loss was not finite on rank(s) " + origin;
     const std::int64_t max_skipped = deck_.get_int("train.max_skipped");
     if (deck_.get_string("train.on_nonfinite") != "skip")
-      failure_ = nonfinite_note_ + "; stopped without applying it (train.on_nonfinite = stop; lower train.lr, or "
-                                   "set train.on_nonfinite = skip to drop such steps)";
+      failure_ = nonfinite_note_ +
+                 "; stopped without applying it (train.on_nonfinite = stop; lower train.lr, or "
+                 "set train.on_nonfinite = skip to drop such steps)";
     else if (totals_.skipped_in_row > max_skipped)
       failure_ = nonfinite_note_ + "; " + std::to_string(totals_.skipped_in_row) +
                  " steps in a row were not finite (train.max_skipped = " + std::to_string(max_skipped) + "): stopping";
@@ -363,17 +380,21 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
   const double tflops = tps * flops_per_token_ / 1e12;
   const double mfu = tps * flops_per_token_ / peak_flops_;
   const double elapsed = now() - t_start_;
-  const double eta = (now() - t_loop_) / static_cast<double>(totals_.steps_run) * static_cast<double>(s_.steps - step - 1);
+  const double eta =
+      (now() - t_loop_) / static_cast<double>(totals_.steps_run) * static_cast<double>(s_.steps - step - 1);
   // A norm that is not finite is a skipped step (a loss-scale overflow, or train.on_nonfinite = skip):
   // said in words, not as -nan.
   char norm[48];
-  if (std::isfinite(st.grad_norm)) std::snprintf(norm, sizeof norm, "%.3f", st.grad_norm);
-  else std::snprintf(norm, sizeof norm, "%s", st.skip_reason.empty() ? "not finite" : "overflow: skipped");
+  if (std::isfinite(st.grad_norm))
+    std::snprintf(norm, sizeof norm, "%.3f", st.grad_norm);
+  else
+    std::snprintf(norm, sizeof norm, "%s", st.skip_reason.empty() ? "not finite" : "overflow: skipped");
   char line[560];
-  std::snprintf(line, sizeof line,
-                "step %6lld/%lld | loss %.4f | lr %.3e | norm %s | %8.0f tok/s | %.4f TFLOP/s | MFU %.1f%% | %7.1f ms | mem %s",
-                static_cast<long long>(step + 1), static_cast<long long>(s_.steps), st.loss, st.lr, norm, tps,
-                tflops, 100.0 * mfu, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
+  std::snprintf(
+      line, sizeof line,
+      "step %6lld/%lld | loss %.4f | lr %.3e | norm %s | %8.0f tok/s | %.4f TFLOP/s | MFU %.1f%% | %7.1f ms | mem %s",
+      static_cast<long long>(step + 1), static_cast<long long>(s_.steps), st.loss, st.lr, norm, tps, tflops,
+      100.0 * mfu, st.seconds * 1e3, memory_line(st.peak_bytes, st.peak_total).c_str());
   std::cout << line;
   if (world_ > 1)
     std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(comm.bytes).c_str(),
@@ -386,10 +407,19 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
     std::printf(" | scale %g, %lld skipped", st.loss_scale, static_cast<long long>(totals_.skipped_total));
   std::printf(" | %s in, ETA %s", duration_text(elapsed).c_str(), duration_text(eta).c_str());
   std::cout << std::endl;
-  nlohmann::json rec = {{"step", step + 1}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
-                        {"clip_coef", st.clip_coef}, {"loss_scale", st.loss_scale},
-                        {"skipped_steps", totals_.skipped_total}, {"tokens_per_s", tps}, {"tflops", tflops},
-                        {"mfu", mfu}, {"step_ms", st.seconds * 1e3}, {"elapsed_s", elapsed}, {"eta_s", eta},
+  nlohmann::json rec = {{"step", step + 1},
+                        {"loss", st.loss},
+                        {"lr", st.lr},
+                        {"grad_norm", st.grad_norm},
+                        {"clip_coef", st.clip_coef},
+                        {"loss_scale", st.loss_scale},
+                        {"skipped_steps", totals_.skipped_total},
+                        {"tokens_per_s", tps},
+                        {"tflops", tflops},
+                        {"mfu", mfu},
+                        {"step_ms", st.seconds * 1e3},
+                        {"elapsed_s", elapsed},
+                        {"eta_s", eta},
                         {"time", utc_timestamp()},
                         {"times_ms",
                          {{"data", st.times.data * 1e3},
@@ -398,8 +428,10 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
                           {"sync", st.times.sync * 1e3},
                           {"optimizer", st.times.optimizer * 1e3}}},
                         {"mem_peak_bytes", memory_json(st.peak_bytes, st.peak_total)},
-                        {"comm", comm.by_group}, {"comm_wait_share", comm.wait / st.seconds},
-                        {"step_ms_min", comm.t_min * 1e3}, {"step_ms_max", comm.t_max * 1e3}};
+                        {"comm", comm.by_group},
+                        {"comm_wait_share", comm.wait / st.seconds},
+                        {"step_ms_min", comm.t_min * 1e3},
+                        {"step_ms_max", comm.t_max * 1e3}};
   for (const auto& [k, v] : report) rec[k] = v;
   if (val) rec["val_loss"] = *val;
   if (st.nonfinite) rec["skipped"] = true;
@@ -441,7 +473,8 @@ std::vector<double> TrainingRun::gather_rank_peaks() {
   return all;
 }
 
-nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks, const std::map<std::string, double>& means) {
+nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks,
+                                         const std::map<std::string, double>& means) {
   const RunTotals& t = totals_;
   const double tps = tokens_per_step_ / t.mean_step();
   std::int64_t model_params = 0;
@@ -450,16 +483,27 @@ nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks, c
     for (auto d : p.shape()) n *= d;
     model_params += n;
   }
-  nlohmann::json summary = {{"status", status()}, {"exit_status", exit_status()}, {"steps", s_.steps},
-                            {"start_step", start_step_}, {"steps_run", t.steps_run},
-                            {"skipped_steps", t.skipped_total}, {"checkpoint", checkpoints_.summary()},
-                            {"time_s", now() - t_start_}, {"train_time_s", t.train_time}, {"eval_time_s", t.eval_time},
-                            {"tokens_per_s", tps}, {"model_flops_per_token", flops_per_token_},
-                            {"tflops", tps * flops_per_token_ / 1e12}, {"mfu", tps * flops_per_token_ / peak_flops_},
-                            {"peak_tflops", peak_flops_ / 1e12}, {"peak_source", peak_source_},
-                            {"final_loss", t.last_loss}, {"parameters", model_params},
+  nlohmann::json summary = {{"status", status()},
+                            {"exit_status", exit_status()},
+                            {"steps", s_.steps},
+                            {"start_step", start_step_},
+                            {"steps_run", t.steps_run},
+                            {"skipped_steps", t.skipped_total},
+                            {"checkpoint", checkpoints_.summary()},
+                            {"time_s", now() - t_start_},
+                            {"train_time_s", t.train_time},
+                            {"eval_time_s", t.eval_time},
+                            {"tokens_per_s", tps},
+                            {"model_flops_per_token", flops_per_token_},
+                            {"tflops", tps * flops_per_token_ / 1e12},
+                            {"mfu", tps * flops_per_token_ / peak_flops_},
+                            {"peak_tflops", peak_flops_ / 1e12},
+                            {"peak_source", peak_source_},
+                            {"final_loss", t.last_loss},
+                            {"parameters", model_params},
                             {"parameters_rank0", s_.model->num_params()},
-                            {"mem_peak_bytes", memory_json(t.peak_bytes, t.peak_total)}, {"ranks", world_},
+                            {"mem_peak_bytes", memory_json(t.peak_bytes, t.peak_total)},
+                            {"ranks", world_},
                             {"layout", {{"dp", s_.layout.dp}, {"tp", s_.layout.tp}, {"pp", s_.layout.pp}}},
                             {"comm_wait_share", t.train_time > 0 ? t.wait_total / t.train_time : 0.0}};
   nlohmann::json by_rank = nlohmann::json::array(), pools_by_rank = nlohmann::json::array();
@@ -486,15 +530,16 @@ nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks, c
   if (s_.backend->precision().matmul != DType::f32) {
     const auto& pb = t.peak_bytes;
     const auto at = [&](Mem m) { return pb[static_cast<int>(m)]; };
-    const auto [textbook, formula] = textbook_state(static_cast<double>(s_.model->num_params()),
-                                                    s_.engine->grad_sync().state_sharding());
-    nlohmann::json precision = {{"dtype", dtype_name(s_.backend->precision().matmul)},
-                                {"state_bytes", at(Mem::params) + at(Mem::master) + at(Mem::grads) + at(Mem::optimizer)},
-                                {"compute_copy_bytes", at(Mem::params)},
-                                {"master_bytes", at(Mem::master)},
-                                {"textbook_bytes", textbook},
-                                {"textbook_formula", formula},
-                                {"workspace_peak_bytes", at(Mem::workspace)}};
+    const auto [textbook, formula] =
+        textbook_state(static_cast<double>(s_.model->num_params()), s_.engine->grad_sync().state_sharding());
+    nlohmann::json precision = {
+        {"dtype", dtype_name(s_.backend->precision().matmul)},
+        {"state_bytes", at(Mem::params) + at(Mem::master) + at(Mem::grads) + at(Mem::optimizer)},
+        {"compute_copy_bytes", at(Mem::params)},
+        {"master_bytes", at(Mem::master)},
+        {"textbook_bytes", textbook},
+        {"textbook_formula", formula},
+        {"workspace_peak_bytes", at(Mem::workspace)}};
     if (s_.backend->precision().matmul == DType::f16) precision["loss_scale_final"] = t.last_loss_scale;
     summary["precision"] = precision;
   }
@@ -510,16 +555,27 @@ void TrainingRun::write_report(const nlohmann::json& summary) {
     if (deck_.origin(k) == "--set") from_command_line[k] = v;
   }
   const PhaseTimes& ph = totals_.phase_sum;
-  nlohmann::json report = {{"deck", deck_.path()}, {"command_line", command_line()},
-                           {"set_on_command_line", from_command_line}, {"parameters", params},
-                           {"resolved_deck", deck_.resolved_text()}, {"platform", platform_info()},
-                           {"build", build_info()}, {"backend", s_.backend->description()},
-                           {"openblas_core_note", openblas_core_note()}, {"gemm", gemm::describe()},
+  nlohmann::json report = {{"deck", deck_.path()},
+                           {"command_line", command_line()},
+                           {"set_on_command_line", from_command_line},
+                           {"parameters", params},
+                           {"resolved_deck", deck_.resolved_text()},
+                           {"platform", platform_info()},
+                           {"build", build_info()},
+                           {"backend", s_.backend->description()},
+                           {"openblas_core_note", openblas_core_note()},
+                           {"gemm", gemm::describe()},
                            {"gemm_impls_used", gemm::impls_used()},
                            {"timings_s",
-                            {{"total", now() - t_start_}, {"init", t_init_}, {"train", totals_.train_time},
-                             {"eval", totals_.eval_time}, {"data", ph.data}, {"forward", ph.forward},
-                             {"backward", ph.backward}, {"sync", ph.sync}, {"optimizer", ph.optimizer}}},
+                            {{"total", now() - t_start_},
+                             {"init", t_init_},
+                             {"train", totals_.train_time},
+                             {"eval", totals_.eval_time},
+                             {"data", ph.data},
+                             {"forward", ph.forward},
+                             {"backward", ph.backward},
+                             {"sync", ph.sync},
+                             {"optimizer", ph.optimizer}}},
                            {"summary", summary}};
   write_json_atomic(s_.run_dir + "/report.json", report);
 }
@@ -532,13 +588,17 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
               static_cast<long long>(start_step_ + t.steps_run), t.train_time, t.last_loss);
   if (t.last_val) std::printf(" | val loss %.4f", *t.last_val);
   if (auto best = s_.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
-  std::printf("\n         %lld parameters (%lld on rank 0)", static_cast<long long>(summary["parameters"].get<std::int64_t>()),
+  std::printf("\n         %lld parameters (%lld on rank 0)",
+              static_cast<long long>(summary["parameters"].get<std::int64_t>()),
               static_cast<long long>(s_.model->num_params()));
   if (t.skipped_total)
-    std::printf(" | %lld step(s) skipped (not finite, or a loss-scale overflow)", static_cast<long long>(t.skipped_total));
-  std::printf("\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | MFU %.1f%% of %.3f TFLOP/s (%s) | steady step %.1f ms\n",
-              tps, tps * flops_per_token_ / 1e12, flops_per_token_, 100.0 * tps * flops_per_token_ / peak_flops_,
-              peak_flops_ / 1e12, peak_source_.c_str(), t.mean_step() * 1e3);
+    std::printf(" | %lld step(s) skipped (not finite, or a loss-scale overflow)",
+                static_cast<long long>(t.skipped_total));
+  std::printf(
+      "\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | MFU %.1f%% of %.3f TFLOP/s (%s) | steady "
+      "step %.1f ms\n",
+      tps, tps * flops_per_token_ / 1e12, flops_per_token_, 100.0 * tps * flops_per_token_ / peak_flops_,
+      peak_flops_ / 1e12, peak_source_.c_str(), t.mean_step() * 1e3);
   std::printf("         time: forward %.1f s, backward %.1f s, optimizer %.1f s, data %.2f s, eval %.1f s\n",
               t.phase_sum.forward, t.phase_sum.backward, t.phase_sum.optimizer, t.phase_sum.data, t.eval_time);
   std::printf("         peak memory per rank: %s\n", memory_line(t.peak_bytes, t.peak_total).c_str());
@@ -551,7 +611,8 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
                   100.0 * t.group_wait[gi] / t.train_time);
   // Each role's own lines (data parallelism, ZeRO, compression through the gradient sync and its
   // reducers), then precision's, then the schedule's (a pipeline's bubble).
-  for (const std::string& line : s_.engine->grad_sync().summary_lines(means)) std::printf("         %s\n", line.c_str());
+  for (const std::string& line : s_.engine->grad_sync().summary_lines(means))
+    std::printf("         %s\n", line.c_str());
   if (summary.contains("precision")) {
     const nlohmann::json& p = summary["precision"];
     std::string scale_note;
@@ -562,20 +623,23 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
       scale_note = note;
     }
     const auto at = [&](Mem m) { return format_bytes(t.peak_bytes[static_cast<int>(m)]); };
-    std::printf("         precision %s: model state per rank %s = 16-bit weight copies %s + fp32 master weights %s\n"
-                "         + gradients (fp32) %s + AdamW %s, against the textbook's mixed precision %s = %s (16-bit\n"
-                "         weights and gradients, fp32 masters and moments): loom keeps fp32 gradients (accumulated over\n"
-                "         micro-batches in fp32) and 16-bit copies of the matrix weights only (LayerNorm, biases and\n"
-                "         positions are used in fp32); operand workspace peak %s%s\n",
-                p["dtype"].get<std::string>().c_str(), format_bytes(p["state_bytes"]).c_str(), at(Mem::params).c_str(),
-                at(Mem::master).c_str(), at(Mem::grads).c_str(), at(Mem::optimizer).c_str(),
-                p["textbook_formula"].get<std::string>().c_str(), format_bytes(p["textbook_bytes"]).c_str(),
-                at(Mem::workspace).c_str(), scale_note.c_str());
+    std::printf(
+        "         precision %s: model state per rank %s = 16-bit weight copies %s + fp32 master weights %s\n"
+        "         + gradients (fp32) %s + AdamW %s, against the textbook's mixed precision %s = %s (16-bit\n"
+        "         weights and gradients, fp32 masters and moments): loom keeps fp32 gradients (accumulated over\n"
+        "         micro-batches in fp32) and 16-bit copies of the matrix weights only (LayerNorm, biases and\n"
+        "         positions are used in fp32); operand workspace peak %s%s\n",
+        p["dtype"].get<std::string>().c_str(), format_bytes(p["state_bytes"]).c_str(), at(Mem::params).c_str(),
+        at(Mem::master).c_str(), at(Mem::grads).c_str(), at(Mem::optimizer).c_str(),
+        p["textbook_formula"].get<std::string>().c_str(), format_bytes(p["textbook_bytes"]).c_str(),
+        at(Mem::workspace).c_str(), scale_note.c_str());
   }
   for (const std::string& line : s_.engine->schedule().summary_lines(means)) std::printf("         %s\n", line.c_str());
   if (interrupted_)
-    std::printf("         interrupted by signal %d after a checkpoint: exit status %d; continue with --set "
-                "checkpoint.resume=auto\n", Checkpointing::stop_signal(), kExitInterrupted);
+    std::printf(
+        "         interrupted by signal %d after a checkpoint: exit status %d; continue with --set "
+        "checkpoint.resume=auto\n",
+        Checkpointing::stop_signal(), kExitInterrupted);
   std::printf("         wrote %s/{metrics.jsonl,summary.json,report.json}\n", s_.run_dir.c_str());
   std::fflush(stdout);
 }
@@ -607,8 +671,8 @@ int TrainingRun::run() {
     nlohmann::json saved = nlohmann::json::object();
     interrupted_ = after_step(step, val, saved);
     const bool end = !failure_.empty() || interrupted_;
-    const bool log = step % s_.log_every == 0 || step + 1 == s_.steps || val || end || !saved.empty() ||
-                     st.nonfinite || !st.skip_reason.empty();
+    const bool log = step % s_.log_every == 0 || step + 1 == s_.steps || val || end || !saved.empty() || st.nonfinite ||
+                     !st.skip_reason.empty();
     if (io_ && log) log_step(step, st, comm, report, val, saved);
     if (end) break;
   }

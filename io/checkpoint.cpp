@@ -169,7 +169,8 @@ GPTConfig recorded_model(hid_t file, const std::string& path, const std::string&
     std::int64_t v = -1;
     if (!read_attr_i64(file, k.attr, v)) {
       const auto it = recorded.find(k.key);
-      if (it == recorded.end()) fail(path, std::string("records no ") + k.key + " (neither attribute " + k.attr + " nor its deck): corrupt");
+      if (it == recorded.end())
+        fail(path, std::string("records no ") + k.key + " (neither attribute " + k.attr + " nor its deck): corrupt");
       v = std::atoll(it->second.c_str());
     }
     // A damaged attribute: named before anything is built from it (an int holds every real size).
@@ -241,7 +242,7 @@ std::uint64_t checksum(const ShardDesc* shard, const float* data, bool owner) {
 
 // Whether every link of an absolute path exists (H5Lexists needs each parent to exist).
 bool path_exists(hid_t file, const std::string& path) {
-  for (std::size_t at = path.find('/', 1); ; at = path.find('/', at + 1)) {
+  for (std::size_t at = path.find('/', 1);; at = path.find('/', at + 1)) {
     const std::string prefix = at == std::string::npos ? path : path.substr(0, at);
     if (H5Lexists(file, prefix.c_str(), H5P_DEFAULT) <= 0) return false;
     if (at == std::string::npos) return true;
@@ -368,7 +369,8 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   write_attr(file.id, "layout_dp", H5T_NATIVE_INT64, dp);
   write_attr(file.id, "layout_tp", H5T_NATIVE_INT64, tp);
   write_attr(file.id, "layout_pp", H5T_NATIVE_INT64, pp);
-  write_attr_string(file.id, "generator", "counter-based (seed, name, index) for weights; (seed, split, step, row) for data");
+  write_attr_string(file.id, "generator",
+                    "counter-based (seed, name, index) for weights; (seed, split, step, row) for data");
   write_attr_string(file.id, "deck", state.deck);
   write_attr(file.id, "skipped_steps", H5T_NATIVE_INT64, state.skipped_steps);
   for (const ModelKey& k : kModelKeys) {
@@ -393,8 +395,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   auto note_failure = [&](const std::string& what) {
     if (!failure.empty()) return;
     failure = "checkpoint '" + tmp + "': " + what + " (" + std::strerror(errno ? errno : EIO) + ")";
-    if (grid.layout().ranks() > 1)
-      abort_job(failure + "; the earlier checkpoints and `latest` are unchanged", 1);
+    if (grid.layout().ranks() > 1) abort_job(failure + "; the earlier checkpoints and `latest` are unchanged", 1);
   };
   for (const CheckpointTensor& t : tensors) {
     // Every rank creates every dataset of the whole model (creation is collective); the owners write.
@@ -411,7 +412,8 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
     const float* data = owner ? t.data.as<float>() + t.primary_begin : nullptr;
     if (data && t.data.space != MemSpace::host) {
       staged.resize(static_cast<std::size_t>(t.primary_end - t.primary_begin));
-      model.backend().copy_to_host(staged.data(), BufferRef(const_cast<float*>(data), t.primary_end - t.primary_begin, t.data.space));
+      model.backend().copy_to_host(staged.data(),
+                                   BufferRef(const_cast<float*>(data), t.primary_end - t.primary_begin, t.data.space));
       data = staged.data();
     }
     const Handle mspace = transfer_spaces(fspace.id, &mine, owner);
@@ -444,9 +446,11 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   int left_open = g_file_left_open ? 1 : 0;
   MPI_Allreduce(MPI_IN_PLACE, &left_open, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   g_file_left_open = left_open != 0;
-  agree_on_failure(grid.world(), failure, [&] { std::remove(tmp.c_str()); },
-                   "checkpoint '" + tmp + "' was not written, and the earlier checkpoints and `latest` are "
-                   "unchanged");
+  agree_on_failure(
+      grid.world(), failure, [&] { std::remove(tmp.c_str()); },
+      "checkpoint '" + tmp +
+          "' was not written, and the earlier checkpoints and `latest` are "
+          "unchanged");
 }
 
 std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& deck) {
@@ -464,8 +468,9 @@ std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& de
 static void require_hdf5(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
-    fail(path, "is a directory, not a checkpoint file: name a ckpt-*.h5 file in it, or set checkpoint.dir to it and "
-               "checkpoint.resume = latest");
+    fail(path,
+         "is a directory, not a checkpoint file: name a ckpt-*.h5 file in it, or set checkpoint.dir to it and "
+         "checkpoint.resume = latest");
   // Opening a FIFO would wait for a writer: only regular files (symbolic links to them) are read.
   if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
     fail(path, "is not a regular file (a FIFO, socket or device): not a checkpoint");
@@ -476,9 +481,10 @@ static void require_hdf5(const std::string& path) {
   if (const std::string named = latest_pointer_target(path); !named.empty()) {
     const std::filesystem::path p(path);
     const std::string dir = p.parent_path().empty() ? "." : p.parent_path().string();
-    fail(path, "is the pointer to the newest checkpoint (it names " + named + "), not a checkpoint: give "
-               "checkpoint.resume = latest with checkpoint.dir = " + dir + ", or the file it names, " +
-               (p.parent_path() / named).string());
+    fail(path, "is the pointer to the newest checkpoint (it names " + named +
+                   "), not a checkpoint: give "
+                   "checkpoint.resume = latest with checkpoint.dir = " +
+                   dir + ", or the file it names, " + (p.parent_path() / named).string());
   }
   fail(path, "is not a readable HDF5 file (truncated or corrupt)");
 }
@@ -525,7 +531,8 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     fail(path, "records the layout dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " +
                    std::to_string(pp) + ": corrupt (each at least 1)");
   if (!std::isfinite(st.loss_scale) || st.loss_scale <= 0)
-    fail(path, "records loss_scale = " + std::to_string(st.loss_scale) + ": corrupt (a loss scale is positive and finite)");
+    fail(path,
+         "records loss_scale = " + std::to_string(st.loss_scale) + ": corrupt (a loss scale is positive and finite)");
   st.seed = static_cast<std::uint64_t>(seed);
   st.layout.dp = static_cast<int>(dp);
   st.layout.tp = static_cast<int>(tp);
@@ -533,10 +540,9 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   if (!read_attr_i64(file, "skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // written before skipping existed
   st.model = recorded_model(file, path, st.deck);
   if (st.model.d_model % st.model.heads != 0)
-    fail(path, "records model.d_model = " + std::to_string(st.model.d_model) + " and model.heads = " +
-                   std::to_string(st.model.heads) + ", which does not divide it: corrupt");
-  if (st.step < 0 || st.optimizer_steps < 0 || st.skipped_steps < 0 ||
-      st.step != st.optimizer_steps + st.skipped_steps)
+    fail(path, "records model.d_model = " + std::to_string(st.model.d_model) +
+                   " and model.heads = " + std::to_string(st.model.heads) + ", which does not divide it: corrupt");
+  if (st.step < 0 || st.optimizer_steps < 0 || st.skipped_steps < 0 || st.step != st.optimizer_steps + st.skipped_steps)
     fail(path, "has step = " + std::to_string(st.step) + ", optimizer_steps = " + std::to_string(st.optimizer_steps) +
                    " and skipped_steps = " + std::to_string(st.skipped_steps) +
                    ": step must be optimizer_steps + skipped_steps, none negative (corrupt)");
@@ -601,8 +607,9 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     for (std::int64_t i = 0; t.holds && i < t.shard.numel() && !nonfinite; ++i) nonfinite = !std::isfinite(data[i]);
     MPI_Allreduce(MPI_IN_PLACE, &nonfinite, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     if (nonfinite)
-      fail(path, "tensor " + name + " holds non-finite values (nan or inf): the run that wrote it had diverged; "
-                 "resume from an earlier checkpoint");
+      fail(path, "tensor " + name +
+                     " holds non-finite values (nan or inf): the run that wrote it had diverged; "
+                     "resume from an earlier checkpoint");
     if (on_device) model.backend().copy_from_host(BufferRef(t.data.as<float>(), t.shard.numel(), t.data.space), data);
   }
   for (CheckpointContributor* c : parts) {
@@ -625,7 +632,8 @@ CheckpointState checkpoint_header(const std::string& path) {
   if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt)");
   CheckpointState st;
   std::int64_t version = 0;
-  if (!read_attr_i64(file.id, "format_version", version)) fail(path, "has no format_version attribute: not a loom checkpoint");
+  if (!read_attr_i64(file.id, "format_version", version))
+    fail(path, "has no format_version attribute: not a loom checkpoint");
   if (!read_attr_i64(file.id, "step", st.step) || !read_attr_string(file.id, "deck", st.deck))
     fail(path, "is missing metadata (step or deck): corrupt");
   st.model = recorded_model(file.id, path, st.deck);
@@ -675,14 +683,14 @@ std::string checkpoint_info(const std::string& path) {
   return out.str();
 }
 
-
 CheckpointVerdict verify_checkpoint(const std::string& path) {
   static QuietHdf5 quiet;
   CheckpointVerdict v;
   try {
     require_hdf5(path);
     Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
-    if (file.id < 0) fail(path, "cannot be opened as HDF5 (truncated or corrupt, or locked: open for writing elsewhere)");
+    if (file.id < 0)
+      fail(path, "cannot be opened as HDF5 (truncated or corrupt, or locked: open for writing elsewhere)");
     const CheckpointState st = read_state(file.id, path);
     v.step = st.step;
     v.layout = st.layout;
@@ -699,7 +707,8 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
       }
       H5L_info_t link{};
       if (H5Lget_info(file.id, t.path.c_str(), &link, H5P_DEFAULT) < 0 || link.type != H5L_TYPE_HARD) {
-        v.problems.push_back("tensor " + t.path + " is a link (soft, or into another file), not data of its own: "
+        v.problems.push_back("tensor " + t.path +
+                             " is a link (soft, or into another file), not data of its own: "
                              "not as loom writes it");
         continue;
       }
@@ -712,8 +721,8 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
       std::vector<hsize_t> dims(static_cast<std::size_t>(std::max(0, H5Sget_simple_extent_ndims(space.id))));
       H5Sget_simple_extent_dims(space.id, dims.data(), nullptr);
       if (dims != std::vector<hsize_t>(t.shard.shape.begin(), t.shard.shape.end()))
-        v.problems.push_back("tensor " + t.path + " has shape " + shape_text(dims) + ", but the model it records needs " +
-                             shape_text(t.shard.shape));
+        v.problems.push_back("tensor " + t.path + " has shape " + shape_text(dims) +
+                             ", but the model it records needs " + shape_text(t.shard.shape));
     }
 
     // Every dataset in the file (the plugins' state too), read whole in blocks of rows: its values
@@ -722,7 +731,8 @@ CheckpointVerdict verify_checkpoint(const std::string& path) {
     const herr_t visited = H5Ovisit(
         file.id, H5_INDEX_NAME, H5_ITER_INC,
         [](hid_t, const char* name, const H5O_info_t* info, void* out) -> herr_t {
-          if (info->type == H5O_TYPE_DATASET) static_cast<std::vector<std::string>*>(out)->push_back("/" + std::string(name));
+          if (info->type == H5O_TYPE_DATASET)
+            static_cast<std::vector<std::string>*>(out)->push_back("/" + std::string(name));
           return 0;
         },
         &names);

@@ -23,14 +23,14 @@ namespace loom {
 inline constexpr std::int64_t kCheckpointFormatVersion = 1;
 
 struct CheckpointState {
-  std::int64_t step = 0;            // steps completed; training resumes at this step (0-based)
-  std::int64_t optimizer_steps = 0; // AdamW updates taken
-  std::int64_t skipped_steps = 0;   // steps whose update was skipped (non-finite); step = optimizer_steps + skipped
-  GPTConfig model;                  // the model's shape (attributes model_layers, ...)
-  std::uint64_t seed = 0;           // the counter-based generators' state is (seed, step)
+  std::int64_t step = 0;             // steps completed; training resumes at this step (0-based)
+  std::int64_t optimizer_steps = 0;  // AdamW updates taken
+  std::int64_t skipped_steps = 0;    // steps whose update was skipped (non-finite); step = optimizer_steps + skipped
+  GPTConfig model;                   // the model's shape (attributes model_layers, ...)
+  std::uint64_t seed = 0;            // the counter-based generators' state is (seed, step)
   double loss_scale = 1.0;
-  std::string deck;                 // the resolved deck text of the run that wrote it
-  Layout layout;                    // the layout that wrote it
+  std::string deck;  // the resolved deck text of the run that wrote it
+  Layout layout;     // the layout that wrote it
 };
 
 // Collective over the grid's world. Writes `path` + ".tmp", closes it (every rank's data flushed),
@@ -78,10 +78,10 @@ std::string checkpoint_info(const std::string& path);
 
 // `loom ckpt verify`: what one process finds reading a whole checkpoint file, no collective.
 struct CheckpointVerdict {
-  std::int64_t step = -1;             // -1: its metadata could not be read
-  Layout layout;                      // the layout that wrote it
+  std::int64_t step = -1;               // -1: its metadata could not be read
+  Layout layout;                        // the layout that wrote it
   std::int64_t tensors = 0, bytes = 0;  // datasets read whole, and their values' bytes
-  std::vector<std::string> problems;  // each naming the tensor or attribute; empty: intact
+  std::vector<std::string> problems;    // each naming the tensor or attribute; empty: intact
 };
 // The checks of load_checkpoint, on every tensor at once instead of stopping at the first: the
 // metadata and the model shape, every parameter and optimizer tensor of that model present with its

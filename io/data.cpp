@@ -33,8 +33,8 @@ const std::uint64_t kSuccStream = rng::hash_name("data.synthetic.successor");
 const char* split_name(Split s) { return s == Split::train ? "train" : "val"; }
 
 std::uint64_t sample_key(std::uint64_t seed, Split split, std::int64_t step, std::int64_t index) {
-  const std::uint64_t stream = (split == Split::train ? kTrainStream : kValStream) ^
-                               rng::mix64(static_cast<std::uint64_t>(step));
+  const std::uint64_t stream =
+      (split == Split::train ? kTrainStream : kValStream) ^ rng::mix64(static_cast<std::uint64_t>(step));
   return rng::bits(seed, stream, static_cast<std::uint64_t>(index));
 }
 
@@ -72,8 +72,8 @@ class SyntheticDataset final : public Dataset {
 
   std::string describe() const override {
     std::ostringstream s;
-    s << "synthetic (vocab " << vocab_ << ", noise " << fmt_double(noise_, 6) << ", best loss "
-      << fmt_double(best_, 4) << " nats/token)";
+    s << "synthetic (vocab " << vocab_ << ", noise " << fmt_double(noise_, 6) << ", best loss " << fmt_double(best_, 4)
+      << " nats/token)";
     return s.str();
   }
 
@@ -143,8 +143,9 @@ class StreamDataset final : public Dataset {
   void sample(Split split, std::int64_t step, std::int64_t index, std::int32_t* out) const override {
     const std::int64_t begin = split == Split::train ? 0 : n_train_;
     const std::int64_t n = split == Split::train ? n_train_ : n_val_;
-    if (n == 0) throw std::logic_error(std::string("Dataset::sample: the ") + split_name(split) +
-                                       " split is empty (data.val_fraction = 0)");
+    if (n == 0)
+      throw std::logic_error(std::string("Dataset::sample: the ") + split_name(split) +
+                             " split is empty (data.val_fraction = 0)");
     const auto span = static_cast<std::uint64_t>(n - seq_len_);
     const auto off = static_cast<std::int64_t>(sample_key(seed_, split, step, index) % span);
     const Tok* src = toks_.data() + begin + off;
@@ -164,8 +165,9 @@ class StreamDataset final : public Dataset {
 std::unique_ptr<Dataset> open_text(const DataConfig& cfg, const std::string& path) {
   const std::string what = cfg.key + " text file " + quote_path(path);
   if (cfg.vocab < 256) {
-    throw InputError(what + ": " + cfg.key + " text needs model.vocab >= 256 (bytes are tokens 0..255), but model.vocab = " +
-                     std::to_string(cfg.vocab));
+    throw InputError(
+        what + ": " + cfg.key +
+        " text needs model.vocab >= 256 (bytes are tokens 0..255), but model.vocab = " + std::to_string(cfg.vocab));
   }
   const std::string bytes = read_file(path, cfg.key + " text file");
   if (bytes.empty()) throw InputError(what + ": the file is empty (0 bytes)");
@@ -176,8 +178,7 @@ std::unique_ptr<Dataset> open_text(const DataConfig& cfg, const std::string& pat
 
 std::int32_t le32(const unsigned char* p) {
   return static_cast<std::int32_t>(static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
-                                   (static_cast<std::uint32_t>(p[2]) << 16) |
-                                   (static_cast<std::uint32_t>(p[3]) << 24));
+                                   (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24));
 }
 
 // Appends the tokens of one llm.c shard to `toks`.
@@ -252,8 +253,9 @@ std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& p
   globfree(&g);
   if (rc == GLOB_NOMATCH || (rc == 0 && files.empty()))
     throw InputError(what + ": the pattern " + quote_path(pattern) + " matches no file");
-  if (rc != 0) throw InputError(what + ": the pattern " + quote_path(pattern) + " cannot be expanded (glob error " +
-                                std::to_string(rc) + ")");
+  if (rc != 0)
+    throw InputError(what + ": the pattern " + quote_path(pattern) + " cannot be expanded (glob error " +
+                     std::to_string(rc) + ")");
   std::sort(files.begin(), files.end());
   std::vector<std::uint16_t> toks;
   for (const auto& f : files) read_shard(cfg, f, toks);
@@ -285,7 +287,8 @@ std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg) {
     if (kind == "text") return open_text(cfg, arg);
     if (kind == "tokens") return open_tokens(cfg, arg);
   }
-  throw InputError(cfg.key + " = " + quote_path(src) + ": unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
+  throw InputError(cfg.key + " = " + quote_path(src) +
+                   ": unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
 }
 
 void load_batch(const Dataset& ds, Split split, std::int64_t step, std::int64_t first_row, int rows, int seq_len,

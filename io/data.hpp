@@ -60,7 +60,7 @@ struct Batch {
 };
 // Fills rows first_row .. first_row+rows-1 of global step `step` (so a micro-batch, or a dp rank's
 // part of the global batch, reads only its own rows).
-void load_batch(const Dataset& ds, Split split, std::int64_t step, std::int64_t first_row, int rows,
-                int seq_len, Batch& batch);
+void load_batch(const Dataset& ds, Split split, std::int64_t step, std::int64_t first_row, int rows, int seq_len,
+                Batch& batch);
 
 }  // namespace loom

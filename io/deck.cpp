@@ -32,11 +32,11 @@ namespace {
 
 namespace po = boost::program_options;
 
-using deck_text::kSpace;
-using deck_text::trim;
-using deck_text::split_name;
-using deck_text::join;
 using deck_text::check_value;
+using deck_text::join;
+using deck_text::kSpace;
+using deck_text::split_name;
+using deck_text::trim;
 
 // Where a line of the deck put a key.
 struct Entry {
@@ -71,17 +71,17 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
         throw DeckError(where + "empty section name " + quote_value(s) + " (valid sections: " + valid_sections + ")");
       if (name.find_first_of(kSpace) != std::string::npos)
         throw DeckError(where + "section header '" + escape_value(s) + "' contains spaces; write [" +
-                         escape_value(trim(name)) + "] (valid sections: " + valid_sections + ")");
+                        escape_value(trim(name)) + "] (valid sections: " + valid_sections + ")");
       if (std::find(sections.begin(), sections.end(), name) == sections.end())
         throw DeckError(where + "unknown section [" + escape_value(name) + "]; did you mean [" +
-                         schema.nearest_section(name) + "]? (valid sections: " + valid_sections + ")");
+                        schema.nearest_section(name) + "]? (valid sections: " + valid_sections + ")");
       section = name;
       continue;
     }
     const auto eq = s.find('=');
     if (eq == std::string::npos || trim(s.substr(0, eq)).empty())
       throw DeckError(where + "cannot read line " + quote_value(trim(raw)) +
-                       " (expected [section], key = value, a # comment or a blank line)");
+                      " (expected [section], key = value, a # comment or a blank line)");
     const std::string key = trim(s.substr(0, eq));
     if (section.empty()) {
       std::vector<std::string> homes;
@@ -89,7 +89,7 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
         if (split_name(spec.name).second == key) homes.push_back("[" + split_name(spec.name).first + "]");
       std::string hint = homes.empty() ? "" : " (" + quote_value(key) + " belongs in " + join(homes, " or ") + ")";
       throw DeckError(where + "key " + quote_value(key) + " is outside any section; put it under a [section] header" +
-                       hint + " (valid sections: " + valid_sections + ")");
+                      hint + " (valid sections: " + valid_sections + ")");
     }
     const std::string name = section + "." + key;
     if (!schema.find(name) && schema.renamed(name)) throw DeckError(where + schema.renamed_message(name));
@@ -98,12 +98,12 @@ std::vector<Entry> scan(const DeckSchema& schema, const std::string& text, const
       for (const auto& spec : schema.keys())
         if (split_name(spec.name).first == section) valid.push_back(split_name(spec.name).second);
       throw DeckError(where + "unknown key " + quote_value(name) + " in section [" + section + "]; did you mean '" +
-                       schema.nearest_key(name) + "'? (valid keys: " + join(valid, ", ") + ")");
+                      schema.nearest_key(name) + "'? (valid keys: " + join(valid, ", ") + ")");
     }
     const auto [it, fresh] = seen.emplace(name, line);
     if (!fresh)
-      throw DeckError(where + "key '" + name + "' given twice (first at " + at(file, it->second) +
-                       ", again at " + at(file, line) + ")");
+      throw DeckError(where + "key '" + name + "' given twice (first at " + at(file, it->second) + ", again at " +
+                      at(file, line) + ")");
     entries.push_back({name, line});
   }
   return entries;
@@ -127,8 +127,10 @@ Deck load_deck(const DeckSchema& schema, const std::string& path, const std::vec
   }
   if (!sets_something) {
     const std::string what = "deck " + quote_path(path) + ": ";
-    if (text.empty()) throw DeckError(what + "is empty (0 bytes); a deck sets at least one key (build/loom keys lists them)");
-    throw DeckError(what + "has no settings (only comments, blank lines or section headers); a deck sets at least "
+    if (text.empty())
+      throw DeckError(what + "is empty (0 bytes); a deck sets at least one key (build/loom keys lists them)");
+    throw DeckError(what +
+                    "has no settings (only comments, blank lines or section headers); a deck sets at least "
                     "one key as 'key = value' under a [section] (build/loom keys lists them)");
   }
   return deck;
@@ -170,8 +172,8 @@ Deck parse_deck(const DeckSchema& schema, const std::string& text_in, const std:
     const std::string where = "--set " + escape_value(set) + ": ";
     const auto eq = set.find('=');
     if (eq == std::string::npos)
-      throw DeckError(where + "expected section.key=value (no '='); nearest key: '" +
-                       schema.nearest_key(trim(set)) + "'");
+      throw DeckError(where + "expected section.key=value (no '='); nearest key: '" + schema.nearest_key(trim(set)) +
+                      "'");
     const std::string key = trim(set.substr(0, eq));
     const std::string text_value = trim(set.substr(eq + 1));
     const KeySpec* spec = schema.find(key);
@@ -193,7 +195,7 @@ Deck parse_deck(const DeckSchema& schema, const std::string& text_in, const std:
     }
     if (text_value.find_first_of("#\n\r") != std::string::npos)
       throw DeckError(where + key + " = " + quote_value(text_value) +
-                       " holds a '#' or a line break, which a deck cannot hold");
+                      " holds a '#' or a line break, which a deck cannot hold");
     std::string value;
     const std::string err = check_value(*spec, text_value, &value);
     if (!err.empty()) throw DeckError(where + err);

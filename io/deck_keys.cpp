@@ -39,8 +39,8 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("model.heads", "4", 1, 1024, "attention heads per block (must divide d_model)"));
   schema.add(int_key("model.seq_len", "64", 1, 1048576, "context length in tokens"));
   schema.add(int_key("model.vocab", "256", 2, 1048576, "vocabulary size (256 for text:PATH bytes)"));
-  schema.add(bool_key("model.recompute", "false",
-                      "recompute each block's activations in backward instead of keeping them"));
+  schema.add(
+      bool_key("model.recompute", "false", "recompute each block's activations in backward instead of keeping them"));
   schema.add(choice_key("model.attention", "unfused", {"unfused", "flash"},
                         "attention kernels: unfused (scores and probabilities [T,T] per head in memory, "
                         "products in the run's precision) or flash (fused, FlashAttention-2's tiling: saves "
@@ -74,8 +74,7 @@ void add_core_keys(DeckSchema& schema) {
                      "micro-batches per step (gradient accumulation / pipeline micro-batches)"));
   schema.add(float_key("train.lr", "3e-4", 0, 10, "peak learning rate"));
   schema.add(float_key("train.lr_min", "0", 0, 10, "floor of the cosine schedule"));
-  schema.add(choice_key("train.schedule", "cosine", {"constant", "cosine"},
-                        "learning-rate schedule after warmup"));
+  schema.add(choice_key("train.schedule", "cosine", {"constant", "cosine"}, "learning-rate schedule after warmup"));
   schema.add(int_key("train.warmup", "0", 0, 1e12, "steps of linear learning-rate warmup from 0"));
   schema.add(float_key("train.weight_decay", "0.1", 0, 10, "AdamW decoupled weight decay"));
   schema.add(float_key("train.beta1", "0.9", 0, 0.999999, "AdamW first-moment decay"));
@@ -126,26 +125,30 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(float_key("run.peak_tflops", "0", 0, 1e6,
                        "peak TFLOP/s of one rank for the MFU figure (0: the back end's matrix-product rate, "
                        "measured at start-up)"));
-  schema.add(float_key("run.comm_timeout", "300", 0, 1e7,
-                       "seconds a rank waits for a peer's message before it ends the job naming that peer (0: forever)"));
+  schema.add(
+      float_key("run.comm_timeout", "300", 0, 1e7,
+                "seconds a rank waits for a peer's message before it ends the job naming that peer (0: forever)"));
   schema.add(float_key("run.emulate_link_gbps", "0", 0, 1e6,
                        "benchmarks: emulate a slower network on one node: every rank's sends share a link of this "
                        "many Gbit/s (0: off, the real transport's speed)"));
   schema.add(float_key("run.emulate_link_latency_us", "0", 0, 1e7,
                        "benchmarks: with run.emulate_link_gbps, the latency added to every message, in microseconds"));
-  schema.add(string_key("checkpoint.dir", "",
-                        "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
+  schema.add(
+      string_key("checkpoint.dir", "",
+                 "where checkpoints are written (empty: <run.dir>/checkpoints); `latest` there names the newest"));
   schema.add(int_key("checkpoint.every", "0", 0, 1e12,
                      "save a checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT)"));
   schema.add(bool_key("checkpoint.at_end", "true",
                       "save a final checkpoint when training ends, if checkpointing is configured "
                       "(checkpoint.every, checkpoint.dir or checkpoint.resume given)"));
-  schema.add(int_key("checkpoint.keep", "2", 1, 1e6, "how many checkpoints to keep (older ones are deleted once a newer one is complete)"));
+  schema.add(int_key("checkpoint.keep", "2", 1, 1e6,
+                     "how many checkpoints to keep (older ones are deleted once a newer one is complete)"));
   schema.add(string_key("checkpoint.resume", "",
                         "start from this checkpoint file, `latest` in checkpoint.dir, or `auto` (latest if it "
                         "exists, else fresh: one job script for every job of a chain); empty: start fresh"));
-  schema.add(string_key("run.plugins", "",
-                        "extra strategy plugins to use, comma-separated (the layout adds data/tensor/pipeline itself)"));
+  schema.add(
+      string_key("run.plugins", "",
+                 "extra strategy plugins to use, comma-separated (the layout adds data/tensor/pipeline itself)"));
 }
 
 }  // namespace loom

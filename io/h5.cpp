@@ -36,9 +36,15 @@ void File::write_raw(const std::string& dataset, hid_t type, const void* data, c
   if (st < 0) fail(path_, "cannot write dataset " + dataset);
 }
 
-void File::write(const std::string& d, const float* p, const std::vector<std::int64_t>& s) { write_raw(d, H5T_NATIVE_FLOAT, p, s); }
-void File::write(const std::string& d, const double* p, const std::vector<std::int64_t>& s) { write_raw(d, H5T_NATIVE_DOUBLE, p, s); }
-void File::write(const std::string& d, const std::int32_t* p, const std::vector<std::int64_t>& s) { write_raw(d, H5T_NATIVE_INT32, p, s); }
+void File::write(const std::string& d, const float* p, const std::vector<std::int64_t>& s) {
+  write_raw(d, H5T_NATIVE_FLOAT, p, s);
+}
+void File::write(const std::string& d, const double* p, const std::vector<std::int64_t>& s) {
+  write_raw(d, H5T_NATIVE_DOUBLE, p, s);
+}
+void File::write(const std::string& d, const std::int32_t* p, const std::vector<std::int64_t>& s) {
+  write_raw(d, H5T_NATIVE_INT32, p, s);
+}
 
 namespace {
 void write_attr(hid_t obj, const std::string& path, const std::string& name, hid_t type, const void* value) {

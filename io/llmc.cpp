@@ -20,14 +20,22 @@ struct FileTensor {
   bool per_layer;
 };
 const FileTensor kOrder[] = {
-    {"wte.weight", false},          {"wpe.weight", false},
-    {"blocks.%d.ln1.weight", true}, {"blocks.%d.ln1.bias", true},
-    {"blocks.%d.attn.qkv.weight", true}, {"blocks.%d.attn.qkv.bias", true},
-    {"blocks.%d.attn.proj.weight", true}, {"blocks.%d.attn.proj.bias", true},
-    {"blocks.%d.ln2.weight", true}, {"blocks.%d.ln2.bias", true},
-    {"blocks.%d.mlp.fc.weight", true}, {"blocks.%d.mlp.fc.bias", true},
-    {"blocks.%d.mlp.proj.weight", true}, {"blocks.%d.mlp.proj.bias", true},
-    {"ln_f.weight", false},         {"ln_f.bias", false},
+    {"wte.weight", false},
+    {"wpe.weight", false},
+    {"blocks.%d.ln1.weight", true},
+    {"blocks.%d.ln1.bias", true},
+    {"blocks.%d.attn.qkv.weight", true},
+    {"blocks.%d.attn.qkv.bias", true},
+    {"blocks.%d.attn.proj.weight", true},
+    {"blocks.%d.attn.proj.bias", true},
+    {"blocks.%d.ln2.weight", true},
+    {"blocks.%d.ln2.bias", true},
+    {"blocks.%d.mlp.fc.weight", true},
+    {"blocks.%d.mlp.fc.bias", true},
+    {"blocks.%d.mlp.proj.weight", true},
+    {"blocks.%d.mlp.proj.bias", true},
+    {"ln_f.weight", false},
+    {"ln_f.bias", false},
 };
 
 // Elements of one tensor (one layer's, for block tensors) as the file stores it.
@@ -83,21 +91,22 @@ LlmcModel read_llmc_model(const std::string& path) {
   if (m.max_seq_len <= 0 || m.vocab <= 0 || m.layers <= 0 || m.heads <= 0 || m.channels <= 0 ||
       m.padded_vocab < m.vocab || m.channels % m.heads != 0 || m.max_seq_len > 1048576 || m.padded_vocab > 1048576 ||
       m.layers > 1024 || m.heads > 1024 || m.channels > 65536)
-    throw InputError(what + " has an impossible header: max_seq_len " + std::to_string(m.max_seq_len) + ", vocab_size " +
-                     std::to_string(m.vocab) + ", padded_vocab_size " + std::to_string(m.padded_vocab) + ", num_layers " +
-                     std::to_string(m.layers) + ", num_heads " + std::to_string(m.heads) + ", channels " +
-                     std::to_string(m.channels) + " (corrupt)");
+    throw InputError(what + " has an impossible header: max_seq_len " + std::to_string(m.max_seq_len) +
+                     ", vocab_size " + std::to_string(m.vocab) + ", padded_vocab_size " +
+                     std::to_string(m.padded_vocab) + ", num_layers " + std::to_string(m.layers) + ", num_heads " +
+                     std::to_string(m.heads) + ", channels " + std::to_string(m.channels) + " (corrupt)");
   const std::int64_t C = m.channels, L = m.layers;
   std::int64_t total = 0;
-  for (const FileTensor& t : kOrder) total += file_numel(t.name, m.padded_vocab, m.max_seq_len, C) * (t.per_layer ? L : 1);
+  for (const FileTensor& t : kOrder)
+    total += file_numel(t.name, m.padded_vocab, m.max_seq_len, C) * (t.per_layer ? L : 1);
   const std::int64_t elem = m.version == 3 ? 4 : 2;
   std::error_code ec;
   const auto size = static_cast<std::int64_t>(std::filesystem::file_size(path, ec));
   if (ec || size != 1024 + total * elem)
-    throw InputError(what + " is " + std::to_string(size) + " bytes; its header (" + std::to_string(m.layers) + " layers, " +
-                     std::to_string(C) + " channels, vocabulary " + std::to_string(m.padded_vocab) + " padded, " +
-                     std::to_string(m.max_seq_len) + " positions) needs " + std::to_string(1024 + total * elem) +
-                     " (truncated or corrupt)");
+    throw InputError(what + " is " + std::to_string(size) + " bytes; its header (" + std::to_string(m.layers) +
+                     " layers, " + std::to_string(C) + " channels, vocabulary " + std::to_string(m.padded_vocab) +
+                     " padded, " + std::to_string(m.max_seq_len) + " positions) needs " +
+                     std::to_string(1024 + total * elem) + " (truncated or corrupt)");
   std::vector<std::uint16_t> half;
   auto read = [&](float* out, std::int64_t n) {
     if (m.version == 3) {
@@ -114,9 +123,11 @@ LlmcModel read_llmc_model(const std::string& path) {
     for (int l = 0; l < (t.per_layer ? m.layers : 1); ++l) {
       std::vector<float> v(static_cast<std::size_t>(n));
       read(v.data(), n);
-      if (std::string(t.name) == "wte.weight") v.resize(static_cast<std::size_t>(m.vocab * C));  // drop the padding rows
+      if (std::string(t.name) == "wte.weight")
+        v.resize(static_cast<std::size_t>(m.vocab * C));  // drop the padding rows
       for (float x : v)
-        if (!std::isfinite(x)) throw InputError(what + ": tensor " + layer_name(t.name, l) + " holds non-finite values");
+        if (!std::isfinite(x))
+          throw InputError(what + ": tensor " + layer_name(t.name, l) + " holds non-finite values");
       m.tensors[t.per_layer ? layer_name(t.name, l) : t.name] = std::move(v);
     }
   }
@@ -127,8 +138,8 @@ void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::strin
   std::string bad;
   auto differ = [&](const char* key, int deck, const char* field, int file) {
     if (deck != file)
-      bad += std::string(bad.empty() ? "" : "; ") + key + " = " + std::to_string(deck) + " in the deck, " + field + " = " +
-             std::to_string(file) + " in the file";
+      bad += std::string(bad.empty() ? "" : "; ") + key + " = " + std::to_string(deck) + " in the deck, " + field +
+             " = " + std::to_string(file) + " in the file";
   };
   differ("model.layers", cfg.layers, "num_layers", m.layers);
   differ("model.d_model", cfg.d_model, "channels", m.channels);
@@ -184,8 +195,8 @@ void write_llmc_model(const std::string& path, const GPTConfig& cfg,
       const std::vector<float>& v = tensor(name);
       const std::int64_t have = std::string(t.name) == "wte.weight" ? V * C : n;
       if (static_cast<std::int64_t>(v.size()) != have)
-        throw std::logic_error("write_llmc_model: " + name + " has " + std::to_string(v.size()) + " elements, expected " +
-                               std::to_string(have));
+        throw std::logic_error("write_llmc_model: " + name + " has " + std::to_string(v.size()) +
+                               " elements, expected " + std::to_string(have));
       out.write(reinterpret_cast<const char*>(v.data()), have * 4);
       if (have < n) {
         const std::vector<float> zeros(static_cast<std::size_t>(n - have), 0.0f);
@@ -210,11 +221,13 @@ std::vector<std::string> read_llmc_tokenizer(const std::string& path) {
     throw InputError(what + " has magic " + std::to_string(h[0]) + ", not " + std::to_string(kLlmcTokenizerMagic) +
                      " (not an llm.c tokenizer file)");
   if (h[1] != 1 && h[1] != 2) throw InputError(what + " has version " + std::to_string(h[1]) + "; loom reads 1 and 2");
-  if (h[2] == 0 || h[2] > 1048576) throw InputError(what + " says it holds " + std::to_string(h[2]) + " tokens (corrupt)");
+  if (h[2] == 0 || h[2] > 1048576)
+    throw InputError(what + " says it holds " + std::to_string(h[2]) + " tokens (corrupt)");
   std::vector<std::string> tokens(h[2]);
   for (std::uint32_t i = 0; i < h[2]; ++i) {
     unsigned char len = 0;
-    if (!in.read(reinterpret_cast<char*>(&len), 1)) throw InputError(what + " ends at token " + std::to_string(i) + " of " + std::to_string(h[2]));
+    if (!in.read(reinterpret_cast<char*>(&len), 1))
+      throw InputError(what + " ends at token " + std::to_string(i) + " of " + std::to_string(h[2]));
     tokens[i].resize(len);
     if (len && !in.read(&tokens[i][0], len)) throw InputError(what + " ends inside token " + std::to_string(i));
   }

@@ -81,10 +81,9 @@ nlohmann::json platform_info() {
 }
 
 nlohmann::json build_info() {
-  return {{"version", build::version},       {"git_commit", build::git_commit},
-          {"build_type", build::build_type}, {"compiler", build::compiler},
-          {"cxx_flags", build::cxx_flags},   {"kokkos", build::kokkos_origin},
-          {"blas", build::blas_libraries},   {"hdf5", build::hdf5_version}};
+  return {{"version", build::version},     {"git_commit", build::git_commit}, {"build_type", build::build_type},
+          {"compiler", build::compiler},   {"cxx_flags", build::cxx_flags},   {"kokkos", build::kokkos_origin},
+          {"blas", build::blas_libraries}, {"hdf5", build::hdf5_version}};
 }
 
 }  // namespace loom

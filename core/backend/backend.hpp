@@ -107,8 +107,9 @@ class Backend : public BackendFace {
 // Every back end's first reason to refuse fused attention: a head size the kernels are not built for
 // (core/backend/kernel_math.hpp flash_head_size_supported); empty when hs is one of them.
 inline std::string flash_head_size_refusal(int hs) {
-  return math::flash_head_size_supported(hs) ? std::string()
-                                             : "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
+  return math::flash_head_size_supported(hs)
+             ? std::string()
+             : "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
 }
 
 // The shape checks of Backend::matmul, for every back end: non-negative dimensions, a [M,K], b

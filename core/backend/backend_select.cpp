@@ -67,8 +67,7 @@ struct DeviceMatching {
 
 }  // namespace
 
-int device_for_local_rank(int local_rank, const std::vector<DeviceIds>& seen, const std::string& why_none,
-                          bool share) {
+int device_for_local_rank(int local_rank, const std::vector<DeviceIds>& seen, const std::string& why_none, bool share) {
   const int ranks = static_cast<int>(seen.size());
   if (local_rank < 0 || local_rank >= ranks)
     throw std::logic_error("device_for_local_rank: local rank " + std::to_string(local_rank) + " of " +
@@ -88,12 +87,13 @@ int device_for_local_rank(int local_rank, const std::vector<DeviceIds>& seen, co
                        " (one device per rank); start at most " + std::to_string(devices) +
                        " ranks per node, or run.backend = host (run.share_gpu = true lets ranks share a GPU, "
                        "through host copies: for checks, not speed)");
-    throw InputError("run.backend = cuda: the " + std::to_string(ranks) + " ranks of this node see " +
-                     std::to_string(devices) + " CUDA devices in all, but not so that each can drive one of its "
-                     "own (local rank " + std::to_string(without) + " sees " +
-                     std::to_string(seen[static_cast<std::size_t>(without)].size()) +
-                     "); let every rank see every device, or give each rank its own (the scheduler's one GPU per "
-                     "task), or run.share_gpu = true");
+    throw InputError(
+        "run.backend = cuda: the " + std::to_string(ranks) + " ranks of this node see " + std::to_string(devices) +
+        " CUDA devices in all, but not so that each can drive one of its "
+        "own (local rank " +
+        std::to_string(without) + " sees " + std::to_string(seen[static_cast<std::size_t>(without)].size()) +
+        "); let every rank see every device, or give each rank its own (the scheduler's one GPU per "
+        "task), or run.share_gpu = true");
   }
   const int mine = ordinal[static_cast<std::size_t>(local_rank)];
   if (mine >= 0) return mine;
@@ -104,8 +104,8 @@ int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, 
                           bool share) {
   DeviceIds all;
   for (int d = 0; d < device_count; ++d) all.push_back(std::to_string(d));
-  return device_for_local_rank(local_rank, std::vector<DeviceIds>(static_cast<std::size_t>(std::max(ranks_per_node, 0)), all),
-                               why_none, share);
+  return device_for_local_rank(
+      local_rank, std::vector<DeviceIds>(static_cast<std::size_t>(std::max(ranks_per_node, 0)), all), why_none, share);
 }
 
 namespace {
@@ -136,12 +136,13 @@ const CudaLibrary& cuda_library() {
       }
       void* h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
       if (!h) {
-        lib.why_not = what + " cannot be loaded: " + dlerror() +
-                      (named ? std::string(" (it should name " LOOM_CUDA_LIBRARY " or libloom_cuda_emu.so of this loom's "
-                                           "build; " LOOM_CUDA_LIBRARY " also needs the CUDA runtime libraries, cuBLAS "
-                                           "and cuBLASLt)")
-                             : std::string(" (the CUDA runtime libraries, cuBLAS and cuBLASLt, must be installed on this "
-                                           "node)"));
+        lib.why_not =
+            what + " cannot be loaded: " + dlerror() +
+            (named ? std::string(" (it should name " LOOM_CUDA_LIBRARY " or libloom_cuda_emu.so of this loom's "
+                                 "build; " LOOM_CUDA_LIBRARY " also needs the CUDA runtime libraries, cuBLAS "
+                                 "and cuBLASLt)")
+                   : std::string(" (the CUDA runtime libraries, cuBLAS and cuBLASLt, must be installed on this "
+                                 "node)"));
         return false;
       }
       const auto abi = reinterpret_cast<loom_cuda_abi_fn>(dlsym(h, "loom_cuda_abi"));
@@ -149,8 +150,9 @@ const CudaLibrary& cuda_library() {
       lib.device_uuids = reinterpret_cast<loom_cuda_device_uuids_fn>(dlsym(h, "loom_cuda_device_uuids"));
       lib.create = reinterpret_cast<loom_cuda_create_fn>(dlsym(h, "loom_cuda_create"));
       if (!abi || !lib.device_count || !lib.create) {
-        lib.why_not = what + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create" +
-                      (named ? " (it is not a loom CUDA back end: name " LOOM_CUDA_LIBRARY " or libloom_cuda_emu.so)" : "");
+        lib.why_not =
+            what + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create" +
+            (named ? " (it is not a loom CUDA back end: name " LOOM_CUDA_LIBRARY " or libloom_cuda_emu.so)" : "");
         return false;
       }
       if (abi() != LOOM_CUDA_ABI_VERSION) {
@@ -170,13 +172,16 @@ const CudaLibrary& cuda_library() {
     // GPU) in place of the one beside the plugins, whether or not this loom was built with CUDA.
     if (const char* named = std::getenv("LOOM_CUDA_BACKEND_LIBRARY"); named && *named) {
       std::error_code ec;
-      if (!fs::exists(named, ec)) lib.why_not = std::string("LOOM_CUDA_BACKEND_LIBRARY = ") + named + " does not exist";
-      else open(fs::absolute(named).string(), true);  // dlopen searches the library path for a bare name
+      if (!fs::exists(named, ec))
+        lib.why_not = std::string("LOOM_CUDA_BACKEND_LIBRARY = ") + named + " does not exist";
+      else
+        open(fs::absolute(named).string(), true);  // dlopen searches the library path for a bare name
       return;
     }
     if (!build::cuda) {
-      lib.why_not = "this loom was built without the CUDA back end (LOOM_ENABLE_CUDA=OFF, or nvcc was not found "
-                    "when it was configured)";
+      lib.why_not =
+          "this loom was built without the CUDA back end (LOOM_ENABLE_CUDA=OFF, or nvcc was not found "
+          "when it was configured)";
       return;
     }
     std::string tried;
@@ -220,8 +225,8 @@ std::vector<DeviceIds> node_devices(MPI_Comm node, loom_cuda_device_uuids_fn uui
   MPI_Allgather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, node);
   MPI_Allgather(&flag, 1, MPI_INT, ordinal_flags.data(), 1, MPI_INT, node);
   std::vector<unsigned char> all(mine.size() * static_cast<std::size_t>(size));
-  MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, all.data(), static_cast<int>(mine.size()), MPI_BYTE,
-                node);
+  MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, all.data(), static_cast<int>(mine.size()),
+                MPI_BYTE, node);
   // Where one rank has no identities, no rank's count: a GPU named by UUID on one rank and by its
   // ordinal on another would pass for two.
   const bool by_ordinals = std::find(ordinal_flags.begin(), ordinal_flags.end(), 1) != ordinal_flags.end();
@@ -232,7 +237,8 @@ std::vector<DeviceIds> node_devices(MPI_Comm node, loom_cuda_device_uuids_fn uui
         seen[static_cast<std::size_t>(q)].push_back("ordinal " + std::to_string(d));
         continue;
       }
-      const unsigned char* id = all.data() + mine.size() * static_cast<std::size_t>(q) + static_cast<std::size_t>(d) * kIdBytes;
+      const unsigned char* id =
+          all.data() + mine.size() * static_cast<std::size_t>(q) + static_cast<std::size_t>(d) * kIdBytes;
       char hex[2 * kIdBytes + 1];
       for (int i = 0; i < kIdBytes; ++i) std::snprintf(hex + 2 * i, 3, "%02x", id[i]);
       seen[static_cast<std::size_t>(q)].emplace_back(hex);
@@ -242,8 +248,8 @@ std::vector<DeviceIds> node_devices(MPI_Comm node, loom_cuda_device_uuids_fn uui
 
 }  // namespace
 
-std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, const std::string& tf32, bool share_gpu,
-                                      MPI_Comm world, BackendChoice* choice) {
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, const std::string& tf32,
+                                      bool share_gpu, MPI_Comm world, BackendChoice* choice) {
   BackendChoice c;
   c.requested = requested;
   if (requested != "host" && requested != "cuda" && requested != "auto" && requested != "fenced")

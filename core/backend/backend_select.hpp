@@ -14,12 +14,12 @@
 namespace loom {
 
 // The entry points of libloom_cuda.so (extern "C", resolved by dlsym).
-#define LOOM_CUDA_ABI_VERSION 10  // 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy; 6: Backend::topk_*;
-                                 // 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes;
-                                 // 8: loom_cuda_device_uuids; 9: Backend's operations from one list
-                                 // (core/backend/backend_ops.hpp), last in the vtable, the defaulted
-                                 // ones before them; 10: BackendFace first (the plugin face,
-                                 // LOOM_FACE_OPS), then the rest of Backend
+// LOOM_CUDA_ABI_VERSION: 4: the fused attention's Backend entries; 5: Backend::int8_*, axpy;
+// 6: Backend::topk_*; 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes;
+// 8: loom_cuda_device_uuids; 9: Backend's operations from one list (core/backend/backend_ops.hpp),
+// last in the vtable, the defaulted ones before them; 10: BackendFace first (the plugin face,
+// LOOM_FACE_OPS), then the rest of Backend.
+#define LOOM_CUDA_ABI_VERSION 10
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.
@@ -73,8 +73,8 @@ struct BackendChoice {
 // devices than ranks (unless shared). auto: cuda when a device is visible and usable for every rank
 // of the node, else host (the banner says why). Several ranks: each back end makes its groups'
 // communicators (Backend::make_communicator).
-std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, const std::string& tf32, bool share_gpu,
-                                      MPI_Comm world, BackendChoice* choice);
+std::unique_ptr<Backend> make_backend(const std::string& requested, int threads, const std::string& tf32,
+                                      bool share_gpu, MPI_Comm world, BackendChoice* choice);
 
 // Whether this loom was built with the CUDA back end (LOOM_ENABLE_CUDA).
 bool cuda_built();

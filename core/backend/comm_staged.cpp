@@ -122,7 +122,8 @@ class StagedCommunicator final : public Communicator {
     }
     // The host copy of `x` (x itself when it is host memory).
     BufferRef host(const BufferRef& x) const {
-      if (x.space != MemSpace::device || x.count == 0) return x.space == MemSpace::device ? BufferRef(nullptr, x.type, 0) : x;
+      if (x.space != MemSpace::device || x.count == 0)
+        return x.space == MemSpace::device ? BufferRef(nullptr, x.type, 0) : x;
       const BufferRef& base = outer_.count > 0 ? outer_ : x;
       const std::size_t at = offset(base) + static_cast<std::size_t>(static_cast<const char*>(x.data) -
                                                                      static_cast<const char*>(base.data));

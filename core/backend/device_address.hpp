@@ -6,7 +6,7 @@
 
 namespace loom::device_address {
 
-inline constexpr std::uintptr_t kOffset = std::uintptr_t(1) << 47;    // host address + kOffset
+inline constexpr std::uintptr_t kOffset = std::uintptr_t(1) << 47;      // host address + kOffset
 inline constexpr std::uintptr_t kSizingBase = std::uintptr_t(1) << 48;  // the sizing back end's first
 
 template <class T>

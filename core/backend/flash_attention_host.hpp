@@ -37,8 +37,8 @@
 
 namespace loom::kernels::flash {
 
-constexpr int kTile = 64;            // keys per forward tile: flash_attention.cuh's kCols (the emulator test holds them equal)
-constexpr float kNoScore = -1e30f;   // a masked score, as the device's
+constexpr int kTile = 64;  // keys per forward tile: flash_attention.cuh's kCols (the emulator test holds them equal)
+constexpr float kNoScore = -1e30f;  // a masked score, as the device's
 
 inline bool head_size_supported(int hs) { return math::flash_head_size_supported(hs); }
 
@@ -47,7 +47,8 @@ inline bool head_size_supported(int hs) { return math::flash_head_size_supported
 inline void load_bf16(std::vector<bf16>& dst, const float* src, std::int64_t ld, int T, int hs) {
   dst.resize(static_cast<std::size_t>(T) * hs);
   for (int t = 0; t < T; ++t)
-    for (int d = 0; d < hs; ++d) dst[static_cast<std::size_t>(t) * hs + d] = to_bf16(src[static_cast<std::int64_t>(t) * ld + d]);
+    for (int d = 0; d < hs; ++d)
+      dst[static_cast<std::size_t>(t) * hs + d] = to_bf16(src[static_cast<std::int64_t>(t) * ld + d]);
 }
 
 inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
@@ -63,13 +64,13 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
     load_bf16(q, base, C3, T, hs);
     load_bf16(k, base + C, C3, T, hs);
     load_bf16(v, base + 2 * C, C3, T, hs);
-    std::vector<float> s(static_cast<std::size_t>(kTile) * T);        // [rows, keys] scores of a block of queries
-    std::vector<bf16> p(static_cast<std::size_t>(kTile) * kTile);     // [rows, 64] one tile's probabilities
+    std::vector<float> s(static_cast<std::size_t>(kTile) * T);     // [rows, keys] scores of a block of queries
+    std::vector<bf16> p(static_cast<std::size_t>(kTile) * kTile);  // [rows, 64] one tile's probabilities
     std::vector<float> o(static_cast<std::size_t>(kTile) * hs), m(kTile), l(kTile);  // [rows, hs], [rows] x2
     for (int q0 = 0; q0 < T; q0 += kTile) {  // a device block: 64 queries, the key tiles up to its last
       const int rows = std::min(kTile, T - q0), keys = q0 + rows;
-      gemm::gemm_bf16(false, true, rows, keys, hs, 1.0f, q.data() + static_cast<std::size_t>(q0) * hs, hs, k.data(), hs, 0.0f,
-                      s.data(), keys);  // s = q k^T, fp32 accumulation
+      gemm::gemm_bf16(false, true, rows, keys, hs, 1.0f, q.data() + static_cast<std::size_t>(q0) * hs, hs, k.data(), hs,
+                      0.0f, s.data(), keys);  // s = q k^T, fp32 accumulation
       std::fill(o.begin(), o.end(), 0.0f);
       std::fill(m.begin(), m.end(), kNoScore);
       std::fill(l.begin(), l.end(), 0.0f);
@@ -103,8 +104,8 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
           m[r] = m_new;
           l[r] = l[r] * alpha + (half_sum[0] + half_sum[1]);
         }
-        gemm::gemm_bf16(false, false, rows, hs, cols, 1.0f, p.data(), kTile, v.data() + static_cast<std::size_t>(k0) * hs, hs,
-                        1.0f, o.data(), hs);  // o += p v
+        gemm::gemm_bf16(false, false, rows, hs, cols, 1.0f, p.data(), kTile,
+                        v.data() + static_cast<std::size_t>(k0) * hs, hs, 1.0f, o.data(), hs);  // o += p v
       }
       for (int r = 0; r < rows; ++r) {
         const int t = q0 + r;
@@ -118,9 +119,9 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
 
 // out: the forward's output as saved (fp32, bf16 or fp16); dsum [B,NH,T] is scratch.
 template <class OutT>
-void attention_backward(float* dqkv, float* dsum,                     // [B,T,3C] (=), [B,NH,T] scratch
-                        const float* dout, const OutT* out,           // [B,T,C], [B,T,C]
-                        const float* qkv, const float* lse,           // [B,T,3C], [B,NH,T]
+void attention_backward(float* dqkv, float* dsum,            // [B,T,3C] (=), [B,NH,T] scratch
+                        const float* dout, const OutT* out,  // [B,T,C], [B,T,C]
+                        const float* qkv, const float* lse,  // [B,T,3C], [B,NH,T]
                         int B, int T, int C, int NH) {
   const int hs = C / NH;
   const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
@@ -144,16 +145,18 @@ void attention_backward(float* dqkv, float* dsum,                     // [B,T,3C
     load_bf16(v, base + 2 * C, C3, T, hs);
     load_bf16(g, dbase, C, T, hs);
     const std::size_t block = static_cast<std::size_t>(kTile) * T;
-    std::vector<float> st(block), dpt(block);   // [keys, queries] of a block of keys: scores^T, dprobs^T
-    std::vector<bf16> pt(block), dst(block);    // probabilities^T, score gradients^T
+    std::vector<float> st(block), dpt(block);  // [keys, queries] of a block of keys: scores^T, dprobs^T
+    std::vector<bf16> pt(block), dst(block);   // probabilities^T, score gradients^T
     std::vector<float> dq(static_cast<std::size_t>(T) * hs, 0.0f), dk(static_cast<std::size_t>(kTile) * hs),
         dv(static_cast<std::size_t>(kTile) * hs);
     float* dbase_qkv = dqkv + static_cast<std::int64_t>(b) * T * C3 + head;
     for (int k0 = 0; k0 < T; k0 += kTile) {  // a device block of dk/dv: 64 keys, the queries from its first on
       const int kr = std::min(kTile, T - k0), nq = T - k0;
       const std::size_t at = static_cast<std::size_t>(k0) * hs;
-      gemm::gemm_bf16(false, true, kr, nq, hs, 1.0f, k.data() + at, hs, q.data() + at, hs, 0.0f, st.data(), nq);   // k q^T
-      gemm::gemm_bf16(false, true, kr, nq, hs, 1.0f, v.data() + at, hs, g.data() + at, hs, 0.0f, dpt.data(), nq);  // v dout^T
+      gemm::gemm_bf16(false, true, kr, nq, hs, 1.0f, k.data() + at, hs, q.data() + at, hs, 0.0f, st.data(),
+                      nq);  // k q^T
+      gemm::gemm_bf16(false, true, kr, nq, hs, 1.0f, v.data() + at, hs, g.data() + at, hs, 0.0f, dpt.data(),
+                      nq);  // v dout^T
       for (int r = 0; r < kr; ++r) {
         const int key = k0 + r;
         const std::size_t row = static_cast<std::size_t>(r) * nq;
@@ -169,9 +172,12 @@ void attention_backward(float* dqkv, float* dsum,                     // [B,T,3C
           }
         }
       }
-      gemm::gemm_bf16(false, false, kr, hs, nq, 1.0f, pt.data(), nq, g.data() + at, hs, 0.0f, dv.data(), hs);   // p^T dout
-      gemm::gemm_bf16(false, false, kr, hs, nq, 1.0f, dst.data(), nq, q.data() + at, hs, 0.0f, dk.data(), hs);  // ds^T q
-      gemm::gemm_bf16(true, false, nq, hs, kr, 1.0f, dst.data(), nq, k.data() + at, hs, 1.0f, dq.data() + at, hs);  // dq += ds k
+      gemm::gemm_bf16(false, false, kr, hs, nq, 1.0f, pt.data(), nq, g.data() + at, hs, 0.0f, dv.data(),
+                      hs);  // p^T dout
+      gemm::gemm_bf16(false, false, kr, hs, nq, 1.0f, dst.data(), nq, q.data() + at, hs, 0.0f, dk.data(),
+                      hs);  // ds^T q
+      gemm::gemm_bf16(true, false, nq, hs, kr, 1.0f, dst.data(), nq, k.data() + at, hs, 1.0f, dq.data() + at,
+                      hs);  // dq += ds k
       for (int r = 0; r < kr; ++r)
         for (int d = 0; d < hs; ++d) {
           float* row = dbase_qkv + static_cast<std::int64_t>(k0 + r) * C3 + d;
@@ -180,7 +186,8 @@ void attention_backward(float* dqkv, float* dsum,                     // [B,T,3C
         }
     }
     for (int t = 0; t < T; ++t)
-      for (int d = 0; d < hs; ++d) dbase_qkv[static_cast<std::int64_t>(t) * C3 + d] = dq[static_cast<std::size_t>(t) * hs + d] * scale;
+      for (int d = 0; d < hs; ++d)
+        dbase_qkv[static_cast<std::int64_t>(t) * C3 + d] = dq[static_cast<std::size_t>(t) * hs + d] * scale;
   }
 }
 

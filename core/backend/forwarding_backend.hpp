@@ -52,19 +52,23 @@ class ForwardingBackend : public Backend {
   void copy_from_host(BufferRef buffer, const void* src) override {
     inner_->copy_from_host(map_buffer(buffer, "copy_from_host"), src);
   }
-  void copy_to_host(void* dst, BufferRef buffer) override { inner_->copy_to_host(dst, map_buffer(buffer, "copy_to_host")); }
+  void copy_to_host(void* dst, BufferRef buffer) override {
+    inner_->copy_to_host(dst, map_buffer(buffer, "copy_to_host"));
+  }
   void synchronize() override { inner_->synchronize(); }
-  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls, const AttentionShape& attention) const override {
+  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls,
+                      const AttentionShape& attention) const override {
     inner_->plan_workspace(plan, calls, attention);
   }
   bool ring_scratch_pools() const override { return inner_->ring_scratch_pools(); }
   std::string flash_attention_refusal(int hs) const override { return inner_->flash_attention_refusal(hs); }
   std::int64_t topk_scratch_bytes(std::int64_t n) const override { return inner_->topk_scratch_bytes(n); }
 
-#define LOOM_FORWARD_OP(ret, name, params, args)                                              \
-  ret name params override {                                                                  \
-    before_op(#name);                                                                         \
-    return pass(#name, [this](auto... a) -> ret { return inner_->name(a...); }, LOOM_EXPAND args); \
+#define LOOM_FORWARD_OP(ret, name, params, args)                                           \
+  ret name params override {                                                               \
+    before_op(#name);                                                                      \
+    return pass(                                                                           \
+        #name, [this](auto... a) -> ret { return inner_->name(a...); }, LOOM_EXPAND args); \
   }
   LOOM_FACE_OPS(LOOM_FORWARD_OP)
   LOOM_BACKEND_OPS(LOOM_FORWARD_OP)

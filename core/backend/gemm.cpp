@@ -51,10 +51,10 @@ bool trivial(int M, int N, int K, float beta, float* C, int ldc) {
   return true;
 }
 
-void blas_sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
-                int ldb, float beta, float* C, int ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, alpha, A,
-              lda, B, ldb, beta, C, ldc);
+void blas_sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                float beta, float* C, int ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B,
+              ldb, beta, C, ldc);
 }
 
 // bf16 through fp32 copies of A and B as stored (rows x cols with leading dimension ld), one sgemm.
@@ -101,8 +101,8 @@ std::uint32_t bits(float x) {
 
 // The primitive for one product, created on first use. Strides carry the transposes and leading
 // dimensions: op(A)[m,k] is A[m*lda + k], or A[k*lda + m] when ta.
-std::shared_ptr<const Entry> lookup(bool is_bf16, bool ta, bool tb, int M, int N, int K, int lda, int ldb, int ldc, float alpha,
-             float beta) {
+std::shared_ptr<const Entry> lookup(bool is_bf16, bool ta, bool tb, int M, int N, int K, int lda, int ldb, int ldc,
+                                    float alpha, float beta) {
   const Key key{is_bf16, ta, tb, M, N, K, lda, ldb, ldc, bits(alpha), bits(beta)};
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -145,26 +145,31 @@ std::shared_ptr<const Entry> lookup(bool is_bf16, bool ta, bool tb, int M, int N
 
 void run(const Entry& e, const void* A, const void* B, float* C) {
   Dnnl& d = dnnl_state();
-  dnnl::memory ma(e.a, d.engine, const_cast<void*>(A)), mb(e.b, d.engine, const_cast<void*>(B)),
-      mc(e.c, d.engine, C);
+  dnnl::memory ma(e.a, d.engine, const_cast<void*>(A)), mb(e.b, d.engine, const_cast<void*>(B)), mc(e.c, d.engine, C);
   e.prim.execute(d.stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   d.stream.wait();
 }
 
 const char* runtime_name(unsigned r) {
   switch (r) {
-    case DNNL_RUNTIME_OMP: return "OpenMP";
-    case DNNL_RUNTIME_TBB: return "TBB";
-    case DNNL_RUNTIME_SEQ: return "sequential";
-    case DNNL_RUNTIME_THREADPOOL: return "threadpool";
-    default: return "unknown runtime";
+    case DNNL_RUNTIME_OMP:
+      return "OpenMP";
+    case DNNL_RUNTIME_TBB:
+      return "TBB";
+    case DNNL_RUNTIME_SEQ:
+      return "sequential";
+    case DNNL_RUNTIME_THREADPOOL:
+      return "threadpool";
+    default:
+      return "unknown runtime";
   }
 }
 
 #endif  // LOOM_HAVE_ONEDNN
 
 std::string blas_name() {
-  std::string s = openblas_get_config ? std::string(openblas_get_config()) : std::string("CBLAS");  // "OpenBLAS 0.3.21 ..."
+  std::string s =
+      openblas_get_config ? std::string(openblas_get_config()) : std::string("CBLAS");  // "OpenBLAS 0.3.21 ..."
   if (openblas_get_num_threads) {
     const int n = openblas_get_num_threads();
     s += " (" + std::to_string(n) + " thread" + (n == 1 ? "" : "s") + ")";
@@ -183,9 +188,12 @@ Impl parse_impl(const std::string& s) {
 
 const char* impl_name(Impl i) {
   switch (i) {
-    case Impl::automatic: return "auto";
-    case Impl::onednn: return "onednn";
-    case Impl::blas: return "blas";
+    case Impl::automatic:
+      return "auto";
+    case Impl::onednn:
+      return "onednn";
+    case Impl::blas:
+      return "blas";
   }
   return "?";
 }
@@ -200,8 +208,9 @@ bool have_onednn() {
 
 void set_impl(Impl i) {
   if (i == Impl::onednn && !have_onednn())
-    throw std::invalid_argument("gemm implementation 'onednn' is not in this build (built with LOOM_ONEDNN=OFF "
-                                "or without oneDNN); valid here: auto, blas");
+    throw std::invalid_argument(
+        "gemm implementation 'onednn' is not in this build (built with LOOM_ONEDNN=OFF "
+        "or without oneDNN); valid here: auto, blas");
   g_choice.store(i);
 }
 

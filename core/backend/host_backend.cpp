@@ -37,11 +37,20 @@ void require_host(const BufferRef& b, const char* op, const char* name) {
 template <class F>
 void with_float_type(DType t, const char* op, F&& f) {
   switch (t) {
-    case DType::f32: f(float{}); return;
-    case DType::f64: f(double{}); return;
-    case DType::bf16: f(bf16{}); return;
-    case DType::f16: f(f16{}); return;
-    default: refuse(std::string(op) + ": element type " + dtype_name(t) + " is not fp32, fp64, bf16 or fp16");
+    case DType::f32:
+      f(float{});
+      return;
+    case DType::f64:
+      f(double{});
+      return;
+    case DType::bf16:
+      f(bf16{});
+      return;
+    case DType::f16:
+      f(f16{});
+      return;
+    default:
+      refuse(std::string(op) + ": element type " + dtype_name(t) + " is not fp32, fp64, bf16 or fp16");
   }
 }
 
@@ -58,28 +67,28 @@ class HostBackend final : public Backend {
       << (threads_ == 1 ? "" : "s") << ")";
     return s.str();
   }
-  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T,
-                       int C, int vocab_begin, int vocab_end, bool add_pos) override {
+  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
+                       int vocab_begin, int vocab_end, bool add_pos) override {
     k::encoder_forward(out, inp, wte, wpe, B, T, C, vocab_begin, vocab_end, add_pos);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T,
-                        int C, int vocab_begin, int vocab_end) override {
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T, int C,
+                        int vocab_begin, int vocab_end) override {
     k::encoder_backward(dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end);
   }
   void bias_add(float* out, const float* bias, int N, int OC) override { k::bias_add(out, bias, N, OC); }
   void bias_backward(float* dbias, const float* dout, int N, int OC) override { k::bias_backward(dbias, dout, N, OC); }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                         const float* bias, int N, int C) override {
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                         int N, int C) override {
     k::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
   }
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, const float* mean, const float* rstd, int N,
-                          int C) override {
+                          const float* weight, const float* mean, const float* rstd, int N, int C) override {
     k::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
   void set_precision(const Precision& p) override {
     if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
-      refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) + "; the host back end takes fp32, bf16 or fp16");
+      refuse(std::string("precision: matrix products in ") + dtype_name(p.matmul) +
+             "; the host back end takes fp32, bf16 or fp16");
     precision_ = p;
   }
   void release_scratch() override {
@@ -88,8 +97,8 @@ class HostBackend final : public Backend {
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) override {
     if (precision_.matmul == DType::f32) return k::matmul_forward(out, inp, weight, bias, N, C, OC);
-    matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C), BufferRef(weight, static_cast<std::int64_t>(OC) * C),
-                   bias, N, C, OC);
+    matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C),
+                   BufferRef(weight, static_cast<std::int64_t>(OC) * C), bias, N, C, OC);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int N, int C, int OC) override {
@@ -100,32 +109,30 @@ class HostBackend final : public Backend {
   void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
     if (precision_.matmul == DType::f32)
       return k::matmul_forward(out, inp.as<float>(), weight.as<float>(), bias, N, C, OC);
-    const void* x = operand16(0, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
-    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
-    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, out, OC);                // out = x W^T
+    const void* x = operand16(0, inp, static_cast<std::int64_t>(N) * C);      // [N,C]
+    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
+    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, out, OC);                 // out = x W^T
     if (bias) k::bias_add(out, bias, N, OC);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp,
-                       BufferRef weight, int N, int C, int OC) override {
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp, BufferRef weight,
+                       int N, int C, int OC) override {
     if (precision_.matmul == DType::f32)
       return k::matmul_backward(dinp, dweight, dbias, dout, inp.as<float>(), weight.as<float>(), N, C, OC);
     const void* d = operand16(0, BufferRef(dout, static_cast<std::int64_t>(N) * OC), static_cast<std::int64_t>(N) * OC);
-    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C); // [OC,C]
-    const void* x = operand16(2, inp, static_cast<std::int64_t>(N) * C);     // [N,C]
+    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
+    const void* x = operand16(2, inp, static_cast<std::int64_t>(N) * C);      // [N,C]
     gemm16(false, false, N, C, OC, d, OC, w, C, 0.0f, dinp, C);               // dinp = dout W
     gemm16(true, false, OC, C, N, d, OC, x, C, 1.0f, dweight, C);             // dW += dout^T x
-    if (dbias) k::bias_backward(dbias, dout, N, OC);                        // a sum, not a product: fp32
+    if (dbias) k::bias_backward(dbias, dout, N, OC);                          // a sum, not a product: fp32
   }
   void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
     k::attention_forward(out, att, qkv, B, T, C, NH);
   }
-  void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv, const float* att,
-                          int B, int T, int C, int NH) override {
+  void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv, const float* att, int B, int T,
+                          int C, int NH) override {
     k::attention_backward(dqkv, datt, dout, qkv, att, B, T, C, NH);
   }
-  std::string flash_attention_refusal(int hs) const override {
-    return flash_head_size_refusal(hs);
-  }
+  std::string flash_attention_refusal(int hs) const override { return flash_head_size_refusal(hs); }
   void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
     require_flash(C / NH);
     k::flash::attention_forward(out, lse, qkv, B, T, C, NH);
@@ -149,12 +156,12 @@ class HostBackend final : public Backend {
   void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
     k::residual_forward(out, a, b, n);
   }
-  void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* targets,
-                            int N, int V) override {
+  void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* targets, int N,
+                            int V) override {
     k::crossentropy_forward(losses, probs, logits, targets, N, V);
   }
-  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss,
-                             int N, int V, int vocab_begin) override {
+  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N, int V,
+                             int vocab_begin) override {
     k::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin);
   }
   void crossentropy_row_max(float* row_max, const float* logits, int N, int V) override {
@@ -168,8 +175,8 @@ class HostBackend final : public Backend {
                            const double* target_logit, int N, int V) override {
     k::crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, V);
   }
-  void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr,
-                    float beta1, float beta2, float eps, float weight_decay, std::int64_t t) override {
+  void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
+                    float beta2, float eps, float weight_decay, std::int64_t t) override {
     k::adamw_update(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t);
   }
   double sum_squares(const float* x, std::int64_t n) override { return k::sum_squares(x, n); }
@@ -204,8 +211,8 @@ class HostBackend final : public Backend {
     const int lda = std::max(1, transa ? M : K), ldb = std::max(1, transb ? K : N), ldc = std::max(1, N);
     const auto all = [&](DType t) { return a.type == t && b.type == t && out.type == t; };
     if (all(DType::f32)) {
-      k::gemm(transa, transb, M, N, K, alpha, a.as<const float>(), lda, b.as<const float>(), ldb, beta,
-              out.as<float>(), ldc);
+      k::gemm(transa, transb, M, N, K, alpha, a.as<const float>(), lda, b.as<const float>(), ldb, beta, out.as<float>(),
+              ldc);
       return;
     }
     if (all(DType::f64)) {
@@ -373,7 +380,8 @@ class HostBackend final : public Backend {
       // The CPU's conversion (F16C: round to nearest even, inf on overflow, NaN kept), 8 at a time;
       // the same values as to_f16, about 10x faster.
       for (; i + 8 <= e; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+        _mm256_storeu_ps(dst + i,
+                         _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
 #endif
       for (; i < e; ++i) dst[i] = to_float(to_f16(src[i]));
     });
@@ -382,9 +390,11 @@ class HostBackend final : public Backend {
   void gemm16(bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B, int ldb, float beta,
               float* C, int ldc) {
     if (precision_.matmul == DType::bf16)
-      gemm::gemm_bf16(ta, tb, M, N, K, 1.0f, static_cast<const bf16*>(A), lda, static_cast<const bf16*>(B), ldb, beta, C, ldc);
+      gemm::gemm_bf16(ta, tb, M, N, K, 1.0f, static_cast<const bf16*>(A), lda, static_cast<const bf16*>(B), ldb, beta,
+                      C, ldc);
     else
-      gemm::sgemm(ta, tb, M, N, K, 1.0f, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C, ldc);
+      gemm::sgemm(ta, tb, M, N, K, 1.0f, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C,
+                  ldc);
   }
 
   int threads_;

@@ -50,7 +50,7 @@ LOOM_HD inline float bf16_value(std::uint16_t bits) { return bits_as_float(stati
 // tests see exact math).
 LOOM_HD inline float exp_fast(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // plain compares vectorise; fmin/fmax do not
-  const float t = x * 1.44269504088896341f;            // x / ln 2
+  const float t = x * 1.44269504088896341f;           // x / ln 2
   const float n = floorf(t + 0.5f);
   const float f = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;  // x - n ln2, split
   // exp(f) on [-ln2/2, ln2/2], Taylor/minimax degree 6.
@@ -73,7 +73,8 @@ LOOM_HD inline float tanh_k(float x) {
   // |x| takes the odd Taylor series instead (both computed: the select vectorises, a branch would not).
   const float big = 1.0f - 2.0f / (exp_fast(2.0f * x) + 1.0f);
   const float x2 = x * x;
-  const float small = x * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f + x2 * (62.0f / 2835.0f)))));
+  const float small =
+      x * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f + x2 * (62.0f / 2835.0f)))));
   return (x < 0.125f && x > -0.125f) ? small : big;
 }
 LOOM_HD inline double tanh_k(double x) { return tanh(x); }
@@ -107,7 +108,8 @@ LOOM_HD inline Acc layernorm_out(Acc x, Acc mean, Acc rstd, Acc weight, Acc bias
   return (x - mean) * rstd * weight + bias;
 }
 template <class Acc>
-LOOM_HD inline Acc layernorm_dinp(Acc x, Acc mean, Acc rstd, Acc weight, Acc dout, Acc dnorm_mean, Acc dnorm_norm_mean) {
+LOOM_HD inline Acc layernorm_dinp(Acc x, Acc mean, Acc rstd, Acc weight, Acc dout, Acc dnorm_mean,
+                                  Acc dnorm_norm_mean) {
   const Acc xhat = (x - mean) * rstd;
   return (weight * dout - dnorm_mean - xhat * dnorm_norm_mean) * rstd;
 }
@@ -128,7 +130,9 @@ LOOM_HD constexpr bool flash_head_size_supported(int hs) { return hs == 16 || hs
 // hs). Step `step` of n / 2 goes to this column: the lane's parity, rows 8-15 of the warp a step
 // ahead of rows 0-7, so the warp's 32 lanes touch 32 different shared-memory banks each step. A
 // lane's partial row sum adds its columns in this order, which the host twin repeats.
-LOOM_HD constexpr int flash_lane_column(int lane, int step, int n) { return 2 * ((step + lane / 16) % (n / 2)) + lane % 2; }
+LOOM_HD constexpr int flash_lane_column(int lane, int step, int n) {
+  return 2 * ((step + lane / 16) % (n / 2)) + lane % 2;
+}
 
 // Cross-entropy after softmax: d loss / d logit = (p - [v is the target]) * dloss.
 template <class Acc>

@@ -79,8 +79,10 @@ class GradSum {
     }
   }
   Acc* data() {
-    if constexpr (std::is_same_v<T, Acc>) return g_;
-    else return buf_.data();
+    if constexpr (std::is_same_v<T, Acc>)
+      return g_;
+    else
+      return buf_.data();
   }
   void store() {
     if constexpr (!std::is_same_v<T, Acc>)
@@ -117,21 +119,21 @@ using math::tanh_k;
 // Matrix products: row-major C[M,N] = alpha * op(A) op(B) + beta * C. float through core/backend/gemm
 // (oneDNN or OpenBLAS, run.gemm), double through cblas_dgemm.
 
-inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
-                 const float* B, int ldb, float beta, float* C, int ldc) {
+inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                 float beta, float* C, int ldc) {
   loom::gemm::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
-inline void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const double* A, int lda,
-                 const double* B, int ldb, double beta, double* C, int ldc) {
-  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K,
-              alpha, A, lda, B, ldb, beta, C, ldc);
+inline void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const double* A, int lda, const double* B,
+                 int ldb, double beta, double* C, int ldc) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B,
+              ldb, beta, C, ldc);
 }
 // bf16/fp16 storage, float accumulation, the result rounded back into C once. bf16: A and B as they
 // are (loom::gemm::gemm_bf16), C through a float copy. fp16: op(A) and op(B) converted to float, one
 // sgemm. Correct; only the bf16 operands avoid the copies.
 template <class T, std::enable_if_t<is_16bit_v<T>, int> = 0>
-void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int lda, const T* B, int ldb,
-          float beta, T* C, int ldc) {
+void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int lda, const T* B, int ldb, float beta,
+          T* C, int ldc) {
   const auto to_dense = [](const T* X, int rows, int cols, int ld) {
     std::vector<float> d(static_cast<std::size_t>(rows) * cols);
     for (int r = 0; r < rows; ++r)
@@ -159,11 +161,10 @@ void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int ld
 // [vocab_begin, vocab_end) and contributes zeros for other tokens (the tp all-reduce completes the
 // sum); the position embedding is added by one rank only (add_pos).
 template <class T, class Acc = acc_type_t<T>>
-void encoder_forward(T* out,                                        // [B,T,C]
-                     const std::int32_t* inp,                       // [B,T]
-                     const T* wte, const T* wpe,                    // [V or V/tp, C], [T,C]
-                     int B, int Tn, int C,
-                     int vocab_begin = 0, int vocab_end = 1 << 30, bool add_pos = true) {
+void encoder_forward(T* out,                      // [B,T,C]
+                     const std::int32_t* inp,     // [B,T]
+                     const T* wte, const T* wpe,  // [V or V/tp, C], [T,C]
+                     int B, int Tn, int C, int vocab_begin = 0, int vocab_end = 1 << 30, bool add_pos = true) {
   Kokkos::parallel_for("Encoder::forward", Range(0, B * Tn), [=](int bt) {
     const int t = bt % Tn, tok = inp[bt];
     const bool mine = tok >= vocab_begin && tok < vocab_end;
@@ -176,11 +177,10 @@ void encoder_forward(T* out,                                        // [B,T,C]
 }
 
 template <class T, class Acc = acc_type_t<T>>
-void encoder_backward(T* dwte, T* dwpe,                             // [V or V/tp, C] (+=), [T,C] (+=)
-                      const T* dout,                                // [B,T,C]
-                      const std::int32_t* inp,                      // [B,T]
-                      int B, int Tn, int C,
-                      int vocab_begin = 0, int vocab_end = 1 << 30) {
+void encoder_backward(T* dwte, T* dwpe,         // [V or V/tp, C] (+=), [T,C] (+=)
+                      const T* dout,            // [B,T,C]
+                      const std::int32_t* inp,  // [B,T]
+                      int B, int Tn, int C, int vocab_begin = 0, int vocab_end = 1 << 30) {
   if constexpr (std::is_same_v<T, Acc>) {
     // Serial over rows: two rows may hit the same token, so rows must not race.
     Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
@@ -231,7 +231,7 @@ void encoder_backward(T* dwte, T* dwpe,                             // [V or V/t
 // LayerNorm over the last dimension, eps 1e-5 (as GPT-2 and torch.nn.LayerNorm).
 
 template <class T, class Acc = acc_type_t<T>>
-void layernorm_forward(T* out, Acc* mean, Acc* rstd,                // [N,C], [N], [N]
+void layernorm_forward(T* out, Acc* mean, Acc* rstd,                  // [N,C], [N], [N]
                        const T* inp, const T* weight, const T* bias,  // [N,C], [C], [C]
                        int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
@@ -256,9 +256,9 @@ void layernorm_forward(T* out, Acc* mean, Acc* rstd,                // [N,C], [N
 }
 
 template <class T, class Acc = acc_type_t<T>>
-void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=), [C] (+=), [C] (+=)
+void layernorm_backward(T* dinp, T* dweight, T* dbias,                 // [N,C] (+=), [C] (+=), [C] (+=)
                         const T* dout, const T* inp, const T* weight,  // [N,C], [N,C], [C]
-                        const Acc* mean, const Acc* rstd,           // [N], [N]
+                        const Acc* mean, const Acc* rstd,              // [N], [N]
                         int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
   // dweight/dbias sum over rows: serial in rows so they do not race; vectorised along C.
@@ -285,8 +285,8 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,              // [N,C] (+=
         const Acc dc = to_acc<Acc>(d[c]);
         db[c] += dc;
         dw[c] += xhat * dc;
-        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + math::layernorm_dinp(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), dc,
-                                                                   dnorm_mean, dnorm_norm_mean));
+        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + math::layernorm_dinp(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]),
+                                                                      dc, dnorm_mean, dnorm_norm_mean));
       }
     }
     dw_sum.store();
@@ -321,19 +321,19 @@ void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,O
 }
 
 template <class T, class Acc = acc_type_t<T>>
-void matmul_forward(T* out,                                          // [N,OC]
-                    const T* inp, const T* weight, const T* bias,    // [N,C], [OC,C], [OC] or null
+void matmul_forward(T* out,                                        // [N,OC]
+                    const T* inp, const T* weight, const T* bias,  // [N,C], [OC,C], [OC] or null
                     int N, int C, int OC) {
   gemm(false, true, N, OC, C, Acc(1), inp, C, weight, C, Acc(0), out, OC);
   if (bias) bias_add<T, Acc>(out, bias, N, OC);
 }
 
 template <class T, class Acc = acc_type_t<T>>
-void matmul_backward(T* dinp, T* dweight, T* dbias,                  // [N,C] (=), [OC,C] (+=), [OC] (+=) or null
-                     const T* dout, const T* inp, const T* weight,   // [N,OC], [N,C], [OC,C]
+void matmul_backward(T* dinp, T* dweight, T* dbias,                 // [N,C] (=), [OC,C] (+=), [OC] (+=) or null
+                     const T* dout, const T* inp, const T* weight,  // [N,OC], [N,C], [OC,C]
                      int N, int C, int OC) {
-  gemm(false, false, N, C, OC, Acc(1), dout, OC, weight, C, Acc(0), dinp, C);   // dinp = dout W
-  gemm(true, false, OC, C, N, Acc(1), dout, OC, inp, C, Acc(1), dweight, C);    // dW += dout^T x
+  gemm(false, false, N, C, OC, Acc(1), dout, OC, weight, C, Acc(0), dinp, C);  // dinp = dout W
+  gemm(true, false, OC, C, N, Acc(1), dout, OC, inp, C, Acc(1), dweight, C);   // dW += dout^T x
   if (dbias) bias_backward<T, Acc>(dbias, dout, N, OC);
 }
 
@@ -342,8 +342,8 @@ void matmul_backward(T* dinp, T* dweight, T* dbias,                  // [N,C] (=
 // strided BLAS calls straight into qkv (leading dimension 3C), so q, k, v are never copied.
 
 template <class T, class Acc = acc_type_t<T>>
-void attention_forward(T* out, T* att,                               // [B,T,C], [B,NH,T,T] (softmax probs)
-                       const T* qkv,                                 // [B,T,3C]
+void attention_forward(T* out, T* att,  // [B,T,C], [B,NH,T,T] (softmax probs)
+                       const T* qkv,    // [B,T,3C]
                        int B, int Tn, int C, int NH) {
   const int hs = C / NH, C3 = 3 * C;
   const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
@@ -381,16 +381,16 @@ void attention_forward(T* out, T* att,                               // [B,T,C],
         }
         for (int j = t + 1; j < Tn; ++j) row[j] = from_acc<T>(Acc(0));  // causal mask
       });
-      gemm(false, false, Tn, hs, Tn, Acc(1), a, Tn, v, C3, Acc(0),
-           out + static_cast<std::int64_t>(b) * Tn * C + h * hs, C);    // out_h = att v
+      gemm(false, false, Tn, hs, Tn, Acc(1), a, Tn, v, C3, Acc(0), out + static_cast<std::int64_t>(b) * Tn * C + h * hs,
+           C);  // out_h = att v
     }
   }
 }
 
 template <class T, class Acc = acc_type_t<T>>
-void attention_backward(T* dqkv, T* datt,                            // [B,T,3C] (=), [T,T] scratch
-                        const T* dout,                               // [B,T,C]
-                        const T* qkv, const T* att,                  // [B,T,3C], [B,NH,T,T]
+void attention_backward(T* dqkv, T* datt,            // [B,T,3C] (=), [T,T] scratch
+                        const T* dout,               // [B,T,C]
+                        const T* qkv, const T* att,  // [B,T,3C], [B,NH,T,T]
                         int B, int Tn, int C, int NH) {
   const int hs = C / NH, C3 = 3 * C;
   const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
@@ -405,7 +405,7 @@ void attention_backward(T* dqkv, T* datt,                            // [B,T,3C]
       T* dv = dq + 2 * C;
       const T* a = att + (static_cast<std::int64_t>(b) * NH + h) * Tn * Tn;
       const T* d = dout + static_cast<std::int64_t>(b) * Tn * C + h * hs;
-      gemm(true, false, Tn, hs, Tn, Acc(1), a, Tn, d, C, Acc(0), dv, C3);   // dv = att^T dout
+      gemm(true, false, Tn, hs, Tn, Acc(1), a, Tn, d, C, Acc(0), dv, C3);    // dv = att^T dout
       gemm(false, true, Tn, Tn, hs, Acc(1), d, C, v, C3, Acc(0), datt, Tn);  // datt = dout v^T
       // softmax backward in place: dscores = att * (datt - sum_j att*datt), masked entries 0
       Kokkos::parallel_for("Attention::softmax_backward", Range(0, Tn), [=](int t) {
@@ -413,7 +413,8 @@ void attention_backward(T* dqkv, T* datt,                            // [B,T,3C]
         const T* ar = a + static_cast<std::int64_t>(t) * Tn;
         Acc dot = 0;
         for (int j = 0; j <= t; ++j) dot += to_acc<Acc>(ar[j]) * to_acc<Acc>(dr[j]);
-        for (int j = 0; j <= t; ++j) dr[j] = from_acc<T>(math::softmax_backward(to_acc<Acc>(ar[j]), to_acc<Acc>(dr[j]), dot));
+        for (int j = 0; j <= t; ++j)
+          dr[j] = from_acc<T>(math::softmax_backward(to_acc<Acc>(ar[j]), to_acc<Acc>(dr[j]), dot));
         for (int j = t + 1; j < Tn; ++j) dr[j] = from_acc<T>(Acc(0));
       });
       gemm(false, false, Tn, hs, Tn, scale, datt, Tn, k, C3, Acc(0), dq, C3);  // dq = ds k / sqrt(hs)
@@ -463,7 +464,7 @@ void residual_forward(T* out, const T* a, const T* b, std::int64_t n) {  // [n],
 // Softmax + cross-entropy, fused. losses[n] = -log softmax(logits[n])[target[n]], kept in Acc.
 
 template <class T, class Acc = acc_type_t<T>>
-void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,V]; probs may alias logits
+void crossentropy_forward(Acc* losses, T* probs,                         // [N], [N,V]; probs may alias logits
                           const T* logits, const std::int32_t* targets,  // [N,V], [N]
                           int N, int V) {
   static_assert(std::is_floating_point_v<Acc>, "losses are float or double");
@@ -502,9 +503,9 @@ void crossentropy_forward(Acc* losses, T* probs,                     // [N], [N,
 // targets[n] - vocab_begin is the target's column here (none when it lies outside [0, V): the
 // vocabulary-parallel cross-entropy, where a rank holds vocabulary entries [vocab_begin, +V)).
 template <class T, class Acc = acc_type_t<T>>
-void crossentropy_backward(T* dlogits,                               // [N,V] (=); may alias probs
+void crossentropy_backward(T* dlogits,                                   // [N,V] (=); may alias probs
                            const T* probs, const std::int32_t* targets,  // [N,V], [N]
-                           nd<Acc> dloss,                            // d(total loss)/d(loss of one row)
+                           nd<Acc> dloss,                                // d(total loss)/d(loss of one row)
                            int N, int V, int vocab_begin = 0) {
   Kokkos::parallel_for("CrossEntropy::backward", Range(0, N), [=](int n) {
     const T* p = probs + static_cast<std::int64_t>(n) * V;
@@ -517,7 +518,7 @@ void crossentropy_backward(T* dlogits,                               // [N,V] (=
 // Vocabulary-parallel cross-entropy (Backend::crossentropy_row_max / _partial / _finish): the three
 // passes around the tensor-parallel group's reductions of the row maxima, the sums of exponentials
 // and the target logits; the [N, V] logits never travel.
-inline void crossentropy_row_max(float* row_max,      // [N]
+inline void crossentropy_row_max(float* row_max,       // [N]
                                  const float* logits,  // [N,V]
                                  int N, int V) {
   Kokkos::parallel_for("CrossEntropy::row_max", Range(0, N), [=](int n) {
@@ -528,7 +529,7 @@ inline void crossentropy_row_max(float* row_max,      // [N]
   });
 }
 inline void crossentropy_partial(float* probs, double* sum_exp, double* target_logit,  // [N,V], [N], [N]
-                                 const float* logits, const float* row_max,           // [N,V], [N]
+                                 const float* logits, const float* row_max,            // [N,V], [N]
                                  const std::int32_t* targets, int N, int V, int vocab_begin) {
   Kokkos::parallel_for("CrossEntropy::partial", Range(0, N), [=](int n) {
     const float* l = logits + static_cast<std::int64_t>(n) * V;
@@ -543,9 +544,9 @@ inline void crossentropy_partial(float* probs, double* sum_exp, double* target_l
     sum_exp[n] = s;
   });
 }
-inline void crossentropy_finish(float* losses, float* probs,                          // [N], [N,V]
-                                const double* sum_exp, const float* row_max,          // [N], [N]
-                                const double* target_logit, int N, int V) {           // [N]
+inline void crossentropy_finish(float* losses, float* probs,                  // [N], [N,V]
+                                const double* sum_exp, const float* row_max,  // [N], [N]
+                                const double* target_logit, int N, int V) {   // [N]
   Kokkos::parallel_for("CrossEntropy::finish", Range(0, N), [=](int n) {
     const float inv = static_cast<float>(1.0 / sum_exp[n]);
     float* p = probs + static_cast<std::int64_t>(n) * V;
@@ -560,12 +561,16 @@ inline void crossentropy_finish(float* losses, float* probs,                    
 // storage type itself) and the gradients G may each be another type.
 
 template <class P, class Acc, class G>
-void adamw_update(P* params, Acc* m, Acc* v,                          // [n] each, updated
-                  const G* grads, std::int64_t n,                     // [n]
+void adamw_update(P* params, Acc* m, Acc* v,       // [n] each, updated
+                  const G* grads, std::int64_t n,  // [n]
                   nd<Acc> lr, nd<Acc> beta1, nd<Acc> beta2, nd<Acc> eps, nd<Acc> weight_decay,
                   std::int64_t t /* 1-based */) {
   static_assert(std::is_floating_point_v<Acc>, "AdamW moments are float or double");
-  const math::AdamWStep<Acc> step{lr, beta1, beta2, eps, weight_decay,
+  const math::AdamWStep<Acc> step{lr,
+                                  beta1,
+                                  beta2,
+                                  eps,
+                                  weight_decay,
                                   Acc(1) - std::pow(beta1, static_cast<Acc>(t)),
                                   Acc(1) - std::pow(beta2, static_cast<Acc>(t))};
   for_chunks("AdamW::update", n, [=](std::int64_t begin, std::int64_t end) {
@@ -597,18 +602,21 @@ inline void axpy(float* y, float a, const float* x, std::int64_t n) {  // [n], [
 inline void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) {  // [chunks + 1], [n]
   const std::int64_t chunks = (n + chunk - 1) / chunk;
   int bad = 0;
-  Kokkos::parallel_reduce("Int8::absmax", Range64(0, chunks), [=](std::int64_t c, int& any) {
-    const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
-    float m = 0.0f;
-    int nonfinite = 0;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const float a = math::int8_magnitude(x[i]);
-      m = a > m ? a : m;
-      nonfinite |= !math::finite_k(x[i]);
-    }
-    absmax[c] = m;
-    any = nonfinite > any ? nonfinite : any;
-  }, Kokkos::Max<int>(bad));
+  Kokkos::parallel_reduce(
+      "Int8::absmax", Range64(0, chunks),
+      [=](std::int64_t c, int& any) {
+        const std::int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+        float m = 0.0f;
+        int nonfinite = 0;
+        for (std::int64_t i = begin; i < end; ++i) {
+          const float a = math::int8_magnitude(x[i]);
+          m = a > m ? a : m;
+          nonfinite |= !math::finite_k(x[i]);
+        }
+        absmax[c] = m;
+        any = nonfinite > any ? nonfinite : any;
+      },
+      Kokkos::Max<int>(bad));
   absmax[chunks] = bad > 0 ? 1.0f : 0.0f;  // (no chunks: the reducer's identity, INT_MIN)
 }
 // q = the levels of x (math::int8_level); error (may be null) = x - q step, what error feedback keeps.
@@ -689,7 +697,8 @@ inline void topk_select(std::int32_t* index, float* value, const float* x, std::
   }
 }
 // x[index[j]] += value[j], j < k; the k indices are distinct (one rank's selection).
-inline void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) {  // [n], [k], [k]
+inline void topk_scatter_add(float* x, const std::int32_t* index, const float* value,
+                             std::int64_t k) {  // [n], [k], [k]
   Kokkos::parallel_for("TopK::scatter_add", Range64(0, k), [=](std::int64_t j) { x[index[j]] += value[j]; });
 }
 // x[index[j]] = 0, j < k: what error feedback keeps is everything but the sent elements.
@@ -705,13 +714,16 @@ template <class Partial, class T, class F>
 double reduce_chunks(const char* label, const T* x, std::int64_t n, F f) {
   double s = 0;
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
-  Kokkos::parallel_reduce(label, Range64(0, chunks), [=](std::int64_t c, double& acc) {
-    const T* __restrict in = x;
-    const std::int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
-    Partial part = 0;
-    for (std::int64_t i = begin; i < end; ++i) part += f(in[i]);
-    acc += static_cast<double>(part);
-  }, s);
+  Kokkos::parallel_reduce(
+      label, Range64(0, chunks),
+      [=](std::int64_t c, double& acc) {
+        const T* __restrict in = x;
+        const std::int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
+        Partial part = 0;
+        for (std::int64_t i = begin; i < end; ++i) part += f(in[i]);
+        acc += static_cast<double>(part);
+      },
+      s);
   return s;
 }
 
@@ -732,9 +744,8 @@ double sum(const T* x, std::int64_t n) {
 // Whether every element is finite (no NaN, no inf).
 template <class T>
 bool all_finite(const T* x, std::int64_t n) {
-  return reduce_chunks<double>("Reduce::all_finite", x, n, [](T v) {
-    return std::isfinite(to_acc<acc_type_t<T>>(v)) ? 0.0 : 1.0;
-  }) == 0.0;
+  return reduce_chunks<double>("Reduce::all_finite", x, n,
+                               [](T v) { return std::isfinite(to_acc<acc_type_t<T>>(v)) ? 0.0 : 1.0; }) == 0.0;
 }
 
 template <class T, class Acc = acc_type_t<T>>
@@ -758,9 +769,12 @@ void fill(T* x, nd<Acc> value, std::int64_t n) {
 // to bf16/fp16 directly, not through a rounded float). dst and src must not overlap.
 template <class D, class S>
 inline D convert(S x) {
-  if constexpr (std::is_same_v<D, S>) return x;
-  else if constexpr (std::is_same_v<S, double>) return from_acc<D>(x);
-  else return from_acc<D>(to_acc<float>(x));
+  if constexpr (std::is_same_v<D, S>)
+    return x;
+  else if constexpr (std::is_same_v<S, double>)
+    return from_acc<D>(x);
+  else
+    return from_acc<D>(to_acc<float>(x));
 }
 template <class D, class S>
 void cast(D* dst, const S* src, std::int64_t n) {
@@ -773,7 +787,8 @@ void cast(D* dst, const S* src, std::int64_t n) {
     // NaN kept, the same values as to_f16 / to_float (test_backend checks them bit for bit).
     if constexpr (std::is_same_v<D, f16> && std::is_same_v<S, float>) {
       for (; i + 8 <= end; i += 8)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
     } else if constexpr (std::is_same_v<D, float> && std::is_same_v<S, f16>) {
       for (; i + 8 <= end; i += 8)
         _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));

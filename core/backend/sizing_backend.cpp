@@ -31,7 +31,8 @@ class SizingBackend final : public ForwardingBackend {
   void copy_to_host(void*, BufferRef) override { before_op("copy_to_host"); }
   void synchronize() override {}
   void release_scratch() override {}
-  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls, const AttentionShape& attention) const override {
+  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls,
+                      const AttentionShape& attention) const override {
     if (cuda_)
       plan.add_scratch(Mem::workspace, cuda_plan::workspace_bytes(precision_.matmul, calls, attention));
     else

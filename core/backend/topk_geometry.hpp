@@ -33,9 +33,9 @@ LOOM_HD inline std::int64_t block_span(std::int64_t n, int blocks) { return (n +
 
 // Scratch, carved from a base by the function that sizes it (a null base only counts, in uint32s).
 struct Scratch {
-  State* state;        // [1]
-  std::uint32_t* hist;   // [blocks, kBins] each block's digit histogram
-  std::uint32_t* counts; // [blocks, 3] each block's elements above t, equal to t, not finite; then places
+  State* state;           // [1]
+  std::uint32_t* hist;    // [blocks, kBins] each block's digit histogram
+  std::uint32_t* counts;  // [blocks, 3] each block's elements above t, equal to t, not finite; then places
 };
 LOOM_HD inline std::int64_t carve(Scratch* s, std::uint32_t* base, int blocks) {
   std::int64_t at = 0;

@@ -29,9 +29,7 @@ enum Slot { kInp = 0, kWeight = 1, kDout = 2, kSlots = 3 };
 
 // The unfused attention's backward: the scores' gradient of one sequence's heads at once, [NH,T,T]
 // fp32 (the fused attention needs none).
-inline std::int64_t attention_scratch_floats(int NH, int T) {
-  return static_cast<std::int64_t>(NH) * T * T;
-}
+inline std::int64_t attention_scratch_floats(int NH, int T) { return static_cast<std::int64_t>(NH) * T * T; }
 
 // The peak of the above together, in bytes, for a micro-batch's products in the order the model runs
 // them. The attention's scratch is made at the first attention backward, after the products of that
@@ -56,7 +54,8 @@ inline double workspace_bytes(DType matmul, const std::vector<Backend::MatmulCal
     need(kWeight, c.weight.type, WC);
     if (c.backward) need(kInp, c.inp.type, NC);
   }
-  const double att = attention.flash ? 0.0 : 4.0 * static_cast<double>(attention_scratch_floats(attention.NH, attention.T));
+  const double att =
+      attention.flash ? 0.0 : 4.0 * static_cast<double>(attention_scratch_floats(attention.NH, attention.T));
   peak = std::max(peak, have[0] + have[1] + have[2] + att);
   return static_cast<double>(kCublasLtWorkspaceBytes) + peak;
 }

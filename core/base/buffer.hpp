@@ -53,7 +53,9 @@ class TypedBuffer {
   }
   const BufferRef& ref() const { return ref_; }
   template <class T>
-  T* data() const { return ref_.as<T>(); }
+  T* data() const {
+    return ref_.as<T>();
+  }
   DType type() const { return ref_.type; }
   std::int64_t count() const { return ref_.count; }
   std::size_t bytes() const { return ref_.bytes(); }

@@ -6,15 +6,24 @@ namespace loom {
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "fp32";
-    case DType::f64: return "fp64";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "fp16";
-    case DType::i8: return "int8";
-    case DType::u8: return "uint8";
-    case DType::i32: return "int32";
-    case DType::i64: return "int64";
-    case DType::count_: break;
+    case DType::f32:
+      return "fp32";
+    case DType::f64:
+      return "fp64";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "fp16";
+    case DType::i8:
+      return "int8";
+    case DType::u8:
+      return "uint8";
+    case DType::i32:
+      return "int32";
+    case DType::i64:
+      return "int64";
+    case DType::count_:
+      break;
   }
   return "?";
 }
@@ -45,7 +54,7 @@ f16 to_f16(float f) {
   std::memcpy(&u, &f, sizeof u);
   const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
   const std::uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return f16{static_cast<std::uint16_t>(sign | 0x7e00u)};  // NaN
+  if (a > 0x7f800000u) return f16{static_cast<std::uint16_t>(sign | 0x7e00u)};   // NaN
   if (a >= 0x477ff000u) return f16{static_cast<std::uint16_t>(sign | 0x7c00u)};  // rounds past 65504: inf
   if (a < 0x38800000u) {  // below 2^-14: subnormal or zero, in units of 2^-24
     float mag;

@@ -19,20 +19,29 @@ enum class MemSpace : std::uint8_t { host = 0, device };
 
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
-    case DType::i8: return 1;
-    case DType::u8: return 1;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
-    case DType::count_: break;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
+    case DType::i8:
+      return 1;
+    case DType::u8:
+      return 1;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
+    case DType::count_:
+      break;
   }
   return 0;
 }
-const char* dtype_name(DType t);        // "fp32", "fp64", "bf16", "fp16", "int8", "uint8", "int32", "int64"
-const char* mem_space_name(MemSpace s); // "host", "device"
+const char* dtype_name(DType t);         // "fp32", "fp64", "bf16", "fp16", "int8", "uint8", "int32", "int64"
+const char* mem_space_name(MemSpace s);  // "host", "device"
 
 // 16-bit floating-point storage types. Arithmetic happens in float: convert, compute, convert back
 // (round to nearest even). The bit patterns are those of torch.bfloat16 and IEEE binary16.
@@ -66,7 +75,7 @@ f16 to_f16(float f);  // round to nearest even; overflow gives inf, as a GPU's c
 // 1 + 2^-8 and round down.
 inline float to_float_round_odd(double d) {
   float f = static_cast<float>(d);
-  if (d != d || static_cast<double>(f) == d) return f;  // NaN, or exact (inf included)
+  if (d != d || static_cast<double>(f) == d) return f;                                // NaN, or exact (inf included)
   if (std::fabs(static_cast<double>(f)) > std::fabs(d)) f = std::nextafter(f, 0.0f);  // toward zero
   std::uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -83,8 +92,14 @@ template <class T>
 struct acc_type {
   using type = T;
 };
-template <> struct acc_type<bf16> { using type = float; };
-template <> struct acc_type<f16> { using type = float; };
+template <>
+struct acc_type<bf16> {
+  using type = float;
+};
+template <>
+struct acc_type<f16> {
+  using type = float;
+};
 template <class T>
 using acc_type_t = typename acc_type<T>::type;
 
@@ -92,26 +107,55 @@ using acc_type_t = typename acc_type<T>::type;
 // computed value back (rounded to nearest even). For T == Acc both are the identity.
 template <class Acc, class T>
 inline Acc to_acc(T x) {
-  if constexpr (std::is_same_v<T, bf16> || std::is_same_v<T, f16>) return static_cast<Acc>(to_float(x));
-  else return static_cast<Acc>(x);
+  if constexpr (std::is_same_v<T, bf16> || std::is_same_v<T, f16>)
+    return static_cast<Acc>(to_float(x));
+  else
+    return static_cast<Acc>(x);
 }
 template <class T, class Acc>
 inline T from_acc(Acc x) {
-  if constexpr (std::is_same_v<T, bf16>) return to_bf16(x);
-  else if constexpr (std::is_same_v<T, f16>) return to_f16(x);
-  else return static_cast<T>(x);
+  if constexpr (std::is_same_v<T, bf16>)
+    return to_bf16(x);
+  else if constexpr (std::is_same_v<T, f16>)
+    return to_f16(x);
+  else
+    return static_cast<T>(x);
 }
 
 template <class T>
 struct dtype_of;
-template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
-template <> struct dtype_of<double> { static constexpr DType value = DType::f64; };
-template <> struct dtype_of<bf16> { static constexpr DType value = DType::bf16; };
-template <> struct dtype_of<f16> { static constexpr DType value = DType::f16; };
-template <> struct dtype_of<std::int8_t> { static constexpr DType value = DType::i8; };
-template <> struct dtype_of<std::uint8_t> { static constexpr DType value = DType::u8; };
-template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::i32; };
-template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::i64; };
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::f32;
+};
+template <>
+struct dtype_of<double> {
+  static constexpr DType value = DType::f64;
+};
+template <>
+struct dtype_of<bf16> {
+  static constexpr DType value = DType::bf16;
+};
+template <>
+struct dtype_of<f16> {
+  static constexpr DType value = DType::f16;
+};
+template <>
+struct dtype_of<std::int8_t> {
+  static constexpr DType value = DType::i8;
+};
+template <>
+struct dtype_of<std::uint8_t> {
+  static constexpr DType value = DType::u8;
+};
+template <>
+struct dtype_of<std::int32_t> {
+  static constexpr DType value = DType::i32;
+};
+template <>
+struct dtype_of<std::int64_t> {
+  static constexpr DType value = DType::i64;
+};
 template <class T>
 inline constexpr DType dtype_v = dtype_of<T>::value;
 
@@ -126,7 +170,10 @@ struct BufferRef {
   BufferRef(void* d, DType t, std::int64_t n, MemSpace s = MemSpace::host) : data(d), type(t), count(n), space(s) {}
   template <class T>
   BufferRef(T* d, std::int64_t n, MemSpace s = MemSpace::host)
-      : data(const_cast<void*>(static_cast<const void*>(d))), type(dtype_v<std::remove_const_t<T>>), count(n), space(s) {}
+      : data(const_cast<void*>(static_cast<const void*>(d))),
+        type(dtype_v<std::remove_const_t<T>>),
+        count(n),
+        space(s) {}
 
   std::size_t bytes() const { return static_cast<std::size_t>(count) * dtype_size(type); }
   bool empty() const { return count == 0; }

@@ -10,9 +10,10 @@ namespace {
 // Length of the well-formed UTF-8 sequence at s[i] (2 to 4 bytes), or 0 if there is none.
 std::size_t utf8_sequence(std::string_view s, std::size_t i) {
   const auto lead = static_cast<unsigned char>(s[i]);
-  const std::size_t n = lead >= 0xC2 && lead <= 0xDF ? 2 : lead >= 0xE0 && lead <= 0xEF ? 3
-                        : lead >= 0xF0 && lead <= 0xF4                                  ? 4
-                                                                                         : 0;
+  const std::size_t n = lead >= 0xC2 && lead <= 0xDF   ? 2
+                        : lead >= 0xE0 && lead <= 0xEF ? 3
+                        : lead >= 0xF0 && lead <= 0xF4 ? 4
+                                                       : 0;
   if (n == 0 || i + n > s.size()) return 0;
   for (std::size_t k = 1; k < n; ++k)
     if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return 0;
@@ -33,11 +34,16 @@ std::string escaped(std::string_view value, std::size_t max_chars, bool* cut) {
       continue;
     }
     std::string shown(1, static_cast<char>(c));
-    if (c == '\n') shown = "\\n";
-    else if (c == '\t') shown = "\\t";
-    else if (c == '\r') shown = "\\r";
-    else if (c == '\\') shown = "\\\\";
-    else if (c < 0x20 || c >= 0x7F) shown = std::string("\\x") + hex[c >> 4] + hex[c & 0xF];
+    if (c == '\n')
+      shown = "\\n";
+    else if (c == '\t')
+      shown = "\\t";
+    else if (c == '\r')
+      shown = "\\r";
+    else if (c == '\\')
+      shown = "\\\\";
+    else if (c < 0x20 || c >= 0x7F)
+      shown = std::string("\\x") + hex[c >> 4] + hex[c & 0xF];
     out += shown;
     width += shown.size();
     ++i;
@@ -72,7 +78,8 @@ int slip_distance(const std::string& a, const std::string& b) {
   for (std::size_t i = 1; i <= a.size(); ++i)
     for (std::size_t j = 1; j <= b.size(); ++j) {
       d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
     }
   return d[a.size()][b.size()];
 }

@@ -10,11 +10,11 @@ namespace loom {
 enum class Mem : int {
   params = 0,
   grads,
-  optimizer,     // AdamW first and second moments
-  master,        // fp32 master weights (mixed precision)
-  activations,   // saved for backward, and the forward/backward scratch of a step
-  comm,          // communication buffers
-  workspace,     // everything else (data batches, logits scratch, ...)
+  optimizer,    // AdamW first and second moments
+  master,       // fp32 master weights (mixed precision)
+  activations,  // saved for backward, and the forward/backward scratch of a step
+  comm,         // communication buffers
+  workspace,    // everything else (data batches, logits scratch, ...)
   count_
 };
 inline constexpr int kMemCategories = static_cast<int>(Mem::count_);

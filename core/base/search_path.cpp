@@ -19,7 +19,7 @@ std::vector<std::string> plugin_search_path() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) {
-    dirs.push_back((exe.parent_path() / "lib").string());               // build tree: build/loom, build/lib/
+    dirs.push_back((exe.parent_path() / "lib").string());  // build tree: build/loom, build/lib/
     dirs.push_back((exe.parent_path() / ".." / "lib" / "loom").lexically_normal().string());  // install prefix
   }
   return dirs;

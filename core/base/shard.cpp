@@ -7,10 +7,14 @@ namespace loom {
 
 const char* tp_split_name(TpSplit s) {
   switch (s) {
-    case TpSplit::none: return "whole";
-    case TpSplit::rows: return "rows";
-    case TpSplit::cols: return "cols";
-    case TpSplit::qkv_rows: return "qkv rows";
+    case TpSplit::none:
+      return "whole";
+    case TpSplit::rows:
+      return "rows";
+    case TpSplit::cols:
+      return "cols";
+    case TpSplit::qkv_rows:
+      return "qkv rows";
   }
   return "?";
 }
@@ -23,10 +27,15 @@ ShardDesc ShardDesc::make(std::vector<std::int64_t> shape, TpSplit split, int tp
   d.tp_rank = tp_rank;
   d.tp_shape = d.shape;
   switch (d.split) {
-    case TpSplit::none: break;
+    case TpSplit::none:
+      break;
     case TpSplit::rows:
-    case TpSplit::qkv_rows: d.tp_shape[0] /= tp; break;
-    case TpSplit::cols: d.tp_shape.at(1) /= tp; break;
+    case TpSplit::qkv_rows:
+      d.tp_shape[0] /= tp;
+      break;
+    case TpSplit::cols:
+      d.tp_shape.at(1) /= tp;
+      break;
   }
   return d;
 }
@@ -67,13 +76,16 @@ std::int64_t ShardDesc::global_index(std::int64_t i) const {
   const std::int64_t rows_l = tp_shape[0], cols_l = tp_shape.size() > 1 ? tp_shape[1] : 1;
   const std::int64_t r = j / cols_l, c = j % cols_l;
   switch (split) {
-    case TpSplit::rows: return (tp_rank * rows_l + r) * cols_l + c;
+    case TpSplit::rows:
+      return (tp_rank * rows_l + r) * cols_l + c;
     case TpSplit::qkv_rows: {
       const std::int64_t Cl = rows_l / 3, part = r / Cl, within = r % Cl;
       return (part * (Cl * tp) + tp_rank * Cl + within) * cols_l + c;
     }
-    case TpSplit::cols: return r * (cols_l * tp) + tp_rank * cols_l + c;
-    case TpSplit::none: break;
+    case TpSplit::cols:
+      return r * (cols_l * tp) + tp_rank * cols_l + c;
+    case TpSplit::none:
+      break;
   }
   return j;
 }
@@ -125,7 +137,7 @@ std::vector<ShardDesc::Box> ShardDesc::boxes() const {
       n -= take;
       ++r;
     }
-    add(r, 0, n / K, K);  // whole rows
+    add(r, 0, n / K, K);          // whole rows
     add(r + n / K, 0, 1, n % K);  // the partial last row
   });
   return out;

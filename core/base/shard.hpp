@@ -25,11 +25,11 @@ enum class TpSplit {
 const char* tp_split_name(TpSplit s);
 
 struct ShardDesc {
-  std::vector<std::int64_t> shape;        // full logical shape
-  std::vector<std::int64_t> tp_shape;     // this tp rank's piece of it (= shape when not split)
+  std::vector<std::int64_t> shape;     // full logical shape
+  std::vector<std::int64_t> tp_shape;  // this tp rank's piece of it (= shape when not split)
   TpSplit split = TpSplit::none;
   int tp = 1, tp_rank = 0;
-  std::int64_t begin = 0, end = -1;       // the range of the flattened tp piece held (-1: to its end)
+  std::int64_t begin = 0, end = -1;  // the range of the flattened tp piece held (-1: to its end)
 
   // A tensor of `shape`, split `split` over a tp group of `tp` ranks, piece `tp_rank`.
   static ShardDesc make(std::vector<std::int64_t> shape, TpSplit split, int tp, int tp_rank);

@@ -19,21 +19,30 @@ void Communicator::add_counts_since(const CommStats& inner, CommStats& seen) {
 
 const char* comm_op_name(CommOp op) {
   switch (op) {
-    case CommOp::all_reduce: return "all_reduce";
-    case CommOp::reduce_scatter: return "reduce_scatter";
-    case CommOp::all_gather: return "all_gather";
-    case CommOp::broadcast: return "broadcast";
-    case CommOp::send: return "send";
-    case CommOp::recv: return "recv";
-    case CommOp::count_: break;
+    case CommOp::all_reduce:
+      return "all_reduce";
+    case CommOp::reduce_scatter:
+      return "reduce_scatter";
+    case CommOp::all_gather:
+      return "all_gather";
+    case CommOp::broadcast:
+      return "broadcast";
+    case CommOp::send:
+      return "send";
+    case CommOp::recv:
+      return "recv";
+    case CommOp::count_:
+      break;
   }
   return "unknown";
 }
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::max: return "max";
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::max:
+      return "max";
   }
   return "unknown";
 }

@@ -248,9 +248,9 @@ std::vector<std::int64_t> shard_offsets(const std::vector<std::int64_t>& counts)
 std::int64_t padded_shard(std::int64_t total, int n);
 
 // Textbook per-rank send volumes, in bytes, for an operation on M bytes over N ranks.
-double ring_all_reduce_bytes(double M, int N);       // 2 (N-1)/N M
-double ring_reduce_scatter_bytes(double M, int N);   // (N-1)/N M   (M = the whole input)
-double ring_all_gather_bytes(double M, int N);       // (N-1)/N M   (M = the whole output)
+double ring_all_reduce_bytes(double M, int N);      // 2 (N-1)/N M
+double ring_reduce_scatter_bytes(double M, int N);  // (N-1)/N M   (M = the whole input)
+double ring_all_gather_bytes(double M, int N);      // (N-1)/N M   (M = the whole output)
 // With variable counts (counts[r] elements of elem_bytes for rank r), what rank `rank` sends in the
 // rings: a reduce-scatter sends every block but its own once, an all-gather every block but its
 // right neighbour's ((rank + 1) mod N). Summed over the ranks, each is (N-1) times the whole payload.

@@ -163,8 +163,8 @@ using Reducer = void (*)(void* out, const void* a, const void* b, std::int64_t n
 
 template <class T>
 T saturate(std::int32_t v) {
-  return static_cast<T>(std::min<std::int32_t>(std::max<std::int32_t>(v, std::numeric_limits<T>::min()),
-                                               std::numeric_limits<T>::max()));
+  return static_cast<T>(
+      std::min<std::int32_t>(std::max<std::int32_t>(v, std::numeric_limits<T>::min()), std::numeric_limits<T>::max()));
 }
 template <class T>
 T wrapping_add(T a, T b) {
@@ -197,7 +197,9 @@ struct Max {
   static bf16 apply(bf16 a, bf16 b) { return half_nan_max(a, b); }
   static f16 apply(f16 a, f16 b) { return half_nan_max(a, b); }
   template <class I>
-  static I apply(I a, I b) { return a < b ? b : a; }
+  static I apply(I a, I b) {
+    return a < b ? b : a;
+  }
 };
 
 template <class T, class Op>
@@ -211,15 +213,24 @@ void reduce_elements(void* out, const void* a, const void* b, std::int64_t n) {
 template <class Op>
 Reducer reducer_for(DType t) {
   switch (t) {
-    case DType::f32: return reduce_elements<float, Op>;
-    case DType::f64: return reduce_elements<double, Op>;
-    case DType::bf16: return reduce_elements<bf16, Op>;
-    case DType::f16: return reduce_elements<f16, Op>;
-    case DType::i8: return reduce_elements<std::int8_t, Op>;
-    case DType::u8: return reduce_elements<std::uint8_t, Op>;
-    case DType::i32: return reduce_elements<std::int32_t, Op>;
-    case DType::i64: return reduce_elements<std::int64_t, Op>;
-    case DType::count_: break;
+    case DType::f32:
+      return reduce_elements<float, Op>;
+    case DType::f64:
+      return reduce_elements<double, Op>;
+    case DType::bf16:
+      return reduce_elements<bf16, Op>;
+    case DType::f16:
+      return reduce_elements<f16, Op>;
+    case DType::i8:
+      return reduce_elements<std::int8_t, Op>;
+    case DType::u8:
+      return reduce_elements<std::uint8_t, Op>;
+    case DType::i32:
+      return reduce_elements<std::int32_t, Op>;
+    case DType::i64:
+      return reduce_elements<std::int64_t, Op>;
+    case DType::count_:
+      break;
   }
   return nullptr;
 }
@@ -227,8 +238,12 @@ Reducer reducer_for(DType t) {
 Reducer reducer(DType t, ReduceOp op) {
   Reducer f = nullptr;
   switch (op) {
-    case ReduceOp::sum: f = reducer_for<Sum>(t); break;
-    case ReduceOp::max: f = reducer_for<Max>(t); break;
+    case ReduceOp::sum:
+      f = reducer_for<Sum>(t);
+      break;
+    case ReduceOp::max:
+      f = reducer_for<Max>(t);
+      break;
   }
   if (!f)
     throw std::logic_error(std::string("no ") + reduce_op_name(op) + " reduction of element type " +
@@ -260,7 +275,8 @@ class ScratchPool {
   void reserve(std::size_t c, int count) {
     if (c == 0 || count <= 0) return;
     std::vector<TypedBuffer>& f = free_[c];
-    while (static_cast<int>(f.size()) < count) f.emplace_back(label_, DType::u8, static_cast<std::int64_t>(c), Mem::comm);
+    while (static_cast<int>(f.size()) < count)
+      f.emplace_back(label_, DType::u8, static_cast<std::int64_t>(c), Mem::comm);
     reserved_[c] = std::max(reserved_[c], count);
   }
   Communicator::ScratchUse use() const {
@@ -272,7 +288,7 @@ class ScratchPool {
 
  private:
   std::string label_;
-  std::map<std::size_t, std::vector<TypedBuffer>> free_;  // by class (a buffer's size is its class)
+  std::map<std::size_t, std::vector<TypedBuffer>> free_;      // by class (a buffer's size is its class)
   std::map<std::size_t, int> taken_, most_taken_, reserved_;  // by class: out now, most out at once, reserved
 };
 
@@ -531,8 +547,10 @@ class MpiRequest : public CommRequest {
       why << (i ? ", " : " ") << comm_->world_rank(culprits[i]);
       if (!in_world) why << " (" << comm_->name() << " rank " << culprits[i] << ")";
     }
-    if (receiving) why << (one ? ": its message never arrived" : ": their messages never arrived");
-    else why << (one ? ": it never took the message sent to it" : ": they never took the messages sent to them");
+    if (receiving)
+      why << (one ? ": its message never arrived" : ": their messages never arrived");
+    else
+      why << (one ? ": it never took the message sent to it" : ": they never took the messages sent to them");
     why << (one ? "; that rank is stalled or dead (or itself waiting on one that is)"
                 : "; those ranks are stalled or dead (or themselves waiting on ones that are)");
     abort_job(why.str(), 1);
@@ -609,8 +627,8 @@ class RingAllReduce : public MpiRequest {
 // with it; the last step's block is r itself, combined straight into `recv`.
 class RingReduceScatter : public MpiRequest {
  public:
-  RingReduceScatter(MpiCommunicator* c, int tag, BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts,
-                    Reducer reduce)
+  RingReduceScatter(MpiCommunicator* c, int tag, BufferRef send, BufferRef recv,
+                    const std::vector<std::int64_t>& counts, Reducer reduce)
       : MpiRequest(c, CommOp::reduce_scatter, tag),
         send_(static_cast<const char*>(send.data)),
         recv_(static_cast<char*>(recv.data)),
@@ -654,7 +672,9 @@ class RingReduceScatter : public MpiRequest {
 
  private:
   std::int64_t total() const { return offsets_.back(); }
-  const char* own(int b) const { return send_ + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(b)]) * elem_; }
+  const char* own(int b) const {
+    return send_ + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(b)]) * elem_;
+  }
   std::size_t bytes(int b) const { return static_cast<std::size_t>(counts_[static_cast<std::size_t>(b)]) * elem_; }
 
   const char* send_;
@@ -706,7 +726,10 @@ class RingAllGather : public MpiRequest {
 class ChainBroadcast : public MpiRequest {
  public:
   ChainBroadcast(MpiCommunicator* c, int tag, BufferRef data, int root)
-      : MpiRequest(c, CommOp::broadcast, tag), data_(static_cast<char*>(data.data)), bytes_(data.bytes()), n_(c->size()) {
+      : MpiRequest(c, CommOp::broadcast, tag),
+        data_(static_cast<char*>(data.data)),
+        bytes_(data.bytes()),
+        n_(c->size()) {
     v_ = ring_mod(c->rank() - root, n_);
     segments_ = static_cast<int>((bytes_ + kBroadcastSegment - 1) / kBroadcastSegment);
   }
@@ -719,8 +742,10 @@ class ChainBroadcast : public MpiRequest {
   }
   void post(int t) override {
     if (v_ > 0 && t < segments_) irecv(seg(t), seg_bytes(t), left());
-    if (v_ == 0) isend(seg(t), seg_bytes(t), right());
-    else if (v_ < n_ - 1 && t >= 1) isend(seg(t - 1), seg_bytes(t - 1), right());
+    if (v_ == 0)
+      isend(seg(t), seg_bytes(t), right());
+    else if (v_ < n_ - 1 && t >= 1)
+      isend(seg(t - 1), seg_bytes(t - 1), right());
   }
 
  private:
@@ -744,8 +769,10 @@ class PointToPoint : public MpiRequest {
  protected:
   int steps() const override { return 1; }
   void post(int) override {
-    if (op_ == CommOp::send) isend(data_, bytes_, peer_);
-    else irecv(data_, bytes_, peer_);
+    if (op_ == CommOp::send)
+      isend(data_, bytes_, peer_);
+    else
+      irecv(data_, bytes_, peer_);
   }
 
  private:
@@ -828,7 +855,8 @@ void MpiCommunicator::check_tag(const char* op, int tag) const {
 CommRequestPtr MpiCommunicator::start_all_reduce(BufferRef data, ReduceOp op) {
   check_host("all_reduce", "data", data);
   const Reducer reduce = reducer(data.type, op);
-  return start(CommOp::all_reduce, std::make_unique<Finishing<RingAllReduce>>(this, next_collective_tag(), data, reduce));
+  return start(CommOp::all_reduce,
+               std::make_unique<Finishing<RingAllReduce>>(this, next_collective_tag(), data, reduce));
 }
 
 CommRequestPtr MpiCommunicator::start_reduce_scatter(BufferRef send, BufferRef recv,
@@ -840,7 +868,8 @@ CommRequestPtr MpiCommunicator::start_reduce_scatter(BufferRef send, BufferRef r
                std::make_unique<Finishing<RingReduceScatter>>(this, next_collective_tag(), send, recv, counts, reduce));
 }
 
-CommRequestPtr MpiCommunicator::start_all_gather(BufferRef send, BufferRef recv, const std::vector<std::int64_t>& counts) {
+CommRequestPtr MpiCommunicator::start_all_gather(BufferRef send, BufferRef recv,
+                                                 const std::vector<std::int64_t>& counts) {
   check_host("all_gather", "send", send);
   check_host("all_gather", "recv", recv);
   return start(CommOp::all_gather,

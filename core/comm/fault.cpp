@@ -40,7 +40,8 @@ std::optional<FaultPlan> parse_fault_spec(const std::string& spec, std::string* 
   FaultPlan plan{std::stoi(m[1]), std::stoll(m[2]), m[3]};
   for (const char* place : kFaultPlaces)
     if (plan.where == place) return plan;
-  *why = "where=" + escape_value(plan.where) + " is not a place a fault can be injected (valid: plugin, data, checkpoint, nan, nan_weights, overflow)";
+  *why = "where=" + escape_value(plan.where) +
+         " is not a place a fault can be injected (valid: plugin, data, checkpoint, nan, nan_weights, overflow)";
   return std::nullopt;
 }
 

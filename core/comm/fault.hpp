@@ -3,8 +3,8 @@
 // LOOM_INJECT_FAULT="rank=R,step=S,where=W" makes world rank R fail at training step S (0-based) in
 // place W: "plugin" (an exception thrown inside the step's work of a strategy plugin: the data and
 // zero plugins' gradient sync, the tensor plugin's partition, the pipeline plugin's schedule; the data,
-// zero and tensor plugins count S from the first step of this run), "data" (the rank's data read fails as if its file were unreadable)
-// "checkpoint" (the rank dies in the middle of writing the checkpoint of step S), "nan" (one weight
+// zero and tensor plugins count S from the first step of this run), "data" (the rank's data read fails as if its file
+// were unreadable) "checkpoint" (the rank dies in the middle of writing the checkpoint of step S), "nan" (one weight
 // element of the rank is NaN during step S's forward and backward only: a bad batch's non-finite loss
 // and gradients) or "nan_weights" (a NaN written into one weight after step S's update, where it
 // stays: the state itself diverged) or "overflow" (one element of the gradient the rank updates is

@@ -18,7 +18,6 @@ std::string divisors(long n) {
   return s.str();
 }
 
-
 namespace {
 
 class PlannedCommunicator final : public Communicator {
@@ -42,7 +41,8 @@ class PlannedCommunicator final : public Communicator {
 
  private:
   [[noreturn]] CommRequestPtr no() const {
-    throw std::logic_error("loom plan's " + name_ + " communicator was asked to communicate: building a rank's roles "
+    throw std::logic_error("loom plan's " + name_ +
+                           " communicator was asked to communicate: building a rank's roles "
                            "must not");
   }
   std::string name_;

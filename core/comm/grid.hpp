@@ -44,7 +44,7 @@ class ProcessGrid {
   int dp_rank() const { return dp_i_; }
   int tp_rank() const { return tp_i_; }
   int pp_rank() const { return pp_i_; }
-  int node() const { return node_; }   // index of this rank's node (shared-memory domain)
+  int node() const { return node_; }  // index of this rank's node (shared-memory domain)
   int nodes() const { return nodes_; }
   Communicator& world() { return *world_; }
   Communicator& dp() { return *dp_; }

@@ -31,7 +31,6 @@
 namespace loom {
 namespace {
 
-
 // The NCCL entry points loom uses, resolved from libnccl.so.2 once per process.
 struct Nccl {
   bool loaded = false;
@@ -116,15 +115,24 @@ void check_cuda(cudaError_t e, const char* what) {
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case DType::f32: return ncclFloat32;
-    case DType::f64: return ncclFloat64;
-    case DType::bf16: return ncclBfloat16;
-    case DType::f16: return ncclFloat16;
-    case DType::i8: return ncclInt8;
-    case DType::u8: return ncclUint8;
-    case DType::i32: return ncclInt32;
-    case DType::i64: return ncclInt64;
-    case DType::count_: break;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::i8:
+      return ncclInt8;
+    case DType::u8:
+      return ncclUint8;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    case DType::count_:
+      break;
   }
   throw std::logic_error("NCCL: no type for this element type");
 }
@@ -267,8 +275,9 @@ class NcclCommunicator final : public Communicator {
       for (int r = 0; r < size_; ++r) {
         if (counts[static_cast<std::size_t>(r)] == 0) continue;
         const char* block = static_cast<const char*>(send.data) + at[static_cast<std::size_t>(r)] * elem;
-        check_nccl(n.reduce(block, r == rank_ ? recv.data : nullptr, static_cast<std::size_t>(counts[static_cast<std::size_t>(r)]),
-                            nccl_type(send.type), nccl_op(op), r, comm_, stream_),
+        check_nccl(n.reduce(block, r == rank_ ? recv.data : nullptr,
+                            static_cast<std::size_t>(counts[static_cast<std::size_t>(r)]), nccl_type(send.type),
+                            nccl_op(op), r, comm_, stream_),
                    "ncclReduce");
       }
       check_nccl(n.group_end(), "ncclGroupEnd");
@@ -292,8 +301,9 @@ class NcclCommunicator final : public Communicator {
       for (int r = 0; r < size_; ++r) {
         if (counts[static_cast<std::size_t>(r)] == 0) continue;
         char* place = static_cast<char*>(recv.data) + at[static_cast<std::size_t>(r)] * elem;
-        check_nccl(n.broadcast(r == rank_ ? send.data : place, place, static_cast<std::size_t>(counts[static_cast<std::size_t>(r)]),
-                               nccl_type(send.type), r, comm_, stream_),
+        check_nccl(n.broadcast(r == rank_ ? send.data : place, place,
+                               static_cast<std::size_t>(counts[static_cast<std::size_t>(r)]), nccl_type(send.type), r,
+                               comm_, stream_),
                    "ncclBroadcast");
       }
       check_nccl(n.group_end(), "ncclGroupEnd");
@@ -317,10 +327,13 @@ class NcclCommunicator final : public Communicator {
   CommRequestPtr start_send(BufferRef data, int peer, int tag) override {
     if (data.space == MemSpace::host) return host(mpi_->send_async(data, peer, tag));
     const Nccl& n = nccl();
-    return issue(CommOp::send, static_cast<double>(data.bytes()), [&](cudaStream_t s) {
-      check_nccl(n.send(data.data, static_cast<std::size_t>(data.count), nccl_type(data.type), peer, comm_, s),
-                 "ncclSend");
-    }, send_stream_);
+    return issue(
+        CommOp::send, static_cast<double>(data.bytes()),
+        [&](cudaStream_t s) {
+          check_nccl(n.send(data.data, static_cast<std::size_t>(data.count), nccl_type(data.type), peer, comm_, s),
+                     "ncclSend");
+        },
+        send_stream_);
   }
   CommRequestPtr start_recv(BufferRef data, int peer, int tag) override {
     if (data.space == MemSpace::host) return host(mpi_->recv_async(data, peer, tag));
@@ -343,8 +356,10 @@ class NcclCommunicator final : public Communicator {
     if (!on) on = stream_;
     check_cuda(cudaEventRecord(ready_, compute_), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(on, ready_, 0), "cudaStreamWaitEvent");
-    if constexpr (std::is_invocable_v<F, cudaStream_t>) enqueue(on);
-    else enqueue();
+    if constexpr (std::is_invocable_v<F, cudaStream_t>)
+      enqueue(on);
+    else
+      enqueue();
     cudaEvent_t done;
     check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     check_cuda(cudaEventRecord(done, on), "cudaEventRecord");

@@ -48,11 +48,16 @@ void require_device(const BufferRef& b, const char* op, const char* name) {
 
 cudaDataType cuda_type(DType t, const char* op) {
   switch (t) {
-    case DType::f32: return CUDA_R_32F;
-    case DType::f64: return CUDA_R_64F;
-    case DType::bf16: return CUDA_R_16BF;
-    case DType::f16: return CUDA_R_16F;
-    default: refuse(std::string(op) + ": element type " + dtype_name(t) + " is not fp32, fp64, bf16 or fp16");
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::f64:
+      return CUDA_R_64F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    case DType::f16:
+      return CUDA_R_16F;
+    default:
+      refuse(std::string(op) + ": element type " + dtype_name(t) + " is not fp32, fp64, bf16 or fp16");
   }
 }
 
@@ -197,8 +202,8 @@ class CudaBackend final : public Backend {
       if (e != cudaSuccess) {
         std::size_t free_b = 0, total_b = 0;
         cudaMemGetInfo(&free_b, &total_b);
-        throw std::runtime_error("cuda: cannot allocate " + label + " (" + std::to_string(bytes >> 20) + " MiB) on device " +
-                                 std::to_string(device_) + ": " + cudaGetErrorString(e) + "; " +
+        throw std::runtime_error("cuda: cannot allocate " + label + " (" + std::to_string(bytes >> 20) +
+                                 " MiB) on device " + std::to_string(device_) + ": " + cudaGetErrorString(e) + "; " +
                                  std::to_string(free_b >> 20) + " of " + std::to_string(total_b >> 20) + " MiB free");
       }
       check_cuda(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync");
@@ -251,7 +256,8 @@ class CudaBackend final : public Backend {
     Timed timed(this, "bias_backward");
     cuda::bias_backward(dbias, dout, N, OC, stream_);
   }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) override {
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                      int OC) override {
     matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C, MemSpace::device),
                    BufferRef(weight, static_cast<std::int64_t>(OC) * C, MemSpace::device), bias, N, C, OC);
   }
@@ -264,7 +270,7 @@ class CudaBackend final : public Backend {
     Timed timed(this, "matmul_forward", N, C, OC);
     const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
     const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
-    Gemm g;                                                                      // out = x W^T (+ bias)
+    Gemm g;                                                                                      // out = x W^T (+ bias)
     g.ta = false, g.tb = true, g.M = N, g.N = OC, g.K = C;
     g.A = x.data, g.a_type = x.type, g.lda = C;
     g.B = w.data, g.b_type = w.type, g.ldb = C;
@@ -279,7 +285,7 @@ class CudaBackend final : public Backend {
                                 static_cast<std::int64_t>(N) * OC);                              // [N,OC]
     const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
     const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
-    Gemm g;  // dinp = dout W
+    Gemm g;                                                                                      // dinp = dout W
     g.M = N, g.N = C, g.K = OC;
     g.A = d.data, g.a_type = d.type, g.lda = OC;
     g.B = w.data, g.b_type = w.type, g.ldb = C;
@@ -367,14 +373,16 @@ class CudaBackend final : public Backend {
              std::to_string(props_.minor) + "; the fused kernels' bf16 tensor-core products need 8.0 or newer";
     const int built = cuda::flash_attention_built_arch();
     if (built < 80)
-      return "libloom_cuda.so's fused kernels run here as compiled for compute capability " + std::to_string(built / 10) + "." +
-             std::to_string(built % 10) + " (CMAKE_CUDA_ARCHITECTURES), without bf16 tensor-core products; rebuild with "
+      return "libloom_cuda.so's fused kernels run here as compiled for compute capability " +
+             std::to_string(built / 10) + "." + std::to_string(built % 10) +
+             " (CMAKE_CUDA_ARCHITECTURES), without bf16 tensor-core products; rebuild with "
              "-DCMAKE_CUDA_ARCHITECTURES covering 80 or newer (the default: 80;90)";
     if (std::string why = flash_head_size_refusal(hs); !why.empty()) return why;
     const std::size_t need = cuda::flash_attention_shared_bytes(hs);
     if (need > props_.sharedMemPerBlockOptin)
-      return "head size " + std::to_string(hs) + " needs " + std::to_string(need) + " bytes of shared memory per block; device " +
-             std::to_string(device_) + " (" + props_.name + ") has " + std::to_string(props_.sharedMemPerBlockOptin);
+      return "head size " + std::to_string(hs) + " needs " + std::to_string(need) +
+             " bytes of shared memory per block; device " + std::to_string(device_) + " (" + props_.name + ") has " +
+             std::to_string(props_.sharedMemPerBlockOptin);
     return {};
   }
   void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
@@ -404,8 +412,8 @@ class CudaBackend final : public Backend {
     Timed timed(this, "crossentropy_forward");
     cuda::crossentropy_forward(losses, probs, logits, targets, N, V, stream_);
   }
-  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N,
-                             int V, int vocab_begin) override {
+  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N, int V,
+                             int vocab_begin) override {
     Timed timed(this, "crossentropy_backward");
     cuda::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin, stream_);
   }
@@ -447,8 +455,9 @@ class CudaBackend final : public Backend {
   void copy(float* dst, const float* src, std::int64_t n) override {
     Timed timed(this, "copy");
     if (n > 0 && dst != src)
-      check_cuda(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
-                 "copy");
+      check_cuda(
+          cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+          "copy");
   }
 
   void axpy(float* y, float a, const float* x, std::int64_t n) override {
@@ -593,7 +602,8 @@ class CudaBackend final : public Backend {
   // operand slot `slot` (cuBLASLt reads 16-bit operands natively, accumulating in fp32).
   BufferRef operand(int slot, BufferRef src, std::int64_t n) {
     if (src.count < n)
-      refuse("Backend::matmul: an operand of " + std::to_string(src.count) + " elements, " + std::to_string(n) + " needed");
+      refuse("Backend::matmul: an operand of " + std::to_string(src.count) + " elements, " + std::to_string(n) +
+             " needed");
     require_device(src, "matmul", "operand");
     const DType want = precision_.matmul;
     if (src.type == want) return BufferRef(src.data, src.type, n, MemSpace::device);
@@ -621,7 +631,8 @@ class CudaBackend final : public Backend {
     if (g.a_type != g.b_type) refuse("matmul: operands of two types");
     const bool f64 = g.a_type == DType::f64;
     const cublasComputeType_t compute =
-        f64 ? CUBLAS_COMPUTE_64F : (g.a_type == DType::f32 && tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
+        f64 ? CUBLAS_COMPUTE_64F
+            : (g.a_type == DType::f32 && tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
     const cudaDataType scale_type = f64 ? CUDA_R_64F : CUDA_R_32F;
     cublasLtMatmulDesc_t desc = nullptr;
     check_lt(cublasLtMatmulDescCreate(&desc, compute, scale_type), "MatmulDescCreate");
@@ -641,9 +652,11 @@ class CudaBackend final : public Backend {
       cublasLtMatrixLayout_t l = nullptr;
       check_lt(cublasLtMatrixLayoutCreate(&l, cuda_type(t, "matmul"), rows, cols, ld), "MatrixLayoutCreate");
       if (g.batch > 1) {
-        check_lt(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &g.batch, sizeof g.batch), "BATCH");
-        check_lt(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
-                 "STRIDE");
+        check_lt(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &g.batch, sizeof g.batch),
+                 "BATCH");
+        check_lt(
+            cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
+            "STRIDE");
       }
       return l;
     };
@@ -656,26 +669,36 @@ class CudaBackend final : public Backend {
     // matrix of the batch must be as aligned as the algorithm assumes).
     const auto operand_alignment = [&](const void* p, long long stride, DType t) {
       std::uint32_t a = alignment_of(p);
-      if (g.batch > 1) a = std::min(a, alignment_of(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(stride) * dtype_size(t))));
+      if (g.batch > 1)
+        a = std::min(a,
+                     alignment_of(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(stride) * dtype_size(t))));
       return a;
     };
-    const std::uint32_t al1 = operand_alignment(g.B, g.stride_b, g.b_type), al2 = operand_alignment(g.A, g.stride_a, g.a_type),
+    const std::uint32_t al1 = operand_alignment(g.B, g.stride_b, g.b_type),
+                        al2 = operand_alignment(g.A, g.stride_a, g.a_type),
                         alc = operand_alignment(g.C, g.stride_c, g.c_type);
     const auto key = std::make_tuple(g.ta, g.tb, g.M, g.N, g.K, g.lda, g.ldb, g.ldc, static_cast<int>(g.a_type),
                                      static_cast<int>(g.c_type), g.batch, g.bias != nullptr,
-                                     std::array<std::uint32_t, 3>{al1, al2, alc}, g.beta != 0.0f, g.stride_a, g.stride_b,
-                                     g.stride_c, static_cast<int>(compute));
+                                     std::array<std::uint32_t, 3>{al1, al2, alc}, g.beta != 0.0f, g.stride_a,
+                                     g.stride_b, g.stride_c, static_cast<int>(compute));
     auto it = algos_.find(key);
     if (it == algos_.end()) {
       cublasLtMatmulPreference_t pref = nullptr;
       check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
       const std::size_t ws = workspace_.bytes();
-      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws), "WS");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
+               "WS");
       const std::uint32_t align_c = alc;
-      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al1, sizeof al1), "ALIGN_A");
-      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al2, sizeof al2), "ALIGN_B");
-      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c), "ALIGN_C");
-      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c), "ALIGN_D");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al1, sizeof al1),
+               "ALIGN_A");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al2, sizeof al2),
+               "ALIGN_B");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
+                                                    sizeof align_c),
+               "ALIGN_C");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
+                                                    sizeof align_c),
+               "ALIGN_D");
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
       const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, desc, l1, l2, lc, lc, pref, 1, &result, &found);
@@ -738,7 +761,8 @@ class CudaBackend final : public Backend {
     for (const auto& [k, t] : op_times_) total += t.ms;
     std::vector<std::pair<std::string, OpTime>> by_time(op_times_.begin(), op_times_.end());
     std::sort(by_time.begin(), by_time.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
-    std::fprintf(stderr, "loom: CUDA operation times on device %d (LOOM_CUDA_PROFILE), %.1f ms in all:\n", device_, total);
+    std::fprintf(stderr, "loom: CUDA operation times on device %d (LOOM_CUDA_PROFILE), %.1f ms in all:\n", device_,
+                 total);
     std::fprintf(stderr, "  %-44s %8s %11s %6s\n", "operation", "calls", "ms", "share");
     for (const auto& [k, t] : by_time)
       std::fprintf(stderr, "  %-44s %8lld %11.2f %5.1f%%\n", k.c_str(), static_cast<long long>(t.calls), t.ms,
@@ -750,8 +774,10 @@ class CudaBackend final : public Backend {
   std::map<std::string, OpTime> op_times_;
   // How device buffers move between ranks, per group that has several (in the order made).
   void note_comm(const std::string& group, const std::string& note) {
-    if (comm_notes_.emplace(group, note).second) comm_order_.push_back(group);
-    else comm_notes_[group] = note;
+    if (comm_notes_.emplace(group, note).second)
+      comm_order_.push_back(group);
+    else
+      comm_notes_[group] = note;
   }
   std::map<std::string, std::string> comm_notes_;
   std::vector<std::string> comm_order_;
@@ -762,11 +788,12 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   TypedBuffer workspace_;
-  std::array<TypedBuffer, cuda_plan::kSlots> operands_;  // 16-bit (or widened) operands of one product: input, weight, gradient
-  TypedBuffer att_scratch_;              // [NH,T,T] attention-score gradients of one sequence
-  TypedBuffer reduce_scratch_;           // per-block partial sums of a reduction
-  TypedBuffer topk_scratch_;             // top-k's histograms and counts (cuda_plan::topk_scratch_bytes)
-  TypedBuffer norm_out_;                 // reduction results on the device, copied back together
+  std::array<TypedBuffer, cuda_plan::kSlots>
+      operands_;                // 16-bit (or widened) operands of one product: input, weight, gradient
+  TypedBuffer att_scratch_;     // [NH,T,T] attention-score gradients of one sequence
+  TypedBuffer reduce_scratch_;  // per-block partial sums of a reduction
+  TypedBuffer topk_scratch_;    // top-k's histograms and counts (cuda_plan::topk_scratch_bytes)
+  TypedBuffer norm_out_;        // reduction results on the device, copied back together
   std::map<std::tuple<bool, bool, int, int, int, int, int, int, int, int, int, bool, std::array<std::uint32_t, 3>, bool,
                       long long, long long, long long, int>,
            cublasLtMatmulAlgo_t>

@@ -33,7 +33,9 @@ LOOM_DEVICE float as_float(f16_t h) { return __half2float(h); }
 LOOM_DEVICE void sync_block() { __syncthreads(); }
 LOOM_DEVICE void sync_warp() { __syncwarp(); }
 template <class T>
-LOOM_DEVICE T shfl_xor(T v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
+LOOM_DEVICE T shfl_xor(T v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}
 template <class T>
 LOOM_DEVICE T* shared_memory() {
   extern __shared__ __align__(128) unsigned char loom_dynamic_shared[];
@@ -47,7 +49,9 @@ LOOM_DEVICE bool any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 LOOM_DEVICE int first_set(unsigned mask) { return __ffs(static_cast<int>(mask)); }  // 1 + the lowest set bit; 0: none
 // fp64 -> fp32 rounded toward zero; fp16 bits <-> float (round to nearest even, inf on overflow).
 LOOM_DEVICE float double_to_float_rz(double d) { return __double2float_rz(d); }
-LOOM_DEVICE unsigned long long double_bits(double d) { return static_cast<unsigned long long>(__double_as_longlong(d)); }
+LOOM_DEVICE unsigned long long double_bits(double d) {
+  return static_cast<unsigned long long>(__double_as_longlong(d));
+}
 LOOM_DEVICE float f16_bits_to_float(std::uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
 LOOM_DEVICE std::uint16_t float_to_f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 LOOM_DEVICE float log_f(float x) { return logf(x); }
@@ -98,9 +102,13 @@ inline float as_float(f16_t h) { return loom::to_float(h); }
 inline void sync_block() { cuda_emu::sync_block(); }
 inline void sync_warp() { cuda_emu::sync_warp(); }
 template <class T>
-T shfl_xor(T v, int lane_mask) { return cuda_emu::shfl_xor(v, static_cast<unsigned>(lane_mask)); }
+T shfl_xor(T v, int lane_mask) {
+  return cuda_emu::shfl_xor(v, static_cast<unsigned>(lane_mask));
+}
 template <class T>
-T* shared_memory() { return reinterpret_cast<T*>(cuda_emu::dynamic_shared()); }
+T* shared_memory() {
+  return reinterpret_cast<T*>(cuda_emu::dynamic_shared());
+}
 // The emulator's threads switch only at barriers, so a read-modify-write is never interleaved.
 inline void atomic_add_shared(unsigned* p, unsigned v) { *p += v; }
 inline unsigned ballot(bool p) { return cuda_emu::ballot(p); }
@@ -137,8 +145,8 @@ inline void store_bf16x4(bf16_t* p, float4 f) {
   std::memcpy(p, v, sizeof v);
 }
 }  // namespace loom::dev
-// One array per block, filled with NaN bytes at the block's start, as the dynamic shared memory.
-#define LOOM_SHARED_ARRAY(T, name, n)                                                                  \
+   // One array per block, filled with NaN bytes at the block's start, as the dynamic shared memory.
+#define LOOM_SHARED_ARRAY(T, name, n)                                                               \
   static char name##_site; /* its address names the array (not const: never merged with another) */ \
   T* const name = static_cast<T*>(::loom::cuda_emu::static_shared(&name##_site, sizeof(T) * (n)))
 #define LOOM_LAUNCH_BOUNDS(n)

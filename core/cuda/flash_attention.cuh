@@ -109,9 +109,13 @@ struct BackwardSmem {
 };
 
 template <int HS>
-LOOM_HD inline std::size_t forward_smem_bytes() { return ForwardSmem<HS>(nullptr).bytes; }
+LOOM_HD inline std::size_t forward_smem_bytes() {
+  return ForwardSmem<HS>(nullptr).bytes;
+}
 template <int HS>
-LOOM_HD inline std::size_t backward_smem_bytes() { return BackwardSmem<HS>(nullptr).bytes; }
+LOOM_HD inline std::size_t backward_smem_bytes() {
+  return BackwardSmem<HS>(nullptr).bytes;
+}
 
 // The per-element passes between the products: lane `lane` of a warp takes row lane_row(lane) of
 // the warp's 16 and, step by step, the columns lane_column gives (math::flash_lane_column: the two
@@ -160,9 +164,9 @@ LOOM_DEVICE bool loads_aligned(const TileLoad (&loads)[N]) {
 template <int HS, int N>
 LOOM_DEVICE void load_tiles(const TileLoad (&loads)[N], int row0, int T) {
   const int tid = dev::thread_x();
-  if (loads_aligned<HS>(loads)) {  // the same answer in every thread
-    constexpr int kQuads = HS / 4;                                // float4 per row
-    constexpr int kPerThread = kCols * kQuads / kThreads;         // of each tile
+  if (loads_aligned<HS>(loads)) {                          // the same answer in every thread
+    constexpr int kQuads = HS / 4;                         // float4 per row
+    constexpr int kPerThread = kCols * kQuads / kThreads;  // of each tile
     constexpr int kBatch = kPerThread < 4 ? kPerThread : 4;
     static_assert(kCols * kQuads % kThreads == 0 && kPerThread % kBatch == 0, "whole batches of every tile");
     for (int first = 0; first < kPerThread; first += kBatch) {
@@ -172,8 +176,9 @@ LOOM_DEVICE void load_tiles(const TileLoad (&loads)[N], int row0, int T) {
         LOOM_UNROLL(4)
         for (int j = 0; j < kBatch; ++j) {
           const int i = tid + (first + j) * kThreads, t = row0 + i / kQuads;
-          staged[n][j] = t < T ? dev::load_float4(loads[n].src + static_cast<std::int64_t>(t) * loads[n].ld + 4 * (i % kQuads))
-                               : dev::make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          staged[n][j] =
+              t < T ? dev::load_float4(loads[n].src + static_cast<std::int64_t>(t) * loads[n].ld + 4 * (i % kQuads))
+                    : dev::make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
       }
       LOOM_UNROLL(4)
@@ -352,7 +357,8 @@ LOOM_DEVICE void write_rows(float* dst, std::int64_t ld, int t0, int T, int row0
 LOOM_DEVICE int last_tile_first() { return dev::grid_y() - 1 - dev::block_y(); }
 
 // ---------------------------------------------------------------------------------------------
-// Forward. Grid (B*NH, ceil(T/64)) (heads on x, whose limit is 2^31 - 1), 128 threads, forward_smem_bytes<HS>() of dynamic shared memory.
+// Forward. Grid (B*NH, ceil(T/64)) (heads on x, whose limit is 2^31 - 1), 128 threads, forward_smem_bytes<HS>() of
+// dynamic shared memory.
 
 template <int HS>
 LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [B,NH,T]
@@ -375,7 +381,7 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
   const int r = warp * 16 + lane_row(lane), t = q0 + r;
   const int last_q = (q0 + kRows < T ? q0 + kRows : T) - 1;
   for (int k0 = 0; k0 <= last_q; k0 += kCols) {  // causal: no key tile past the block's last query
-    dev::sync_block();  // the previous tile's products are done with k and v
+    dev::sync_block();                           // the previous tile's products are done with k and v
     load_tiles<HS>({TileLoad{sm.k, x.k, x.ld}, TileLoad{sm.v, x.v, x.ld}}, k0, T);
     dev::sync_block();
     product_nt<HS>(sm.s + warp * 16 * S::s, S::s, q_rows, sm.k);  // scores of the warp's rows
@@ -430,8 +436,8 @@ LOOM_KERNEL void attention_backward_dsum_kernel(float* dsum,                    
   const std::int64_t rows = static_cast<std::int64_t>(B) * NH * T;
   const int lane = dev::thread_x() % 32, warps_per_block = dev::block_dim_x() / 32;
   const std::int64_t stride = static_cast<std::int64_t>(warps_per_block) * dev::grid_x();
-  for (std::int64_t row = static_cast<std::int64_t>(dev::block_x()) * warps_per_block + dev::thread_x() / 32; row < rows;
-       row += stride) {
+  for (std::int64_t row = static_cast<std::int64_t>(dev::block_x()) * warps_per_block + dev::thread_x() / 32;
+       row < rows; row += stride) {
     const std::int64_t t = row % T, bh = row / T, b = bh / NH, h = bh % NH;
     const std::int64_t at = (b * T + t) * C + h * hs;
     float acc = 0.0f;
@@ -468,7 +474,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
   const float* dprow = sm.dp + r * S::s;
   dev::bf16_t* prow = sm.p + r * S::p;
   for (int q0 = k0; q0 < T; q0 += kCols) {  // causal: no query before the block's first key
-    dev::sync_block();  // the previous tile's products are done with q and dout
+    dev::sync_block();                      // the previous tile's products are done with q and dout
     load_tiles<HS>({TileLoad{sm.c, x.q, x.ld}, TileLoad{sm.d, x.dout, C}}, q0, T);
     for (int i = tid; i < kCols; i += kThreads) {
       const bool in = q0 + i < T;
@@ -494,7 +500,7 @@ LOOM_KERNEL void attention_backward_kv_kernel(float* dqkv,                      
     }
     dev::sync_warp();
     product_nn_acc<HS>(dv, sm.p + warp * 16 * S::p, sm.d);  // dv += probs^T dout
-    dev::sync_warp();  // every lane is done reading the probabilities
+    dev::sync_warp();                                       // every lane is done reading the probabilities
     for (int step = 0; step < kCols / 2; ++step) {
       const int c = lane_column(lane, step, kCols);
       prow[c] = dev::to_bf16(srow[c]);

@@ -22,11 +22,20 @@ struct TypeTag {
 template <class F>
 void with_float_type(DType t, const char* op, F&& f) {
   switch (t) {
-    case DType::f32: f(TypeTag<DType::f32>{}); return;
-    case DType::f64: f(TypeTag<DType::f64>{}); return;
-    case DType::bf16: f(TypeTag<DType::bf16>{}); return;
-    case DType::f16: f(TypeTag<DType::f16>{}); return;
-    default: break;
+    case DType::f32:
+      f(TypeTag<DType::f32>{});
+      return;
+    case DType::f64:
+      f(TypeTag<DType::f64>{});
+      return;
+    case DType::bf16:
+      f(TypeTag<DType::bf16>{});
+      return;
+    case DType::f16:
+      f(TypeTag<DType::f16>{});
+      return;
+    default:
+      break;
   }
   throw std::invalid_argument(std::string("loom::cuda::") + op + ": unsupported dtype " + dtype_name(t));
 }
@@ -178,13 +187,13 @@ void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chu
   layer::int8_absmax(OnStream{stream}, absmax, x, n, chunk, nonfinite, scratch);
 }
 
-void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk, const float* absmax,
-                   int levels, cudaStream_t stream) {
+void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
+                   const float* absmax, int levels, cudaStream_t stream) {
   layer::int8_quantize(OnStream{stream}, q, error, x, n, chunk, absmax, levels);
 }
 
-void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax, int levels,
-                     cudaStream_t stream) {
+void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
+                     int levels, cudaStream_t stream) {
   layer::int8_dequantize(OnStream{stream}, x, q, n, chunk, absmax, levels);
 }
 

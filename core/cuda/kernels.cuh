@@ -41,8 +41,7 @@ void encoder_forward(float* out,               // [B,T,C]
                      const std::int32_t* inp,  // [B,T]
                      const float* wte,         // [V_local,C], V_local = vocab_end - vocab_begin
                      const float* wpe,         // [T,C] (read only if add_pos)
-                     int B, int T, int C, int vocab_begin, int vocab_end, bool add_pos,
-                     cudaStream_t stream);
+                     int B, int T, int C, int vocab_begin, int vocab_end, bool add_pos, cudaStream_t stream);
 
 // dwpe[t] += sum_b dout[b,t]; dwte[tok - vocab_begin] += dout[b,t] for the rows holding a token of
 // this rank. Deterministic, no atomics: each gradient row gets its rows of dout added in row order,
@@ -149,19 +148,19 @@ void residual_forward(float* out,      // [n]
 // Softmax + cross-entropy, fused. One block per row.
 
 // losses[n] = log(sum) + max - logits[n, target] (log-sum-exp form), probs = softmax(logits).
-void crossentropy_forward(float* losses,                   // [N]
-                          float* probs,                    // [N,V]
-                          const float* logits,             // [N,V]
-                          const std::int32_t* targets,     // [N]
+void crossentropy_forward(float* losses,                // [N]
+                          float* probs,                 // [N,V]
+                          const float* logits,          // [N,V]
+                          const std::int32_t* targets,  // [N]
                           int N, int V, cudaStream_t stream);
 
 // dlogits = (probs - onehot(target)) * dloss; dlogits may alias probs.
-void crossentropy_backward(float* dlogits,                // [N,V] (=)
-                           const float* probs,            // [N,V]
-                           const std::int32_t* targets,   // [N]
-                           float dloss,                   // d(total loss) / d(loss of one row)
+void crossentropy_backward(float* dlogits,               // [N,V] (=)
+                           const float* probs,           // [N,V]
+                           const std::int32_t* targets,  // [N]
+                           float dloss,                  // d(total loss) / d(loss of one row)
                            int N, int V,
-                           int vocab_begin,               // targets[n] - vocab_begin is the column here
+                           int vocab_begin,  // targets[n] - vocab_begin is the column here
                            cudaStream_t stream);
 
 // Vocabulary-parallel cross-entropy (Backend::crossentropy_row_max / _partial / _finish): this rank
@@ -191,8 +190,8 @@ void adamw_update(float* params,       // [n] (updated)
                   float* m,            // [n] (updated)
                   float* v,            // [n] (updated)
                   const float* grads,  // [n]
-                  std::int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                  std::int64_t t, cudaStream_t stream);
+                  std::int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, std::int64_t t,
+                  cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Typed operations on fp32, fp64, bf16 and fp16 buffers (16-bit types stored as their bits). Any
@@ -201,7 +200,7 @@ void adamw_update(float* params,       // [n] (updated)
 // dst[i] = src[i] converted, rounded to nearest even (fp64 to bf16/fp16 directly, through a float
 // rounded to odd); NaN stays NaN. Same type and same pointer: nothing to do. dst and src must not
 // otherwise overlap.
-void cast(void* dst,        // [n] of dst_type
+void cast(void* dst,  // [n] of dst_type
           DType dst_type,
           const void* src,  // [n] of src_type
           DType src_type, std::int64_t n, cudaStream_t stream);
@@ -220,27 +219,27 @@ void fill(void* x,  // [n] of type
 // on n, so the same input gives the same bits on every run and every device. n == 0 gives 0.
 std::int64_t reduce_scratch_count(std::int64_t n);  // how many doubles `scratch` must hold (>= 1)
 
-void sum_squares(double* out,      // [1]
-                 const void* x,    // [n] of type
+void sum_squares(double* out,    // [1]
+                 const void* x,  // [n] of type
                  DType type, std::int64_t n,
                  double* scratch,  // [reduce_scratch_count(n)]
                  cudaStream_t stream);
 
-void sum(double* out,      // [1]
-         const void* x,    // [n] of type
+void sum(double* out,    // [1]
+         const void* x,  // [n] of type
          DType type, std::int64_t n,
          double* scratch,  // [reduce_scratch_count(n)]
          cudaStream_t stream);
 
 // The number of NaN and inf elements.
-void count_nonfinite(double* out,      // [1]
-                     const void* x,    // [n] of type
+void count_nonfinite(double* out,    // [1]
+                     const void* x,  // [n] of type
                      DType type, std::int64_t n,
                      double* scratch,  // [reduce_scratch_count(n)]
                      cudaStream_t stream);
 
 // y += a x: core/backend/kernels.hpp's axpy (Backend::axpy), bit for bit.
-void axpy(float* y,        // [n]
+void axpy(float* y,  // [n]
           float a,
           const float* x,  // [n]
           std::int64_t n, cudaStream_t stream);
@@ -248,40 +247,40 @@ void axpy(float* y,        // [n]
 // int8 gradient compression: core/backend/kernels.hpp's int8_absmax, _quantize and _dequantize (Backend::int8_*),
 // bit for bit. int8_absmax writes [chunks + 1] floats, the last the finiteness flag, through a
 // count of the non-finite values into *nonfinite (a device double; scratch as count_nonfinite's).
-void int8_absmax(float* absmax,     // [chunks + 1]
-                 const float* x,    // [n]
+void int8_absmax(float* absmax,   // [chunks + 1]
+                 const float* x,  // [n]
                  std::int64_t n, std::int64_t chunk,
-                 double* nonfinite, // [1]
-                 double* scratch,   // [reduce_scratch_count(n)]
+                 double* nonfinite,  // [1]
+                 double* scratch,    // [reduce_scratch_count(n)]
                  cudaStream_t stream);
-void int8_quantize(std::int8_t* q,       // [n]
-                   float* error,         // [n] or null
-                   const float* x,       // [n]
+void int8_quantize(std::int8_t* q,  // [n]
+                   float* error,    // [n] or null
+                   const float* x,  // [n]
                    std::int64_t n, std::int64_t chunk,
                    const float* absmax,  // [chunks + 1]
                    int levels, cudaStream_t stream);
 void int8_dequantize(float* x,              // [n]
                      const std::int8_t* q,  // [n]
                      std::int64_t n, std::int64_t chunk,
-                     const float* absmax,   // [chunks + 1]
+                     const float* absmax,  // [chunks + 1]
                      int levels, cudaStream_t stream);
 
 // top-k gradient compression: core/backend/kernels.hpp's topk_select, _scatter_add and _clear
 // (Backend::topk_*), the same set in the same order (core/cuda/topk.cuh: an exact radix selection
 // whose only atomics are integer counts in shared memory). 0 <= k <= n < 2^31.
 std::int64_t topk_scratch_count(std::int64_t n);  // uint32s of topk_select's scratch for n elements
-void topk_select(std::int32_t* index,      // [k]
-                 float* value,             // [k]
-                 const float* x,           // [n]
+void topk_select(std::int32_t* index,             // [k]
+                 float* value,                    // [k]
+                 const float* x,                  // [n]
                  std::int64_t n, std::int64_t k,
-                 std::uint32_t* scratch,   // [topk_scratch_count(n)]
+                 std::uint32_t* scratch,  // [topk_scratch_count(n)]
                  cudaStream_t stream);
-void topk_scatter_add(float* x,                  // [n] (+=)
-                      const std::int32_t* index, // [k] distinct
-                      const float* value,        // [k]
+void topk_scatter_add(float* x,                   // [n] (+=)
+                      const std::int32_t* index,  // [k] distinct
+                      const float* value,         // [k]
                       std::int64_t k, cudaStream_t stream);
-void topk_clear(float* x,                  // [n]
-                const std::int32_t* index, // [k]
+void topk_clear(float* x,                   // [n]
+                const std::int32_t* index,  // [k]
                 std::int64_t k, cudaStream_t stream);
 
 }  // namespace loom::cuda

@@ -58,11 +58,15 @@ LOOM_DEVICE int lane_id() { return static_cast<int>(tid() % kWarp); }
 
 struct SumOp {
   template <class A>
-  LOOM_DEVICE A operator()(A a, A b) const { return a + b; }
+  LOOM_DEVICE A operator()(A a, A b) const {
+    return a + b;
+  }
 };
 struct MaxOp {  // the host's `x > mx ? x : mx`
   template <class A>
-  LOOM_DEVICE A operator()(A a, A b) const { return b > a ? b : a; }
+  LOOM_DEVICE A operator()(A a, A b) const {
+    return b > a ? b : a;
+  }
 };
 
 // Butterfly reduction: every lane ends with the same value (each level adds the same two operands
@@ -253,14 +257,13 @@ LOOM_DEVICE void column_tree_sum(float* s0, float* s1) {
 
 // dweight and dbias, coalesced column sums: a block owns kColTile columns over all N rows; its
 // threads take every kColRowLanes-th row, then a fixed tree adds their partials.
-LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads)
-    layernorm_backward_params_kernel(float* dweight,      // [C] (+=)
-                                     float* dbias,        // [C] (+=)
-                                     const float* dout,   // [N,C]
-                                     const float* inp,    // [N,C]
-                                     const float* mean,   // [N]
-                                     const float* rstd,   // [N]
-                                     int N, int C) {
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) layernorm_backward_params_kernel(float* dweight,     // [C] (+=)
+                                                                                  float* dbias,       // [C] (+=)
+                                                                                  const float* dout,  // [N,C]
+                                                                                  const float* inp,   // [N,C]
+                                                                                  const float* mean,  // [N]
+                                                                                  const float* rstd,  // [N]
+                                                                                  int N, int C) {
   LOOM_SHARED_ARRAY(float, s_dw, kColThreads);
   LOOM_SHARED_ARRAY(float, s_db, kColThreads);
   const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
@@ -298,15 +301,16 @@ void layernorm_forward(Launch&& launch, float* out, float* mean, float* rstd, co
 }
 
 template <class Launch>
-void layernorm_backward(Launch&& launch, float* dinp, float* dweight, float* dbias, const float* dout,
-                        const float* inp, const float* weight, const float* mean, const float* rstd, int N, int C) {
+void layernorm_backward(Launch&& launch, float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int N, int C) {
   if (N <= 0 || C <= 0) return;
   const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
   launch("layernorm_backward_dinp_kernel", g.blocks, g.threads, 0, layernorm_backward_dinp_kernel, dinp, dout, inp,
          weight, mean, rstd, N, C);
-  const LaunchGeometry gc = rows_per_block_geometry((static_cast<std::int64_t>(C) + kColTile - 1) / kColTile, kColThreads);
-  launch("layernorm_backward_params_kernel", gc.blocks, gc.threads, 0, layernorm_backward_params_kernel, dweight,
-         dbias, dout, inp, mean, rstd, N, C);
+  const LaunchGeometry gc =
+      rows_per_block_geometry((static_cast<std::int64_t>(C) + kColTile - 1) / kColTile, kColThreads);
+  launch("layernorm_backward_params_kernel", gc.blocks, gc.threads, 0, layernorm_backward_params_kernel, dweight, dbias,
+         dout, inp, mean, rstd, N, C);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -323,10 +327,9 @@ LOOM_KERNEL void bias_add_kernel(float* out,         // [N,OC]
 }
 
 // As layernorm_backward_params_kernel, dout's column sums only.
-LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads)
-    bias_backward_kernel(float* dbias,       // [OC] (+=)
-                         const float* dout,  // [N,OC]
-                         int N, int OC) {
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) bias_backward_kernel(float* dbias,       // [OC] (+=)
+                                                                      const float* dout,  // [N,OC]
+                                                                      int N, int OC) {
   LOOM_SHARED_ARRAY(float, s_db, kColThreads);
   const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
   for (std::int64_t j0 = static_cast<std::int64_t>(block()) * kColTile; j0 < OC;
@@ -354,7 +357,8 @@ void bias_add(Launch&& launch, float* out, const float* bias, int N, int OC) {
 template <class Launch>
 void bias_backward(Launch&& launch, float* dbias, const float* dout, int N, int OC) {
   if (N <= 0 || OC <= 0) return;
-  const LaunchGeometry g = rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
+  const LaunchGeometry g =
+      rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
   launch("bias_backward_kernel", g.blocks, g.threads, 0, bias_backward_kernel, dbias, dout, N, OC);
 }
 
@@ -470,7 +474,9 @@ struct RowAccess<true> {
   static constexpr int width = 4;
 };
 LOOM_DEVICE float max_into(float m, float a) { return MaxOp{}(m, a); }
-LOOM_DEVICE float max_into(float m, dev::float4 a) { return max_into(max_into(max_into(max_into(m, a.x), a.y), a.z), a.w); }
+LOOM_DEVICE float max_into(float m, dev::float4 a) {
+  return max_into(max_into(max_into(max_into(m, a.x), a.y), a.z), a.w);
+}
 LOOM_DEVICE float sum_into(float s, float a) { return s + a; }
 LOOM_DEVICE float sum_into(float s, dev::float4 a) { return s + a.x + a.y + a.z + a.w; }
 LOOM_DEVICE float exp_shifted(float a, float mx) { return math::exp_fast(a - mx); }
@@ -523,8 +529,10 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kCrossEntropyForwardThreads)
     s = block_reduce(s, 0.0f, SumOp{}, shared);
     const float inv = 1.0f / s;
     for (int q = tid(); q < Q; q += threads_per_block()) {
-      if constexpr (Cached) p[q] = scaled(row_copy[q], inv);
-      else p[q] = scaled(exp_shifted(l[q], mx), inv);
+      if constexpr (Cached)
+        p[q] = scaled(row_copy[q], inv);
+      else
+        p[q] = scaled(exp_shifted(l[q], mx), inv);
     }
     if (tid() == 0) losses[n] = dev::log_f(s) + mx - target_logit;  // log-sum-exp: exact when p underflows
   }
@@ -618,18 +626,22 @@ void crossentropy_forward(Launch&& launch, std::size_t shared_limit, float* loss
   const bool cached = row_bytes + kWarp * sizeof(float) <= shared_limit;
   const char* name = "crossentropy_forward_kernel";
   if (cached && vec4)
-    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, true>, losses, probs, logits, targets, N, V);
+    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, true>, losses, probs, logits,
+           targets, N, V);
   else if (cached)
-    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, false>, losses, probs, logits, targets, N, V);
+    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, false>, losses, probs, logits,
+           targets, N, V);
   else if (vec4)
-    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, true>, losses, probs, logits, targets, N, V);
+    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, true>, losses, probs, logits, targets, N,
+           V);
   else
-    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, false>, losses, probs, logits, targets, N, V);
+    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, false>, losses, probs, logits, targets, N,
+           V);
 }
 
 template <class Launch>
-void crossentropy_backward(Launch&& launch, float* dlogits, const float* probs, const std::int32_t* targets, float dloss,
-                           int N, int V, int vocab_begin) {
+void crossentropy_backward(Launch&& launch, float* dlogits, const float* probs, const std::int32_t* targets,
+                           float dloss, int N, int V, int vocab_begin) {
   if (N <= 0 || V <= 0) return;
   const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
   launch("crossentropy_backward_kernel", g.blocks, g.threads, 0, crossentropy_backward_kernel, dlogits, probs, targets,
@@ -760,7 +772,8 @@ LOOM_KERNEL void cast_kernel(storage_t<Dst>* dst,        // [n]
 template <DType D>
 LOOM_KERNEL void scale_kernel(storage_t<D>* x,  // [n]
                               compute_t<D> a, std::int64_t n) {
-  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) x[i] = Storage<D>::store(Storage<D>::load(x[i]) * a);
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads())
+    x[i] = Storage<D>::store(Storage<D>::load(x[i]) * a);
 }
 
 template <DType D>
@@ -770,7 +783,7 @@ LOOM_KERNEL void fill_kernel(storage_t<D>* x,  // [n]
   for (std::int64_t i = global_thread(); i < n; i += grid_threads()) x[i] = stored;
 }
 
-LOOM_KERNEL void axpy_kernel(float* y, float a, const float* x, std::int64_t n) {  // [n], [n]
+LOOM_KERNEL void axpy_kernel(float* y, float a, const float* x, std::int64_t n) {       // [n], [n]
   for (std::int64_t i = global_thread(); i < n; i += grid_threads()) y[i] += a * x[i];  // --fmad=false: two roundings
 }
 
@@ -844,7 +857,9 @@ LOOM_KERNEL void reduce_finish_kernel(double* out,             // [1]
   if (tid() == 0) *out = acc;
 }
 
-inline LaunchGeometry reduce_geometry(std::int64_t n) { return elementwise_geometry(n, kReduceThreads, kReduceMaxBlocks); }
+inline LaunchGeometry reduce_geometry(std::int64_t n) {
+  return elementwise_geometry(n, kReduceThreads, kReduceMaxBlocks);
+}
 
 // scratch holds reduce_geometry(n).blocks doubles; n <= 0 gives the empty sum, 0.
 template <DType D, ReduceOp Op, class Launch>
@@ -877,9 +892,9 @@ LOOM_KERNEL void int8_absmax_kernel(float* absmax,   // [chunks] (the finiteness
 LOOM_KERNEL void int8_flag_kernel(float* flag, const double* nonfinite) {
   if (tid() == 0 && block() == 0) *flag = *nonfinite != 0.0 ? 1.0f : 0.0f;
 }
-LOOM_KERNEL void int8_quantize_kernel(std::int8_t* q,   // [n]
-                                      float* error,     // [n] or null
-                                      const float* x,   // [n]
+LOOM_KERNEL void int8_quantize_kernel(std::int8_t* q,  // [n]
+                                      float* error,    // [n] or null
+                                      const float* x,  // [n]
                                       std::int64_t n, std::int64_t chunk,
                                       const float* absmax,  // [chunks + 1]
                                       int levels) {
@@ -893,11 +908,12 @@ LOOM_KERNEL void int8_quantize_kernel(std::int8_t* q,   // [n]
 LOOM_KERNEL void int8_dequantize_kernel(float* x,              // [n]
                                         const std::int8_t* q,  // [n]
                                         std::int64_t n, std::int64_t chunk,
-                                        const float* absmax,   // [chunks + 1]: absmax[chunks] > 0 poisons x
+                                        const float* absmax,  // [chunks + 1]: absmax[chunks] > 0 poisons x
                                         std::int64_t chunks, int levels) {
   const bool poisoned = absmax[chunks] > 0.0f;
   for (std::int64_t i = global_thread(); i < n; i += grid_threads())
-    x[i] = poisoned ? math::bits_as_float(0x7fc00000u) : static_cast<float>(q[i]) * math::int8_step(absmax[i / chunk], levels);
+    x[i] = poisoned ? math::bits_as_float(0x7fc00000u)
+                    : static_cast<float>(q[i]) * math::int8_step(absmax[i / chunk], levels);
 }
 
 // The chunk maxima and, through count_nonfinite into *nonfinite, the flag at absmax[chunks].

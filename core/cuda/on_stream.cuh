@@ -20,7 +20,8 @@ namespace loom::cuda {
 
 // Throws std::runtime_error naming `what` when err is not cudaSuccess.
 inline void check_call(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("loom::cuda: ") + what + " failed: " + cudaGetErrorString(err));
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("loom::cuda: ") + what + " failed: " + cudaGetErrorString(err));
 }
 
 // A kernel whose dynamic and static shared memory together pass the default 48 KiB must say so, per
@@ -30,7 +31,8 @@ inline void check_call(cudaError_t err, const char* what) {
 struct OnStream {
   cudaStream_t stream;
   template <class Kernel, class... Args>
-  void operator()(const char* name, dim3 grid, unsigned threads, std::size_t shared, Kernel kernel, Args... args) const {
+  void operator()(const char* name, dim3 grid, unsigned threads, std::size_t shared, Kernel kernel,
+                  Args... args) const {
     if (shared > 0)
       check_call(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)),
                  (std::string("cudaFuncSetAttribute(") + name + ")").c_str());

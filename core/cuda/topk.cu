@@ -15,7 +15,8 @@ std::int64_t topk_scratch_count(std::int64_t n) { return topk::scratch_count(top
 void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k,
                  std::uint32_t* scratch, cudaStream_t stream) {
   if (k <= 0 || n <= 0) return;
-  if (k > n || n > 0x7fffffff) throw std::invalid_argument("topk_select: k = " + std::to_string(k) + " of n = " + std::to_string(n));
+  if (k > n || n > 0x7fffffff)
+    throw std::invalid_argument("topk_select: k = " + std::to_string(k) + " of n = " + std::to_string(n));
   topk::select(OnStream{stream}, index, value, x, n, k, scratch, topk::grid_blocks(n));
 }
 

@@ -18,8 +18,8 @@
 // Work split: a grid of `blocks` blocks of kThreads threads; block b takes the contiguous range
 // [b span, (b + 1) span) of x (span = ceil(n / blocks)): the histogram and count kernels walk it
 // with a stride of kThreads, the write kernel in chunks of kThreads * kItems, each thread kItems
-// neighbouring elements (so that one scan per chunk orders its places). The scratch (per-block histograms and counts, the selection's
-// state) is carved by the function that sizes it.
+// neighbouring elements (so that one scan per chunk orders its places). The scratch (per-block histograms and counts,
+// the selection's state) is carved by the function that sizes it.
 //
 // The source compiles for the GPU (nvcc) and for the host against core/cuda/emu/ (a unit test runs
 // these very kernels on the CPU); device facilities through core/cuda/device_portable.hpp.
@@ -96,14 +96,14 @@ LOOM_KERNEL void pick_digit_kernel(State* state, const std::uint32_t* hist,  // 
   std::uint32_t* s = dev::shared_memory<std::uint32_t>();  // [kThreads]
   const int t = dev::thread_x(), shift = digit_shift(d), bins = 1 << digit_width(d);
   const int per = bins / kThreads;  // bins per thread: 8 or 2, thread t taking them from the top
-  const int top = bins - t * per;    // thread t's bins are [top - per, top)
+  const int top = bins - t * per;   // thread t's bins are [top - per, top)
   const std::uint32_t take = d == 0 ? static_cast<std::uint32_t>(k) : state->take;
   const std::uint32_t prefix = d == 0 ? 0u : state->prefix;
   std::uint32_t own = 0;
   for (int i = top - per; i < top; ++i)
     for (int b = 0; b < blocks; ++b) own += hist[static_cast<std::int64_t>(b) * kBins + i];
   std::uint32_t above[1] = {own}, total[1];
-  block_exclusive_scan(above, s, total);  // elements in the bins above thread t's
+  block_exclusive_scan(above, s, total);            // elements in the bins above thread t's
   if (above[0] < take && take <= above[0] + own) {  // the k-th largest is in one of this thread's bins
     std::uint32_t seen = above[0];
     for (int i = top - 1; i >= top - per; --i) {
@@ -148,7 +148,7 @@ constexpr std::size_t kOffsetsShared = 3 * kThreads * sizeof(std::uint32_t);
 // One block of kThreads: counts[b, 0..1] become the elements above t and equal to t in the blocks
 // before b (exclusive prefix sums, in block order); state->nonfinite the sum of counts[., 2].
 LOOM_KERNEL void offsets_kernel(State* state, std::uint32_t* counts, int blocks) {  // [1], [blocks, 3]
-  std::uint32_t* s = dev::shared_memory<std::uint32_t>();  // [3, kThreads]
+  std::uint32_t* s = dev::shared_memory<std::uint32_t>();                           // [3, kThreads]
   const int t = dev::thread_x();
   const int per = (blocks + kThreads - 1) / kThreads;  // blocks per thread, neighbouring
   const int first = t * per, last = first + per < blocks ? first + per : blocks;
@@ -217,7 +217,8 @@ LOOM_KERNEL void write_kernel(std::int32_t* index, float* value,  // [k], [k]
 LOOM_KERNEL void poison_kernel(std::int32_t* index, float* value, std::int64_t k, const State* state) {  // [k], [k]
   if (state->nonfinite == 0) return;
   const std::int64_t stride = static_cast<std::int64_t>(dev::grid_x()) * dev::block_dim_x();
-  for (std::int64_t j = static_cast<std::int64_t>(dev::block_x()) * dev::block_dim_x() + dev::thread_x(); j < k; j += stride) {
+  for (std::int64_t j = static_cast<std::int64_t>(dev::block_x()) * dev::block_dim_x() + dev::thread_x(); j < k;
+       j += stride) {
     index[j] = static_cast<std::int32_t>(j);
     value[j] = math::bits_as_float(0x7fc00000u);  // quiet NaN
   }
@@ -232,16 +233,19 @@ void select(Launch&& launch, std::int32_t* index, float* value, const float* x, 
   Scratch s;
   carve(&s, scratch, blocks);
   for (int d = 0; d < kDigits; ++d) {
-    launch("topk histogram_kernel", blocks, kThreads, kHistogramShared, histogram_kernel, s.hist, x, n, d, static_cast<const State*>(s.state));
-    launch("topk pick_digit_kernel", 1, kThreads, kPickShared, pick_digit_kernel, s.state, static_cast<const std::uint32_t*>(s.hist), blocks, d, k);
+    launch("topk histogram_kernel", blocks, kThreads, kHistogramShared, histogram_kernel, s.hist, x, n, d,
+           static_cast<const State*>(s.state));
+    launch("topk pick_digit_kernel", 1, kThreads, kPickShared, pick_digit_kernel, s.state,
+           static_cast<const std::uint32_t*>(s.hist), blocks, d, k);
   }
-  launch("topk count_kernel", blocks, kThreads, kCountShared, count_kernel, s.counts, x, n, static_cast<const State*>(s.state));
-  launch("topk offsets_kernel", 1, kThreads, kOffsetsShared, offsets_kernel, s.state, s.counts, blocks);
-  launch("topk write_kernel", blocks, kThreads, kWriteShared, write_kernel, index, value, x, n, static_cast<const State*>(s.state),
-         static_cast<const std::uint32_t*>(s.counts));
-  const std::int64_t poison_blocks = (k + kThreads - 1) / kThreads;
-  launch("topk poison_kernel", static_cast<int>(poison_blocks < 1024 ? poison_blocks : 1024), kThreads, 0, poison_kernel, index, value, k,
+  launch("topk count_kernel", blocks, kThreads, kCountShared, count_kernel, s.counts, x, n,
          static_cast<const State*>(s.state));
+  launch("topk offsets_kernel", 1, kThreads, kOffsetsShared, offsets_kernel, s.state, s.counts, blocks);
+  launch("topk write_kernel", blocks, kThreads, kWriteShared, write_kernel, index, value, x, n,
+         static_cast<const State*>(s.state), static_cast<const std::uint32_t*>(s.counts));
+  const std::int64_t poison_blocks = (k + kThreads - 1) / kThreads;
+  launch("topk poison_kernel", static_cast<int>(poison_blocks < 1024 ? poison_blocks : 1024), kThreads, 0,
+         poison_kernel, index, value, k, static_cast<const State*>(s.state));
 }
 
 // x[index[j]] += value[j] (distinct indices: no two threads meet), or = 0 where value is null: the
@@ -252,7 +256,8 @@ LOOM_KERNEL void scatter_kernel(float* x,                   // [n]
                                 const float* value,         // [k] or null
                                 std::int64_t k) {
   const std::int64_t stride = static_cast<std::int64_t>(dev::grid_x()) * dev::block_dim_x();
-  for (std::int64_t j = static_cast<std::int64_t>(dev::block_x()) * dev::block_dim_x() + dev::thread_x(); j < k; j += stride) {
+  for (std::int64_t j = static_cast<std::int64_t>(dev::block_x()) * dev::block_dim_x() + dev::thread_x(); j < k;
+       j += stride) {
     if (value)
       x[index[j]] += value[j];
     else
@@ -264,8 +269,8 @@ template <class Launch>
 void scatter(Launch&& launch, float* x, const std::int32_t* index, const float* value, std::int64_t k) {
   if (k <= 0) return;
   const std::int64_t blocks = (k + kThreads - 1) / kThreads;
-  launch("topk scatter_kernel", static_cast<int>(blocks < 65535 * 4 ? blocks : 65535 * 4), kThreads, 0, scatter_kernel, x,
-         index, value, k);
+  launch("topk scatter_kernel", static_cast<int>(blocks < 65535 * 4 ? blocks : 65535 * 4), kThreads, 0, scatter_kernel,
+         x, index, value, k);
 }
 
 }  // namespace loom::cuda::topk

@@ -3,7 +3,6 @@
 #include <cstdio>
 #include <stdexcept>
 
-
 namespace loom {
 
 // Buckets in backward order (units in reverse, tensors in reverse), each a run of tensors whose
@@ -37,7 +36,7 @@ BucketedGradSync::BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& 
     lo_ptr = g;
     cur.elements += n;
     cur.tensors.insert(cur.tensors.begin(), {p, params[static_cast<std::size_t>(p)].name,
-                                              params[static_cast<std::size_t>(p)].local_shape(), 0, n});
+                                             params[static_cast<std::size_t>(p)].local_shape(), 0, n});
     bucket_of_[static_cast<std::size_t>(p)] = static_cast<int>(buckets_.size());
     if (static_cast<double>(cur.elements) * sizeof(float) >= limit || whole) {
       cur.whole = whole;

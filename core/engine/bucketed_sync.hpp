@@ -30,7 +30,8 @@ struct BucketPlan {
 
 class BucketedGradSync : public GradSync {
  public:
-  BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& model, double bucket_mb, bool overlap, BucketPlan plan = {});
+  BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& model, double bucket_mb, bool overlap,
+                   BucketPlan plan = {});
   std::string name() const override;
   void use_reducer(Reducer* reducer) override { reducer_ = reducer; }
   void begin_micro_batch(GPT& model, int k, int m) override;

@@ -14,14 +14,14 @@
 namespace loom {
 
 struct CheckpointTensor {
-  std::string path;     // dataset path in the file: "/plugins/compression/residual/wte.weight"
-  ShardDesc shard;      // the full shape, and which elements `data` holds on this rank
-  BufferRef data;       // this rank's elements (fp32), in the shard's local order; empty when it holds none
-  bool holds = false;   // this rank holds elements of it (and reads all of them on load)
+  std::string path;    // dataset path in the file: "/plugins/compression/residual/wte.weight"
+  ShardDesc shard;     // the full shape, and which elements `data` holds on this rank
+  BufferRef data;      // this rank's elements (fp32), in the shard's local order; empty when it holds none
+  bool holds = false;  // this rank holds elements of it (and reads all of them on load)
   // The elements [primary_begin, primary_end) of `data` this rank is the one owner of: it writes
   // them (and counts them in the tensor's checksum). Empty: a replica, or nothing held.
   std::int64_t primary_begin = 0, primary_end = 0;
-  bool required = true; // a file without it is refused (false: left as it is, e.g. state a run adds)
+  bool required = true;  // a file without it is refused (false: left as it is, e.g. state a run adds)
 };
 
 class CheckpointContributor {

@@ -9,8 +9,7 @@
 #include "core/comm/fault.hpp"
 
 namespace loom {
-namespace {
-}  // namespace
+namespace {}  // namespace
 
 double AccumulateSchedule::run(StepContext& ctx) {
   double total = 0;
@@ -43,15 +42,24 @@ double Schedule::forward_only(StepContext& ctx) {
 
 const char* step_phase_name(StepPhase p) {
   switch (p) {
-    case StepPhase::begin: return "begin";
-    case StepPhase::micro_batches: return "micro_batches";
-    case StepPhase::grads_final: return "grads_final";
-    case StepPhase::unscale_check: return "unscale_check";
-    case StepPhase::norm: return "norm";
-    case StepPhase::clip: return "clip";
-    case StepPhase::optimize: return "optimize";
-    case StepPhase::refresh: return "refresh";
-    case StepPhase::count_: break;
+    case StepPhase::begin:
+      return "begin";
+    case StepPhase::micro_batches:
+      return "micro_batches";
+    case StepPhase::grads_final:
+      return "grads_final";
+    case StepPhase::unscale_check:
+      return "unscale_check";
+    case StepPhase::norm:
+      return "norm";
+    case StepPhase::clip:
+      return "clip";
+    case StepPhase::optimize:
+      return "optimize";
+    case StepPhase::refresh:
+      return "refresh";
+    case StepPhase::count_:
+      break;
   }
   return "?";
 }
@@ -86,7 +94,7 @@ double Engine::owned_sq_norm() {
 }
 
 StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
-                            const std::function<void(const StepStats&)>& before_update) {
+                             const std::function<void(const StepStats&)>& before_update) {
   Ledger::global().reset_peaks();
   StepStats st;
   StepState s;
@@ -104,17 +112,19 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   ParamStore& store = model_.store();
   const auto& owned = store.owned();
   const bool poison = inject_fault("nan", step) && !owned.empty();
-  const auto read = std::find_if(owned.begin(), owned.end(), [&](const OwnedSlice& o) { return !store.param(o.param).empty(); });
+  const auto read =
+      std::find_if(owned.begin(), owned.end(), [&](const OwnedSlice& o) { return !store.param(o.param).empty(); });
   // Through the back end, so that a device tensor is poisoned alike.
-  const BufferRef poisoned = poison ? store.owned_param(read != owned.end() ? *read : owned.front()).slice(0, 1) : BufferRef();
+  const BufferRef poisoned =
+      poison ? store.owned_param(read != owned.end() ? *read : owned.front()).slice(0, 1) : BufferRef();
   float kept = 0.0f;
   if (poison) {
     be_.copy_to_host(&kept, poisoned);
     be_.fill(poisoned, std::numeric_limits<double>::quiet_NaN());
     store.local_params_written();  // the 16-bit compute copies see it too
   }
-  StepContext ctx{model_, step, cfg_.micro_batches, cfg_.rows_per_micro, fetch, st.times, *sync_, std::move(inputs_), std::move(targets_),
-                  static_cast<float>(s.loss_scale)};
+  StepContext ctx{model_,   step,   cfg_.micro_batches, cfg_.rows_per_micro, fetch,
+                  st.times, *sync_, std::move(inputs_), std::move(targets_), static_cast<float>(s.loss_scale)};
   s.local_loss = schedule_->run(ctx);
   inputs_ = std::move(ctx.inputs);
   targets_ = std::move(ctx.targets);
@@ -196,7 +206,8 @@ double Engine::evaluate(int batches, const BatchFn& fetch) {
   double total = 0;
   PhaseTimes times;
   for (int e = 0; e < batches; ++e) {
-    StepContext ctx{model_, e, cfg_.micro_batches, cfg_.rows_per_micro, fetch, times, *sync_, std::move(inputs_), std::move(targets_)};
+    StepContext ctx{model_, e,      cfg_.micro_batches, cfg_.rows_per_micro, fetch,
+                    times,  *sync_, std::move(inputs_), std::move(targets_)};
     total += schedule_->forward_only(ctx);
     inputs_ = std::move(ctx.inputs);
     targets_ = std::move(ctx.targets);

@@ -1,7 +1,8 @@
 #pragma once
 // The engine runs one training step (DESIGN.md "The step") as explicit phases:
-//   begin (hooks only: a loss scaler sets the step's scale) -> micro_batches (schedule) -> grads_final (gradient sync, the partition's and the schedule's
-//   finish_grads) -> unscale_check -> norm (over the elements each rank owns, summed over the world)
+//   begin (hooks only: a loss scaler sets the step's scale) -> micro_batches (schedule) -> grads_final (gradient sync,
+//   the partition's and the schedule's finish_grads) -> unscale_check -> norm (over the elements each rank owns, summed
+//   over the world)
 //   -> clip -> optimize (the optimizer role on the owned slices) -> refresh (the store's refresh).
 // Each phase runs the core's built-in work, then the hooks strategies registered for it (mixed
 // precision sets the loss scale in begin, unscales in unscale_check and may skip the update). ZeRO's
@@ -31,7 +32,6 @@ using BatchFn = std::function<void(std::int64_t step, std::int64_t first_row, in
 struct PhaseTimes {  // seconds, per step
   double data = 0, forward = 0, backward = 0, sync = 0, optimizer = 0;
 };
-
 
 // Which parts of the model state the data-parallel ranks split among themselves (ZeRO: the optimizer
 // state from stage 1, the gradients from 2, the weights at 3), for the run summary's textbook of the
@@ -122,7 +122,7 @@ struct StepStats {
   bool nonfinite = false;
   // A phase hook skipped the update on purpose (e.g. a loss-scale overflow): why; empty otherwise.
   std::string skip_reason;
-  std::string failure;  // StepState::failure
+  std::string failure;    // StepState::failure
   double local_loss = 0;  // this rank's own share of the loss, before the mean over replicas
   double seconds = 0;
   PhaseTimes times;
@@ -131,7 +131,17 @@ struct StepStats {
 };
 
 // The phases of a step, in order.
-enum class StepPhase : int { begin = 0, micro_batches, grads_final, unscale_check, norm, clip, optimize, refresh, count_ };
+enum class StepPhase : int {
+  begin = 0,
+  micro_batches,
+  grads_final,
+  unscale_check,
+  norm,
+  clip,
+  optimize,
+  refresh,
+  count_
+};
 inline constexpr int kStepPhases = static_cast<int>(StepPhase::count_);
 const char* step_phase_name(StepPhase p);  // "micro_batches", ...
 
@@ -140,7 +150,7 @@ const char* step_phase_name(StepPhase p);  // "micro_batches", ...
 // finite is then no failure) or mark `nonfinite`; begin may set loss_scale.
 struct StepState {
   std::int64_t step = 0;  // from 0: the steps done before this one (messages say step + 1, as the step lines do)
-  double loss_scale = 1;            // set in begin: backward starts from loss_scale / micro_batches
+  double loss_scale = 1;  // set in begin: backward starts from loss_scale / micro_batches
   double local_loss = 0, loss = 0;  // this rank's share; the mean over the global batch
   double sq_norm = 0;               // the squared global gradient norm (after norm)
   double clip_coef = 1, lr = 0;

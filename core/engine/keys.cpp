@@ -15,7 +15,6 @@
 #include <sstream>
 #include <stdexcept>
 
-
 namespace loom {
 
 namespace deck_text {
@@ -86,20 +85,25 @@ std::string format_double(double x) {
 // Inclusive integer bounds of an Int key, clamped to int64.
 std::pair<std::int64_t, std::int64_t> int_bounds(const KeySpec& spec) {
   constexpr double two63 = 9223372036854775808.0;
-  const std::int64_t lo = spec.min <= -two63 ? std::numeric_limits<std::int64_t>::min()
-                                             : static_cast<std::int64_t>(std::ceil(spec.min));
-  const std::int64_t hi = spec.max >= two63 ? std::numeric_limits<std::int64_t>::max()
-                                            : static_cast<std::int64_t>(std::floor(spec.max));
+  const std::int64_t lo =
+      spec.min <= -two63 ? std::numeric_limits<std::int64_t>::min() : static_cast<std::int64_t>(std::ceil(spec.min));
+  const std::int64_t hi =
+      spec.max >= two63 ? std::numeric_limits<std::int64_t>::max() : static_cast<std::int64_t>(std::floor(spec.max));
   return {lo, hi};
 }
 
 const char* type_name(KeyType t) {
   switch (t) {
-    case KeyType::Int: return "integer";
-    case KeyType::Float: return "float";
-    case KeyType::Bool: return "bool";
-    case KeyType::String: return "string";
-    case KeyType::Choice: return "choice";
+    case KeyType::Int:
+      return "integer";
+    case KeyType::Float:
+      return "float";
+    case KeyType::Bool:
+      return "bool";
+    case KeyType::String:
+      return "string";
+    case KeyType::Choice:
+      return "choice";
   }
   return "?";
 }
@@ -111,10 +115,14 @@ std::string allowed_text(const KeySpec& spec) {
       const auto [lo, hi] = int_bounds(spec);
       return std::to_string(lo) + " .. " + std::to_string(hi);
     }
-    case KeyType::Float: return "[" + format_double(spec.min) + ", " + format_double(spec.max) + "]";
-    case KeyType::Bool: return "true/false, 1/0, yes/no, on/off";
-    case KeyType::Choice: return join(spec.choices, " | ");
-    case KeyType::String: return "";
+    case KeyType::Float:
+      return "[" + format_double(spec.min) + ", " + format_double(spec.max) + "]";
+    case KeyType::Bool:
+      return "true/false, 1/0, yes/no, on/off";
+    case KeyType::Choice:
+      return join(spec.choices, " | ");
+    case KeyType::String:
+      return "";
   }
   return "";
 }
@@ -172,8 +180,7 @@ IntResult parse_int(const std::string& s, std::int64_t* out) {
   if (shift < 0) {
     const auto drop = static_cast<std::size_t>(-shift);
     if (drop >= digits.size()) return IntResult::not_integer;  // nonzero digits after the point
-    if (digits.find_first_not_of('0', digits.size() - drop) != std::string::npos)
-      return IntResult::not_integer;
+    if (digits.find_first_not_of('0', digits.size() - drop) != std::string::npos) return IntResult::not_integer;
     digits.resize(digits.size() - drop);
   } else {
     if (static_cast<long long>(digits.size()) + shift > 19) return IntResult::out_of_range;
@@ -248,7 +255,8 @@ std::string deck_text::check_value(const KeySpec& spec, const std::string& text,
       if (std::find(spec.choices.begin(), spec.choices.end(), text) == spec.choices.end())
         return n + " = " + quote_value(text) + " is not one of: " + join(spec.choices, ", ");
       break;
-    case KeyType::String: break;
+    case KeyType::String:
+      break;
   }
   if (spec.validate) {
     const std::string allowed = spec.validate(value);
@@ -281,13 +289,13 @@ std::string initials(const std::string& s) {
 int name_distance(const std::string& given, const std::string& declared) {
   // A name far longer than any key (a megabyte pasted by mistake) is no near miss; the length
   // difference bounds the edit distance, which would cost length x key length to compute.
-  if (given.size() > declared.size() + 16) return static_cast<int>(std::min<std::size_t>(given.size() - declared.size(), 1 << 20));
+  if (given.size() > declared.size() + 16)
+    return static_cast<int>(std::min<std::size_t>(given.size() - declared.size(), 1 << 20));
   const std::string a = lower(given), b = lower(declared);
   if (a == b) return 0;
   const int d = edit_distance(a, b);
   if (d <= 1) return d;
-  if ((a.find('_') != std::string::npos && initials(a) == b) ||
-      (b.find('_') != std::string::npos && initials(b) == a))
+  if ((a.find('_') != std::string::npos && initials(a) == b) || (b.find('_') != std::string::npos && initials(b) == a))
     return 1;
   const std::size_t m = std::min(a.size(), b.size());
   if (m >= 3 && a.compare(0, m, b, 0, m) == 0) return 1;
@@ -412,8 +420,8 @@ std::string DeckSchema::describe() const {
          "  float    decimal or exponent form: 0.1, 3e-4 (no inf or nan)\n"
          "  bool     true/false, 1/0, yes/no, on/off (any case)\n"
          "  choice   exactly one of the listed words\n\n";
-  out << pad(head.name, w[0]) << pad(head.type, w[1]) << pad(head.def, w[2]) << pad(head.allowed, w[3])
-      << head.help << "\n";
+  out << pad(head.name, w[0]) << pad(head.type, w[1]) << pad(head.def, w[2]) << pad(head.allowed, w[3]) << head.help
+      << "\n";
   std::string last_section;
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const std::string section = split_name(keys_[i].name).first;
@@ -422,8 +430,7 @@ std::string DeckSchema::describe() const {
       last_section = section;
     }
     const Row& r = rows[i];
-    out << pad(r.name, w[0]) << pad(r.type, w[1]) << pad(r.def, w[2]) << pad(r.allowed, w[3]) << r.help
-        << "\n";
+    out << pad(r.name, w[0]) << pad(r.type, w[1]) << pad(r.def, w[2]) << pad(r.allowed, w[3]) << r.help << "\n";
   }
   return out.str();
 }
@@ -432,9 +439,12 @@ std::string keys_markdown(const DeckSchema& schema) {
   const auto cell = [](std::string s) {  // a table cell: | escaped, no line breaks
     std::string out;
     for (char c : s) {
-      if (c == '|') out += "\\|";
-      else if (c == '\n') out += ' ';
-      else out += c;
+      if (c == '|')
+        out += "\\|";
+      else if (c == '\n')
+        out += ' ';
+      else
+        out += c;
     }
     return out;
   };
@@ -448,13 +458,15 @@ std::string keys_markdown(const DeckSchema& schema) {
          "- bool: true/false, 1/0, yes/no, on/off (any case)\n"
          "- choice: exactly one of the listed words\n";
   for (const std::string& section : schema.sections()) {
-    out << "\n## [" << section << "]\n\n| key | type | default | allowed | what it does |\n| --- | --- | --- | --- | --- |\n";
+    out << "\n## [" << section
+        << "]\n\n| key | type | default | allowed | what it does |\n| --- | --- | --- | --- | --- |\n";
     for (const KeySpec& k : schema.keys()) {
       if (k.name.compare(0, section.size() + 1, section + ".") != 0) continue;
       std::string allowed = k.type == KeyType::Bool ? "true \\| false" : cell(allowed_text(k));
       if (allowed.empty()) allowed = "-";
-    out << "| `" << k.name << "` | " << type_name(k.type) << " | " << (k.default_value.empty() ? "\"\"" : cell(k.default_value))
-        << " | " << allowed << " | " << cell(k.help) << " |\n";
+      out << "| `" << k.name << "` | " << type_name(k.type) << " | "
+          << (k.default_value.empty() ? "\"\"" : cell(k.default_value)) << " | " << allowed << " | " << cell(k.help)
+          << " |\n";
     }
   }
   return out.str();

@@ -16,7 +16,7 @@ namespace loom {
 enum class KeyType { Int, Float, Bool, String, Choice };
 
 struct KeySpec {
-  std::string name;           // "section.key"
+  std::string name;  // "section.key"
   KeyType type = KeyType::String;
   std::string default_value;  // as it would be written in a deck
   double min = -1e300;        // inclusive bounds for Int and Float

@@ -31,11 +31,11 @@ struct PlanPoint {
 
 // One deck key the layout search varies (zero.stage, precision.dtype, ...).
 struct PlanDimension {
-  std::string key;        // the deck key it sets
-  std::string what;       // its words in the search's first line ("ZeRO stage")
-  std::string column;     // its heading in the candidate table ("zero")
-  int width = 5;          // that column's width
-  std::string json;       // its field in `loom plan --json` ("zero_stage")
+  std::string key;     // the deck key it sets
+  std::string what;    // its words in the search's first line ("ZeRO stage")
+  std::string column;  // its heading in the candidate table ("zero")
+  int width = 5;       // that column's width
+  std::string json;    // its field in `loom plan --json` ("zero_stage")
   enum class Json { integer, boolean, text } json_type = Json::text;
   std::string unset;      // the --json value where it does not apply (no setting at this layout)
   int nest = 50;          // its place in the search's loops (outer first) and in a variant's --set list

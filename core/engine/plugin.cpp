@@ -52,7 +52,6 @@ std::vector<std::string> StrategyRegistry::names() const {
   return n;
 }
 
-
 // loom's own libraries beside the plugins: the core, I/O, and the CUDA back ends (the real one and
 // the emulated device), which a run opens by run.backend, never as strategies.
 const std::set<std::string> kNotPlugins = {"libloom_core.so", "libloom_io.so", "libloom_cuda.so",
@@ -119,14 +118,16 @@ std::vector<const StrategyInfo*> resolve_strategies(const StrategyRegistry& regi
     const StrategyInfo* s = registry.find(name);
     if (!s) {
       auto bad = registry.unusable.find(name);
-      if (bad != registry.unusable.end()) throw InputError(reason + " needs strategy plugin " + quote_value(name) + ", which cannot be used: " + bad->second);
+      if (bad != registry.unusable.end())
+        throw InputError(reason + " needs strategy plugin " + quote_value(name) +
+                         ", which cannot be used: " + bad->second);
       std::string avail;
       for (const auto& n : registry.names()) avail += (avail.empty() ? "" : ", ") + n;
       std::string where;
       for (const auto& d : plugin_search_path()) where += (where.empty() ? "" : ":") + d;
       throw InputError(reason + " needs strategy plugin " + quote_value(name) + " (libloom_" + escape_value(name) +
-                       ".so), which was not found; available: " + avail + " (searched LOOM_PLUGIN_PATH, then " +
-                       where + ")");
+                       ".so), which was not found; available: " + avail + " (searched LOOM_PLUGIN_PATH, then " + where +
+                       ")");
     }
     out.push_back(s);
     reasons.push_back(reason);
@@ -135,25 +136,38 @@ std::vector<const StrategyInfo*> resolve_strategies(const StrategyRegistry& regi
     for (std::size_t j = 0; j < out.size(); ++j)
       if (i != j && std::count(out[i]->incompatible.begin(), out[i]->incompatible.end(), out[j]->name))
         throw InputError("strategy '" + out[i]->name + "' (" + reasons[i] + ") cannot be combined with '" +
-                         out[j]->name + "' (" + reasons[j] + "): plugin " + out[i]->name + " declares them incompatible");
+                         out[j]->name + "' (" + reasons[j] + "): plugin " + out[i]->name +
+                         " declares them incompatible");
   check_role_claims(out, reasons);
   return out;
 }
 
 const char* role_name(Role r) {
   switch (r) {
-    case Role::partition: return "partition";
-    case Role::stage: return "stage";
-    case Role::store: return "parameter store";
-    case Role::schedule: return "schedule";
-    case Role::grad_sync: return "gradient sync";
-    case Role::reducer: return "reducer";
-    case Role::optimizer: return "optimizer";
-    case Role::phase_hooks: return "phase hooks";
-    case Role::precision: return "precision";
-    case Role::checkpoint: return "checkpoint state";
-    case Role::progress: return "progress hook";
-    case Role::count_: break;
+    case Role::partition:
+      return "partition";
+    case Role::stage:
+      return "stage";
+    case Role::store:
+      return "parameter store";
+    case Role::schedule:
+      return "schedule";
+    case Role::grad_sync:
+      return "gradient sync";
+    case Role::reducer:
+      return "reducer";
+    case Role::optimizer:
+      return "optimizer";
+    case Role::phase_hooks:
+      return "phase hooks";
+    case Role::precision:
+      return "precision";
+    case Role::checkpoint:
+      return "checkpoint state";
+    case Role::progress:
+      return "progress hook";
+    case Role::count_:
+      break;
   }
   return "?";
 }
@@ -162,7 +176,9 @@ namespace {
 // The roles any number of strategies may add to (phase hooks, checkpoint state): no one provides them.
 bool shared_role(Role r) { return r == Role::phase_hooks || r == Role::checkpoint; }
 
-const char* claim_word(Claim c) { return c == Claim::provides ? "provides" : c == Claim::replaces ? "replaces" : "wraps"; }
+const char* claim_word(Claim c) {
+  return c == Claim::provides ? "provides" : c == Claim::replaces ? "replaces" : "wraps";
+}
 }  // namespace
 
 void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const std::vector<std::string>& reasons) {
@@ -215,9 +231,10 @@ void check_role_claims(const std::vector<const StrategyInfo*>& strategies, const
     }
     if (effective.size() > 1)
       throw InputError("strategies " + who(effective[0]) + " and " + who(effective[1]) + " both fill the " +
-                       role_name(role) + " role, and neither declares that it replaces or wraps the other; a strategy "
-                       "that takes a role over declares {" + role_name(role) + ", replaces, \"" +
-                       strategies[effective[0]]->name + "\"} in its claims");
+                       role_name(role) +
+                       " role, and neither declares that it replaces or wraps the other; a strategy "
+                       "that takes a role over declares {" +
+                       role_name(role) + ", replaces, \"" + strategies[effective[0]]->name + "\"} in its claims");
   }
 }
 
@@ -260,7 +277,8 @@ void check_filled_roles(const StrategyInfo& strategy, const Roles& roles) {
   if (!claim) return;  // (a reducer filled without a claim was refused above)
   const std::string who = "strategy '" + strategy.name + "' (" + strategy.origin + ")";
   if (roles.reducer && claim->claim == Claim::wraps)
-    throw InputError(who + " declares that it wraps the reducer of '" + claim->target + "' but sets Roles::reducer, "
+    throw InputError(who + " declares that it wraps the reducer of '" + claim->target +
+                     "' but sets Roles::reducer, "
                      "which would replace it; a wrapper sets Roles::wrap_reducer");
   if (roles.wrap_reducer && claim->claim != Claim::wraps)
     throw InputError(who + " sets Roles::wrap_reducer but declares that it " +

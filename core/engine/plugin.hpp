@@ -21,23 +21,24 @@
 #include "core/model/partition.hpp"
 #include "core/engine/reducer.hpp"
 #include "core/base/search_path.hpp"  // plugin_search_path
-#include "core/engine/keys.hpp"  // KeySpec: a plugin declares its deck keys like the core does
+#include "core/engine/keys.hpp"       // KeySpec: a plugin declares its deck keys like the core does
 #include "core/engine/plan_terms.hpp"
 
 // Bump when anything a plugin sees changes: this struct, StrategyInfo, StrategyContext, Roles, the
 // role interfaces (core/engine/engine.hpp, partition.hpp, param_store.hpp, optimizer.hpp, reducer.hpp,
 // checkpoint_part.hpp), or the back end's face (core/backend/backend_face.hpp, LOOM_FACE_OPS). An
 // operation added to the whole back end (LOOM_BACKEND_OPS) is not a change of the face: a plugin
-// built before it keeps loading (regression/abi_old_plugin.sh shows it). ABI 4: declared role claims, the parameter store, step phases, the reducer.
-// ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the roles' plan_step
+// built before it keeps loading (regression/abi_old_plugin.sh shows it). ABI 4: declared role claims, the parameter
+// store, step phases, the reducer. ABI 5: the precision role, the `begin` phase, StepState::loss_scale. ABI 6: the
+// roles' plan_step
 // (`loom plan`, core/comm/step_plan.hpp) and Backend::plan_matmuls. ABI 7: CommCost::in_step. ABI 8:
 // StepPlan::stage_units, pipeline_span and host_copy_bytes. ABI 9: Communicator::reserve_scratch,
 // StepPlan::pools. ABI 10: Backend's fused attention (attention_forward_flash, _backward_flash,
 // flash_attention_refusal), GPTConfig::flash_attention. ABI 11: Backend::int8_absmax, _quantize,
-// _dequantize, axpy; StepPlan::backend_bytes. ABI 12: Backend::topk_select, _scatter_add, _clear; GradBucket::Tensor::begin.
-// ABI 13: Backend::plan_workspace (plan_matmuls with the attention's shape), ring_scratch_pools,
-// topk_scratch_bytes; StepPlan::price_pools. ABI 14: the core in layer folders (core/engine/plugin.hpp),
-// deck keys in core/engine/keys.hpp (files read by io's load_deck), agree_on_failure over a
+// _dequantize, axpy; StepPlan::backend_bytes. ABI 12: Backend::topk_select, _scatter_add, _clear;
+// GradBucket::Tensor::begin. ABI 13: Backend::plan_workspace (plan_matmuls with the attention's shape),
+// ring_scratch_pools, topk_scratch_bytes; StepPlan::price_pools. ABI 14: the core in layer folders
+// (core/engine/plugin.hpp), deck keys in core/engine/keys.hpp (files read by io's load_deck), agree_on_failure over a
 // communicator, check_layout in core/model, BucketedGradSync without a step counter; Backend's
 // operations from one list (core/backend/backend_ops.hpp), reordered in its vtable; the roles'
 // summary_lines and Schedule::step_line. ABI 15: the plugin face: strategies see the back end as
@@ -136,7 +137,7 @@ struct LayoutContext {
   const Deck& deck;
   const Layout& layout;
   const GPTConfig& model;
-  int rows_per_micro;        // sequences per micro-batch on one rank
+  int rows_per_micro;       // sequences per micro-batch on one rank
   const RunTraits& traits;  // what the run's strategies said (all of them, this one included)
 };
 
@@ -151,9 +152,9 @@ struct PartitionContext {
 
 struct StrategyInfo {
   std::string name, version, description, origin;  // origin: "built-in" or the library path
-  std::vector<KeySpec> keys;                        // the deck keys it declares
-  std::vector<std::string> incompatible;            // strategies it cannot be combined with
-  std::vector<RoleClaim> claims;                    // the roles it fills, and how
+  std::vector<KeySpec> keys;                       // the deck keys it declares
+  std::vector<std::string> incompatible;           // strategies it cannot be combined with
+  std::vector<RoleClaim> claims;                   // the roles it fills, and how
   // Optional: whether a deck asks for this strategy by its own keys, without run.plugins: the setting
   // that does ("zero.stage = 1"), or empty. May throw InputError for a setting that cannot work.
   std::function<std::string(const Deck&, const Layout&)> requested_by;

@@ -44,7 +44,8 @@ void plan_ring_in_order(StepPlan& plan, const std::string& group, const std::vec
                         const std::vector<std::size_t>& first) {
   for (std::size_t j = 0; j < buckets.size(); ++j) {
     std::vector<double> in_flight;
-    for (std::size_t i = first.at(j); i < j; ++i) in_flight.insert(in_flight.end(), buckets[i].ring.begin(), buckets[i].ring.end());
+    for (std::size_t i = first.at(j); i < j; ++i)
+      in_flight.insert(in_flight.end(), buckets[i].ring.begin(), buckets[i].ring.end());
     for (double b : buckets[j].blocking) {
       std::vector<double> with = in_flight;
       with.push_back(b);
@@ -55,7 +56,8 @@ void plan_ring_in_order(StepPlan& plan, const std::string& group, const std::vec
   }
 }
 
-Reducer::BucketScratch AllReduceReducer::plan_bucket(StepPlan& plan, const GradBucket& b, const std::string& what) const {
+Reducer::BucketScratch AllReduceReducer::plan_bucket(StepPlan& plan, const GradBucket& b,
+                                                     const std::string& what) const {
   const int n = comm_.size();
   if (n == 1) return {};
   plan.add_comm({comm_.name(), what + " all-reduce", ring_all_reduce_bytes(static_cast<double>(b.data.bytes()), n),

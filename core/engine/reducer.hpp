@@ -21,20 +21,20 @@ namespace loom {
 // A bucket: contiguous gradient storage holding whole tensors (or, with a sharded store, slices).
 struct GradBucket {
   struct Tensor {
-    int param = -1;                   // index into the model's params()
-    std::string name;                 // "blocks.3.mlp.fc.weight"
-    std::vector<std::int64_t> shape;  // this rank's local shape of it
+    int param = -1;                      // index into the model's params()
+    std::string name;                    // "blocks.3.mlp.fc.weight"
+    std::vector<std::int64_t> shape;     // this rank's local shape of it
     std::int64_t offset = 0, count = 0;  // where it lies in `data`
-    std::int64_t begin = 0;  // its first element's index in the tensor's local elements (0 when whole)
+    std::int64_t begin = 0;              // its first element's index in the tensor's local elements (0 when whole)
   };
-  int index = 0;            // 0 is the first bucket backward completes
-  BufferRef data;           // the gradients, reduced in place
+  int index = 0;   // 0 is the first bucket backward completes
+  BufferRef data;  // the gradients, reduced in place
   std::vector<Tensor> tensors;
   // Empty: every rank needs the whole sum (an all-reduce). Else rank r of the group owns elements
   // [sum of counts before r, + rank_counts[r]) of the bucket and needs only their sum there (ZeRO's
   // reduce-scatter); the other elements are left undefined.
   std::vector<std::int64_t> rank_counts;
-  bool whole = false;       // the strategy asked for this tensor whole (rank_counts stays empty)
+  bool whole = false;  // the strategy asked for this tensor whole (rank_counts stays empty)
 };
 
 class Reducer {
@@ -59,7 +59,8 @@ class Reducer {
     std::vector<double> ring, blocking;
     double held = 0;
   };
-  virtual BucketScratch plan_bucket(StepPlan& /*plan*/, const GradBucket& /*bucket*/, const std::string& /*what*/) const {
+  virtual BucketScratch plan_bucket(StepPlan& /*plan*/, const GradBucket& /*bucket*/,
+                                    const std::string& /*what*/) const {
     return {};
   }
   // `loom plan`: what this reducer does once a step beyond its buckets (a compressing reducer's

@@ -13,7 +13,7 @@
 namespace loom {
 namespace {
 // A block's tensors as GPT::BlockParams lists them, by their names after "blocks.<l>.".
-constexpr const char* kBlockTensors[12] = {"ln1.weight",      "ln1.bias",      "attn.qkv.weight", "attn.qkv.bias",
+constexpr const char* kBlockTensors[12] = {"ln1.weight",       "ln1.bias",       "attn.qkv.weight", "attn.qkv.bias",
                                            "attn.proj.weight", "attn.proj.bias", "ln2.weight",      "ln2.bias",
                                            "mlp.fc.weight",    "mlp.fc.bias",    "mlp.proj.weight", "mlp.proj.bias"};
 std::size_t block_tensor_index(const std::string& name) {
@@ -23,14 +23,14 @@ std::size_t block_tensor_index(const std::string& name) {
 }
 }  // namespace
 
-
 void GPTConfig::validate() const {
   if (d_model % heads != 0)
     throw InputError("model.d_model = " + std::to_string(d_model) + " is not divisible by model.heads = " +
                      std::to_string(heads) + " (each head needs d_model/heads channels)");
   if (flash_attention && !math::flash_head_size_supported(d_model / heads))
-    throw InputError("model.attention = flash: head size model.d_model / model.heads = " + std::to_string(d_model / heads) +
-                     " is not one the fused kernels take (16, 32, 64 or 128); use model.attention = unfused");
+    throw InputError(
+        "model.attention = flash: head size model.d_model / model.heads = " + std::to_string(d_model / heads) +
+        " is not one the fused kernels take (16, 32, 64 or 128); use model.attention = unfused");
 }
 
 void GPT::check_attention(const GPTConfig& cfg, const Backend& backend) {
@@ -128,8 +128,10 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     const std::string& n = p.name;
     int held = -1;
     if (n == "wte.weight") {
-      if (stage_.first()) held = wte_ = hold(p, "embeddings", false);
-      else if (stage_.last()) held = wte_ = -2;  // added to the head unit below, after ln_f
+      if (stage_.first())
+        held = wte_ = hold(p, "embeddings", false);
+      else if (stage_.last())
+        held = wte_ = -2;  // added to the head unit below, after ln_f
     } else if (n == "wpe.weight") {
       if (stage_.first()) held = wpe_ = hold(p, "embeddings", false);
     } else if (n.compare(0, block_prefix.size(), block_prefix) == 0) {
@@ -137,7 +139,8 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       if (layer_pos_[static_cast<std::size_t>(layer)] >= 0) {
         held = hold(p, "blocks." + std::to_string(layer), false);
         block_unit_[static_cast<std::size_t>(layer)] = params_[static_cast<std::size_t>(held)].unit;
-        block_tensors_[static_cast<std::size_t>(layer)][block_tensor_index(n.substr(n.find('.', block_prefix.size()) + 1))] = held;
+        block_tensors_[static_cast<std::size_t>(layer)]
+                      [block_tensor_index(n.substr(n.find('.', block_prefix.size()) + 1))] = held;
       }
     } else if (stage_.last()) {
       held = hold(p, "head", false);
@@ -195,7 +198,8 @@ void GPT::plan_step(StepPlan& plan) const {
       fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl});
       fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
     }
-  if (stage_.last()) fwd.push_back({false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_});
+  if (stage_.last())
+    fwd.push_back({false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_});
   std::vector<Call> calls = fwd;
   for (auto it = fwd.rbegin(); it != fwd.rend(); ++it) {
     calls.push_back(*it);
@@ -260,10 +264,15 @@ void GPT::init_weights(std::uint64_t seed) {
     switch (p.init) {
       case ParamInfo::Init::normal:
         for (std::int64_t i = begin; i < end; ++i)
-          w[i - begin] = static_cast<float>(p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(p.shard.global_index(i))));
+          w[i - begin] = static_cast<float>(
+              p.init_std * rng::normal(seed, stream, static_cast<std::uint64_t>(p.shard.global_index(i))));
         break;
-      case ParamInfo::Init::ones: std::fill(w, w + (end - begin), 1.0f); break;  // host memory (write_held)
-      case ParamInfo::Init::zeros: std::fill(w, w + (end - begin), 0.0f); break;
+      case ParamInfo::Init::ones:
+        std::fill(w, w + (end - begin), 1.0f);
+        break;  // host memory (write_held)
+      case ParamInfo::Init::zeros:
+        std::fill(w, w + (end - begin), 0.0f);
+        break;
     }
   };
   write_held(fill);
@@ -284,7 +293,8 @@ void GPT::write_held(const std::function<void(const ParamInfo&, float*, std::int
     if (!w.empty()) held(params_[i], w, 0, params_[i].numel());
   }
   for (const OwnedSlice& o : store_->owned())
-    if (store_->param(o.param).empty()) held(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o), o.begin, o.end);
+    if (store_->param(o.param).empty())
+      held(params_[static_cast<std::size_t>(o.param)], store_->owned_param(o), o.begin, o.end);
   store_->params_written();
 }
 
@@ -297,11 +307,14 @@ void GPT::load_weights(const std::function<const float*(const std::string& name)
 }
 
 const float* GPT::logits() const {
-  if (!holds_head(0) || stage_.chunks.size() != 1) throw std::logic_error("GPT::logits: this rank does not hold the whole model");
+  if (!holds_head(0) || stage_.chunks.size() != 1)
+    throw std::logic_error("GPT::logits: this rank does not hold the whole model");
   if (slot_rows_[0][0] == 0)
-    throw std::logic_error("GPT::logits: no forward held (backward consumed it, or none ran); forward with targets = null");
+    throw std::logic_error(
+        "GPT::logits: no forward held (backward consumed it, or none ran); forward with targets = null");
   if (slot_scored_[0][0])
-    throw std::logic_error("GPT::logits: the last forward had targets, so its logits became probabilities; forward with targets = null");
+    throw std::logic_error(
+        "GPT::logits: the last forward had targets, so its logits became probabilities; forward with targets = null");
   return head(0).logits;
 }
 
@@ -309,7 +322,8 @@ GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, int l, bool
   const std::array<int, 12>& h = block_tensors_[static_cast<std::size_t>(l)];
   const std::vector<BufferRef>& t = grads ? view.grads : view.params;
   float* q[12];
-  for (std::size_t i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])].as<float>();
+  for (std::size_t i = 0; i < 12; ++i)
+    q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])].as<float>();
   BlockParams w{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], {}, {}, {}, {}};
   if (!grads) {
     w.mqkvw = matmul_operand(view, h[2]);
@@ -426,7 +440,9 @@ GPT::Head GPT::carve_head(const Geometry& g, float* base) {
 GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
   const Stage::Chunk& c = stage_.chunks[chunk];
   const std::int64_t index =
-      cfg_.recompute ? 0 : acts0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer) + layer - c.first_layer;
+      cfg_.recompute
+          ? 0
+          : acts0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer) + layer - c.first_layer;
   return carve_block(geom_, block_buf_.data<float>() + index * block_act_floats_);
 }
 
@@ -443,7 +459,9 @@ std::int64_t GPT::stage_boundary_floats(int B) const {
   return (sp_ ? N / tp_ : N) * cfg_.d_model;
 }
 
-const float* GPT::stage_output(int slot, int chunk) const { return residual(chunk, slot, stage_.chunks[chunk].end_layer); }
+const float* GPT::stage_output(int slot, int chunk) const {
+  return residual(chunk, slot, stage_.chunks[chunk].end_layer);
+}
 
 void GPT::check_slot(int chunk, int slot, const char* what) const {
   if (chunk < 0 || chunk >= static_cast<int>(stage_.chunks.size()) || slot < 0 ||
@@ -461,7 +479,7 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
                      NFl = static_cast<std::int64_t>(N) * Fl;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   // Next: the following block's forward, or (recomputing in backward) this block's backward.
-  const int next = recompute                               ? unit
+  const int next = recompute                                ? unit
                    : l + 1 < stage_.chunks[chunk].end_layer ? block_unit_[static_cast<std::size_t>(l + 1)]
                    : holds_head(chunk)                      ? head_unit_
                                                             : -1;
@@ -477,22 +495,22 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   keep(a.ln1, s.local, NlC);
   be_.matmul_forward(a.qkv, input_of(a.ln1, s.full, N, C), w.mqkvw, w.qkvb, N, C, 3 * Cl);  // [N,3Cl]
   if (cfg_.flash_attention)
-    be_.attention_forward_flash(produce(a.atty, s.full), a.lse, a.qkv, B, T, Cl, NHl);    // [N,Cl]
+    be_.attention_forward_flash(produce(a.atty, s.full), a.lse, a.qkv, B, T, Cl, NHl);  // [N,Cl]
   else
-    be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);          // [N,Cl]
+    be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);  // [N,Cl]
   keep(a.atty, s.full, NCl);
-  be_.matmul_forward(s.partial, a.atty, w.mprojw, nullptr, N, Cl, C);         // [N,C] partial sum
-  float* y = part_->reduce_partial(s.partial, s.local, N, C);                 // [Nl,C]
+  be_.matmul_forward(s.partial, a.atty, w.mprojw, nullptr, N, Cl, C);  // [N,C] partial sum
+  float* y = part_->reduce_partial(s.partial, s.local, N, C);          // [Nl,C]
   be_.bias_add(y, w.projb, Nl, C);
   be_.residual_forward(a.xmid, x, y, static_cast<std::int64_t>(Nl) * C);
   // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection
   be_.layernorm_forward(produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, a.xmid, w.ln2w, w.ln2b, Nl, C);
   keep(a.ln2, s.local, NlC);
-  be_.matmul_forward(a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C, Fl);       // [N,Fl]
+  be_.matmul_forward(a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C, Fl);  // [N,Fl]
   be_.gelu_forward(produce(a.fch_gelu, s.dfch_gelu), a.fch, NFl);
   keep(a.fch_gelu, s.dfch_gelu, NFl);
-  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, nullptr, N, Fl, C);   // [N,C] partial sum
-  y = part_->reduce_partial(s.partial, s.local, N, C);                        // [Nl,C]
+  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, nullptr, N, Fl, C);  // [N,C] partial sum
+  y = part_->reduce_partial(s.partial, s.local, N, C);                       // [Nl,C]
   be_.bias_add(y, w.fcprojb, Nl, C);
   be_.residual_forward(xout, a.xmid, y, static_cast<std::int64_t>(Nl) * C);
   store_->release(unit, ParamStore::Use::forward);
@@ -517,13 +535,13 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   float* dxmid = s.dother;
 
   // MLP, in reverse: x_out = xmid + fcproj(gelu(fc(ln2(xmid))))
-  const float* dy = part_->grad_to_full(dres, s.dfull, N, C);                 // [N,C]
+  const float* dy = part_->grad_to_full(dres, s.dfull, N, C);  // [N,C]
   be_.matmul_backward(s.dfch_gelu, dw.fcprojw, nullptr, dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
   be_.bias_backward(dw.fcprojb, dres, Nl, C);
   be_.gelu_backward(s.dfch, a.fch, s.dfch_gelu, static_cast<std::int64_t>(N) * Fl);
   be_.matmul_backward(s.dpartial, dw.fcw, dw.fcb, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
   const float* dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
-  be_.copy(dxmid, dres, NlC);  // the residual branch
+  be_.copy(dxmid, dres, NlC);                                                  // the residual branch
   be_.layernorm_backward(dxmid, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);
   // attention, in reverse: xmid = x + proj(attention(qkv(ln1(x))))
   dy = part_->grad_to_full(dxmid, s.dfull, N, C);
@@ -563,12 +581,14 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   if (holds_embeddings(chunk)) {
     // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
     be_.copy_from_host(BufferRef(inp, N, be_.space()), inputs);
-    const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
+    const ParamStore::UnitView& e =
+        store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
     const float* wte = tensor(e, wte_);  // [Vl,C] this rank's vocabulary rows
     const float* wpe = tensor(e, wpe_);  // [T,C]
     be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
     store_->release(emb_unit_, ParamStore::Use::forward);
-    be_.copy(residual(chunk, slot, l0), part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
+    be_.copy(residual(chunk, slot, l0), part_->reduce_partial(s.partial, s.local, N, C),
+             static_cast<std::int64_t>(Nl) * C);
   } else {
     be_.copy(residual(chunk, slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous chunk's output
   }
@@ -607,10 +627,12 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
 
   if (holds_head(chunk)) {
     if (!slot_scored_[chunk][slot])
-      throw std::logic_error("GPT::backward: the forward held in slot " + std::to_string(slot) + " had no targets, so no loss");
+      throw std::logic_error("GPT::backward: the forward held in slot " + std::to_string(slot) +
+                             " had no targets, so no loss");
     const int next = l1 > l0 ? block_unit_[static_cast<std::size_t>(l1 - 1)] : -1;
     const bool wte_apart = wte_unit() != head_unit_;
-    const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);
+    const ParamStore::UnitView& hv =
+        store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);
     const ParamStore::UnitView& wv = wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::backward, next) : hv;
     const BufferRef wte = matmul_operand(wv, wte_);
     const float* lnfw = tensor(hv, lnfw_);
@@ -619,7 +641,8 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
     float* dlnfb = tensor_grad(hv, lnfb_);
     const Head h = head(slot);
     float* dlogits = h.probs;  // in place
-    part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_, vocab_begin_);
+    part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_,
+                                 vocab_begin_);
     be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
     const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
     be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);

@@ -19,11 +19,11 @@
 namespace loom {
 
 struct GPTConfig {
-  int layers = 4;     // L
-  int d_model = 128;  // C
-  int heads = 4;      // NH
-  int seq_len = 64;   // T (also the number of learned positions)
-  int vocab = 256;    // V
+  int layers = 4;          // L
+  int d_model = 128;       // C
+  int heads = 4;           // NH
+  int seq_len = 64;        // T (also the number of learned positions)
+  int vocab = 256;         // V
   bool recompute = false;  // keep only each block's input; recompute its activations in backward
   // model.attention = flash: fused attention (Backend::attention_forward_flash), which saves each
   // row's log-sum-exp instead of the [T,T] probabilities and rounds its operands to bf16.
@@ -46,10 +46,10 @@ struct Stage {
   struct Chunk {
     int first_layer = 0, end_layer = 0, activation_slots = 1;
   };
-  int index = 0, count = 1;  // this stage of `count`
-  std::vector<Chunk> chunks; // empty: every block, one slot
-  bool first() const { return index == 0; }            // chunk 0 holds the embeddings (wte, wpe)
-  bool last() const { return index == count - 1; }     // the last chunk holds ln_f, the tied head and the loss
+  int index = 0, count = 1;                         // this stage of `count`
+  std::vector<Chunk> chunks;                        // empty: every block, one slot
+  bool first() const { return index == 0; }         // chunk 0 holds the embeddings (wte, wpe)
+  bool last() const { return index == count - 1; }  // the last chunk holds ln_f, the tied head and the loss
 };
 
 class GPT {
@@ -77,7 +77,7 @@ class GPT {
   // Every parameter of the whole model, whichever stage holds it (offset and numel: -1 and 0 when
   // not held here); the checkpoint writes them all.
   const std::vector<ParamInfo>& all_params() const { return all_params_; }
-  const ParamInfo& param(const std::string& name) const;  // throws std::out_of_range
+  const ParamInfo& param(const std::string& name) const;       // throws std::out_of_range
   const ParamInfo* find_param(const std::string& name) const;  // null when this rank does not hold it
   int param_index(const std::string& name) const;              // index into params(), -1 when not held
   std::int64_t num_params() const { return num_params_; }
@@ -114,8 +114,10 @@ class GPT {
   struct ActivationSizes {
     std::int64_t residual_floats = 0, block_floats = 0, head_floats = 0, scratch_floats = 0, token_ints = 0;
     std::int64_t block_table_floats = 0, head_table_floats = 0;  // one block's, one slot's head
-    std::vector<std::int64_t> residual_first, block_first;      // per chunk: its first residual / block table
-    std::int64_t activation_bytes() const { return 4 * (residual_floats + block_floats + head_floats + scratch_floats); }
+    std::vector<std::int64_t> residual_first, block_first;       // per chunk: its first residual / block table
+    std::int64_t activation_bytes() const {
+      return 4 * (residual_floats + block_floats + head_floats + scratch_floats);
+    }
     std::int64_t workspace_bytes() const { return 4 * token_ints; }
   };
   static ActivationSizes activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage, int max_rows,
@@ -128,7 +130,7 @@ class GPT {
   double forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B,
                        int chunk = 0);
   const float* stage_output(int slot, int chunk = 0) const;  // [Nl,C] the chunk's last block's output
-  std::int64_t stage_boundary_floats(int B) const;  // Nl*C of a micro-batch of B rows
+  std::int64_t stage_boundary_floats(int B) const;           // Nl*C of a micro-batch of B rows
   // dout [Nl,C]: gradient of stage_output (not on the model's last chunk). Returns the gradient of
   // x_in [Nl,C] (valid until the next backward), or null on the model's first chunk.
   const float* backward_stage(int slot, float dloss, const float* dout, int chunk = 0);
@@ -166,30 +168,30 @@ class GPT {
   // are saved in the products' 16-bit type under mixed precision (ln1 and ln2 only without sequence
   // parallelism, whose [Nl,C] pieces are gathered in fp32 before each product), else in fp32.
   struct BlockActs {
-    BufferRef ln1;                     // [Nl,C]
-    float *ln1_mean, *ln1_rstd;        // [Nl], [Nl]
-    float *qkv;                        // [N,3Cl]
-    float *att = nullptr;              // [B,NHl,T,T] softmax probabilities (unfused attention)
-    float *lse = nullptr;              // [B,NHl,T]   row log-sum-exp of the scaled scores (flash)
-    BufferRef atty;                    // [N,Cl]
-    float *xmid;                       // [Nl,C]  residual after attention
-    BufferRef ln2;                     // [Nl,C]
-    float *ln2_mean, *ln2_rstd;        // [Nl], [Nl]
-    float *fch;                        // [N,Fl]
-    BufferRef fch_gelu;                // [N,Fl]
-    std::int64_t floats;               // the whole table, in floats
+    BufferRef ln1;               // [Nl,C]
+    float *ln1_mean, *ln1_rstd;  // [Nl], [Nl]
+    float* qkv;                  // [N,3Cl]
+    float* att = nullptr;        // [B,NHl,T,T] softmax probabilities (unfused attention)
+    float* lse = nullptr;        // [B,NHl,T]   row log-sum-exp of the scaled scores (flash)
+    BufferRef atty;              // [N,Cl]
+    float* xmid;                 // [Nl,C]  residual after attention
+    BufferRef ln2;               // [Nl,C]
+    float *ln2_mean, *ln2_rstd;  // [Nl], [Nl]
+    float* fch;                  // [N,Fl]
+    BufferRef fch_gelu;          // [N,Fl]
+    std::int64_t floats;         // the whole table, in floats
   };
-  struct Scratch {  // not saved across kernels: forward temporaries and backward gradients
-    float *full, *partial, *local;                       // [N,C], [N,C], [Nl,C]
-    float *dres, *dother, *dlocal, *dfull, *dpartial;    // [Nl,C] x3, [N,C] x2
-    float *dqkv, *datty, *dfch, *dfch_gelu;              // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
-    float *datt = nullptr, *dsum = nullptr;              // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
+  struct Scratch {                  // not saved across kernels: forward temporaries and backward gradients
+    float *full, *partial, *local;  // [N,C], [N,C], [Nl,C]
+    float *dres, *dother, *dlocal, *dfull, *dpartial;  // [Nl,C] x3, [N,C] x2
+    float *dqkv, *datty, *dfch, *dfch_gelu;            // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
+    float *datt = nullptr, *dsum = nullptr;            // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
     std::int64_t floats;
   };
   struct Head {
-    BufferRef lnf;                     // [Nl,C] (16-bit like ln1 under mixed precision)
-    float *lnf_mean, *lnf_rstd;        // [Nl], [Nl]
-    float *logits, *probs, *losses;    // [N,Vl], probs = logits (overwritten in place), [N]
+    BufferRef lnf;                   // [Nl,C] (16-bit like ln1 under mixed precision)
+    float *lnf_mean, *lnf_rstd;      // [Nl], [Nl]
+    float *logits, *probs, *losses;  // [N,Vl], probs = logits (overwritten in place), [N]
     std::int64_t floats;
   };
   // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the
@@ -215,7 +217,9 @@ class GPT {
   // straight into `saved` when that is fp32, else into `tmp` (n floats) and rounded into `saved`
   // by keep(). input_of: the product's operand, gathered to all N rows (Partition::to_full) when
   // the saved piece has Nl; a 16-bit piece is never gathered (saved so only without sequence parallelism).
-  float* produce(const BufferRef& saved, float* tmp) const { return saved.type == DType::f32 ? saved.as<float>() : tmp; }
+  float* produce(const BufferRef& saved, float* tmp) const {
+    return saved.type == DType::f32 ? saved.as<float>() : tmp;
+  }
   void keep(const BufferRef& saved, const float* tmp, std::int64_t n);
   BufferRef input_of(const BufferRef& saved, float* full, int N, int C);
   float* tensor(const ParamStore::UnitView& view, int param) const {
@@ -232,7 +236,8 @@ class GPT {
   // block `layer`'s input in slot `slot` of chunk `chunk`, [Nl,C]; at the chunk's end_layer, its output
   float* residual(int chunk, int slot, int layer) const;
   void block_forward(int chunk, int slot, int layer, int B, bool recompute = false);
-  void block_backward(int chunk, int slot, int layer, int B);  // gradient of the block's output in, of its input out: scratch().dres
+  void block_backward(int chunk, int slot, int layer,
+                      int B);  // gradient of the block's output in, of its input out: scratch().dres
   void check_slot(int chunk, int slot, const char* what) const;
 
   GPTConfig cfg_;
@@ -245,30 +250,32 @@ class GPT {
   int max_rows_;
   DType mm16_ = DType::f32;  // the matrix products' operand type (Precision::matmul)
   Stage stage_;
-  std::vector<int> layer_pos_;           // per layer of the model: its position among this rank's, or -1
+  std::vector<int> layer_pos_;  // per layer of the model: its position among this rank's, or -1
   // Handles: indices into params_ (-1: not on this rank) and units_.
   int wte_ = -1, wpe_ = -1, lnfw_ = -1, lnfb_ = -1;
   int emb_unit_ = -1, head_unit_ = -1;
-  std::vector<int> block_unit_;          // per layer of the model, -1 when not on this rank
+  std::vector<int> block_unit_;                     // per layer of the model, -1 when not on this rank
   std::vector<std::array<int, 12>> block_tensors_;  // per layer: its tensors' handles, in BlockParams order
-  std::vector<int> pos_in_unit_;         // per tensor: its position in its unit
+  std::vector<int> pos_in_unit_;                    // per tensor: its position in its unit
   std::vector<Unit> units_;
   FlatParamStore own_store_;
   ParamStore* store_ = nullptr;
   std::vector<std::int64_t> residual0_, acts0_;  // per chunk: its first residual / block-activation index
-  std::vector<std::vector<int>> slot_rows_;     // per chunk and slot: rows of the forward held (0: free)
-  std::vector<std::vector<bool>> slot_scored_;  // per chunk and slot: that forward had targets (a loss to differentiate)
+  std::vector<std::vector<int>> slot_rows_;      // per chunk and slot: rows of the forward held (0: free)
+  std::vector<std::vector<bool>>
+      slot_scored_;  // per chunk and slot: that forward had targets (a loss to differentiate)
   std::vector<ParamInfo> params_, all_params_;
   std::int64_t num_params_ = 0;
   // activations
   Geometry geom_;
   std::int64_t block_act_floats_ = 0;
   std::int64_t head_floats_ = 0;
-  TypedBuffer residual_buf_;   // per chunk [slots, Lc+1, Nl, C]
-  TypedBuffer block_buf_;      // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
-  TypedBuffer head_buf_;       // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits = probs [N,Vl], losses [N]
-  TypedBuffer scratch_buf_;    // forward tmp and backward gradients of activations
-  TypedBuffer tokens_buf_;     // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
+  TypedBuffer residual_buf_;  // per chunk [slots, Lc+1, Nl, C]
+  TypedBuffer block_buf_;     // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
+  TypedBuffer
+      head_buf_;  // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits = probs [N,Vl], losses [N]
+  TypedBuffer scratch_buf_;  // forward tmp and backward gradients of activations
+  TypedBuffer tokens_buf_;   // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
   std::function<void(int)> grad_ready_;
   std::function<void()> progress_;
 };

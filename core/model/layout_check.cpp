@@ -16,9 +16,9 @@ std::string s(long v) { return std::to_string(v); }
 void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int micro) {
   if (l.ranks() != world) {
     std::ostringstream msg;
-    msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = "
-        << l.ranks() << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s")
-        << "; either launch with mpirun -n " << l.ranks() << ", or choose a layout whose product is " << world;
+    msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = " << l.ranks()
+        << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s") << "; either launch with mpirun -n "
+        << l.ranks() << ", or choose a layout whose product is " << world;
     // Suggest the dp that fills the job with the deck's tp and pp, when the batch splits over it.
     const int tp_pp = l.tp * l.pp;
     if (world % tp_pp == 0) {
@@ -43,8 +43,8 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
                      "; pp sizes that work: 1 .. " + s(m.layers));
   if (batch % (l.dp * micro) != 0) {
     std::ostringstream msg;
-    msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp << " ranks x train.micro_batches = "
-        << micro << " micro-batches (" << l.dp * micro << " must divide it)";
+    msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp
+        << " ranks x train.micro_batches = " << micro << " micro-batches (" << l.dp * micro << " must divide it)";
     if (batch % l.dp == 0) msg << "; micro_batches that work with this dp: " << divisors(batch / l.dp);
     // A dp works when each rank's share of the batch still splits into the micro-batches.
     if (batch % micro == 0)

@@ -8,7 +8,8 @@ namespace loom {
 double lr_at(const OptimizerConfig& cfg, std::int64_t step) {
   if (step < cfg.warmup) return cfg.lr * static_cast<double>(step + 1) / static_cast<double>(cfg.warmup);
   if (cfg.schedule == "constant") return cfg.lr;
-  const double ratio = static_cast<double>(step - cfg.warmup) / static_cast<double>(std::max<std::int64_t>(1, cfg.steps - cfg.warmup));
+  const double ratio =
+      static_cast<double>(step - cfg.warmup) / static_cast<double>(std::max<std::int64_t>(1, cfg.steps - cfg.warmup));
   const double coeff = 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, ratio)));
   return cfg.lr_min + coeff * (cfg.lr - cfg.lr_min);
 }

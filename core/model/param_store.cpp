@@ -25,7 +25,8 @@ void ComputeCopies::build(BackendFace& backend, const std::vector<ParamInfo>& pa
       at_[u].push_back(p.matmul_weight ? count_[u] : -1);
       if (p.matmul_weight) count_[u] += p.numel();
     }
-    if (resident_ && count_[u] > 0) copy_[u] = backend.allocate("ParamStore::compute_copy." + units[u].name, type_, count_[u], Mem::params);
+    if (resident_ && count_[u] > 0)
+      copy_[u] = backend.allocate("ParamStore::compute_copy." + units[u].name, type_, count_[u], Mem::params);
   }
 }
 
@@ -57,7 +58,8 @@ void ComputeCopies::drop(int unit) {
   stale_[u] = true;
 }
 
-void FlatParamStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) {
+void FlatParamStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& params,
+                           const std::vector<Unit>& units) {
   be_ = &ctx.backend;
   info_ = params;
   std::int64_t n = 0;

@@ -23,7 +23,7 @@ namespace loom {
 
 struct ParamInfo {
   enum class Init { normal, ones, zeros };
-  std::string name;                  // "blocks.3.attn.qkv.weight"
+  std::string name;  // "blocks.3.attn.qkv.weight"
   // Which elements of the full tensor this rank holds: its shape, its tp piece and the range of
   // that piece held (empty where this rank's pipeline stage does not hold the tensor). The
   // accessors below read it; nothing about the shape is kept twice.
@@ -32,18 +32,18 @@ struct ParamInfo {
   const std::vector<std::int64_t>& local_shape() const { return shard.tp_shape; }  // this rank's tp piece
   TpSplit split() const { return shard.split; }                                    // how the tp group splits it
   std::int64_t numel() const { return shard.numel(); }                             // elements held here
-  int unit = -1;                     // the unit it belongs to (index into GPT::units()), -1 when not held
-  bool sp_partial = false;           // replicated, but with sequence parallelism each rank's gradient is partial
-  bool shadow = false;               // a copy of a tensor another stage owns (the tied head's wte on the
-                                     // last stage): kept equal to it, not counted in norms or checkpoints
-  bool tied = false;                 // its gradient is added to a copy's on another pipeline stage after
-                                     // gradient sync (wte with pp > 1): a sharding sync reduces it whole
-  std::int64_t offset = 0;           // position among this rank's parameter elements (the flat store's layout)
-  bool decay = false;                // AdamW weight decay applies (matrices)
-  bool matmul_weight = false;        // a weight of the model's matrix products: under 16-bit precision
-                                     // the store hands out a 16-bit compute copy of it (UnitView::compute)
+  int unit = -1;               // the unit it belongs to (index into GPT::units()), -1 when not held
+  bool sp_partial = false;     // replicated, but with sequence parallelism each rank's gradient is partial
+  bool shadow = false;         // a copy of a tensor another stage owns (the tied head's wte on the
+                               // last stage): kept equal to it, not counted in norms or checkpoints
+  bool tied = false;           // its gradient is added to a copy's on another pipeline stage after
+                               // gradient sync (wte with pp > 1): a sharding sync reduces it whole
+  std::int64_t offset = 0;     // position among this rank's parameter elements (the flat store's layout)
+  bool decay = false;          // AdamW weight decay applies (matrices)
+  bool matmul_weight = false;  // a weight of the model's matrix products: under 16-bit precision
+                               // the store hands out a 16-bit compute copy of it (UnitView::compute)
   Init init = Init::zeros;
-  double init_std = 0.0;             // for Init::normal
+  double init_std = 0.0;  // for Init::normal
 };
 
 // A group of tensors used together: "embeddings", "blocks.3", "head".
@@ -139,7 +139,7 @@ class ComputeCopies {
   bool resident_ = true;
   std::vector<std::vector<std::int64_t>> at_;  // per unit, per tensor of it: offset in its copy, -1: none
   std::vector<std::int64_t> count_;            // per unit: its matmul weights' elements
-  std::vector<TypedBuffer> copy_;    // per unit
+  std::vector<TypedBuffer> copy_;              // per unit
   std::vector<bool> stale_;
 };
 
@@ -150,7 +150,8 @@ class FlatParamStore : public ParamStore {
   std::string name() const override { return "flat (one buffer of parameters, one of gradients)"; }
   void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override;
   const UnitView& acquire(int unit, Use use, int) override {
-    UnitView& v = use == Use::forward ? forward_[static_cast<std::size_t>(unit)] : backward_[static_cast<std::size_t>(unit)];
+    UnitView& v =
+        use == Use::forward ? forward_[static_cast<std::size_t>(unit)] : backward_[static_cast<std::size_t>(unit)];
     copies_.attach(unit, v);
     return v;
   }

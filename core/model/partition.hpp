@@ -20,7 +20,6 @@ namespace loom {
 
 class GPT;
 
-
 class Partition {
  public:
   virtual ~Partition() = default;
@@ -37,10 +36,14 @@ class Partition {
   // (all-reduce in place, or SP: reduce-scatter into `local`).
   virtual float* reduce_partial(float* partial, float* /*local*/, std::int64_t /*rows*/, int /*C*/) { return partial; }
   // backward of reduce_partial: this rank's row gradients as the whole gradient (SP: all-gather).
-  virtual const float* grad_to_full(const float* dlocal, float* /*dfull*/, std::int64_t /*rows*/, int /*C*/) { return dlocal; }
+  virtual const float* grad_to_full(const float* dlocal, float* /*dfull*/, std::int64_t /*rows*/, int /*C*/) {
+    return dlocal;
+  }
   // backward of to_full: a partial gradient of the whole input summed over the group, as this
   // rank's rows (all-reduce in place, or SP: reduce-scatter into `dlocal`).
-  virtual float* reduce_partial_grad(float* dpartial, float* /*dlocal*/, std::int64_t /*rows*/, int /*C*/) { return dpartial; }
+  virtual float* reduce_partial_grad(float* dpartial, float* /*dlocal*/, std::int64_t /*rows*/, int /*C*/) {
+    return dpartial;
+  }
 
   // Cross-entropy over logits whose vocabulary is split: this rank holds columns
   // [vocab_begin, vocab_begin + Vl) of every row. losses [N] (every rank gets every row's loss),

@@ -63,16 +63,32 @@ double round_f16(double x) { return round_to_format(x, 11, -14, 65504.0); }
 
 // Values over the whole range of both 16-bit types, ties, subnormals, overflow and specials.
 std::vector<double> cast_inputs() {
-  std::vector<double> v = {0.0, -0.0, 1.0, -1.0,
-                           1 + 0x1p-8,            // bf16 tie: to even (1)
-                           1 + 3 * 0x1p-8,        // bf16 tie: to even (1 + 2^-6)
-                           1 + 0x1p-11,           // fp16 tie: to even (1)
-                           1 + 0x1p-8 + 0x1p-30,  // double -> float -> bf16 would make it a tie
-                           1 + 0x1p-11 + 0x1p-40, // the same for fp16
-                           65504.0, 65519.0, 65520.0, -70000.0,  // fp16 max, below / at the overflow threshold
-                           0x1p-24, 0x1p-25, 0x1.8p-24, 3e-8, 6e-5,  // fp16 subnormals and their ties
-                           0x1p-133, 1e-40, 3.3e38, 3.4e38, 1e300, -1e-300,
-                           std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()};
+  std::vector<double> v = {0.0,
+                           -0.0,
+                           1.0,
+                           -1.0,
+                           1 + 0x1p-8,             // bf16 tie: to even (1)
+                           1 + 3 * 0x1p-8,         // bf16 tie: to even (1 + 2^-6)
+                           1 + 0x1p-11,            // fp16 tie: to even (1)
+                           1 + 0x1p-8 + 0x1p-30,   // double -> float -> bf16 would make it a tie
+                           1 + 0x1p-11 + 0x1p-40,  // the same for fp16
+                           65504.0,
+                           65519.0,
+                           65520.0,
+                           -70000.0,  // fp16 max, below / at the overflow threshold
+                           0x1p-24,
+                           0x1p-25,
+                           0x1.8p-24,
+                           3e-8,
+                           6e-5,  // fp16 subnormals and their ties
+                           0x1p-133,
+                           1e-40,
+                           3.3e38,
+                           3.4e38,
+                           1e300,
+                           -1e-300,
+                           std::numeric_limits<double>::infinity(),
+                           -std::numeric_limits<double>::infinity()};
   std::mt19937_64 gen(7);
   std::uniform_real_distribution<double> mant(-2, 2);
   std::uniform_int_distribution<int> ex(-30, 20);
@@ -106,7 +122,7 @@ TEST(Backend, CastRoundsToNearestEvenBetweenAllFloatTypes) {
   }
   EXPECT_EQ(loom::to_float(b[7]), 1.0f + 0x1p-7f);  // 1 + 2^-8 + 2^-30: above the tie, rounds up
   EXPECT_EQ(loom::to_float(h[8]), 1.0f + 0x1p-10f);
-  EXPECT_EQ(loom::to_float(b[4]), 1.0f);            // the tie itself: to even
+  EXPECT_EQ(loom::to_float(b[4]), 1.0f);                                                  // the tie itself: to even
   EXPECT_TRUE(std::signbit(loom::to_float(b[1])) && std::signbit(loom::to_float(h[1])));  // -0 stays -0
 
   // fp32 -> bf16 / fp16 / fp64
@@ -120,7 +136,8 @@ TEST(Backend, CastRoundsToNearestEvenBetweenAllFloatTypes) {
   }
   // fp16 -> fp32 exact (the vectorised conversion where the CPU has F16C, 8 at a time, and the tail)
   be->cast(BufferRef(f.data(), n), BufferRef(h.data(), n));
-  for (std::int64_t i = 0; i < n; ++i) EXPECT_TRUE(same_bits(f[i], loom::to_acc<double>(h[i]))) << "fp16 -> fp32 of " << xf[i];
+  for (std::int64_t i = 0; i < n; ++i)
+    EXPECT_TRUE(same_bits(f[i], loom::to_acc<double>(h[i]))) << "fp16 -> fp32 of " << xf[i];
   // fp64 -> fp32
   be->cast(BufferRef(f.data(), n), BufferRef(x.data(), n));
   for (std::int64_t i = 0; i < n; ++i) EXPECT_EQ(f[i], static_cast<float>(x[i])) << x[i];
@@ -171,8 +188,9 @@ TEST(Backend, CastRefusesMismatchedBuffers) {
 
 namespace {
 // Row-major reference in long double: out = alpha op(a) op(b) + beta out.
-std::vector<double> ref_matmul(const std::vector<double>& out, const std::vector<double>& a, const std::vector<double>& b,
-                               int M, int N, int K, bool ta, bool tb, double alpha, double beta) {
+std::vector<double> ref_matmul(const std::vector<double>& out, const std::vector<double>& a,
+                               const std::vector<double>& b, int M, int N, int K, bool ta, bool tb, double alpha,
+                               double beta) {
   std::vector<double> r(static_cast<std::size_t>(M) * N);
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < N; ++j) {
@@ -198,8 +216,8 @@ TEST(Backend, MatmulFloatIsGemmSgemm) {  // all fp32: straight to loom::gemm::sg
     const std::vector<float> a = as<float>(randn(M * K, 10 + t)), b = as<float>(randn(K * N, 20 + t)),
                              c0 = as<float>(randn(M * N, 30 + t));
     std::vector<float> got = c0, want = c0;
-    be->matmul(BufferRef(got.data(), M * N), BufferRef(a.data(), M * K), BufferRef(b.data(), K * N), M, N, K, ta, tb, 0.5f,
-               0.25f);
+    be->matmul(BufferRef(got.data(), M * N), BufferRef(a.data(), M * K), BufferRef(b.data(), K * N), M, N, K, ta, tb,
+               0.5f, 0.25f);
     loom::gemm::sgemm(ta, tb, M, N, K, 0.5f, a.data(), ta ? M : K, b.data(), tb ? K : N, 0.25f, want.data(), N);
     EXPECT_EQ(got, want) << "transa " << ta << " transb " << tb;
     const double e = norm_err(widen(got), ref_matmul(widen(c0), widen(a), widen(b), M, N, K, ta, tb, 0.5, 0.25));
@@ -216,14 +234,15 @@ TEST(Backend, MatmulDoubleAnd16BitOperands) {
     const std::vector<double> a = randn(M * K, 40 + t), b = randn(K * N, 50 + t), c0 = randn(M * N, 60 + t);
     {  // fp64: dgemm
       std::vector<double> out = c0;
-      be->matmul(BufferRef(out.data(), M * N), BufferRef(a.data(), M * K), BufferRef(b.data(), K * N), M, N, K, ta, tb, 2.0f,
-                 -1.0f);
+      be->matmul(BufferRef(out.data(), M * N), BufferRef(a.data(), M * K), BufferRef(b.data(), K * N), M, N, K, ta, tb,
+                 2.0f, -1.0f);
       EXPECT_LT(norm_err(out, ref_matmul(c0, a, b, M, N, K, ta, tb, 2.0, -1.0)), 1e-14);
     }
     {  // bf16 x bf16 -> bf16, beta = 0 over NaN garbage (not read): float accumulation, rounded once
       const std::vector<bf16> ab = as<bf16>(a), bb = as<bf16>(b);
       std::vector<bf16> out(M * N, loom::to_bf16(std::numeric_limits<float>::quiet_NaN()));
-      be->matmul(BufferRef(out.data(), M * N), BufferRef(ab.data(), M * K), BufferRef(bb.data(), K * N), M, N, K, ta, tb);
+      be->matmul(BufferRef(out.data(), M * N), BufferRef(ab.data(), M * K), BufferRef(bb.data(), K * N), M, N, K, ta,
+                 tb);
       const double e = norm_err(widen(out), ref_matmul(c0, widen(ab), widen(bb), M, N, K, ta, tb, 1.0, 0.0));
       EXPECT_LE(e, 1.01 * ubf + 1e-6) << "bf16 transa " << ta << " transb " << tb;
     }
@@ -232,17 +251,18 @@ TEST(Backend, MatmulDoubleAnd16BitOperands) {
       const std::vector<float> bf = as<float>(b);
       const std::vector<bf16> cb = as<bf16>(c0);
       std::vector<bf16> out = cb;
-      be->matmul(BufferRef(out.data(), M * N), BufferRef(ah.data(), M * K), BufferRef(bf.data(), K * N), M, N, K, ta, tb, 0.5f,
-                 2.0f);
+      be->matmul(BufferRef(out.data(), M * N), BufferRef(ah.data(), M * K), BufferRef(bf.data(), K * N), M, N, K, ta,
+                 tb, 0.5f, 2.0f);
       const double e = norm_err(widen(out), ref_matmul(widen(cb), widen(ah), widen(bf), M, N, K, ta, tb, 0.5, 2.0));
       EXPECT_LE(e, 1.01 * ubf + 1e-6) << "mixed transa " << ta << " transb " << tb;
     }
     {  // fp16 x fp16 -> fp32: float accumulation only
       const std::vector<f16> ah = as<f16>(a), bh = as<f16>(b);
       std::vector<float> out = as<float>(c0);
-      be->matmul(BufferRef(out.data(), M * N), BufferRef(ah.data(), M * K), BufferRef(bh.data(), K * N), M, N, K, ta, tb, 1.0f,
-                 1.0f);
-      const double e = norm_err(widen(out), ref_matmul(widen(as<float>(c0)), widen(ah), widen(bh), M, N, K, ta, tb, 1.0, 1.0));
+      be->matmul(BufferRef(out.data(), M * N), BufferRef(ah.data(), M * K), BufferRef(bh.data(), K * N), M, N, K, ta,
+                 tb, 1.0f, 1.0f);
+      const double e =
+          norm_err(widen(out), ref_matmul(widen(as<float>(c0)), widen(ah), widen(bh), M, N, K, ta, tb, 1.0, 1.0));
       EXPECT_LT(e, 1e-6);
       EXPECT_LT(e, uh);
     }
@@ -254,15 +274,19 @@ TEST(Backend, MatmulRefusesMismatchedShapesAndTypes) {
   std::vector<float> a(6), b(6), c(4);
   std::vector<double> d(6);
   std::vector<std::int8_t> q(6);
-  EXPECT_NO_THROW(be->matmul(BufferRef(c.data(), 4), BufferRef(a.data(), 6), BufferRef(b.data(), 6), 2, 2, 3, false, false));
-  EXPECT_THROW(be->matmul(BufferRef(c.data(), 4), BufferRef(a.data(), 6), BufferRef(b.data(), 6), 2, 2, 4, false, false),
-               std::invalid_argument);
-  EXPECT_THROW(be->matmul(BufferRef(c.data(), 4), BufferRef(d.data(), 6), BufferRef(b.data(), 6), 2, 2, 3, false, false),
-               std::invalid_argument);
-  EXPECT_THROW(be->matmul(BufferRef(c.data(), 4), BufferRef(q.data(), 6), BufferRef(b.data(), 6), 2, 2, 3, false, false),
-               std::invalid_argument);
-  EXPECT_THROW(be->matmul(BufferRef(c.data(), 4, MemSpace::device), BufferRef(a.data(), 6), BufferRef(b.data(), 6), 2, 2, 3,
-                          false, false),
+  EXPECT_NO_THROW(
+      be->matmul(BufferRef(c.data(), 4), BufferRef(a.data(), 6), BufferRef(b.data(), 6), 2, 2, 3, false, false));
+  EXPECT_THROW(
+      be->matmul(BufferRef(c.data(), 4), BufferRef(a.data(), 6), BufferRef(b.data(), 6), 2, 2, 4, false, false),
+      std::invalid_argument);
+  EXPECT_THROW(
+      be->matmul(BufferRef(c.data(), 4), BufferRef(d.data(), 6), BufferRef(b.data(), 6), 2, 2, 3, false, false),
+      std::invalid_argument);
+  EXPECT_THROW(
+      be->matmul(BufferRef(c.data(), 4), BufferRef(q.data(), 6), BufferRef(b.data(), 6), 2, 2, 3, false, false),
+      std::invalid_argument);
+  EXPECT_THROW(be->matmul(BufferRef(c.data(), 4, MemSpace::device), BufferRef(a.data(), 6), BufferRef(b.data(), 6), 2,
+                          2, 3, false, false),
                std::invalid_argument);
 }
 
@@ -276,8 +300,14 @@ namespace {
 // tie, to even) twice, while 0.5 + 0.5 + 2^52 is 2^52 + 1.
 std::vector<std::vector<float>> float_tensors() {
   const std::size_t chunk = static_cast<std::size_t>(loom::kernels::kChunk);
-  return {as<float>(randn(3 * chunk + 17, 71)), as<float>(randn(1, 72, 0.1)), as<float>(randn(1000, 73, 5.0)), {},
-          as<float>(randn(2 * chunk, 74, 0.01)), {0x1p26f}, {0.5f, 0.5f}, {0.5f, 0.5f}};
+  return {as<float>(randn(3 * chunk + 17, 71)),
+          as<float>(randn(1, 72, 0.1)),
+          as<float>(randn(1000, 73, 5.0)),
+          {},
+          as<float>(randn(2 * chunk, 74, 0.01)),
+          {0x1p26f},
+          {0.5f, 0.5f},
+          {0.5f, 0.5f}};
 }
 std::vector<BufferRef> refs(std::vector<std::vector<float>>& ts) {
   std::vector<BufferRef> r;
@@ -293,7 +323,8 @@ TEST(Backend, SqNormCheckEqualsSumSquaresInListOrderBitForBit) {
   auto ts = float_tensors();
   double expect = 0, reversed = 0;
   for (auto& t : ts) expect += be->sum_squares(t.data(), static_cast<std::int64_t>(t.size()));
-  for (auto t = ts.rbegin(); t != ts.rend(); ++t) reversed += be->sum_squares(t->data(), static_cast<std::int64_t>(t->size()));
+  for (auto t = ts.rbegin(); t != ts.rend(); ++t)
+    reversed += be->sum_squares(t->data(), static_cast<std::int64_t>(t->size()));
   ASSERT_FALSE(same_bits(expect, reversed)) << "these tensors do not tell one order of addition from another";
   const loom::NormCheck r = be->sq_norm_check(refs(ts));
   EXPECT_TRUE(same_bits(r.sum_squares, expect)) << r.sum_squares << " vs " << expect;
@@ -463,16 +494,18 @@ TEST(Backend, AxpyRoundsTheProductThenTheSum) {
 namespace {
 template <class T>
 double round16(float x) {
-  if constexpr (std::is_same_v<T, bf16>) return loom::to_float(loom::to_bf16(x));
-  else return loom::to_float(loom::to_f16(x));
+  if constexpr (std::is_same_v<T, bf16>)
+    return loom::to_float(loom::to_bf16(x));
+  else
+    return loom::to_float(loom::to_f16(x));
 }
 
 // out[N,OC] = x W^T (+ bias), dinp = dout W, dW += dout^T x, from operands rounded to T, in fp64.
 template <class T>
 void check_16bit_linear(DType type) {
   const int N = 37, C = 48, OC = 29;
-  const auto x = as<float>(randn(N * C, 11)), w = as<float>(randn(OC * C, 12, 0.3)),
-             b = as<float>(randn(OC, 13)), dout = as<float>(randn(N * OC, 14));
+  const auto x = as<float>(randn(N * C, 11)), w = as<float>(randn(OC * C, 12, 0.3)), b = as<float>(randn(OC, 13)),
+             dout = as<float>(randn(N * OC, 14));
   auto be = host();
   be->set_precision({type});
   std::vector<float> out(N * OC), dinp(N * C), dw(OC * C, 0.5f), db(OC, 0.0f);
@@ -528,8 +561,22 @@ TEST(Backend, Fp16MatmulsMultiplyRoundedOperandsInFp32) { check_16bit_linear<f16
 // The fp16 rounding (vectorised where the CPU converts) equals to_f16, bit for bit: ties, subnormals,
 // the largest finite values; a value beyond fp16's range overflows to a non-finite product.
 TEST(Backend, Fp16OperandRoundingIsNearestEvenWithOverflow) {
-  std::vector<float> v = {1.0f, 1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, -1.0f - 0x1p-11f, 65504.0f, 65519.0f,
-                          -65519.0f, 0x1p-24f, 0x1p-25f, 0x1.8p-25f, 3e-8f, 6.1e-5f, 0.1f, 1e-3f, 2049.0f, 2051.0f};
+  std::vector<float> v = {1.0f,
+                          1.0f + 0x1p-11f,
+                          1.0f + 3 * 0x1p-11f,
+                          -1.0f - 0x1p-11f,
+                          65504.0f,
+                          65519.0f,
+                          -65519.0f,
+                          0x1p-24f,
+                          0x1p-25f,
+                          0x1.8p-25f,
+                          3e-8f,
+                          6.1e-5f,
+                          0.1f,
+                          1e-3f,
+                          2049.0f,
+                          2051.0f};
   const auto r = randn(100, 15, 30.0);
   v.insert(v.end(), r.begin(), r.end());
   const int C = 8;  // each value times the identity: out = round(x) exactly
@@ -558,11 +605,14 @@ TEST(Backend, Fp16OperandRoundingIsNearestEvenWithOverflow) {
 template <class T>
 void check_typed_operands(DType type) {
   const int N = 19, C = 24, OC = 13;
-  const auto x = as<float>(randn(N * C, 21)), w = as<float>(randn(OC * C, 22, 0.3)), dout = as<float>(randn(N * OC, 23));
+  const auto x = as<float>(randn(N * C, 21)), w = as<float>(randn(OC * C, 22, 0.3)),
+             dout = as<float>(randn(N * OC, 23));
   std::vector<T> x16(x.size()), w16(w.size());
   const auto round = [](float f) {
-    if constexpr (std::is_same_v<T, bf16>) return loom::to_bf16(f);
-    else return loom::to_f16(f);
+    if constexpr (std::is_same_v<T, bf16>)
+      return loom::to_bf16(f);
+    else
+      return loom::to_f16(f);
   };
   for (std::size_t i = 0; i < x.size(); ++i) x16[i] = round(x[i]);
   for (std::size_t i = 0; i < w.size(); ++i) w16[i] = round(w[i]);

@@ -38,8 +38,8 @@ struct OpCall {
 };
 std::vector<OpCall> every_op() {
   std::vector<OpCall> ops;
-#define LOOM_TEST_OP(ret, name, params, args)                                                         \
-  ops.push_back({#name,                                                                               \
+#define LOOM_TEST_OP(ret, name, params, args)                                                                     \
+  ops.push_back({#name,                                                                                           \
                  [](Backend& be) { call_with_nothing(be, static_cast<ret(Backend::*) params>(&Backend::name)); }, \
                  pointer_params(static_cast<ret(Backend::*) params>(&Backend::name))});
   LOOM_FACE_OPS(LOOM_TEST_OP)
@@ -57,9 +57,9 @@ class RecordingBackend final : public Backend {
   std::string name() const override { return "recording"; }
   std::string description() const override { return "records the operations it is asked for"; }
 #define LOOM_RECORD_OP(ret, name, params, args) \
-  ret name params override {                  \
-    calls.push_back(#name);                   \
-    return ret();                             \
+  ret name params override {                    \
+    calls.push_back(#name);                     \
+    return ret();                               \
   }
   LOOM_FACE_OPS(LOOM_RECORD_OP)
   LOOM_BACKEND_OPS(LOOM_RECORD_OP)

@@ -116,8 +116,8 @@ TEST(KernelMath, Bf16RoundingIsTheHostConversionBitForBit) {
     ASSERT_EQ(std::memcmp(&back, &host, sizeof back), 0) << std::hex << b;
   }
   // Ties go to even, NaN stays NaN.
-  EXPECT_EQ(loom::math::bf16_bits(1.0f + 1.0f / 256), 0x3f80);      // tie between 1 and 1 + 2^-7: even
-  EXPECT_EQ(loom::math::bf16_bits(1.0f + 3.0f / 256), 0x3f82);      // tie: up to the even neighbour
+  EXPECT_EQ(loom::math::bf16_bits(1.0f + 1.0f / 256), 0x3f80);  // tie between 1 and 1 + 2^-7: even
+  EXPECT_EQ(loom::math::bf16_bits(1.0f + 3.0f / 256), 0x3f82);  // tie: up to the even neighbour
   EXPECT_TRUE(std::isnan(loom::math::bf16_value(loom::math::bf16_bits(std::numeric_limits<float>::quiet_NaN()))));
 }
 

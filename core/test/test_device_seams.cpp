@@ -66,12 +66,15 @@ void trains_like_the_host(DType precision, bool recompute) {
     const std::int64_t n = a.params()[static_cast<std::size_t>(i)].numel();
     std::vector<float> pb(static_cast<std::size_t>(n));
     fenced.copy_to_host(pb.data(), b.store().param(i).slice(0, n));
-    EXPECT_EQ(std::memcmp(a.param_ref(i).as<float>(), pb.data(), pb.size() * sizeof(float)), 0) << a.params()[static_cast<std::size_t>(i)].name;
+    EXPECT_EQ(std::memcmp(a.param_ref(i).as<float>(), pb.data(), pb.size() * sizeof(float)), 0)
+        << a.params()[static_cast<std::size_t>(i)].name;
   }
 }
 
 TEST(DeviceSeams, Fp32TrainsTheHostsModelThroughDeviceMarkedMemory) { trains_like_the_host(DType::f32, false); }
-TEST(DeviceSeams, Bf16WithRecomputeTrainsTheHostsModelThroughDeviceMarkedMemory) { trains_like_the_host(DType::bf16, true); }
+TEST(DeviceSeams, Bf16WithRecomputeTrainsTheHostsModelThroughDeviceMarkedMemory) {
+  trains_like_the_host(DType::bf16, true);
+}
 
 }  // namespace
 }  // namespace loom

@@ -43,8 +43,10 @@ struct Stored {
   int rows, cols, ld;
   std::vector<T> data;
   double at(int r, int c) const {
-    if constexpr (std::is_same_v<T, bf16>) return loom::to_float(data[static_cast<std::size_t>(r) * ld + c]);
-    else return data[static_cast<std::size_t>(r) * ld + c];
+    if constexpr (std::is_same_v<T, bf16>)
+      return loom::to_float(data[static_cast<std::size_t>(r) * ld + c]);
+    else
+      return data[static_cast<std::size_t>(r) * ld + c];
   }
 };
 
@@ -54,15 +56,19 @@ Stored<T> random_stored(int rows, int cols, int pad, std::uint64_t seed) {
   std::mt19937_64 gen(seed);
   std::normal_distribution<double> dist(0.0, 1.0);
   const T nan = [] {
-    if constexpr (std::is_same_v<T, bf16>) return loom::to_bf16(kNaN);
-    else return kNaN;
+    if constexpr (std::is_same_v<T, bf16>)
+      return loom::to_bf16(kNaN);
+    else
+      return kNaN;
   }();
   s.data.assign(static_cast<std::size_t>(rows) * s.ld, nan);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) {
       const float v = static_cast<float>(dist(gen));
-      if constexpr (std::is_same_v<T, bf16>) s.data[static_cast<std::size_t>(r) * s.ld + c] = loom::to_bf16(v);
-      else s.data[static_cast<std::size_t>(r) * s.ld + c] = v;
+      if constexpr (std::is_same_v<T, bf16>)
+        s.data[static_cast<std::size_t>(r) * s.ld + c] = loom::to_bf16(v);
+      else
+        s.data[static_cast<std::size_t>(r) * s.ld + c] = v;
     }
   return s;
 }

@@ -291,7 +291,8 @@ TEST(GPT, InitialisationFollowsGPT2AndTheCounterBasedGenerator) {
       EXPECT_DOUBLE_EQ(p.init_std, sd) << p.name;
       // Element i is a pure function of (seed, name, i): the same whatever the buffer layout.
       for (std::int64_t i = 0; i < p.numel(); ++i)
-        ASSERT_EQ(x[i], static_cast<float>(sd * rng::normal(seed, rng::hash_name(p.name), static_cast<std::uint64_t>(i))))
+        ASSERT_EQ(x[i],
+                  static_cast<float>(sd * rng::normal(seed, rng::hash_name(p.name), static_cast<std::uint64_t>(i))))
             << p.name << "[" << i << "]";
     }
   }
@@ -381,7 +382,8 @@ TEST(GPT, InitialisationHasGPT2Statistics) {
     }
     const double mean = s / p.numel(), sd = std::sqrt(ss / p.numel() - mean * mean);
     const double want = name == "blocks.2.mlp.fc.weight" ? 0.02 : 0.02 / std::sqrt(2.0 * cfg.layers);
-    std::printf("[ init    ] %s: n=%lld sd %.5f (want %.5f)\n", name.c_str(), static_cast<long long>(p.numel()), sd, want);
+    std::printf("[ init    ] %s: n=%lld sd %.5f (want %.5f)\n", name.c_str(), static_cast<long long>(p.numel()), sd,
+                want);
     EXPECT_NEAR(sd, want, 0.05 * want) << name;
   }
 }
@@ -538,17 +540,22 @@ TEST(GPT, PipelineStagesComputeTheWholeModel) {
       for (int j = 0; j < 2 * chunks; ++j) {
         GPT& m = *stage[j % 2];
         const double l = m.forward_stage(slot, b.inputs.data(), x, b.targets.data(), rows, j / 2);
-        if (j + 1 < 2 * chunks) x = m.stage_output(slot, j / 2);
-        else if (slot == 0) got = l;
+        if (j + 1 < 2 * chunks)
+          x = m.stage_output(slot, j / 2);
+        else if (slot == 0)
+          got = l;
       }
     }
     EXPECT_EQ(got, loss);
     for (int slot = 1; slot >= 0; --slot) {
       std::vector<float> d;
       for (int j = 2 * chunks - 1; j >= 0; --j) {
-        const float* dx = stage[j % 2]->backward_stage(slot, slot == 0 ? 1.0f : 0.0f, j + 1 < 2 * chunks ? d.data() : nullptr, j / 2);
-        if (j == 0) EXPECT_EQ(dx, nullptr);
-        else d.assign(dx, dx + s0.stage_boundary_floats(rows));
+        const float* dx =
+            stage[j % 2]->backward_stage(slot, slot == 0 ? 1.0f : 0.0f, j + 1 < 2 * chunks ? d.data() : nullptr, j / 2);
+        if (j == 0)
+          EXPECT_EQ(dx, nullptr);
+        else
+          d.assign(dx, dx + s0.stage_boundary_floats(rows));
       }
     }
     for (const ParamInfo& p : whole.params()) {
@@ -558,7 +565,8 @@ TEST(GPT, PipelineStagesComputeTheWholeModel) {
     }
     // The tied embedding: lookup gradient on stage 0 plus head gradient on stage 1, as the
     // pipeline plugin sums them (the whole model adds them in the other order: within rounding).
-    const std::vector<float> g0 = grad_of(s0, "wte.weight"), g1 = grad_of(s1, "wte.weight"), g = grad_of(whole, "wte.weight");
+    const std::vector<float> g0 = grad_of(s0, "wte.weight"), g1 = grad_of(s1, "wte.weight"),
+                             g = grad_of(whole, "wte.weight");
     double worst = 0, scale = 0;
     for (std::size_t i = 0; i < g.size(); ++i) {
       worst = std::max(worst, static_cast<double>(std::abs(g0[i] + g1[i] - g[i])));
@@ -591,7 +599,7 @@ TEST(GPT, ForwardWithoutTargetsKeepsTheLogits) {
     want += (mx + std::log(z) - l[b.targets[static_cast<std::size_t>(n)]]) / N;
   }
   const double loss = m.forward(b.inputs.data(), b.targets.data(), rows);
-  EXPECT_NEAR(loss, want, 1e-6 * want);  // float kernels against a double log-softmax of the same logits
+  EXPECT_NEAR(loss, want, 1e-6 * want);        // float kernels against a double log-softmax of the same logits
   EXPECT_THROW(m.logits(), std::logic_error);  // they are probabilities now
   m.zero_grad();
   m.backward(1.0f);
@@ -612,23 +620,24 @@ TEST(GPT, ActivationSizesAreWhatTheConstructorAllocates) {
   for (DType mm : {DType::f32, DType::bf16})
     for (bool recompute : {false, true})
       for (bool flash : {false, true})
-      for (const Stage* stage : {static_cast<const Stage*>(nullptr), static_cast<const Stage*>(&two_chunks)}) {
-        auto be = make_host_backend(1);
-        Precision p;
-        p.matmul = mm;
-        be->set_precision(p);
-        GPTConfig cfg = base;
-        cfg.recompute = recompute;
-        cfg.flash_attention = flash;
-        const int rows = 3;
-        const Stage st = stage ? *stage : Stage{};
-        const GPT::ActivationSizes want = GPT::activation_sizes(cfg, 1, false, st, rows, mm);
-        const std::size_t a0 = ledger.current(Mem::activations), w0 = ledger.current(Mem::workspace);
-        GPT model(cfg, *be, rows, nullptr, st);
-        EXPECT_EQ(ledger.current(Mem::activations) - a0, static_cast<std::size_t>(want.activation_bytes()))
-            << dtype_name(mm) << " recompute " << recompute << " flash " << flash << (stage ? " two chunks" : " one stage");
-        EXPECT_EQ(ledger.current(Mem::workspace) - w0, static_cast<std::size_t>(want.workspace_bytes()));
-      }
+        for (const Stage* stage : {static_cast<const Stage*>(nullptr), static_cast<const Stage*>(&two_chunks)}) {
+          auto be = make_host_backend(1);
+          Precision p;
+          p.matmul = mm;
+          be->set_precision(p);
+          GPTConfig cfg = base;
+          cfg.recompute = recompute;
+          cfg.flash_attention = flash;
+          const int rows = 3;
+          const Stage st = stage ? *stage : Stage{};
+          const GPT::ActivationSizes want = GPT::activation_sizes(cfg, 1, false, st, rows, mm);
+          const std::size_t a0 = ledger.current(Mem::activations), w0 = ledger.current(Mem::workspace);
+          GPT model(cfg, *be, rows, nullptr, st);
+          EXPECT_EQ(ledger.current(Mem::activations) - a0, static_cast<std::size_t>(want.activation_bytes()))
+              << dtype_name(mm) << " recompute " << recompute << " flash " << flash
+              << (stage ? " two chunks" : " one stage");
+          EXPECT_EQ(ledger.current(Mem::workspace) - w0, static_cast<std::size_t>(want.workspace_bytes()));
+        }
   // fp32, one stage, no recompute: residual streams (L + 1) N C; per block 15 N C + 4 N + B NH T^2;
   // head N C + 2 N + N V + N (the probabilities overwrite the logits); scratch below.
   const std::int64_t L = base.layers, C = base.d_model, T = base.seq_len, V = base.vocab, NH = base.heads, B = 3;

@@ -103,8 +103,8 @@ GradReport check_grad(const char* what, Vec& x, const Vec& analytic, const std::
     EXPECT_LT(err, kGradTol) << what << " element " << i << ": analytic " << a << ", numeric " << num;
   }
   EXPECT_GT(r.scale, 0.0) << what << ": the gradient is identically zero, the check would be vacuous";
-  std::printf("[ gradchk ] %-30s n=%4zu max|g|=%-6.3g err=%.2e (raw rel %.2e, abs %.2e)\n", what, x.size(),
-              r.scale, r.max_err, r.max_rel_raw, r.max_abs);
+  std::printf("[ gradchk ] %-30s n=%4zu max|g|=%-6.3g err=%.2e (raw rel %.2e, abs %.2e)\n", what, x.size(), r.scale,
+              r.max_err, r.max_rel_raw, r.max_abs);
   return r;
 }
 
@@ -255,8 +255,8 @@ struct MatmulProblem {
   // dinp is pre-filled with garbage (it must be overwritten); dweight/dbias start from g0w/g0b.
   void backward(Vec& dinp, Vec& dw, Vec& db) {
     dinp.assign(inp.size(), 1e3);
-    k::matmul_backward(dinp.data(), dw.data(), with_bias ? db.data() : nullptr, R.data(), inp.data(), weight.data(),
-                       kN, kC, kOC);
+    k::matmul_backward(dinp.data(), dw.data(), with_bias ? db.data() : nullptr, R.data(), inp.data(), weight.data(), kN,
+                       kC, kOC);
   }
 };
 
@@ -266,7 +266,8 @@ void matmul_gradcheck(bool with_bias) {
   p.backward(dinp, dw, db);
   check_grad(with_bias ? "matmul+bias dinp" : "matmul dinp", p.inp, dinp, [&] { return p.loss(); });
   check_grad(with_bias ? "matmul+bias dweight" : "matmul dweight", p.weight, dw, [&] { return p.loss(); });
-  if (with_bias) check_grad("matmul+bias dbias", p.bias, db, [&] { return p.loss(); });
+  if (with_bias)
+    check_grad("matmul+bias dbias", p.bias, db, [&] { return p.loss(); });
   else
     for (double x : db) EXPECT_EQ(x, 0.0);  // null dbias: nothing written anywhere
 
@@ -342,8 +343,10 @@ TEST(Kernels, AttentionForwardMatchesNaiveReferenceAndMasksExactly) {
       double rowsum = 0;
       for (int j = 0; j < kT; ++j) {
         const double a = p.att[(static_cast<std::size_t>(bh) * kT + t) * kT + j];
-        if (j > t) EXPECT_EQ(a, 0.0) << "masked probability (bh " << bh << ", t " << t << ", j " << j << ")";
-        else EXPECT_GT(a, 0.0);
+        if (j > t)
+          EXPECT_EQ(a, 0.0) << "masked probability (bh " << bh << ", t " << t << ", j " << j << ")";
+        else
+          EXPECT_GT(a, 0.0);
         rowsum += a;
       }
       EXPECT_NEAR(rowsum, 1.0, 1e-14);
@@ -487,12 +490,12 @@ TEST(Kernels, CrossEntropyInPlaceOverTheLogitsIsExact) {
   std::vector<float> logits(l64.begin(), l64.end()), probs(logits.size()), row_max(kN), losses(kN), losses_in_place(kN);
   std::vector<double> sum_exp(kN), target_logit(kN), sum_exp_in_place(kN), target_logit_in_place(kN);
   k::crossentropy_row_max(row_max.data(), logits.data(), kN, kV);
-  k::crossentropy_partial(probs.data(), sum_exp.data(), target_logit.data(), logits.data(), row_max.data(), targets.data(),
-                          kN, kV, vocab_begin);
+  k::crossentropy_partial(probs.data(), sum_exp.data(), target_logit.data(), logits.data(), row_max.data(),
+                          targets.data(), kN, kV, vocab_begin);
   k::crossentropy_finish(losses.data(), probs.data(), sum_exp.data(), row_max.data(), target_logit.data(), kN, kV);
   std::vector<float> table = logits;
-  k::crossentropy_partial(table.data(), sum_exp_in_place.data(), target_logit_in_place.data(), table.data(), row_max.data(),
-                          targets.data(), kN, kV, vocab_begin);
+  k::crossentropy_partial(table.data(), sum_exp_in_place.data(), target_logit_in_place.data(), table.data(),
+                          row_max.data(), targets.data(), kN, kV, vocab_begin);
   k::crossentropy_finish(losses_in_place.data(), table.data(), sum_exp_in_place.data(), row_max.data(),
                          target_logit_in_place.data(), kN, kV);
   EXPECT_EQ(target_logit_in_place, target_logit);
@@ -559,8 +562,9 @@ TEST(Kernels, TanhFloatMatchesStdTanh) {
       worst_rel_small = rel, x_small = x;
     }
   }
-  std::printf("[ tanh    ] tanh_k<float> max abs err = %.2e; max rel err %.2e (|x|>=0.25, at %.4g), %.2e (|x|<0.25, at %.4g)\n",
-              worst_abs, worst_rel, x_rel, worst_rel_small, x_small);
+  std::printf(
+      "[ tanh    ] tanh_k<float> max abs err = %.2e; max rel err %.2e (|x|>=0.25, at %.4g), %.2e (|x|<0.25, at %.4g)\n",
+      worst_abs, worst_rel, x_rel, worst_rel_small, x_small);
   EXPECT_LT(worst_abs, 3e-7);
   EXPECT_LT(worst_rel, 1e-6);
   EXPECT_EQ(k::tanh_k(100.0f), 1.0f);
@@ -660,7 +664,7 @@ TEST(Kernels, ReductionsAndFills) {
   const FVec xf = to_float(x);
   double s = 0, ss = 0;
   for (double a : x) s += a, ss += a * a;
-  EXPECT_NEAR(k::sum(xf.data(), n), s, 1e-9 * n);        // double accumulation
+  EXPECT_NEAR(k::sum(xf.data(), n), s, 1e-9 * n);            // double accumulation
   EXPECT_NEAR(k::sum_squares(xf.data(), n), ss, 1e-5 * ss);  // float partial sums per chunk
   EXPECT_NEAR(k::sum_squares(x.data(), n), ss, 1e-12 * ss);
   FVec y(n, 5.0f);
@@ -811,8 +815,8 @@ template <class H, class X, class Y>
 void expect_half_close(const char* what, const std::vector<X>& got, const std::vector<Y>& ref, double bound) {
   ASSERT_EQ(got.size(), ref.size()) << what;
   const double e = norm_err(widen(got), widen(ref));
-  std::printf("[ %s    ] %-34s |x - x_f32| / |x_f32| = %.2e = %6.3f u (bound %.2e = %.2f u)\n", half_name<H>, what,
-              e, e / unit_roundoff<H>, bound, bound / unit_roundoff<H>);
+  std::printf("[ %s    ] %-34s |x - x_f32| / |x_f32| = %.2e = %6.3f u (bound %.2e = %.2f u)\n", half_name<H>, what, e,
+              e / unit_roundoff<H>, bound, bound / unit_roundoff<H>);
   EXPECT_LE(e, bound) << half_name<H> << " " << what;
 }
 
@@ -825,9 +829,20 @@ struct LayerNormPair {
 template <class H>
 LayerNormPair<H> layernorm_pair(const Vec& x, const Vec& w, const Vec& b, const Vec& d, int N, int C) {
   const std::size_t NC = static_cast<std::size_t>(N) * C;
-  LayerNormPair<H> r{FVec(NC), FVec(N), FVec(N), FVec(N), FVec(N), FVec(NC, 0.0f), FVec(C, 0.0f), FVec(C, 0.0f),
-                     std::vector<H>(NC), std::vector<H>(NC), std::vector<H>(C), std::vector<H>(C)};
-  k::layernorm_forward(r.of.data(), r.mf.data(), r.rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), N, C);
+  LayerNormPair<H> r{FVec(NC),
+                     FVec(N),
+                     FVec(N),
+                     FVec(N),
+                     FVec(N),
+                     FVec(NC, 0.0f),
+                     FVec(C, 0.0f),
+                     FVec(C, 0.0f),
+                     std::vector<H>(NC),
+                     std::vector<H>(NC),
+                     std::vector<H>(C),
+                     std::vector<H>(C)};
+  k::layernorm_forward(r.of.data(), r.mf.data(), r.rf.data(), to_float(x).data(), to_float(w).data(),
+                       to_float(b).data(), N, C);
   k::layernorm_forward(r.oh.data(), r.mh.data(), r.rh.data(), to_half<H>(x).data(), to_half<H>(w).data(),
                        to_half<H>(b).data(), N, C);
   k::layernorm_backward(r.dxf.data(), r.dwf.data(), r.dbf.data(), to_float(d).data(), to_float(x).data(),
@@ -882,8 +897,8 @@ void half_forwards_and_backwards() {
     expect_half_close<H>("matmul+bias out", oh, of, 2.02 * u);
     FVec dxf(NC), dwf = to_float(g0w), dbf = to_float(g0b);
     std::vector<H> dxh(NC), dwh = to_half<H>(g0w), dbh = to_half<H>(g0b);
-    k::matmul_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(), kN,
-                       kC, kOC);
+    k::matmul_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(),
+                       kN, kC, kOC);
     k::matmul_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
                        to_half<H>(w).data(), kN, kC, kOC);
     expect_half_close<H>("matmul dinp", dxh, dxf, once);
@@ -903,7 +918,8 @@ void half_forwards_and_backwards() {
           for (int j = 0; j < kT; ++j) {
             double sc = 0;
             for (int x = 0; x < kC / kNH; ++x)
-              sc += qkv[(b * kT + t) * 3 * kC + h * (kC / kNH) + x] * qkv[(b * kT + j) * 3 * kC + kC + h * (kC / kNH) + x];
+              sc += qkv[(b * kT + t) * 3 * kC + h * (kC / kNH) + x] *
+                    qkv[(b * kT + j) * 3 * kC + kC + h * (kC / kNH) + x];
             smax = std::max(smax, std::abs(sc) / std::sqrt(kC / kNH));
           }
     ASSERT_LT(smax, 4.0);
@@ -916,7 +932,8 @@ void half_forwards_and_backwards() {
     FVec dqf(3 * NC), sf(static_cast<std::size_t>(kT) * kT);
     std::vector<H> dqh(3 * NC), sh(sf.size());
     k::attention_backward(dqf.data(), sf.data(), to_float(d).data(), to_float(qkv).data(), af.data(), kB, kT, kC, kNH);
-    k::attention_backward(dqh.data(), sh.data(), to_half<H>(d).data(), to_half<H>(qkv).data(), ah.data(), kB, kT, kC, kNH);
+    k::attention_backward(dqh.data(), sh.data(), to_half<H>(d).data(), to_half<H>(qkv).data(), ah.data(), kB, kT, kC,
+                          kNH);
     expect_half_close<H>("attention dqkv", dqh, dqf, 16 * u);
   }
   {  // gelu and residual, over more than one chunk
@@ -1020,7 +1037,8 @@ namespace {
 template <class H>
 double storage_type_sum(const double* x, std::int64_t n, std::int64_t stride = 1) {
   H s = loom::from_acc<H>(0.0f);
-  for (std::int64_t i = 0; i < n; ++i) s = loom::from_acc<H>(loom::to_acc<float>(s) + static_cast<float>(x[i * stride]));
+  for (std::int64_t i = 0; i < n; ++i)
+    s = loom::from_acc<H>(loom::to_acc<float>(s) + static_cast<float>(x[i * stride]));
   return loom::to_acc<double>(s);
 }
 
@@ -1051,8 +1069,9 @@ void layernorm_accumulates_in_float() {
       for (int c = 0; c < C; ++c) oe[static_cast<std::size_t>(n) * C + c] = (xr[c] - me[n]) * s * w[c] + b[c];
     }
     const double e_mean = norm_err(me, widen(mf)), e_out = norm_err(oe, widen(of));
-    std::printf("[ %s    ] C=4096 layernorm with %s sums: mean err %.2e (bound %.0e), out err %.2e = %.0f u (bound %.2f u)\n",
-                half_name<H>, half_name<H>, e_mean, kAccTol, e_out, e_out / unit_roundoff<H>, once / unit_roundoff<H>);
+    std::printf(
+        "[ %s    ] C=4096 layernorm with %s sums: mean err %.2e (bound %.0e), out err %.2e = %.0f u (bound %.2f u)\n",
+        half_name<H>, half_name<H>, e_mean, kAccTol, e_out, e_out / unit_roundoff<H>, once / unit_roundoff<H>);
     if (std::is_same_v<H, bf16>) {  // an fp16 sum of 4096 values near 1 stalls at 2048: out is also far off
       EXPECT_GT(e_mean, 100 * kAccTol);
       EXPECT_GT(e_out, 100 * once);
@@ -1065,12 +1084,14 @@ void layernorm_accumulates_in_float() {
               b = rounded_to<H>(randn(C, 313, 0.1)), d = rounded_to<H>(randn(NC, 314, 0.05, 1.0));
     FVec of(NC), mf(N), rf(N), mh(N), rh(N);
     std::vector<H> oh(NC);
-    k::layernorm_forward(of.data(), mf.data(), rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), N, C);
-    k::layernorm_forward(oh.data(), mh.data(), rh.data(), to_half<H>(x).data(), to_half<H>(w).data(), to_half<H>(b).data(), N, C);
+    k::layernorm_forward(of.data(), mf.data(), rf.data(), to_float(x).data(), to_float(w).data(), to_float(b).data(), N,
+                         C);
+    k::layernorm_forward(oh.data(), mh.data(), rh.data(), to_half<H>(x).data(), to_half<H>(w).data(),
+                         to_half<H>(b).data(), N, C);
     FVec dxf(NC, 0.0f), dwf(C, 0.0f), dbf(C, 0.0f);
     std::vector<H> dxh(NC), dwh(C), dbh(C);
-    k::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(), to_float(w).data(),
-                          mf.data(), rf.data(), N, C);
+    k::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), to_float(d).data(), to_float(x).data(),
+                          to_float(w).data(), mf.data(), rf.data(), N, C);
     k::layernorm_backward(dxh.data(), dwh.data(), dbh.data(), to_half<H>(d).data(), to_half<H>(x).data(),
                           to_half<H>(w).data(), mh.data(), rh.data(), N, C);
     expect_half_close<H>("N=2048 layernorm dweight", dwh, dwf, once);
@@ -1134,7 +1155,8 @@ void attention_accumulates_in_float() {
   Vec qkv = randn(static_cast<std::size_t>(T) * 3 * C, 341, 0.05);
   const Vec vnoise = randn(static_cast<std::size_t>(T) * C, 342, 0.09, 0.125);
   for (int t = 0; t < T; ++t)
-    for (int c = 0; c < C; ++c) qkv[static_cast<std::size_t>(t) * 3 * C + 2 * C + c] = vnoise[static_cast<std::size_t>(t) * C + c];
+    for (int c = 0; c < C; ++c)
+      qkv[static_cast<std::size_t>(t) * 3 * C + 2 * C + c] = vnoise[static_cast<std::size_t>(t) * C + c];
   qkv = rounded_to<H>(qkv);
   const Vec d(static_cast<std::size_t>(T) * C, 1.0);
   FVec of(static_cast<std::size_t>(T) * C), af(static_cast<std::size_t>(T) * T);
@@ -1155,8 +1177,10 @@ void attention_accumulates_in_float() {
         pf.push_back(dqf[static_cast<std::size_t>(t) * 3 * C + part * C + c]);
         ph.push_back(dqh[static_cast<std::size_t>(t) * 3 * C + part * C + c]);
       }
-    expect_half_close<H>(part == 0 ? "T=1024 attention dq" : part == 1 ? "T=1024 attention dk" : "T=1024 attention dv", ph,
-                         pf, 8 * u);
+    expect_half_close<H>(part == 0   ? "T=1024 attention dq"
+                         : part == 1 ? "T=1024 attention dk"
+                                     : "T=1024 attention dv",
+                         ph, pf, 8 * u);
   }
 }
 

@@ -48,7 +48,8 @@ class PieceStore final : public ParamStore {
       poison(p);
       pieces_.push_back(std::move(p));
     }
-    for (int i = 0; i < static_cast<int>(params.size()); ++i) owned_.push_back({i, 0, params[i].numel(), !params[i].shadow});
+    for (int i = 0; i < static_cast<int>(params.size()); ++i)
+      owned_.push_back({i, 0, params[i].numel(), !params[i].shadow});
   }
   const UnitView& acquire(int unit, Use, int next_unit) override {
     Piece& p = pieces_[static_cast<std::size_t>(unit)];
@@ -85,7 +86,9 @@ class PieceStore final : public ParamStore {
     bool held = false;
   };
   Piece& piece_of(int i) { return pieces_[static_cast<std::size_t>(where_[i].first)]; }
-  void poison(Piece& p) { be_->fill(p.compute.data<float>(), std::numeric_limits<float>::quiet_NaN(), p.compute.count()); }
+  void poison(Piece& p) {
+    be_->fill(p.compute.data<float>(), std::numeric_limits<float>::quiet_NaN(), p.compute.count());
+  }
   BackendFace* be_ = nullptr;
   std::vector<ParamInfo> info_;
   std::vector<Unit> units_;
@@ -195,15 +198,17 @@ TEST(ShardDesc, GlobalIndexRunsAndBoxesAgree) {
     std::vector<std::int64_t> shape;
     TpSplit split;
   };
-  const Case cases[] = {{{12, 8}, TpSplit::none}, {{12, 8}, TpSplit::rows},  {{8, 12}, TpSplit::cols},
-                        {{24, 8}, TpSplit::qkv_rows}, {{24}, TpSplit::qkv_rows}, {{16}, TpSplit::rows}, {{10}, TpSplit::none}};
+  const Case cases[] = {{{12, 8}, TpSplit::none},     {{12, 8}, TpSplit::rows},  {{8, 12}, TpSplit::cols},
+                        {{24, 8}, TpSplit::qkv_rows}, {{24}, TpSplit::qkv_rows}, {{16}, TpSplit::rows},
+                        {{10}, TpSplit::none}};
   for (const Case& c : cases)
     for (int tp : {1, 2, 4}) {
       std::vector<int> hits(static_cast<std::size_t>(ShardDesc::make(c.shape, c.split, tp, 0).full_numel()), 0);
       for (int r = 0; r < tp; ++r) {
         const ShardDesc whole = ShardDesc::make(c.shape, c.split, tp, r);
         const std::int64_t n = whole.numel();
-        const std::vector<std::pair<std::int64_t, std::int64_t>> ranges{{0, n}, {0, n / 3}, {n / 3, n}, {n / 5, n - n / 7}};
+        const std::vector<std::pair<std::int64_t, std::int64_t>> ranges{
+            {0, n}, {0, n / 3}, {n / 3, n}, {n / 5, n - n / 7}};
         for (std::size_t which = 0; which < ranges.size(); ++which) {
           const auto [b, e] = ranges[which];
           const ShardDesc d = whole.cut(b, e);

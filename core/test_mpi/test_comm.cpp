@@ -179,8 +179,7 @@ void check_all_reduce_exact() {
     const std::uint64_t expect = expected_all_reduce_bytes(count, n, r, sizeof(T));
     expect_only(c->stats(), kAR, expect);
     // Over all ranks: 2(N-1) chunk messages per rank, each chunk sent 2(N-1) times in all.
-    EXPECT_EQ(sum_over_ranks(c->stats().bytes_sent[kAR]),
-              static_cast<std::uint64_t>(2 * (n - 1) * count) * sizeof(T));
+    EXPECT_EQ(sum_over_ranks(c->stats().bytes_sent[kAR]), static_cast<std::uint64_t>(2 * (n - 1) * count) * sizeof(T));
     if (count % n == 0) {
       EXPECT_DOUBLE_EQ(static_cast<double>(c->stats().bytes_sent[kAR]),
                        ring_all_reduce_bytes(static_cast<double>(count * sizeof(T)), n));
@@ -464,11 +463,13 @@ TEST(Comm, ManyOutstandingWaitedInReverse) {
   }
   for (int j = k - 1; j >= 0; --j) req[j]->wait();
   for (int j = 0; j < k; ++j)
-    EXPECT_EQ(0, mismatches(v[j], [&](std::int64_t i) {
-                float t = 0;
-                for (int q = 0; q < n; ++q) t += ival(q, i * 100 + j);
-                return t;
-              })) << "operation " << j;
+    EXPECT_EQ(0, mismatches(v[j],
+                            [&](std::int64_t i) {
+                              float t = 0;
+                              for (int q = 0; q < n; ++q) t += ival(q, i * 100 + j);
+                              return t;
+                            }))
+        << "operation " << j;
   EXPECT_EQ(c->stats().calls[kAR], static_cast<std::uint64_t>(k));
 }
 
@@ -545,7 +546,6 @@ TEST(Comm, SumAndSubCommunicators) {
   EXPECT_EQ(sub->stats().bytes_sent[kAR], expected_all_reduce_bytes(301, sn, r / 2, sizeof(float)));
 }
 
-
 // ---------------------------------------------------------------------------------------------------
 // Typed operations.
 
@@ -557,20 +557,28 @@ constexpr bool is_half_v = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
 // An integer as T (exact for the small values the reductions are tested with).
 template <class T>
 T from_int(std::int64_t v) {
-  if constexpr (std::is_same_v<T, bf16>) return to_bf16(static_cast<float>(v));
-  else if constexpr (std::is_same_v<T, f16>) return to_f16(static_cast<float>(v));
-  else return static_cast<T>(v);
+  if constexpr (std::is_same_v<T, bf16>)
+    return to_bf16(static_cast<float>(v));
+  else if constexpr (std::is_same_v<T, f16>)
+    return to_f16(static_cast<float>(v));
+  else
+    return static_cast<T>(v);
 }
 template <class T>
 T from_double(double v) {
-  if constexpr (std::is_same_v<T, bf16>) return to_bf16(static_cast<float>(v));
-  else if constexpr (std::is_same_v<T, f16>) return to_f16(static_cast<float>(v));
-  else return static_cast<T>(v);
+  if constexpr (std::is_same_v<T, bf16>)
+    return to_bf16(static_cast<float>(v));
+  else if constexpr (std::is_same_v<T, f16>)
+    return to_f16(static_cast<float>(v));
+  else
+    return static_cast<T>(v);
 }
 template <class T>
 float as_float(T x) {
-  if constexpr (is_half_v<T>) return to_float(x);
-  else return static_cast<float>(x);
+  if constexpr (is_half_v<T>)
+    return to_float(x);
+  else
+    return static_cast<float>(x);
 }
 
 // Small integers for (rank, i): in [-30, 30], in [0, 60] for unsigned types. Every partial sum over
@@ -680,7 +688,8 @@ TYPED_TEST(CommTyped, AllReduceSumAndMax) {
       if (n > 1 && count > 1000) {  // the test tells sum from max
         std::vector<T> other(1);
         const ReduceOp o = op == ReduceOp::sum ? ReduceOp::max : ReduceOp::sum;
-        EXPECT_GT(bit_mismatches(v, [&](std::int64_t i) { return reduce_ints<T>(o, n, [&](int q) { return small<T>(q, i); }); }),
+        EXPECT_GT(bit_mismatches(
+                      v, [&](std::int64_t i) { return reduce_ints<T>(o, n, [&](int q) { return small<T>(q, i); }); }),
                   count / 2);
       }
     }
@@ -715,27 +724,28 @@ TYPED_TEST(CommTyped, ReduceScatterVariableCounts) {
   const int n = c->size(), r = c->rank();
   for (ReduceOp op : kReduceOps) {
     for (const auto& counts : count_patterns(n)) {
-     for (bool in_place : {false, true}) {
-      SCOPED_TRACE(std::string(reduce_op_name(op)) + " counts " + show(counts) + (in_place ? " in place" : ""));
-      const std::vector<std::int64_t> off = shard_offsets(counts);
-      const std::int64_t total = off.back();
-      std::vector<T> send(static_cast<std::size_t>(total)), recv(static_cast<std::size_t>(counts[r]), random_bits<T>(r, -1));
-      for (std::int64_t i = 0; i < total; ++i) send[i] = from_int<T>(small<T>(r, i));
-      c->reset_stats();
-      // In place the result lands in this rank's block of `send` (the ring keeps its partial sums in
-      // the other blocks).
-      const BufferRef into = in_place ? ref(send).slice(off[r], counts[r]) : ref(recv);
-      c->reduce_scatter_async(ref(send), into, counts, op)->wait();
-      if (in_place) std::copy(send.begin() + off[r], send.begin() + off[r] + counts[r], recv.begin());
-      EXPECT_EQ(0, bit_mismatches(recv, [&](std::int64_t i) {
-                  return reduce_ints<T>(op, n, [&](int q) { return small<T>(q, off[r] + i); });
-                }));
-      // Every block but its own, once, in T's size.
-      const std::uint64_t bytes = n == 1 ? 0 : static_cast<std::uint64_t>(total - counts[r]) * sizeof(T);
-      expect_only(c->stats(), kRS, bytes);
-      EXPECT_EQ(bytes, ring_reduce_scatter_bytes(counts, r, sizeof(T)));
-      EXPECT_EQ(sum_over_ranks(bytes), static_cast<std::uint64_t>((n - 1) * total) * sizeof(T));
-     }
+      for (bool in_place : {false, true}) {
+        SCOPED_TRACE(std::string(reduce_op_name(op)) + " counts " + show(counts) + (in_place ? " in place" : ""));
+        const std::vector<std::int64_t> off = shard_offsets(counts);
+        const std::int64_t total = off.back();
+        std::vector<T> send(static_cast<std::size_t>(total)),
+            recv(static_cast<std::size_t>(counts[r]), random_bits<T>(r, -1));
+        for (std::int64_t i = 0; i < total; ++i) send[i] = from_int<T>(small<T>(r, i));
+        c->reset_stats();
+        // In place the result lands in this rank's block of `send` (the ring keeps its partial sums in
+        // the other blocks).
+        const BufferRef into = in_place ? ref(send).slice(off[r], counts[r]) : ref(recv);
+        c->reduce_scatter_async(ref(send), into, counts, op)->wait();
+        if (in_place) std::copy(send.begin() + off[r], send.begin() + off[r] + counts[r], recv.begin());
+        EXPECT_EQ(0, bit_mismatches(recv, [&](std::int64_t i) {
+                    return reduce_ints<T>(op, n, [&](int q) { return small<T>(q, off[r] + i); });
+                  }));
+        // Every block but its own, once, in T's size.
+        const std::uint64_t bytes = n == 1 ? 0 : static_cast<std::uint64_t>(total - counts[r]) * sizeof(T);
+        expect_only(c->stats(), kRS, bytes);
+        EXPECT_EQ(bytes, ring_reduce_scatter_bytes(counts, r, sizeof(T)));
+        EXPECT_EQ(sum_over_ranks(bytes), static_cast<std::uint64_t>((n - 1) * total) * sizeof(T));
+      }
     }
   }
 }
@@ -750,7 +760,8 @@ TYPED_TEST(CommTyped, AllGatherEqualCounts) {
     for (std::int64_t i = 0; i < sc; ++i) send[i] = random_bits<T>(r, i);
     c->reset_stats();
     c->all_gather(ref(send), ref(recv));
-    EXPECT_EQ(0, bit_mismatches(recv, [&](std::int64_t i) { return random_bits<T>(static_cast<int>(i / sc), i % sc); }));
+    EXPECT_EQ(0,
+              bit_mismatches(recv, [&](std::int64_t i) { return random_bits<T>(static_cast<int>(i / sc), i % sc); }));
     const std::uint64_t bytes = static_cast<std::uint64_t>((n - 1) * sc) * sizeof(T);
     expect_only(c->stats(), kAG, bytes);
     EXPECT_EQ(bytes, ring_all_gather_bytes(std::vector<std::int64_t>(n, sc), r, sizeof(T)));
@@ -767,7 +778,8 @@ TYPED_TEST(CommTyped, AllGatherVariableCounts) {
       SCOPED_TRACE("counts " + show(counts) + (in_place ? " in place" : ""));
       const std::vector<std::int64_t> off = shard_offsets(counts);
       const std::int64_t total = off.back();
-      std::vector<T> send(static_cast<std::size_t>(counts[r])), recv(static_cast<std::size_t>(total), random_bits<T>(r, -1));
+      std::vector<T> send(static_cast<std::size_t>(counts[r])),
+          recv(static_cast<std::size_t>(total), random_bits<T>(r, -1));
       for (std::int64_t i = 0; i < counts[r]; ++i) send[i] = random_bits<T>(r, i);
       BufferRef from = ref(send);
       if (in_place) {  // this rank's block already in place
@@ -794,8 +806,8 @@ TYPED_TEST(CommTyped, Broadcast) {
   auto c = world_comm();
   const int n = c->size(), r = c->rank();
   // 3 MiB and a bit: four pipeline segments of 1 MiB, whatever the element size.
-  for (std::int64_t count : {std::int64_t{0}, std::int64_t{1}, std::int64_t{100003},
-                             static_cast<std::int64_t>((3 << 20) / sizeof(T) + 7)}) {
+  for (std::int64_t count :
+       {std::int64_t{0}, std::int64_t{1}, std::int64_t{100003}, static_cast<std::int64_t>((3 << 20) / sizeof(T) + 7)}) {
     for (int root : {0, n - 1}) {
       SCOPED_TRACE("count " + std::to_string(count) + " root " + std::to_string(root));
       std::vector<T> v(static_cast<std::size_t>(count), random_bits<T>(r, -1));
@@ -849,7 +861,8 @@ TEST(Comm, Fp32SumsAddInRingOrder) {
   c->all_reduce(ref(b));
   const std::int64_t base = count / n, rem = count % n;
   auto chunk_of = [&](std::int64_t i) {
-    return i < rem * (base + 1) ? static_cast<int>(i / (base + 1)) : static_cast<int>(rem + (i - rem * (base + 1)) / base);
+    return i < rem * (base + 1) ? static_cast<int>(i / (base + 1))
+                                : static_cast<int>(rem + (i - rem * (base + 1)) / base);
   };
   auto ring = [&](std::int64_t i) {
     const int ch = chunk_of(i);
@@ -860,11 +873,12 @@ TEST(Comm, Fp32SumsAddInRingOrder) {
   EXPECT_EQ(0, bit_mismatches(a, ring));
   EXPECT_EQ(0, bit_mismatches(b, ring));
   if (n >= 3) {  // the order shows: summing in rank order differs somewhere
-    EXPECT_GT(bit_mismatches(a, [&](std::int64_t i) {
-                float s = 0;
-                for (int q = 0; q < n; ++q) s += v(q, i);
-                return s;
-              }),
+    EXPECT_GT(bit_mismatches(a,
+                             [&](std::int64_t i) {
+                               float s = 0;
+                               for (int q = 0; q < n; ++q) s += v(q, i);
+                               return s;
+                             }),
               0);
   }
 
@@ -897,8 +911,8 @@ void check_half_sums_round_per_step() {
   c->all_reduce(ref(a));
   const std::int64_t base = count / n, rem = count % n;
   auto ring = [&](std::int64_t i) {
-    const int ch = i < rem * (base + 1) ? static_cast<int>(i / (base + 1))
-                                        : static_cast<int>(rem + (i - rem * (base + 1)) / base);
+    const int ch =
+        i < rem * (base + 1) ? static_cast<int>(i / (base + 1)) : static_cast<int>(rem + (i - rem * (base + 1)) / base);
     T acc = v(ch, i);
     for (int k = 1; k < n; ++k) acc = add(v(mod(ch + k, n), i), acc);
     return acc;
@@ -908,11 +922,12 @@ void check_half_sums_round_per_step() {
   // Half the bytes of fp32.
   EXPECT_EQ(c->stats().bytes_sent[kAR] * 2, expected_all_reduce_bytes(count, n, r, sizeof(float)));
   if (n >= 3) {  // rounding once at the end instead differs somewhere
-    EXPECT_GT(bit_mismatches(a, [&](std::int64_t i) {
-                float s = 0;
-                for (int q = 0; q < n; ++q) s += as_float(v(q, i));
-                return from_double<T>(s);
-              }),
+    EXPECT_GT(bit_mismatches(a,
+                             [&](std::int64_t i) {
+                               float s = 0;
+                               for (int q = 0; q < n; ++q) s += as_float(v(q, i));
+                               return from_double<T>(s);
+                             }),
               0);
   }
 
@@ -954,7 +969,7 @@ TEST(Comm, Int8SumsSaturate) {
               return static_cast<std::uint8_t>(std::min<std::int64_t>(t, 255));
             }));
   if (n > 1) {
-    EXPECT_EQ(s[0], 127);   // wrapping would give 100 n mod 256
+    EXPECT_EQ(s[0], 127);  // wrapping would give 100 n mod 256
     EXPECT_EQ(s[1], -128);
     EXPECT_EQ(u[0], 255);
   }
@@ -1030,12 +1045,20 @@ TEST(Comm, TypedArgumentsAreChecked) {
   std::vector<std::int64_t> i64(4 * n);
   const BufferRef dev(f.data(), DType::f32, 4, MemSpace::device);  // never touched
   // Mismatched element types, both named.
-  expect_logic_error([&] { c->reduce_scatter_async(BufferRef(f.data(), 4 * n), BufferRef(h.data(), 4)); }, {"fp32", "bf16"}, false);
-  expect_logic_error([&] { c->reduce_scatter_async(BufferRef(f.data(), 4 * n), BufferRef(h.data(), 4), std::vector<std::int64_t>(n, 4)); },
+  expect_logic_error([&] { c->reduce_scatter_async(BufferRef(f.data(), 4 * n), BufferRef(h.data(), 4)); },
                      {"fp32", "bf16"}, false);
-  expect_logic_error([&] { c->all_gather_async(BufferRef(i32.data(), 4), BufferRef(i64.data(), 4 * n)); }, {"int32", "int64"}, false);
-  expect_logic_error([&] { c->all_gather_async(BufferRef(i64.data(), 4), BufferRef(i32.data(), 4 * n), std::vector<std::int64_t>(n, 4)); },
-                     {"int64", "int32"}, false);
+  expect_logic_error(
+      [&] {
+        c->reduce_scatter_async(BufferRef(f.data(), 4 * n), BufferRef(h.data(), 4), std::vector<std::int64_t>(n, 4));
+      },
+      {"fp32", "bf16"}, false);
+  expect_logic_error([&] { c->all_gather_async(BufferRef(i32.data(), 4), BufferRef(i64.data(), 4 * n)); },
+                     {"int32", "int64"}, false);
+  expect_logic_error(
+      [&] {
+        c->all_gather_async(BufferRef(i64.data(), 4), BufferRef(i32.data(), 4 * n), std::vector<std::int64_t>(n, 4));
+      },
+      {"int64", "int32"}, false);
   // Device buffers: the MPI back end moves host memory only.
   expect_logic_error([&] { c->all_reduce_async(dev); }, {"device", "NCCL"}, false);
   expect_logic_error([&] { c->all_reduce_async(dev, ReduceOp::max); }, {"device", "NCCL"}, false);
@@ -1048,21 +1071,28 @@ TEST(Comm, TypedArgumentsAreChecked) {
   expect_logic_error([&] { c->all_gather_async(BufferRef(f.data(), 4), dev_all); }, {"host", "device"}, false);
   // Counts.
   expect_logic_error([&] { c->all_reduce_async(BufferRef(f.data(), -1)); }, {"negative"}, true);
-  expect_logic_error([&] { c->reduce_scatter_async(BufferRef(f.data(), 4 * n - 1), BufferRef(f.data(), 4)); }, {"send"}, true);
-  expect_logic_error([&] { c->all_gather_async(BufferRef(f.data(), 4), BufferRef(f.data(), 4 * n + 1)); }, {"recv"}, true);
-  expect_logic_error([&] { c->reduce_scatter_async(ref(f), BufferRef(f.data(), 4), std::vector<std::int64_t>(n + 1, 4)); },
-                     {"counts"}, true);
+  expect_logic_error([&] { c->reduce_scatter_async(BufferRef(f.data(), 4 * n - 1), BufferRef(f.data(), 4)); }, {"send"},
+                     true);
+  expect_logic_error([&] { c->all_gather_async(BufferRef(f.data(), 4), BufferRef(f.data(), 4 * n + 1)); }, {"recv"},
+                     true);
+  expect_logic_error(
+      [&] { c->reduce_scatter_async(ref(f), BufferRef(f.data(), 4), std::vector<std::int64_t>(n + 1, 4)); }, {"counts"},
+      true);
   std::vector<std::int64_t> bad(n, 4);
   bad[n - 1] = -4;
-  expect_logic_error([&] { c->all_gather_async(BufferRef(f.data(), 4), BufferRef(f.data(), 4 * n - 8), bad); }, {"negative"}, true);
+  expect_logic_error([&] { c->all_gather_async(BufferRef(f.data(), 4), BufferRef(f.data(), 4 * n - 8), bad); },
+                     {"negative"}, true);
   std::vector<std::int64_t> counts(n, 1);
   counts[0] = 4 * n - (n - 1);  // sums to 4n
-  expect_logic_error([&] { c->reduce_scatter_async(ref(f), BufferRef(f.data(), counts[r] + 1), counts); }, {"recv"}, true);
-  expect_logic_error([&] { c->reduce_scatter_async(BufferRef(f.data(), 4 * n - 1), BufferRef(f.data(), counts[r]), counts); },
-                     {"send"}, true);
+  expect_logic_error([&] { c->reduce_scatter_async(ref(f), BufferRef(f.data(), counts[r] + 1), counts); }, {"recv"},
+                     true);
+  expect_logic_error(
+      [&] { c->reduce_scatter_async(BufferRef(f.data(), 4 * n - 1), BufferRef(f.data(), counts[r]), counts); },
+      {"send"}, true);
   expect_logic_error([&] { c->all_gather_async(BufferRef(f.data(), counts[r] + 1), ref(f), counts); }, {"send"}, true);
-  expect_logic_error([&] { c->all_gather_async(BufferRef(f.data(), counts[r]), BufferRef(f.data(), 4 * n + 1), counts); },
-                     {"recv"}, true);
+  expect_logic_error(
+      [&] { c->all_gather_async(BufferRef(f.data(), counts[r]), BufferRef(f.data(), 4 * n + 1), counts); }, {"recv"},
+      true);
   expect_logic_error([&] { c->broadcast_async(ref(h), n); }, {"root"}, true);
   expect_logic_error([&] { c->send_async(ref(h), 0, 1000); }, {"tag"}, true);
   // Nothing was issued or counted, and the communicator still works.
@@ -1093,12 +1123,13 @@ TEST(Comm, ShardCountsAndVolumes) {
   ASSERT_EQ(show(counts), "{3, 0, 5, 2}");
   EXPECT_EQ(ring_reduce_scatter_bytes(counts, 2, 2), (10u - 5u) * 2u);  // all but its own
   EXPECT_EQ(ring_reduce_scatter_bytes(counts, 1, 4), 10u * 4u);
-  EXPECT_EQ(ring_all_gather_bytes(counts, 1, 4), (10u - 5u) * 4u);      // all but rank 2's
-  EXPECT_EQ(ring_all_gather_bytes(counts, 3, 8), (10u - 3u) * 8u);      // all but rank 0's
+  EXPECT_EQ(ring_all_gather_bytes(counts, 1, 4), (10u - 5u) * 4u);  // all but rank 2's
+  EXPECT_EQ(ring_all_gather_bytes(counts, 3, 8), (10u - 3u) * 8u);  // all but rank 0's
   EXPECT_EQ(ring_reduce_scatter_bytes(V{7}, 0, 4), 0u);
   EXPECT_EQ(ring_all_gather_bytes(V{7}, 0, 4), 0u);
   for (int r = 0; r < 4; ++r) {
-    EXPECT_DOUBLE_EQ(static_cast<double>(ring_reduce_scatter_bytes(V(4, 250), r, 4)), ring_reduce_scatter_bytes(4000.0, 4));
+    EXPECT_DOUBLE_EQ(static_cast<double>(ring_reduce_scatter_bytes(V(4, 250), r, 4)),
+                     ring_reduce_scatter_bytes(4000.0, 4));
     EXPECT_DOUBLE_EQ(static_cast<double>(ring_all_gather_bytes(V(4, 250), r, 4)), ring_all_gather_bytes(4000.0, 4));
   }
   EXPECT_STREQ(reduce_op_name(ReduceOp::sum), "sum");
@@ -1151,7 +1182,8 @@ TEST(Comm, ScratchIsFiledInTheLedgerAndReused) {
     EXPECT_EQ(ledger.peak(Mem::comm), before + 2 * one + chunk(1000, sizeof(bf16)));
     std::vector<double> big(4 * count);  // another class: a buffer of its own
     c->all_reduce(big.data(), 4 * count);
-    EXPECT_EQ(ledger.current(Mem::comm), before + 2 * one + chunk(1000, sizeof(bf16)) + chunk(4 * count, sizeof(double)));
+    EXPECT_EQ(ledger.current(Mem::comm),
+              before + 2 * one + chunk(1000, sizeof(bf16)) + chunk(4 * count, sizeof(double)));
   }
   EXPECT_EQ(ledger.current(Mem::comm), before);
   // Classes: an eighth of the power of two, at least 8 bytes; never smaller than asked.

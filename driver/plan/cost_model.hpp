@@ -65,7 +65,7 @@ struct ClusterSpec {
   int nodes = 1, devices_per_node = 1;
   double device_memory_bytes = 0;
   double peak_flops_fp32 = 0, peak_flops_bf16 = 0, peak_flops_fp16 = 0;  // FLOP/s per device
-  MatmulEfficiency efficiency_fp32, efficiency_bf16, efficiency_fp16;     // the products' share of it by width
+  MatmulEfficiency efficiency_fp32, efficiency_bf16, efficiency_fp16;    // the products' share of it by width
   double matmul_call_s = 0;          // seconds per GEMM call, on top of its FLOPs at the peak
   double attention_flops = 0;        // FLOP/s per device of the attention kernels (attention_flops below)
   double attention_head_s = 0;       // seconds per sequence and head of attention forward + backward

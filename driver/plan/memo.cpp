@@ -21,10 +21,13 @@
 namespace loom {
 namespace {
 
-const char* const kCategoryWhat[kMemCategories] = {
-    "parameters (fp32; the 16-bit compute copies under mixed precision)", "gradients (fp32)",
-    "AdamW moments m and v (fp32)", "fp32 master weights (mixed precision)", "activations kept for backward",
-    "communication buffers", "workspace (operand slots, scratch)"};
+const char* const kCategoryWhat[kMemCategories] = {"parameters (fp32; the 16-bit compute copies under mixed precision)",
+                                                   "gradients (fp32)",
+                                                   "AdamW moments m and v (fp32)",
+                                                   "fp32 master weights (mixed precision)",
+                                                   "activations kept for backward",
+                                                   "communication buffers",
+                                                   "workspace (operand slots, scratch)"};
 
 std::string pct(double x) { return fixed(100.0 * x, 1) + "%"; }
 // 12.85 billion, 3.4 million, 41472: a count readable at any size.
@@ -63,7 +66,8 @@ struct GroupCost {
   std::vector<std::pair<std::string, int>> what;  // kinds of message, buckets folded: how many of each
   std::string list() const {
     std::string s;
-    for (const auto& [w, n] : what) s += (s.empty() ? "" : "; ") + w + (n > 1 ? " (" + std::to_string(n) + " buckets)" : "");
+    for (const auto& [w, n] : what)
+      s += (s.empty() ? "" : "; ") + w + (n > 1 ? " (" + std::to_string(n) + " buckets)" : "");
     return s;
   }
 };
@@ -79,8 +83,10 @@ std::map<std::string, GroupCost> comm_by_group(const Candidate& c, const Cluster
     g.overlapped = g.overlapped || comm_hides(k, c.p.plan.layout, cluster);
     const std::string kind = std::regex_replace(k.what, std::regex("bucket [0-9]+ "), "");
     auto it = std::find_if(g.what.begin(), g.what.end(), [&](const auto& w) { return w.first == kind; });
-    if (it == g.what.end()) g.what.push_back({kind, 1});
-    else ++it->second;
+    if (it == g.what.end())
+      g.what.push_back({kind, 1});
+    else
+      ++it->second;
   }
   for (const auto& [name, sec] : c.p.time.comm_by_group) out[name].seconds = sec;
   return out;
@@ -161,7 +167,8 @@ class Memo {
     s_ << "- Cluster: " << cluster_.name << ", " << cluster_.nodes << " nodes x " << cluster_.devices_per_node
        << " devices, " << gib(cluster_.device_memory_bytes) << " each (" << cluster_.source << ")";
     // A plan for part of the cluster says how much of it.
-    if (o_.devices < cluster_.devices()) s_ << "; this plan is for " << o_.devices << " of its " << cluster_.devices() << " devices";
+    if (o_.devices < cluster_.devices())
+      s_ << "; this plan is for " << o_.devices << " of its " << cluster_.devices() << " devices";
     s_ << ".\n";
     s_ << "- Batch: " << p.plan.global_batch << " sequences of " << m.seq_len << " tokens per step ("
        << p.plan.global_batch * m.seq_len << " tokens), " << p.plan.rows_per_micro << " sequence"
@@ -206,8 +213,9 @@ class Memo {
     else
       s_ << "## 1. How the layout removes the out-of-memory\n\n";
     s_ << "Peak memory of one device by the ledger's categories, against the chosen layout's largest rank:\n\n";
-    s_ << "| category | one device, fp32 | one device, " << lean_words << "recompute + 1 sequence per micro-batch | chosen, rank "
-       << chosen_.p.worst_rank << " |\n| --- | ---: | ---: | ---: |\n";
+    s_ << "| category | one device, fp32 | one device, " << lean_words
+       << "recompute + 1 sequence per micro-batch | chosen, rank " << chosen_.p.worst_rank
+       << " |\n| --- | ---: | ---: | ---: |\n";
     auto cell = [](const Candidate& c, int i) { return c.built ? gib(c.p.peak[static_cast<std::size_t>(i)]) : "-"; };
     const RankPrediction& worst = chosen_.p.worst();
     for (int i = 0; i < kMemCategories; ++i)
@@ -237,13 +245,18 @@ class Memo {
     const Variant& v = chosen_.v;
     s_ << "What the chosen layout splits:\n\n";
     if (v.tp > 1)
-      s_ << "- **Tensor parallelism over " << v.tp << "** splits every block's weight matrices (and their gradients and "
+      s_ << "- **Tensor parallelism over " << v.tp
+         << "** splits every block's weight matrices (and their gradients and "
          << "optimizer state) by columns and rows, and the attention heads and MLP activations with them: each rank "
-         << "holds 1/" << v.tp << " of each block." << (chosen_.p.worst().sequence_parallel ? " Sequence parallelism splits LayerNorm and the residual "
-         "stream's activations by tokens too." : "") << "\n";
+         << "holds 1/" << v.tp << " of each block."
+         << (chosen_.p.worst().sequence_parallel ? " Sequence parallelism splits LayerNorm and the residual "
+                                                   "stream's activations by tokens too."
+                                                 : "")
+         << "\n";
     if (v.pp > 1)
       s_ << "- **Pipeline parallelism over " << v.pp << "** gives each stage " << chosen_.p.plan.model.layers / v.pp
-         << " or so of the " << chosen_.p.plan.model.layers << " blocks; a stage keeps the activations of the micro-batches "
+         << " or so of the " << chosen_.p.plan.model.layers
+         << " blocks; a stage keeps the activations of the micro-batches "
          << "it has in flight (the schedule bounds how many).\n";
     // What the strategies split over the dp ranks (ZeRO's shards), else the plain replicas.
     const std::string splits = search_.memo_text("split", chosen_point());
@@ -254,15 +267,18 @@ class Memo {
     if (v.recompute())
       s_ << "- **Recompute** keeps only each block's input during forward and runs the block again in backward.\n";
     if (v.micro > 1)
-      s_ << "- **" << v.micro << " micro-batches** of " << chosen_.p.plan.rows_per_micro << " sequence(s): the activations "
+      s_ << "- **" << v.micro << " micro-batches** of " << chosen_.p.plan.rows_per_micro
+         << " sequence(s): the activations "
          << "of one micro-batch (a few with a pipeline) are alive at a time, not the rank's whole batch.\n";
   }
 
   void what_each_choice_buys() {
     const Variant& v = chosen_.v;
     s_ << "\nWhat each choice buys, one change at a time from the chosen layout:\n\n";
-    s_ << "| change | largest rank | against " << gib(cluster_.device_memory_bytes) << " | tokens/s |\n| --- | ---: | --- | ---: |\n";
-    s_ << "| none (chosen) | " << gib(chosen_.p.peak_total) << " | fits | " << fixed(chosen_.p.time.tokens_per_s, 0) << " |\n";
+    s_ << "| change | largest rank | against " << gib(cluster_.device_memory_bytes)
+       << " | tokens/s |\n| --- | ---: | --- | ---: |\n";
+    s_ << "| none (chosen) | " << gib(chosen_.p.peak_total) << " | fits | " << fixed(chosen_.p.time.tokens_per_s, 0)
+       << " |\n";
     auto row = [&](const std::string& what, const Variant& w) {
       const Candidate c = with(w);
       s_ << "| " << what << " | " << (c.built ? gib(c.p.peak_total) : "-") << " | " << fits_text(c) << " | "
@@ -301,20 +317,26 @@ class Memo {
     const TimePrediction& t = chosen_.p.time;
     s_ << "\nOf " << ms(t.comm_s) << " of messages, " << ms(t.comm_exposed_s) << " are exposed (not hidden behind "
        << "compute); compute is " << ms(t.compute_s) << ".\n\n";
-    s_ << "Gradients are summed over the " << v.dp << " data-parallel replicas so that every replica takes the same step";
+    s_ << "Gradients are summed over the " << v.dp
+       << " data-parallel replicas so that every replica takes the same step";
     if (v.dp > 1) {
       const std::string sync = search_.memo_text("dp_sync", chosen_point());
-      s_ << ": " << (sync.empty() ? "each bucket of gradients is all-reduced as soon as backward has finished it" : sync)
-         << ". A ring moves about 2(n-1)/n of the gradients' bytes per rank, nearly independent of n, so what changes as "
+      s_ << ": "
+         << (sync.empty() ? "each bucket of gradients is all-reduced as soon as backward has finished it" : sync)
+         << ". A ring moves about 2(n-1)/n of the gradients' bytes per rank, nearly independent of n, so what changes "
+            "as "
          << "the job grows is the link the ring crosses and how much backward is left to hide it behind.\n";
     } else
       s_ << "; with dp = 1 there is no gradient synchronisation, only the tensor-parallel and pipeline messages.\n";
     if (v.tp > 1)
       s_ << "Tensor parallelism combines activations inside every block, forward and backward ("
-         << (chosen_.p.worst().sequence_parallel ? "all-gathers and reduce-scatters, with sequence parallelism" : "all-reduces")
-         << "), on the critical path: that is why tp stays within a node (" << v.tp << " <= " << cluster_.devices_per_node << ").\n";
+         << (chosen_.p.worst().sequence_parallel ? "all-gathers and reduce-scatters, with sequence parallelism"
+                                                 : "all-reduces")
+         << "), on the critical path: that is why tp stays within a node (" << v.tp
+         << " <= " << cluster_.devices_per_node << ").\n";
     if (v.pp > 1)
-      s_ << "The pipeline sends each micro-batch's boundary activation forward and its gradient back, point to point.\n";
+      s_ << "The pipeline sends each micro-batch's boundary activation forward and its gradient back, point to "
+            "point.\n";
     s_ << "\n";
     one_node_to_all();
   }
@@ -325,8 +347,8 @@ class Memo {
     const int per_node = cluster_.devices_per_node;
     small_devices_ = o_.devices > per_node ? per_node : 0;
     if (small_devices_ == 0 || (v.tp * v.pp) > small_devices_ || small_devices_ % (v.tp * v.pp) != 0) {
-      s_ << "(No one-node comparison: the chosen tp x pp = " << v.tp * v.pp << " does not fit in one node of " << per_node
-         << " devices, or the job is one node.)\n\n";
+      s_ << "(No one-node comparison: the chosen tp x pp = " << v.tp * v.pp << " does not fit in one node of "
+         << per_node << " devices, or the job is one node.)\n\n";
       return;
     }
     Variant sv = v;
@@ -339,8 +361,10 @@ class Memo {
     have_small_ = small_.built;
     const PlanSearch one_node(search_.registry, search_.schema, search_.deck_path, search_.deck_sets, cluster_);
     const std::vector<Candidate> best_small = one_node.run(small_devices_);
-    s_ << "Growing from one node (" << small_devices_ << " devices) to " << o_.devices << ", with the same global batch:\n\n";
-    s_ << "| devices | layout | dp ring | data-parallel messages | exposed messages | step | tokens/s | speed-up | scaling efficiency |\n"
+    s_ << "Growing from one node (" << small_devices_ << " devices) to " << o_.devices
+       << ", with the same global batch:\n\n";
+    s_ << "| devices | layout | dp ring | data-parallel messages | exposed messages | step | tokens/s | speed-up | "
+          "scaling efficiency |\n"
        << "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
     // `scaling`: the row's efficiency against the reference (a row of one node other than the
     // reference has none: it is a comparison at the same size).
@@ -354,9 +378,9 @@ class Memo {
         if (g == "dp") dp_s = sec;
       const double speedup = ref > 0 ? c.p.time.tokens_per_s / ref : 1.0;
       s_ << "| " << devices << " | " << c.v.describe() << (c.fits ? "" : " (" + fits_text(c) + ")") << " | "
-         << (c.v.dp > 1 ? link("dp", c.v) : "none") << " | " << ms(dp_s) << " | " << ms(c.p.time.comm_exposed_s) << " | "
-         << ms(c.p.time.step_s) << " | " << fixed(c.p.time.tokens_per_s, 0) << " | " << fixed(speedup, 2) << "x | "
-         << (scaling ? pct(speedup * small_devices_ / devices) : std::string("(same size)")) << " |\n";
+         << (c.v.dp > 1 ? link("dp", c.v) : "none") << " | " << ms(dp_s) << " | " << ms(c.p.time.comm_exposed_s)
+         << " | " << ms(c.p.time.step_s) << " | " << fixed(c.p.time.tokens_per_s, 0) << " | " << fixed(speedup, 2)
+         << "x | " << (scaling ? pct(speedup * small_devices_ / devices) : std::string("(same size)")) << " |\n";
     };
     const double ref = have_small_ ? small_.p.time.tokens_per_s : 0;
     scale_row(small_devices_, small_, ref, true);
@@ -364,14 +388,17 @@ class Memo {
     const bool other_best = !best_small.empty() && best_small.front().fits && best_small.front().built &&
                             best_small.front().v.describe() != small_.v.describe();
     if (other_best) scale_row(small_devices_, best_small.front(), ref, false);
-    s_ << "\n(" << small_devices_ << " devices: the chosen tp x pp with dp = " << sv.dp << "; the last row, when present, is the "
-       << "search's best layout for one node. Scaling efficiency: speed-up / " << o_.devices / small_devices_ << ".)\n\n";
+    s_ << "\n(" << small_devices_ << " devices: the chosen tp x pp with dp = " << sv.dp
+       << "; the last row, when present, is the "
+       << "search's best layout for one node. Scaling efficiency: speed-up / " << o_.devices / small_devices_
+       << ".)\n\n";
     if (other_best && chosen_.built) {
       const double best = best_small.front().p.time.tokens_per_s;
       const double speedup = chosen_.p.time.tokens_per_s / best;
       s_ << "Against the fastest layout of one node (" << best_small.front().v.describe() << ", " << fixed(best, 0)
-         << " tokens/s), the " << o_.devices << " devices' " << fixed(chosen_.p.time.tokens_per_s, 0) << " tokens/s are a "
-         << fixed(speedup, 2) << "x speed-up, " << pct(speedup * small_devices_ / o_.devices) << " scaling efficiency.\n\n";
+         << " tokens/s), the " << o_.devices << " devices' " << fixed(chosen_.p.time.tokens_per_s, 0)
+         << " tokens/s are a " << fixed(speedup, 2) << "x speed-up, " << pct(speedup * small_devices_ / o_.devices)
+         << " scaling efficiency.\n\n";
     }
   }
 
@@ -393,15 +420,16 @@ class Memo {
       }
       piped = search_.evaluate(best_pp->v, true);
       s_ << " The fastest fitting layout that does is " << piped.v.describe() << " at "
-         << fixed(piped.p.time.tokens_per_s, 0) << " tokens/s (" << pct(piped.p.time.tokens_per_s / chosen_.p.time.tokens_per_s)
-         << " of the chosen); for it:\n\n";
+         << fixed(piped.p.time.tokens_per_s, 0) << " tokens/s ("
+         << pct(piped.p.time.tokens_per_s / chosen_.p.time.tokens_per_s) << " of the chosen); for it:\n\n";
     }
     const Variant& w = piped.v;
     Variant naive = w;
     naive.micro = 1;
     const Candidate one = with(naive);
     const std::string schedule = search_.memo_text("schedule", point(w, piped.p.precision));
-    s_ << "| " << w.pp << " stages, schedule " << schedule << " | micro-batches | bubble (idle share of a step) | step | tokens/s | largest rank |\n"
+    s_ << "| " << w.pp << " stages, schedule " << schedule
+       << " | micro-batches | bubble (idle share of a step) | step | tokens/s | largest rank |\n"
        << "| --- | ---: | ---: | ---: | ---: | ---: |\n";
     auto row = [&](const std::string& what, const Candidate& c) {
       s_ << "| " << what << " | " << c.v.micro << " | " << (c.built ? pct(c.p.time.bubble) : "-") << " | "
@@ -418,12 +446,13 @@ class Memo {
     s_ << "\nWith one batch a stage works only while the batch is on it: " << w.pp - 1 << " of " << w.pp
        << " stages wait at any time, so each device is busy about 1/" << w.pp << " of the step. Cut into " << w.micro
        << " micro-batches, stage s works on micro-batch i while stage s+1 works on i-1: the pipeline fills and drains "
-       << "once per step, and the idle share falls to about (pp-1)/(m+pp-1) = " << pct((w.pp - 1.0) / (w.micro + w.pp - 1.0))
-       << " for equal stages; the planner replays the " << schedule << " schedule itself, with each stage's own "
+       << "once per step, and the idle share falls to about (pp-1)/(m+pp-1) = "
+       << pct((w.pp - 1.0) / (w.micro + w.pp - 1.0)) << " for equal stages; the planner replays the " << schedule
+       << " schedule itself, with each stage's own "
        << "work (the first also embeds, the last also runs the vocabulary head and the loss), and finds "
-       << pct(piped.p.time.bubble) << "."
-       << search_.memo_text("schedule_note", point(w, piped.p.precision))
-       << " More micro-batches shrink the bubble further but make each product smaller and add a boundary message each.\n\n";
+       << pct(piped.p.time.bubble) << "." << search_.memo_text("schedule_note", point(w, piped.p.precision))
+       << " More micro-batches shrink the bubble further but make each product smaller and add a boundary message "
+          "each.\n\n";
   }
 
   void precision() {
@@ -449,29 +478,36 @@ class Memo {
     s_ << "The chosen layout in fp32 and in " << h << " (largest rank):\n\n";
     s_ << "| | fp32 | " << h << " |\n| --- | ---: | ---: |\n";
     for (int i = 0; i < kMemCategories; ++i)
-      s_ << "| " << kCategoryWhat[i] << " | " << (full.built ? gib(full.p.worst().peak[static_cast<std::size_t>(i)]) : "-")
-         << " | " << (half.built ? gib(half.p.worst().peak[static_cast<std::size_t>(i)]) : "-") << " |\n";
-    auto total = [](const Candidate& c) { return c.built ? gib(c.p.peak_total) + " (" + fits_text(c) + ")" : fits_text(c); };
+      s_ << "| " << kCategoryWhat[i] << " | "
+         << (full.built ? gib(full.p.worst().peak[static_cast<std::size_t>(i)]) : "-") << " | "
+         << (half.built ? gib(half.p.worst().peak[static_cast<std::size_t>(i)]) : "-") << " |\n";
+    auto total = [](const Candidate& c) {
+      return c.built ? gib(c.p.peak_total) + " (" + fits_text(c) + ")" : fits_text(c);
+    };
     auto val = [](const Candidate& c, double x) { return c.built ? fixed(x, 1) : std::string("-"); };
     s_ << "| **total** | **" << total(full) << "** | **" << total(half) << "** |\n";
     s_ << "| matrix-product peak | " << fixed(cluster_.peak_flops_fp32 / 1e12, 1) << " TFLOP/s | "
        << fixed((h == "fp16" ? cluster_.peak_flops_fp16 : cluster_.peak_flops_bf16) / 1e12, 1) << " TFLOP/s |\n";
-    s_ << "| step | " << (full.built ? ms(full.p.time.step_s) : "-") << " | " << (half.built ? ms(half.p.time.step_s) : "-") << " |\n";
-    s_ << "| tokens/s | " << val(full, full.p.time.tokens_per_s) << " | " << val(half, half.p.time.tokens_per_s) << " |\n\n";
+    s_ << "| step | " << (full.built ? ms(full.p.time.step_s) : "-") << " | "
+       << (half.built ? ms(half.p.time.step_s) : "-") << " |\n";
+    s_ << "| tokens/s | " << val(full, full.p.time.tokens_per_s) << " | " << val(half, half.p.time.tokens_per_s)
+       << " |\n\n";
     s_ << "In " << h << " the matrix products (QKV, attention projection, MLP, the tied head) take 16-bit operands and "
        << "accumulate in fp32, so they run at the 16-bit peak; the inputs they save for backward are kept in 16 bits, "
        << "and each weight has a 16-bit compute copy. What stays fp32, and why:\n\n"
        << "- the **master weights, gradients and AdamW's m and v**: an update is often smaller than a 16-bit weight's "
        << "spacing (bf16 keeps 8 significant bits), so adding it in 16 bits would round it away; the masters cost the "
        << "extra bytes per parameter in the table above;\n"
-       << "- **accumulations**: the products' sums, the gradient accumulation over micro-batches, the gradient norm and "
+       << "- **accumulations**: the products' sums, the gradient accumulation over micro-batches, the gradient norm "
+          "and "
        << "the loss, where many small terms are added;\n"
        << "- **LayerNorm, softmax and the attention's own products, and the cross-entropy**: means, variances and "
        << "exponentials lose accuracy fastest, and their activations are not what dominates memory;\n"
        << search_.memo_text("precision_stays", half_point) << "\n"
        << (chosen_.p.plan.model.flash_attention
-               ? std::string("Attention is fused here (`model.attention = flash`): bf16 operands, no [batch, heads, T, T] "
-                             "matrices in memory; ") +
+               ? std::string(
+                     "Attention is fused here (`model.attention = flash`): bf16 operands, no [batch, heads, T, T] "
+                     "matrices in memory; ") +
                      (priced_as_flash(chosen_.p.plan.model, cluster_)
                           ? "the time model below prices it at the cluster's measured fused-attention rate.\n\n"
                           : "the time model below prices it as the unfused kernels, as this cluster's description "
@@ -492,12 +528,15 @@ class Memo {
     const double bubble_s = t.bubble > 0 ? busy / (1.0 - t.bubble) - busy : 0.0;
     s_ << "The predicted step of " << ms(t.step_s) << " on " << o_.devices << " devices:\n\n";
     s_ << "| part | time | share |\n| --- | ---: | ---: |\n";
-    auto row = [&](const std::string& what, double sec) { s_ << "| " << what << " | " << ms(sec) << " | " << pct(sec / t.step_s) << " |\n"; };
+    auto row = [&](const std::string& what, double sec) {
+      s_ << "| " << what << " | " << ms(sec) << " | " << pct(sec / t.step_s) << " |\n";
+    };
     row("matrix products", t.matmul_s);
     row("attention", t.attention_s);
     row("element-wise kernels (memory-bound)", t.elementwise_s);
     row("AdamW", t.optimizer_s);
-    if (t.strategies_s > 0) row("the strategies' host passes (replica hashes, compression) and their copies", t.strategies_s);
+    if (t.strategies_s > 0)
+      row("the strategies' host passes (replica hashes, compression) and their copies", t.strategies_s);
     if (bubble_s > 0) row("pipeline bubble", bubble_s);
     if (t.sync_wait_s > 0) row("waits for each group's slowest rank", t.sync_wait_s);
     for (const auto& [g, sec] : exposed_by_group)
@@ -510,7 +549,8 @@ class Memo {
     const Variant& v = chosen_.v;
     const TimePrediction& t = chosen_.p.time;
     s_ << "## 5. The first bottleneck to perfect scaling, and what to try first\n\n";
-    const std::map<std::string, double> exposed_by_group(t.comm_exposed_by_group.begin(), t.comm_exposed_by_group.end());
+    const std::map<std::string, double> exposed_by_group(t.comm_exposed_by_group.begin(),
+                                                         t.comm_exposed_by_group.end());
     const double bubble_s = step_parts(exposed_by_group);
     // The candidates for the bottleneck: what does not shrink with more devices.
     struct Loss {
@@ -525,14 +565,15 @@ class Memo {
     std::sort(losses.begin(), losses.end(), [](const Loss& a, const Loss& b) { return a.seconds > b.seconds; });
     if (have_small_) {
       const double ideal = small_.p.time.step_s * small_devices_ / o_.devices;
-      s_ << "Perfect scaling from " << small_devices_ << " devices would make the step " << ms(ideal) << " (the one-node step "
-         << ms(small_.p.time.step_s) << " / " << o_.devices / small_devices_ << "); the prediction is " << ms(t.step_s) << ", "
-         << pct(ideal / t.step_s) << " efficiency.\n\n";
+      s_ << "Perfect scaling from " << small_devices_ << " devices would make the step " << ms(ideal)
+         << " (the one-node step " << ms(small_.p.time.step_s) << " / " << o_.devices / small_devices_
+         << "); the prediction is " << ms(t.step_s) << ", " << pct(ideal / t.step_s) << " efficiency.\n\n";
     }
     if (losses.empty() || losses.front().seconds < 0.02 * t.step_s) {
       s_ << "**Bottleneck:** none of the parts that do not shrink with more devices (exposed messages, bubble, "
          << "replicated optimizer) reaches 2% of the step; what limits scaling first is the products themselves "
-         << "getting smaller per device (fewer sequences per rank), which lowers their efficiency: a larger global batch "
+         << "getting smaller per device (fewer sequences per rank), which lowers their efficiency: a larger global "
+            "batch "
          << "is the first thing to try.\n";
       return;
     }
@@ -550,12 +591,13 @@ class Memo {
       levers.push_back({what, f});
     };
     std::string name, why;
-    const std::string larger_batch = "a twice larger global batch (train.batch = " +
-                                     std::to_string(2 * chosen_.p.plan.global_batch) +
-                                     "; changes the optimisation: twice the tokens per step)";
+    const std::string larger_batch =
+        "a twice larger global batch (train.batch = " + std::to_string(2 * chosen_.p.plan.global_batch) +
+        "; changes the optimisation: twice the tokens per step)";
     if (top.what == "bubble") {
       name = "the pipeline bubble";
-      why = "each of " + std::to_string(v.pp) + " stages idles while the pipeline fills and drains, and with more devices "
+      why = "each of " + std::to_string(v.pp) +
+            " stages idles while the pipeline fills and drains, and with more devices "
             "(fixed global batch) each rank has fewer sequences to cut into micro-batches";
       for (const PlanLever& l : search_.levers("bubble", chosen_point())) lever(l.what, l.sets);
       lever(larger_batch, {}, 2);
@@ -566,7 +608,8 @@ class Memo {
     } else if (top.what == "dp") {
       name = "the data-parallel gradient synchronisation";
       why = std::string("its ring runs ") +
-            (group_inside_node("dp", v, cluster_.devices_per_node) ? "inside a node" : "across nodes, over the slower links,") +
+            (group_inside_node("dp", v, cluster_.devices_per_node) ? "inside a node"
+                                                                   : "across nodes, over the slower links,") +
             " and with a fixed global batch each rank's backward, which hides it, shrinks as dp grows";
       for (const PlanLever& l : search_.levers("dp", chosen_point())) lever(l.what, l.sets);
       lever(larger_batch, {}, 2);
@@ -579,8 +622,8 @@ class Memo {
       why = "they do not shrink with more devices";
       lever(larger_batch, {}, 2);
     }
-    s_ << "**Bottleneck: " << name << "** (" << ms(top.seconds) << " of the step, " << pct(top.seconds / t.step_s) << "): " << why
-       << ".\n\n";
+    s_ << "**Bottleneck: " << name << "** (" << ms(top.seconds) << " of the step, " << pct(top.seconds / t.step_s)
+       << "): " << why << ".\n\n";
     lever_table(levers);
   }
 
@@ -596,7 +639,8 @@ class Memo {
       tried.push_back(with(f));
       const Candidate& c = tried.back();
       s_ << "| " << what << " | " << (c.built ? fixed(c.p.time.tokens_per_s, 0) : "-") << " | "
-         << (c.built ? (c.p.time.tokens_per_s >= t.tokens_per_s ? "+" : "") + pct(c.p.time.tokens_per_s / t.tokens_per_s - 1.0)
+         << (c.built ? (c.p.time.tokens_per_s >= t.tokens_per_s ? "+" : "") +
+                           pct(c.p.time.tokens_per_s / t.tokens_per_s - 1.0)
                      : "-")
          << " | " << (c.built ? gib(c.p.peak_total) + " (" + fits_text(c) + ")" : fits_text(c)) << " |\n";
     }
@@ -609,7 +653,8 @@ class Memo {
       }
     if (!first)
       s_ << "\nNone of them both fits and pays on this layout: the bottleneck is what this model, batch and cluster "
-            "leave, and the first thing to try is the lever above that gains most once memory allows it; measure before "
+            "leave, and the first thing to try is the lever above that gains most once memory allows it; measure "
+            "before "
             "deciding.\n";
   }
 };
@@ -627,7 +672,8 @@ void write_memo(const PlanSearch& search, const PlanOptions& o, const std::vecto
     f.flush();
     if (!f) {
       std::remove(tmp.c_str());
-      throw InputError("loom plan --memo " + o.memo + ": cannot write " + tmp + " (check the directory and free space)");
+      throw InputError("loom plan --memo " + o.memo + ": cannot write " + tmp +
+                       " (check the directory and free space)");
     }
   }
   std::error_code ec;

@@ -26,7 +26,6 @@
 namespace loom {
 namespace {
 
-
 // A buffer of `n` values of `type` of the back end, filled with small values (varied, so LayerNorm's
 // rows have a spread and GELU is not evaluated at one point).
 TypedBuffer small_values(Backend& be, const std::string& label, std::int64_t n, DType type = DType::f32) {
@@ -73,8 +72,8 @@ double matmul_call_seconds() {
 // them: the products of kLayers transformer blocks `C` wide (block_counts, driver/plan/cost_model.hpp) at N token
 // rows, forward layer by layer and backward in reverse through matmul_forward/_backward, the weights
 // of `dtype` (a 16-bit run's compute copies), the activations fp32 and each layer's its own (so that,
-// as in a step, a product's operands were last touched a while before): the best of 3 passes. Of those, kLayers * (block_counts' GEMMs) x matmul_call_us are the calls' fixed cost, the
-// rest what the FLOPs run at (block_matmul_rate).
+// as in a step, a product's operands were last touched a while before): the best of 3 passes. Of those, kLayers *
+// (block_counts' GEMMs) x matmul_call_us are the calls' fixed cost, the rest what the FLOPs run at (block_matmul_rate).
 constexpr int kLayers = 2;
 double block_matmul_seconds(DType dtype, int N, int C) {
   auto be = make_host_backend(1);
@@ -101,12 +100,15 @@ double block_matmul_seconds(DType dtype, int N, int C) {
       q.dw = be->allocate(tag + ".dw", DType::f32, static_cast<std::int64_t>(q.oc) * q.c, Mem::workspace);
       layers.push_back(std::move(q));
     }
-  const double t = best_seconds(*be, 3, [&] {
-    for (Product& q : layers) be->matmul_forward(q.out.data<float>(), q.in.ref(), q.w.ref(), nullptr, N, q.c, q.oc);
-    for (auto it = layers.rbegin(); it != layers.rend(); ++it)
-      be->matmul_backward(it->din.data<float>(), it->dw.data<float>(), nullptr, it->out.data<float>(), it->in.ref(),
-                          it->w.ref(), N, it->c, it->oc);
-  }, 1);
+  const double t = best_seconds(
+      *be, 3,
+      [&] {
+        for (Product& q : layers) be->matmul_forward(q.out.data<float>(), q.in.ref(), q.w.ref(), nullptr, N, q.c, q.oc);
+        for (auto it = layers.rbegin(); it != layers.rend(); ++it)
+          be->matmul_backward(it->din.data<float>(), it->dw.data<float>(), nullptr, it->out.data<float>(), it->in.ref(),
+                              it->w.ref(), N, it->c, it->oc);
+      },
+      1);
   be->release_scratch();
   return t;
 }
@@ -213,12 +215,12 @@ class BlockKernels {
 
  private:
   void layernorm_forward() {
-    be_->layernorm_forward(y_.data<float>(), mean_.data<float>(), rstd_.data<float>(), x_.data<float>(), w_.data<float>(),
-                           b_.data<float>(), N_, C_);
+    be_->layernorm_forward(y_.data<float>(), mean_.data<float>(), rstd_.data<float>(), x_.data<float>(),
+                           w_.data<float>(), b_.data<float>(), N_, C_);
   }
   void layernorm_backward() {
-    be_->layernorm_backward(dx_.data<float>(), dw_.data<float>(), db_.data<float>(), dy_.data<float>(), x_.data<float>(),
-                            w_.data<float>(), mean_.data<float>(), rstd_.data<float>(), N_, C_);
+    be_->layernorm_backward(dx_.data<float>(), dw_.data<float>(), db_.data<float>(), dy_.data<float>(),
+                            x_.data<float>(), w_.data<float>(), mean_.data<float>(), rstd_.data<float>(), N_, C_);
   }
   int N_, C_;
   std::unique_ptr<Backend> be_;
@@ -411,10 +413,11 @@ void check_calibration_sets(int world, const std::vector<std::string>& sets) {
                           "network.inter_node_latency_us"})
     if (!given(key)) missing += std::string(missing.empty() ? "" : ", ") + key;
   if (world < 2 && !missing.empty())
-    throw InputError("loom plan --calibrate measures the links between ranks: launch it on 2 ranks or more, one "
-                     "per device it stands for (mpiexec -n 2 loom plan --calibrate; across 2 nodes for the "
-                     "links between nodes), or on 1 rank with the four network.* figures given by --set (not given: " +
-                     missing + ")");
+    throw InputError(
+        "loom plan --calibrate measures the links between ranks: launch it on 2 ranks or more, one "
+        "per device it stands for (mpiexec -n 2 loom plan --calibrate; across 2 nodes for the "
+        "links between nodes), or on 1 rank with the four network.* figures given by --set (not given: " +
+        missing + ")");
   if (!sets.empty()) {
     DeckSchema schema;
     add_cluster_keys(schema);
@@ -442,7 +445,8 @@ NodeMap map_nodes(int rank, int world) {
   NodeMap m;
   m.nodes = static_cast<int>(distinct.size());
   m.per_node = 0;
-  for (int l : distinct) m.per_node = std::max<int>(m.per_node, static_cast<int>(std::count(leaders.begin(), leaders.end(), l)));
+  for (int l : distinct)
+    m.per_node = std::max<int>(m.per_node, static_cast<int>(std::count(leaders.begin(), leaders.end(), l)));
   for (int r = 1; r < world; ++r) {
     if (leaders[static_cast<std::size_t>(r)] == leaders[0] && m.same < 0) m.same = r;
     if (leaders[static_cast<std::size_t>(r)] != leaders[0] && m.other < 0) m.other = r;
@@ -452,10 +456,10 @@ NodeMap map_nodes(int rank, int world) {
 
 // What every rank measures of its compute, reduced to the slowest rank's figures.
 struct ComputeFigures {
-  double peak[3] = {};               // fp32, bf16, fp16 matrix-product peaks (FLOP/s)
-  MatmulEfficiency efficiency[3];    // their shares of the peak by width
-  double costs[3] = {};              // a product call's, an attention head's, a fused attention head's fixed cost (s)
-  double kernels[4] = {};            // attention FLOP/s, memory B/s, optimizer B/s, fused attention FLOP/s
+  double peak[3] = {};             // fp32, bf16, fp16 matrix-product peaks (FLOP/s)
+  MatmulEfficiency efficiency[3];  // their shares of the peak by width
+  double costs[3] = {};            // a product call's, an attention head's, a fused attention head's fixed cost (s)
+  double kernels[4] = {};          // attention FLOP/s, memory B/s, optimizer B/s, fused attention FLOP/s
 };
 ComputeFigures measure_compute() {
   // Every rank computes at once, as in training; the slowest rank is what a step waits for (the
@@ -490,7 +494,8 @@ ComputeFigures measure_compute() {
   MPI_Allreduce(MPI_IN_PLACE, f.costs, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   double rates[3][kW];
   for (int d = 0; d < 3; ++d)
-    for (int w = 0; w < kW; ++w) rates[d][w] = block_matmul_rate(block_s[d][w], rows_at(kWidths[w]), kWidths[w], f.costs[0]);
+    for (int w = 0; w < kW; ++w)
+      rates[d][w] = block_matmul_rate(block_s[d][w], rows_at(kWidths[w]), kWidths[w], f.costs[0]);
   MPI_Allreduce(MPI_IN_PLACE, &rates[0][0], 3 * kW, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
   // Per dtype the peak is the best width's rate, the others a share of it.
   for (int d = 0; d < 3; ++d) {
@@ -503,26 +508,32 @@ ComputeFigures measure_compute() {
 
 // How a calibrated description was measured, for its `source`.
 std::string calibration_source(int world, const Link& intra, const Link& inter, const std::vector<std::string>& sets) {
-  std::string source = std::string("loom plan --calibrate, loom's host back end (BLAS on 1 thread), all ranks at once, slowest "
-                                    "rank: matrix products as 2 transformer blocks run them forward and backward at widths 64, "
-                                    "128 (1024 rows), 256 (512 rows), 512 (256 rows) (best of 3), less matmul_call_us per GEMM "
-                                    "(8 x 8 products, best batch of 200), the peak the best width's rate; "
-                                    "attention forward + backward at B=16, T=32, C=64 and B=4, T=256, C=256, 4 heads (best of "
-                                    "5 each; 12 B T^2 C FLOPs, B x heads fixed costs), the fused attention (model.attention = "
-                                    "flash) likewise; the call's and attention's short "
-                                    "measurements taken at the start, middle and end, the best kept; memory_gbs from a block's element-wise "
-                                    "kernels (LayerNorm, GELU, residual adds and copies) at 8192 x 256 fp32 (best of 4); "
-                                    "optimizer_gbs from gradient zeroing, norm, clip and AdamW over 4M parameters (best of 4); "
-                                    "bytes and FLOPs as loom plan counts them; memory = MemTotal / ranks per node; links "
-                                    "by ping-pong through loom's communicator while the other ranks wait in it: latency the "
-                                    "median one way of 8 B, bandwidth from the best of 1 MiB; sync_wait_share from 40 segments of a "
-                                    "block's element-wise kernels at 512 x 256 with an all-reduce of each pair of consecutive "
-                                    "ranks after each (every pair at once), against "
-                                    "the segments and the all-reduces alone (each rank's extra time over its segments' time, the "
-                                    "mean over ranks, the median of 5); host_gbs the optimizer's figure (the strategies' host "
-                                    "passes stream over memory as its pass does); host_link_gbs 0 (the devices are the host)") +
-      (world < 2 ? "" : intra.measured ? "" : "; no two ranks shared a node: inside-node figures are the between-node ones") +
-      (world < 2 ? "" : inter.measured ? "" : "; one node: between-node figures are the inside-node ones (not measured)");
+  std::string source =
+      std::string(
+          "loom plan --calibrate, loom's host back end (BLAS on 1 thread), all ranks at once, slowest "
+          "rank: matrix products as 2 transformer blocks run them forward and backward at widths 64, "
+          "128 (1024 rows), 256 (512 rows), 512 (256 rows) (best of 3), less matmul_call_us per GEMM "
+          "(8 x 8 products, best batch of 200), the peak the best width's rate; "
+          "attention forward + backward at B=16, T=32, C=64 and B=4, T=256, C=256, 4 heads (best of "
+          "5 each; 12 B T^2 C FLOPs, B x heads fixed costs), the fused attention (model.attention = "
+          "flash) likewise; the call's and attention's short "
+          "measurements taken at the start, middle and end, the best kept; memory_gbs from a block's element-wise "
+          "kernels (LayerNorm, GELU, residual adds and copies) at 8192 x 256 fp32 (best of 4); "
+          "optimizer_gbs from gradient zeroing, norm, clip and AdamW over 4M parameters (best of 4); "
+          "bytes and FLOPs as loom plan counts them; memory = MemTotal / ranks per node; links "
+          "by ping-pong through loom's communicator while the other ranks wait in it: latency the "
+          "median one way of 8 B, bandwidth from the best of 1 MiB; sync_wait_share from 40 segments of a "
+          "block's element-wise kernels at 512 x 256 with an all-reduce of each pair of consecutive "
+          "ranks after each (every pair at once), against "
+          "the segments and the all-reduces alone (each rank's extra time over its segments' time, the "
+          "mean over ranks, the median of 5); host_gbs the optimizer's figure (the strategies' host "
+          "passes stream over memory as its pass does); host_link_gbs 0 (the devices are the host)") +
+      (world < 2        ? ""
+       : intra.measured ? ""
+                        : "; no two ranks shared a node: inside-node figures are the between-node ones") +
+      (world < 2        ? ""
+       : inter.measured ? ""
+                        : "; one node: between-node figures are the inside-node ones (not measured)");
   if (!sets.empty()) {
     source += "; given, not measured:";
     for (const std::string& s : sets) source += " " + s;
@@ -574,8 +585,8 @@ void write_calibration(ClusterSpec c, const std::string& out_path, const std::ve
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path(), ec);
   const auto write = [&](const ClusterSpec& spec) {
     std::ofstream f(out_path + ".tmp");
-    f << "# loom cluster description, written by `loom plan --calibrate`; read with `loom plan --cluster "
-      << out_path << " --show`\n"
+    f << "# loom cluster description, written by `loom plan --calibrate`; read with `loom plan --cluster " << out_path
+      << " --show`\n"
       << cluster_text(spec);
     if (!f) throw InputError("cannot write " + quote_path(out_path) + " (folder not writable, or disk full)");
   };
@@ -648,9 +659,12 @@ int command_plan(const PlanOptions& options, const StrategyRegistry& registry, c
     what = default_cluster_file();
     if (what.empty()) {
       what = "h100-sxm";
-      note = "loom plan: NOTE: priced on the preset h100-sxm, not on this machine: there is no --cluster and no "
-             "calibration file " + calibration_path() + ". `loom plan --calibrate` measures this machine; "
-             "--cluster FILE|PRESET names another.\n";
+      note =
+          "loom plan: NOTE: priced on the preset h100-sxm, not on this machine: there is no --cluster and no "
+          "calibration file " +
+          calibration_path() +
+          ". `loom plan --calibrate` measures this machine; "
+          "--cluster FILE|PRESET names another.\n";
     }
   }
   const ClusterSpec c = load_cluster(what, cluster_sets);

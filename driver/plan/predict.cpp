@@ -21,20 +21,22 @@ namespace {
 
 std::array<double, kMemCategories> ledger_now() {
   std::array<double, kMemCategories> b{};
-  for (int i = 0; i < kMemCategories; ++i) b[static_cast<std::size_t>(i)] = static_cast<double>(Ledger::global().current(static_cast<Mem>(i)));
+  for (int i = 0; i < kMemCategories; ++i)
+    b[static_cast<std::size_t>(i)] = static_cast<double>(Ledger::global().current(static_cast<Mem>(i)));
   return b;
 }
 
 // Rank `rank` of the deck's layout, built as `loom run` builds it (make_pre_model_roles, the GPT,
 // assemble_roles, the engine) on the sizing back end and a planned grid: what it allocates is the
 // ledger's difference; then each role adds what its step takes.
-RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std::string& backend, int rank, int per_node,
-                            EngineConfig ec, double& flops_per_token) {
+RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std::string& backend, int rank,
+                            int per_node, EngineConfig ec, double& flops_per_token) {
   RankPrediction r;
   r.rank = rank;
   const std::array<double, kMemCategories> before = ledger_now();
   {
-    std::unique_ptr<Backend> be = backend == "cuda" ? make_cuda_sizing_backend() : make_sizing_backend(make_host_backend(1));
+    std::unique_ptr<Backend> be =
+        backend == "cuda" ? make_cuda_sizing_backend() : make_sizing_backend(make_host_backend(1));
     std::unique_ptr<ProcessGrid> grid = ProcessGrid::planned(plan.layout, rank, per_node);
     r.dp_rank = grid->dp_rank();
     r.tp_rank = grid->tp_rank();
@@ -45,7 +47,8 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std:
     AssembledRoles roles = assemble_roles(deck, plan.strategies, *grid, model, *be, ec, false);
     Engine engine(ec, model, *be, std::move(roles.engine));
     const std::array<double, kMemCategories> built = ledger_now();
-    for (int i = 0; i < kMemCategories; ++i) r.built[static_cast<std::size_t>(i)] = built[static_cast<std::size_t>(i)] - before[static_cast<std::size_t>(i)];
+    for (int i = 0; i < kMemCategories; ++i)
+      r.built[static_cast<std::size_t>(i)] = built[static_cast<std::size_t>(i)] - before[static_cast<std::size_t>(i)];
     r.params_held = model.num_params();
     r.layers = 0;
     for (const Stage::Chunk& c : model.stage().chunks) r.layers += c.end_layer - c.first_layer;
@@ -65,7 +68,6 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std:
   }
   return r;
 }
-
 
 double matmul_peak(const ClusterSpec& c, const std::string& precision) { return c.matmul_peak(precision); }
 
@@ -93,7 +95,8 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   // Products: 2 flops per multiply-add, backward twice the forward; the head's [N,C]x[C,V/tp] once
   // forward (one GEMM), twice backward (two).
   const double head_mm = last ? 2.0 * N * V * C / tp : 0.0;
-  const double mm_flops = mb * (layers_here * (b.matmul_flops_fwd * (1.0 + recompute) + b.matmul_flops_bwd) + 3.0 * head_mm);
+  const double mm_flops =
+      mb * (layers_here * (b.matmul_flops_fwd * (1.0 + recompute) + b.matmul_flops_bwd) + 3.0 * head_mm);
   const double gemms = mb * (layers_here * (b.gemms_fwd * (1.0 + recompute) + b.gemms_bwd) + (last ? 3.0 : 0.0));
   // Attention: forward + backward over this rank's heads (heads / tp), the forward a third of it
   // (FLOPs and fixed cost alike), again with recompute; the fused attention's forward 2 of its 7
@@ -105,10 +108,11 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   // Element-wise: the blocks' (block_counts), the head's LayerNorm and cross-entropy over its logits,
   // the embedding's lookup and gradient.
   using KB = KernelBytes;
-  const double head_bytes = last ? KB::crossentropy * N * V / tp + (KB::layernorm_fwd + KB::layernorm_bwd) * Nl * C : 0.0;
+  const double head_bytes =
+      last ? KB::crossentropy * N * V / tp + (KB::layernorm_fwd + KB::layernorm_bwd) * Nl * C : 0.0;
   const double emb_bytes = first ? KB::embedding * N * C : 0.0;
-  const double ew_bytes =
-      mb * (layers_here * (b.elementwise_bytes_fwd * (1.0 + recompute) + b.elementwise_bytes_bwd) + head_bytes + emb_bytes);
+  const double ew_bytes = mb * (layers_here * (b.elementwise_bytes_fwd * (1.0 + recompute) + b.elementwise_bytes_bwd) +
+                                head_bytes + emb_bytes);
   // The optimizer's pass: the gradients this rank holds zeroed, the elements it updates (AdamW's two
   // moments are the optimizer category's 8 bytes per element) normed, clipped and updated.
   const double grads = r.built[static_cast<int>(Mem::grads)] / 4.0;
@@ -172,8 +176,8 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t.comm_exposed_by_group.assign(exposed_by.begin(), exposed_by.end());
   // The pipeline's span: the schedule's own replay (StepPlan::pipeline_span) with each stage's ops
   // at that stage's predicted time per unit (its busy time, the slowest of its ranks, over its
-  // StepPlan::stage_units: forward 1, backward 2 per layer (3 with recompute), the head by its FLOPs), so that a stage's
-  // warm-up and cool-down ops cost what that stage's work is predicted to cost.
+  // StepPlan::stage_units: forward 1, backward 2 per layer (3 with recompute), the head by its FLOPs), so that a
+  // stage's warm-up and cool-down ops cost what that stage's work is predicted to cost.
   double busy = t.compute_s - t.optimizer_s;
   t.bubble = 0;
   if (l.pp > 1 && r.step.pipeline_span) {
@@ -201,19 +205,26 @@ std::string mib_or_gib(double b) { return format_bytes(b, ByteStyle::mib_gib); }
 // A rate readable at any size: 989.0 TFLOP/s, 47.3 GFLOP/s (a CPU's figure is not rounded to 0.0).
 std::string flops_text(double flops) {
   char buf[48];
-  if (flops >= 1e12) std::snprintf(buf, sizeof buf, "%.1f TFLOP/s", flops / 1e12);
-  else std::snprintf(buf, sizeof buf, "%.1f GFLOP/s", flops / 1e9);
+  if (flops >= 1e12)
+    std::snprintf(buf, sizeof buf, "%.1f TFLOP/s", flops / 1e12);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f GFLOP/s", flops / 1e9);
   return buf;
 }
 
 // A span of time in the unit that reads best: 84.2 ms, 12.5 s, 7.3 min, 2.4 h.
 std::string span_text(double s) {
   char buf[48];
-  if (s < 0.01) std::snprintf(buf, sizeof buf, "%.3f ms", s * 1e3);
-  else if (s < 1) std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
-  else if (s < 120) std::snprintf(buf, sizeof buf, "%.1f s", s);
-  else if (s < 7200) std::snprintf(buf, sizeof buf, "%.1f min", s / 60);
-  else std::snprintf(buf, sizeof buf, "%.1f h", s / 3600);
+  if (s < 0.01)
+    std::snprintf(buf, sizeof buf, "%.3f ms", s * 1e3);
+  else if (s < 1)
+    std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
+  else if (s < 120)
+    std::snprintf(buf, sizeof buf, "%.1f s", s);
+  else if (s < 7200)
+    std::snprintf(buf, sizeof buf, "%.1f min", s / 60);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f h", s / 3600);
   return buf;
 }
 
@@ -225,8 +236,10 @@ bool comm_hides(const CommCost& k, const Layout& l, const ClusterSpec& c) {
 
 bool group_in_node(const std::string& group, const Layout& l, int per_node) {
   int span = l.ranks();
-  if (group == "tp") span = l.tp;
-  else if (group == "dp") span = l.tp * l.dp;
+  if (group == "tp")
+    span = l.tp;
+  else if (group == "dp")
+    span = l.tp * l.dp;
   return span <= per_node;
 }
 
@@ -257,7 +270,9 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
     const RankPrediction& r = p.ranks.back();
     p.zero_stage = r.state_parts_split;
     p.precision = r.precision == "f32" ? "fp32" : r.precision == "f16" ? "fp16" : r.precision;
-    for (int i = 0; i < kMemCategories; ++i) p.peak[static_cast<std::size_t>(i)] = std::max(p.peak[static_cast<std::size_t>(i)], r.peak[static_cast<std::size_t>(i)]);
+    for (int i = 0; i < kMemCategories; ++i)
+      p.peak[static_cast<std::size_t>(i)] =
+          std::max(p.peak[static_cast<std::size_t>(i)], r.peak[static_cast<std::size_t>(i)]);
     if (r.total > p.peak_total) {
       p.peak_total = r.total;
       p.worst_rank = rank;
@@ -281,7 +296,8 @@ bool priced_as_flash(const GPTConfig& model, const ClusterSpec& cluster) {
 std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
   auto mem = [](const std::array<double, kMemCategories>& b, double total) {
     nlohmann::json j;
-    for (int i = 0; i < kMemCategories; ++i) j[mem_name(static_cast<Mem>(i))] = static_cast<std::int64_t>(b[static_cast<std::size_t>(i)]);
+    for (int i = 0; i < kMemCategories; ++i)
+      j[mem_name(static_cast<Mem>(i))] = static_cast<std::int64_t>(b[static_cast<std::size_t>(i)]);
     j["total"] = static_cast<std::int64_t>(total);
     return j;
   };
@@ -325,12 +341,14 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   const Layout& l = p.plan.layout;
   s << "plan: dp " << l.dp << " x tp " << l.tp << " x pp " << l.pp << " = " << l.ranks() << " device(s), "
     << p.plan.micro_batches << " micro-batch(es) of " << p.plan.rows_per_micro << " sequence(s), " << p.precision
-    << (p.zero_stage ? ", ZeRO stage " + std::to_string(p.zero_stage) : std::string()) << (p.plan.model.recompute ? ", recompute" : "")
-    << ", " << p.backend << " back end\n  on " << cluster.name << "\n";
-  s << "memory per rank (the ledger's categories; built = allocated when the run is set up, step = taken during a step):\n";
+    << (p.zero_stage ? ", ZeRO stage " + std::to_string(p.zero_stage) : std::string())
+    << (p.plan.model.recompute ? ", recompute" : "") << ", " << p.backend << " back end\n  on " << cluster.name << "\n";
+  s << "memory per rank (the ledger's categories; built = allocated when the run is set up, step = taken during a "
+       "step):\n";
   s << "  rank  coords(dp,tp,pp)";
   for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mem_name(static_cast<Mem>(i));
-  s << std::setw(13) << "total" << "\n";
+  s << std::setw(13) << "total"
+    << "\n";
   for (const RankPrediction& r : p.ranks) {
     s << "  " << std::setw(4) << r.rank << "  (" << r.dp_rank << "," << r.tp_rank << "," << r.pp_rank << ")          ";
     for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mib_or_gib(r.peak[static_cast<std::size_t>(i)]);
@@ -364,7 +382,8 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   }
   s << std::setprecision(0) << "  " << t.tokens_per_s << " tokens/s, MFU " << std::setprecision(1) << 100.0 * t.mfu
     << "% of " << l.ranks() << " x " << flops_text(matmul_peak(cluster, p.precision)) << " (" << p.precision << ")\n";
-  s << "  the run: " << p.steps << " steps (train.steps) x " << span_text(t.step_s) << " = " << span_text(t.step_s * static_cast<double>(p.steps))
+  s << "  the run: " << p.steps << " steps (train.steps) x " << span_text(t.step_s) << " = "
+    << span_text(t.step_s * static_cast<double>(p.steps))
     << " of training steps (evaluation, checkpoints and start-up not counted)\n";
   if (p.backend == "host" && cluster.host_link_bytes_per_s > 0)
     s << "  NOTE: this deck runs on the host back end (run.backend), but " << cluster.name << " is a cluster of GPUs: "

@@ -21,16 +21,18 @@ struct RankPrediction {
   std::int64_t params_held = 0;  // parameter elements on this rank
   int layers = 0;                // blocks on this rank's pipeline stage
   bool first = true, last = true, sequence_parallel = false;
-  std::string precision;         // the products' operand type
-  int state_parts_split = 0;     // how many of weights, gradients, optimizer state the dp ranks split (GradSync::state_sharding)
-  StepPlan step;                 // its step's scratch, messages, pipeline replay (stage_units, pipeline_span)
+  std::string precision;  // the products' operand type
+  int state_parts_split =
+      0;          // how many of weights, gradients, optimizer state the dp ranks split (GradSync::state_sharding)
+  StepPlan step;  // its step's scratch, messages, pipeline replay (stage_units, pipeline_span)
 };
 
 struct TimePrediction {
   double compute_s = 0, matmul_s = 0, attention_s = 0, elementwise_s = 0, optimizer_s = 0;
-  double strategies_s = 0;  // the strategies' own host passes (StepPlan::host_bytes), their copies (host_copy_bytes), their back-end passes (backend_bytes)
+  double strategies_s = 0;  // the strategies' own host passes (StepPlan::host_bytes), their copies (host_copy_bytes),
+                            // their back-end passes (backend_bytes)
   double comm_s = 0, comm_exposed_s = 0;  // all of it, and what does not hide behind compute
-  double sync_wait_s = 0;  // waits for the slowest rank of a group at in-step synchronisations
+  double sync_wait_s = 0;                 // waits for the slowest rank of a group at in-step synchronisations
   double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
   std::vector<double> stage_busy_s;  // per pipeline stage, its slowest rank's forward + backward compute
   std::vector<double> stage_units;   // per stage, its work in the replay's units (StepPlan::stage_units)
@@ -43,7 +45,8 @@ struct Prediction {
   LayoutPlan plan;
   std::string backend = "host";  // the back end whose memory is planned (planned_backend)
   std::string precision = "fp32";
-  int zero_stage = 0;  // the parts of the model state the dp ranks split: ZeRO's stage (RankPrediction::state_parts_split)
+  int zero_stage =
+      0;  // the parts of the model state the dp ranks split: ZeRO's stage (RankPrediction::state_parts_split)
   std::int64_t steps = 0;  // the deck's train.steps: the run's time is steps x step
   std::vector<RankPrediction> ranks;
   std::array<double, kMemCategories> peak{};  // the largest over ranks, per category

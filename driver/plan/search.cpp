@@ -117,7 +117,8 @@ PlanSearch::PlanSearch(const StrategyRegistry& r, const DeckSchema& s, std::stri
   for (const auto& [name, info] : registry.all())
     for (const PlanDimension& d : info.plan.dimensions)
       if (d.values) dims.push_back(d);
-  std::stable_sort(dims.begin(), dims.end(), [](const PlanDimension& a, const PlanDimension& b) { return a.nest < b.nest; });
+  std::stable_sort(dims.begin(), dims.end(),
+                   [](const PlanDimension& a, const PlanDimension& b) { return a.nest < b.nest; });
 }
 
 std::vector<const PlanDimension*> PlanSearch::columns() const { return by_column(&dims); }
@@ -128,8 +129,9 @@ Variant PlanSearch::normalise(Variant v, const Deck& base) const {
     const std::vector<std::string> values = d.values(v.point(&base));
     const std::string now = v.get(d.key);
     if (values.empty()) {
-      v.settings.erase(std::remove_if(v.settings.begin(), v.settings.end(), [&](const auto& kv) { return kv.first == d.key; }),
-                       v.settings.end());
+      v.settings.erase(
+          std::remove_if(v.settings.begin(), v.settings.end(), [&](const auto& kv) { return kv.first == d.key; }),
+          v.settings.end());
     } else if (std::find(values.begin(), values.end(), now) == values.end()) {
       v.set(d.key, values.front());
     }
@@ -171,8 +173,9 @@ Candidate PlanSearch::evaluate(const Variant& v, bool every_rank) const {
     c.built = true;
     c.over = c.p.peak_total - cluster.device_memory_bytes;
     c.fits = c.over <= 0;
-    if (!c.fits) c.reason = "out of memory by " + gib(c.over) + " (rank " + std::to_string(c.p.worst_rank) + " needs " +
-                            gib(c.p.peak_total) + ")";
+    if (!c.fits)
+      c.reason = "out of memory by " + gib(c.over) + " (rank " + std::to_string(c.p.worst_rank) + " needs " +
+                 gib(c.p.peak_total) + ")";
   } catch (const InputError& e) {
     // The first clause says what does not divide or combine; the rest lists what would.
     std::string why = e.what();
@@ -269,10 +272,12 @@ std::string layout_table(const std::vector<Candidate>& all) {
     if (best) {
       s << std::setw(10) << fixed(best->p.time.tokens_per_s, 0) << "   " << best->v.describe() << "\n";
     } else if (closest) {
-      s << std::setw(10) << "-" << "   out of memory by " << gib(closest->over) << " at the least (" << closest->v.describe()
-        << ": " << gib(closest->p.peak_total) << ")\n";
+      s << std::setw(10) << "-"
+        << "   out of memory by " << gib(closest->over) << " at the least (" << closest->v.describe() << ": "
+        << gib(closest->p.peak_total) << ")\n";
     } else {
-      s << std::setw(10) << "-" << "   " << first.reason << "\n";
+      s << std::setw(10) << "-"
+        << "   " << first.reason << "\n";
     }
   }
   return s.str();
@@ -289,15 +294,18 @@ std::string cell(const PlanDimension& d, const Variant& v) {
 std::string candidate_row(int index, const Candidate& c, const std::vector<const PlanDimension*>& columns) {
   std::ostringstream s;
   const Variant& v = c.v;
-  s << "  " << std::setw(3) << index << std::setw(5) << v.dp << std::setw(4) << v.tp << std::setw(4) << v.pp << std::setw(5)
-    << v.micro;
+  s << "  " << std::setw(3) << index << std::setw(5) << v.dp << std::setw(4) << v.tp << std::setw(4) << v.pp
+    << std::setw(5) << v.micro;
   for (const PlanDimension* d : columns) s << std::setw(d->width) << cell(*d, v);
   if (!c.built) return s.str() + "   " + c.reason + "\n";
   const TimePrediction& t = c.p.time;
   const double step_ms = t.step_s * 1e3;
-  s << std::setw(11) << gib(c.p.peak_total) << std::setw(10) << fixed(step_ms, step_ms < 1 ? 4 : step_ms < 100 ? 2 : 1) << std::setw(11)
-    << fixed(t.tokens_per_s, 0) << std::setw(6) << fixed(100 * t.mfu, 1) << std::setw(7) << fixed(t.bubble, 3)
-    << std::setw(10) << fixed(t.comm_exposed_s * 1e3, 1);
+  s << std::setw(11) << gib(c.p.peak_total) << std::setw(10)
+    << fixed(step_ms, step_ms < 1     ? 4
+                      : step_ms < 100 ? 2
+                                      : 1)
+    << std::setw(11) << fixed(t.tokens_per_s, 0) << std::setw(6) << fixed(100 * t.mfu, 1) << std::setw(7)
+    << fixed(t.bubble, 3) << std::setw(10) << fixed(t.comm_exposed_s * 1e3, 1);
   if (!c.fits) s << "   out of memory by " << gib(c.over);
   return s.str() + "\n";
 }
@@ -313,16 +321,20 @@ std::string row_header(const std::vector<const PlanDimension*>& columns) {
 nlohmann::json typed(const PlanDimension& d, const std::string& value) {
   if (value.empty()) return nlohmann::json();
   switch (d.json_type) {
-    case PlanDimension::Json::integer: return std::stoll(value);
-    case PlanDimension::Json::boolean: return value == "true";
-    case PlanDimension::Json::text: break;
+    case PlanDimension::Json::integer:
+      return std::stoll(value);
+    case PlanDimension::Json::boolean:
+      return value == "true";
+    case PlanDimension::Json::text:
+      break;
   }
   return value;
 }
 
 }  // namespace
 
-std::string describe_search(const PlanSearch& search, const std::vector<Candidate>& all, int devices, int top, bool every) {
+std::string describe_search(const PlanSearch& search, const std::vector<Candidate>& all, int devices, int top,
+                            bool every) {
   const ClusterSpec& cluster = search.cluster;
   const std::vector<const PlanDimension*> columns = search.columns();
   const std::string header = row_header(columns);
@@ -341,7 +353,8 @@ std::string describe_search(const PlanSearch& search, const std::vector<Candidat
   if (fit == 0) {  // with nothing buildable, command_plan_deck says why (exit 2) instead
     if (built > 0) s << "no candidate fits: more devices, a smaller batch per micro-batch or a larger device\n";
   } else {
-    s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n" << header;
+    s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n"
+      << header;
     for (int i = 0; i < std::min(top, fit); ++i) s << candidate_row(i + 1, all[static_cast<std::size_t>(i)], columns);
     s << "chosen: " << all.front().v.describe() << "\n";
   }
@@ -356,7 +369,7 @@ std::string search_json(const PlanSearch& search, const std::vector<Candidate>& 
   const ClusterSpec& cluster = search.cluster;
   nlohmann::json list = nlohmann::json::array();
   for (const Candidate& c : all) {
-    nlohmann::json j = {{"dp", c.v.dp}, {"tp", c.v.tp}, {"pp", c.v.pp}, {"micro_batches", c.v.micro},
+    nlohmann::json j = {{"dp", c.v.dp},   {"tp", c.v.tp},      {"pp", c.v.pp}, {"micro_batches", c.v.micro},
                         {"fits", c.fits}, {"reason", c.reason}};
     for (const PlanDimension& d : search.dims) {
       const std::string value = c.v.get(d.key);
@@ -409,8 +422,9 @@ int command_plan_deck(const PlanOptions& o, const StrategyRegistry& registry, co
     const auto most = std::max_element(reasons.begin(), reasons.end(),
                                        [](const auto& a, const auto& b) { return a.second < b.second; });
     throw InputError("loom plan: no layout of " + std::to_string(o.devices) + " devices can be built for " + o.deck +
-                     (most == reasons.end() ? std::string() : ": " + most->first + " (" + std::to_string(most->second) +
-                                                                  " of " + std::to_string(all.size()) + " candidates)"));
+                     (most == reasons.end() ? std::string()
+                                            : ": " + most->first + " (" + std::to_string(most->second) + " of " +
+                                                  std::to_string(all.size()) + " candidates)"));
   }
   if (!o.memo.empty()) {
     if (all.empty() || !all.front().fits)

@@ -18,9 +18,9 @@ struct Variant {
   int dp = 1, tp = 1, pp = 1, micro = 1;
   // Each search dimension's deck key and value, in the search's nest order (PlanDimension::nest).
   std::vector<std::pair<std::string, std::string>> settings;
-  std::vector<std::string> extra;                    // further deck overrides (the memo's what-ifs)
-  const std::vector<PlanDimension>* dims = nullptr;  // the search's dimensions, in nest order
-  std::string get(const std::string& key) const;    // "" when not set
+  std::vector<std::string> extra;                              // further deck overrides (the memo's what-ifs)
+  const std::vector<PlanDimension>* dims = nullptr;            // the search's dimensions, in nest order
+  std::string get(const std::string& key) const;               // "" when not set
   void set(const std::string& key, const std::string& value);  // in its nest place
   bool recompute() const { return get(kRecomputeKey) == "true"; }
   std::vector<std::string> sets() const;  // the deck overrides that express it
@@ -64,7 +64,8 @@ struct PlanSearch {
   std::vector<PlanLever> levers(const std::string& bottleneck, const PlanPoint& p) const;
 };
 
-std::string describe_search(const PlanSearch& search, const std::vector<Candidate>& all, int devices, int top, bool every);
+std::string describe_search(const PlanSearch& search, const std::vector<Candidate>& all, int devices, int top,
+                            bool every);
 std::string search_json(const PlanSearch& search, const std::vector<Candidate>& all, int devices);
 // The memo of the chosen (first) candidate, written to options.memo (driver/plan/memo.cpp).
 void write_memo(const PlanSearch& search, const PlanOptions& options, const std::vector<Candidate>& all);

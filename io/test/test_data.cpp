@@ -41,8 +41,8 @@ void put_le32(std::string& s, std::size_t at, std::int32_t v) {
 }
 
 // An llm.c shard: 256 int32 header (magic, version, count) then uint16 tokens, little-endian.
-std::string shard_bytes(const std::vector<std::uint16_t>& toks, std::int32_t magic = 20240520,
-                        std::int32_t version = 1, std::int64_t count = -1) {
+std::string shard_bytes(const std::vector<std::uint16_t>& toks, std::int32_t magic = 20240520, std::int32_t version = 1,
+                        std::int64_t count = -1) {
   std::string s(1024 + 2 * toks.size(), '\0');
   put_le32(s, 0, magic);
   put_le32(s, 4, version);
@@ -82,7 +82,8 @@ std::string input_error(F f) {
   return {};
 }
 
-#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nmissing: " << (part)
+#define EXPECT_HAS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nmissing: " << (part)
 
 DataConfig text_cfg(const fs::path& p, int T = 16, double val = 0.1) {
   DataConfig c;

@@ -121,19 +121,19 @@ TEST(Deck, DefaultsWhenEmpty) {
 TEST(Deck, ReadsValuesWithLinesAndComments) {
   const DeckSchema s = core_schema();
   const std::string text =
-      "# a deck\n"                     // 1
-      "\n"                             // 2
-      "[model]\n"                      // 3
-      "layers = 8   # deeper\n"        // 4
-      "  d_model=256\n"                // 5
-      "   # indented comment\n"        // 6
-      "[train]\n"                      // 7
-      "lr = 1e-3\n"                    // 8
-      "schedule = constant\n"          // 9
-      "[data]\n"                       // 10
-      "source = text:corpus.txt\r\n"   // 11
-      "[model]\n"                      // 12
-      "recompute = yes\n";             // 13
+      "# a deck\n"                    // 1
+      "\n"                            // 2
+      "[model]\n"                     // 3
+      "layers = 8   # deeper\n"       // 4
+      "  d_model=256\n"               // 5
+      "   # indented comment\n"       // 6
+      "[train]\n"                     // 7
+      "lr = 1e-3\n"                   // 8
+      "schedule = constant\n"         // 9
+      "[data]\n"                      // 10
+      "source = text:corpus.txt\r\n"  // 11
+      "[model]\n"                     // 12
+      "recompute = yes\n";            // 13
   const Deck d = parse_deck(s, text, "deck.ini");
   EXPECT_EQ(d.get_int("model.layers"), 8);
   EXPECT_EQ(d.get_int("model.d_model"), 256);
@@ -153,11 +153,9 @@ TEST(Deck, ReadsValuesWithLinesAndComments) {
 TEST(Deck, Booleans) {
   const DeckSchema s = core_schema();
   for (const char* t : {"true", "1", "yes", "on", "True", "YES"})
-    EXPECT_TRUE(parse_deck(s, std::string("[model]\nrecompute = ") + t + "\n", "d").get_bool("model.recompute"))
-        << t;
+    EXPECT_TRUE(parse_deck(s, std::string("[model]\nrecompute = ") + t + "\n", "d").get_bool("model.recompute")) << t;
   for (const char* f : {"false", "0", "no", "off", "OFF"})
-    EXPECT_FALSE(parse_deck(s, std::string("[model]\nrecompute = ") + f + "\n", "d").get_bool("model.recompute"))
-        << f;
+    EXPECT_FALSE(parse_deck(s, std::string("[model]\nrecompute = ") + f + "\n", "d").get_bool("model.recompute")) << f;
   const Deck d = parse_deck(s, "[model]\nrecompute = on\n", "d");
   EXPECT_EQ(d.values().at("model.recompute"), "true");  // normalized
   const std::string e = error_of("[model]\nrecompute = maybe\n");
@@ -259,7 +257,8 @@ TEST(Deck, ThreadsAutoOrCount) {
   EXPECT_EQ(parse_deck(s, "", "d", {"run.threads=1024"}).get_string("run.threads"), "1024");
   for (const char* bad : {"0", "-2", "1025", "2.5", "Auto", "four", "8 threads"}) {
     const std::string e = error_of(std::string("[run]\nthreads = ") + bad + "\n");
-    EXPECT_HAS(e, std::string("deck.ini:2: run.threads = '") + bad + "' is not allowed (allowed: auto, or an integer in [1, 1024])");
+    EXPECT_HAS(e, std::string("deck.ini:2: run.threads = '") + bad +
+                      "' is not allowed (allowed: auto, or an integer in [1, 1024])");
   }
 }
 
@@ -304,14 +303,18 @@ TEST(Deck, UnknownKey) {
   const std::string e = error_of("[model]\nlayers = 2\n[train]\nsteps = 5\n\n\nlearning_rate = 1e-3\n");
   EXPECT_HAS(e, "deck.ini:7: unknown key 'train.learning_rate' in section [train]; did you mean 'train.lr'?");
   EXPECT_HAS(e, "(valid keys: steps, batch, micro_batches, lr,");
-  EXPECT_HAS(error_of("[model]\nlayer = 2\n"), "deck.ini:2: unknown key 'model.layer' in section [model]; did you mean 'model.layers'?");
+  EXPECT_HAS(error_of("[model]\nlayer = 2\n"),
+             "deck.ini:2: unknown key 'model.layer' in section [model]; did you mean 'model.layers'?");
   // A key of another section is pointed there.
-  EXPECT_HAS(error_of("[model]\nlr = 2\n"), "deck.ini:2: unknown key 'model.lr' in section [model]; did you mean 'train.lr'?");
+  EXPECT_HAS(error_of("[model]\nlr = 2\n"),
+             "deck.ini:2: unknown key 'model.lr' in section [model]; did you mean 'train.lr'?");
 }
 
 TEST(Deck, UnknownSection) {
   const std::string e = error_of("# x\n\n[modle]\nlayers = 2\n");
-  EXPECT_HAS(e, "deck.ini:3: unknown section [modle]; did you mean [model]? (valid sections: model, data, train, parallel, run, checkpoint)");
+  EXPECT_HAS(e,
+             "deck.ini:3: unknown section [modle]; did you mean [model]? (valid sections: model, data, train, "
+             "parallel, run, checkpoint)");
   EXPECT_HAS(error_of("[Train]\n"), "deck.ini:1: unknown section [Train]; did you mean [train]?");
   EXPECT_HAS(error_of("[ model ]\n"), "deck.ini:1: section header '[ model ]' contains spaces; write [model]");
   EXPECT_HAS(error_of("[]\n"), "deck.ini:1: empty section name");
@@ -347,7 +350,7 @@ TEST(Deck, FirstErrorInFileOrder) {
 TEST(Deck, SetOverrides) {
   const DeckSchema s = core_schema();
   const Deck d = parse_deck(s, "[train]\nlr = 1e-3\nsteps = 10\n", "deck.ini",
-                             {"train.lr=2e-3", "model.layers = 6", "train.lr=5e-3", "data.val_source=text:v.txt"});
+                            {"train.lr=2e-3", "model.layers = 6", "train.lr=5e-3", "data.val_source=text:v.txt"});
   EXPECT_DOUBLE_EQ(d.get_float("train.lr"), 5e-3);  // the later --set wins
   EXPECT_EQ(d.origin("train.lr"), "--set");
   EXPECT_EQ(d.get_int("model.layers"), 6);
@@ -357,7 +360,8 @@ TEST(Deck, SetOverrides) {
   EXPECT_EQ(d.origin("train.steps"), "deck.ini:3");
   EXPECT_EQ(d.get_string("data.val_source"), "text:v.txt");
   // A --set with an empty value is allowed where the key allows it.
-  EXPECT_EQ(parse_deck(s, "[data]\nval_source = text:a\n", "d", {"data.val_source="}).get_string("data.val_source"), "");
+  EXPECT_EQ(parse_deck(s, "[data]\nval_source = text:a\n", "d", {"data.val_source="}).get_string("data.val_source"),
+            "");
 }
 
 TEST(Deck, SetErrors) {
@@ -371,7 +375,9 @@ TEST(Deck, SetErrors) {
   EXPECT_HAS(e, "--set train.lr: expected section.key=value");
   EXPECT_HAS(e, "nearest key: 'train.lr'");
   e = error_of("", {"train.learning_rate=1e-3"});
-  EXPECT_HAS(e, "--set train.learning_rate=1e-3: unknown key 'train.learning_rate' in section [train]; did you mean 'train.lr'?");
+  EXPECT_HAS(
+      e,
+      "--set train.learning_rate=1e-3: unknown key 'train.learning_rate' in section [train]; did you mean 'train.lr'?");
   e = error_of("", {"trian.steps=3"});
   EXPECT_HAS(e, "--set trian.steps=3: unknown key 'trian.steps'; did you mean 'train.steps'?");
   e = error_of("", {"run.dir=a#b"});
@@ -384,7 +390,7 @@ TEST(Deck, SetErrors) {
 TEST(Deck, ResolvedTextRoundTrips) {
   const DeckSchema s = core_schema();
   const Deck d = parse_deck(s, "[model]\nlayers = 1e1\nrecompute = on\n[train]\nlr = 6e-4\nschedule = constant\n",
-                             "deck.ini", {"run.dir=runs/x y", "train.seed=42"});
+                            "deck.ini", {"run.dir=runs/x y", "train.seed=42"});
   const std::string t = d.resolved_text();
   EXPECT_EQ(t.rfind("#", 0), 0u);  // header comment
   EXPECT_HAS(t, "[model]\nlayers = 10\n");

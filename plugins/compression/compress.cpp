@@ -27,7 +27,8 @@ void orthogonalize(float* p, int n, int r, double eps) {
     double norm = 0;
     for (double v : col) norm += v * v;
     norm = std::max(std::sqrt(norm), eps);
-    for (int i = 0; i < n; ++i) p[static_cast<std::int64_t>(i) * r + j] = static_cast<float>(col[static_cast<std::size_t>(i)] / norm);
+    for (int i = 0; i < n; ++i)
+      p[static_cast<std::int64_t>(i) * r + j] = static_cast<float>(col[static_cast<std::size_t>(i)] / norm);
   }
 }
 

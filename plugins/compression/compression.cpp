@@ -55,8 +55,12 @@ namespace {
 enum class Method { none, fp16, bf16, int8, topk, powersgd };
 
 Method method_of(const std::string& m) {
-  return m == "fp16" ? Method::fp16 : m == "bf16" ? Method::bf16 : m == "int8" ? Method::int8
-         : m == "topk" ? Method::topk : m == "powersgd" ? Method::powersgd : Method::none;
+  return m == "fp16"       ? Method::fp16
+         : m == "bf16"     ? Method::bf16
+         : m == "int8"     ? Method::int8
+         : m == "topk"     ? Method::topk
+         : m == "powersgd" ? Method::powersgd
+                           : Method::none;
 }
 
 struct Config {
@@ -111,20 +115,23 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // residual_forward and axpy), where the gradients are, and keeps its state there; PowerSGD
     // orthogonalises its small P factors on the host (a copy of them there and back on a device).
     if (cfg.method == Method::fp16 || cfg.method == Method::bf16)
-      inner_ = std::make_unique<CastReducer>(std::move(inner), be, cfg.method == Method::fp16 ? DType::f16 : DType::bf16);
+      inner_ =
+          std::make_unique<CastReducer>(std::move(inner), be, cfg.method == Method::fp16 ? DType::f16 : DType::bf16);
     else
       inner_ = std::move(inner);
     // Error feedback keeps a residual per tensor this rank holds, which each bucket gathers and
     // scatters (the parts it holds: ZeRO-2/3 hand over pieces of tensors); PowerSGD a Q per matrix
     // it compresses. Both are made now, so that checkpoints list the same tensors from the start.
-    feedback_ = cfg.error_feedback && (cfg.method == Method::int8 || cfg.method == Method::topk ||
-                                       cfg.method == Method::powersgd);
+    feedback_ = cfg.error_feedback &&
+                (cfg.method == Method::int8 || cfg.method == Method::topk || cfg.method == Method::powersgd);
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
       if (feedback_)
-        residual_[static_cast<int>(i)] = be_.allocate("compression::residual." + p.name, DType::f32, p.numel(), Mem::comm);
+        residual_[static_cast<int>(i)] =
+            be_.allocate("compression::residual." + p.name, DType::f32, p.numel(), Mem::comm);
       if (cfg.method == Method::powersgd && compressed(p)) {
-        q_[static_cast<int>(i)] = be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape()[1] * cfg.rank, Mem::comm);
+        q_[static_cast<int>(i)] =
+            be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape()[1] * cfg.rank, Mem::comm);
         init_q(static_cast<int>(i), 0);
       }
     }
@@ -132,7 +139,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::string name() const override {
     std::ostringstream s;
     s << cfg_.method_name;
-    if (cfg_.method == Method::int8) s << " (chunks of " << cfg_.chunk << ", " << compress::int8_levels(dp_.size()) << " levels)";
+    if (cfg_.method == Method::int8)
+      s << " (chunks of " << cfg_.chunk << ", " << compress::int8_levels(dp_.size()) << " levels)";
     if (cfg_.method == Method::topk) s << " (ratio " << cfg_.ratio << ")";
     if (cfg_.method == Method::powersgd) s << " (rank " << cfg_.rank << ", from step " << cfg_.start_step + 1 << ")";
     if (cfg_.method == Method::int8 || cfg_.method == Method::topk || cfg_.method == Method::powersgd)
@@ -185,10 +193,18 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         formula_ += fp32_factor * 2 * n;
         req = inner_->reduce_async(b);
         break;
-      case Method::int8: req = int8(b, fp32_factor); break;
-      case Method::topk: req = topk(b); break;
-      case Method::powersgd: req = powersgd(b, fp32_factor); break;
-      case Method::none: req = inner_->reduce_async(b); break;
+      case Method::int8:
+        req = int8(b, fp32_factor);
+        break;
+      case Method::topk:
+        req = topk(b);
+        break;
+      case Method::powersgd:
+        req = powersgd(b, fp32_factor);
+        break;
+      case Method::none:
+        req = inner_->reduce_async(b);
+        break;
     }
     seconds_ += seconds_since(t0);
     return req;
@@ -214,14 +230,15 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // (8). (The replica hash is once a step: plan_step.)
     const double fb = feedback_ ? 28.0 : 0.0, elems = static_cast<double>(n);
     auto all_reduce = [&](const std::string& of, std::int64_t count) {
-      plan.add_comm({dp_.name(), w + " " + of + " all-reduce", ring_all_reduce_bytes(4.0 * static_cast<double>(count), N),
-                     2.0 * (N - 1), false});
+      plan.add_comm({dp_.name(), w + " " + of + " all-reduce",
+                     ring_all_reduce_bytes(4.0 * static_cast<double>(count), N), 2.0 * (N - 1), false});
       return static_cast<double>(ring_all_reduce_scratch(count, N, sizeof(float)));
     };
     switch (cfg_.method) {
       case Method::int8: {
         const std::int64_t ch = compress::chunk_count(n, cfg_.chunk);
-        plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(ch + 1) + static_cast<double>(n));  // absmax, q
+        plan.add_scratch(Mem::comm,
+                         residual + 4.0 * static_cast<double>(ch + 1) + static_cast<double>(n));  // absmax, q
         share();
         const double maxima = all_reduce("chunk maxima", ch + 1);
         // finiteness (4) and chunk maxima (4) reads, quantising (read 4, int8 1, error 4), the
@@ -236,15 +253,16 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       case Method::topk: {
         const std::int64_t k = compress::top_k_count(n, cfg_.ratio);
         planned_topk_scratch_ = std::max(planned_topk_scratch_, be_.topk_scratch_bytes(n));  // the back end's, kept
-        const double bytes = 8.0 * static_cast<double>(k);  // indices, values
-        plan.add_scratch(Mem::comm, residual + bytes + bytes * N);  // send, recv
+        const double bytes = 8.0 * static_cast<double>(k);                                   // indices, values
+        plan.add_scratch(Mem::comm, residual + bytes + bytes * N);                           // send, recv
         share();
         plan.add_comm({dp_.name(), w + " all-gather", ring_all_gather_bytes(bytes * N, N), N - 1.0, false});
         // The back end's passes: the selection's reads of x (the host's finiteness, histogram,
         // members and write passes: 16; a device's three digit passes, count and write: 20, priced)
         // and its k pairs written; the unsent part kept (a copy, 8, and k entries cleared, with
         // feedback); the sum cleared (4) before each rank's k pairs are added (read 8, x 8).
-        plan.backend_bytes += elems * (fb + 20 + (feedback_ ? 8 : 0) + 4) + bytes * (feedback_ ? 2 : 1) + 2.0 * bytes * N;
+        plan.backend_bytes +=
+            elems * (fb + 20 + (feedback_ ? 8 : 0) + 4) + bytes * (feedback_ ? 2 : 1) + 2.0 * bytes * N;
         return {};
       }
       case Method::powersgd: {
@@ -261,10 +279,12 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         // the earlier ones), on a device through a copy there and back.
         const double mats = elems - static_cast<double>(split.plain_total);
         const double p = static_cast<double>(split.p_total);
-        plan.backend_bytes += elems * fb + mats * (12 + (feedback_ ? 20 : 0)) + 16.0 * static_cast<double>(split.plain_total);
+        plan.backend_bytes +=
+            elems * fb + mats * (12 + (feedback_ ? 20 : 0)) + 16.0 * static_cast<double>(split.plain_total);
         plan.host_bytes += 8.0 * p * (cfg_.rank + 1);
         plan.host_copy_bytes += 8.0 * p;
-        plan.add_scratch(Mem::comm, residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
+        plan.add_scratch(Mem::comm,
+                         residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
         if (!split.mats.empty()) share();  // a bucket of plain tensors only never gathers its residuals
         // Each all-reduce completes before the next starts (dp_.all_reduce); the bucket's request is
         // complete when it returns.
@@ -275,7 +295,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         }
         return s;
       }
-      default: return inner_->plan_bucket(plan, b, w);
+      default:
+        return inner_->plan_bucket(plan, b, w);
     }
   }
 
@@ -308,7 +329,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
                   format_bytes(means.at("compression_bytes")).c_str(),
                   format_bytes(means.at("compression_uncompressed_bytes")).c_str(), means.at("compression_ratio"),
                   means.at("compression_formula_ratio"), 1e3 * means.at("compression_seconds"),
-                  identical == 1 ? "every step" : identical < 0 ? "(not checked: parameters kept in shares)" : "NOT every step");
+                  identical == 1  ? "every step"
+                  : identical < 0 ? "(not checked: parameters kept in shares)"
+                                  : "NOT every step");
     return {line};
   }
 
@@ -334,8 +357,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     TypedBuffer residual, absmax, q, send, recv, packed;
   };
   State& state(const GradBucket& b) {
-    State& s = b.tensors.empty() ? state_[{-1 - b.index, 0}]
-                                 : state_[{b.tensors.front().param, b.tensors.front().begin}];
+    State& s =
+        b.tensors.empty() ? state_[{-1 - b.index, 0}] : state_[{b.tensors.front().param, b.tensors.front().begin}];
     if (s.count != b.data.count) {
       s = State();
       s.count = b.data.count;
@@ -381,7 +404,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     if (e) be_.residual_forward(x, x, e, n);  // x += residual
   }
   bool compressed(const ParamInfo& p) const {
-    return p.local_shape().size() == 2 && compress::worth_compressing(p.local_shape()[0], p.local_shape()[1], cfg_.rank, cfg_.min_rate);
+    return p.local_shape().size() == 2 &&
+           compress::worth_compressing(p.local_shape()[0], p.local_shape()[1], cfg_.rank, cfg_.min_rate);
   }
 
   CommRequestPtr int8(const GradBucket& b, double fp32_factor) {
@@ -443,7 +467,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
           be->fill(x, 0.0f, n);
           for (int r = 0; r < N; ++r) {  // rank order: the same sum on every rank
             const std::uint8_t* at = recv + static_cast<std::int64_t>(r) * 8 * k;
-            be->topk_scatter_add(x, reinterpret_cast<const std::int32_t*>(at), reinterpret_cast<const float*>(at + 4 * k), k);
+            be->topk_scatter_add(x, reinterpret_cast<const std::int32_t*>(at),
+                                 reinterpret_cast<const float*>(at + 4 * k), k);
           }
         });
   }
@@ -456,7 +481,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const std::uint64_t stream = rng::hash_name(p.name);
     const std::uint64_t salt = static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ULL;
     std::vector<float> d(static_cast<std::size_t>(q.count()));
-    for (std::int64_t i = 0; i < q.count(); ++i) d[static_cast<std::size_t>(i)] = static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
+    for (std::int64_t i = 0; i < q.count(); ++i)
+      d[static_cast<std::size_t>(i)] =
+          static_cast<float>(rng::normal(cfg_.seed ^ salt, stream, static_cast<std::uint64_t>(i)));
     be_.copy_from_host(q.ref(), d.data());
   }
   float* q_of(const GradBucket::Tensor& t) {
@@ -543,17 +570,17 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     float* Qs = s.recv.data<float>();
     float* e = gather_residual(b, s);
     const MemSpace at = be_.space();  // the matrices, P, Q and the residuals are the back end's
-    for (const Mat& a : mats) {  // M = g + e (kept in the residual buffer), P = M Q
+    for (const Mat& a : mats) {       // M = g + e (kept in the residual buffer), P = M Q
       float* M = x + a.t->offset;
       if (e) be_.residual_forward(M, M, e + a.t->offset, a.n * a.m);
       be_.matmul(BufferRef(P + a.p_at, a.n * r, at), BufferRef(M, a.n * a.m, at), BufferRef(q_of(*a.t), a.m * r, at),
-                   static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
+                 static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
     }
     dp_.all_reduce(s.send.ref().slice(0, p_total), ReduceOp::sum);
     orthogonalize_all(mats, P, p_total);
     for (const Mat& a : mats) {  // Q = M^T P
       be_.matmul(BufferRef(Qs + a.q_at, a.m * r, at), BufferRef(x + a.t->offset, a.n * a.m, at),
-                   BufferRef(P + a.p_at, a.n * r, at), static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
+                 BufferRef(P + a.p_at, a.n * r, at), static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
     }
     dp_.all_reduce(s.recv.ref().slice(0, q_total), ReduceOp::sum);
     for (const Mat& a : mats) {  // the sum ~ P Q^T; residual = M - P Q^T / N
@@ -562,7 +589,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       be_.copy(q, Qs + a.q_at, a.m * r);  // warm start
       if (e) be_.copy(e + a.t->offset, M, a.n * a.m);
       be_.matmul(BufferRef(M, a.n * a.m, at), BufferRef(P + a.p_at, a.n * r, at), BufferRef(q, a.m * r, at),
-                   static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
+                 static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
       if (e) be_.axpy(e + a.t->offset, -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
     }
     keep_residual(b, e);
@@ -633,19 +660,23 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const auto q_rank = found.find("compression_powersgd_rank");
     const bool q_continues = q_rank == found.end() || static_cast<int>(q_rank->second) == cfg_.rank;
     if (say_ && !q_continues)
-      std::printf("  compression: the checkpoint's PowerSGD Q has compression.rank = %d: at compression.rank = %d "
-                  "Q starts from its initial draw\n", static_cast<int>(q_rank->second), cfg_.rank);
+      std::printf(
+          "  compression: the checkpoint's PowerSGD Q has compression.rank = %d: at compression.rank = %d "
+          "Q starts from its initial draw\n",
+          static_cast<int>(q_rank->second), cfg_.rank);
     if (residual_.empty() || !say_) return;
     if (dp == found.end())
-      std::printf("  compression: the checkpoint holds no compression state: error-feedback residuals start from zero\n");
+      std::printf(
+          "  compression: the checkpoint holds no compression state: error-feedback residuals start from zero\n");
     else if (static_cast<int>(dp->second) != dp_.size())
-      std::printf("  compression: the checkpoint was written at parallel.dp = %d: error-feedback residuals (one per dp "
-                  "rank) start from zero at parallel.dp = %d%s\n", static_cast<int>(dp->second), dp_.size(),
-                  cfg_.method == Method::powersgd && q_continues ? "; PowerSGD's Q continues" : "");
+      std::printf(
+          "  compression: the checkpoint was written at parallel.dp = %d: error-feedback residuals (one per dp "
+          "rank) start from zero at parallel.dp = %d%s\n",
+          static_cast<int>(dp->second), dp_.size(),
+          cfg_.method == Method::powersgd && q_continues ? "; PowerSGD's Q continues" : "");
   }
 
  private:
-
   Config cfg_;
   std::unique_ptr<Reducer> inner_;
   Communicator& dp_;
@@ -653,9 +684,10 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::vector<float> p_host_;  // PowerSGD's P on the host for its orthogonalisation, on a device back end
   GPT& model_;
   bool say_;  // this rank prints notes (world rank 0)
-  std::map<std::pair<int, std::int64_t>, State> state_;  // by (first tensor, its begin); (-1 - index, 0) without tensors
-  std::map<int, TypedBuffer> residual_, q_;  // by parameter index
-  TypedBuffer shared_residual_;  // error feedback's bucket-sized scratch (gather_residual)
+  std::map<std::pair<int, std::int64_t>, State>
+      state_;                                         // by (first tensor, its begin); (-1 - index, 0) without tensors
+  std::map<int, TypedBuffer> residual_, q_;           // by parameter index
+  TypedBuffer shared_residual_;                       // error feedback's bucket-sized scratch (gather_residual)
   mutable std::int64_t planned_shared_residual_ = 0;  // `loom plan`: its elements, the largest bucket's so far
   mutable std::int64_t planned_topk_scratch_ = 0;     // `loom plan`: the back end's selection scratch, likewise
   std::int64_t step_ = 0;
@@ -730,8 +762,8 @@ void register_compression(void* p) {
   info.keys.push_back(bool_key("compression.warm_start", "true",
                                "powersgd: start each step's power iteration from the last step's Q (PyTorch "
                                "warm_start)"));
-  info.keys.push_back(int_key("compression.int8_chunk", "1024", 1, 1e12,
-                              "int8: elements that share one quantisation step"));
+  info.keys.push_back(
+      int_key("compression.int8_chunk", "1024", 1, 1e12, "int8: elements that share one quantisation step"));
   info.keys.push_back(bool_key("compression.error_feedback", "true",
                                "int8, topk, powersgd: keep what compression dropped and add it to the next step's "
                                "gradient (PyTorch use_error_feedback)"));
@@ -745,12 +777,16 @@ void register_compression(void* p) {
                        std::to_string(layout.dp) + " has none: set parallel.dp > 1, or compression.method = none");
     const Method method = method_of(m);
     if ((method == Method::int8 || method == Method::topk || method == Method::powersgd) && layout.tp > 1)
-      throw InputError(setting + " with parallel.tp = " + std::to_string(layout.tp) + ": each tp rank's buckets hold "
-                       "different shards, so " + m + " would drop or round a tp-replicated tensor (LayerNorm, biases) "
+      throw InputError(setting + " with parallel.tp = " + std::to_string(layout.tp) +
+                       ": each tp rank's buckets hold "
+                       "different shards, so " +
+                       m +
+                       " would drop or round a tp-replicated tensor (LayerNorm, biases) "
                        "differently on each tp rank and the replicas would drift apart; use fp16 or bf16 with "
                        "tensor parallelism, or parallel.tp = 1");
     if (method == Method::int8 && compress::int8_levels(layout.dp) < 1)
-      throw InputError(setting + " at parallel.dp = " + std::to_string(layout.dp) + ": the int8 sum of that many "
+      throw InputError(setting + " at parallel.dp = " + std::to_string(layout.dp) +
+                       ": the int8 sum of that many "
                        "ranks cannot be held without overflow (at most 127 ranks); use fp16, bf16, topk or powersgd");
     return setting;
   };
@@ -761,17 +797,20 @@ void register_compression(void* p) {
     const std::string setting = "compression.method = " + m;
     const RunTraits& t = ctx.traits;
     if (!t.grads_scattered_by.empty() && (method == Method::topk || method == Method::powersgd))
-      throw InputError(setting + " with " + t.grads_scattered_by + ": " + m + " sums whole matrices or "
+      throw InputError(setting + " with " + t.grads_scattered_by + ": " + m +
+                       " sums whole matrices or "
                        "(index, value) pairs, not the reduce-scatter of gradient pieces that ZeRO-2/3 runs every "
                        "micro-batch (DeepSpeed refuses the same); use zero.stage = 0 or 1, or fp16, bf16 or int8");
     if (!t.dynamic_loss_scale_by.empty() && ctx.deck.get_bool("compression.error_feedback") &&
         (method == Method::int8 || method == Method::topk || method == Method::powersgd))
       throw InputError(setting + " keeps error-feedback residuals in the units of the gradient it compressed, and " +
-                       t.dynamic_loss_scale_by + " changes those units whenever the scale moves: "
+                       t.dynamic_loss_scale_by +
+                       " changes those units whenever the scale moves: "
                        "use bf16, a fixed precision.loss_scale, compression.error_feedback = false, or "
                        "compression.method = fp16/bf16");
     if (!t.reduce_dtype_by.empty())
-      throw InputError(setting + " and " + t.reduce_dtype_by + " both change the gradient "
+      throw InputError(setting + " and " + t.reduce_dtype_by +
+                       " both change the gradient "
                        "collective: keep one (compression.method = fp16/bf16 is the same cast)");
   };
   info.plan = compression_plan_terms();
@@ -799,7 +838,8 @@ void register_compression(void* p) {
     BackendFace& be = ctx.backend;
     GPT& model = ctx.model;
     const bool say = ctx.grid.world().rank() == 0;
-    roles.wrap_reducer = [made, cfg, &dp, &be, &model, say](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {
+    roles.wrap_reducer = [made, cfg, &dp, &be, &model,
+                          say](std::unique_ptr<Reducer> inner) -> std::unique_ptr<Reducer> {
       auto r = std::make_unique<CompressingReducer>(std::move(inner), cfg, dp, be, model, say);
       *made = r.get();
       return r;

@@ -37,11 +37,12 @@ void register_data(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   // Their own section: [data] is the dataset's (and a resume reports a changed data.* key as a
   // changed training key). The former names are refused with the new ones.
-  KeySpec bucket = float_key("data_parallel.bucket_mb", "25", 0.001, 1e6,
-                             "gradient bucket size in MiB; each bucket's all-reduce starts when its gradients are done");
+  KeySpec bucket =
+      float_key("data_parallel.bucket_mb", "25", 0.001, 1e6,
+                "gradient bucket size in MiB; each bucket's all-reduce starts when its gradients are done");
   bucket.former_names = {"data.bucket_mb"};
-  KeySpec overlap = bool_key("data_parallel.overlap", "true",
-                             "start bucket all-reduces during backward (false: all after backward)");
+  KeySpec overlap =
+      bool_key("data_parallel.overlap", "true", "start bucket all-reduces during backward (false: all after backward)");
   overlap.former_names = {"data.overlap"};
   info.keys.push_back(bucket);
   info.keys.push_back(overlap);

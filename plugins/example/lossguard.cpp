@@ -30,8 +30,8 @@ struct LossGuard {
     if (seen > after && s.loss > max_ratio * lowest) {
       std::ostringstream why;
       why << "lossguard: step " << s.step + 1 << " loss " << s.loss  // s.step counts from 0
-          << " is more than lossguard.max_ratio = " << max_ratio
-          << " times the lowest loss so far (" << lowest << "); stopped (raise lossguard.max_ratio, or lower train.lr)";
+          << " is more than lossguard.max_ratio = " << max_ratio << " times the lowest loss so far (" << lowest
+          << "); stopped (raise lossguard.max_ratio, or lower train.lr)";
       s.failure = why.str();
     }
     lowest = std::min(lowest, s.loss);
@@ -43,8 +43,8 @@ void register_lossguard(void* p) {
   // Its deck keys, checked like the core's (`loom keys` lists them; a typo is refused with a suggestion).
   info.keys.push_back(loom::float_key("lossguard.max_ratio", "2", 1.0, 1e9,
                                       "lossguard: stop when the loss exceeds this multiple of the lowest loss so far"));
-  info.keys.push_back(loom::int_key("lossguard.after", "10", 0, 1e12,
-                                    "lossguard: steps before the guard starts comparing"));
+  info.keys.push_back(
+      loom::int_key("lossguard.after", "10", 0, 1e12, "lossguard: steps before the guard starts comparing"));
   // Every role a strategy fills is declared; this one only adds a phase hook.
   info.claims = {{loom::Role::phase_hooks, loom::Claim::provides, ""}};
   info.create = [](loom::StrategyContext& ctx, loom::Roles& roles) {

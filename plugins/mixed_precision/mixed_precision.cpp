@@ -28,14 +28,13 @@
 namespace loom {
 namespace {
 
-const char* const kScalingKeys[] = {"precision.loss_scale",     "precision.initial_scale_power",
-                                    "precision.loss_scale_window", "precision.hysteresis",
-                                    "precision.min_loss_scale", "precision.backoff_factor",
-                                    "precision.growth_factor"};
+const char* const kScalingKeys[] = {
+    "precision.loss_scale",     "precision.initial_scale_power", "precision.loss_scale_window", "precision.hysteresis",
+    "precision.min_loss_scale", "precision.backoff_factor",      "precision.growth_factor"};
 
 struct ScalerConfig {
-  double fixed = 0;         // > 0: a constant scale
-  double initial = 65536;   // 2^initial_scale_power
+  double fixed = 0;        // > 0: a constant scale
+  double initial = 65536;  // 2^initial_scale_power
   std::int64_t window = 1000, hysteresis = 2, max_skipped = 10;
   double min_scale = 1, backoff = 0.5, growth = 2;
 };
@@ -50,8 +49,12 @@ std::string number(double v) {
 class LossScaler final : public CheckpointContributor {
  public:
   LossScaler(const ScalerConfig& cfg, GPT& model, BackendFace& backend, Communicator& world)
-      : cfg_(cfg), model_(model), be_(backend), world_(world),
-        scale_(cfg.fixed > 0 ? cfg.fixed : cfg.initial), hysteresis_left_(cfg.hysteresis) {}
+      : cfg_(cfg),
+        model_(model),
+        be_(backend),
+        world_(world),
+        scale_(cfg.fixed > 0 ? cfg.fixed : cfg.initial),
+        hysteresis_left_(cfg.hysteresis) {}
 
   double scale() const { return scale_; }
 
@@ -77,8 +80,9 @@ class LossScaler final : public CheckpointContributor {
     if (cfg_.fixed > 0) {
       s.skip_reason = at + " (fixed: precision.loss_scale)";
       if (overflows_in_row_ > cfg_.max_skipped)
-        s.failure = at + ": " + std::to_string(overflows_in_row_) + " steps in a row overflowed (train.max_skipped = " +
-                    std::to_string(cfg_.max_skipped) + "); lower precision.loss_scale, or set it to 0 for dynamic "
+        s.failure = at + ": " + std::to_string(overflows_in_row_) +
+                    " steps in a row overflowed (train.max_skipped = " + std::to_string(cfg_.max_skipped) +
+                    "); lower precision.loss_scale, or set it to 0 for dynamic "
                     "loss scaling";
       return;
     }
@@ -126,8 +130,8 @@ class LossScaler final : public CheckpointContributor {
   BackendFace& be_;
   Communicator& world_;
   double scale_;
-  std::int64_t growth_tracker_ = 0;    // clean steps since the last overflow or growth
-  std::int64_t hysteresis_left_;       // overflows still tolerated before the scale backs off
+  std::int64_t growth_tracker_ = 0;  // clean steps since the last overflow or growth
+  std::int64_t hysteresis_left_;     // overflows still tolerated before the scale backs off
   std::int64_t overflows_in_row_ = 0;
   std::vector<BufferRef> grads_;
 };
@@ -170,7 +174,8 @@ PlanTerms precision_plan_terms() {
       return "- the **gradient collective** stays fp32 unless `precision.reduce_dtype = bf16` halves its bytes.\n";
     if (topic == "precision_scaling")
       return p.precision == "fp16"
-                 ? "fp16 has 5 exponent bits: small gradients underflow, so loom scales the loss (dynamic loss scaling: "
+                 ? "fp16 has 5 exponent bits: small gradients underflow, so loom scales the loss (dynamic loss "
+                   "scaling: "
                    "`precision.initial_scale_power`, `loss_scale_window`, `hysteresis`, as Megatron) and skips a step "
                    "whose gradients overflow.\n\n"
                  : "bf16 has fp32's 8 exponent bits, so gradients do not underflow and no loss scaling is needed (fp16 "
@@ -180,7 +185,8 @@ PlanTerms precision_plan_terms() {
   t.levers = [](const std::string& bottleneck, const PlanPoint& p) -> std::vector<PlanLever> {
     const std::string v = p.setting("precision.dtype");
     if (bottleneck != "dp" || v.empty() || v == "fp32") return {};
-    return {{v + " gradient collectives (precision.reduce_dtype = " + v + "), half the bytes", {"precision.reduce_dtype=" + v}}};
+    return {{v + " gradient collectives (precision.reduce_dtype = " + v + "), half the bytes",
+             {"precision.reduce_dtype=" + v}}};
   };
   return t;
 }
@@ -191,9 +197,10 @@ void register_mixed_precision(void* p) {
                                  "the matrix products' operand type: fp32, or bf16/fp16 operands with fp32 "
                                  "accumulation (fp32 master weights, gradients and optimizer state; fp16 adds loss "
                                  "scaling)"));
-  info.keys.push_back(choice_key("precision.reduce_dtype", "fp32", {"fp32", "bf16", "fp16"},
-                                 "the element type of the data-parallel gradient collective: fp32, or a 16-bit copy "
-                                 "of each bucket (half the bytes; each sum rounded) cast back into the fp32 gradients"));
+  info.keys.push_back(
+      choice_key("precision.reduce_dtype", "fp32", {"fp32", "bf16", "fp16"},
+                 "the element type of the data-parallel gradient collective: fp32, or a 16-bit copy "
+                 "of each bucket (half the bytes; each sum rounded) cast back into the fp32 gradients"));
   info.keys.push_back(float_key("precision.loss_scale", "0", 0, 1e38,
                                 "fp16: 0 dynamic loss scaling; > 0 a fixed scale (DeepSpeed fp16.loss_scale)"));
   info.keys.push_back(int_key("precision.initial_scale_power", "16", 0, 100,
@@ -223,9 +230,14 @@ void register_mixed_precision(void* p) {
     if (dtype != "fp16")
       for (const char* key : kScalingKeys)
         if (!deck.is_default(key))
-          throw InputError(std::string(key) + " = " + values.at(key) + " is a loss-scaling key, and loss scaling "
-                           "applies to precision.dtype = fp16 only (here " + dtype + (dtype == "bf16" ? ", which has "
-                           "fp32's exponent range and needs none" : "") + "): remove it, or set precision.dtype = fp16");
+          throw InputError(std::string(key) + " = " + values.at(key) +
+                           " is a loss-scaling key, and loss scaling "
+                           "applies to precision.dtype = fp16 only (here " +
+                           dtype +
+                           (dtype == "bf16" ? ", which has "
+                                              "fp32's exponent range and needs none"
+                                            : "") +
+                           "): remove it, or set precision.dtype = fp16");
     if (dtype == "fp16" && !deck.is_default("precision.loss_scale")) {
       for (const char* key : kScalingKeys)
         if (std::string(key) != "precision.loss_scale" && !deck.is_default(key))
@@ -233,7 +245,8 @@ void register_mixed_precision(void* p) {
                            values.at("precision.loss_scale") + " fixes the scale: remove one of them");
     }
     if (dtype == "fp32" && !deck.is_default("precision.reduce_dtype"))
-      throw InputError("precision.reduce_dtype = " + values.at("precision.reduce_dtype") + " needs precision.dtype = bf16 "
+      throw InputError("precision.reduce_dtype = " + values.at("precision.reduce_dtype") +
+                       " needs precision.dtype = bf16 "
                        "or fp16 (here fp32): set one, or remove precision.reduce_dtype");
     return dtype == "fp32" ? "" : "precision.dtype = " + dtype;
   };

@@ -47,7 +47,6 @@ using pipeline::Op;
 using pipeline::replay_span;
 using pipeline::stage_order;
 
-
 // ---- layers to stages ---------------------------------------------------------------------------
 
 std::string example_list(int L, int pp) {
@@ -137,18 +136,43 @@ struct Interval {
 };
 
 // Per-stage numbers of one step, gathered over the pp group by one all-reduce.
-enum Stat { kBubble = 0, kInflight, kActBytes, kForwardMs, kBackwardMs, kRecvMs, kSendMs, kDataMs, kIdleMs, kSpanMs, kStats };
+enum Stat {
+  kBubble = 0,
+  kInflight,
+  kActBytes,
+  kForwardMs,
+  kBackwardMs,
+  kRecvMs,
+  kSendMs,
+  kDataMs,
+  kIdleMs,
+  kSpanMs,
+  kStats
+};
 
 class PipelineSchedule final : public Schedule {
  public:
-  PipelineSchedule(ProcessGrid& grid, BackendFace& backend, GPT& model, Kind kind, int micro_batches, int rows, bool trace,
-                   int trace_steps, std::int64_t total_steps, std::string run_dir, std::vector<int> layers)
-      : grid_(grid), be_(backend), pp_(grid.pp()), kind_(kind), m_(micro_batches), p_(pp_.size()), i_(pp_.rank()),
-        v_(static_cast<int>(model.stage().chunks.size())), first_(i_ == 0), last_(i_ == p_ - 1),
-        boundary_(model.stage_boundary_floats(rows)), trace_(trace), trace_steps_(trace_steps),
-        total_steps_(total_steps), run_dir_(std::move(run_dir)), layers_(std::move(layers)) {
+  PipelineSchedule(ProcessGrid& grid, BackendFace& backend, GPT& model, Kind kind, int micro_batches, int rows,
+                   bool trace, int trace_steps, std::int64_t total_steps, std::string run_dir, std::vector<int> layers)
+      : grid_(grid),
+        be_(backend),
+        pp_(grid.pp()),
+        kind_(kind),
+        m_(micro_batches),
+        p_(pp_.size()),
+        i_(pp_.rank()),
+        v_(static_cast<int>(model.stage().chunks.size())),
+        first_(i_ == 0),
+        last_(i_ == p_ - 1),
+        boundary_(model.stage_boundary_floats(rows)),
+        trace_(trace),
+        trace_steps_(trace_steps),
+        total_steps_(total_steps),
+        run_dir_(std::move(run_dir)),
+        layers_(std::move(layers)) {
     const Stage& st = model.stage();
-    if (p_ > 1 && (first_ || last_)) tied_numel_ = model.params()[static_cast<std::size_t>(model.param_index("wte.weight"))].numel();
+    if (p_ > 1 && (first_ || last_))
+      tied_numel_ = model.params()[static_cast<std::size_t>(model.param_index("wte.weight"))].numel();
     bool takes_input = false, takes_gradient = false;
     for (int c = 0; c < v_; ++c) {
       slots_.push_back(st.chunks[c].activation_slots);
@@ -159,9 +183,11 @@ class PipelineSchedule final : public Schedule {
     act_in_ = be_.allocate("Pipeline::activations_in", DType::f32, takes_input ? 2 * boundary_ : 0, Mem::comm);
     grad_in_ = be_.allocate("Pipeline::gradients_in", DType::f32, takes_gradient ? 2 * boundary_ : 0, Mem::comm);
     grad_out_ = be_.allocate("Pipeline::gradients_out", DType::f32, takes_input ? 2 * boundary_ : 0, Mem::comm);
-    describe_ = std::string(kind_ == Kind::gpipe ? "gpipe" : v_ > 1 ? "interleaved 1f1b" : "1f1b") + " over pp " +
-                std::to_string(p_) + (v_ > 1 ? " x " + std::to_string(v_) + " virtual stages" : "") + ", " +
-                std::to_string(m_) + " micro-batches; stage " + std::to_string(i_) + " holds layers ";
+    describe_ = std::string(kind_ == Kind::gpipe ? "gpipe"
+                            : v_ > 1             ? "interleaved 1f1b"
+                                                 : "1f1b") +
+                " over pp " + std::to_string(p_) + (v_ > 1 ? " x " + std::to_string(v_) + " virtual stages" : "") +
+                ", " + std::to_string(m_) + " micro-batches; stage " + std::to_string(i_) + " holds layers ";
     for (int c = 0; c < v_; ++c)
       describe_ += (c ? ", " : "") + std::to_string(st.chunks[c].first_layer) + ".." +
                    std::to_string(st.chunks[c].end_layer - 1);
@@ -233,11 +259,16 @@ class PipelineSchedule final : public Schedule {
     double fwd = 0, bwd = 0, recv = 0, send = 0, data = 0;
     for (const Interval& e : events_) {
       const double d = e.t1 - e.t0;
-      if (e.kind[0] == 'f') fwd += d;
-      else if (e.kind[0] == 'b') bwd += d;
-      else if (e.kind[0] == 'r') recv += d;
-      else if (e.kind[0] == 's') send += d;
-      else if (e.kind[0] == 'd') data += d;
+      if (e.kind[0] == 'f')
+        fwd += d;
+      else if (e.kind[0] == 'b')
+        bwd += d;
+      else if (e.kind[0] == 'r')
+        recv += d;
+      else if (e.kind[0] == 's')
+        send += d;
+      else if (e.kind[0] == 'd')
+        data += d;
     }
     mine[kInflight] = inflight_max;
     mine[kActBytes] = static_cast<double>(Ledger::global().peak(Mem::activations));
@@ -303,12 +334,12 @@ class PipelineSchedule final : public Schedule {
     if (p_ == 1) return;
     const std::size_t ops = order_.size();
     plan.ring_scratch(pp_.name(), {static_cast<double>(ring_all_reduce_scratch(
-                                       static_cast<std::int64_t>(1 + (kStats + ops) * p_), p_, sizeof(double)))});
+                                      static_cast<std::int64_t>(1 + (kStats + ops) * p_), p_, sizeof(double)))});
     if (first_ || last_) plan.add_scratch(Mem::comm, static_cast<double>(tied_numel_) * sizeof(float));
     double sends = 0;
     for (int c = 0; c < v_; ++c) sends += (c + 1 < v_ || !last_ ? 1 : 0) + (c > 0 || !first_ ? 1 : 0);
-    plan.add_comm({pp_.name(), "stage-boundary activations and gradients", sends * m_ * boundary_ * 4.0, sends * m_, false,
-                   true});
+    plan.add_comm({pp_.name(), "stage-boundary activations and gradients", sends * m_ * boundary_ * 4.0, sends * m_,
+                   false, true});
     if (first_ || last_) plan.add_comm({pp_.name(), "tied wte gradient", tied_numel_ * 4.0, 1, false});
     std::vector<std::vector<double>> op_units(static_cast<std::size_t>(p_));
     plan.stage_units.assign(static_cast<std::size_t>(p_), 0.0);
@@ -360,8 +391,8 @@ class PipelineSchedule final : public Schedule {
     r.push_back({"pp_bubble_max", bubble_max_});
     r.push_back({"pp_bubble_textbook", static_cast<double>(p_ - 1) / (v_ * m_ + p_ - 1)});
     r.push_back({"pp_bubble_expected", bubble_expected_});
-    const char* names[kStats] = {"bubble",   "inflight_max", "activation_bytes", "forward_ms", "backward_ms",
-                                 "recv_wait_ms", "send_ms",   "data_ms",          "idle_ms",    "span_ms"};
+    const char* names[kStats] = {"bubble",       "inflight_max", "activation_bytes", "forward_ms", "backward_ms",
+                                 "recv_wait_ms", "send_ms",      "data_ms",          "idle_ms",    "span_ms"};
     for (int s = 0; s < p_; ++s)
       for (int q = 0; q < kStats; ++q)
         r.push_back({"pp_stage" + std::to_string(s) + "_" + names[q], stats_[kStats * s + q]});
@@ -391,12 +422,14 @@ class PipelineSchedule final : public Schedule {
   void post_act_recv() {
     if (act_next_ >= act_needs_.size()) return;
     const Op& op = act_needs_[act_next_];
-    act_recv_ = pp_.recv_async(act_in_.ref().slice((act_next_ % 2) * boundary_, boundary_), prev_rank(), tag(op.k, op.chunk, 0));
+    act_recv_ = pp_.recv_async(act_in_.ref().slice((act_next_ % 2) * boundary_, boundary_), prev_rank(),
+                               tag(op.k, op.chunk, 0));
   }
   void post_grad_recv() {
     if (grad_next_ >= grad_needs_.size()) return;
     const Op& op = grad_needs_[grad_next_];
-    grad_recv_ = pp_.recv_async(grad_in_.ref().slice((grad_next_ % 2) * boundary_, boundary_), next_rank(), tag(op.k, op.chunk, 1));
+    grad_recv_ = pp_.recv_async(grad_in_.ref().slice((grad_next_ % 2) * boundary_, boundary_), next_rank(),
+                                tag(op.k, op.chunk, 1));
   }
 
   // The pipeline's span is the longest stage's (the stages start together: the previous step ended
@@ -456,7 +489,8 @@ class PipelineSchedule final : public Schedule {
     if (!model.holds_head(c)) {
       t0 = now();
       const int to_chunk = i_ + 1 < p_ ? c : c + 1;  // the last stage feeds the first stage's next chunk
-      act_send_[c * m_ + k] = pp_.send_async(mine(model.stage_output(slot, c), boundary_), next_rank(), tag(k, to_chunk, 0));
+      act_send_[c * m_ + k] =
+          pp_.send_async(mine(model.stage_output(slot, c), boundary_), next_rank(), tag(k, to_chunk, 0));
       timed("send", k, c, t0);
     }
     return loss;
@@ -514,12 +548,14 @@ class PipelineSchedule final : public Schedule {
     const int rank = grid_.rank();
     for (const Interval& e : events_) {
       out << (trace_text_.empty() && out.tellp() == 0 ? "" : ",\n") << "{\"name\":\"";
-      if (e.micro < 0) out << e.kind;
-      else out << static_cast<char>(std::toupper(e.kind[0])) << e.micro;  // "F3": forward of micro-batch 3
-      if (e.micro >= 0 && v_ > 1) out << "." << e.chunk;                     // "F3.1": on chunk 1
-      out << "\",\"cat\":\"" << e.kind << "\",\"ph\":\"X\",\"pid\":" << rank << ",\"tid\":0,\"ts\":"
-          << (e.t0 - trace_origin_) * 1e6 << ",\"dur\":" << (e.t1 - e.t0) * 1e6 << ",\"args\":{\"step\":" << step + 1
-          << ",\"micro_batch\":" << e.micro << ",\"chunk\":" << e.chunk << "}}";
+      if (e.micro < 0)
+        out << e.kind;
+      else
+        out << static_cast<char>(std::toupper(e.kind[0])) << e.micro;  // "F3": forward of micro-batch 3
+      if (e.micro >= 0 && v_ > 1) out << "." << e.chunk;               // "F3.1": on chunk 1
+      out << "\",\"cat\":\"" << e.kind << "\",\"ph\":\"X\",\"pid\":" << rank
+          << ",\"tid\":0,\"ts\":" << (e.t0 - trace_origin_) * 1e6 << ",\"dur\":" << (e.t1 - e.t0) * 1e6
+          << ",\"args\":{\"step\":" << step + 1 << ",\"micro_batch\":" << e.micro << ",\"chunk\":" << e.chunk << "}}";
     }
     trace_text_ += out.str();
     ++traced_;
@@ -571,7 +607,7 @@ class PipelineSchedule final : public Schedule {
   int m_, p_, i_, v_;
   bool first_, last_;
   std::vector<int> slots_;  // per chunk
-  std::int64_t boundary_;  // floats of one micro-batch's stage-boundary activations on this rank
+  std::int64_t boundary_;   // floats of one micro-batch's stage-boundary activations on this rank
   bool trace_;
   int trace_steps_;
   std::int64_t total_steps_;
@@ -584,7 +620,7 @@ class PipelineSchedule final : public Schedule {
   std::vector<Op> order_, act_needs_, grad_needs_;
   std::size_t act_next_ = 0, grad_next_ = 0;  // the receive in flight in each direction
   CommRequestPtr act_recv_, grad_recv_;
-  std::vector<CommRequestPtr> act_send_;      // per (chunk, micro-batch)
+  std::vector<CommRequestPtr> act_send_;  // per (chunk, micro-batch)
   CommRequestPtr grad_send_[2];
   TypedBuffer tied_;
   std::vector<Interval> events_;
@@ -596,7 +632,9 @@ class PipelineSchedule final : public Schedule {
   std::string trace_text_;
 };
 
-Kind kind_of(const Deck& deck) { return deck.get_string("pipeline.schedule") == "gpipe" ? Kind::gpipe : Kind::one_f_one_b; }
+Kind kind_of(const Deck& deck) {
+  return deck.get_string("pipeline.schedule") == "gpipe" ? Kind::gpipe : Kind::one_f_one_b;
+}
 
 // `loom plan`: the memo's words on the deck's schedule, and the interleaved schedule as a lever against
 // the bubble (where the layers split into 2 chunks per stage).
@@ -643,18 +681,20 @@ void register_pipeline(void* p) {
     const int v = static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages"));
     const int m = static_cast<int>(ctx.deck.get_int("train.micro_batches")), pp = ctx.layout.pp;
     if (v > 1 && kind_of(ctx.deck) == Kind::gpipe)
-      throw InputError("pipeline.virtual_stages = " + std::to_string(v) +
-                       " interleaves the 1F1B schedule; set pipeline.schedule = 1f1b (or virtual_stages = 1 for gpipe)");
+      throw InputError(
+          "pipeline.virtual_stages = " + std::to_string(v) +
+          " interleaves the 1F1B schedule; set pipeline.schedule = 1f1b (or virtual_stages = 1 for gpipe)");
     if (v > 1 && m % pp != 0)
-      throw InputError("pipeline.virtual_stages = " + std::to_string(v) + " (interleaved 1F1B) runs micro-batches in "
-                       "groups of parallel.pp = " + std::to_string(pp) + ", but train.micro_batches = " +
-                       std::to_string(m) + " is not a multiple of it; micro_batches that work: " + std::to_string(pp) +
-                       ", " + std::to_string(2 * pp) + ", ... (dividing the batch per dp rank)");
+      throw InputError("pipeline.virtual_stages = " + std::to_string(v) +
+                       " (interleaved 1F1B) runs micro-batches in "
+                       "groups of parallel.pp = " +
+                       std::to_string(pp) + ", but train.micro_batches = " + std::to_string(m) +
+                       " is not a multiple of it; micro_batches that work: " + std::to_string(pp) + ", " +
+                       std::to_string(2 * pp) + ", ... (dividing the batch per dp rank)");
     stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model, pp, v);  // throws if it cannot
   };
-  info.claims = {{Role::stage, Claim::provides, ""},
-                 {Role::schedule, Claim::provides, ""},
-                 {Role::progress, Claim::provides, ""}};
+  info.claims = {
+      {Role::stage, Claim::provides, ""}, {Role::schedule, Claim::provides, ""}, {Role::progress, Claim::provides, ""}};
   info.assign_stage = [](PartitionContext& ctx) {
     const int pp = ctx.grid.layout().pp, i = ctx.grid.pp_rank();
     const int v = static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages"));
@@ -676,9 +716,9 @@ void register_pipeline(void* p) {
   };
   info.plan = pipeline_plan_terms();
   info.create = [](StrategyContext& ctx, Roles& roles) {
-    const std::vector<int> counts = stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model.config(),
-                                                 ctx.grid.layout().pp,
-                                                 static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages")));
+    const std::vector<int> counts =
+        stage_layers(ctx.deck.get_string("pipeline.partition"), ctx.model.config(), ctx.grid.layout().pp,
+                     static_cast<int>(ctx.deck.get_int("pipeline.virtual_stages")));
     roles.schedule = std::make_unique<PipelineSchedule>(
         ctx.grid, ctx.backend, ctx.model, kind_of(ctx.deck), ctx.engine.micro_batches, ctx.engine.rows_per_micro,
         ctx.deck.get_bool("pipeline.trace"), static_cast<int>(ctx.deck.get_int("pipeline.trace_steps")),

@@ -157,7 +157,8 @@ class TensorPartition final : public Partition {
     std::vector<double> scratch;
     if (!sp_) {
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(NC, n, sizeof(float))));
-      plan.add_comm({tp_.name(), "activation all-reduces", ops * ring_all_reduce_bytes(N * C * 4.0, n), ops * 2.0 * (n - 1), false, true});
+      plan.add_comm({tp_.name(), "activation all-reduces", ops * ring_all_reduce_bytes(N * C * 4.0, n),
+                     ops * 2.0 * (n - 1), false, true});
     } else {
       scratch.push_back(static_cast<double>(ring_reduce_scatter_scratch(NC / n, n, sizeof(float), false)));
       const double gathers = ops + m * (model.stage().last() ? 1.0 : 0.0);  // the head's lnf gather
@@ -168,14 +169,15 @@ class TensorPartition final : public Partition {
         if (model.params()[static_cast<std::size_t>(o.param)].sp_partial) partial += o.size();
       plan.add_scratch(Mem::comm, static_cast<double>(partial) * sizeof(float));
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(partial, n, sizeof(float))));
-      plan.add_comm({tp_.name(), "sequence-parallel gradient sum", ring_all_reduce_bytes(partial * 4.0, n), 2.0 * (n - 1), false});
+      plan.add_comm({tp_.name(), "sequence-parallel gradient sum", ring_all_reduce_bytes(partial * 4.0, n),
+                     2.0 * (n - 1), false});
     }
     if (model.stage().last()) {
       plan.add_scratch(Mem::comm, N * 4.0 + 2 * N * 8.0);
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(static_cast<std::int64_t>(N), n, sizeof(double))));
       plan.add_comm({tp_.name(), "vocabulary-parallel cross-entropy",
-                     m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1), false,
-                     true});
+                     m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1),
+                     false, true});
     }
     for (double s : scratch) plan.ring_scratch(tp_.name(), {s});  // one at a time
     // The replica hash of finish_grads: each replicated parameter and gradient hashed (read, 4 bytes
@@ -240,8 +242,8 @@ void register_tensor(void* p) {
     if (ctx.deck.get_bool("tensor.sequence_parallel") && rows % ctx.layout.tp != 0)
       throw InputError("tensor.sequence_parallel = true splits the " + std::to_string(rows) +
                        " tokens of a micro-batch (micro-batch rows x model.seq_len) over parallel.tp = " +
-                       std::to_string(ctx.layout.tp) + ", which does not divide them; tp sizes that do: " +
-                       divisors(rows));
+                       std::to_string(ctx.layout.tp) +
+                       ", which does not divide them; tp sizes that do: " + divisors(rows));
   };
   info.claims = {{Role::partition, Claim::provides, ""}};
   info.make_partition = [](PartitionContext& ctx) -> std::unique_ptr<Partition> {
@@ -255,9 +257,10 @@ void register_tensor(void* p) {
 }  // namespace loom
 
 extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
-  static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "tensor", "0.1.0",
-                                        "tensor parallelism (Megatron): column/row-parallel linears, "
-                                        "vocabulary-parallel embedding and cross-entropy, optional sequence parallelism",
-                                        loom::register_tensor};
+  static const loom_plugin_v1 plugin = {
+      LOOM_PLUGIN_ABI_VERSION, "tensor", "0.1.0",
+      "tensor parallelism (Megatron): column/row-parallel linears, "
+      "vocabulary-parallel embedding and cross-entropy, optional sequence parallelism",
+      loom::register_tensor};
   return &plugin;
 }

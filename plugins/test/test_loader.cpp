@@ -71,8 +71,10 @@ TEST(PluginLoader, RefusesUnknownNameListingAvailable) {
   auto r = load_all();
   const auto msg = error_of(r, {{"nosuch", "run.plugins = nosuch"}});
   EXPECT_NE(msg.find("run.plugins = nosuch needs strategy plugin 'nosuch'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("available: compression, countreducer, data, exclusive, local, mixed_precision, pipeline, syncclash, tensor, undeclared, zero"),
-            std::string::npos) << msg;
+  EXPECT_NE(msg.find("available: compression, countreducer, data, exclusive, local, mixed_precision, pipeline, "
+                     "syncclash, tensor, undeclared, zero"),
+            std::string::npos)
+      << msg;
 }
 
 TEST(PluginLoader, RefusesIncompatibleCombination) {
@@ -111,16 +113,20 @@ std::string claims_error(const std::vector<const StrategyInfo*>& run) {
 }  // namespace
 
 TEST(RoleClaims, SecondProviderIsRefusedNamingBoth) {
-  const StrategyInfo data = strategy("data", {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}});
+  const StrategyInfo data =
+      strategy("data", {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}});
   const StrategyInfo other = strategy("other", {{Role::grad_sync, Claim::provides, ""}});
   const std::string msg = claims_error({&data, &other});
   EXPECT_NE(msg.find("'data' (run.plugins = data) and 'other' (run.plugins = other) both fill the gradient sync role"),
-            std::string::npos) << msg;
+            std::string::npos)
+      << msg;
 }
 
 TEST(RoleClaims, ReplacingAndWrappingComposeAndAreCheckedAgainstTheRun) {
-  const StrategyInfo data = strategy("data", {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}});
-  const StrategyInfo zero = strategy("zero", {{Role::grad_sync, Claim::replaces, "data"}, {Role::reducer, Claim::replaces, "data"}});
+  const StrategyInfo data =
+      strategy("data", {{Role::grad_sync, Claim::provides, ""}, {Role::reducer, Claim::provides, ""}});
+  const StrategyInfo zero =
+      strategy("zero", {{Role::grad_sync, Claim::replaces, "data"}, {Role::reducer, Claim::replaces, "data"}});
   const StrategyInfo wrap = strategy("compress", {{Role::reducer, Claim::wraps, "data"}});
   const StrategyInfo hooks1 = strategy("h1", {{Role::phase_hooks, Claim::provides, ""}});
   const StrategyInfo hooks2 = strategy("h2", {{Role::phase_hooks, Claim::provides, ""}});
@@ -129,7 +135,8 @@ TEST(RoleClaims, ReplacingAndWrappingComposeAndAreCheckedAgainstTheRun) {
   EXPECT_EQ(claims_error({&data, &zero, &wrap}), "");
   EXPECT_EQ(claims_error({&hooks1, &hooks2}), "") << "any number of strategies may add phase hooks";
   // a replace or wrap of a strategy that is not in the run
-  EXPECT_NE(claims_error({&zero}).find("replaces the gradient sync of 'data', which is not in this run"), std::string::npos)
+  EXPECT_NE(claims_error({&zero}).find("replaces the gradient sync of 'data', which is not in this run"),
+            std::string::npos)
       << claims_error({&zero});
   EXPECT_NE(claims_error({&wrap}).find("wraps the reducer of 'data', which is not in this run"), std::string::npos);
   // a wrap of the run's reducer, whichever strategy provides it (the precision strategy's cast): no
@@ -153,7 +160,8 @@ TEST(RoleClaims, FillingAnUndeclaredRoleIsRefused) {
     check_filled_roles(s, filled_roles(roles));
     FAIL() << "accepted a gradient sync the strategy did not claim";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("'quiet' (test) fills the gradient sync role without declaring it"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("'quiet' (test) fills the gradient sync role without declaring it"),
+              std::string::npos)
         << e.what();
   }
   Roles declared;
@@ -183,9 +191,11 @@ TEST(RoleClaims, AReducerIsFilledAsItsClaimSays) {
   Roles sets_wrapper;
   sets_wrapper.wrap_reducer = [](std::unique_ptr<Reducer> inner) { return inner; };
   EXPECT_NE(error(wrapper, sets_reducer).find("declares that it wraps the reducer of 'data' but sets Roles::reducer"),
-            std::string::npos) << error(wrapper, sets_reducer);
+            std::string::npos)
+      << error(wrapper, sets_reducer);
   EXPECT_NE(error(provider, sets_wrapper).find("sets Roles::wrap_reducer but declares that it provides the reducer"),
-            std::string::npos) << error(provider, sets_wrapper);
+            std::string::npos)
+      << error(provider, sets_wrapper);
   EXPECT_EQ(error(wrapper, sets_wrapper), "");
   EXPECT_EQ(error(provider, sets_reducer), "");
 }
@@ -202,19 +212,23 @@ TEST(RoleClaims, CheckpointStateAndTheProgressHookMustBeClaimed) {
       check_filled_roles(quiet, *r);
       ADD_FAILURE() << "accepted an undeclared role";
     } catch (const InputError& e) {
-      EXPECT_TRUE(std::string(e.what()).find("fills the checkpoint state role without declaring it") != std::string::npos ||
+      EXPECT_TRUE(std::string(e.what()).find("fills the checkpoint state role without declaring it") !=
+                      std::string::npos ||
                   std::string(e.what()).find("fills the progress hook role without declaring it") != std::string::npos)
           << e.what();
     }
   }
-  const StrategyInfo a = strategy("a", {{Role::checkpoint, Claim::provides, ""}, {Role::progress, Claim::provides, ""}});
-  const StrategyInfo b = strategy("b", {{Role::checkpoint, Claim::provides, ""}, {Role::progress, Claim::provides, ""}});
+  const StrategyInfo a =
+      strategy("a", {{Role::checkpoint, Claim::provides, ""}, {Role::progress, Claim::provides, ""}});
+  const StrategyInfo b =
+      strategy("b", {{Role::checkpoint, Claim::provides, ""}, {Role::progress, Claim::provides, ""}});
   EXPECT_NO_THROW(check_filled_roles(a, parts));
   EXPECT_NO_THROW(check_filled_roles(a, progress));
   // any number of strategies may keep checkpoint state; one progress hook per run
   const StrategyInfo c = strategy("c", {{Role::checkpoint, Claim::provides, ""}});
   EXPECT_EQ(claims_error({&a, &c}), "");
-  EXPECT_NE(claims_error({&a, &b}).find("both fill the progress hook role"), std::string::npos) << claims_error({&a, &b});
+  EXPECT_NE(claims_error({&a, &b}).find("both fill the progress hook role"), std::string::npos)
+      << claims_error({&a, &b});
 }
 
 TEST(RoleClaims, ARegisteredPartitionFactoryMustBeClaimed) {
@@ -229,6 +243,7 @@ TEST(RoleClaims, ARegisteredPartitionFactoryMustBeClaimed) {
     r.add(plugin, "test");
     FAIL() << "registered a partition factory without a claim";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("fills the partition role without declaring it"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fills the partition role without declaring it"), std::string::npos)
+        << e.what();
   }
 }

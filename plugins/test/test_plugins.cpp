@@ -15,7 +15,8 @@ void register_nothing(void* p) {
 
 extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
 #if defined(LOOM_TEST_BAD_ABI)
-  static const loom_plugin_v1 p = {LOOM_PLUGIN_ABI_VERSION + 98, "badabi", "9.9.9", "built for another ABI", register_nothing};
+  static const loom_plugin_v1 p = {LOOM_PLUGIN_ABI_VERSION + 98, "badabi", "9.9.9", "built for another ABI",
+                                   register_nothing};
 #else
   static const loom_plugin_v1 p = {LOOM_PLUGIN_ABI_VERSION, "exclusive", "0.0.1",
                                    "a test strategy that declares itself incompatible with data", register_nothing};

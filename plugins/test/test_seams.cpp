@@ -24,7 +24,8 @@ namespace {
 #if defined(LOOM_TEST_COUNT)
 class CountingReducer final : public Reducer, public CheckpointContributor {
  public:
-  CountingReducer(std::unique_ptr<Reducer> inner, GPT& model, BackendFace& be) : inner_(std::move(inner)), model_(model) {
+  CountingReducer(std::unique_ptr<Reducer> inner, GPT& model, BackendFace& be)
+      : inner_(std::move(inner)), model_(model) {
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
       seen_.push_back(be.allocate("countreducer::seen." + p.name, DType::f32, p.numel(), Mem::workspace));
@@ -147,13 +148,15 @@ void register_test(void* p) {
 extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
 #if defined(LOOM_TEST_SYNC_CLASH)
   static const loom_plugin_v1 p = {LOOM_PLUGIN_ABI_VERSION, "syncclash", "0.0.1",
-                                   "a test strategy that provides gradient sync without replacing data", loom::register_test};
+                                   "a test strategy that provides gradient sync without replacing data",
+                                   loom::register_test};
 #elif defined(LOOM_TEST_UNDECLARED)
   static const loom_plugin_v1 p = {LOOM_PLUGIN_ABI_VERSION, "undeclared", "0.0.1",
                                    "a test strategy that fills gradient sync without claiming it", loom::register_test};
 #else
   static const loom_plugin_v1 p = {LOOM_PLUGIN_ABI_VERSION, "countreducer", "0.0.1",
-                                   "a test strategy that wraps data's reducer and counts every bucket", loom::register_test};
+                                   "a test strategy that wraps data's reducer and counts every bucket",
+                                   loom::register_test};
 #endif
   return &p;
 }

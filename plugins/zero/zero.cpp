@@ -42,8 +42,10 @@ class ZeroStore final : public FlatParamStore {
   explicit ZeroStore(Communicator& dp) : dp_(dp) {}
   std::string name() const override {
     return "ZeRO stage 1 (flat parameters and gradients; optimizer state of 1/" + std::to_string(dp_.size()) +
-           " of them per rank" + (masters16_ ? "; fp32 masters 1/" + std::to_string(dp_.size()) +
-                                              ", a whole 16-bit copy all-gathered" : std::string()) + ")";
+           " of them per rank" +
+           (masters16_ ? "; fp32 masters 1/" + std::to_string(dp_.size()) + ", a whole 16-bit copy all-gathered"
+                       : std::string()) +
+           ")";
   }
   void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override {
     masters16_ = ctx.backend.precision().matmul != DType::f32;
@@ -96,7 +98,8 @@ class ZeroStore final : public FlatParamStore {
         if (p.offset < last_end) throw std::logic_error("ZeRO store: whole tensors out of model order");
         last_end = p.offset + p.numel();
         for (std::size_t q = 0; q < counts_.size(); ++q)
-          wcounts_[q] += std::max<std::int64_t>(0, std::min(last_end, offsets_[q + 1]) - std::max(p.offset, offsets_[q]));
+          wcounts_[q] +=
+              std::max<std::int64_t>(0, std::min(last_end, offsets_[q + 1]) - std::max(p.offset, offsets_[q]));
       }
     }
     owned_.clear();
@@ -129,7 +132,8 @@ class ZeroStore final : public FlatParamStore {
     const std::vector<int>& ps = unit_params(unit);
     for (std::size_t k = 0; k < ps.size(); ++k)
       if (!whole_of_[static_cast<std::size_t>(ps[k])])
-        v.compute[k] = params16_.ref().slice(info_[static_cast<std::size_t>(ps[k])].offset, info_[static_cast<std::size_t>(ps[k])].numel());
+        v.compute[k] = params16_.ref().slice(info_[static_cast<std::size_t>(ps[k])].offset,
+                                             info_[static_cast<std::size_t>(ps[k])].numel());
     return v;
   }
   void params_written() override {
@@ -177,7 +181,8 @@ class ZeroStore final : public FlatParamStore {
   void refresh16() {
     for (const OwnedSlice& o : owned_)
       if (!whole_of_[static_cast<std::size_t>(o.param)])
-        be_->cast(params16_.ref().slice(info_[static_cast<std::size_t>(o.param)].offset + o.begin, o.size()), owned_param(o));
+        be_->cast(params16_.ref().slice(info_[static_cast<std::size_t>(o.param)].offset + o.begin, o.size()),
+                  owned_param(o));
     const std::size_t r = static_cast<std::size_t>(dp_.rank());
     dp_.all_gather(params16_.ref().slice(offsets_[r], counts_[r]), params16_.ref(), counts_);
     dirty16_ = false;
@@ -231,8 +236,7 @@ class ZeroSync final : public BucketedGradSync {
   ZeroSync(Communicator& dp, BackendFace& be, GPT& model, double bucket_mb, bool overlap, const ZeroStore& store)
       : BucketedGradSync(dp, be, model, bucket_mb, overlap,
                          BucketPlan{[&model](int p) { return model.params()[static_cast<std::size_t>(p)].tied; },
-                                    [&store](const GradBucket& b) { return store.rank_counts(b); },
-                                    2}),
+                                    [&store](const GradBucket& b) { return store.rank_counts(b); }, 2}),
         params_bytes_(static_cast<double>(model.store().local_numel()) * sizeof(float)) {}
   std::string name() const override { return "ZeRO stage 1: " + BucketedGradSync::name(); }
   void begin_micro_batch(GPT& model, int k, int m) override {
@@ -302,8 +306,9 @@ PlanTerms zero_plan_terms() {
                              : "the optimizer state, gradients and parameters (m, v, gradients, weights") +
              (p.precision != "fp32" ? " and the fp32 masters" : "") + "): each rank keeps 1/" + dp + ".\n";
     if (topic == "dp_sync")
-      return std::string("ZeRO reduce-scatters each bucket so each rank receives the sum of the range it owns, updates "
-                         "it, and all-gathers the updated parameters") +
+      return std::string(
+                 "ZeRO reduce-scatters each bucket so each rank receives the sum of the range it owns, updates "
+                 "it, and all-gathers the updated parameters") +
              (stage == "1" ? " (stage 1 reduce-scatters after the last micro-batch's backward)" : "");
     return "";
   };
@@ -367,7 +372,8 @@ void register_zero(void* p) {
     const double bucket_mb = ctx.deck.get_float("zero.bucket_mb");
     const bool overlap = ctx.deck.get_bool("zero.overlap_comm");
     if (auto* sharded = dynamic_cast<ShardedStore*>(&ctx.model.store())) {
-      roles.grad_sync = std::make_unique<ShardedSync>(ctx.grid.dp(), ctx.backend, ctx.model, *sharded, bucket_mb, overlap);
+      roles.grad_sync =
+          std::make_unique<ShardedSync>(ctx.grid.dp(), ctx.backend, ctx.model, *sharded, bucket_mb, overlap);
       return;
     }
     // Another strategy's store in the run (one that replaced zero's): refused by name, never bad_cast.

@@ -23,7 +23,8 @@ std::string ShardedStore::name() const {
   return s + ")";
 }
 
-void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) {
+void ShardedStore::build(const StoreContext& ctx, const std::vector<ParamInfo>& params,
+                         const std::vector<Unit>& units) {
   be_ = &ctx.backend;
   info_ = params;
   units_ = units;
@@ -141,7 +142,8 @@ void ShardedStore::gather(int unit) {
   gathered_[u] = s;
   const std::int64_t a = std::max(unit_lo_[u], lo_), b = std::min(unit_hi_[u], hi_);
   const BufferRef mine = a < b ? params_.ref().slice(a - lo_, b - a) : params_.ref().slice(0, 0);
-  s->req = dp_.all_gather_async(mine, s->buf.ref().slice(0, unit_hi_[u] - unit_lo_[u]), rank_counts(unit_lo_[u], unit_hi_[u]));
+  s->req = dp_.all_gather_async(mine, s->buf.ref().slice(0, unit_hi_[u] - unit_lo_[u]),
+                                rank_counts(unit_lo_[u], unit_hi_[u]));
   ++gathers_;
 }
 
@@ -180,8 +182,10 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
   if (tracing_) {
     trace_.push_back(unit);
   } else if (on_trace_) {
-    if (pos_ < trace_.size() && trace_[pos_] == unit) ++pos_;
-    else on_trace_ = false;
+    if (pos_ < trace_.size() && trace_[pos_] == unit)
+      ++pos_;
+    else
+      on_trace_ = false;
   }
   const bool run = unit_hi_[u] > unit_lo_[u];
   if (stage_ == 3 && run) {
@@ -208,7 +212,7 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
     if (masters16_ && !whole) {
       v.params.emplace_back();  // no fp32 copy of a sharded matrix: its operand is the 16-bit one below
     } else {
-      float* p = whole ? wparams_.data<float>() + at_[static_cast<std::size_t>(i)]
+      float* p = whole         ? wparams_.data<float>() + at_[static_cast<std::size_t>(i)]
                  : stage_ == 3 ? tensor_in(gathered_, wparams_, i)
                                : params_.data<float>() + at_[static_cast<std::size_t>(i)];
       v.params.emplace_back(p, count, be_->space());
@@ -221,7 +225,8 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
     for (std::size_t k = 0; k < v.params.size(); ++k) {
       const int i = units_[u].params[k];
       if (!whole_of_[static_cast<std::size_t>(i)])
-        v.compute[k] = params16_.ref().slice(at_[static_cast<std::size_t>(i)], info_[static_cast<std::size_t>(i)].numel());
+        v.compute[k] =
+            params16_.ref().slice(at_[static_cast<std::size_t>(i)], info_[static_cast<std::size_t>(i)].numel());
     }
   }
   dp_.progress();
@@ -369,8 +374,8 @@ void ShardedStore::plan_step(StepPlan& plan) const {
                    2.0 * m * static_cast<double>(units_.size()) * (n - 1), true, true});
   } else {
     const double elem = masters16_ ? dtype_size(be_->precision().matmul) : sizeof(float);
-    plan.add_comm({dp_.name(), "parameter all-gather (refresh)", ring_all_gather_bytes(elem * static_cast<double>(sharded_), n),
-                   n - 1.0, false});
+    plan.add_comm({dp_.name(), "parameter all-gather (refresh)",
+                   ring_all_gather_bytes(elem * static_cast<double>(sharded_), n), n - 1.0, false});
     if (!wcounts_.empty() && whole_ > 0)
       plan.add_comm({dp_.name(), "fp32 whole tensors' all-gather (refresh)",
                      ring_all_gather_bytes(4.0 * static_cast<double>(whole_), n), n - 1.0, false});
@@ -392,7 +397,8 @@ void ShardedSync::plan_step(StepPlan& plan) const {
       k.rank_counts = store_.rank_counts(lo + a, lo + a + k.data.count);
       list_unit_part(k, static_cast<int>(u), a, a + k.data.count);
       const std::size_t first = plan.comm.size();
-      const double host_before = plan.host_bytes, copies_before = plan.host_copy_bytes, backend_before = plan.backend_bytes;
+      const double host_before = plan.host_bytes, copies_before = plan.host_copy_bytes,
+                   backend_before = plan.backend_bytes;
       units.back().push_back(reducer_->plan_bucket(plan, k, "unit " + model_.units()[u].name + " gradients"));
       plan.host_bytes = host_before + (plan.host_bytes - host_before) * m;  // every micro-batch reduces its pieces
       plan.host_copy_bytes = copies_before + (plan.host_copy_bytes - copies_before) * m;
@@ -426,7 +432,8 @@ void ShardedSync::plan_step(StepPlan& plan) const {
   }
   // The whole tensors' gradients, once after the last backward, two pieces in flight at a time.
   std::vector<Reducer::BucketScratch> whole;
-  for (const GradBucket& k : whole_buckets()) whole.push_back(reducer_->plan_bucket(plan, k, "whole tensors' gradients"));
+  for (const GradBucket& k : whole_buckets())
+    whole.push_back(reducer_->plan_bucket(plan, k, "whole tensors' gradients"));
   std::vector<std::size_t> whole_first;
   for (std::size_t j = 0; j < whole.size(); ++j) {
     whole_first.push_back(j > 0 ? j - 1 : 0);
@@ -476,7 +483,8 @@ std::vector<GradBucket> ShardedSync::whole_buckets() const {
   return out;
 }
 
-ShardedSync::ShardedSync(Communicator& dp, BackendFace& be, GPT& model, ShardedStore& store, double bucket_mb, bool overlap)
+ShardedSync::ShardedSync(Communicator& dp, BackendFace& be, GPT& model, ShardedStore& store, double bucket_mb,
+                         bool overlap)
     : dp_(dp),
       be_(be),
       model_(model),
@@ -485,9 +493,11 @@ ShardedSync::ShardedSync(Communicator& dp, BackendFace& be, GPT& model, ShardedS
       overlap_(overlap) {}
 
 std::string ShardedSync::name() const {
-  return "ZeRO stage " + std::to_string(store_.stage()) + ": " + (reducer_ ? reducer_->name() : std::string("(no reducer)")) +
+  return "ZeRO stage " + std::to_string(store_.stage()) + ": " +
+         (reducer_ ? reducer_->name() : std::string("(no reducer)")) +
          " of each unit's gradients as its backward ends, every micro-batch, in buckets of at most " +
-         std::to_string(piece_ * sizeof(float) / 1024) + " KiB" + (overlap_ ? ", overlapped with backward" : ", waited at once");
+         std::to_string(piece_ * sizeof(float) / 1024) + " KiB" +
+         (overlap_ ? ", overlapped with backward" : ", waited at once");
 }
 
 void ShardedSync::begin_micro_batch(GPT&, int k, int m) {
@@ -585,7 +595,8 @@ std::string zero_summary_line(const std::map<std::string, double>& means) {
   const char* bytes_formula = stage == 3 ? "3(N-1)/N*M" : "2(N-1)/N*M";
   const char* state_formula = stage == 3 ? "16P/N" : stage == 2 ? "4P + 4P/N + 8P/N" : "4P + 4P + 8P/N";
   std::string added = "the collectives' scratch, " + format_bytes(mean("zero_comm_scratch_bytes"));
-  if (mean("zero_grad_staging_bytes") > 0) added += "; gradient staging, " + format_bytes(mean("zero_grad_staging_bytes"));
+  if (mean("zero_grad_staging_bytes") > 0)
+    added += "; gradient staging, " + format_bytes(mean("zero_grad_staging_bytes"));
   if (mean("zero_param_gather_bytes") > 0)
     added += "; gathered parameters, " + format_bytes(mean("zero_param_gather_bytes"));
   if (mean("zero_whole_bytes") > 0) added += "; tensors kept whole, " + format_bytes(mean("zero_whole_bytes"));
@@ -607,7 +618,8 @@ std::vector<std::string> ShardedSync::summary_lines(const std::map<std::string, 
 }
 
 std::vector<std::pair<std::string, double>> ShardedSync::step_report() const {
-  auto r = zero_step_report(store_.stage(), dp_, store_.stats_at_step_start(), static_cast<double>(store_.local_numel()));
+  auto r =
+      zero_step_report(store_.stage(), dp_, store_.stats_at_step_start(), static_cast<double>(store_.local_numel()));
   // The buffers loom adds to the textbook's model state, and what the step did.
   r.insert(r.end(), {{"zero_grad_staging_bytes", store_.staging_bytes()},
                      {"zero_param_gather_bytes", store_.gathered_bytes()},

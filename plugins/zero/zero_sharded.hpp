@@ -1,7 +1,7 @@
 #pragma once
-// ZeRO stages 2 and 3 (DESIGN.md "The parameter store" and "The roles as filled today"): the store that keeps only this rank's share of the
-// gradients (stage 2) and of the parameters too (stage 3), and the gradient sync that reduce-scatters
-// each unit's gradients into the shares as backward finishes the unit.
+// ZeRO stages 2 and 3 (DESIGN.md "The parameter store" and "The roles as filled today"): the store that keeps only this
+// rank's share of the gradients (stage 2) and of the parameters too (stage 3), and the gradient sync that
+// reduce-scatters each unit's gradients into the shares as backward finishes the unit.
 //
 // Layout. The tensors a stage-3 run keeps whole (fewer elements than zero.param_persistence_threshold,
 // and any tied or shadow tensor) lie in a small "whole" buffer, every rank holding all of them as at
@@ -124,8 +124,8 @@ class ShardedStore final : public ParamStore {
  private:
   struct Slot {
     TypedBuffer buf;
-    int unit = -1;   // -1: free
-    int users = 0;   // acquires not yet released (parameter slots)
+    int unit = -1;       // -1: free
+    int users = 0;       // acquires not yet released (parameter slots)
     CommRequestPtr req;  // the gather filling it (parameter slots)
   };
   Slot* take(std::vector<std::unique_ptr<Slot>>& pool, int unit, const char* label, Mem category);
@@ -141,15 +141,15 @@ class ShardedStore final : public ParamStore {
   BackendFace* be_ = nullptr;
   std::vector<ParamInfo> info_;
   std::vector<Unit> units_;
-  std::vector<bool> whole_of_;         // per tensor: kept whole
-  std::vector<std::int64_t> at_;       // per tensor: offset in the sharded range, or in the whole buffer
+  std::vector<bool> whole_of_;    // per tensor: kept whole
+  std::vector<std::int64_t> at_;  // per tensor: offset in the sharded range, or in the whole buffer
   std::vector<std::int64_t> unit_lo_, unit_hi_;
   std::int64_t sharded_ = 0, whole_ = 0, lo_ = 0, hi_ = 0;
   std::vector<std::int64_t> counts_, offsets_;
   std::vector<std::int64_t> wcounts_;  // see whole_rank_counts(); [wlo_, whi_): this rank's run of them
   std::int64_t wlo_ = 0, whi_ = 0;
-  TypedBuffer params_;   // stage 2: the whole sharded range; stage 3: this rank's share of it
-  TypedBuffer gshard_;   // this rank's share of the gradients
+  TypedBuffer params_;  // stage 2: the whole sharded range; stage 3: this rank's share of it
+  TypedBuffer gshard_;  // this rank's share of the gradients
   TypedBuffer wparams_, wgrads_;
   std::vector<OwnedSlice> owned_;
   std::vector<std::unique_ptr<Slot>> pslots_, gslots_;

@@ -49,10 +49,13 @@ cublasStatus_t refuse(cublasStatus_t s, const std::string& why) {
 
 std::size_t type_bytes(cudaDataType t) {
   switch (t) {
-    case CUDA_R_32F: return 4;
-    case CUDA_R_64F: return 8;
+    case CUDA_R_32F:
+      return 4;
+    case CUDA_R_64F:
+      return 8;
     case CUDA_R_16F:
-    case CUDA_R_16BF: return 2;
+    case CUDA_R_16BF:
+      return 2;
   }
   return 0;
 }
@@ -95,7 +98,9 @@ std::string check_product(const cublasLtMatmulDescOpaque_t& d, const cublasLtMat
   const std::uint64_t m = D.rows, n = D.cols;
   const std::uint64_t am = d.transa == CUBLAS_OP_T ? A.cols : A.rows, ak = d.transa == CUBLAS_OP_T ? A.rows : A.cols;
   const std::uint64_t bk = d.transb == CUBLAS_OP_T ? B.cols : B.rows, bn = d.transb == CUBLAS_OP_T ? B.rows : B.cols;
-  auto dims = [](const cublasLtMatrixLayoutOpaque_t& x) { return std::to_string(x.rows) + "x" + std::to_string(x.cols); };
+  auto dims = [](const cublasLtMatrixLayoutOpaque_t& x) {
+    return std::to_string(x.rows) + "x" + std::to_string(x.cols);
+  };
   if (am != m || bn != n || ak != bk)
     return "op(A) " + std::to_string(am) + "x" + std::to_string(ak) + " times op(B) " + std::to_string(bk) + "x" +
            std::to_string(bn) + " into D " + dims(D);
@@ -103,7 +108,8 @@ std::string check_product(const cublasLtMatmulDescOpaque_t& d, const cublasLtMat
   for (const auto* x : {&A, &B, &C, &D}) {
     if (x->ld < std::int64_t(std::max<std::uint64_t>(1, x->rows)))
       return "a leading dimension " + std::to_string(x->ld) + " below its " + std::to_string(x->rows) + " rows";
-    if (x->batch != D.batch) return "batch counts differ (" + std::to_string(x->batch) + ", D " + std::to_string(D.batch) + ")";
+    if (x->batch != D.batch)
+      return "batch counts differ (" + std::to_string(x->batch) + ", D " + std::to_string(D.batch) + ")";
   }
   const bool f32 = A.type == CUDA_R_32F && B.type == CUDA_R_32F && D.type == CUDA_R_32F;
   switch (d.compute) {
@@ -120,7 +126,8 @@ std::string check_product(const cublasLtMatmulDescOpaque_t& d, const cublasLtMat
                     (D.type == A.type || D.type == CUDA_R_32F))))
         return "CUBLAS_COMPUTE_32F takes fp32 operands into fp32, or bf16 (fp16) pairs into bf16 (fp16) or fp32";
       break;
-    default: return "compute type " + std::to_string(int(d.compute)) + " is not emulated";
+    default:
+      return "compute type " + std::to_string(int(d.compute)) + " is not emulated";
   }
   if (d.epilogue != CUBLASLT_EPILOGUE_DEFAULT && d.epilogue != CUBLASLT_EPILOGUE_BIAS)
     return "epilogue " + std::to_string(d.epilogue) + " is not emulated";
@@ -131,19 +138,31 @@ std::string check_product(const cublasLtMatmulDescOpaque_t& d, const cublasLtMat
 
 double element(cudaDataType t, const unsigned char* base, std::int64_t i) {
   switch (t) {
-    case CUDA_R_32F: return reinterpret_cast<const float*>(base)[i];
-    case CUDA_R_64F: return reinterpret_cast<const double*>(base)[i];
-    case CUDA_R_16BF: return loom::to_float(reinterpret_cast<const loom::bf16*>(base)[i]);
-    case CUDA_R_16F: return loom::to_float(reinterpret_cast<const loom::f16*>(base)[i]);
+    case CUDA_R_32F:
+      return reinterpret_cast<const float*>(base)[i];
+    case CUDA_R_64F:
+      return reinterpret_cast<const double*>(base)[i];
+    case CUDA_R_16BF:
+      return loom::to_float(reinterpret_cast<const loom::bf16*>(base)[i]);
+    case CUDA_R_16F:
+      return loom::to_float(reinterpret_cast<const loom::f16*>(base)[i]);
   }
   return 0;
 }
 void store(cudaDataType t, unsigned char* base, std::int64_t i, double v) {
   switch (t) {
-    case CUDA_R_32F: reinterpret_cast<float*>(base)[i] = static_cast<float>(v); return;
-    case CUDA_R_64F: reinterpret_cast<double*>(base)[i] = v; return;
-    case CUDA_R_16BF: reinterpret_cast<loom::bf16*>(base)[i] = loom::to_bf16(static_cast<float>(v)); return;
-    case CUDA_R_16F: reinterpret_cast<loom::f16*>(base)[i] = loom::to_f16(static_cast<float>(v)); return;
+    case CUDA_R_32F:
+      reinterpret_cast<float*>(base)[i] = static_cast<float>(v);
+      return;
+    case CUDA_R_64F:
+      reinterpret_cast<double*>(base)[i] = v;
+      return;
+    case CUDA_R_16BF:
+      reinterpret_cast<loom::bf16*>(base)[i] = loom::to_bf16(static_cast<float>(v));
+      return;
+    case CUDA_R_16F:
+      reinterpret_cast<loom::f16*>(base)[i] = loom::to_f16(static_cast<float>(v));
+      return;
   }
 }
 // fp32 -> TF32 (10 mantissa bits), to nearest, ties away from zero (cvt.rna.tf32.f32; cuBLAS does
@@ -181,11 +200,21 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
                                               const void* buf, std::size_t bytes) {
   bool ok = false;
   switch (attr) {
-    case CUBLASLT_MATMUL_DESC_TRANSA: ok = take(d->transa, buf, bytes); break;
-    case CUBLASLT_MATMUL_DESC_TRANSB: ok = take(d->transb, buf, bytes); break;
-    case CUBLASLT_MATMUL_DESC_EPILOGUE: ok = take(d->epilogue, buf, bytes); break;
-    case CUBLASLT_MATMUL_DESC_BIAS_POINTER: ok = take(d->bias, buf, bytes); break;
-    case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: ok = take(d->bias_type, buf, bytes); break;
+    case CUBLASLT_MATMUL_DESC_TRANSA:
+      ok = take(d->transa, buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_DESC_TRANSB:
+      ok = take(d->transb, buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE:
+      ok = take(d->epilogue, buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
+      ok = take(d->bias, buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE:
+      ok = take(d->bias_type, buf, bytes);
+      break;
   }
   return taken(ok, "matmul descriptor", int(attr), bytes);
 }
@@ -202,8 +231,12 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l, cublas
                                                 const void* buf, std::size_t bytes) {
   bool ok = false;
   switch (attr) {
-    case CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT: ok = take(l->batch, buf, bytes) && l->batch >= 1; break;
-    case CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET: ok = take(l->stride, buf, bytes); break;
+    case CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT:
+      ok = take(l->batch, buf, bytes) && l->batch >= 1;
+      break;
+    case CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET:
+      ok = take(l->stride, buf, bytes);
+      break;
   }
   return taken(ok, "matrix layout", int(attr), bytes);
 }
@@ -220,11 +253,21 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
                                                     std::size_t bytes) {
   bool ok = false;
   switch (attr) {
-    case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: ok = take(p->workspace, buf, bytes); break;
-    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES: ok = take(p->align[0], buf, bytes); break;
-    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES: ok = take(p->align[1], buf, bytes); break;
-    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: ok = take(p->align[2], buf, bytes); break;
-    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: ok = take(p->align[3], buf, bytes); break;
+    case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES:
+      ok = take(p->workspace, buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES:
+      ok = take(p->align[0], buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES:
+      ok = take(p->align[1], buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES:
+      ok = take(p->align[2], buf, bytes);
+      break;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES:
+      ok = take(p->align[3], buf, bytes);
+      break;
   }
   return taken(ok, "preference", int(attr), bytes);
 }
@@ -263,8 +306,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     return refuse(CUBLAS_STATUS_NOT_SUPPORTED, why);
   const cublasLtMatrixLayoutOpaque_t* const layouts[4] = {Adesc, Bdesc, Cdesc, Ddesc};
   if (algo && (algo->data[0] != 0x6c6f6f6d || algo->data[1] != fingerprint(*d, layouts)))
-    return refuse(CUBLAS_STATUS_INVALID_VALUE, "an algorithm chosen for another product (its shapes, types, "
-                                               "operations or epilogue differ)");
+    return refuse(CUBLAS_STATUS_INVALID_VALUE,
+                  "an algorithm chosen for another product (its shapes, types, "
+                  "operations or epilogue differ)");
   const void* pointers[4] = {A, B, C, D};
   for (int i = 0; i < 4; ++i) {
     const cublasLtMatrixLayoutOpaque_t& l = *layouts[i];
@@ -282,9 +326,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
   try {
     for (int i = 0; i < 4; ++i) {
       const cublasLtMatrixLayoutOpaque_t& l = *layouts[i];
-      const std::int64_t last = std::int64_t(l.batch - 1) * l.stride + std::int64_t(l.cols - 1) * l.ld + std::int64_t(l.rows);
+      const std::int64_t last =
+          std::int64_t(l.batch - 1) * l.stride + std::int64_t(l.cols - 1) * l.ld + std::int64_t(l.rows);
       const std::size_t bytes = l.rows && l.cols ? std::size_t(last) * type_bytes(l.type) : 0;
-      host[i] = static_cast<const unsigned char*>(host_address(pointers[i], bytes, std::string("matmul operand ") + "ABCD"[i]));
+      host[i] = static_cast<const unsigned char*>(
+          host_address(pointers[i], bytes, std::string("matmul operand ") + "ABCD"[i]));
     }
     if (d->epilogue == CUBLASLT_EPILOGUE_BIAS) {
       if (!d->bias) return refuse(CUBLAS_STATUS_INVALID_VALUE, "the bias epilogue without a bias pointer");
@@ -313,12 +359,14 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
         return round_tf32 ? double(tf32(float(v))) : v;
       };
       for (std::int64_t p = 0; p < k; ++p)
-        for (std::int64_t i = 0; i < m; ++i) pa[std::size_t(p * m + i)] = at(la, host[0], desc.transa == CUBLAS_OP_T, i, p);
+        for (std::int64_t i = 0; i < m; ++i)
+          pa[std::size_t(p * m + i)] = at(la, host[0], desc.transa == CUBLAS_OP_T, i, p);
       for (std::int64_t j = 0; j < n; ++j)
-        for (std::int64_t p = 0; p < k; ++p) pb[std::size_t(j * k + p)] = at(lb, host[1], desc.transb == CUBLAS_OP_T, p, j);
+        for (std::int64_t p = 0; p < k; ++p)
+          pb[std::size_t(j * k + p)] = at(lb, host[1], desc.transb == CUBLAS_OP_T, p, j);
       if (f64) {
-        cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, int(m), int(n), int(k), 1.0, pa.data(), int(m), pb.data(),
-                    int(k), 0.0, pd.data(), int(m));
+        cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, int(m), int(n), int(k), 1.0, pa.data(), int(m),
+                    pb.data(), int(k), 0.0, pd.data(), int(m));
       } else {  // fp32 accumulation, as the device's
         std::vector<float> fa(pa.begin(), pa.end()), fb(pb.begin(), pb.end()), fd(pd.size());
         cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, int(m), int(n), int(k), 1.0f, fa.data(), int(m),
@@ -329,7 +377,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
         for (std::int64_t i = 0; i < m; ++i) {
           double v = a * pd[std::size_t(j * m + i)];
           if (!f64) v = float(v);
-          if (b != 0) v += b * element(lc.type, host[2], std::int64_t(batch) * lc.stride + j * lc.ld + i);  // beta 0: C unread
+          if (b != 0)
+            v += b * element(lc.type, host[2], std::int64_t(batch) * lc.stride + j * lc.ld + i);  // beta 0: C unread
           if (!f64) v = float(v);
           if (bias) v = float(v + element(bias_type, bias, i));
           store(ld.type, out, std::int64_t(batch) * ld.stride + j * ld.ld + i, v);

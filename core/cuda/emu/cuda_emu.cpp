@@ -102,7 +102,7 @@ struct Launch {
   dim3 grid, block, block_idx;
   std::vector<unsigned char> shared;
   std::vector<Fiber> fibers;
-  std::vector<unsigned char> exchange;  // per thread, one shuffle's value
+  std::vector<unsigned char> exchange;                                      // per thread, one shuffle's value
   std::vector<std::pair<const void*, std::vector<unsigned char>>> statics;  // the block's static shared arrays
   std::size_t dynamic_bytes = 0;
   Context scheduler;
@@ -272,13 +272,14 @@ unsigned char* dynamic_shared_of(Launch& l) {
 void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function<void()>& body) {
   if (active) throw std::logic_error("cuda_emu::launch inside a launch");
   const auto refuse = [&](const std::string& why) {
-    throw std::runtime_error("cuda_emu: launch of grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
-                             std::to_string(grid.z) + "), block (" + std::to_string(block.x) + "," +
+    throw std::runtime_error("cuda_emu: launch of grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) +
+                             "," + std::to_string(grid.z) + "), block (" + std::to_string(block.x) + "," +
                              std::to_string(block.y) + "," + std::to_string(block.z) + "), " +
                              std::to_string(shared_bytes) + " bytes of dynamic shared memory: " + why);
   };
   const std::size_t block_threads = static_cast<std::size_t>(block.x) * block.y * block.z;
-  if (block_threads == 0 || block_threads > 1024 || block.z > 64) refuse("a block has 1 to 1024 threads (z at most 64)");
+  if (block_threads == 0 || block_threads > 1024 || block.z > 64)
+    refuse("a block has 1 to 1024 threads (z at most 64)");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
     refuse("a grid has 1 to 2^31 - 1 blocks on x, 1 to 65535 on y and z");
   if (shared_bytes > kMaxSharedPerBlock) refuse("more than the 232448 bytes a block may have");
@@ -317,8 +318,8 @@ void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function
             const std::size_t bytes = memory.size() - kSharedGuard;
             for (std::size_t i = 0; i < kSharedGuard; ++i)
               if (memory[bytes + i] != kGuardByte)
-                throw std::runtime_error(block_name + " wrote byte " + std::to_string(bytes + i) + " of a static shared array of " +
-                                         std::to_string(bytes) + " bytes");
+                throw std::runtime_error(block_name + " wrote byte " + std::to_string(bytes + i) +
+                                         " of a static shared array of " + std::to_string(bytes) + " bytes");
           }
         }
   } catch (...) {
@@ -330,10 +331,14 @@ void launch(dim3 grid, dim3 block, std::size_t shared_bytes, const std::function
 
 const char* schedule_name(Schedule s) {
   switch (s) {
-    case Schedule::sweep: return "sweep";
-    case Schedule::warps_ascending: return "warps_ascending";
-    case Schedule::warps_descending: return "warps_descending";
-    case Schedule::warps_random: return "warps_random";
+    case Schedule::sweep:
+      return "sweep";
+    case Schedule::warps_ascending:
+      return "warps_ascending";
+    case Schedule::warps_descending:
+      return "warps_descending";
+    case Schedule::warps_random:
+      return "warps_random";
   }
   return "?";
 }

@@ -110,7 +110,8 @@ struct fragment {
 inline void check_operand(const void* p, unsigned ldm, std::size_t elem_bytes, const char* what) {
   if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0)
     fail(std::string("wmma ") + what + ": pointer not 32-byte aligned");
-  if ((ldm * elem_bytes) % 16 != 0) fail(std::string("wmma ") + what + ": leading dimension not a multiple of 16 bytes");
+  if ((ldm * elem_bytes) % 16 != 0)
+    fail(std::string("wmma ") + what + ": leading dimension not a multiple of 16 bytes");
 }
 
 // A 16x16 operand tile: x[i][j] = p[i * ldm + j], or p[j * ldm + i] where the memory is the transpose.

@@ -49,15 +49,19 @@ int world_rank() {
 std::size_t type_bytes(ncclDataType_t t) {
   switch (t) {
     case ncclInt8:
-    case ncclUint8: return 1;
+    case ncclUint8:
+      return 1;
     case ncclFloat16:
-    case ncclBfloat16: return 2;
+    case ncclBfloat16:
+      return 2;
     case ncclInt32:
     case ncclUint32:
-    case ncclFloat32: return 4;
+    case ncclFloat32:
+      return 4;
     case ncclInt64:
     case ncclUint64:
-    case ncclFloat64: return 8;
+    case ncclFloat64:
+      return 8;
   }
   return 0;
 }
@@ -70,8 +74,10 @@ void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
   for (int i = 0; i < *len; ++i) {
     const float x = loom::to_float(a[i]), y = loom::to_float(b[i]);
     const float r = Max ? (x > y ? x : y) : x + y;
-    if constexpr (std::is_same_v<T, loom::bf16>) b[i] = loom::to_bf16(r);
-    else b[i] = loom::to_f16(r);
+    if constexpr (std::is_same_v<T, loom::bf16>)
+      b[i] = loom::to_bf16(r);
+    else
+      b[i] = loom::to_f16(r);
   }
 }
 MPI_Op op16(ncclDataType_t t, ncclRedOp_t op) {
@@ -87,16 +93,25 @@ MPI_Op op16(ncclDataType_t t, ncclRedOp_t op) {
 
 MPI_Datatype mpi_type(ncclDataType_t t) {
   switch (t) {
-    case ncclInt8: return MPI_INT8_T;
-    case ncclUint8: return MPI_UINT8_T;
-    case ncclInt32: return MPI_INT32_T;
-    case ncclUint32: return MPI_UINT32_T;
-    case ncclInt64: return MPI_INT64_T;
-    case ncclUint64: return MPI_UINT64_T;
-    case ncclFloat32: return MPI_FLOAT;
-    case ncclFloat64: return MPI_DOUBLE;
+    case ncclInt8:
+      return MPI_INT8_T;
+    case ncclUint8:
+      return MPI_UINT8_T;
+    case ncclInt32:
+      return MPI_INT32_T;
+    case ncclUint32:
+      return MPI_UINT32_T;
+    case ncclInt64:
+      return MPI_INT64_T;
+    case ncclUint64:
+      return MPI_UINT64_T;
+    case ncclFloat32:
+      return MPI_FLOAT;
+    case ncclFloat64:
+      return MPI_DOUBLE;
     case ncclFloat16:
-    case ncclBfloat16: return MPI_UINT16_T;
+    case ncclBfloat16:
+      return MPI_UINT16_T;
   }
   return MPI_DATATYPE_NULL;
 }
@@ -133,9 +148,12 @@ void queue_wait(const Pending& p) {
 bool emulated(ncclDataType_t type, ncclRedOp_t op, std::size_t count, const char* what) {
   const bool sixteen = type == ncclFloat16 || type == ncclBfloat16;
   std::string why;
-  if (op == ncclAvg) why = "ncclAvg";
-  else if (sixteen && op != ncclSum && op != ncclMax) why = "a 16-bit reduction other than sum and max";
-  else if (count > static_cast<std::size_t>(std::numeric_limits<int>::max())) why = "a count beyond 2^31 - 1";
+  if (op == ncclAvg)
+    why = "ncclAvg";
+  else if (sixteen && op != ncclSum && op != ncclMax)
+    why = "a 16-bit reduction other than sum and max";
+  else if (count > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+    why = "a count beyond 2^31 - 1";
   if (why.empty()) return true;
   std::fprintf(stderr, "loom cuda emulator: %s: %s is not emulated\n", what, why.c_str());
   return false;
@@ -155,8 +173,10 @@ ncclResult_t issue(const char* what, ncclComm_t comm, cudaStream_t stream, Start
     return true;
   });
   const Pending p{stream, op, what};
-  if (group_depth > 0) group_waits.push_back(p);
-  else queue_wait(p);
+  if (group_depth > 0)
+    group_waits.push_back(p);
+  else
+    queue_wait(p);
   return ncclSuccess;
 }
 
@@ -174,10 +194,14 @@ ncclResult_t ncclGetVersion(int* version) {
 }
 const char* ncclGetErrorString(ncclResult_t r) {
   switch (r) {
-    case ncclSuccess: return "no error";
-    case ncclInvalidArgument: return "invalid argument (emulated NCCL)";
-    case ncclInvalidUsage: return "invalid usage (emulated NCCL)";
-    default: return "internal error (emulated NCCL)";
+    case ncclSuccess:
+      return "no error";
+    case ncclInvalidArgument:
+      return "invalid argument (emulated NCCL)";
+    case ncclInvalidUsage:
+      return "invalid usage (emulated NCCL)";
+    default:
+      return "internal error (emulated NCCL)";
   }
 }
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
@@ -205,7 +229,8 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
       if (pair[0] < 1 || pair[0] >= nranks) return ncclInvalidUsage;
       world[static_cast<std::size_t>(pair[0])] = pair[1];
     }
-    for (int i = 1; i < nranks; ++i) MPI_Send(world.data(), nranks, MPI_INT, world[static_cast<std::size_t>(i)], tag, MPI_COMM_WORLD);
+    for (int i = 1; i < nranks; ++i)
+      MPI_Send(world.data(), nranks, MPI_INT, world[static_cast<std::size_t>(i)], tag, MPI_COMM_WORLD);
   } else {
     const int pair[2] = {rank, me};
     MPI_Send(pair, 2, MPI_INT, c.root_world_rank, tag, MPI_COMM_WORLD);
@@ -267,7 +292,8 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t count, 
     const auto* bytes = static_cast<const unsigned char*>(in);
     f->staged.assign(bytes, bytes + count * std::size_t(comm->size) * type_bytes(type));
     in = f->staged.data();
-    MPI_Ireduce_scatter_block(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), comm->comm, &f->request);
+    MPI_Ireduce_scatter_block(in, out, static_cast<int>(count), mpi_type(type), mpi_op(type, op), comm->comm,
+                              &f->request);
   });
 }
 ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclComm_t comm,
@@ -277,7 +303,8 @@ ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t count, nccl
     void* out = device(recv, count * std::size_t(comm->size), type, "ncclAllGather's output");
     const void* in = device(send, count, type, "ncclAllGather's input");
     if (in == static_cast<char*>(out) + std::size_t(comm->rank) * count * type_bytes(type)) in = MPI_IN_PLACE;
-    MPI_Iallgather(in, static_cast<int>(count), mpi_type(type), out, static_cast<int>(count), mpi_type(type), comm->comm, &f->request);
+    MPI_Iallgather(in, static_cast<int>(count), mpi_type(type), out, static_cast<int>(count), mpi_type(type),
+                   comm->comm, &f->request);
   });
 }
 ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t type, int root,
@@ -285,7 +312,8 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, nccl
   if (!emulated(type, ncclSum, count, "ncclBroadcast")) return ncclInvalidArgument;
   return issue("ncclBroadcast", comm, stream, [=](InFlight* f) {
     void* out = device(recv, count, type, "ncclBroadcast's output");
-    if (comm->rank == root && send != recv) std::memmove(out, device(send, count, type, "ncclBroadcast's input"), count * type_bytes(type));
+    if (comm->rank == root && send != recv)
+      std::memmove(out, device(send, count, type, "ncclBroadcast's input"), count * type_bytes(type));
     MPI_Ibcast(out, static_cast<int>(count), mpi_type(type), root, comm->comm, &f->request);
   });
 }
@@ -305,14 +333,16 @@ ncclResult_t ncclSend(const void* send, std::size_t count, ncclDataType_t type, 
   return issue("ncclSend", comm, stream, [=](InFlight* f) {
     // Synchronous mode: complete only when the peer receives, as NCCL's send (an eager MPI send would
     // let an unmatched send pass here that deadlocks on a GPU).
-    MPI_Issend(device(send, count, type, "ncclSend's input"), static_cast<int>(count), mpi_type(type), peer, 0, comm->comm, &f->request);
+    MPI_Issend(device(send, count, type, "ncclSend's input"), static_cast<int>(count), mpi_type(type), peer, 0,
+               comm->comm, &f->request);
   });
 }
 ncclResult_t ncclRecv(void* recv, std::size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
   if (!emulated(type, ncclSum, count, "ncclRecv")) return ncclInvalidArgument;
   return issue("ncclRecv", comm, stream, [=](InFlight* f) {
-    MPI_Irecv(device(recv, count, type, "ncclRecv's output"), static_cast<int>(count), mpi_type(type), peer, 0, comm->comm, &f->request);
+    MPI_Irecv(device(recv, count, type, "ncclRecv's output"), static_cast<int>(count), mpi_type(type), peer, 0,
+              comm->comm, &f->request);
   });
 }
 

@@ -51,7 +51,7 @@ namespace loom::cuda_emu::rt {
 namespace {
 
 constexpr std::size_t kDeviceBytes = std::size_t(80) << 30;  // an H100's, for cudaMemGetInfo and refusals
-constexpr std::size_t kDefaultShared = 48 * 1024;              // without cudaFuncSetAttribute
+constexpr std::size_t kDefaultShared = 48 * 1024;            // without cudaFuncSetAttribute
 
 struct Allocation {
   std::size_t bytes;
@@ -112,7 +112,8 @@ const Devices& devices() {
       std::string entry;
       std::istringstream list(visible);
       long i = 0;
-      while (std::getline(list, entry, ',') && whole_number(entry, on_node - 1L, i)) r.node_index.push_back(static_cast<int>(i));
+      while (std::getline(list, entry, ',') && whole_number(entry, on_node - 1L, i))
+        r.node_index.push_back(static_cast<int>(i));
       if (r.node_index.empty() && on_node > 0)
         r.none_why = std::string("no CUDA-capable device is detected (CUDA_VISIBLE_DEVICES = '") + visible +
                      "' names none of the node's " + std::to_string(on_node) + " emulated devices)";
@@ -244,9 +245,7 @@ const Allocation* allocation_of(std::uintptr_t a, std::uintptr_t* start) {
 
 }  // namespace
 
-bool is_device_address(const void* p) {
-  return loom::device_address::is_moved(p);
-}
+bool is_device_address(const void* p) { return loom::device_address::is_moved(p); }
 
 void* host_address(const void* p, std::size_t bytes, const std::string& what) {
   Lock lock(mu);
@@ -257,8 +256,9 @@ void* host_address(const void* p, std::size_t bytes, const std::string& what) {
   const Allocation* al = allocation_of(a, &start);
   if (!al) throw std::invalid_argument(what + " is not in device memory allocated and not yet freed");
   if (a - start + bytes > al->bytes)
-    throw std::invalid_argument(what + ": " + std::to_string(bytes) + " bytes from offset " + std::to_string(a - start) +
-                                " pass the end of its allocation of " + std::to_string(al->bytes) + " bytes");
+    throw std::invalid_argument(what + ": " + std::to_string(bytes) + " bytes from offset " +
+                                std::to_string(a - start) + " pass the end of its allocation of " +
+                                std::to_string(al->bytes) + " bytes");
   return al->host + (a - start);
 }
 
@@ -283,12 +283,13 @@ void launch(cudaStream_t s, const char* name, dim3 grid, dim3 block, std::size_t
             std::function<void()> body) {
   Lock lock(mu);
   const std::size_t threads = std::size_t(block.x) * block.y * block.z;
-  if (!live_stream(s)) return (void)fail(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a destroyed stream");
+  if (!live_stream(s))
+    return (void)fail(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a destroyed stream");
   if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu ||
       grid.y > 65535 || grid.z > 65535)
-    return (void)fail(cudaErrorInvalidConfiguration,
-                      std::string(name) + ": grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
-                          std::to_string(grid.z) + ") of blocks of " + std::to_string(threads) + " threads");
+    return (void)fail(cudaErrorInvalidConfiguration, std::string(name) + ": grid (" + std::to_string(grid.x) + "," +
+                                                         std::to_string(grid.y) + "," + std::to_string(grid.z) +
+                                                         ") of blocks of " + std::to_string(threads) + " threads");
   const auto optin = dynamic_shared_optin.find(kernel);
   const std::size_t allowed = optin == dynamic_shared_optin.end() ? kDefaultShared : std::size_t(optin->second);
   if (shared > allowed)
@@ -298,30 +299,40 @@ void launch(cudaStream_t s, const char* name, dim3 grid, dim3 block, std::size_t
                                                  " (cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raises it)");
   const Schedule order = schedule_from_environment();
   stream_of(s)->work.push_back({std::string("kernel ") + name, [=, body = std::move(body)] {
-                                 set_schedule(order, 1);
-                                 cuda_emu::launch(grid, block, shared, body);
-                                 return true;
-                               }});
+                                  set_schedule(order, 1);
+                                  cuda_emu::launch(grid, block, shared, body);
+                                  return true;
+                                }});
 }
 
 }  // namespace loom::cuda_emu::rt
 
 using namespace loom::cuda_emu::rt;
 
-
 const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
-    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
-    case cudaErrorNoDevice: return devices().none_why.c_str();
-    case cudaErrorInvalidDevice: return "invalid device ordinal";
-    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
-    case cudaErrorNotReady: return "device not ready";
-    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer:
+      return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection:
+      return "invalid copy direction for memcpy";
+    case cudaErrorNoDevice:
+      return devices().none_why.c_str();
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+      return "invalid resource handle";
+    case cudaErrorNotReady:
+      return "device not ready";
+    case cudaErrorLaunchFailure:
+      return "unspecified launch failure";
   }
   return "unknown error";
 }
@@ -399,7 +410,8 @@ cudaError_t cudaFree(void* p) {
   if (!p) return cudaSuccess;
   run_all();  // cudaFree waits for the device, as the runtime's does
   const auto it = allocations.find(reinterpret_cast<std::uintptr_t>(p));
-  if (it == allocations.end()) return fail(cudaErrorInvalidValue, "cudaFree of an address that is not an allocation's start");
+  if (it == allocations.end())
+    return fail(cudaErrorInvalidValue, "cudaFree of an address that is not an allocation's start");
   std::free(it->second.host);
   allocated -= it->second.bytes;
   allocations.erase(it);
@@ -419,14 +431,19 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   if (kind != cudaMemcpyHostToDevice && kind != cudaMemcpyDeviceToHost && kind != cudaMemcpyDeviceToDevice)
-    return fail(cudaErrorInvalidMemcpyDirection, "cudaMemcpyAsync: only host-to-device, device-to-host and device-to-device");
+    return fail(cudaErrorInvalidMemcpyDirection,
+                "cudaMemcpyAsync: only host-to-device, device-to-host and device-to-device");
   void* d = dst;
   const void* h = src;
   try {
-    if (dst_device) d = host_address(dst, bytes, "cudaMemcpyAsync's destination");
-    else if (is_device_address(dst)) throw std::invalid_argument("cudaMemcpyAsync's destination is device memory, the kind says host");
-    if (src_device) h = host_address(src, bytes, "cudaMemcpyAsync's source");
-    else if (is_device_address(src)) throw std::invalid_argument("cudaMemcpyAsync's source is device memory, the kind says host");
+    if (dst_device)
+      d = host_address(dst, bytes, "cudaMemcpyAsync's destination");
+    else if (is_device_address(dst))
+      throw std::invalid_argument("cudaMemcpyAsync's destination is device memory, the kind says host");
+    if (src_device)
+      h = host_address(src, bytes, "cudaMemcpyAsync's source");
+    else if (is_device_address(src))
+      throw std::invalid_argument("cudaMemcpyAsync's source is device memory, the kind says host");
     const auto d0 = reinterpret_cast<std::uintptr_t>(d), h0 = reinterpret_cast<std::uintptr_t>(h);
     if (kind == cudaMemcpyDeviceToDevice && d0 != h0 && d0 < h0 + bytes && h0 < d0 + bytes)
       throw std::invalid_argument("cudaMemcpyAsync between overlapping device ranges (undefined on the device)");
@@ -436,7 +453,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   if (kind == cudaMemcpyHostToDevice) {
     // From pageable host memory (loom has no pinned buffers): the runtime stages the source before
     // it returns, so the caller may reuse it at once.
-    std::vector<unsigned char> staged(static_cast<const unsigned char*>(h), static_cast<const unsigned char*>(h) + bytes);
+    std::vector<unsigned char> staged(static_cast<const unsigned char*>(h),
+                                      static_cast<const unsigned char*>(h) + bytes);
     enqueue(s, "cudaMemcpyAsync", [d, staged = std::move(staged)] { std::memcpy(d, staged.data(), staged.size()); });
     return state();
   }
@@ -491,10 +509,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   Lock lock(mu);
-  if (!live_stream(s) || !events.count(e)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: no such stream or event");
+  if (!live_stream(s) || !events.count(e))
+    return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: no such stream or event");
   // The stream's later work waits until the event's latest record (as of now) is reached.
-  if (e->pending())
-    enqueue_step(s, "cudaStreamWaitEvent", [record = e->latest] { return record->reached; });
+  if (e->pending()) enqueue_step(s, "cudaStreamWaitEvent", [record = e->latest] { return record->reached; });
   return state();
 }
 
@@ -508,7 +526,8 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
 cudaError_t cudaEventDestroy(cudaEvent_t e) { return drop_handle(e, events, "cudaEventDestroy"); }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   Lock lock(mu);
-  if (!events.count(e) || !live_stream(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: no such event or stream");
+  if (!events.count(e) || !live_stream(s))
+    return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: no such event or stream");
   e->latest = std::make_shared<Record>();  // a stream already waiting keeps the record it was given
   enqueue(s, "cudaEventRecord", [record = e->latest] {
     record->reached = true;

@@ -29,10 +29,18 @@ inline AttentionReference attention_reference(const std::vector<float>& qkv, con
   std::vector<double> p(static_cast<std::size_t>(T) * T), dp(static_cast<std::size_t>(T) * T);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < NH; ++h) {
-      auto q = [&](int t, int d) { return static_cast<double>(qkv[(static_cast<std::int64_t>(b) * T + t) * C3 + h * hs + d]); };
-      auto k = [&](int t, int d) { return static_cast<double>(qkv[(static_cast<std::int64_t>(b) * T + t) * C3 + C + h * hs + d]); };
-      auto v = [&](int t, int d) { return static_cast<double>(qkv[(static_cast<std::int64_t>(b) * T + t) * C3 + 2 * C + h * hs + d]); };
-      auto g = [&](int t, int d) { return static_cast<double>(dout[(static_cast<std::int64_t>(b) * T + t) * C + h * hs + d]); };
+      auto q = [&](int t, int d) {
+        return static_cast<double>(qkv[(static_cast<std::int64_t>(b) * T + t) * C3 + h * hs + d]);
+      };
+      auto k = [&](int t, int d) {
+        return static_cast<double>(qkv[(static_cast<std::int64_t>(b) * T + t) * C3 + C + h * hs + d]);
+      };
+      auto v = [&](int t, int d) {
+        return static_cast<double>(qkv[(static_cast<std::int64_t>(b) * T + t) * C3 + 2 * C + h * hs + d]);
+      };
+      auto g = [&](int t, int d) {
+        return static_cast<double>(dout[(static_cast<std::int64_t>(b) * T + t) * C + h * hs + d]);
+      };
       auto at = [&](int t, int d) { return (static_cast<std::int64_t>(b) * T + t) * C3 + h * hs + d; };
       for (int t = 0; t < T; ++t) {
         double mx = -1e300;
@@ -44,7 +52,8 @@ inline AttentionReference attention_reference(const std::vector<float>& qkv, con
         }
         double sum = 0;
         for (int j = 0; j <= t; ++j) sum += std::exp(p[static_cast<std::size_t>(t) * T + j] - mx);
-        for (int j = 0; j <= t; ++j) p[static_cast<std::size_t>(t) * T + j] = std::exp(p[static_cast<std::size_t>(t) * T + j] - mx) / sum;
+        for (int j = 0; j <= t; ++j)
+          p[static_cast<std::size_t>(t) * T + j] = std::exp(p[static_cast<std::size_t>(t) * T + j] - mx) / sum;
         r.lse[(static_cast<std::size_t>(b) * NH + h) * T + t] = mx + std::log(sum);
         for (int d = 0; d < hs; ++d) {
           double o = 0;

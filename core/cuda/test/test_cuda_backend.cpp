@@ -43,10 +43,10 @@ std::string no_gpu_reason() {
   return n > 0 ? "" : std::string("no CUDA device visible: ") + why;
 }
 
-#define REQUIRE_GPU()                                        \
-  do {                                                       \
-    const std::string reason = no_gpu_reason();              \
-    if (!reason.empty()) GTEST_SKIP() << reason;             \
+#define REQUIRE_GPU()                            \
+  do {                                           \
+    const std::string reason = no_gpu_reason();  \
+    if (!reason.empty()) GTEST_SKIP() << reason; \
   } while (0)
 
 using loom::testing::randn;
@@ -65,10 +65,12 @@ struct Twins {
   };
   template <class E = float>
   std::pair<E*, E*> both(const std::vector<E>& v) {
-    keep.push_back(std::make_unique<TypedBuffer>(host->allocate("h", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
+    keep.push_back(
+        std::make_unique<TypedBuffer>(host->allocate("h", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
     E* h = keep.back()->template data<E>();
     std::memcpy(h, v.data(), v.size() * sizeof(E));
-    keep.push_back(std::make_unique<TypedBuffer>(dev->allocate("d", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
+    keep.push_back(
+        std::make_unique<TypedBuffer>(dev->allocate("d", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
     E* d = keep.back()->template data<E>();
     dev->copy_from_host(BufferRef(d, std::int64_t(v.size()), MemSpace::device), v.data());
     return {h, d};
@@ -139,7 +141,8 @@ TEST(CudaBackend, MatmulForwardAndBackwardWithBias) {
     tw.host->set_precision({precision, DType::f32});
     tw.dev->set_precision({precision, DType::f32});
     const int N = 64, C = 48, OC = 80;
-    auto inp = tw.make(randn(std::size_t(N) * C, 1)), w = tw.make(randn(std::size_t(OC) * C, 2)), b = tw.make(randn(OC, 3));
+    auto inp = tw.make(randn(std::size_t(N) * C, 1)), w = tw.make(randn(std::size_t(OC) * C, 2)),
+         b = tw.make(randn(OC, 3));
     auto out = tw.zeros(std::int64_t(N) * OC);
     tw.host->matmul_forward(out.h, inp.h, w.h, b.h, N, C, OC);
     tw.dev->matmul_forward(out.d, inp.d, w.d, b.d, N, C, OC);
@@ -299,7 +302,8 @@ TEST(CudaBackend, CrossEntropyForwardAndBackward) {
 void crossentropy_against_fp64(int N, int V) {
   SCOPED_TRACE("V = " + std::to_string(V));
   Twins tw;
-  auto logits = tw.make(randn(std::size_t(N) * V, 1, 4.0f)), losses = tw.zeros(N), probs = tw.zeros(std::int64_t(N) * V);
+  auto logits = tw.make(randn(std::size_t(N) * V, 1, 4.0f)), losses = tw.zeros(N),
+       probs = tw.zeros(std::int64_t(N) * V);
   std::vector<std::int32_t> tgt(N);
   for (int i = 0; i < N; ++i) tgt[std::size_t(i)] = (i * 7919) % V;
   auto [th, td] = tw.both(tgt);
@@ -338,8 +342,8 @@ TEST(CudaBackend, VocabularyParallelCrossEntropy) {
   REQUIRE_GPU();
   Twins tw;
   const int N = 29, V = 1000, vb = 1000;  // this rank: entries [1000, 2000) of a vocabulary of 3000
-  auto logits = tw.make(randn(std::size_t(N) * V, 6, 4.0f)), row_max = tw.zeros(N), probs = tw.zeros(std::int64_t(N) * V),
-       losses = tw.zeros(N);
+  auto logits = tw.make(randn(std::size_t(N) * V, 6, 4.0f)), row_max = tw.zeros(N),
+       probs = tw.zeros(std::int64_t(N) * V), losses = tw.zeros(N);
   std::vector<std::int32_t> tgt(N);
   for (int i = 0; i < N; ++i) tgt[std::size_t(i)] = (i * 7919) % (3 * V);
   auto [th, td] = tw.both(tgt);
@@ -373,7 +377,8 @@ TEST(CudaBackend, AdamWAndReductions) {
   REQUIRE_GPU();
   Twins tw;
   const std::int64_t n = 70001;
-  auto p = tw.make(randn(std::size_t(n), 1)), m = tw.make(randn(std::size_t(n), 2, 0.1f)), g = tw.make(randn(std::size_t(n), 4));
+  auto p = tw.make(randn(std::size_t(n), 1)), m = tw.make(randn(std::size_t(n), 2, 0.1f)),
+       g = tw.make(randn(std::size_t(n), 4));
   std::vector<float> v0 = randn(std::size_t(n), 3, 0.1f);
   for (float& x : v0) x = x * x;
   auto v = tw.make(v0);
@@ -401,14 +406,16 @@ TEST(CudaBackend, TypedCastsAreBitForBitTheHosts) {
   for (auto& x : src64) x = d(gen);
   src64[0] = std::numeric_limits<double>::quiet_NaN();
   src64[1] = std::numeric_limits<double>::infinity();
-  src64[2] = 1e6;  // overflows fp16
+  src64[2] = 1e6;                                               // overflows fp16
   src64[3] = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);  // rounds up in bf16 only when rounded once
   const DType types[] = {DType::f64, DType::f32, DType::bf16, DType::f16};
   for (DType to : types)
     for (DType from : types) {
       const std::size_t fb = loom::dtype_size(from), tb = loom::dtype_size(to);
-      TypedBuffer hs = tw.host->allocate("hs", from, n, Mem::workspace), ht = tw.host->allocate("ht", to, n, Mem::workspace);
-      TypedBuffer ds = tw.dev->allocate("ds", from, n, Mem::workspace), dt = tw.dev->allocate("dt", to, n, Mem::workspace);
+      TypedBuffer hs = tw.host->allocate("hs", from, n, Mem::workspace),
+                  ht = tw.host->allocate("ht", to, n, Mem::workspace);
+      TypedBuffer ds = tw.dev->allocate("ds", from, n, Mem::workspace),
+                  dt = tw.dev->allocate("dt", to, n, Mem::workspace);
       TypedBuffer h64 = tw.host->allocate("h64", DType::f64, n, Mem::workspace);
       std::memcpy(h64.data<double>(), src64.data(), std::size_t(n) * 8);
       tw.host->cast(hs.ref(), h64.ref());  // the source values, as `from` holds them
@@ -418,7 +425,8 @@ TEST(CudaBackend, TypedCastsAreBitForBitTheHosts) {
       std::vector<unsigned char> got(std::size_t(n) * tb);
       tw.dev->copy_to_host(got.data(), dt.ref());
       // NaN payloads may differ: compare NaN-ness through fp64, the rest bit for bit.
-      TypedBuffer back = tw.host->allocate("back", to, n, Mem::workspace), g64 = tw.host->allocate("g64", DType::f64, n, Mem::workspace),
+      TypedBuffer back = tw.host->allocate("back", to, n, Mem::workspace),
+                  g64 = tw.host->allocate("g64", DType::f64, n, Mem::workspace),
                   w64 = tw.host->allocate("w64", DType::f64, n, Mem::workspace);
       std::memcpy(back.ref().data, got.data(), got.size());
       tw.host->cast(g64.ref(), back.ref());
@@ -428,7 +436,8 @@ TEST(CudaBackend, TypedCastsAreBitForBitTheHosts) {
         const double a = g64.data<double>()[i], b = w64.data<double>()[i];
         if (!(a == b || (std::isnan(a) && std::isnan(b)))) ++mismatches;
       }
-      EXPECT_EQ(mismatches, 0) << loom::dtype_name(from) << " -> " << loom::dtype_name(to) << " (" << fb << " -> " << tb << " bytes)";
+      EXPECT_EQ(mismatches, 0) << loom::dtype_name(from) << " -> " << loom::dtype_name(to) << " (" << fb << " -> " << tb
+                               << " bytes)";
     }
 }
 
@@ -438,7 +447,8 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
   const int M = 33, N = 65, K = 47;
   for (bool ta : {false, true})
     for (bool tb : {false, true}) {
-      auto a = tw.make(randn(std::size_t(M) * K, 1)), b = tw.make(randn(std::size_t(K) * N, 2)), c = tw.make(randn(std::size_t(M) * N, 3));
+      auto a = tw.make(randn(std::size_t(M) * K, 1)), b = tw.make(randn(std::size_t(K) * N, 2)),
+           c = tw.make(randn(std::size_t(M) * N, 3));
       tw.host->matmul(BufferRef(c.h, c.n), BufferRef(a.h, a.n), BufferRef(b.h, b.n), M, N, K, ta, tb, 0.5f, 2.0f);
       tw.dev->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device),
                      BufferRef(b.d, b.n, MemSpace::device), M, N, K, ta, tb, 0.5f, 2.0f);
@@ -452,32 +462,40 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
     for (auto& x : a64) x = nd(gen);
     for (auto& x : b64) x = nd(gen);
     for (DType t : {DType::f64, DType::f16, DType::bf16}) {
-      TypedBuffer h64a = tw.host->allocate("a", DType::f64, a64.size(), Mem::workspace), h64b = tw.host->allocate("b", DType::f64, b64.size(), Mem::workspace);
+      TypedBuffer h64a = tw.host->allocate("a", DType::f64, a64.size(), Mem::workspace),
+                  h64b = tw.host->allocate("b", DType::f64, b64.size(), Mem::workspace);
       std::memcpy(h64a.ref().data, a64.data(), a64.size() * 8);
       std::memcpy(h64b.ref().data, b64.data(), b64.size() * 8);
-      TypedBuffer ha = tw.host->allocate("ha", t, a64.size(), Mem::workspace), hb = tw.host->allocate("hb", t, b64.size(), Mem::workspace);
+      TypedBuffer ha = tw.host->allocate("ha", t, a64.size(), Mem::workspace),
+                  hb = tw.host->allocate("hb", t, b64.size(), Mem::workspace);
       tw.host->cast(ha.ref(), h64a.ref());
       tw.host->cast(hb.ref(), h64b.ref());
-      TypedBuffer da = tw.dev->allocate("da", t, a64.size(), Mem::workspace), db = tw.dev->allocate("db", t, b64.size(), Mem::workspace);
+      TypedBuffer da = tw.dev->allocate("da", t, a64.size(), Mem::workspace),
+                  db = tw.dev->allocate("db", t, b64.size(), Mem::workspace);
       tw.dev->copy_from_host(da.ref(), ha.ref().data);
       tw.dev->copy_from_host(db.ref(), hb.ref().data);
       const DType out_t = t == DType::f64 ? DType::f64 : DType::f32;
-      TypedBuffer hc = tw.host->allocate("hc", out_t, std::int64_t(M) * N, Mem::workspace), dc = tw.dev->allocate("dc", out_t, std::int64_t(M) * N, Mem::workspace);
+      TypedBuffer hc = tw.host->allocate("hc", out_t, std::int64_t(M) * N, Mem::workspace),
+                  dc = tw.dev->allocate("dc", out_t, std::int64_t(M) * N, Mem::workspace);
       tw.host->matmul(hc.ref(), ha.ref(), hb.ref(), M, N, K, false, false);
       tw.dev->matmul(dc.ref(), da.ref(), db.ref(), M, N, K, false, false);
       TypedBuffer got = tw.host->allocate("got", out_t, std::int64_t(M) * N, Mem::workspace);
       tw.dev->copy_to_host(got.ref().data, dc.ref());
-      TypedBuffer g32 = tw.host->allocate("g32", DType::f32, std::int64_t(M) * N, Mem::workspace), w32 = tw.host->allocate("w32", DType::f32, std::int64_t(M) * N, Mem::workspace);
+      TypedBuffer g32 = tw.host->allocate("g32", DType::f32, std::int64_t(M) * N, Mem::workspace),
+                  w32 = tw.host->allocate("w32", DType::f32, std::int64_t(M) * N, Mem::workspace);
       tw.host->cast(g32.ref(), got.ref());
       tw.host->cast(w32.ref(), hc.ref());
       EXPECT_LT(rel_err(std::vector<float>(g32.data<float>(), g32.data<float>() + M * N),
-                        std::vector<float>(w32.data<float>(), w32.data<float>() + M * N)), kTol)
+                        std::vector<float>(w32.data<float>(), w32.data<float>() + M * N)),
+                kTol)
           << loom::dtype_name(t) << " operands";
     }
     auto a = tw.make(randn(std::size_t(M) * K, 11)), b = tw.make(randn(std::size_t(K) * N, 12));
-    TypedBuffer hc = tw.host->allocate("hc", DType::bf16, std::int64_t(M) * N, Mem::workspace), dc = tw.dev->allocate("dc", DType::bf16, std::int64_t(M) * N, Mem::workspace);
+    TypedBuffer hc = tw.host->allocate("hc", DType::bf16, std::int64_t(M) * N, Mem::workspace),
+                dc = tw.dev->allocate("dc", DType::bf16, std::int64_t(M) * N, Mem::workspace);
     tw.host->matmul(hc.ref(), BufferRef(a.h, a.n), BufferRef(b.h, b.n), M, N, K, false, false);
-    tw.dev->matmul(dc.ref(), BufferRef(a.d, a.n, MemSpace::device), BufferRef(b.d, b.n, MemSpace::device), M, N, K, false, false);
+    tw.dev->matmul(dc.ref(), BufferRef(a.d, a.n, MemSpace::device), BufferRef(b.d, b.n, MemSpace::device), M, N, K,
+                   false, false);
     std::vector<std::uint16_t> hb(std::size_t(M) * N), db(hb.size());
     std::memcpy(hb.data(), hc.ref().data, hb.size() * 2);
     tw.dev->copy_to_host(db.data(), dc.ref());
@@ -487,8 +505,8 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
     std::unique_ptr<Backend> tf32{loom_cuda_create(0, 1)};
     auto c = tw.make(std::vector<float>(std::size_t(M) * N, 0.0f));
     tw.host->matmul(BufferRef(c.h, c.n), BufferRef(a.h, a.n), BufferRef(b.h, b.n), M, N, K, false, false);
-    tf32->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device), BufferRef(b.d, b.n, MemSpace::device),
-                 M, N, K, false, false);
+    tf32->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device),
+                 BufferRef(b.d, b.n, MemSpace::device), M, N, K, false, false);
     tf32->synchronize();
     const double e = tw.err(c);
     EXPECT_LT(e, 3e-3) << "TF32: 10-bit mantissa products";
@@ -514,7 +532,8 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
   const loom::NormCheck d = tw.dev->sq_norm_check({BufferRef(t0.d, t0.n, MemSpace::device)});
   EXPECT_NEAR(d.sum_squares, h.sum_squares, 1e-6 * h.sum_squares);
   EXPECT_TRUE(d.all_finite);
-  const loom::NormCheck bad = tw.dev->sq_norm_check({BufferRef(t0.d, t0.n, MemSpace::device), BufferRef(t1.d, t1.n, MemSpace::device)});
+  const loom::NormCheck bad =
+      tw.dev->sq_norm_check({BufferRef(t0.d, t0.n, MemSpace::device), BufferRef(t1.d, t1.n, MemSpace::device)});
   EXPECT_FALSE(bad.all_finite);
   EXPECT_EQ(bad.first_nonfinite, 1);
   tw.host->scale(BufferRef(t0.h, t0.n), 0.25);
@@ -536,7 +555,8 @@ int main(int argc, char** argv) {
 // The fused attention kernels on the device against the fp64 reference, as the emulator runs them
 // on the CPU (core/cuda/emu/test/test_flash_attention_emu.cpp): its cases, one more for the bf16
 // saved output, and its bounds against the reference on bf16-rounded inputs (5e-3 of the norm;
-// 1e-2 for dq and dk, which sum score gradients that cancel). The saved output passes as fp32 and as bf16 (mixed precision saves it so).
+// 1e-2 for dq and dk, which sum score gradients that cancel). The saved output passes as fp32 and as bf16 (mixed
+// precision saves it so).
 namespace flash_check {
 
 std::vector<float> device_to_host(Twins& tw, const float* d, std::size_t n) {
@@ -555,8 +575,9 @@ void run(int B, int T, int C, int NH, float spread, bool bf16_out) {
   int optin = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
   if (!loom::cuda::flash_attention_supported(C / NH, std::size_t(optin))) {
-    std::printf("fused attention, head size %d: needs %zu bytes of shared memory per block, the device has %d: not run\n",
-                C / NH, loom::cuda::flash_attention_shared_bytes(C / NH), optin);
+    std::printf(
+        "fused attention, head size %d: needs %zu bytes of shared memory per block, the device has %d: not run\n",
+        C / NH, loom::cuda::flash_attention_shared_bytes(C / NH), optin);
     return;
   }
   loom::cuda::attention_forward_flash(out.d, lse.d, qkv.d, B, T, C, NH, nullptr);
@@ -572,7 +593,8 @@ void run(int B, int T, int C, int NH, float spread, bool bf16_out) {
   }
   loom::cuda::attention_backward_flash(dqkv.d, dsum.d, dout.d, saved, qkv.d, lse.d, B, T, C, NH, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto ref = loom::test::attention_reference(loom::test::bf16_rounded(qkv_v), loom::test::bf16_rounded(dout_v), B, T, C, NH);
+  const auto ref =
+      loom::test::attention_reference(loom::test::bf16_rounded(qkv_v), loom::test::bf16_rounded(dout_v), B, T, C, NH);
   const auto dqkv_v = device_to_host(tw, dqkv.d, n3);
   for (float x : dqkv_v) ASSERT_TRUE(std::isfinite(x)) << "an element of dqkv not written or not finite";
   const std::string what = "hs " + std::to_string(C / NH) + " T " + std::to_string(T) + (bf16_out ? " (bf16 out)" : "");
@@ -607,10 +629,8 @@ TEST(CudaBackend, FusedAttentionMatchesTheReference) {
 // device; the bound is 2e-4, still ten times under the twin's distance to the fp64 reference.
 TEST(CudaBackend, FusedAttentionMatchesTheHostTwin) {
   REQUIRE_GPU();
-  for (const auto& [B, T, C, NH, saved_type] :
-       std::vector<std::tuple<int, int, int, int, DType>>{{2, 80, 32, 2, DType::f32},
-                                                          {1, 200, 128, 2, DType::bf16},
-                                                          {2, 64, 64, 4, DType::f16}}) {
+  for (const auto& [B, T, C, NH, saved_type] : std::vector<std::tuple<int, int, int, int, DType>>{
+           {2, 80, 32, 2, DType::f32}, {1, 200, 128, 2, DType::bf16}, {2, 64, 64, 4, DType::f16}}) {
     Twins tw;
     const std::string why = tw.dev->flash_attention_refusal(C / NH);
     if (!why.empty()) {
@@ -630,12 +650,13 @@ TEST(CudaBackend, FusedAttentionMatchesTheHostTwin) {
     tw.host->attention_backward_flash(dqkv.h, dsum.h, dout.h, saved_h.ref(), qkv.h, lse.h, B, T, C, NH);
     tw.dev->attention_backward_flash(dqkv.d, dsum.d, dout.d, saved_d.ref(), qkv.d, lse.d, B, T, C, NH);
     tw.dev->synchronize();
-    const std::string what = "hs " + std::to_string(C / NH) + " T " + std::to_string(T) + " saved " + loom::dtype_name(saved_type);
+    const std::string what =
+        "hs " + std::to_string(C / NH) + " T " + std::to_string(T) + " saved " + loom::dtype_name(saved_type);
     EXPECT_LT(tw.err(out), 2e-4) << what << ": out";
     EXPECT_LT(tw.err(lse), 2e-4) << what << ": lse";
     EXPECT_LT(tw.err(dqkv), 2e-4) << what << ": dqkv";
-    std::printf("%s: device against the host twin: out %.2e lse %.2e dqkv %.2e\n", what.c_str(), tw.err(out), tw.err(lse),
-                tw.err(dqkv));
+    std::printf("%s: device against the host twin: out %.2e lse %.2e dqkv %.2e\n", what.c_str(), tw.err(out),
+                tw.err(lse), tw.err(dqkv));
   }
 }
 
@@ -657,8 +678,9 @@ TEST(CudaBackend, FusedAttentionFromUnalignedInputsGivesTheSameBits) {
     auto out = tw.zeros(std::int64_t(n)), lse = tw.zeros(std::int64_t(nr)), dsum = tw.zeros(std::int64_t(nr));
     auto dqkv = tw.make(std::vector<float>(n3, std::nanf("")));
     tw.dev->attention_forward_flash(out.d, lse.d, qkv.d + offset, B, T, C, NH);
-    tw.dev->attention_backward_flash(dqkv.d, dsum.d, dout.d + offset, BufferRef(out.d, std::int64_t(n), MemSpace::device),
-                                     qkv.d + offset, lse.d, B, T, C, NH);
+    tw.dev->attention_backward_flash(dqkv.d, dsum.d, dout.d + offset,
+                                     BufferRef(out.d, std::int64_t(n), MemSpace::device), qkv.d + offset, lse.d, B, T,
+                                     C, NH);
     tw.dev->synchronize();
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(qkv.d + offset) % 16 == 0, offset == 0) << "the buffers' alignment";
     std::vector<float> all = tw.dev_of(out), more = tw.dev_of(lse), grads = tw.dev_of(dqkv);

@@ -68,7 +68,8 @@ TEST(NcclCommunicator, EveryOperationAtOneRank) {
   c->reduce_scatter(BufferRef(d, 5, MemSpace::device), BufferRef(out, 5, MemSpace::device));
   EXPECT_EQ(host_copy(out, 5), x) << "reduce-scatter: the one block";
   float* gathered = device_copy(std::vector<float>(5, 0.0f));
-  c->all_gather(BufferRef(d, 5, MemSpace::device), BufferRef(gathered, 5, MemSpace::device), std::vector<std::int64_t>{5});
+  c->all_gather(BufferRef(d, 5, MemSpace::device), BufferRef(gathered, 5, MemSpace::device),
+                std::vector<std::int64_t>{5});
   EXPECT_EQ(host_copy(gathered, 5), x) << "all-gather";
   c->broadcast(BufferRef(d, 5, MemSpace::device), 0);
   EXPECT_EQ(host_copy(d, 5), x) << "broadcast";

@@ -95,7 +95,8 @@ TEST(Int8, SumOfRanksCannotOverflow) {
     std::vector<float> amax(c::chunk_count(n, chunk) + 1, 0.0f), mine(amax.size());
     for (int r = 0; r < ranks; ++r) {
       x.push_back(randn(n, 10 + r));
-      for (std::int64_t i = 0; i < n; ++i) x[r][i] = std::copysign(std::fabs(x[r][i]) + 3.0f, 1.0f);  // same signs: worst case
+      for (std::int64_t i = 0; i < n; ++i)
+        x[r][i] = std::copysign(std::fabs(x[r][i]) + 3.0f, 1.0f);  // same signs: worst case
       k::int8_absmax(mine.data(), x[r].data(), n, chunk);
       for (std::size_t j = 0; j < amax.size(); ++j) amax[j] = std::max(amax[j], mine[j]);
     }
@@ -197,7 +198,8 @@ TEST(TopK, NonFiniteValuesSendNaNAndTheScattersTouchOnlyTheIndices) {
 
 namespace {
 // Row-major a [n,k] b [k,m] in double.
-std::vector<double> mm(const std::vector<double>& a, const std::vector<double>& b, int n, int k, int m, bool ta = false) {
+std::vector<double> mm(const std::vector<double>& a, const std::vector<double>& b, int n, int k, int m,
+                       bool ta = false) {
   std::vector<double> out(static_cast<std::size_t>(n) * m, 0.0);
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < m; ++j) {
@@ -237,7 +239,7 @@ TEST(PowerSGD, FullRankReproducesTheMatrix) {
   const auto approx = mm(P, Q2t, n, r, m);
   std::vector<double> diff(M.size());
   for (std::size_t i = 0; i < M.size(); ++i) diff[i] = approx[i] - M[i];
-  EXPECT_LT(norm(diff) / norm(M), 1e-5);  // fp32 P: ~1e-7 per element
+  EXPECT_LT(norm(diff) / norm(M), 1e-5);              // fp32 P: ~1e-7 per element
   EXPECT_TRUE(c::worth_compressing(100, 100, 4, 2));  // 10000 / 800 = 12.5
   EXPECT_FALSE(c::worth_compressing(8, 8, 4, 2));     // 64 / 64 = 1
 }

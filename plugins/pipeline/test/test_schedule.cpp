@@ -58,14 +58,14 @@ TEST(PipelineSchedule, GPipeHoldsAllMicroBatchesOneFOneBAtMostPMinusStage) {
 
 TEST(PipelineSchedule, ReplayOfEqualStagesGivesTheTextbookSpan) {
   const double f = 1.0, b = 2.0;
-  for (Layout l : {Layout{Kind::gpipe, 2, 1, 1}, Layout{Kind::gpipe, 2, 8, 1}, Layout{Kind::gpipe, 4, 4, 1},
-                   Layout{Kind::one_f_one_b, 2, 1, 1}, Layout{Kind::one_f_one_b, 2, 8, 1},
-                   Layout{Kind::one_f_one_b, 4, 8, 1}, Layout{Kind::one_f_one_b, 4, 3, 1},
-                   Layout{Kind::one_f_one_b, 2, 4, 2}, Layout{Kind::one_f_one_b, 4, 8, 2},
-                   Layout{Kind::one_f_one_b, 2, 8, 4}}) {
+  for (Layout l :
+       {Layout{Kind::gpipe, 2, 1, 1}, Layout{Kind::gpipe, 2, 8, 1}, Layout{Kind::gpipe, 4, 4, 1},
+        Layout{Kind::one_f_one_b, 2, 1, 1}, Layout{Kind::one_f_one_b, 2, 8, 1}, Layout{Kind::one_f_one_b, 4, 8, 1},
+        Layout{Kind::one_f_one_b, 4, 3, 1}, Layout{Kind::one_f_one_b, 2, 4, 2}, Layout{Kind::one_f_one_b, 4, 8, 2},
+        Layout{Kind::one_f_one_b, 2, 8, 4}}) {
     const auto orders = all_orders(l);
-    const double span = replay_span(orders, op_times(orders, std::vector<double>(l.p, f), std::vector<double>(l.p, b), l.v),
-                                    l.m, l.v);
+    const double span =
+        replay_span(orders, op_times(orders, std::vector<double>(l.p, f), std::vector<double>(l.p, b), l.v), l.m, l.v);
     // (m + (p-1)/v)(f+b): each stage computes m(f+b), so the bubble is (p-1)/(vm+p-1).
     EXPECT_NEAR(span, (l.m + (l.p - 1.0) / l.v) * (f + b), 1e-9)
         << (l.kind == Kind::gpipe ? "gpipe" : "1f1b") << " p " << l.p << " m " << l.m << " v " << l.v;

@@ -38,7 +38,8 @@ TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
   add_core_keys(schema);
   for (const auto& k : tensor->keys) schema.add(k);
   for (const bool sp : {false, true}) {
-    const Deck deck = parse_deck(schema, std::string("[tensor]\nsequence_parallel = ") + (sp ? "true" : "false"), "test");
+    const Deck deck =
+        parse_deck(schema, std::string("[tensor]\nsequence_parallel = ") + (sp ? "true" : "false"), "test");
     Layout layout;
     layout.tp = tp;
     ProcessGrid grid(MPI_COMM_WORLD, layout);
@@ -65,7 +66,8 @@ TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
     const int Vl = V / tp, begin = part->rank() * Vl;
     std::vector<float> local(static_cast<std::size_t>(N) * Vl), losses(N), probs(local.size()), dlocal(local.size());
     for (int r = 0; r < N; ++r)
-      for (int v = 0; v < Vl; ++v) local[static_cast<std::size_t>(r) * Vl + v] = logits[static_cast<std::size_t>(r) * V + begin + v];
+      for (int v = 0; v < Vl; ++v)
+        local[static_cast<std::size_t>(r) * Vl + v] = logits[static_cast<std::size_t>(r) * V + begin + v];
     part->crossentropy_forward(*backend, losses.data(), probs.data(), local.data(), targets.data(), N, Vl, begin);
     part->crossentropy_backward(*backend, dlocal.data(), probs.data(), targets.data(), 0.5f, N, Vl, begin);
     for (int r = 0; r < N; ++r) {

@@ -98,7 +98,8 @@ TEST(EmulatedRuntime, CublasLtHoldsAnAlgorithmToItsProduct) {
   cublasLtHandle_t lt;
   ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
   float *a = nullptr, *b = nullptr, *c = nullptr, *ws = nullptr;
-  for (float** p : {&a, &b, &c, &ws}) ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(p), 64 * sizeof(float)), cudaSuccess);
+  for (float** p : {&a, &b, &c, &ws})
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(p), 64 * sizeof(float)), cudaSuccess);
   cublasLtMatmulDesc_t desc;
   ASSERT_EQ(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), CUBLAS_STATUS_SUCCESS);
   const std::int64_t wrong_size = CUBLAS_OP_T;
@@ -119,7 +120,8 @@ TEST(EmulatedRuntime, CublasLtHoldsAnAlgorithmToItsProduct) {
   EXPECT_EQ(cublasLtMatmul(lt, desc, &one, a, l8, b, l8, &zero, c, l8, c, l8, &result.algo, ws, 0, nullptr),
             CUBLAS_STATUS_INVALID_VALUE)
       << "the 4x4 product's algorithm used for an 8x8 one";
-  EXPECT_EQ(cublasLtMatmulAlgoGetHeuristic(lt, desc, l4, l8, l4, l4, pref, 1, &result, &found), CUBLAS_STATUS_NOT_SUPPORTED)
+  EXPECT_EQ(cublasLtMatmulAlgoGetHeuristic(lt, desc, l4, l8, l4, l4, pref, 1, &result, &found),
+            CUBLAS_STATUS_NOT_SUPPORTED)
       << "op(A) 4x4 times op(B) 8x8";
   cudaDeviceSynchronize();
   cublasLtMatmulPreferenceDestroy(pref);

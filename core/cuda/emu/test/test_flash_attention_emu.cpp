@@ -42,19 +42,16 @@ Result run_kernels(const Case& c, const float* qkv, const float* dout, emu::Sche
   r.dqkv.assign(static_cast<std::size_t>(c.B) * c.T * 3 * c.C, std::nanf(""));  // every element is written
   std::vector<float> dsum(r.lse.size(), std::nanf(""));
   const emu::dim3 grid(c.B * c.NH, (c.T + flash::kRows - 1) / flash::kRows), block(flash::kThreads);
-  emu::launch(grid, block, flash::forward_smem_bytes<HS>(), [&] {
-    flash::attention_forward_kernel<HS>(r.out.data(), r.lse.data(), qkv, c.T, c.C, c.NH, scale);
-  });
+  emu::launch(grid, block, flash::forward_smem_bytes<HS>(),
+              [&] { flash::attention_forward_kernel<HS>(r.out.data(), r.lse.data(), qkv, c.T, c.C, c.NH, scale); });
   emu::launch(emu::dim3(3), emu::dim3(64), 0, [&] {  // 6 warps over B*NH*T rows: the grid-stride loop
     flash::attention_backward_dsum_kernel<float>(dsum.data(), dout, r.out.data(), c.B, c.T, c.C, c.NH, HS);
   });
   emu::launch(grid, block, flash::backward_smem_bytes<HS>(), [&] {
-    flash::attention_backward_kv_kernel<HS>(r.dqkv.data(), dout, qkv, r.lse.data(), dsum.data(), c.T,
-                                            c.C, c.NH, scale);
+    flash::attention_backward_kv_kernel<HS>(r.dqkv.data(), dout, qkv, r.lse.data(), dsum.data(), c.T, c.C, c.NH, scale);
   });
   emu::launch(grid, block, flash::backward_smem_bytes<HS>(), [&] {
-    flash::attention_backward_q_kernel<HS>(r.dqkv.data(), dout, qkv, r.lse.data(), dsum.data(), c.T,
-                                           c.C, c.NH, scale);
+    flash::attention_backward_q_kernel<HS>(r.dqkv.data(), dout, qkv, r.lse.data(), dsum.data(), c.T, c.C, c.NH, scale);
   });
   return r;
 }
@@ -129,14 +126,15 @@ void check_case(const Case& c, float spread) {
     const Result unaligned = run_kernels<HS>(c, qkv1.data() + 1, dout1.data() + 1);
     EXPECT_TRUE(same_bits(unaligned.out, got.out) && same_bits(unaligned.lse, got.lse) &&
                 same_bits(unaligned.dqkv, got.dqkv))
-        << "hs " << HS << " T " << c.T << ": unaligned inputs (one float at a time) give other results than aligned ones";
+        << "hs " << HS << " T " << c.T
+        << ": unaligned inputs (one float at a time) give other results than aligned ones";
   }
   // The same bits whatever order the threads run in between barriers: a barrier missing between
   // one warp's (or lane's) write to shared memory and another's read gives another result.
   const std::pair<emu::Schedule, unsigned> orders[] = {{emu::Schedule::warps_ascending, 0},
-                                                        {emu::Schedule::warps_descending, 0},
-                                                        {emu::Schedule::warps_random, 1},
-                                                        {emu::Schedule::warps_random, 2}};
+                                                       {emu::Schedule::warps_descending, 0},
+                                                       {emu::Schedule::warps_random, 1},
+                                                       {emu::Schedule::warps_random, 2}};
   for (const auto& [order, seed] : orders) {
     const Result again = run_kernels<HS>(c, qkv.data(), dout.data(), order, seed);
     EXPECT_TRUE(same_bits(again.out, got.out) && same_bits(again.lse, got.lse) && same_bits(again.dqkv, got.dqkv))
@@ -164,7 +162,8 @@ void check_case(const Case& c, float spread) {
   EXPECT_LT(dq, kScoreGradTolerance) << what << ": dq";
   EXPECT_LT(dk, kScoreGradTolerance) << what << ": dk";
   EXPECT_LT(dv, kTolerance) << what << ": dv";
-  std::printf("%s: relative gaps out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", what.c_str(), out_gap, lse_gap, dq, dk, dv);
+  std::printf("%s: relative gaps out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", what.c_str(), out_gap, lse_gap, dq, dk,
+              dv);
 
   // The host twin: to the reference within the same bounds, and to the kernels far closer, as the
   // same arithmetic in another summation order (kTwinTolerance).
@@ -301,7 +300,8 @@ TEST(CudaEmu, ShuffleAndBarriers) {
     got[static_cast<std::size_t>(emu::block_idx().x * 32 + lane)] = emu::shfl_xor(neighbour, 3);
   });
   for (int b = 0; b < 2; ++b)
-    for (int lane = 0; lane < 32; ++lane) EXPECT_EQ(got[static_cast<std::size_t>(b * 32 + lane)], (((lane ^ 3) + 1) % 32) * 10 + b);
+    for (int lane = 0; lane < 32; ++lane)
+      EXPECT_EQ(got[static_cast<std::size_t>(b * 32 + lane)], (((lane ^ 3) + 1) % 32) * 10 + b);
 }
 
 // Each thread reads what a thread of the other warp wrote to shared memory: with the barrier
@@ -340,16 +340,20 @@ TEST(CudaEmu, AMissingBarrierShowsInSomeSchedule) {
       seen[emu::lane()] = tile[(emu::lane() + 1) % 32];  // stored by the next lane
     });
     const auto stale = std::count_if(seen.begin(), seen.end(), [](float v) { return v != 2.0f; });
-    if (barrier) EXPECT_EQ(stale, 0);
-    else EXPECT_GT(stale, 0) << "without the barrier, lanes read before the next lane stored";
+    if (barrier)
+      EXPECT_EQ(stale, 0);
+    else
+      EXPECT_GT(stale, 0) << "without the barrier, lanes read before the next lane stored";
   }
 }
 
 TEST(CudaEmu, RefusesWhatTheHardwareRefuses) {
   EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(64), 0,
                            [] {
-                             if (emu::thread_idx().x < 16) emu::sync_block();  // half a warp at each barrier
-                             else emu::sync_warp();
+                             if (emu::thread_idx().x < 16)
+                               emu::sync_block();  // half a warp at each barrier
+                             else
+                               emu::sync_warp();
                            }),
                std::runtime_error);
   // Threads that have ended do not hold a barrier (as on Volta and later).
@@ -396,7 +400,8 @@ TEST(CudaEmu, RefusesWhatTheHardwareRefuses) {
   EXPECT_NO_THROW(emu::launch(emu::dim3(1), emu::dim3(32), emu::kMaxSharedPerBlock, nothing));
   // Static shared arrays past 48 KiB, or past the block's limit with the dynamic memory.
   static const char site_a = 0, site_b = 0;
-  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 0, [] { emu::static_shared(&site_a, 49153); }), std::runtime_error);
+  EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), 0, [] { emu::static_shared(&site_a, 49153); }),
+               std::runtime_error);
   EXPECT_THROW(emu::launch(emu::dim3(1), emu::dim3(32), emu::kMaxSharedPerBlock - 1024,
                            [] { emu::static_shared(&site_b, 2048); }),
                std::runtime_error);

@@ -46,10 +46,18 @@ using loom::testing::randn;
 using loom::testing::rel_err;
 
 // The four storage types, as tags.
-struct F64 { using type = double; };
-struct F32 { using type = float; };
-struct BF16 { using type = loom::bf16; };
-struct F16 { using type = loom::f16; };
+struct F64 {
+  using type = double;
+};
+struct F32 {
+  using type = float;
+};
+struct BF16 {
+  using type = loom::bf16;
+};
+struct F16 {
+  using type = loom::f16;
+};
 
 template <class T>
 std::vector<unsigned char> bits_of(const std::vector<T>& v) {
@@ -74,8 +82,11 @@ Bits in_every_schedule(const std::function<Bits(const OnEmulator&)>& run) {
   for (const auto& [schedule, seed] : schedules) {
     emu::set_schedule(schedule, seed);
     Bits got = run(OnEmulator{});
-    if (first.empty()) first = got;
-    else EXPECT_EQ(got, first) << "the result depends on the order of the threads (" << emu::schedule_name(schedule) << ")";
+    if (first.empty())
+      first = got;
+    else
+      EXPECT_EQ(got, first) << "the result depends on the order of the threads (" << emu::schedule_name(schedule)
+                            << ")";
   }
   emu::set_schedule(emu::Schedule::sweep);
   EXPECT_EQ(run(OnEmulator{1}), first) << "the result depends on the grid's size (one block, looping)";
@@ -119,7 +130,8 @@ TEST(LayerKernelsEmu, EncoderForwardAndBackwardAreTheHostsBitForBit) {
 
 TEST(LayerKernelsEmu, LayerNormForwardAndBackward) {
   const int N = 19, C = 37;  // C: a partial last tile of columns, and lanes without a column
-  const auto inp = randn(std::size_t(N) * C, 1, 2.0f), w = randn(C, 2), b = randn(C, 3), dout = randn(std::size_t(N) * C, 4);
+  const auto inp = randn(std::size_t(N) * C, 1, 2.0f), w = randn(C, 2), b = randn(C, 3),
+             dout = randn(std::size_t(N) * C, 4);
   const auto dinp0 = randn(std::size_t(N) * C, 5), dw0 = randn(C, 6), db0 = randn(C, 7);  // accumulated into
   std::vector<float> out(std::size_t(N) * C), mean(N), rstd(N);
   loom::kernels::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
@@ -137,8 +149,8 @@ TEST(LayerKernelsEmu, LayerNormForwardAndBackward) {
   EXPECT_LT(rel_err(from_bits<float>(fwd[2]), rstd), 1e-5);
   const Bits bwd = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> di = dinp0, dwk = dw0, dbk = db0;
-    layer::layernorm_backward(launch, di.data(), dwk.data(), dbk.data(), dout.data(), inp.data(), w.data(),
-                              mean.data(), rstd.data(), N, C);
+    layer::layernorm_backward(launch, di.data(), dwk.data(), dbk.data(), dout.data(), inp.data(), w.data(), mean.data(),
+                              rstd.data(), N, C);
     return Bits{bits_of(di), bits_of(dwk), bits_of(dbk)};
   });
   EXPECT_LT(rel_err(from_bits<float>(bwd[0]), dinp), 1e-5);
@@ -240,10 +252,10 @@ TEST(LayerKernelsEmu, CastsAreTheHostsBitForBit) {
   for (auto& x : src) x = d(gen);
   src[0] = std::numeric_limits<double>::quiet_NaN();
   src[1] = std::numeric_limits<double>::infinity();
-  src[2] = 1e6;                                                 // overflows fp16
-  src[3] = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);    // rounds up in bf16 only when rounded once
-  src[4] = -(std::ldexp(1.0, -140) + std::ldexp(1.0, -160));   // between two fp32 subnormals: inexact
-  src[5] = std::ldexp(1.0, 128) - std::ldexp(1.0, 98);          // past fp32's largest: inf to nearest, the largest toward zero
+  src[2] = 1e6;                                               // overflows fp16
+  src[3] = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);  // rounds up in bf16 only when rounded once
+  src[4] = -(std::ldexp(1.0, -140) + std::ldexp(1.0, -160));  // between two fp32 subnormals: inexact
+  src[5] = std::ldexp(1.0, 128) - std::ldexp(1.0, 98);  // past fp32's largest: inf to nearest, the largest toward zero
   src[6] = -0.0;
   src[7] = 0.0;
   const auto in_type = [&](auto tag) {  // the source values as `from` holds them
@@ -269,7 +281,8 @@ TEST(LayerKernelsEmu, CastsAreTheHostsBitForBit) {
       int mismatches = 0;
       for (std::size_t i = 0; i < s.size(); ++i)
         if (!(std::isnan(g64[i]) && std::isnan(w64[i])) && std::memcmp(&got[i], &want[i], sizeof(D)) != 0) ++mismatches;
-      EXPECT_EQ(mismatches, 0) << loom::dtype_name(St) << " -> " << loom::dtype_name(Dt) << ", max_blocks " << launch.max_blocks;
+      EXPECT_EQ(mismatches, 0) << loom::dtype_name(St) << " -> " << loom::dtype_name(Dt) << ", max_blocks "
+                               << launch.max_blocks;
     }
   };
   const auto for_each = [&](auto to) {
@@ -349,7 +362,8 @@ TEST(LayerKernelsEmu, VocabularyParallelCrossEntropy) {
   loom::kernels::crossentropy_partial(probs.data(), sum_exp.data(), target_logit.data(), probs.data(), row_max.data(),
                                       tgt.data(), N, V, vb);
   const std::vector<float> exps = probs;
-  loom::kernels::crossentropy_finish(losses.data(), probs.data(), sum_exp.data(), row_max.data(), target_logit.data(), N, V);
+  loom::kernels::crossentropy_finish(losses.data(), probs.data(), sum_exp.data(), row_max.data(), target_logit.data(),
+                                     N, V);
   loom::kernels::crossentropy_backward(probs.data(), probs.data(), tgt.data(), 0.25f, N, V, vb);
   const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> m(N), p = logits, l(N);
@@ -365,7 +379,8 @@ TEST(LayerKernelsEmu, VocabularyParallelCrossEntropy) {
   EXPECT_EQ(from_bits<float>(got[1]), exps) << "exponentials (the shared exp)";
   const auto s = from_bits<double>(got[2]), t = from_bits<double>(got[3]);
   for (int n = 0; n < N; ++n) {
-    EXPECT_NEAR(s[std::size_t(n)], sum_exp[std::size_t(n)], 1e-12 * sum_exp[std::size_t(n)]) << "sum of exponentials, row " << n;
+    EXPECT_NEAR(s[std::size_t(n)], sum_exp[std::size_t(n)], 1e-12 * sum_exp[std::size_t(n)])
+        << "sum of exponentials, row " << n;
     EXPECT_EQ(t[std::size_t(n)], target_logit[std::size_t(n)]) << "target logit, row " << n;
   }
   EXPECT_LT(rel_err(from_bits<float>(got[4]), losses), 1e-6) << "losses";
@@ -383,8 +398,8 @@ TEST(LayerKernelsEmu, AdamWIsTheHostsBitForBit) {
   const Bits got = in_every_schedule([&](const OnEmulator& launch) {
     std::vector<float> pe = p0, me = m0, ve = v0;
     for (std::int64_t t = 1; t <= 3; ++t) {  // the bias corrections as core/cuda/kernels.cu makes them
-      const loom::math::AdamWStep<float> step{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f - std::pow(0.9f, float(t)),
-                                              1.0f - std::pow(0.95f, float(t))};
+      const loom::math::AdamWStep<float> step{
+          1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f - std::pow(0.9f, float(t)), 1.0f - std::pow(0.95f, float(t))};
       layer::adamw_update(launch, pe.data(), me.data(), ve.data(), g.data(), n, step);
     }
     return Bits{bits_of(pe), bits_of(me), bits_of(ve)};
@@ -413,8 +428,10 @@ TEST(LayerKernelsEmu, Reductions) {
     double want_bad = 0;
     for (std::int64_t i = 0; i < count; ++i) {
       const double v = held[std::size_t(i)];
-      if (!std::isfinite(v)) ++want_bad;
-      else want_sum += v, want_sq += static_cast<long double>(v) * v;
+      if (!std::isfinite(v))
+        ++want_bad;
+      else
+        want_sum += v, want_sq += static_cast<long double>(v) * v;
     }
     const auto* xs = reinterpret_cast<const layer::storage_t<D>*>(x.data());
     const Bits got = in_every_schedule([&](const OnEmulator& launch) {
@@ -505,7 +522,8 @@ TEST(LayerKernelsEmu, Int8CompressionIsTheHostsBitForBit) {
     bad[1234] = poison;
     const Bits got = emulated(bad, 127);
     EXPECT_EQ(from_bits<float>(got[0])[std::size_t(chunks)], 1.0f) << "the finiteness flag, for " << poison;
-    for (float v : from_bits<float>(got[3])) ASSERT_TRUE(std::isnan(v)) << "a flagged sum is NaN everywhere (" << poison << ")";
+    for (float v : from_bits<float>(got[3]))
+      ASSERT_TRUE(std::isnan(v)) << "a flagged sum is NaN everywhere (" << poison << ")";
   }
   float flag = -1.0f;
   std::vector<double> nonfinite(1, -1.0), scratch(1, -1.0);

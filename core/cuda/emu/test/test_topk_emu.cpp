@@ -43,8 +43,8 @@ Selection run_kernels(const std::vector<float>& x, std::int64_t k, int blocks,
     emu::launch(emu::dim3(static_cast<unsigned>(grid)), emu::dim3(static_cast<unsigned>(threads)), shared,
                 [&] { kernel(args...); });
   };
-  topk::select(launch, s.index.data(), s.value.data(), x.data(), static_cast<std::int64_t>(x.size()), k,
-               scratch.data(), blocks);
+  topk::select(launch, s.index.data(), s.value.data(), x.data(), static_cast<std::int64_t>(x.size()), k, scratch.data(),
+               blocks);
   for (std::size_t j = static_cast<std::size_t>(k); j < s.index.size(); ++j) {
     EXPECT_EQ(s.index[j], -7) << "index written past k = " << k;
     EXPECT_EQ(s.value[j], -7.0f) << "value written past k = " << k;
@@ -64,7 +64,8 @@ Selection run_host(const std::vector<float>& x, std::int64_t k) {
 std::vector<std::int32_t> by_full_order(const std::vector<float>& x, std::int64_t k) {
   std::vector<std::int32_t> order(x.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::int32_t a, std::int32_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
   order.resize(static_cast<std::size_t>(k));
   std::sort(order.begin(), order.end());
   return order;
@@ -86,11 +87,22 @@ std::vector<float> input(int kind, std::int64_t n, unsigned seed) {
   for (std::int64_t i = 0; i < n; ++i) {
     float& v = x[static_cast<std::size_t>(i)];
     switch (kind) {
-      case 0: v = normal(gen); break;
-      case 1: v = static_cast<float>(static_cast<int>(gen() % 7) - 3) * 0.25f; if (v == 0.0f && gen() % 2) v = -0.0f; break;
-      case 2: v = loom::math::bits_as_float(0x3f800000u + (gen() % 5) * 1024u + gen() % 3) * (gen() % 2 ? -1.0f : 1.0f); break;
-      case 3: v = 0.5f; break;
-      default: v = std::ldexp(normal(gen), static_cast<int>(gen() % 250) - 150); break;  // subnormals to 2^100, no inf
+      case 0:
+        v = normal(gen);
+        break;
+      case 1:
+        v = static_cast<float>(static_cast<int>(gen() % 7) - 3) * 0.25f;
+        if (v == 0.0f && gen() % 2) v = -0.0f;
+        break;
+      case 2:
+        v = loom::math::bits_as_float(0x3f800000u + (gen() % 5) * 1024u + gen() % 3) * (gen() % 2 ? -1.0f : 1.0f);
+        break;
+      case 3:
+        v = 0.5f;
+        break;
+      default:
+        v = std::ldexp(normal(gen), static_cast<int>(gen() % 250) - 150);
+        break;  // subnormals to 2^100, no inf
     }
   }
   return x;
@@ -108,7 +120,8 @@ TEST(TopKEmu, KernelsSelectWhatTheHostSelects) {
     std::vector<std::int64_t> ks;
     int blocks;
   };
-  const std::vector<Run> runs = {{1, {1}, 3}, {2, {1}, 3}, {37, {13, 37}, 1}, {3001, {1, 1001, 3000}, 1}, {3001, {300}, 3}};
+  const std::vector<Run> runs = {
+      {1, {1}, 3}, {2, {1}, 3}, {37, {13, 37}, 1}, {3001, {1, 1001, 3000}, 1}, {3001, {300}, 3}};
   int cases = 0;
   for (int kind = 0; kind < 5; ++kind) {
     for (const Run& run : runs) {
@@ -168,7 +181,8 @@ TEST(TopKEmu, ScattersAreTheHosts) {
   const std::int64_t n = 3001, k = 700;
   for (const int max_blocks : {0, 1}) {
     std::vector<float> host(static_cast<std::size_t>(n), 0.0f), dev = host;
-    const auto launch = [max_blocks](const char*, int grid, int threads, std::size_t shared, auto kernel, auto... args) {
+    const auto launch = [max_blocks](const char*, int grid, int threads, std::size_t shared, auto kernel,
+                                     auto... args) {
       if (max_blocks > 0 && grid > max_blocks) grid = max_blocks;
       emu::launch(emu::dim3(static_cast<unsigned>(grid)), emu::dim3(static_cast<unsigned>(threads)), shared,
                   [&] { kernel(args...); });
@@ -180,11 +194,13 @@ TEST(TopKEmu, ScattersAreTheHosts) {
       topk::scatter(launch, dev.data(), s.index.data(), s.value.data(), k);
     }
     EXPECT_TRUE(same_bits(dev, host)) << "topk_scatter_add, max_blocks " << max_blocks;
-    EXPECT_GT(std::count_if(host.begin(), host.end(), [](float v) { return v != 0.0f; }), k) << "the ranks' pairs overlap only in part";
+    EXPECT_GT(std::count_if(host.begin(), host.end(), [](float v) { return v != 0.0f; }), k)
+        << "the ranks' pairs overlap only in part";
     const Selection sent = run_host(host, k);
     loom::kernels::topk_clear(host.data(), sent.index.data(), k);
     topk::scatter(launch, dev.data(), sent.index.data(), static_cast<const float*>(nullptr), k);
     EXPECT_TRUE(same_bits(dev, host)) << "topk_clear, max_blocks " << max_blocks;
-    for (const std::int32_t i : sent.index) ASSERT_EQ(dev[static_cast<std::size_t>(i)], 0.0f) << "cleared element " << i;
+    for (const std::int32_t i : sent.index)
+      ASSERT_EQ(dev[static_cast<std::size_t>(i)], 0.0f) << "cleared element " << i;
   }
 }
