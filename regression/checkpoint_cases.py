@@ -33,7 +33,6 @@ CASE is one of:
                      with status 3 (interrupted), summary.json saying so;
                      a resume from `latest` reproduces the uninterrupted run
 """
-import argparse
 import json
 import os
 import re
@@ -50,65 +49,6 @@ DECK = common.small_deck(steps=8)
 CROSS_LAYOUT_TOL = 1e-5  # relative, per step: reduction order is the only difference between layouts
 
 
-class Case:
-    def __init__(self, args, name):
-        self.args = args
-        self.dir = os.path.join(args.workdir, name)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        os.makedirs(self.dir)
-        self.deck = os.path.join(self.dir, "ckpt.deck")
-        with open(self.deck, "w") as f:
-            f.write(DECK)
-        self.failures = []
-
-    def loom(self, tag, ranks, sets, env=None, expect=0, popen=False):
-        rundir = os.path.join(self.dir, tag)
-        cmd = common.launch_prefix(self.args, ranks) + [self.args.loom, "run", self.deck,
-                                                                    "--set", "run.dir=" + rundir]
-        for s in sets:
-            cmd += ["--set", s]
-        e = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-        e.update(env or {})
-        print("$ " + " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd), flush=True)
-        if popen:
-            return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), rundir
-        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
-        if expect is not None and p.returncode != expect:
-            sys.stdout.write(p.stdout[-2000:])
-            sys.stdout.write(p.stderr)
-            self.failures.append("%s: exit status %d, expected %d" % (tag, p.returncode, expect))
-        return p, rundir
-
-    def losses(self, rundir):
-        with open(os.path.join(rundir, "metrics.jsonl")) as f:
-            return {r["step"]: r["loss"] for r in map(json.loads, f)}
-
-    def compare(self, got, ref, tol):
-        worst = 0.0
-        for step, loss in sorted(got.items()):
-            err = abs(loss - ref[step]) / max(1.0, abs(ref[step]))
-            worst = max(worst, err)
-            if err > tol:
-                self.failures.append("step %d: loss %.10g, uninterrupted run %.10g (rel. error %.3g > %.3g)"
-                                     % (step, loss, ref[step], err, tol))
-        print("steps %s: worst relative error against the uninterrupted run %.3g (tolerance %.3g)"
-              % (sorted(got), worst, tol))
-        if not got:
-            self.failures.append("the resumed run logged no steps")
-
-    def expect_error(self, p, patterns):
-        print("stderr: " + p.stderr.strip())
-        for rx in patterns:
-            if not re.search(rx, p.stderr):
-                self.failures.append("stderr does not match /%s/" % rx)
-
-    def done(self, name):
-        for f in self.failures:
-            print("FAIL: " + f)
-        print("checkpoint case %s: %s" % (name, "FAILED" if self.failures else "passed"))
-        return 1 if self.failures else 0
-
-
 def saved(c, ranks, sets, tag="full"):
     """The uninterrupted run, saving every 4 steps; returns (losses, path of the step-4 checkpoint)."""
     c.loom(tag, ranks, sets + ["checkpoint.every=4", "checkpoint.keep=5"])
@@ -117,14 +57,9 @@ def saved(c, ranks, sets, tag="full"):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loom", required=True)
-    ap.add_argument("--workdir", required=True)
-    common.add_launcher_arguments(ap)
-    ap.add_argument("case")
-    args = ap.parse_args()
+    args = common.case_arguments(__doc__)
     name = args.case
-    c = Case(args, name)
+    c = common.Case(args, name, DECK, "ckpt.deck", label="checkpoint case", env={"OPENBLAS_NUM_THREADS": "1"})
 
     layouts = {
         "layout_dp2_to_dp1": ((2, ["parallel.dp=2"]), (1, [])),

@@ -78,17 +78,27 @@ def snapshot(path):
     return out
 
 
-class Case:
-    """One case: a fresh folder under args.workdir holding `deck`; failures collected, then done()."""
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # a Case's loom runs: one thread a rank
 
-    def __init__(self, args, name, deck, deck_name="case.deck"):
+
+class Case:
+    """One case: a fresh folder under args.workdir holding `deck` (deck text, or the path of a deck file to
+    copy); failures collected, then done(). `label` names the case in done()'s last line ("<label> <name>:
+    passed"); `env` is what every loom run of the case sets over the caller's environment."""
+
+    def __init__(self, args, name, deck, deck_name="case.deck", label="case", env=ONE_THREAD):
         self.args = args
+        self.label = label
+        self.env = dict(env)
         self.dir = os.path.join(args.workdir, name)
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.dir)
         self.deck = os.path.join(self.dir, deck_name)
-        with open(self.deck, "w") as f:
-            f.write(deck)
+        if "\n" not in deck and os.path.isfile(deck):
+            shutil.copyfile(deck, self.deck)
+        else:
+            with open(self.deck, "w") as f:
+                f.write(deck)
         self.failures = []
 
     def command(self, tag, ranks, sets, deck=None, per_rank=None):
@@ -104,15 +114,21 @@ class Case:
             cmd += ["--set", s]
         return cmd, rundir
 
-    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None, deck=None, per_rank=None):
+    def loom(self, tag, ranks, sets, env=None, expect=0, shell_prefix=None, deck=None, per_rank=None,
+             popen=False, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+        """Runs command()'s loom with `env` over the case's; returns (the completed process, its run
+        folder). An exit other than `expect` (None: any) shows the output's tail and is a failure.
+        `popen`: started, not waited for, and returned as a Popen, its output to `stdout` and `stderr`."""
         cmd, rundir = self.command(tag, ranks, sets, deck, per_rank)
-        e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        e = dict(os.environ, **self.env)
         e.update(env or {})
         shown = " ".join("%s=%s" % kv for kv in (env or {}).items()) + " " + " ".join(cmd)
         if shell_prefix:  # e.g. a file-size limit, set in a shell that then runs loom
             cmd = ["bash", "-c", shell_prefix + ' && exec "$@"', "bash"] + cmd
             shown = shell_prefix + "; " + shown
         print("$ " + shown.strip(), flush=True)
+        if popen:
+            return subprocess.Popen(cmd, env=e, stdout=stdout, stderr=stderr, text=True), rundir
         p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
         if expect is not None and p.returncode != expect:
             sys.stdout.write(p.stdout[-3000:])
@@ -120,10 +136,34 @@ class Case:
             self.failures.append("%s: exit status %d, expected %d" % (tag, p.returncode, expect))
         return p, rundir
 
+    def losses(self, rundir):
+        """{step: loss} of the run's metrics (the module's losses() is the list)."""
+        return {r["step"]: r["loss"] for r in rows(rundir)}
+
+    def compare(self, got, ref, tol):
+        """Each step's loss of a resumed run (`got`, from losses()) within relative `tol` of the
+        uninterrupted run's (`ref`)."""
+        worst = 0.0
+        for step, loss in sorted(got.items()):
+            err = abs(loss - ref[step]) / max(1.0, abs(ref[step]))
+            worst = max(worst, err)
+            if err > tol:
+                self.failures.append("step %d: loss %.10g, uninterrupted run %.10g (rel. error %.3g > %.3g)"
+                                     % (step, loss, ref[step], err, tol))
+        print("steps %s: worst relative error against the uninterrupted run %.3g (tolerance %.3g)"
+              % (sorted(got), worst, tol))
+        if not got:
+            self.failures.append("the resumed run logged no steps")
+
     def expect(self, text, patterns, what):
         for rx in patterns:
             if not re.search(rx, text):
                 self.failures.append("%s does not match /%s/" % (what, rx))
+
+    def expect_error(self, p, patterns):
+        """Shows a run's stderr and checks it for every pattern."""
+        print("stderr: " + p.stderr.strip())
+        self.expect(p.stderr, patterns, "stderr")
 
     def check(self, ok, message):
         if not ok:
@@ -132,7 +172,7 @@ class Case:
     def done(self, name):
         for f in self.failures:
             print("FAIL: " + f)
-        print("case %s: %s" % (name, "FAILED" if self.failures else "passed"))
+        print("%s %s: %s" % (self.label, name, "FAILED" if self.failures else "passed"))
         return 1 if self.failures else 0
 
 

@@ -24,10 +24,8 @@ CASE is one of:
 A stop that lands after rank 1's last message of a step leaves rank 0 waiting in the world
 all-reduce at the step's end: that is a right answer too, and the cases accept it.
 """
-import argparse
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -107,31 +105,17 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-class Case:
+class Case(common.Case):
     def __init__(self, args, name):
-        self.args = args
-        self.dir = os.path.join(args.workdir, name)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        os.makedirs(self.dir)
-        self.deck = os.path.join(self.dir, "watchdog.deck")
-        with open(self.deck, "w") as f:
-            f.write(DECK)
-        self.failures = []
-
-    def command(self, ranks, sets):
-        cmd = common.launch_prefix(self.args, ranks) + [
-            self.args.loom, "run", self.deck, "--set", "run.dir=" + os.path.join(self.dir, "run")]
-        for s in sets:
-            cmd += ["--set", s]
-        print("$ " + " ".join(cmd), flush=True)
-        return cmd
+        # Not OMP_NUM_THREADS: timeout_off runs with the caller's, stalled() sets it to 1.
+        super().__init__(args, name, DECK, "watchdog.deck", label="watchdog case", env={"OPENBLAS_NUM_THREADS": "1"})
 
     def stalled(self, sets, waited_in, env=None):
         """Stops world rank 1 of a 2-rank run once it trains; checks how the job ends."""
         out_path, err_path = os.path.join(self.dir, "stdout"), os.path.join(self.dir, "stderr")
         with open(out_path, "w") as out, open(err_path, "w") as err:
-            job = subprocess.Popen(self.command(2, sets + ["run.comm_timeout=%d" % TIMEOUT]), stdout=out, stderr=err,
-                                   env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", **(env or {})))
+            job, _ = self.loom("run", 2, sets + ["run.comm_timeout=%d" % TIMEOUT],
+                               env=dict(OMP_NUM_THREADS="1", **(env or {})), popen=True, stdout=out, stderr=err)
         ranks = {}
         try:
             # Training is under way once rank 0 has logged a few steps.
@@ -180,8 +164,7 @@ class Case:
             if env and "LOOM_NCCL_LIBRARY" in env:  # NCCL does not say which rank's part is missing
                 named = (r"rank 0: error: (?:%s) \(NCCL, rank 0 of 2\) did not complete in [0-9.]+ s \(run\.comm_timeout = %d\): "
                          r"a rank of this communicator is stalled or dead|%s" % (waited_in, TIMEOUT, named))
-            if not re.search(named, stderr):
-                self.failures.append("stderr does not match /%s/" % named)
+            self.expect(stderr, [named], "stderr")
         finally:
             for pid in ranks.values():  # nothing of this job may outlive the case
                 for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -193,12 +176,6 @@ class Case:
                 job.kill()
                 job.wait()
 
-    def done(self, name):
-        for f in self.failures:
-            print("FAIL: " + f)
-        print("watchdog case %s: %s" % (name, "FAILED" if self.failures else "passed"))
-        return 1 if self.failures else 0
-
 
 # Stalls over the NCCL communicator: the layout, and the operations rank 0 may be found waiting in.
 NCCL_CASES = {
@@ -209,12 +186,7 @@ NCCL_CASES = {
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loom", required=True)
-    common.add_launcher_arguments(ap)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("case")
-    args = ap.parse_args()
+    args = common.case_arguments(__doc__)
     name = args.case
     c = Case(args, name)
     world_all_reduce = "world all_reduce"
@@ -230,8 +202,7 @@ def main():
         c.stalled(sets + ["run.backend=cuda", "run.peak_tflops=1"], waited_in + "|" + world_all_reduce,
                   env={"LOOM_CUDA_BACKEND_LIBRARY": lib, "LOOM_NCCL_LIBRARY": lib, "LOOM_CUDA_EMU_DEVICES": "2"})
     elif name == "timeout_off":
-        p = subprocess.run(c.command(2, ["parallel.dp=2", "train.steps=4", "run.comm_timeout=0"]),
-                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+        p, _ = c.loom("run", 2, ["parallel.dp=2", "train.steps=4", "run.comm_timeout=0"], expect=None)
         print(p.stdout[-600:] + p.stderr)
         if p.returncode != 0:
             c.failures.append("run.comm_timeout = 0: exit status %d, expected 0" % p.returncode)
