@@ -103,7 +103,8 @@ class ParamStore {
   // The training step is over (called whether or not it updated): what is acquired after it until
   // the next zero_grads is evaluation.
   virtual void end_step() {}
-  // Parameter elements this rank holds.
+  // The parameter count of this rank's tensors (the P of ZeRO's textbook figures): all of a tensor
+  // counts though a sharding store holds only its share.
   virtual std::int64_t local_numel() const = 0;
   // The parameters were written from outside the store (initialisation, a checkpoint): compute
   // copies made from them before are stale.
