@@ -101,9 +101,13 @@ def main():
 
     if not args.static_only:
         chosen = {}
-        for t in launching:  # the first of each family whose name says it runs 2 ranks, else the first
+        # Of each family, one whose name says it runs 2 ranks, else any; of those the cheapest by its
+        # COST property (set on the long tests, which start first), else the first.
+        def rank(t):
+            return (not two_ranks(t["name"]), float(properties(t).get("COST", 0)))
+        for t in launching:
             f = family(t, args.mpiexec)
-            if f not in chosen or (two_ranks(t["name"]) and not two_ranks(chosen[f]["name"])):
+            if f not in chosen or rank(t) < rank(chosen[f]):
                 chosen[f] = t
         os.makedirs(args.workdir, exist_ok=True)
         for f, t in sorted(chosen.items()):
