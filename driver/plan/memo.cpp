@@ -106,7 +106,8 @@ class Memo {
  public:
   Memo(const PlanSearch& search, const PlanOptions& o, const std::vector<Candidate>& all)
       : search_(search), o_(o), all_(all), cluster_(search.cluster) {
-    chosen_ = search_.evaluate(all.front().v, true);  // every rank, for the memo
+    chosen_ = search_.evaluate(all[static_cast<std::size_t>(chosen_index(all, search.cluster.device_memory_bytes))].v,
+                               true);  // every rank
     base_ = load_deck(search_.schema, search_.deck_path, search_.deck_sets);
   }
 
@@ -180,8 +181,21 @@ class Memo {
        << "fragmentation: typically 1-3 GiB on a GPU).\n";
     int fit = 0;
     for (const Candidate& c : all_) fit += c.fits;
-    s_ << "- Chosen as the fastest of " << fit << " fitting candidates out of " << all_.size()
-       << " searched (the table `loom plan` prints lists the runners-up and why every other layout fails).\n\n";
+    const int c = chosen_index(all_, cluster_.device_memory_bytes);
+    const Candidate& fastest = all_.front();
+    if (c == 0) {
+      s_ << "- Chosen as the fastest of " << fit << " fitting candidates out of " << all_.size()
+         << " searched (the table `loom plan` prints lists the runners-up and why every other layout fails).\n\n";
+    } else {
+      s_ << "- Chosen as the one with fewest strategies on among the " << fit << " fitting candidates (of "
+         << all_.size() << " searched) within " << fixed(100 * kSimplerWithin, 0)
+         << "% of the fastest predicted and leaving " << fixed(100 * kSimplerHeadroom, 0)
+         << "% of the device free: " << fastest.v.describe() << " is predicted "
+         << fixed(100.0 * (fastest.p.time.tokens_per_s / chosen_.p.time.tokens_per_s - 1.0), 1) << "% faster ("
+         << fixed(fastest.p.time.tokens_per_s, 0)
+         << " tokens/s), a gap within the prediction's error, for more to set up and go wrong (`--set` it to "
+            "take it). The table `loom plan` prints lists the runners-up and why every other layout fails.\n\n";
+    }
   }
 
   void out_of_memory() {

@@ -215,9 +215,11 @@ std::vector<Candidate> PlanSearch::run(int devices) const {
     }
     const std::vector<std::string> values = dims[i].values(v.point(&base));
     if (values.empty()) return enumerate(i + 1, v);
-    for (const std::string& value : values) {
-      v.settings.push_back({dims[i].key, value});
+    for (std::size_t k = 0; k < values.size(); ++k) {
+      v.settings.push_back({dims[i].key, values[k]});
+      v.departures += k > 0;
       enumerate(i + 1, v);
+      v.departures -= k > 0;
       v.settings.pop_back();
     }
   };
@@ -242,6 +244,17 @@ std::vector<Candidate> PlanSearch::run(int devices) const {
     return a.fits && faster(a, b);
   });
   return out;
+}
+
+int chosen_index(const std::vector<Candidate>& all, double device_bytes) {
+  if (all.empty() || !all.front().fits) return -1;
+  const double floor = (1.0 - kSimplerWithin) * all.front().p.time.tokens_per_s;
+  int best = 0;
+  for (std::size_t i = 1; i < all.size() && all[i].fits && all[i].p.time.tokens_per_s >= floor; ++i)
+    if (all[i].v.strategies() < all[static_cast<std::size_t>(best)].v.strategies() &&
+        static_cast<double>(all[i].p.peak_total) <= (1.0 - kSimplerHeadroom) * device_bytes)
+      best = static_cast<int>(i);
+  return best;
 }
 
 namespace {
@@ -355,8 +368,17 @@ std::string describe_search(const PlanSearch& search, const std::vector<Candidat
   } else {
     s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n"
       << header;
+    const int c = chosen_index(all, cluster.device_memory_bytes);
     for (int i = 0; i < std::min(top, fit); ++i) s << candidate_row(i + 1, all[static_cast<std::size_t>(i)], columns);
-    s << "chosen: " << all.front().v.describe() << "\n";
+    if (c >= std::min(top, fit)) s << candidate_row(c + 1, all[static_cast<std::size_t>(c)], columns);
+    const Candidate& chosen = all[static_cast<std::size_t>(c)];
+    s << "chosen: #" << c + 1 << " " << chosen.v.describe();
+    if (c > 0)
+      s << " (" << fixed(100.0 * (1.0 - chosen.p.time.tokens_per_s / all.front().p.time.tokens_per_s), 1)
+        << "% below the fastest, #1, with fewer strategies on: the simplest within " << fixed(100 * kSimplerWithin, 0)
+        << "% that leaves " << fixed(100 * kSimplerHeadroom, 0) << "% of the device free; the gap is within the "
+        << "prediction's error)";
+    s << "\n";
   }
   if (every) {
     s << "every candidate:\n" << header;
@@ -367,10 +389,16 @@ std::string describe_search(const PlanSearch& search, const std::vector<Candidat
 
 std::string search_json(const PlanSearch& search, const std::vector<Candidate>& all, int devices) {
   const ClusterSpec& cluster = search.cluster;
+  const int chosen = chosen_index(all, cluster.device_memory_bytes);
   nlohmann::json list = nlohmann::json::array();
   for (const Candidate& c : all) {
-    nlohmann::json j = {{"dp", c.v.dp},   {"tp", c.v.tp},      {"pp", c.v.pp}, {"micro_batches", c.v.micro},
-                        {"fits", c.fits}, {"reason", c.reason}};
+    nlohmann::json j = {{"dp", c.v.dp},
+                        {"tp", c.v.tp},
+                        {"pp", c.v.pp},
+                        {"micro_batches", c.v.micro},
+                        {"fits", c.fits},
+                        {"reason", c.reason},
+                        {"strategies", c.v.strategies()}};
     for (const PlanDimension& d : search.dims) {
       const std::string value = c.v.get(d.key);
       j[d.json] = typed(d, value.empty() ? d.unset : value);
@@ -388,7 +416,7 @@ std::string search_json(const PlanSearch& search, const std::vector<Candidate>& 
                       {"cluster", cluster.name},
                       {"device_memory_bytes", cluster.device_memory_bytes},
                       {"candidates", list},
-                      {"chosen", !all.empty() && all.front().fits ? nlohmann::json(0) : nlohmann::json()}};
+                      {"chosen", chosen >= 0 ? nlohmann::json(chosen) : nlohmann::json()}};
   return j.dump(2) + "\n";
 }
 

@@ -27,6 +27,10 @@ struct Variant {
   std::string layout() const;             // "dp 4 x tp 8 x pp 1"
   std::string describe() const;           // + micro-batches and each dimension's words, in column order
   PlanPoint point(const Deck* deck) const;
+  // Search dimensions set to other than their plain (first) value at this layout.
+  int departures = 0;
+  // What a user takes on with it: those departures, and model parallelism (tp, pp) beyond dp.
+  int strategies() const { return departures + (tp > 1) + (pp > 1); }
   static constexpr const char* kRecomputeKey = "model.recompute";
 };
 
@@ -64,10 +68,20 @@ struct PlanSearch {
   std::vector<PlanLever> levers(const std::string& bottleneck, const PlanPoint& p) const;
 };
 
+// The recommendation among `all` (run's order): the fastest, unless a candidate within kSimplerWithin
+// of its predicted tokens/s has fewer strategies on and leaves kSimplerHeadroom of the device free:
+// then the first such with fewest. A predicted gap that small is within the prediction's error
+// (regression.plan.step_time allows 15%), and each strategy on costs a user something the prediction
+// does not count (ZeRO-3 + bf16 is not worth 4% on a model of a million parameters); the headroom
+// keeps the simpler choice from trading it for a device filled to the last GiB. -1 when none fits.
+inline constexpr double kSimplerWithin = 0.10;
+inline constexpr double kSimplerHeadroom = 0.10;
+int chosen_index(const std::vector<Candidate>& all, double device_bytes);
+
 std::string describe_search(const PlanSearch& search, const std::vector<Candidate>& all, int devices, int top,
                             bool every);
 std::string search_json(const PlanSearch& search, const std::vector<Candidate>& all, int devices);
-// The memo of the chosen (first) candidate, written to options.memo (driver/plan/memo.cpp).
+// The memo of the chosen candidate (chosen_index), written to options.memo (driver/plan/memo.cpp).
 void write_memo(const PlanSearch& search, const PlanOptions& options, const std::vector<Candidate>& all);
 
 std::string gib(double bytes);
