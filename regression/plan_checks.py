@@ -37,15 +37,8 @@
                      neither a file nor a preset, a fused rate below 1e-6 (not 0): exit 2, named; a bad
                      --set of --calibrate named as the --set's, and a fused fixed cost given to it alone
                      written with the rate it measures (1 rank, the network figures given)
-  pipeline_span      the step's pipeline span against the closed forms of two stages whose last, with a
-                     heavy vocabulary head (V 8192 at C 128: ~5 blocks' FLOPs), is the slower: one
-                     micro-batch passes the stages in turn (span = busy0 + busy1), m micro-batches keep
-                     the last stage busy but for the first's first forward and last backward (span = busy1
-                     + busy0 / m), for 1F1B and GPipe; --json stage_busy_ms and pipeline_span_ms,
-                     within 0.5%. (Timing the replay's ops
-                     at the stages' mean time per unit instead of each stage's own put it 2-6% short.)
-                     With model.recompute the replay's units (--json stage_units) grow by 4/3 on the
-                     first stage (a block's backward 3 units, its forward 1) and by less on the head's.
+  (the pipeline span's closed forms and the replay's units under recompute are
+  driver/plan/test/test_plan_arithmetic.cpp's, PlanTime.Pipeline*: tighter, and without a process each)
 Standard library only.
 """
 import os
@@ -209,44 +202,6 @@ def memory_vs_ledger(args, d, failures):
         print("largest among categories of 1 MiB or more: %s rank %d %s %.3f%%" % (big[0][1], big[0][2], big[0][3], 100 * max(b[0] for b in big)))
 
 
-def pipeline_span(args, d, failures):
-    import json
-    cluster = os.path.join(d, "cluster.ini")
-    with open(cluster, "w") as f:
-        f.write(GOOD)
-    for schedule, m in (("1f1b", 1), ("1f1b", 4), ("gpipe", 4), ("1f1b", 8)):
-        sets = ["parallel.pp=2", "model.layers=4", "model.d_model=128", "model.vocab=8192",
-                "train.micro_batches=%d" % m, "pipeline.schedule=" + schedule]
-        p = json.loads(run([args.loom, "plan", SYN, "--cluster", cluster, "--json"] +
-                           sum((["--set", x] for x in sets), [])).stdout)
-        busy0, busy1 = p["stage_busy_ms"]
-        span = p["pipeline_span_ms"]
-        want = busy0 + busy1 if m == 1 else busy1 + busy0 / m
-        print("%s, %d micro-batch(es): stages busy %.3f, %.3f ms; span %.3f ms, closed form %.3f ms (%+.2f%%)" %
-              (schedule, m, busy0, busy1, span, want, 100 * (span / want - 1)))
-        if busy1 <= busy0:
-            failures.append("%s m=%d: the head's stage is not the slower (%s)" % (schedule, m, p["stage_busy_ms"]))
-        if abs(span / want - 1) > 0.005:
-            failures.append("%s m=%d: pipeline span %.3f ms, closed form %.3f ms" % (schedule, m, span, want))
-    # With model.recompute a block's backward runs its forward again: 3 units to the forward's 1
-    # (the head, never recomputed, keeps 1 and 2), so the first stage (blocks only) does 4/3 the work
-    # and the replay times its forward ops at a quarter of its busy time, not a third.
-    units = {}
-    for rc in ("false", "true"):
-        sets = ["parallel.pp=2", "model.layers=4", "model.d_model=128", "model.vocab=8192", "train.micro_batches=4",
-                "model.recompute=" + rc]
-        units[rc] = json.loads(run([args.loom, "plan", SYN, "--cluster", cluster, "--json"] +
-                                   sum((["--set", x] for x in sets), [])).stdout)["stage_units"]
-    ratio0, ratio1 = units["true"][0] / units["false"][0], units["true"][1] / units["false"][1]
-    print("replay units per stage, recompute off %s, on %s: first stage x%.4f (want 4/3), last x%.4f" %
-          (units["false"], units["true"], ratio0, ratio1))
-    if abs(ratio0 - 4.0 / 3.0) > 1e-9:
-        failures.append("with recompute the first stage's replay units grow x%.4f, not 4/3" % ratio0)
-    if not 1.0 < ratio1 < 4.0 / 3.0:
-        failures.append("with recompute the head's stage's units grow x%.4f, not between 1 and 4/3 (the head "
-                        "is not recomputed)" % ratio1)
-
-
 def main():
     args = common.case_arguments(__doc__)
     failures = []
@@ -352,8 +307,6 @@ def main():
             failures.append("calibration on 1 rank with some network figures does not name the missing ones: " + p.stderr)
     elif args.case == "memory_vs_ledger":
         memory_vs_ledger(args, d, failures)
-    elif args.case == "pipeline_span":
-        pipeline_span(args, d, failures)
     elif args.case == "cluster_refusals":
         cases = [
             ("missing", GOOD.replace("inter_node_gbs = 20\n", ""), [], ["network.inter_node_gbs is missing"]),

@@ -142,8 +142,8 @@ class TensorPartition final : public Partition {
   // `loom plan`: the cross-entropy's scratch (crossentropy_forward) and the sequence-parallel pack
   // (finish_grads), the ring scratch of the activation collectives, and their bytes: per block and
   // micro-batch two in forward (attention and MLP outputs) and two in backward (their inputs'
-  // gradients), again in a recomputed forward; the head's input gradient; the cross-entropy's three
-  // [N] collectives.
+  // gradients), again in a recomputed forward; the head's input gradient; the embedding's partial
+  // sums; the cross-entropy's three [N] collectives.
   void plan_step(StepPlan& plan, const GPT& model) const override {
     const int n = tp_.size();
     if (n == 1) return;
@@ -153,7 +153,9 @@ class TensorPartition final : public Partition {
     int layers = 0;
     for (const Stage::Chunk& c : model.stage().chunks) layers += c.end_layer - c.first_layer;
     const double per_layer = 4.0 + (model.config().recompute ? 2.0 : 0.0);
-    const double ops = m * (layers * per_layer + (model.stage().last() ? 1.0 : 0.0));
+    // The first stage's vocabulary-parallel embedding sums its partial outputs once per forward.
+    const double ops =
+        m * (layers * per_layer + (model.stage().last() ? 1.0 : 0.0) + (model.stage().first() ? 1.0 : 0.0));
     std::vector<double> scratch;
     if (!sp_) {
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(NC, n, sizeof(float))));
