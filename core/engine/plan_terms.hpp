@@ -31,12 +31,27 @@ struct PlanPoint {
 
 // One deck key the layout search varies (zero.stage, precision.dtype, ...).
 struct PlanDimension {
+  enum class Json { integer, boolean, text };
+  PlanDimension() = default;
+  // Where it shows, in one call (its behaviour, values to what_if, is set after):
+  //   PlanDimension d("zero.stage", "ZeRO stage", "zero", 5, "zero_stage", PlanDimension::Json::integer, "", 20, 20);
+  PlanDimension(std::string key_, std::string what_, std::string column_, int width_, std::string json_,
+                Json json_type_, std::string unset_, int nest_, int column_order_)
+      : key(std::move(key_)),
+        what(std::move(what_)),
+        column(std::move(column_)),
+        width(width_),
+        json(std::move(json_)),
+        json_type(json_type_),
+        unset(std::move(unset_)),
+        nest(nest_),
+        column_order(column_order_) {}
   std::string key;     // the deck key it sets
   std::string what;    // its words in the search's first line ("ZeRO stage")
   std::string column;  // its heading in the candidate table ("zero")
   int width = 5;       // that column's width
   std::string json;    // its field in `loom plan --json` ("zero_stage")
-  enum class Json { integer, boolean, text } json_type = Json::text;
+  Json json_type = Json::text;
   std::string unset;      // the --json value where it does not apply (no setting at this layout)
   int nest = 50;          // its place in the search's loops (outer first) and in a variant's --set list
   int column_order = 50;  // its place in the table, a variant's description and the memo's what-ifs

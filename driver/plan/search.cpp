@@ -33,15 +33,7 @@ std::vector<const PlanDimension*> by_column(const std::vector<PlanDimension>* di
 
 // The model's own dimension: recompute (model.recompute), searched beside the strategies'.
 PlanDimension recompute_dimension() {
-  PlanDimension d;
-  d.key = Variant::kRecomputeKey;
-  d.what = "recompute";
-  d.column = "rec";
-  d.width = 5;
-  d.json = "recompute";
-  d.json_type = PlanDimension::Json::boolean;
-  d.nest = 30;
-  d.column_order = 30;
+  PlanDimension d(Variant::kRecomputeKey, "recompute", "rec", 5, "recompute", PlanDimension::Json::boolean, "", 30, 30);
   d.values = [](const PlanPoint&) { return std::vector<std::string>{"false", "true"}; };
   d.describe = [](const std::string& v) { return v == "true" ? std::string("recompute") : std::string(); };
   return d;

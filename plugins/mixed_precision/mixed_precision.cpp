@@ -145,15 +145,7 @@ DType dtype_of_deck(const Deck& deck) {
 // sentences on the gradient collective and loss scaling, and the narrower collective as a lever.
 PlanTerms precision_plan_terms() {
   PlanTerms t;
-  PlanDimension d;
-  d.key = "precision.dtype";
-  d.what = "precision";
-  d.column = "prec";
-  d.width = 6;
-  d.json = "precision";
-  d.json_type = PlanDimension::Json::text;
-  d.nest = 40;
-  d.column_order = 50;
+  PlanDimension d("precision.dtype", "precision", "prec", 6, "precision", PlanDimension::Json::text, "", 40, 50);
   d.sets_precision = true;
   const auto half = [](const PlanPoint& p) {
     return p.deck && p.deck->get_string("precision.dtype") == "fp16" ? std::string("fp16") : std::string("bf16");

@@ -208,16 +208,8 @@ class TensorPartition final : public Partition {
 // deck's own value stays).
 PlanTerms tensor_plan_terms() {
   PlanTerms t;
-  PlanDimension d;
-  d.key = "tensor.sequence_parallel";
-  d.what = "sequence parallelism";
-  d.column = "sp";
-  d.width = 4;
-  d.json = "sequence_parallel";
-  d.json_type = PlanDimension::Json::boolean;
-  d.unset = "false";
-  d.nest = 50;
-  d.column_order = 40;
+  PlanDimension d("tensor.sequence_parallel", "sequence parallelism", "sp", 4, "sequence_parallel",
+                  PlanDimension::Json::boolean, "false", 50, 40);
   d.values = [](const PlanPoint& p) -> std::vector<std::string> {
     if (p.layout.tp < 2) return {};
     return {"false", "true"};

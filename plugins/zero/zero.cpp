@@ -271,15 +271,7 @@ class ZeroSync final : public BucketedGradSync {
 // what a stage shards, and the lever against a replicated optimizer step.
 PlanTerms zero_plan_terms() {
   PlanTerms t;
-  PlanDimension d;
-  d.key = "zero.stage";
-  d.what = "ZeRO stage";
-  d.column = "zero";
-  d.width = 5;
-  d.json = "zero_stage";
-  d.json_type = PlanDimension::Json::integer;
-  d.nest = 20;
-  d.column_order = 20;
+  PlanDimension d("zero.stage", "ZeRO stage", "zero", 5, "zero_stage", PlanDimension::Json::integer, "", 20, 20);
   d.values = [](const PlanPoint& p) -> std::vector<std::string> {
     if (p.layout.dp < 2) return {"0"};
     if (p.layout.pp > 1) return {"0", "1"};
