@@ -18,6 +18,7 @@
 #include "core/engine/engine.hpp"
 #include "core/model/gpt.hpp"
 #include "core/model/param_store.hpp"
+#include "core/test/batches.hpp"
 #include "core/base/shard.hpp"
 
 namespace loom {
@@ -108,18 +109,7 @@ GPTConfig config(bool recompute) {
   return c;
 }
 
-// A fixed pseudo-random batch per (step, first row).
-BatchFn batches(const GPTConfig& c) {
-  return [c](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
-             std::vector<std::int32_t>& tgt) {
-    std::mt19937_64 gen(static_cast<std::uint64_t>(step * 1000 + first_row));
-    std::uniform_int_distribution<int> d(0, c.vocab - 1);
-    in.resize(static_cast<std::size_t>(rows) * c.seq_len);
-    tgt.resize(in.size());
-    for (auto& x : in) x = d(gen);
-    for (auto& x : tgt) x = d(gen);
-  };
-}
+BatchFn batches(const GPTConfig& c) { return testing::random_batches(c); }
 
 std::vector<float> all_params(GPT& m) {
   std::vector<float> out;

@@ -28,6 +28,7 @@
 #include "core/comm/comm.hpp"
 #include "core/base/dtype.hpp"
 #include "core/base/ledger.hpp"
+#include "core/test_mpi/ranks.hpp"
 
 namespace loom {
 namespace {
@@ -39,16 +40,8 @@ constexpr int kBC = static_cast<int>(CommOp::broadcast);
 constexpr int kSend = static_cast<int>(CommOp::send);
 constexpr int kRecv = static_cast<int>(CommOp::recv);
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using testing::world_rank;
+using testing::world_size;
 int mod(std::int64_t a, int n) { return static_cast<int>(((a % n) + n) % n); }
 
 // The counts every operation is tried with: 0, 1, N-1, N, a few more, and a large odd one.

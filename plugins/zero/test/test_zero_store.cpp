@@ -19,21 +19,14 @@
 #include "core/comm/comm.hpp"
 #include "core/comm/grid.hpp"
 #include "core/model/gpt.hpp"
+#include "core/test_mpi/ranks.hpp"
 #include "plugins/zero/zero_sharded.hpp"
 
 namespace loom {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using testing::world_rank;
+using testing::world_size;
 
 GPTConfig small_config() {
   GPTConfig c;
