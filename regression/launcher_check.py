@@ -17,6 +17,7 @@ Standard library only.
 """
 import argparse
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -76,6 +77,7 @@ def main():
     ap.add_argument("--wrapper", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--static-only", action="store_true")
+    ap.add_argument("--rerun-install", action="store_true", help="rerun the install-labelled families too")
     args = ap.parse_args()
     p = subprocess.run(["ctest", "--test-dir", test_files_copy(args.build, args.workdir), "--show-only=json-v1"],
                        capture_output=True, text=True)
@@ -111,6 +113,19 @@ def main():
                 chosen[f] = t
         os.makedirs(args.workdir, exist_ok=True)
         for f, t in sorted(chosen.items()):
+            labels = properties(t).get("LABELS", [])
+            if "install" in labels and not args.rerun_install:
+                # Each builds and installs a package first (half a minute alone, minutes beside the suite):
+                # its script is read instead for a launcher of its own (the static check above already
+                # holds its command to MPIEXEC_EXECUTABLE). --rerun-install runs it under the wrapper too.
+                script = next((w for w in t["command"] if w.endswith(".py") and os.path.isfile(w)), None)
+                text = open(script).read() if script else ""
+                own = sorted({n for n in LAUNCHER_NAMES if re.search(r"[\"']%s[\"']" % re.escape(n), text)})
+                print("  %s: read, not rerun (label install): %s" % (t["name"], "launchers named in %s: %s" % (
+                    os.path.basename(script), own) if own else "no launcher of its own in " + str(script)))
+                if own:
+                    failures.append("%s names a launcher of its own: %s" % (script, own))
+                continue
             log = tempfile.NamedTemporaryFile(prefix="launches-", dir=args.workdir, delete=False).name
             cmd, rewrite_next = [], False
             for w in t["command"]:
