@@ -103,7 +103,8 @@ std::string command_usage(const std::string& command) {
 // Where to read more about each command, for its --help.
 std::string read_more(const std::string& command) {
   static const std::map<std::string, std::string> pages = {
-      {"run", "docs/parallel.md (layouts), docs/checkpoints.md (restart), docs/clusters.md, loom keys (every deck key)"},
+      {"run",
+       "docs/parallel.md (layouts), docs/checkpoints.md (restart), docs/clusters.md, loom keys (every deck key)"},
       {"check", "loom keys (every deck key), docs/troubleshooting.md"},
       {"export", "docs/tests.md (the PyTorch oracle)"},
       {"ckpt", "docs/checkpoints.md, docs/trained-model.md"},
