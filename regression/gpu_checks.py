@@ -406,7 +406,8 @@ def emulated(args):
     if os.environ.get("LOOM_NCCL_LIBRARY"):
         # A stalled rank fails in a minute, naming what waited, before the harness's own limit.
         devices = {"LOOM_CUDA_EMU_DEVICES": "4", "LOOM_CUDA_EMU_WAIT_TIMEOUT": "60"}
-        layouts_on(c, "cuda", 8, ["run.comm_timeout=60"], close_to_host(c, norms=True), only=NCCL_LAYOUTS,
+        # 4 steps: the comparison is per step, and most of each run's time on the emulated device is its start.
+        layouts_on(c, "cuda", 4, ["run.comm_timeout=60"], close_to_host(c, norms=True), only=NCCL_LAYOUTS,
                    env=devices, tag="_nccl", banner=r"device buffers between ranks: NCCL 0\.0\.0")
     else:
         c.check(False, "LOOM_NCCL_LIBRARY names the emulated device's NCCL (CTest sets it)")
