@@ -56,16 +56,13 @@ int main(int argc, char** argv) {
     for (float& x : qkv) x = dist(gen);
     for (float& x : dout) x = dist(gen);
     const int reps = 3;
-    const double uf =
-        ms_best(reps, [&] { be->attention_forward(out.data(), probs.data(), qkv.data(), s.B, s.T, s.C, s.NH); });
-    const double ub = ms_best(reps, [&] {
-      be->attention_backward(dqkv.data(), datt.data(), dout.data(), qkv.data(), probs.data(), s.B, s.T, s.C, s.NH);
-    });
-    const double ff =
-        ms_best(reps, [&] { be->attention_forward_flash(out.data(), lse.data(), qkv.data(), s.B, s.T, s.C, s.NH); });
+    const auto r = [](std::vector<float>& v) { return loom::BufferRef(v.data(), std::int64_t(v.size())); };
+    const double uf = ms_best(reps, [&] { be->attention_forward(r(out), r(probs), r(qkv), s.B, s.T, s.C, s.NH); });
+    const double ub = ms_best(
+        reps, [&] { be->attention_backward(r(dqkv), r(datt), r(dout), r(qkv), r(probs), s.B, s.T, s.C, s.NH); });
+    const double ff = ms_best(reps, [&] { be->attention_forward_flash(r(out), r(lse), r(qkv), s.B, s.T, s.C, s.NH); });
     const double fb = ms_best(reps, [&] {
-      be->attention_backward_flash(dqkv.data(), dsum.data(), dout.data(), loom::BufferRef(out.data(), std::int64_t(n)),
-                                   qkv.data(), lse.data(), s.B, s.T, s.C, s.NH);
+      be->attention_backward_flash(r(dqkv), r(dsum), r(dout), r(out), r(qkv), r(lse), s.B, s.T, s.C, s.NH);
     });
     char name[64];
     std::snprintf(name, sizeof name, "%d,%d,%d,%d (hs %d)", s.B, s.T, s.C, s.NH, s.C / s.NH);

@@ -61,17 +61,6 @@ class Backend : public BackendFace {
   virtual bool ring_scratch_pools() const { return true; }
 
   // --- The operations of LOOM_BACKEND_DEFAULTED_OPS, with their default bodies.
-  // The products with typed operands: `inp` and `weight` are fp32 (rounded to the precision's
-  // matmul type here) or already of that type (a 16-bit compute copy of the weights, a saved 16-bit
-  // activation), so a run that keeps them in 16 bits is not rounded twice. Outputs and gradients stay
-  // fp32. Throws std::invalid_argument for an operand of another type. The default takes fp32 only.
-  virtual void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) {
-    matmul_forward(out, inp.as<float>(), weight.as<float>(), bias, N, C, OC);
-  }
-  virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp,
-                               BufferRef weight, int N, int C, int OC) {
-    matmul_backward(dinp, dweight, dbias, dout, inp.as<float>(), weight.as<float>(), N, C, OC);
-  }
   // Fused (flash-style) causal attention, model.attention = flash: the [B,NH,T,T] probabilities are
   // never stored; forward saves lse [B,NH,T] (each row's max + log sum of exp of the scaled scores) and
   // backward recomputes them. q, k, v, dout, the probabilities and the score gradients are rounded to
@@ -83,12 +72,12 @@ class Backend : public BackendFace {
     (void)hs;
     return "the " + name() + " back end has no fused attention";
   }
-  virtual void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
+  virtual void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) {
     (void)out, (void)lse, (void)qkv, (void)B, (void)T, (void)C, (void)NH;
     throw std::logic_error(flash_attention_refusal(C / NH));
   }
-  virtual void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
-                                        const float* lse, int B, int T, int C, int NH) {
+  virtual void attention_backward_flash(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
+                                        BufferRef lse, int B, int T, int C, int NH) {
     (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B, (void)T;
     throw std::logic_error(flash_attention_refusal(C / NH));
   }
@@ -96,9 +85,13 @@ class Backend : public BackendFace {
   // on this back end's memory. What they compute, by group:
   //
   // encoder_*: wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor
-  // parallelism). layernorm_*, matmul_* (out = inp weight^T + bias), bias_*, attention_* (causal, att
-  // the [B,NH,T,T] probabilities), gelu_*: the model's layers, as core/backend/kernels.hpp computes
-  // them on the host. adamw_update on fp32.
+  // parallelism). layernorm_*, matmul_* (out = inp weight^T + bias; bias and dbias may be empty),
+  // bias_*, attention_* (causal, att the [B,NH,T,T] probabilities), gelu_*: the model's layers, as
+  // core/backend/kernels.hpp computes them on the host. adamw_update on fp32.
+  // The products take typed operands: `inp` and `weight` (and the gradient `dout`) are fp32, rounded
+  // to the precision's matmul type here, or already of that type (a 16-bit compute copy of the
+  // weights, a saved 16-bit activation), so a run that keeps them in 16 bits is not rounded twice.
+  // Outputs and gradients stay fp32. Throws std::invalid_argument for an operand of another type.
 #define LOOM_DECLARE_OP(ret, name, params, args) virtual ret name params = 0;
   LOOM_BACKEND_OPS(LOOM_DECLARE_OP)
 #undef LOOM_DECLARE_OP

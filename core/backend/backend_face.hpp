@@ -76,8 +76,12 @@ class BackendFace {
   //                         target_logit[n] = logits[n, targets[n] - vocab_begin] where that column is
   //                         here, else 0                                             (then: sums over the group)
   //   crossentropy_finish   probs[n,v] /= sum_exp[n]; losses[n] = log sum_exp[n] + row_max[n] - target_logit[n]
-  // sum_squares, scale, fill, copy, sum on fp32; axpy: y += a x, the product rounded, then the sum (no
+  // copy, sum on the first n fp32 elements; axpy: y += a x, the product rounded, then the sum (no
   // fused multiply-add: the host's and CUDA's alike).
+  //
+  // Every tensor argument is a BufferRef of the operation's element type holding at least the
+  // elements its shape arguments name (an optional one, such as int8_quantize's error, may be empty);
+  // an operation throws std::invalid_argument otherwise (BufferRef::as).
   //
   // Operations on typed buffers of this back end's space. They throw std::invalid_argument for an
   // element type they do not take, a buffer in another memory space or mismatched counts.
@@ -91,9 +95,8 @@ class BackendFace {
   //                  With beta == 0 the old contents of out are not read.
   //   sq_norm_check  one pass over the tensors (fp32, bf16, fp16, fp64): the sum of their sums of squares
   //                  and where the first NaN or inf is. Each tensor's sum of squares is reduced as
-  //                  sum_squares reduces it (for fp32 bit for bit the same value), and the tensors' sums
-  //                  are added in list order.
-  //   scale, fill    x *= a and x = value, computed in the element type's compute type (fp64 for fp64,
+  //                  the host kernels' sum_squares reduces it, and the tensors' sums are added in list order.
+  //   scale, fill    all of x: x *= a and x = value, computed in the element type's compute type (fp64 for fp64,
   //                  else fp32).
   //
   // int8 gradient compression (plugins/compression: core/backend/kernels.hpp int8_absmax, _quantize,

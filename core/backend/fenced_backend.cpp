@@ -57,9 +57,8 @@ class FencedBackend final : public ForwardingBackend {
   }
 
  protected:
-  // Every operation of the list reaches the host kernels with the addresses moved back.
-  void* map_pointer(void* p) const override { return back(p); }
-  // A device buffer as the host kernels take it; a host one is refused as the CUDA back end refuses it.
+  // Every operation of the list reaches the host kernels with the addresses moved back:
+  // a device buffer as the host kernels take it; a host one is refused as the CUDA back end refuses it.
   BufferRef map_buffer(BufferRef b, const char* op) const override {
     if (b.space != MemSpace::device && b.count > 0)
       throw std::invalid_argument(std::string(op) + ": a buffer marked host memory reached a device back end");

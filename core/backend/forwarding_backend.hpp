@@ -1,8 +1,9 @@
 #pragma once
 // A back end that wraps another and passes every operation on (the fenced and the sizing back ends):
 // each operation of core/backend/backend_ops.hpp (both lists) is generated here, so a wrapper overrides only what
-// differs. Before an operation it calls before_op(name); on the way, each pointer argument goes
-// through map_pointer and each typed buffer through map_buffer (both identity here). The communicator
+// differs. Before an operation it calls before_op(name); on the way, each typed buffer goes through
+// map_buffer (identity here). The operations take no bare pointers (core/test/test_backend_ops.cpp
+// checks), so every tensor an operation touches passes map_buffer. The communicator
 // is Backend's own choice for this back end's space(), not the wrapped one's.
 #include <memory>
 #include <string>
@@ -15,10 +16,6 @@ namespace loom {
 
 class ForwardingBackend : public Backend {
   // Each argument on its way to the wrapped back end (defined first: the operations below use them).
-  template <class T>
-  T* map(T* p, const char*) const {
-    return static_cast<T*>(map_pointer(const_cast<void*>(static_cast<const void*>(p))));
-  }
   BufferRef map(BufferRef b, const char* op) const { return map_buffer(b, op); }
   std::vector<BufferRef> map(const std::vector<BufferRef>& v, const char* op) const {
     std::vector<BufferRef> out;
@@ -79,9 +76,7 @@ class ForwardingBackend : public Backend {
   Backend& inner() const { return *inner_; }
   // Called first by every operation of the list, with its name.
   virtual void before_op(const char* /*op*/) {}
-  // What a pointer argument, and a typed buffer argument of operation `op`, become for the wrapped
-  // back end.
-  virtual void* map_pointer(void* p) const { return p; }
+  // What a typed buffer argument of operation `op` becomes for the wrapped back end.
   virtual BufferRef map_buffer(BufferRef b, const char* /*op*/) const { return b; }
 
  private:

@@ -67,23 +67,40 @@ class HostBackend final : public Backend {
       << (threads_ == 1 ? "" : "s") << ")";
     return s.str();
   }
-  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
-                       int vocab_begin, int vocab_end, bool add_pos) override {
-    k::encoder_forward(out, inp, wte, wpe, B, T, C, vocab_begin, vocab_end, add_pos);
+  // Each operation unpacks its operands with BufferRef::as<T>(need): the element type the kernel
+  // takes and at least the elements the shapes name, or std::invalid_argument.
+  void encoder_forward(BufferRef out, BufferRef inp, BufferRef wte, BufferRef wpe, int B, int T, int C, int vocab_begin,
+                       int vocab_end, bool add_pos) override {
+    const std::int64_t N = std::int64_t(B) * T;
+    k::encoder_forward(out.as<float>(N * C), inp.as<const std::int32_t>(N),
+                       wte.as<const float>(std::int64_t(vocab_end - vocab_begin) * C),
+                       wpe.as_optional<const float>(std::int64_t(T) * C), B, T, C, vocab_begin, vocab_end, add_pos);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T, int C,
+  void encoder_backward(BufferRef dwte, BufferRef dwpe, BufferRef dout, BufferRef inp, int B, int T, int C,
                         int vocab_begin, int vocab_end) override {
-    k::encoder_backward(dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end);
+    const std::int64_t N = std::int64_t(B) * T;
+    k::encoder_backward(dwte.as<float>(std::int64_t(vocab_end - vocab_begin) * C),
+                        dwpe.as_optional<float>(std::int64_t(T) * C), dout.as<const float>(N * C),
+                        inp.as<const std::int32_t>(N), B, T, C, vocab_begin, vocab_end);
   }
-  void bias_add(float* out, const float* bias, int N, int OC) override { k::bias_add(out, bias, N, OC); }
-  void bias_backward(float* dbias, const float* dout, int N, int OC) override { k::bias_backward(dbias, dout, N, OC); }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+  void bias_add(BufferRef out, BufferRef bias, int N, int OC) override {
+    k::bias_add(out.as<float>(std::int64_t(N) * OC), bias.as<const float>(OC), N, OC);
+  }
+  void bias_backward(BufferRef dbias, BufferRef dout, int N, int OC) override {
+    k::bias_backward(dbias.as<float>(OC), dout.as<const float>(std::int64_t(N) * OC), N, OC);
+  }
+  void layernorm_forward(BufferRef out, BufferRef mean, BufferRef rstd, BufferRef inp, BufferRef weight, BufferRef bias,
                          int N, int C) override {
-    k::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+    const std::int64_t NC = std::int64_t(N) * C;
+    k::layernorm_forward(out.as<float>(NC), mean.as<float>(N), rstd.as<float>(N), inp.as<const float>(NC),
+                         weight.as<const float>(C), bias.as<const float>(C), N, C);
   }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, const float* mean, const float* rstd, int N, int C) override {
-    k::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  void layernorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
+                          BufferRef weight, BufferRef mean, BufferRef rstd, int N, int C) override {
+    const std::int64_t NC = std::int64_t(N) * C;
+    k::layernorm_backward(dinp.as<float>(NC), dweight.as<float>(C), dbias.as<float>(C), dout.as<const float>(NC),
+                          inp.as<const float>(NC), weight.as<const float>(C), mean.as<const float>(N),
+                          rstd.as<const float>(N), N, C);
   }
   void set_precision(const Precision& p) override {
     if (p.matmul != DType::f32 && p.matmul != DType::bf16 && p.matmul != DType::f16)
@@ -94,97 +111,119 @@ class HostBackend final : public Backend {
   void release_scratch() override {
     for (TypedBuffer& b : operands_) b = TypedBuffer();
   }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
-                      int OC) override {
-    if (precision_.matmul == DType::f32) return k::matmul_forward(out, inp, weight, bias, N, C, OC);
-    matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C),
-                   BufferRef(weight, static_cast<std::int64_t>(OC) * C), bias, N, C, OC);
-  }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                       const float* weight, int N, int C, int OC) override {
-    if (precision_.matmul == DType::f32) return k::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
-    matmul_backward(dinp, dweight, dbias, dout, BufferRef(inp, static_cast<std::int64_t>(N) * C),
-                    BufferRef(weight, static_cast<std::int64_t>(OC) * C), N, C, OC);
-  }
-  void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
+  void matmul_forward(BufferRef out, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C, int OC) override {
+    const std::int64_t NC = std::int64_t(N) * C, WC = std::int64_t(OC) * C, NO = std::int64_t(N) * OC;
+    float* o = out.as<float>(NO);
+    const float* b = bias.as_optional<const float>(OC);
     if (precision_.matmul == DType::f32)
-      return k::matmul_forward(out, inp.as<float>(), weight.as<float>(), bias, N, C, OC);
-    const void* x = operand16(0, inp, static_cast<std::int64_t>(N) * C);      // [N,C]
-    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
-    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, out, OC);                 // out = x W^T
-    if (bias) k::bias_add(out, bias, N, OC);
+      return k::matmul_forward(o, inp.as<const float>(NC), weight.as<const float>(WC), b, N, C, OC);
+    const void* x = operand16(0, inp, NC);                   // [N,C]
+    const void* w = operand16(1, weight, WC);                // [OC,C]
+    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, o, OC);  // out = x W^T
+    if (b) k::bias_add(o, b, N, OC);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp, BufferRef weight,
-                       int N, int C, int OC) override {
+  void matmul_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
+                       BufferRef weight, int N, int C, int OC) override {
+    const std::int64_t NC = std::int64_t(N) * C, WC = std::int64_t(OC) * C, NO = std::int64_t(N) * OC;
+    float* di = dinp.as<float>(NC);
+    float* dw = dweight.as<float>(WC);
+    float* db = dbias.as_optional<float>(OC);
+    const float* d = dout.as<const float>(NO);
     if (precision_.matmul == DType::f32)
-      return k::matmul_backward(dinp, dweight, dbias, dout, inp.as<float>(), weight.as<float>(), N, C, OC);
-    const void* d = operand16(0, BufferRef(dout, static_cast<std::int64_t>(N) * OC), static_cast<std::int64_t>(N) * OC);
-    const void* w = operand16(1, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
-    const void* x = operand16(2, inp, static_cast<std::int64_t>(N) * C);      // [N,C]
-    gemm16(false, false, N, C, OC, d, OC, w, C, 0.0f, dinp, C);               // dinp = dout W
-    gemm16(true, false, OC, C, N, d, OC, x, C, 1.0f, dweight, C);             // dW += dout^T x
-    if (dbias) k::bias_backward(dbias, dout, N, OC);                          // a sum, not a product: fp32
+      return k::matmul_backward(di, dw, db, d, inp.as<const float>(NC), weight.as<const float>(WC), N, C, OC);
+    const void* d16 = operand16(0, dout, NO);
+    const void* w = operand16(1, weight, WC);                    // [OC,C]
+    const void* x = operand16(2, inp, NC);                       // [N,C]
+    gemm16(false, false, N, C, OC, d16, OC, w, C, 0.0f, di, C);  // dinp = dout W
+    gemm16(true, false, OC, C, N, d16, OC, x, C, 1.0f, dw, C);   // dW += dout^T x
+    if (db) k::bias_backward(db, d, N, OC);                      // a sum, not a product: fp32
   }
-  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
-    k::attention_forward(out, att, qkv, B, T, C, NH);
+  void attention_forward(BufferRef out, BufferRef att, BufferRef qkv, int B, int T, int C, int NH) override {
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    k::attention_forward(out.as<float>(NC), att.as<float>(std::int64_t(B) * NH * T * T), qkv.as<const float>(3 * NC), B,
+                         T, C, NH);
   }
-  void attention_backward(float* dqkv, float* datt, const float* dout, const float* qkv, const float* att, int B, int T,
+  void attention_backward(BufferRef dqkv, BufferRef datt, BufferRef dout, BufferRef qkv, BufferRef att, int B, int T,
                           int C, int NH) override {
-    k::attention_backward(dqkv, datt, dout, qkv, att, B, T, C, NH);
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    // datt: one head's [T,T] at a time
+    k::attention_backward(dqkv.as<float>(3 * NC), datt.as<float>(std::int64_t(T) * T), dout.as<const float>(NC),
+                          qkv.as<const float>(3 * NC), att.as<const float>(std::int64_t(B) * NH * T * T), B, T, C, NH);
   }
   std::string flash_attention_refusal(int hs) const override { return flash_head_size_refusal(hs); }
-  void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
+  void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
     require_flash(C / NH);
-    k::flash::attention_forward(out, lse, qkv, B, T, C, NH);
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    k::flash::attention_forward(out.as<float>(NC), lse.as<float>(std::int64_t(B) * NH * T), qkv.as<const float>(3 * NC),
+                                B, T, C, NH);
   }
-  void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
-                                const float* lse, int B, int T, int C, int NH) override {
+  void attention_backward_flash(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
+                                BufferRef lse, int B, int T, int C, int NH) override {
     require_flash(C / NH);
     require_host(out, "attention_backward_flash", "out");
+    const std::int64_t NC = std::int64_t(B) * T * C, rows = std::int64_t(B) * NH * T;
+    if (out.count < NC) refuse("attention_backward_flash: out holds " + std::to_string(out.count) + " elements");
+    float* dq = dqkv.as<float>(3 * NC);
+    float* ds = dsum.as<float>(rows);
+    const float* d = dout.as<const float>(NC);
+    const float* x = qkv.as<const float>(3 * NC);
+    const float* l = lse.as<const float>(rows);
     with_float_type(out.type, "attention_backward_flash", [&](auto t) {
       using OutT = decltype(t);
       if constexpr (std::is_same_v<OutT, double>)
         refuse("attention_backward_flash: the saved output must be fp32, bf16 or fp16");
       else
-        k::flash::attention_backward(dqkv, dsum, dout, static_cast<const OutT*>(out.data), qkv, lse, B, T, C, NH);
+        k::flash::attention_backward(dq, ds, d, static_cast<const OutT*>(out.data), x, l, B, T, C, NH);
     });
   }
-  void gelu_forward(float* out, const float* inp, std::int64_t n) override { k::gelu_forward(out, inp, n); }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
-    k::gelu_backward(dinp, inp, dout, n);
+  void gelu_forward(BufferRef out, BufferRef inp, std::int64_t n) override {
+    k::gelu_forward(out.as<float>(n), inp.as<const float>(n), n);
   }
-  void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
-    k::residual_forward(out, a, b, n);
+  void gelu_backward(BufferRef dinp, BufferRef inp, BufferRef dout, std::int64_t n) override {
+    k::gelu_backward(dinp.as<float>(n), inp.as<const float>(n), dout.as<const float>(n), n);
   }
-  void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* targets, int N,
+  void residual_forward(BufferRef out, BufferRef a, BufferRef b, std::int64_t n) override {
+    k::residual_forward(out.as<float>(n), a.as<const float>(n), b.as<const float>(n), n);
+  }
+  void crossentropy_forward(BufferRef losses, BufferRef probs, BufferRef logits, BufferRef targets, int N,
                             int V) override {
-    k::crossentropy_forward(losses, probs, logits, targets, N, V);
+    const std::int64_t NV = std::int64_t(N) * V;
+    k::crossentropy_forward(losses.as<float>(N), probs.as<float>(NV), logits.as<const float>(NV),
+                            targets.as<const std::int32_t>(N), N, V);
   }
-  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N, int V,
+  void crossentropy_backward(BufferRef dlogits, BufferRef probs, BufferRef targets, float dloss, int N, int V,
                              int vocab_begin) override {
-    k::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin);
+    const std::int64_t NV = std::int64_t(N) * V;
+    k::crossentropy_backward(dlogits.as<float>(NV), probs.as<const float>(NV), targets.as<const std::int32_t>(N), dloss,
+                             N, V, vocab_begin);
   }
-  void crossentropy_row_max(float* row_max, const float* logits, int N, int V) override {
-    k::crossentropy_row_max(row_max, logits, N, V);
+  void crossentropy_row_max(BufferRef row_max, BufferRef logits, int N, int V) override {
+    k::crossentropy_row_max(row_max.as<float>(N), logits.as<const float>(std::int64_t(N) * V), N, V);
   }
-  void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
-                            const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin) override {
-    k::crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, V, vocab_begin);
+  void crossentropy_partial(BufferRef probs, BufferRef sum_exp, BufferRef target_logit, BufferRef logits,
+                            BufferRef row_max, BufferRef targets, int N, int V, int vocab_begin) override {
+    const std::int64_t NV = std::int64_t(N) * V;
+    k::crossentropy_partial(probs.as<float>(NV), sum_exp.as<double>(N), target_logit.as<double>(N),
+                            logits.as<const float>(NV), row_max.as<const float>(N), targets.as<const std::int32_t>(N),
+                            N, V, vocab_begin);
   }
-  void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
-                           const double* target_logit, int N, int V) override {
-    k::crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, V);
+  void crossentropy_finish(BufferRef losses, BufferRef probs, BufferRef sum_exp, BufferRef row_max,
+                           BufferRef target_logit, int N, int V) override {
+    k::crossentropy_finish(losses.as<float>(N), probs.as<float>(std::int64_t(N) * V), sum_exp.as<const double>(N),
+                           row_max.as<const float>(N), target_logit.as<const double>(N), N, V);
   }
-  void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
+  void adamw_update(BufferRef params, BufferRef m, BufferRef v, BufferRef grads, std::int64_t n, float lr, float beta1,
                     float beta2, float eps, float weight_decay, std::int64_t t) override {
-    k::adamw_update(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t);
+    k::adamw_update(params.as<float>(n), m.as<float>(n), v.as<float>(n), grads.as<const float>(n), n, lr, beta1, beta2,
+                    eps, weight_decay, t);
   }
-  double sum_squares(const float* x, std::int64_t n) override { return k::sum_squares(x, n); }
-  void scale(float* x, float a, std::int64_t n) override { k::scale(x, a, n); }
-  void fill(float* x, float value, std::int64_t n) override { k::fill(x, value, n); }
-  void copy(float* dst, const float* src, std::int64_t n) override { k::copy(dst, src, n); }
-  void axpy(float* y, float a, const float* x, std::int64_t n) override { k::axpy(y, a, x, n); }
-  double sum(const float* x, std::int64_t n) override { return k::sum(x, n); }
+  void copy(BufferRef dst, BufferRef src, std::int64_t n) override {
+    k::copy(dst.as<float>(n), src.as<const float>(n), n);
+  }
+  void axpy(BufferRef y, float a, BufferRef x, std::int64_t n) override {
+    k::axpy(y.as<float>(n), a, x.as<const float>(n), n);
+  }
+  double sum(BufferRef x, std::int64_t n) override { return k::sum(x.as<const float>(n), n); }
 
   void cast(BufferRef dst, BufferRef src) override {
     require_host(dst, "cast", "dst");
@@ -292,24 +331,28 @@ class HostBackend final : public Backend {
       k::fill(static_cast<T*>(x.data), static_cast<acc_type_t<T>>(value), x.count);
     });
   }
-  void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) override {
-    k::int8_absmax(absmax, x, n, chunk);
+  void int8_absmax(BufferRef absmax, BufferRef x, std::int64_t n, std::int64_t chunk) override {
+    k::int8_absmax(absmax.as<float>(chunks(n, chunk) + 1), x.as<const float>(n), n, chunk);
   }
-  void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
-                     const float* absmax, int levels) override {
-    k::int8_quantize(q, error, x, n, chunk, absmax, levels);
+  void int8_quantize(BufferRef q, BufferRef error, BufferRef x, std::int64_t n, std::int64_t chunk, BufferRef absmax,
+                     int levels) override {
+    k::int8_quantize(q.as<std::int8_t>(n), error.as_optional<float>(n), x.as<const float>(n), n, chunk,
+                     absmax.as<const float>(chunks(n, chunk) + 1), levels);
   }
-  void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
+  void int8_dequantize(BufferRef x, BufferRef q, std::int64_t n, std::int64_t chunk, BufferRef absmax,
                        int levels) override {
-    k::int8_dequantize(x, q, n, chunk, absmax, levels);
+    k::int8_dequantize(x.as<float>(n), q.as<const std::int8_t>(n), n, chunk,
+                       absmax.as<const float>(chunks(n, chunk) + 1), levels);
   }
-  void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) override {
-    k::topk_select(index, value, x, n, k);
+  void topk_select(BufferRef index, BufferRef value, BufferRef x, std::int64_t n, std::int64_t k) override {
+    k::topk_select(index.as<std::int32_t>(k), value.as<float>(k), x.as<const float>(n), n, k);
   }
-  void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) override {
-    k::topk_scatter_add(x, index, value, k);
+  void topk_scatter_add(BufferRef x, BufferRef index, BufferRef value, std::int64_t k) override {
+    k::topk_scatter_add(x.as<float>(), index.as<const std::int32_t>(k), value.as<const float>(k), k);
   }
-  void topk_clear(float* x, const std::int32_t* index, std::int64_t k) override { k::topk_clear(x, index, k); }
+  void topk_clear(BufferRef x, BufferRef index, std::int64_t k) override {
+    k::topk_clear(x.as<float>(), index.as<const std::int32_t>(k), k);
+  }
 
   // The operand slots a micro-batch's products grow, as operand16 grows them: a bf16 operand needs
   // none; ensure_capacity makes the larger buffer before it frees the smaller.
@@ -338,6 +381,7 @@ class HostBackend final : public Backend {
   }
 
  private:
+  static std::int64_t chunks(std::int64_t n, std::int64_t chunk) { return chunk > 0 ? (n + chunk - 1) / chunk : 0; }
   void require_flash(int hs) const {
     const std::string why = flash_attention_refusal(hs);
     if (!why.empty()) refuse("fused attention: " + why);

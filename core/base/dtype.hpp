@@ -185,6 +185,20 @@ struct BufferRef {
                              dtype_name(dtype_v<std::remove_const_t<T>>));
     return static_cast<T*>(data);
   }
+  // The same, for an operation that reads or writes the first `need` elements: throws
+  // std::invalid_argument when the buffer holds fewer (a back-end operation's operand check).
+  template <class T>
+  T* as(std::int64_t need) const {
+    if (count < need)
+      throw std::invalid_argument(std::string("BufferRef: a buffer of ") + std::to_string(count) + " " +
+                                  dtype_name(type) + " elements where " + std::to_string(need) + " are needed");
+    return as<T>();
+  }
+  // An optional operand (a bias, an error-feedback buffer): null when the buffer is empty.
+  template <class T>
+  T* as_optional(std::int64_t need) const {
+    return data == nullptr ? nullptr : as<T>(need);
+  }
   // Elements [begin, begin + n) of this buffer.
   BufferRef slice(std::int64_t begin, std::int64_t n) const {
     return BufferRef(static_cast<char*>(data) + static_cast<std::size_t>(begin) * dtype_size(type), type, n, space);

@@ -228,79 +228,92 @@ class CudaBackend final : public Backend {
   }
 
   // ---- the model's kernels -------------------------------------------------------------------
-  void encoder_forward(float* out, const std::int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
-                       int vocab_begin, int vocab_end, bool add_pos) override {
+  // Each operation unpacks its operands with dev<T>(buffer, need): device memory, the element type
+  // the kernel takes and at least the elements the shapes name, or std::invalid_argument.
+  void encoder_forward(BufferRef out, BufferRef inp, BufferRef wte, BufferRef wpe, int B, int T, int C, int vocab_begin,
+                       int vocab_end, bool add_pos) override {
     Timed timed(this, "encoder_forward");
-    cuda::encoder_forward(out, inp, wte, wpe, B, T, C, vocab_begin, vocab_end, add_pos, stream_);
+    const std::int64_t N = std::int64_t(B) * T;
+    cuda::encoder_forward(dev<float>(out, N * C), dev<const std::int32_t>(inp, N),
+                          dev<const float>(wte, std::int64_t(vocab_end - vocab_begin) * C),
+                          dev_optional<const float>(wpe, std::int64_t(T) * C), B, T, C, vocab_begin, vocab_end, add_pos,
+                          stream_);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* inp, int B, int T, int C,
+  void encoder_backward(BufferRef dwte, BufferRef dwpe, BufferRef dout, BufferRef inp, int B, int T, int C,
                         int vocab_begin, int vocab_end) override {
     Timed timed(this, "encoder_backward");
-    cuda::encoder_backward(dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end, stream_);
+    const std::int64_t N = std::int64_t(B) * T;
+    cuda::encoder_backward(dev<float>(dwte, std::int64_t(vocab_end - vocab_begin) * C),
+                           dev_optional<float>(dwpe, std::int64_t(T) * C), dev<const float>(dout, N * C),
+                           dev<const std::int32_t>(inp, N), B, T, C, vocab_begin, vocab_end, stream_);
   }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+  void layernorm_forward(BufferRef out, BufferRef mean, BufferRef rstd, BufferRef inp, BufferRef weight, BufferRef bias,
                          int N, int C) override {
     Timed timed(this, "layernorm_forward");
-    cuda::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, stream_);
+    const std::int64_t NC = std::int64_t(N) * C;
+    cuda::layernorm_forward(dev<float>(out, NC), dev<float>(mean, N), dev<float>(rstd, N), dev<const float>(inp, NC),
+                            dev<const float>(weight, C), dev<const float>(bias, C), N, C, stream_);
   }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, const float* mean, const float* rstd, int N, int C) override {
+  void layernorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
+                          BufferRef weight, BufferRef mean, BufferRef rstd, int N, int C) override {
     Timed timed(this, "layernorm_backward");
-    cuda::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, stream_);
+    const std::int64_t NC = std::int64_t(N) * C;
+    cuda::layernorm_backward(dev<float>(dinp, NC), dev<float>(dweight, C), dev<float>(dbias, C),
+                             dev<const float>(dout, NC), dev<const float>(inp, NC), dev<const float>(weight, C),
+                             dev<const float>(mean, N), dev<const float>(rstd, N), N, C, stream_);
   }
-  void bias_add(float* out, const float* bias, int N, int OC) override {
+  void bias_add(BufferRef out, BufferRef bias, int N, int OC) override {
     Timed timed(this, "bias_add");
-    cuda::bias_add(out, bias, N, OC, stream_);
+    cuda::bias_add(dev<float>(out, std::int64_t(N) * OC), dev<const float>(bias, OC), N, OC, stream_);
   }
-  void bias_backward(float* dbias, const float* dout, int N, int OC) override {
+  void bias_backward(BufferRef dbias, BufferRef dout, int N, int OC) override {
     Timed timed(this, "bias_backward");
-    cuda::bias_backward(dbias, dout, N, OC, stream_);
+    cuda::bias_backward(dev<float>(dbias, OC), dev<const float>(dout, std::int64_t(N) * OC), N, OC, stream_);
   }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
-                      int OC) override {
-    matmul_forward(out, BufferRef(inp, static_cast<std::int64_t>(N) * C, MemSpace::device),
-                   BufferRef(weight, static_cast<std::int64_t>(OC) * C, MemSpace::device), bias, N, C, OC);
-  }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                       const float* weight, int N, int C, int OC) override {
-    matmul_backward(dinp, dweight, dbias, dout, BufferRef(inp, static_cast<std::int64_t>(N) * C, MemSpace::device),
-                    BufferRef(weight, static_cast<std::int64_t>(OC) * C, MemSpace::device), N, C, OC);
-  }
-  void matmul_forward(float* out, BufferRef inp, BufferRef weight, const float* bias, int N, int C, int OC) override {
+  void matmul_forward(BufferRef out, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C, int OC) override {
     Timed timed(this, "matmul_forward", N, C, OC);
+    float* o = dev<float>(out, std::int64_t(N) * OC);
     const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
     const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
     Gemm g;                                                                                      // out = x W^T (+ bias)
     g.ta = false, g.tb = true, g.M = N, g.N = OC, g.K = C;
     g.A = x.data, g.a_type = x.type, g.lda = C;
     g.B = w.data, g.b_type = w.type, g.ldb = C;
-    g.C = out, g.ldc = OC;
-    g.bias = bias;
+    g.C = o, g.ldc = OC;
+    g.bias = dev_optional<const float>(bias, OC);
     gemm(g);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, BufferRef inp, BufferRef weight,
-                       int N, int C, int OC) override {
+  void matmul_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
+                       BufferRef weight, int N, int C, int OC) override {
     Timed timed(this, "matmul_backward", N, C, OC);
-    const BufferRef d = operand(cuda_plan::kDout, BufferRef(dout, static_cast<std::int64_t>(N) * OC, MemSpace::device),
-                                static_cast<std::int64_t>(N) * OC);                              // [N,OC]
+    float* di = dev<float>(dinp, std::int64_t(N) * C);
+    float* dw = dev<float>(dweight, std::int64_t(OC) * C);
+    float* db = dev_optional<float>(dbias, OC);
+    const float* dout32 = dev<const float>(dout, std::int64_t(N) * OC);
+    const BufferRef d = operand(cuda_plan::kDout, dout, static_cast<std::int64_t>(N) * OC);      // [N,OC]
     const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
     const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
     Gemm g;                                                                                      // dinp = dout W
     g.M = N, g.N = C, g.K = OC;
     g.A = d.data, g.a_type = d.type, g.lda = OC;
     g.B = w.data, g.b_type = w.type, g.ldb = C;
-    g.C = dinp, g.ldc = C;
+    g.C = di, g.ldc = C;
     gemm(g);
     Gemm h;  // dW += dout^T x
     h.ta = true, h.M = OC, h.N = C, h.K = N;
     h.A = d.data, h.a_type = d.type, h.lda = OC;
     h.B = x.data, h.b_type = x.type, h.ldb = C;
-    h.C = dweight, h.ldc = C, h.beta = 1.0f;
+    h.C = dw, h.ldc = C, h.beta = 1.0f;
     gemm(h);
-    if (dbias) cuda::bias_backward(dbias, dout, N, OC, stream_);  // a sum, not a product: fp32
+    if (db) cuda::bias_backward(db, dout32, N, OC, stream_);  // a sum, not a product: fp32
   }
-  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
+  void attention_forward(BufferRef out_ref, BufferRef att_ref, BufferRef qkv_ref, int B, int T, int C,
+                         int NH) override {
     Timed timed(this, "attention_forward", B * T, C, NH);
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    float* out = dev<float>(out_ref, NC);
+    float* att = dev<float>(att_ref, std::int64_t(B) * NH * T * T);
+    const float* qkv = dev<const float>(qkv_ref, 3 * NC);
     const int hs = C / NH, C3 = 3 * C;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
     for (int b = 0; b < B; ++b) {  // per sequence, every head in one batched product
@@ -325,9 +338,14 @@ class CudaBackend final : public Backend {
   }
   // datt ([T,T] on the host, one head at a time) is not used: the heads of a sequence run batched
   // in the back end's own [NH,T,T] scratch.
-  void attention_backward(float* dqkv, float* /*datt*/, const float* dout, const float* qkv, const float* att, int B,
-                          int T, int C, int NH) override {
+  void attention_backward(BufferRef dqkv_ref, BufferRef /*datt*/, BufferRef dout_ref, BufferRef qkv_ref,
+                          BufferRef att_ref, int B, int T, int C, int NH) override {
     Timed timed(this, "attention_backward", B * T, C, NH);
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    float* dqkv = dev<float>(dqkv_ref, 3 * NC);
+    const float* dout = dev<const float>(dout_ref, NC);
+    const float* qkv = dev<const float>(qkv_ref, 3 * NC);
+    const float* att = dev<const float>(att_ref, std::int64_t(B) * NH * T * T);
     const int hs = C / NH, C3 = 3 * C;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
     const long long TT = static_cast<long long>(T) * T;
@@ -385,84 +403,89 @@ class CudaBackend final : public Backend {
              std::to_string(props_.sharedMemPerBlockOptin);
     return {};
   }
-  void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
+  void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
     Timed timed(this, "attention_forward_flash", B * T, C, NH);
-    cuda::attention_forward_flash(out, lse, qkv, B, T, C, NH, stream_);
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    cuda::attention_forward_flash(dev<float>(out, NC), dev<float>(lse, std::int64_t(B) * NH * T),
+                                  dev<const float>(qkv, 3 * NC), B, T, C, NH, stream_);
   }
-  void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,
-                                const float* lse, int B, int T, int C, int NH) override {
+  void attention_backward_flash(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
+                                BufferRef lse, int B, int T, int C, int NH) override {
     Timed timed(this, "attention_backward_flash", B * T, C, NH);
+    const std::int64_t NC = std::int64_t(B) * T * C, rows = std::int64_t(B) * NH * T;
     require_device(out, "attention_backward_flash", "out");
-    cuda::attention_backward_flash(dqkv, dsum, dout, out, qkv, lse, B, T, C, NH, stream_);
+    if (out.count < NC) refuse("attention_backward_flash: out holds " + std::to_string(out.count) + " elements");
+    cuda::attention_backward_flash(dev<float>(dqkv, 3 * NC), dev<float>(dsum, rows), dev<const float>(dout, NC), out,
+                                   dev<const float>(qkv, 3 * NC), dev<const float>(lse, rows), B, T, C, NH, stream_);
   }
-  void gelu_forward(float* out, const float* inp, std::int64_t n) override {
+  void gelu_forward(BufferRef out, BufferRef inp, std::int64_t n) override {
     Timed timed(this, "gelu_forward");
-    cuda::gelu_forward(out, inp, n, stream_);
+    cuda::gelu_forward(dev<float>(out, n), dev<const float>(inp, n), n, stream_);
   }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n) override {
+  void gelu_backward(BufferRef dinp, BufferRef inp, BufferRef dout, std::int64_t n) override {
     Timed timed(this, "gelu_backward");
-    cuda::gelu_backward(dinp, inp, dout, n, stream_);
+    cuda::gelu_backward(dev<float>(dinp, n), dev<const float>(inp, n), dev<const float>(dout, n), n, stream_);
   }
-  void residual_forward(float* out, const float* a, const float* b, std::int64_t n) override {
+  void residual_forward(BufferRef out, BufferRef a, BufferRef b, std::int64_t n) override {
     Timed timed(this, "residual_forward");
-    cuda::residual_forward(out, a, b, n, stream_);
+    cuda::residual_forward(dev<float>(out, n), dev<const float>(a, n), dev<const float>(b, n), n, stream_);
   }
-  void crossentropy_forward(float* losses, float* probs, const float* logits, const std::int32_t* targets, int N,
+  void crossentropy_forward(BufferRef losses, BufferRef probs, BufferRef logits, BufferRef targets, int N,
                             int V) override {
     Timed timed(this, "crossentropy_forward");
-    cuda::crossentropy_forward(losses, probs, logits, targets, N, V, stream_);
+    const std::int64_t NV = std::int64_t(N) * V;
+    cuda::crossentropy_forward(dev<float>(losses, N), dev<float>(probs, NV), dev<const float>(logits, NV),
+                               dev<const std::int32_t>(targets, N), N, V, stream_);
   }
-  void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N, int V,
+  void crossentropy_backward(BufferRef dlogits, BufferRef probs, BufferRef targets, float dloss, int N, int V,
                              int vocab_begin) override {
     Timed timed(this, "crossentropy_backward");
-    cuda::crossentropy_backward(dlogits, probs, targets, dloss, N, V, vocab_begin, stream_);
+    const std::int64_t NV = std::int64_t(N) * V;
+    cuda::crossentropy_backward(dev<float>(dlogits, NV), dev<const float>(probs, NV),
+                                dev<const std::int32_t>(targets, N), dloss, N, V, vocab_begin, stream_);
   }
-  void crossentropy_row_max(float* row_max, const float* logits, int N, int V) override {
+  void crossentropy_row_max(BufferRef row_max, BufferRef logits, int N, int V) override {
     Timed timed(this, "crossentropy_row_max");
-    cuda::crossentropy_row_max(row_max, logits, N, V, stream_);
+    cuda::crossentropy_row_max(dev<float>(row_max, N), dev<const float>(logits, std::int64_t(N) * V), N, V, stream_);
   }
-  void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, const float* logits,
-                            const float* row_max, const std::int32_t* targets, int N, int V, int vocab_begin) override {
+  void crossentropy_partial(BufferRef probs, BufferRef sum_exp, BufferRef target_logit, BufferRef logits,
+                            BufferRef row_max, BufferRef targets, int N, int V, int vocab_begin) override {
     Timed timed(this, "crossentropy_partial");
-    cuda::crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, V, vocab_begin, stream_);
+    const std::int64_t NV = std::int64_t(N) * V;
+    cuda::crossentropy_partial(dev<float>(probs, NV), dev<double>(sum_exp, N), dev<double>(target_logit, N),
+                               dev<const float>(logits, NV), dev<const float>(row_max, N),
+                               dev<const std::int32_t>(targets, N), N, V, vocab_begin, stream_);
   }
-  void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
-                           const double* target_logit, int N, int V) override {
+  void crossentropy_finish(BufferRef losses, BufferRef probs, BufferRef sum_exp, BufferRef row_max,
+                           BufferRef target_logit, int N, int V) override {
     Timed timed(this, "crossentropy_finish");
-    cuda::crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, V, stream_);
+    cuda::crossentropy_finish(dev<float>(losses, N), dev<float>(probs, std::int64_t(N) * V),
+                              dev<const double>(sum_exp, N), dev<const float>(row_max, N),
+                              dev<const double>(target_logit, N), N, V, stream_);
   }
-  void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
+  void adamw_update(BufferRef params, BufferRef m, BufferRef v, BufferRef grads, std::int64_t n, float lr, float beta1,
                     float beta2, float eps, float weight_decay, std::int64_t t) override {
     Timed timed(this, "adamw_update");
-    cuda::adamw_update(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t, stream_);
+    cuda::adamw_update(dev<float>(params, n), dev<float>(m, n), dev<float>(v, n), dev<const float>(grads, n), n, lr,
+                       beta1, beta2, eps, weight_decay, t, stream_);
   }
-  double sum_squares(const float* x, std::int64_t n) override {
-    Timed timed(this, "sum_squares");
-    return reduce_one(&cuda::sum_squares, BufferRef(x, n, MemSpace::device));
-  }
-  double sum(const float* x, std::int64_t n) override {
+  double sum(BufferRef x, std::int64_t n) override {
     Timed timed(this, "sum");
-    return reduce_one(&cuda::sum, BufferRef(x, n, MemSpace::device));
+    dev<const float>(x, n);
+    return reduce_one(&cuda::sum, x.slice(0, n));
   }
-  void scale(float* x, float a, std::int64_t n) override {
-    Timed timed(this, "scale");
-    cuda::scale(x, DType::f32, a, n, stream_);
-  }
-  void fill(float* x, float value, std::int64_t n) override {
-    Timed timed(this, "fill");
-    cuda::fill(x, DType::f32, value, n, stream_);
-  }
-  void copy(float* dst, const float* src, std::int64_t n) override {
+  void copy(BufferRef dst, BufferRef src, std::int64_t n) override {
     Timed timed(this, "copy");
-    if (n > 0 && dst != src)
-      check_cuda(
-          cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
-          "copy");
+    float* d = dev<float>(dst, n);
+    const float* s = dev<const float>(src, n);
+    if (n > 0 && d != s)
+      check_cuda(cudaMemcpyAsync(d, s, static_cast<std::size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+                 "copy");
   }
 
-  void axpy(float* y, float a, const float* x, std::int64_t n) override {
+  void axpy(BufferRef y, float a, BufferRef x, std::int64_t n) override {
     Timed timed(this, "axpy");
-    cuda::axpy(y, a, x, n, stream_);
+    cuda::axpy(dev<float>(y, n), a, dev<const float>(x, n), n, stream_);
   }
 
   // ---- typed operations ----------------------------------------------------------------------
@@ -550,39 +573,55 @@ class CudaBackend final : public Backend {
     cuda_type(x.type, "fill");
     cuda::fill(x.data, x.type, value, x.count, stream_);
   }
-  void int8_absmax(float* absmax, const float* x, std::int64_t n, std::int64_t chunk) override {
+  void int8_absmax(BufferRef absmax, BufferRef x, std::int64_t n, std::int64_t chunk) override {
     Timed timed(this, "int8_absmax");
     ensure_capacity(*this, norm_out_, "cuda.norm_results", DType::f64, 2, Mem::workspace);
-    cuda::int8_absmax(absmax, x, n, chunk, norm_out_.data<double>(), reduce_scratch(n), stream_);
+    cuda::int8_absmax(dev<float>(absmax, chunks(n, chunk) + 1), dev<const float>(x, n), n, chunk,
+                      norm_out_.data<double>(), reduce_scratch(n), stream_);
   }
-  void int8_quantize(std::int8_t* q, float* error, const float* x, std::int64_t n, std::int64_t chunk,
-                     const float* absmax, int levels) override {
+  void int8_quantize(BufferRef q, BufferRef error, BufferRef x, std::int64_t n, std::int64_t chunk, BufferRef absmax,
+                     int levels) override {
     Timed timed(this, "int8_quantize");
-    cuda::int8_quantize(q, error, x, n, chunk, absmax, levels, stream_);
+    cuda::int8_quantize(dev<std::int8_t>(q, n), dev_optional<float>(error, n), dev<const float>(x, n), n, chunk,
+                        dev<const float>(absmax, chunks(n, chunk) + 1), levels, stream_);
   }
-  void int8_dequantize(float* x, const std::int8_t* q, std::int64_t n, std::int64_t chunk, const float* absmax,
+  void int8_dequantize(BufferRef x, BufferRef q, std::int64_t n, std::int64_t chunk, BufferRef absmax,
                        int levels) override {
     Timed timed(this, "int8_dequantize");
-    cuda::int8_dequantize(x, q, n, chunk, absmax, levels, stream_);
+    cuda::int8_dequantize(dev<float>(x, n), dev<const std::int8_t>(q, n), n, chunk,
+                          dev<const float>(absmax, chunks(n, chunk) + 1), levels, stream_);
   }
-  void topk_select(std::int32_t* index, float* value, const float* x, std::int64_t n, std::int64_t k) override {
+  void topk_select(BufferRef index, BufferRef value, BufferRef x, std::int64_t n, std::int64_t k) override {
     Timed timed(this, "topk_select");
     ensure_capacity(*this, topk_scratch_, "cuda.topk_scratch", DType::i32, cuda_plan::topk_scratch_bytes(n) / 4,
                     Mem::workspace);
-    cuda::topk_select(index, value, x, n, k, reinterpret_cast<std::uint32_t*>(topk_scratch_.data<std::int32_t>()),
-                      stream_);
+    cuda::topk_select(dev<std::int32_t>(index, k), dev<float>(value, k), dev<const float>(x, n), n, k,
+                      reinterpret_cast<std::uint32_t*>(topk_scratch_.data<std::int32_t>()), stream_);
   }
   std::int64_t topk_scratch_bytes(std::int64_t n) const override { return cuda_plan::topk_scratch_bytes(n); }
-  void topk_scatter_add(float* x, const std::int32_t* index, const float* value, std::int64_t k) override {
+  void topk_scatter_add(BufferRef x, BufferRef index, BufferRef value, std::int64_t k) override {
     Timed timed(this, "topk_scatter_add");
-    cuda::topk_scatter_add(x, index, value, k, stream_);
+    cuda::topk_scatter_add(dev<float>(x, 0), dev<const std::int32_t>(index, k), dev<const float>(value, k), k, stream_);
   }
-  void topk_clear(float* x, const std::int32_t* index, std::int64_t k) override {
+  void topk_clear(BufferRef x, BufferRef index, std::int64_t k) override {
     Timed timed(this, "topk_clear");
-    cuda::topk_clear(x, index, k, stream_);
+    cuda::topk_clear(dev<float>(x, 0), dev<const std::int32_t>(index, k), k, stream_);
   }
 
  private:
+  // An operand of an operation: device memory of element type T, at least `need` elements.
+  template <class T>
+  static T* dev(const BufferRef& b, std::int64_t need) {
+    if (b.space != MemSpace::device && b.count > 0)
+      refuse(std::string("a ") + mem_space_name(b.space) +
+             " buffer reached the cuda back end, which takes device buffers");
+    return b.as<T>(need);
+  }
+  template <class T>
+  static T* dev_optional(const BufferRef& b, std::int64_t need) {
+    return b.data == nullptr ? nullptr : dev<T>(b, need);
+  }
+  static std::int64_t chunks(std::int64_t n, std::int64_t chunk) { return chunk > 0 ? (n + chunk - 1) / chunk : 0; }
   using Reduction = void (*)(double*, const void*, DType, std::int64_t, double*, cudaStream_t);
   double* reduce_scratch(std::int64_t n) {
     ensure_capacity(*this, reduce_scratch_, "cuda.reduce_partials", DType::f64,

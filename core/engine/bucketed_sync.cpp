@@ -103,7 +103,7 @@ void BucketedGradSync::finish(GPT&) {
   in_flight_.clear();
   gradient_bytes_ = 0;
   for (auto& b : buckets_) {
-    be_.scale(b.data.as<float>(), 1.0f / static_cast<float>(dp_.size()), b.data.count);
+    be_.scale(b.data, 1.0f / static_cast<float>(dp_.size()));
     gradient_bytes_ += static_cast<double>(b.data.bytes());
   }
   measured_bytes_ = static_cast<double>(dp_.stats().total_bytes() - bytes_before_);

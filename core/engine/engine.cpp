@@ -175,7 +175,7 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
     s.clip_coef = clip_coefficient(st.grad_norm, cfg_.optimizer.grad_clip);
     if (s.clip_coef < 1.0) {
       for (const OwnedSlice& o : store.owned())
-        be_.scale(store.owned_grad(o).as<float>(), static_cast<float>(s.clip_coef), o.size());
+        be_.scale(store.owned_grad(o).slice(0, o.size()), static_cast<float>(s.clip_coef));
     }
     run_hooks(StepPhase::clip, s);
     st.clip_coef = s.clip_coef;

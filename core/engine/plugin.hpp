@@ -46,7 +46,9 @@
 // KeySpec::former_names, GradSync::state_sharding; the checkpoint and progress roles; RunTraits.
 // ABI 17: StrategyInfo::plan (core/engine/plan_terms.hpp), what a strategy adds to `loom plan`;
 // ParamInfo's shape, local_shape, split and numel read from its ShardDesc (accessors, not fields).
-#define LOOM_PLUGIN_ABI_VERSION 17
+// ABI 18: every tensor of LOOM_FACE_OPS a typed BufferRef (no bare pointers; sum_squares and the float
+// overloads of scale and fill gone); Partition's operators on BufferRefs.
+#define LOOM_PLUGIN_ABI_VERSION 18
 
 extern "C" {
 struct loom_plugin_v1 {

@@ -315,15 +315,14 @@ const float* GPT::logits() const {
   if (slot_scored_[0][0])
     throw std::logic_error(
         "GPT::logits: the last forward had targets, so its logits became probabilities; forward with targets = null");
-  return head(0).logits;
+  return head(0).logits.as<const float>();
 }
 
 GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, int l, bool grads) const {
   const std::array<int, 12>& h = block_tensors_[static_cast<std::size_t>(l)];
   const std::vector<BufferRef>& t = grads ? view.grads : view.params;
-  float* q[12];
-  for (std::size_t i = 0; i < 12; ++i)
-    q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])].as<float>();
+  BufferRef q[12];
+  for (std::size_t i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])];
   BlockParams w{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], {}, {}, {}, {}};
   if (!grads) {
     w.mqkvw = matmul_operand(view, h[2]);
@@ -339,14 +338,14 @@ BufferRef GPT::matmul_operand(const ParamStore::UnitView& view, int param) const
   return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k];
 }
 
-void GPT::keep(const BufferRef& saved, const float* tmp, std::int64_t n) {
-  if (saved.type != DType::f32) be_.cast(saved.slice(0, n), BufferRef(tmp, n, be_.space()));
+void GPT::keep(const BufferRef& saved, const BufferRef& tmp, std::int64_t n) {
+  if (saved.type != DType::f32) be_.cast(saved.slice(0, n), tmp.slice(0, n));
 }
 
-BufferRef GPT::input_of(const BufferRef& saved, float* full, int N, int C) {
+BufferRef GPT::input_of(const BufferRef& saved, const BufferRef& full, int N, int C) {
   const std::int64_t n = static_cast<std::int64_t>(N) * C;
   if (saved.type != DType::f32) return saved.slice(0, n);  // never gathered: saved 16-bit only without sp
-  return BufferRef(part_->to_full(saved.as<float>(), full, N, C), n, be_.space());
+  return part_->to_full(saved, full, N, C).slice(0, n);
 }
 
 // Activation tables (llm.c's habit): each group's tensors are carved from one run of floats by one
@@ -356,16 +355,14 @@ struct Carver {
   float* base;
   MemSpace space = MemSpace::host;
   std::int64_t used = 0;
-  float* take(std::int64_t n) {
-    float* p = base ? base + used : nullptr;
-    used += n;
-    return p;
-  }
   // n elements of `type` (fp32 or 16-bit), in whole floats.
   BufferRef take(DType type, std::int64_t n) {
     const std::int64_t floats = (n * static_cast<std::int64_t>(dtype_size(type)) + 3) / 4;
-    return BufferRef(take(floats), type, n, space);
+    float* p = base ? base + used : nullptr;
+    used += floats;
+    return BufferRef(p, type, n, space);
   }
+  BufferRef take(std::int64_t n) { return take(DType::f32, n); }
 };
 }  // namespace
 
@@ -446,12 +443,12 @@ GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
   return carve_block(geom_, block_buf_.data<float>() + index * block_act_floats_);
 }
 
-float* GPT::residual(int chunk, int slot, int layer) const {
+BufferRef GPT::residual(int chunk, int slot, int layer) const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
   const Stage::Chunk& c = stage_.chunks[chunk];
   const std::int64_t index =
       residual0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer + 1) + layer - c.first_layer;
-  return residual_buf_.data<float>() + index * Nl * cfg_.d_model;
+  return residual_buf_.ref().slice(index * Nl * cfg_.d_model, Nl * cfg_.d_model);
 }
 
 std::int64_t GPT::stage_boundary_floats(int B) const {
@@ -460,7 +457,7 @@ std::int64_t GPT::stage_boundary_floats(int B) const {
 }
 
 const float* GPT::stage_output(int slot, int chunk) const {
-  return residual(chunk, slot, stage_.chunks[chunk].end_layer);
+  return residual(chunk, slot, stage_.chunks[chunk].end_layer).as<const float>();
 }
 
 void GPT::check_slot(int chunk, int slot, const char* what) const {
@@ -486,8 +483,8 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), l, false);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
-  float* x = residual(chunk, slot, l);         // [Nl,C] block input
-  float* xout = residual(chunk, slot, l + 1);  // [Nl,C] block output
+  const BufferRef x = residual(chunk, slot, l);         // [Nl,C] block input
+  const BufferRef xout = residual(chunk, slot, l + 1);  // [Nl,C] block output
   // attention: column-parallel qkv (this rank's heads), row-parallel output projection
   // (Scratch as fp32 staging of 16-bit saves: s.local [Nl,C] before it holds a reduced sum, s.full
   // [N,C] once the gathered ln1 is used, s.dfch_gelu [N,Fl], a backward buffer, in forward.)
@@ -499,8 +496,8 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   else
     be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);  // [N,Cl]
   keep(a.atty, s.full, NCl);
-  be_.matmul_forward(s.partial, a.atty, w.mprojw, nullptr, N, Cl, C);  // [N,C] partial sum
-  float* y = part_->reduce_partial(s.partial, s.local, N, C);          // [Nl,C]
+  be_.matmul_forward(s.partial, a.atty, w.mprojw, {}, N, Cl, C);  // [N,C] partial sum
+  BufferRef y = part_->reduce_partial(s.partial, s.local, N, C);  // [Nl,C]
   be_.bias_add(y, w.projb, Nl, C);
   be_.residual_forward(a.xmid, x, y, static_cast<std::int64_t>(Nl) * C);
   // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection
@@ -509,8 +506,8 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   be_.matmul_forward(a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C, Fl);  // [N,Fl]
   be_.gelu_forward(produce(a.fch_gelu, s.dfch_gelu), a.fch, NFl);
   keep(a.fch_gelu, s.dfch_gelu, NFl);
-  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, nullptr, N, Fl, C);  // [N,C] partial sum
-  y = part_->reduce_partial(s.partial, s.local, N, C);                       // [Nl,C]
+  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, {}, N, Fl, C);  // [N,C] partial sum
+  y = part_->reduce_partial(s.partial, s.local, N, C);                  // [Nl,C]
   be_.bias_add(y, w.fcprojb, Nl, C);
   be_.residual_forward(xout, a.xmid, y, static_cast<std::int64_t>(Nl) * C);
   store_->release(unit, ParamStore::Use::forward);
@@ -531,28 +528,28 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   const BlockParams dw = block_params(view, l, true);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
-  float* dres = s.dres;
-  float* dxmid = s.dother;
+  const BufferRef& dres = s.dres;
+  const BufferRef& dxmid = s.dother;
 
   // MLP, in reverse: x_out = xmid + fcproj(gelu(fc(ln2(xmid))))
-  const float* dy = part_->grad_to_full(dres, s.dfull, N, C);  // [N,C]
-  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, nullptr, dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
+  BufferRef dy = part_->grad_to_full(dres, s.dfull, N, C);  // [N,C]
+  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, {}, dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
   be_.bias_backward(dw.fcprojb, dres, Nl, C);
   be_.gelu_backward(s.dfch, a.fch, s.dfch_gelu, static_cast<std::int64_t>(N) * Fl);
   be_.matmul_backward(s.dpartial, dw.fcw, dw.fcb, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
-  const float* dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
-  be_.copy(dxmid, dres, NlC);                                                  // the residual branch
+  const BufferRef dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
+  be_.copy(dxmid, dres, NlC);                                                     // the residual branch
   be_.layernorm_backward(dxmid, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);
   // attention, in reverse: xmid = x + proj(attention(qkv(ln1(x))))
   dy = part_->grad_to_full(dxmid, s.dfull, N, C);
-  be_.matmul_backward(s.datty, dw.projw, nullptr, dy, a.atty, w.mprojw, N, Cl, C);
+  be_.matmul_backward(s.datty, dw.projw, {}, dy, a.atty, w.mprojw, N, Cl, C);
   be_.bias_backward(dw.projb, dxmid, Nl, C);
   if (cfg_.flash_attention)
     be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
   else
     be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
   be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, input_of(a.ln1, s.full, N, C), w.mqkvw, N, C, 3 * Cl);
-  const float* dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
+  const BufferRef dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
   be_.copy(dres, dxmid, NlC);  // the residual branch
   be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
   store_->release(unit, ParamStore::Use::backward);
@@ -574,23 +571,25 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   slot_scored_[chunk][slot] = targets != nullptr;
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
-  std::int32_t* inp = tokens_buf_.data<std::int32_t>() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
-  std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
+  const std::int64_t rows = static_cast<std::int64_t>(max_rows_) * T;
+  const BufferRef inp = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows, N);
+  const BufferRef tgt = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows + rows, N);
   const Scratch s = scratch();
 
   if (holds_embeddings(chunk)) {
     // Embedding: each rank looks up its vocabulary rows (zeros elsewhere); rank 0 adds positions.
-    be_.copy_from_host(BufferRef(inp, N, be_.space()), inputs);
+    be_.copy_from_host(inp, inputs);
     const ParamStore::UnitView& e =
         store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
-    const float* wte = tensor(e, wte_);  // [Vl,C] this rank's vocabulary rows
-    const float* wpe = tensor(e, wpe_);  // [T,C]
+    const BufferRef& wte = tensor(e, wte_);  // [Vl,C] this rank's vocabulary rows
+    const BufferRef& wpe = tensor(e, wpe_);  // [T,C]
     be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
     store_->release(emb_unit_, ParamStore::Use::forward);
     be_.copy(residual(chunk, slot, l0), part_->reduce_partial(s.partial, s.local, N, C),
              static_cast<std::int64_t>(Nl) * C);
   } else {
-    be_.copy(residual(chunk, slot, l0), x_in, static_cast<std::int64_t>(Nl) * C);  // the previous chunk's output
+    const std::int64_t n = static_cast<std::int64_t>(Nl) * C;
+    be_.copy(residual(chunk, slot, l0), here(x_in, n), n);  // the previous chunk's output
   }
   for (int l = l0; l < l1; ++l) {
     block_forward(chunk, slot, l, B);
@@ -598,16 +597,16 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   }
   if (!holds_head(chunk)) return 0.0;
 
-  if (targets) be_.copy_from_host(BufferRef(tgt, N, be_.space()), targets);
+  if (targets) be_.copy_from_host(tgt, targets);
   const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
   const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, wte_apart ? emb_unit_ : -1);
   const BufferRef wte = matmul_operand(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
-  const float* lnfw = tensor(hv, lnfw_);
-  const float* lnfb = tensor(hv, lnfb_);
+  const BufferRef& lnfw = tensor(hv, lnfw_);
+  const BufferRef& lnfb = tensor(hv, lnfb_);
   const Head h = head(slot);
   be_.layernorm_forward(produce(h.lnf, s.local), h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
   keep(h.lnf, s.local, static_cast<std::int64_t>(Nl) * C);
-  be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, nullptr, N, C, vocab_local_);  // tied head: [N,Vl]
+  be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, {}, N, C, vocab_local_);  // tied head: [N,Vl]
   if (targets) part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
   if (wte_apart) store_->release(emb_unit_, ParamStore::Use::forward);
   store_->release(head_unit_, ParamStore::Use::forward);
@@ -621,8 +620,9 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
                            std::to_string(chunk));
   const int B = slot_rows_[chunk][slot], T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
-  const std::int32_t* inp = tokens_buf_.data<std::int32_t>() + static_cast<std::int64_t>(slot) * 2 * max_rows_ * T;
-  const std::int32_t* tgt = inp + static_cast<std::int64_t>(max_rows_) * T;
+  const std::int64_t rows = static_cast<std::int64_t>(max_rows_) * T;
+  const BufferRef inp = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows, N);
+  const BufferRef tgt = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows + rows, N);
   const Scratch s = scratch();
 
   if (holds_head(chunk)) {
@@ -635,23 +635,24 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
         store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);
     const ParamStore::UnitView& wv = wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::backward, next) : hv;
     const BufferRef wte = matmul_operand(wv, wte_);
-    const float* lnfw = tensor(hv, lnfw_);
-    float* dwte = tensor_grad(wv, wte_);
-    float* dlnfw = tensor_grad(hv, lnfw_);
-    float* dlnfb = tensor_grad(hv, lnfb_);
+    const BufferRef& lnfw = tensor(hv, lnfw_);
+    const BufferRef& dwte = tensor_grad(wv, wte_);
+    const BufferRef& dlnfw = tensor_grad(hv, lnfw_);
+    const BufferRef& dlnfb = tensor_grad(hv, lnfb_);
     const Head h = head(slot);
-    float* dlogits = h.probs;  // in place
+    const BufferRef& dlogits = h.probs;  // in place
     part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_,
                                  vocab_begin_);
-    be_.matmul_backward(s.dpartial, dwte, nullptr, dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
-    const float* dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
-    be_.fill(s.dres, 0.0f, static_cast<std::int64_t>(Nl) * C);
+    be_.matmul_backward(s.dpartial, dwte, {}, dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
+    const BufferRef dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
+    be_.fill(s.dres.slice(0, static_cast<std::int64_t>(Nl) * C), 0.0);
     be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
     if (wte_apart) store_->release(emb_unit_, ParamStore::Use::backward);
     store_->release(head_unit_, ParamStore::Use::backward);
     if (grad_ready_) grad_ready_(head_unit_);  // ln_f, and the shadow of wte on a last stage
   } else {
-    be_.copy(s.dres, dout, static_cast<std::int64_t>(Nl) * C);  // from the next chunk
+    const std::int64_t n = static_cast<std::int64_t>(Nl) * C;
+    be_.copy(s.dres, here(dout, n), n);  // from the next chunk
   }
   for (int l = l1 - 1; l >= l0; --l) {
     block_backward(chunk, slot, l, B);
@@ -659,12 +660,12 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
     if (progress_) progress_();
   }
   slot_rows_[chunk][slot] = 0;
-  if (!holds_embeddings(chunk)) return s.dres;  // to the previous chunk
+  if (!holds_embeddings(chunk)) return s.dres.as<const float>();  // to the previous chunk
 
   const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::backward, -1);
-  float* dwte = tensor_grad(e, wte_);
-  float* dwpe = tensor_grad(e, wpe_);
-  const float* demb = part_->grad_to_full(s.dres, s.dfull, N, C);  // [N,C]
+  const BufferRef& dwte = tensor_grad(e, wte_);
+  const BufferRef& dwpe = tensor_grad(e, wpe_);
+  const BufferRef demb = part_->grad_to_full(s.dres, s.dfull, N, C);  // [N,C]
   be_.encoder_backward(dwte, dwpe, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
   store_->release(emb_unit_, ParamStore::Use::backward);
   if (grad_ready_) grad_ready_(emb_unit_);  // wte (tied head included), wpe

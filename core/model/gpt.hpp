@@ -159,39 +159,40 @@ class GPT {
   // with elements [begin, end) of p's shard (whole tensors, and ZeRO-3's owned slices); then the
   // store's copies are marked stale.
   void write_held(const std::function<void(const ParamInfo&, float*, std::int64_t, std::int64_t)>& write);
-  struct BlockParams {  // pointers into the store's unit view (parameters or their gradients)
-    float *ln1w, *ln1b, *qkvw, *qkvb, *projw, *projb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+  struct BlockParams {  // the tensors of the store's unit view (parameters or their gradients)
+    BufferRef ln1w, ln1b, qkvw, qkvb, projw, projb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb;
     // The matrix products' weight operands: the store's 16-bit compute copies, else the fp32 weights.
     BufferRef mqkvw, mprojw, mfcw, mfcprojw;
   };
   // What one block saves for its backward. The inputs of matrix products (ln1, atty, ln2, fch_gelu)
   // are saved in the products' 16-bit type under mixed precision (ln1 and ln2 only without sequence
   // parallelism, whose [Nl,C] pieces are gathered in fp32 before each product), else in fp32.
+  // Shapes are those of a micro-batch of max_rows rows; a call on B rows uses each tensor's first part.
   struct BlockActs {
-    BufferRef ln1;               // [Nl,C]
-    float *ln1_mean, *ln1_rstd;  // [Nl], [Nl]
-    float* qkv;                  // [N,3Cl]
-    float* att = nullptr;        // [B,NHl,T,T] softmax probabilities (unfused attention)
-    float* lse = nullptr;        // [B,NHl,T]   row log-sum-exp of the scaled scores (flash)
-    BufferRef atty;              // [N,Cl]
-    float* xmid;                 // [Nl,C]  residual after attention
-    BufferRef ln2;               // [Nl,C]
-    float *ln2_mean, *ln2_rstd;  // [Nl], [Nl]
-    float* fch;                  // [N,Fl]
-    BufferRef fch_gelu;          // [N,Fl]
-    std::int64_t floats;         // the whole table, in floats
+    BufferRef ln1;                 // [Nl,C]
+    BufferRef ln1_mean, ln1_rstd;  // [Nl], [Nl]
+    BufferRef qkv;                 // [N,3Cl]
+    BufferRef att;                 // [B,NHl,T,T] softmax probabilities (unfused attention; else empty)
+    BufferRef lse;                 // [B,NHl,T]   row log-sum-exp of the scaled scores (flash; else empty)
+    BufferRef atty;                // [N,Cl]
+    BufferRef xmid;                // [Nl,C]  residual after attention
+    BufferRef ln2;                 // [Nl,C]
+    BufferRef ln2_mean, ln2_rstd;  // [Nl], [Nl]
+    BufferRef fch;                 // [N,Fl]
+    BufferRef fch_gelu;            // [N,Fl]
+    std::int64_t floats;           // the whole table, in floats
   };
-  struct Scratch {                  // not saved across kernels: forward temporaries and backward gradients
-    float *full, *partial, *local;  // [N,C], [N,C], [Nl,C]
-    float *dres, *dother, *dlocal, *dfull, *dpartial;  // [Nl,C] x3, [N,C] x2
-    float *dqkv, *datty, *dfch, *dfch_gelu;            // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
-    float *datt = nullptr, *dsum = nullptr;            // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
+  struct Scratch {                   // not saved across kernels: forward temporaries and backward gradients
+    BufferRef full, partial, local;  // [N,C], [N,C], [Nl,C]
+    BufferRef dres, dother, dlocal, dfull, dpartial;  // [Nl,C] x3, [N,C] x2
+    BufferRef dqkv, datty, dfch, dfch_gelu;           // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
+    BufferRef datt, dsum;                             // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
     std::int64_t floats;
   };
   struct Head {
-    BufferRef lnf;                   // [Nl,C] (16-bit like ln1 under mixed precision)
-    float *lnf_mean, *lnf_rstd;      // [Nl], [Nl]
-    float *logits, *probs, *losses;  // [N,Vl], probs = logits (overwritten in place), [N]
+    BufferRef lnf;                    // [Nl,C] (16-bit like ln1 under mixed precision)
+    BufferRef lnf_mean, lnf_rstd;     // [Nl], [Nl]
+    BufferRef logits, probs, losses;  // [N,Vl], probs = logits (overwritten in place), [N]
     std::int64_t floats;
   };
   // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the
@@ -217,24 +218,26 @@ class GPT {
   // straight into `saved` when that is fp32, else into `tmp` (n floats) and rounded into `saved`
   // by keep(). input_of: the product's operand, gathered to all N rows (Partition::to_full) when
   // the saved piece has Nl; a 16-bit piece is never gathered (saved so only without sequence parallelism).
-  float* produce(const BufferRef& saved, float* tmp) const {
-    return saved.type == DType::f32 ? saved.as<float>() : tmp;
+  const BufferRef& produce(const BufferRef& saved, const BufferRef& tmp) const {
+    return saved.type == DType::f32 ? saved : tmp;
   }
-  void keep(const BufferRef& saved, const float* tmp, std::int64_t n);
-  BufferRef input_of(const BufferRef& saved, float* full, int N, int C);
-  float* tensor(const ParamStore::UnitView& view, int param) const {
-    return view.params[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])].as<float>();
+  void keep(const BufferRef& saved, const BufferRef& tmp, std::int64_t n);
+  BufferRef input_of(const BufferRef& saved, const BufferRef& full, int N, int C);
+  const BufferRef& tensor(const ParamStore::UnitView& view, int param) const {
+    return view.params[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])];
   }
-  float* tensor_grad(const ParamStore::UnitView& view, int param) const {
-    return view.grads[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])].as<float>();
+  const BufferRef& tensor_grad(const ParamStore::UnitView& view, int param) const {
+    return view.grads[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])];
   }
+  // A pointer from outside (a pipeline neighbour's activations): n fp32 elements of this back end's memory.
+  BufferRef here(const float* p, std::int64_t n) const { return BufferRef(p, n, be_.space()); }
   // The unit holding the tied wte on this rank: the embeddings on the first stage, else the head.
   int wte_unit() const { return params_[static_cast<std::size_t>(wte_)].unit; }
   BlockActs block_acts(int chunk, int slot, int layer) const;
   Scratch scratch() const;
   Head head(int slot) const;
   // block `layer`'s input in slot `slot` of chunk `chunk`, [Nl,C]; at the chunk's end_layer, its output
-  float* residual(int chunk, int slot, int layer) const;
+  BufferRef residual(int chunk, int slot, int layer) const;
   void block_forward(int chunk, int slot, int layer, int B, bool recompute = false);
   void block_backward(int chunk, int slot, int layer,
                       int B);  // gradient of the block's output in, of its input out: scratch().dres

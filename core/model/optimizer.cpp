@@ -40,14 +40,11 @@ void AdamW::build(const std::vector<ParamInfo>& params, const std::vector<OwnedS
 
 void AdamW::step(ParamStore& store, double lr) {
   ++t_;
-  float* m = m_.data<float>();
-  float* v = v_.data<float>();
   for (std::size_t s = 0; s < owned_.size(); ++s) {
     const OwnedSlice& o = owned_[s];
     const double wd = decay_[s] ? cfg_.weight_decay : 0.0;
-    float* params = store.owned_param(o).as<float>();
-    const float* grads = store.owned_grad(o).as<float>();
-    be_.adamw_update(params, m + slice_offset_[s], v + slice_offset_[s], grads, o.size(), static_cast<float>(lr),
+    be_.adamw_update(store.owned_param(o), m_.ref().slice(slice_offset_[s], o.size()),
+                     v_.ref().slice(slice_offset_[s], o.size()), store.owned_grad(o), o.size(), static_cast<float>(lr),
                      static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps),
                      static_cast<float>(wd), t_);
   }

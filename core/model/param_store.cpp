@@ -81,6 +81,6 @@ void FlatParamStore::build(const StoreContext& ctx, const std::vector<ParamInfo>
     owned_.push_back({i, 0, params[i].numel(), default_primary(params[i], ctx)});
 }
 
-void FlatParamStore::zero_grads() { be_->fill(grads_.data<float>(), 0.0f, grads_.count()); }
+void FlatParamStore::zero_grads() { be_->fill(grads_.ref(), 0.0); }
 
 }  // namespace loom

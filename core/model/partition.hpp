@@ -28,32 +28,41 @@ class Partition {
   virtual int rank() const { return 0; }
   virtual bool sequence_parallel() const { return false; }
 
-  // Megatron's conjugate operators on activations [rows, C]:
+  // Megatron's conjugate operators on activations [rows, C] (each buffer sized for the largest
+  // micro-batch; the first rows * C elements, or rows * C * size() of a gathered one, are used):
   // the replicated input of a column-parallel layer, from this rank's rows (SP: all-gather into
   // `full`; otherwise the rows are already whole and `local` is returned).
-  virtual const float* to_full(const float* local, float* /*full*/, std::int64_t /*rows*/, int /*C*/) { return local; }
+  virtual BufferRef to_full(const BufferRef& local, const BufferRef& /*full*/, std::int64_t /*rows*/, int /*C*/) {
+    return local;
+  }
   // the partial output of a row-parallel layer summed over the group, as this rank's rows
   // (all-reduce in place, or SP: reduce-scatter into `local`).
-  virtual float* reduce_partial(float* partial, float* /*local*/, std::int64_t /*rows*/, int /*C*/) { return partial; }
+  virtual BufferRef reduce_partial(const BufferRef& partial, const BufferRef& /*local*/, std::int64_t /*rows*/,
+                                   int /*C*/) {
+    return partial;
+  }
   // backward of reduce_partial: this rank's row gradients as the whole gradient (SP: all-gather).
-  virtual const float* grad_to_full(const float* dlocal, float* /*dfull*/, std::int64_t /*rows*/, int /*C*/) {
+  virtual BufferRef grad_to_full(const BufferRef& dlocal, const BufferRef& /*dfull*/, std::int64_t /*rows*/,
+                                 int /*C*/) {
     return dlocal;
   }
   // backward of to_full: a partial gradient of the whole input summed over the group, as this
   // rank's rows (all-reduce in place, or SP: reduce-scatter into `dlocal`).
-  virtual float* reduce_partial_grad(float* dpartial, float* /*dlocal*/, std::int64_t /*rows*/, int /*C*/) {
+  virtual BufferRef reduce_partial_grad(const BufferRef& dpartial, const BufferRef& /*dlocal*/, std::int64_t /*rows*/,
+                                        int /*C*/) {
     return dpartial;
   }
 
   // Cross-entropy over logits whose vocabulary is split: this rank holds columns
   // [vocab_begin, vocab_begin + Vl) of every row. losses [N] (every rank gets every row's loss),
-  // probs [N, Vl] (this rank's slice of the softmax).
-  virtual void crossentropy_forward(BackendFace& be, float* losses, float* probs, const float* logits,
-                                    const std::int32_t* targets, int N, int Vl, int /*vocab_begin*/) {
+  // probs [N, Vl] (this rank's slice of the softmax), targets [N] int32.
+  virtual void crossentropy_forward(BackendFace& be, const BufferRef& losses, const BufferRef& probs,
+                                    const BufferRef& logits, const BufferRef& targets, int N, int Vl,
+                                    int /*vocab_begin*/) {
     be.crossentropy_forward(losses, probs, logits, targets, N, Vl);
   }
-  virtual void crossentropy_backward(BackendFace& be, float* dlogits, const float* probs, const std::int32_t* targets,
-                                     float dloss, int N, int Vl, int vocab_begin) {
+  virtual void crossentropy_backward(BackendFace& be, const BufferRef& dlogits, const BufferRef& probs,
+                                     const BufferRef& targets, float dloss, int N, int Vl, int vocab_begin) {
     be.crossentropy_backward(dlogits, probs, targets, dloss, N, Vl, vocab_begin);
   }
 

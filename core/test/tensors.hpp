@@ -9,6 +9,8 @@
 #include <random>
 #include <vector>
 
+#include "core/base/dtype.hpp"
+
 namespace loom::testing {
 
 inline std::vector<float> randn(std::size_t n, std::uint32_t seed, float stddev = 1.0f) {
@@ -17,6 +19,12 @@ inline std::vector<float> randn(std::size_t n, std::uint32_t seed, float stddev 
   std::vector<float> v(n);
   for (float& x : v) x = d(gen);
   return v;
+}
+
+// A host vector as the typed buffer a back-end operation takes (all of its elements).
+template <class T>
+BufferRef buf(const std::vector<T>& v) {
+  return BufferRef(v.data(), static_cast<std::int64_t>(v.size()));
 }
 
 // ||got - want|| / ||want|| (1e-300 at least: a zero tensor is matched absolutely).

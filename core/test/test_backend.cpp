@@ -15,12 +15,14 @@
 #include "core/base/dtype.hpp"
 #include "core/backend/gemm.hpp"
 #include "core/backend/kernels.hpp"
+#include "core/test/tensors.hpp"
 
 using loom::bf16;
 using loom::BufferRef;
 using loom::DType;
 using loom::f16;
 using loom::MemSpace;
+using loom::testing::buf;
 
 namespace {
 
@@ -322,9 +324,9 @@ TEST(Backend, SqNormCheckEqualsSumSquaresInListOrderBitForBit) {
   auto be = host();
   auto ts = float_tensors();
   double expect = 0, reversed = 0;
-  for (auto& t : ts) expect += be->sum_squares(t.data(), static_cast<std::int64_t>(t.size()));
+  for (auto& t : ts) expect += loom::kernels::sum_squares(t.data(), static_cast<std::int64_t>(t.size()));
   for (auto t = ts.rbegin(); t != ts.rend(); ++t)
-    reversed += be->sum_squares(t->data(), static_cast<std::int64_t>(t->size()));
+    reversed += loom::kernels::sum_squares(t->data(), static_cast<std::int64_t>(t->size()));
   ASSERT_FALSE(same_bits(expect, reversed)) << "these tensors do not tell one order of addition from another";
   const loom::NormCheck r = be->sq_norm_check(refs(ts));
   EXPECT_TRUE(same_bits(r.sum_squares, expect)) << r.sum_squares << " vs " << expect;
@@ -429,13 +431,13 @@ TEST(Backend, TypedScaleAndFill) {
   auto be = host();
   const std::int64_t n = loom::kernels::kChunk + 9;
   const std::vector<double> x = randn(n, 91);
-  {  // fp32: the same as the float overloads
+  {  // fp32: the same as the host kernels on float
     std::vector<float> a = as<float>(x), b = a;
     be->scale(BufferRef(a.data(), n), 0.3);
-    be->scale(b.data(), 0.3f, n);
+    loom::kernels::scale(b.data(), 0.3f, n);
     EXPECT_EQ(a, b);
     be->fill(BufferRef(a.data(), n), 0.1);
-    be->fill(b.data(), 0.1f, n);
+    loom::kernels::fill(b.data(), 0.1f, n);
     EXPECT_EQ(a, b);
   }
   {  // bf16 / fp16: computed in float, rounded once
@@ -476,7 +478,7 @@ TEST(Backend, AxpyRoundsTheProductThenTheSum) {
   const std::vector<float> x = as<float>(randn(n, 92)), y0 = as<float>(randn(n, 93));
   std::vector<float> y = y0;
   const float a = -1.0f / 3.0f;
-  be->axpy(y.data(), a, x.data(), n);
+  be->axpy(buf(y), a, buf(x), n);
   std::int64_t fused_would_differ = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const float product = a * x[i];
@@ -509,8 +511,8 @@ void check_16bit_linear(DType type) {
   auto be = host();
   be->set_precision({type});
   std::vector<float> out(N * OC), dinp(N * C), dw(OC * C, 0.5f), db(OC, 0.0f);
-  be->matmul_forward(out.data(), x.data(), w.data(), b.data(), N, C, OC);
-  be->matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), N, C, OC);
+  be->matmul_forward(buf(out), buf(x), buf(w), buf(b), N, C, OC);
+  be->matmul_backward(buf(dinp), buf(dw), buf(db), buf(dout), buf(x), buf(w), N, C, OC);
   // fp32 accumulation of K exact products: |error| <= K * 2^-24 * sum |a b| (plus the bias add).
   const auto bound = [](int K, double mag) { return (K + 2) * std::ldexp(1.0, -24) * mag; };
   double worst_rounded = 0, worst_unrounded = 0;
@@ -586,7 +588,7 @@ TEST(Backend, Fp16OperandRoundingIsNearestEvenWithOverflow) {
   for (int i = 0; i < C; ++i) eye[i * C + i] = 1.0f;
   auto be = host();
   be->set_precision({DType::f16});
-  be->matmul_forward(out.data(), v.data(), eye.data(), nullptr, N, C, C);
+  be->matmul_forward(buf(out), buf(v), buf(eye), {}, N, C, C);
   for (std::size_t i = 0; i < v.size(); ++i) {
     const float want = loom::to_float(loom::to_f16(v[i]));
     EXPECT_EQ(std::memcmp(&out[i], &want, 4), 0) << v[i] << " rounded to " << out[i] << ", expected " << want;
@@ -595,7 +597,7 @@ TEST(Backend, Fp16OperandRoundingIsNearestEvenWithOverflow) {
   std::vector<float> big(C, 0.0f);
   big[0] = 65520.0f;  // the midpoint to 65536 rounds to even: beyond fp16's range, inf
   std::vector<float> o(C);
-  be->matmul_forward(o.data(), big.data(), eye.data(), nullptr, 1, C, C);
+  be->matmul_forward(buf(o), buf(big), buf(eye), {}, 1, C, C);
   EXPECT_FALSE(std::isfinite(o[0]));
 }
 
@@ -619,17 +621,17 @@ void check_typed_operands(DType type) {
   auto be = host();
   be->set_precision({type});
   std::vector<float> out(N * OC), out16(N * OC), dinp(N * C), dinp16(N * C), dw(OC * C, 0.0f), dw16(OC * C, 0.0f);
-  be->matmul_forward(out.data(), x.data(), w.data(), nullptr, N, C, OC);
-  be->matmul_backward(dinp.data(), dw.data(), nullptr, dout.data(), x.data(), w.data(), N, C, OC);
-  be->matmul_forward(out16.data(), BufferRef(x16.data(), N * C), BufferRef(w16.data(), OC * C), nullptr, N, C, OC);
-  be->matmul_backward(dinp16.data(), dw16.data(), nullptr, dout.data(), BufferRef(x16.data(), N * C),
+  be->matmul_forward(buf(out), buf(x), buf(w), {}, N, C, OC);
+  be->matmul_backward(buf(dinp), buf(dw), {}, buf(dout), buf(x), buf(w), N, C, OC);
+  be->matmul_forward(buf(out16), BufferRef(x16.data(), N * C), BufferRef(w16.data(), OC * C), {}, N, C, OC);
+  be->matmul_backward(buf(dinp16), buf(dw16), {}, buf(dout), BufferRef(x16.data(), N * C),
                       BufferRef(w16.data(), OC * C), N, C, OC);
   EXPECT_EQ(std::memcmp(out.data(), out16.data(), out.size() * 4), 0);
   EXPECT_EQ(std::memcmp(dinp.data(), dinp16.data(), dinp.size() * 4), 0);
   EXPECT_EQ(std::memcmp(dw.data(), dw16.data(), dw.size() * 4), 0);
   // a mixed pair: the fp32 input rounded here, the weight as stored
   std::vector<float> mixed(N * OC);
-  be->matmul_forward(mixed.data(), BufferRef(x.data(), N * C), BufferRef(w16.data(), OC * C), nullptr, N, C, OC);
+  be->matmul_forward(buf(mixed), BufferRef(x.data(), N * C), BufferRef(w16.data(), OC * C), {}, N, C, OC);
   EXPECT_EQ(std::memcmp(out.data(), mixed.data(), out.size() * 4), 0);
 }
 
@@ -641,13 +643,13 @@ TEST(Backend, TypedOperandsOfAnotherTypeAreRefused) {
   be->set_precision({DType::bf16});
   std::vector<f16> h(16);
   std::vector<float> x(16), out(16);
-  EXPECT_THROW(be->matmul_forward(out.data(), BufferRef(x.data(), 16), BufferRef(h.data(), 16), nullptr, 4, 4, 4),
+  EXPECT_THROW(be->matmul_forward(buf(out), BufferRef(x.data(), 16), BufferRef(h.data(), 16), {}, 4, 4, 4),
                std::invalid_argument);
-  EXPECT_THROW(be->matmul_forward(out.data(), BufferRef(x.data(), 8), BufferRef(x.data(), 16), nullptr, 4, 4, 4),
+  EXPECT_THROW(be->matmul_forward(buf(out), BufferRef(x.data(), 8), BufferRef(x.data(), 16), {}, 4, 4, 4),
                std::invalid_argument);  // too few elements
   auto fp32 = host();
   std::vector<bf16> b(16);
-  EXPECT_THROW(fp32->matmul_forward(out.data(), BufferRef(b.data(), 16), BufferRef(x.data(), 16), nullptr, 4, 4, 4),
+  EXPECT_THROW(fp32->matmul_forward(buf(out), BufferRef(b.data(), 16), BufferRef(x.data(), 16), {}, 4, 4, 4),
                std::logic_error);  // an fp32 run takes fp32 operands only
 }
 

@@ -70,7 +70,7 @@ class PieceStore final : public ParamStore {
   BufferRef param(int i) override { return piece_of(i).master.ref().slice(where_[i].second, info_[i].numel()); }
   BufferRef grad(int i) override { return piece_of(i).grads.ref().slice(where_[i].second, info_[i].numel()); }
   void zero_grads() override {
-    for (Piece& p : pieces_) be_->fill(p.grads.data<float>(), 0.0f, p.grads.count());
+    for (Piece& p : pieces_) be_->fill(p.grads.ref(), 0.0);
   }
   const std::vector<OwnedSlice>& owned() const override { return owned_; }
   std::int64_t local_numel() const override {
@@ -87,9 +87,7 @@ class PieceStore final : public ParamStore {
     bool held = false;
   };
   Piece& piece_of(int i) { return pieces_[static_cast<std::size_t>(where_[i].first)]; }
-  void poison(Piece& p) {
-    be_->fill(p.compute.data<float>(), std::numeric_limits<float>::quiet_NaN(), p.compute.count());
-  }
+  void poison(Piece& p) { be_->fill(p.compute.ref(), std::numeric_limits<double>::quiet_NaN()); }
   BackendFace* be_ = nullptr;
   std::vector<ParamInfo> info_;
   std::vector<Unit> units_;

@@ -62,7 +62,7 @@ double matmul_call_seconds() {
   TypedBuffer w = small_values(*be, "plan::calibrate.call_w", n * n);
   TypedBuffer c = be->allocate("plan::calibrate.call_c", DType::f32, n * n, Mem::workspace);
   const double t = best_seconds(*be, 10, [&] {
-    for (int i = 0; i < calls; ++i) be->matmul_forward(c.data<float>(), a.ref(), w.ref(), nullptr, n, n, n);
+    for (int i = 0; i < calls; ++i) be->matmul_forward(c.ref(), a.ref(), w.ref(), {}, n, n, n);
   });
   be->release_scratch();
   return t / calls;
@@ -103,10 +103,10 @@ double block_matmul_seconds(DType dtype, int N, int C) {
   const double t = best_seconds(
       *be, 3,
       [&] {
-        for (Product& q : layers) be->matmul_forward(q.out.data<float>(), q.in.ref(), q.w.ref(), nullptr, N, q.c, q.oc);
+        for (Product& q : layers) be->matmul_forward(q.out.ref(), q.in.ref(), q.w.ref(), {}, N, q.c, q.oc);
         for (auto it = layers.rbegin(); it != layers.rend(); ++it)
-          be->matmul_backward(it->din.data<float>(), it->dw.data<float>(), nullptr, it->out.data<float>(), it->in.ref(),
-                              it->w.ref(), N, it->c, it->oc);
+          be->matmul_backward(it->din.ref(), it->dw.ref(), {}, it->out.ref(), it->in.ref(), it->w.ref(), N, it->c,
+                              it->oc);
       },
       1);
   be->release_scratch();
@@ -145,13 +145,12 @@ double attention_seconds(int B, int T, int C, int NH, bool flash) {
   TypedBuffer dsaved = be->allocate("plan::calibrate.datt", DType::f32, saved_n, Mem::workspace);
   const double t = best_seconds(*be, 5, [&] {
     if (flash) {
-      be->attention_forward_flash(out.data<float>(), saved.data<float>(), qkv.data<float>(), B, T, C, NH);
-      be->attention_backward_flash(dqkv.data<float>(), dsaved.data<float>(), dout.data<float>(), out.ref(),
-                                   qkv.data<float>(), saved.data<float>(), B, T, C, NH);
+      be->attention_forward_flash(out.ref(), saved.ref(), qkv.ref(), B, T, C, NH);
+      be->attention_backward_flash(dqkv.ref(), dsaved.ref(), dout.ref(), out.ref(), qkv.ref(), saved.ref(), B, T, C,
+                                   NH);
     } else {
-      be->attention_forward(out.data<float>(), saved.data<float>(), qkv.data<float>(), B, T, C, NH);
-      be->attention_backward(dqkv.data<float>(), dsaved.data<float>(), dout.data<float>(), qkv.data<float>(),
-                             saved.data<float>(), B, T, C, NH);
+      be->attention_forward(out.ref(), saved.ref(), qkv.ref(), B, T, C, NH);
+      be->attention_backward(dqkv.ref(), dsaved.ref(), dout.ref(), qkv.ref(), saved.ref(), B, T, C, NH);
     }
   });
   be->release_scratch();
@@ -202,25 +201,24 @@ class BlockKernels {
   void run() {
     const std::int64_t n = static_cast<std::int64_t>(N_) * C_;
     layernorm_forward();
-    be_->residual_forward(y2_.data<float>(), x_.data<float>(), dy_.data<float>(), n);
+    be_->residual_forward(y2_.ref(), x_.ref(), dy_.ref(), n);
     layernorm_forward();
-    be_->gelu_forward(hg_.data<float>(), h_.data<float>(), 4 * n);
-    be_->residual_forward(y2_.data<float>(), x_.data<float>(), dy_.data<float>(), n);
-    be_->gelu_backward(dhg_.data<float>(), h_.data<float>(), dh_.data<float>(), 4 * n);
-    be_->copy(y2_.data<float>(), dy_.data<float>(), n);
+    be_->gelu_forward(hg_.ref(), h_.ref(), 4 * n);
+    be_->residual_forward(y2_.ref(), x_.ref(), dy_.ref(), n);
+    be_->gelu_backward(dhg_.ref(), h_.ref(), dh_.ref(), 4 * n);
+    be_->copy(y2_.ref(), dy_.ref(), n);
     layernorm_backward();
-    be_->copy(y2_.data<float>(), dy_.data<float>(), n);
+    be_->copy(y2_.ref(), dy_.ref(), n);
     layernorm_backward();
   }
 
  private:
   void layernorm_forward() {
-    be_->layernorm_forward(y_.data<float>(), mean_.data<float>(), rstd_.data<float>(), x_.data<float>(),
-                           w_.data<float>(), b_.data<float>(), N_, C_);
+    be_->layernorm_forward(y_.ref(), mean_.ref(), rstd_.ref(), x_.ref(), w_.ref(), b_.ref(), N_, C_);
   }
   void layernorm_backward() {
-    be_->layernorm_backward(dx_.data<float>(), dw_.data<float>(), db_.data<float>(), dy_.data<float>(),
-                            x_.data<float>(), w_.data<float>(), mean_.data<float>(), rstd_.data<float>(), N_, C_);
+    be_->layernorm_backward(dx_.ref(), dw_.ref(), db_.ref(), dy_.ref(), x_.ref(), w_.ref(), mean_.ref(), rstd_.ref(),
+                            N_, C_);
   }
   int N_, C_;
   std::unique_ptr<Backend> be_;
@@ -250,8 +248,7 @@ double optimizer_rate() {
     be->fill(g.ref(), 0.0);
     be->sq_norm_check({g.ref()});
     be->scale(g.ref(), 0.5);
-    be->adamw_update(p.data<float>(), m.data<float>(), v.data<float>(), g.data<float>(), n, 1e-3f, 0.9f, 0.95f, 1e-8f,
-                     0.1f, 10);
+    be->adamw_update(p.ref(), m.ref(), v.ref(), g.ref(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10);
   });
   be->release_scratch();
   return optimizer_bytes(static_cast<double>(n), static_cast<double>(n)) / t;

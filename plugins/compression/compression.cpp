@@ -173,9 +173,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // start those afresh, the same on every rank, so that one bad step does not poison the rest.
   void after_norm(const StepState& st) {
     if (std::isfinite(st.sq_norm) && std::isfinite(st.loss) && st.skip_reason.empty() && !st.nonfinite) return;
-    for (auto& [i, r] : residual_) be_.fill(r.data<float>(), 0.0f, r.count());
+    for (auto& [i, r] : residual_) be_.fill(r.ref(), 0.0);
     for (auto& [k, s] : state_)
-      if (!s.residual.empty()) be_.fill(s.residual.data<float>(), 0.0f, s.residual.count());
+      if (!s.residual.empty()) be_.fill(s.residual.ref(), 0.0);
     for (auto& [i, q] : q_) init_q(i, 0);
     ++resets_;
   }
@@ -367,32 +367,32 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     }
     return s;
   }
-  // This call's error feedback for bucket b, [n] floats (null without feedback). A bucket whose
+  // This call's error feedback for bucket b, [n] floats (empty without feedback). A bucket whose
   // tensors are listed gathers the parts of the per-tensor residuals it holds into one scratch that
   // every bucket shares: each method reads it and writes the new residual before reduce_async returns
   // (int8 and top-k before they start their collective, PowerSGD's all-reduces block), and
   // keep_residual scatters it back, so no bucket needs it afterwards. A bucket without keeps its own.
-  float* gather_residual(const GradBucket& b, State& s) {
-    if (!feedback_) return nullptr;
-    if (!has_residuals(b)) return s.residual.data<float>();
+  BufferRef gather_residual(const GradBucket& b, State& s) {
+    if (!feedback_) return {};
+    if (!has_residuals(b)) return s.residual.ref();
     const std::int64_t n = b.data.count;
     if (shared_residual_.count() < n) {
       shared_residual_ = TypedBuffer();  // released first: the ledger's peak is the largest bucket's, as planned
       shared_residual_ = be_.allocate("compression::bucket_residual", DType::f32, n, Mem::comm);
     }
-    float* e = shared_residual_.data<float>();
+    const BufferRef e = shared_residual_.ref().slice(0, n);
     std::int64_t covered = 0;
     for (const GradBucket::Tensor& t : b.tensors) covered += t.count;
-    if (covered != n) be_.fill(e, 0.0f, n);  // elements of no listed tensor: no feedback (zero), as a bucket's own
+    if (covered != n) be_.fill(e, 0.0);  // elements of no listed tensor: no feedback (zero), as a bucket's own
     for (const GradBucket::Tensor& t : b.tensors)
-      be_.copy(e + t.offset, residual_.at(t.param).data<float>() + t.begin, t.count);
+      be_.copy(e.slice(t.offset, t.count), residual_.at(t.param).ref().slice(t.begin, t.count), t.count);
     return e;
   }
   // After the method wrote the bucket's new residual into e: back into the per-tensor residuals.
-  void keep_residual(const GradBucket& b, const float* e) {
-    if (!e || !has_residuals(b)) return;
+  void keep_residual(const GradBucket& b, const BufferRef& e) {
+    if (e.empty() || !has_residuals(b)) return;
     for (const GradBucket::Tensor& t : b.tensors)
-      be_.copy(residual_.at(t.param).data<float>() + t.begin, e + t.offset, t.count);
+      be_.copy(residual_.at(t.param).ref().slice(t.begin, t.count), e.slice(t.offset, t.count), t.count);
   }
   bool has_residuals(const GradBucket& b) const {
     if (b.tensors.empty()) return false;
@@ -400,8 +400,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       if (!residual_.count(t.param) || t.begin + t.count > residual_.at(t.param).count()) return false;
     return true;
   }
-  void add_residual(const float* e, float* x, std::int64_t n) {
-    if (e) be_.residual_forward(x, x, e, n);  // x += residual
+  void add_residual(const BufferRef& e, const BufferRef& x, std::int64_t n) {
+    if (!e.empty()) be_.residual_forward(x, x, e, n);  // x += residual
   }
   bool compressed(const ParamInfo& p) const {
     return p.local_shape().size() == 2 &&
@@ -413,22 +413,22 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const std::int64_t n = b.data.count, ch = compress::chunk_count(n, cfg_.chunk);
     const int levels = compress::int8_levels(dp_.size());
     State& s = state(b);
-    float* x = b.data.as<float>();
-    float* e = gather_residual(b, s);
+    const BufferRef x = b.data;
+    const BufferRef e = gather_residual(b, s);
     add_residual(e, x, n);
     ensure_capacity(be_, s.absmax, "compression::int8_absmax", DType::f32, ch + 1, Mem::comm);
     ensure_capacity(be_, s.q, "compression::int8_values", DType::i8, n, Mem::comm);
-    float* amax = s.absmax.data<float>();
+    const BufferRef amax = s.absmax.ref().slice(0, ch + 1);
     // The chunk maxima, and one more element: 1 where this rank holds a NaN or an inf, so that every
     // rank learns of it.
     be_.int8_absmax(amax, x, n, cfg_.chunk);
-    dp_.all_reduce(s.absmax.ref().slice(0, ch + 1), ReduceOp::max);  // one step per chunk for every rank
-    be_.int8_quantize(s.q.data<std::int8_t>(), e, x, n, cfg_.chunk, amax, levels);
+    dp_.all_reduce(amax, ReduceOp::max);  // one step per chunk for every rank
+    be_.int8_quantize(s.q.ref(), e, x, n, cfg_.chunk, amax, levels);
     keep_residual(b, e);
     formula_ += 2 * (N - 1) / N * 4 * static_cast<double>(ch + 1) + fp32_factor * static_cast<double>(n);
     GradBucket qb = b;
     qb.data = s.q.ref().slice(0, n);
-    std::int8_t* q = s.q.data<std::int8_t>();
+    const BufferRef q = qb.data;
     const std::int64_t chunk = cfg_.chunk;
     BackendFace* be = &be_;
     // The exact int8 sum, scaled back. A non-finite value on any rank (the all-reduced flag) makes
@@ -443,18 +443,19 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const int N = dp_.size();
     const std::int64_t n = b.data.count, k = compress::top_k_count(n, cfg_.ratio);
     State& s = state(b);
-    float* x = b.data.as<float>();
-    float* e = gather_residual(b, s);
+    const BufferRef x = b.data;
+    const BufferRef e = gather_residual(b, s);
     add_residual(e, x, n);
     const std::int64_t bytes = 8 * k;  // k int32 indices, then k fp32 values
     ensure_capacity(be_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
     ensure_capacity(be_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
-    auto* idx = reinterpret_cast<std::int32_t*>(s.send.data<std::uint8_t>());
-    auto* val = reinterpret_cast<float*>(s.send.data<std::uint8_t>() + 4 * k);
+    const MemSpace space = be_.space();
+    const BufferRef idx(reinterpret_cast<std::int32_t*>(s.send.data<std::uint8_t>()), k, space);
+    const BufferRef val(reinterpret_cast<float*>(s.send.data<std::uint8_t>() + 4 * k), k, space);
     // NaN/inf has no order: the back end then sends NaNs, so that every rank's sum is non-finite
     // (see int8).
     be_.topk_select(idx, val, x, n, k);
-    if (e) {  // what is not sent stays for the next step
+    if (!e.empty()) {  // what is not sent stays for the next step
       be_.copy(e, x, n);
       be_.topk_clear(e, idx, k);
       keep_residual(b, e);
@@ -463,12 +464,13 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     std::uint8_t* recv = s.recv.data<std::uint8_t>();
     BackendFace* be = &be_;
     return std::make_unique<ThenRequest>(
-        dp_.all_gather_async(s.send.ref().slice(0, bytes), s.recv.ref().slice(0, bytes * N)), [be, x, n, k, N, recv] {
-          be->fill(x, 0.0f, n);
+        dp_.all_gather_async(s.send.ref().slice(0, bytes), s.recv.ref().slice(0, bytes * N)),
+        [be, x, n, k, N, recv, space] {
+          be->fill(x.slice(0, n), 0.0);
           for (int r = 0; r < N; ++r) {  // rank order: the same sum on every rank
             const std::uint8_t* at = recv + static_cast<std::int64_t>(r) * 8 * k;
-            be->topk_scatter_add(x, reinterpret_cast<const std::int32_t*>(at),
-                                 reinterpret_cast<const float*>(at + 4 * k), k);
+            be->topk_scatter_add(x, BufferRef(reinterpret_cast<const std::int32_t*>(at), k, space),
+                                 BufferRef(reinterpret_cast<const float*>(at + 4 * k), k, space), k);
           }
         });
   }
@@ -520,15 +522,15 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
 
   // Every compressed matrix's P [n, r] made orthonormal (compress::orthogonalize, in double on the
   // host): in place on the host, through one copy of the packed P there and back on a device.
-  void orthogonalize_all(const std::vector<PowerSgdSplit::Mat>& mats, float* P, std::int64_t p_total) {
-    const bool device = be_.space() != MemSpace::host;
+  void orthogonalize_all(const std::vector<PowerSgdSplit::Mat>& mats, const BufferRef& P) {
+    const bool device = P.space != MemSpace::host;
     if (device) {
-      p_host_.resize(static_cast<std::size_t>(p_total));
-      be_.copy_to_host(p_host_.data(), BufferRef(P, p_total, be_.space()));
+      p_host_.resize(static_cast<std::size_t>(P.count));
+      be_.copy_to_host(p_host_.data(), P);
     }
-    float* h = device ? p_host_.data() : P;
+    float* h = device ? p_host_.data() : P.as<float>();
     for (const PowerSgdSplit::Mat& a : mats) compress::orthogonalize(h + a.p_at, static_cast<int>(a.n), cfg_.rank);
-    if (device) be_.copy_from_host(BufferRef(P, p_total, be_.space()), p_host_.data());
+    if (device) be_.copy_from_host(P, p_host_.data());
   }
 
   CommRequestPtr powersgd(const GradBucket& b, double fp32_factor) {
@@ -538,7 +540,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       return inner_->reduce_async(b);
     }
     State& s = state(b);
-    float* x = b.data.as<float>();
+    const BufferRef x = b.data;
     const int r = cfg_.rank;
     using Mat = PowerSgdSplit::Mat;
     const PowerSgdSplit split = powersgd_split(b);
@@ -550,47 +552,48 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // Vectors and matrices not worth compressing: one fp32 all-reduce of them packed together.
     if (plain_total > 0) {
       ensure_capacity(be_, s.packed, "compression::powersgd_plain", DType::f32, plain_total, Mem::comm);
-      float* pk = s.packed.data<float>();
+      const BufferRef pk = s.packed.ref();
       std::int64_t at = 0;
       for (const auto* t : plain) {
-        be_.copy(pk + at, x + t->offset, t->count);
+        be_.copy(pk.slice(at, t->count), x.slice(t->offset, t->count), t->count);
         at += t->count;
       }
-      dp_.all_reduce(s.packed.ref().slice(0, plain_total), ReduceOp::sum);
+      dp_.all_reduce(pk.slice(0, plain_total), ReduceOp::sum);
       at = 0;
       for (const auto* t : plain) {
-        be_.copy(x + t->offset, pk + at, t->count);
+        be_.copy(x.slice(t->offset, t->count), pk.slice(at, t->count), t->count);
         at += t->count;
       }
     }
     if (mats.empty()) return std::make_unique<ThenRequest>(nullptr, nullptr);
     ensure_capacity(be_, s.send, "compression::powersgd_p", DType::f32, p_total, Mem::comm);
     ensure_capacity(be_, s.recv, "compression::powersgd_q", DType::f32, q_total, Mem::comm);
-    float* P = s.send.data<float>();
-    float* Qs = s.recv.data<float>();
-    float* e = gather_residual(b, s);
-    const MemSpace at = be_.space();  // the matrices, P, Q and the residuals are the back end's
-    for (const Mat& a : mats) {       // M = g + e (kept in the residual buffer), P = M Q
-      float* M = x + a.t->offset;
-      if (e) be_.residual_forward(M, M, e + a.t->offset, a.n * a.m);
-      be_.matmul(BufferRef(P + a.p_at, a.n * r, at), BufferRef(M, a.n * a.m, at), BufferRef(q_of(*a.t), a.m * r, at),
-                 static_cast<int>(a.n), r, static_cast<int>(a.m), false, false);
+    const BufferRef P = s.send.ref().slice(0, p_total);
+    const BufferRef Qs = s.recv.ref().slice(0, q_total);
+    const BufferRef e = gather_residual(b, s);
+    // The matrices, P, Q and the residuals are the back end's: each a slice of its buffer.
+    const auto M_of = [&](const Mat& a) { return x.slice(a.t->offset, a.n * a.m); };
+    const auto e_of = [&](const Mat& a) { return e.slice(a.t->offset, a.n * a.m); };
+    const auto P_of = [&](const Mat& a) { return P.slice(a.p_at, a.n * r); };
+    for (const Mat& a : mats) {  // M = g + e (kept in the residual buffer), P = M Q
+      const BufferRef M = M_of(a);
+      if (!e.empty()) be_.residual_forward(M, M, e_of(a), a.n * a.m);
+      be_.matmul(P_of(a), M, BufferRef(q_of(*a.t), a.m * r, be_.space()), static_cast<int>(a.n), r,
+                 static_cast<int>(a.m), false, false);
     }
-    dp_.all_reduce(s.send.ref().slice(0, p_total), ReduceOp::sum);
-    orthogonalize_all(mats, P, p_total);
-    for (const Mat& a : mats) {  // Q = M^T P
-      be_.matmul(BufferRef(Qs + a.q_at, a.m * r, at), BufferRef(x + a.t->offset, a.n * a.m, at),
-                 BufferRef(P + a.p_at, a.n * r, at), static_cast<int>(a.m), r, static_cast<int>(a.n), true, false);
-    }
-    dp_.all_reduce(s.recv.ref().slice(0, q_total), ReduceOp::sum);
+    dp_.all_reduce(P, ReduceOp::sum);
+    orthogonalize_all(mats, P);
+    for (const Mat& a : mats)  // Q = M^T P
+      be_.matmul(Qs.slice(a.q_at, a.m * r), M_of(a), P_of(a), static_cast<int>(a.m), r, static_cast<int>(a.n), true,
+                 false);
+    dp_.all_reduce(Qs, ReduceOp::sum);
     for (const Mat& a : mats) {  // the sum ~ P Q^T; residual = M - P Q^T / N
-      float* M = x + a.t->offset;
-      float* q = q_.at(a.t->param).data<float>();
-      be_.copy(q, Qs + a.q_at, a.m * r);  // warm start
-      if (e) be_.copy(e + a.t->offset, M, a.n * a.m);
-      be_.matmul(BufferRef(M, a.n * a.m, at), BufferRef(P + a.p_at, a.n * r, at), BufferRef(q, a.m * r, at),
-                 static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
-      if (e) be_.axpy(e + a.t->offset, -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
+      const BufferRef M = M_of(a);
+      const BufferRef q = q_.at(a.t->param).ref().slice(0, a.m * r);
+      be_.copy(q, Qs.slice(a.q_at, a.m * r), a.m * r);  // warm start
+      if (!e.empty()) be_.copy(e_of(a), M, a.n * a.m);
+      be_.matmul(M, P_of(a), q, static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
+      if (!e.empty()) be_.axpy(e_of(a), -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
     }
     keep_residual(b, e);
     return std::make_unique<ThenRequest>(nullptr, nullptr);

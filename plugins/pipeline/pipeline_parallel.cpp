@@ -313,12 +313,12 @@ class PipelineSchedule final : public Schedule {
     if (p_ == 1 || (!first_ && !last_)) return;
     const int index = model.param_index("wte.weight");  // the first stage's, or the last stage's shadow
     const ParamInfo& wte = model.params()[static_cast<std::size_t>(index)];
-    float* g = model.grad_ref(index).as<float>();
+    const BufferRef g = model.grad_ref(index).slice(0, wte.numel());
     ensure_capacity(be_, tied_, "Pipeline::tied_wte_gradient", DType::f32, wte.numel(), Mem::comm);
-    float* tied = tied_.data<float>();
+    const BufferRef tied = tied_.ref().slice(0, wte.numel());
     const int peer = first_ ? p_ - 1 : 0;
-    auto r = pp_.recv_async(mine(tied, wte.numel()), peer, kTiedTag);
-    auto s = pp_.send_async(mine(g, wte.numel()), peer, kTiedTag);
+    auto r = pp_.recv_async(tied, peer, kTiedTag);
+    auto s = pp_.send_async(g, peer, kTiedTag);
     s->wait();
     r->wait();
     be_.residual_forward(g, g, tied, wte.numel());  // g += tied, by the back end (g may be device memory)
@@ -520,10 +520,10 @@ class PipelineSchedule final : public Schedule {
       t0 = now();
       CommRequestPtr& older = grad_send_[j % 2];
       if (older) older->wait();
-      float* out = grad_out_.data<float>() + (j % 2) * boundary_;
-      be_.copy(out, dx, boundary_);
+      const BufferRef out = grad_out_.ref().slice((j % 2) * boundary_, boundary_);
+      be_.copy(out, mine(dx, boundary_), boundary_);
       const int to_chunk = i_ > 0 ? c : c - 1;  // the first stage sends back to the last stage's previous chunk
-      older = pp_.send_async(mine(out, boundary_), prev_rank(), tag(k, to_chunk, 1));
+      older = pp_.send_async(out, prev_rank(), tag(k, to_chunk, 1));
       timed("send", k, c, t0);
     }
   }

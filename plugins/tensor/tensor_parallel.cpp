@@ -35,25 +35,25 @@ class TensorPartition final : public Partition {
   int rank() const override { return tp_.rank(); }
   bool sequence_parallel() const override { return sp_; }
 
-  const float* to_full(const float* local, float* full, std::int64_t rows, int C) override {
+  BufferRef to_full(const BufferRef& local, const BufferRef& full, std::int64_t rows, int C) override {
     if (!sp_) return local;
     const std::int64_t n = rows / tp_.size() * C;
-    tp_.all_gather(BufferRef(local, n, be_.space()), BufferRef(full, n * tp_.size(), be_.space()));
+    tp_.all_gather(local.slice(0, n), full.slice(0, n * tp_.size()));
     return full;
   }
-  float* reduce_partial(float* partial, float* local, std::int64_t rows, int C) override {
+  BufferRef reduce_partial(const BufferRef& partial, const BufferRef& local, std::int64_t rows, int C) override {
     if (!sp_) {
-      tp_.all_reduce(BufferRef(partial, rows * C, be_.space()));
+      tp_.all_reduce(partial.slice(0, rows * C));
       return partial;
     }
     const std::int64_t n = rows / tp_.size() * C;
-    tp_.reduce_scatter(BufferRef(partial, n * tp_.size(), be_.space()), BufferRef(local, n, be_.space()));
+    tp_.reduce_scatter(partial.slice(0, n * tp_.size()), local.slice(0, n));
     return local;
   }
-  const float* grad_to_full(const float* dlocal, float* dfull, std::int64_t rows, int C) override {
+  BufferRef grad_to_full(const BufferRef& dlocal, const BufferRef& dfull, std::int64_t rows, int C) override {
     return to_full(dlocal, dfull, rows, C);  // the backward of a reduce-scatter is an all-gather
   }
-  float* reduce_partial_grad(float* dpartial, float* dlocal, std::int64_t rows, int C) override {
+  BufferRef reduce_partial_grad(const BufferRef& dpartial, const BufferRef& dlocal, std::int64_t rows, int C) override {
     // The partition sees no step number: it counts steps by finish_grads, and the first backward
     // collective after one is the step's first micro-batch (evaluation runs no backward).
     if (!step_started_) {
@@ -69,21 +69,20 @@ class TensorPartition final : public Partition {
   // exponentials and the target logits (sum all-reduces) travel over the group, N values each; the
   // [N, V] logits never do. The passes between are the back end's; its backward, the default
   // partition's (BackendFace::crossentropy_backward with this rank's vocab_begin).
-  void crossentropy_forward(BackendFace&, float* losses, float* probs, const float* logits, const std::int32_t* targets,
-                            int N, int Vl, int vocab_begin) override {
+  void crossentropy_forward(BackendFace&, const BufferRef& losses, const BufferRef& probs, const BufferRef& logits,
+                            const BufferRef& targets, int N, int Vl, int vocab_begin) override {
     // Scratch through the back end and the ledger (communication buffers), grown to the largest N.
     ensure_capacity(be_, row_max_buf_, "TensorPartition::row_max", DType::f32, N, Mem::comm);
     ensure_capacity(be_, sum_exp_buf_, "TensorPartition::sum_exp", DType::f64, N, Mem::comm);
     ensure_capacity(be_, target_logit_buf_, "TensorPartition::target_logit", DType::f64, N, Mem::comm);
     const BufferRef row_max = row_max_buf_.ref().slice(0, N), sum_exp = sum_exp_buf_.ref().slice(0, N),
                     target_logit = target_logit_buf_.ref().slice(0, N);
-    be_.crossentropy_row_max(row_max.as<float>(), logits, N, Vl);
+    be_.crossentropy_row_max(row_max, logits, N, Vl);
     tp_.all_reduce(row_max, ReduceOp::max);
-    be_.crossentropy_partial(probs, sum_exp.as<double>(), target_logit.as<double>(), logits, row_max.as<float>(),
-                             targets, N, Vl, vocab_begin);
+    be_.crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, Vl, vocab_begin);
     tp_.all_reduce(sum_exp);
     tp_.all_reduce(target_logit);
-    be_.crossentropy_finish(losses, probs, sum_exp.as<double>(), row_max.as<float>(), target_logit.as<double>(), N, Vl);
+    be_.crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, Vl);
   }
 
   // With sequence parallelism each rank's LayerNorm and row-parallel bias gradients cover only its
@@ -103,18 +102,18 @@ class TensorPartition final : public Partition {
       for (const OwnedSlice& o : owned)
         if (params[static_cast<std::size_t>(o.param)].sp_partial) total += o.size();
       ensure_capacity(be_, pack_buf_, "TensorPartition::sp_grad_pack", DType::f32, total, Mem::comm);
-      float* pack = pack_buf_.data<float>();
+      const BufferRef pack = pack_buf_.ref();
       std::int64_t at = 0;
       for (const OwnedSlice& o : owned)
         if (params[static_cast<std::size_t>(o.param)].sp_partial) {
-          be_.copy(pack + at, store.owned_grad(o).as<float>(), o.size());
+          be_.copy(pack.slice(at, o.size()), store.owned_grad(o), o.size());
           at += o.size();
         }
       tp_.all_reduce(pack_buf_.ref().slice(0, total));
       at = 0;
       for (const OwnedSlice& o : owned)
         if (params[static_cast<std::size_t>(o.param)].sp_partial) {
-          be_.copy(store.owned_grad(o).as<float>(), pack + at, o.size());
+          be_.copy(store.owned_grad(o), pack.slice(at, o.size()), o.size());
           at += o.size();
         }
     }

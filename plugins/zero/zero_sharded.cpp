@@ -200,7 +200,7 @@ const ParamStore::UnitView& ShardedStore::acquire(int unit, Use use, int next_un
   }
   if (use == Use::backward && run && !staged_[u]) {
     staged_[u] = take(gslots_, unit, "ZeroStore::grad_staging", Mem::grads);
-    be_->fill(staged_[u]->buf.data<float>(), 0.0f, unit_hi_[u] - unit_lo_[u]);
+    be_->fill(staged_[u]->buf.ref().slice(0, unit_hi_[u] - unit_lo_[u]), 0.0);
   }
   if (dirty16_) refresh16();  // after initialisation or a load: every rank gets here alike
   UnitView& v = views_[u];
@@ -260,8 +260,10 @@ void ShardedStore::accumulate(const Staged& st) {
   Slot* s = gslots_[static_cast<std::size_t>(st.slot)].get();
   // The reduce-scatter left this rank's sum at its natural place in the slot.
   const std::int64_t a = std::max(unit_lo_[u], lo_), b = std::min(unit_hi_[u], hi_);
-  float* g = gshard_.data<float>() + (a - lo_);
-  if (a < b) be_->residual_forward(g, g, s->buf.data<float>() + (a - unit_lo_[u]), b - a);  // g += part
+  if (a < b) {
+    const BufferRef g = gshard_.ref().slice(a - lo_, b - a);
+    be_->residual_forward(g, g, s->buf.ref().slice(a - unit_lo_[u], b - a), b - a);  // g += part
+  }
   s->unit = -1;
 }
 
@@ -289,8 +291,8 @@ BufferRef ShardedStore::owned_grad(const OwnedSlice& o) {
 }
 
 void ShardedStore::zero_grads() {
-  be_->fill(gshard_.data<float>(), 0.0f, gshard_.count());
-  be_->fill(wgrads_.data<float>(), 0.0f, wgrads_.count());
+  be_->fill(gshard_.ref(), 0.0);
+  be_->fill(wgrads_.ref(), 0.0);
   if (tracing_) trace_.clear();
   on_trace_ = !tracing_ && !trace_.empty();
   pos_ = 0;
@@ -552,10 +554,10 @@ void ShardedSync::finish(GPT&) {
       reqs.push_back(reducer_->reduce_async(k));
     }
     for (auto& r : reqs) r->wait();
-    be_.scale(whole.as<float>(), 1.0f / static_cast<float>(dp_.size()), whole.count);
+    be_.scale(whole, 1.0f / static_cast<float>(dp_.size()));
   }
   BufferRef share = store_.grad_share();
-  be_.scale(share.as<float>(), 1.0f / static_cast<float>(dp_.size()), share.count);
+  be_.scale(share, 1.0f / static_cast<float>(dp_.size()));
   buckets_per_step_ = counted_;
   counted_ = 0;
 }

@@ -59,20 +59,19 @@ struct Twins {
   std::vector<std::unique_ptr<TypedBuffer>> keep;
 
   struct T {
-    float* h;
-    float* d;
+    BufferRef h, d;  // host and device memory
     std::int64_t n;
   };
   template <class E = float>
-  std::pair<E*, E*> both(const std::vector<E>& v) {
+  std::pair<BufferRef, BufferRef> both(const std::vector<E>& v) {
     keep.push_back(
         std::make_unique<TypedBuffer>(host->allocate("h", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
-    E* h = keep.back()->template data<E>();
-    std::memcpy(h, v.data(), v.size() * sizeof(E));
+    const BufferRef h = keep.back()->ref();
+    std::memcpy(h.data, v.data(), v.size() * sizeof(E));
     keep.push_back(
         std::make_unique<TypedBuffer>(dev->allocate("d", loom::dtype_v<E>, std::int64_t(v.size()), Mem::workspace)));
-    E* d = keep.back()->template data<E>();
-    dev->copy_from_host(BufferRef(d, std::int64_t(v.size()), MemSpace::device), v.data());
+    const BufferRef d = keep.back()->ref();
+    dev->copy_from_host(d, v.data());
     return {h, d};
   }
   T make(const std::vector<float>& v) {
@@ -80,10 +79,16 @@ struct Twins {
     return {h, d, std::int64_t(v.size())};
   }
   T zeros(std::int64_t n) { return make(std::vector<float>(std::size_t(n), 0.0f)); }
-  std::vector<float> host_of(const T& t) const { return std::vector<float>(t.h, t.h + t.n); }
+  // A host buffer's elements.
+  template <class E>
+  static std::vector<E> vec(const BufferRef& h) {
+    const E* p = h.as<const E>();
+    return std::vector<E>(p, p + h.count);
+  }
+  std::vector<float> host_of(const T& t) const { return vec<float>(t.h); }
   std::vector<float> dev_of(const T& t) const {
     std::vector<float> v(std::size_t(t.n));
-    dev->copy_to_host(v.data(), BufferRef(t.d, t.n, MemSpace::device));
+    dev->copy_to_host(v.data(), t.d);
     return v;
   }
   double err(const T& t) const { return rel_err(dev_of(t), host_of(t)); }
@@ -188,8 +193,8 @@ TEST(CudaBackend, ElementwiseKernels) {
   tw.host->residual_forward(out.h, x.h, y.h, n);
   tw.dev->residual_forward(out.d, x.d, y.d, n);
   EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "residual";
-  tw.host->scale(out.h, 0.37f, n);
-  tw.dev->scale(out.d, 0.37f, n);
+  tw.host->scale(out.h, 0.37f);
+  tw.dev->scale(out.d, 0.37f);
   EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "scale";
   tw.host->copy(out.h, y.h, n);
   tw.dev->copy(out.d, y.d, n);
@@ -197,8 +202,8 @@ TEST(CudaBackend, ElementwiseKernels) {
   tw.host->axpy(out.h, -0.37f, x.h, n);
   tw.dev->axpy(out.d, -0.37f, x.d, n);
   EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "axpy";
-  tw.host->fill(out.h, -2.5f, n);
-  tw.dev->fill(out.d, -2.5f, n);
+  tw.host->fill(out.h, -2.5f);
+  tw.dev->fill(out.d, -2.5f);
   EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "fill";
   auto b = tw.make(randn(257, 3)), rows = tw.make(randn(std::size_t(300) * 257, 4)), db = tw.make(randn(257, 5));
   tw.host->bias_add(rows.h, b.h, 300, 257);
@@ -226,15 +231,15 @@ TEST(CudaBackend, Int8CompressionIsBitForBitTheHosts) {
     tw.host->int8_quantize(qh, err.h, x.h, n, chunk, amax.h, levels);
     tw.dev->int8_quantize(qd, err.d, x.d, n, chunk, amax.d, levels);
     std::vector<std::int8_t> q(static_cast<std::size_t>(n));
-    tw.dev->copy_to_host(q.data(), BufferRef(qd, n, MemSpace::device));
-    EXPECT_EQ(q, std::vector<std::int8_t>(qh, qh + n)) << "int8_quantize levels " << levels;
+    tw.dev->copy_to_host(q.data(), qd.slice(0, n));
+    EXPECT_EQ(q, Twins::vec<std::int8_t>(qh)) << "int8_quantize levels " << levels;
     EXPECT_EQ(tw.dev_of(err), tw.host_of(err)) << "int8_quantize's residual";
     tw.host->int8_dequantize(back.h, qh, n, chunk, amax.h, levels);
     tw.dev->int8_dequantize(back.d, qd, n, chunk, amax.d, levels);
     EXPECT_EQ(tw.dev_of(back), tw.host_of(back)) << "int8_dequantize";
   }
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  tw.dev->copy_from_host(BufferRef(x.d + 4321, 1, MemSpace::device), &nan);
+  tw.dev->copy_from_host(x.d.slice(4321, 1), &nan);
   tw.dev->int8_absmax(amax.d, x.d, n, chunk);
   EXPECT_EQ(tw.dev_of(amax)[std::size_t(chunks)], 1.0f) << "the finiteness flag";
   tw.dev->int8_dequantize(back.d, qd, n, chunk, amax.d, 127);
@@ -260,8 +265,8 @@ TEST(CudaBackend, TopKIsBitForBitTheHosts) {
       tw.host->topk_select(ih, val.h, x.h, n, k);
       tw.dev->topk_select(id, val.d, x.d, n, k);
       std::vector<std::int32_t> idx(static_cast<std::size_t>(k));
-      tw.dev->copy_to_host(idx.data(), BufferRef(id, k, MemSpace::device));
-      ASSERT_EQ(idx, std::vector<std::int32_t>(ih, ih + k)) << "topk_select k " << k;
+      tw.dev->copy_to_host(idx.data(), id.slice(0, k));
+      ASSERT_EQ(idx, Twins::vec<std::int32_t>(ih)) << "topk_select k " << k;
       EXPECT_EQ(tw.dev_of(val), tw.host_of(val)) << "topk_select's values, k " << k;
       tw.host->topk_clear(e.h, ih, k);
       tw.dev->topk_clear(e.d, id, k);
@@ -275,10 +280,10 @@ TEST(CudaBackend, TopKIsBitForBitTheHosts) {
   auto [ih, id] = tw.both(std::vector<std::int32_t>(10, -1));
   (void)ih;
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  tw.dev->copy_from_host(BufferRef(x.d + 654321, 1, MemSpace::device), &nan);
+  tw.dev->copy_from_host(x.d.slice(654321, 1), &nan);
   tw.dev->topk_select(id, val.d, x.d, n, 10);
   std::vector<std::int32_t> idx(10);
-  tw.dev->copy_to_host(idx.data(), BufferRef(id, 10, MemSpace::device));
+  tw.dev->copy_to_host(idx.data(), id.slice(0, 10));
   for (int j = 0; j < 10; ++j) EXPECT_EQ(idx[std::size_t(j)], j) << "a NaN sends indices 0..k-1";
   for (float v : tw.dev_of(val)) EXPECT_TRUE(std::isnan(v)) << "and NaN values";
   const std::int64_t big = 9000000, kb = big / 100;  // 25 MB buckets (data_parallel.bucket_mb = 25 is 6.5M elements)
@@ -287,8 +292,8 @@ TEST(CudaBackend, TopKIsBitForBitTheHosts) {
   tw.host->topk_select(ibh, vb.h, xb.h, big, kb);
   tw.dev->topk_select(ibd, vb.d, xb.d, big, kb);
   std::vector<std::int32_t> ib(static_cast<std::size_t>(kb));
-  tw.dev->copy_to_host(ib.data(), BufferRef(ibd, kb, MemSpace::device));
-  EXPECT_EQ(ib, std::vector<std::int32_t>(ibh, ibh + kb)) << "topk_select at the block cap";
+  tw.dev->copy_to_host(ib.data(), ibd.slice(0, kb));
+  EXPECT_EQ(ib, Twins::vec<std::int32_t>(ibh)) << "topk_select at the block cap";
   EXPECT_EQ(tw.dev_of(vb), tw.host_of(vb));
 }
 
@@ -356,13 +361,16 @@ TEST(CudaBackend, VocabularyParallelCrossEntropy) {
   tw.dev->crossentropy_partial(probs.d, sd, gd, logits.d, row_max.d, td, N, V, vb);
   EXPECT_EQ(tw.dev_of(probs), tw.host_of(probs)) << "exponentials (the shared exp)";
   std::vector<double> sum_dev(static_cast<std::size_t>(N)), tl_dev(static_cast<std::size_t>(N));
-  tw.dev->copy_to_host(sum_dev.data(), BufferRef(sd, N, MemSpace::device));
-  tw.dev->copy_to_host(tl_dev.data(), BufferRef(gd, N, MemSpace::device));
+  tw.dev->copy_to_host(sum_dev.data(), sd.slice(0, N));
+  tw.dev->copy_to_host(tl_dev.data(), gd.slice(0, N));
   for (int n = 0; n < N; ++n) {
-    EXPECT_NEAR(sum_dev[std::size_t(n)], sh[n], 1e-12 * sh[n]) << "sum of exponentials, row " << n;
-    EXPECT_EQ(tl_dev[std::size_t(n)], gh[n]) << "target logit, row " << n;
+    EXPECT_NEAR(sum_dev[std::size_t(n)], sh.as<double>()[n], 1e-12 * sh.as<double>()[n])
+        << "sum of exponentials, row " << n;
+    EXPECT_EQ(tl_dev[std::size_t(n)], gh.as<double>()[n]) << "target logit, row " << n;
     const int t = tgt[std::size_t(n)] - vb;
-    EXPECT_EQ(gh[n], t >= 0 && t < V ? double(logits.h[std::size_t(n) * V + std::size_t(t)]) : 0.0) << "row " << n;
+    EXPECT_EQ(gh.as<double>()[n],
+              t >= 0 && t < V ? double(logits.h.as<float>()[std::size_t(n) * V + std::size_t(t)]) : 0.0)
+        << "row " << n;
   }
   tw.host->crossentropy_finish(losses.h, probs.h, sh, row_max.h, gh, N, V);
   tw.dev->crossentropy_finish(losses.d, probs.d, sd, row_max.d, gd, N, V);
@@ -389,11 +397,11 @@ TEST(CudaBackend, AdamWAndReductions) {
   EXPECT_EQ(tw.dev_of(p), tw.host_of(p)) << "AdamW parameters";
   EXPECT_EQ(tw.dev_of(m), tw.host_of(m)) << "AdamW first moments";
   EXPECT_EQ(tw.dev_of(v), tw.host_of(v)) << "AdamW second moments";
-  const double sh = tw.host->sum_squares(g.h, n), sd = tw.dev->sum_squares(g.d, n);
+  const double sh = tw.host->sq_norm_check({g.h}).sum_squares, sd = tw.dev->sq_norm_check({g.d}).sum_squares;
   EXPECT_NEAR(sd, sh, 1e-6 * sh);
   const double uh = tw.host->sum(g.h, n), ud = tw.dev->sum(g.d, n);
-  EXPECT_NEAR(ud, uh, 1e-6 * tw.host->sum_squares(g.h, n));
-  EXPECT_EQ(tw.dev->sum_squares(g.d, n), sd) << "the device reduction is deterministic";
+  EXPECT_NEAR(ud, uh, 1e-6 * sh);
+  EXPECT_EQ(tw.dev->sq_norm_check({g.d}).sum_squares, sd) << "the device reduction is deterministic";
 }
 
 TEST(CudaBackend, TypedCastsAreBitForBitTheHosts) {
@@ -449,9 +457,8 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
     for (bool tb : {false, true}) {
       auto a = tw.make(randn(std::size_t(M) * K, 1)), b = tw.make(randn(std::size_t(K) * N, 2)),
            c = tw.make(randn(std::size_t(M) * N, 3));
-      tw.host->matmul(BufferRef(c.h, c.n), BufferRef(a.h, a.n), BufferRef(b.h, b.n), M, N, K, ta, tb, 0.5f, 2.0f);
-      tw.dev->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device),
-                     BufferRef(b.d, b.n, MemSpace::device), M, N, K, ta, tb, 0.5f, 2.0f);
+      tw.host->matmul(c.h, a.h, b.h, M, N, K, ta, tb, 0.5f, 2.0f);
+      tw.dev->matmul(c.d, a.d, b.d, M, N, K, ta, tb, 0.5f, 2.0f);
       EXPECT_LT(tw.err(c), kTol) << "transa " << ta << " transb " << tb;
     }
   // fp64, fp16 and bf16 operands, fp32 operands into a bf16 out, and TF32.
@@ -493,9 +500,8 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
     auto a = tw.make(randn(std::size_t(M) * K, 11)), b = tw.make(randn(std::size_t(K) * N, 12));
     TypedBuffer hc = tw.host->allocate("hc", DType::bf16, std::int64_t(M) * N, Mem::workspace),
                 dc = tw.dev->allocate("dc", DType::bf16, std::int64_t(M) * N, Mem::workspace);
-    tw.host->matmul(hc.ref(), BufferRef(a.h, a.n), BufferRef(b.h, b.n), M, N, K, false, false);
-    tw.dev->matmul(dc.ref(), BufferRef(a.d, a.n, MemSpace::device), BufferRef(b.d, b.n, MemSpace::device), M, N, K,
-                   false, false);
+    tw.host->matmul(hc.ref(), a.h, b.h, M, N, K, false, false);
+    tw.dev->matmul(dc.ref(), a.d, b.d, M, N, K, false, false);
     std::vector<std::uint16_t> hb(std::size_t(M) * N), db(hb.size());
     std::memcpy(hb.data(), hc.ref().data, hb.size() * 2);
     tw.dev->copy_to_host(db.data(), dc.ref());
@@ -504,9 +510,8 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
     EXPECT_EQ(far, 0) << "fp32 operands into a bf16 out";
     std::unique_ptr<Backend> tf32{loom_cuda_create(0, 1)};
     auto c = tw.make(std::vector<float>(std::size_t(M) * N, 0.0f));
-    tw.host->matmul(BufferRef(c.h, c.n), BufferRef(a.h, a.n), BufferRef(b.h, b.n), M, N, K, false, false);
-    tf32->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device),
-                 BufferRef(b.d, b.n, MemSpace::device), M, N, K, false, false);
+    tw.host->matmul(c.h, a.h, b.h, M, N, K, false, false);
+    tf32->matmul(c.d, a.d, b.d, M, N, K, false, false);
     tf32->synchronize();
     const double e = tw.err(c);
     EXPECT_LT(e, 3e-3) << "TF32: 10-bit mantissa products";
@@ -515,8 +520,7 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
     for (const DType precision : {DType::f32, DType::bf16}) {
       std::unique_ptr<Backend> autod{loom_cuda_create(0, 2)};
       autod->set_precision({precision});
-      autod->matmul(BufferRef(c.d, c.n, MemSpace::device), BufferRef(a.d, a.n, MemSpace::device),
-                    BufferRef(b.d, b.n, MemSpace::device), M, N, K, false, false);
+      autod->matmul(c.d, a.d, b.d, M, N, K, false, false);
       autod->synchronize();
       const double ea = tw.err(c);
       if (precision == DType::f32)
@@ -528,18 +532,17 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
   std::vector<float> with_nan = randn(1000, 4);
   with_nan[517] = std::numeric_limits<float>::quiet_NaN();
   auto t0 = tw.make(randn(5000, 5)), t1 = tw.make(with_nan);
-  const loom::NormCheck h = tw.host->sq_norm_check({BufferRef(t0.h, t0.n)});
-  const loom::NormCheck d = tw.dev->sq_norm_check({BufferRef(t0.d, t0.n, MemSpace::device)});
+  const loom::NormCheck h = tw.host->sq_norm_check({t0.h});
+  const loom::NormCheck d = tw.dev->sq_norm_check({t0.d});
   EXPECT_NEAR(d.sum_squares, h.sum_squares, 1e-6 * h.sum_squares);
   EXPECT_TRUE(d.all_finite);
-  const loom::NormCheck bad =
-      tw.dev->sq_norm_check({BufferRef(t0.d, t0.n, MemSpace::device), BufferRef(t1.d, t1.n, MemSpace::device)});
+  const loom::NormCheck bad = tw.dev->sq_norm_check({t0.d, t1.d});
   EXPECT_FALSE(bad.all_finite);
   EXPECT_EQ(bad.first_nonfinite, 1);
-  tw.host->scale(BufferRef(t0.h, t0.n), 0.25);
-  tw.dev->scale(BufferRef(t0.d, t0.n, MemSpace::device), 0.25);
+  tw.host->scale(t0.h, 0.25);
+  tw.dev->scale(t0.d, 0.25);
   EXPECT_EQ(tw.dev_of(t0), tw.host_of(t0));
-  EXPECT_THROW(tw.dev->cast(BufferRef(t0.h, t0.n), BufferRef(t0.d, t0.n, MemSpace::device)), std::invalid_argument)
+  EXPECT_THROW(tw.dev->cast(t0.h, t0.d), std::invalid_argument)
       << "a host buffer given to the cuda back end is refused";
 }
 
@@ -580,26 +583,27 @@ void run(int B, int T, int C, int NH, float spread, bool bf16_out) {
         C / NH, loom::cuda::flash_attention_shared_bytes(C / NH), optin);
     return;
   }
-  loom::cuda::attention_forward_flash(out.d, lse.d, qkv.d, B, T, C, NH, nullptr);
+  loom::cuda::attention_forward_flash(out.d.as<float>(), lse.d.as<float>(), qkv.d.as<float>(), B, T, C, NH, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<float> out_v = device_to_host(tw, out.d, n);
-  BufferRef saved(out.d, std::int64_t(n), MemSpace::device);
+  std::vector<float> out_v = device_to_host(tw, out.d.as<float>(), n);
+  BufferRef saved = out.d;
   std::vector<loom::bf16> out16(n);
   if (bf16_out) {
     for (std::size_t i = 0; i < n; ++i) out16[i] = loom::to_bf16(out_v[i]);
     auto [h16, d16] = tw.both(out16);
     (void)h16;
-    saved = BufferRef(d16, std::int64_t(n), MemSpace::device);
+    saved = d16;
   }
-  loom::cuda::attention_backward_flash(dqkv.d, dsum.d, dout.d, saved, qkv.d, lse.d, B, T, C, NH, nullptr);
+  loom::cuda::attention_backward_flash(dqkv.d.as<float>(), dsum.d.as<float>(), dout.d.as<float>(), saved,
+                                       qkv.d.as<float>(), lse.d.as<float>(), B, T, C, NH, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto ref =
       loom::test::attention_reference(loom::test::bf16_rounded(qkv_v), loom::test::bf16_rounded(dout_v), B, T, C, NH);
-  const auto dqkv_v = device_to_host(tw, dqkv.d, n3);
+  const auto dqkv_v = device_to_host(tw, dqkv.d.as<float>(), n3);
   for (float x : dqkv_v) ASSERT_TRUE(std::isfinite(x)) << "an element of dqkv not written or not finite";
   const std::string what = "hs " + std::to_string(C / NH) + " T " + std::to_string(T) + (bf16_out ? " (bf16 out)" : "");
   EXPECT_LT(loom::test::relative_gap(out_v, ref.out), 5e-3) << what;
-  EXPECT_LT(loom::test::relative_gap(device_to_host(tw, lse.d, nr), ref.lse), 5e-3) << what;
+  EXPECT_LT(loom::test::relative_gap(device_to_host(tw, lse.d.as<float>(), nr), ref.lse), 5e-3) << what;
   std::vector<bool> part(n3);  // q, k, v gradients apart, with the emulator test's bounds
   const double bound[3] = {1e-2, 1e-2, 5e-3};
   const char* name[3] = {"dq", "dk", "dv"};
@@ -645,8 +649,8 @@ TEST(CudaBackend, FusedAttentionMatchesTheHostTwin) {
     tw.dev->attention_forward_flash(out.d, lse.d, qkv.d, B, T, C, NH);
     auto saved_h = tw.host->allocate("saved", saved_type, std::int64_t(n), Mem::workspace);
     auto saved_d = tw.dev->allocate("saved", saved_type, std::int64_t(n), Mem::workspace);
-    tw.host->cast(saved_h.ref(), BufferRef(out.h, std::int64_t(n)));
-    tw.dev->cast(saved_d.ref(), BufferRef(out.d, std::int64_t(n), MemSpace::device));
+    tw.host->cast(saved_h.ref(), out.h);
+    tw.dev->cast(saved_d.ref(), out.d);
     tw.host->attention_backward_flash(dqkv.h, dsum.h, dout.h, saved_h.ref(), qkv.h, lse.h, B, T, C, NH);
     tw.dev->attention_backward_flash(dqkv.d, dsum.d, dout.d, saved_d.ref(), qkv.d, lse.d, B, T, C, NH);
     tw.dev->synchronize();
@@ -677,12 +681,13 @@ TEST(CudaBackend, FusedAttentionFromUnalignedInputsGivesTheSameBits) {
     auto qkv = tw.make(q), dout = tw.make(g);
     auto out = tw.zeros(std::int64_t(n)), lse = tw.zeros(std::int64_t(nr)), dsum = tw.zeros(std::int64_t(nr));
     auto dqkv = tw.make(std::vector<float>(n3, std::nanf("")));
-    tw.dev->attention_forward_flash(out.d, lse.d, qkv.d + offset, B, T, C, NH);
-    tw.dev->attention_backward_flash(dqkv.d, dsum.d, dout.d + offset,
-                                     BufferRef(out.d, std::int64_t(n), MemSpace::device), qkv.d + offset, lse.d, B, T,
-                                     C, NH);
+    const std::int64_t at = std::int64_t(offset);
+    tw.dev->attention_forward_flash(out.d, lse.d, qkv.d.slice(at, std::int64_t(n3)), B, T, C, NH);
+    tw.dev->attention_backward_flash(dqkv.d, dsum.d, dout.d.slice(at, std::int64_t(n)), out.d,
+                                     qkv.d.slice(at, std::int64_t(n3)), lse.d, B, T, C, NH);
     tw.dev->synchronize();
-    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(qkv.d + offset) % 16 == 0, offset == 0) << "the buffers' alignment";
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(qkv.d.slice(at, 1).data) % 16 == 0, offset == 0)
+        << "the buffers' alignment";
     std::vector<float> all = tw.dev_of(out), more = tw.dev_of(lse), grads = tw.dev_of(dqkv);
     all.insert(all.end(), more.begin(), more.end());
     all.insert(all.end(), grads.begin(), grads.end());

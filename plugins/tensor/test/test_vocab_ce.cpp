@@ -25,6 +25,12 @@ int world_size() {
 }
 }  // namespace
 
+// A host vector as the typed buffer a back-end operation takes.
+template <class T>
+loom::BufferRef buf(const std::vector<T>& v) {
+  return loom::BufferRef(v.data(), static_cast<std::int64_t>(v.size()));
+}
+
 TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
   const int tp = world_size();
   const int N = 37, V = 192;  // V divisible by 1, 2 and 4
@@ -60,16 +66,16 @@ TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
     targets[1] = 0;      // the first rank's slice
 
     std::vector<float> losses_ref(N), probs_ref(logits.size()), dref(logits.size());
-    backend->crossentropy_forward(losses_ref.data(), probs_ref.data(), logits.data(), targets.data(), N, V);
-    backend->crossentropy_backward(dref.data(), probs_ref.data(), targets.data(), 0.5f, N, V, 0);
+    backend->crossentropy_forward(buf(losses_ref), buf(probs_ref), buf(logits), buf(targets), N, V);
+    backend->crossentropy_backward(buf(dref), buf(probs_ref), buf(targets), 0.5f, N, V, 0);
 
     const int Vl = V / tp, begin = part->rank() * Vl;
     std::vector<float> local(static_cast<std::size_t>(N) * Vl), losses(N), probs(local.size()), dlocal(local.size());
     for (int r = 0; r < N; ++r)
       for (int v = 0; v < Vl; ++v)
         local[static_cast<std::size_t>(r) * Vl + v] = logits[static_cast<std::size_t>(r) * V + begin + v];
-    part->crossentropy_forward(*backend, losses.data(), probs.data(), local.data(), targets.data(), N, Vl, begin);
-    part->crossentropy_backward(*backend, dlocal.data(), probs.data(), targets.data(), 0.5f, N, Vl, begin);
+    part->crossentropy_forward(*backend, buf(losses), buf(probs), buf(local), buf(targets), N, Vl, begin);
+    part->crossentropy_backward(*backend, buf(dlocal), buf(probs), buf(targets), 0.5f, N, Vl, begin);
     for (int r = 0; r < N; ++r) {
       EXPECT_NEAR(losses[r], losses_ref[r], 2e-6 * std::max(1.0f, std::abs(losses_ref[r]))) << "row " << r;
       for (int v = 0; v < Vl; ++v) {
