@@ -559,24 +559,28 @@ class Memo {
     return bubble_s;
   }
 
+  // The candidates for the bottleneck: what does not shrink with more devices, largest first.
+  struct Loss {
+    std::string what;
+    double seconds;
+  };
+  std::vector<Loss> fixed_losses(const std::map<std::string, double>& exposed_by_group, double bubble_s) const {
+    std::vector<Loss> losses;
+    if (bubble_s > 0) losses.push_back({"bubble", bubble_s});
+    for (const auto& [g, sec] : exposed_by_group) losses.push_back({g, sec});
+    // Every dp rank updates all it holds where no strategy splits the state (Prediction::zero_stage).
+    if (chosen_.p.zero_stage == 0 && chosen_.v.dp > 1) losses.push_back({"optimizer", chosen_.p.time.optimizer_s});
+    std::sort(losses.begin(), losses.end(), [](const Loss& a, const Loss& b) { return a.seconds > b.seconds; });
+    return losses;
+  }
+
   void bottleneck() {
     const Variant& v = chosen_.v;
     const TimePrediction& t = chosen_.p.time;
     s_ << "## 5. The first bottleneck to perfect scaling, and what to try first\n\n";
     const std::map<std::string, double> exposed_by_group(t.comm_exposed_by_group.begin(),
                                                          t.comm_exposed_by_group.end());
-    const double bubble_s = step_parts(exposed_by_group);
-    // The candidates for the bottleneck: what does not shrink with more devices.
-    struct Loss {
-      std::string what;
-      double seconds;
-    };
-    std::vector<Loss> losses;
-    if (bubble_s > 0) losses.push_back({"bubble", bubble_s});
-    for (const auto& [g, sec] : exposed_by_group) losses.push_back({g, sec});
-    // Every dp rank updates all it holds where no strategy splits the state (Prediction::zero_stage).
-    if (chosen_.p.zero_stage == 0 && v.dp > 1) losses.push_back({"optimizer", t.optimizer_s});
-    std::sort(losses.begin(), losses.end(), [](const Loss& a, const Loss& b) { return a.seconds > b.seconds; });
+    const std::vector<Loss> losses = fixed_losses(exposed_by_group, step_parts(exposed_by_group));
     if (have_small_) {
       const double ideal = small_.p.time.step_s * small_devices_ / o_.devices;
       s_ << "Perfect scaling from " << small_devices_ << " devices would make the step " << ms(ideal)
