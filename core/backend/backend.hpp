@@ -85,8 +85,9 @@ class Backend : public BackendFace {
   // on this back end's memory. What they compute, by group:
   //
   // encoder_*: wte holds vocabulary rows [vocab_begin, vocab_end) (all of them without tensor
-  // parallelism). layernorm_*, matmul_* (out = inp weight^T + bias; bias and dbias may be empty),
-  // bias_*, attention_* (causal, att the [B,NH,T,T] probabilities), gelu_*: the model's layers, as
+  // parallelism). layernorm_* (residual_layernorm_forward: residual = a + b, then out = LayerNorm(residual),
+  // bit for bit residual_forward then layernorm_forward), matmul_* (out = inp weight^T + bias; bias and dbias may be
+  // empty), bias_*, attention_* (causal, att the [B,NH,T,T] probabilities), gelu_*: the model's layers, as
   // core/backend/kernels.hpp computes them on the host. adamw_update on fp32.
   // The products take typed operands: `inp` and `weight` (and the gradient `dout`) are fp32, rounded
   // to the precision's matmul type here, or already of that type (a 16-bit compute copy of the

@@ -77,6 +77,10 @@
      (BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp, BufferRef weight,             \
       BufferRef mean, BufferRef rstd, int N, int C),                                                                   \
      (dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C))                                                      \
+  OP(void, residual_layernorm_forward,                                                                                 \
+     (BufferRef residual, BufferRef out, BufferRef mean, BufferRef rstd, BufferRef a, BufferRef b, BufferRef weight,   \
+      BufferRef bias, int N, int C),                                                                                   \
+     (residual, out, mean, rstd, a, b, weight, bias, N, C))                                                            \
   OP(void, matmul_forward, (BufferRef out, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C, int OC),     \
      (out, inp, weight, bias, N, C, OC))                                                                               \
   OP(void, bias_add, (BufferRef out, BufferRef bias, int N, int OC), (out, bias, N, OC))                               \

@@ -18,8 +18,9 @@ namespace loom {
 // 6: Backend::topk_*; 7: Backend::plan_workspace, ring_scratch_pools, topk_scratch_bytes;
 // 8: loom_cuda_device_uuids; 9: Backend's operations from one list (core/backend/backend_ops.hpp),
 // last in the vtable, the defaulted ones before them; 10: BackendFace first (the plugin face,
-// LOOM_FACE_OPS), then the rest of Backend; 11: every operation's tensors typed BufferRefs.
-#define LOOM_CUDA_ABI_VERSION 11
+// LOOM_FACE_OPS), then the rest of Backend; 11: every operation's tensors typed BufferRefs;
+// 12: residual_layernorm_forward.
+#define LOOM_CUDA_ABI_VERSION 12
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

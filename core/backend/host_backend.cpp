@@ -95,6 +95,13 @@ class HostBackend final : public Backend {
     k::layernorm_forward(out.as<float>(NC), mean.as<float>(N), rstd.as<float>(N), inp.as<const float>(NC),
                          weight.as<const float>(C), bias.as<const float>(C), N, C);
   }
+  void residual_layernorm_forward(BufferRef residual, BufferRef out, BufferRef mean, BufferRef rstd, BufferRef a,
+                                  BufferRef b, BufferRef weight, BufferRef bias, int N, int C) override {
+    const std::int64_t NC = std::int64_t(N) * C;
+    k::residual_layernorm_forward(residual.as<float>(NC), out.as<float>(NC), mean.as<float>(N), rstd.as<float>(N),
+                                  a.as<const float>(NC), b.as<const float>(NC), weight.as<const float>(C),
+                                  bias.as<const float>(C), N, C);
+  }
   void layernorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                           BufferRef weight, BufferRef mean, BufferRef rstd, int N, int C) override {
     const std::int64_t NC = std::int64_t(N) * C;

@@ -230,28 +230,52 @@ void encoder_backward(T* dwte, T* dwpe,         // [V or V/tp, C] (+=), [T,C] (+
 // ---------------------------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps 1e-5 (as GPT-2 and torch.nn.LayerNorm).
 
+// One row of LayerNorm forward: two passes for the mean and the (biased) variance, then the output.
+template <class T, class Acc>
+inline void layernorm_row(T* o, Acc& mean, Acc& rstd, const T* x, const T* weight, const T* bias, int C) {
+  Acc m = 0;
+  for (int c = 0; c < C; ++c) m += to_acc<Acc>(x[c]);
+  m /= C;
+  Acc v = 0;
+  for (int c = 0; c < C; ++c) {
+    const Acc xc = to_acc<Acc>(x[c]);
+    v += (xc - m) * (xc - m);
+  }
+  v /= C;
+  const Acc s = math::layernorm_rstd(v);
+  for (int c = 0; c < C; ++c)
+    o[c] = from_acc<T>(math::layernorm_out(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), to_acc<Acc>(bias[c])));
+  mean = m;
+  rstd = s;
+}
+
 template <class T, class Acc = acc_type_t<T>>
 void layernorm_forward(T* out, Acc* mean, Acc* rstd,                  // [N,C], [N], [N]
                        const T* inp, const T* weight, const T* bias,  // [N,C], [C], [C]
                        int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
   Kokkos::parallel_for("LayerNorm::forward", Range(0, N), [=](int n) {
-    const T* x = inp + static_cast<std::int64_t>(n) * C;
-    Acc m = 0;
-    for (int c = 0; c < C; ++c) m += to_acc<Acc>(x[c]);
-    m /= C;
-    Acc v = 0;
-    for (int c = 0; c < C; ++c) {
-      const Acc xc = to_acc<Acc>(x[c]);
-      v += (xc - m) * (xc - m);
-    }
-    v /= C;
-    const Acc s = math::layernorm_rstd(v);
-    T* o = out + static_cast<std::int64_t>(n) * C;
-    for (int c = 0; c < C; ++c)
-      o[c] = from_acc<T>(math::layernorm_out(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), to_acc<Acc>(bias[c])));
-    mean[n] = m;
-    rstd[n] = s;
+    const std::int64_t at = static_cast<std::int64_t>(n) * C;
+    layernorm_row(out + at, mean[n], rstd[n], inp + at, weight, bias, C);
+  });
+}
+
+// residual = a + b, then out = LayerNorm(residual), row by row: the sum is normalised while its row
+// is in cache, where residual_forward and layernorm_forward pass over it twice. The same values as
+// the two, bit for bit (the same arithmetic in the same order).
+template <class T, class Acc = acc_type_t<T>>
+void residual_layernorm_forward(T* residual, T* out, Acc* mean, Acc* rstd,  // [N,C], [N,C], [N], [N]
+                                const T* a, const T* b,                     // [N,C], [N,C]
+                                const T* weight, const T* bias,             // [C], [C]
+                                int N, int C) {
+  static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
+  Kokkos::parallel_for("ResidualLayerNorm::forward", Range(0, N), [=](int n) {
+    const std::int64_t at = static_cast<std::int64_t>(n) * C;
+    T* r = residual + at;
+    const T* x = a + at;
+    const T* y = b + at;
+    for (int c = 0; c < C; ++c) r[c] = from_acc<T>(to_acc<Acc>(x[c]) + to_acc<Acc>(y[c]));
+    layernorm_row(out + at, mean[n], rstd[n], static_cast<const T*>(r), weight, bias, C);
   });
 }
 

@@ -254,6 +254,14 @@ class CudaBackend final : public Backend {
     cuda::layernorm_forward(dev<float>(out, NC), dev<float>(mean, N), dev<float>(rstd, N), dev<const float>(inp, NC),
                             dev<const float>(weight, C), dev<const float>(bias, C), N, C, stream_);
   }
+  void residual_layernorm_forward(BufferRef residual, BufferRef out, BufferRef mean, BufferRef rstd, BufferRef a,
+                                  BufferRef b, BufferRef weight, BufferRef bias, int N, int C) override {
+    Timed timed(this, "residual_layernorm_forward");
+    const std::int64_t NC = std::int64_t(N) * C;
+    cuda::residual_layernorm_forward(dev<float>(residual, NC), dev<float>(out, NC), dev<float>(mean, N),
+                                     dev<float>(rstd, N), dev<const float>(a, NC), dev<const float>(b, NC),
+                                     dev<const float>(weight, C), dev<const float>(bias, C), N, C, stream_);
+  }
   void layernorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                           BufferRef weight, BufferRef mean, BufferRef rstd, int N, int C) override {
     Timed timed(this, "layernorm_backward");

@@ -66,6 +66,11 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
   layer::layernorm_forward(OnStream{stream}, out, mean, rstd, inp, weight, bias, N, C);
 }
 
+void residual_layernorm_forward(float* residual, float* out, float* mean, float* rstd, const float* a, const float* b,
+                                const float* weight, const float* bias, int N, int C, cudaStream_t stream) {
+  layer::residual_layernorm_forward(OnStream{stream}, residual, out, mean, rstd, a, b, weight, bias, N, C);
+}
+
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t stream) {
   layer::layernorm_backward(OnStream{stream}, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);

@@ -64,6 +64,18 @@ void layernorm_forward(float* out,           // [N,C]
                        const float* bias,    // [C]
                        int N, int C, cudaStream_t stream);
 
+// residual = a + b, then out = LayerNorm(residual): residual_forward then layernorm_forward, bit for
+// bit, in one kernel.
+void residual_layernorm_forward(float* residual,      // [N,C]
+                                float* out,           // [N,C]
+                                float* mean,          // [N]
+                                float* rstd,          // [N]
+                                const float* a,       // [N,C]
+                                const float* b,       // [N,C]
+                                const float* weight,  // [C]
+                                const float* bias,    // [C]
+                                int N, int C, cudaStream_t stream);
+
 void layernorm_backward(float* dinp,          // [N,C] (+=)
                         float* dweight,       // [C] (+=)
                         float* dbias,         // [C] (+=)

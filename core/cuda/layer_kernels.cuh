@@ -184,6 +184,25 @@ void encoder_backward(Launch&& launch, float* dwte, float* dwpe, const float* do
 
 // One warp per row: mean, then the sum of squared deviations (two passes, as the host), then the
 // normalised output. The row is re-read from L1/L2 rather than held in registers (C is runtime).
+// Each lane reads columns lane, lane + 32, ...: the ones it wrote, where a fused kernel wrote x.
+LOOM_DEVICE void layernorm_row(float* o, float* mean, float* rstd, const float* x, const float* weight,
+                               const float* bias, int C, int lane) {
+  float s = 0.0f;
+  for (int c = lane; c < C; c += kWarp) s += x[c];
+  const float m = warp_reduce(s, SumOp{}) / static_cast<float>(C);
+  float v = 0.0f;
+  for (int c = lane; c < C; c += kWarp) {
+    const float xc = x[c] - m;
+    v += xc * xc;
+  }
+  const float r = math::layernorm_rstd(warp_reduce(v, SumOp{}) / static_cast<float>(C));
+  for (int c = lane; c < C; c += kWarp) o[c] = math::layernorm_out(x[c], m, r, weight[c], bias[c]);
+  if (lane == 0) {
+    *mean = m;
+    *rstd = r;
+  }
+}
+
 LOOM_KERNEL void layernorm_forward_kernel(float* out,           // [N,C]
                                           float* mean,          // [N]
                                           float* rstd,          // [N]
@@ -192,23 +211,29 @@ LOOM_KERNEL void layernorm_forward_kernel(float* out,           // [N,C]
                                           const float* bias,    // [C]
                                           int N, int C) {
   const int lane = lane_id();
+  for (std::int64_t n = global_warp(); n < N; n += grid_warps())
+    layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C, lane);
+}
+
+// residual = a + b, then LayerNorm of it, one warp per row: each lane writes its columns of the sum
+// and reads them back in layernorm_row (its own writes: no synchronisation), so the values are those
+// of residual_forward_kernel then layernorm_forward_kernel, bit for bit, in one pass fewer.
+LOOM_KERNEL void residual_layernorm_forward_kernel(float* residual,      // [N,C]
+                                                   float* out,           // [N,C]
+                                                   float* mean,          // [N]
+                                                   float* rstd,          // [N]
+                                                   const float* a,       // [N,C]
+                                                   const float* b,       // [N,C]
+                                                   const float* weight,  // [C]
+                                                   const float* bias,    // [C]
+                                                   int N, int C) {
+  const int lane = lane_id();
   for (std::int64_t n = global_warp(); n < N; n += grid_warps()) {
-    const float* x = inp + n * C;
-    float s = 0.0f;
-    for (int c = lane; c < C; c += kWarp) s += x[c];
-    const float m = warp_reduce(s, SumOp{}) / static_cast<float>(C);
-    float v = 0.0f;
-    for (int c = lane; c < C; c += kWarp) {
-      const float xc = x[c] - m;
-      v += xc * xc;
-    }
-    const float r = math::layernorm_rstd(warp_reduce(v, SumOp{}) / static_cast<float>(C));
-    float* o = out + n * C;
-    for (int c = lane; c < C; c += kWarp) o[c] = math::layernorm_out(x[c], m, r, weight[c], bias[c]);
-    if (lane == 0) {
-      mean[n] = m;
-      rstd[n] = r;
-    }
+    float* r = residual + n * C;
+    const float* x = a + n * C;
+    const float* y = b + n * C;
+    for (int c = lane; c < C; c += kWarp) r[c] = x[c] + y[c];
+    layernorm_row(out + n * C, mean + n, rstd + n, r, weight, bias, C, lane);
   }
 }
 
@@ -298,6 +323,15 @@ void layernorm_forward(Launch&& launch, float* out, float* mean, float* rstd, co
   const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
   launch("layernorm_forward_kernel", g.blocks, g.threads, 0, layernorm_forward_kernel, out, mean, rstd, inp, weight,
          bias, N, C);
+}
+
+template <class Launch>
+void residual_layernorm_forward(Launch&& launch, float* residual, float* out, float* mean, float* rstd, const float* a,
+                                const float* b, const float* weight, const float* bias, int N, int C) {
+  if (N <= 0) return;
+  const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
+  launch("residual_layernorm_forward_kernel", g.blocks, g.threads, 0, residual_layernorm_forward_kernel, residual, out,
+         mean, rstd, a, b, weight, bias, N, C);
 }
 
 template <class Launch>

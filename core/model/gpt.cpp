@@ -499,9 +499,8 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   be_.matmul_forward(s.partial, a.atty, w.mprojw, {}, N, Cl, C);  // [N,C] partial sum
   BufferRef y = part_->reduce_partial(s.partial, s.local, N, C);  // [Nl,C]
   be_.bias_add(y, w.projb, Nl, C);
-  be_.residual_forward(a.xmid, x, y, static_cast<std::int64_t>(Nl) * C);
-  // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection
-  be_.layernorm_forward(produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, a.xmid, w.ln2w, w.ln2b, Nl, C);
+  // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection, on ln2(xmid = x + y)
+  be_.residual_layernorm_forward(a.xmid, produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, x, y, w.ln2w, w.ln2b, Nl, C);
   keep(a.ln2, s.local, NlC);
   be_.matmul_forward(a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C, Fl);  // [N,Fl]
   be_.gelu_forward(produce(a.fch_gelu, s.dfch_gelu), a.fch, NFl);

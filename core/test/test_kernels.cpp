@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -194,6 +195,29 @@ struct LayerNormProblem {
   }
 };
 }  // namespace
+
+// The fused residual add + LayerNorm (the model's xmid = x + y, ln2(xmid)) gives the sum and the
+// normalised rows of the two kernels it replaces, bit for bit, in fp32 and in fp64.
+template <class T>
+void check_residual_layernorm() {
+  const Vec a = randn(static_cast<std::size_t>(kN) * kC, 25, 1.5, 0.7), b = randn(a.size(), 26),
+            w = randn(kC, 27, 0.5, 1.0), bias = randn(kC, 28, 0.5);
+  const std::vector<T> at(a.begin(), a.end()), bt(b.begin(), b.end()), wt(w.begin(), w.end()),
+      biast(bias.begin(), bias.end());
+  std::vector<T> sum(a.size()), out(a.size()), mean(kN), rstd(kN), fsum(a.size()), fout(a.size()), fmean(kN), frstd(kN);
+  k::residual_forward(sum.data(), at.data(), bt.data(), static_cast<std::int64_t>(a.size()));
+  k::layernorm_forward(out.data(), mean.data(), rstd.data(), sum.data(), wt.data(), biast.data(), kN, kC);
+  k::residual_layernorm_forward(fsum.data(), fout.data(), fmean.data(), frstd.data(), at.data(), bt.data(), wt.data(),
+                                biast.data(), kN, kC);
+  EXPECT_EQ(std::memcmp(sum.data(), fsum.data(), sum.size() * sizeof(T)), 0) << "the residual";
+  EXPECT_EQ(std::memcmp(out.data(), fout.data(), out.size() * sizeof(T)), 0) << "the normalised rows";
+  EXPECT_EQ(std::memcmp(mean.data(), fmean.data(), mean.size() * sizeof(T)), 0) << "the means";
+  EXPECT_EQ(std::memcmp(rstd.data(), frstd.data(), rstd.size() * sizeof(T)), 0) << "the reciprocal deviations";
+}
+TEST(Kernels, ResidualLayerNormIsResidualThenLayerNormBitForBit) {
+  check_residual_layernorm<float>();
+  check_residual_layernorm<double>();
+}
 
 TEST(Kernels, LayerNormForwardNormalises) {
   LayerNormProblem p;

@@ -119,6 +119,22 @@ TEST(CudaBackend, EncoderForwardAndBackward) {
   EXPECT_EQ(tw.dev_of(dwpe), tw.host_of(dwpe));
 }
 
+// The fused residual add + LayerNorm against the host's: the sum exactly, the rows as LayerNorm's.
+TEST(CudaBackend, ResidualLayerNormForward) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int N = 75, C = 96;
+  auto a = tw.make(randn(std::size_t(N) * C, 11, 2.0f)), b = tw.make(randn(std::size_t(N) * C, 12));
+  auto w = tw.make(randn(C, 13)), bias = tw.make(randn(C, 14));
+  auto sum = tw.zeros(std::int64_t(N) * C), out = tw.zeros(std::int64_t(N) * C), mean = tw.zeros(N), rstd = tw.zeros(N);
+  tw.host->residual_layernorm_forward(sum.h, out.h, mean.h, rstd.h, a.h, b.h, w.h, bias.h, N, C);
+  tw.dev->residual_layernorm_forward(sum.d, out.d, mean.d, rstd.d, a.d, b.d, w.d, bias.d, N, C);
+  EXPECT_EQ(tw.dev_of(sum), tw.host_of(sum)) << "the residual";
+  EXPECT_LT(tw.err(out), kTol);
+  EXPECT_LT(tw.err(mean), kTol);
+  EXPECT_LT(tw.err(rstd), kTol);
+}
+
 TEST(CudaBackend, LayerNormForwardAndBackward) {
   REQUIRE_GPU();
   Twins tw;

@@ -128,6 +128,27 @@ TEST(LayerKernelsEmu, EncoderForwardAndBackwardAreTheHostsBitForBit) {
   EXPECT_EQ(from_bits<float>(got[1]), dwpe);
 }
 
+// The fused residual add + LayerNorm kernel: the residual and LayerNorm kernels it replaces, bit
+// for bit, in every schedule the emulator runs.
+TEST(LayerKernelsEmu, ResidualLayerNormIsTheTwoKernelsBitForBit) {
+  const int N = 19, C = 37;  // C: lanes with two columns, lanes with one
+  const auto a = randn(std::size_t(N) * C, 11, 2.0f), b = randn(std::size_t(N) * C, 12), w = randn(C, 13),
+             bias = randn(C, 14);
+  const Bits fused = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<float> r(a.size()), o(a.size()), m(N), s(N);
+    layer::residual_layernorm_forward(launch, r.data(), o.data(), m.data(), s.data(), a.data(), b.data(), w.data(),
+                                      bias.data(), N, C);
+    return Bits{bits_of(r), bits_of(o), bits_of(m), bits_of(s)};
+  });
+  const Bits apart = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<float> r(a.size()), o(a.size()), m(N), s(N);
+    layer::residual_forward(launch, r.data(), a.data(), b.data(), std::int64_t(a.size()));
+    layer::layernorm_forward(launch, o.data(), m.data(), s.data(), r.data(), w.data(), bias.data(), N, C);
+    return Bits{bits_of(r), bits_of(o), bits_of(m), bits_of(s)};
+  });
+  EXPECT_EQ(fused, apart);
+}
+
 TEST(LayerKernelsEmu, LayerNormForwardAndBackward) {
   const int N = 19, C = 37;  // C: a partial last tile of columns, and lanes without a column
   const auto inp = randn(std::size_t(N) * C, 1, 2.0f), w = randn(C, 2), b = randn(C, 3),
