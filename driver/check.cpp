@@ -17,6 +17,7 @@
 #include "core/base/error.hpp"
 #include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
+#include "driver/memory_check.hpp"
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"
 #include "io/llmc.hpp"
@@ -114,11 +115,14 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
   check_writable_dir(deck.get_string("run.dir"), "run.dir = " + deck.get_string("run.dir"));
   check_writable_dir(dir, named);
   check_resume(deck.get_string("checkpoint.resume"), dir, plan.model, deck.get_bool("run.overwrite"));
+  // As `loom run` sees it on this node, the job's ranks placed here as MPI places this check's.
+  const MemoryVerdict memory = memory_verdict(deck, registry, ranks_on_this_node());
+  if (!memory.fits) refuse_if_out_of_memory(deck, registry, ranks_on_this_node());
   if (rank == 0)
     std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
               << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks; "
               << threads.threads << " BLAS thread" << (threads.threads == 1 ? "" : "s") << " per rank; checkpoints in "
-              << dir << ")\n";
+              << dir << ")\n# " << memory.text << "\n";
   return 0;
 }
 

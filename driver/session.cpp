@@ -11,6 +11,7 @@
 #include "core/comm/fault.hpp"
 #include "core/model/layout_check.hpp"
 #include "core/backend/blas_core.hpp"
+#include "driver/memory_check.hpp"
 #include "io/llmc.hpp"
 #include "io/report.hpp"
 #include "io/threads.hpp"
@@ -21,7 +22,11 @@ namespace loom {
 Session::Session(const Deck& d, const StrategyRegistry& reg) : deck(d), registry(reg) {
   // Phase 1 checks everything on every rank without communicating; then the ranks agree, so that a
   // rank that alone cannot read its data never leaves the others waiting in a collective.
-  run_agreed([this] { setup_local(); });
+  const int on_node = ranks_on_this_node();
+  run_agreed([this, on_node] {
+    setup_local();
+    refuse_if_out_of_memory(deck, registry, on_node);  // before the first allocation
+  });
   setup_collective();
 }
 

@@ -248,10 +248,11 @@ std::string planned_backend(const Deck& deck, const ClusterSpec& cluster) {
   return b == "cuda" || (b == "auto" && cluster.host_link_bytes_per_s > 0) ? "cuda" : "host";
 }
 
-Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster, bool every_rank) {
-  Prediction p;
-  p.plan = plan_layout(deck, registry, -1);
-  p.backend = planned_backend(deck, cluster);
+namespace {
+// Memory: each rank of the layout built on the sizing back end (every_rank = false: the first and last
+// of each tp and dp group on every stage); the largest per category and in total. Returns the
+// model's FLOPs per token for the time prediction.
+double predict_ranks(Prediction& p, const Deck& deck, int devices_per_node, bool every_rank) {
   p.steps = deck.get_int("train.steps");
   EngineConfig ec;
   ec.micro_batches = p.plan.micro_batches;
@@ -266,7 +267,7 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
     const Layout::Coords at = l.coords_of(rank);
     if (!every_rank && at.tp != 0 && at.tp != l.tp - 1) continue;
     if (!every_rank && at.dp != 0 && at.dp != l.dp - 1) continue;
-    p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, cluster.devices_per_node, ec, fpt));
+    p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, devices_per_node, ec, fpt));
     const RankPrediction& r = p.ranks.back();
     p.zero_stage = r.state_parts_split;
     p.precision = r.precision == "f32" ? "fp32" : r.precision == "f16" ? "fp16" : r.precision;
@@ -278,6 +279,24 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
       p.worst_rank = rank;
     }
   }
+  return fpt;
+}
+}  // namespace
+
+Prediction predict_memory(const Deck& deck, const StrategyRegistry& registry, const std::string& backend,
+                          int devices_per_node) {
+  Prediction p;
+  p.plan = plan_layout(deck, registry, -1);
+  p.backend = backend;
+  predict_ranks(p, deck, devices_per_node, false);
+  return p;
+}
+
+Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster, bool every_rank) {
+  Prediction p;
+  p.plan = plan_layout(deck, registry, -1);
+  p.backend = planned_backend(deck, cluster);
+  const double fpt = predict_ranks(p, deck, cluster.devices_per_node, every_rank);
   // The step waits for its slowest rank.
   TimePrediction slowest;
   const std::vector<double> stages_busy = stage_busy(p, cluster);
