@@ -19,6 +19,7 @@
 #include "driver/commands.hpp"
 #include "driver/memory_check.hpp"
 #include "driver/session.hpp"
+#include "io/util.hpp"
 #include "io/checkpoint.hpp"
 #include "io/llmc.hpp"
 #include "io/threads.hpp"
@@ -71,16 +72,17 @@ void check_resume(const std::string& resume, const std::string& dir, const GPTCo
   std::string named = "checkpoint.resume = " + resume;
   if (resume == "latest" || resume == "auto") {
     const std::string pointer = dir + "/latest";
-    std::ifstream in(pointer);
-    if (!in) {
+    std::string name;
+    try {
+      name = read_latest_name(dir);  // a regular file naming a file of dir
+    } catch (const InputError& e) {
+      throw InputError(named + ": " + e.what());
+    }
+    if (name.empty()) {
       if (resume == "auto") return refuse_fresh_over_checkpoints(dir, resume, overwrite);
       throw InputError("checkpoint.resume = latest, but '" + pointer +
                        "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir + ")");
     }
-    std::string name;
-    std::getline(in, name);
-    if (name.empty())
-      throw InputError(named + ": '" + pointer + "' is empty: it should name a checkpoint file in " + dir);
     file = dir + "/" + name;
     named += " ('" + pointer + "' names " + name + ")";
   }
@@ -101,6 +103,9 @@ void check_resume(const std::string& resume, const std::string& dir, const GPTCo
 int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) {
   // The layout as the job that runs the deck would see it (as many ranks as it needs).
   const LayoutPlan plan = plan_layout(deck, registry, -1);
+  if (deck.get_float("train.lr_min") > deck.get_float("train.lr"))  // as the run refuses it (Session::setup_local)
+    throw InputError("train.lr_min = " + deck.values().at("train.lr_min") + " is above train.lr = " +
+                     deck.values().at("train.lr") + "; the cosine floor must be at most the peak learning rate");
   open_deck_data(deck, plan.model);
   if (!deck.get_string("model.init_from").empty()) read_init_from(deck.get_string("model.init_from"), plan.model);
   gemm_impl_from_deck(deck);

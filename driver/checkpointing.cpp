@@ -18,6 +18,7 @@
 #include "core/comm/fault.hpp"
 #include "driver/health.hpp"
 #include "driver/run_dir.hpp"
+#include "io/util.hpp"
 
 namespace fs = std::filesystem;
 
@@ -69,18 +70,11 @@ std::string list_names(const std::vector<std::string>& names, std::size_t most =
 }
 
 std::string read_latest(const std::string& dir) {
-  const std::string pointer = dir + "/latest";
-  std::error_code ec;
-  if (fs::exists(pointer, ec) && !fs::is_regular_file(pointer, ec))  // a FIFO would wait for a writer
-    throw InputError("'" + pointer + "' is not a regular file: it should be a text file naming a checkpoint in " + dir);
-  std::ifstream in(pointer);
-  if (!in)
-    throw InputError("checkpoint.resume = latest, but '" + pointer +
-                     "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir +
+  const std::string name = read_latest_name(dir);  // a regular file naming a file of dir
+  if (name.empty())
+    throw InputError("checkpoint.resume = latest, but '" + dir +
+                     "/latest' does not exist (no checkpoint was completed in checkpoint.dir = " + dir +
                      "; checkpoint.resume = auto starts fresh in that case)");
-  std::string name;
-  std::getline(in, name);
-  if (name.empty()) throw InputError("'" + pointer + "' is empty: it should name a checkpoint file in " + dir);
   return dir + "/" + name;
 }
 
@@ -127,6 +121,10 @@ Checkpointing::Checkpointing(Session& session) : s_(session) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  // A hang-up (a closed terminal or session) saves and stops as SIGTERM does, as torchrun treats it.
+  // (A nohup's SIG_IGN cannot be honoured: UCX, loaded with MPI, replaces it with its debug handler
+  // before loom starts, which is why a hang-up used to be ignored. Detach with setsid instead.)
+  sigaction(SIGHUP, &sa, nullptr);
 }
 
 void Checkpointing::prepare() {

@@ -83,7 +83,7 @@ const char* kUsage =
     "\n"
     "Launch with mpirun/srun for more ranks (mpirun -n 1 build/loom run inputs/quickstart.deck), or directly.\n"
     "--set may be repeated; later values win. Exit status: 0 done, 2 bad input (deck, data, layout), 1 failure,\n"
-    "3 stopped by SIGTERM or SIGINT after saving a checkpoint (continue with --set checkpoint.resume=auto).\n";
+    "3 stopped by SIGTERM, SIGINT or SIGHUP after saving a checkpoint (continue with --set checkpoint.resume=auto).\n";
 
 // The lines of kUsage for one command: each line "  COMMAND ..." and the lines indented under it.
 std::string command_usage(const std::string& command) {

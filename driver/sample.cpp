@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -17,6 +18,7 @@
 #include "core/comm/grid.hpp"
 #include "core/model/optimizer.hpp"
 #include "driver/commands.hpp"
+#include "io/util.hpp"
 #include "io/checkpoint.hpp"
 #include "io/llmc.hpp"
 
@@ -36,9 +38,8 @@ struct LoadedModel {
 std::string checkpoint_file(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_directory(path, ec)) return path;
-  std::ifstream in(path + "/latest");
-  std::string name;
-  if (!in || !std::getline(in, name) || name.empty())
+  const std::string name = read_latest_name(path);
+  if (name.empty())
     throw InputError(quote_path(path) +
                      " is a directory without a `latest` checkpoint: name a checkpoint file (ckpt-*.h5)");
   return path + "/" + name;
@@ -151,7 +152,25 @@ int command_sample(const SampleOptions& o) {
   return 0;
 }
 
+// ckpt llmc's OUT may replace an llm.c file, never the checkpoint it reads nor any other checkpoint.
+static void refuse_output_over_checkpoint(const std::string& checkpoint, const std::string& out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(out, ec)) return;
+  if (fs::equivalent(out, checkpoint_file(checkpoint), ec))
+    throw InputError("ckpt llmc: OUT " + quote_path(out) +
+                     " is the checkpoint it reads: writing it would destroy the checkpoint; name another file (.bin)");
+  if (fs::is_directory(out, ec)) throw InputError("ckpt llmc: OUT " + quote_path(out) + " is a directory; name a file");
+  char magic[8] = {};
+  std::ifstream in(out, std::ios::binary);
+  if (fs::is_regular_file(out, ec) && in.read(magic, 8) && std::memcmp(magic, "\x89HDF\r\n\x1a\n", 8) == 0)
+    throw InputError("ckpt llmc: OUT " + quote_path(out) +
+                     " is a checkpoint (an HDF5 file): ckpt llmc writes an llm.c model file and never over a "
+                     "checkpoint; name another file (.bin)");
+}
+
 int command_ckpt_llmc(const std::string& checkpoint, const std::string& out) {
+  refuse_output_over_checkpoint(checkpoint, out);
   LoadedModel m = load_whole(checkpoint, "ckpt llmc", 1);
   GPT& model = *m.model;
   std::map<std::string, std::vector<float>> whole;

@@ -184,6 +184,7 @@ std::int32_t le32(const unsigned char* p) {
 // Appends the tokens of one llm.c shard to `toks`.
 void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std::uint16_t>& toks) {
   const std::string what = cfg.key + " tokens file " + quote_path(path);
+  require_regular_file(path, cfg.key + " tokens file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(what + ": cannot be read (" + std::strerror(errno) + ")");
   in.seekg(0, std::ios::end);

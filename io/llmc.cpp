@@ -68,6 +68,7 @@ float bf16_to_float(std::uint16_t h) {
 
 LlmcModel read_llmc_model(const std::string& path) {
   const std::string what = "llm.c model file " + quote_path(path);
+  require_regular_file(path, "llm.c model file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(what + " cannot be opened (missing or unreadable)");
   std::int32_t h[256] = {};
@@ -213,6 +214,7 @@ void write_llmc_model(const std::string& path, const GPTConfig& cfg,
 
 std::vector<std::string> read_llmc_tokenizer(const std::string& path) {
   const std::string what = "llm.c tokenizer file " + quote_path(path);
+  require_regular_file(path, "llm.c tokenizer file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(what + " cannot be opened (missing or unreadable)");
   std::uint32_t h[256] = {};

@@ -196,6 +196,19 @@ def main():
         p, _ = c.loom("array_checksum", 1, ["checkpoint.resume=" + os.path.join(odd, "ckpt-00000016.h5")], expect=2)
         c.expect_error(p, [r"tensor /params/wte\.weight has no readable checksum attribute"])
         verify(os.path.join(c.dir, "nowhere"), 2, [r"nowhere' does not exist: name a checkpoint file or a checkpoint directory"])
+        # ckpt llmc writes an llm.c model file, never over the checkpoint it reads nor over another one
+        # (it replaced the checkpoint with the .bin, exit 0).
+        with open(ckpt4, "rb") as f:
+            before = f.read()
+        for out, said in [(ckpt4, r"is the checkpoint it reads"), (os.path.join(odd, "ckpt-00000004.h5"),
+                                                                     r"is a checkpoint \(an HDF5 file\)")]:
+            p = subprocess.run([args.loom, "ckpt", "llmc", ckpt4, out], capture_output=True, text=True, timeout=120)
+            if p.returncode != 2 or not re.search(said, p.stderr):
+                c.failures.append("ckpt llmc %s %s: exit %d, expected 2 saying /%s/: %s"
+                                  % (ckpt4, out, p.returncode, said, p.stderr.strip()[-300:]))
+        with open(ckpt4, "rb") as f:
+            if f.read() != before:
+                c.failures.append("ckpt llmc changed the checkpoint it read: " + ckpt4)
     elif name == "kill_mid_write":
         ref, _ = saved(c, 2, ["parallel.dp=2"], tag="reference")
         sets = ["parallel.dp=2", "checkpoint.every=2", "checkpoint.keep=1"]
@@ -243,6 +256,31 @@ def main():
             c.loom("reference", 1, const + upto)
             c.loom("resumed", 1, const + upto + ["checkpoint.resume=latest", "checkpoint.dir=" + ckdir])
             c.compare(c.losses(os.path.join(c.dir, "resumed")), c.losses(os.path.join(c.dir, "reference")), 0.0)
+    elif name == "sighup":
+        forever = ["train.schedule=constant", "train.steps=100000000"]
+
+        def started(rundir):
+            metrics, deadline = os.path.join(rundir, "metrics.jsonl"), time.time() + 60
+            while time.time() < deadline and (not os.path.exists(metrics) or sum(1 for _ in open(metrics)) < 3):
+                time.sleep(0.05)
+
+        # A hang-up saves and stops as SIGTERM does (UCX's debug handler took it: the run went on).
+        proc, rundir = c.loom("hungup", 1, forever, popen=True)
+        started(rundir)
+        proc.send_signal(signal.SIGHUP)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # the hang-up was ignored: the run went on
+            proc.kill()
+            out, err = proc.communicate()
+        print(out[-400:] + err)
+        if proc.returncode != 3 or "on a stop signal; stopping" not in out:
+            c.failures.append("SIGHUP: exit status %d, expected 3 after a checkpoint" % proc.returncode)
+        path = os.path.join(rundir, "summary.json")
+        summary = json.load(open(path)) if os.path.exists(path) else {}
+        if summary.get("status") != "interrupted" or summary.get("stop_signal") != signal.SIGHUP:
+            c.failures.append("summary.json after SIGHUP: status %r, stop_signal %r"
+                              % (summary.get("status"), summary.get("stop_signal")))
     else:
         sys.exit("unknown case " + name)
     return c.done(name)

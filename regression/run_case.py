@@ -13,9 +13,10 @@ A case records its deck lines and what to check, LAMMPS-style:
   "files":    files made in the run's directory before the run (bad input cases), name -> one of
                 {"text": "..."}   a file holding that text ("" for an empty file)
                 {"dir": true}     a directory
+                {"fifo": true}    a FIFO (named pipe), which no reader may wait on
                 {"llmc_shard": {"header_tokens": N, "tokens": M}}  an llm.c token shard whose
                                   header counts N tokens and which holds M (token i is i % 64)
-              "@RUN@" in "sets" stands for that directory
+              (a name may hold a folder: "checkpoints/latest"); "@RUN@" in "sets" stands for that directory
   "deck_file": the name of one of "files" to run as the deck instead of "deck"
   "timeout":  seconds before the run counts as hung (default 600)
   "check":    one of
@@ -50,8 +51,11 @@ def write_deck(path, lines):
 
 
 def make_file(path, spec):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     if spec.get("dir"):
         os.makedirs(path)
+    elif spec.get("fifo"):
+        os.mkfifo(path)
     elif "text" in spec:
         with open(path, "w") as f:
             f.write(spec["text"])
