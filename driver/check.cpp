@@ -18,6 +18,7 @@
 #include "driver/checkpointing.hpp"
 #include "driver/commands.hpp"
 #include "driver/memory_check.hpp"
+#include "driver/run_dir.hpp"
 #include "driver/session.hpp"
 #include "io/util.hpp"
 #include "io/checkpoint.hpp"
@@ -119,6 +120,8 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
   }
   check_writable_dir(deck.get_string("run.dir"), "run.dir = " + deck.get_string("run.dir"));
   check_writable_dir(dir, named);
+  refuse_if_held(deck.get_string("run.dir"), "run.dir");  // a running job holds it: the run would be refused
+  refuse_if_held(dir, "checkpoint.dir");
   check_resume(deck.get_string("checkpoint.resume"), dir, plan.model, deck.get_bool("run.overwrite"));
   // As `loom run` sees it on this node, the job's ranks placed here as MPI places this check's.
   const MemoryVerdict memory = memory_verdict(deck, registry, ranks_on_this_node());

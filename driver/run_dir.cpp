@@ -92,6 +92,28 @@ DirLock::DirLock(const std::string& dir, const std::string& key) : dir_(dir), lo
   }
 }
 
+void refuse_if_held(const std::string& dir, const std::string& key, const std::string& mine) {
+  std::error_code ec;
+  for (fs::path p = fs::weakly_canonical(dir, ec); !p.empty(); p = p.parent_path()) {
+    if (p.string() != mine && fs::exists(p / "loom.lock", ec)) {
+      const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (fd >= 0) {
+        const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+        ::close(fd);  // releases the probe
+        if (held) {
+          const std::string holder = read_small_file((p / "loom.lock").string());
+          throw InputError(
+              key + " = '" + dir + "' " +
+              (p == fs::weakly_canonical(dir, ec) ? std::string("is") : "lies inside '" + p.string() + "', which is") +
+              " in use by another loom run (" + (holder.empty() ? "its lock file is not written yet" : holder) +
+              "); one run at a time per directory: wait for it, or choose another " + key);
+        }
+      }
+    }
+    if (p == p.parent_path()) break;
+  }
+}
+
 void DirLock::abandon() {
   if (fd_ < 0) return;
   ::unlink(lock_file_.c_str());

@@ -40,6 +40,13 @@ class DirLock {
   bool created_ = false;
 };
 
+// Refuses (InputError naming `key` and the holder) when another process holds the lock of `dir` or of
+// any directory above it that holds a loom.lock (a running loom's run.dir or checkpoint.dir), `mine`
+// (a canonical path this run holds itself) excepted: a checkpoint.dir inside another run's directory
+// would share its `latest` and its keep rotation. A probe (a shared flock, released at once), for
+// directories this run does not lock itself and for `loom check`.
+void refuse_if_held(const std::string& dir, const std::string& key, const std::string& mine = "");
+
 // `path` written as `path`.tmp, flushed and synced, then renamed over `path`: readers see the old
 // file or the new one, never a part. Throws WriteError.
 void write_file_atomic(const std::string& path, const std::string& text);

@@ -243,7 +243,13 @@ void TrainingRun::lock_directories() {
     std::error_code ec;
     const fs::path run_abs = fs::weakly_canonical(s_.run_dir, ec),
                    ckpt_abs = fs::weakly_canonical(checkpoints_.dir(), ec);
-    if (ckpt_abs.parent_path() != run_abs)
+    // Compared by canonical path: run.dir = X with checkpoint.dir = X is one directory, locked once.
+    // A checkpoint.dir directly in run.dir is covered by its lock, unless another run locked it as its
+    // own checkpoint.dir; any other is locked too, and may not lie inside another running loom's
+    // directory (the two would share one `latest` and one keep rotation).
+    refuse_if_held(s_.run_dir, "run.dir", run_abs.string());  // not inside another running loom's directory
+    refuse_if_held(checkpoints_.dir(), "checkpoint.dir", run_abs.string());
+    if (ckpt_abs != run_abs && ckpt_abs.parent_path() != run_abs)
       checkpoint_lock_ = std::make_unique<DirLock>(checkpoints_.dir(), "checkpoint.dir");
   });
 }

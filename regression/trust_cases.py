@@ -27,7 +27,8 @@ CASE is one of:
                             replaces them
   resume_auto_and_at_end    checkpoint.resume = auto starts fresh, then resumes; checkpoint.at_end saves the
                             last step when train.steps is not a multiple of checkpoint.every
-  lock_one_run_per_dir      a second run in a directory in use is refused naming the holder's host and pid;
+  lock_one_run_per_dir      a second run in a directory in use is refused naming the holder's host and pid,
+                            and so are a checkpoint.dir or run.dir inside it, and loom check of it;
                             the lock goes with the holder when it is killed
   write_failure_np1, write_failure_np2  a checkpoint write that crosses a file-size limit exits 1 naming
                             the file and "File too large", no segmentation fault; earlier checkpoint intact
@@ -281,6 +282,19 @@ def case_directory(c, name):
             print(p.stderr.strip())
             c.expect(p.stderr, [r"run\.dir = '.*shared' is in use by another loom run \(host \S+ pid %d since " % holder.pid],
                      "stderr")
+            # A checkpoint.dir or a run.dir inside the holder's directory is refused (the checkpoint.dir
+            # ran, sharing the holder's `latest` and keep rotation), and loom check says the lock is held.
+            nested = ["checkpoint.dir=" + os.path.join(rundir, "checkpoints"), "checkpoint.every=1", "train.steps=2"]
+            for tag, sets, said in [("other", nested, r"checkpoint\.dir = '.*shared/checkpoints' lies inside '.*shared', "
+                                                       r"which is in use by another loom run \(host \S+ pid %d" % holder.pid),
+                                    ("shared/nested", ["train.steps=2"], r"run\.dir = '.*shared/nested' lies inside")]:
+                p, _ = c.loom(tag, 1, sets, expect=2)
+                c.expect(p.stderr, [said], "stderr")
+            cmd, _ = c.command("shared", 1, [])
+            cmd[cmd.index("run")] = "check"
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            c.check(p.returncode == 2 and "is in use by another loom run" in p.stderr,
+                    "loom check of a held run.dir: exit %d, %s" % (p.returncode, p.stderr.strip()[-200:]))
             c.check(holder.poll() is None, "the first run stopped")
             c.check(rows(rundir)[: len(before)] == before, "the refused run touched the holder's metrics")
         finally:
@@ -289,6 +303,10 @@ def case_directory(c, name):
         # Killed without a chance to clean up: the kernel released the lock, a new run may start.
         p, _ = c.loom("shared", 1, ["train.steps=2"])
         c.check(not os.path.exists(os.path.join(rundir, "loom.lock")), "loom.lock left behind after a finished run")
+        # run.dir = X with checkpoint.dir = X is one directory, locked once (it was refused as "in use",
+        # naming its own pid).
+        same = os.path.join(c.dir, "same")
+        c.loom("same", 1, ["train.steps=2", "checkpoint.dir=" + same, "checkpoint.every=1"])
 
 
 def case_write_failure(c, name):
