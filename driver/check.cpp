@@ -4,6 +4,7 @@
 // resume from. Nothing is created (a probe file in each directory the run writes in is made and
 // removed at once).
 #include <fcntl.h>
+#include <mpi.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "core/base/error.hpp"
 #include "driver/checkpointing.hpp"
@@ -123,9 +125,18 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
   refuse_if_held(deck.get_string("run.dir"), "run.dir");  // a running job holds it: the run would be refused
   refuse_if_held(dir, "checkpoint.dir");
   check_resume(deck.get_string("checkpoint.resume"), dir, plan.model, deck.get_bool("run.overwrite"));
-  // As `loom run` sees it on this node, the job's ranks placed here as MPI places this check's.
-  const MemoryVerdict memory = memory_verdict(deck, registry, ranks_on_this_node());
-  if (!memory.fits) refuse_if_out_of_memory(deck, registry, ranks_on_this_node());
+  // As `loom run` would place the job here: the ranks of this check on this node, or, checked by one
+  // process, every rank of the layout (as `mpirun -n N` on this machine places them).
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  std::vector<int> on_node = ranks_on_this_node();
+  if (world == 1)
+    for (int r = 1; r < plan.layout.ranks(); ++r) on_node.push_back(r);
+  MemoryVerdict memory;
+  run_agreed([&] {
+    memory = memory_verdict(deck, registry, on_node);
+    throw_if_out_of_memory(deck, registry, memory);
+  });
   if (rank == 0)
     std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
               << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks; "

@@ -27,6 +27,12 @@ namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
 
+// Whether SIGHUP was ignored when the executable's statics were initialised (after the libraries').
+const bool g_hangup_ignored_at_start = [] {
+  struct sigaction a {};
+  return sigaction(SIGHUP, nullptr, &a) == 0 && a.sa_handler == SIG_IGN;
+}();
+
 extern "C" void on_stop_signal(int sig) {
   if (g_stop_signal != 0) {  // the second signal: the user does not want to wait for the save
     static const char msg[] = "loom: second signal: stopping now, without saving a checkpoint\n";
@@ -121,10 +127,11 @@ Checkpointing::Checkpointing(Session& session) : s_(session) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
-  // A hang-up (a closed terminal or session) saves and stops as SIGTERM does, as torchrun treats it.
-  // (A nohup's SIG_IGN cannot be honoured: UCX, loaded with MPI, replaces it with its debug handler
-  // before loom starts, which is why a hang-up used to be ignored. Detach with setsid instead.)
-  sigaction(SIGHUP, &sa, nullptr);
+  // A hang-up (a closed terminal or session) saves and stops as SIGTERM does, as torchrun treats it,
+  // unless the process started ignoring it (nohup) and nothing changed that before main. (UCX, loaded
+  // with MPI, puts its debug handler there as the libraries load, so under UCX a nohup's ignore is
+  // not seen: detach with setsid there.)
+  if (!g_hangup_ignored_at_start) sigaction(SIGHUP, &sa, nullptr);
 }
 
 void Checkpointing::prepare() {

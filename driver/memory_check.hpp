@@ -1,9 +1,10 @@
 #pragma once
 // Memory checked before the first allocation (`loom run`, `loom export`, `loom check`): the plan's
-// largest rank (driver/plan/predict.hpp predict_memory, the sizing the allocators use) against what a
-// rank may use here: run.memory_limit when set, else this node's memory (the least of MemTotal and the
-// cgroup's limit) shared by its ranks.
+// prediction (driver/plan/predict.hpp predict_memory, the sizing the allocators use) of the ranks
+// placed on this node against what they may use here: run.memory_limit per rank when set, else this
+// node's memory (the least of MemTotal and the cgroup's limits), shared by them.
 #include <string>
+#include <vector>
 
 #include "core/engine/plugin.hpp"
 #include "io/deck.hpp"
@@ -13,23 +14,24 @@ namespace loom {
 struct MemoryVerdict {
   bool checked = false;  // false: nothing to compare with (a GPU run without run.memory_limit)
   bool fits = true;
-  double need = 0, limit = 0;  // bytes: the largest rank's peak, what a rank may use
+  double need = 0, limit = 0;  // bytes: what the node's ranks (or, with run.memory_limit, the largest) need, have
+  double per_rank = 0;         // bytes one rank may use: loom plan's device memory for a layout that fits
   std::string text;            // one line: the verdict, both numbers and where the limit came from
 };
 
-// What this node gives each of its ranks: MemTotal, or the cgroup's memory.max / memory.limit_in_bytes
-// where lower, divided by ranks_on_node; `source` says which.
-double node_memory_per_rank(int ranks_on_node, std::string* source);
+// This node's memory: MemTotal, or the least cgroup limit above this process where lower; `source` says
+// which.
+double node_memory(std::string* source);
 
-// The verdict for `deck`, its job having ranks_on_node ranks on this node. Throws InputError for a
-// deck that cannot run at all (as plan_layout does).
-MemoryVerdict memory_verdict(const Deck& deck, const StrategyRegistry& registry, int ranks_on_node);
+// The verdict for `deck` with the job's ranks `node_ranks` (world ranks, ascending) on this node.
+// Throws InputError for a deck that cannot run at all (as plan_layout does).
+MemoryVerdict memory_verdict(const Deck& deck, const StrategyRegistry& registry, const std::vector<int>& node_ranks);
 
-// Throws InputError (exit 2) when the verdict does not fit: both numbers, the largest categories, and
-// the `loom plan` command that finds a layout that fits.
-void refuse_if_out_of_memory(const Deck& deck, const StrategyRegistry& registry, int ranks_on_node);
+// Throws InputError (exit 2) for a verdict that does not fit: both numbers, the largest categories,
+// and the `loom plan` command that searches for a layout that fits.
+void throw_if_out_of_memory(const Deck& deck, const StrategyRegistry& registry, const MemoryVerdict& verdict);
 
-// The ranks of MPI_COMM_WORLD on this node (collective).
-int ranks_on_this_node();
+// The world ranks on this node, ascending (collective over MPI_COMM_WORLD).
+std::vector<int> ranks_on_this_node();
 
 }  // namespace loom

@@ -161,9 +161,10 @@ static void refuse_output_over_checkpoint(const std::string& checkpoint, const s
     throw InputError("ckpt llmc: OUT " + quote_path(out) +
                      " is the checkpoint it reads: writing it would destroy the checkpoint; name another file (.bin)");
   if (fs::is_directory(out, ec)) throw InputError("ckpt llmc: OUT " + quote_path(out) + " is a directory; name a file");
+  if (!fs::is_regular_file(out, ec)) return;  // a FIFO or a device: written as before, never opened to read
   char magic[8] = {};
   std::ifstream in(out, std::ios::binary);
-  if (fs::is_regular_file(out, ec) && in.read(magic, 8) && std::memcmp(magic, "\x89HDF\r\n\x1a\n", 8) == 0)
+  if (in.read(magic, 8) && std::memcmp(magic, "\x89HDF\r\n\x1a\n", 8) == 0)
     throw InputError("ckpt llmc: OUT " + quote_path(out) +
                      " is a checkpoint (an HDF5 file): ckpt llmc writes an llm.c model file and never over a "
                      "checkpoint; name another file (.bin)");

@@ -22,10 +22,10 @@ namespace loom {
 Session::Session(const Deck& d, const StrategyRegistry& reg) : deck(d), registry(reg) {
   // Phase 1 checks everything on every rank without communicating; then the ranks agree, so that a
   // rank that alone cannot read its data never leaves the others waiting in a collective.
-  const int on_node = ranks_on_this_node();
-  run_agreed([this, on_node] {
+  const std::vector<int> on_node = ranks_on_this_node();
+  run_agreed([this, &on_node] {
     setup_local();
-    refuse_if_out_of_memory(deck, registry, on_node);  // before the first allocation
+    throw_if_out_of_memory(deck, registry, memory_verdict(deck, registry, on_node));  // before the first allocation
   });
   setup_collective();
 }

@@ -238,6 +238,7 @@ class TrainingRun {
 void TrainingRun::lock_directories() {
   run_agreed([&] {
     if (!io_) return;
+    refuse_if_held(s_.run_dir, "run.dir");  // before DirLock creates it: a refused run leaves nothing
     run_lock_ = std::make_unique<DirLock>(s_.run_dir, "run.dir");
     namespace fs = std::filesystem;
     std::error_code ec;

@@ -123,9 +123,9 @@ void add_core_keys(DeckSchema& schema) {
                       "a fresh run may replace an earlier run's checkpoints in checkpoint.dir (they are removed "
                       "at start); otherwise such a run is refused"));
   schema.add(float_key("run.memory_limit", "0", 0, 1e9,
-                       "GiB a rank may use, checked against the plan's largest rank before the first allocation "
-                       "(0: this node's memory, the least of MemTotal and the cgroup's limit, shared by its ranks; "
-                       "a cuda or auto run is checked only when this is set)"));
+                       "GiB a rank may use, checked against the plan's prediction of each rank on this node before "
+                       "the first allocation (0: the ranks on this node share its memory, the least of MemTotal and "
+                       "the cgroup limits; a cuda or auto run is checked only when this is set)"));
   schema.add(float_key("run.peak_tflops", "0", 0, 1e6,
                        "peak TFLOP/s of one rank for the MFU figure (0: the back end's matrix-product rate, "
                        "measured at start-up)"));

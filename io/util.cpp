@@ -45,9 +45,9 @@ std::string read_latest_name(const std::string& dir) {
   if (!std::filesystem::exists(std::filesystem::symlink_status(pointer, ec))) return "";
   require_regular_file(pointer, "checkpoint pointer");
   std::ifstream in(pointer);
+  if (!in) throw InputError(quote_path(pointer) + ": cannot be read (" + std::strerror(errno) + ")");
   std::string name;
-  if (!in || !std::getline(in, name))
-    throw InputError(quote_path(pointer) + ": cannot be read (" + std::strerror(errno) + ")");
+  std::getline(in, name);  // an empty file leaves it empty
   if (name.empty()) throw InputError(quote_path(pointer) + " is empty: it should name a checkpoint file in " + dir);
   if (name.find('/') != std::string::npos || name == "." || name == "..")
     throw InputError(quote_path(pointer) + " names " + quote_path(name) +

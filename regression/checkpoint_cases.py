@@ -202,7 +202,11 @@ def main():
             before = f.read()
         for out, said in [(ckpt4, r"is the checkpoint it reads"), (os.path.join(odd, "ckpt-00000004.h5"),
                                                                      r"is a checkpoint \(an HDF5 file\)")]:
-            p = subprocess.run([args.loom, "ckpt", "llmc", ckpt4, out], capture_output=True, text=True, timeout=120)
+            try:
+                p = subprocess.run([args.loom, "ckpt", "llmc", ckpt4, out], capture_output=True, text=True, timeout=120)
+            except subprocess.TimeoutExpired:
+                c.failures.append("ckpt llmc %s %s: did not end in 120 s" % (ckpt4, out))
+                continue
             if p.returncode != 2 or not re.search(said, p.stderr):
                 c.failures.append("ckpt llmc %s %s: exit %d, expected 2 saying /%s/: %s"
                                   % (ckpt4, out, p.returncode, said, p.stderr.strip()[-300:]))

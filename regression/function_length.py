@@ -138,10 +138,11 @@ def planted(root, limit):
         shutil.copytree(os.path.join(root, "driver"), os.path.join(tmp, "driver"))
         with open(os.path.join(tmp, "driver", "planted.cpp"), "w") as f:
             f.write("int planted_long(int x) {\n" + "  x += 1;\n" * (limit + 5) + "  return x;\n}\n")
-        rc = check(tmp, limit, 3)
+        check(tmp, limit, 3)
+        caught = [f for f in scan(tmp) if f[3] == "planted_long" and f[2] > limit]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if rc == 0:
+    if not caught:
         print("FAIL: a planted %d-line function was not caught" % (limit + 7))
         return 1
     print("OK: the planted function was caught")

@@ -89,10 +89,11 @@ class Backend : public BackendFace {
   // bit for bit residual_forward then layernorm_forward), matmul_* (out = inp weight^T + bias; bias and dbias may be
   // empty), bias_*, attention_* (causal, att the [B,NH,T,T] probabilities), gelu_*: the model's layers, as
   // core/backend/kernels.hpp computes them on the host. adamw_update on fp32.
-  // The products take typed operands: `inp` and `weight` (and the gradient `dout`) are fp32, rounded
-  // to the precision's matmul type here, or already of that type (a 16-bit compute copy of the
-  // weights, a saved 16-bit activation), so a run that keeps them in 16 bits is not rounded twice.
-  // Outputs and gradients stay fp32. Throws std::invalid_argument for an operand of another type.
+  // The products take typed operands: `inp` and `weight` are fp32, rounded to the precision's matmul
+  // type here, or already of that type (a 16-bit compute copy of the weights, a saved 16-bit
+  // activation), so a run that keeps them in 16 bits is not rounded twice; the gradient `dout` is fp32
+  // (rounded here). Outputs and gradients stay fp32. Throws std::invalid_argument for an operand of
+  // another type.
 #define LOOM_DECLARE_OP(ret, name, params, args) virtual ret name params = 0;
   LOOM_BACKEND_OPS(LOOM_DECLARE_OP)
 #undef LOOM_DECLARE_OP

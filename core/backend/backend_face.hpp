@@ -81,7 +81,8 @@ class BackendFace {
   //
   // Every tensor argument is a BufferRef of the operation's element type holding at least the
   // elements its shape arguments name (an optional one, such as int8_quantize's error, may be empty);
-  // an operation throws std::invalid_argument otherwise (BufferRef::as).
+  // an operation throws otherwise (BufferRef::as: std::logic_error for the type, std::invalid_argument
+  // for the count).
   //
   // Operations on typed buffers of this back end's space. They throw std::invalid_argument for an
   // element type they do not take, a buffer in another memory space or mismatched counts.

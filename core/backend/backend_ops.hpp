@@ -11,7 +11,8 @@
 // Signatures mirror core/backend/kernels.hpp: outputs first, gradients prefixed `d`. Every tensor is a
 // typed BufferRef, never a bare pointer (an optional one, such as a bias, may be empty); shapes are the
 // int arguments, and an operand must hold at least the elements they name, of the type the operation
-// takes (BufferRef::as), or the operation throws naming both. What each one
+// takes (BufferRef::as: std::logic_error for another element type, std::invalid_argument for too few
+// elements, each naming what it found and what was needed). What each one
 // computes is said beside its declaration group in backend_face.hpp and backend.hpp. Adding an
 // operation (DESIGN.md "Adding a back-end operation"): its line in LOOM_BACKEND_OPS, its host kernel
 // (kernels.hpp, host_backend.cpp), its device kernel (core/cuda/), its tests; the CUDA back end's ABI

@@ -197,7 +197,7 @@ struct BufferRef {
   // An optional operand (a bias, an error-feedback buffer): null when the buffer is empty.
   template <class T>
   T* as_optional(std::int64_t need) const {
-    return data == nullptr ? nullptr : as<T>(need);
+    return data == nullptr || count == 0 ? nullptr : as<T>(need);
   }
   // Elements [begin, begin + n) of this buffer.
   BufferRef slice(std::int64_t begin, std::int64_t n) const {

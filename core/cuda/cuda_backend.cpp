@@ -627,7 +627,7 @@ class CudaBackend final : public Backend {
   }
   template <class T>
   static T* dev_optional(const BufferRef& b, std::int64_t need) {
-    return b.data == nullptr ? nullptr : dev<T>(b, need);
+    return b.data == nullptr || b.count == 0 ? nullptr : dev<T>(b, need);
   }
   static std::int64_t chunks(std::int64_t n, std::int64_t chunk) { return chunk > 0 ? (n + chunk - 1) / chunk : 0; }
   using Reduction = void (*)(double*, const void*, DType, std::int64_t, double*, cudaStream_t);

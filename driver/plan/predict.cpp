@@ -284,11 +284,30 @@ double predict_ranks(Prediction& p, const Deck& deck, int devices_per_node, bool
 }  // namespace
 
 Prediction predict_memory(const Deck& deck, const StrategyRegistry& registry, const std::string& backend,
-                          int devices_per_node) {
+                          int devices_per_node, const std::vector<int>& ranks) {
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = backend;
-  predict_ranks(p, deck, devices_per_node, false);
+  if (ranks.empty()) {
+    predict_ranks(p, deck, devices_per_node, false);
+    return p;
+  }
+  EngineConfig ec;
+  ec.micro_batches = p.plan.micro_batches;
+  ec.rows_per_micro = p.plan.rows_per_micro;
+  double fpt = 0;
+  for (int rank : ranks) {
+    if (rank < 0 || rank >= p.plan.layout.ranks()) continue;
+    p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, devices_per_node, ec, fpt));
+    const RankPrediction& r = p.ranks.back();
+    for (int i = 0; i < kMemCategories; ++i)
+      p.peak[static_cast<std::size_t>(i)] =
+          std::max(p.peak[static_cast<std::size_t>(i)], r.peak[static_cast<std::size_t>(i)]);
+    if (r.total > p.peak_total) {
+      p.peak_total = r.total;
+      p.worst_rank = rank;
+    }
+  }
   return p;
 }
 

@@ -77,11 +77,12 @@ std::string planned_backend(const Deck& deck, const ClusterSpec& cluster);
 Prediction predict(const Deck& deck, const StrategyRegistry& registry, const ClusterSpec& cluster,
                    bool every_rank = true);
 
-// Memory only (no time): the largest of the ranks the search builds (first and last of each tp and dp
-// group on every stage), on `backend` ("host" or "cuda"), devices_per_node ranks to a node. What
-// `loom run` and `loom check` compare with the memory a rank may use (driver/memory_check.cpp).
+// Memory only (no time), on `backend` ("host" or "cuda"), devices_per_node ranks to a node: the ranks
+// listed (each built), or without a list those the search builds (first and last of each tp and dp
+// group on every stage). What `loom run` and `loom check` compare with the memory here
+// (driver/memory_check.cpp).
 Prediction predict_memory(const Deck& deck, const StrategyRegistry& registry, const std::string& backend,
-                          int devices_per_node);
+                          int devices_per_node, const std::vector<int>& ranks = {});
 
 // Whether a run of `model` is priced at the cluster's fused-attention rate: model.attention = flash
 // on a cluster that measured it (else as the unfused kernels).
