@@ -25,6 +25,8 @@ namespace {
 
 constexpr double kGiB = 1073741824.0;
 
+}  // namespace
+
 double meminfo_total() {
   std::ifstream in("/proc/meminfo");
   std::string key;
@@ -38,6 +40,8 @@ double meminfo_total() {
   }
   return kib * 1024.0;
 }
+
+namespace {
 
 // A cgroup memory limit file: bytes, or 0 for none ("max", unreadable, or v1's "no limit", 2^63 rounded
 // to pages).

@@ -19,6 +19,9 @@ struct MemoryVerdict {
   std::string text;            // one line: the verdict, both numbers and where the limit came from
 };
 
+// /proc/meminfo's MemTotal in bytes (0 when unreadable).
+double meminfo_total();
+
 // This node's memory: MemTotal, or the least cgroup limit above this process where lower; `source` says
 // which.
 double node_memory(std::string* source);

@@ -20,6 +20,7 @@
 #include "core/base/clock.hpp"
 #include "core/comm/comm.hpp"
 #include "core/base/error.hpp"
+#include "driver/memory_check.hpp"
 #include "driver/commands.hpp"
 #include "driver/plan/cost_model.hpp"
 
@@ -383,20 +384,6 @@ double sync_wait_share(Communicator& world) {
   return std::max(0.0, median(shares));
 }
 
-double mem_total_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  while (in >> key) {
-    if (key == "MemTotal:") {
-      in >> kib;
-      break;
-    }
-    std::getline(in, key);
-  }
-  return kib * 1024.0;
-}
-
 // `sets`: cluster.*/network.* figures given with --set, which replace what is measured (and say so in
 // the source): on one rank, which has no link to measure, the four network figures must be given. A
 // bad --set key or value is refused before anything is measured. Each alone: rules between keys (a
@@ -547,7 +534,7 @@ ClusterSpec calibrated_spec(int world, const NodeMap& nodes, const ComputeFigure
            " node(s))";
   c.nodes = nodes.nodes;
   c.devices_per_node = nodes.per_node;
-  c.device_memory_bytes = mem_total_bytes() / nodes.per_node;
+  c.device_memory_bytes = meminfo_total() / nodes.per_node;
   c.peak_flops_fp32 = f.peak[0];
   c.peak_flops_bf16 = f.peak[1];
   c.peak_flops_fp16 = f.peak[2];

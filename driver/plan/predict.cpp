@@ -252,21 +252,30 @@ namespace {
 // Memory: each rank of the layout built on the sizing back end (every_rank = false: the first and last
 // of each tp and dp group on every stage); the largest per category and in total. Returns the
 // model's FLOPs per token for the time prediction.
-double predict_ranks(Prediction& p, const Deck& deck, int devices_per_node, bool every_rank) {
+// The ranks to build: all, or the search's shortcut. The ranks of a tp or dp group build the same
+// shapes (tp divides the model exactly, ZeRO pads its shares to equal size); where anything differs
+// it is at a group's end (tp-replicated tensors' owned slices on tp rank 0), so the first and last of
+// each group on every stage stand for the rest. regression/plan_search_checks.py holds it to every
+// rank built.
+std::vector<int> ranks_to_build(const Layout& l, bool every_rank) {
+  std::vector<int> ranks;
+  for (int rank = 0; rank < l.ranks(); ++rank) {
+    const Layout::Coords at = l.coords_of(rank);
+    if (!every_rank && at.tp != 0 && at.tp != l.tp - 1) continue;
+    if (!every_rank && at.dp != 0 && at.dp != l.dp - 1) continue;
+    ranks.push_back(rank);
+  }
+  return ranks;
+}
+
+double predict_ranks(Prediction& p, const Deck& deck, int devices_per_node, const std::vector<int>& ranks) {
   p.steps = deck.get_int("train.steps");
   EngineConfig ec;
   ec.micro_batches = p.plan.micro_batches;
   ec.rows_per_micro = p.plan.rows_per_micro;
   double fpt = 0;
-  const Layout& l = p.plan.layout;
-  for (int rank = 0; rank < l.ranks(); ++rank) {
-    // The search's shortcut: the ranks of a tp or dp group build the same shapes (tp divides the
-    // model exactly, ZeRO pads its shares to equal size); where anything differs it is at a group's
-    // end (tp-replicated tensors' owned slices on tp rank 0), so the first and last of each group on
-    // every stage stand for the rest. regression/plan_search_checks.py holds it to every rank built.
-    const Layout::Coords at = l.coords_of(rank);
-    if (!every_rank && at.tp != 0 && at.tp != l.tp - 1) continue;
-    if (!every_rank && at.dp != 0 && at.dp != l.dp - 1) continue;
+  for (int rank : ranks) {
+    if (rank < 0 || rank >= p.plan.layout.ranks()) continue;
     p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, devices_per_node, ec, fpt));
     const RankPrediction& r = p.ranks.back();
     p.zero_stage = r.state_parts_split;
@@ -288,26 +297,7 @@ Prediction predict_memory(const Deck& deck, const StrategyRegistry& registry, co
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = backend;
-  if (ranks.empty()) {
-    predict_ranks(p, deck, devices_per_node, false);
-    return p;
-  }
-  EngineConfig ec;
-  ec.micro_batches = p.plan.micro_batches;
-  ec.rows_per_micro = p.plan.rows_per_micro;
-  double fpt = 0;
-  for (int rank : ranks) {
-    if (rank < 0 || rank >= p.plan.layout.ranks()) continue;
-    p.ranks.push_back(predict_rank(deck, p.plan, p.backend, rank, devices_per_node, ec, fpt));
-    const RankPrediction& r = p.ranks.back();
-    for (int i = 0; i < kMemCategories; ++i)
-      p.peak[static_cast<std::size_t>(i)] =
-          std::max(p.peak[static_cast<std::size_t>(i)], r.peak[static_cast<std::size_t>(i)]);
-    if (r.total > p.peak_total) {
-      p.peak_total = r.total;
-      p.worst_rank = rank;
-    }
-  }
+  predict_ranks(p, deck, devices_per_node, ranks.empty() ? ranks_to_build(p.plan.layout, false) : ranks);
   return p;
 }
 
@@ -315,7 +305,7 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = planned_backend(deck, cluster);
-  const double fpt = predict_ranks(p, deck, cluster.devices_per_node, every_rank);
+  const double fpt = predict_ranks(p, deck, cluster.devices_per_node, ranks_to_build(p.plan.layout, every_rank));
   // The step waits for its slowest rank.
   TimePrediction slowest;
   const std::vector<double> stages_busy = stage_busy(p, cluster);
