@@ -349,8 +349,11 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   H5Pset_fapl_mpio(fapl.id, MPI_COMM_WORLD, MPI_INFO_NULL);
   Handle file{H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.id), H5Fclose};
   if (file.id < 0) fail(tmp, "cannot be created (check checkpoint.dir)");
+  // Each owner writes its own hyperslab independently (datasets are still created collectively):
+  // collective transfers cost a round of collectives per dataset, which on ranks sharing cores took
+  // 4 s for a 0.4 MB file at 4 ranks on 2 cores, against 0.6 s independently.
   Handle dxpl{H5Pcreate(H5P_DATASET_XFER), H5Pclose};
-  H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_COLLECTIVE);
+  H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_INDEPENDENT);
   Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
   H5Pset_create_intermediate_group(lcpl.id, 1);
 
@@ -382,7 +385,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
 
   // Each element is written by its primary owner (the store decides: by default data-parallel
   // replica 0, and for a tensor replicated over the tp group tp rank 0). Everyone else selects
-  // nothing but joins the collective write.
+  // nothing (the transfers are independent; the creations and attributes collective).
   const std::vector<CheckpointTensor> tensors = checkpoint_tensors(model, optimizer, parts);
   const int n_params = static_cast<int>(model.all_params().size());
   int written = 0;
@@ -567,7 +570,7 @@ CheckpointState load_checkpoint(const std::string& path, ProcessGrid& grid, GPT&
     fail(path, "holds another model: " + mismatches + " (a checkpoint continues only the model it holds)");
 
   Handle dxpl{H5Pcreate(H5P_DATASET_XFER), H5Pclose};
-  H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_COLLECTIVE);
+  H5Pset_dxpl_mpio(dxpl.id, H5FD_MPIO_INDEPENDENT);  // each rank reads its own part, as save writes it
   (void)grid;
   for (const CheckpointTensor& t : checkpoint_tensors(model, optimizer, parts)) {
     const std::string& name = t.path;

@@ -1,6 +1,6 @@
 #pragma once
-// Sharded parallel HDF5 checkpoints (DESIGN.md "Checkpoints"). One file per checkpoint, written
-// collectively through MPI-IO: every parameter and optimizer-state tensor is one dataset of its
+// Sharded parallel HDF5 checkpoints (DESIGN.md "Checkpoints"). One file per checkpoint, written in
+// parallel through MPI-IO: every parameter and optimizer-state tensor is one dataset of its
 // full logical shape under a group named for its role (/params, /optimizer/m, /optimizer/v); each
 // rank writes only its hyperslab, and a replicated tensor is written by one owner. Attributes carry
 // the format version, the step, the resolved deck, the layout, the generator and data-loader state
