@@ -126,6 +126,7 @@ def main():
                 if own:
                     failures.append("%s names a launcher of its own: %s" % (script, own))
                 continue
+            shutil.rmtree(os.path.join(args.workdir, t["name"]), ignore_errors=True)  # its runs start afresh
             log = tempfile.NamedTemporaryFile(prefix="launches-", dir=args.workdir, delete=False).name
             cmd, rewrite_next = [], False
             for w in t["command"]:

@@ -29,6 +29,7 @@ Standard library only.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -41,7 +42,8 @@ L, C, H, T, V, B = 2, 64, 4, 32, 256, 4  # the deck below
 def run(args, ranks, sets, workdir, tag):
     loom = args.loom
     rundir = os.path.join(workdir, tag)
-    os.makedirs(rundir, exist_ok=True)
+    shutil.rmtree(rundir, ignore_errors=True)  # each check starts afresh (a fresh run refuses earlier results)
+    os.makedirs(rundir)
     deck = os.path.join(rundir, "tp.deck")
     with open(deck, "w") as f:
         f.write("[model]\nlayers = %d\nd_model = %d\nheads = %d\nseq_len = %d\nvocab = %d\n"
