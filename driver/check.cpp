@@ -68,9 +68,15 @@ void check_writable_dir(const std::string& dir, const std::string& named) {
 
 // checkpoint.resume names a readable checkpoint of the deck's model: a file, or the one `latest` in
 // `dir` names. With `auto` a missing `latest` means a fresh start; a `latest` that is there must name
-// a checkpoint. A fresh start over checkpoints is refused as the run refuses it.
-void check_resume(const std::string& resume, const std::string& dir, const GPTConfig& model, bool overwrite) {
-  if (resume.empty()) return refuse_fresh_over_checkpoints(dir, resume, overwrite);
+// a checkpoint. A fresh start over checkpoints or an earlier run's results is refused as the run
+// refuses it.
+void check_resume(const std::string& resume, const std::string& dir, const std::string& run_dir, const GPTConfig& model,
+                  bool overwrite) {
+  const auto fresh = [&] {
+    refuse_fresh_over_checkpoints(dir, resume, overwrite);
+    refuse_fresh_over_results(run_dir, overwrite || resume == "auto");  // as the run (results_may_move)
+  };
+  if (resume.empty()) return fresh();
   std::string file = resume;
   std::string named = "checkpoint.resume = " + resume;
   if (resume == "latest" || resume == "auto") {
@@ -82,7 +88,7 @@ void check_resume(const std::string& resume, const std::string& dir, const GPTCo
       throw InputError(named + ": " + e.what());
     }
     if (name.empty()) {
-      if (resume == "auto") return refuse_fresh_over_checkpoints(dir, resume, overwrite);
+      if (resume == "auto") return fresh();
       throw InputError("checkpoint.resume = latest, but '" + pointer +
                        "' does not exist (no checkpoint was completed in checkpoint.dir = " + dir + ")");
     }
@@ -106,9 +112,7 @@ void check_resume(const std::string& resume, const std::string& dir, const GPTCo
 int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) {
   // The layout as the job that runs the deck would see it (as many ranks as it needs).
   const LayoutPlan plan = plan_layout(deck, registry, -1);
-  if (deck.get_float("train.lr_min") > deck.get_float("train.lr"))  // as the run refuses it (Session::setup_local)
-    throw InputError("train.lr_min = " + deck.values().at("train.lr_min") + " is above train.lr = " +
-                     deck.values().at("train.lr") + "; the cosine floor must be at most the peak learning rate");
+  check_training_keys(deck);  // as the run refuses them (Session::setup_local)
   open_deck_data(deck, plan.model);
   if (!deck.get_string("model.init_from").empty()) read_init_from(deck.get_string("model.init_from"), plan.model);
   gemm_impl_from_deck(deck);
@@ -124,7 +128,8 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
   check_writable_dir(dir, named);
   refuse_if_held(deck.get_string("run.dir"), "run.dir");  // a running job holds it: the run would be refused
   refuse_if_held(dir, "checkpoint.dir");
-  check_resume(deck.get_string("checkpoint.resume"), dir, plan.model, deck.get_bool("run.overwrite"));
+  check_resume(deck.get_string("checkpoint.resume"), dir, deck.get_string("run.dir"), plan.model,
+               deck.get_bool("run.overwrite"));
   // As `loom run` would place the job here: the ranks of this check on this node, or, checked by one
   // process, every rank of the layout (as `mpirun -n N` on this machine places them).
   int world = 1;

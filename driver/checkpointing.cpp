@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "core/base/clock.hpp"
@@ -114,6 +115,19 @@ void refuse_fresh_over_checkpoints(const std::string& dir, const std::string& re
                    "choose another run.dir or checkpoint.dir, or set run.overwrite = true to replace them");
 }
 
+struct Checkpointing::InFlight {
+  std::string path, why;
+  CheckpointImage image;  // the step's state, copied to host memory
+  std::string failure;    // agreed over writer_comm_: the same on every rank
+  double seconds = 0;
+  std::thread thread;
+};
+
+Checkpointing::~Checkpointing() {
+  if (in_flight_ && in_flight_->thread.joinable()) in_flight_->thread.join();
+  if (writer_comm_ != MPI_COMM_NULL) MPI_Comm_free(&writer_comm_);
+}
+
 Checkpointing::Checkpointing(Session& session) : s_(session) {
   const std::string given_dir = s_.deck.get_string("checkpoint.dir");
   dir_ = given_dir.empty() ? s_.run_dir + "/checkpoints" : given_dir;
@@ -122,6 +136,19 @@ Checkpointing::Checkpointing(Session& session) : s_(session) {
   resume_ = s_.deck.get_string("checkpoint.resume");
   at_end_ = s_.deck.get_bool("checkpoint.at_end");
   configured_ = every_ > 0 || !given_dir.empty() || !resume_.empty();
+  async_ = s_.deck.get_bool("checkpoint.async");
+  if (async_) {
+    // The writer thread's collectives run beside the training's: MPI must allow calls from any thread,
+    // on a communicator of their own.
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&provided);
+    if (provided < MPI_THREAD_MULTIPLE)
+      throw InputError(
+          "checkpoint.async = true writes from a thread of its own, which needs MPI_THREAD_MULTIPLE; "
+          "this MPI provides level " +
+          std::to_string(provided) + ": set checkpoint.async = false");
+    MPI_Comm_dup(MPI_COMM_WORLD, &writer_comm_);
+  }
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
@@ -179,6 +206,7 @@ std::int64_t Checkpointing::resume() {
   CheckpointState st;
   const double t0 = now();
   run_agreed([&] { st = load_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), s_.checkpoint_parts); });
+  s_.data_offset = st.data_step - st.step;
   load_seconds_ = now() - t0;
   std::error_code ec;
   load_bytes_ = static_cast<double>(fs::file_size(path, ec));
@@ -189,6 +217,9 @@ std::int64_t Checkpointing::resume() {
   std::cout << "resumed from " << path << " at step " << st.step << " (written by dp " << st.layout.dp << " x tp "
             << st.layout.tp << " x pp " << st.layout.pp << "; read " << load_bytes_ / 1e6 << " MB in " << load_seconds_
             << " s)" << std::endl;
+  if (s_.data_offset > 0)
+    std::cout << "resume: step " << st.step + 1 << " draws global batch " << st.data_step + 1 << " (" << s_.data_offset
+              << " batch(es) skipped by rollbacks after loss spikes)" << std::endl;
   // The training keys of the run that wrote it, against this deck's: a change is allowed, and shown.
   const auto before = resolved_deck_values(st.deck);
   const auto after = s_.deck.values();
@@ -199,6 +230,23 @@ std::int64_t Checkpointing::resume() {
     if (it == before.end() || same_value(it->second, value)) continue;
     diff += "  " + key + ": " + it->second + " -> " + value + "\n";
   }
+  // The data order is a function of (train.seed, data.*, train.batch, step) alone: a resume on
+  // another layout continues the sequence of global batches the writer would have drawn.
+  std::string order_keys;
+  for (const auto& [key, value] : after) {
+    if (key != "train.batch" && key != "train.seed" && key.rfind("data.", 0) != 0) continue;
+    const auto it = before.find(key);
+    if (it != before.end() && !same_value(it->second, value))
+      order_keys += (order_keys.empty() ? "" : ", ") + key + " " + it->second + " -> " + value;
+  }
+  if (order_keys.empty())
+    std::cout << "resume: data order: step " << st.step + 1 << " draws global batch " << st.data_step + 1
+              << ", the one the run that wrote the checkpoint (dp " << st.layout.dp << " x tp " << st.layout.tp
+              << " x pp " << st.layout.pp << ") would have drawn next: the order does not depend on the layout"
+              << std::endl;
+  else
+    std::cout << "resume: data order: NOT the run's that wrote the checkpoint: from step " << st.step + 1
+              << " on the global batches differ from those it would have drawn (" << order_keys << ")" << std::endl;
   if (!diff.empty()) {
     std::cout << "resume: training keys differ from the run that wrote the checkpoint:\n" << diff;
     const auto old_steps = before.find("train.steps");
@@ -221,6 +269,7 @@ bool Checkpointing::after_step(std::int64_t steps_done, nlohmann::json& record) 
   const bool stop = s_.grid->world().sum(g_stop_signal ? 1.0 : 0.0) > 0;
   const bool due = every_ > 0 && steps_done % every_ == 0;
   if (due || stop) save(steps_done, record, stop ? " on a stop signal; stopping" : "");
+  if (stop) wait_for_write(&record);  // an interrupted run ends with its checkpoint on disk
   return stop;
 }
 
@@ -229,6 +278,7 @@ void Checkpointing::at_end(std::int64_t steps_done, nlohmann::json& record) {
 }
 
 void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const char* why) {
+  wait_for_write(&record);  // one write at a time: the next save waits for the last
   const bool root = world_rank() == 0;
   // Never save a diverged state: the last good checkpoint (and `latest`) stay as they are.
   std::vector<TensorSource> sources = {parameters(*s_.model)};
@@ -243,8 +293,7 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
   if (const auto bad = find_nonfinite(*s_.grid, *s_.model, sources)) refuse(bad->describe());
   if (const auto bad = find_nonfinite_contributed(*s_.grid, s_.model->backend(), s_.checkpoint_parts))
     refuse("contributed tensor " + *bad);
-  const std::string name = checkpoint_name(steps_done);
-  const std::string path = dir_ + "/" + name;
+  const std::string path = dir_ + "/" + checkpoint_name(steps_done);
   CheckpointState st;
   st.step = steps_done;
   st.optimizer_steps = s_.engine->optimizer().steps_taken();
@@ -252,44 +301,101 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
   st.seed = s_.seed;
   st.deck = s_.deck.resolved_text();
   st.layout = s_.layout;
+  st.data_step = steps_done + s_.data_offset;
+  last_saved_ = steps_done;
   const double t0 = now();
-  save_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), st, s_.checkpoint_parts);
-  std::string failure;
-  if (root) {
-    try {
-      // `latest` is replaced atomically, and only now that the file it names is complete.
-      write_file_atomic(dir_ + "/latest", name + "\n");
-    } catch (const WriteError& e) {
-      failure = e.what();
-    }
+  if (!async_) {
+    save_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), st, s_.checkpoint_parts);
+    agree_on_failure(s_.grid->world(), publish(path), {},
+                     "checkpoint '" + path + "' was written but `latest` could not be pointed at it");
+    return count_write(path, now() - t0, &record, why);
   }
-  agree_on_failure(s_.grid->world(), failure, {},
-                   "checkpoint '" + path + "' was written but `latest` could not be pointed at it");
-  if (root) {
-    // Older checkpoints go only after a newer one is complete and named by `latest`.
-    std::vector<std::string> all;
-    for (const auto& e : fs::directory_iterator(dir_)) {
-      const std::string f = e.path().filename().string();
-      if (is_checkpoint_file(f)) all.push_back(f);
-    }
-    std::sort(all.begin(), all.end());
-    for (std::size_t i = 0; i + keep_ < all.size(); ++i) fs::remove(dir_ + "/" + all[i]);
+  // checkpoint.async: the state of this step is copied to host memory now; a thread of its own writes
+  // it while training goes on.
+  in_flight_ = std::make_unique<InFlight>();
+  InFlight& f = *in_flight_;
+  f.path = path;
+  f.why = why;
+  f.image = checkpoint_snapshot(*s_.model, s_.engine->optimizer(), s_.checkpoint_parts);
+  const double copied = now() - t0;
+  snapshot_seconds_ += copied;
+  f.thread = std::thread([this, &f, st, t0] {
+    f.failure = write_checkpoint_agreed(f.path, writer_comm_, f.image, st);
+    if (f.failure.empty())
+      f.failure = agree_over(writer_comm_, publish(f.path),
+                             "checkpoint '" + f.path + "' was written but `latest` could not be pointed at it");
+    f.seconds = now() - t0;
+  });
+  record["checkpoint"] = {{"path", path}, {"async", true}, {"snapshot_s", copied}};
+  if (root)
+    std::cout << "checkpoint: " << path << ": the state copied to host memory in " << copied
+              << " s; writing it in the background" << why << std::endl;
+}
+
+void Checkpointing::wait_for_write(nlohmann::json* record) {
+  if (!in_flight_) return;
+  const double t0 = now();
+  in_flight_->thread.join();
+  const std::unique_ptr<InFlight> f = std::move(in_flight_);
+  if (!f->failure.empty()) throw AgreedFailure(f->failure);
+  if (record) (*record)["checkpoint_wait_s"] = now() - t0;
+  count_write(f->path, f->seconds, record, (" in the background" + f->why).c_str());
+}
+
+std::string Checkpointing::publish(const std::string& path) {
+  if (world_rank() != 0) return "";
+  try {
+    // `latest` is replaced atomically, and only now that the file it names is complete.
+    write_file_atomic(dir_ + "/latest", fs::path(path).filename().string() + "\n");
+  } catch (const WriteError& e) {
+    return e.what();
   }
-  const double dt = now() - t0;
+  // Older checkpoints go only after a newer one is complete and named by `latest`.
+  std::vector<std::string> all;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir_, ec)) {
+    const std::string f = e.path().filename().string();
+    if (is_checkpoint_file(f)) all.push_back(f);
+  }
+  std::sort(all.begin(), all.end());
+  for (std::size_t i = 0; i + keep_ < all.size(); ++i) fs::remove(dir_ + "/" + all[i], ec);
+  return "";
+}
+
+void Checkpointing::count_write(const std::string& path, double seconds, nlohmann::json* record, const char* why) {
   std::error_code ec;
   const double bytes = static_cast<double>(fs::file_size(path, ec));
-  save_seconds_ += dt;
+  save_seconds_ += seconds;
   save_bytes_ += bytes;
   ++saves_;
-  last_saved_ = steps_done;
-  record["checkpoint"] = {{"path", path}, {"bytes", bytes}, {"write_s", dt}, {"mb_per_s", bytes / 1e6 / dt}};
-  if (root)
-    std::cout << "checkpoint: " << path << " (" << bytes / 1e6 << " MB in " << dt << " s, " << bytes / 1e6 / dt
-              << " MB/s)" << why << std::endl;
+  if (record)
+    (*record)[async_ ? "checkpoint_written" : "checkpoint"] = {
+        {"path", path}, {"bytes", bytes}, {"write_s", seconds}, {"mb_per_s", bytes / 1e6 / seconds}};
+  if (world_rank() == 0)
+    std::cout << "checkpoint: " << path << " (" << bytes / 1e6 << " MB in " << seconds << " s, "
+              << bytes / 1e6 / seconds << " MB/s)" << why << std::endl;
+}
+
+std::optional<std::pair<std::int64_t, std::string>> Checkpointing::roll_back() {
+  wait_for_write();  // the last checkpoint may be the one being written
+  std::string path;
+  run_agreed([&] {
+    const std::string name = read_latest_name(dir_);
+    path = !name.empty() ? dir_ + "/" + name : resume_path_;
+  });
+  if (path.empty()) return std::nullopt;
+  CheckpointState st;
+  run_agreed([&] { st = load_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), s_.checkpoint_parts); });
+  s_.data_offset = st.data_step - st.step;
+  return std::make_pair(st.step, path);
 }
 
 nlohmann::json Checkpointing::summary() const {
   nlohmann::json j = {{"dir", dir_}, {"saves", saves_}, {"write_s", save_seconds_}, {"write_bytes", save_bytes_}};
+  if (async_) {
+    j["async"] = true;
+    j["snapshot_s"] = snapshot_seconds_;  // what the training waited for; write_s went on beside it
+  }
   if (last_saved_ >= 0) j["last_saved_step"] = last_saved_;
   if (save_seconds_ > 0) j["write_mb_per_s"] = save_bytes_ / 1e6 / save_seconds_;
   if (load_seconds_ > 0) {

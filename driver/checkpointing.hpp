@@ -3,11 +3,15 @@
 // latest or auto), saving every checkpoint.every steps, at the end (checkpoint.at_end) and on SIGTERM
 // or SIGINT (as Slurm sends before the time limit, or Ctrl-C), keeping checkpoint.keep files and
 // `latest`. Nothing non-finite is ever saved, and the last good checkpoint is never deleted for it.
+#include <mpi.h>
+
 #include <csignal>
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"
@@ -32,6 +36,7 @@ class Checkpointing {
   // Installs the SIGTERM/SIGINT handlers: the first signal saves and stops after the current step,
   // a second one stops at once (exit status 128 + signal).
   explicit Checkpointing(Session& session);
+  ~Checkpointing();  // waits for a write in flight
   // Before anything is written (collective, errors agreed and reported once): resolves
   // checkpoint.resume (auto: `latest` if it exists, else a fresh start), refuses a fresh run into a
   // checkpoint.dir that holds checkpoints unless run.overwrite (which removes them), and creates
@@ -48,6 +53,14 @@ class Checkpointing {
   // After the last step: saves a final checkpoint if checkpointing is configured and
   // checkpoint.at_end (unless the last step was just saved).
   void at_end(std::int64_t steps_done, nlohmann::json& record);
+  // checkpoint.async: waits for the write in flight, if any, and reports it (collective); throws
+  // AgreedFailure when it failed. The run calls it after its last step; a save, a stop signal and a
+  // rollback wait alike.
+  void wait_for_write(nlohmann::json* record = nullptr);
+  // A rollback after a loss spike (collective): reloads the checkpoint `latest` names (else the one
+  // this run resumed from); returns the step it holds and its path, or nullopt when there is none yet.
+  // Leaves Session::data_offset at the checkpoint's; the caller moves it past the spike.
+  std::optional<std::pair<std::int64_t, std::string>> roll_back();
   nlohmann::json summary() const;
   const std::string& dir() const { return dir_; }
   bool resuming() const { return !resume_path_.empty(); }
@@ -56,6 +69,15 @@ class Checkpointing {
 
  private:
   void save(std::int64_t steps_done, nlohmann::json& record, const char* why);
+  // After the file of `path` is complete: `latest` names it (rank 0), older ones beyond
+  // checkpoint.keep go. Returns this rank's failure.
+  std::string publish(const std::string& path);
+  void count_write(const std::string& path, double seconds, nlohmann::json* record, const char* why);
+  struct InFlight;  // checkpoint.async: the write on its own thread, over writer_comm_
+  std::unique_ptr<InFlight> in_flight_;
+  bool async_ = false;
+  MPI_Comm writer_comm_ = MPI_COMM_NULL;
+  double snapshot_seconds_ = 0;
   Session& s_;
   std::string dir_;
   std::int64_t every_, keep_;

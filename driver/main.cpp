@@ -456,7 +456,11 @@ int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   set_command_line(argc, argv);
   init_hdf5();
-  MPI_Init(&argc, &argv);
+  // Any thread may call MPI: checkpoint.async writes from a thread of its own (refused where the
+  // MPI provides less).
+  int thread_level = MPI_THREAD_SINGLE;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &thread_level);
+  (void)thread_level;  // asked again where it matters (MPI_Query_thread)
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);

@@ -151,6 +151,40 @@ void write_json_atomic(const std::string& path, const nlohmann::json& value) {
   write_file_atomic(path, value.dump(2) + "\n");
 }
 
+namespace {
+std::vector<std::string> earlier_results(const std::string& run_dir) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const char* name : {"metrics.jsonl", "summary.json", "report.json"})
+    if (std::filesystem::exists(run_dir + "/" + name, ec)) found.push_back(name);
+  return found;
+}
+std::string joined(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+}  // namespace
+
+void refuse_fresh_over_results(const std::string& run_dir, bool overwrite) {
+  const auto earlier = earlier_results(run_dir);
+  if (overwrite || earlier.empty()) return;
+  throw InputError(
+      "run.dir = '" + run_dir + "' holds an earlier run's results (" + joined(earlier) +
+      ") and no checkpoint to continue it from: a fresh run would replace them. Choose another "
+      "run.dir, or set run.overwrite = true (or checkpoint.resume = auto) to move them aside (to *.earlier)");
+}
+
+std::vector<std::string> move_results_aside(const std::string& run_dir) {
+  const auto earlier = earlier_results(run_dir);
+  for (const auto& name : earlier) {
+    const std::string from = run_dir + "/" + name;
+    if (std::rename(from.c_str(), (from + ".earlier").c_str()) != 0)
+      throw_write_error(from + ".earlier", "move the earlier run's " + name + " to", errno);
+  }
+  return earlier;
+}
+
 void MetricsFile::start(const std::string& path) {
   path_ = path;
   out_ = std::fopen(path.c_str(), "w");
@@ -158,6 +192,8 @@ void MetricsFile::start(const std::string& path) {
 }
 
 int MetricsFile::resume(const std::string& path, std::int64_t step) {
+  if (out_) std::fclose(out_);  // a rollback continues the file it was writing
+  out_ = nullptr;
   path_ = path;
   std::ifstream in(path);
   std::string kept, later, line;

@@ -47,6 +47,14 @@ class DirLock {
 // directories this run does not lock itself and for `loom check`.
 void refuse_if_held(const std::string& dir, const std::string& key, const std::string& mine = "");
 
+// A fresh run (no checkpoint to continue) into a run.dir holding an earlier run's results
+// (metrics.jsonl, summary.json, report.json) would replace them: refused naming them, unless
+// `overwrite` (run.overwrite, or checkpoint.resume = auto: a job of a chain that found nothing to
+// continue), with which the run moves them aside (move_results_aside).
+void refuse_fresh_over_results(const std::string& run_dir, bool overwrite);
+// Renames each of those files to NAME.earlier (replacing an older one); returns the names moved.
+std::vector<std::string> move_results_aside(const std::string& run_dir);
+
 // `path` written as `path`.tmp, flushed and synced, then renamed over `path`: readers see the old
 // file or the new one, never a part. Throws WriteError.
 void write_file_atomic(const std::string& path, const std::string& text);
@@ -59,7 +67,8 @@ class MetricsFile {
   void start(const std::string& path);
   // A resumed run: keeps the rows up to `step` and appends after them; rows past it (from a run that
   // went further before it was resumed from an earlier checkpoint) move to `path` with the suffix
-  // ".superseded" (appended), so nothing is lost. Returns how many rows were set aside.
+  // ".superseded" (appended), so nothing is lost. Returns how many rows were set aside. Also after a
+  // rollback (train.on_spike), on the file being written.
   int resume(const std::string& path, std::int64_t step);
   void write(const nlohmann::json& record);
   ~MetricsFile();

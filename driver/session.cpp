@@ -2,6 +2,8 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
@@ -162,9 +164,7 @@ void Session::setup_local() {
   o.beta2 = d.get_float("train.beta2");
   o.eps = d.get_float("train.eps");
   o.grad_clip = d.get_float("train.grad_clip");
-  if (o.lr_min > o.lr)
-    throw InputError("train.lr_min = " + std::to_string(o.lr_min) + " is above train.lr = " + std::to_string(o.lr) +
-                     "; the cosine floor must be at most the peak learning rate");
+  check_training_keys(d);
   seed = static_cast<std::uint64_t>(d.get_int("train.seed"));
   eval_every = d.get_int("train.eval_every");
   eval_batches = static_cast<int>(d.get_int("train.eval_batches"));
@@ -202,6 +202,32 @@ PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const Str
     if (strategy->make_store && used(Role::store)) r.store = strategy->make_store(pctx);
   }
   return r;
+}
+
+std::string Session::batch_digest() {
+  // Two 26-bit halves of each row's hash, summed: exact in a double for up to 2^27 rows.
+  double sums[2] = {0, 0};
+  for (const auto& [row, h] : step_rows_) {
+    sums[0] += static_cast<double>(h & 0x3ffffffu);
+    sums[1] += static_cast<double>((h >> 26) & 0x3ffffffu);
+  }
+  step_rows_.clear();
+  if (grid->world().size() > 1) grid->world().all_reduce(sums, 2);
+  const std::uint64_t d =
+      (static_cast<std::uint64_t>(sums[0]) & 0x3ffffffu) | ((static_cast<std::uint64_t>(sums[1]) & 0x3ffffffu) << 26);
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%013llx", static_cast<unsigned long long>(d));
+  return buf;
+}
+
+void check_training_keys(const Deck& deck) {
+  if (deck.get_float("train.lr_min") > deck.get_float("train.lr"))
+    throw InputError("train.lr_min = " + deck.values().at("train.lr_min") + " is above train.lr = " +
+                     deck.values().at("train.lr") + "; the cosine floor must be at most the peak learning rate");
+  if (deck.get_string("train.on_spike") == "rollback" && deck.get_int("checkpoint.every") <= 0)
+    throw InputError("train.on_spike = rollback returns to the last checkpoint, but checkpoint.every = " +
+                     deck.values().at("checkpoint.every") +
+                     " writes none during training: set checkpoint.every (e.g. 100), or train.on_spike = skip");
 }
 
 AssembledRoles assemble_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies, ProcessGrid& grid,
@@ -331,10 +357,21 @@ void Session::setup_collective() {
       throw InputError("data.source = " + quote_path(data_source) +
                        ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
     Batch b;
-    load_batch(*train_data, Split::train, step, row0 + first_row, rows, T, b);
+    const std::int64_t batch = step + data_offset;
+    load_batch(*train_data, Split::train, batch, row0 + first_row, rows, T, b);
     in = std::move(b.inputs);
     tgt = std::move(b.targets);
+    if (inject_bad_data(batch)) std::fill(tgt.begin(), tgt.end(), 0);  // LOOM_INJECT_FAULT where=bad_data
+    if (counts_rows_)
+      for (int r = 0; r < rows; ++r) {  // FNV-1a over the row's inputs and its last target
+        std::uint64_t h = 1469598103934665603ull;
+        const auto mix = [&h](std::uint32_t v) { h = (h ^ v) * 1099511628211ull; };
+        for (int t = 0; t < T; ++t) mix(static_cast<std::uint32_t>(in[static_cast<std::size_t>(r) * T + t]));
+        mix(static_cast<std::uint32_t>(tgt[static_cast<std::size_t>(r) * T + T - 1]));
+        step_rows_[row0 + first_row + r] = h ^ static_cast<std::uint64_t>(row0 + first_row + r) * 0x9e3779b97f4a7c15ull;
+      }
   };
+  counts_rows_ = grid->tp_rank() == 0 && grid->pp_rank() == 0;
   if (val_data) {
     val_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
                                   std::vector<std::int32_t>& tgt) {

@@ -3,6 +3,7 @@
 // `loom export` both drive one.
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -74,6 +75,10 @@ StepPlan plan_rank_step(const EngineConfig& engine_cfg, GPT& model, Engine& engi
 // Each group's communicator of `grid` reserves its pool of `plan` (Communicator::reserve_scratch).
 void reserve_comm_scratch(ProcessGrid& grid, const StepPlan& plan);
 
+// Keys that are valid alone but not together (train.lr_min above train.lr, a rollback without
+// checkpoints): InputError naming them. `loom run` and `loom check` alike.
+void check_training_keys(const Deck& deck);
+
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.
   Session(const Deck& deck, const StrategyRegistry& registry);
@@ -109,12 +114,26 @@ struct Session {
   std::vector<CheckpointContributor*> checkpoint_parts;
   std::vector<std::shared_ptr<CheckpointContributor>> kept_parts;  // those Roles::checkpoint_parts handed over
   BatchFn train_batches, val_batches;
+  // Training step s draws global batch s + data_offset: a rollback after a loss spike skips batches
+  // (train.on_spike), and checkpoints keep the offset (their data_next_step).
+  std::int64_t data_offset = 0;
+  // Collective: a digest of the global batch the training consumed since the last call, "0x" and 13 hex
+  // digits: each row's index in the global batch and its tokens, each row counted once, the same on
+  // every layout (the data order does not depend on it). Rows are counted as the loader hands them out.
+  std::string batch_digest();
+  // Forgets the rows counted since the last digest (a step that logs none).
+  void forget_rows() { step_rows_.clear(); }
 
   std::string data_source;  // data.source, for messages
 
   void setup_local();
   void setup_collective();
 
+ private:
+  std::map<std::int64_t, std::uint64_t> step_rows_;  // global row -> hash of its tokens
+  bool counts_rows_ = false;                         // tp rank 0 of the first pipeline stage
+
+ public:
   // Lines for the start-up banner: modules, model, data, layout.
   std::string banner() const;
 };

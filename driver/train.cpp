@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +23,8 @@
 #include "driver/health.hpp"
 #include "driver/run_dir.hpp"
 #include "driver/session.hpp"
+#include "driver/spikes.hpp"
+#include "driver/stragglers.hpp"
 #include "io/report.hpp"
 
 namespace loom {
@@ -113,6 +116,7 @@ struct RunTotals {
   double train_time = 0, steady_time = 0, eval_time = 0, wait_total = 0;
   double last_loss = NAN, last_loss_scale = 1;
   std::int64_t steps_run = 0, steady_steps = 0, skipped_total = 0, skipped_in_row = 0;
+  std::int64_t redone = 0;  // steps run again after rollbacks (train.on_spike)
   PhaseTimes phase_sum;
   std::array<std::size_t, kMemCategories> peak_bytes{};
   std::size_t peak_total = 0;
@@ -200,7 +204,10 @@ class TrainingRun {
   void open_metrics();
   void measure_peak();
   StepComm read_comm(const StepStats& st);
+  void watch_spikes();
   void judge_step(std::int64_t step, const StepStats& st);
+  void judge_spike(std::int64_t step);
+  std::int64_t roll_back(std::int64_t step);
   bool after_step(std::int64_t step, std::optional<double>& val, nlohmann::json& saved);
   void log_step(std::int64_t step, const StepStats& st, const StepComm& comm,
                 const std::vector<std::pair<std::string, double>>& report, const std::optional<double>& val,
@@ -210,6 +217,11 @@ class TrainingRun {
   nlohmann::json summary_json(const std::vector<double>& all_peaks, const std::map<std::string, double>& means);
   void write_report(const nlohmann::json& summary);
   void print_summary(const nlohmann::json& summary, const std::map<std::string, double>& means);
+  // A fresh run may move an earlier run's results aside: asked for (run.overwrite), or a job of a chain
+  // (checkpoint.resume = auto) that found nothing to continue, as a requeued first job does.
+  bool results_may_move() const {
+    return deck_.get_bool("run.overwrite") || deck_.get_string("checkpoint.resume") == "auto";
+  }
   std::string status() const { return !failure_.empty() ? "failed" : interrupted_ ? "interrupted" : "finished"; }
   int exit_status() const { return !failure_.empty() ? 1 : interrupted_ ? kExitInterrupted : 0; }
 
@@ -233,7 +245,39 @@ class TrainingRun {
   std::string failure_;         // why the run failed (the same on every rank); empty while it goes well
   std::string nonfinite_note_;  // the last step's, when its loss or gradient norm was not finite
   bool interrupted_ = false;
+  // train.on_spike: the detector, the verdict of this step when it was a spike (set by the detector's
+  // norm-phase hook), every spike as the summary lists it, and the rollbacks since a checkpoint.
+  std::string on_spike_ = "none";
+  std::unique_ptr<SpikeDetector> spike_detector_;
+  std::optional<SpikeVerdict> spike_;
+  nlohmann::json spikes_ = nlohmann::json::array();
+  std::int64_t rollbacks_ = 0, rollbacks_in_row_ = 0, rolled_back_from_ = -1;
+  bool rollback_pending_ = false;
+  std::unique_ptr<StragglerWatch> stragglers_;  // run.straggler_factor
+  double step_wall_ = 0;  // the last step's time with its evaluation and checkpoint (metrics wall_ms)
 };
+
+// The spike detector judges each step between the gradient norm and the update (a norm-phase hook,
+// on every rank alike): a spike's update is not applied, whatever train.on_spike does next.
+void TrainingRun::watch_spikes() {
+  on_spike_ = deck_.get_string("train.on_spike");
+  if (on_spike_ == "none") return;
+  spike_detector_ =
+      std::make_unique<SpikeDetector>(static_cast<int>(deck_.get_int("train.spike_window")),
+                                      deck_.get_float("train.spike_loss_z"), deck_.get_float("train.spike_norm_z"));
+  s_.engine->add_first_hook({StepPhase::norm, "train.on_spike", [this](StepState& st) {
+                               spike_.reset();
+                               if (!st.skip_reason.empty() || st.nonfinite) return;
+                               const double norm = std::sqrt(st.sq_norm);
+                               SpikeVerdict v = spike_detector_->judge(st.loss, norm);
+                               // The values are the same on every rank; the ranks agree all the same, since a
+                               // rank that alone rolled back would leave the others waiting.
+                               if (world_ > 1) v.spike = s_.grid->world().sum(v.spike ? 1.0 : 0.0) > 0;
+                               if (!v.spike) return spike_detector_->admit(st.loss, norm);
+                               spike_ = v;
+                               st.skip_reason = "loss spike";
+                             }});
+}
 
 void TrainingRun::lock_directories() {
   run_agreed([&] {
@@ -258,7 +302,15 @@ void TrainingRun::lock_directories() {
 void TrainingRun::open_metrics() {
   if (!io_) return;
   const std::string path = s_.run_dir + "/metrics.jsonl";
-  if (!checkpoints_.resuming()) return metrics_.start(path);
+  if (!checkpoints_.resuming()) {
+    const auto moved = move_results_aside(s_.run_dir);  // only when results_may_move() (refused before)
+    if (!moved.empty())
+      std::cout << (deck_.get_bool("run.overwrite") ? "run.overwrite = true"
+                                                    : "checkpoint.resume = auto found no checkpoint to continue")
+                << ": moved the earlier run's results in " << s_.run_dir << " aside to *.earlier (" << moved.size()
+                << " file(s))" << std::endl;
+    return metrics_.start(path);
+  }
   const int aside = metrics_.resume(path, start_step_);
   if (aside > 0)
     std::cout << "metrics: " << aside << " row(s) past step " << start_step_ << " from the earlier run moved to "
@@ -349,6 +401,9 @@ void TrainingRun::judge_step(std::int64_t step, const StepStats& st) {
   } else if (!st.failure.empty()) {
     ++totals_.skipped_total;
     failure_ = st.failure;
+  } else if (spike_) {
+    ++totals_.skipped_total;  // its update was not applied
+    judge_spike(step);
   } else if (!st.skip_reason.empty()) {
     // A phase hook skipped the update on purpose (a loss-scale overflow): counted as a skipped step
     // (step = optimizer_steps + skipped_steps), never a failure.
@@ -357,6 +412,73 @@ void TrainingRun::judge_step(std::int64_t step, const StepStats& st) {
   } else {
     totals_.skipped_in_row = 0;
   }
+}
+
+// A loss spike at `step` (its update not applied): recorded, and skipped, stopped at, or rolled back
+// after the step is logged (train.on_spike).
+void TrainingRun::judge_spike(std::int64_t step) {
+  const SpikeVerdict& v = *spike_;
+  spikes_.push_back({{"step", step + 1},
+                     {"batch", step + s_.data_offset + 1},
+                     {"loss", v.loss},
+                     {"loss_z", v.loss_z},
+                     {"grad_norm", v.norm},
+                     {"norm_z", v.norm_z},
+                     {"window", v.window},
+                     {"action", on_spike_}});
+  const std::string what = "loss spike at step " + std::to_string(step + 1) + ": " + v.describe();
+  const std::int64_t max_rollbacks = deck_.get_int("train.max_rollbacks");
+  if (on_spike_ == "stop") {
+    failure_ = what +
+               "; stopped without applying its update (train.on_spike = stop; continue from the last "
+               "checkpoint with checkpoint.resume = auto, or set train.on_spike = rollback)";
+  } else if (on_spike_ == "skip") {
+    totals_.skipped_in_row = 0;
+    if (io_) std::cout << "loom: warning: " << what << "; update skipped (train.on_spike = skip)" << std::endl;
+  } else if (rollbacks_in_row_ >= max_rollbacks) {
+    failure_ = what + "; " + std::to_string(rollbacks_in_row_) +
+               " rollback(s) with no checkpoint written since (train.max_rollbacks = " + std::to_string(max_rollbacks) +
+               "): stopping";
+  } else {
+    rollback_pending_ = true;
+  }
+}
+
+// Rolls back after the spike at `step` (collective): reloads the last checkpoint and moves the data
+// past the spike's batch (and train.spike_skip_batches more), so that the batches from the checkpoint
+// to the spike are never trained on again. Returns the step to go on from.
+std::int64_t TrainingRun::roll_back(std::int64_t step) {
+  rollback_pending_ = false;
+  nlohmann::json& rec = spikes_.back();
+  const std::int64_t spike_batch = step + s_.data_offset;  // 0-based, as the next ones below
+  const auto to = checkpoints_.roll_back();                // sets data_offset to the checkpoint's
+  if (!to) {
+    rec["action"] = "skip";
+    if (io_)
+      std::cout << "loom: warning: loss spike at step " << step + 1
+                << ": no checkpoint to roll back to yet; its update was skipped instead" << std::endl;
+    return step + 1;
+  }
+  const auto& [at, path] = *to;
+  const std::int64_t first_skipped = at + s_.data_offset;
+  const std::int64_t next_batch = spike_batch + 1 + deck_.get_int("train.spike_skip_batches");
+  s_.data_offset = next_batch - at;
+  ++rollbacks_;
+  ++rollbacks_in_row_;
+  rolled_back_from_ = step + 1;
+  totals_.redone += step + 1 - at;
+  rec["rolled_back_to"] = at;
+  rec["checkpoint"] = path;
+  rec["batches_skipped"] = {first_skipped + 1, next_batch};  // 1-based, inclusive, as steps are counted
+  if (io_) {
+    std::cout << "loom: warning: loss spike at step " << step + 1 << ": rolled back to step " << at << " (" << path
+              << "); global batches " << first_skipped + 1 << ".." << next_batch << " are skipped, step " << at + 1
+              << " draws batch " << next_batch + 1 << " (rollback " << rollbacks_in_row_
+              << " since the last checkpoint, train.max_rollbacks = " << deck_.get_int("train.max_rollbacks") << ")"
+              << std::endl;
+    metrics_.resume(s_.run_dir + "/metrics.jsonl", at);  // the undone steps' rows go to .superseded
+  }
+  return at;
 }
 
 // Evaluation and checkpoints after a step that went well (collective); true when a stop signal asks
@@ -410,6 +532,7 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
   if (val) std::printf(" | val %.4f", *val);
   if (st.nonfinite) std::printf(" | update skipped");
   if (!st.skip_reason.empty()) std::printf(" | update skipped: %s", st.skip_reason.c_str());
+  if (spike_) std::printf(" (z %.1f / %.1f)", spike_->loss_z, spike_->norm_z);
   if (s_.backend->precision().matmul == DType::f16)  // a loss-scaled run shows the scale
     std::printf(" | scale %g, %lld skipped", st.loss_scale, static_cast<long long>(totals_.skipped_total));
   std::printf(" | %s in, ETA %s", duration_text(elapsed).c_str(), duration_text(eta).c_str());
@@ -425,6 +548,8 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
                         {"tflops", tflops},
                         {"mfu", mfu},
                         {"step_ms", st.seconds * 1e3},
+                        {"batch", step + s_.data_offset + 1},
+                        {"wall_ms", step_wall_ * 1e3},
                         {"elapsed_s", elapsed},
                         {"eta_s", eta},
                         {"time", utc_timestamp()},
@@ -447,6 +572,8 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
     rec["skip_reason"] = st.skip_reason;
   }
   for (const auto& [k, v] : saved.items()) rec[k] = v;
+  if (spike_) rec["spike"] = spikes_.back();
+  if (rolled_back_from_ >= 0) rec["rolled_back_from"] = std::exchange(rolled_back_from_, -1);
   metrics_.write(rec);
 }
 
@@ -526,6 +653,12 @@ nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks,
   summary["mem_peak_bytes_by_rank"] = by_rank;
   summary["comm_scratch_bytes_by_rank"] = pools_by_rank;
   if (!failure_.empty()) summary["error"] = failure_;
+  if (on_spike_ != "none") {
+    summary["spikes"] = spikes_;
+    summary["rollbacks"] = rollbacks_;
+    summary["steps_redone"] = totals_.redone;
+  }
+  if (stragglers_->on()) summary["stragglers"] = stragglers_->summary();
   if (interrupted_) summary["stop_signal"] = Checkpointing::stop_signal();
   nlohmann::json comm = nlohmann::json::object();
   for (std::size_t gi = 0; gi < groups_.size(); ++gi)
@@ -590,17 +723,22 @@ void TrainingRun::write_report(const nlohmann::json& summary) {
 void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<std::string, double>& means) {
   const RunTotals& t = totals_;
   const double tps = tokens_per_step_ / t.mean_step();
-  std::printf("\nsummary: %s: %lld steps (%lld .. %lld) in %.1f s | final loss %.4f", status().c_str(),
+  std::printf("\nsummary: %s: %lld steps (%lld .. %lld%s) in %.1f s | final loss %.4f", status().c_str(),
               static_cast<long long>(t.steps_run), static_cast<long long>(start_step_ + 1),
-              static_cast<long long>(start_step_ + t.steps_run), t.train_time, t.last_loss);
+              static_cast<long long>(start_step_ + t.steps_run - t.redone),
+              t.redone ? (", " + std::to_string(t.redone) + " of them again after rollbacks").c_str() : "",
+              t.train_time, t.last_loss);
   if (t.last_val) std::printf(" | val loss %.4f", *t.last_val);
   if (auto best = s_.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
   std::printf("\n         %lld parameters (%lld on rank 0)",
               static_cast<long long>(summary["parameters"].get<std::int64_t>()),
               static_cast<long long>(s_.model->num_params()));
   if (t.skipped_total)
-    std::printf(" | %lld step(s) skipped (not finite, or a loss-scale overflow)",
+    std::printf(" | %lld step(s) skipped (not finite, a loss-scale overflow or a loss spike)",
                 static_cast<long long>(t.skipped_total));
+  if (!spikes_.empty())
+    std::printf("\n         %zu loss spike(s) (train.on_spike = %s), %lld rollback(s)", spikes_.size(),
+                on_spike_.c_str(), static_cast<long long>(rollbacks_));
   std::printf(
       "\n         %.0f tokens/s | %.4f TFLOP/s (%.3g model FLOPs/token) | MFU %.1f%% of %.3f TFLOP/s (%s) | steady "
       "step %.1f ms\n",
@@ -642,6 +780,13 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
         at(Mem::workspace).c_str(), scale_note.c_str());
   }
   for (const std::string& line : s_.engine->schedule().summary_lines(means)) std::printf("         %s\n", line.c_str());
+  if (stragglers_->on())
+    for (const auto& r : stragglers_->summary())
+      std::printf(
+          "         slow rank %d (host %s): up to %.2fx the others' busy time, in %s, in %d window(s) of %lld steps\n",
+          r["rank"].get<int>(), r["host"].get<std::string>().c_str(), r["factor"].get<double>(),
+          r["phase"].get<std::string>().c_str(), r["windows"].get<int>(),
+          static_cast<long long>(deck_.get_int("run.straggler_every")));
   if (interrupted_)
     std::printf(
         "         interrupted by signal %d after a checkpoint: exit status %d; continue with --set "
@@ -655,6 +800,9 @@ int TrainingRun::run() {
   lock_directories();
   if (io_) std::cout << s_.banner() << std::flush;
   checkpoints_.prepare();
+  run_agreed([&] {  // before anything is written: a refused run leaves the earlier results as they were
+    if (io_ && !checkpoints_.resuming()) refuse_fresh_over_results(s_.run_dir, results_may_move());
+  });
   start_step_ = checkpoints_.resume();
   open_metrics();
   writing_ = true;
@@ -664,11 +812,19 @@ int TrainingRun::run() {
   t_init_ = now() - t_start_;
   totals_.group_bytes.assign(groups_.size(), 0.0);
   totals_.group_wait.assign(groups_.size(), 0.0);
+  watch_spikes();
+  stragglers_ = std::make_unique<StragglerWatch>(s_.grid->world(), deck_.get_float("run.straggler_factor"),
+                                                 deck_.get_int("run.straggler_every"));
   t_loop_ = now();
   for (std::int64_t step = start_step_; step < s_.steps; ++step) {
+    const double t_step = now();
     for (auto* g : groups_) g->reset_stats();
     const StepStats st = s_.engine->train_step(step, s_.train_batches);
     const StepComm comm = read_comm(st);
+    stragglers_->add(st, comm.wait);
+    const nlohmann::json slow = stragglers_->check(step + 1);  // collective, every run.straggler_every steps
+    if (io_)
+      for (const auto& s : slow) std::cout << "loom: warning: slow rank: " << StragglerWatch::describe(s) << std::endl;
     auto report = s_.engine->grad_sync().step_report();
     for (auto& kv : s_.model->partition().step_report()) report.push_back(kv);
     for (auto& kv : s_.engine->schedule().step_report()) report.push_back(kv);
@@ -676,12 +832,25 @@ int TrainingRun::run() {
     judge_step(step, st);
     std::optional<double> val;
     nlohmann::json saved = nlohmann::json::object();
-    interrupted_ = after_step(step, val, saved);
+    if (!rollback_pending_) interrupted_ = after_step(step, val, saved);  // a step about to be undone saves nothing
+    if (saved.contains("checkpoint")) rollbacks_in_row_ = 0;
+    if (!slow.empty()) saved["stragglers"] = slow;
     const bool end = !failure_.empty() || interrupted_;
     const bool log = step % s_.log_every == 0 || step + 1 == s_.steps || val || end || !saved.empty() || st.nonfinite ||
-                     !st.skip_reason.empty();
+                     !st.skip_reason.empty() || rolled_back_from_ >= 0;
+    step_wall_ = now() - t_step;  // with its evaluation and its checkpoint's time
+    if (log)
+      saved["batch_digest"] = s_.batch_digest();  // collective: `log` is the same on every rank
+    else
+      s_.forget_rows();
     if (io_ && log) log_step(step, st, comm, report, val, saved);
     if (end) break;
+    if (rollback_pending_) step = roll_back(step) - 1;  // the loop's ++ goes on from the checkpoint's step
+  }
+  try {
+    checkpoints_.wait_for_write();  // checkpoint.async: the last write in flight
+  } catch (const AgreedFailure& e) {
+    if (failure_.empty()) failure_ = e.what();
   }
   check_the_end();
   if (!failure_.empty() && io_) write_stderr("loom: error: " + failure_);

@@ -341,12 +341,45 @@ void init_hdf5() {
   (void)once;
 }
 
-void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
-                     const CheckpointState& state, const std::vector<CheckpointContributor*>& parts) {
+CheckpointImage checkpoint_image(GPT& model, Optimizer& optimizer, const std::vector<CheckpointContributor*>& parts) {
+  CheckpointImage image;
+  image.tensors = checkpoint_tensors(model, optimizer, parts);
+  image.attributes = contributed_attributes(parts);
+  image.model = model.config();
+  image.n_params = static_cast<int>(model.all_params().size());
+  image.backend = &model.backend();
+  return image;
+}
+
+CheckpointImage checkpoint_snapshot(GPT& model, Optimizer& optimizer,
+                                    const std::vector<CheckpointContributor*>& parts) {
+  CheckpointImage image = checkpoint_image(model, optimizer, parts);
+  image.copies.reserve(image.tensors.size());
+  for (CheckpointTensor& t : image.tensors) {
+    const bool owner = t.holds && t.primary_end > t.primary_begin;
+    if (!owner) {
+      t.data = BufferRef();
+      continue;
+    }
+    // Only the elements this rank writes: [primary_begin, primary_end), at their own offsets.
+    std::vector<float>& copy = image.copies.emplace_back(static_cast<std::size_t>(t.primary_end));
+    const std::int64_t n = t.primary_end - t.primary_begin;
+    image.backend->copy_to_host(copy.data() + t.primary_begin, t.data.slice(t.primary_begin, n));
+    t.data = BufferRef(copy.data(), t.primary_end);
+  }
+  image.backend = nullptr;  // everything is on the host now
+  return image;
+}
+
+std::string write_checkpoint_image(const std::string& path, MPI_Comm comm, const CheckpointImage& image,
+                                   const CheckpointState& state) {
   static QuietHdf5 quiet;
+  int ranks = 1, rank = 0;
+  MPI_Comm_size(comm, &ranks);
+  MPI_Comm_rank(comm, &rank);
   const std::string tmp = path + ".tmp";
   Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
-  H5Pset_fapl_mpio(fapl.id, MPI_COMM_WORLD, MPI_INFO_NULL);
+  H5Pset_fapl_mpio(fapl.id, comm, MPI_INFO_NULL);
   Handle file{H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.id), H5Fclose};
   if (file.id < 0) fail(tmp, "cannot be created (check checkpoint.dir)");
   // Each owner writes its own hyperslab independently (datasets are still created collectively):
@@ -363,9 +396,10 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   write_attr(file.id, "optimizer_steps", H5T_NATIVE_INT64, state.optimizer_steps);
   const std::int64_t seed = static_cast<std::int64_t>(state.seed);
   write_attr(file.id, "seed", H5T_NATIVE_INT64, seed);
-  write_attr(file.id, "data_next_step", H5T_NATIVE_INT64, state.step);
+  const std::int64_t data_step = state.data_step >= 0 ? state.data_step : state.step;
+  write_attr(file.id, "data_next_step", H5T_NATIVE_INT64, data_step);
   // A loss scaler's own value (a contributed `loss_scale`) takes the core attribute's place.
-  const std::map<std::string, double> contributed = contributed_attributes(parts);
+  const std::map<std::string, double>& contributed = image.attributes;
   const auto scaler = contributed.find("loss_scale");
   write_attr(file.id, "loss_scale", H5T_NATIVE_DOUBLE, scaler == contributed.end() ? state.loss_scale : scaler->second);
   const std::int64_t dp = state.layout.dp, tp = state.layout.tp, pp = state.layout.pp;
@@ -377,7 +411,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   write_attr_string(file.id, "deck", state.deck);
   write_attr(file.id, "skipped_steps", H5T_NATIVE_INT64, state.skipped_steps);
   for (const ModelKey& k : kModelKeys) {
-    const std::int64_t v = model.config().*k.field;
+    const std::int64_t v = image.model.*k.field;
     write_attr(file.id, k.attr, H5T_NATIVE_INT64, v);
   }
   for (const auto& [name, value] : contributed)
@@ -386,8 +420,8 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   // Each element is written by its primary owner (the store decides: by default data-parallel
   // replica 0, and for a tensor replicated over the tp group tp rank 0). Everyone else selects
   // nothing (the transfers are independent; the creations and attributes collective).
-  const std::vector<CheckpointTensor> tensors = checkpoint_tensors(model, optimizer, parts);
-  const int n_params = static_cast<int>(model.all_params().size());
+  const std::vector<CheckpointTensor>& tensors = image.tensors;
+  const int n_params = image.n_params;
   int written = 0;
   // A failed write (no space, quota, file size limit) is noted and the rank goes on joining every
   // collective call, so that all ranks can close the file and agree on the failure afterwards.
@@ -398,7 +432,7 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   auto note_failure = [&](const std::string& what) {
     if (!failure.empty()) return;
     failure = "checkpoint '" + tmp + "': " + what + " (" + std::strerror(errno ? errno : EIO) + ")";
-    if (grid.layout().ranks() > 1) abort_job(failure + "; the earlier checkpoints and `latest` are unchanged", 1);
+    if (ranks > 1) abort_job(failure + "; the earlier checkpoints and `latest` are unchanged", 1);
   };
   for (const CheckpointTensor& t : tensors) {
     // Every rank creates every dataset of the whole model (creation is collective); the owners write.
@@ -415,8 +449,8 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
     const float* data = owner ? t.data.as<float>() + t.primary_begin : nullptr;
     if (data && t.data.space != MemSpace::host) {
       staged.resize(static_cast<std::size_t>(t.primary_end - t.primary_begin));
-      model.backend().copy_to_host(staged.data(),
-                                   BufferRef(const_cast<float*>(data), t.primary_end - t.primary_begin, t.data.space));
+      image.backend->copy_to_host(staged.data(),
+                                  BufferRef(const_cast<float*>(data), t.primary_end - t.primary_begin, t.data.space));
       data = staged.data();
     }
     const Handle mspace = transfer_spaces(fspace.id, &mine, owner);
@@ -442,18 +476,50 @@ void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Opt
   file.id = -1;
   // Every rank's data is in the file before it gets its name, and every rank knows whether it is.
   errno = 0;
-  if (failure.empty() && grid.rank() == 0 && std::rename(tmp.c_str(), path.c_str()) != 0)
+  if (failure.empty() && rank == 0 && std::rename(tmp.c_str(), path.c_str()) != 0)
     note_failure("cannot rename it to " + path);
   // HDF5 keeps a file it could not close in its tables and closes it again when MPI finalizes, which
   // crashes inside HDF5: every rank then leaves without finalizing (exit_without_finalize()).
   int left_open = g_file_left_open ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &left_open, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &left_open, 1, MPI_INT, MPI_MAX, comm);
   g_file_left_open = left_open != 0;
+  return failure;
+}
+
+namespace {
+std::string unwritten(const std::string& path) {
+  return "checkpoint '" + path + ".tmp' was not written, and the earlier checkpoints and `latest` are unchanged";
+}
+}  // namespace
+
+void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
+                     const CheckpointState& state, const std::vector<CheckpointContributor*>& parts) {
+  const std::string failure =
+      write_checkpoint_image(path, MPI_COMM_WORLD, checkpoint_image(model, optimizer, parts), state);
   agree_on_failure(
-      grid.world(), failure, [&] { std::remove(tmp.c_str()); },
-      "checkpoint '" + tmp +
-          "' was not written, and the earlier checkpoints and `latest` are "
-          "unchanged");
+      grid.world(), failure, [&] { std::remove((path + ".tmp").c_str()); }, unwritten(path));
+}
+
+std::string agree_over(MPI_Comm comm, const std::string& local_failure, const std::string& consequence) {
+  int ranks = 1, rank = 0;
+  MPI_Comm_size(comm, &ranks);
+  MPI_Comm_rank(comm, &rank);
+  int first = local_failure.empty() ? ranks : rank, count = local_failure.empty() ? 0 : 1;
+  MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, comm);
+  MPI_Allreduce(MPI_IN_PLACE, &count, 1, MPI_INT, MPI_SUM, comm);
+  if (count == 0) return "";
+  if (!local_failure.empty()) write_stderr(rank_error_text(rank, local_failure));
+  return consequence + ": it failed on " + std::to_string(count) + " of " + std::to_string(ranks) +
+         " rank(s), first on rank " + std::to_string(first);
+}
+
+std::string write_checkpoint_agreed(const std::string& path, MPI_Comm comm, const CheckpointImage& image,
+                                    const CheckpointState& state) {
+  const std::string agreed = agree_over(comm, write_checkpoint_image(path, comm, image, state), unwritten(path));
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  if (!agreed.empty() && rank == 0) std::remove((path + ".tmp").c_str());
+  return agreed;
 }
 
 std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& deck) {
@@ -549,6 +615,10 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     fail(path, "has step = " + std::to_string(st.step) + ", optimizer_steps = " + std::to_string(st.optimizer_steps) +
                    " and skipped_steps = " + std::to_string(st.skipped_steps) +
                    ": step must be optimizer_steps + skipped_steps, none negative (corrupt)");
+  if (!read_attr_i64(file, "data_next_step", st.data_step)) st.data_step = st.step;
+  if (st.data_step < st.step)
+    fail(path, "has data_next_step = " + std::to_string(st.data_step) + " below step = " + std::to_string(st.step) +
+                   ": corrupt (a run only ever skips batches forward)");
   return st;
 }
 }  // namespace

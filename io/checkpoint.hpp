@@ -29,8 +29,9 @@ struct CheckpointState {
   GPTConfig model;                   // the model's shape (attributes model_layers, ...)
   std::uint64_t seed = 0;            // the counter-based generators' state is (seed, step)
   double loss_scale = 1.0;
-  std::string deck;  // the resolved deck text of the run that wrote it
-  Layout layout;     // the layout that wrote it
+  std::int64_t data_step = -1;  // the global batch step `step` draws (data_next_step; -1 on save: = step)
+  std::string deck;             // the resolved deck text of the run that wrote it
+  Layout layout;                // the layout that wrote it
 };
 
 // Collective over the grid's world. Writes `path` + ".tmp", closes it (every rank's data flushed),
@@ -41,6 +42,33 @@ struct CheckpointState {
 // parameters and the optimizer state.
 void save_checkpoint(const std::string& path, ProcessGrid& grid, GPT& model, Optimizer& optimizer,
                      const CheckpointState& state, const std::vector<CheckpointContributor*>& parts = {});
+
+// What a checkpoint file holds, taken from the run at one step: its tensors and the contributed
+// attributes. checkpoint_image views the live state (a device tensor is staged through `backend`
+// as it is written); checkpoint_snapshot copies the elements this rank writes to host memory, so
+// that training may go on while another thread writes them (checkpoint.async).
+struct CheckpointImage {
+  std::vector<CheckpointTensor> tensors;
+  std::map<std::string, double> attributes;
+  GPTConfig model;
+  int n_params = 0;
+  BackendFace* backend = nullptr;
+  std::vector<std::vector<float>> copies;  // a snapshot's host copies, which `tensors` point into
+};
+CheckpointImage checkpoint_image(GPT& model, Optimizer& optimizer, const std::vector<CheckpointContributor*>& parts);
+CheckpointImage checkpoint_snapshot(GPT& model, Optimizer& optimizer, const std::vector<CheckpointContributor*>& parts);
+// Collective over every rank of `comm`: writes `path`.tmp, closes it and renames it (rank 0 of comm);
+// returns this rank's failure ("" when none). Callers agree on it (save_checkpoint does).
+std::string write_checkpoint_image(const std::string& path, MPI_Comm comm, const CheckpointImage& image,
+                                   const CheckpointState& state);
+// The same, with the ranks agreeing over `comm` itself (MPI only: for a writer thread on a duplicate of
+// the world): "" on every rank, or on every rank the failure, each failing rank having printed its
+// reason, and the .tmp removed.
+std::string write_checkpoint_agreed(const std::string& path, MPI_Comm comm, const CheckpointImage& image,
+                                    const CheckpointState& state);
+// Whether any rank of `comm` failed (`local_failure` non-empty): "" or "<consequence>: it failed on K
+// of N rank(s), first on rank R" on every rank; each failing rank prints its own reason.
+std::string agree_over(MPI_Comm comm, const std::string& local_failure, const std::string& consequence);
 
 // Collective. Every rank reads its own hyperslabs (and the replicated tensors whole). Throws
 // InputError naming the file and the mismatch: not HDF5 / truncated / corrupt, another format

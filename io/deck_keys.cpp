@@ -90,6 +90,26 @@ void add_core_keys(DeckSchema& schema) {
                         "rank and go on (counted; stops after train.max_skipped in a row)"));
   schema.add(int_key("train.max_skipped", "10", 1, 1e9,
                      "with train.on_nonfinite = skip: stop after this many skipped steps in a row"));
+  schema.add(choice_key("train.on_spike", "none", {"none", "skip", "rollback", "stop"},
+                        "a loss spike (the loss or the gradient norm more than train.spike_loss_z / "
+                        "train.spike_norm_z standard deviations above the mean of the last train.spike_window "
+                        "steps): none (not watched), skip its update, rollback (reload the last checkpoint and "
+                        "skip the data from it to the spike), or stop (exit 1)"));
+  schema.add(int_key("train.spike_window", "32", 4, 1e6,
+                     "steps of loss and gradient norm the spike detector's mean and deviation are taken over "
+                     "(it judges once the window is full; spikes are left out of it)"));
+  schema.add(float_key("train.spike_loss_z", "6", 0, 1e6,
+                       "a loss this many standard deviations above the window's mean is a spike (0 = the loss "
+                       "is not watched)"));
+  schema.add(float_key("train.spike_norm_z", "6", 0, 1e6,
+                       "a gradient norm this many standard deviations above the window's mean is a spike (0 = "
+                       "the norm is not watched)"));
+  schema.add(int_key("train.spike_skip_batches", "0", 0, 1e9,
+                     "with train.on_spike = rollback: global batches skipped after the spike's own (a bad "
+                     "stretch of data), beyond those from the checkpoint to the spike"));
+  schema.add(int_key("train.max_rollbacks", "3", 1, 1e6,
+                     "with train.on_spike = rollback: stop after this many rollbacks with no checkpoint written "
+                     "between them"));
 
   // parallel
   schema.add(int_key("parallel.dp", "1", 1, 1e6, "data-parallel degree"));
@@ -120,8 +140,15 @@ void add_core_keys(DeckSchema& schema) {
                         "matrix products of the host back end: auto (oneDNN when loom is built with it, else "
                         "BLAS), onednn (oneDNN matmul primitives, cached per shape) or blas (cblas_sgemm)"));
   schema.add(bool_key("run.overwrite", "false",
-                      "a fresh run may replace an earlier run's checkpoints in checkpoint.dir (they are removed "
-                      "at start); otherwise such a run is refused"));
+                      "a fresh run may replace an earlier run's checkpoints in checkpoint.dir (removed at start) "
+                      "and its results in run.dir (metrics.jsonl, summary.json, report.json: moved to *.earlier); "
+                      "otherwise such a run is refused"));
+  schema.add(float_key("run.straggler_factor", "0", 0, 1e6,
+                       "name a rank whose busy time per step (its step time less its waits at collectives) is "
+                       "more than this many times the other ranks' median, with its host and the phase it is "
+                       "slow in (0 = not watched; e.g. 1.5)"));
+  schema.add(int_key("run.straggler_every", "10", 1, 1e9,
+                     "with run.straggler_factor: steps between the ranks' exchanges of their step times"));
   schema.add(float_key("run.memory_limit", "0", 0, 1e9,
                        "GiB a rank may use, checked against the plan's prediction of each rank on this node before "
                        "the first allocation (0: the ranks on this node share its memory, the least of MemTotal and "
@@ -145,6 +172,9 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(bool_key("checkpoint.at_end", "true",
                       "save a final checkpoint when training ends, if checkpointing is configured "
                       "(checkpoint.every, checkpoint.dir or checkpoint.resume given)"));
+  schema.add(bool_key("checkpoint.async", "false",
+                      "copy the step's state to host memory and write the checkpoint on a thread of its own "
+                      "while training goes on (the next save, a stop signal and the end wait for it)"));
   schema.add(int_key("checkpoint.keep", "2", 1, 1e6,
                      "how many checkpoints to keep (older ones are deleted once a newer one is complete)"));
   schema.add(string_key("checkpoint.resume", "",

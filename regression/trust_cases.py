@@ -300,8 +300,9 @@ def case_directory(c, name):
         finally:
             holder.kill()
             holder.communicate()
-        # Killed without a chance to clean up: the kernel released the lock, a new run may start.
-        p, _ = c.loom("shared", 1, ["train.steps=2"])
+        # Killed without a chance to clean up: the kernel released the lock, a new run may start (over
+        # the killed run's metrics, asked with run.overwrite).
+        p, _ = c.loom("shared", 1, ["train.steps=2", "run.overwrite=true"])
         c.check(not os.path.exists(os.path.join(rundir, "loom.lock")), "loom.lock left behind after a finished run")
         # run.dir = X with checkpoint.dir = X is one directory, locked once (it was refused as "in use",
         # naming its own pid).

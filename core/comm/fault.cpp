@@ -20,28 +20,37 @@ namespace loom {
 
 namespace {
 
-const char* const kFaultForm = "rank=R,step=S,where=plugin|data|checkpoint|nan|nan_weights|overflow";
-const char* const kFaultPlaces[] = {"plugin", "data", "checkpoint", "nan", "nan_weights", "overflow"};
+const char* const kFaultForm =
+    "rank=R,step=S,where=plugin|data|checkpoint|nan|nan_weights|overflow|bad_data|slow[,ms=M]";
+const char* const kFaultPlaces[] = {"plugin",      "data",     "checkpoint", "nan",
+                                    "nan_weights", "overflow", "bad_data",   "slow"};
 
 struct FaultPlan {
   int rank = -1;
   long long step = -1;
   std::string where;
+  long long ms = 20;  // where=slow: the delay per forward pass
 };
 
 // The plan LOOM_INJECT_FAULT asks for; nullopt with `why` set when it is malformed.
 std::optional<FaultPlan> parse_fault_spec(const std::string& spec, std::string* why) {
-  static const std::regex form(R"(rank=(\d{1,9}),step=(\d{1,18}),where=(\w+))");
+  static const std::regex form(R"(rank=(\d{1,9}),step=(\d{1,18}),where=(\w+)(,ms=(\d{1,6}))?)");
   std::smatch m;
   if (!std::regex_match(spec, m, form)) {
     *why = "is not of the form " + std::string(kFaultForm) + " (R a world rank, S a 0-based step)";
     return std::nullopt;
   }
   FaultPlan plan{std::stoi(m[1]), std::stoll(m[2]), m[3]};
+  if (m[5].matched) plan.ms = std::stoll(m[5]);
+  if (m[5].matched && plan.where != "slow") {
+    *why = "ms= is given only with where=slow";
+    return std::nullopt;
+  }
   for (const char* place : kFaultPlaces)
     if (plan.where == place) return plan;
   *why = "where=" + escape_value(plan.where) +
-         " is not a place a fault can be injected (valid: plugin, data, checkpoint, nan, nan_weights, overflow)";
+         " is not a place a fault can be injected (valid: plugin, data, checkpoint, nan, nan_weights, overflow, "
+         "bad_data, slow)";
   return std::nullopt;
 }
 
@@ -49,15 +58,38 @@ const char* fault_env() { return std::getenv("LOOM_INJECT_FAULT"); }
 
 }  // namespace
 
-bool inject_fault(const char* where, std::int64_t step) {
+namespace {
+const std::optional<FaultPlan>& fault_plan() {
   static const std::optional<FaultPlan> plan = []() -> std::optional<FaultPlan> {
     std::string why;
     return fault_env() ? parse_fault_spec(fault_env(), &why) : std::nullopt;
   }();
-  if (!plan || plan->step != step || plan->where != where) return false;
+  return plan;
+}
+bool on_fault_rank() {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank == plan->rank;
+  return rank == fault_plan()->rank;
+}
+}  // namespace
+
+bool inject_fault(const char* where, std::int64_t step) {
+  const auto& plan = fault_plan();
+  if (!plan || plan->step != step || plan->where != where) return false;
+  return on_fault_rank();
+}
+
+bool inject_bad_data(std::int64_t data_step) {
+  const auto& plan = fault_plan();
+  if (!plan || plan->where != "bad_data" || data_step < plan->step || data_step >= plan->step + kBadDataBatches)
+    return false;
+  return on_fault_rank();
+}
+
+void inject_slowness(std::int64_t step) {
+  const auto& plan = fault_plan();
+  if (!plan || plan->where != "slow" || step < plan->step || !on_fault_rank()) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(plan->ms));
 }
 
 void check_fault_injection(int world) {

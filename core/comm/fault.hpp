@@ -8,8 +8,11 @@
 // element of the rank is NaN during step S's forward and backward only: a bad batch's non-finite loss
 // and gradients) or "nan_weights" (a NaN written into one weight after step S's update, where it
 // stays: the state itself diverged) or "overflow" (one element of the gradient the rank updates is
-// +inf after step S's gradient sync: an fp16 overflow in that rank's share only). Unset: no cost
-// beyond one branch.
+// +inf after step S's gradient sync: an fp16 overflow in that rank's share only), "bad_data" (the
+// rank's training rows of the global batches S .. S+3 are garbage, every target token 0: a bad stretch
+// of data, the cause of a loss spike; S counts batches, which a rollback skips) or "slow" (from step
+// S on, each of the rank's forward passes sleeps M ms, ",ms=M" added to the form, default 20: a slow
+// node). Unset: no cost beyond one branch.
 #include <cstdint>
 
 #include <functional>
@@ -19,6 +22,11 @@
 
 namespace loom {
 bool inject_fault(const char* where, std::int64_t step);
+// where=bad_data: whether this rank's rows of global batch `data_step` are to be garbage.
+inline constexpr int kBadDataBatches = 4;
+bool inject_bad_data(std::int64_t data_step);
+// where=slow: sleeps the planned delay on the planned rank from the planned step on (in a forward).
+void inject_slowness(std::int64_t step);
 
 // Refuses (DeckError: exit 2 before any work, alike on every rank) a LOOM_INJECT_FAULT that is set
 // but is not of the form above or names a rank outside a job of `world` ranks: a fault that would

@@ -206,6 +206,12 @@ class Engine {
   GradSync& grad_sync() { return *sync_; }
   // Registers `hook` to run after the built-in work of its phase (in registration order).
   void add_hook(PhaseHook hook) { hooks_[static_cast<std::size_t>(hook.phase)].push_back(std::move(hook)); }
+  // Registers `hook` to run before the phase's other hooks: one that may skip the update (the driver's
+  // loss-spike detector) comes before those that react to a skip (compression's residual reset).
+  void add_first_hook(PhaseHook hook) {
+    auto& list = hooks_[static_cast<std::size_t>(hook.phase)];
+    list.insert(list.begin(), std::move(hook));
+  }
   const std::vector<PhaseHook>& hooks(StepPhase p) const { return hooks_[static_cast<std::size_t>(p)]; }
 
  private:

@@ -482,6 +482,7 @@ class PipelineSchedule final : public Schedule {
       post_act_recv();  // the next activations arrive while this micro-batch computes
     }
     t0 = now();
+    inject_slowness(ctx.step);  // LOOM_INJECT_FAULT where=slow: a slow node's forward
     const double loss = model.forward_stage(slot, model.holds_embeddings(c) ? ctx.inputs.data() : nullptr, x_in,
                                             model.holds_head(c) ? ctx.targets.data() : nullptr, ctx.rows_per_micro, c);
     ctx.times.forward += now() - t0;
