@@ -124,7 +124,10 @@ struct Checkpointing::InFlight {
 };
 
 Checkpointing::~Checkpointing() {
-  if (in_flight_ && in_flight_->thread.joinable()) in_flight_->thread.join();
+  if (in_flight_ && in_flight_->thread.joinable()) {  // a run ending early: the write still finishes
+    in_flight_->thread.join();
+    if (!in_flight_->failure.empty() && world_rank() == 0) write_stderr("loom: error: " + in_flight_->failure);
+  }
   if (writer_comm_ != MPI_COMM_NULL) MPI_Comm_free(&writer_comm_);
 }
 
@@ -207,6 +210,7 @@ std::int64_t Checkpointing::resume() {
   const double t0 = now();
   run_agreed([&] { st = load_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), s_.checkpoint_parts); });
   s_.data_offset = st.data_step - st.step;
+  last_good_ = path;
   load_seconds_ = now() - t0;
   std::error_code ec;
   load_bytes_ = static_cast<double>(fs::file_size(path, ec));
@@ -308,6 +312,7 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
     save_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), st, s_.checkpoint_parts);
     agree_on_failure(s_.grid->world(), publish(path), {},
                      "checkpoint '" + path + "' was written but `latest` could not be pointed at it");
+    last_good_ = path;
     return count_write(path, now() - t0, &record, why);
   }
   // checkpoint.async: the state of this step is copied to host memory now; a thread of its own writes
@@ -320,7 +325,13 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
   const double copied = now() - t0;
   snapshot_seconds_ += copied;
   f.thread = std::thread([this, &f, st, t0] {
-    f.failure = write_checkpoint_agreed(f.path, writer_comm_, f.image, st);
+    std::string local;  // a failure before the file's collectives (it cannot be created): every rank alike
+    try {
+      f.failure = write_checkpoint_agreed(f.path, writer_comm_, f.image, st);
+    } catch (const std::exception& e) {
+      local = e.what();
+    }
+    if (!local.empty()) f.failure = agree_over(writer_comm_, local, "checkpoint '" + f.path + "' was not written");
     if (f.failure.empty())
       f.failure = agree_over(writer_comm_, publish(f.path),
                              "checkpoint '" + f.path + "' was written but `latest` could not be pointed at it");
@@ -338,6 +349,7 @@ void Checkpointing::wait_for_write(nlohmann::json* record) {
   in_flight_->thread.join();
   const std::unique_ptr<InFlight> f = std::move(in_flight_);
   if (!f->failure.empty()) throw AgreedFailure(f->failure);
+  last_good_ = f->path;
   if (record) (*record)["checkpoint_wait_s"] = now() - t0;
   count_write(f->path, f->seconds, record, (" in the background" + f->why).c_str());
 }
@@ -376,18 +388,16 @@ void Checkpointing::count_write(const std::string& path, double seconds, nlohman
               << bytes / 1e6 / seconds << " MB/s)" << why << std::endl;
 }
 
-std::optional<std::pair<std::int64_t, std::string>> Checkpointing::roll_back() {
-  wait_for_write();  // the last checkpoint may be the one being written
-  std::string path;
-  run_agreed([&] {
-    const std::string name = read_latest_name(dir_);
-    path = !name.empty() ? dir_ + "/" + name : resume_path_;
-  });
-  if (path.empty()) return std::nullopt;
+std::pair<std::int64_t, std::string> Checkpointing::roll_back(std::int64_t steps_done, nlohmann::json* record) {
+  wait_for_write(record);  // the last checkpoint may be the one being written
+  const std::string path = last_good_;
   CheckpointState st;
   run_agreed([&] { st = load_checkpoint(path, *s_.grid, *s_.model, s_.engine->optimizer(), s_.checkpoint_parts); });
+  if (st.step > steps_done)
+    throw AgreedFailure("rollback: checkpoint '" + path + "' is at step " + std::to_string(st.step) +
+                        ", after the spike at step " + std::to_string(steps_done));
   s_.data_offset = st.data_step - st.step;
-  return std::make_pair(st.step, path);
+  return {st.step, path};
 }
 
 nlohmann::json Checkpointing::summary() const {

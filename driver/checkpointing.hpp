@@ -57,10 +57,14 @@ class Checkpointing {
   // AgreedFailure when it failed. The run calls it after its last step; a save, a stop signal and a
   // rollback wait alike.
   void wait_for_write(nlohmann::json* record = nullptr);
-  // A rollback after a loss spike (collective): reloads the checkpoint `latest` names (else the one
-  // this run resumed from); returns the step it holds and its path, or nullopt when there is none yet.
-  // Leaves Session::data_offset at the checkpoint's; the caller moves it past the spike.
-  std::optional<std::pair<std::int64_t, std::string>> roll_back();
+  // Whether a rollback has a checkpoint to return to: one this run saved (or is writing), or the one
+  // it resumed from.
+  bool can_roll_back() const { return !last_good_.empty() || in_flight_ != nullptr; }
+  // A rollback after a loss spike at `steps_done` (collective; can_roll_back() first): waits for a
+  // write in flight (its record into `record`), reloads the last checkpoint this run saved or resumed
+  // from (never a later one an earlier run left in checkpoint.dir); returns its step and path. Leaves
+  // Session::data_offset at the checkpoint's; the caller moves it past the spike.
+  std::pair<std::int64_t, std::string> roll_back(std::int64_t steps_done, nlohmann::json* record);
   nlohmann::json summary() const;
   const std::string& dir() const { return dir_; }
   bool resuming() const { return !resume_path_.empty(); }
@@ -83,6 +87,7 @@ class Checkpointing {
   std::int64_t every_, keep_;
   std::string resume_;       // checkpoint.resume as given
   std::string resume_path_;  // the file prepare() chose ("" = fresh)
+  std::string last_good_;    // the last checkpoint this run saved (complete), else resume_path_
   bool configured_ = false;  // checkpoint.every, checkpoint.dir or checkpoint.resume given
   bool at_end_ = true;
   std::int64_t last_saved_ = -1;

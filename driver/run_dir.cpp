@@ -178,9 +178,13 @@ void refuse_fresh_over_results(const std::string& run_dir, bool overwrite) {
 std::vector<std::string> move_results_aside(const std::string& run_dir) {
   const auto earlier = earlier_results(run_dir);
   for (const auto& name : earlier) {
+    // NAME.earlier, or NAME.earlier.2, .3, ... when earlier runs were moved aside before: none is replaced.
     const std::string from = run_dir + "/" + name;
-    if (std::rename(from.c_str(), (from + ".earlier").c_str()) != 0)
-      throw_write_error(from + ".earlier", "move the earlier run's " + name + " to", errno);
+    std::string to = from + ".earlier";
+    std::error_code ec;
+    for (int k = 2; std::filesystem::exists(to, ec); ++k) to = from + ".earlier." + std::to_string(k);
+    if (std::rename(from.c_str(), to.c_str()) != 0)
+      throw_write_error(to, "move the earlier run's " + name + " to", errno);
   }
   return earlier;
 }

@@ -52,7 +52,8 @@ void refuse_if_held(const std::string& dir, const std::string& key, const std::s
 // `overwrite` (run.overwrite, or checkpoint.resume = auto: a job of a chain that found nothing to
 // continue), with which the run moves them aside (move_results_aside).
 void refuse_fresh_over_results(const std::string& run_dir, bool overwrite);
-// Renames each of those files to NAME.earlier (replacing an older one); returns the names moved.
+// Renames each of those files to NAME.earlier (NAME.earlier.2, ... when that exists: nothing is
+// replaced); returns the names moved.
 std::vector<std::string> move_results_aside(const std::string& run_dir);
 
 // `path` written as `path`.tmp, flushed and synced, then renamed over `path`: readers see the old

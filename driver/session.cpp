@@ -224,6 +224,11 @@ void check_training_keys(const Deck& deck) {
   if (deck.get_float("train.lr_min") > deck.get_float("train.lr"))
     throw InputError("train.lr_min = " + deck.values().at("train.lr_min") + " is above train.lr = " +
                      deck.values().at("train.lr") + "; the cosine floor must be at most the peak learning rate");
+  if (deck.get_string("train.on_spike") != "none" && deck.get_float("train.spike_loss_z") == 0 &&
+      deck.get_float("train.spike_norm_z") == 0)
+    throw InputError("train.on_spike = " + deck.get_string("train.on_spike") +
+                     " with train.spike_loss_z = 0 and train.spike_norm_z = 0 watches nothing: give one a threshold "
+                     "(e.g. 6), or set train.on_spike = none");
   if (deck.get_string("train.on_spike") == "rollback" && deck.get_int("checkpoint.every") <= 0)
     throw InputError("train.on_spike = rollback returns to the last checkpoint, but checkpoint.every = " +
                      deck.values().at("checkpoint.every") +

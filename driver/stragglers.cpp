@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 
 namespace loom {
 namespace {
@@ -18,8 +19,9 @@ double others_median(const std::vector<double>& sorted, double x) {
 }
 }  // namespace
 
-StragglerWatch::StragglerWatch(Communicator& world, double factor, std::int64_t every)
+StragglerWatch::StragglerWatch(Communicator& world, double factor, std::int64_t every, int peer_group)
     : world_(world), factor_(factor), every_(every) {
+  if (factor_ > 0 && world_.size() == 1) idle_ = "one rank: nothing to compare";
   if (!on()) return;
   // The host names, once (MPI_COMM_WORLD: the grid's world is every rank of it).
   char mine[MPI_MAX_PROCESSOR_NAME] = {};
@@ -29,6 +31,12 @@ StragglerWatch::StragglerWatch(Communicator& world, double factor, std::int64_t 
   MPI_Allgather(mine, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, MPI_COMM_WORLD);
   for (int r = 0; r < world_.size(); ++r)
     hosts_.emplace_back(all.data() + static_cast<std::size_t>(r) * MPI_MAX_PROCESSOR_NAME);
+  groups_.resize(static_cast<std::size_t>(world_.size()));
+  MPI_Allgather(&peer_group, 1, MPI_INT, groups_.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  std::map<int, int> size;
+  for (int g : groups_) ++size[g];
+  if (std::none_of(size.begin(), size.end(), [](const auto& kv) { return kv.second > 1; }))
+    idle_ = "no two ranks do the same work (one rank per pipeline stage): nothing to compare";
 }
 
 void StragglerWatch::add(const StepStats& st, double wait) {
@@ -49,13 +57,19 @@ nlohmann::json StragglerWatch::check(std::int64_t steps_done) {
   const auto at = [&](int r, int i) {
     return all[static_cast<std::size_t>(r) * kValues + i] / all[static_cast<std::size_t>(r) * kValues];
   };
-  // Sorted per value (busy, then each phase), to take every rank against the median of the others.
-  std::vector<std::vector<double>> sorted(1 + kPhases, std::vector<double>(n));
-  for (int i = 0; i <= kPhases; ++i) {
-    for (int r = 0; r < n; ++r) sorted[i][r] = at(r, 1 + i);
-    std::sort(sorted[i].begin(), sorted[i].end());
-  }
+  // Per peer group, sorted per value (busy, then each phase), to take every rank against the median of
+  // the others of its group.
+  std::map<int, std::vector<std::vector<double>>> sorted_by;
   for (int r = 0; r < n; ++r) {
+    auto& sorted = sorted_by[groups_[r]];
+    sorted.resize(1 + kPhases);
+    for (int i = 0; i <= kPhases; ++i) sorted[i].push_back(at(r, 1 + i));
+  }
+  for (auto& [g, sorted] : sorted_by)
+    for (auto& v : sorted) std::sort(v.begin(), v.end());
+  for (int r = 0; r < n; ++r) {
+    const auto& sorted = sorted_by[groups_[r]];
+    if (sorted[0].size() < 2) continue;  // no peer
     const double busy = at(r, 1), others = others_median(sorted[0], busy);
     if (!(others > 0) || busy <= factor_ * others) continue;
     int worst = 0;  // the phase this rank spent the most time in beyond the others' median

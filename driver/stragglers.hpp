@@ -2,8 +2,9 @@
 // Slow ranks named (run.straggler_factor, DESIGN.md "Runs a user can trust"). Each rank adds up its
 // own step times, its waits at collectives and its phase times; every run.straggler_every steps the
 // ranks gather those sums (one all-gather of a few numbers per rank), and a rank whose busy time (its
-// step time less its waits: what it computed) is more than the factor times the other ranks' median
-// is named with its host, how much slower it was, and the phase it lost the time in.
+// step time less its waits: what it computed) is more than the factor times the median of the other
+// ranks doing the same work (its peers: the ranks of its pipeline stage, whose layers are its own) is
+// named with its host, how much slower it was, and the phase it lost the time in.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,9 +18,12 @@ namespace loom {
 
 class StragglerWatch {
  public:
-  // Collective (gathers the host names once). `factor` 0: off, nothing gathered.
-  StragglerWatch(Communicator& world, double factor, std::int64_t every);
+  // Collective (gathers the host names and peer groups once). `factor` 0: off, nothing gathered.
+  // `peer_group`: this rank's (its pipeline stage).
+  StragglerWatch(Communicator& world, double factor, std::int64_t every, int peer_group);
   bool on() const { return factor_ > 0 && world_.size() > 1; }
+  // Why nothing is compared although run.straggler_factor asks (one rank, or no rank has a peer), else "".
+  const std::string& idle_reason() const { return idle_; }
   // This rank's step (`wait`: its seconds waiting at collectives in it).
   void add(const StepStats& st, double wait);
   // Collective when due (after every `every` steps, counted by `steps_done`): the slow ranks of the
@@ -39,6 +43,8 @@ class StragglerWatch {
   double factor_;
   std::int64_t every_;
   std::vector<std::string> hosts_;
+  std::vector<int> groups_;  // each rank's peer group
+  std::string idle_;
   std::vector<double> sums_ = std::vector<double>(kValues, 0.0);
   std::int64_t window_first_ = 1;
   nlohmann::json named_ = nlohmann::json::object();  // by rank

@@ -253,7 +253,8 @@ class TrainingRun {
   nlohmann::json spikes_ = nlohmann::json::array();
   std::int64_t rollbacks_ = 0, rollbacks_in_row_ = 0, rolled_back_from_ = -1;
   bool rollback_pending_ = false;
-  std::unique_ptr<StragglerWatch> stragglers_;  // run.straggler_factor
+  nlohmann::json carried_ = nlohmann::json::object();  // for the next metrics row (the same on every rank)
+  std::unique_ptr<StragglerWatch> stragglers_;         // run.straggler_factor
   double step_wall_ = 0;  // the last step's time with its evaluation and checkpoint (metrics wall_ms)
 };
 
@@ -435,6 +436,11 @@ void TrainingRun::judge_spike(std::int64_t step) {
   } else if (on_spike_ == "skip") {
     totals_.skipped_in_row = 0;
     if (io_) std::cout << "loom: warning: " << what << "; update skipped (train.on_spike = skip)" << std::endl;
+  } else if (!checkpoints_.can_roll_back()) {
+    spikes_.back()["action"] = "skip";
+    if (io_)
+      std::cout << "loom: warning: " << what << "; no checkpoint to roll back to yet: update skipped instead"
+                << std::endl;
   } else if (rollbacks_in_row_ >= max_rollbacks) {
     failure_ = what + "; " + std::to_string(rollbacks_in_row_) +
                " rollback(s) with no checkpoint written since (train.max_rollbacks = " + std::to_string(max_rollbacks) +
@@ -450,16 +456,8 @@ void TrainingRun::judge_spike(std::int64_t step) {
 std::int64_t TrainingRun::roll_back(std::int64_t step) {
   rollback_pending_ = false;
   nlohmann::json& rec = spikes_.back();
-  const std::int64_t spike_batch = step + s_.data_offset;  // 0-based, as the next ones below
-  const auto to = checkpoints_.roll_back();                // sets data_offset to the checkpoint's
-  if (!to) {
-    rec["action"] = "skip";
-    if (io_)
-      std::cout << "loom: warning: loss spike at step " << step + 1
-                << ": no checkpoint to roll back to yet; its update was skipped instead" << std::endl;
-    return step + 1;
-  }
-  const auto& [at, path] = *to;
+  const std::int64_t spike_batch = step + s_.data_offset;               // 0-based, as the next ones below
+  const auto [at, path] = checkpoints_.roll_back(step + 1, &carried_);  // sets data_offset to the checkpoint's
   const std::int64_t first_skipped = at + s_.data_offset;
   const std::int64_t next_batch = spike_batch + 1 + deck_.get_int("train.spike_skip_batches");
   s_.data_offset = next_batch - at;
@@ -573,7 +571,7 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
   }
   for (const auto& [k, v] : saved.items()) rec[k] = v;
   if (spike_) rec["spike"] = spikes_.back();
-  if (rolled_back_from_ >= 0) rec["rolled_back_from"] = std::exchange(rolled_back_from_, -1);
+  if (rolled_back_from_ >= 0) rec["rolled_back_from"] = rolled_back_from_;
   metrics_.write(rec);
 }
 
@@ -814,7 +812,10 @@ int TrainingRun::run() {
   totals_.group_wait.assign(groups_.size(), 0.0);
   watch_spikes();
   stragglers_ = std::make_unique<StragglerWatch>(s_.grid->world(), deck_.get_float("run.straggler_factor"),
-                                                 deck_.get_int("run.straggler_every"));
+                                                 deck_.get_int("run.straggler_every"), s_.grid->pp_rank());
+  if (io_ && !stragglers_->idle_reason().empty())
+    std::cout << "loom: note: run.straggler_factor = " << deck_.values().at("run.straggler_factor") << ": "
+              << stragglers_->idle_reason() << std::endl;
   t_loop_ = now();
   for (std::int64_t step = start_step_; step < s_.steps; ++step) {
     const double t_step = now();
@@ -833,6 +834,8 @@ int TrainingRun::run() {
     std::optional<double> val;
     nlohmann::json saved = nlohmann::json::object();
     if (!rollback_pending_) interrupted_ = after_step(step, val, saved);  // a step about to be undone saves nothing
+    for (const auto& [k, v] : carried_.items()) saved[k] = v;             // a write a rollback waited for
+    carried_ = nlohmann::json::object();
     if (saved.contains("checkpoint")) rollbacks_in_row_ = 0;
     if (!slow.empty()) saved["stragglers"] = slow;
     const bool end = !failure_.empty() || interrupted_;
@@ -844,8 +847,16 @@ int TrainingRun::run() {
     else
       s_.forget_rows();
     if (io_ && log) log_step(step, st, comm, report, val, saved);
+    rolled_back_from_ = -1;  // on every rank: `log` must stay the same everywhere
     if (end) break;
-    if (rollback_pending_) step = roll_back(step) - 1;  // the loop's ++ goes on from the checkpoint's step
+    if (rollback_pending_) {
+      try {
+        step = roll_back(step) - 1;       // the loop's ++ goes on from the checkpoint's step
+      } catch (const AgreedFailure& e) {  // the write in flight of the checkpoint to return to failed
+        failure_ = e.what();
+        break;
+      }
+    }
   }
   try {
     checkpoints_.wait_for_write();  // checkpoint.async: the last write in flight

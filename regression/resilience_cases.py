@@ -14,8 +14,10 @@ CASE is one of:
                           more than MARGIN (1.5%) above the mean of three undisturbed seeds'; with rollback the
                           run returns to the step-28 checkpoint, skips the bad batches, and ends within MARGIN; the spike is logged with its
                           step, z-scores and skipped batches, in metrics and summary; skip and stop as documented
-  spike_limits            rollbacks in a row beyond train.max_rollbacks stop the run (exit 1); rollback without
-                          checkpoint.every is refused before step 1 (exit 2, loom check too)
+  spike_limits            a rollback at 2 ranks logging every 4th step; a rollback after a resume returns to the
+                          run's own checkpoint, not to a later `latest` an earlier run left; rollbacks in a row
+                          beyond train.max_rollbacks stop the run (exit 1); rollback without checkpoint.every is
+                          refused before step 1 (exit 2, loom check too)
   straggler_dp2           rank 1 of 2 made slow (where=slow, 40 ms per forward): named with its host, the factor
                           and the phase (forward) in the log, the metrics and the summary; rank 0 never is
   async_checkpoint_dp2    checkpoint.async = true: the same files as synchronous saves (every tensor equal),
@@ -70,9 +72,9 @@ def fresh_over_results(c):
     c.check([r["step"] for r in rows(rundir)] == [1, 2, 3], "the new metrics.jsonl is not the new run's")
 
 
-def spike_runs(c, tag, sets, fault=True, expect=0):
-    env = {"LOOM_INJECT_FAULT": "rank=0,step=%d,where=bad_data" % BAD_STEP} if fault else {}
-    p, rundir = c.loom(tag, 1, ["train.eval_batches=16"] + sets, env=env, expect=expect)
+def spike_runs(c, tag, sets, fault=True, expect=0, ranks=1, step=BAD_STEP):
+    env = {"LOOM_INJECT_FAULT": "rank=0,step=%d,where=bad_data" % step} if fault else {}
+    p, rundir = c.loom(tag, ranks, ["train.eval_batches=16"] + sets, env=env, expect=expect)
     return p, rundir
 
 
@@ -128,6 +130,17 @@ def spike_rollback(c):
 
 
 def spike_limits(c):
+    # Two ranks logging every 4th step: the rows a rollback adds keep the ranks' collectives in step (it hung).
+    rb = ["train.spike_window=16", "train.on_spike=rollback", "checkpoint.every=4", "train.spike_skip_batches=3"]
+    p, d = spike_runs(c, "dp2_log4", rb + ["parallel.dp=2", "train.log_every=4"], ranks=2)
+    c.check(summary(d).get("rollbacks") == 1, "dp2, log_every 4: rollbacks %s" % summary(d).get("rollbacks"))
+    # A rollback returns to this run's checkpoint, never to a later one an earlier run left as `latest`.
+    _, d = c.loom("earlier", 1, ["checkpoint.every=10", "train.steps=40"])
+    ck = os.path.join(d, "checkpoints", "ckpt-00000030.h5")
+    p, d = spike_runs(c, "earlier", ["train.spike_window=4", "train.on_spike=rollback", "checkpoint.every=10",
+                                     "train.spike_skip_batches=3", "train.steps=48", "checkpoint.resume=" + ck,
+                                     "run.overwrite=true"], step=35)
+    c.expect(p.stdout, [r"loss spike at step 36: rolled back to step 30 \(.*ckpt-00000030\.h5\)"], "stdout")
     sets = ["train.spike_window=16", "train.on_spike=rollback", "checkpoint.every=4", "train.max_rollbacks=2"]
     p, d = spike_runs(c, "limit", sets, expect=1)
     c.expect_error(p, [r"loss spike at step \d+: .*; 2 rollback\(s\) with no checkpoint written since "

@@ -3,6 +3,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <chrono>
@@ -42,12 +43,13 @@ std::optional<FaultPlan> parse_fault_spec(const std::string& spec, std::string* 
   }
   FaultPlan plan{std::stoi(m[1]), std::stoll(m[2]), m[3]};
   if (m[5].matched) plan.ms = std::stoll(m[5]);
-  if (m[5].matched && plan.where != "slow") {
+  const bool known = std::any_of(std::begin(kFaultPlaces), std::end(kFaultPlaces),
+                                 [&](const char* place) { return plan.where == place; });
+  if (known && m[5].matched && plan.where != "slow") {
     *why = "ms= is given only with where=slow";
     return std::nullopt;
   }
-  for (const char* place : kFaultPlaces)
-    if (plan.where == place) return plan;
+  if (known) return plan;
   *why = "where=" + escape_value(plan.where) +
          " is not a place a fault can be injected (valid: plugin, data, checkpoint, nan, nan_weights, overflow, "
          "bad_data, slow)";
