@@ -164,8 +164,9 @@ MemoryVerdict memory_verdict(const Deck& deck, const StrategyRegistry& registry,
   const double set = deck.get_float("run.memory_limit");
   const bool host = backend == "host" || backend == "fenced";
   if (set <= 0 && !host) {
-    v.text = "memory: not checked before the run (run.backend = " + backend +
-             ": a GPU's memory is not known before it is opened; set run.memory_limit to check it)";
+    v.text = "memory: not checked here (run.backend = " + backend +
+             ": a GPU's memory is known once the run opens it, and the run checks it then, before its first "
+             "allocation; set run.memory_limit to check it here)";
     return v;
   }
   std::string source;
@@ -230,6 +231,56 @@ std::vector<int> ranks_on_this_node() {
   MPI_Comm_free(&local);
   std::sort(ranks.begin(), ranks.end());
   return ranks;
+}
+
+std::vector<int> ranks_on_device(int device) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm local, same;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+  MPI_Comm_split(local, device < 0 ? MPI_UNDEFINED : device, rank, &same);
+  std::vector<int> ranks;
+  if (same != MPI_COMM_NULL) {
+    MPI_Comm_size(same, &size);
+    ranks.resize(static_cast<std::size_t>(size));
+    MPI_Allgather(&rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, same);
+    MPI_Comm_free(&same);
+  }
+  MPI_Comm_free(&local);
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+MemoryVerdict device_memory_verdict(const Deck& deck, const StrategyRegistry& registry, int device, double free,
+                                    double total, const std::vector<int>& device_ranks) {
+  MemoryVerdict v;
+  const std::string where = "CUDA device " + std::to_string(device);
+  if (free <= 0 || device_ranks.empty()) {
+    v.text = "memory: not checked (" + where + " did not say how much memory it has; set run.memory_limit)";
+    return v;
+  }
+  Prediction p;
+  {
+    QuietStdout quiet;
+    p = predict_memory(deck, registry, "cuda", static_cast<int>(device_ranks.size()), device_ranks);
+  }
+  if (p.ranks.empty()) return v;
+  v.checked = true;
+  for (const RankPrediction& r : p.ranks) v.need += r.total;
+  v.limit = free;
+  v.per_rank = free / static_cast<double>(device_ranks.size());
+  const std::string largest =
+      "rank " + std::to_string(p.worst_rank) + " " + bytes(p.peak_total) + ": " + largest_categories(p.worst().peak, 3);
+  v.text = "memory: " +
+           (p.ranks.size() == 1
+                ? "rank " + std::to_string(p.ranks.front().rank) + " needs " + bytes(v.need) + " (" +
+                      largest_categories(p.worst().peak, 3) + ")"
+                : "the " + std::to_string(p.ranks.size()) + " ranks on " + where + " (" + rank_list(device_ranks) +
+                      ") need " + bytes(v.need) + " (the largest, " + largest + ")") +
+           " of the " + bytes(free) + " free on " + where + " (of " + bytes(total) + ")";
+  v.fits = v.need <= v.limit;
+  v.text += v.fits ? ": fits" : ": out of memory by " + bytes(v.need - v.limit);
+  return v;
 }
 
 }  // namespace loom

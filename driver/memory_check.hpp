@@ -2,7 +2,9 @@
 // Memory checked before the first allocation (`loom run`, `loom export`, `loom check`): the plan's
 // prediction (driver/plan/predict.hpp predict_memory, the sizing the allocators use) of the ranks
 // placed on this node against what they may use here: run.memory_limit per rank when set, else this
-// node's memory (the least of MemTotal and the cgroup's limits), shared by them.
+// node's memory (the least of MemTotal and the cgroup's limits), shared by them. A cuda run without
+// run.memory_limit is checked as soon as each rank has opened its device, before the first allocation:
+// the ranks on a device against its free memory (device_memory_verdict).
 #include <string>
 #include <vector>
 
@@ -36,5 +38,11 @@ void throw_if_out_of_memory(const Deck& deck, const StrategyRegistry& registry, 
 
 // The world ranks on this node, ascending (collective over MPI_COMM_WORLD).
 std::vector<int> ranks_on_this_node();
+// The world ranks of this node on CUDA device `device` (this rank's), ascending (collective).
+std::vector<int> ranks_on_device(int device);
+// The predicted peak of `device_ranks` (those on this rank's device, `device` of `free` free bytes out
+// of `total`) against its free memory.
+MemoryVerdict device_memory_verdict(const Deck& deck, const StrategyRegistry& registry, int device, double free,
+                                    double total, const std::vector<int>& device_ranks);
 
 }  // namespace loom

@@ -220,6 +220,17 @@ std::string Session::batch_digest() {
   return buf;
 }
 
+void Session::check_device_memory() {
+  if (backend_choice.name != "cuda" || deck.get_float("run.memory_limit") > 0) return;
+  // The device is open, nothing of the model is allocated on it yet: the ranks on it against its free memory.
+  const std::vector<int> sharing = ranks_on_device(backend_choice.device);  // collective
+  run_agreed([&] {
+    throw_if_out_of_memory(deck, registry,
+                           device_memory_verdict(deck, registry, backend_choice.device, backend_choice.device_free,
+                                                 backend_choice.device_total, sharing));
+  });
+}
+
 void check_training_keys(const Deck& deck) {
   if (deck.get_float("train.lr_min") > deck.get_float("train.lr"))
     throw InputError("train.lr_min = " + deck.values().at("train.lr_min") + " is above train.lr = " +
@@ -318,6 +329,7 @@ void Session::setup_collective() {
   backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_string("run.tf32"),
                          deck.get_bool("run.share_gpu"), MPI_COMM_WORLD, &backend_choice);
   run_agreed([&] { GPT::check_attention(model_cfg, *backend); });  // a device may lack what another has
+  check_device_memory();
   set_comm_timeout(deck.get_float("run.comm_timeout"));
   set_link_model(deck.get_float("run.emulate_link_gbps"), 1e-6 * deck.get_float("run.emulate_link_latency_us"));
   grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, layout, [this](MPI_Comm c, const std::string& name) {

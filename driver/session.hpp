@@ -128,6 +128,8 @@ struct Session {
 
   void setup_local();
   void setup_collective();
+  // A cuda run without run.memory_limit, once every rank opened its device (collective).
+  void check_device_memory();
 
  private:
   std::map<std::int64_t, std::uint64_t> step_rows_;  // global row -> hash of its tokens

@@ -373,6 +373,23 @@ def emulated_environment(c, library):
     p, _ = c.loom("visible_none", 1, ["run.backend=cuda"], env=dict(two, CUDA_VISIBLE_DEVICES="5"), expect=2)
     c.expect(p.stderr, [r"no CUDA device is visible on this node .*CUDA_VISIBLE_DEVICES = '5' names none of the "
                         r"node's 2 emulated devices"], "CUDA_VISIBLE_DEVICES naming no device")
+    # A model larger than the device (80 GiB emulated) is refused once the device is open, before the
+    # first allocation, naming both numbers; two ranks sharing it are summed; loom check defers to the run.
+    huge = ["run.backend=cuda", "model.layers=8", "model.d_model=8192", "model.heads=64", "train.batch=1",
+            "train.steps=1"]
+    p, d = c.loom("device_memory", 1, huge, expect=2)
+    c.expect(p.stderr, [r"memory: rank 0 needs \S+ GiB \(.*\) of the \S+ GiB free on CUDA device 0 \(of 80\.00 "
+                        r"GiB\): out of memory by \S+ GiB\. `loom plan .* --devices 1 --set "
+                        r"cluster\.device_memory_gib=\S+`"], "a model larger than the device")
+    c.check(not os.path.exists(os.path.join(d, "metrics.jsonl")), "the refused run wrote metrics")
+    p, _ = c.loom("device_memory_shared", 2, huge[:1] + ["parallel.dp=2", "run.share_gpu=true", "model.layers=4"] +
+                  huge[2:4] + ["train.batch=2", "train.steps=1"], expect=2)
+    c.expect(p.stderr, [r"memory: the 2 ranks on CUDA device 0 \(0, 1\) need \S+ GiB \(the largest, rank \d "
+                        r"\S+ GiB: .*\) of the \S+ GiB free on CUDA device 0"], "two ranks sharing the device")
+    cmd = [c.args.loom, "check", c.deck] + sum([["--set", x] for x in huge], [])
+    q = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    c.expect(q.stdout, [r"# memory: not checked here \(run\.backend = cuda: .* the run checks it then"],
+             "loom check of a cuda deck")
     p, _ = c.loom("auto_broken", 1, ["run.backend=auto", "train.steps=1"],
                   env={"LOOM_CUDA_BACKEND_LIBRARY": "/nonexistent/libloom_cuda.so"})
     c.expect(p.stderr, [r"warning: run\.backend = auto trains on the host: .*LOOM_CUDA_BACKEND_LIBRARY"],

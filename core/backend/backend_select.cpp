@@ -118,6 +118,7 @@ struct CudaLibrary {
   loom_cuda_device_count_fn device_count = nullptr;
   loom_cuda_device_uuids_fn device_uuids = nullptr;
   loom_cuda_create_fn create = nullptr;
+  loom_cuda_device_memory_fn device_memory = nullptr;
 };
 
 const CudaLibrary& cuda_library() {
@@ -149,6 +150,7 @@ const CudaLibrary& cuda_library() {
       lib.device_count = reinterpret_cast<loom_cuda_device_count_fn>(dlsym(h, "loom_cuda_device_count"));
       lib.device_uuids = reinterpret_cast<loom_cuda_device_uuids_fn>(dlsym(h, "loom_cuda_device_uuids"));
       lib.create = reinterpret_cast<loom_cuda_create_fn>(dlsym(h, "loom_cuda_create"));
+      lib.device_memory = reinterpret_cast<loom_cuda_device_memory_fn>(dlsym(h, "loom_cuda_device_memory"));
       if (!abi || !lib.device_count || !lib.create) {
         lib.why_not =
             what + " lacks the entry points loom_cuda_abi, loom_cuda_device_count, loom_cuda_create" +
@@ -160,8 +162,10 @@ const CudaLibrary& cuda_library() {
                       std::to_string(LOOM_CUDA_ABI_VERSION) + ": rebuild it with this loom";
         return false;
       }
-      if (!lib.device_uuids) {
-        lib.why_not = what + " lacks the entry point loom_cuda_device_uuids of its ABI: rebuild it with this loom";
+      if (!lib.device_uuids || !lib.device_memory) {
+        lib.why_not = what +
+                      " lacks the entry points loom_cuda_device_uuids and loom_cuda_device_memory of its ABI: "
+                      "rebuild it with this loom";
         return false;
       }
       lib.loaded = true;
@@ -198,6 +202,13 @@ const CudaLibrary& cuda_library() {
   return lib;
 }
 
+}  // namespace
+
+namespace {
+bool lib_device_memory(int device, std::size_t* free_b, std::size_t* total_b) {
+  const CudaLibrary& lib = cuda_library();
+  return lib.loaded && lib.device_memory && lib.device_memory(device, free_b, total_b) == 0;
+}
 }  // namespace
 
 int tf32_mode(const std::string& setting) {
@@ -317,6 +328,11 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int threads,
   }
   if (!backend) backend = make_host_backend(threads);
   c.name = backend->name();
+  std::size_t free_b = 0, total_b = 0;
+  if (c.name == "cuda" && lib_device_memory(c.device, &free_b, &total_b)) {
+    c.device_free = static_cast<double>(free_b);
+    c.device_total = static_cast<double>(total_b);
+  }
   if (choice) *choice = c;
   return backend;
 }

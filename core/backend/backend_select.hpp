@@ -19,8 +19,8 @@ namespace loom {
 // 8: loom_cuda_device_uuids; 9: Backend's operations from one list (core/backend/backend_ops.hpp),
 // last in the vtable, the defaulted ones before them; 10: BackendFace first (the plugin face,
 // LOOM_FACE_OPS), then the rest of Backend; 11: every operation's tensors typed BufferRefs;
-// 12: residual_layernorm_forward.
-#define LOOM_CUDA_ABI_VERSION 12
+// 12: residual_layernorm_forward; 13: loom_cuda_device_memory.
+#define LOOM_CUDA_ABI_VERSION 13
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.
@@ -35,6 +35,9 @@ typedef int (*loom_cuda_device_uuids_fn)(unsigned char* uuids, int max);
 // when 2 (run.tf32 = auto) only in a run whose matrix products are 16-bit (attention's, then);
 // throws std::runtime_error when the device cannot be used.
 typedef loom::Backend* (*loom_cuda_create_fn)(int device, int tf32);
+// Device `device`'s free and total memory in bytes (cudaMemGetInfo, after loom_cuda_create opened
+// it); 0 on success.
+typedef int (*loom_cuda_device_memory_fn)(int device, std::size_t* free_bytes, std::size_t* total_bytes);
 // run.tf32's value as loom_cuda_create takes it: "false" 0, "true" 1, "auto" 2.
 int tf32_mode(const std::string& setting);
 }
@@ -59,10 +62,11 @@ int device_for_local_rank(int local_rank, int ranks_per_node, int device_count, 
 
 // What a run asked for and what it got, for the banner and the report.
 struct BackendChoice {
-  std::string requested;  // run.backend: host, cuda or auto
-  std::string name;       // host or cuda
-  int device = -1;        // the CUDA device of this rank (cuda only)
-  std::string reason;     // why auto chose what it chose
+  std::string requested;                     // run.backend: host, cuda or auto
+  std::string name;                          // host or cuda
+  int device = -1;                           // the CUDA device of this rank (cuda only)
+  double device_free = 0, device_total = 0;  // its memory in bytes once opened (cuda only; 0: unknown)
+  std::string reason;                        // why auto chose what it chose
 };
 
 // The back end of this rank. `requested` is run.backend; `world` is split by node to find the rank's

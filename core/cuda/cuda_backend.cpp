@@ -883,4 +883,13 @@ int loom_cuda_device_uuids(unsigned char* uuids, int max) {
   return n;
 }
 loom::Backend* loom_cuda_create(int device, int tf32) { return new loom::CudaBackend(device, tf32); }
+int loom_cuda_device_memory(int device, std::size_t* free_bytes, std::size_t* total_bytes) {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || (current != device && cudaSetDevice(device) != cudaSuccess) ||
+      cudaMemGetInfo(free_bytes, total_bytes) != cudaSuccess) {
+    cudaGetLastError();  // clear it
+    return 1;
+  }
+  return 0;
+}
 }
