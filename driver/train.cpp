@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <map>
@@ -702,6 +703,7 @@ void TrainingRun::write_report(const nlohmann::json& summary) {
                            {"build", build_info()},
                            {"backend", s_.backend->description()},
                            {"openblas_core_note", openblas_core_note()},
+                           {"omp_wait_policy", std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : ""},
                            {"gemm", gemm::describe()},
                            {"gemm_impls_used", gemm::impls_used()},
                            {"timings_s",
