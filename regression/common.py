@@ -14,13 +14,14 @@ import subprocess
 import sys
 
 
-def case_arguments(doc):
-    """The command line every case script takes: --loom, --workdir, --mpirun and the case's name."""
+def case_arguments(doc, cases=None):
+    """The command line every case script takes: --loom, --workdir, --mpirun and the case's name (one of
+    `cases` when given)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
     ap.add_argument("--workdir", required=True)
     add_launcher_arguments(ap)
-    ap.add_argument("case")
+    ap.add_argument("case", choices=sorted(cases) if cases else None)
     return ap.parse_args()
 
 

@@ -29,7 +29,6 @@ CASE is one of:
                           step 1; a resume with another train.batch says the order is not the same
 The checkpoint comparison uses h5py: run with /usr/bin/python3 (Debian's python3-h5py).
 """
-import argparse
 import json
 import os
 import sys
@@ -247,12 +246,7 @@ CASES = {"fresh_over_results": fresh_over_results, "spike_rollback": spike_rollb
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loom", required=True)
-    common.add_launcher_arguments(ap)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("case", choices=sorted(CASES))
-    args = ap.parse_args()
+    args = common.case_arguments(__doc__, CASES)
     c = Case(args, args.case, SPIKE_DECK if args.case.startswith("spike") else DECK)
     CASES[args.case](c)
     return c.done(args.case)

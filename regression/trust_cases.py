@@ -41,7 +41,6 @@ CASE is one of:
                             keys; metrics rows carry elapsed_s, eta_s, time and mfu
 The file edits use h5py: run with /usr/bin/python3 (Debian's python3-h5py).
 """
-import argparse
 import json
 import os
 import re
@@ -452,12 +451,7 @@ CASES = {
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loom", required=True)
-    common.add_launcher_arguments(ap)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("case", choices=sorted(CASES))
-    args = ap.parse_args()
+    args = common.case_arguments(__doc__, CASES)
     c = Case(args, args.case)
     CASES[args.case](c, args.case)
     return c.done(args.case)
