@@ -257,10 +257,27 @@ std::string describe() {
   return blas_name() + (kernels.empty() ? "" : "; " + kernels);
 }
 
+static bool blas_for_transposed_a() {
+  static const bool yes = !__builtin_cpu_supports("avx512f");
+  return yes;
+}
+
 void sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
            float beta, float* C, int ldc) {
   if (trivial(M, N, K, beta, C, ldc)) return;
 #ifdef LOOM_HAVE_ONEDNN
+  // run.gemm = auto: oneDNN, except an fp32 product of a transposed A (the weight gradients,
+  // dW += dout^T x) on a CPU without AVX-512, where oneDNN 2.6's kernel reads A's columns at about
+  // half of OpenBLAS's rate, and at a 4 KiB row stride (dout of a 1024-wide layer) at a third
+  // (bench/sgemm_peak: "fc dW", AMD EPYC AVX2, 31 against 62 GFLOP/s). A rule of the CPU and the
+  // shape, not a timing: every rank and every restart picks the same kernels, so results stay
+  // bit for bit.
+  if (impl() == Impl::onednn && ta && !tb && g_choice.load() == Impl::automatic && blas_for_transposed_a()) {
+    static std::atomic<bool> noted{false};
+    if (!noted.exchange(true)) note_used("fp32 cblas_sgemm for transposed A (no AVX-512)");
+    blas_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
   if (impl() == Impl::onednn) {
     const auto e = lookup(false, ta, tb, M, N, K, lda, ldb, ldc, alpha, beta);
     if (e->prim) {

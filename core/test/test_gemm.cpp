@@ -267,3 +267,30 @@ TEST(Gemm, OnednnThreadsFollowTheBackend) {
     EXPECT_EQ(gemm::threads(), n);
   }
 }
+
+// run.gemm = auto takes a CPU-and-shape rule, not a timing: an fp32 product of a transposed A (the
+// weight gradients) runs on OpenBLAS where the CPU lacks AVX-512, every other on oneDNN. The same
+// bits as the implementation the rule names, so every rank and every restart agree.
+TEST(Gemm, AutomaticRuleForTransposedA) {
+  if (!gemm::have_onednn()) GTEST_SKIP() << "built without oneDNN: auto is OpenBLAS throughout";
+  const int M = 96, N = 40, K = 256;
+  const Stored<float> A = random_stored<float>(K, M, 0, 11), B = random_stored<float>(K, N, 0, 12);
+  const auto product = [&](Impl i, bool ta) {
+    gemm::set_impl(i);
+    std::vector<float> c(static_cast<std::size_t>(M) * N);
+    if (ta)
+      gemm::sgemm(true, false, M, N, K, 1.0f, A.data.data(), M, B.data.data(), N, 0.0f, c.data(), N);
+    else  // A's storage read as [M, K] (the same bytes), untransposed
+      gemm::sgemm(false, false, M, N, K, 1.0f, A.data.data(), K, B.data.data(), N, 0.0f, c.data(), N);
+    return c;
+  };
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const std::vector<float> tn_auto = product(Impl::automatic, true), tn_blas = product(Impl::blas, true),
+                           tn_dnn = product(Impl::onednn, true);
+  EXPECT_EQ(tn_auto, avx512 ? tn_dnn : tn_blas) << (avx512 ? "AVX-512: oneDNN expected" : "no AVX-512: OpenBLAS");
+  EXPECT_EQ(product(Impl::automatic, false), product(Impl::onednn, false)) << "an untransposed A stays on oneDNN";
+  bool named = false;
+  for (const std::string& k : gemm::impls_used()) named |= k.find("for transposed A") != std::string::npos;
+  EXPECT_EQ(named, !avx512) << ::testing::PrintToString(gemm::impls_used());
+  gemm::set_impl(Impl::automatic);
+}
