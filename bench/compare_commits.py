@@ -37,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,8 +126,11 @@ def bucket_key(build):
     """data_parallel.bucket_mb, or data.bucket_mb for a loom from before the data-parallel keys had
     their own section."""
     if "bucket_key" not in build:
-        p = subprocess.run([build["loom"], "check", build["deck"], "--set", "data_parallel.bucket_mb=4"],
-                           capture_output=True, text=True)
+        # an empty run.dir: `loom check` refuses one that holds an earlier run's results (exit 2),
+        # which must not read as "the key is unknown"
+        with tempfile.TemporaryDirectory() as empty:
+            p = subprocess.run([build["loom"], "check", build["deck"], "--set", "data_parallel.bucket_mb=4",
+                                "--set", "run.dir=" + empty], capture_output=True, text=True)
         build["bucket_key"] = "data_parallel.bucket_mb" if p.returncode == 0 else "data.bucket_mb"
     return build["bucket_key"]
 

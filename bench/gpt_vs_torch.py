@@ -11,10 +11,13 @@ Usage:
      state, first step excluded), model_flops_per_token, tflops.
   3. The same architecture and AdamW hyper-parameters (read from the deck) in PyTorch float32 with
      torch.set_num_threads(1), and the same under torch.autocast("cpu", dtype=torch.bfloat16): 2
-     warm-up steps, then N timed steps on random token batches.
-  4. A table with the targets (loom fp32 >= 1.5x PyTorch fp32; loom bf16 >= 1.8x loom fp32 and >= 1.2x
-     PyTorch bf16; loom's achieved FLOP/s >= 0.8 of its own kernels' peak, oneDNN fp32 or bf16) and
-     one JSON line with every number.
+     warm-up steps, then N timed steps on random token batches (stopped after --torch-max-seconds,
+     60, once 2 are done: bf16 autocast on a CPU without bf16 arithmetic is ~20x slower than fp32).
+  2 and 3 run in --rounds interleaved rounds (3; the order of loom and PyTorch alternates), and
+  every figure is the median over the rounds (each round's value in the JSON line, *_rounds).
+  4. A table with issue 44's targets (loom fp32 >= 1.5x PyTorch fp32; loom bf16 >= 1.5x PyTorch bf16
+     autocast; loom's achieved FLOP/s >= 0.8 of its own kernels' peak, oneDNN fp32 or bf16, in each)
+     and one JSON line with every number.
 A benchmark, not a test: the exit status is 0 when every part ran (whatever the ratios), 1 otherwise.
 --torch-only / --no-sgemm / --fp32-only skip parts.
 """
@@ -23,6 +26,7 @@ import configparser
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -81,7 +85,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(HERE, "..", "regression"))
 import torch_gpt  # noqa: E402
 
-TARGETS = {"loom_fp32_over_torch_fp32": 1.5, "loom_bf16_over_loom_fp32": 1.8, "loom_bf16_over_torch_bf16": 1.2,
+# Issue 44's targets. (loom bf16 over loom fp32 is printed beside them: a ratio of the CPU more than of loom.)
+TARGETS = {"loom_fp32_over_torch_fp32": 1.5, "loom_bf16_over_torch_bf16": 1.5,
            "loom_fp32_fraction_of_peak": 0.8, "loom_bf16_fraction_of_peak": 0.8}
 
 
@@ -174,7 +179,7 @@ def run_loom(loom, deck_path, steps, run_dir, sets):
     return s
 
 
-def run_torch(cfg, steps, seed=0, bf16=False):
+def run_torch(cfg, steps, seed=0, bf16=False, max_seconds=None):
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = torch_gpt.build_model(cfg, torch.float32)
@@ -198,10 +203,16 @@ def run_torch(cfg, steps, seed=0, bf16=False):
         for s in range(2):  # warm-up: allocator, BLAS buffers, optimizer state
             step(s)
         t0 = time.perf_counter()
+        done = 0
         for s in range(2, steps + 2):
             step(s)
+            done += 1
+            # bf16 autocast on a CPU without bf16 arithmetic runs at a few percent of fp32: a few
+            # steps measure it as well as twenty
+            if max_seconds and done >= 2 and time.perf_counter() - t0 > max_seconds:
+                break
         dt = time.perf_counter() - t0
-    return dict(tokens_per_s=steps * B * T / dt, step_ms=dt / steps * 1e3, seconds=dt,
+    return dict(tokens_per_s=done * B * T / dt, step_ms=dt / done * 1e3, seconds=dt, steps=done,
                 loss_first=losses[0], loss_last=losses[-1])
 
 
@@ -217,6 +228,9 @@ def main():
     ap.add_argument("--torch-only", action="store_true", help="skip loom")
     ap.add_argument("--no-sgemm", action="store_true", help="skip the matrix-product peaks")
     ap.add_argument("--fp32-only", action="store_true", help="skip the bf16 runs")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    ap.add_argument("--torch-max-seconds", type=float, default=60.0,
+                    help="stop a PyTorch run's timed steps after this long (at least 2 steps)")
     args = ap.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (loom's tokens_per_s excludes the first step)")
@@ -254,33 +268,56 @@ def main():
             print(f"sgemm_peak failed: {e}")
             ok = False
 
-    for dt in dtypes if not args.torch_only else []:
-        try:
-            sets = args.sets + (["precision.dtype=bf16"] if dt == "bf16" else [])
-            lo = run_loom(os.path.abspath(args.loom), os.path.abspath(args.deck), args.steps,
-                          os.path.abspath(args.run_dir) + ("" if dt == "fp32" else "-" + dt), sets)
-            res[f"loom_{dt}_tokens_per_s"] = float(lo["tokens_per_s"])
-            res["model_flops_per_token"] = float(lo["model_flops_per_token"])
-            res[f"loom_{dt}_gflops"] = res[f"loom_{dt}_tokens_per_s"] * res["model_flops_per_token"] / 1e9
-        except (OSError, RuntimeError, ValueError) as e:
-            print(f"loom {dt} failed: {e}")
-            ok = False
-    if "loom_fp32_tokens_per_s" in res:  # the names earlier versions printed (compare_commits.py)
-        res["loom_tokens_per_s"] = res["loom_fp32_tokens_per_s"]
-        res["loom_gflops"] = res["loom_fp32_gflops"]
+    # Rounds, interleaved: each round runs loom and PyTorch for each type, the order alternating from
+    # one round to the next, so that drift and a neighbour's load hit both alike; the medians count.
+    per_round = {}
+
+    def note(key, value):
+        per_round.setdefault(key, []).append(value)
+
+    def run_loom_round(dt, r):
+        sets = args.sets + (["precision.dtype=bf16"] if dt == "bf16" else [])
+        lo = run_loom(os.path.abspath(args.loom), os.path.abspath(args.deck), args.steps,
+                      os.path.abspath(args.run_dir) + ("" if dt == "fp32" else "-" + dt), sets)
+        note(f"loom_{dt}_tokens_per_s", float(lo["tokens_per_s"]))
+        res["model_flops_per_token"] = float(lo["model_flops_per_token"])
+
+    def run_torch_round(dt, r):
+        print(f"torch {dt}{' autocast' if dt == 'bf16' else ''}: training (round {r + 1}) ...", flush=True)
+        to = run_torch(cfg, args.steps, bf16=dt == "bf16", max_seconds=args.torch_max_seconds)
+        note(f"torch_{dt}_tokens_per_s", to["tokens_per_s"])
+        note(f"torch_{dt}_step_ms", to["step_ms"])
+
+    for r in range(args.rounds):
+        for dt in dtypes:
+            order = [run_loom_round, run_torch_round] if r % 2 == 0 else [run_torch_round, run_loom_round]
+            for run in order:
+                if run is run_loom_round and args.torch_only:
+                    continue
+                try:
+                    run(dt, r)
+                except (OSError, RuntimeError, ValueError) as e:
+                    print(f"{'loom' if run is run_loom_round else 'torch'} {dt} failed: {e}")
+                    ok = False
+    for key, values in per_round.items():
+        res[key] = statistics.median(values)
+        res[key + "_rounds"] = values
+    res["rounds"] = args.rounds
 
     flops_tok = res.get("model_flops_per_token")
     flops_src = "loom summary"
     if flops_tok is None:
         flops_tok, flops_src = float(model_flops_per_token(cfg)), "bench estimate"
         res["model_flops_per_token_estimate"] = flops_tok
-    for dt in dtypes:
-        print(f"torch {dt}{' autocast' if dt == 'bf16' else ''}: training ...", flush=True)
-        to = run_torch(cfg, args.steps, bf16=dt == "bf16")
-        res[f"torch_{dt}_tokens_per_s"] = to["tokens_per_s"]
-        res[f"torch_{dt}_step_ms"] = to["step_ms"]
-        res[f"torch_{dt}_gflops"] = to["tokens_per_s"] * flops_tok / 1e9
-    res["torch_tokens_per_s"] = res["torch_fp32_tokens_per_s"]
+    for who in ("loom", "torch"):
+        for dt in dtypes:
+            if f"{who}_{dt}_tokens_per_s" in res:
+                res[f"{who}_{dt}_gflops"] = res[f"{who}_{dt}_tokens_per_s"] * flops_tok / 1e9
+    if "loom_fp32_tokens_per_s" in res:  # the names earlier versions printed (compare_commits.py)
+        res["loom_tokens_per_s"] = res["loom_fp32_tokens_per_s"]
+        res["loom_gflops"] = res["loom_fp32_gflops"]
+    if "torch_fp32_tokens_per_s" in res:
+        res["torch_tokens_per_s"] = res["torch_fp32_tokens_per_s"]
 
     def ratio(name, a, b):
         if a in res and b in res:
@@ -303,7 +340,9 @@ def main():
              ("OpenBLAS sgemm peak GFLOP/s", f("sgemm_gflops", ".2f")),
              ("oneDNN fp32 peak GFLOP/s", f("onednn_f32_gflops", ".2f")),
              ("oneDNN bf16 peak GFLOP/s", f("onednn_bf16_gflops", ".2f")),
-             ("torch bf16 / torch fp32", f("torch_bf16_over_torch_fp32", ".3f"))]
+             ("torch bf16 / torch fp32", f("torch_bf16_over_torch_fp32", ".3f")),
+             ("loom bf16 / loom fp32", f("loom_bf16_over_loom_fp32", ".3f")),
+             ("rounds (medians)", str(args.rounds))]
     for k, t in TARGETS.items():
         rows.append((f"{k.replace('_', ' ')} (target >= {t})", f(k, ".3f")))
     w = max(len(r[0]) for r in rows)

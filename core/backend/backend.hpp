@@ -89,6 +89,10 @@ class Backend : public BackendFace {
   // bit for bit residual_forward then layernorm_forward), matmul_* (out = inp weight^T + bias; bias and dbias may be
   // empty), bias_*, attention_* (causal, att the [B,NH,T,T] probabilities), gelu_*: the model's layers, as
   // core/backend/kernels.hpp computes them on the host. adamw_update on fp32.
+  // The fused MLP operations, each the same values as the unfused ones it replaces:
+  //   matmul_forward_gelu  pre = inp weight^T + bias, out = gelu(pre)      (matmul_forward, gelu_forward)
+  //   gelu_bias_backward   dpre = gelu'(pre) dout; dbias += sum over rows of dpre (may be empty)
+  //                                                                        (gelu_backward, bias_backward)
   // The products take typed operands: `inp` and `weight` are fp32, rounded to the precision's matmul
   // type here, or already of that type (a 16-bit compute copy of the weights, a saved 16-bit
   // activation), so a run that keeps them in 16 bits is not rounded twice; the gradient `dout` is fp32

@@ -95,6 +95,11 @@
   OP(void, attention_backward,                                                                                         \
      (BufferRef dqkv, BufferRef datt, BufferRef dout, BufferRef qkv, BufferRef att, int B, int T, int C, int NH),      \
      (dqkv, datt, dout, qkv, att, B, T, C, NH))                                                                        \
+  OP(void, matmul_forward_gelu,                                                                                        \
+     (BufferRef out, BufferRef pre, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C, int OC),            \
+     (out, pre, inp, weight, bias, N, C, OC))                                                                          \
+  OP(void, gelu_bias_backward, (BufferRef dpre, BufferRef dbias, BufferRef pre, BufferRef dout, int N, int OC),        \
+     (dpre, dbias, pre, dout, N, OC))                                                                                  \
   OP(void, gelu_forward, (BufferRef out, BufferRef inp, std::int64_t n), (out, inp, n))                                \
   OP(void, gelu_backward, (BufferRef dinp, BufferRef inp, BufferRef dout, std::int64_t n), (dinp, inp, dout, n))       \
   OP(void, adamw_update,                                                                                               \

@@ -19,8 +19,9 @@ namespace loom {
 // 8: loom_cuda_device_uuids; 9: Backend's operations from one list (core/backend/backend_ops.hpp),
 // last in the vtable, the defaulted ones before them; 10: BackendFace first (the plugin face,
 // LOOM_FACE_OPS), then the rest of Backend; 11: every operation's tensors typed BufferRefs;
-// 12: residual_layernorm_forward; 13: loom_cuda_device_memory.
-#define LOOM_CUDA_ABI_VERSION 13
+// 12: residual_layernorm_forward; 13: loom_cuda_device_memory; 14: matmul_forward_gelu,
+// gelu_bias_backward.
+#define LOOM_CUDA_ABI_VERSION 14
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

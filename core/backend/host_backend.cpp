@@ -129,6 +129,24 @@ class HostBackend final : public Backend {
     gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, o, OC);  // out = x W^T
     if (b) k::bias_add(o, b, N, OC);
   }
+  void matmul_forward_gelu(BufferRef out, BufferRef pre, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C,
+                           int OC) override {
+    const std::int64_t NC = std::int64_t(N) * C, WC = std::int64_t(OC) * C, NO = std::int64_t(N) * OC;
+    float* o = out.as<float>(NO);
+    float* p = pre.as<float>(NO);
+    const float* b = bias.as_optional<const float>(OC);
+    if (precision_.matmul == DType::f32)
+      return k::matmul_forward_gelu(o, p, inp.as<const float>(NC), weight.as<const float>(WC), b, N, C, OC);
+    const void* x = operand16(0, inp, NC);                   // [N,C]
+    const void* w = operand16(1, weight, WC);                // [OC,C]
+    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, p, OC);  // pre = x W^T
+    k::bias_gelu_forward(o, p, b, N, OC);
+  }
+  void gelu_bias_backward(BufferRef dpre, BufferRef dbias, BufferRef pre, BufferRef dout, int N, int OC) override {
+    const std::int64_t NO = std::int64_t(N) * OC;
+    k::gelu_bias_backward(dpre.as<float>(NO), dbias.as_optional<float>(OC), pre.as<const float>(NO),
+                          dout.as<const float>(NO), N, OC);
+  }
   void matmul_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                        BufferRef weight, int N, int C, int OC) override {
     const std::int64_t NC = std::int64_t(N) * C, WC = std::int64_t(OC) * C, NO = std::int64_t(N) * OC;

@@ -67,34 +67,6 @@ using nd = typename non_deduced<T>::type;
 template <class T>
 inline constexpr bool is_16bit_v = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
 
-// The sum of a parameter gradient over rows, accumulated in Acc: for T == Acc the gradient buffer
-// itself, else an Acc copy of it that store() rounds back once.
-template <class T, class Acc>
-class GradSum {
- public:
-  GradSum(T* g, std::int64_t n) : g_(g), n_(g ? n : 0) {
-    if constexpr (!std::is_same_v<T, Acc>) {
-      buf_.resize(static_cast<std::size_t>(n_));
-      for (std::int64_t i = 0; i < n_; ++i) buf_[i] = to_acc<Acc>(g_[i]);
-    }
-  }
-  Acc* data() {
-    if constexpr (std::is_same_v<T, Acc>)
-      return g_;
-    else
-      return buf_.data();
-  }
-  void store() {
-    if constexpr (!std::is_same_v<T, Acc>)
-      for (std::int64_t i = 0; i < n_; ++i) g_[i] = from_acc<T>(buf_[i]);
-  }
-
- private:
-  T* g_;
-  std::int64_t n_;
-  std::vector<Acc> buf_;
-};
-
 // Elementwise kernels run over chunks: the body sees a plain [begin, end) loop on local restrict
 // pointers, which the compiler vectorises (a per-element functor reads its captured pointers
 // through the closure and is not vectorised).
@@ -105,6 +77,36 @@ void for_chunks(const char* label, std::int64_t n, Body body) {
   Kokkos::parallel_for(label, Range64(0, chunks), [=](std::int64_t c) {
     const std::int64_t begin = c * kChunk;
     body(begin, begin + kChunk < n ? begin + kChunk : n);
+  });
+}
+
+// A row's sum in a fixed order that the compiler vectorises and every instruction set repeats bit
+// for bit: element i goes to partial sum i % 16, and the 16 partial sums are added pairwise (8, 4,
+// 2, 1). A plain `s += f(i)` is a chain the compiler must keep in order (loom builds without
+// -ffast-math), one dependent add per element.
+inline constexpr int kLanes = 16;
+template <class Acc, class F>
+inline Acc lane_sum(int n, F f) {
+  Acc acc[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += f(i + j);
+  for (int j = 0; i + j < n; ++j) acc[j] += f(i + j);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
+// Sums over rows of a [rows, C] table into C parameter gradients (dbias, LayerNorm's dweight,
+// embedding rows): the columns are cut into blocks of kColumns, one block a task, so no two tasks
+// write one element, and each column adds its rows in row order, the same bits whatever the threads.
+// body(c0, c1) handles columns [c0, c1).
+inline constexpr int kColumns = 64;
+template <class Body>
+void for_column_blocks(const char* label, int C, Body body) {
+  Kokkos::parallel_for(label, Range(0, (C + kColumns - 1) / kColumns), [=](int blk) {
+    const int c0 = blk * kColumns;
+    body(c0, c0 + kColumns < C ? c0 + kColumns : C);
   });
 }
 
@@ -181,46 +183,51 @@ void encoder_backward(T* dwte, T* dwpe,         // [V or V/tp, C] (+=), [T,C] (+
                       const T* dout,            // [B,T,C]
                       const std::int32_t* inp,  // [B,T]
                       int B, int Tn, int C, int vocab_begin = 0, int vocab_end = 1 << 30) {
+  const int N = B * Tn;
   if constexpr (std::is_same_v<T, Acc>) {
-    // Serial over rows: two rows may hit the same token, so rows must not race.
-    Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
-      for (int bt = 0; bt < B * Tn; ++bt) {
+    // Two rows may hit the same token: the columns are split instead (for_column_blocks), and
+    // each gradient row gets its rows of dout in row order.
+    for_column_blocks("Encoder::backward", C, [=](int c0, int c1) {
+      for (int bt = 0; bt < N; ++bt) {
         const T* d = dout + static_cast<std::int64_t>(bt) * C;
         const int tok = inp[bt];
-        T* pe = dwpe + static_cast<std::int64_t>(bt % Tn) * C;
-        for (int c = 0; c < C; ++c) pe[c] += d[c];
+        if (dwpe) {
+          T* pe = dwpe + static_cast<std::int64_t>(bt % Tn) * C;
+          for (int c = c0; c < c1; ++c) pe[c] += d[c];
+        }
         if (tok < vocab_begin || tok >= vocab_end) continue;
         T* te = dwte + static_cast<std::int64_t>(tok - vocab_begin) * C;
-        for (int c = 0; c < C; ++c) te[c] += d[c];
+        for (int c = c0; c < c1; ++c) te[c] += d[c];
       }
     });
   } else {
     // 16-bit storage: each gradient row's sum is accumulated in Acc and rounded once. A row of dwpe
     // (dwte) gets the rows of dout at its position (of its token) in row order, as above.
-    Kokkos::parallel_for("Encoder::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
-      std::vector<Acc> acc(static_cast<std::size_t>(C));
-      const auto add_rows = [&](T* g, const int* rows, std::size_t count) {
-        for (int c = 0; c < C; ++c) acc[c] = to_acc<Acc>(g[c]);
-        for (std::size_t i = 0; i < count; ++i) {
-          const T* d = dout + static_cast<std::int64_t>(rows[i]) * C;
-          for (int c = 0; c < C; ++c) acc[c] += to_acc<Acc>(d[c]);
+    std::vector<int> order(static_cast<std::size_t>(N));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return inp[x] < inp[y]; });
+    const int* by_token = order.data();
+    for_column_blocks("Encoder::backward", C, [=](int c0, int c1) {
+      Acc acc[kColumns];
+      const auto add_rows = [&](T* g, auto row_of, int count) {
+        for (int c = c0; c < c1; ++c) acc[c - c0] = to_acc<Acc>(g[c]);
+        for (int i = 0; i < count; ++i) {
+          const T* d = dout + static_cast<std::int64_t>(row_of(i)) * C;
+          for (int c = c0; c < c1; ++c) acc[c - c0] += to_acc<Acc>(d[c]);
         }
-        for (int c = 0; c < C; ++c) g[c] = from_acc<T>(acc[c]);
+        for (int c = c0; c < c1; ++c) g[c] = from_acc<T>(acc[c - c0]);
       };
-      std::vector<int> rows(static_cast<std::size_t>(B));
-      for (int t = 0; t < Tn; ++t) {
-        for (int b = 0; b < B; ++b) rows[b] = b * Tn + t;
-        add_rows(dwpe + static_cast<std::int64_t>(t) * C, rows.data(), rows.size());
-      }
-      std::vector<int> order(static_cast<std::size_t>(B) * Tn);
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return inp[x] < inp[y]; });
-      for (std::size_t i = 0; i < order.size();) {
-        const int tok = inp[order[i]];
-        std::size_t j = i;
-        while (j < order.size() && inp[order[j]] == tok) ++j;
+      if (dwpe)
+        for (int t = 0; t < Tn; ++t)
+          add_rows(
+              dwpe + static_cast<std::int64_t>(t) * C, [=](int b) { return b * Tn + t; }, B);
+      for (int i = 0; i < N;) {
+        const int tok = inp[by_token[i]];
+        int j = i;
+        while (j < N && inp[by_token[j]] == tok) ++j;
         if (tok >= vocab_begin && tok < vocab_end)
-          add_rows(dwte + static_cast<std::int64_t>(tok - vocab_begin) * C, order.data() + i, j - i);
+          add_rows(
+              dwte + static_cast<std::int64_t>(tok - vocab_begin) * C, [=](int r) { return by_token[i + r]; }, j - i);
         i = j;
       }
     });
@@ -233,15 +240,13 @@ void encoder_backward(T* dwte, T* dwpe,         // [V or V/tp, C] (+=), [T,C] (+
 // One row of LayerNorm forward: two passes for the mean and the (biased) variance, then the output.
 template <class T, class Acc>
 inline void layernorm_row(T* o, Acc& mean, Acc& rstd, const T* x, const T* weight, const T* bias, int C) {
-  Acc m = 0;
-  for (int c = 0; c < C; ++c) m += to_acc<Acc>(x[c]);
-  m /= C;
-  Acc v = 0;
-  for (int c = 0; c < C; ++c) {
-    const Acc xc = to_acc<Acc>(x[c]);
-    v += (xc - m) * (xc - m);
-  }
-  v /= C;
+  const Acc m = lane_sum<Acc>(C, [&](int c) { return to_acc<Acc>(x[c]); }) / C;
+  const Acc v = lane_sum<Acc>(C,
+                              [&](int c) {
+                                const Acc xc = to_acc<Acc>(x[c]);
+                                return (xc - m) * (xc - m);
+                              }) /
+                C;
   const Acc s = math::layernorm_rstd(v);
   for (int c = 0; c < C; ++c)
     o[c] = from_acc<T>(math::layernorm_out(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), to_acc<Acc>(bias[c])));
@@ -285,36 +290,45 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,                 // [N,C] 
                         const Acc* mean, const Acc* rstd,              // [N], [N]
                         int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
-  // dweight/dbias sum over rows: serial in rows so they do not race; vectorised along C.
-  Kokkos::parallel_for("LayerNorm::backward", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
-    GradSum<T, Acc> dw_sum(dweight, C), db_sum(dbias, C);
-    Acc* dw = dw_sum.data();
-    Acc* db = db_sum.data();
+  // dinp: row by row, each row's two means first.
+  Kokkos::parallel_for("LayerNorm::backward", Range(0, N), [=](int n) {
+    const T* d = dout + static_cast<std::int64_t>(n) * C;
+    const T* x = inp + static_cast<std::int64_t>(n) * C;
+    T* dx = dinp + static_cast<std::int64_t>(n) * C;
+    const Acc m = mean[n], s = rstd[n];
+    const Acc dnorm_mean = lane_sum<Acc>(C, [&](int c) { return to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]); }) / C;
+    const Acc dnorm_norm_mean = lane_sum<Acc>(C,
+                                              [&](int c) {
+                                                const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
+                                                return to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]) * xhat;
+                                              }) /
+                                C;
+    for (int c = 0; c < C; ++c)
+      dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + math::layernorm_dinp(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]),
+                                                                    to_acc<Acc>(d[c]), dnorm_mean, dnorm_norm_mean));
+  });
+  // dweight, dbias: sums over rows, by column blocks (rows in order; 16-bit: summed in Acc, rounded once).
+  for_column_blocks("LayerNorm::backward_dweight", C, [=](int c0, int c1) {
+    Acc dw[kColumns], db[kColumns];
+    for (int c = c0; c < c1; ++c) {
+      dw[c - c0] = to_acc<Acc>(dweight[c]);
+      db[c - c0] = to_acc<Acc>(dbias[c]);
+    }
     for (int n = 0; n < N; ++n) {
       const T* d = dout + static_cast<std::int64_t>(n) * C;
       const T* x = inp + static_cast<std::int64_t>(n) * C;
-      T* dx = dinp + static_cast<std::int64_t>(n) * C;
       const Acc m = mean[n], s = rstd[n];
-      Acc dnorm_mean = 0, dnorm_norm_mean = 0;
-      for (int c = 0; c < C; ++c) {
-        const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
-        const Acc dnorm = to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]);
-        dnorm_mean += dnorm;
-        dnorm_norm_mean += dnorm * xhat;
-      }
-      dnorm_mean /= C;
-      dnorm_norm_mean /= C;
-      for (int c = 0; c < C; ++c) {
+      for (int c = c0; c < c1; ++c) {
         const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
         const Acc dc = to_acc<Acc>(d[c]);
-        db[c] += dc;
-        dw[c] += xhat * dc;
-        dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + math::layernorm_dinp(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]),
-                                                                      dc, dnorm_mean, dnorm_norm_mean));
+        db[c - c0] += dc;
+        dw[c - c0] += xhat * dc;
       }
     }
-    dw_sum.store();
-    db_sum.store();
+    for (int c = c0; c < c1; ++c) {
+      dweight[c] = from_acc<T>(dw[c - c0]);
+      dbias[c] = from_acc<T>(db[c - c0]);
+    }
   });
 }
 
@@ -333,14 +347,14 @@ void bias_add(T* out, const T* bias, int N, int OC) {  // [N,OC], [OC]
 // dbias += sum over rows of dout: the backward of bias_add.
 template <class T, class Acc = acc_type_t<T>>
 void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,OC]
-  Kokkos::parallel_for("Matmul::backward_bias", Kokkos::RangePolicy<Exec>(0, 1), [=](int) {
-    GradSum<T, Acc> sum(dbias, OC);
-    Acc* db = sum.data();
+  for_column_blocks("Matmul::backward_bias", OC, [=](int c0, int c1) {
+    Acc db[kColumns];
+    for (int j = c0; j < c1; ++j) db[j - c0] = to_acc<Acc>(dbias[j]);
     for (int n = 0; n < N; ++n) {
       const T* d = dout + static_cast<std::int64_t>(n) * OC;
-      for (int j = 0; j < OC; ++j) db[j] += to_acc<Acc>(d[j]);
+      for (int j = c0; j < c1; ++j) db[j - c0] += to_acc<Acc>(d[j]);
     }
-    sum.store();
+    for (int j = c0; j < c1; ++j) dbias[j] = from_acc<T>(db[j - c0]);
   });
 }
 
@@ -385,12 +399,8 @@ void attention_forward(T* out, T* att,  // [B,T,C], [B,NH,T,T] (softmax probs)
           // the compiler vectorises (the split form costs the forward ~5% on the bench model).
           T mx = row[0];
           for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
-          T sum = 0;
-          for (int j = 0; j <= t; ++j) {
-            row[j] = exp_k(row[j] - mx);
-            sum += row[j];
-          }
-          const T inv = T(1) / sum;
+          for (int j = 0; j <= t; ++j) row[j] = exp_k(row[j] - mx);
+          const T inv = T(1) / lane_sum<T>(t + 1, [&](int j) { return row[j]; });
           for (int j = 0; j <= t; ++j) row[j] *= inv;
         } else {  // the scores are kept until the sum is known, so each probability is rounded once
           Acc mx = to_acc<Acc>(row[0]);
@@ -398,9 +408,7 @@ void attention_forward(T* out, T* att,  // [B,T,C], [B,NH,T,T] (softmax probs)
             const Acc r = to_acc<Acc>(row[j]);
             mx = r > mx ? r : mx;
           }
-          Acc sum = 0;
-          for (int j = 0; j <= t; ++j) sum += exp_k(to_acc<Acc>(row[j]) - mx);
-          const Acc inv = Acc(1) / sum;
+          const Acc inv = Acc(1) / lane_sum<Acc>(t + 1, [&](int j) { return exp_k(to_acc<Acc>(row[j]) - mx); });
           for (int j = 0; j <= t; ++j) row[j] = from_acc<T>(exp_k(to_acc<Acc>(row[j]) - mx) * inv);
         }
         for (int j = t + 1; j < Tn; ++j) row[j] = from_acc<T>(Acc(0));  // causal mask
@@ -435,8 +443,7 @@ void attention_backward(T* dqkv, T* datt,            // [B,T,3C] (=), [T,T] scra
       Kokkos::parallel_for("Attention::softmax_backward", Range(0, Tn), [=](int t) {
         T* dr = datt + static_cast<std::int64_t>(t) * Tn;
         const T* ar = a + static_cast<std::int64_t>(t) * Tn;
-        Acc dot = 0;
-        for (int j = 0; j <= t; ++j) dot += to_acc<Acc>(ar[j]) * to_acc<Acc>(dr[j]);
+        const Acc dot = lane_sum<Acc>(t + 1, [&](int j) { return to_acc<Acc>(ar[j]) * to_acc<Acc>(dr[j]); });
         for (int j = 0; j <= t; ++j)
           dr[j] = from_acc<T>(math::softmax_backward(to_acc<Acc>(ar[j]), to_acc<Acc>(dr[j]), dot));
         for (int j = t + 1; j < Tn; ++j) dr[j] = from_acc<T>(Acc(0));
@@ -470,6 +477,55 @@ void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [
   });
 }
 
+// The MLP's fused operations (Backend::matmul_forward_gelu, gelu_bias_backward): one pass over the
+// [N, OC] activation where the unfused ones take two, the same values.
+
+// pre[n, :] += bias, out = gelu(pre), after the product wrote pre (bias may be null).
+template <class T, class Acc = acc_type_t<T>>
+void bias_gelu_forward(T* out, T* pre, const T* bias, int N, int OC) {  // [N,OC], [N,OC] (+= bias), [OC]
+  Kokkos::parallel_for("MatmulGELU::bias_gelu", Range(0, N), [=](int n) {
+    const std::int64_t at = static_cast<std::int64_t>(n) * OC;
+    T* __restrict p = pre + at;
+    T* __restrict o = out + at;
+    for (int j = 0; j < OC; ++j) {
+      p[j] = from_acc<T>(bias ? to_acc<Acc>(p[j]) + to_acc<Acc>(bias[j]) : to_acc<Acc>(p[j]));
+      o[j] = from_acc<T>(math::gelu_forward(to_acc<Acc>(p[j])));
+    }
+  });
+}
+
+template <class T, class Acc = acc_type_t<T>>
+void matmul_forward_gelu(T* out, T* pre,                                // [N,OC], [N,OC]
+                         const T* inp, const T* weight, const T* bias,  // [N,C], [OC,C], [OC] or null
+                         int N, int C, int OC) {
+  gemm(false, true, N, OC, C, Acc(1), inp, C, weight, C, Acc(0), pre, OC);
+  bias_gelu_forward<T, Acc>(out, pre, bias, N, OC);
+}
+
+// dpre = gelu'(pre) dout; dbias += its sums over rows (null: none), by column blocks, rows in order.
+template <class T, class Acc = acc_type_t<T>>
+void gelu_bias_backward(T* dpre, T* dbias,            // [N,OC] (=), [OC] (+=) or null
+                        const T* pre, const T* dout,  // [N,OC], [N,OC]
+                        int N, int OC) {
+  for_column_blocks("MatmulGELU::backward", OC, [=](int c0, int c1) {
+    Acc db[kColumns] = {};
+    if (dbias)
+      for (int j = c0; j < c1; ++j) db[j - c0] = to_acc<Acc>(dbias[j]);
+    for (int n = 0; n < N; ++n) {
+      const std::int64_t at = static_cast<std::int64_t>(n) * OC;
+      T* __restrict dp = dpre + at;
+      const T* __restrict x = pre + at;
+      const T* __restrict d = dout + at;
+      for (int j = c0; j < c1; ++j) {
+        dp[j] = from_acc<T>(math::gelu_backward(to_acc<Acc>(x[j]), to_acc<Acc>(d[j])));
+        db[j - c0] += to_acc<Acc>(dp[j]);
+      }
+    }
+    if (dbias)
+      for (int j = c0; j < c1; ++j) dbias[j] = from_acc<T>(db[j - c0]);
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Residual add.
 
@@ -500,11 +556,8 @@ void crossentropy_forward(Acc* losses, T* probs,                         // [N],
       // The plain loops, as before the types were split (the form the compiler vectorises best).
       T mx = l[0];
       for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
-      T sum = 0;
-      for (int v = 0; v < V; ++v) {
-        p[v] = exp_k(l[v] - mx);
-        sum += p[v];
-      }
+      for (int v = 0; v < V; ++v) p[v] = exp_k(l[v] - mx);
+      const T sum = lane_sum<T>(V, [&](int v) { return p[v]; });
       const T inv = T(1) / sum;
       for (int v = 0; v < V; ++v) p[v] *= inv;
       // log-sum-exp form: exact even when the target's probability underflows
@@ -515,8 +568,7 @@ void crossentropy_forward(Acc* losses, T* probs,                         // [N],
         const Acc lv = to_acc<Acc>(l[v]);
         mx = lv > mx ? lv : mx;
       }
-      Acc sum = 0;
-      for (int v = 0; v < V; ++v) sum += exp_k(to_acc<Acc>(l[v]) - mx);
+      const Acc sum = lane_sum<Acc>(V, [&](int v) { return exp_k(to_acc<Acc>(l[v]) - mx); });
       const Acc inv = Acc(1) / sum;
       for (int v = 0; v < V; ++v) p[v] = from_acc<T>(exp_k(to_acc<Acc>(l[v]) - mx) * inv);
       losses[n] = std::log(sum) + mx - target_logit;
@@ -560,12 +612,8 @@ inline void crossentropy_partial(float* probs, double* sum_exp, double* target_l
     float* p = probs + static_cast<std::int64_t>(n) * V;
     const int t = targets[n] - vocab_begin;
     target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;  // before p overwrites l (the model's in-place head)
-    double s = 0;
-    for (int v = 0; v < V; ++v) {
-      p[v] = exp_k(l[v] - row_max[n]);
-      s += p[v];
-    }
-    sum_exp[n] = s;
+    for (int v = 0; v < V; ++v) p[v] = exp_k(l[v] - row_max[n]);
+    sum_exp[n] = lane_sum<double>(V, [&](int v) { return static_cast<double>(p[v]); });
   });
 }
 inline void crossentropy_finish(float* losses, float* probs,                  // [N], [N,V]
@@ -743,8 +791,7 @@ double reduce_chunks(const char* label, const T* x, std::int64_t n, F f) {
       [=](std::int64_t c, double& acc) {
         const T* __restrict in = x;
         const std::int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
-        Partial part = 0;
-        for (std::int64_t i = begin; i < end; ++i) part += f(in[i]);
+        const Partial part = lane_sum<Partial>(static_cast<int>(end - begin), [&](int i) { return f(in[begin + i]); });
         acc += static_cast<double>(part);
       },
       s);

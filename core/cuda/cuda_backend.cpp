@@ -291,6 +291,22 @@ class CudaBackend final : public Backend {
     g.bias = dev_optional<const float>(bias, OC);
     gemm(g);
   }
+  // pre through matmul_forward (cuBLASLt's bias epilogue), then the GELU kernel. cuBLASLt's
+  // GELU_AUX_BIAS epilogue would save the kernel's read of pre; it awaits a GPU to be measured and
+  // checked against loom's GELU (the emulator does not model it).
+  void matmul_forward_gelu(BufferRef out, BufferRef pre, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C,
+                           int OC) override {
+    matmul_forward(pre, inp, weight, bias, N, C, OC);
+    Timed timed(this, "gelu_forward", N, OC);
+    const std::int64_t n = std::int64_t(N) * OC;
+    cuda::gelu_forward(dev<float>(out, n), dev<const float>(pre, n), n, stream_);
+  }
+  void gelu_bias_backward(BufferRef dpre, BufferRef dbias, BufferRef pre, BufferRef dout, int N, int OC) override {
+    Timed timed(this, "gelu_bias_backward", N, OC);
+    const std::int64_t n = std::int64_t(N) * OC;
+    cuda::gelu_bias_backward(dev<float>(dpre, n), dev_optional<float>(dbias, OC), dev<const float>(pre, n),
+                             dev<const float>(dout, n), N, OC, stream_);
+  }
   void matmul_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                        BufferRef weight, int N, int C, int OC) override {
     Timed timed(this, "matmul_backward", N, C, OC);

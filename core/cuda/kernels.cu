@@ -100,6 +100,11 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_
   layer::gelu_backward(OnStream{stream}, dinp, inp, dout, n);
 }
 
+void gelu_bias_backward(float* dpre, float* dbias, const float* pre, const float* dout, int N, int OC,
+                        cudaStream_t stream) {
+  layer::gelu_bias_backward(OnStream{stream}, dpre, dbias, pre, dout, N, OC);
+}
+
 void residual_forward(float* out, const float* a, const float* b, std::int64_t n, cudaStream_t stream) {
   layer::residual_forward(OnStream{stream}, out, a, b, n);
 }

@@ -150,6 +150,13 @@ void gelu_backward(float* dinp,        // [n] (=)
                    const float* dout,  // [n]
                    std::int64_t n, cudaStream_t stream);
 
+// dpre = gelu'(pre) dout; dbias[j] += sum_n dpre[n,j] (dbias may be null): one pass, fixed order.
+void gelu_bias_backward(float* dpre,        // [N,OC] (=)
+                        float* dbias,       // [OC] (+=) or null
+                        const float* pre,   // [N,OC]
+                        const float* dout,  // [N,OC]
+                        int N, int OC, cudaStream_t stream);
+
 // out = a + b (out may alias a or b)
 void residual_forward(float* out,      // [n]
                       const float* a,  // [n]

@@ -381,6 +381,36 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) bias_backward_kernel(float* dbi
   }
 }
 
+// The MLP's fused backward (Backend::gelu_bias_backward): as bias_backward_kernel, the column sums
+// of dpre = gelu'(pre) dout, each dpre written on the way: pre and dout read once, where
+// gelu_backward then bias_backward read dpre back.
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) gelu_bias_backward_kernel(float* dpre,        // [N,OC] (=)
+                                                                           float* dbias,       // [OC] (+=)
+                                                                           const float* pre,   // [N,OC]
+                                                                           const float* dout,  // [N,OC]
+                                                                           int N, int OC) {
+  LOOM_SHARED_ARRAY(float, s_db, kColThreads);
+  const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
+  for (std::int64_t j0 = static_cast<std::int64_t>(block()) * kColTile; j0 < OC;
+       j0 += static_cast<std::int64_t>(blocks()) * kColTile) {  // block-uniform
+    const std::int64_t j = j0 + col;
+    float db = 0.0f;
+    if (j < OC) {
+      LOOM_UNROLL(4)
+      for (int n = row_lane; n < N; n += kColRowLanes) {
+        const std::int64_t i = static_cast<std::int64_t>(n) * OC + j;
+        const float v = math::gelu_backward(pre[i], dout[i]);
+        dpre[i] = v;
+        db += v;
+      }
+    }
+    s_db[tid()] = db;
+    column_tree_sum(s_db, nullptr);
+    if (row_lane == 0 && j < OC) dbias[j] += s_db[col];
+    dev::sync_block();  // the next tile overwrites s_db
+  }
+}
+
 template <class Launch>
 void bias_add(Launch&& launch, float* out, const float* bias, int N, int OC) {
   if (N <= 0 || OC <= 0) return;
@@ -483,6 +513,17 @@ void gelu_backward(Launch&& launch, float* dinp, const float* inp, const float* 
   if (n <= 0) return;
   const LaunchGeometry g = elementwise_geometry(n, kThreads);
   launch("gelu_backward_kernel", g.blocks, g.threads, 0, gelu_backward_kernel, dinp, inp, dout, n);
+}
+
+// dbias null: gelu_backward over the N * OC elements.
+template <class Launch>
+void gelu_bias_backward(Launch&& launch, float* dpre, float* dbias, const float* pre, const float* dout, int N,
+                        int OC) {
+  if (N <= 0 || OC <= 0) return;
+  if (!dbias) return gelu_backward(launch, dpre, pre, dout, static_cast<std::int64_t>(N) * OC);
+  const LaunchGeometry g =
+      rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
+  launch("gelu_bias_backward_kernel", g.blocks, g.threads, 0, gelu_bias_backward_kernel, dpre, dbias, pre, dout, N, OC);
 }
 
 template <class Launch>

@@ -502,8 +502,8 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection, on ln2(xmid = x + y)
   be_.residual_layernorm_forward(a.xmid, produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, x, y, w.ln2w, w.ln2b, Nl, C);
   keep(a.ln2, s.local, NlC);
-  be_.matmul_forward(a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C, Fl);  // [N,Fl]
-  be_.gelu_forward(produce(a.fch_gelu, s.dfch_gelu), a.fch, NFl);
+  be_.matmul_forward_gelu(produce(a.fch_gelu, s.dfch_gelu), a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C,
+                          Fl);  // [N,Fl] gelu(fch), fch
   keep(a.fch_gelu, s.dfch_gelu, NFl);
   be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, {}, N, Fl, C);  // [N,C] partial sum
   y = part_->reduce_partial(s.partial, s.local, N, C);                  // [Nl,C]
@@ -534,8 +534,8 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   BufferRef dy = part_->grad_to_full(dres, s.dfull, N, C);  // [N,C]
   be_.matmul_backward(s.dfch_gelu, dw.fcprojw, {}, dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
   be_.bias_backward(dw.fcprojb, dres, Nl, C);
-  be_.gelu_backward(s.dfch, a.fch, s.dfch_gelu, static_cast<std::int64_t>(N) * Fl);
-  be_.matmul_backward(s.dpartial, dw.fcw, dw.fcb, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
+  be_.gelu_bias_backward(s.dfch, dw.fcb, a.fch, s.dfch_gelu, N, Fl);
+  be_.matmul_backward(s.dpartial, dw.fcw, {}, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
   const BufferRef dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
   be_.copy(dxmid, dres, NlC);                                                     // the residual branch
   be_.layernorm_backward(dxmid, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);

@@ -1234,3 +1234,90 @@ TEST(Kernels, Bf16AttentionAccumulatesInFloat) { attention_accumulates_in_float<
 TEST(Kernels, Fp16AttentionAccumulatesInFloat) { attention_accumulates_in_float<f16>(); }
 TEST(Kernels, Bf16EncoderBackwardAccumulatesInFloat) { encoder_accumulates_in_float<bf16>(); }
 TEST(Kernels, Fp16EncoderBackwardAccumulatesInFloat) { encoder_accumulates_in_float<f16>(); }
+
+// ---------------------------------------------------------------------------------------------
+// The fused MLP operations against the unfused ones they replace (Backend::matmul_forward_gelu,
+// gelu_bias_backward), bit for bit: the same arithmetic in the same order, one pass fewer. Shapes
+// wider than a column block (k::kColumns) and not a multiple of it.
+namespace {
+template <class T>
+std::vector<T> cast_vec(const Vec& v) {
+  std::vector<T> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = loom::from_acc<T>(static_cast<float>(v[i]));
+  return out;
+}
+template <class T>
+void expect_bits_equal(const std::vector<T>& got, const std::vector<T>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(T))) << what;
+}
+
+template <class T>
+void fused_mlp_equals_unfused() {
+  const int N = 37, C = 24, OC = 150;
+  const std::vector<T> x = cast_vec<T>(randn(std::size_t(N) * C, 301)),
+                       w = cast_vec<T>(randn(std::size_t(OC) * C, 302)), b = cast_vec<T>(randn(OC, 303, 0.5));
+  for (bool with_bias : {false, true}) {
+    std::vector<T> pre(std::size_t(N) * OC), out(pre.size()), pre_ref(pre.size()), out_ref(pre.size());
+    k::matmul_forward_gelu(out.data(), pre.data(), x.data(), w.data(), with_bias ? b.data() : nullptr, N, C, OC);
+    k::matmul_forward(pre_ref.data(), x.data(), w.data(), with_bias ? b.data() : nullptr, N, C, OC);
+    k::gelu_forward(out_ref.data(), pre_ref.data(), std::int64_t(pre.size()));
+    expect_bits_equal(pre, pre_ref, with_bias ? "pre (bias)" : "pre");
+    expect_bits_equal(out, out_ref, with_bias ? "gelu out (bias)" : "gelu out");
+  }
+  const std::vector<T> pre = cast_vec<T>(randn(std::size_t(N) * OC, 304, 2.0)),
+                       dout = cast_vec<T>(randn(std::size_t(N) * OC, 305));
+  std::vector<T> dpre(pre.size()), dpre_ref(pre.size()), db = cast_vec<T>(randn(OC, 306)), db_ref = db;
+  k::gelu_bias_backward(dpre.data(), db.data(), pre.data(), dout.data(), N, OC);
+  k::gelu_backward(dpre_ref.data(), pre.data(), dout.data(), std::int64_t(pre.size()));
+  k::bias_backward(db_ref.data(), dpre_ref.data(), N, OC);
+  expect_bits_equal(dpre, dpre_ref, "dpre");
+  expect_bits_equal(db, db_ref, "dbias (+=)");
+  std::vector<T> dpre_only(pre.size());
+  k::gelu_bias_backward(dpre_only.data(), static_cast<T*>(nullptr), pre.data(), dout.data(), N, OC);
+  expect_bits_equal(dpre_only, dpre_ref, "dpre without a bias");
+}
+}  // namespace
+
+TEST(FusedKernels, MatmulGeluEqualsMatmulThenGelu_f32) { fused_mlp_equals_unfused<float>(); }
+TEST(FusedKernels, MatmulGeluEqualsMatmulThenGelu_bf16) { fused_mlp_equals_unfused<loom::bf16>(); }
+
+// The parameter gradients summed over rows (LayerNorm's dweight and dbias, dbias, the embedding
+// rows) run by column blocks, rows in order: the same bits as one row after the other into the
+// gradient, which is what a serial loop gives, whatever the threads.
+TEST(FusedKernels, ColumnBlockSumsAreRowOrderSums) {
+  const int N = 53, C = 150;  // more than two column blocks, the last partial
+  const Vec d = randn(std::size_t(N) * C, 311), x = randn(std::size_t(N) * C, 312, 1.5, 0.3),
+            w = randn(C, 313, 0.5, 1.0);
+  FVec df = to_float(d), xf = to_float(x), wf = to_float(w), mean(N), rstd(N), out(std::size_t(N) * C);
+  FVec bf(C, 0.25f);
+  k::layernorm_forward(out.data(), mean.data(), rstd.data(), xf.data(), wf.data(), bf.data(), N, C);
+  FVec dinp(std::size_t(N) * C, 0.0f), dw = to_float(randn(C, 314)), db = to_float(randn(C, 315));
+  FVec dw_ref = dw, db_ref = db, dbias = db, dbias_ref = db;
+  k::layernorm_backward(dinp.data(), dw.data(), db.data(), df.data(), xf.data(), wf.data(), mean.data(), rstd.data(), N,
+                        C);
+  k::bias_backward(dbias.data(), df.data(), N, C);
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < C; ++c) {
+      const std::size_t i = std::size_t(n) * C + c;
+      const float xhat = (xf[i] - mean[n]) * rstd[n];
+      db_ref[c] += df[i];
+      dw_ref[c] += xhat * df[i];
+      dbias_ref[c] += df[i];
+    }
+  expect_bits_equal(dw, dw_ref, "layernorm dweight");
+  expect_bits_equal(db, db_ref, "layernorm dbias");
+  expect_bits_equal(dbias, dbias_ref, "dbias");
+  // embedding rows: tokens repeat, so rows of one token meet in one gradient row
+  const int B = 3, T = N / B, V = 7;
+  const IVec tok = rand_tokens(std::size_t(B) * T, V, 316);
+  FVec dwte(std::size_t(V) * C, 0.5f), dwpe(std::size_t(T) * C, -0.5f), dwte_ref = dwte, dwpe_ref = dwpe;
+  k::encoder_backward(dwte.data(), dwpe.data(), df.data(), tok.data(), B, T, C);
+  for (int r = 0; r < B * T; ++r)
+    for (int c = 0; c < C; ++c) {
+      dwpe_ref[std::size_t(r % T) * C + c] += df[std::size_t(r) * C + c];
+      dwte_ref[std::size_t(tok[r]) * C + c] += df[std::size_t(r) * C + c];
+    }
+  expect_bits_equal(dwte, dwte_ref, "dwte");
+  expect_bits_equal(dwpe, dwpe_ref, "dwpe");
+}

@@ -155,6 +155,27 @@ TEST(CudaBackend, LayerNormForwardAndBackward) {
   EXPECT_LT(tw.err(db), kTol);
 }
 
+// The fused MLP operations against the host back end's: pre as matmul_forward's, gelu of it, and
+// the fused backward's dpre bit for bit, its bias sums to float rounding.
+TEST(CudaBackend, FusedMatmulGeluAndGeluBiasBackward) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int N = 64, C = 48, OC = 80;
+  auto inp = tw.make(randn(std::size_t(N) * C, 1)), w = tw.make(randn(std::size_t(OC) * C, 2)),
+       b = tw.make(randn(OC, 3));
+  auto out = tw.zeros(std::int64_t(N) * OC), pre = tw.zeros(std::int64_t(N) * OC);
+  tw.host->matmul_forward_gelu(out.h, pre.h, inp.h, w.h, b.h, N, C, OC);
+  tw.dev->matmul_forward_gelu(out.d, pre.d, inp.d, w.d, b.d, N, C, OC);
+  EXPECT_LT(tw.err(pre), kTol);
+  EXPECT_LT(tw.err(out), kTol);
+  auto dout = tw.make(randn(std::size_t(N) * OC, 4)), dpre = tw.zeros(std::int64_t(N) * OC), db = tw.make(randn(OC, 5));
+  auto pre2 = tw.make(randn(std::size_t(N) * OC, 6, 2.0f));
+  tw.host->gelu_bias_backward(dpre.h, db.h, pre2.h, dout.h, N, OC);
+  tw.dev->gelu_bias_backward(dpre.d, db.d, pre2.d, dout.d, N, OC);
+  EXPECT_EQ(tw.dev_of(dpre), tw.host_of(dpre));
+  EXPECT_LT(tw.err(db), kTol);
+}
+
 TEST(CudaBackend, MatmulForwardAndBackwardWithBias) {
   REQUIRE_GPU();
   for (DType precision : {DType::f32, DType::bf16}) {

@@ -195,6 +195,24 @@ TEST(LayerKernelsEmu, BiasAddAndBackward) {
   EXPECT_LT(rel_err(from_bits<float>(got[1]), db), 1e-5) << "bias_backward: column sums in a tree";
 }
 
+// The MLP's fused backward: dpre = gelu'(pre) dout is the host's bit for bit (the same per-element
+// math); the bias sums in a tree, as bias_backward's. Without a bias, gelu_backward alone.
+TEST(LayerKernelsEmu, GeluBiasBackward) {
+  const int N = 300, OC = 21;  // rows beyond the 128 row lanes; a partial column tile
+  const auto pre = randn(std::size_t(N) * OC, 4, 2.0f), dout = randn(std::size_t(N) * OC, 5), db0 = randn(OC, 6);
+  std::vector<float> dpre(pre.size()), db = db0;
+  loom::kernels::gelu_bias_backward(dpre.data(), db.data(), pre.data(), dout.data(), N, OC);
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<float> dp(pre.size()), d = db0, dp_only(pre.size());
+    layer::gelu_bias_backward(launch, dp.data(), d.data(), pre.data(), dout.data(), N, OC);
+    layer::gelu_bias_backward(launch, dp_only.data(), nullptr, pre.data(), dout.data(), N, OC);
+    return Bits{bits_of(dp), bits_of(d), bits_of(dp_only)};
+  });
+  EXPECT_EQ(from_bits<float>(got[0]), dpre) << "dpre";
+  EXPECT_LT(rel_err(from_bits<float>(got[1]), db), 1e-5) << "dbias: column sums in a tree";
+  EXPECT_EQ(from_bits<float>(got[2]), dpre) << "dpre without a bias";
+}
+
 // The host's causal softmax is inside its attention: the reference here is its float branch.
 TEST(LayerKernelsEmu, CausalSoftmaxForwardAndBackward) {
   const int T = 45, rows = 2 * T;  // rows longer than a warp: lanes loop
