@@ -19,7 +19,7 @@ install(TARGETS loom_core loom_io loom_plugin EXPORT loomTargets
 # Headers keep their folders (#include "core/engine/plugin.hpp"), under P/include/loom.
 foreach(dir core io)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir}/ DESTINATION include/loom/${dir}
-          FILES_MATCHING PATTERN "*.hpp" PATTERN "test" EXCLUDE PATTERN "test_mpi" EXCLUDE)
+          FILES_MATCHING PATTERN "*.hpp" PATTERN "*.inc" PATTERN "test" EXCLUDE PATTERN "test_mpi" EXCLUDE)
 endforeach()
 install(FILES ${PROJECT_BINARY_DIR}/generated/loom/build_info.hpp DESTINATION include/loom/loom)
 

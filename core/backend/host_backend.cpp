@@ -15,6 +15,7 @@
 
 #include "core/backend/backend.hpp"
 #include "core/backend/gemm.hpp"
+#include "core/backend/host_isa.hpp"
 #include "core/backend/flash_attention_host.hpp"
 #include "core/backend/kernels.hpp"
 
@@ -57,14 +58,18 @@ void with_float_type(DType t, const char* op, F&& f) {
 class HostBackend final : public Backend {
  public:
   // The threads of OpenBLAS and of oneDNN's OpenMP runtime (core/backend/gemm.hpp).
-  explicit HostBackend(int threads) : threads_(threads) { gemm::set_threads(threads); }
+  // isa::active() first: a LOOM_HOST_ISA this CPU lacks is refused before anything runs.
+  explicit HostBackend(int threads) : threads_(threads) {
+    isa::active();
+    gemm::set_threads(threads);
+  }
   std::string name() const override { return "host"; }
   std::string description() const override {
     std::ostringstream s;
     s << "host (Kokkos " << Kokkos::DefaultHostExecutionSpace::name() << ", BLAS "
       << (openblas_get_config ? openblas_get_config() : "cblas") << ", matrix products "
       << (gemm::impl() == gemm::Impl::onednn ? "oneDNN" : "BLAS") << ", " << threads_ << " BLAS thread"
-      << (threads_ == 1 ? "" : "s") << ")";
+      << (threads_ == 1 ? "" : "s") << ", " << isa::active().name << " kernels)";
     return s.str();
   }
   // Each operation unpacks its operands with BufferRef::as<T>(need): the element type the kernel

@@ -47,6 +47,7 @@
 
 #include "core/base/dtype.hpp"
 #include "core/backend/gemm.hpp"
+#include "core/backend/host_isa.hpp"
 #include "core/backend/kernel_math.hpp"
 
 namespace loom::kernels {
@@ -80,28 +81,22 @@ void for_chunks(const char* label, std::int64_t n, Body body) {
   });
 }
 
-// A row's sum in a fixed order that the compiler vectorises and every instruction set repeats bit
-// for bit: element i goes to partial sum i % 16, and the 16 partial sums are added pairwise (8, 4,
-// 2, 1). A plain `s += f(i)` is a chain the compiler must keep in order (loom builds without
-// -ffast-math), one dependent add per element.
-inline constexpr int kLanes = 16;
-template <class Acc, class F>
-inline Acc lane_sum(int n, F f) {
-  Acc acc[kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += f(i + j);
-  for (int j = 0; i + j < n; ++j) acc[j] += f(i + j);
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-  return acc[0];
-}
+// The inner loops (one row, one span, one block of columns) of the kernels below, for every element
+// type (core/backend/kernel_rows.inc). The fp32 instances run through isa::active() instead: the same
+// loops compiled for this CPU's instruction set, chosen at run time (core/backend/host_isa.hpp), the
+// same bits.
+namespace rows {
+#include "core/backend/kernel_rows.inc"
+}  // namespace rows
+using rows::kColumns;
+using rows::lane_sum;
+template <class T, class Acc>
+inline constexpr bool fp32_v = std::is_same_v<T, float>&& std::is_same_v<Acc, float>;
 
 // Sums over rows of a [rows, C] table into C parameter gradients (dbias, LayerNorm's dweight,
 // embedding rows): the columns are cut into blocks of kColumns, one block a task, so no two tasks
 // write one element, and each column adds its rows in row order, the same bits whatever the threads.
 // body(c0, c1) handles columns [c0, c1).
-inline constexpr int kColumns = 64;
 template <class Body>
 void for_column_blocks(const char* label, int C, Body body) {
   Kokkos::parallel_for(label, Range(0, (C + kColumns - 1) / kColumns), [=](int blk) {
@@ -237,31 +232,18 @@ void encoder_backward(T* dwte, T* dwpe,         // [V or V/tp, C] (+=), [T,C] (+
 // ---------------------------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps 1e-5 (as GPT-2 and torch.nn.LayerNorm).
 
-// One row of LayerNorm forward: two passes for the mean and the (biased) variance, then the output.
-template <class T, class Acc>
-inline void layernorm_row(T* o, Acc& mean, Acc& rstd, const T* x, const T* weight, const T* bias, int C) {
-  const Acc m = lane_sum<Acc>(C, [&](int c) { return to_acc<Acc>(x[c]); }) / C;
-  const Acc v = lane_sum<Acc>(C,
-                              [&](int c) {
-                                const Acc xc = to_acc<Acc>(x[c]);
-                                return (xc - m) * (xc - m);
-                              }) /
-                C;
-  const Acc s = math::layernorm_rstd(v);
-  for (int c = 0; c < C; ++c)
-    o[c] = from_acc<T>(math::layernorm_out(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]), to_acc<Acc>(bias[c])));
-  mean = m;
-  rstd = s;
-}
-
 template <class T, class Acc = acc_type_t<T>>
 void layernorm_forward(T* out, Acc* mean, Acc* rstd,                  // [N,C], [N], [N]
                        const T* inp, const T* weight, const T* bias,  // [N,C], [C], [C]
                        int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
+  const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("LayerNorm::forward", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * C;
-    layernorm_row(out + at, mean[n], rstd[n], inp + at, weight, bias, C);
+    if constexpr (fp32_v<T, Acc>)
+      rk->layernorm_row(out + at, mean[n], rstd[n], inp + at, weight, bias, C);
+    else
+      rows::layernorm_row<T, Acc>(out + at, mean[n], rstd[n], inp + at, weight, bias, C);
   });
 }
 
@@ -274,13 +256,13 @@ void residual_layernorm_forward(T* residual, T* out, Acc* mean, Acc* rstd,  // [
                                 const T* weight, const T* bias,             // [C], [C]
                                 int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
+  const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("ResidualLayerNorm::forward", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * C;
-    T* r = residual + at;
-    const T* x = a + at;
-    const T* y = b + at;
-    for (int c = 0; c < C; ++c) r[c] = from_acc<T>(to_acc<Acc>(x[c]) + to_acc<Acc>(y[c]));
-    layernorm_row(out + at, mean[n], rstd[n], static_cast<const T*>(r), weight, bias, C);
+    if constexpr (fp32_v<T, Acc>)
+      rk->residual_layernorm_row(residual + at, out + at, mean[n], rstd[n], a + at, b + at, weight, bias, C);
+    else
+      rows::residual_layernorm_row<T, Acc>(residual + at, out + at, mean[n], rstd[n], a + at, b + at, weight, bias, C);
   });
 }
 
@@ -290,45 +272,20 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,                 // [N,C] 
                         const Acc* mean, const Acc* rstd,              // [N], [N]
                         int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
-  // dinp: row by row, each row's two means first.
+  // dinp: row by row, each row's two means first; dweight, dbias: sums over rows, by column blocks.
+  const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("LayerNorm::backward", Range(0, N), [=](int n) {
-    const T* d = dout + static_cast<std::int64_t>(n) * C;
-    const T* x = inp + static_cast<std::int64_t>(n) * C;
-    T* dx = dinp + static_cast<std::int64_t>(n) * C;
-    const Acc m = mean[n], s = rstd[n];
-    const Acc dnorm_mean = lane_sum<Acc>(C, [&](int c) { return to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]); }) / C;
-    const Acc dnorm_norm_mean = lane_sum<Acc>(C,
-                                              [&](int c) {
-                                                const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
-                                                return to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]) * xhat;
-                                              }) /
-                                C;
-    for (int c = 0; c < C; ++c)
-      dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) + math::layernorm_dinp(to_acc<Acc>(x[c]), m, s, to_acc<Acc>(weight[c]),
-                                                                    to_acc<Acc>(d[c]), dnorm_mean, dnorm_norm_mean));
+    const std::int64_t at = static_cast<std::int64_t>(n) * C;
+    if constexpr (fp32_v<T, Acc>)
+      rk->layernorm_dinp_row(dinp + at, dout + at, inp + at, weight, mean[n], rstd[n], C);
+    else
+      rows::layernorm_dinp_row<T, Acc>(dinp + at, dout + at, inp + at, weight, mean[n], rstd[n], C);
   });
-  // dweight, dbias: sums over rows, by column blocks (rows in order; 16-bit: summed in Acc, rounded once).
   for_column_blocks("LayerNorm::backward_dweight", C, [=](int c0, int c1) {
-    Acc dw[kColumns], db[kColumns];
-    for (int c = c0; c < c1; ++c) {
-      dw[c - c0] = to_acc<Acc>(dweight[c]);
-      db[c - c0] = to_acc<Acc>(dbias[c]);
-    }
-    for (int n = 0; n < N; ++n) {
-      const T* d = dout + static_cast<std::int64_t>(n) * C;
-      const T* x = inp + static_cast<std::int64_t>(n) * C;
-      const Acc m = mean[n], s = rstd[n];
-      for (int c = c0; c < c1; ++c) {
-        const Acc xhat = (to_acc<Acc>(x[c]) - m) * s;
-        const Acc dc = to_acc<Acc>(d[c]);
-        db[c - c0] += dc;
-        dw[c - c0] += xhat * dc;
-      }
-    }
-    for (int c = c0; c < c1; ++c) {
-      dweight[c] = from_acc<T>(dw[c - c0]);
-      dbias[c] = from_acc<T>(db[c - c0]);
-    }
+    if constexpr (fp32_v<T, Acc>)
+      rk->layernorm_param_cols(dweight, dbias, dout, inp, mean, rstd, N, C, c0, c1);
+    else
+      rows::layernorm_param_cols<T, Acc>(dweight, dbias, dout, inp, mean, rstd, N, C, c0, c1);
   });
 }
 
@@ -347,14 +304,12 @@ void bias_add(T* out, const T* bias, int N, int OC) {  // [N,OC], [OC]
 // dbias += sum over rows of dout: the backward of bias_add.
 template <class T, class Acc = acc_type_t<T>>
 void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,OC]
+  const isa::RowKernels* rk = &isa::active();
   for_column_blocks("Matmul::backward_bias", OC, [=](int c0, int c1) {
-    Acc db[kColumns];
-    for (int j = c0; j < c1; ++j) db[j - c0] = to_acc<Acc>(dbias[j]);
-    for (int n = 0; n < N; ++n) {
-      const T* d = dout + static_cast<std::int64_t>(n) * OC;
-      for (int j = c0; j < c1; ++j) db[j - c0] += to_acc<Acc>(d[j]);
-    }
-    for (int j = c0; j < c1; ++j) dbias[j] = from_acc<T>(db[j - c0]);
+    if constexpr (fp32_v<T, Acc>)
+      rk->bias_cols(dbias, dout, N, OC, c0, c1);
+    else
+      rows::bias_cols<T, Acc>(dbias, dout, N, OC, c0, c1);
   });
 }
 
@@ -385,6 +340,7 @@ void attention_forward(T* out, T* att,  // [B,T,C], [B,NH,T,T] (softmax probs)
                        int B, int Tn, int C, int NH) {
   const int hs = C / NH, C3 = 3 * C;
   const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
+  const isa::RowKernels* rk = &isa::active();
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < NH; ++h) {
       const T* q = qkv + static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
@@ -394,24 +350,10 @@ void attention_forward(T* out, T* att,  // [B,T,C], [B,NH,T,T] (softmax probs)
       gemm(false, true, Tn, Tn, hs, scale, q, C3, k, C3, Acc(0), a, Tn);  // scores = q k^T / sqrt(hs)
       Kokkos::parallel_for("Attention::softmax_forward", Range(0, Tn), [=](int t) {
         T* row = a + static_cast<std::int64_t>(t) * Tn;
-        if constexpr (std::is_same_v<T, Acc>) {
-          // The plain loops, written as before the types were split: this form of the max is what
-          // the compiler vectorises (the split form costs the forward ~5% on the bench model).
-          T mx = row[0];
-          for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
-          for (int j = 0; j <= t; ++j) row[j] = exp_k(row[j] - mx);
-          const T inv = T(1) / lane_sum<T>(t + 1, [&](int j) { return row[j]; });
-          for (int j = 0; j <= t; ++j) row[j] *= inv;
-        } else {  // the scores are kept until the sum is known, so each probability is rounded once
-          Acc mx = to_acc<Acc>(row[0]);
-          for (int j = 1; j <= t; ++j) {
-            const Acc r = to_acc<Acc>(row[j]);
-            mx = r > mx ? r : mx;
-          }
-          const Acc inv = Acc(1) / lane_sum<Acc>(t + 1, [&](int j) { return exp_k(to_acc<Acc>(row[j]) - mx); });
-          for (int j = 0; j <= t; ++j) row[j] = from_acc<T>(exp_k(to_acc<Acc>(row[j]) - mx) * inv);
-        }
-        for (int j = t + 1; j < Tn; ++j) row[j] = from_acc<T>(Acc(0));  // causal mask
+        if constexpr (fp32_v<T, Acc>)
+          rk->softmax_causal_row(row, t, Tn);
+        else
+          rows::softmax_causal_row<T, Acc>(row, t, Tn);
       });
       gemm(false, false, Tn, hs, Tn, Acc(1), a, Tn, v, C3, Acc(0), out + static_cast<std::int64_t>(b) * Tn * C + h * hs,
            C);  // out_h = att v
@@ -426,6 +368,7 @@ void attention_backward(T* dqkv, T* datt,            // [B,T,3C] (=), [T,T] scra
                         int B, int Tn, int C, int NH) {
   const int hs = C / NH, C3 = 3 * C;
   const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
+  const isa::RowKernels* rk = &isa::active();
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < NH; ++h) {
       const std::int64_t base = static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
@@ -443,10 +386,10 @@ void attention_backward(T* dqkv, T* datt,            // [B,T,3C] (=), [T,T] scra
       Kokkos::parallel_for("Attention::softmax_backward", Range(0, Tn), [=](int t) {
         T* dr = datt + static_cast<std::int64_t>(t) * Tn;
         const T* ar = a + static_cast<std::int64_t>(t) * Tn;
-        const Acc dot = lane_sum<Acc>(t + 1, [&](int j) { return to_acc<Acc>(ar[j]) * to_acc<Acc>(dr[j]); });
-        for (int j = 0; j <= t; ++j)
-          dr[j] = from_acc<T>(math::softmax_backward(to_acc<Acc>(ar[j]), to_acc<Acc>(dr[j]), dot));
-        for (int j = t + 1; j < Tn; ++j) dr[j] = from_acc<T>(Acc(0));
+        if constexpr (fp32_v<T, Acc>)
+          rk->softmax_causal_backward_row(dr, ar, t, Tn);
+        else
+          rows::softmax_causal_backward_row<T, Acc>(dr, ar, t, Tn);
       });
       gemm(false, false, Tn, hs, Tn, scale, datt, Tn, k, C3, Acc(0), dq, C3);  // dq = ds k / sqrt(hs)
       gemm(true, false, Tn, hs, Tn, scale, datt, Tn, q, C3, Acc(0), dk, C3);   // dk = ds^T q / sqrt(hs)
@@ -459,21 +402,23 @@ void attention_backward(T* dqkv, T* datt,            // [B,T,3C] (=), [T,T] scra
 
 template <class T, class Acc = acc_type_t<T>>
 void gelu_forward(T* out, const T* inp, std::int64_t n) {  // [n], [n]
+  const isa::RowKernels* rk = &isa::active();
   for_chunks("GELU::forward", n, [=](std::int64_t begin, std::int64_t end) {
-    T* __restrict o = out;
-    const T* __restrict in = inp;
-    for (std::int64_t i = begin; i < end; ++i) o[i] = from_acc<T>(math::gelu_forward(to_acc<Acc>(in[i])));
+    if constexpr (fp32_v<T, Acc>)
+      rk->gelu_span(out, inp, begin, end);
+    else
+      rows::gelu_span<T, Acc>(out, inp, begin, end);
   });
 }
 
 template <class T, class Acc = acc_type_t<T>>
 void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [n] (=), [n], [n]
+  const isa::RowKernels* rk = &isa::active();
   for_chunks("GELU::backward", n, [=](std::int64_t begin, std::int64_t end) {
-    T* __restrict di = dinp;
-    const T* __restrict in = inp;
-    const T* __restrict d = dout;
-    for (std::int64_t i = begin; i < end; ++i)
-      di[i] = from_acc<T>(math::gelu_backward(to_acc<Acc>(in[i]), to_acc<Acc>(d[i])));
+    if constexpr (fp32_v<T, Acc>)
+      rk->gelu_backward_span(dinp, inp, dout, begin, end);
+    else
+      rows::gelu_backward_span<T, Acc>(dinp, inp, dout, begin, end);
   });
 }
 
@@ -483,14 +428,13 @@ void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [
 // pre[n, :] += bias, out = gelu(pre), after the product wrote pre (bias may be null).
 template <class T, class Acc = acc_type_t<T>>
 void bias_gelu_forward(T* out, T* pre, const T* bias, int N, int OC) {  // [N,OC], [N,OC] (+= bias), [OC]
+  const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("MatmulGELU::bias_gelu", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * OC;
-    T* __restrict p = pre + at;
-    T* __restrict o = out + at;
-    for (int j = 0; j < OC; ++j) {
-      p[j] = from_acc<T>(bias ? to_acc<Acc>(p[j]) + to_acc<Acc>(bias[j]) : to_acc<Acc>(p[j]));
-      o[j] = from_acc<T>(math::gelu_forward(to_acc<Acc>(p[j])));
-    }
+    if constexpr (fp32_v<T, Acc>)
+      rk->bias_gelu_row(out + at, pre + at, bias, OC);
+    else
+      rows::bias_gelu_row<T, Acc>(out + at, pre + at, bias, OC);
   });
 }
 
@@ -507,22 +451,12 @@ template <class T, class Acc = acc_type_t<T>>
 void gelu_bias_backward(T* dpre, T* dbias,            // [N,OC] (=), [OC] (+=) or null
                         const T* pre, const T* dout,  // [N,OC], [N,OC]
                         int N, int OC) {
+  const isa::RowKernels* rk = &isa::active();
   for_column_blocks("MatmulGELU::backward", OC, [=](int c0, int c1) {
-    Acc db[kColumns] = {};
-    if (dbias)
-      for (int j = c0; j < c1; ++j) db[j - c0] = to_acc<Acc>(dbias[j]);
-    for (int n = 0; n < N; ++n) {
-      const std::int64_t at = static_cast<std::int64_t>(n) * OC;
-      T* __restrict dp = dpre + at;
-      const T* __restrict x = pre + at;
-      const T* __restrict d = dout + at;
-      for (int j = c0; j < c1; ++j) {
-        dp[j] = from_acc<T>(math::gelu_backward(to_acc<Acc>(x[j]), to_acc<Acc>(d[j])));
-        db[j - c0] += to_acc<Acc>(dp[j]);
-      }
-    }
-    if (dbias)
-      for (int j = c0; j < c1; ++j) dbias[j] = from_acc<T>(db[j - c0]);
+    if constexpr (fp32_v<T, Acc>)
+      rk->gelu_bias_cols(dpre, dbias, pre, dout, N, OC, c0, c1);
+    else
+      rows::gelu_bias_cols<T, Acc>(dpre, dbias, pre, dout, N, OC, c0, c1);
   });
 }
 
@@ -645,13 +579,12 @@ void adamw_update(P* params, Acc* m, Acc* v,       // [n] each, updated
                                   weight_decay,
                                   Acc(1) - std::pow(beta1, static_cast<Acc>(t)),
                                   Acc(1) - std::pow(beta2, static_cast<Acc>(t))};
+  const isa::RowKernels* rk = &isa::active();
   for_chunks("AdamW::update", n, [=](std::int64_t begin, std::int64_t end) {
-    P* __restrict p = params;
-    Acc* __restrict mm = m;
-    Acc* __restrict vv = v;
-    const G* __restrict gg = grads;
-    for (std::int64_t i = begin; i < end; ++i)
-      p[i] = from_acc<P>(math::adamw(to_acc<Acc>(p[i]), mm[i], vv[i], to_acc<Acc>(gg[i]), step));
+    if constexpr (std::is_same_v<P, float> && std::is_same_v<Acc, float> && std::is_same_v<G, float>)
+      rk->adamw_span(params, m, v, grads, begin, end, step);
+    else
+      rows::adamw_span<P, Acc, G>(params, m, v, grads, begin, end, step);
   });
 }
 

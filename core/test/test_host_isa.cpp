@@ -1,0 +1,110 @@
+// core/backend/host_isa.hpp: the host kernels' fp32 loops compiled per instruction set give the
+// baseline's bits, each of them, on shapes with partial lanes and partial column blocks, so that the
+// run-time choice changes only the speed.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/backend/host_isa.hpp"
+
+namespace {
+
+using loom::isa::RowKernels;
+using V = std::vector<float>;
+
+V randn(std::size_t n, unsigned seed, float scale = 1.0f, float shift = 0.0f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(shift, scale);
+  V v(n);
+  for (float& x : v) x = d(g);
+  return v;
+}
+
+bool same_bits(const V& a, const V& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Every loop of one set on the same inputs; the outputs in one list, in a fixed order.
+std::vector<V> run_all(const RowKernels& k) {
+  const int N = 37, C = 150, T = 45;  // C: 9 lanes of 16 and 6 left over; 2 column blocks and a partial one
+  const V x = randn(std::size_t(N) * C, 1, 2.0f, 0.3f), y = randn(std::size_t(N) * C, 2), w = randn(C, 3, 0.5f, 1.0f),
+          b = randn(C, 4), d = randn(std::size_t(N) * C, 5);
+  std::vector<V> out;
+  V o(std::size_t(N) * C), r(std::size_t(N) * C), mean(N), rstd(N), mean2(N), rstd2(N);
+  for (int n = 0; n < N; ++n) {
+    const std::size_t at = std::size_t(n) * C;
+    k.layernorm_row(o.data() + at, mean[n], rstd[n], x.data() + at, w.data(), b.data(), C);
+  }
+  out.insert(out.end(), {o, mean, rstd});
+  V o2(o.size());
+  for (int n = 0; n < N; ++n) {
+    const std::size_t at = std::size_t(n) * C;
+    k.residual_layernorm_row(r.data() + at, o2.data() + at, mean2[n], rstd2[n], x.data() + at, y.data() + at, w.data(),
+                             b.data(), C);
+  }
+  out.insert(out.end(), {r, o2, mean2, rstd2});
+  V dx = randn(std::size_t(N) * C, 6), dw = randn(C, 7), db = randn(C, 8), dbias = randn(C, 9);
+  for (int n = 0; n < N; ++n) {
+    const std::size_t at = std::size_t(n) * C;
+    k.layernorm_dinp_row(dx.data() + at, d.data() + at, x.data() + at, w.data(), mean[n], rstd[n], C);
+  }
+  for (int c0 = 0; c0 < C; c0 += 64) {
+    k.layernorm_param_cols(dw.data(), db.data(), d.data(), x.data(), mean.data(), rstd.data(), N, C, c0,
+                           std::min(C, c0 + 64));
+    k.bias_cols(dbias.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+  }
+  out.insert(out.end(), {dx, dw, db, dbias});
+  V pre = y, act(pre.size()), dpre(pre.size()), dbg = randn(C, 10);
+  for (int n = 0; n < N; ++n)
+    k.bias_gelu_row(act.data() + std::size_t(n) * C, pre.data() + std::size_t(n) * C, b.data(), C);
+  for (int c0 = 0; c0 < C; c0 += 64)
+    k.gelu_bias_cols(dpre.data(), dbg.data(), pre.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+  out.insert(out.end(), {pre, act, dpre, dbg});
+  V g(x.size()), dg(x.size());
+  k.gelu_span(g.data(), x.data(), 3, std::int64_t(x.size()));
+  k.gelu_backward_span(dg.data(), x.data(), d.data(), 0, std::int64_t(x.size()) - 5);
+  out.insert(out.end(), {g, dg});
+  V p = randn(1000, 11), m = randn(1000, 12, 0.1f), v = randn(1000, 13, 0.1f), grad = randn(1000, 14);
+  for (float& e : v) e = e * e;
+  const loom::math::AdamWStep<float> step{3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.271f, 0.0975f};
+  k.adamw_span(p.data(), m.data(), v.data(), grad.data(), 7, 1000, step);
+  out.insert(out.end(), {p, m, v});
+  V att = randn(std::size_t(T) * T, 15, 3.0f), datt = randn(std::size_t(T) * T, 16);
+  for (int t = 0; t < T; ++t) k.softmax_causal_row(att.data() + std::size_t(t) * T, t, T);
+  for (int t = 0; t < T; ++t)
+    k.softmax_causal_backward_row(datt.data() + std::size_t(t) * T, att.data() + std::size_t(t) * T, t, T);
+  out.insert(out.end(), {att, datt});
+  return out;
+}
+
+TEST(HostIsa, EverySetGivesTheBaselinesBits) {
+  const std::vector<std::string> sets = loom::isa::available();
+  ASSERT_FALSE(sets.empty());
+  EXPECT_EQ(sets.back(), "baseline");
+  const std::vector<V> want = run_all(*loom::isa::find("baseline"));
+  for (const std::string& s : sets) {
+    const RowKernels* k = loom::isa::find(s);
+    ASSERT_NE(k, nullptr) << s;
+    EXPECT_EQ(std::string(k->name), s);
+    const std::vector<V> got = run_all(*k);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(same_bits(got[i], want[i])) << s << ", output " << i;
+  }
+  std::printf("instruction sets this CPU runs: ");
+  for (const std::string& s : sets) std::printf("%s ", s.c_str());
+  std::printf("(active: %s)\n", loom::isa::active().name);
+}
+
+TEST(HostIsa, TheBestSetIsActiveAndNamesAreChecked) {
+  EXPECT_EQ(std::string(loom::isa::active().name), loom::isa::available().front());
+  EXPECT_THROW(loom::isa::find("sse9"), std::invalid_argument);
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  EXPECT_EQ(loom::isa::find("avx512") != nullptr, avx512) << "a set this CPU lacks is not offered";
+}
+
+}  // namespace
