@@ -14,6 +14,7 @@ directory; both reads come from the page cache. Standard library only. A benchma
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -64,6 +65,8 @@ def main():
     rows = []
     for ranks in (1, 2):
         rundir = os.path.join(args.workdir, "np%d" % ranks)
+        for d in (rundir, rundir + "-resumed"):  # fresh folders: loom refuses to train over an old run
+            shutil.rmtree(d, ignore_errors=True)
         w = loom_run(args, ranks, rundir, ["--set", "train.steps=2"])
         r = loom_run(args, ranks, rundir + "-resumed",
                      ["--set", "train.steps=3", "--set", "checkpoint.resume=" + os.path.join(rundir, "checkpoints", "ckpt-00000002.h5")])

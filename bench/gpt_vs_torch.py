@@ -26,6 +26,7 @@ import configparser
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -151,10 +152,10 @@ def run_sgemm(path):
 
 
 def run_loom(loom, deck_path, steps, run_dir, sets):
+    # a fresh folder each run: loom refuses to start over an earlier run's results
+    shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir, exist_ok=True)
     summary = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary):
-        os.remove(summary)
     cmd = [loom, "run", deck_path, "--set", f"train.steps={steps}", "--set", f"run.dir={run_dir}"]
     for s in sets:
         cmd += ["--set", s]

@@ -34,7 +34,8 @@ def run(loom, mpirun, pp, schedule, m, steps, workdir, timeout, virtual=1):
     if pp > 1:
         cmd += ["--set", "pipeline.schedule=" + schedule, "--set", "pipeline.virtual_stages=%d" % virtual]
     cmd += ["--set", "train.micro_batches=%d" % m, "--set", "train.steps=%d" % steps,
-            "--set", "train.log_every=1", "--set", "run.dir=" + rundir]
+            "--set", "train.log_every=1", "--set", "run.dir=" + rundir,
+           "--set", "run.overwrite=true"]
     print("$ " + " ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     # Own process group, so a hung run can be killed with all its ranks and nothing else.

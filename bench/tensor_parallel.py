@@ -22,7 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run(loom, mpirun, tp, sp, steps, workdir):
     rundir = os.path.join(workdir, "tp%d%s" % (tp, "-sp" if sp else ""))
     cmd = [mpirun, "-n", str(tp), loom, "run", os.path.join(HERE, "bench.deck"), "--set", "parallel.tp=%d" % tp,
-           "--set", "train.steps=%d" % steps, "--set", "train.log_every=1", "--set", "run.dir=" + rundir]
+           "--set", "train.steps=%d" % steps, "--set", "train.log_every=1", "--set", "run.dir=" + rundir,
+           "--set", "run.overwrite=true"]
     if tp > 1:
         cmd += ["--set", "tensor.sequence_parallel=%s" % ("true" if sp else "false")]
     print("$ " + " ".join(cmd), flush=True)

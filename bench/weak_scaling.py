@@ -25,7 +25,8 @@ def run(loom, mpirun, ranks, steps, per_rank_batch, workdir):
     rundir = os.path.join(workdir, "dp%d" % ranks)
     cmd = [mpirun, "-n", str(ranks), loom, "run", os.path.join(HERE, "bench.deck"),
            "--set", "parallel.dp=%d" % ranks, "--set", "train.batch=%d" % (per_rank_batch * ranks),
-           "--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir, "--set", "data_parallel.bucket_mb=4"]
+           "--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir, "--set", "data_parallel.bucket_mb=4",
+           "--set", "run.overwrite=true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     print("$ " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -45,7 +46,8 @@ def run_independent(loom, n, steps, per_rank_batch, workdir):
         rundir = os.path.join(workdir, "independent-%d" % i)
         dirs.append(rundir)
         cmd = [loom, "run", os.path.join(HERE, "bench.deck"), "--set", "train.batch=%d" % per_rank_batch,
-               "--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir]
+               "--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir,
+           "--set", "run.overwrite=true"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     print("$ %d x %s run bench/bench.deck (concurrently, no communication)" % (n, loom), flush=True)
     total = 0.0

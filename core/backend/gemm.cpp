@@ -30,6 +30,7 @@ namespace loom::gemm {
 namespace {
 
 std::atomic<Impl> g_choice{Impl::automatic};
+std::atomic<int> g_threads{1};  // set_threads
 
 // The distinct kernels used so far, in first-use order; guarded by g_mutex.
 std::mutex g_mutex;
@@ -222,6 +223,7 @@ Impl impl() {
 
 void set_threads(int n) {
   n = std::max(1, n);
+  g_threads.store(n);
   if (openblas_set_num_threads) openblas_set_num_threads(n);
   if (omp_set_num_threads) omp_set_num_threads(n);
 }
@@ -267,12 +269,15 @@ void sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, i
   if (trivial(M, N, K, beta, C, ldc)) return;
 #ifdef LOOM_HAVE_ONEDNN
   // run.gemm = auto: oneDNN, except an fp32 product of a transposed A (the weight gradients,
-  // dW += dout^T x) on a CPU without AVX-512, where oneDNN 2.6's kernel reads A's columns at about
-  // half of OpenBLAS's rate, and at a 4 KiB row stride (dout of a 1024-wide layer) at a third
-  // (bench/sgemm_peak: "fc dW", AMD EPYC AVX2, 31 against 62 GFLOP/s). A rule of the CPU and the
+  // dW += dout^T x) on a CPU without AVX-512, where oneDNN 2.6's kernel runs at 0.8-0.9 of
+  // OpenBLAS's rate, and at half where A's rows are 4 KiB apart (dout of a 1024-wide layer;
+  // bench/sgemm_peak "fc dW", AMD EPYC AVX2: 31 against 62 GFLOP/s). A rule of the CPU and the
   // shape, not a timing: every rank and every restart picks the same kernels, so results stay
-  // bit for bit.
-  if (impl() == Impl::onednn && ta && !tb && g_choice.load() == Impl::automatic && blas_for_transposed_a()) {
+  // bit for bit. One thread only: with more, OpenBLAS's thread pool and oneDNN's OpenMP one spin
+  // against each other on the same cores (2 threads, bench model: 1230-1440 tokens/s with the
+  // mix against 3620-3840 all on oneDNN).
+  if (impl() == Impl::onednn && ta && !tb && g_choice.load() == Impl::automatic && g_threads.load() == 1 &&
+      blas_for_transposed_a()) {
     static std::atomic<bool> noted{false};
     if (!noted.exchange(true)) note_used("fp32 cblas_sgemm for transposed A (no AVX-512)");
     blas_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);

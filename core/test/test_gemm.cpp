@@ -285,9 +285,13 @@ TEST(Gemm, AutomaticRuleForTransposedA) {
     return c;
   };
   const bool avx512 = __builtin_cpu_supports("avx512f");
+  gemm::set_threads(1);
   const std::vector<float> tn_auto = product(Impl::automatic, true), tn_blas = product(Impl::blas, true),
                            tn_dnn = product(Impl::onednn, true);
   EXPECT_EQ(tn_auto, avx512 ? tn_dnn : tn_blas) << (avx512 ? "AVX-512: oneDNN expected" : "no AVX-512: OpenBLAS");
+  gemm::set_threads(2);  // two thread pools would spin against each other: oneDNN alone
+  EXPECT_EQ(product(Impl::automatic, true), product(Impl::onednn, true)) << "2 threads: oneDNN";
+  gemm::set_threads(1);
   EXPECT_EQ(product(Impl::automatic, false), product(Impl::onednn, false)) << "an untransposed A stays on oneDNN";
   bool named = false;
   for (const std::string& k : gemm::impls_used()) named |= k.find("for transposed A") != std::string::npos;
