@@ -24,6 +24,7 @@
 #include "core/engine/keys_reference.hpp"
 #include "core/engine/plugin.hpp"
 #include "core/backend/blas_core.hpp"
+#include "core/backend/wait_policy.hpp"
 #include "driver/commands.hpp"
 #include "driver/session.hpp"
 #include "io/checkpoint.hpp"
@@ -450,6 +451,7 @@ static void write_status_file(int rank, int status) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "plot") exec_plot(argc, argv);
+  select_wait_policy(argv);    // may re-execute this program with OMP_WAIT_POLICY=PASSIVE (shared cores)
   select_openblas_core(argv);  // may re-execute this program with a better OpenBLAS kernel set
   // A file-size limit (ulimit -f) must fail the write that crosses it (EFBIG, reported with the file's
   // name), not kill the process with SIGXFSZ.

@@ -13,6 +13,7 @@
 #include "core/comm/fault.hpp"
 #include "core/model/layout_check.hpp"
 #include "core/backend/blas_core.hpp"
+#include "core/backend/wait_policy.hpp"
 #include "driver/memory_check.hpp"
 #include "io/llmc.hpp"
 #include "io/report.hpp"
@@ -417,6 +418,7 @@ std::string Session::banner() const {
     << (backend_choice.reason.empty() ? "" : "; " + backend_choice.reason) << "\n";
   if (*openblas_core_note()) s << "            " << openblas_core_note() << "\n";
   s << "  threads : " << threads.origin << "\n";
+  if (*wait_policy_note()) s << "            " << wait_policy_note() << "\n";
   const DType mm = backend->precision().matmul;
   if (mm == DType::f32)
     s << "  precision: fp32\n";

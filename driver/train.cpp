@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/backend/blas_core.hpp"
+#include "core/backend/wait_policy.hpp"
 #include "core/base/clock.hpp"
 #include "core/base/error.hpp"
 #include "core/comm/fault.hpp"
@@ -703,6 +704,7 @@ void TrainingRun::write_report(const nlohmann::json& summary) {
                            {"build", build_info()},
                            {"backend", s_.backend->description()},
                            {"openblas_core_note", openblas_core_note()},
+                           {"wait_policy_note", wait_policy_note()},
                            {"omp_wait_policy", std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : ""},
                            {"gemm", gemm::describe()},
                            {"gemm_impls_used", gemm::impls_used()},

@@ -2,7 +2,7 @@
 """The command line explains itself: each command's --help gives its usage and where to read more, and a
 mistyped command or option gets one line with the nearest word, not the whole usage.
 
-    python3 regression/cli_checks.py --loom build/loom help|mistyped
+    python3 regression/cli_checks.py --loom build/loom help|mistyped|wait
 
   help      `loom COMMAND --help` for every command of `loom --help`: exit 0, its own usage line, a
             "more:" line, at most 25 lines (`loom run --help` no longer prints the 100-line key
@@ -10,6 +10,8 @@ mistyped command or option gets one line with the nearest word, not the whole us
   mistyped  `loom rnu`, `loom run DECK --sett ...`, `loom plan DECK --devise 4`, `loom sample --stpes 3`:
             exit 2, one line naming the nearest command or option and `loom COMMAND --help`; a word
             near nothing (`loom frobnicate`) gets no guess
+  wait      ranks x threads beyond the CPUs: OMP_WAIT_POLICY=PASSIVE set by loom (banner, report.json);
+            a caller's OMP_WAIT_POLICY kept; nothing changed within the CPUs
 Standard library only.
 """
 import argparse
@@ -78,13 +80,53 @@ def case_mistyped(args, failures):
         failures.append("loom frobnicate: a guess for a word near no command: " + p.stderr.strip())
 
 
+def case_wait(args, failures):
+    """A node's ranks x threads beyond its CPUs: loom re-executes itself with OMP_WAIT_POLICY=PASSIVE
+    (core/backend/wait_policy.hpp), says so in the banner and report.json; a caller's own choice is
+    kept; within the CPUs nothing changes."""
+    import json
+    import shutil
+    import tempfile
+    cpus = len(os.sched_getaffinity(0))
+    cases = [  # (environment, expected policy in report.json, expected banner text or None)
+        ({"MPI_LOCALNRANKS": str(cpus + 1), "OMP_NUM_THREADS": "2"}, "PASSIVE", "OMP_WAIT_POLICY=PASSIVE set by loom"),
+        ({"MPI_LOCALNRANKS": str(cpus + 1), "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE",
+         "OMP_WAIT_POLICY=ACTIVE (set by the caller)"),
+        ({"MPI_LOCALNRANKS": "1", "OMP_NUM_THREADS": "1"}, "", None),
+    ]
+    for env_add, policy, banner in cases:
+        run_dir = tempfile.mkdtemp(prefix="loom-wait-")
+        try:
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK",
+                                "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")}
+            env.update(env_add)
+            argv = [args.loom, "run", DECK, "--set", "train.steps=1", "--set", "run.dir=" + run_dir]
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+            what = " ".join("%s=%s" % kv for kv in env_add.items())
+            print("$ %s loom run quickstart.deck (exit %d)" % (what, p.returncode))
+            if p.returncode != 0:
+                failures.append("%s: exit %d: %s" % (what, p.returncode, (p.stdout + p.stderr)[-1500:]))
+                continue
+            with open(os.path.join(run_dir, "report.json")) as f:
+                got = json.load(f).get("omp_wait_policy")
+            if got != policy:
+                failures.append("%s: report.json omp_wait_policy %r, expected %r" % (what, got, policy))
+            if banner and banner not in p.stdout:
+                failures.append("%s: the banner does not say %r" % (what, banner))
+            if not banner and "OMP_WAIT_POLICY" in p.stdout:
+                failures.append("%s: a wait policy note where nothing was decided" % what)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
-    ap.add_argument("case", choices=["help", "mistyped"])
+    ap.add_argument("case", choices=["help", "mistyped", "wait"])
     args = ap.parse_args()
     failures = []
-    {"help": case_help, "mistyped": case_mistyped}[args.case](args, failures)
+    {"help": case_help, "mistyped": case_mistyped, "wait": case_wait}[args.case](args, failures)
     return common.finish(failures)
 
 
