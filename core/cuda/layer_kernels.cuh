@@ -360,8 +360,14 @@ LOOM_KERNEL void bias_add_kernel(float* out,         // [N,OC]
   }
 }
 
-// As layernorm_backward_params_kernel, dout's column sums only.
-LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) bias_backward_kernel(float* dbias,       // [OC] (+=)
+// Column sums of an [N, OC] gradient into dbias (+=), as layernorm_backward_params_kernel: dout's
+// own (Gelu false: bias_backward) or, for the MLP's fused backward (Gelu true:
+// Backend::gelu_bias_backward), those of dpre = gelu'(pre) dout, each dpre written on the way: pre
+// and dout read once, where gelu_backward then bias_backward read dpre back.
+template <bool Gelu>
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) bias_backward_kernel(float* dpre,        // [N,OC] (=), Gelu
+                                                                      float* dbias,       // [OC] (+=)
+                                                                      const float* pre,   // [N,OC], Gelu
                                                                       const float* dout,  // [N,OC]
                                                                       int N, int OC) {
   LOOM_SHARED_ARRAY(float, s_db, kColThreads);
@@ -372,35 +378,13 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) bias_backward_kernel(float* dbi
     float db = 0.0f;
     if (j < OC) {
       LOOM_UNROLL(4)
-      for (int n = row_lane; n < N; n += kColRowLanes) db += dout[static_cast<std::int64_t>(n) * OC + j];
-    }
-    s_db[tid()] = db;
-    column_tree_sum(s_db, nullptr);
-    if (row_lane == 0 && j < OC) dbias[j] += s_db[col];
-    dev::sync_block();  // the next tile overwrites s_db
-  }
-}
-
-// The MLP's fused backward (Backend::gelu_bias_backward): as bias_backward_kernel, the column sums
-// of dpre = gelu'(pre) dout, each dpre written on the way: pre and dout read once, where
-// gelu_backward then bias_backward read dpre back.
-LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) gelu_bias_backward_kernel(float* dpre,        // [N,OC] (=)
-                                                                           float* dbias,       // [OC] (+=)
-                                                                           const float* pre,   // [N,OC]
-                                                                           const float* dout,  // [N,OC]
-                                                                           int N, int OC) {
-  LOOM_SHARED_ARRAY(float, s_db, kColThreads);
-  const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
-  for (std::int64_t j0 = static_cast<std::int64_t>(block()) * kColTile; j0 < OC;
-       j0 += static_cast<std::int64_t>(blocks()) * kColTile) {  // block-uniform
-    const std::int64_t j = j0 + col;
-    float db = 0.0f;
-    if (j < OC) {
-      LOOM_UNROLL(4)
       for (int n = row_lane; n < N; n += kColRowLanes) {
         const std::int64_t i = static_cast<std::int64_t>(n) * OC + j;
-        const float v = math::gelu_backward(pre[i], dout[i]);
-        dpre[i] = v;
+        float v = dout[i];
+        if constexpr (Gelu) {
+          v = math::gelu_backward(pre[i], v);
+          dpre[i] = v;
+        }
         db += v;
       }
     }
@@ -423,7 +407,8 @@ void bias_backward(Launch&& launch, float* dbias, const float* dout, int N, int 
   if (N <= 0 || OC <= 0) return;
   const LaunchGeometry g =
       rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
-  launch("bias_backward_kernel", g.blocks, g.threads, 0, bias_backward_kernel, dbias, dout, N, OC);
+  launch("bias_backward_kernel", g.blocks, g.threads, 0, bias_backward_kernel<false>, static_cast<float*>(nullptr),
+         dbias, static_cast<const float*>(nullptr), dout, N, OC);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -523,7 +508,8 @@ void gelu_bias_backward(Launch&& launch, float* dpre, float* dbias, const float*
   if (!dbias) return gelu_backward(launch, dpre, pre, dout, static_cast<std::int64_t>(N) * OC);
   const LaunchGeometry g =
       rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
-  launch("gelu_bias_backward_kernel", g.blocks, g.threads, 0, gelu_bias_backward_kernel, dpre, dbias, pre, dout, N, OC);
+  launch("gelu_bias_backward_kernel", g.blocks, g.threads, 0, bias_backward_kernel<true>, dpre, dbias, pre, dout, N,
+         OC);
 }
 
 template <class Launch>
