@@ -43,6 +43,7 @@
 #include <functional>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/base/dtype.hpp"
@@ -92,6 +93,16 @@ using rows::kColumns;
 using rows::lane_sum;
 template <class T, class Acc>
 inline constexpr bool fp32_v = std::is_same_v<T, float>&& std::is_same_v<Acc, float>;
+// One inner loop: for fp32, this CPU's copy in `rk` (the member `fp32` of isa::RowKernels); for every
+// other type, the template `generic` instantiated for it. The arguments go through unchanged
+// (references stay references: LayerNorm's mean and rstd are written through them).
+template <class T, class Acc, class F, class G, class... A>
+inline void row_loop(const isa::RowKernels* rk, F isa::RowKernels::*fp32, G generic, A&&... a) {
+  if constexpr (fp32_v<T, Acc>)
+    (rk->*fp32)(std::forward<A>(a)...);
+  else
+    generic(std::forward<A>(a)...);
+}
 
 // Sums over rows of a [rows, C] table into C parameter gradients (dbias, LayerNorm's dweight,
 // embedding rows): the columns are cut into blocks of kColumns, one block a task, so no two tasks
@@ -240,10 +251,8 @@ void layernorm_forward(T* out, Acc* mean, Acc* rstd,                  // [N,C], 
   const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("LayerNorm::forward", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * C;
-    if constexpr (fp32_v<T, Acc>)
-      rk->layernorm_row(out + at, mean[n], rstd[n], inp + at, weight, bias, C);
-    else
-      rows::layernorm_row<T, Acc>(out + at, mean[n], rstd[n], inp + at, weight, bias, C);
+    row_loop<T, Acc>(rk, &isa::RowKernels::layernorm_row, rows::layernorm_row<T, Acc>, out + at, mean[n], rstd[n],
+                     inp + at, weight, bias, C);
   });
 }
 
@@ -259,10 +268,8 @@ void residual_layernorm_forward(T* residual, T* out, Acc* mean, Acc* rstd,  // [
   const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("ResidualLayerNorm::forward", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * C;
-    if constexpr (fp32_v<T, Acc>)
-      rk->residual_layernorm_row(residual + at, out + at, mean[n], rstd[n], a + at, b + at, weight, bias, C);
-    else
-      rows::residual_layernorm_row<T, Acc>(residual + at, out + at, mean[n], rstd[n], a + at, b + at, weight, bias, C);
+    row_loop<T, Acc>(rk, &isa::RowKernels::residual_layernorm_row, rows::residual_layernorm_row<T, Acc>, residual + at,
+                     out + at, mean[n], rstd[n], a + at, b + at, weight, bias, C);
   });
 }
 
@@ -276,16 +283,12 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias,                 // [N,C] 
   const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("LayerNorm::backward", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * C;
-    if constexpr (fp32_v<T, Acc>)
-      rk->layernorm_dinp_row(dinp + at, dout + at, inp + at, weight, mean[n], rstd[n], C);
-    else
-      rows::layernorm_dinp_row<T, Acc>(dinp + at, dout + at, inp + at, weight, mean[n], rstd[n], C);
+    row_loop<T, Acc>(rk, &isa::RowKernels::layernorm_dinp_row, rows::layernorm_dinp_row<T, Acc>, dinp + at, dout + at,
+                     inp + at, weight, mean[n], rstd[n], C);
   });
   for_column_blocks("LayerNorm::backward_dweight", C, [=](int c0, int c1) {
-    if constexpr (fp32_v<T, Acc>)
-      rk->layernorm_param_cols(dweight, dbias, dout, inp, mean, rstd, N, C, c0, c1);
-    else
-      rows::layernorm_param_cols<T, Acc>(dweight, dbias, dout, inp, mean, rstd, N, C, c0, c1);
+    row_loop<T, Acc>(rk, &isa::RowKernels::layernorm_param_cols, rows::layernorm_param_cols<T, Acc>, dweight, dbias,
+                     dout, inp, mean, rstd, N, C, c0, c1);
   });
 }
 
@@ -306,10 +309,7 @@ template <class T, class Acc = acc_type_t<T>>
 void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,OC]
   const isa::RowKernels* rk = &isa::active();
   for_column_blocks("Matmul::backward_bias", OC, [=](int c0, int c1) {
-    if constexpr (fp32_v<T, Acc>)
-      rk->bias_cols(dbias, dout, N, OC, c0, c1);
-    else
-      rows::bias_cols<T, Acc>(dbias, dout, N, OC, c0, c1);
+    row_loop<T, Acc>(rk, &isa::RowKernels::bias_cols, rows::bias_cols<T, Acc>, dbias, dout, N, OC, c0, c1);
   });
 }
 
@@ -350,10 +350,7 @@ void attention_forward(T* out, T* att,  // [B,T,C], [B,NH,T,T] (softmax probs)
       gemm(false, true, Tn, Tn, hs, scale, q, C3, k, C3, Acc(0), a, Tn);  // scores = q k^T / sqrt(hs)
       Kokkos::parallel_for("Attention::softmax_forward", Range(0, Tn), [=](int t) {
         T* row = a + static_cast<std::int64_t>(t) * Tn;
-        if constexpr (fp32_v<T, Acc>)
-          rk->softmax_causal_row(row, t, Tn);
-        else
-          rows::softmax_causal_row<T, Acc>(row, t, Tn);
+        row_loop<T, Acc>(rk, &isa::RowKernels::softmax_causal_row, rows::softmax_causal_row<T, Acc>, row, t, Tn);
       });
       gemm(false, false, Tn, hs, Tn, Acc(1), a, Tn, v, C3, Acc(0), out + static_cast<std::int64_t>(b) * Tn * C + h * hs,
            C);  // out_h = att v
@@ -386,10 +383,8 @@ void attention_backward(T* dqkv, T* datt,            // [B,T,3C] (=), [T,T] scra
       Kokkos::parallel_for("Attention::softmax_backward", Range(0, Tn), [=](int t) {
         T* dr = datt + static_cast<std::int64_t>(t) * Tn;
         const T* ar = a + static_cast<std::int64_t>(t) * Tn;
-        if constexpr (fp32_v<T, Acc>)
-          rk->softmax_causal_backward_row(dr, ar, t, Tn);
-        else
-          rows::softmax_causal_backward_row<T, Acc>(dr, ar, t, Tn);
+        row_loop<T, Acc>(rk, &isa::RowKernels::softmax_causal_backward_row, rows::softmax_causal_backward_row<T, Acc>,
+                         dr, ar, t, Tn);
       });
       gemm(false, false, Tn, hs, Tn, scale, datt, Tn, k, C3, Acc(0), dq, C3);  // dq = ds k / sqrt(hs)
       gemm(true, false, Tn, hs, Tn, scale, datt, Tn, q, C3, Acc(0), dk, C3);   // dk = ds^T q / sqrt(hs)
@@ -404,10 +399,7 @@ template <class T, class Acc = acc_type_t<T>>
 void gelu_forward(T* out, const T* inp, std::int64_t n) {  // [n], [n]
   const isa::RowKernels* rk = &isa::active();
   for_chunks("GELU::forward", n, [=](std::int64_t begin, std::int64_t end) {
-    if constexpr (fp32_v<T, Acc>)
-      rk->gelu_span(out, inp, begin, end);
-    else
-      rows::gelu_span<T, Acc>(out, inp, begin, end);
+    row_loop<T, Acc>(rk, &isa::RowKernels::gelu_span, rows::gelu_span<T, Acc>, out, inp, begin, end);
   });
 }
 
@@ -415,10 +407,8 @@ template <class T, class Acc = acc_type_t<T>>
 void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [n] (=), [n], [n]
   const isa::RowKernels* rk = &isa::active();
   for_chunks("GELU::backward", n, [=](std::int64_t begin, std::int64_t end) {
-    if constexpr (fp32_v<T, Acc>)
-      rk->gelu_backward_span(dinp, inp, dout, begin, end);
-    else
-      rows::gelu_backward_span<T, Acc>(dinp, inp, dout, begin, end);
+    row_loop<T, Acc>(rk, &isa::RowKernels::gelu_backward_span, rows::gelu_backward_span<T, Acc>, dinp, inp, dout, begin,
+                     end);
   });
 }
 
@@ -431,10 +421,7 @@ void bias_gelu_forward(T* out, T* pre, const T* bias, int N, int OC) {  // [N,OC
   const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("MatmulGELU::bias_gelu", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * OC;
-    if constexpr (fp32_v<T, Acc>)
-      rk->bias_gelu_row(out + at, pre + at, bias, OC);
-    else
-      rows::bias_gelu_row<T, Acc>(out + at, pre + at, bias, OC);
+    row_loop<T, Acc>(rk, &isa::RowKernels::bias_gelu_row, rows::bias_gelu_row<T, Acc>, out + at, pre + at, bias, OC);
   });
 }
 
@@ -453,10 +440,8 @@ void gelu_bias_backward(T* dpre, T* dbias,            // [N,OC] (=), [OC] (+=) o
                         int N, int OC) {
   const isa::RowKernels* rk = &isa::active();
   for_column_blocks("MatmulGELU::backward", OC, [=](int c0, int c1) {
-    if constexpr (fp32_v<T, Acc>)
-      rk->gelu_bias_cols(dpre, dbias, pre, dout, N, OC, c0, c1);
-    else
-      rows::gelu_bias_cols<T, Acc>(dpre, dbias, pre, dout, N, OC, c0, c1);
+    row_loop<T, Acc>(rk, &isa::RowKernels::gelu_bias_cols, rows::gelu_bias_cols<T, Acc>, dpre, dbias, pre, dout, N, OC,
+                     c0, c1);
   });
 }
 
