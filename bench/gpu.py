@@ -76,7 +76,9 @@ def run_loom(args, model, batch):
         return json.load(f)
 
 
-def run_torch(args, model, train, batch):
+def run_torch(args, model, train, batch, compiled=False):
+    """PyTorch's tokens/s on the same model: eager, or under torch.compile (compiled; its compilation
+    falls in the warm-up steps, outside the timing)."""
     import torch
     import torch_gpt
     kind = "cpu" if args.smoke else "cuda"
@@ -89,6 +91,7 @@ def run_torch(args, model, train, batch):
                                "or newer)" % torch.__version__)
         torch_gpt.CausalSelfAttention.use_sdpa = True
     net = torch_gpt.build_model(model).to(dev)
+    fwd = torch.compile(net) if compiled else net
     opt = torch_gpt.make_optimizer(net, train, **({"fused": True} if kind == "cuda" else {}))
     T, V = model["seq_len"], model["vocab"]
 
@@ -96,7 +99,7 @@ def run_torch(args, model, train, batch):
         idx = torch.randint(0, V, (batch, T + 1), device=dev)
         opt.zero_grad(set_to_none=True)
         with torch.autocast(kind, dtype=torch.bfloat16):
-            _, loss = net(idx[:, :-1], idx[:, 1:])
+            _, loss = fwd(idx[:, :-1], idx[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), float(train.get("grad_clip", 1.0)))
         opt.step()
@@ -142,6 +145,9 @@ def main():
                     help="a deck override for loom's run (repeatable), e.g. --set run.tf32=false; the model's "
                          "shape (model.layers, d_model, heads, seq_len, vocab) and train.* apply to PyTorch's run "
                          "too (model.attention: --torch-attention)")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="also run PyTorch's model under torch.compile (the peer llm.c measures itself against) "
+                         "and print loom's ratio to it")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script without a GPU: a small model on the emulated device and PyTorch on the CPU")
     args = ap.parse_args()
@@ -194,6 +200,20 @@ def main():
         except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
             print("PyTorch peer failed: %s" % e)
             ok = False
+        if args.torch_compile:
+            try:
+                t0 = time.perf_counter()
+                tps, _ = run_torch(args, model, train, batch, compiled=True)
+                out["torch_compile_tokens_per_s"] = tps
+                out["torch_compile_mfu"] = tps * fpt / (args.peak_tflops * 1e12)
+                print("PyTorch compiled: %10.0f tokens/s  MFU %5.1f%%  (torch.compile, %.0f s with its compilation)"
+                      % (tps, 100 * out["torch_compile_mfu"], time.perf_counter() - t0))
+                if s:
+                    out["ratio_loom_over_torch_compile"] = out["loom_tokens_per_s"] / tps
+                    print("ratio   : loom / PyTorch compiled = %.2f" % out["ratio_loom_over_torch_compile"])
+            except Exception as e:  # noqa: BLE001
+                print("PyTorch peer under torch.compile failed: %s" % e)
+                ok = False
     print("llm.c   : about 60% MFU on A100 (its README's figure, for reference; not measured here)")
     print(json.dumps(out))
     return 0 if ok else 1

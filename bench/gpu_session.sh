@@ -137,7 +137,7 @@ run_item() {
     bench_unfused) step "gpu.py unfused" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" ;;
     bench_flash)
       step "gpu.py flash" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" \
-        --set model.attention=flash --torch-attention sdpa ;;
+        --set model.attention=flash --torch-attention sdpa --torch-compile ;;
     profile_*)
       local a=${1#profile_}
       step "profile $a" env LOOM_CUDA_PROFILE=1 "$b/bin/loom" run bench/gpu.deck --set train.steps=10 \
