@@ -268,7 +268,8 @@ class CudaBackend final : public Backend {
     const std::int64_t NC = std::int64_t(N) * C;
     cuda::layernorm_backward(dev<float>(dinp, NC), dev<float>(dweight, C), dev<float>(dbias, C),
                              dev<const float>(dout, NC), dev<const float>(inp, NC), dev<const float>(weight, C),
-                             dev<const float>(mean, N), dev<const float>(rstd, N), N, C, stream_);
+                             dev<const float>(mean, N), dev<const float>(rstd, N), N, C, column_scratch(),
+                             column_scratch_floats(), stream_);
   }
   void bias_add(BufferRef out, BufferRef bias, int N, int OC) override {
     Timed timed(this, "bias_add");
@@ -276,7 +277,8 @@ class CudaBackend final : public Backend {
   }
   void bias_backward(BufferRef dbias, BufferRef dout, int N, int OC) override {
     Timed timed(this, "bias_backward");
-    cuda::bias_backward(dev<float>(dbias, OC), dev<const float>(dout, std::int64_t(N) * OC), N, OC, stream_);
+    cuda::bias_backward(dev<float>(dbias, OC), dev<const float>(dout, std::int64_t(N) * OC), N, OC, column_scratch(),
+                        column_scratch_floats(), stream_);
   }
   void matmul_forward(BufferRef out, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C, int OC) override {
     Timed timed(this, "matmul_forward", N, C, OC);
@@ -305,7 +307,7 @@ class CudaBackend final : public Backend {
     Timed timed(this, "gelu_bias_backward", N, OC);
     const std::int64_t n = std::int64_t(N) * OC;
     cuda::gelu_bias_backward(dev<float>(dpre, n), dev_optional<float>(dbias, OC), dev<const float>(pre, n),
-                             dev<const float>(dout, n), N, OC, stream_);
+                             dev<const float>(dout, n), N, OC, column_scratch(), column_scratch_floats(), stream_);
   }
   void matmul_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                        BufferRef weight, int N, int C, int OC) override {
@@ -329,7 +331,8 @@ class CudaBackend final : public Backend {
     h.B = x.data, h.b_type = x.type, h.ldb = C;
     h.C = dw, h.ldc = C, h.beta = 1.0f;
     gemm(h);
-    if (db) cuda::bias_backward(db, dout32, N, OC, stream_);  // a sum, not a product: fp32
+    if (db)  // a sum, not a product: fp32
+      cuda::bias_backward(db, dout32, N, OC, column_scratch(), column_scratch_floats(), stream_);
   }
   void attention_forward(BufferRef out_ref, BufferRef att_ref, BufferRef qkv_ref, int B, int T, int C,
                          int NH) override {
@@ -563,16 +566,33 @@ class CudaBackend final : public Backend {
     Timed timed(this, "sq_norm_check");
     NormCheck r;
     if (tensors.empty()) return r;
-    // One reduction per tensor into a device array, one copy back for all of them.
+    // Both reductions of a run of tensors of one type in two launches (cuda::norm_check), into a
+    // device array, one copy back for all of them.
     const std::int64_t k = static_cast<std::int64_t>(tensors.size());
     ensure_capacity(*this, norm_out_, "cuda.norm_results", DType::f64, 2 * k, Mem::workspace);
     double* out = norm_out_.data<double>();
-    for (std::int64_t i = 0; i < k; ++i) {
-      const BufferRef& t = tensors[static_cast<std::size_t>(i)];
-      require_device(t, "sq_norm_check", "a tensor");
-      cuda_type(t.type, "sq_norm_check");
-      cuda::sum_squares(out + i, t.data, t.type, t.count, reduce_scratch(t.count), stream_);
-      cuda::count_nonfinite(out + k + i, t.data, t.type, t.count, reduce_scratch(t.count), stream_);
+    std::vector<const void*> ptrs;
+    std::vector<std::int64_t> counts;
+    for (std::int64_t r0 = 0; r0 < k;) {
+      const DType type = tensors[static_cast<std::size_t>(r0)].type;
+      ptrs.clear();
+      counts.clear();
+      std::int64_t r1 = r0;
+      for (; r1 < k && tensors[static_cast<std::size_t>(r1)].type == type; ++r1) {
+        const BufferRef& t = tensors[static_cast<std::size_t>(r1)];
+        require_device(t, "sq_norm_check", "a tensor");
+        cuda_type(t.type, "sq_norm_check");
+        ptrs.push_back(t.data);
+        counts.push_back(t.count);
+      }
+      const int run = static_cast<int>(r1 - r0);
+      // The partials live in cuBLASLt's workspace, as the column sums' (norm_check_scratch_count:
+      // 2 x 1024 doubles per tensor at most, 1 MiB a launch).
+      if (cuda::norm_check_scratch_count(counts.data(), run) * 8 > static_cast<std::int64_t>(workspace_.bytes()))
+        refuse("sq_norm_check: the partial sums outgrow the workspace");
+      cuda::norm_check(out + r0, out + k + r0, ptrs.data(), counts.data(), run, type,
+                       static_cast<double*>(workspace_.ref().data), stream_);
+      r0 = r1;
     }
     std::vector<double> host(static_cast<std::size_t>(2 * k));
     copy_to_host(host.data(), BufferRef(out, 2 * k, MemSpace::device));
@@ -851,6 +871,11 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   TypedBuffer workspace_;
+  // The column sums' partials (bias and LayerNorm parameter gradients) live in cuBLASLt's workspace:
+  // no product runs while a kernel does on the same stream, and its fixed size keeps the sums'
+  // partition, and so their bits, the same from call to call.
+  float* column_scratch() { return static_cast<float*>(workspace_.ref().data); }
+  std::int64_t column_scratch_floats() const { return static_cast<std::int64_t>(workspace_.bytes() / sizeof(float)); }
   std::array<TypedBuffer, cuda_plan::kSlots>
       operands_;                // 16-bit (or widened) operands of one product: input, weight, gradient
   TypedBuffer att_scratch_;     // [NH,T,T] attention-score gradients of one sequence

@@ -61,6 +61,14 @@ LOOM_DEVICE float4 make_float4(float x, float y, float z, float w) { return ::ma
 // Four floats from a 16-byte-aligned address in one load; four bf16 (each rounded as to_bf16) to an
 // 8-byte-aligned address in one store.
 LOOM_DEVICE float4 load_float4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+LOOM_DEVICE void store_float4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+// Four 16-bit values (bf16 or fp16 bits) to an 8-byte-aligned address in one store.
+struct alignas(8) U16x4 {
+  std::uint16_t v[4];
+};
+LOOM_DEVICE void store_u16x4(std::uint16_t* p, std::uint16_t a, std::uint16_t b, std::uint16_t c, std::uint16_t d) {
+  *reinterpret_cast<U16x4*>(p) = U16x4{{a, b, c, d}};
+}
 struct alignas(8) Bf16x4 {
   bf16_t v[4];
 };
@@ -138,6 +146,15 @@ inline float4 load_float4(const float* p) {
   float4 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+inline void store_float4(float* p, float4 v) {
+  if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) cuda_emu::fail("store_float4: address not 16-byte aligned");
+  std::memcpy(p, &v, sizeof v);
+}
+inline void store_u16x4(std::uint16_t* p, std::uint16_t a, std::uint16_t b, std::uint16_t c, std::uint16_t d) {
+  if (reinterpret_cast<std::uintptr_t>(p) % 8 != 0) cuda_emu::fail("store_u16x4: address not 8-byte aligned");
+  const std::uint16_t v[4] = {a, b, c, d};
+  std::memcpy(p, v, sizeof v);
 }
 inline void store_bf16x4(bf16_t* p, float4 f) {
   if (reinterpret_cast<std::uintptr_t>(p) % 8 != 0) cuda_emu::fail("store_bf16x4: address not 8-byte aligned");

@@ -72,16 +72,19 @@ void residual_layernorm_forward(float* residual, float* out, float* mean, float*
 }
 
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t stream) {
-  layer::layernorm_backward(OnStream{stream}, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+                        const float* weight, const float* mean, const float* rstd, int N, int C, float* scratch,
+                        std::int64_t scratch_floats, cudaStream_t stream) {
+  layer::layernorm_backward(OnStream{stream}, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, scratch,
+                            scratch_floats);
 }
 
 void bias_add(float* out, const float* bias, int N, int OC, cudaStream_t stream) {
   layer::bias_add(OnStream{stream}, out, bias, N, OC);
 }
 
-void bias_backward(float* dbias, const float* dout, int N, int OC, cudaStream_t stream) {
-  layer::bias_backward(OnStream{stream}, dbias, dout, N, OC);
+void bias_backward(float* dbias, const float* dout, int N, int OC, float* scratch, std::int64_t scratch_floats,
+                   cudaStream_t stream) {
+  layer::bias_backward(OnStream{stream}, dbias, dout, N, OC, scratch, scratch_floats);
 }
 
 void softmax_causal_forward(float* att, int rows, int T, cudaStream_t stream) {
@@ -100,9 +103,9 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_
   layer::gelu_backward(OnStream{stream}, dinp, inp, dout, n);
 }
 
-void gelu_bias_backward(float* dpre, float* dbias, const float* pre, const float* dout, int N, int OC,
-                        cudaStream_t stream) {
-  layer::gelu_bias_backward(OnStream{stream}, dpre, dbias, pre, dout, N, OC);
+void gelu_bias_backward(float* dpre, float* dbias, const float* pre, const float* dout, int N, int OC, float* scratch,
+                        std::int64_t scratch_floats, cudaStream_t stream) {
+  layer::gelu_bias_backward(OnStream{stream}, dpre, dbias, pre, dout, N, OC, scratch, scratch_floats);
 }
 
 void residual_forward(float* out, const float* a, const float* b, std::int64_t n, cudaStream_t stream) {
@@ -186,6 +189,19 @@ void sum(double* out, const void* x, DType type, std::int64_t n, double* scratch
 
 void count_nonfinite(double* out, const void* x, DType type, std::int64_t n, double* scratch, cudaStream_t stream) {
   reduce<layer::ReduceOp::nonfinite>("count_nonfinite", out, x, type, n, scratch, stream);
+}
+
+std::int64_t norm_check_scratch_count(const std::int64_t* n, int count) {
+  return layer::norm_check_scratch_count(n, count);
+}
+
+void norm_check(double* sq, double* bad, const void* const* x, const std::int64_t* n, int count, DType type,
+                double* scratch, cudaStream_t stream) {
+  with_float_type(type, "norm_check", [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    layer::norm_check<D>(OnStream{stream}, sq, bad, reinterpret_cast<const layer::storage_t<D>* const*>(x), n, count,
+                         scratch);
+  });
 }
 
 void axpy(float* y, float a, const float* x, std::int64_t n, cudaStream_t stream) {

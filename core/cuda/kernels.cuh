@@ -84,7 +84,9 @@ void layernorm_backward(float* dinp,          // [N,C] (+=)
                         const float* weight,  // [C]
                         const float* mean,    // [N]
                         const float* rstd,    // [N]
-                        int N, int C, cudaStream_t stream);
+                        int N, int C,
+                        float* scratch,  // [scratch_floats] the parameters' partial sums, 2 C floats at least
+                        std::int64_t scratch_floats, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Linear-layer bias (the matrix product itself is a cuBLAS call in the back end).
@@ -94,10 +96,13 @@ void bias_add(float* out,         // [N,OC]
               const float* bias,  // [OC]
               int N, int OC, cudaStream_t stream);
 
-// dbias[j] += sum_n dout[n,j]: coalesced column sums, fixed order.
+// dbias[j] += sum_n dout[n,j]: coalesced column sums in two passes, fixed order (the rows' chunks
+// depend on the shape and scratch_floats only; a caller passes the same scratch size every time).
 void bias_backward(float* dbias,       // [OC] (+=)
                    const float* dout,  // [N,OC]
-                   int N, int OC, cudaStream_t stream);
+                   int N, int OC,
+                   float* scratch,  // [scratch_floats] partial sums, OC floats at least
+                   std::int64_t scratch_floats, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Causal softmax of attention scores, in place. Row r (rows = B*NH*T) is query position t = r % T:
@@ -155,7 +160,9 @@ void gelu_bias_backward(float* dpre,        // [N,OC] (=)
                         float* dbias,       // [OC] (+=) or null
                         const float* pre,   // [N,OC]
                         const float* dout,  // [N,OC]
-                        int N, int OC, cudaStream_t stream);
+                        int N, int OC,
+                        float* scratch,  // [scratch_floats] partial sums, OC floats at least (as bias_backward)
+                        std::int64_t scratch_floats, cudaStream_t stream);
 
 // out = a + b (out may alias a or b)
 void residual_forward(float* out,      // [n]
@@ -256,6 +263,18 @@ void count_nonfinite(double* out,    // [1]
                      DType type, std::int64_t n,
                      double* scratch,  // [reduce_scratch_count(n)]
                      cudaStream_t stream);
+
+// Backend::sq_norm_check's two reductions over `count` tensors of one type at once: sq[t] is
+// sum_squares of x[t], bad[t] count_nonfinite of it, bit for bit (each tensor keeps its own
+// partition), in two launches per 64 tensors instead of four per tensor.
+std::int64_t norm_check_scratch_count(const std::int64_t* n, int count);  // doubles `scratch` must hold
+void norm_check(double* sq,                                               // [count]
+                double* bad,                                              // [count]
+                const void* const* x,                                     // [count] device pointers to [n[t]] of type
+                const std::int64_t* n,                                    // [count] (host)
+                int count, DType type,
+                double* scratch,  // [norm_check_scratch_count(n, count)]
+                cudaStream_t stream);
 
 // y += a x: core/backend/kernels.hpp's axpy (Backend::axpy), bit for bit.
 void axpy(float* y,  // [n]

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "core/cuda/device_portable.hpp"
 #include "core/cuda/launch_geometry.hpp"
@@ -27,13 +29,17 @@ constexpr unsigned kRowBlockThreads = 512;  // block-per-row kernels along V ~ 5
 // The cross-entropy forward keeps a whole row (GPT-2: 50304 floats, 201 kB) in shared memory, so
 // one block fills an SM: it gets the most threads a block can have.
 constexpr unsigned kCrossEntropyForwardThreads = 1024;
-// Column sums (bias and LayerNorm parameter gradients): a block owns kColTile columns over all
-// rows, so no two blocks add into the same gradient (no atomics, fixed order). 8 floats are one
-// 32-byte sector, so a warp (8 columns x 4 rows) reads whole sectors; the 128 threads along the
-// rows keep enough loads in flight for the few blocks that C / 8 gives.
-constexpr unsigned kColTile = 8;
-constexpr unsigned kColRowLanes = 128;
-constexpr unsigned kColThreads = kColTile * kColRowLanes;  // 1024
+// Column sums (bias and LayerNorm parameter gradients), in two passes and without atomics: the
+// rows are cut into chunks (column_chunks: a function of the shape and the scratch's size only), a
+// block of the first pass owns kColTile = 32 columns of one chunk (a warp reads a row's 32 columns
+// as one 128-byte line) and its kColWarps warps take every kColWarps-th row of the chunk; a fixed
+// tree over the warps writes the chunk's partial sums to scratch, and the second pass adds each
+// column's partials in chunk order. Thousands of blocks for GPT-2's shapes, where one block per
+// column tile over all the rows gave C / 8 = 96.
+constexpr unsigned kColTile = 32;
+constexpr unsigned kColWarps = 8;
+constexpr unsigned kColThreads = kColTile * kColWarps;  // 256
+constexpr int kColChunkRows = 256;
 // Reductions: the block count depends on n only (never on the device), so the partition, and with
 // it the result, is the same everywhere; 1024 partials are cheap for the one finishing block.
 constexpr unsigned kReduceThreads = 256;
@@ -266,54 +272,119 @@ LOOM_KERNEL void layernorm_backward_dinp_kernel(float* dinp,          // [N,C] (
   }
 }
 
-// Adds, for each of the block's kColTile columns, the kColRowLanes partial sums in s (indexed by
-// threadIdx.x = row_lane * kColTile + column) in a fixed tree; the column's total ends in s[column].
-LOOM_DEVICE void column_tree_sum(float* s0, float* s1) {
-  const unsigned t = tid(), row_lane = t / kColTile;
-  dev::sync_block();
-  for (unsigned stride = kColRowLanes / 2; stride > 0; stride >>= 1) {
-    if (row_lane < stride) {
-      s0[t] += s0[t + stride * kColTile];
-      if (s1) s1[t] += s1[t + stride * kColTile];
+// The column sums' partition: chunks of `rows` rows, `chunks` of them (at least 1), as many as
+// kColChunkRows-row chunks give, fewer where the scratch (sums x OC floats per chunk) holds fewer.
+struct ColumnChunks {
+  int rows;
+  int chunks;
+};
+inline ColumnChunks column_chunks(int N, int OC, int sums, std::int64_t scratch_floats) {
+  std::int64_t chunks = (static_cast<std::int64_t>(N) + kColChunkRows - 1) / kColChunkRows;
+  const std::int64_t fit = scratch_floats / (static_cast<std::int64_t>(sums) * OC);
+  if (chunks > fit) chunks = fit;
+  if (chunks < 1) chunks = 1;
+  const std::int64_t rows = (N + chunks - 1) / chunks;
+  return ColumnChunks{static_cast<int>(rows), static_cast<int>((N + rows - 1) / rows)};
+}
+// The scratch that holds every chunk's partials uncapped (what a caller without a fixed workspace
+// allocates): sums x OC floats per kColChunkRows-row chunk.
+inline std::int64_t column_scratch_floats(int N, int OC, int sums) {
+  const std::int64_t chunks = (static_cast<std::int64_t>(N) + kColChunkRows - 1) / kColChunkRows;
+  return (chunks < 1 ? 1 : chunks) * sums * static_cast<std::int64_t>(OC);
+}
+
+// What a row element adds: dout's own (bias: Backend::bias_backward); dpre = gelu'(pre) dout, each
+// written on the way (gelu_bias: Backend::gelu_bias_backward; pre and dout read once, where
+// gelu_backward then bias_backward read dpre back); dout and xhat * dout (layernorm: the bias's
+// and the weight's gradients of Backend::layernorm_backward).
+enum class ColumnSum { bias, gelu_bias, layernorm };
+
+// partials[chunk][s][OC]: s = 0 the sums of dout (or dpre), s = 1 (layernorm) those of xhat * dout.
+template <ColumnSum Mode>
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) column_partials_kernel(float* partials,    // [chunks, sums, OC]
+                                                                        float* dpre,        // [N,OC] (=), gelu_bias
+                                                                        const float* dout,  // [N,OC]
+                                                                        const float* x,     // [N,OC] pre or inp
+                                                                        const float* mean,  // [N], layernorm
+                                                                        const float* rstd,  // [N], layernorm
+                                                                        int N, int OC, int chunk_rows, int chunks) {
+  constexpr int sums = Mode == ColumnSum::layernorm ? 2 : 1;
+  LOOM_SHARED_ARRAY(float, s0, kColThreads);
+  LOOM_SHARED_ARRAY(float, s1, kColThreads);
+  const int lane = lane_id(), warp = static_cast<int>(tid() / kWarp);
+  const int tiles = static_cast<int>((static_cast<unsigned>(OC) + kColTile - 1) / kColTile);
+  const std::int64_t work = static_cast<std::int64_t>(tiles) * chunks;
+  for (std::int64_t w = block(); w < work; w += blocks()) {  // block-uniform
+    const int chunk = static_cast<int>(w / tiles);
+    const std::int64_t j = static_cast<std::int64_t>(w % tiles) * kColTile + lane;
+    const int r0 = chunk * chunk_rows, r1 = r0 + chunk_rows < N ? r0 + chunk_rows : N;
+    float a0 = 0.0f, a1 = 0.0f;
+    if (j < OC) {
+      LOOM_UNROLL(4)
+      for (int n = r0 + warp; n < r1; n += static_cast<int>(kColWarps)) {
+        const std::int64_t i = static_cast<std::int64_t>(n) * OC + j;
+        float v = dout[i];
+        if constexpr (Mode == ColumnSum::gelu_bias) {
+          v = math::gelu_backward(x[i], v);
+          dpre[i] = v;
+        }
+        a0 += v;
+        if constexpr (Mode == ColumnSum::layernorm) a1 += (x[i] - mean[n]) * rstd[n] * v;
+      }
     }
+    s0[tid()] = a0;
+    if constexpr (sums == 2) s1[tid()] = a1;
     dev::sync_block();
+    if (warp == 0 && j < OC) {
+      float t0 = s0[lane], t1 = sums == 2 ? s1[lane] : 0.0f;
+      for (unsigned k = 1; k < kColWarps; ++k) {
+        t0 += s0[k * kWarp + static_cast<unsigned>(lane)];
+        if constexpr (sums == 2) t1 += s1[k * kWarp + static_cast<unsigned>(lane)];
+      }
+      float* p = partials + static_cast<std::int64_t>(chunk) * sums * OC;
+      p[j] = t0;
+      if constexpr (sums == 2) p[OC + j] = t1;
+    }
+    dev::sync_block();  // the next work item overwrites s0, s1
   }
 }
 
-// dweight and dbias, coalesced column sums: a block owns kColTile columns over all N rows; its
-// threads take every kColRowLanes-th row, then a fixed tree adds their partials.
-LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) layernorm_backward_params_kernel(float* dweight,     // [C] (+=)
-                                                                                  float* dbias,       // [C] (+=)
-                                                                                  const float* dout,  // [N,C]
-                                                                                  const float* inp,   // [N,C]
-                                                                                  const float* mean,  // [N]
-                                                                                  const float* rstd,  // [N]
-                                                                                  int N, int C) {
-  LOOM_SHARED_ARRAY(float, s_dw, kColThreads);
-  LOOM_SHARED_ARRAY(float, s_db, kColThreads);
-  const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
-  for (std::int64_t c0 = static_cast<std::int64_t>(block()) * kColTile; c0 < C;
-       c0 += static_cast<std::int64_t>(blocks()) * kColTile) {  // block-uniform
-    const std::int64_t c = c0 + col;
-    float dw = 0.0f, db = 0.0f;
-    if (c < C) {
-      LOOM_UNROLL(4)
-      for (int n = row_lane; n < N; n += kColRowLanes) {
-        const std::int64_t i = static_cast<std::int64_t>(n) * C + c;
-        const float dc = dout[i];
-        db += dc;
-        dw += (inp[i] - mean[n]) * rstd[n] * dc;
-      }
+// out0[j] += the partials' sums s = 0, out1[j] += those of s = 1 (sums 2), chunk by chunk in order.
+LOOM_KERNEL void column_finish_kernel(float* out0,            // [OC] (+=)
+                                      float* out1,            // [OC] (+=), sums 2
+                                      const float* partials,  // [chunks, sums, OC]
+                                      int OC, int sums, int chunks) {
+  const std::int64_t stride = static_cast<std::int64_t>(sums) * OC;
+  for (std::int64_t j = global_thread(); j < OC; j += grid_threads()) {
+    float a0 = 0.0f, a1 = 0.0f;
+    LOOM_UNROLL(8)
+    for (int c = 0; c < chunks; ++c) {
+      a0 += partials[c * stride + j];
+      if (sums == 2) a1 += partials[c * stride + OC + j];
     }
-    s_dw[tid()] = dw;
-    s_db[tid()] = db;
-    column_tree_sum(s_dw, s_db);
-    if (row_lane == 0 && c < C) {
-      dweight[c] += s_dw[col];
-      dbias[c] += s_db[col];
-    }
-    dev::sync_block();  // the next tile overwrites s_dw, s_db
+    out0[j] += a0;
+    if (sums == 2) out1[j] += a1;
   }
+}
+
+// The two passes; scratch holds scratch_floats floats, at least sums x OC (one chunk).
+template <ColumnSum Mode, class Launch>
+void column_sums(Launch&& launch, const char* name, float* out0, float* out1, float* dpre, const float* dout,
+                 const float* x, const float* mean, const float* rstd, int N, int OC, float* scratch,
+                 std::int64_t scratch_floats) {
+  constexpr int sums = Mode == ColumnSum::layernorm ? 2 : 1;
+  if (scratch_floats < static_cast<std::int64_t>(sums) * OC)
+    throw std::invalid_argument(std::string(name) + ": the column sums' scratch holds " +
+                                std::to_string(scratch_floats) + " floats, fewer than " +
+                                std::to_string(static_cast<std::int64_t>(sums) * OC) + " (one chunk's partials)");
+  const ColumnChunks cc = column_chunks(N, OC, sums, scratch_floats);
+  const std::int64_t tiles = (static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile;
+  const LaunchGeometry g = rows_per_block_geometry(tiles * cc.chunks, kColThreads);
+  launch(name, g.blocks, g.threads, 0, column_partials_kernel<Mode>, scratch, dpre, dout, x, mean, rstd, N, OC, cc.rows,
+         cc.chunks);
+  const LaunchGeometry f = elementwise_geometry(OC, kThreads);
+  launch("column_finish_kernel", f.blocks, f.threads, 0, column_finish_kernel, out0, out1,
+         static_cast<const float*>(scratch), OC, sums, cc.chunks);
 }
 
 template <class Launch>
@@ -334,17 +405,17 @@ void residual_layernorm_forward(Launch&& launch, float* residual, float* out, fl
          mean, rstd, a, b, weight, bias, N, C);
 }
 
+// scratch: column_sums' (the parameters' partial sums), 2 x C floats at least.
 template <class Launch>
 void layernorm_backward(Launch&& launch, float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int N, int C) {
+                        const float* weight, const float* mean, const float* rstd, int N, int C, float* scratch,
+                        std::int64_t scratch_floats) {
   if (N <= 0 || C <= 0) return;
   const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
   launch("layernorm_backward_dinp_kernel", g.blocks, g.threads, 0, layernorm_backward_dinp_kernel, dinp, dout, inp,
          weight, mean, rstd, N, C);
-  const LaunchGeometry gc =
-      rows_per_block_geometry((static_cast<std::int64_t>(C) + kColTile - 1) / kColTile, kColThreads);
-  launch("layernorm_backward_params_kernel", gc.blocks, gc.threads, 0, layernorm_backward_params_kernel, dweight, dbias,
-         dout, inp, mean, rstd, N, C);
+  column_sums<ColumnSum::layernorm>(launch, "layernorm_backward_params_kernel", dbias, dweight, nullptr, dout, inp,
+                                    mean, rstd, N, C, scratch, scratch_floats);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -360,41 +431,6 @@ LOOM_KERNEL void bias_add_kernel(float* out,         // [N,OC]
   }
 }
 
-// Column sums of an [N, OC] gradient into dbias (+=), as layernorm_backward_params_kernel: dout's
-// own (Gelu false: bias_backward) or, for the MLP's fused backward (Gelu true:
-// Backend::gelu_bias_backward), those of dpre = gelu'(pre) dout, each dpre written on the way: pre
-// and dout read once, where gelu_backward then bias_backward read dpre back.
-template <bool Gelu>
-LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) bias_backward_kernel(float* dpre,        // [N,OC] (=), Gelu
-                                                                      float* dbias,       // [OC] (+=)
-                                                                      const float* pre,   // [N,OC], Gelu
-                                                                      const float* dout,  // [N,OC]
-                                                                      int N, int OC) {
-  LOOM_SHARED_ARRAY(float, s_db, kColThreads);
-  const int col = static_cast<int>(tid() % kColTile), row_lane = static_cast<int>(tid() / kColTile);
-  for (std::int64_t j0 = static_cast<std::int64_t>(block()) * kColTile; j0 < OC;
-       j0 += static_cast<std::int64_t>(blocks()) * kColTile) {  // block-uniform
-    const std::int64_t j = j0 + col;
-    float db = 0.0f;
-    if (j < OC) {
-      LOOM_UNROLL(4)
-      for (int n = row_lane; n < N; n += kColRowLanes) {
-        const std::int64_t i = static_cast<std::int64_t>(n) * OC + j;
-        float v = dout[i];
-        if constexpr (Gelu) {
-          v = math::gelu_backward(pre[i], v);
-          dpre[i] = v;
-        }
-        db += v;
-      }
-    }
-    s_db[tid()] = db;
-    column_tree_sum(s_db, nullptr);
-    if (row_lane == 0 && j < OC) dbias[j] += s_db[col];
-    dev::sync_block();  // the next tile overwrites s_db
-  }
-}
-
 template <class Launch>
 void bias_add(Launch&& launch, float* out, const float* bias, int N, int OC) {
   if (N <= 0 || OC <= 0) return;
@@ -402,13 +438,13 @@ void bias_add(Launch&& launch, float* out, const float* bias, int N, int OC) {
   launch("bias_add_kernel", g.blocks, g.threads, 0, bias_add_kernel, out, bias, N, OC);
 }
 
+// scratch: column_sums' (OC floats at least).
 template <class Launch>
-void bias_backward(Launch&& launch, float* dbias, const float* dout, int N, int OC) {
+void bias_backward(Launch&& launch, float* dbias, const float* dout, int N, int OC, float* scratch,
+                   std::int64_t scratch_floats) {
   if (N <= 0 || OC <= 0) return;
-  const LaunchGeometry g =
-      rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
-  launch("bias_backward_kernel", g.blocks, g.threads, 0, bias_backward_kernel<false>, static_cast<float*>(nullptr),
-         dbias, static_cast<const float*>(nullptr), dout, N, OC);
+  column_sums<ColumnSum::bias>(launch, "bias_backward_kernel", dbias, nullptr, nullptr, dout, nullptr, nullptr, nullptr,
+                               N, OC, scratch, scratch_floats);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -464,59 +500,115 @@ void softmax_causal_backward(Launch&& launch, float* datt, const float* att, int
 }
 
 // ---------------------------------------------------------------------------------------------
-// Elementwise: GELU, residual. No __restrict__: callers may run them in place.
+// Elementwise: GELU, residual. No __restrict__: callers may run them in place (each thread reads its
+// elements before it writes them). With Vec4 (every pointer 16-byte aligned) a thread takes four
+// elements at a time, one 16-byte load per operand and one store: a quarter of the memory
+// instructions, the same per-element arithmetic and so the same bits; the n % 4 last ones singly.
 
+inline bool aligned16(const void* p) {  // host side: picks the kernel
+  return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
+}
+
+template <bool Vec4>
 LOOM_KERNEL void gelu_forward_kernel(float* out,        // [n]
                                      const float* inp,  // [n]
                                      std::int64_t n) {
-  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) out[i] = math::gelu_forward(inp[i]);
+  std::int64_t begin = 0;
+  if constexpr (Vec4) {
+    const std::int64_t n4 = n / 4;
+    for (std::int64_t i = global_thread(); i < n4; i += grid_threads()) {
+      const dev::float4 x = dev::load_float4(inp + 4 * i);
+      dev::store_float4(out + 4 * i, dev::make_float4(math::gelu_forward(x.x), math::gelu_forward(x.y),
+                                                      math::gelu_forward(x.z), math::gelu_forward(x.w)));
+    }
+    begin = 4 * n4;
+  }
+  for (std::int64_t i = begin + global_thread(); i < n; i += grid_threads()) out[i] = math::gelu_forward(inp[i]);
 }
 
+template <bool Vec4>
 LOOM_KERNEL void gelu_backward_kernel(float* dinp,        // [n] (=)
                                       const float* inp,   // [n]
                                       const float* dout,  // [n]
                                       std::int64_t n) {
-  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) dinp[i] = math::gelu_backward(inp[i], dout[i]);
+  std::int64_t begin = 0;
+  if constexpr (Vec4) {
+    const std::int64_t n4 = n / 4;
+    for (std::int64_t i = global_thread(); i < n4; i += grid_threads()) {
+      const dev::float4 x = dev::load_float4(inp + 4 * i), d = dev::load_float4(dout + 4 * i);
+      dev::store_float4(dinp + 4 * i, dev::make_float4(math::gelu_backward(x.x, d.x), math::gelu_backward(x.y, d.y),
+                                                       math::gelu_backward(x.z, d.z), math::gelu_backward(x.w, d.w)));
+    }
+    begin = 4 * n4;
+  }
+  for (std::int64_t i = begin + global_thread(); i < n; i += grid_threads())
+    dinp[i] = math::gelu_backward(inp[i], dout[i]);
 }
 
+template <bool Vec4>
 LOOM_KERNEL void residual_forward_kernel(float* out,      // [n]
                                          const float* a,  // [n]
                                          const float* b,  // [n]
                                          std::int64_t n) {
-  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) out[i] = a[i] + b[i];
+  std::int64_t begin = 0;
+  if constexpr (Vec4) {
+    const std::int64_t n4 = n / 4;
+    for (std::int64_t i = global_thread(); i < n4; i += grid_threads()) {
+      const dev::float4 x = dev::load_float4(a + 4 * i), y = dev::load_float4(b + 4 * i);
+      dev::store_float4(out + 4 * i, dev::make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w));
+    }
+    begin = 4 * n4;
+  }
+  for (std::int64_t i = begin + global_thread(); i < n; i += grid_threads()) out[i] = a[i] + b[i];
+}
+
+// The grid of an elementwise kernel: over n / 4 float4s with Vec4, else over n.
+inline LaunchGeometry elementwise_vec_geometry(std::int64_t n, bool vec4) {
+  return elementwise_geometry(vec4 ? (n + 3) / 4 : n, kThreads);
 }
 
 template <class Launch>
 void gelu_forward(Launch&& launch, float* out, const float* inp, std::int64_t n) {
   if (n <= 0) return;
-  const LaunchGeometry g = elementwise_geometry(n, kThreads);
-  launch("gelu_forward_kernel", g.blocks, g.threads, 0, gelu_forward_kernel, out, inp, n);
+  const bool vec4 = aligned16(out) && aligned16(inp);
+  const LaunchGeometry g = elementwise_vec_geometry(n, vec4);
+  if (vec4)
+    launch("gelu_forward_kernel", g.blocks, g.threads, 0, gelu_forward_kernel<true>, out, inp, n);
+  else
+    launch("gelu_forward_kernel", g.blocks, g.threads, 0, gelu_forward_kernel<false>, out, inp, n);
 }
 
 template <class Launch>
 void gelu_backward(Launch&& launch, float* dinp, const float* inp, const float* dout, std::int64_t n) {
   if (n <= 0) return;
-  const LaunchGeometry g = elementwise_geometry(n, kThreads);
-  launch("gelu_backward_kernel", g.blocks, g.threads, 0, gelu_backward_kernel, dinp, inp, dout, n);
+  const bool vec4 = aligned16(dinp) && aligned16(inp) && aligned16(dout);
+  const LaunchGeometry g = elementwise_vec_geometry(n, vec4);
+  if (vec4)
+    launch("gelu_backward_kernel", g.blocks, g.threads, 0, gelu_backward_kernel<true>, dinp, inp, dout, n);
+  else
+    launch("gelu_backward_kernel", g.blocks, g.threads, 0, gelu_backward_kernel<false>, dinp, inp, dout, n);
 }
 
-// dbias null: gelu_backward over the N * OC elements.
+// dbias null: gelu_backward over the N * OC elements; else dpre and the bias's column sums in one
+// pass (scratch: column_sums', OC floats at least).
 template <class Launch>
-void gelu_bias_backward(Launch&& launch, float* dpre, float* dbias, const float* pre, const float* dout, int N,
-                        int OC) {
+void gelu_bias_backward(Launch&& launch, float* dpre, float* dbias, const float* pre, const float* dout, int N, int OC,
+                        float* scratch, std::int64_t scratch_floats) {
   if (N <= 0 || OC <= 0) return;
   if (!dbias) return gelu_backward(launch, dpre, pre, dout, static_cast<std::int64_t>(N) * OC);
-  const LaunchGeometry g =
-      rows_per_block_geometry((static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile, kColThreads);
-  launch("gelu_bias_backward_kernel", g.blocks, g.threads, 0, bias_backward_kernel<true>, dpre, dbias, pre, dout, N,
-         OC);
+  column_sums<ColumnSum::gelu_bias>(launch, "gelu_bias_backward_kernel", dbias, nullptr, dpre, dout, pre, nullptr,
+                                    nullptr, N, OC, scratch, scratch_floats);
 }
 
 template <class Launch>
 void residual_forward(Launch&& launch, float* out, const float* a, const float* b, std::int64_t n) {
   if (n <= 0) return;
-  const LaunchGeometry g = elementwise_geometry(n, kThreads);
-  launch("residual_forward_kernel", g.blocks, g.threads, 0, residual_forward_kernel, out, a, b, n);
+  const bool vec4 = aligned16(out) && aligned16(a) && aligned16(b);
+  const LaunchGeometry g = elementwise_vec_geometry(n, vec4);
+  if (vec4)
+    launch("residual_forward_kernel", g.blocks, g.threads, 0, residual_forward_kernel<true>, out, a, b, n);
+  else
+    launch("residual_forward_kernel", g.blocks, g.threads, 0, residual_forward_kernel<false>, out, a, b, n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -823,11 +915,24 @@ LOOM_DEVICE storage_t<Dst> convert(storage_t<Src> x) {
   }
 }
 
-template <DType Dst, DType Src>
+// Vec4 (fp32 into bf16 or fp16 only, src 16-byte and dst 8-byte aligned): four elements a thread,
+// one load and one store, each rounded by convert as singly.
+template <DType Dst, DType Src, bool Vec4>
 LOOM_KERNEL void cast_kernel(storage_t<Dst>* dst,        // [n]
                              const storage_t<Src>* src,  // [n]
                              std::int64_t n) {
-  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = convert<Dst, Src>(src[i]);
+  std::int64_t begin = 0;
+  if constexpr (Vec4) {
+    static_assert(Src == DType::f32 && (Dst == DType::bf16 || Dst == DType::f16), "Vec4 casts: fp32 into 16 bits");
+    const std::int64_t n4 = n / 4;
+    for (std::int64_t i = global_thread(); i < n4; i += grid_threads()) {
+      const dev::float4 v = dev::load_float4(src + 4 * i);
+      dev::store_u16x4(dst + 4 * i, convert<Dst, Src>(v.x), convert<Dst, Src>(v.y), convert<Dst, Src>(v.z),
+                       convert<Dst, Src>(v.w));
+    }
+    begin = 4 * n4;
+  }
+  for (std::int64_t i = begin + global_thread(); i < n; i += grid_threads()) dst[i] = convert<Dst, Src>(src[i]);
 }
 
 template <DType D>
@@ -852,8 +957,14 @@ template <DType Dst, DType Src, class Launch>
 void cast(Launch&& launch, storage_t<Dst>* dst, const storage_t<Src>* src, std::int64_t n) {
   if (n <= 0) return;
   if (Dst == Src && static_cast<const void*>(dst) == static_cast<const void*>(src)) return;  // nothing to convert
+  if constexpr (Src == DType::f32 && (Dst == DType::bf16 || Dst == DType::f16)) {
+    if (aligned16(src) && (reinterpret_cast<std::uintptr_t>(dst) & 7u) == 0) {
+      const LaunchGeometry g = elementwise_vec_geometry(n, true);
+      return launch("cast_kernel", g.blocks, g.threads, 0, cast_kernel<Dst, Src, true>, dst, src, n);
+    }
+  }
   const LaunchGeometry g = elementwise_geometry(n, kThreads);
-  launch("cast_kernel", g.blocks, g.threads, 0, cast_kernel<Dst, Src>, dst, src, n);
+  launch("cast_kernel", g.blocks, g.threads, 0, cast_kernel<Dst, Src, false>, dst, src, n);
 }
 
 template <DType D, class Launch>
@@ -930,6 +1041,112 @@ void reduce(Launch&& launch, double* out, const storage_t<D>* x, std::int64_t n,
   launch("reduce_partials_kernel", g.blocks, g.threads, 0, reduce_partials_kernel<D, Op>, scratch, x, n);
   launch("reduce_finish_kernel", 1u, kReduceThreads, 0, reduce_finish_kernel, out, static_cast<const double*>(scratch),
          static_cast<int>(g.blocks));
+}
+
+// Backend::sq_norm_check over many tensors in two launches instead of four per tensor: tensor t
+// keeps its own partition (reduce_geometry(n_t).blocks blocks, the grid stride of those), each block
+// adds both the squares and the non-finite count, and one finishing block per tensor adds its
+// partials as reduce_finish_kernel does: each result is sum_squares' and count_nonfinite's, bit for
+// bit. At most kMultiTensors tensors a launch (the table goes by value, within the 4 KiB of a
+// kernel's parameters).
+constexpr int kMultiTensors = 64;
+template <DType D>
+struct TensorTable {
+  const storage_t<D>* x[kMultiTensors];
+  std::int64_t n[kMultiTensors];
+  unsigned first_block[kMultiTensors + 1];  // tensor t's blocks: [first_block[t], first_block[t + 1])
+  int count;
+  // Host side: the emulator maps each device pointer to the memory behind it (core/cuda/emu/runtime.hpp).
+  template <class F>
+  void for_each_device_pointer(F f) {
+    for (int t = 0; t < count; ++t) {
+      const void* p = x[t];
+      f(p);
+      x[t] = static_cast<const storage_t<D>*>(p);
+    }
+  }
+};
+
+template <DType D>
+LOOM_KERNEL void reduce_norm_check_partials_kernel(double* partials,  // [2, first_block[count]]
+                                                   TensorTable<D> table) {
+  LOOM_SHARED_ARRAY(double, shared, kWarp);
+  const unsigned total = table.first_block[table.count];
+  for (unsigned b = block(); b < total; b += blocks()) {  // block-uniform
+    int t = 0;
+    while (b >= table.first_block[t + 1]) ++t;
+    const unsigned local = b - table.first_block[t], tensor_blocks = table.first_block[t + 1] - table.first_block[t];
+    const storage_t<D>* x = table.x[t];
+    const std::int64_t n = table.n[t];
+    const std::int64_t stride = static_cast<std::int64_t>(tensor_blocks) * threads_per_block();
+    double sq = 0.0, bad = 0.0;
+    for (std::int64_t i = static_cast<std::int64_t>(local) * threads_per_block() + tid(); i < n; i += stride) {
+      const compute_t<D> v = Storage<D>::load(x[i]);
+      const double a = static_cast<double>(v);
+      sq += a * a;
+      bad += is_finite(v) ? 0.0 : 1.0;
+    }
+    sq = block_reduce(sq, 0.0, SumOp{}, shared);
+    bad = block_reduce(bad, 0.0, SumOp{}, shared);
+    if (tid() == 0) {
+      partials[b] = sq;
+      partials[total + b] = bad;
+    }
+  }
+}
+
+// sq[t] = tensor t's sum of squares, bad[t] its non-finite count.
+template <DType D>
+LOOM_KERNEL void reduce_norm_check_finish_kernel(double* sq,              // [count]
+                                                 double* bad,             // [count]
+                                                 const double* partials,  // [2, first_block[count]]
+                                                 TensorTable<D> table) {
+  LOOM_SHARED_ARRAY(double, shared, kWarp);
+  const unsigned total = table.first_block[table.count];
+  for (int t = static_cast<int>(block()); t < table.count; t += static_cast<int>(blocks())) {  // block-uniform
+    for (int which = 0; which < 2; ++which) {
+      const double* p = partials + static_cast<std::int64_t>(which) * total + table.first_block[t];
+      const int count = static_cast<int>(table.first_block[t + 1] - table.first_block[t]);
+      double acc = 0.0;
+      for (int i = tid(); i < count; i += threads_per_block()) acc += p[i];
+      acc = block_reduce(acc, 0.0, SumOp{}, shared);
+      if (tid() == 0) (which == 0 ? sq : bad)[t] = acc;
+    }
+  }
+}
+
+// How many doubles norm_check's scratch needs for these sizes, in launches of kMultiTensors.
+inline std::int64_t norm_check_scratch_count(const std::int64_t* n, int count) {
+  std::int64_t most = 1;
+  for (int t0 = 0; t0 < count; t0 += kMultiTensors) {
+    std::int64_t blocks = 0;
+    for (int t = t0; t < count && t < t0 + kMultiTensors; ++t) blocks += reduce_geometry(n[t]).blocks;
+    most = blocks * 2 > most ? blocks * 2 : most;
+  }
+  return most;
+}
+
+// sq[t] (t < count): the sum of squares of x[t]; bad[t]: its count of NaN and inf. scratch:
+// norm_check_scratch_count(n, count) doubles.
+template <DType D, class Launch>
+void norm_check(Launch&& launch, double* sq, double* bad, const storage_t<D>* const* x, const std::int64_t* n,
+                int count, double* scratch) {
+  for (int t0 = 0; t0 < count; t0 += kMultiTensors) {
+    TensorTable<D> table{};
+    table.count = count - t0 < kMultiTensors ? count - t0 : kMultiTensors;
+    table.first_block[0] = 0;
+    for (int t = 0; t < table.count; ++t) {
+      table.x[t] = x[t0 + t];
+      table.n[t] = n[t0 + t] > 0 ? n[t0 + t] : 0;
+      table.first_block[t + 1] = table.first_block[t] + reduce_geometry(table.n[t]).blocks;
+    }
+    const unsigned total = table.first_block[table.count];
+    launch("reduce_norm_check_partials_kernel", total, kReduceThreads, 0, reduce_norm_check_partials_kernel<D>, scratch,
+           table);
+    // The results of this launch's tensors: sums of squares at out[t0 + t], counts at out[count + t0 + t].
+    launch("reduce_norm_check_finish_kernel", static_cast<unsigned>(table.count), kReduceThreads, 0,
+           reduce_norm_check_finish_kernel<D>, sq + t0, bad + t0, static_cast<const double*>(scratch), table);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@
 #include <functional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace loom::cuda_emu::rt {
 
@@ -47,11 +48,30 @@ void set_error(cudaError_t e, const std::string& why);
 void launch(cudaStream_t s, const char* name, dim3 grid, dim3 block, std::size_t shared, const void* kernel,
             std::function<void()> body);
 
-// A kernel's argument as the emulated kernel sees it: a device pointer becomes its host address; a
-// non-null host pointer is an error (a GPU kernel cannot read host memory); other values pass.
+// An argument passed by value that holds device pointers (a table of tensors) says so with
+// `template <class F> void for_each_device_pointer(F f)`, calling f(p) on each pointer p by reference.
+template <class T, class = void>
+struct holds_device_pointers : std::false_type {};
+template <class T>
+struct holds_device_pointers<
+    T, std::void_t<decltype(std::declval<T&>().for_each_device_pointer(std::declval<void (*)(const void*&)>()))>>
+    : std::true_type {};
+
+// A kernel's argument as the emulated kernel sees it: a device pointer becomes its host address (so
+// do those of an argument that holds device pointers); a non-null host pointer is an error (a GPU
+// kernel cannot read host memory); other values pass.
 template <class T>
 T kernel_argument(const char* kernel, int index, T v) {
-  if constexpr (std::is_pointer_v<T>) {
+  if constexpr (holds_device_pointers<T>::value) {
+    int k = 0;
+    v.for_each_device_pointer([&](const void*& p) {
+      if (p != nullptr)
+        p = host_address(
+            p, 0, std::string(kernel) + "'s argument " + std::to_string(index) + ", pointer " + std::to_string(k));
+      ++k;
+    });
+    return v;
+  } else if constexpr (std::is_pointer_v<T>) {
     if (v == nullptr) return v;
     using Pointee = std::remove_cv_t<std::remove_pointer_t<T>>;
     void* h = host_address(v, 0, std::string(kernel) + "'s argument " + std::to_string(index));

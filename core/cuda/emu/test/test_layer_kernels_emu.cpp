@@ -169,9 +169,9 @@ TEST(LayerKernelsEmu, LayerNormForwardAndBackward) {
   EXPECT_LT(rel_err(from_bits<float>(fwd[1]), mean), 1e-5);
   EXPECT_LT(rel_err(from_bits<float>(fwd[2]), rstd), 1e-5);
   const Bits bwd = in_every_schedule([&](const OnEmulator& launch) {
-    std::vector<float> di = dinp0, dwk = dw0, dbk = db0;
+    std::vector<float> di = dinp0, dwk = dw0, dbk = db0, scratch(std::size_t(layer::column_scratch_floats(N, C, 2)));
     layer::layernorm_backward(launch, di.data(), dwk.data(), dbk.data(), dout.data(), inp.data(), w.data(), mean.data(),
-                              rstd.data(), N, C);
+                              rstd.data(), N, C, scratch.data(), std::int64_t(scratch.size()));
     return Bits{bits_of(di), bits_of(dwk), bits_of(dbk)};
   });
   EXPECT_LT(rel_err(from_bits<float>(bwd[0]), dinp), 1e-5);
@@ -180,15 +180,15 @@ TEST(LayerKernelsEmu, LayerNormForwardAndBackward) {
 }
 
 TEST(LayerKernelsEmu, BiasAddAndBackward) {
-  const int N = 300, OC = 21;  // rows beyond the 128 row lanes; a partial column tile
+  const int N = 300, OC = 21;  // two chunks of rows, the last partial; a partial column tile
   const auto bias = randn(OC, 1), rows0 = randn(std::size_t(N) * OC, 2), db0 = randn(OC, 3);
   std::vector<float> rows = rows0, db = db0;
   loom::kernels::bias_add(rows.data(), bias.data(), N, OC);
   loom::kernels::bias_backward(db.data(), rows.data(), N, OC);
   const Bits got = in_every_schedule([&](const OnEmulator& launch) {
-    std::vector<float> r = rows0, d = db0;
+    std::vector<float> r = rows0, d = db0, scratch(std::size_t(layer::column_scratch_floats(N, OC, 1)));
     layer::bias_add(launch, r.data(), bias.data(), N, OC);
-    layer::bias_backward(launch, d.data(), r.data(), N, OC);
+    layer::bias_backward(launch, d.data(), r.data(), N, OC, scratch.data(), std::int64_t(scratch.size()));
     return Bits{bits_of(r), bits_of(d)};
   });
   EXPECT_EQ(from_bits<float>(got[0]), rows) << "bias_add";
@@ -198,14 +198,17 @@ TEST(LayerKernelsEmu, BiasAddAndBackward) {
 // The MLP's fused backward: dpre = gelu'(pre) dout is the host's bit for bit (the same per-element
 // math); the bias sums in a tree, as bias_backward's. Without a bias, gelu_backward alone.
 TEST(LayerKernelsEmu, GeluBiasBackward) {
-  const int N = 300, OC = 21;  // rows beyond the 128 row lanes; a partial column tile
+  const int N = 300, OC = 21;  // two chunks of rows, the last partial; a partial column tile
   const auto pre = randn(std::size_t(N) * OC, 4, 2.0f), dout = randn(std::size_t(N) * OC, 5), db0 = randn(OC, 6);
   std::vector<float> dpre(pre.size()), db = db0;
   loom::kernels::gelu_bias_backward(dpre.data(), db.data(), pre.data(), dout.data(), N, OC);
   const Bits got = in_every_schedule([&](const OnEmulator& launch) {
-    std::vector<float> dp(pre.size()), d = db0, dp_only(pre.size());
-    layer::gelu_bias_backward(launch, dp.data(), d.data(), pre.data(), dout.data(), N, OC);
-    layer::gelu_bias_backward(launch, dp_only.data(), nullptr, pre.data(), dout.data(), N, OC);
+    std::vector<float> dp(pre.size()), d = db0, dp_only(pre.size()),
+                                       scratch(std::size_t(layer::column_scratch_floats(N, OC, 1)));
+    layer::gelu_bias_backward(launch, dp.data(), d.data(), pre.data(), dout.data(), N, OC, scratch.data(),
+                              std::int64_t(scratch.size()));
+    layer::gelu_bias_backward(launch, dp_only.data(), nullptr, pre.data(), dout.data(), N, OC, scratch.data(),
+                              std::int64_t(scratch.size()));
     return Bits{bits_of(dp), bits_of(d), bits_of(dp_only)};
   });
   EXPECT_EQ(from_bits<float>(got[0]), dpre) << "dpre";
@@ -277,6 +280,84 @@ TEST(LayerKernelsEmu, ElementwiseKernelsAreTheHostsBitForBit) {
   EXPECT_EQ(from_bits<float>(got[3]), axpy) << "axpy";
   EXPECT_EQ(from_bits<float>(got[4]), scaled) << "scale";
   EXPECT_EQ(from_bits<float>(got[5]), filled) << "fill";
+}
+
+// The elementwise kernels and the fp32 -> 16-bit casts take four elements at a time where every
+// pointer is aligned (float4 loads) and one at a time where one is not: the same bits either way,
+// the n % 4 last elements included. Offset 1 puts every pointer off 16-byte alignment.
+TEST(LayerKernelsEmu, ElementwiseKernelsTakeFourAtATimeOrOneWithTheSameBits) {
+  const std::int64_t n = 1003;
+  const auto xs = randn(std::size_t(n) + 4, 1, 3.0f), ys = randn(std::size_t(n) + 4, 2);
+  for (std::size_t offset : {0, 1}) {
+    const float* x = xs.data() + offset;
+    const float* y = ys.data() + offset;
+    std::vector<float> gelu(n), dgelu(n), res(n);
+    std::vector<loom::bf16> b16(n);
+    std::vector<loom::f16> h16(n);
+    loom::kernels::gelu_forward(gelu.data(), x, n);
+    loom::kernels::gelu_backward(dgelu.data(), x, y, n);
+    loom::kernels::residual_forward(res.data(), x, y, n);
+    loom::kernels::cast(b16.data(), x, n);
+    loom::kernels::cast(h16.data(), x, n);
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+      // outputs at the same offset as the inputs, so that either all are aligned or none
+      std::vector<float> g(n + 4), dg(n + 4), r(n + 4);
+      std::vector<std::uint16_t> b(n + 4), h(n + 4);
+      layer::gelu_forward(launch, g.data() + offset, x, n);
+      layer::gelu_backward(launch, dg.data() + offset, x, y, n);
+      layer::residual_forward(launch, r.data() + offset, x, y, n);
+      layer::cast<DType::bf16, DType::f32>(launch, b.data() + offset, x, n);
+      layer::cast<DType::f16, DType::f32>(launch, h.data() + offset, x, n);
+      const auto part = [&](const auto& v) { return bits_of(std::vector(v.begin() + offset, v.begin() + offset + n)); };
+      return Bits{part(g), part(dg), part(r), part(b), part(h)};
+    });
+    EXPECT_EQ(got[0], bits_of(gelu)) << "gelu forward, offset " << offset;
+    EXPECT_EQ(got[1], bits_of(dgelu)) << "gelu backward, offset " << offset;
+    EXPECT_EQ(got[2], bits_of(res)) << "residual, offset " << offset;
+    EXPECT_EQ(got[3], bits_of(b16)) << "fp32 -> bf16, offset " << offset;
+    EXPECT_EQ(got[4], bits_of(h16)) << "fp32 -> fp16, offset " << offset;
+  }
+}
+
+// The column sums over many chunks of rows, from an uncapped scratch and from one that holds fewer
+// chunks (then longer ones): each the host's sums within float rounding, each the same in every
+// schedule; a scratch short of one chunk's partials is refused.
+TEST(LayerKernelsEmu, ColumnSumsOverChunksOfRows) {
+  const int N = 1100, OC = 45;  // five chunks of 256 rows, the last partial; two column tiles
+  const auto dout = randn(std::size_t(N) * OC, 1), inp = randn(std::size_t(N) * OC, 2, 2.0f);
+  std::vector<float> mean(N), rstd(N);
+  for (int n = 0; n < N; ++n)
+    mean[std::size_t(n)] = 0.01f * float(n % 7), rstd[std::size_t(n)] = 1.0f + 0.1f * float(n % 5);
+  std::vector<float> db(OC, 0.5f), dw(OC, -0.25f), db2 = db;
+  loom::kernels::bias_backward(db.data(), dout.data(), N, OC);
+  for (int j = 0; j < OC; ++j) {  // LayerNorm's parameter gradients, in double
+    double w = 0, b = 0;
+    for (int n = 0; n < N; ++n) {
+      const double d = dout[std::size_t(n) * OC + j];
+      b += d;
+      w += (double(inp[std::size_t(n) * OC + j]) - mean[std::size_t(n)]) * rstd[std::size_t(n)] * d;
+    }
+    dw[std::size_t(j)] += float(w);
+    db2[std::size_t(j)] += float(b);
+  }
+  for (std::int64_t scratch_floats : {layer::column_scratch_floats(N, OC, 2), std::int64_t(2 * OC) * 2}) {
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+      std::vector<float> s(static_cast<std::size_t>(scratch_floats)), b(OC, 0.5f), w(OC, -0.25f), b2(OC, 0.5f);
+      layer::bias_backward(launch, b.data(), dout.data(), N, OC, s.data(), scratch_floats);
+      layer::column_sums<layer::ColumnSum::layernorm>(launch, "layernorm_backward_params_kernel", b2.data(), w.data(),
+                                                      nullptr, dout.data(), inp.data(), mean.data(), rstd.data(), N, OC,
+                                                      s.data(), scratch_floats);
+      return Bits{bits_of(b), bits_of(w), bits_of(b2)};
+    });
+    EXPECT_LT(rel_err(from_bits<float>(got[0]), db), 1e-5) << "bias, scratch " << scratch_floats;
+    EXPECT_LT(rel_err(from_bits<float>(got[1]), dw), 1e-5) << "LayerNorm weight, scratch " << scratch_floats;
+    EXPECT_LT(rel_err(from_bits<float>(got[2]), db2), 1e-5) << "LayerNorm bias, scratch " << scratch_floats;
+  }
+  EXPECT_EQ(layer::column_chunks(N, OC, 2, layer::column_scratch_floats(N, OC, 2)).chunks, 5);
+  EXPECT_EQ(layer::column_chunks(N, OC, 2, 4 * OC).chunks, 2);
+  std::vector<float> s(OC), b(OC);
+  EXPECT_THROW(layer::bias_backward(OnEmulator{}, b.data(), dout.data(), N, OC, s.data(), OC - 1),
+               std::invalid_argument);
 }
 
 // Every pair of fp64, fp32, bf16 and fp16: the host's conversion, bit for bit (signed zeros too; NaN
@@ -526,6 +607,49 @@ TEST(LayerKernelsEmu, Reductions) {
 
 // int8 compression's kernels, bit for bit the host's: the chunk maxima and the flag, the levels and
 // the residual, the sum scaled back; a NaN or an inf poisons it; no elements give a clear flag.
+// Backend::sq_norm_check's reductions over many tensors at once: each tensor's sum of squares and
+// non-finite count the per-tensor reductions' bit for bit, over more tensors than one launch takes
+// (kMultiTensors), empty ones, multi-block ones and ones holding NaN or inf, in fp32 and bf16.
+TEST(LayerKernelsEmu, NormCheckOfManyTensorsIsTheReductionsBitForBit) {
+  const auto check = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr DType D = loom::dtype_of<T>::value;
+    std::vector<std::vector<T>> tensors;
+    std::vector<std::int64_t> n;
+    for (int t = 0; t < layer::kMultiTensors + 6; ++t) {
+      const std::int64_t count = t == 3 ? 0 : t == 5 ? 2 * 256 * 3 + 77 : 1 + (t * 37) % 300;
+      auto v = randn(std::size_t(count), std::uint32_t(100 + t), 2.0f);
+      if (t % 9 == 4) v[0] = std::numeric_limits<float>::quiet_NaN();
+      if (t % 11 == 2) v[v.size() - 1] = -std::numeric_limits<float>::infinity();
+      std::vector<T> x(v.size());
+      loom::kernels::cast(x.data(), v.data(), count);
+      tensors.push_back(std::move(x));
+      n.push_back(count);
+    }
+    const int k = int(tensors.size());
+    std::vector<const layer::storage_t<D>*> xs;
+    for (const auto& x : tensors) xs.push_back(reinterpret_cast<const layer::storage_t<D>*>(x.data()));
+    std::vector<double> want(2 * std::size_t(k));
+    for (int t = 0; t < k; ++t) {
+      std::vector<double> scratch(std::size_t(layer::reduce_geometry(n[std::size_t(t)]).blocks));
+      layer::reduce<D, layer::ReduceOp::sum_squares>(OnEmulator{}, &want[std::size_t(t)], xs[std::size_t(t)],
+                                                     n[std::size_t(t)], scratch.data());
+      layer::reduce<D, layer::ReduceOp::nonfinite>(OnEmulator{}, &want[std::size_t(k + t)], xs[std::size_t(t)],
+                                                   n[std::size_t(t)], scratch.data());
+    }
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+      std::vector<double> out(2 * std::size_t(k), -1.0),
+          scratch(std::size_t(layer::norm_check_scratch_count(n.data(), k)), -1.0);
+      layer::norm_check<D>(launch, out.data(), out.data() + k, xs.data(), n.data(), k, scratch.data());
+      return Bits{bits_of(out)};
+    });
+    EXPECT_EQ(got[0], bits_of(want)) << loom::dtype_name(D);
+    EXPECT_GT(want[std::size_t(k + 4)], 0.0) << "a NaN counted";
+  };
+  check(F32{});
+  check(BF16{});
+}
+
 TEST(LayerKernelsEmu, Int8CompressionIsTheHostsBitForBit) {
   const std::int64_t n = 3001, chunk = 300, chunks = (n + chunk - 1) / chunk;  // a short last chunk
   std::vector<float> x = randn(std::size_t(n), 6, 2.0f);
