@@ -496,18 +496,21 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   else
     be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);  // [N,Cl]
   keep(a.atty, s.full, NCl);
-  be_.matmul_forward(s.partial, a.atty, w.mprojw, {}, N, Cl, C);  // [N,C] partial sum
-  BufferRef y = part_->reduce_partial(s.partial, s.local, N, C);  // [Nl,C]
-  be_.bias_add(y, w.projb, Nl, C);
+  // Without tensor parallelism the row-parallel layers' sums are whole at once: their biases go into
+  // the product (cuBLASLt's epilogue on a GPU; the host adds them after it, as bias_add would).
+  const bool whole = part_->size() == 1;
+  be_.matmul_forward(s.partial, a.atty, w.mprojw, whole ? w.projb : BufferRef(), N, Cl, C);  // [N,C] partial sum
+  BufferRef y = part_->reduce_partial(s.partial, s.local, N, C);                             // [Nl,C]
+  if (!whole) be_.bias_add(y, w.projb, Nl, C);
   // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection, on ln2(xmid = x + y)
   be_.residual_layernorm_forward(a.xmid, produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, x, y, w.ln2w, w.ln2b, Nl, C);
   keep(a.ln2, s.local, NlC);
   be_.matmul_forward_gelu(produce(a.fch_gelu, s.dfch_gelu), a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C,
                           Fl);  // [N,Fl] gelu(fch), fch
   keep(a.fch_gelu, s.dfch_gelu, NFl);
-  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, {}, N, Fl, C);  // [N,C] partial sum
-  y = part_->reduce_partial(s.partial, s.local, N, C);                  // [Nl,C]
-  be_.bias_add(y, w.fcprojb, Nl, C);
+  be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, whole ? w.fcprojb : BufferRef(), N, Fl, C);  // [N,C]
+  y = part_->reduce_partial(s.partial, s.local, N, C);                                               // [Nl,C]
+  if (!whole) be_.bias_add(y, w.fcprojb, Nl, C);
   be_.residual_forward(xout, a.xmid, y, static_cast<std::int64_t>(Nl) * C);
   store_->release(unit, ParamStore::Use::forward);
 }
