@@ -89,6 +89,7 @@ void for_chunks(const char* label, std::int64_t n, Body body) {
 namespace rows {
 #include "core/backend/kernel_rows.inc"
 }  // namespace rows
+using rows::kColumnQuantum;
 using rows::kColumns;
 using rows::lane_sum;
 template <class T, class Acc>
@@ -105,14 +106,22 @@ inline void row_loop(const isa::RowKernels* rk, F isa::RowKernels::*fp32, G gene
 }
 
 // Sums over rows of a [rows, C] table into C parameter gradients (dbias, LayerNorm's dweight,
-// embedding rows): the columns are cut into blocks of kColumns, one block a task, so no two tasks
-// write one element, and each column adds its rows in row order, the same bits whatever the threads.
-// body(c0, c1) handles columns [c0, c1).
+// embedding rows): the columns are cut into blocks, one block a task, so no two tasks write one
+// element, and each column adds its rows in row order, the same bits whatever the threads and the
+// blocks. A block is C / threads wide, rounded up to kColumnQuantum, at most kColumns: one thread
+// reads whole rows. body(c0, c1) handles columns [c0, c1).
+inline int column_block_width(int C, int threads) {
+  const int t = threads > 0 ? threads : 1;
+  int w = (C + t - 1) / t;
+  w = (w + kColumnQuantum - 1) / kColumnQuantum * kColumnQuantum;
+  return w < kColumnQuantum ? kColumnQuantum : w > kColumns ? kColumns : w;
+}
 template <class Body>
 void for_column_blocks(const char* label, int C, Body body) {
-  Kokkos::parallel_for(label, Range(0, (C + kColumns - 1) / kColumns), [=](int blk) {
-    const int c0 = blk * kColumns;
-    body(c0, c0 + kColumns < C ? c0 + kColumns : C);
+  const int w = column_block_width(C, Kokkos::DefaultExecutionSpace().concurrency());
+  Kokkos::parallel_for(label, Range(0, (C + w - 1) / w), [=](int blk) {
+    const int c0 = blk * w;
+    body(c0, c0 + w < C ? c0 + w : C);
   });
 }
 

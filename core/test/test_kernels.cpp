@@ -1238,7 +1238,7 @@ TEST(Kernels, Fp16EncoderBackwardAccumulatesInFloat) { encoder_accumulates_in_fl
 // ---------------------------------------------------------------------------------------------
 // The fused MLP operations against the unfused ones they replace (Backend::matmul_forward_gelu,
 // gelu_bias_backward), bit for bit: the same arithmetic in the same order, one pass fewer. Shapes
-// wider than a column block (k::kColumns) and not a multiple of it.
+// wider than the narrowest column block (k::kColumnQuantum) and not a multiple of it.
 namespace {
 template <class T>
 std::vector<T> cast_vec(const Vec& v) {
@@ -1320,4 +1320,36 @@ TEST(FusedKernels, ColumnBlockSumsAreRowOrderSums) {
     }
   expect_bits_equal(dwte, dwte_ref, "dwte");
   expect_bits_equal(dwpe, dwpe_ref, "dwpe");
+}
+
+// The sums over rows into parameter gradients give the same bits whatever the width of the column
+// blocks for_column_blocks cuts (it follows the thread count): each column adds its rows in row order.
+TEST(Kernels, ColumnSumsAreTheSameBitsInAnyBlockWidth) {
+  const int N = 70, C = 1000;
+  const Vec dout = randn(std::size_t(N) * C, 401), x = randn(std::size_t(N) * C, 402, 2.0), d0 = randn(C, 403);
+  std::vector<float> df(dout.begin(), dout.end()), xf(x.begin(), x.end()), mean(N), rstd(N);
+  for (int n = 0; n < N; ++n)
+    mean[std::size_t(n)] = 0.1f * float(n % 3), rstd[std::size_t(n)] = 1.0f + 0.05f * float(n % 4);
+  const auto run = [&](int width) {
+    std::vector<float> db(d0.begin(), d0.end()), dw(d0.begin(), d0.end()), lb(d0.begin(), d0.end()),
+        gb(d0.begin(), d0.end()), dpre(df.size());
+    for (int c0 = 0; c0 < C; c0 += width) {
+      const int c1 = std::min(C, c0 + width);
+      k::rows::bias_cols<float, float>(db.data(), df.data(), N, C, c0, c1);
+      k::rows::layernorm_param_cols<float, float>(dw.data(), lb.data(), df.data(), xf.data(), mean.data(), rstd.data(),
+                                                  N, C, c0, c1);
+      k::rows::gelu_bias_cols<float, float>(dpre.data(), gb.data(), xf.data(), df.data(), N, C, c0, c1);
+    }
+    return std::vector<std::vector<float>>{db, dw, lb, gb, dpre};
+  };
+  const auto narrow = run(k::kColumnQuantum), wide = run(k::kColumns), one = run(C);
+  for (std::size_t i = 0; i < narrow.size(); ++i) {
+    expect_bits_equal(wide[i], narrow[i], "blocks of kColumns against kColumnQuantum");
+    expect_bits_equal(one[i], narrow[i], "one block against kColumnQuantum");
+  }
+  EXPECT_EQ(k::column_block_width(1024, 1), k::kColumns);
+  EXPECT_EQ(k::column_block_width(1024, 2), 512);
+  EXPECT_EQ(k::column_block_width(150, 1), 192);
+  EXPECT_EQ(k::column_block_width(100, 8), k::kColumnQuantum);
+  EXPECT_EQ(k::column_block_width(5000, 1), k::kColumns);
 }
