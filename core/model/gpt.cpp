@@ -174,7 +174,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   residual_buf_ = be_.allocate("GPT::residual", DType::f32, a.residual_floats, Mem::activations);
   block_buf_ = be_.allocate("GPT::block_activations", DType::f32, a.block_floats, Mem::activations);
   head_buf_ = be_.allocate("GPT::head_activations", DType::f32, a.head_floats, Mem::activations);
-  // forward: full, partial [N,C], local [Nl,C]; backward: dres, dother, dlocal [Nl,C], dfull, dpartial
+  // forward: full, partial [N,C], local [Nl,C]; backward: dres, dlocal [Nl,C], dfull, dpartial
   // [N,C], dqkv [N,3Cl], datt [T,T] (flash: dsum [B,NHl,T]), datty [N,Cl], dfch, dfch_gelu [N,Fl]
   scratch_buf_ = be_.allocate("GPT::scratch", DType::f32, a.scratch_floats, Mem::activations);
   tokens_buf_ = be_.allocate("GPT::tokens", DType::i32, a.token_ints, Mem::workspace);
@@ -403,7 +403,6 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   s.partial = c.take(N * C);
   s.local = c.take(Nl * C);
   s.dres = c.take(Nl * C);
-  s.dother = c.take(Nl * C);
   s.dlocal = c.take(Nl * C);
   s.dfull = c.take(N * C);
   s.dpartial = c.take(N * C);
@@ -519,7 +518,6 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
 void GPT::block_backward(int chunk, int slot, int l, int B) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
-  const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
   if (cfg_.recompute) block_forward(chunk, slot, l, B, true);  // rebuild this block's activations from its saved input
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   const int next = l > stage_.chunks[chunk].first_layer ? block_unit_[static_cast<std::size_t>(l - 1)]
@@ -530,8 +528,10 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   const BlockParams dw = block_params(view, l, true);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
+  // dres holds the gradient of the block's output, then of xmid, then of its input: each residual
+  // add's backward is LayerNorm's backward accumulating into it in place (layernorm_backward's dinp is
+  // +=), once every reader of the earlier gradient has run; no copy of the residual branch.
   const BufferRef& dres = s.dres;
-  const BufferRef& dxmid = s.dother;
 
   // MLP, in reverse: x_out = xmid + fcproj(gelu(fc(ln2(xmid))))
   BufferRef dy = part_->grad_to_full(dres, s.dfull, N, C);  // [N,C]
@@ -539,21 +539,20 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   be_.bias_backward(dw.fcprojb, dres, Nl, C);
   be_.gelu_bias_backward(s.dfch, dw.fcb, a.fch, s.dfch_gelu, N, Fl);
   be_.matmul_backward(s.dpartial, dw.fcw, {}, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
-  const BufferRef dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
-  be_.copy(dxmid, dres, NlC);                                                     // the residual branch
-  be_.layernorm_backward(dxmid, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);
+  const BufferRef dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);                        // [Nl,C]
+  be_.layernorm_backward(dres, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);  // d xmid
   // attention, in reverse: xmid = x + proj(attention(qkv(ln1(x))))
-  dy = part_->grad_to_full(dxmid, s.dfull, N, C);
+  dy = part_->grad_to_full(dres, s.dfull, N, C);
   be_.matmul_backward(s.datty, dw.projw, {}, dy, a.atty, w.mprojw, N, Cl, C);
-  be_.bias_backward(dw.projb, dxmid, Nl, C);
+  be_.bias_backward(dw.projb, dres, Nl, C);
   if (cfg_.flash_attention)
     be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
   else
     be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
   be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, input_of(a.ln1, s.full, N, C), w.mqkvw, N, C, 3 * Cl);
   const BufferRef dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
-  be_.copy(dres, dxmid, NlC);  // the residual branch
-  be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl, C);
+  be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl,
+                         C);  // d x
   store_->release(unit, ParamStore::Use::backward);
 }
 

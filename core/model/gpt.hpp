@@ -182,11 +182,11 @@ class GPT {
     BufferRef fch_gelu;            // [N,Fl]
     std::int64_t floats;           // the whole table, in floats
   };
-  struct Scratch {                   // not saved across kernels: forward temporaries and backward gradients
-    BufferRef full, partial, local;  // [N,C], [N,C], [Nl,C]
-    BufferRef dres, dother, dlocal, dfull, dpartial;  // [Nl,C] x3, [N,C] x2
-    BufferRef dqkv, datty, dfch, dfch_gelu;           // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
-    BufferRef datt, dsum;                             // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
+  struct Scratch {                            // not saved across kernels: forward temporaries and backward gradients
+    BufferRef full, partial, local;           // [N,C], [N,C], [Nl,C]
+    BufferRef dres, dlocal, dfull, dpartial;  // [Nl,C] x2, [N,C] x2
+    BufferRef dqkv, datty, dfch, dfch_gelu;   // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
+    BufferRef datt, dsum;                     // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
     std::int64_t floats;
   };
   struct Head {
