@@ -22,6 +22,8 @@
 # 'STEP ...': those steps, by the names in known_items below -> OUTDIR/steps.log. One is in no mode:
 #   ncu_flash, Nsight Compute's sections (occupancy, warp stalls, pipes, memory) for one launch of
 #   each fused attention kernel, where ncu is on the node.
+# Two commits' profiles side by side (issue 44's before and after): run profile_flash with each
+#   commit's bundle into its own OUTDIR, then python3 bench/profile_diff.py OLD/steps.log NEW/steps.log --steps 10.
 # Each: the device and the CUDA libraries found -> OUTDIR/node.log; a line per step with its exit
 #   status and seconds -> OUTDIR/summary.log (both started afresh; the logs are written as each step
 #   ends). A step still running after LOOM_GPU_STEP_TIMEOUT seconds (default 300; 0: no limit) is
