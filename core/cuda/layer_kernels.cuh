@@ -567,26 +567,29 @@ inline LaunchGeometry elementwise_vec_geometry(std::int64_t n, bool vec4) {
   return elementwise_geometry(vec4 ? (n + 3) / 4 : n, kThreads);
 }
 
+// Launches kernel4 (the Vec4 instance) on the grid of n / 4 float4s where vec4, else kernel1 over n.
+template <class Launch, class Kernel4, class Kernel1, class... Args>
+void launch_elementwise(Launch&& launch, const char* name, std::int64_t n, bool vec4, Kernel4 kernel4, Kernel1 kernel1,
+                        Args... args) {
+  const LaunchGeometry g = elementwise_vec_geometry(n, vec4);
+  if (vec4)
+    launch(name, g.blocks, g.threads, 0, kernel4, args...);
+  else
+    launch(name, g.blocks, g.threads, 0, kernel1, args...);
+}
+
 template <class Launch>
 void gelu_forward(Launch&& launch, float* out, const float* inp, std::int64_t n) {
   if (n <= 0) return;
-  const bool vec4 = aligned16(out) && aligned16(inp);
-  const LaunchGeometry g = elementwise_vec_geometry(n, vec4);
-  if (vec4)
-    launch("gelu_forward_kernel", g.blocks, g.threads, 0, gelu_forward_kernel<true>, out, inp, n);
-  else
-    launch("gelu_forward_kernel", g.blocks, g.threads, 0, gelu_forward_kernel<false>, out, inp, n);
+  launch_elementwise(launch, "gelu_forward_kernel", n, aligned16(out) && aligned16(inp), gelu_forward_kernel<true>,
+                     gelu_forward_kernel<false>, out, inp, n);
 }
 
 template <class Launch>
 void gelu_backward(Launch&& launch, float* dinp, const float* inp, const float* dout, std::int64_t n) {
   if (n <= 0) return;
-  const bool vec4 = aligned16(dinp) && aligned16(inp) && aligned16(dout);
-  const LaunchGeometry g = elementwise_vec_geometry(n, vec4);
-  if (vec4)
-    launch("gelu_backward_kernel", g.blocks, g.threads, 0, gelu_backward_kernel<true>, dinp, inp, dout, n);
-  else
-    launch("gelu_backward_kernel", g.blocks, g.threads, 0, gelu_backward_kernel<false>, dinp, inp, dout, n);
+  launch_elementwise(launch, "gelu_backward_kernel", n, aligned16(dinp) && aligned16(inp) && aligned16(dout),
+                     gelu_backward_kernel<true>, gelu_backward_kernel<false>, dinp, inp, dout, n);
 }
 
 // dbias null: gelu_backward over the N * OC elements; else dpre and the bias's column sums in one
@@ -603,12 +606,8 @@ void gelu_bias_backward(Launch&& launch, float* dpre, float* dbias, const float*
 template <class Launch>
 void residual_forward(Launch&& launch, float* out, const float* a, const float* b, std::int64_t n) {
   if (n <= 0) return;
-  const bool vec4 = aligned16(out) && aligned16(a) && aligned16(b);
-  const LaunchGeometry g = elementwise_vec_geometry(n, vec4);
-  if (vec4)
-    launch("residual_forward_kernel", g.blocks, g.threads, 0, residual_forward_kernel<true>, out, a, b, n);
-  else
-    launch("residual_forward_kernel", g.blocks, g.threads, 0, residual_forward_kernel<false>, out, a, b, n);
+  launch_elementwise(launch, "residual_forward_kernel", n, aligned16(out) && aligned16(a) && aligned16(b),
+                     residual_forward_kernel<true>, residual_forward_kernel<false>, out, a, b, n);
 }
 
 // ---------------------------------------------------------------------------------------------
