@@ -583,6 +583,60 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
       << "a host buffer given to the cuda back end is refused";
 }
 
+// Backend::sq_norm_check over more tensors than one launch takes (64), in runs of one type (fp32,
+// bf16, fp32), against the host's; and the two-pass column sums (their partials in cuBLASLt's
+// workspace) over several chunks of rows against the host's.
+TEST(CudaBackend, ManyTensorNormCheckAndChunkedColumnSums) {
+  REQUIRE_GPU();
+  Twins tw;
+  std::vector<BufferRef> hs, ds;
+  for (int t = 0; t < 75; ++t) {
+    const auto v = randn(std::size_t(1 + (t * 97) % 3000), std::uint32_t(50 + t));
+    if (t == 70 || t == 71) {  // a run of bf16 tensors
+      std::vector<loom::bf16> b(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) b[i] = loom::to_bf16(v[i]);
+      auto [h, d] = tw.both(b);
+      hs.push_back(h), ds.push_back(d);
+    } else {
+      auto [h, d] = tw.both(v);
+      hs.push_back(h), ds.push_back(d);
+    }
+  }
+  const loom::NormCheck h = tw.host->sq_norm_check(hs), d = tw.dev->sq_norm_check(ds);
+  EXPECT_TRUE(d.all_finite);
+  EXPECT_NEAR(d.sum_squares, h.sum_squares, 1e-6 * h.sum_squares);  // the host sums chunks in float
+  std::vector<float> with_nan = randn(300, 7);
+  with_nan[123] = std::numeric_limits<float>::infinity();
+  auto bad = tw.make(with_nan);
+  ds[72] = bad.d;
+  const loom::NormCheck nd = tw.dev->sq_norm_check(ds);
+  EXPECT_FALSE(nd.all_finite);
+  EXPECT_EQ(nd.first_nonfinite, 72) << "the tensor after the bf16 run";
+
+  const int N = 1100, OC = 45, C = 70;  // five chunks of 256 rows; partial column tiles
+  auto dout = tw.make(randn(std::size_t(N) * OC, 8)), db = tw.make(randn(OC, 9));
+  tw.host->bias_backward(db.h, dout.h, N, OC);
+  tw.dev->bias_backward(db.d, dout.d, N, OC);
+  EXPECT_LT(tw.err(db), kTol) << "bias_backward";
+  auto pre = tw.make(randn(std::size_t(N) * OC, 10, 2.0f)), dpre = tw.zeros(std::int64_t(N) * OC),
+       db2 = tw.make(randn(OC, 11));
+  tw.host->gelu_bias_backward(dpre.h, db2.h, pre.h, dout.h, N, OC);
+  tw.dev->gelu_bias_backward(dpre.d, db2.d, pre.d, dout.d, N, OC);
+  EXPECT_EQ(tw.dev_of(dpre), tw.host_of(dpre)) << "gelu_bias_backward's dpre";
+  EXPECT_LT(tw.err(db2), kTol) << "gelu_bias_backward's bias";
+  auto inp = tw.make(randn(std::size_t(N) * C, 12, 2.0f)), w = tw.make(randn(C, 13)), b = tw.make(randn(C, 14));
+  auto out = tw.zeros(std::int64_t(N) * C), mean = tw.zeros(N), rstd = tw.zeros(N);
+  tw.host->layernorm_forward(out.h, mean.h, rstd.h, inp.h, w.h, b.h, N, C);
+  tw.dev->layernorm_forward(out.d, mean.d, rstd.d, inp.d, w.d, b.d, N, C);
+  auto ldout = tw.make(randn(std::size_t(N) * C, 15)), dinp = tw.make(randn(std::size_t(N) * C, 16)),
+       dw = tw.make(randn(C, 17)), dlb = tw.make(randn(C, 18));
+  tw.host->layernorm_backward(dinp.h, dw.h, dlb.h, ldout.h, inp.h, w.h, mean.h, rstd.h, N, C);
+  tw.dev->layernorm_backward(dinp.d, dw.d, dlb.d, ldout.d, inp.d, w.d, mean.d, rstd.d, N, C);
+  EXPECT_LT(tw.err(dinp), kTol) << "layernorm_backward's dinp";
+  EXPECT_LT(tw.err(dw), kTol) << "layernorm_backward's weight";
+  EXPECT_LT(tw.err(dlb), kTol) << "layernorm_backward's bias";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
