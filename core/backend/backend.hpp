@@ -26,6 +26,14 @@
 
 namespace loom {
 
+// One slice of Backend::adamw_update_slices: n fp32 parameters, moments and gradients, and the
+// slice's weight decay.
+struct AdamWSlice {
+  BufferRef params, m, v, grads;
+  std::int64_t n = 0;
+  float weight_decay = 0.0f;
+};
+
 // Everything of the plugin face (core/backend/backend_face.hpp) comes first, then what only the core
 // calls: setting the precision, scratch, communicators, `loom plan`'s workspace, and the model's
 // kernels (LOOM_BACKEND_OPS).
@@ -80,6 +88,14 @@ class Backend : public BackendFace {
                                         BufferRef lse, int B, int T, int C, int NH) {
     (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B, (void)T;
     throw std::logic_error(flash_attention_refusal(C / NH));
+  }
+  // AdamW over many slices in one call (the optimizer's owned slices; a device updates them in a few
+  // launches): each slice exactly as adamw_update with its own weight decay. The default calls
+  // adamw_update slice by slice.
+  virtual void adamw_update_slices(const std::vector<AdamWSlice>& slices, float lr, float beta1, float beta2, float eps,
+                                   std::int64_t t) {
+    for (const AdamWSlice& s : slices)
+      adamw_update(s.params, s.m, s.v, s.grads, s.n, lr, beta1, beta2, eps, s.weight_decay, t);
   }
   // --- The compute operations, declared once in core/backend/backend_ops.hpp (LOOM_BACKEND_OPS), all
   // on this back end's memory. What they compute, by group:

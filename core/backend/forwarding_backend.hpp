@@ -23,6 +23,12 @@ class ForwardingBackend : public Backend {
     for (const BufferRef& b : v) out.push_back(map_buffer(b, op));
     return out;
   }
+  std::vector<AdamWSlice> map(const std::vector<AdamWSlice>& v, const char* op) const {
+    std::vector<AdamWSlice> out = v;
+    for (AdamWSlice& s : out)
+      for (BufferRef* b : {&s.params, &s.m, &s.v, &s.grads}) *b = map_buffer(*b, op);
+    return out;
+  }
   template <class T>
   T map(T x, const char*) const {
     return x;

@@ -496,6 +496,24 @@ class CudaBackend final : public Backend {
     cuda::adamw_update(dev<float>(params, n), dev<float>(m, n), dev<float>(v, n), dev<const float>(grads, n), n, lr,
                        beta1, beta2, eps, weight_decay, t, stream_);
   }
+  void adamw_update_slices(const std::vector<AdamWSlice>& slices, float lr, float beta1, float beta2, float eps,
+                           std::int64_t t) override {
+    Timed timed(this, "adamw_update_slices");
+    std::vector<float*> p, m, v;
+    std::vector<const float*> g;
+    std::vector<std::int64_t> n;
+    std::vector<float> wd;
+    for (const AdamWSlice& s : slices) {
+      p.push_back(dev<float>(s.params, s.n));
+      m.push_back(dev<float>(s.m, s.n));
+      v.push_back(dev<float>(s.v, s.n));
+      g.push_back(dev<const float>(s.grads, s.n));
+      n.push_back(s.n);
+      wd.push_back(s.weight_decay);
+    }
+    cuda::adamw_update_slices(p.data(), m.data(), v.data(), g.data(), n.data(), wd.data(),
+                              static_cast<int>(slices.size()), lr, beta1, beta2, eps, t, stream_);
+  }
   double sum(BufferRef x, std::int64_t n) override {
     Timed timed(this, "sum");
     dev<const float>(x, n);

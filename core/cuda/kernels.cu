@@ -152,6 +152,16 @@ void adamw_update(float* params, float* m, float* v, const float* grads, std::in
   layer::adamw_update(OnStream{stream}, params, m, v, grads, n, step);
 }
 
+void adamw_update_slices(float* const* params, float* const* m, float* const* v, const float* const* grads,
+                         const std::int64_t* n, const float* wd, int count, float lr, float beta1, float beta2,
+                         float eps, std::int64_t t, cudaStream_t stream) {
+  // adamw_update's step (its bias corrections alike); each slice's weight decay comes with it.
+  const float bc1 = 1.0f - std::pow(beta1, static_cast<float>(t));
+  const float bc2 = 1.0f - std::pow(beta2, static_cast<float>(t));
+  const loom::math::AdamWStep<float> step{lr, beta1, beta2, eps, 0.0f, bc1, bc2};
+  layer::adamw_update_slices(OnStream{stream}, params, m, v, grads, n, wd, count, step);
+}
+
 void cast(void* dst, DType dst_type, const void* src, DType src_type, std::int64_t n, cudaStream_t stream) {
   with_float_type(dst_type, "cast", [&](auto dtag) {
     with_float_type(src_type, "cast", [&](auto stag) {

@@ -219,6 +219,13 @@ void adamw_update(float* params,       // [n] (updated)
                   std::int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, std::int64_t t,
                   cudaStream_t stream);
 
+// AdamW over `count` slices in few launches (32 slices each): slice k is params[k], m[k], v[k],
+// grads[k] of n[k] elements (device pointers; the arrays are the host's) with weight decay wd[k];
+// the same bits as adamw_update per slice.
+void adamw_update_slices(float* const* params, float* const* m, float* const* v, const float* const* grads,
+                         const std::int64_t* n, const float* wd, int count, float lr, float beta1, float beta2,
+                         float eps, std::int64_t t, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------
 // Typed operations on fp32, fp64, bf16 and fp16 buffers (16-bit types stored as their bits). Any
 // other DType throws std::invalid_argument naming the operation and the type.

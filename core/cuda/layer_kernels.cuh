@@ -850,6 +850,77 @@ void adamw_update(Launch&& launch, float* params, float* m, float* v, const floa
   launch("adamw_kernel", g.blocks, g.threads, 0, adamw_kernel, params, m, v, grads, n, step);
 }
 
+// Backend::adamw_update_slices: up to kAdamWSlices slices a launch, the table by value (1.5 KiB, within
+// a kernel's 4 KiB of parameters). Slice t owns blocks [first_block[t], first_block[t + 1]) and
+// updates its elements with adamw_kernel's arithmetic and its own weight decay: the same bits as one
+// adamw_update per slice, in one launch instead of kAdamWSlices.
+constexpr int kAdamWSlices = 32;
+struct AdamWTable {
+  float* p[kAdamWSlices];
+  float* m[kAdamWSlices];
+  float* v[kAdamWSlices];
+  const float* g[kAdamWSlices];
+  std::int64_t n[kAdamWSlices];
+  float weight_decay[kAdamWSlices];
+  unsigned first_block[kAdamWSlices + 1];
+  int count;
+  // Host side: the emulator maps each device pointer to the memory behind it (core/cuda/emu/runtime.hpp).
+  template <class F>
+  void for_each_device_pointer(F f) {
+    for (int t = 0; t < count; ++t) {
+      for (float** q : {&p[t], &m[t], &v[t]}) {
+        const void* a = *q;
+        f(a);
+        *q = static_cast<float*>(const_cast<void*>(a));
+      }
+      const void* a = g[t];
+      f(a);
+      g[t] = static_cast<const float*>(a);
+    }
+  }
+};
+
+LOOM_KERNEL void adamw_slices_kernel(AdamWTable table, math::AdamWStep<float> step) {
+  const unsigned total = table.first_block[table.count];
+  for (unsigned b = block(); b < total; b += blocks()) {  // block-uniform
+    int t = 0;
+    while (b >= table.first_block[t + 1]) ++t;
+    const unsigned local = b - table.first_block[t], slice_blocks = table.first_block[t + 1] - table.first_block[t];
+    math::AdamWStep<float> s = step;
+    s.weight_decay = table.weight_decay[t];
+    float* p = table.p[t];
+    float* m = table.m[t];
+    float* v = table.v[t];
+    const float* g = table.g[t];
+    const std::int64_t n = table.n[t], stride = static_cast<std::int64_t>(slice_blocks) * threads_per_block();
+    for (std::int64_t i = static_cast<std::int64_t>(local) * threads_per_block() + tid(); i < n; i += stride) {
+      float mi = m[i], vi = v[i];
+      p[i] = math::adamw(p[i], mi, vi, g[i], s);
+      m[i] = mi;
+      v[i] = vi;
+    }
+  }
+}
+
+// Slice t: p[t], m[t], v[t], g[t] of n[t] elements, weight decay wd[t]; `step`'s weight_decay unused.
+template <class Launch>
+void adamw_update_slices(Launch&& launch, float* const* p, float* const* m, float* const* v, const float* const* g,
+                         const std::int64_t* n, const float* wd, int count, const math::AdamWStep<float>& step) {
+  for (int t0 = 0; t0 < count; t0 += kAdamWSlices) {
+    AdamWTable table{};
+    table.count = count - t0 < kAdamWSlices ? count - t0 : kAdamWSlices;
+    for (int t = 0; t < table.count; ++t) {
+      table.p[t] = p[t0 + t], table.m[t] = m[t0 + t], table.v[t] = v[t0 + t], table.g[t] = g[t0 + t];
+      table.n[t] = n[t0 + t] > 0 ? n[t0 + t] : 0;
+      table.weight_decay[t] = wd[t0 + t];
+      table.first_block[t + 1] =
+          table.first_block[t] + (table.n[t] > 0 ? elementwise_geometry(table.n[t], kThreads).blocks : 0u);
+    }
+    const unsigned total = table.first_block[table.count];
+    if (total > 0) launch("adamw_slices_kernel", total, kThreads, 0, adamw_slices_kernel, table, step);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Typed storage: what a DType holds on the device, its compute type, and the exact load / rounded
 // store between them (the device side of to_acc / from_acc in core/base/dtype.hpp).

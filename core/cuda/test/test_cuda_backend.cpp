@@ -583,6 +583,36 @@ TEST(CudaBackend, TypedMatmulNormCheckScaleFill) {
       << "a host buffer given to the cuda back end is refused";
 }
 
+// adamw_update_slices (two launches on the device for 40 slices) against the host's default, one
+// adamw_update per slice: bit for bit, as adamw_update is.
+TEST(CudaBackend, AdamWOverManySlicesIsBitForBitTheHosts) {
+  REQUIRE_GPU();
+  Twins tw;
+  std::vector<Twins::T> p, m, v, g;
+  std::vector<loom::AdamWSlice> hs, ds;
+  for (int t = 0; t < 40; ++t) {
+    const std::size_t count = std::size_t(1 + (t * 131) % 2000);
+    auto vv = randn(count, std::uint32_t(700 + t), 0.1f);
+    for (float& x : vv) x = x * x;
+    p.push_back(tw.make(randn(count, std::uint32_t(600 + t))));
+    m.push_back(tw.make(randn(count, std::uint32_t(800 + t), 0.1f)));
+    v.push_back(tw.make(vv));
+    g.push_back(tw.make(randn(count, std::uint32_t(900 + t))));
+    const float wd = t % 2 ? 0.1f : 0.0f;
+    hs.push_back({p.back().h, m.back().h, v.back().h, g.back().h, std::int64_t(count), wd});
+    ds.push_back({p.back().d, m.back().d, v.back().d, g.back().d, std::int64_t(count), wd});
+  }
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    tw.host->adamw_update_slices(hs, 1e-3f, 0.9f, 0.95f, 1e-8f, step);
+    tw.dev->adamw_update_slices(ds, 1e-3f, 0.9f, 0.95f, 1e-8f, step);
+  }
+  for (std::size_t t = 0; t < p.size(); ++t) {
+    ASSERT_EQ(tw.dev_of(p[t]), tw.host_of(p[t])) << "parameters of slice " << t;
+    ASSERT_EQ(tw.dev_of(m[t]), tw.host_of(m[t])) << "first moments of slice " << t;
+    ASSERT_EQ(tw.dev_of(v[t]), tw.host_of(v[t])) << "second moments of slice " << t;
+  }
+}
+
 // Backend::sq_norm_check over more tensors than one launch takes (64), in runs of one type (fp32,
 // bf16, fp32), against the host's; and the two-pass column sums (their partials in cuBLASLt's
 // workspace) over several chunks of rows against the host's.

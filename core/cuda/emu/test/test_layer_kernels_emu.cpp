@@ -607,6 +607,56 @@ TEST(LayerKernelsEmu, Reductions) {
 
 // int8 compression's kernels, bit for bit the host's: the chunk maxima and the flag, the levels and
 // the residual, the sum scaled back; a NaN or an inf poisons it; no elements give a clear flag.
+// AdamW over many slices at once (Backend::adamw_update_slices): more slices than a launch takes,
+// empty ones, weight decays that differ; each slice the per-slice adamw_kernel's bits.
+TEST(LayerKernelsEmu, AdamWOverManySlicesIsOneUpdatePerSliceBitForBit) {
+  const int k = layer::kAdamWSlices + 5;
+  std::vector<std::vector<float>> p0, m0, v0, g;
+  std::vector<std::int64_t> n;
+  std::vector<float> wd;
+  for (int t = 0; t < k; ++t) {
+    const std::size_t count = t == 4 ? 0 : std::size_t(1 + (t * 53) % 700);
+    p0.push_back(randn(count, std::uint32_t(200 + t)));
+    m0.push_back(randn(count, std::uint32_t(300 + t), 0.1f));
+    auto vv = randn(count, std::uint32_t(400 + t), 0.1f);
+    for (float& x : vv) x = x * x;
+    v0.push_back(vv);
+    g.push_back(randn(count, std::uint32_t(500 + t)));
+    n.push_back(std::int64_t(count));
+    wd.push_back(t % 3 == 0 ? 0.0f : 0.1f);
+  }
+  const float bc1 = 1.0f - std::pow(0.9f, 3.0f), bc2 = 1.0f - std::pow(0.95f, 3.0f);
+  std::vector<unsigned char> want;
+  for (int t = 0; t < k; ++t) {
+    std::vector<float> p = p0[std::size_t(t)], m = m0[std::size_t(t)], v = v0[std::size_t(t)];
+    const loom::math::AdamWStep<float> step{1e-3f, 0.9f, 0.95f, 1e-8f, wd[std::size_t(t)], bc1, bc2};
+    layer::adamw_update(OnEmulator{}, p.data(), m.data(), v.data(), g[std::size_t(t)].data(), n[std::size_t(t)], step);
+    for (const auto* x : {&p, &m, &v}) {
+      const auto b = bits_of(*x);
+      want.insert(want.end(), b.begin(), b.end());
+    }
+  }
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<std::vector<float>> p = p0, m = m0, v = v0;
+    std::vector<float*> pp, mp, vp;
+    std::vector<const float*> gp;
+    for (int t = 0; t < k; ++t) {
+      pp.push_back(p[std::size_t(t)].data()), mp.push_back(m[std::size_t(t)].data());
+      vp.push_back(v[std::size_t(t)].data()), gp.push_back(g[std::size_t(t)].data());
+    }
+    const loom::math::AdamWStep<float> step{1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, bc1, bc2};
+    layer::adamw_update_slices(launch, pp.data(), mp.data(), vp.data(), gp.data(), n.data(), wd.data(), k, step);
+    std::vector<unsigned char> all;
+    for (int t = 0; t < k; ++t)
+      for (const auto* x : {&p[std::size_t(t)], &m[std::size_t(t)], &v[std::size_t(t)]}) {
+        const auto b = bits_of(*x);
+        all.insert(all.end(), b.begin(), b.end());
+      }
+    return Bits{all};
+  });
+  EXPECT_EQ(got[0], want);
+}
+
 // Backend::sq_norm_check's reductions over many tensors at once: each tensor's sum of squares and
 // non-finite count the per-tensor reductions' bit for bit, over more tensors than one launch takes
 // (kMultiTensors), empty ones, multi-block ones and ones holding NaN or inf, in fp32 and bf16.
