@@ -268,8 +268,8 @@ class CudaBackend final : public Backend {
     const std::int64_t NC = std::int64_t(N) * C;
     cuda::layernorm_backward(dev<float>(dinp, NC), dev<float>(dweight, C), dev<float>(dbias, C),
                              dev<const float>(dout, NC), dev<const float>(inp, NC), dev<const float>(weight, C),
-                             dev<const float>(mean, N), dev<const float>(rstd, N), N, C, column_scratch(),
-                             column_scratch_floats(), stream_);
+                             dev<const float>(mean, N), dev<const float>(rstd, N), N, C, workspace_scratch<float>(),
+                             workspace_scratch_count<float>(), stream_);
   }
   void bias_add(BufferRef out, BufferRef bias, int N, int OC) override {
     Timed timed(this, "bias_add");
@@ -277,8 +277,8 @@ class CudaBackend final : public Backend {
   }
   void bias_backward(BufferRef dbias, BufferRef dout, int N, int OC) override {
     Timed timed(this, "bias_backward");
-    cuda::bias_backward(dev<float>(dbias, OC), dev<const float>(dout, std::int64_t(N) * OC), N, OC, column_scratch(),
-                        column_scratch_floats(), stream_);
+    cuda::bias_backward(dev<float>(dbias, OC), dev<const float>(dout, std::int64_t(N) * OC), N, OC,
+                        workspace_scratch<float>(), workspace_scratch_count<float>(), stream_);
   }
   void matmul_forward(BufferRef out, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C, int OC) override {
     Timed timed(this, "matmul_forward", N, C, OC);
@@ -307,7 +307,8 @@ class CudaBackend final : public Backend {
     Timed timed(this, "gelu_bias_backward", N, OC);
     const std::int64_t n = std::int64_t(N) * OC;
     cuda::gelu_bias_backward(dev<float>(dpre, n), dev_optional<float>(dbias, OC), dev<const float>(pre, n),
-                             dev<const float>(dout, n), N, OC, column_scratch(), column_scratch_floats(), stream_);
+                             dev<const float>(dout, n), N, OC, workspace_scratch<float>(),
+                             workspace_scratch_count<float>(), stream_);
   }
   void matmul_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                        BufferRef weight, int N, int C, int OC) override {
@@ -332,7 +333,7 @@ class CudaBackend final : public Backend {
     h.C = dw, h.ldc = C, h.beta = 1.0f;
     gemm(h);
     if (db)  // a sum, not a product: fp32
-      cuda::bias_backward(db, dout32, N, OC, column_scratch(), column_scratch_floats(), stream_);
+      cuda::bias_backward(db, dout32, N, OC, workspace_scratch<float>(), workspace_scratch_count<float>(), stream_);
   }
   void attention_forward(BufferRef out_ref, BufferRef att_ref, BufferRef qkv_ref, int B, int T, int C,
                          int NH) override {
@@ -604,12 +605,12 @@ class CudaBackend final : public Backend {
         counts.push_back(t.count);
       }
       const int run = static_cast<int>(r1 - r0);
-      // The partials live in cuBLASLt's workspace, as the column sums' (norm_check_scratch_count:
-      // 2 x 1024 doubles per tensor at most, 1 MiB a launch).
-      if (cuda::norm_check_scratch_count(counts.data(), run) * 8 > static_cast<std::int64_t>(workspace_.bytes()))
+      // The partials in the workspace (norm_check_scratch_count: 2 x 1024 doubles per tensor at most,
+      // 1 MiB a launch).
+      if (cuda::norm_check_scratch_count(counts.data(), run) > workspace_scratch_count<double>())
         refuse("sq_norm_check: the partial sums outgrow the workspace");
-      cuda::norm_check(out + r0, out + k + r0, ptrs.data(), counts.data(), run, type,
-                       static_cast<double*>(workspace_.ref().data), stream_);
+      cuda::norm_check(out + r0, out + k + r0, ptrs.data(), counts.data(), run, type, workspace_scratch<double>(),
+                       stream_);
       r0 = r1;
     }
     std::vector<double> host(static_cast<std::size_t>(2 * k));
@@ -889,11 +890,17 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   TypedBuffer workspace_;
-  // The column sums' partials (bias and LayerNorm parameter gradients) live in cuBLASLt's workspace:
-  // no product runs while a kernel does on the same stream, and its fixed size keeps the sums'
-  // partition, and so their bits, the same from call to call.
-  float* column_scratch() { return static_cast<float*>(workspace_.ref().data); }
-  std::int64_t column_scratch_floats() const { return static_cast<std::int64_t>(workspace_.bytes() / sizeof(float)); }
+  // Kernels' partial sums (the column sums of the bias and LayerNorm gradients, sq_norm_check's) live
+  // in cuBLASLt's workspace: no product runs while a kernel does on the same stream, and its fixed
+  // size keeps the column sums' partition, and so their bits, the same from call to call.
+  template <class T>
+  T* workspace_scratch() {
+    return static_cast<T*>(workspace_.ref().data);
+  }
+  template <class T>
+  std::int64_t workspace_scratch_count() const {
+    return static_cast<std::int64_t>(workspace_.bytes() / sizeof(T));
+  }
   std::array<TypedBuffer, cuda_plan::kSlots>
       operands_;                // 16-bit (or widened) operands of one product: input, weight, gradient
   TypedBuffer att_scratch_;     // [NH,T,T] attention-score gradients of one sequence

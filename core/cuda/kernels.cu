@@ -143,23 +143,28 @@ void crossentropy_finish(float* losses, float* probs, const double* sum_exp, con
   layer::crossentropy_finish(OnStream{stream}, losses, probs, sum_exp, row_max, target_logit, N, V);
 }
 
-void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, std::int64_t t, cudaStream_t stream) {
-  // As core/backend/kernels.hpp: std::pow(float, float), in float, on the host.
+namespace {
+// AdamW's step at 1-based step t, its bias corrections as core/backend/kernels.hpp makes them:
+// std::pow(float, float), in float, on the host.
+loom::math::AdamWStep<float> adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay,
+                                        std::int64_t t) {
   const float bc1 = 1.0f - std::pow(beta1, static_cast<float>(t));
   const float bc2 = 1.0f - std::pow(beta2, static_cast<float>(t));
-  const loom::math::AdamWStep<float> step{lr, beta1, beta2, eps, weight_decay, bc1, bc2};
-  layer::adamw_update(OnStream{stream}, params, m, v, grads, n, step);
+  return loom::math::AdamWStep<float>{lr, beta1, beta2, eps, weight_decay, bc1, bc2};
+}
+}  // namespace
+
+void adamw_update(float* params, float* m, float* v, const float* grads, std::int64_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, std::int64_t t, cudaStream_t stream) {
+  layer::adamw_update(OnStream{stream}, params, m, v, grads, n, adamw_step(lr, beta1, beta2, eps, weight_decay, t));
 }
 
 void adamw_update_slices(float* const* params, float* const* m, float* const* v, const float* const* grads,
                          const std::int64_t* n, const float* wd, int count, float lr, float beta1, float beta2,
                          float eps, std::int64_t t, cudaStream_t stream) {
-  // adamw_update's step (its bias corrections alike); each slice's weight decay comes with it.
-  const float bc1 = 1.0f - std::pow(beta1, static_cast<float>(t));
-  const float bc2 = 1.0f - std::pow(beta2, static_cast<float>(t));
-  const loom::math::AdamWStep<float> step{lr, beta1, beta2, eps, 0.0f, bc1, bc2};
-  layer::adamw_update_slices(OnStream{stream}, params, m, v, grads, n, wd, count, step);
+  // each slice's weight decay comes with it
+  layer::adamw_update_slices(OnStream{stream}, params, m, v, grads, n, wd, count,
+                             adamw_step(lr, beta1, beta2, eps, 0.0f, t));
 }
 
 void cast(void* dst, DType dst_type, const void* src, DType src_type, std::int64_t n, cudaStream_t stream) {
@@ -189,16 +194,8 @@ void fill(void* x, DType type, double value, std::int64_t n, cudaStream_t stream
 
 std::int64_t reduce_scratch_count(std::int64_t n) { return layer::reduce_geometry(n).blocks; }
 
-void sum_squares(double* out, const void* x, DType type, std::int64_t n, double* scratch, cudaStream_t stream) {
-  reduce<layer::ReduceOp::sum_squares>("sum_squares", out, x, type, n, scratch, stream);
-}
-
 void sum(double* out, const void* x, DType type, std::int64_t n, double* scratch, cudaStream_t stream) {
   reduce<layer::ReduceOp::sum>("sum", out, x, type, n, scratch, stream);
-}
-
-void count_nonfinite(double* out, const void* x, DType type, std::int64_t n, double* scratch, cudaStream_t stream) {
-  reduce<layer::ReduceOp::nonfinite>("count_nonfinite", out, x, type, n, scratch, stream);
 }
 
 std::int64_t norm_check_scratch_count(const std::int64_t* n, int count) {

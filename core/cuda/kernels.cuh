@@ -252,28 +252,15 @@ void fill(void* x,  // [n] of type
 // on n, so the same input gives the same bits on every run and every device. n == 0 gives 0.
 std::int64_t reduce_scratch_count(std::int64_t n);  // how many doubles `scratch` must hold (>= 1)
 
-void sum_squares(double* out,    // [1]
-                 const void* x,  // [n] of type
-                 DType type, std::int64_t n,
-                 double* scratch,  // [reduce_scratch_count(n)]
-                 cudaStream_t stream);
-
 void sum(double* out,    // [1]
          const void* x,  // [n] of type
          DType type, std::int64_t n,
          double* scratch,  // [reduce_scratch_count(n)]
          cudaStream_t stream);
 
-// The number of NaN and inf elements.
-void count_nonfinite(double* out,    // [1]
-                     const void* x,  // [n] of type
-                     DType type, std::int64_t n,
-                     double* scratch,  // [reduce_scratch_count(n)]
-                     cudaStream_t stream);
-
-// Backend::sq_norm_check's two reductions over `count` tensors of one type at once: sq[t] is
-// sum_squares of x[t], bad[t] count_nonfinite of it, bit for bit (each tensor keeps its own
-// partition), in two launches per 64 tensors instead of four per tensor.
+// Backend::sq_norm_check's two reductions over `count` tensors of one type at once, as `sum` above
+// reduces (each tensor keeps its own partition): sq[t] the sum of squares of x[t], bad[t] its number
+// of NaN and inf elements; two launches per 64 tensors.
 std::int64_t norm_check_scratch_count(const std::int64_t* n, int count);  // doubles `scratch` must hold
 void norm_check(double* sq,                                               // [count]
                 double* bad,                                              // [count]
@@ -291,7 +278,7 @@ void axpy(float* y,  // [n]
 
 // int8 gradient compression: core/backend/kernels.hpp's int8_absmax, _quantize and _dequantize (Backend::int8_*),
 // bit for bit. int8_absmax writes [chunks + 1] floats, the last the finiteness flag, through a
-// count of the non-finite values into *nonfinite (a device double; scratch as count_nonfinite's).
+// count of the non-finite values into *nonfinite (a device double; scratch as sum's).
 void int8_absmax(float* absmax,   // [chunks + 1]
                  const float* x,  // [n]
                  std::int64_t n, std::int64_t chunk,

@@ -38,36 +38,20 @@ void AdamW::build(const std::vector<ParamInfo>& params, const std::vector<OwnedS
   v_ = be_.allocate("AdamW::v", DType::f32, n, Mem::optimizer);
 }
 
-namespace {
-// b starts where a ends, in the same memory and type.
-bool follows(const BufferRef& a, const BufferRef& b) {
-  return a.space == b.space && a.type == b.type && a.data && b.data &&
-         static_cast<const char*>(a.data) + a.bytes() == static_cast<const char*>(b.data);
-}
-}  // namespace
-
 void AdamW::step(ParamStore& store, double lr) {
   ++t_;
-  // One slice per run of owned slices that lie end to end in the parameters and the gradients (as in
-  // a flat store) with the same weight decay, and one call for all of them (a device updates them in a
-  // few launches): the update is per element, so the bits are those of one adamw_update per slice.
-  std::vector<AdamWSlice> runs;
-  for (std::size_t s = 0; s < owned_.size();) {
-    BufferRef p = store.owned_param(owned_[s]), g = store.owned_grad(owned_[s]);
-    std::size_t e = s + 1;
-    for (; e < owned_.size() && decay_[e] == decay_[s]; ++e) {
-      const BufferRef pe = store.owned_param(owned_[e]), ge = store.owned_grad(owned_[e]);
-      if (!follows(p, pe) || !follows(g, ge)) break;
-      p.count += pe.count;
-      g.count += ge.count;
-    }
-    const std::int64_t n = p.count;
-    runs.push_back({p, m_.ref().slice(slice_offset_[s], n), v_.ref().slice(slice_offset_[s], n), g, n,
-                    static_cast<float>(decay_[s] ? cfg_.weight_decay : 0.0)});
-    s = e;
+  // Every owned slice in one call (a device updates them in a few launches; a default back end slice
+  // by slice): the bits of one adamw_update per slice.
+  std::vector<AdamWSlice> slices;
+  slices.reserve(owned_.size());
+  for (std::size_t s = 0; s < owned_.size(); ++s) {
+    const OwnedSlice& o = owned_[s];
+    slices.push_back({store.owned_param(o), m_.ref().slice(slice_offset_[s], o.size()),
+                      v_.ref().slice(slice_offset_[s], o.size()), store.owned_grad(o), o.size(),
+                      static_cast<float>(decay_[s] ? cfg_.weight_decay : 0.0)});
   }
-  be_.adamw_update_slices(runs, static_cast<float>(lr), static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
-                          static_cast<float>(cfg_.eps), t_);
+  be_.adamw_update_slices(slices, static_cast<float>(lr), static_cast<float>(cfg_.beta1),
+                          static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps), t_);
 }
 
 }  // namespace loom
