@@ -16,6 +16,7 @@ tree's own build (--old-build / --new-build DIR, default build/; not built here,
      old new, new old, ... so drift and warm-up hit both alike), one BLAS thread per rank, each build
      on its own commit's bench/bench.deck (the script says whether the two decks differ):
        single  1 rank, loom run bench.deck (as bench/gpt_vs_torch.py runs loom)
+       bf16    the same with precision.dtype=bf16 (gpt_vs_torch.py's loom bf16 run)
        dp2     mpirun -n 2, parallel.dp=2, per-rank batch 8, data_parallel.bucket_mb=4 (as bench/weak_scaling.py)
        pp2     mpirun -n 2, parallel.pp=2, 1F1B, m = 4 micro-batches (as bench/pipeline.py)
      and reads tokens_per_s (steady state, first step excluded) from each run's summary.json.
@@ -41,9 +42,10 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHES = ("single", "dp2", "pp2")
+BENCHES = ("single", "bf16", "dp2", "pp2")
 DESCRIPTION = {
     "single": "1 rank (gpt_vs_torch.py's loom run)",
+    "bf16": "1 rank, precision.dtype=bf16 (gpt_vs_torch.py's loom bf16 run)",
     "dp2": "dp = 2, per-rank batch 8 (weak_scaling.py)",
     "pp2": "pp = 2, 1F1B, m = 4 (pipeline.py)",
 }
@@ -140,6 +142,8 @@ def bench_cmd(name, build, mpirun, steps, rundir):
     common = ["--set", "train.steps=%d" % steps, "--set", "run.dir=" + rundir]
     if name == "single":
         return [build["loom"], "run", deck] + common
+    if name == "bf16":
+        return [build["loom"], "run", deck, "--set", "precision.dtype=bf16"] + common
     if name == "dp2":
         return [mpirun, "-n", "2", build["loom"], "run", deck, "--set", "parallel.dp=2", "--set", "train.batch=16",
                 "--set", bucket_key(build) + "=4"] + common

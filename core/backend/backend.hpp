@@ -55,6 +55,7 @@ class Backend : public BackendFace {
     bool backward = false;
     BufferRef inp, weight;
     int N = 0, C = 0, OC = 0;
+    DType dout = DType::f32;  // the backward's incoming gradient, as its producer stored it
   };
   struct AttentionShape {
     int B = 0, T = 0, NH = 0;  // NH: this rank's heads
@@ -112,8 +113,13 @@ class Backend : public BackendFace {
   // The products take typed operands: `inp` and `weight` are fp32, rounded to the precision's matmul
   // type here, or already of that type (a 16-bit compute copy of the weights, a saved 16-bit
   // activation), so a run that keeps them in 16 bits is not rounded twice; the gradient `dout` is fp32
-  // (rounded here). Outputs and gradients stay fp32. Throws std::invalid_argument for an operand of
-  // another type.
+  // (rounded here), or 16-bit when matmul_backward has no dbias to sum. Throws std::invalid_argument for
+  // an operand of another type.
+  // Casts fused into the producers: the outputs that are the next product's operand (out of
+  // layernorm_forward, residual_layernorm_forward, matmul_forward_gelu and attention_forward_flash;
+  // dpre of gelu_bias_backward) may be fp32, bf16 or fp16: the kernel computes in fp32 and rounds once
+  // on store, the bits of an fp32 output then cast (and gelu_bias_backward's dbias sums the fp32
+  // values). Every other output and gradient is fp32.
 #define LOOM_DECLARE_OP(ret, name, params, args) virtual ret name params = 0;
   LOOM_BACKEND_OPS(LOOM_DECLARE_OP)
 #undef LOOM_DECLARE_OP

@@ -51,9 +51,11 @@ inline void load_bf16(std::vector<bf16>& dst, const float* src, std::int64_t ld,
       dst[static_cast<std::size_t>(t) * hs + d] = to_bf16(src[static_cast<std::int64_t>(t) * ld + d]);
 }
 
-inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
-                              const float* qkv,        // [B,T,3C]
-                              int B, int T, int C, int NH) {
+// out as OutT: fp32, or bf16/fp16 rounded once (the operand of the output projection's product).
+template <class OutT>
+void attention_forward(OutT* out, float* lse,  // [B,T,C], [B,NH,T]
+                       const float* qkv,       // [B,T,3C]
+                       int B, int T, int C, int NH) {
   const int hs = C / NH;
   const std::int64_t C3 = 3 * static_cast<std::int64_t>(C);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -109,8 +111,8 @@ inline void attention_forward(float* out, float* lse,  // [B,T,C], [B,NH,T]
       }
       for (int r = 0; r < rows; ++r) {
         const int t = q0 + r;
-        float* ot = out + (static_cast<std::int64_t>(b) * T + t) * C + static_cast<std::int64_t>(h) * hs;
-        for (int d = 0; d < hs; ++d) ot[d] = o[static_cast<std::size_t>(r) * hs + d] / l[r];
+        OutT* ot = out + (static_cast<std::int64_t>(b) * T + t) * C + static_cast<std::int64_t>(h) * hs;
+        for (int d = 0; d < hs; ++d) ot[d] = from_acc<OutT>(o[static_cast<std::size_t>(r) * hs + d] / l[r]);
         lse[static_cast<std::int64_t>(bh) * T + t] = m[r] + std::log(l[r]);
       }
     }

@@ -55,6 +55,22 @@ void with_float_type(DType t, const char* op, F&& f) {
   }
 }
 
+// Calls f with a value of the C++ type an fp32 kernel's output may be stored as: fp32, or a 16-bit
+// type (rounded once on store), named by `out`'s DType.
+template <class F>
+void with_output_type(const BufferRef& out, const char* op, F&& f) {
+  switch (out.type) {
+    case DType::f32:
+      return f(float{});
+    case DType::bf16:
+      return f(bf16{});
+    case DType::f16:
+      return f(f16{});
+    default:
+      refuse(std::string(op) + ": the output is " + dtype_name(out.type) + "; fp32, bf16 or fp16 expected");
+  }
+}
+
 class HostBackend final : public Backend {
  public:
   // The threads of OpenBLAS and of oneDNN's OpenMP runtime (core/backend/gemm.hpp).
@@ -97,15 +113,19 @@ class HostBackend final : public Backend {
   void layernorm_forward(BufferRef out, BufferRef mean, BufferRef rstd, BufferRef inp, BufferRef weight, BufferRef bias,
                          int N, int C) override {
     const std::int64_t NC = std::int64_t(N) * C;
-    k::layernorm_forward(out.as<float>(NC), mean.as<float>(N), rstd.as<float>(N), inp.as<const float>(NC),
-                         weight.as<const float>(C), bias.as<const float>(C), N, C);
+    with_output_type(out, "layernorm_forward", [&](auto o) {
+      k::layernorm_forward(out.as<decltype(o)>(NC), mean.as<float>(N), rstd.as<float>(N), inp.as<const float>(NC),
+                           weight.as<const float>(C), bias.as<const float>(C), N, C);
+    });
   }
   void residual_layernorm_forward(BufferRef residual, BufferRef out, BufferRef mean, BufferRef rstd, BufferRef a,
                                   BufferRef b, BufferRef weight, BufferRef bias, int N, int C) override {
     const std::int64_t NC = std::int64_t(N) * C;
-    k::residual_layernorm_forward(residual.as<float>(NC), out.as<float>(NC), mean.as<float>(N), rstd.as<float>(N),
-                                  a.as<const float>(NC), b.as<const float>(NC), weight.as<const float>(C),
-                                  bias.as<const float>(C), N, C);
+    with_output_type(out, "residual_layernorm_forward", [&](auto o) {
+      k::residual_layernorm_forward(residual.as<float>(NC), out.as<decltype(o)>(NC), mean.as<float>(N),
+                                    rstd.as<float>(N), a.as<const float>(NC), b.as<const float>(NC),
+                                    weight.as<const float>(C), bias.as<const float>(C), N, C);
+    });
   }
   void layernorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                           BufferRef weight, BufferRef mean, BufferRef rstd, int N, int C) override {
@@ -137,20 +157,26 @@ class HostBackend final : public Backend {
   void matmul_forward_gelu(BufferRef out, BufferRef pre, BufferRef inp, BufferRef weight, BufferRef bias, int N, int C,
                            int OC) override {
     const std::int64_t NC = std::int64_t(N) * C, WC = std::int64_t(OC) * C, NO = std::int64_t(N) * OC;
-    float* o = out.as<float>(NO);
     float* p = pre.as<float>(NO);
     const float* b = bias.as_optional<const float>(OC);
-    if (precision_.matmul == DType::f32)
-      return k::matmul_forward_gelu(o, p, inp.as<const float>(NC), weight.as<const float>(WC), b, N, C, OC);
-    const void* x = operand16(0, inp, NC);                   // [N,C]
-    const void* w = operand16(1, weight, WC);                // [OC,C]
-    gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, p, OC);  // pre = x W^T
-    k::bias_gelu_forward(o, p, b, N, OC);
+    with_output_type(out, "matmul_forward_gelu", [&](auto type) {
+      using O = decltype(type);
+      O* o = out.as<O>(NO);
+      if (precision_.matmul == DType::f32)
+        return k::matmul_forward_gelu<float, float, O>(o, p, inp.as<const float>(NC), weight.as<const float>(WC), b, N,
+                                                       C, OC);
+      const void* x = operand16(0, inp, NC);                   // [N,C]
+      const void* w = operand16(1, weight, WC);                // [OC,C]
+      gemm16(false, true, N, OC, C, x, C, w, C, 0.0f, p, OC);  // pre = x W^T
+      k::bias_gelu_forward<float, float, O>(o, p, b, N, OC);
+    });
   }
   void gelu_bias_backward(BufferRef dpre, BufferRef dbias, BufferRef pre, BufferRef dout, int N, int OC) override {
     const std::int64_t NO = std::int64_t(N) * OC;
-    k::gelu_bias_backward(dpre.as<float>(NO), dbias.as_optional<float>(OC), pre.as<const float>(NO),
-                          dout.as<const float>(NO), N, OC);
+    with_output_type(dpre, "gelu_bias_backward", [&](auto o) {
+      k::gelu_bias_backward<float, float, decltype(o)>(dpre.as<decltype(o)>(NO), dbias.as_optional<float>(OC),
+                                                       pre.as<const float>(NO), dout.as<const float>(NO), N, OC);
+    });
   }
   void matmul_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                        BufferRef weight, int N, int C, int OC) override {
@@ -158,9 +184,14 @@ class HostBackend final : public Backend {
     float* di = dinp.as<float>(NC);
     float* dw = dweight.as<float>(WC);
     float* db = dbias.as_optional<float>(OC);
-    const float* d = dout.as<const float>(NO);
     if (precision_.matmul == DType::f32)
-      return k::matmul_backward(di, dw, db, d, inp.as<const float>(NC), weight.as<const float>(WC), N, C, OC);
+      return k::matmul_backward(di, dw, db, dout.as<const float>(NO), inp.as<const float>(NC),
+                                weight.as<const float>(WC), N, C, OC);
+    // dout may be 16-bit already (its producer rounded it: gelu_bias_backward), then without a bias.
+    if (db && dout.type != DType::f32)
+      refuse(std::string("matmul_backward: a ") + dtype_name(dout.type) +
+             " dout with a bias gradient (the bias sums fp32 gradients: pass dout in fp32)");
+    const float* d = db ? dout.as<const float>(NO) : nullptr;
     const void* d16 = operand16(0, dout, NO);
     const void* w = operand16(1, weight, WC);                    // [OC,C]
     const void* x = operand16(2, inp, NC);                       // [N,C]
@@ -184,8 +215,10 @@ class HostBackend final : public Backend {
   void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
     require_flash(C / NH);
     const std::int64_t NC = std::int64_t(B) * T * C;
-    k::flash::attention_forward(out.as<float>(NC), lse.as<float>(std::int64_t(B) * NH * T), qkv.as<const float>(3 * NC),
-                                B, T, C, NH);
+    with_output_type(out, "attention_forward_flash", [&](auto o) {
+      k::flash::attention_forward(out.as<decltype(o)>(NC), lse.as<float>(std::int64_t(B) * NH * T),
+                                  qkv.as<const float>(3 * NC), B, T, C, NH);
+    });
   }
   void attention_backward_flash(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
                                 BufferRef lse, int B, int T, int C, int NH) override {
@@ -402,7 +435,7 @@ class HostBackend final : public Backend {
         need(0, c.inp.type, NC);
         need(1, c.weight.type, WC);
       } else {
-        need(0, DType::f32, double(c.N) * c.OC);
+        need(0, c.dout, double(c.N) * c.OC);
         need(1, c.weight.type, WC);
         need(2, c.inp.type, NC);
       }

@@ -13,20 +13,25 @@ namespace loom::isa {
 namespace {
 
 // The table of one copy: every fp32 instance of the loops.
-#define LOOM_ROW_TABLE(NAME)                                       \
-  const RowKernels table = {NAME,                                  \
-                            &layernorm_row<float, float>,          \
-                            &residual_layernorm_row<float, float>, \
-                            &layernorm_dinp_row<float, float>,     \
-                            &layernorm_param_cols<float, float>,   \
-                            &bias_cols<float, float>,              \
-                            &bias_gelu_row<float, float>,          \
-                            &gelu_bias_cols<float, float>,         \
-                            &gelu_span<float, float>,              \
-                            &gelu_backward_span<float, float>,     \
-                            &adamw_span<float, float, float>,      \
-                            &softmax_causal_row<float, float>,     \
-                            &softmax_causal_backward_row<float, float>};
+#define LOOM_ROW_TABLE(NAME)                                             \
+  const RowKernels table = {NAME,                                        \
+                            &layernorm_row<float, float>,                \
+                            &residual_layernorm_row<float, float>,       \
+                            &layernorm_dinp_row<float, float>,           \
+                            &layernorm_param_cols<float, float>,         \
+                            &bias_cols<float, float>,                    \
+                            &bias_gelu_row<float, float>,                \
+                            &gelu_bias_cols<float, float>,               \
+                            &gelu_span<float, float>,                    \
+                            &gelu_backward_span<float, float>,           \
+                            &adamw_span<float, float, float>,            \
+                            &softmax_causal_row<float, float>,           \
+                            &softmax_causal_backward_row<float, float>,  \
+                            &layernorm_row<float, float, bf16>,          \
+                            &residual_layernorm_row<float, float, bf16>, \
+                            &bias_gelu_row<float, float, bf16>,          \
+                            &gelu_bias_cols<float, float, bf16>,         \
+                            &cast_bf16_span<float>};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/backend/kernel_math.hpp"
+#include "core/base/dtype.hpp"
 
 namespace loom::isa {
 
@@ -30,6 +31,14 @@ struct RowKernels {
                      const math::AdamWStep<float>& step);
   void (*softmax_causal_row)(float* row, int t, int T);
   void (*softmax_causal_backward_row)(float* dr, const float* ar, int t, int T);
+  // fp32 arithmetic, a bf16 output (the operand of the next bf16 product), rounded once on store.
+  void (*layernorm_row_bf16)(bf16* o, float& mean, float& rstd, const float* x, const float* w, const float* b, int C);
+  void (*residual_layernorm_row_bf16)(float* r, bf16* o, float& mean, float& rstd, const float* a, const float* b,
+                                      const float* w, const float* bias, int C);
+  void (*bias_gelu_row_bf16)(bf16* o, float* p, const float* bias, int OC);
+  void (*gelu_bias_cols_bf16)(bf16* dpre, float* dbias, const float* pre, const float* dout, int N, int OC, int c0,
+                              int c1);
+  void (*cast_bf16_span)(bf16* out, const float* inp, std::int64_t begin, std::int64_t end);
 };
 
 // The set the kernels run: LOOM_HOST_ISA's, else the best this CPU has.

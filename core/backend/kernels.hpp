@@ -104,6 +104,18 @@ inline void row_loop(const isa::RowKernels* rk, F isa::RowKernels::*fp32, G gene
   else
     generic(std::forward<A>(a)...);
 }
+// The same for a loop whose output is stored as O: an fp32 loop storing fp32 or bf16 runs this CPU's
+// copy (`fp32` or `fp32_bf16`); every other combination (an fp16 output among them) the template.
+template <class T, class Acc, class O, class F, class F16, class G, class... A>
+inline void row_loop_out(const isa::RowKernels* rk, F isa::RowKernels::*fp32, F16 isa::RowKernels::*fp32_bf16,
+                         G generic, A&&... a) {
+  if constexpr (fp32_v<T, Acc> && std::is_same_v<O, float>)
+    (rk->*fp32)(std::forward<A>(a)...);
+  else if constexpr (fp32_v<T, Acc> && std::is_same_v<O, bf16>)
+    (rk->*fp32_bf16)(std::forward<A>(a)...);
+  else
+    generic(std::forward<A>(a)...);
+}
 
 // Sums over rows of a [rows, C] table into C parameter gradients (dbias, LayerNorm's dweight,
 // embedding rows): the columns are cut into blocks, one block a task, so no two tasks write one
@@ -252,24 +264,26 @@ void encoder_backward(T* dwte, T* dwpe,         // [V or V/tp, C] (+=), [T,C] (+
 // ---------------------------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps 1e-5 (as GPT-2 and torch.nn.LayerNorm).
 
-template <class T, class Acc = acc_type_t<T>>
-void layernorm_forward(T* out, Acc* mean, Acc* rstd,                  // [N,C], [N], [N]
+// out is stored as O: T, or a 16-bit type (the operand of the next product), rounded once, the bits
+// of an output of T then cast (the same holds for every O below).
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void layernorm_forward(O* out, Acc* mean, Acc* rstd,                  // [N,C], [N], [N]
                        const T* inp, const T* weight, const T* bias,  // [N,C], [C], [C]
                        int N, int C) {
   static_assert(std::is_floating_point_v<Acc>, "LayerNorm statistics are float or double");
   const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("LayerNorm::forward", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * C;
-    row_loop<T, Acc>(rk, &isa::RowKernels::layernorm_row, rows::layernorm_row<T, Acc>, out + at, mean[n], rstd[n],
-                     inp + at, weight, bias, C);
+    row_loop_out<T, Acc, O>(rk, &isa::RowKernels::layernorm_row, &isa::RowKernels::layernorm_row_bf16,
+                            rows::layernorm_row<T, Acc, O>, out + at, mean[n], rstd[n], inp + at, weight, bias, C);
   });
 }
 
 // residual = a + b, then out = LayerNorm(residual), row by row: the sum is normalised while its row
 // is in cache, where residual_forward and layernorm_forward pass over it twice. The same values as
 // the two, bit for bit (the same arithmetic in the same order).
-template <class T, class Acc = acc_type_t<T>>
-void residual_layernorm_forward(T* residual, T* out, Acc* mean, Acc* rstd,  // [N,C], [N,C], [N], [N]
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void residual_layernorm_forward(T* residual, O* out, Acc* mean, Acc* rstd,  // [N,C], [N,C], [N], [N]
                                 const T* a, const T* b,                     // [N,C], [N,C]
                                 const T* weight, const T* bias,             // [C], [C]
                                 int N, int C) {
@@ -277,8 +291,9 @@ void residual_layernorm_forward(T* residual, T* out, Acc* mean, Acc* rstd,  // [
   const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("ResidualLayerNorm::forward", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * C;
-    row_loop<T, Acc>(rk, &isa::RowKernels::residual_layernorm_row, rows::residual_layernorm_row<T, Acc>, residual + at,
-                     out + at, mean[n], rstd[n], a + at, b + at, weight, bias, C);
+    row_loop_out<T, Acc, O>(rk, &isa::RowKernels::residual_layernorm_row, &isa::RowKernels::residual_layernorm_row_bf16,
+                            rows::residual_layernorm_row<T, Acc, O>, residual + at, out + at, mean[n], rstd[n], a + at,
+                            b + at, weight, bias, C);
   });
 }
 
@@ -425,32 +440,34 @@ void gelu_backward(T* dinp, const T* inp, const T* dout, std::int64_t n) {  // [
 // [N, OC] activation where the unfused ones take two, the same values.
 
 // pre[n, :] += bias, out = gelu(pre), after the product wrote pre (bias may be null).
-template <class T, class Acc = acc_type_t<T>>
-void bias_gelu_forward(T* out, T* pre, const T* bias, int N, int OC) {  // [N,OC], [N,OC] (+= bias), [OC]
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void bias_gelu_forward(O* out, T* pre, const T* bias, int N, int OC) {  // [N,OC], [N,OC] (+= bias), [OC]
   const isa::RowKernels* rk = &isa::active();
   Kokkos::parallel_for("MatmulGELU::bias_gelu", Range(0, N), [=](int n) {
     const std::int64_t at = static_cast<std::int64_t>(n) * OC;
-    row_loop<T, Acc>(rk, &isa::RowKernels::bias_gelu_row, rows::bias_gelu_row<T, Acc>, out + at, pre + at, bias, OC);
+    row_loop_out<T, Acc, O>(rk, &isa::RowKernels::bias_gelu_row, &isa::RowKernels::bias_gelu_row_bf16,
+                            rows::bias_gelu_row<T, Acc, O>, out + at, pre + at, bias, OC);
   });
 }
 
-template <class T, class Acc = acc_type_t<T>>
-void matmul_forward_gelu(T* out, T* pre,                                // [N,OC], [N,OC]
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void matmul_forward_gelu(O* out, T* pre,                                // [N,OC], [N,OC]
                          const T* inp, const T* weight, const T* bias,  // [N,C], [OC,C], [OC] or null
                          int N, int C, int OC) {
   gemm(false, true, N, OC, C, Acc(1), inp, C, weight, C, Acc(0), pre, OC);
-  bias_gelu_forward<T, Acc>(out, pre, bias, N, OC);
+  bias_gelu_forward<T, Acc, O>(out, pre, bias, N, OC);
 }
 
-// dpre = gelu'(pre) dout; dbias += its sums over rows (null: none), by column blocks, rows in order.
-template <class T, class Acc = acc_type_t<T>>
-void gelu_bias_backward(T* dpre, T* dbias,            // [N,OC] (=), [OC] (+=) or null
+// dpre = gelu'(pre) dout, stored as O; dbias += its sums over rows as T (null: none), by column
+// blocks, rows in order.
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void gelu_bias_backward(O* dpre, T* dbias,            // [N,OC] (=), [OC] (+=) or null
                         const T* pre, const T* dout,  // [N,OC], [N,OC]
                         int N, int OC) {
   const isa::RowKernels* rk = &isa::active();
   for_column_blocks("MatmulGELU::backward", OC, [=](int c0, int c1) {
-    row_loop<T, Acc>(rk, &isa::RowKernels::gelu_bias_cols, rows::gelu_bias_cols<T, Acc>, dpre, dbias, pre, dout, N, OC,
-                     c0, c1);
+    row_loop_out<T, Acc, O>(rk, &isa::RowKernels::gelu_bias_cols, &isa::RowKernels::gelu_bias_cols_bf16,
+                            rows::gelu_bias_cols<T, Acc, O>, dpre, dbias, pre, dout, N, OC, c0, c1);
   });
 }
 
@@ -776,6 +793,11 @@ inline D convert(S x) {
 }
 template <class D, class S>
 void cast(D* dst, const S* src, std::int64_t n) {
+  if constexpr (std::is_same_v<D, bf16> && std::is_same_v<S, float>) {  // this CPU's copy of the loop
+    const isa::RowKernels* rk = &isa::active();
+    return for_chunks("Cast", n,
+                      [=](std::int64_t begin, std::int64_t end) { rk->cast_bf16_span(dst, src, begin, end); });
+  }
   for_chunks("Cast", n, [=](std::int64_t begin, std::int64_t end) {
     D* __restrict o = dst;
     const S* __restrict in = src;

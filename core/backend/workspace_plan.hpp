@@ -19,7 +19,8 @@ namespace loom::cuda_plan {
 inline constexpr std::int64_t kCublasLtWorkspaceBytes = 32ll << 20;
 
 // The operand slots of the products: matmul_forward casts inp [N,C] into slot kInp and weight [OC,C]
-// into kWeight; matmul_backward dout [N,OC] into kDout, then weight and inp. Only an operand not
+// into kWeight; matmul_backward dout [N,OC] (fp32, unless its producer stored it 16-bit) into kDout, then
+// weight and inp. Only an operand not
 // already of the products' type (precision.matmul) is cast; a slot grows with the largest call
 // (ensure_capacity makes the larger buffer before it frees the smaller). The generic Backend::matmul
 // uses the slots too, as fp32 copies of 16-bit operands or of a 16-bit out: during a step only
@@ -49,7 +50,7 @@ inline double workspace_bytes(DType matmul, const std::vector<Backend::MatmulCal
   };
   for (const Backend::MatmulCall& c : calls) {
     const double NC = double(c.N) * c.C, WC = double(c.OC) * c.C;
-    if (c.backward) need(kDout, DType::f32, double(c.N) * c.OC);  // dout is fp32 (the gradients')
+    if (c.backward) need(kDout, c.dout, double(c.N) * c.OC);
     if (!c.backward) need(kInp, c.inp.type, NC);
     need(kWeight, c.weight.type, WC);
     if (c.backward) need(kInp, c.inp.type, NC);

@@ -61,9 +61,10 @@ inline float to_float(bf16 x) {
 inline bf16 to_bf16(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<std::uint16_t>((u >> 16) | 0x40u)};  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return bf16{static_cast<std::uint16_t>(u >> 16)};
+  // Both results computed, one selected: no branch, so a loop of conversions vectorises.
+  const std::uint32_t nan = (u >> 16) | 0x40u;                           // NaN stays NaN
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  return bf16{static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
 }
 float to_float(f16 x);
 f16 to_f16(float f);  // round to nearest even; overflow gives inf, as a GPU's conversion does

@@ -251,16 +251,18 @@ class CudaBackend final : public Backend {
                          int N, int C) override {
     Timed timed(this, "layernorm_forward");
     const std::int64_t NC = std::int64_t(N) * C;
-    cuda::layernorm_forward(dev<float>(out, NC), dev<float>(mean, N), dev<float>(rstd, N), dev<const float>(inp, NC),
+    const BufferRef o = output(out, NC, "layernorm_forward");
+    cuda::layernorm_forward(o.data, o.type, dev<float>(mean, N), dev<float>(rstd, N), dev<const float>(inp, NC),
                             dev<const float>(weight, C), dev<const float>(bias, C), N, C, stream_);
   }
   void residual_layernorm_forward(BufferRef residual, BufferRef out, BufferRef mean, BufferRef rstd, BufferRef a,
                                   BufferRef b, BufferRef weight, BufferRef bias, int N, int C) override {
     Timed timed(this, "residual_layernorm_forward");
     const std::int64_t NC = std::int64_t(N) * C;
-    cuda::residual_layernorm_forward(dev<float>(residual, NC), dev<float>(out, NC), dev<float>(mean, N),
-                                     dev<float>(rstd, N), dev<const float>(a, NC), dev<const float>(b, NC),
-                                     dev<const float>(weight, C), dev<const float>(bias, C), N, C, stream_);
+    const BufferRef o = output(out, NC, "residual_layernorm_forward");
+    cuda::residual_layernorm_forward(dev<float>(residual, NC), o.data, o.type, dev<float>(mean, N), dev<float>(rstd, N),
+                                     dev<const float>(a, NC), dev<const float>(b, NC), dev<const float>(weight, C),
+                                     dev<const float>(bias, C), N, C, stream_);
   }
   void layernorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dbias, BufferRef dout, BufferRef inp,
                           BufferRef weight, BufferRef mean, BufferRef rstd, int N, int C) override {
@@ -301,12 +303,14 @@ class CudaBackend final : public Backend {
     matmul_forward(pre, inp, weight, bias, N, C, OC);
     Timed timed(this, "gelu_forward", N, OC);
     const std::int64_t n = std::int64_t(N) * OC;
-    cuda::gelu_forward(dev<float>(out, n), dev<const float>(pre, n), n, stream_);
+    const BufferRef o = output(out, n, "matmul_forward_gelu");
+    cuda::gelu_forward(o.data, o.type, dev<const float>(pre, n), n, stream_);
   }
   void gelu_bias_backward(BufferRef dpre, BufferRef dbias, BufferRef pre, BufferRef dout, int N, int OC) override {
     Timed timed(this, "gelu_bias_backward", N, OC);
     const std::int64_t n = std::int64_t(N) * OC;
-    cuda::gelu_bias_backward(dev<float>(dpre, n), dev_optional<float>(dbias, OC), dev<const float>(pre, n),
+    const BufferRef o = output(dpre, n, "gelu_bias_backward");
+    cuda::gelu_bias_backward(o.data, o.type, dev_optional<float>(dbias, OC), dev<const float>(pre, n),
                              dev<const float>(dout, n), N, OC, workspace_scratch<float>(),
                              workspace_scratch_count<float>(), stream_);
   }
@@ -316,7 +320,11 @@ class CudaBackend final : public Backend {
     float* di = dev<float>(dinp, std::int64_t(N) * C);
     float* dw = dev<float>(dweight, std::int64_t(OC) * C);
     float* db = dev_optional<float>(dbias, OC);
-    const float* dout32 = dev<const float>(dout, std::int64_t(N) * OC);
+    // dout may be 16-bit already (its producer rounded it: gelu_bias_backward), then without a bias.
+    if (db && dout.type != DType::f32)
+      refuse(std::string("matmul_backward: a ") + dtype_name(dout.type) +
+             " dout with a bias gradient (the bias sums fp32 gradients: pass dout in fp32)");
+    const float* dout32 = db ? dev<const float>(dout, std::int64_t(N) * OC) : nullptr;
     const BufferRef d = operand(cuda_plan::kDout, dout, static_cast<std::int64_t>(N) * OC);      // [N,OC]
     const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
     const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
@@ -434,7 +442,7 @@ class CudaBackend final : public Backend {
   void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
     Timed timed(this, "attention_forward_flash", B * T, C, NH);
     const std::int64_t NC = std::int64_t(B) * T * C;
-    cuda::attention_forward_flash(dev<float>(out, NC), dev<float>(lse, std::int64_t(B) * NH * T),
+    cuda::attention_forward_flash(output(out, NC, "attention_forward_flash"), dev<float>(lse, std::int64_t(B) * NH * T),
                                   dev<const float>(qkv, 3 * NC), B, T, C, NH, stream_);
   }
   void attention_backward_flash(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
@@ -448,7 +456,7 @@ class CudaBackend final : public Backend {
   }
   void gelu_forward(BufferRef out, BufferRef inp, std::int64_t n) override {
     Timed timed(this, "gelu_forward");
-    cuda::gelu_forward(dev<float>(out, n), dev<const float>(inp, n), n, stream_);
+    cuda::gelu_forward(dev<float>(out, n), DType::f32, dev<const float>(inp, n), n, stream_);
   }
   void gelu_backward(BufferRef dinp, BufferRef inp, BufferRef dout, std::int64_t n) override {
     Timed timed(this, "gelu_backward");
@@ -697,6 +705,17 @@ class CudaBackend final : public Backend {
     double v = 0;
     copy_to_host(&v, BufferRef(norm_out_.data<double>(), 1, MemSpace::device));
     return v;
+  }
+
+  // An fp32 kernel's output of n elements, stored as fp32, bf16 or fp16 (rounded once on store).
+  BufferRef output(BufferRef out, std::int64_t n, const char* op) {
+    require_device(out, op, "out");
+    if (out.type != DType::f32 && out.type != DType::bf16 && out.type != DType::f16)
+      refuse(std::string(op) + ": the output is " + dtype_name(out.type) + "; fp32, bf16 or fp16 expected");
+    if (out.count < n)
+      refuse(std::string(op) + ": the output holds " + std::to_string(out.count) + " elements, " + std::to_string(n) +
+             " needed");
+    return BufferRef(out.data, out.type, n, MemSpace::device);
   }
 
   // The first n elements of `src` as a matrix-product operand in the run's precision: fp32 as it is

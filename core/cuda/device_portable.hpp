@@ -30,6 +30,10 @@ LOOM_DEVICE int grid_y() { return static_cast<int>(gridDim.y); }
 LOOM_DEVICE float as_float(float f) { return f; }
 LOOM_DEVICE float as_float(bf16_t b) { return __bfloat162float(b); }
 LOOM_DEVICE float as_float(f16_t h) { return __half2float(h); }
+// *p = v in p's type (16 bits: rounded to nearest even).
+LOOM_DEVICE void store_as(float* p, float v) { *p = v; }
+LOOM_DEVICE void store_as(bf16_t* p, float v) { *p = __float2bfloat16_rn(v); }
+LOOM_DEVICE void store_as(f16_t* p, float v) { *p = __float2half_rn(v); }
 LOOM_DEVICE void sync_block() { __syncthreads(); }
 LOOM_DEVICE void sync_warp() { __syncwarp(); }
 template <class T>
@@ -107,6 +111,9 @@ inline int grid_y() { return static_cast<int>(cuda_emu::grid_dim().y); }
 inline float as_float(float f) { return f; }
 inline float as_float(bf16_t b) { return loom::to_float(b); }
 inline float as_float(f16_t h) { return loom::to_float(h); }
+inline void store_as(float* p, float v) { *p = v; }
+inline void store_as(bf16_t* p, float v) { *p = loom::to_bf16(v); }
+inline void store_as(f16_t* p, float v) { *p = loom::to_f16(v); }
 inline void sync_block() { cuda_emu::sync_block(); }
 inline void sync_warp() { cuda_emu::sync_warp(); }
 template <class T>

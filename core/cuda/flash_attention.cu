@@ -22,11 +22,27 @@ dim3 tile_grid(int B, int T, int NH) {
   return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(tiles));
 }
 
-template <int HS>
-void forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+template <int HS, class OutT>
+void forward(OutT* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   OnStream{stream}("attention_forward_kernel", tile_grid(B, T, NH), flash::kThreads, flash::forward_smem_bytes<HS>(),
-                   flash::attention_forward_kernel<HS>, out, lse, qkv, T, C, NH, scale);
+                   flash::attention_forward_kernel<HS, OutT>, out, lse, qkv, T, C, NH, scale);
+}
+
+template <class OutT>
+void forward_typed(OutT* out, float* lse, const float* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+  switch (C / NH) {
+    case 16:
+      return forward<16>(out, lse, qkv, B, T, C, NH, stream);
+    case 32:
+      return forward<32>(out, lse, qkv, B, T, C, NH, stream);
+    case 64:
+      return forward<64>(out, lse, qkv, B, T, C, NH, stream);
+    case 128:
+      return forward<128>(out, lse, qkv, B, T, C, NH, stream);
+    default:
+      throw std::invalid_argument("fused attention: head size " + std::to_string(C / NH) + " is not 16, 32, 64 or 128");
+  }
 }
 
 template <int HS>
@@ -83,21 +99,17 @@ bool flash_attention_supported(int hs, std::size_t max_shared_bytes) {
   return flash::head_size_supported(hs) && flash_attention_shared_bytes(hs) <= max_shared_bytes;
 }
 
-void attention_forward_flash(float* out, float* lse, const float* qkv, int B, int T, int C, int NH,
+void attention_forward_flash(BufferRef out, float* lse, const float* qkv, int B, int T, int C, int NH,
                              cudaStream_t stream) {
   if (B <= 0 || T <= 0 || NH <= 0) return;  // nothing to attend to (an empty grid would fail to launch)
-  switch (C / NH) {
-    case 16:
-      return forward<16>(out, lse, qkv, B, T, C, NH, stream);
-    case 32:
-      return forward<32>(out, lse, qkv, B, T, C, NH, stream);
-    case 64:
-      return forward<64>(out, lse, qkv, B, T, C, NH, stream);
-    case 128:
-      return forward<128>(out, lse, qkv, B, T, C, NH, stream);
-    default:
-      throw std::invalid_argument("fused attention: head size " + std::to_string(C / NH) + " is not 16, 32, 64 or 128");
-  }
+  if (out.type == DType::f32)
+    forward_typed(out.as<float>(), lse, qkv, B, T, C, NH, stream);
+  else if (out.type == DType::bf16)
+    forward_typed(reinterpret_cast<__nv_bfloat16*>(out.data), lse, qkv, B, T, C, NH, stream);
+  else if (out.type == DType::f16)
+    forward_typed(reinterpret_cast<__half*>(out.data), lse, qkv, B, T, C, NH, stream);
+  else
+    throw std::invalid_argument("fused attention forward: the output must be fp32, bf16 or fp16");
 }
 
 void attention_backward_flash(float* dqkv, float* dsum, const float* dout, BufferRef out, const float* qkv,

@@ -360,9 +360,10 @@ LOOM_DEVICE int last_tile_first() { return dev::grid_y() - 1 - dev::block_y(); }
 // Forward. Grid (B*NH, ceil(T/64)) (heads on x, whose limit is 2^31 - 1), 128 threads, forward_smem_bytes<HS>() of
 // dynamic shared memory.
 
-template <int HS>
-LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [B,NH,T]
-                                          const float* qkv,        // [B,T,3C]
+// out: fp32, or bf16/fp16 (OutT: the output projection's operand) rounded once on store.
+template <int HS, class OutT = float>
+LOOM_KERNEL void attention_forward_kernel(OutT* out, float* lse,  // [B,T,C], [B,NH,T]
+                                          const float* qkv,       // [B,T,3C]
                                           int T, int C, int NH, float scale) {
   using S = Strides<HS>;
   ForwardSmem<HS> sm(dev::shared_memory<unsigned char>());
@@ -416,10 +417,10 @@ LOOM_KERNEL void attention_forward_kernel(float* out, float* lse,  // [B,T,C], [
     product_nn_add<HS>(sm.o + warp * 16 * S::f, sm.p + warp * 16 * S::p, sm.v);
   }
   dev::sync_block();
-  float* out_b = out + static_cast<std::int64_t>(b) * T * C + h * HS;
+  OutT* out_b = out + static_cast<std::int64_t>(b) * T * C + h * HS;
   for (int i = tid; i < kRows * HS; i += kThreads) {
     const int rr = i / HS, d = i % HS, tt = q0 + rr;
-    if (tt < T) out_b[static_cast<std::int64_t>(tt) * C + d] = sm.o[rr * S::f + d] / sm.l[rr];
+    if (tt < T) dev::store_as(out_b + static_cast<std::int64_t>(tt) * C + d, sm.o[rr * S::f + d] / sm.l[rr]);
   }
   for (int rr = tid; rr < kRows; rr += kThreads)
     if (q0 + rr < T) lse[static_cast<std::int64_t>(bh) * T + q0 + rr] = sm.m[rr] + logf(sm.l[rr]);

@@ -40,6 +40,23 @@ void with_float_type(DType t, const char* op, F&& f) {
   throw std::invalid_argument(std::string("loom::cuda::") + op + ": unsupported dtype " + dtype_name(t));
 }
 
+// Calls f(TypeTag<t>{}) for the types an fp32 kernel's output may be stored as: fp32, bf16, fp16.
+template <class F>
+void with_output_type(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::f32:
+      return f(TypeTag<DType::f32>{});
+    case DType::bf16:
+      return f(TypeTag<DType::bf16>{});
+    case DType::f16:
+      return f(TypeTag<DType::f16>{});
+    default:
+      break;
+  }
+  throw std::invalid_argument(std::string("loom::cuda::") + op + ": the output is " + dtype_name(t) +
+                              "; fp32, bf16 or fp16 expected");
+}
+
 template <layer::ReduceOp Op>
 void reduce(const char* op, double* out, const void* x, DType type, std::int64_t n, double* scratch,
             cudaStream_t stream) {
@@ -61,14 +78,23 @@ void encoder_backward(float* dwte, float* dwpe, const float* dout, const std::in
   layer::encoder_backward(OnStream{stream}, dwte, dwpe, dout, inp, B, T, C, vocab_begin, vocab_end);
 }
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
-                       int N, int C, cudaStream_t stream) {
-  layer::layernorm_forward(OnStream{stream}, out, mean, rstd, inp, weight, bias, N, C);
+void layernorm_forward(void* out, DType out_type, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int N, int C, cudaStream_t stream) {
+  with_output_type(out_type, "layernorm_forward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::layernorm_forward<O>(OnStream{stream}, static_cast<layer::storage_t<O>*>(out), mean, rstd, inp, weight, bias,
+                                N, C);
+  });
 }
 
-void residual_layernorm_forward(float* residual, float* out, float* mean, float* rstd, const float* a, const float* b,
-                                const float* weight, const float* bias, int N, int C, cudaStream_t stream) {
-  layer::residual_layernorm_forward(OnStream{stream}, residual, out, mean, rstd, a, b, weight, bias, N, C);
+void residual_layernorm_forward(float* residual, void* out, DType out_type, float* mean, float* rstd, const float* a,
+                                const float* b, const float* weight, const float* bias, int N, int C,
+                                cudaStream_t stream) {
+  with_output_type(out_type, "residual_layernorm_forward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::residual_layernorm_forward<O>(OnStream{stream}, residual, static_cast<layer::storage_t<O>*>(out), mean, rstd,
+                                         a, b, weight, bias, N, C);
+  });
 }
 
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -95,17 +121,24 @@ void softmax_causal_backward(float* datt, const float* att, int rows, int T, cud
   layer::softmax_causal_backward(OnStream{stream}, datt, att, rows, T);
 }
 
-void gelu_forward(float* out, const float* inp, std::int64_t n, cudaStream_t stream) {
-  layer::gelu_forward(OnStream{stream}, out, inp, n);
+void gelu_forward(void* out, DType out_type, const float* inp, std::int64_t n, cudaStream_t stream) {
+  with_output_type(out_type, "gelu_forward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::gelu_forward<O>(OnStream{stream}, static_cast<layer::storage_t<O>*>(out), inp, n);
+  });
 }
 
 void gelu_backward(float* dinp, const float* inp, const float* dout, std::int64_t n, cudaStream_t stream) {
   layer::gelu_backward(OnStream{stream}, dinp, inp, dout, n);
 }
 
-void gelu_bias_backward(float* dpre, float* dbias, const float* pre, const float* dout, int N, int OC, float* scratch,
-                        std::int64_t scratch_floats, cudaStream_t stream) {
-  layer::gelu_bias_backward(OnStream{stream}, dpre, dbias, pre, dout, N, OC, scratch, scratch_floats);
+void gelu_bias_backward(void* dpre, DType dpre_type, float* dbias, const float* pre, const float* dout, int N, int OC,
+                        float* scratch, std::int64_t scratch_floats, cudaStream_t stream) {
+  with_output_type(dpre_type, "gelu_bias_backward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::gelu_bias_backward<O>(OnStream{stream}, static_cast<layer::storage_t<O>*>(dpre), dbias, pre, dout, N, OC,
+                                 scratch, scratch_floats);
+  });
 }
 
 void residual_forward(float* out, const float* a, const float* b, std::int64_t n, cudaStream_t stream) {

@@ -54,9 +54,11 @@ void encoder_backward(float* dwte,              // [V_local,C] (+=)
 
 // ---------------------------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps 1e-5. One warp per row; two-pass mean and (biased)
-// variance in float.
+// variance in float. The output is stored as out_type: fp32, or bf16 or fp16 (the next product's
+// operand under mixed precision), rounded once: the bits of an fp32 output then cast.
 
-void layernorm_forward(float* out,           // [N,C]
+void layernorm_forward(void* out,            // [N,C] of out_type
+                       DType out_type,       //
                        float* mean,          // [N]
                        float* rstd,          // [N]
                        const float* inp,     // [N,C]
@@ -67,7 +69,8 @@ void layernorm_forward(float* out,           // [N,C]
 // residual = a + b, then out = LayerNorm(residual): residual_forward then layernorm_forward, bit for
 // bit, in one kernel.
 void residual_layernorm_forward(float* residual,      // [N,C]
-                                float* out,           // [N,C]
+                                void* out,            // [N,C] of out_type
+                                DType out_type,       //
                                 float* mean,          // [N]
                                 float* rstd,          // [N]
                                 const float* a,       // [N,C]
@@ -128,7 +131,8 @@ bool flash_attention_supported(int hs, std::size_t max_shared_bytes);
 // below 80 (CMAKE_CUDA_ARCHITECTURES without 80 or newer) their tensor-core products trap.
 int flash_attention_built_arch();
 
-void attention_forward_flash(float* out,        // [B,T,C]
+// out: fp32, or bf16 or fp16 (the output projection's operand under mixed precision), rounded once.
+void attention_forward_flash(BufferRef out,     // [B,T,C]
                              float* lse,        // [B,NH,T]
                              const float* qkv,  // [B,T,3C]
                              int B, int T, int C, int NH, cudaStream_t stream);
@@ -146,7 +150,9 @@ void attention_backward_flash(float* dqkv,        // [B,T,3C] (=)
 // ---------------------------------------------------------------------------------------------
 // GELU (tanh approximation) and the residual add, elementwise.
 
-void gelu_forward(float* out,        // [n]
+// out stored as out_type (fp32, bf16 or fp16; rounded once).
+void gelu_forward(void* out,         // [n] of out_type
+                  DType out_type,    //
                   const float* inp,  // [n]
                   std::int64_t n, cudaStream_t stream);
 
@@ -155,8 +161,10 @@ void gelu_backward(float* dinp,        // [n] (=)
                    const float* dout,  // [n]
                    std::int64_t n, cudaStream_t stream);
 
-// dpre = gelu'(pre) dout; dbias[j] += sum_n dpre[n,j] (dbias may be null): one pass, fixed order.
-void gelu_bias_backward(float* dpre,        // [N,OC] (=)
+// dpre = gelu'(pre) dout, stored as dpre_type (fp32, bf16 or fp16: the next product's operand);
+// dbias[j] += sum_n dpre[n,j] over the fp32 values (dbias may be null): one pass, fixed order.
+void gelu_bias_backward(void* dpre,         // [N,OC] (=) of dpre_type
+                        DType dpre_type,    //
                         float* dbias,       // [OC] (+=) or null
                         const float* pre,   // [N,OC]
                         const float* dout,  // [N,OC]

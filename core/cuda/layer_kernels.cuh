@@ -46,6 +46,56 @@ constexpr unsigned kReduceThreads = 256;
 constexpr unsigned kReduceMaxBlocks = 1024;
 
 // ---------------------------------------------------------------------------------------------
+// Typed storage: what a DType holds on the device, its compute type, and the exact load / rounded
+// store between them (the device side of to_acc / from_acc in core/base/dtype.hpp).
+
+template <DType D>
+struct Storage;
+template <>
+struct Storage<DType::f32> {
+  using type = float;
+  using compute = float;
+  LOOM_DEVICE static float load(float x) { return x; }
+  LOOM_DEVICE static float store(float x) { return x; }
+};
+template <>
+struct Storage<DType::f64> {
+  using type = double;
+  using compute = double;
+  LOOM_DEVICE static double load(double x) { return x; }
+  LOOM_DEVICE static double store(double x) { return x; }
+};
+template <>
+struct Storage<DType::bf16> {
+  using type = std::uint16_t;
+  using compute = float;
+  LOOM_DEVICE static float load(std::uint16_t bits) { return math::bf16_value(bits); }
+  LOOM_DEVICE static std::uint16_t store(float x) { return math::bf16_bits(x); }  // RNE, NaN kept
+};
+template <>
+struct Storage<DType::f16> {
+  using type = std::uint16_t;
+  using compute = float;
+  LOOM_DEVICE static float load(std::uint16_t bits) { return dev::f16_bits_to_float(bits); }
+  LOOM_DEVICE static std::uint16_t store(float x) { return dev::float_to_f16_bits(x); }  // RNE, inf on overflow
+};
+
+template <DType D>
+using storage_t = typename Storage<D>::type;
+template <DType D>
+using compute_t = typename Storage<D>::compute;
+
+// Four computed values stored as D at p (16-byte aligned for fp32, 8-byte for 16 bits): one store
+// instruction, each value rounded as Storage<D>::store singly.
+template <DType D>
+LOOM_DEVICE void store4(storage_t<D>* p, dev::float4 v) {
+  if constexpr (D == DType::f32)
+    dev::store_float4(p, v);
+  else
+    dev::store_u16x4(p, Storage<D>::store(v.x), Storage<D>::store(v.y), Storage<D>::store(v.z), Storage<D>::store(v.w));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Device helpers.
 
 // threadIdx.x, blockDim.x, blockIdx.x and gridDim.x, unsigned as CUDA's are: a loop written
@@ -190,8 +240,10 @@ void encoder_backward(Launch&& launch, float* dwte, float* dwpe, const float* do
 
 // One warp per row: mean, then the sum of squared deviations (two passes, as the host), then the
 // normalised output. The row is re-read from L1/L2 rather than held in registers (C is runtime).
-// Each lane reads columns lane, lane + 32, ...: the ones it wrote, where a fused kernel wrote x.
-LOOM_DEVICE void layernorm_row(float* o, float* mean, float* rstd, const float* x, const float* weight,
+// Each lane reads columns lane, lane + 32, ...: the ones it wrote, where a fused kernel wrote x. The
+// output is stored as O (a 16-bit O rounded once: the bits of an fp32 output then cast).
+template <DType O>
+LOOM_DEVICE void layernorm_row(storage_t<O>* o, float* mean, float* rstd, const float* x, const float* weight,
                                const float* bias, int C, int lane) {
   float s = 0.0f;
   for (int c = lane; c < C; c += kWarp) s += x[c];
@@ -202,14 +254,15 @@ LOOM_DEVICE void layernorm_row(float* o, float* mean, float* rstd, const float* 
     v += xc * xc;
   }
   const float r = math::layernorm_rstd(warp_reduce(v, SumOp{}) / static_cast<float>(C));
-  for (int c = lane; c < C; c += kWarp) o[c] = math::layernorm_out(x[c], m, r, weight[c], bias[c]);
+  for (int c = lane; c < C; c += kWarp) o[c] = Storage<O>::store(math::layernorm_out(x[c], m, r, weight[c], bias[c]));
   if (lane == 0) {
     *mean = m;
     *rstd = r;
   }
 }
 
-LOOM_KERNEL void layernorm_forward_kernel(float* out,           // [N,C]
+template <DType O>
+LOOM_KERNEL void layernorm_forward_kernel(storage_t<O>* out,    // [N,C]
                                           float* mean,          // [N]
                                           float* rstd,          // [N]
                                           const float* inp,     // [N,C]
@@ -218,14 +271,15 @@ LOOM_KERNEL void layernorm_forward_kernel(float* out,           // [N,C]
                                           int N, int C) {
   const int lane = lane_id();
   for (std::int64_t n = global_warp(); n < N; n += grid_warps())
-    layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C, lane);
+    layernorm_row<O>(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C, lane);
 }
 
 // residual = a + b, then LayerNorm of it, one warp per row: each lane writes its columns of the sum
 // and reads them back in layernorm_row (its own writes: no synchronisation), so the values are those
 // of residual_forward_kernel then layernorm_forward_kernel, bit for bit, in one pass fewer.
+template <DType O>
 LOOM_KERNEL void residual_layernorm_forward_kernel(float* residual,      // [N,C]
-                                                   float* out,           // [N,C]
+                                                   storage_t<O>* out,    // [N,C]
                                                    float* mean,          // [N]
                                                    float* rstd,          // [N]
                                                    const float* a,       // [N,C]
@@ -239,7 +293,7 @@ LOOM_KERNEL void residual_layernorm_forward_kernel(float* residual,      // [N,C
     const float* x = a + n * C;
     const float* y = b + n * C;
     for (int c = lane; c < C; c += kWarp) r[c] = x[c] + y[c];
-    layernorm_row(out + n * C, mean + n, rstd + n, r, weight, bias, C, lane);
+    layernorm_row<O>(out + n * C, mean + n, rstd + n, r, weight, bias, C, lane);
   }
 }
 
@@ -300,13 +354,14 @@ inline std::int64_t column_scratch_floats(int N, int OC, int sums) {
 enum class ColumnSum { bias, gelu_bias, layernorm };
 
 // partials[chunk][s][OC]: s = 0 the sums of dout (or dpre), s = 1 (layernorm) those of xhat * dout.
-template <ColumnSum Mode>
-LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) column_partials_kernel(float* partials,    // [chunks, sums, OC]
-                                                                        float* dpre,        // [N,OC] (=), gelu_bias
-                                                                        const float* dout,  // [N,OC]
-                                                                        const float* x,     // [N,OC] pre or inp
-                                                                        const float* mean,  // [N], layernorm
-                                                                        const float* rstd,  // [N], layernorm
+// dpre is stored as O; the sums add the fp32 values.
+template <ColumnSum Mode, DType O = DType::f32>
+LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) column_partials_kernel(float* partials,     // [chunks, sums, OC]
+                                                                        storage_t<O>* dpre,  // [N,OC] (=), gelu_bias
+                                                                        const float* dout,   // [N,OC]
+                                                                        const float* x,      // [N,OC] pre or inp
+                                                                        const float* mean,   // [N], layernorm
+                                                                        const float* rstd,   // [N], layernorm
                                                                         int N, int OC, int chunk_rows, int chunks) {
   constexpr int sums = Mode == ColumnSum::layernorm ? 2 : 1;
   LOOM_SHARED_ARRAY(float, s0, kColThreads);
@@ -326,7 +381,7 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) column_partials_kernel(float* p
         float v = dout[i];
         if constexpr (Mode == ColumnSum::gelu_bias) {
           v = math::gelu_backward(x[i], v);
-          dpre[i] = v;
+          dpre[i] = Storage<O>::store(v);
         }
         a0 += v;
         if constexpr (Mode == ColumnSum::layernorm) a1 += (x[i] - mean[n]) * rstd[n] * v;
@@ -368,8 +423,8 @@ LOOM_KERNEL void column_finish_kernel(float* out0,            // [OC] (+=)
 }
 
 // The two passes; scratch holds scratch_floats floats, at least sums x OC (one chunk).
-template <ColumnSum Mode, class Launch>
-void column_sums(Launch&& launch, const char* name, float* out0, float* out1, float* dpre, const float* dout,
+template <ColumnSum Mode, DType O = DType::f32, class Launch>
+void column_sums(Launch&& launch, const char* name, float* out0, float* out1, storage_t<O>* dpre, const float* dout,
                  const float* x, const float* mean, const float* rstd, int N, int OC, float* scratch,
                  std::int64_t scratch_floats) {
   constexpr int sums = Mode == ColumnSum::layernorm ? 2 : 1;
@@ -380,29 +435,30 @@ void column_sums(Launch&& launch, const char* name, float* out0, float* out1, fl
   const ColumnChunks cc = column_chunks(N, OC, sums, scratch_floats);
   const std::int64_t tiles = (static_cast<std::int64_t>(OC) + kColTile - 1) / kColTile;
   const LaunchGeometry g = rows_per_block_geometry(tiles * cc.chunks, kColThreads);
-  launch(name, g.blocks, g.threads, 0, column_partials_kernel<Mode>, scratch, dpre, dout, x, mean, rstd, N, OC, cc.rows,
-         cc.chunks);
+  launch(name, g.blocks, g.threads, 0, column_partials_kernel<Mode, O>, scratch, dpre, dout, x, mean, rstd, N, OC,
+         cc.rows, cc.chunks);
   const LaunchGeometry f = elementwise_geometry(OC, kThreads);
   launch("column_finish_kernel", f.blocks, f.threads, 0, column_finish_kernel, out0, out1,
          static_cast<const float*>(scratch), OC, sums, cc.chunks);
 }
 
-template <class Launch>
-void layernorm_forward(Launch&& launch, float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int N, int C) {
+// out stored as O (fp32 by default; bf16 or fp16, the next product's operand, rounded once).
+template <DType O = DType::f32, class Launch>
+void layernorm_forward(Launch&& launch, storage_t<O>* out, float* mean, float* rstd, const float* inp,
+                       const float* weight, const float* bias, int N, int C) {
   if (N <= 0) return;
   const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
-  launch("layernorm_forward_kernel", g.blocks, g.threads, 0, layernorm_forward_kernel, out, mean, rstd, inp, weight,
+  launch("layernorm_forward_kernel", g.blocks, g.threads, 0, layernorm_forward_kernel<O>, out, mean, rstd, inp, weight,
          bias, N, C);
 }
 
-template <class Launch>
-void residual_layernorm_forward(Launch&& launch, float* residual, float* out, float* mean, float* rstd, const float* a,
-                                const float* b, const float* weight, const float* bias, int N, int C) {
+template <DType O = DType::f32, class Launch>
+void residual_layernorm_forward(Launch&& launch, float* residual, storage_t<O>* out, float* mean, float* rstd,
+                                const float* a, const float* b, const float* weight, const float* bias, int N, int C) {
   if (N <= 0) return;
   const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
-  launch("residual_layernorm_forward_kernel", g.blocks, g.threads, 0, residual_layernorm_forward_kernel, residual, out,
-         mean, rstd, a, b, weight, bias, N, C);
+  launch("residual_layernorm_forward_kernel", g.blocks, g.threads, 0, residual_layernorm_forward_kernel<O>, residual,
+         out, mean, rstd, a, b, weight, bias, N, C);
 }
 
 // scratch: column_sums' (the parameters' partial sums), 2 x C floats at least.
@@ -501,48 +557,56 @@ void softmax_causal_backward(Launch&& launch, float* datt, const float* att, int
 
 // ---------------------------------------------------------------------------------------------
 // Elementwise: GELU, residual. No __restrict__: callers may run them in place (each thread reads its
-// elements before it writes them). With Vec4 (every pointer 16-byte aligned) a thread takes four
-// elements at a time, one 16-byte load per operand and one store: a quarter of the memory
-// instructions, the same per-element arithmetic and so the same bits; the n % 4 last ones singly.
+// elements before it writes them). With Vec4 (every fp32 pointer 16-byte aligned, a 16-bit output
+// 8-byte aligned) a thread takes four elements at a time, one 16-byte load per operand and one
+// store: a quarter of the memory instructions, the same per-element arithmetic and so the same bits;
+// the n % 4 last ones singly. GELU's output may be stored as O (bf16 or fp16: the next product's
+// operand, rounded once).
 
 inline bool aligned16(const void* p) {  // host side: picks the kernel
   return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
 }
+// Whether four elements of type D at p can be stored at once (store4).
+template <DType D>
+inline bool aligned_store4(const void* p) {
+  return (reinterpret_cast<std::uintptr_t>(p) & (D == DType::f32 ? 15u : 7u)) == 0;
+}
 
-template <bool Vec4>
-LOOM_KERNEL void gelu_forward_kernel(float* out,        // [n]
-                                     const float* inp,  // [n]
+template <DType O, bool Vec4>
+LOOM_KERNEL void gelu_forward_kernel(storage_t<O>* out,  // [n]
+                                     const float* inp,   // [n]
                                      std::int64_t n) {
   std::int64_t begin = 0;
   if constexpr (Vec4) {
     const std::int64_t n4 = n / 4;
     for (std::int64_t i = global_thread(); i < n4; i += grid_threads()) {
       const dev::float4 x = dev::load_float4(inp + 4 * i);
-      dev::store_float4(out + 4 * i, dev::make_float4(math::gelu_forward(x.x), math::gelu_forward(x.y),
-                                                      math::gelu_forward(x.z), math::gelu_forward(x.w)));
+      store4<O>(out + 4 * i, dev::make_float4(math::gelu_forward(x.x), math::gelu_forward(x.y), math::gelu_forward(x.z),
+                                              math::gelu_forward(x.w)));
     }
     begin = 4 * n4;
   }
-  for (std::int64_t i = begin + global_thread(); i < n; i += grid_threads()) out[i] = math::gelu_forward(inp[i]);
+  for (std::int64_t i = begin + global_thread(); i < n; i += grid_threads())
+    out[i] = Storage<O>::store(math::gelu_forward(inp[i]));
 }
 
-template <bool Vec4>
-LOOM_KERNEL void gelu_backward_kernel(float* dinp,        // [n] (=)
-                                      const float* inp,   // [n]
-                                      const float* dout,  // [n]
+template <DType O, bool Vec4>
+LOOM_KERNEL void gelu_backward_kernel(storage_t<O>* dinp,  // [n] (=)
+                                      const float* inp,    // [n]
+                                      const float* dout,   // [n]
                                       std::int64_t n) {
   std::int64_t begin = 0;
   if constexpr (Vec4) {
     const std::int64_t n4 = n / 4;
     for (std::int64_t i = global_thread(); i < n4; i += grid_threads()) {
       const dev::float4 x = dev::load_float4(inp + 4 * i), d = dev::load_float4(dout + 4 * i);
-      dev::store_float4(dinp + 4 * i, dev::make_float4(math::gelu_backward(x.x, d.x), math::gelu_backward(x.y, d.y),
-                                                       math::gelu_backward(x.z, d.z), math::gelu_backward(x.w, d.w)));
+      store4<O>(dinp + 4 * i, dev::make_float4(math::gelu_backward(x.x, d.x), math::gelu_backward(x.y, d.y),
+                                               math::gelu_backward(x.z, d.z), math::gelu_backward(x.w, d.w)));
     }
     begin = 4 * n4;
   }
   for (std::int64_t i = begin + global_thread(); i < n; i += grid_threads())
-    dinp[i] = math::gelu_backward(inp[i], dout[i]);
+    dinp[i] = Storage<O>::store(math::gelu_backward(inp[i], dout[i]));
 }
 
 template <bool Vec4>
@@ -578,29 +642,31 @@ void launch_elementwise(Launch&& launch, const char* name, std::int64_t n, bool 
     launch(name, g.blocks, g.threads, 0, kernel1, args...);
 }
 
-template <class Launch>
-void gelu_forward(Launch&& launch, float* out, const float* inp, std::int64_t n) {
+template <DType O = DType::f32, class Launch>
+void gelu_forward(Launch&& launch, storage_t<O>* out, const float* inp, std::int64_t n) {
   if (n <= 0) return;
-  launch_elementwise(launch, "gelu_forward_kernel", n, aligned16(out) && aligned16(inp), gelu_forward_kernel<true>,
-                     gelu_forward_kernel<false>, out, inp, n);
+  launch_elementwise(launch, "gelu_forward_kernel", n, aligned_store4<O>(out) && aligned16(inp),
+                     gelu_forward_kernel<O, true>, gelu_forward_kernel<O, false>, out, inp, n);
 }
 
-template <class Launch>
-void gelu_backward(Launch&& launch, float* dinp, const float* inp, const float* dout, std::int64_t n) {
+template <DType O = DType::f32, class Launch>
+void gelu_backward(Launch&& launch, storage_t<O>* dinp, const float* inp, const float* dout, std::int64_t n) {
   if (n <= 0) return;
-  launch_elementwise(launch, "gelu_backward_kernel", n, aligned16(dinp) && aligned16(inp) && aligned16(dout),
-                     gelu_backward_kernel<true>, gelu_backward_kernel<false>, dinp, inp, dout, n);
+  launch_elementwise(launch, "gelu_backward_kernel", n, aligned_store4<O>(dinp) && aligned16(inp) && aligned16(dout),
+                     gelu_backward_kernel<O, true>, gelu_backward_kernel<O, false>, dinp, inp, dout, n);
 }
 
 // dbias null: gelu_backward over the N * OC elements; else dpre and the bias's column sums in one
 // pass (scratch: column_sums', OC floats at least).
-template <class Launch>
-void gelu_bias_backward(Launch&& launch, float* dpre, float* dbias, const float* pre, const float* dout, int N, int OC,
-                        float* scratch, std::int64_t scratch_floats) {
+// dpre stored as O; dbias sums the fp32 values (a 16-bit dpre, the next product's operand, changes
+// nothing in dbias).
+template <DType O = DType::f32, class Launch>
+void gelu_bias_backward(Launch&& launch, storage_t<O>* dpre, float* dbias, const float* pre, const float* dout, int N,
+                        int OC, float* scratch, std::int64_t scratch_floats) {
   if (N <= 0 || OC <= 0) return;
-  if (!dbias) return gelu_backward(launch, dpre, pre, dout, static_cast<std::int64_t>(N) * OC);
-  column_sums<ColumnSum::gelu_bias>(launch, "gelu_bias_backward_kernel", dbias, nullptr, dpre, dout, pre, nullptr,
-                                    nullptr, N, OC, scratch, scratch_floats);
+  if (!dbias) return gelu_backward<O>(launch, dpre, pre, dout, static_cast<std::int64_t>(N) * OC);
+  column_sums<ColumnSum::gelu_bias, O>(launch, "gelu_bias_backward_kernel", dbias, nullptr, dpre, dout, pre, nullptr,
+                                       nullptr, N, OC, scratch, scratch_floats);
 }
 
 template <class Launch>
@@ -920,46 +986,6 @@ void adamw_update_slices(Launch&& launch, float* const* p, float* const* m, floa
     if (total > 0) launch("adamw_slices_kernel", total, kThreads, 0, adamw_slices_kernel, table, step);
   }
 }
-
-// ---------------------------------------------------------------------------------------------
-// Typed storage: what a DType holds on the device, its compute type, and the exact load / rounded
-// store between them (the device side of to_acc / from_acc in core/base/dtype.hpp).
-
-template <DType D>
-struct Storage;
-template <>
-struct Storage<DType::f32> {
-  using type = float;
-  using compute = float;
-  LOOM_DEVICE static float load(float x) { return x; }
-  LOOM_DEVICE static float store(float x) { return x; }
-};
-template <>
-struct Storage<DType::f64> {
-  using type = double;
-  using compute = double;
-  LOOM_DEVICE static double load(double x) { return x; }
-  LOOM_DEVICE static double store(double x) { return x; }
-};
-template <>
-struct Storage<DType::bf16> {
-  using type = std::uint16_t;
-  using compute = float;
-  LOOM_DEVICE static float load(std::uint16_t bits) { return math::bf16_value(bits); }
-  LOOM_DEVICE static std::uint16_t store(float x) { return math::bf16_bits(x); }  // RNE, NaN kept
-};
-template <>
-struct Storage<DType::f16> {
-  using type = std::uint16_t;
-  using compute = float;
-  LOOM_DEVICE static float load(std::uint16_t bits) { return dev::f16_bits_to_float(bits); }
-  LOOM_DEVICE static std::uint16_t store(float x) { return dev::float_to_f16_bits(x); }  // RNE, inf on overflow
-};
-
-template <DType D>
-using storage_t = typename Storage<D>::type;
-template <DType D>
-using compute_t = typename Storage<D>::compute;
 
 // double -> float rounded to odd (core/base/dtype.hpp's to_float_round_odd): truncated toward zero, the
 // last mantissa bit set when inexact, so a following round to nearest even at bf16/fp16 precision

@@ -183,6 +183,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
 void GPT::plan_step(StepPlan& plan) const {
   // The saved inputs' types, as the tables are carved (a null base only types and counts them).
   const BlockActs a = carve_block(geom_, nullptr);
+  const Scratch s = carve_scratch(geom_, nullptr);
   const Head h = carve_head(geom_, nullptr);
   const int N = max_rows_ * cfg_.seq_len, C = cfg_.d_model, Cl = C / tp_, Fl = 4 * C / tp_;
   auto full = [&](const BufferRef& saved, int cols) {  // input_of: gathered fp32 unless saved 16-bit
@@ -195,7 +196,7 @@ void GPT::plan_step(StepPlan& plan) const {
     for (int l = c.first_layer; l < c.end_layer; ++l) {
       fwd.push_back({false, full(a.ln1, C), weight(3ll * Cl * C), N, C, 3 * Cl});
       fwd.push_back({false, full(a.atty, Cl), weight(static_cast<std::int64_t>(C) * Cl), N, Cl, C});
-      fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl});
+      fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfch.type});
       fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
     }
   if (stage_.last())
@@ -338,10 +339,6 @@ BufferRef GPT::matmul_operand(const ParamStore::UnitView& view, int param) const
   return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k];
 }
 
-void GPT::keep(const BufferRef& saved, const BufferRef& tmp, std::int64_t n) {
-  if (saved.type != DType::f32) be_.cast(saved.slice(0, n), tmp.slice(0, n));
-}
-
 BufferRef GPT::input_of(const BufferRef& saved, const BufferRef& full, int N, int C) {
   const std::int64_t n = static_cast<std::int64_t>(N) * C;
   if (saved.type != DType::f32) return saved.slice(0, n);  // never gathered: saved 16-bit only without sp
@@ -412,7 +409,7 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   else
     s.datt = c.take(T * T);
   s.datty = c.take(N * Cl);
-  s.dfch = c.take(N * Fl);
+  s.dfch = c.take(g.mm16, N * Fl);  // the fc product's dout only: in its type (gelu_bias_backward rounds it)
   s.dfch_gelu = c.take(N * Fl);
   s.floats = c.used;
   return s;
@@ -471,8 +468,7 @@ GPT::Scratch GPT::scratch() const { return carve_scratch(geom_, scratch_buf_.dat
 void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
-  const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C, NCl = static_cast<std::int64_t>(N) * Cl,
-                     NFl = static_cast<std::int64_t>(N) * Fl;
+  const std::int64_t NCl = static_cast<std::int64_t>(N) * Cl;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   // Next: the following block's forward, or (recomputing in backward) this block's backward.
   const int next = recompute                                ? unit
@@ -484,17 +480,19 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const Scratch s = scratch();
   const BufferRef x = residual(chunk, slot, l);         // [Nl,C] block input
   const BufferRef xout = residual(chunk, slot, l + 1);  // [Nl,C] block output
-  // attention: column-parallel qkv (this rank's heads), row-parallel output projection
-  // (Scratch as fp32 staging of 16-bit saves: s.local [Nl,C] before it holds a reduced sum, s.full
-  // [N,C] once the gathered ln1 is used, s.dfch_gelu [N,Fl], a backward buffer, in forward.)
-  be_.layernorm_forward(produce(a.ln1, s.local), a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
-  keep(a.ln1, s.local, NlC);
+  // attention: column-parallel qkv (this rank's heads), row-parallel output projection. The saved
+  // inputs of the products (ln1, atty, ln2, fch_gelu) are written in their saved type by the kernels
+  // that make them (a 16-bit save rounded on store), except the unfused attention's output, a
+  // product's, which goes through fp32 scratch (s.full, free once the gathered ln1 is used).
+  be_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
   be_.matmul_forward(a.qkv, input_of(a.ln1, s.full, N, C), w.mqkvw, w.qkvb, N, C, 3 * Cl);  // [N,3Cl]
-  if (cfg_.flash_attention)
-    be_.attention_forward_flash(produce(a.atty, s.full), a.lse, a.qkv, B, T, Cl, NHl);  // [N,Cl]
-  else
-    be_.attention_forward(produce(a.atty, s.full), a.att, a.qkv, B, T, Cl, NHl);  // [N,Cl]
-  keep(a.atty, s.full, NCl);
+  if (cfg_.flash_attention) {
+    be_.attention_forward_flash(a.atty, a.lse, a.qkv, B, T, Cl, NHl);  // [N,Cl]
+  } else {
+    const BufferRef out = a.atty.type == DType::f32 ? a.atty : s.full;
+    be_.attention_forward(out, a.att, a.qkv, B, T, Cl, NHl);  // [N,Cl]
+    if (out.data != a.atty.data) be_.cast(a.atty.slice(0, NCl), out.slice(0, NCl));
+  }
   // Without tensor parallelism the row-parallel layers' sums are whole at once: their biases go into
   // the product (cuBLASLt's epilogue on a GPU; the host adds them after it, as bias_add would).
   const bool whole = part_->size() == 1;
@@ -502,11 +500,9 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   BufferRef y = part_->reduce_partial(s.partial, s.local, N, C);                             // [Nl,C]
   if (!whole) be_.bias_add(y, w.projb, Nl, C);
   // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection, on ln2(xmid = x + y)
-  be_.residual_layernorm_forward(a.xmid, produce(a.ln2, s.local), a.ln2_mean, a.ln2_rstd, x, y, w.ln2w, w.ln2b, Nl, C);
-  keep(a.ln2, s.local, NlC);
-  be_.matmul_forward_gelu(produce(a.fch_gelu, s.dfch_gelu), a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C,
+  be_.residual_layernorm_forward(a.xmid, a.ln2, a.ln2_mean, a.ln2_rstd, x, y, w.ln2w, w.ln2b, Nl, C);
+  be_.matmul_forward_gelu(a.fch_gelu, a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C,
                           Fl);  // [N,Fl] gelu(fch), fch
-  keep(a.fch_gelu, s.dfch_gelu, NFl);
   be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, whole ? w.fcprojb : BufferRef(), N, Fl, C);  // [N,C]
   y = part_->reduce_partial(s.partial, s.local, N, C);                                               // [Nl,C]
   if (!whole) be_.bias_add(y, w.fcprojb, Nl, C);
@@ -605,8 +601,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   const BufferRef& lnfw = tensor(hv, lnfw_);
   const BufferRef& lnfb = tensor(hv, lnfb_);
   const Head h = head(slot);
-  be_.layernorm_forward(produce(h.lnf, s.local), h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
-  keep(h.lnf, s.local, static_cast<std::int64_t>(Nl) * C);
+  be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
   be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, {}, N, C, vocab_local_);  // tied head: [N,Vl]
   if (targets) part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
   if (wte_apart) store_->release(emb_unit_, ParamStore::Use::forward);

@@ -214,14 +214,8 @@ class GPT {
   BlockParams block_params(const ParamStore::UnitView& view, int l, bool grads) const;
   // Tensor `param`'s operand in a matrix product: its 16-bit compute copy when the store has one.
   BufferRef matmul_operand(const ParamStore::UnitView& view, int param) const;
-  // A kernel's fp32 result that a matrix product takes as input and backward needs again: written
-  // straight into `saved` when that is fp32, else into `tmp` (n floats) and rounded into `saved`
-  // by keep(). input_of: the product's operand, gathered to all N rows (Partition::to_full) when
-  // the saved piece has Nl; a 16-bit piece is never gathered (saved so only without sequence parallelism).
-  const BufferRef& produce(const BufferRef& saved, const BufferRef& tmp) const {
-    return saved.type == DType::f32 ? saved : tmp;
-  }
-  void keep(const BufferRef& saved, const BufferRef& tmp, std::int64_t n);
+  // A saved activation as a product's operand, gathered to all N rows (Partition::to_full) when the
+  // saved piece has Nl; a 16-bit piece is never gathered (saved so only without sequence parallelism).
   BufferRef input_of(const BufferRef& saved, const BufferRef& full, int N, int C);
   const BufferRef& tensor(const ParamStore::UnitView& view, int param) const {
     return view.params[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)])];

@@ -653,6 +653,71 @@ TEST(Backend, TypedOperandsOfAnotherTypeAreRefused) {
                std::logic_error);  // an fp32 run takes fp32 operands only
 }
 
+// Casts fused into the producers: each operation whose output is the next product's operand writes a
+// 16-bit output that is, bit for bit, its fp32 output then cast; dbias of gelu_bias_backward and the
+// residual stay those of the fp32 call; a 16-bit dout feeds matmul_backward as the fp32 one rounded.
+template <class H>
+void check_fused_casts(DType type) {
+  const int B = 2, T = 64, C = 64, NH = 2, N = B * T, OC = 96;
+  const std::int64_t NC = std::int64_t(N) * C, NO = std::int64_t(N) * OC;
+  const auto x = as<float>(randn(NC, 31, 2.0, 0.3)), y = as<float>(randn(NC, 32)), w = as<float>(randn(C, 33, 0.5, 1)),
+             b = as<float>(randn(C, 34)), W = as<float>(randn(std::size_t(OC) * C, 35, 0.2)),
+             bias = as<float>(randn(OC, 36)), d = as<float>(randn(NO, 37)), qkv = as<float>(randn(3 * NC, 38));
+  auto be = host();
+  be->set_precision({type});
+  const auto cast_of = [](const std::vector<float>& f) {  // dtype.hpp's rounding, not the back end's cast
+    std::vector<H> r(f.size());
+    for (std::size_t i = 0; i < f.size(); ++i) r[i] = loom::from_acc<H>(f[i]);
+    return r;
+  };
+  const auto same = [](const std::vector<H>& a, const std::vector<H>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(H)) == 0;
+  };
+  const auto bref = [](std::vector<H>& v) { return BufferRef(v.data(), std::int64_t(v.size())); };
+  std::vector<float> o(NC), mean(N), rstd(N), mean16(N), rstd16(N), r(NC), r16(NC);
+  std::vector<H> o16(NC);
+  be->layernorm_forward(buf(o), buf(mean), buf(rstd), buf(x), buf(w), buf(b), N, C);
+  be->layernorm_forward(bref(o16), buf(mean16), buf(rstd16), buf(x), buf(w), buf(b), N, C);
+  EXPECT_TRUE(same(o16, cast_of(o))) << "layernorm_forward";
+  EXPECT_EQ(std::memcmp(mean.data(), mean16.data(), 4 * N), 0);
+  be->residual_layernorm_forward(buf(r), buf(o), buf(mean), buf(rstd), buf(x), buf(y), buf(w), buf(b), N, C);
+  be->residual_layernorm_forward(buf(r16), bref(o16), buf(mean16), buf(rstd16), buf(x), buf(y), buf(w), buf(b), N, C);
+  EXPECT_TRUE(same(o16, cast_of(o))) << "residual_layernorm_forward";
+  EXPECT_EQ(std::memcmp(r.data(), r16.data(), 4 * NC), 0) << "the residual stays fp32";
+  std::vector<float> act(NO), pre(NO), pre16(NO);
+  std::vector<H> act16(NO);
+  be->matmul_forward_gelu(buf(act), buf(pre), buf(x), buf(W), buf(bias), N, C, OC);
+  be->matmul_forward_gelu(bref(act16), buf(pre16), buf(x), buf(W), buf(bias), N, C, OC);
+  EXPECT_TRUE(same(act16, cast_of(act))) << "matmul_forward_gelu";
+  EXPECT_EQ(std::memcmp(pre.data(), pre16.data(), 4 * NO), 0);
+  std::vector<float> dpre(NO), db(OC, 0.5f), db16(OC, 0.5f);
+  std::vector<H> dpre16(NO);
+  be->gelu_bias_backward(buf(dpre), buf(db), buf(pre), buf(d), N, OC);
+  be->gelu_bias_backward(bref(dpre16), buf(db16), buf(pre), buf(d), N, OC);
+  EXPECT_TRUE(same(dpre16, cast_of(dpre))) << "gelu_bias_backward";
+  EXPECT_EQ(std::memcmp(db.data(), db16.data(), 4 * OC), 0) << "dbias sums the fp32 values";
+  std::vector<float> di(NC), di16(NC), dw(std::size_t(OC) * C, 0.0f), dw16(dw.size(), 0.0f), dbb(OC);
+  be->matmul_backward(buf(di), buf(dw), {}, buf(dpre), buf(x), buf(W), N, C, OC);
+  be->matmul_backward(buf(di16), buf(dw16), {}, bref(dpre16), buf(x), buf(W), N, C, OC);
+  EXPECT_EQ(std::memcmp(di.data(), di16.data(), 4 * NC), 0) << "a 16-bit dout is the fp32 one rounded";
+  EXPECT_EQ(std::memcmp(dw.data(), dw16.data(), 4 * dw.size()), 0);
+  EXPECT_THROW(be->matmul_backward(buf(di16), buf(dw16), buf(dbb), bref(dpre16), buf(x), buf(W), N, C, OC),
+               std::invalid_argument)
+      << "a 16-bit dout has no fp32 values for a bias gradient";
+  std::vector<float> ao(NC), lse(std::size_t(B) * NH * T), lse16(lse.size());
+  std::vector<H> ao16(NC);
+  be->attention_forward_flash(buf(ao), buf(lse), buf(qkv), B, T, C, NH);
+  be->attention_forward_flash(bref(ao16), buf(lse16), buf(qkv), B, T, C, NH);
+  EXPECT_TRUE(same(ao16, cast_of(ao))) << "attention_forward_flash";
+  EXPECT_EQ(std::memcmp(lse.data(), lse16.data(), 4 * lse.size()), 0);
+  std::vector<std::int32_t> ints(NC);
+  EXPECT_THROW(be->layernorm_forward(buf(ints), buf(mean), buf(rstd), buf(x), buf(w), buf(b), N, C),
+               std::invalid_argument);
+}
+
+TEST(Backend, Bf16OutputsOfFusedProducersAreTheirFp32OutputsCast) { check_fused_casts<bf16>(DType::bf16); }
+TEST(Backend, Fp16OutputsOfFusedProducersAreTheirFp32OutputsCast) { check_fused_casts<f16>(DType::f16); }
+
 TEST(Backend, PrecisionRefusesNon16BitTypes) {
   auto be = host();
   EXPECT_THROW(be->set_precision({DType::i8}), std::invalid_argument);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/backend/host_isa.hpp"
+#include "core/base/dtype.hpp"
 
 namespace {
 
@@ -78,7 +79,98 @@ std::vector<V> run_all(const RowKernels& k) {
   for (int t = 0; t < T; ++t)
     k.softmax_causal_backward_row(datt.data() + std::size_t(t) * T, att.data() + std::size_t(t) * T, t, T);
   out.insert(out.end(), {att, datt});
+  // The loops that store a bf16 output (widened here, exactly, to compare as floats).
+  const auto widen = [](const std::vector<loom::bf16>& h) {
+    V f(h.size());
+    for (std::size_t i = 0; i < h.size(); ++i) f[i] = loom::to_float(h[i]);
+    return f;
+  };
+  std::vector<loom::bf16> o16(std::size_t(N) * C), r16(o16.size()), a16(o16.size()), d16(o16.size()), c16(x.size() + 3);
+  V m16(N), s16(N), rr(o16.size()), pre16 = y, dbg16 = randn(C, 10);
+  for (int n = 0; n < N; ++n) {
+    const std::size_t at = std::size_t(n) * C;
+    k.layernorm_row_bf16(o16.data() + at, m16[n], s16[n], x.data() + at, w.data(), b.data(), C);
+    k.residual_layernorm_row_bf16(rr.data() + at, r16.data() + at, m16[n], s16[n], x.data() + at, y.data() + at,
+                                  w.data(), b.data(), C);
+    k.bias_gelu_row_bf16(a16.data() + at, pre16.data() + at, b.data(), C);
+  }
+  for (int c0 = 0; c0 < C; c0 += 64)
+    k.gelu_bias_cols_bf16(d16.data(), dbg16.data(), pre16.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+  k.cast_bf16_span(c16.data(), x.data(), 2, std::int64_t(x.size()));
+  out.insert(out.end(), {widen(o16), m16, s16, rr, widen(r16), pre16, widen(a16), widen(d16), dbg16, widen(c16)});
   return out;
+}
+
+// fp32 values whose rounding to bf16 is delicate: ties both ways, the largest finite values, infinities,
+// NaNs (quiet, signalling, negative), subnormals; then ordinary ones.
+V hard_values() {
+  const std::uint32_t bits[] = {0x3f808000u, 0x3f818000u, 0x3f80c000u, 0x3f807fffu, 0x7f7fffffu, 0xff7fffffu,
+                                0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffc00001u, 0x00000001u,
+                                0x80008000u, 0x00018000u, 0x007fffffu, 0x00000000u, 0x80000000u};
+  V v;
+  for (std::uint32_t u : bits) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    v.push_back(f);
+  }
+  const V more = randn(1000, 17, 1e3f);
+  v.insert(v.end(), more.begin(), more.end());
+  return v;
+}
+
+// A loop storing bf16 gives its fp32 twin's output rounded once (to_bf16), in every set: the cast fused
+// into the producer changes no bit of what the product then reads.
+TEST(HostIsa, Bf16OutputsAreTheFp32OutputsRounded) {
+  const int N = 19, C = 150;
+  const V x = randn(std::size_t(N) * C, 21, 2.0f, 0.3f), y = randn(x.size(), 22), w = randn(C, 23, 0.5f, 1.0f),
+          b = randn(C, 24), d = randn(x.size(), 25);
+  const auto rounded = [](const V& f) {
+    std::vector<std::uint16_t> r(f.size());
+    for (std::size_t i = 0; i < f.size(); ++i) r[i] = loom::to_bf16(f[i]).bits;
+    return r;
+  };
+  const auto bits = [](const std::vector<loom::bf16>& h) {
+    std::vector<std::uint16_t> r(h.size());
+    for (std::size_t i = 0; i < h.size(); ++i) r[i] = h[i].bits;
+    return r;
+  };
+  for (const std::string& set : loom::isa::available()) {
+    const RowKernels& k = *loom::isa::find(set);
+    V o(x.size()), r(x.size()), r2(x.size()), mean(N), rstd(N), mean2(N), rstd2(N);
+    std::vector<loom::bf16> o16(x.size()), r16(x.size());
+    V pre = y, pre2 = y, act(x.size()), dpre(x.size()), db = randn(C, 26), db2 = db;
+    std::vector<loom::bf16> a16(x.size()), d16(x.size());
+    for (int n = 0; n < N; ++n) {
+      const std::size_t at = std::size_t(n) * C;
+      k.layernorm_row(o.data() + at, mean[n], rstd[n], x.data() + at, w.data(), b.data(), C);
+      k.layernorm_row_bf16(o16.data() + at, mean2[n], rstd2[n], x.data() + at, w.data(), b.data(), C);
+    }
+    EXPECT_EQ(bits(o16), rounded(o)) << set << ": layernorm_row_bf16";
+    EXPECT_TRUE(same_bits(mean, mean2) && same_bits(rstd, rstd2)) << set;
+    for (int n = 0; n < N; ++n) {
+      const std::size_t at = std::size_t(n) * C;
+      k.residual_layernorm_row(r.data() + at, o.data() + at, mean[n], rstd[n], x.data() + at, y.data() + at, w.data(),
+                               b.data(), C);
+      k.residual_layernorm_row_bf16(r2.data() + at, r16.data() + at, mean2[n], rstd2[n], x.data() + at, y.data() + at,
+                                    w.data(), b.data(), C);
+      k.bias_gelu_row(act.data() + at, pre.data() + at, b.data(), C);
+      k.bias_gelu_row_bf16(a16.data() + at, pre2.data() + at, b.data(), C);
+    }
+    EXPECT_EQ(bits(r16), rounded(o)) << set << ": residual_layernorm_row_bf16";
+    EXPECT_TRUE(same_bits(r, r2)) << set << ": the residual stays fp32";
+    EXPECT_EQ(bits(a16), rounded(act)) << set << ": bias_gelu_row_bf16";
+    EXPECT_TRUE(same_bits(pre, pre2)) << set;
+    for (int c0 = 0; c0 < C; c0 += 64) {
+      k.gelu_bias_cols(dpre.data(), db.data(), pre.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+      k.gelu_bias_cols_bf16(d16.data(), db2.data(), pre.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+    }
+    EXPECT_EQ(bits(d16), rounded(dpre)) << set << ": gelu_bias_cols_bf16";
+    EXPECT_TRUE(same_bits(db, db2)) << set << ": dbias sums the fp32 values";
+    const V h = hard_values();
+    std::vector<loom::bf16> c16(h.size());
+    k.cast_bf16_span(c16.data(), h.data(), 0, std::int64_t(h.size()));
+    EXPECT_EQ(bits(c16), rounded(h)) << set << ": cast_bf16_span";
+  }
 }
 
 TEST(HostIsa, EverySetGivesTheBaselinesBits) {

@@ -704,15 +704,20 @@ void run(int B, int T, int C, int NH, float spread, bool bf16_out) {
         C / NH, loom::cuda::flash_attention_shared_bytes(C / NH), optin);
     return;
   }
-  loom::cuda::attention_forward_flash(out.d.as<float>(), lse.d.as<float>(), qkv.d.as<float>(), B, T, C, NH, nullptr);
+  loom::cuda::attention_forward_flash(out.d, lse.d.as<float>(), qkv.d.as<float>(), B, T, C, NH, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> out_v = device_to_host(tw, out.d.as<float>(), n);
   BufferRef saved = out.d;
   std::vector<loom::bf16> out16(n);
   if (bf16_out) {
     for (std::size_t i = 0; i < n; ++i) out16[i] = loom::to_bf16(out_v[i]);
-    auto [h16, d16] = tw.both(out16);
-    (void)h16;
+    // The forward storing bf16 itself: its fp32 output rounded once, bit for bit.
+    auto [h16, d16] = tw.both(std::vector<loom::bf16>(n));
+    loom::cuda::attention_forward_flash(d16, lse.d.as<float>(), qkv.d.as<float>(), B, T, C, NH, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    tw.dev->copy_to_host(h16.data, d16);
+    for (std::size_t i = 0; i < n; ++i)
+      ASSERT_EQ(h16.as<loom::bf16>()[i].bits, out16[i].bits) << "bf16 out, element " << i;
     saved = d16;
   }
   loom::cuda::attention_backward_flash(dqkv.d.as<float>(), dsum.d.as<float>(), dout.d.as<float>(), saved,

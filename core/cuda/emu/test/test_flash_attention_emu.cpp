@@ -196,6 +196,32 @@ TEST(FlashAttentionEmu, LargeScoresNeedTheRunningMaximum) {
 
 TEST(FlashAttentionEmu, HeadSize128) { check_case<128>({1, 70, 128, 1}, 1.0f); }
 
+// The forward kernel storing its output as bf16 or fp16 (the output projection's operand under mixed
+// precision) gives its fp32 output rounded once, bit for bit, and the same lse.
+template <class OutT>
+void check_16bit_forward() {
+  const Case c{2, 80, 64, 2};
+  const int HS = 32;
+  const auto qkv = random_values(static_cast<std::size_t>(c.B) * c.T * 3 * c.C, 1.0f, 5u);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  const std::size_t n = static_cast<std::size_t>(c.B) * c.T * c.C, nr = static_cast<std::size_t>(c.B) * c.NH * c.T;
+  std::vector<float> out(n, std::nanf("")), lse(nr), lse16(nr);
+  std::vector<OutT> out16(n);
+  const emu::dim3 grid(c.B * c.NH, (c.T + flash::kRows - 1) / flash::kRows), block(flash::kThreads);
+  emu::launch(grid, block, flash::forward_smem_bytes<HS>(),
+              [&] { flash::attention_forward_kernel<HS>(out.data(), lse.data(), qkv.data(), c.T, c.C, c.NH, scale); });
+  emu::launch(grid, block, flash::forward_smem_bytes<HS>(), [&] {
+    flash::attention_forward_kernel<HS, OutT>(out16.data(), lse16.data(), qkv.data(), c.T, c.C, c.NH, scale);
+  });
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(out16[i].bits, loom::from_acc<OutT>(out[i]).bits) << "element " << i;
+  EXPECT_TRUE(same_bits(lse, lse16));
+}
+
+TEST(FlashAttentionEmu, ForwardStores16BitOutputsAsItsFp32OutputRounded) {
+  check_16bit_forward<loom::bf16>();
+  check_16bit_forward<loom::f16>();
+}
+
 TEST(FlashAttentionEmu, HostTwinTakesTheSavedOutputIn16Bits) {
   // Under mixed precision the model keeps the attention output in the products' type; backward's
   // dsum = dout . out reads it as kept. bf16 and fp16 copies move dsum by their rounding only.

@@ -14,6 +14,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/cuda/emu/cuda_emu.hpp"
@@ -318,6 +319,65 @@ TEST(LayerKernelsEmu, ElementwiseKernelsTakeFourAtATimeOrOneWithTheSameBits) {
     EXPECT_EQ(got[4], bits_of(h16)) << "fp32 -> fp16, offset " << offset;
   }
 }
+
+// Casts fused into the producers: LayerNorm (alone and after the residual add), GELU forward and
+// backward, and the fused GELU + bias backward store a 16-bit output that is, bit for bit, their fp32
+// output then cast (the residual and dbias unchanged), in every schedule, four at a time or one.
+template <DType O>
+void check_16bit_outputs() {
+  using S = layer::storage_t<O>;
+  const int N = 300, C = 37, OC = 44;  // two chunks of column-sum rows; OC: whole float4s
+  const std::int64_t NC = std::int64_t(N) * C, NO = std::int64_t(N) * OC;
+  const auto x = randn(std::size_t(NC), 1, 2.0f), y = randn(std::size_t(NC), 2), w = randn(C, 3), b = randn(C, 4),
+             pre = randn(std::size_t(NO) + 1, 5, 2.0f), d = randn(std::size_t(NO) + 1, 6), db0 = randn(OC, 7);
+  const auto run = [&](auto o_tag, std::size_t offset) {
+    constexpr DType D = decltype(o_tag)::value;
+    using E = layer::storage_t<D>;
+    return in_every_schedule([&](const OnEmulator& launch) {
+      std::vector<E> o(NC), o2(NC), g(NO + 1), dg(NO + 1), dp(NO + 1), dp_only(NO + 1);
+      std::vector<float> m(N), s(N), r(NC), db = db0, scratch(std::size_t(layer::column_scratch_floats(N, OC, 1)));
+      layer::layernorm_forward<D>(launch, o.data(), m.data(), s.data(), x.data(), w.data(), b.data(), N, C);
+      layer::residual_layernorm_forward<D>(launch, r.data(), o2.data(), m.data(), s.data(), x.data(), y.data(),
+                                           w.data(), b.data(), N, C);
+      layer::gelu_forward<D>(launch, g.data() + offset, pre.data() + offset, NO);
+      layer::gelu_backward<D>(launch, dg.data() + offset, pre.data() + offset, d.data() + offset, NO);
+      layer::gelu_bias_backward<D>(launch, dp.data(), db.data(), pre.data(), d.data(), N, OC, scratch.data(),
+                                   std::int64_t(scratch.size()));
+      layer::gelu_bias_backward<D>(launch, dp_only.data(), nullptr, pre.data(), d.data(), N, OC, scratch.data(),
+                                   std::int64_t(scratch.size()));
+      return Bits{bits_of(o), bits_of(m),  bits_of(s),  bits_of(r),  bits_of(o2),
+                  bits_of(g), bits_of(dg), bits_of(dp), bits_of(db), bits_of(dp_only)};
+    });
+  };
+  const char* what[] = {"layernorm out",
+                        "mean",
+                        "rstd",
+                        "residual",
+                        "residual_layernorm out",
+                        "gelu forward",
+                        "gelu backward",
+                        "gelu_bias_backward dpre",
+                        "dbias",
+                        "dpre without a bias"};
+  for (std::size_t offset : {0, 1}) {
+    const Bits f = run(std::integral_constant<DType, DType::f32>{}, offset),
+               h = run(std::integral_constant<DType, O>{}, offset);
+    for (std::size_t i = 0; i < f.size(); ++i) {
+      if (i == 1 || i == 2 || i == 3 || i == 8) {  // fp32 either way
+        EXPECT_EQ(h[i], f[i]) << what[i];
+        continue;
+      }
+      const std::vector<float> full = from_bits<float>(f[i]);
+      std::vector<S> cast(full.size());
+      for (std::size_t k = 0; k < full.size(); ++k)  // the host's conversion: an independent rounding
+        cast[k] = O == DType::bf16 ? loom::to_bf16(full[k]).bits : loom::to_f16(full[k]).bits;
+      EXPECT_EQ(h[i], bits_of(cast)) << what[i] << " (" << loom::dtype_name(O) << "), offset " << offset;
+    }
+  }
+}
+
+TEST(LayerKernelsEmu, ProducersStoreBf16AsTheirFp32OutputsCast) { check_16bit_outputs<DType::bf16>(); }
+TEST(LayerKernelsEmu, ProducersStoreFp16AsTheirFp32OutputsCast) { check_16bit_outputs<DType::f16>(); }
 
 // The column sums over many chunks of rows, from an uncapped scratch and from one that holds fewer
 // chunks (then longer ones): each the host's sums within float rounding, each the same in every
