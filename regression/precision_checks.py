@@ -35,7 +35,10 @@ CASE is one of:
                          activations smaller by 2 bytes per element saved in 16 bits instead of fp32 (the
                          products' inputs ln1, atty, ln2, fch_gelu of every block and the head's lnf):
                          2 N C (7 L + 1) at one rank; with tp 2 and sequence parallelism ln1, ln2 and lnf
-                         are gathered in fp32 and stay fp32, so 2 N (C + 4C) / tp L per rank
+                         are gathered in fp32 and stay fp32, so 2 N (C + 4C) / tp L per rank; the fc
+                         product's dout scratch [N, 4C/tp] in 16 bits saves 2 N 4C / tp more, and the
+                         classifier's 16-bit dlogits table [N, V/tp] (in place over the fp32 probabilities
+                         in an fp32 run) costs 2 N V / tp
   memory_bf16_zero2_dp2  ZeRO-2 at dp 2 in bf16 shards the fp32 masters too: of the S = 12 L C^2 elements of
                          the block matrices each rank keeps the fp32 master of its share S/N, and the
                          whole 16-bit copy S (plus wte's, 2 V C bytes); the W = P - S elements the model
@@ -186,6 +189,7 @@ def main():
         _, run = c.loom("bf16", tp, extra + ["precision.dtype=bf16"])
         m32, m16 = common.summary(ref)["mem_peak_bytes"], common.summary(run)["mem_peak_bytes"]
         saved = 2 * N * (C + 4 * C) // tp * L if tp > 1 else 2 * N * C * (7 * L + 1)
+        saved += 2 * N * 4 * C // tp - 2 * N * V // tp  # the fc dout scratch in 16 bits; dlogits' own table
         want = {"params": 2 * (12 * L * C * C + V * C) // tp, "master": m32["params"], "grads": m32["grads"],
                 "optimizer": m32["optimizer"], "activations": m32["activations"] - saved}
         for k, v in want.items():

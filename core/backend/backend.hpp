@@ -55,7 +55,8 @@ class Backend : public BackendFace {
     bool backward = false;
     BufferRef inp, weight;
     int N = 0, C = 0, OC = 0;
-    DType dout = DType::f32;  // the backward's incoming gradient, as its producer stored it
+    DType dout = DType::f32;       // the backward's incoming gradient, as its producer stored it
+    bool after_attention = false;  // its backward comes right after an attention backward (q, k, v's product)
   };
   struct AttentionShape {
     int B = 0, T = 0, NH = 0;  // NH: this rank's heads

@@ -68,9 +68,10 @@ class BackendFace {
   //
   // residual_forward: out = a + b. crossentropy_forward/_backward: the loss and its gradient over
   // whole rows (the partition role's default); crossentropy_backward: targets[n] - vocab_begin is the
-  // target's column (none outside [0, V): vocabulary-parallel). Vocabulary-parallel cross-entropy (the
-  // tensor strategy): this rank holds the logits of vocabulary entries [vocab_begin, vocab_begin + V)
-  // of each of N rows. Around the group's reductions:
+  // target's column (none outside [0, V): vocabulary-parallel); dlogits fp32 (may alias probs) or, under
+  // mixed precision, 16-bit (the classifier product's operand, rounded once on store). Vocabulary-parallel
+  // cross-entropy (the tensor strategy): this rank holds the logits of vocabulary entries [vocab_begin, vocab_begin +
+  // V) of each of N rows. Around the group's reductions:
   //   crossentropy_row_max  row_max[n] = max_v logits[n,v]                          (then: max over the group)
   //   crossentropy_partial  probs[n,v] = exp(logits[n,v] - row_max[n]); sum_exp[n] = their sum (fp64);
   //                         target_logit[n] = logits[n, targets[n] - vocab_begin] where that column is

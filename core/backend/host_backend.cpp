@@ -257,8 +257,10 @@ class HostBackend final : public Backend {
   void crossentropy_backward(BufferRef dlogits, BufferRef probs, BufferRef targets, float dloss, int N, int V,
                              int vocab_begin) override {
     const std::int64_t NV = std::int64_t(N) * V;
-    k::crossentropy_backward(dlogits.as<float>(NV), probs.as<const float>(NV), targets.as<const std::int32_t>(N), dloss,
-                             N, V, vocab_begin);
+    with_output_type(dlogits, "crossentropy_backward", [&](auto o) {
+      k::crossentropy_backward<float, float, decltype(o)>(dlogits.as<decltype(o)>(NV), probs.as<const float>(NV),
+                                                          targets.as<const std::int32_t>(N), dloss, N, V, vocab_begin);
+    });
   }
   void crossentropy_row_max(BufferRef row_max, BufferRef logits, int N, int V) override {
     k::crossentropy_row_max(row_max.as<float>(N), logits.as<const float>(std::int64_t(N) * V), N, V);

@@ -523,16 +523,18 @@ void crossentropy_forward(Acc* losses, T* probs,                         // [N],
 
 // targets[n] - vocab_begin is the target's column here (none when it lies outside [0, V): the
 // vocabulary-parallel cross-entropy, where a rank holds vocabulary entries [vocab_begin, +V)).
-template <class T, class Acc = acc_type_t<T>>
-void crossentropy_backward(T* dlogits,                                   // [N,V] (=); may alias probs
+// dlogits stored as O: T, or a 16-bit type (the classifier product's operand, rounded once; it then
+// never aliases probs).
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void crossentropy_backward(O* dlogits,                                   // [N,V] (=); may alias probs
                            const T* probs, const std::int32_t* targets,  // [N,V], [N]
                            nd<Acc> dloss,                                // d(total loss)/d(loss of one row)
                            int N, int V, int vocab_begin = 0) {
   Kokkos::parallel_for("CrossEntropy::backward", Range(0, N), [=](int n) {
     const T* p = probs + static_cast<std::int64_t>(n) * V;
-    T* d = dlogits + static_cast<std::int64_t>(n) * V;
+    O* d = dlogits + static_cast<std::int64_t>(n) * V;
     const int tgt = targets[n] - vocab_begin;
-    for (int v = 0; v < V; ++v) d[v] = from_acc<T>(math::crossentropy_dlogit(to_acc<Acc>(p[v]), v == tgt, Acc(dloss)));
+    for (int v = 0; v < V; ++v) d[v] = from_acc<O>(math::crossentropy_dlogit(to_acc<Acc>(p[v]), v == tgt, Acc(dloss)));
   });
 }
 

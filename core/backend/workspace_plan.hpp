@@ -33,30 +33,31 @@ enum Slot { kInp = 0, kWeight = 1, kDout = 2, kSlots = 3 };
 inline std::int64_t attention_scratch_floats(int NH, int T) { return static_cast<std::int64_t>(NH) * T * T; }
 
 // The peak of the above together, in bytes, for a micro-batch's products in the order the model runs
-// them. The attention's scratch is made at the first attention backward, after the products of that
-// block's MLP and projection: by then every slot has its final size (the head's and the MLP's are the
-// largest operands, and the query-key-value product's backward comes after), so it adds to their sum.
+// them. The attention's scratch is made at the first attention backward, just before the first call
+// marked after_attention (the query-key-value product's backward), and stays: it adds to the slots
+// from there on (a plan without such a mark adds it to the slots' final sizes).
 // Not counted: the reductions' partial sums and results (a few KiB: norms, clipping, int8 maxima);
 // top-k compression's selection scratch is topk_scratch_bytes, which the compression plugin plans.
 inline double workspace_bytes(DType matmul, const std::vector<Backend::MatmulCall>& calls,
                               const Backend::AttentionShape& attention) {
   const double elem = static_cast<double>(dtype_size(matmul));
+  const double att =
+      attention.flash ? 0.0 : 4.0 * static_cast<double>(attention_scratch_floats(attention.NH, attention.T));
   std::array<double, kSlots> have{};
-  double peak = 0;
+  double peak = 0, made = 0;  // made: the attention's scratch, once it exists
   auto need = [&](Slot slot, DType type, double n) {
     if (type == matmul || n * elem <= have[slot]) return;
-    peak = std::max(peak, have[0] + have[1] + have[2] + n * elem);
+    peak = std::max(peak, have[0] + have[1] + have[2] + made + n * elem);
     have[slot] = n * elem;
   };
   for (const Backend::MatmulCall& c : calls) {
     const double NC = double(c.N) * c.C, WC = double(c.OC) * c.C;
+    if (c.backward && c.after_attention) made = att;
     if (c.backward) need(kDout, c.dout, double(c.N) * c.OC);
     if (!c.backward) need(kInp, c.inp.type, NC);
     need(kWeight, c.weight.type, WC);
     if (c.backward) need(kInp, c.inp.type, NC);
   }
-  const double att =
-      attention.flash ? 0.0 : 4.0 * static_cast<double>(attention_scratch_floats(attention.NH, attention.T));
   peak = std::max(peak, have[0] + have[1] + have[2] + att);
   return static_cast<double>(kCublasLtWorkspaceBytes) + peak;
 }

@@ -477,8 +477,9 @@ class CudaBackend final : public Backend {
                              int vocab_begin) override {
     Timed timed(this, "crossentropy_backward");
     const std::int64_t NV = std::int64_t(N) * V;
-    cuda::crossentropy_backward(dev<float>(dlogits, NV), dev<const float>(probs, NV),
-                                dev<const std::int32_t>(targets, N), dloss, N, V, vocab_begin, stream_);
+    const BufferRef d = output(dlogits, NV, "crossentropy_backward");
+    cuda::crossentropy_backward(d.data, d.type, dev<const float>(probs, NV), dev<const std::int32_t>(targets, N), dloss,
+                                N, V, vocab_begin, stream_);
   }
   void crossentropy_row_max(BufferRef row_max, BufferRef logits, int N, int V) override {
     Timed timed(this, "crossentropy_row_max");

@@ -155,9 +155,13 @@ void crossentropy_forward(float* losses, float* probs, const float* logits, cons
   layer::crossentropy_forward(OnStream{stream}, static_cast<std::size_t>(optin), losses, probs, logits, targets, N, V);
 }
 
-void crossentropy_backward(float* dlogits, const float* probs, const std::int32_t* targets, float dloss, int N, int V,
-                           int vocab_begin, cudaStream_t stream) {
-  layer::crossentropy_backward(OnStream{stream}, dlogits, probs, targets, dloss, N, V, vocab_begin);
+void crossentropy_backward(void* dlogits, DType dlogits_type, const float* probs, const std::int32_t* targets,
+                           float dloss, int N, int V, int vocab_begin, cudaStream_t stream) {
+  with_output_type(dlogits_type, "crossentropy_backward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::crossentropy_backward<O>(OnStream{stream}, static_cast<layer::storage_t<O>*>(dlogits), probs, targets, dloss,
+                                    N, V, vocab_begin);
+  });
 }
 
 void crossentropy_row_max(float* row_max, const float* logits, int N, int V, cudaStream_t stream) {

@@ -188,8 +188,10 @@ void crossentropy_forward(float* losses,                // [N]
                           const std::int32_t* targets,  // [N]
                           int N, int V, cudaStream_t stream);
 
-// dlogits = (probs - onehot(target)) * dloss; dlogits may alias probs.
-void crossentropy_backward(float* dlogits,               // [N,V] (=)
+// dlogits = (probs - onehot(target)) * dloss, stored as dlogits_type (fp32, which may alias probs; or
+// bf16/fp16, the classifier product's operand, rounded once).
+void crossentropy_backward(void* dlogits,                // [N,V] (=) of dlogits_type
+                           DType dlogits_type,           //
                            const float* probs,           // [N,V]
                            const std::int32_t* targets,  // [N]
                            float dloss,                  // d(total loss) / d(loss of one row)

@@ -757,16 +757,18 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kCrossEntropyForwardThreads)
 }
 
 // One block per row (no index division); each element is read, then written, by one thread, so
-// dlogits may alias probs.
-LOOM_KERNEL void crossentropy_backward_kernel(float* dlogits,               // [N,V] (=)
+// dlogits may alias probs (an fp32 one; a 16-bit one, the classifier product's operand, is its own).
+template <DType O>
+LOOM_KERNEL void crossentropy_backward_kernel(storage_t<O>* dlogits,        // [N,V] (=)
                                               const float* probs,           // [N,V]
                                               const std::int32_t* targets,  // [N]
                                               float dloss, int N, int V, int vocab_begin) {
   for (int n = block(); n < N; n += blocks()) {
     const float* p = probs + static_cast<std::int64_t>(n) * V;
-    float* d = dlogits + static_cast<std::int64_t>(n) * V;
+    storage_t<O>* d = dlogits + static_cast<std::int64_t>(n) * V;
     const int target = targets[n] - vocab_begin;  // outside [0, V): another rank's vocabulary
-    for (int v = tid(); v < V; v += threads_per_block()) d[v] = math::crossentropy_dlogit(p[v], v == target, dloss);
+    for (int v = tid(); v < V; v += threads_per_block())
+      d[v] = Storage<O>::store(math::crossentropy_dlogit(p[v], v == target, dloss));
   }
 }
 
@@ -857,13 +859,13 @@ void crossentropy_forward(Launch&& launch, std::size_t shared_limit, float* loss
            V);
 }
 
-template <class Launch>
-void crossentropy_backward(Launch&& launch, float* dlogits, const float* probs, const std::int32_t* targets,
+template <DType O = DType::f32, class Launch>
+void crossentropy_backward(Launch&& launch, storage_t<O>* dlogits, const float* probs, const std::int32_t* targets,
                            float dloss, int N, int V, int vocab_begin) {
   if (N <= 0 || V <= 0) return;
   const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
-  launch("crossentropy_backward_kernel", g.blocks, g.threads, 0, crossentropy_backward_kernel, dlogits, probs, targets,
-         dloss, N, V, vocab_begin);
+  launch("crossentropy_backward_kernel", g.blocks, g.threads, 0, crossentropy_backward_kernel<O>, dlogits, probs,
+         targets, dloss, N, V, vocab_begin);
 }
 
 template <class Launch>

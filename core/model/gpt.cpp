@@ -194,13 +194,14 @@ void GPT::plan_step(StepPlan& plan) const {
   std::vector<Call> fwd;
   for (const Stage::Chunk& c : stage_.chunks)
     for (int l = c.first_layer; l < c.end_layer; ++l) {
-      fwd.push_back({false, full(a.ln1, C), weight(3ll * Cl * C), N, C, 3 * Cl});
+      fwd.push_back({false, full(a.ln1, C), weight(3ll * Cl * C), N, C, 3 * Cl, DType::f32, true});
       fwd.push_back({false, full(a.atty, Cl), weight(static_cast<std::int64_t>(C) * Cl), N, Cl, C});
       fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfch.type});
       fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
     }
   if (stage_.last())
-    fwd.push_back({false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_});
+    fwd.push_back({false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_,
+                   h.dlogits.type});
   std::vector<Call> calls = fwd;
   for (auto it = fwd.rbegin(); it != fwd.rend(); ++it) {
     calls.push_back(*it);
@@ -426,6 +427,9 @@ GPT::Head GPT::carve_head(const Geometry& g, float* base) {
   h.logits = c.take(N * Vl);
   h.probs = h.logits;  // the cross-entropy overwrites the logits with the probabilities: one [N,Vl] table, not two
   h.losses = c.take(N);
+  // The classifier's gradient, the head product's dout: in place over the probabilities in fp32; in
+  // the products' 16-bit type, its own table (what the product would otherwise round into workspace).
+  h.dlogits = g.mm16 == DType::f32 ? h.probs : c.take(g.mm16, N * Vl);
   h.floats = c.used;
   return h;
 }
@@ -636,10 +640,9 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
     const BufferRef& dlnfw = tensor_grad(hv, lnfw_);
     const BufferRef& dlnfb = tensor_grad(hv, lnfb_);
     const Head h = head(slot);
-    const BufferRef& dlogits = h.probs;  // in place
-    part_->crossentropy_backward(be_, dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_,
+    part_->crossentropy_backward(be_, h.dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_,
                                  vocab_begin_);
-    be_.matmul_backward(s.dpartial, dwte, {}, dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
+    be_.matmul_backward(s.dpartial, dwte, {}, h.dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
     const BufferRef dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
     be_.fill(s.dres.slice(0, static_cast<std::int64_t>(Nl) * C), 0.0);
     be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);

@@ -193,6 +193,7 @@ class GPT {
     BufferRef lnf;                    // [Nl,C] (16-bit like ln1 under mixed precision)
     BufferRef lnf_mean, lnf_rstd;     // [Nl], [Nl]
     BufferRef logits, probs, losses;  // [N,Vl], probs = logits (overwritten in place), [N]
+    BufferRef dlogits;                // [N,Vl]: probs (in place) in fp32; under mixed precision its own 16-bit table
     std::int64_t floats;
   };
   // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the

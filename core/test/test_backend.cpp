@@ -710,6 +710,15 @@ void check_fused_casts(DType type) {
   be->attention_forward_flash(bref(ao16), buf(lse16), buf(qkv), B, T, C, NH);
   EXPECT_TRUE(same(ao16, cast_of(ao))) << "attention_forward_flash";
   EXPECT_EQ(std::memcmp(lse.data(), lse16.data(), 4 * lse.size()), 0);
+  // The classifier's gradient: probabilities of OC columns, targets inside and outside them.
+  std::vector<float> probs(NO), dl(NO);
+  for (std::int64_t i = 0; i < NO; ++i) probs[i] = std::fabs(d[i]) / 40.0f;
+  std::vector<std::int32_t> tg(N);
+  for (int n = 0; n < N; ++n) tg[n] = (n * 37) % (OC + 20);
+  std::vector<H> dl16(NO);
+  be->crossentropy_backward(buf(dl), buf(probs), buf(tg), 0.37f, N, OC, 0);
+  be->crossentropy_backward(bref(dl16), buf(probs), buf(tg), 0.37f, N, OC, 0);
+  EXPECT_TRUE(same(dl16, cast_of(dl))) << "crossentropy_backward";
   std::vector<std::int32_t> ints(NC);
   EXPECT_THROW(be->layernorm_forward(buf(ints), buf(mean), buf(rstd), buf(x), buf(w), buf(b), N, C),
                std::invalid_argument);

@@ -330,11 +330,15 @@ void check_16bit_outputs() {
   const std::int64_t NC = std::int64_t(N) * C, NO = std::int64_t(N) * OC;
   const auto x = randn(std::size_t(NC), 1, 2.0f), y = randn(std::size_t(NC), 2), w = randn(C, 3), b = randn(C, 4),
              pre = randn(std::size_t(NO) + 1, 5, 2.0f), d = randn(std::size_t(NO) + 1, 6), db0 = randn(OC, 7);
+  std::vector<float> probs(std::size_t(NO), 0.0f);
+  for (std::int64_t i = 0; i < NO; ++i) probs[std::size_t(i)] = std::fabs(d[std::size_t(i)]) / 40.0f;
+  std::vector<std::int32_t> targets(N);
+  for (int n = 0; n < N; ++n) targets[std::size_t(n)] = (n * 37) % (OC + 20);  // some outside this rank's columns
   const auto run = [&](auto o_tag, std::size_t offset) {
     constexpr DType D = decltype(o_tag)::value;
     using E = layer::storage_t<D>;
     return in_every_schedule([&](const OnEmulator& launch) {
-      std::vector<E> o(NC), o2(NC), g(NO + 1), dg(NO + 1), dp(NO + 1), dp_only(NO + 1);
+      std::vector<E> o(NC), o2(NC), g(NO + 1), dg(NO + 1), dp(NO + 1), dp_only(NO + 1), dl(NO);
       std::vector<float> m(N), s(N), r(NC), db = db0, scratch(std::size_t(layer::column_scratch_floats(N, OC, 1)));
       layer::layernorm_forward<D>(launch, o.data(), m.data(), s.data(), x.data(), w.data(), b.data(), N, C);
       layer::residual_layernorm_forward<D>(launch, r.data(), o2.data(), m.data(), s.data(), x.data(), y.data(),
@@ -345,8 +349,9 @@ void check_16bit_outputs() {
                                    std::int64_t(scratch.size()));
       layer::gelu_bias_backward<D>(launch, dp_only.data(), nullptr, pre.data(), d.data(), N, OC, scratch.data(),
                                    std::int64_t(scratch.size()));
-      return Bits{bits_of(o), bits_of(m),  bits_of(s),  bits_of(r),  bits_of(o2),
-                  bits_of(g), bits_of(dg), bits_of(dp), bits_of(db), bits_of(dp_only)};
+      layer::crossentropy_backward<D>(launch, dl.data(), probs.data(), targets.data(), 0.37f, N, OC, 3);
+      return Bits{bits_of(o),  bits_of(m),  bits_of(s),  bits_of(r),       bits_of(o2), bits_of(g),
+                  bits_of(dg), bits_of(dp), bits_of(db), bits_of(dp_only), bits_of(dl)};
     });
   };
   const char* what[] = {"layernorm out",
@@ -358,7 +363,8 @@ void check_16bit_outputs() {
                         "gelu backward",
                         "gelu_bias_backward dpre",
                         "dbias",
-                        "dpre without a bias"};
+                        "dpre without a bias",
+                        "crossentropy_backward dlogits"};
   for (std::size_t offset : {0, 1}) {
     const Bits f = run(std::integral_constant<DType, DType::f32>{}, offset),
                h = run(std::integral_constant<DType, O>{}, offset);
