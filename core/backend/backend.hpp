@@ -118,8 +118,8 @@ class Backend : public BackendFace {
   // an operand of another type.
   // Casts fused into the producers: the outputs that are the next product's operand (out of
   // layernorm_forward, residual_layernorm_forward, matmul_forward_gelu and attention_forward_flash;
-  // dpre of gelu_bias_backward) may be fp32, bf16 or fp16: the kernel computes in fp32 and rounds once
-  // on store, the bits of an fp32 output then cast (and gelu_bias_backward's dbias sums the fp32
+  // dpre of gelu_bias_backward; dlogits of crossentropy_backward) may be fp32, bf16 or fp16: the kernel computes in
+  // fp32 and rounds once on store, the bits of an fp32 output then cast (and gelu_bias_backward's dbias sums the fp32
   // values). Every other output and gradient is fp32.
 #define LOOM_DECLARE_OP(ret, name, params, args) virtual ret name params = 0;
   LOOM_BACKEND_OPS(LOOM_DECLARE_OP)

@@ -187,17 +187,20 @@ class HostBackend final : public Backend {
     if (precision_.matmul == DType::f32)
       return k::matmul_backward(di, dw, db, dout.as<const float>(NO), inp.as<const float>(NC),
                                 weight.as<const float>(WC), N, C, OC);
-    // dout may be 16-bit already (its producer rounded it: gelu_bias_backward), then without a bias.
+    // dout may be 16-bit already (its producer rounded it: gelu_bias_backward, crossentropy_backward),
+    // then without a bias.
     if (db && dout.type != DType::f32)
       refuse(std::string("matmul_backward: a ") + dtype_name(dout.type) +
              " dout with a bias gradient (the bias sums fp32 gradients: pass dout in fp32)");
     const float* d = db ? dout.as<const float>(NO) : nullptr;
-    const void* d16 = operand16(0, dout, NO);
+    // bf16 with a bias: the bias's column sums (fp32) and dout's rounded copy in one pass.
+    const bool fused = db && precision_.matmul == DType::bf16;
+    const void* d16 = fused ? bias_and_operand(db, d, N, OC) : operand16(0, dout, NO);
     const void* w = operand16(1, weight, WC);                    // [OC,C]
     const void* x = operand16(2, inp, NC);                       // [N,C]
     gemm16(false, false, N, C, OC, d16, OC, w, C, 0.0f, di, C);  // dinp = dout W
     gemm16(true, false, OC, C, N, d16, OC, x, C, 1.0f, dw, C);   // dW += dout^T x
-    if (db) k::bias_backward(db, d, N, OC);                      // a sum, not a product: fp32
+    if (db && !fused) k::bias_backward(db, d, N, OC);            // a sum, not a product: fp32
   }
   void attention_forward(BufferRef out, BufferRef att, BufferRef qkv, int B, int T, int C, int NH) override {
     const std::int64_t NC = std::int64_t(B) * T * C;
@@ -480,6 +483,14 @@ class HostBackend final : public Backend {
     }
     round_fp16(buf.data<float>(), in, n);
     return buf.data<float>();
+  }
+  // dbias += dout's column sums, and dout [N,OC] rounded to bf16 into operand slot 0 (what operand16
+  // would make of it), in one pass; the slot's data.
+  const void* bias_and_operand(float* dbias, const float* dout, int N, int OC) {
+    TypedBuffer& buf = operands_[0];
+    ensure_capacity(*this, buf, "Backend::matmul_operand0", DType::bf16, std::int64_t(N) * OC, Mem::workspace);
+    k::bias_backward_cast(dbias, buf.data<bf16>(), dout, N, OC);
+    return buf.data<bf16>();
   }
   // dst = src rounded to fp16 and widened back (the values an fp16 operand holds).
   static void round_fp16(float* dst, const float* src, std::int64_t n) {

@@ -31,7 +31,8 @@ namespace {
                             &residual_layernorm_row<float, float, bf16>, \
                             &bias_gelu_row<float, float, bf16>,          \
                             &gelu_bias_cols<float, float, bf16>,         \
-                            &cast_bf16_span<float>};
+                            &cast_bf16_span<float>,                      \
+                            &bias_cast_cols<float, float, bf16>};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options

@@ -39,6 +39,7 @@ struct RowKernels {
   void (*gelu_bias_cols_bf16)(bf16* dpre, float* dbias, const float* pre, const float* dout, int N, int OC, int c0,
                               int c1);
   void (*cast_bf16_span)(bf16* out, const float* inp, std::int64_t begin, std::int64_t end);
+  void (*bias_cast_cols_bf16)(float* dbias, bf16* copy, const float* dout, int N, int OC, int c0, int c1);
 };
 
 // The set the kernels run: LOOM_HOST_ISA's, else the best this CPU has.

@@ -337,6 +337,18 @@ void bias_backward(T* dbias, const T* dout, int N, int OC) {  // [OC] (+=), [N,O
   });
 }
 
+// bias_backward, and `copy` = dout stored as O (the product's 16-bit operand) in the same pass over dout.
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void bias_backward_cast(T* dbias, O* copy, const T* dout, int N, int OC) {  // [OC] (+=), [N,OC], [N,OC]
+  const isa::RowKernels* rk = &isa::active();
+  for_column_blocks("Matmul::backward_bias_cast", OC, [=](int c0, int c1) {
+    if constexpr (fp32_v<T, Acc> && std::is_same_v<O, bf16>)
+      rk->bias_cast_cols_bf16(dbias, copy, dout, N, OC, c0, c1);
+    else
+      rows::bias_cast_cols<T, Acc, O>(dbias, copy, dout, N, OC, c0, c1);
+  });
+}
+
 template <class T, class Acc = acc_type_t<T>>
 void matmul_forward(T* out,                                        // [N,OC]
                     const T* inp, const T* weight, const T* bias,  // [N,C], [OC,C], [OC] or null

@@ -320,12 +320,19 @@ class CudaBackend final : public Backend {
     float* di = dev<float>(dinp, std::int64_t(N) * C);
     float* dw = dev<float>(dweight, std::int64_t(OC) * C);
     float* db = dev_optional<float>(dbias, OC);
-    // dout may be 16-bit already (its producer rounded it: gelu_bias_backward), then without a bias.
+    // dout may be 16-bit already (its producer rounded it: gelu_bias_backward, crossentropy_backward),
+    // then without a bias.
     if (db && dout.type != DType::f32)
       refuse(std::string("matmul_backward: a ") + dtype_name(dout.type) +
              " dout with a bias gradient (the bias sums fp32 gradients: pass dout in fp32)");
     const float* dout32 = db ? dev<const float>(dout, std::int64_t(N) * OC) : nullptr;
-    const BufferRef d = operand(cuda_plan::kDout, dout, static_cast<std::int64_t>(N) * OC);      // [N,OC]
+    // A 16-bit run with a bias: the bias's column sums and dout's rounded copy in one pass over dout.
+    const bool fused = db && precision_.matmul != DType::f32;
+    const BufferRef d = fused ? slot(cuda_plan::kDout, precision_.matmul, static_cast<std::int64_t>(N) * OC)
+                              : operand(cuda_plan::kDout, dout, static_cast<std::int64_t>(N) * OC);  // [N,OC]
+    if (fused)
+      cuda::bias_backward_cast(db, d.data, d.type, dout32, N, OC, workspace_scratch<float>(),
+                               workspace_scratch_count<float>(), stream_);
     const BufferRef w = operand(cuda_plan::kWeight, weight, static_cast<std::int64_t>(OC) * C);  // [OC,C]
     const BufferRef x = operand(cuda_plan::kInp, inp, static_cast<std::int64_t>(N) * C);         // [N,C]
     Gemm g;                                                                                      // dinp = dout W
@@ -340,7 +347,7 @@ class CudaBackend final : public Backend {
     h.B = x.data, h.b_type = x.type, h.ldb = C;
     h.C = dw, h.ldc = C, h.beta = 1.0f;
     gemm(h);
-    if (db)  // a sum, not a product: fp32
+    if (db && !fused)  // a sum, not a product: fp32
       cuda::bias_backward(db, dout32, N, OC, workspace_scratch<float>(), workspace_scratch_count<float>(), stream_);
   }
   void attention_forward(BufferRef out_ref, BufferRef att_ref, BufferRef qkv_ref, int B, int T, int C,
@@ -732,10 +739,15 @@ class CudaBackend final : public Backend {
     if (src.type != DType::f32)
       refuse(std::string("Backend::matmul: a ") + dtype_name(src.type) + " operand in a " + dtype_name(want) +
              " run (fp32 or " + dtype_name(want) + " expected)");
+    const BufferRef buf = this->slot(slot, want, n);
+    cuda::cast(buf.data, want, src.data, DType::f32, n, stream_);
+    return buf;
+  }
+  // Operand slot `slot` holding n elements of `type` (grown as needed), its first n.
+  BufferRef slot(int slot, DType type, std::int64_t n) {
     TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
-    ensure_capacity(*this, buf, "cuda.matmul_operand" + std::to_string(slot), want, n, Mem::workspace);
-    cuda::cast(buf.ref().data, want, src.data, DType::f32, n, stream_);
-    return BufferRef(buf.ref().data, want, n, MemSpace::device);
+    ensure_capacity(*this, buf, "cuda.matmul_operand" + std::to_string(slot), type, n, Mem::workspace);
+    return BufferRef(buf.ref().data, type, n, MemSpace::device);
   }
   BufferRef widened(int slot, BufferRef x) {
     TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];

@@ -121,6 +121,15 @@ void softmax_causal_backward(float* datt, const float* att, int rows, int T, cud
   layer::softmax_causal_backward(OnStream{stream}, datt, att, rows, T);
 }
 
+void bias_backward_cast(float* dbias, void* copy, DType copy_type, const float* dout, int N, int OC, float* scratch,
+                        std::int64_t scratch_floats, cudaStream_t stream) {
+  with_output_type(copy_type, "bias_backward_cast", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::bias_backward_cast<O>(OnStream{stream}, dbias, static_cast<layer::storage_t<O>*>(copy), dout, N, OC, scratch,
+                                 scratch_floats);
+  });
+}
+
 void gelu_forward(void* out, DType out_type, const float* inp, std::int64_t n, cudaStream_t stream) {
   with_output_type(out_type, "gelu_forward", [&](auto tag) {
     constexpr DType O = decltype(tag)::value;

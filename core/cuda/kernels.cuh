@@ -107,6 +107,16 @@ void bias_backward(float* dbias,       // [OC] (+=)
                    float* scratch,  // [scratch_floats] partial sums, OC floats at least
                    std::int64_t scratch_floats, cudaStream_t stream);
 
+// bias_backward, and copy = dout stored as copy_type (fp32, bf16 or fp16: the product's operand,
+// rounded once) in the same pass over dout.
+void bias_backward_cast(float* dbias,       // [OC] (+=)
+                        void* copy,         // [N,OC] of copy_type
+                        DType copy_type,    //
+                        const float* dout,  // [N,OC]
+                        int N, int OC,
+                        float* scratch,  // [scratch_floats] partial sums, OC floats at least
+                        std::int64_t scratch_floats, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------
 // Causal softmax of attention scores, in place. Row r (rows = B*NH*T) is query position t = r % T:
 // entries j <= t become the softmax over j <= t, entries j > t become 0. One warp per row.

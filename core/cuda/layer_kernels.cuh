@@ -347,11 +347,12 @@ inline std::int64_t column_scratch_floats(int N, int OC, int sums) {
   return (chunks < 1 ? 1 : chunks) * sums * static_cast<std::int64_t>(OC);
 }
 
-// What a row element adds: dout's own (bias: Backend::bias_backward); dpre = gelu'(pre) dout, each
+// What a row element adds: dout's own (bias: Backend::bias_backward; bias_cast: the same, with dout's
+// copy in the products' 16-bit type written on the way, for matmul_backward); dpre = gelu'(pre) dout, each
 // written on the way (gelu_bias: Backend::gelu_bias_backward; pre and dout read once, where
 // gelu_backward then bias_backward read dpre back); dout and xhat * dout (layernorm: the bias's
 // and the weight's gradients of Backend::layernorm_backward).
-enum class ColumnSum { bias, gelu_bias, layernorm };
+enum class ColumnSum { bias, bias_cast, gelu_bias, layernorm };
 
 // partials[chunk][s][OC]: s = 0 the sums of dout (or dpre), s = 1 (layernorm) those of xhat * dout.
 // dpre is stored as O; the sums add the fp32 values.
@@ -383,6 +384,7 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) column_partials_kernel(float* p
           v = math::gelu_backward(x[i], v);
           dpre[i] = Storage<O>::store(v);
         }
+        if constexpr (Mode == ColumnSum::bias_cast) dpre[i] = Storage<O>::store(v);
         a0 += v;
         if constexpr (Mode == ColumnSum::layernorm) a1 += (x[i] - mean[n]) * rstd[n] * v;
       }
@@ -658,6 +660,16 @@ void gelu_backward(Launch&& launch, storage_t<O>* dinp, const float* inp, const 
 
 // dbias null: gelu_backward over the N * OC elements; else dpre and the bias's column sums in one
 // pass (scratch: column_sums', OC floats at least).
+// dbias[j] += sum_n dout[n,j], as bias_backward, and copy = dout stored as O (the product's 16-bit
+// operand), in the same pass over dout.
+template <DType O, class Launch>
+void bias_backward_cast(Launch&& launch, float* dbias, storage_t<O>* copy, const float* dout, int N, int OC,
+                        float* scratch, std::int64_t scratch_floats) {
+  if (N <= 0 || OC <= 0) return;
+  column_sums<ColumnSum::bias_cast, O>(launch, "bias_backward_cast_kernel", dbias, nullptr, copy, dout, nullptr,
+                                       nullptr, nullptr, N, OC, scratch, scratch_floats);
+}
+
 // dpre stored as O; dbias sums the fp32 values (a 16-bit dpre, the next product's operand, changes
 // nothing in dbias).
 template <DType O = DType::f32, class Launch>

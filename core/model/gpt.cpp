@@ -171,6 +171,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   }
   block_act_floats_ = a.block_table_floats;
   head_floats_ = a.head_table_floats;
+  head_grad_at_ = a.head_floats - (a.head_floats > 0 ? head_grad_floats(geom_) : 0);
   residual_buf_ = be_.allocate("GPT::residual", DType::f32, a.residual_floats, Mem::activations);
   block_buf_ = be_.allocate("GPT::block_activations", DType::f32, a.block_floats, Mem::activations);
   head_buf_ = be_.allocate("GPT::head_activations", DType::f32, a.head_floats, Mem::activations);
@@ -200,8 +201,8 @@ void GPT::plan_step(StepPlan& plan) const {
       fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
     }
   if (stage_.last())
-    fwd.push_back({false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_,
-                   h.dlogits.type});
+    fwd.push_back(
+        {false, full(h.lnf, C), weight(static_cast<std::int64_t>(vocab_local_) * C), N, C, vocab_local_, mm16_});
   std::vector<Call> calls = fwd;
   for (auto it = fwd.rbegin(); it != fwd.rend(); ++it) {
     calls.push_back(*it);
@@ -235,7 +236,7 @@ GPT::ActivationSizes GPT::activation_sizes(const GPTConfig& cfg, int tp, bool sp
   const std::int64_t head_slots = stage.last() ? stage.chunks.back().activation_slots : 0;
   a.residual_floats = residuals * Nl * C;
   a.block_floats = saved_blocks * a.block_table_floats;
-  a.head_floats = head_slots * a.head_table_floats;
+  a.head_floats = head_slots * a.head_table_floats + (head_slots > 0 ? head_grad_floats(g) : 0);
   a.scratch_floats = carve_scratch(g, nullptr).floats;
   a.token_ints = static_cast<std::int64_t>(max_slots) * 2 * N;
   return a;
@@ -427,11 +428,16 @@ GPT::Head GPT::carve_head(const Geometry& g, float* base) {
   h.logits = c.take(N * Vl);
   h.probs = h.logits;  // the cross-entropy overwrites the logits with the probabilities: one [N,Vl] table, not two
   h.losses = c.take(N);
-  // The classifier's gradient, the head product's dout: in place over the probabilities in fp32; in
-  // the products' 16-bit type, its own table (what the product would otherwise round into workspace).
-  h.dlogits = g.mm16 == DType::f32 ? h.probs : c.take(g.mm16, N * Vl);
+  h.dlogits = h.probs;  // fp32: in place; GPT::head points a 16-bit one at head_grad_floats' table
   h.floats = c.used;
   return h;
+}
+
+// The classifier's gradient, the head product's dout, in the products' 16-bit type: one table after
+// the slots' heads (what the product would otherwise round into workspace); none in fp32.
+std::int64_t GPT::head_grad_floats(const Geometry& g) {
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Vl = g.cfg.vocab / g.tp;
+  return g.mm16 == DType::f32 ? 0 : (N * Vl * static_cast<std::int64_t>(dtype_size(g.mm16)) + 3) / 4;
 }
 
 GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
@@ -534,17 +540,20 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   const BufferRef& dres = s.dres;
 
   // MLP, in reverse: x_out = xmid + fcproj(gelu(fc(ln2(xmid))))
+  // Without tensor parallelism dy is dres itself: the row-parallel biases' gradients come with the
+  // product's backward (with the rounded copy of dy on the same pass); with it, from this rank's rows.
+  const bool whole = part_->size() == 1;
   BufferRef dy = part_->grad_to_full(dres, s.dfull, N, C);  // [N,C]
-  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, {}, dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
-  be_.bias_backward(dw.fcprojb, dres, Nl, C);
+  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, whole ? dw.fcprojb : BufferRef(), dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
+  if (!whole) be_.bias_backward(dw.fcprojb, dres, Nl, C);
   be_.gelu_bias_backward(s.dfch, dw.fcb, a.fch, s.dfch_gelu, N, Fl);
   be_.matmul_backward(s.dpartial, dw.fcw, {}, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
   const BufferRef dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);                        // [Nl,C]
   be_.layernorm_backward(dres, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);  // d xmid
   // attention, in reverse: xmid = x + proj(attention(qkv(ln1(x))))
   dy = part_->grad_to_full(dres, s.dfull, N, C);
-  be_.matmul_backward(s.datty, dw.projw, {}, dy, a.atty, w.mprojw, N, Cl, C);
-  be_.bias_backward(dw.projb, dres, Nl, C);
+  be_.matmul_backward(s.datty, dw.projw, whole ? dw.projb : BufferRef(), dy, a.atty, w.mprojw, N, Cl, C);
+  if (!whole) be_.bias_backward(dw.projb, dres, Nl, C);
   if (cfg_.flash_attention)
     be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
   else
@@ -671,7 +680,12 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   return nullptr;
 }
 
-GPT::Head GPT::head(int slot) const { return carve_head(geom_, head_buf_.data<float>() + slot * head_floats_); }
+GPT::Head GPT::head(int slot) const {
+  Head h = carve_head(geom_, head_buf_.data<float>() + slot * head_floats_);
+  if (mm16_ != DType::f32)
+    h.dlogits = BufferRef(head_buf_.data<float>() + head_grad_at_, mm16_, h.probs.count, be_.space());
+  return h;
+}
 
 void GPT::zero_grad() { store_->zero_grads(); }
 

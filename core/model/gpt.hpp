@@ -193,7 +193,7 @@ class GPT {
     BufferRef lnf;                    // [Nl,C] (16-bit like ln1 under mixed precision)
     BufferRef lnf_mean, lnf_rstd;     // [Nl], [Nl]
     BufferRef logits, probs, losses;  // [N,Vl], probs = logits (overwritten in place), [N]
-    BufferRef dlogits;                // [N,Vl]: probs (in place) in fp32; under mixed precision its own 16-bit table
+    BufferRef dlogits;  // [N,Vl]: probs (in place) in fp32; under mixed precision one 16-bit table for every slot
     std::int64_t floats;
   };
   // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the
@@ -210,6 +210,7 @@ class GPT {
   static BlockActs carve_block(const Geometry& g, float* base);
   static Scratch carve_scratch(const Geometry& g, float* base);
   static Head carve_head(const Geometry& g, float* base);
+  static std::int64_t head_grad_floats(const Geometry& g);
   // The block's tensors from the store's view of its unit.
   // Layer l's tensors in `view` (its unit's), found by their handles.
   BlockParams block_params(const ParamStore::UnitView& view, int l, bool grads) const;
@@ -270,10 +271,12 @@ class GPT {
   std::int64_t head_floats_ = 0;
   TypedBuffer residual_buf_;  // per chunk [slots, Lc+1, Nl, C]
   TypedBuffer block_buf_;     // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
-  TypedBuffer
-      head_buf_;  // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits = probs [N,Vl], losses [N]
-  TypedBuffer scratch_buf_;  // forward tmp and backward gradients of activations
-  TypedBuffer tokens_buf_;   // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
+  // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits = probs [N,Vl], losses [N]; then,
+  // under mixed precision, once: the 16-bit dlogits [N,Vl] (used within one backward at a time)
+  TypedBuffer head_buf_;
+  std::int64_t head_grad_at_ = 0;  // where in head_buf_ the 16-bit dlogits are
+  TypedBuffer scratch_buf_;        // forward tmp and backward gradients of activations
+  TypedBuffer tokens_buf_;         // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
   std::function<void(int)> grad_ready_;
   std::function<void()> progress_;
 };

@@ -701,6 +701,14 @@ void check_fused_casts(DType type) {
   be->matmul_backward(buf(di16), buf(dw16), {}, bref(dpre16), buf(x), buf(W), N, C, OC);
   EXPECT_EQ(std::memcmp(di.data(), di16.data(), 4 * NC), 0) << "a 16-bit dout is the fp32 one rounded";
   EXPECT_EQ(std::memcmp(dw.data(), dw16.data(), 4 * dw.size()), 0);
+  // With a bias: its column sums and dout's rounded copy in one pass (bf16), the same bits as the
+  // product without a bias and bias_backward apart.
+  std::vector<float> dib(NC), dwb(dw.size(), 0.0f), dbs(OC, 0.25f), dba(OC, 0.25f);
+  be->matmul_backward(buf(dib), buf(dwb), buf(dbs), buf(dpre), buf(x), buf(W), N, C, OC);
+  be->bias_backward(buf(dba), buf(dpre), N, OC);
+  EXPECT_EQ(std::memcmp(dib.data(), di.data(), 4 * NC), 0) << "matmul_backward with a bias: dinp";
+  EXPECT_EQ(std::memcmp(dwb.data(), dw.data(), 4 * dw.size()), 0) << "matmul_backward with a bias: dweight";
+  EXPECT_EQ(std::memcmp(dbs.data(), dba.data(), 4 * OC), 0) << "matmul_backward's bias: bias_backward's sums";
   EXPECT_THROW(be->matmul_backward(buf(di16), buf(dw16), buf(dbb), bref(dpre16), buf(x), buf(W), N, C, OC),
                std::invalid_argument)
       << "a 16-bit dout has no fp32 values for a bias gradient";

@@ -97,7 +97,12 @@ std::vector<V> run_all(const RowKernels& k) {
   for (int c0 = 0; c0 < C; c0 += 64)
     k.gelu_bias_cols_bf16(d16.data(), dbg16.data(), pre16.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
   k.cast_bf16_span(c16.data(), x.data(), 2, std::int64_t(x.size()));
-  out.insert(out.end(), {widen(o16), m16, s16, rr, widen(r16), pre16, widen(a16), widen(d16), dbg16, widen(c16)});
+  std::vector<loom::bf16> bc16(x.size());
+  V dbc = randn(C, 9);
+  for (int c0 = 0; c0 < C; c0 += 64)
+    k.bias_cast_cols_bf16(dbc.data(), bc16.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+  out.insert(out.end(), {widen(o16), m16, s16, rr, widen(r16), pre16, widen(a16), widen(d16), dbg16, widen(c16), dbc,
+                         widen(bc16)});
   return out;
 }
 
@@ -166,6 +171,14 @@ TEST(HostIsa, Bf16OutputsAreTheFp32OutputsRounded) {
     }
     EXPECT_EQ(bits(d16), rounded(dpre)) << set << ": gelu_bias_cols_bf16";
     EXPECT_TRUE(same_bits(db, db2)) << set << ": dbias sums the fp32 values";
+    V dbias = randn(C, 27), dbias2 = dbias;
+    std::vector<loom::bf16> copy(x.size());
+    for (int c0 = 0; c0 < C; c0 += 64) {
+      k.bias_cols(dbias.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+      k.bias_cast_cols_bf16(dbias2.data(), copy.data(), d.data(), N, C, c0, std::min(C, c0 + 64));
+    }
+    EXPECT_TRUE(same_bits(dbias, dbias2)) << set << ": bias_cast_cols_bf16's sums are bias_cols'";
+    EXPECT_EQ(bits(copy), rounded(d)) << set << ": bias_cast_cols_bf16's copy";
     const V h = hard_values();
     std::vector<loom::bf16> c16(h.size());
     k.cast_bf16_span(c16.data(), h.data(), 0, std::int64_t(h.size()));

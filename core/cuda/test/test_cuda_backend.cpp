@@ -176,6 +176,64 @@ TEST(CudaBackend, FusedMatmulGeluAndGeluBiasBackward) {
   EXPECT_LT(tw.err(db), kTol);
 }
 
+// The producers storing bf16 through the back end (its type dispatch): each the device's own fp32 output
+// rounded by the host's conversion, bit for bit; matmul_backward's bias with its dout copy in one pass
+// gives the bits of the product without a bias and bias_backward apart.
+TEST(CudaBackend, ProducersStoreBf16AsTheirFp32OutputsRounded) {
+  REQUIRE_GPU();
+  Twins tw;
+  tw.dev->set_precision({DType::bf16, DType::f32});
+  const int N = 64, C = 48, OC = 80;
+  const std::int64_t NC = std::int64_t(N) * C, NO = std::int64_t(N) * OC;
+  auto x = tw.make(randn(std::size_t(NC), 1, 2.0f)), y = tw.make(randn(std::size_t(NC), 2)), w = tw.make(randn(C, 3)),
+       b = tw.make(randn(C, 4)), W = tw.make(randn(std::size_t(OC) * C, 5)), bias = tw.make(randn(OC, 6)),
+       d = tw.make(randn(std::size_t(NO), 7));
+  const auto b16 = [&](std::int64_t n) { return tw.both(std::vector<loom::bf16>(std::size_t(n))).second; };
+  const auto bits16 = [&](const BufferRef& dev16) {
+    std::vector<std::uint16_t> v(std::size_t(dev16.count));
+    tw.dev->copy_to_host(v.data(), dev16);
+    return v;
+  };
+  const auto rounded = [&](const Twins::T& t) {
+    std::vector<std::uint16_t> v;
+    for (float f : tw.dev_of(t)) v.push_back(loom::to_bf16(f).bits);
+    return v;
+  };
+  auto o = tw.zeros(NC), m = tw.zeros(N), s = tw.zeros(N), r = tw.zeros(NC);
+  BufferRef o16 = b16(NC);
+  tw.dev->layernorm_forward(o.d, m.d, s.d, x.d, w.d, b.d, N, C);
+  tw.dev->layernorm_forward(o16, m.d, s.d, x.d, w.d, b.d, N, C);
+  EXPECT_EQ(bits16(o16), rounded(o)) << "layernorm_forward";
+  tw.dev->residual_layernorm_forward(r.d, o.d, m.d, s.d, x.d, y.d, w.d, b.d, N, C);
+  tw.dev->residual_layernorm_forward(r.d, o16, m.d, s.d, x.d, y.d, w.d, b.d, N, C);
+  EXPECT_EQ(bits16(o16), rounded(o)) << "residual_layernorm_forward";
+  auto act = tw.zeros(NO), pre = tw.zeros(NO), dpre = tw.zeros(NO), db = tw.make(randn(OC, 8));
+  BufferRef act16 = b16(NO), dpre16 = b16(NO);
+  tw.dev->matmul_forward_gelu(act.d, pre.d, x.d, W.d, bias.d, N, C, OC);
+  tw.dev->matmul_forward_gelu(act16, pre.d, x.d, W.d, bias.d, N, C, OC);
+  EXPECT_EQ(bits16(act16), rounded(act)) << "matmul_forward_gelu";
+  tw.dev->gelu_bias_backward(dpre.d, db.d, pre.d, d.d, N, OC);
+  tw.dev->gelu_bias_backward(dpre16, db.d, pre.d, d.d, N, OC);
+  EXPECT_EQ(bits16(dpre16), rounded(dpre)) << "gelu_bias_backward";
+  std::vector<float> pv = tw.dev_of(d);
+  for (float& p : pv) p = std::fabs(p) / 40.0f;
+  auto probs = tw.make(pv), dl = tw.zeros(NO);
+  std::vector<std::int32_t> tg(N);
+  for (int n = 0; n < N; ++n) tg[std::size_t(n)] = (n * 37) % (OC + 20);
+  const BufferRef targets = tw.both(tg).second, dl16 = b16(NO);
+  tw.dev->crossentropy_backward(dl.d, probs.d, targets, 0.37f, N, OC, 0);
+  tw.dev->crossentropy_backward(dl16, probs.d, targets, 0.37f, N, OC, 0);
+  EXPECT_EQ(bits16(dl16), rounded(dl)) << "crossentropy_backward";
+  auto di = tw.zeros(NC), dw = tw.zeros(std::int64_t(OC) * C), di2 = tw.zeros(NC), dw2 = tw.zeros(std::int64_t(OC) * C);
+  auto db1 = tw.make(randn(OC, 9)), db2 = tw.make(randn(OC, 9));
+  tw.dev->matmul_backward(di.d, dw.d, db1.d, d.d, x.d, W.d, N, C, OC);
+  tw.dev->matmul_backward(di2.d, dw2.d, {}, d.d, x.d, W.d, N, C, OC);
+  tw.dev->bias_backward(db2.d, d.d, N, OC);
+  EXPECT_EQ(tw.dev_of(di), tw.dev_of(di2)) << "matmul_backward with a bias: dinp";
+  EXPECT_EQ(tw.dev_of(dw), tw.dev_of(dw2)) << "matmul_backward with a bias: dweight";
+  EXPECT_EQ(tw.dev_of(db1), tw.dev_of(db2)) << "matmul_backward's bias: bias_backward's sums";
+}
+
 TEST(CudaBackend, MatmulForwardAndBackwardWithBias) {
   REQUIRE_GPU();
   for (DType precision : {DType::f32, DType::bf16}) {

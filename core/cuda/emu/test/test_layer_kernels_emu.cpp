@@ -339,9 +339,10 @@ void check_16bit_outputs() {
     using E = layer::storage_t<D>;
     return in_every_schedule([&](const OnEmulator& launch) {
       std::vector<E> o(NC), o2(NC), g(NO + 1), dg(NO + 1), dp(NO + 1), dp_only(NO + 1), dl(NO);
-      std::vector<float> m(N), s(N), r(NC), db = db0, scratch(std::size_t(layer::column_scratch_floats(N, OC, 1)));
+      std::vector<float> m(N), s(N), m2(N), s2(N), r(NC), db = db0,
+                                                          scratch(std::size_t(layer::column_scratch_floats(N, OC, 1)));
       layer::layernorm_forward<D>(launch, o.data(), m.data(), s.data(), x.data(), w.data(), b.data(), N, C);
-      layer::residual_layernorm_forward<D>(launch, r.data(), o2.data(), m.data(), s.data(), x.data(), y.data(),
+      layer::residual_layernorm_forward<D>(launch, r.data(), o2.data(), m2.data(), s2.data(), x.data(), y.data(),
                                            w.data(), b.data(), N, C);
       layer::gelu_forward<D>(launch, g.data() + offset, pre.data() + offset, NO);
       layer::gelu_backward<D>(launch, dg.data() + offset, pre.data() + offset, d.data() + offset, NO);
@@ -350,8 +351,12 @@ void check_16bit_outputs() {
       layer::gelu_bias_backward<D>(launch, dp_only.data(), nullptr, pre.data(), d.data(), N, OC, scratch.data(),
                                    std::int64_t(scratch.size()));
       layer::crossentropy_backward<D>(launch, dl.data(), probs.data(), targets.data(), 0.37f, N, OC, 3);
-      return Bits{bits_of(o),  bits_of(m),  bits_of(s),  bits_of(r),       bits_of(o2), bits_of(g),
-                  bits_of(dg), bits_of(dp), bits_of(db), bits_of(dp_only), bits_of(dl)};
+      std::vector<E> copy(NO);
+      std::vector<float> dbc = db0;
+      layer::bias_backward_cast<D>(launch, dbc.data(), copy.data(), d.data(), N, OC, scratch.data(),
+                                   std::int64_t(scratch.size()));
+      return Bits{bits_of(o),  bits_of(m),  bits_of(s),       bits_of(r),  bits_of(o2),   bits_of(g),  bits_of(dg),
+                  bits_of(dp), bits_of(db), bits_of(dp_only), bits_of(dl), bits_of(copy), bits_of(dbc)};
     });
   };
   const char* what[] = {"layernorm out",
@@ -364,12 +369,14 @@ void check_16bit_outputs() {
                         "gelu_bias_backward dpre",
                         "dbias",
                         "dpre without a bias",
-                        "crossentropy_backward dlogits"};
+                        "crossentropy_backward dlogits",
+                        "bias_backward_cast copy",
+                        "bias_backward_cast dbias"};
   for (std::size_t offset : {0, 1}) {
     const Bits f = run(std::integral_constant<DType, DType::f32>{}, offset),
                h = run(std::integral_constant<DType, O>{}, offset);
     for (std::size_t i = 0; i < f.size(); ++i) {
-      if (i == 1 || i == 2 || i == 3 || i == 8) {  // fp32 either way
+      if (i == 1 || i == 2 || i == 3 || i == 8 || i == 12) {  // fp32 either way
         EXPECT_EQ(h[i], f[i]) << what[i];
         continue;
       }
@@ -380,6 +387,25 @@ void check_16bit_outputs() {
       EXPECT_EQ(h[i], bits_of(cast)) << what[i] << " (" << loom::dtype_name(O) << "), offset " << offset;
     }
   }
+}
+
+// bias_backward_cast's sums are bias_backward's, bit for bit (the same column tiles and chunks), and its
+// copy is dout rounded by the host's conversion.
+TEST(LayerKernelsEmu, BiasBackwardWithItsCastIsBiasBackward) {
+  const int N = 300, OC = 21;
+  const auto dout = randn(std::size_t(N) * OC, 2), db0 = randn(OC, 3);
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<float> a = db0, b = db0, scratch(std::size_t(layer::column_scratch_floats(N, OC, 1)));
+    std::vector<std::uint16_t> copy(dout.size());
+    layer::bias_backward(launch, a.data(), dout.data(), N, OC, scratch.data(), std::int64_t(scratch.size()));
+    layer::bias_backward_cast<DType::bf16>(launch, b.data(), copy.data(), dout.data(), N, OC, scratch.data(),
+                                           std::int64_t(scratch.size()));
+    return Bits{bits_of(a), bits_of(b), bits_of(copy)};
+  });
+  EXPECT_EQ(got[0], got[1]);
+  std::vector<std::uint16_t> want(dout.size());
+  for (std::size_t i = 0; i < dout.size(); ++i) want[i] = loom::to_bf16(dout[i]).bits;
+  EXPECT_EQ(got[2], bits_of(want)) << "the copy is dout rounded to bf16";
 }
 
 TEST(LayerKernelsEmu, ProducersStoreBf16AsTheirFp32OutputsCast) { check_16bit_outputs<DType::bf16>(); }
