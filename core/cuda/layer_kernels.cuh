@@ -51,20 +51,18 @@ constexpr unsigned kReduceMaxBlocks = 1024;
 
 template <DType D>
 struct Storage;
-template <>
-struct Storage<DType::f32> {
-  using type = float;
-  using compute = float;
-  LOOM_DEVICE static float load(float x) { return x; }
-  LOOM_DEVICE static float store(float x) { return x; }
+// A type that is its own compute type: load and store are the identity.
+template <class T>
+struct PlainStorage {
+  using type = T;
+  using compute = T;
+  LOOM_DEVICE static T load(T x) { return x; }
+  LOOM_DEVICE static T store(T x) { return x; }
 };
 template <>
-struct Storage<DType::f64> {
-  using type = double;
-  using compute = double;
-  LOOM_DEVICE static double load(double x) { return x; }
-  LOOM_DEVICE static double store(double x) { return x; }
-};
+struct Storage<DType::f32> : PlainStorage<float> {};
+template <>
+struct Storage<DType::f64> : PlainStorage<double> {};
 template <>
 struct Storage<DType::bf16> {
   using type = std::uint16_t;
