@@ -37,8 +37,8 @@ CASE is one of:
                          2 N C (7 L + 1) at one rank; with tp 2 and sequence parallelism ln1, ln2 and lnf
                          are gathered in fp32 and stay fp32, so 2 N (C + 4C) / tp L per rank; the fc
                          product's dout scratch [N, 4C/tp] in 16 bits saves 2 N 4C / tp more, and the
-                         classifier's 16-bit dlogits table [N, V/tp] (in place over the fp32 probabilities
-                         in an fp32 run) costs 2 N V / tp
+                         classifier's 16-bit dlogits table [N, V/tp] beside the shared fp32 logits (one
+                         table, logits then dlogits in place, in an fp32 run) costs 2 N V / tp
   memory_bf16_zero2_dp2  ZeRO-2 at dp 2 in bf16 shards the fp32 masters too: of the S = 12 L C^2 elements of
                          the block matrices each rank keeps the fp32 master of its share S/N, and the
                          whole 16-bit copy S (plus wte's, 2 V C bytes); the W = P - S elements the model

@@ -69,7 +69,9 @@ class BackendFace {
   // residual_forward: out = a + b. crossentropy_forward/_backward: the loss and its gradient over
   // whole rows (the partition role's default); crossentropy_backward: targets[n] - vocab_begin is the
   // target's column (none outside [0, V): vocabulary-parallel); dlogits fp32 (may alias probs) or, under
-  // mixed precision, 16-bit (the classifier product's operand, rounded once on store). Vocabulary-parallel
+  // mixed precision, 16-bit (the classifier product's operand, rounded once on store). crossentropy_fused:
+  // both in one pass when dloss is known at the forward (training), bit for bit the two operations, with no
+  // probability table (dlogits may alias logits in fp32, or be 16-bit). Vocabulary-parallel
   // cross-entropy (the tensor strategy): this rank holds the logits of vocabulary entries [vocab_begin, vocab_begin +
   // V) of each of N rows. Around the group's reductions:
   //   crossentropy_row_max  row_max[n] = max_v logits[n,v]                          (then: max over the group)
@@ -77,6 +79,9 @@ class BackendFace {
   //                         target_logit[n] = logits[n, targets[n] - vocab_begin] where that column is
   //                         here, else 0                                             (then: sums over the group)
   //   crossentropy_finish   probs[n,v] /= sum_exp[n]; losses[n] = log sum_exp[n] + row_max[n] - target_logit[n]
+  //   crossentropy_finish_grad  losses as _finish; dlogits[n,v] = the gradient crossentropy_backward would
+  //                         write after _finish, recomputed from the logits (then _partial's probs may be
+  //                         empty: only the sums are written), fp32 (may alias logits) or 16-bit
   // copy, sum on the first n fp32 elements; axpy: y += a x, the product rounded, then the sum (no
   // fused multiply-add: the host's and CUDA's alike).
   //

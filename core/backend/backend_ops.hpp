@@ -31,6 +31,9 @@
   OP(void, crossentropy_backward,                                                                                     \
      (BufferRef dlogits, BufferRef probs, BufferRef targets, float dloss, int N, int V, int vocab_begin),             \
      (dlogits, probs, targets, dloss, N, V, vocab_begin))                                                             \
+  OP(void, crossentropy_fused,                                                                                        \
+     (BufferRef losses, BufferRef dlogits, BufferRef logits, BufferRef targets, float dloss, int N, int V),           \
+     (losses, dlogits, logits, targets, dloss, N, V))                                                                 \
   OP(void, crossentropy_row_max, (BufferRef row_max, BufferRef logits, int N, int V), (row_max, logits, N, V))        \
   OP(void, crossentropy_partial,                                                                                      \
      (BufferRef probs, BufferRef sum_exp, BufferRef target_logit, BufferRef logits, BufferRef row_max,                \
@@ -39,6 +42,10 @@
   OP(void, crossentropy_finish,                                                                                       \
      (BufferRef losses, BufferRef probs, BufferRef sum_exp, BufferRef row_max, BufferRef target_logit, int N, int V), \
      (losses, probs, sum_exp, row_max, target_logit, N, V))                                                           \
+  OP(void, crossentropy_finish_grad,                                                                                  \
+     (BufferRef losses, BufferRef dlogits, BufferRef logits, BufferRef sum_exp, BufferRef row_max,                    \
+      BufferRef target_logit, BufferRef targets, float dloss, int N, int V, int vocab_begin),                         \
+     (losses, dlogits, logits, sum_exp, row_max, target_logit, targets, dloss, N, V, vocab_begin))                    \
   OP(void, copy, (BufferRef dst, BufferRef src, std::int64_t n), (dst, src, n))                                       \
   OP(void, axpy, (BufferRef y, float a, BufferRef x, std::int64_t n), (y, a, x, n))                                   \
   OP(double, sum, (BufferRef x, std::int64_t n), (x, n))                                                              \

@@ -265,13 +265,22 @@ class HostBackend final : public Backend {
                                                           targets.as<const std::int32_t>(N), dloss, N, V, vocab_begin);
     });
   }
+  void crossentropy_fused(BufferRef losses, BufferRef dlogits, BufferRef logits, BufferRef targets, float dloss, int N,
+                          int V) override {
+    const std::int64_t NV = std::int64_t(N) * V;
+    with_output_type(dlogits, "crossentropy_fused", [&](auto o) {
+      k::crossentropy_fused<float, float, decltype(o)>(losses.as<float>(N), dlogits.as<decltype(o)>(NV),
+                                                       logits.as<const float>(NV), targets.as<const std::int32_t>(N),
+                                                       dloss, N, V);
+    });
+  }
   void crossentropy_row_max(BufferRef row_max, BufferRef logits, int N, int V) override {
     k::crossentropy_row_max(row_max.as<float>(N), logits.as<const float>(std::int64_t(N) * V), N, V);
   }
   void crossentropy_partial(BufferRef probs, BufferRef sum_exp, BufferRef target_logit, BufferRef logits,
                             BufferRef row_max, BufferRef targets, int N, int V, int vocab_begin) override {
     const std::int64_t NV = std::int64_t(N) * V;
-    k::crossentropy_partial(probs.as<float>(NV), sum_exp.as<double>(N), target_logit.as<double>(N),
+    k::crossentropy_partial(probs.as_optional<float>(NV), sum_exp.as<double>(N), target_logit.as<double>(N),
                             logits.as<const float>(NV), row_max.as<const float>(N), targets.as<const std::int32_t>(N),
                             N, V, vocab_begin);
   }
@@ -279,6 +288,17 @@ class HostBackend final : public Backend {
                            BufferRef target_logit, int N, int V) override {
     k::crossentropy_finish(losses.as<float>(N), probs.as<float>(std::int64_t(N) * V), sum_exp.as<const double>(N),
                            row_max.as<const float>(N), target_logit.as<const double>(N), N, V);
+  }
+  void crossentropy_finish_grad(BufferRef losses, BufferRef dlogits, BufferRef logits, BufferRef sum_exp,
+                                BufferRef row_max, BufferRef target_logit, BufferRef targets, float dloss, int N, int V,
+                                int vocab_begin) override {
+    const std::int64_t NV = std::int64_t(N) * V;
+    with_output_type(dlogits, "crossentropy_finish_grad", [&](auto o) {
+      k::crossentropy_finish_grad<decltype(o)>(losses.as<float>(N), dlogits.as<decltype(o)>(NV),
+                                               logits.as<const float>(NV), sum_exp.as<const double>(N),
+                                               row_max.as<const float>(N), target_logit.as<const double>(N),
+                                               targets.as<const std::int32_t>(N), dloss, N, V, vocab_begin);
+    });
   }
   void adamw_update(BufferRef params, BufferRef m, BufferRef v, BufferRef grads, std::int64_t n, float lr, float beta1,
                     float beta2, float eps, float weight_decay, std::int64_t t) override {

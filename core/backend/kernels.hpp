@@ -533,6 +533,40 @@ void crossentropy_forward(Acc* losses, T* probs,                         // [N],
   });
 }
 
+// The classifier's forward and backward in one pass (the loss's gradient known at the forward, as in
+// training): losses as crossentropy_forward, dlogits as crossentropy_backward after it, bit for bit, and
+// no probability table. dlogits may alias logits (fp32: the exponentials are staged in it, as the
+// forward stages them in probs) or be 16-bit (then each exponential is recomputed for its store: the
+// same function of the same float, so the same bits).
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void crossentropy_fused(Acc* losses, O* dlogits,                       // [N], [N,V]; dlogits may alias logits
+                        const T* logits, const std::int32_t* targets,  // [N,V], [N]
+                        nd<Acc> dloss,                                 // d(total loss)/d(loss of one row)
+                        int N, int V) {
+  static_assert(std::is_same_v<T, Acc>, "the fused classifier computes in its logits' type");
+  Kokkos::parallel_for("CrossEntropy::fused", Range(0, N), [=](int n) {
+    const T* l = logits + static_cast<std::int64_t>(n) * V;
+    O* d = dlogits + static_cast<std::int64_t>(n) * V;
+    const int tgt = targets[n];
+    const Acc target_logit = l[tgt];  // before d overwrites l
+    T mx = l[0];
+    for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+    if constexpr (std::is_same_v<O, T>) {
+      for (int v = 0; v < V; ++v) d[v] = exp_k(l[v] - mx);
+      const T sum = lane_sum<T>(V, [&](int v) { return d[v]; });
+      const T inv = T(1) / sum;
+      for (int v = 0; v < V; ++v) d[v] = math::crossentropy_dlogit(d[v] * inv, v == tgt, Acc(dloss));
+      losses[n] = std::log(sum) + mx - target_logit;
+    } else {
+      const T sum = lane_sum<T>(V, [&](int v) { return exp_k(l[v] - mx); });
+      const T inv = T(1) / sum;
+      for (int v = 0; v < V; ++v)
+        d[v] = from_acc<O>(math::crossentropy_dlogit(exp_k(l[v] - mx) * inv, v == tgt, Acc(dloss)));
+      losses[n] = std::log(sum) + mx - target_logit;
+    }
+  });
+}
+
 // targets[n] - vocab_begin is the target's column here (none when it lies outside [0, V): the
 // vocabulary-parallel cross-entropy, where a rank holds vocabulary entries [vocab_begin, +V)).
 // dlogits stored as O: T, or a 16-bit type (the classifier product's operand, rounded once; it then
@@ -563,14 +597,19 @@ inline void crossentropy_row_max(float* row_max,       // [N]
     row_max[n] = mx;
   });
 }
-inline void crossentropy_partial(float* probs, double* sum_exp, double* target_logit,  // [N,V], [N], [N]
+// probs null: only the sums (crossentropy_finish_grad recomputes each exponential, the same float).
+inline void crossentropy_partial(float* probs, double* sum_exp, double* target_logit,  // [N,V] or null, [N], [N]
                                  const float* logits, const float* row_max,            // [N,V], [N]
                                  const std::int32_t* targets, int N, int V, int vocab_begin) {
   Kokkos::parallel_for("CrossEntropy::partial", Range(0, N), [=](int n) {
     const float* l = logits + static_cast<std::int64_t>(n) * V;
-    float* p = probs + static_cast<std::int64_t>(n) * V;
     const int t = targets[n] - vocab_begin;
     target_logit[n] = (t >= 0 && t < V) ? l[t] : 0.0;  // before p overwrites l (the model's in-place head)
+    if (probs == nullptr) {
+      sum_exp[n] = lane_sum<double>(V, [&](int v) { return static_cast<double>(exp_k(l[v] - row_max[n])); });
+      return;
+    }
+    float* p = probs + static_cast<std::int64_t>(n) * V;
     for (int v = 0; v < V; ++v) p[v] = exp_k(l[v] - row_max[n]);
     sum_exp[n] = lane_sum<double>(V, [&](int v) { return static_cast<double>(p[v]); });
   });
@@ -582,6 +621,25 @@ inline void crossentropy_finish(float* losses, float* probs,                  //
     const float inv = static_cast<float>(1.0 / sum_exp[n]);
     float* p = probs + static_cast<std::int64_t>(n) * V;
     for (int v = 0; v < V; ++v) p[v] *= inv;
+    losses[n] = static_cast<float>(std::log(sum_exp[n]) + row_max[n] - target_logit[n]);
+  });
+}
+// crossentropy_finish then crossentropy_backward, fused (the loss's gradient known at the forward):
+// dlogits = (exp(logits - row_max) / sum_exp - [target]) * dloss, the bits of the two passes, with no
+// probability table; dlogits may alias logits (fp32) or be 16-bit.
+template <class O>
+void crossentropy_finish_grad(float* losses, O* dlogits,                    // [N], [N,V]
+                              const float* logits,                          // [N,V]
+                              const double* sum_exp, const float* row_max,  // [N], [N]
+                              const double* target_logit,                   // [N]
+                              const std::int32_t* targets, float dloss, int N, int V, int vocab_begin) {
+  Kokkos::parallel_for("CrossEntropy::finish_grad", Range(0, N), [=](int n) {
+    const float inv = static_cast<float>(1.0 / sum_exp[n]);
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    O* d = dlogits + static_cast<std::int64_t>(n) * V;
+    const int tgt = targets[n] - vocab_begin;
+    for (int v = 0; v < V; ++v)
+      d[v] = from_acc<O>(math::crossentropy_dlogit(exp_k(l[v] - row_max[n]) * inv, v == tgt, dloss));
     losses[n] = static_cast<float>(std::log(sum_exp[n]) + row_max[n] - target_logit[n]);
   });
 }

@@ -480,6 +480,14 @@ class CudaBackend final : public Backend {
     cuda::crossentropy_forward(dev<float>(losses, N), dev<float>(probs, NV), dev<const float>(logits, NV),
                                dev<const std::int32_t>(targets, N), N, V, stream_);
   }
+  void crossentropy_fused(BufferRef losses, BufferRef dlogits, BufferRef logits, BufferRef targets, float dloss, int N,
+                          int V) override {
+    Timed timed(this, "crossentropy_fused");
+    const std::int64_t NV = std::int64_t(N) * V;
+    const BufferRef d = output(dlogits, NV, "crossentropy_fused");
+    cuda::crossentropy_fused(dev<float>(losses, N), d.data, d.type, dev<const float>(logits, NV),
+                             dev<const std::int32_t>(targets, N), dloss, N, V, stream_);
+  }
   void crossentropy_backward(BufferRef dlogits, BufferRef probs, BufferRef targets, float dloss, int N, int V,
                              int vocab_begin) override {
     Timed timed(this, "crossentropy_backward");
@@ -496,8 +504,8 @@ class CudaBackend final : public Backend {
                             BufferRef row_max, BufferRef targets, int N, int V, int vocab_begin) override {
     Timed timed(this, "crossentropy_partial");
     const std::int64_t NV = std::int64_t(N) * V;
-    cuda::crossentropy_partial(dev<float>(probs, NV), dev<double>(sum_exp, N), dev<double>(target_logit, N),
-                               dev<const float>(logits, NV), dev<const float>(row_max, N),
+    cuda::crossentropy_partial(probs.empty() ? nullptr : dev<float>(probs, NV), dev<double>(sum_exp, N),
+                               dev<double>(target_logit, N), dev<const float>(logits, NV), dev<const float>(row_max, N),
                                dev<const std::int32_t>(targets, N), N, V, vocab_begin, stream_);
   }
   void crossentropy_finish(BufferRef losses, BufferRef probs, BufferRef sum_exp, BufferRef row_max,
@@ -506,6 +514,17 @@ class CudaBackend final : public Backend {
     cuda::crossentropy_finish(dev<float>(losses, N), dev<float>(probs, std::int64_t(N) * V),
                               dev<const double>(sum_exp, N), dev<const float>(row_max, N),
                               dev<const double>(target_logit, N), N, V, stream_);
+  }
+  void crossentropy_finish_grad(BufferRef losses, BufferRef dlogits, BufferRef logits, BufferRef sum_exp,
+                                BufferRef row_max, BufferRef target_logit, BufferRef targets, float dloss, int N, int V,
+                                int vocab_begin) override {
+    Timed timed(this, "crossentropy_finish_grad");
+    const std::int64_t NV = std::int64_t(N) * V;
+    const BufferRef d = output(dlogits, NV, "crossentropy_finish_grad");
+    cuda::crossentropy_finish_grad(dev<float>(losses, N), d.data, d.type, dev<const float>(logits, NV),
+                                   dev<const double>(sum_exp, N), dev<const float>(row_max, N),
+                                   dev<const double>(target_logit, N), dev<const std::int32_t>(targets, N), dloss, N, V,
+                                   vocab_begin, stream_);
   }
   void adamw_update(BufferRef params, BufferRef m, BufferRef v, BufferRef grads, std::int64_t n, float lr, float beta1,
                     float beta2, float eps, float weight_decay, std::int64_t t) override {

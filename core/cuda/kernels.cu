@@ -164,6 +164,19 @@ void crossentropy_forward(float* losses, float* probs, const float* logits, cons
   layer::crossentropy_forward(OnStream{stream}, static_cast<std::size_t>(optin), losses, probs, logits, targets, N, V);
 }
 
+void crossentropy_fused(float* losses, void* dlogits, DType dlogits_type, const float* logits,
+                        const std::int32_t* targets, float dloss, int N, int V, cudaStream_t stream) {
+  if (N <= 0 || V <= 0) return;
+  int device = 0, optin = 0;
+  check_call(cudaGetDevice(&device), "cudaGetDevice");
+  check_call(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
+  with_output_type(dlogits_type, "crossentropy_fused", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::crossentropy_fused<O>(OnStream{stream}, static_cast<std::size_t>(optin), losses,
+                                 static_cast<layer::storage_t<O>*>(dlogits), logits, targets, dloss, N, V);
+  });
+}
+
 void crossentropy_backward(void* dlogits, DType dlogits_type, const float* probs, const std::int32_t* targets,
                            float dloss, int N, int V, int vocab_begin, cudaStream_t stream) {
   with_output_type(dlogits_type, "crossentropy_backward", [&](auto tag) {
@@ -187,6 +200,17 @@ void crossentropy_partial(float* probs, double* sum_exp, double* target_logit, c
 void crossentropy_finish(float* losses, float* probs, const double* sum_exp, const float* row_max,
                          const double* target_logit, int N, int V, cudaStream_t stream) {
   layer::crossentropy_finish(OnStream{stream}, losses, probs, sum_exp, row_max, target_logit, N, V);
+}
+
+void crossentropy_finish_grad(float* losses, void* dlogits, DType dlogits_type, const float* logits,
+                              const double* sum_exp, const float* row_max, const double* target_logit,
+                              const std::int32_t* targets, float dloss, int N, int V, int vocab_begin,
+                              cudaStream_t stream) {
+  with_output_type(dlogits_type, "crossentropy_finish_grad", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::crossentropy_finish_grad<O>(OnStream{stream}, losses, static_cast<layer::storage_t<O>*>(dlogits), logits,
+                                       sum_exp, row_max, target_logit, targets, dloss, N, V, vocab_begin);
+  });
 }
 
 namespace {

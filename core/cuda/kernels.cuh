@@ -198,6 +198,16 @@ void crossentropy_forward(float* losses,                // [N]
                           const std::int32_t* targets,  // [N]
                           int N, int V, cudaStream_t stream);
 
+// The two above in one kernel (the loss's gradient known at the forward): losses, and dlogits =
+// (softmax(logits) - onehot(target)) * dloss stored as dlogits_type (fp32, which may alias logits; or
+// bf16/fp16), the bits of crossentropy_forward then crossentropy_backward, with no probability table.
+void crossentropy_fused(float* losses,                // [N]
+                        void* dlogits,                // [N,V] of dlogits_type
+                        DType dlogits_type,           //
+                        const float* logits,          // [N,V]
+                        const std::int32_t* targets,  // [N]
+                        float dloss, int N, int V, cudaStream_t stream);
+
 // dlogits = (probs - onehot(target)) * dloss, stored as dlogits_type (fp32, which may alias probs; or
 // bf16/fp16, the classifier product's operand, rounded once).
 void crossentropy_backward(void* dlogits,                // [N,V] (=) of dlogits_type
@@ -214,7 +224,7 @@ void crossentropy_backward(void* dlogits,                // [N,V] (=) of dlogits
 void crossentropy_row_max(float* row_max,       // [N]
                           const float* logits,  // [N,V]
                           int N, int V, cudaStream_t stream);
-void crossentropy_partial(float* probs,                 // [N,V] exp(logits - row_max)
+void crossentropy_partial(float* probs,                 // [N,V] exp(logits - row_max), or null: only the sums
                           double* sum_exp,              // [N]
                           double* target_logit,         // [N] 0 where the target is another rank's
                           const float* logits,          // [N,V]
@@ -227,6 +237,17 @@ void crossentropy_finish(float* losses,               // [N]
                          const float* row_max,        // [N]
                          const double* target_logit,  // [N]
                          int N, int V, cudaStream_t stream);
+// crossentropy_finish then crossentropy_backward, in one pass from the logits (after a _partial
+// that may have skipped its probs): dlogits of dlogits_type (fp32 may alias logits).
+void crossentropy_finish_grad(float* losses,                // [N]
+                              void* dlogits,                // [N,V] of dlogits_type
+                              DType dlogits_type,           //
+                              const float* logits,          // [N,V]
+                              const double* sum_exp,        // [N]
+                              const float* row_max,         // [N]
+                              const double* target_logit,   // [N]
+                              const std::int32_t* targets,  // [N]
+                              float dloss, int N, int V, int vocab_begin, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // AdamW (torch.optim.AdamW): t is the 1-based step; the bias corrections are computed on the host

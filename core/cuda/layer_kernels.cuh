@@ -714,6 +714,24 @@ LOOM_DEVICE dev::float4 exp_shifted(dev::float4 a, float mx) {
 LOOM_DEVICE float scaled(float a, float k) { return a * k; }
 LOOM_DEVICE dev::float4 scaled(dev::float4 a, float k) { return dev::make_float4(a.x * k, a.y * k, a.z * k, a.w * k); }
 
+// One computed value (or four, at column 4q) stored as O at column q of a row.
+template <DType O>
+LOOM_DEVICE void put_row(storage_t<O>* row, int q, float x) {
+  row[q] = Storage<O>::store(x);
+}
+template <DType O>
+LOOM_DEVICE void put_row(storage_t<O>* row, int q, dev::float4 x) {
+  store4<O>(row + 4 * q, x);
+}
+// The classifier's gradient of a probability at column `col` (four at col..col+3).
+LOOM_DEVICE float dlogit_at(float p, int col, int target, float dloss) {
+  return math::crossentropy_dlogit(p, col == target, dloss);
+}
+LOOM_DEVICE dev::float4 dlogit_at(dev::float4 p, int col, int target, float dloss) {
+  return dev::make_float4(dlogit_at(p.x, col, target, dloss), dlogit_at(p.y, col + 1, target, dloss),
+                          dlogit_at(p.z, col + 2, target, dloss), dlogit_at(p.w, col + 3, target, dloss));
+}
+
 // The host's float branch: max, sum of exp_fast(l - max), probs = exp_fast(l - max) * (1 / sum),
 // loss = log(sum) + max - l[target]. Three passes over the row. With Cached the row lives in
 // dynamic shared memory ([V] floats): the first pass copies the logits there, the second replaces
@@ -721,21 +739,26 @@ LOOM_DEVICE dev::float4 scaled(dev::float4 a, float k) { return dev::make_float4
 // times and each exponential is computed once (the host's float branch too stores the exponential
 // and then scales it). Each thread reads back only the entries it wrote itself, so the copy needs no
 // barrier. The target's logit is read before the barriers that precede the writes, so probs may even
-// alias logits.
-template <bool Cached, bool Vec4>
+// alias logits. Grad (the fused classifier, crossentropy_fused): the third pass stores each
+// probability's gradient, (p - [target]) * dloss, as O instead of p: the bits of crossentropy_backward
+// after this kernel, with no probability table.
+template <bool Cached, bool Vec4, bool Grad = false, DType O = DType::f32>
 LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kCrossEntropyForwardThreads)
     crossentropy_forward_kernel(float* losses,                // [N]
-                                float* probs,                 // [N,V]
+                                storage_t<O>* probs,          // [N,V] the probabilities, or with Grad dlogits
                                 const float* logits,          // [N,V]
                                 const std::int32_t* targets,  // [N]
-                                int N, int V) {
+                                float dloss, int N, int V) {
+  static_assert(Grad || O == DType::f32, "the probabilities are fp32");
   using Vec = typename RowAccess<Vec4>::type;
+  constexpr int width = RowAccess<Vec4>::width;
   Vec* row_copy = dev::shared_memory<Vec>();  // [V] floats if Cached (16-byte aligned)
   LOOM_SHARED_ARRAY(float, shared, kWarp);
-  const int Q = V / RowAccess<Vec4>::width;  // accesses per row
+  const int Q = V / width;  // accesses per row
   for (int n = block(); n < N; n += blocks()) {
     const Vec* l = reinterpret_cast<const Vec*>(logits + static_cast<std::int64_t>(n) * V);
-    Vec* p = reinterpret_cast<Vec*>(probs + static_cast<std::int64_t>(n) * V);
+    storage_t<O>* p = probs + static_cast<std::int64_t>(n) * V;
+    const int target = targets[n];
     const float target_logit = tid() == 0 ? logits[static_cast<std::int64_t>(n) * V + targets[n]] : 0.0f;
     float mx = -INFINITY;
     for (int q = tid(); q < Q; q += threads_per_block()) {
@@ -757,10 +780,15 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kCrossEntropyForwardThreads)
     s = block_reduce(s, 0.0f, SumOp{}, shared);
     const float inv = 1.0f / s;
     for (int q = tid(); q < Q; q += threads_per_block()) {
+      Vec pq;
       if constexpr (Cached)
-        p[q] = scaled(row_copy[q], inv);
+        pq = scaled(row_copy[q], inv);
       else
-        p[q] = scaled(exp_shifted(l[q], mx), inv);
+        pq = scaled(exp_shifted(l[q], mx), inv);
+      if constexpr (Grad)
+        put_row<O>(p, q, dlogit_at(pq, q * width, target, dloss));
+      else
+        put_row<O>(p, q, pq);
     }
     if (tid() == 0) losses[n] = dev::log_f(s) + mx - target_logit;  // log-sum-exp: exact when p underflows
   }
@@ -808,7 +836,7 @@ LOOM_KERNEL void crossentropy_partial_kernel(float* probs,                 // [N
   LOOM_SHARED_ARRAY(double, shared, kWarp);
   for (int n = block(); n < N; n += blocks()) {
     const float* l = logits + static_cast<std::int64_t>(n) * V;
-    float* p = probs + static_cast<std::int64_t>(n) * V;
+    float* p = probs == nullptr ? nullptr : probs + static_cast<std::int64_t>(n) * V;  // null: only the sums
     const float mx = row_max[n];
     const int t = targets[n] - vocab_begin;
     // p may alias l (the model's head overwrites its logits): the target's logit is read before
@@ -818,7 +846,7 @@ LOOM_KERNEL void crossentropy_partial_kernel(float* probs,                 // [N
     double s = 0.0;
     for (int v = tid(); v < V; v += threads_per_block()) {
       const float e = math::exp_fast(l[v] - mx);
-      p[v] = e;
+      if (p != nullptr) p[v] = e;
       s += e;
     }
     s = block_reduce(s, 0.0, SumOp{}, shared);
@@ -843,30 +871,66 @@ LOOM_KERNEL void crossentropy_finish_kernel(float* losses,               // [N]
   }
 }
 
+// crossentropy_finish then crossentropy_backward in one pass: each exponential recomputed from the
+// logits (exp_fast of the same float, the bits _partial would have stored), scaled as _finish scales
+// it, its gradient stored as O (fp32 may alias logits: each element is read, then written, by one thread).
+template <DType O>
+LOOM_KERNEL void crossentropy_finish_grad_kernel(float* losses,                // [N]
+                                                 storage_t<O>* dlogits,        // [N,V]
+                                                 const float* logits,          // [N,V]
+                                                 const double* sum_exp,        // [N]
+                                                 const float* row_max,         // [N]
+                                                 const double* target_logit,   // [N]
+                                                 const std::int32_t* targets,  // [N]
+                                                 float dloss, int N, int V, int vocab_begin) {
+  for (int n = block(); n < N; n += blocks()) {
+    const float* l = logits + static_cast<std::int64_t>(n) * V;
+    storage_t<O>* d = dlogits + static_cast<std::int64_t>(n) * V;
+    const float inv = static_cast<float>(1.0 / sum_exp[n]);
+    const float mx = row_max[n];
+    const int target = targets[n] - vocab_begin;
+    for (int v = tid(); v < V; v += threads_per_block())
+      d[v] = Storage<O>::store(math::crossentropy_dlogit(math::exp_fast(l[v] - mx) * inv, v == target, dloss));
+    if (tid() == 0) losses[n] = static_cast<float>(dev::log_d(sum_exp[n]) + row_max[n] - target_logit[n]);
+  }
+}
+
 // `shared_limit`: the device's dynamic shared memory per block (opt-in); the row is staged in it
-// when it fits, with the kernel's static reduction scratch.
+// when it fits, with the kernel's static reduction scratch. Grad: crossentropy_fused (out = dlogits
+// as O, dloss); otherwise out = the fp32 probabilities.
+template <bool Grad = false, DType O = DType::f32, class Launch>
+void crossentropy_rows(Launch&& launch, const char* name, std::size_t shared_limit, float* losses, storage_t<O>* out,
+                       const float* logits, const std::int32_t* targets, float dloss, int N, int V) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kCrossEntropyForwardThreads);
+  // Every row of out starts 4 elements apart, so the first row's alignment is every row's.
+  const bool vec4 = V % 4 == 0 && aligned16(logits) && aligned_store4<O>(out);
+  const std::size_t row_bytes = static_cast<std::size_t>(V) * sizeof(float);
+  const bool cached = row_bytes + kWarp * sizeof(float) <= shared_limit;
+  if (cached && vec4)
+    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, true, Grad, O>, losses, out, logits,
+           targets, dloss, N, V);
+  else if (cached)
+    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, false, Grad, O>, losses, out, logits,
+           targets, dloss, N, V);
+  else if (vec4)
+    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, true, Grad, O>, losses, out, logits,
+           targets, dloss, N, V);
+  else
+    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, false, Grad, O>, losses, out, logits,
+           targets, dloss, N, V);
+}
 template <class Launch>
 void crossentropy_forward(Launch&& launch, std::size_t shared_limit, float* losses, float* probs, const float* logits,
                           const std::int32_t* targets, int N, int V) {
-  if (N <= 0 || V <= 0) return;
-  const LaunchGeometry g = rows_per_block_geometry(N, kCrossEntropyForwardThreads);
-  const bool vec4 = V % 4 == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0 &&
-                    reinterpret_cast<std::uintptr_t>(probs) % 16 == 0;
-  const std::size_t row_bytes = static_cast<std::size_t>(V) * sizeof(float);
-  const bool cached = row_bytes + kWarp * sizeof(float) <= shared_limit;
-  const char* name = "crossentropy_forward_kernel";
-  if (cached && vec4)
-    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, true>, losses, probs, logits,
-           targets, N, V);
-  else if (cached)
-    launch(name, g.blocks, g.threads, row_bytes, crossentropy_forward_kernel<true, false>, losses, probs, logits,
-           targets, N, V);
-  else if (vec4)
-    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, true>, losses, probs, logits, targets, N,
-           V);
-  else
-    launch(name, g.blocks, g.threads, 0, crossentropy_forward_kernel<false, false>, losses, probs, logits, targets, N,
-           V);
+  crossentropy_rows(launch, "crossentropy_forward_kernel", shared_limit, losses, probs, logits, targets, 0.0f, N, V);
+}
+// The fused classifier: losses and dlogits (may alias logits when O is fp32) in one kernel.
+template <DType O, class Launch>
+void crossentropy_fused(Launch&& launch, std::size_t shared_limit, float* losses, storage_t<O>* dlogits,
+                        const float* logits, const std::int32_t* targets, float dloss, int N, int V) {
+  crossentropy_rows<true, O>(launch, "crossentropy_fused_kernel", shared_limit, losses, dlogits, logits, targets, dloss,
+                             N, V);
 }
 
 template <DType O = DType::f32, class Launch>
@@ -901,6 +965,16 @@ void crossentropy_finish(Launch&& launch, float* losses, float* probs, const dou
   const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
   launch("crossentropy_finish_kernel", g.blocks, g.threads, 0, crossentropy_finish_kernel, losses, probs, sum_exp,
          row_max, target_logit, N, V);
+}
+
+template <DType O, class Launch>
+void crossentropy_finish_grad(Launch&& launch, float* losses, storage_t<O>* dlogits, const float* logits,
+                              const double* sum_exp, const float* row_max, const double* target_logit,
+                              const std::int32_t* targets, float dloss, int N, int V, int vocab_begin) {
+  if (N <= 0 || V <= 0) return;
+  const LaunchGeometry g = rows_per_block_geometry(N, kRowBlockThreads);
+  launch("crossentropy_finish_grad_kernel", g.blocks, g.threads, 0, crossentropy_finish_grad_kernel<O>, losses, dlogits,
+         logits, sum_exp, row_max, target_logit, targets, dloss, N, V, vocab_begin);
 }
 
 // ---------------------------------------------------------------------------------------------

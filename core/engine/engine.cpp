@@ -19,7 +19,7 @@ double AccumulateSchedule::run(StepContext& ctx) {
     ctx.fetch(ctx.step, static_cast<std::int64_t>(k) * ctx.rows_per_micro, ctx.rows_per_micro, ctx.inputs, ctx.targets);
     double t1 = now();
     inject_slowness(ctx.step);  // LOOM_INJECT_FAULT where=slow: a slow node's forward
-    total += ctx.model.forward(ctx.inputs.data(), ctx.targets.data(), ctx.rows_per_micro);
+    total += ctx.model.forward(ctx.inputs.data(), ctx.targets.data(), ctx.rows_per_micro, dloss);  // fused classifier
     double t2 = now();
     ctx.sync.begin_micro_batch(ctx.model, k, ctx.micro_batches);
     ctx.model.backward(dloss);

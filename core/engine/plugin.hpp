@@ -47,8 +47,9 @@
 // ABI 17: StrategyInfo::plan (core/engine/plan_terms.hpp), what a strategy adds to `loom plan`;
 // ParamInfo's shape, local_shape, split and numel read from its ShardDesc (accessors, not fields).
 // ABI 18: every tensor of LOOM_FACE_OPS a typed BufferRef (no bare pointers; sum_squares and the float
-// overloads of scale and fill gone); Partition's operators on BufferRefs.
-#define LOOM_PLUGIN_ABI_VERSION 18
+// overloads of scale and fill gone); Partition's operators on BufferRefs. ABI 19: the fused classifier
+// (LOOM_FACE_OPS crossentropy_fused and crossentropy_finish_grad, Partition::crossentropy_fused).
+#define LOOM_PLUGIN_ABI_VERSION 19
 
 extern "C" {
 struct loom_plugin_v1 {

@@ -1,6 +1,7 @@
 #include "core/model/gpt.hpp"
 
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #include "core/base/error.hpp"
@@ -169,9 +170,11 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
     slot_scored_.emplace_back(static_cast<std::size_t>(c.activation_slots), false);
   }
+  slot_dloss_.assign(static_cast<std::size_t>(stage_.chunks.back().activation_slots),
+                     std::numeric_limits<float>::quiet_NaN());
   block_act_floats_ = a.block_table_floats;
   head_floats_ = a.head_table_floats;
-  head_grad_at_ = a.head_floats - (a.head_floats > 0 ? head_grad_floats(geom_) : 0);
+  head_logits_at_ = a.head_floats - (a.head_floats > 0 ? head_logits_floats(geom_) : 0);
   residual_buf_ = be_.allocate("GPT::residual", DType::f32, a.residual_floats, Mem::activations);
   block_buf_ = be_.allocate("GPT::block_activations", DType::f32, a.block_floats, Mem::activations);
   head_buf_ = be_.allocate("GPT::head_activations", DType::f32, a.head_floats, Mem::activations);
@@ -236,7 +239,7 @@ GPT::ActivationSizes GPT::activation_sizes(const GPTConfig& cfg, int tp, bool sp
   const std::int64_t head_slots = stage.last() ? stage.chunks.back().activation_slots : 0;
   a.residual_floats = residuals * Nl * C;
   a.block_floats = saved_blocks * a.block_table_floats;
-  a.head_floats = head_slots * a.head_table_floats + (head_slots > 0 ? head_grad_floats(g) : 0);
+  a.head_floats = head_slots * a.head_table_floats + (head_slots > 0 ? head_logits_floats(g) : 0);
   a.scratch_floats = carve_scratch(g, nullptr).floats;
   a.token_ints = static_cast<std::int64_t>(max_slots) * 2 * N;
   return a;
@@ -425,19 +428,22 @@ GPT::Head GPT::carve_head(const Geometry& g, float* base) {
   h.lnf = c.take(g.sp ? DType::f32 : g.mm16, Nl * g.cfg.d_model);
   h.lnf_mean = c.take(Nl);
   h.lnf_rstd = c.take(Nl);
-  h.logits = c.take(N * Vl);
-  h.probs = h.logits;  // the cross-entropy overwrites the logits with the probabilities: one [N,Vl] table, not two
+  // The classifier's gradient, the head product's dout, in the products' type. In fp32 the logits, the
+  // probabilities and it are one [N,Vl] table, overwritten in place; under mixed precision the slot keeps
+  // only its 16-bit dlogits and GPT::head points logits and probs at one fp32 table for every slot.
+  h.dlogits = c.take(g.mm16, N * Vl);
+  h.logits = h.probs = h.dlogits;
   h.losses = c.take(N);
-  h.dlogits = h.probs;  // fp32: in place; GPT::head points a 16-bit one at head_grad_floats' table
   h.floats = c.used;
   return h;
 }
 
-// The classifier's gradient, the head product's dout, in the products' 16-bit type: one table after
-// the slots' heads (what the product would otherwise round into workspace); none in fp32.
-std::int64_t GPT::head_grad_floats(const Geometry& g) {
+// Under mixed precision: one fp32 [N,Vl] table after the slots' heads for the logits the head product
+// writes, which the fused classifier turns into the slot's 16-bit dlogits (or the unfused forward into
+// probabilities, which that slot's backward reads); none in fp32.
+std::int64_t GPT::head_logits_floats(const Geometry& g) {
   const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Vl = g.cfg.vocab / g.tp;
-  return g.mm16 == DType::f32 ? 0 : (N * Vl * static_cast<std::int64_t>(dtype_size(g.mm16)) + 3) / 4;
+  return g.mm16 == DType::f32 ? 0 : N * Vl;
 }
 
 GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
@@ -565,15 +571,15 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   store_->release(unit, ParamStore::Use::backward);
 }
 
-double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int B) {
+double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int B, std::optional<float> dloss) {
   if (!stage_.first() || !stage_.last()) throw std::logic_error("GPT::forward on a pipeline stage: use forward_stage");
-  return forward_stage(0, inputs, nullptr, targets, B);
+  return forward_stage(0, inputs, nullptr, targets, B, 0, dloss);
 }
 
 void GPT::backward(float dloss) { backward_stage(0, dloss, nullptr); }
 
 double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B,
-                          int chunk) {
+                          int chunk, std::optional<float> dloss) {
   if (B < 1 || B > max_rows_)
     throw std::logic_error("GPT::forward: " + std::to_string(B) + " rows, allocated for " + std::to_string(max_rows_));
   check_slot(chunk, slot, "forward");
@@ -616,7 +622,15 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   const Head h = head(slot);
   be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
   be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, {}, N, C, vocab_local_);  // tied head: [N,Vl]
-  if (targets) part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
+  slot_dloss_[static_cast<std::size_t>(slot)] = std::numeric_limits<float>::quiet_NaN();
+  if (targets && dloss) {  // the fused classifier: the loss and its gradient, no probabilities
+    part_->crossentropy_fused(be_, h.losses, h.dlogits, h.logits, tgt, *dloss / static_cast<float>(N), N, vocab_local_,
+                              vocab_begin_);
+    slot_dloss_[static_cast<std::size_t>(slot)] = *dloss;
+  } else if (targets) {
+    part_->crossentropy_forward(be_, h.losses, h.probs, h.logits, tgt, N, vocab_local_, vocab_begin_);
+  }
+  probs_slot_ = slot;  // (what the shared logits table holds under mixed precision)
   if (wte_apart) store_->release(emb_unit_, ParamStore::Use::forward);
   store_->release(head_unit_, ParamStore::Use::forward);
   return targets ? be_.sum(h.losses, N) / N : 0.0;  // without targets the logits stay (sampling)
@@ -649,8 +663,20 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
     const BufferRef& dlnfw = tensor_grad(hv, lnfw_);
     const BufferRef& dlnfb = tensor_grad(hv, lnfb_);
     const Head h = head(slot);
-    part_->crossentropy_backward(be_, h.dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_,
-                                 vocab_begin_);
+    const float fused = slot_dloss_[static_cast<std::size_t>(slot)];
+    if (!std::isnan(fused)) {  // the forward made dlogits: it must have been told this backward's dloss
+      if (fused != dloss)
+        throw std::logic_error("GPT::backward: the forward held in slot " + std::to_string(slot) +
+                               " made the classifier's gradient for dloss " + std::to_string(fused) + ", not " +
+                               std::to_string(dloss));
+    } else {
+      if (mm16_ != DType::f32 && probs_slot_ != slot)
+        throw std::logic_error("GPT::backward: slot " + std::to_string(slot) +
+                               "'s probabilities were overwritten by a later forward (under mixed precision the "
+                               "slots share one logits table: forward with dloss)");
+      part_->crossentropy_backward(be_, h.dlogits, h.probs, tgt, dloss / static_cast<float>(N), N, vocab_local_,
+                                   vocab_begin_);
+    }
     be_.matmul_backward(s.dpartial, dwte, {}, h.dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
     const BufferRef dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
     be_.fill(s.dres.slice(0, static_cast<std::int64_t>(Nl) * C), 0.0);
@@ -683,7 +709,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
 GPT::Head GPT::head(int slot) const {
   Head h = carve_head(geom_, head_buf_.data<float>() + slot * head_floats_);
   if (mm16_ != DType::f32)
-    h.dlogits = BufferRef(head_buf_.data<float>() + head_grad_at_, mm16_, h.probs.count, be_.space());
+    h.logits = h.probs = BufferRef(head_buf_.data<float>() + head_logits_at_, DType::f32, h.dlogits.count, be_.space());
   return h;
 }
 

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -96,7 +97,11 @@ class GPT {
 
   // Forward pass on B rows of T tokens; returns the mean cross-entropy over the B*T targets.
   // (The whole model only: one stage.) targets = null: no loss (returns 0), the logits are kept.
-  double forward(const std::int32_t* inputs, const std::int32_t* targets, int B);  // [B,T], [B,T]
+  // With `dloss` (training: the backward's argument known now) the classifier's gradient is made with
+  // the loss, in one pass that stores no probabilities (the fused classifier); backward must then be
+  // given the same dloss.
+  double forward(const std::int32_t* inputs, const std::int32_t* targets, int B,
+                 std::optional<float> dloss = std::nullopt);  // [B,T], [B,T]
   // Backward pass of the last forward, accumulating parameter gradients. `dloss` is the derivative
   // of the training objective with respect to this forward's mean loss (1/micro_batches when the
   // step averages over micro-batches).
@@ -128,7 +133,7 @@ class GPT {
   // chunk's output (elsewhere), targets [B,T] (the last chunk of the last stage). Returns the mean
   // loss on the model's last chunk, 0 elsewhere.
   double forward_stage(int slot, const std::int32_t* inputs, const float* x_in, const std::int32_t* targets, int B,
-                       int chunk = 0);
+                       int chunk = 0, std::optional<float> dloss = std::nullopt);
   const float* stage_output(int slot, int chunk = 0) const;  // [Nl,C] the chunk's last block's output
   std::int64_t stage_boundary_floats(int B) const;           // Nl*C of a micro-batch of B rows
   // dout [Nl,C]: gradient of stage_output (not on the model's last chunk). Returns the gradient of
@@ -190,10 +195,12 @@ class GPT {
     std::int64_t floats;
   };
   struct Head {
-    BufferRef lnf;                    // [Nl,C] (16-bit like ln1 under mixed precision)
-    BufferRef lnf_mean, lnf_rstd;     // [Nl], [Nl]
-    BufferRef logits, probs, losses;  // [N,Vl], probs = logits (overwritten in place), [N]
-    BufferRef dlogits;  // [N,Vl]: probs (in place) in fp32; under mixed precision one 16-bit table for every slot
+    BufferRef lnf;                 // [Nl,C] (16-bit like ln1 under mixed precision)
+    BufferRef lnf_mean, lnf_rstd;  // [Nl], [Nl]
+    BufferRef dlogits;             // [N,Vl] the slot's: fp32, or 16-bit under mixed precision
+    BufferRef losses;              // [N]
+    BufferRef logits, probs;       // [N,Vl], probs = logits (overwritten in place): dlogits itself in fp32,
+                                   // under mixed precision one fp32 table for every slot (GPT::head)
     std::int64_t floats;
   };
   // What sizes the activation tables: the model, the tp split, the rows of a micro-batch, the
@@ -210,7 +217,7 @@ class GPT {
   static BlockActs carve_block(const Geometry& g, float* base);
   static Scratch carve_scratch(const Geometry& g, float* base);
   static Head carve_head(const Geometry& g, float* base);
-  static std::int64_t head_grad_floats(const Geometry& g);
+  static std::int64_t head_logits_floats(const Geometry& g);
   // The block's tensors from the store's view of its unit.
   // Layer l's tensors in `view` (its unit's), found by their handles.
   BlockParams block_params(const ParamStore::UnitView& view, int l, bool grads) const;
@@ -262,7 +269,9 @@ class GPT {
   std::vector<std::int64_t> residual0_, acts0_;  // per chunk: its first residual / block-activation index
   std::vector<std::vector<int>> slot_rows_;      // per chunk and slot: rows of the forward held (0: free)
   std::vector<std::vector<bool>>
-      slot_scored_;  // per chunk and slot: that forward had targets (a loss to differentiate)
+      slot_scored_;                // per chunk and slot: that forward had targets (a loss to differentiate)
+  std::vector<float> slot_dloss_;  // per slot of the last chunk: the fused classifier's dloss (NaN: not fused)
+  int probs_slot_ = -1;            // under mixed precision: the slot whose probabilities the shared logits hold
   std::vector<ParamInfo> params_, all_params_;
   std::int64_t num_params_ = 0;
   // activations
@@ -271,12 +280,13 @@ class GPT {
   std::int64_t head_floats_ = 0;
   TypedBuffer residual_buf_;  // per chunk [slots, Lc+1, Nl, C]
   TypedBuffer block_buf_;     // per chunk [slots x Lc], or 1 (recompute); block_act_floats_ each
-  // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], logits = probs [N,Vl], losses [N]; then,
-  // under mixed precision, once: the 16-bit dlogits [N,Vl] (used within one backward at a time)
+  // model's last chunk, per slot: lnf [Nl,C], lnf_mean/rstd [Nl], dlogits [N,Vl] (fp32 = logits = probs,
+  // or 16-bit), losses [N]; then, under mixed precision, once: the fp32 logits [N,Vl] (the fused
+  // classifier reads them within the forward that wrote them)
   TypedBuffer head_buf_;
-  std::int64_t head_grad_at_ = 0;  // where in head_buf_ the 16-bit dlogits are
-  TypedBuffer scratch_buf_;        // forward tmp and backward gradients of activations
-  TypedBuffer tokens_buf_;         // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
+  std::int64_t head_logits_at_ = 0;  // where in head_buf_ the shared fp32 logits are (mixed precision)
+  TypedBuffer scratch_buf_;          // forward tmp and backward gradients of activations
+  TypedBuffer tokens_buf_;           // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
   std::function<void(int)> grad_ready_;
   std::function<void()> progress_;
 };

@@ -65,6 +65,14 @@ class Partition {
                                      const BufferRef& targets, float dloss, int N, int Vl, int vocab_begin) {
     be.crossentropy_backward(dlogits, probs, targets, dloss, N, Vl, vocab_begin);
   }
+  // Both in one pass, the loss's gradient known at the forward (training): losses as crossentropy_forward,
+  // dlogits [N, Vl] (fp32, may alias logits; or 16-bit) as crossentropy_backward after it, bit for bit,
+  // with no probability table.
+  virtual void crossentropy_fused(BackendFace& be, const BufferRef& losses, const BufferRef& dlogits,
+                                  const BufferRef& logits, const BufferRef& targets, float dloss, int N, int Vl,
+                                  int /*vocab_begin*/) {
+    be.crossentropy_fused(losses, dlogits, logits, targets, dloss, N, Vl);
+  }
 
   // After the last backward of a step: make the gradients of replicated parameters whole (with
   // sequence parallelism each rank saw only its rows).

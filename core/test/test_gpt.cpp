@@ -605,6 +605,64 @@ TEST(GPT, ForwardWithoutTargetsKeepsTheLogits) {
   m.backward(1.0f);
 }
 
+// The fused classifier (forward given the backward's dloss) leaves the loss and every gradient as the
+// forward then the backward make them, bit for bit, in fp32 (in place over the logits) and in bf16 (the
+// slot's 16-bit dlogits from the shared fp32 logits); the backward refuses another dloss. Under mixed
+// precision the slots share one logits table, so an unfused forward's probabilities last only until
+// the next forward: a backward after that is refused, and the fused forward makes it unnecessary.
+TEST(GPT, FusedClassifierGivesTheUnfusedLossAndGradientsBitForBit) {
+  for (DType mm : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(mm));
+    auto be = make_host_backend(1);
+    Precision prec;
+    prec.matmul = mm;
+    be->set_precision(prec);
+    const GPTConfig cfg = tiny_config();
+    const int rows = 2;
+    Stage two_slots;
+    two_slots.chunks = {{0, cfg.layers, 2}};
+    GPT m(cfg, *be, rows, nullptr, two_slots);
+    m.init_weights(81);
+    perturb(m, 82);
+    const Batch a(cfg, rows, 83), b(cfg, rows, 84);
+    const float dloss = 0.375f;
+    m.zero_grad();
+    const double l_unfused = m.forward(a.inputs.data(), a.targets.data(), rows);
+    m.backward(dloss);
+    const std::vector<float> g_unfused = grads_of(m);
+    m.zero_grad();
+    const double l_fused = m.forward(a.inputs.data(), a.targets.data(), rows, dloss);
+    m.backward(dloss);
+    EXPECT_EQ(l_fused, l_unfused);
+    EXPECT_EQ(grads_of(m), g_unfused);
+
+    m.forward(a.inputs.data(), a.targets.data(), rows, dloss);
+    EXPECT_THROW(m.backward(0.5f), std::logic_error);  // made for 0.375
+
+    // Two micro-batches in flight (a pipeline's slots): fused, both backwards give the sum of the two.
+    m.zero_grad();
+    m.forward(b.inputs.data(), b.targets.data(), rows);
+    m.backward(dloss);
+    m.forward(a.inputs.data(), a.targets.data(), rows);
+    m.backward(dloss);
+    const std::vector<float> g_sum = grads_of(m);
+    m.zero_grad();
+    m.forward_stage(0, a.inputs.data(), nullptr, a.targets.data(), rows, 0, dloss);
+    m.forward_stage(1, b.inputs.data(), nullptr, b.targets.data(), rows, 0, dloss);
+    m.backward_stage(1, dloss, nullptr);
+    m.backward_stage(0, dloss, nullptr);
+    EXPECT_EQ(grads_of(m), g_sum);
+    m.forward_stage(0, a.inputs.data(), nullptr, a.targets.data(), rows);
+    m.forward_stage(1, b.inputs.data(), nullptr, b.targets.data(), rows);
+    m.backward_stage(1, dloss, nullptr);
+    if (mm == DType::f32) {
+      m.backward_stage(0, dloss, nullptr);  // each slot keeps its own probabilities
+    } else {
+      EXPECT_THROW(m.backward_stage(0, dloss, nullptr), std::logic_error);  // slot 1's forward overwrote them
+    }
+  }
+}
+
 // What `loom plan` predicts activation memory with (GPT::activation_sizes) is what the constructor
 // allocates, for the default stage and for chunks holding several micro-batches, with and without
 // recompute, in fp32 and bf16, with unfused and flash attention; and, for the plain fp32 model, the

@@ -527,6 +527,60 @@ TEST(Kernels, CrossEntropyInPlaceOverTheLogitsIsExact) {
   EXPECT_EQ(table, probs);
 }
 
+// The fused classifier (crossentropy_fused, and crossentropy_finish_grad after the vocabulary-parallel
+// reductions) is the forward then the backward with the arithmetic unchanged: the same bits, into a
+// separate table, in place over the logits, or rounded to 16 bits on store.
+template <class O>
+void expect_fused_crossentropy_exact(const std::vector<float>& logits, const IVec& targets, float dloss) {
+  const std::size_t NV = logits.size();
+  std::vector<float> probs(NV), losses(kN), fused_losses(kN);
+  std::vector<O> dlogits(NV), fused(NV);
+  k::crossentropy_forward(losses.data(), probs.data(), logits.data(), targets.data(), kN, kV);
+  k::crossentropy_backward<float, float, O>(dlogits.data(), probs.data(), targets.data(), dloss, kN, kV);
+  k::crossentropy_fused<float, float, O>(fused_losses.data(), fused.data(), logits.data(), targets.data(), dloss, kN,
+                                         kV);
+  EXPECT_EQ(fused_losses, losses);
+  EXPECT_EQ(0, std::memcmp(fused.data(), dlogits.data(), NV * sizeof(O))) << "dlogits of " << sizeof(O) << " bytes";
+  if constexpr (std::is_same_v<O, float>) {  // in place over the logits, as the model's fp32 head
+    std::vector<float> table = logits;
+    k::crossentropy_fused(fused_losses.data(), table.data(), table.data(), targets.data(), dloss, kN, kV);
+    EXPECT_EQ(fused_losses, losses);
+    EXPECT_EQ(table, dlogits);
+  }
+
+  // Vocabulary-parallel: this rank's half [kV/2, kV) of a 2kV vocabulary (some targets elsewhere).
+  const int vocab_begin = kV / 2;
+  IVec wide = targets;
+  for (std::size_t n = 0; n < wide.size(); ++n) wide[n] = (targets[n] * 7 + static_cast<int>(n)) % (2 * kV);
+  std::vector<float> row_max(kN), losses_tp(kN), fused_tp(kN);
+  std::vector<double> sum_exp(kN), target_logit(kN), sums_only(kN), target_only(kN);
+  k::crossentropy_row_max(row_max.data(), logits.data(), kN, kV);
+  k::crossentropy_partial(probs.data(), sum_exp.data(), target_logit.data(), logits.data(), row_max.data(), wide.data(),
+                          kN, kV, vocab_begin);
+  k::crossentropy_finish(losses_tp.data(), probs.data(), sum_exp.data(), row_max.data(), target_logit.data(), kN, kV);
+  k::crossentropy_backward<float, float, O>(dlogits.data(), probs.data(), wide.data(), dloss, kN, kV, vocab_begin);
+  k::crossentropy_partial(nullptr, sums_only.data(), target_only.data(), logits.data(), row_max.data(), wide.data(), kN,
+                          kV, vocab_begin);  // the fused flow's partial writes no exponentials
+  EXPECT_EQ(sums_only, sum_exp);
+  EXPECT_EQ(target_only, target_logit);
+  k::crossentropy_finish_grad<O>(fused_tp.data(), fused.data(), logits.data(), sums_only.data(), row_max.data(),
+                                 target_only.data(), wide.data(), dloss, kN, kV, vocab_begin);
+  EXPECT_EQ(fused_tp, losses_tp);
+  EXPECT_EQ(0, std::memcmp(fused.data(), dlogits.data(), NV * sizeof(O))) << "vocabulary-parallel dlogits";
+}
+
+TEST(Kernels, FusedCrossEntropyIsForwardThenBackwardBitForBit) {
+  const Vec l64 = randn(static_cast<std::size_t>(kN) * kV, 68, 3.0);
+  std::vector<float> logits(l64.begin(), l64.end());
+  logits[2 * kV + 1] = 80.0f;  // one dominant logit: a probability near 1, the rest near 0
+  const IVec targets = rand_tokens(kN, kV, 69);
+  for (float dloss : {0.37f, 1.0f / 4096.0f, 65536.0f}) {  // 65536: a loss scale's product
+    expect_fused_crossentropy_exact<float>(logits, targets, dloss);
+    expect_fused_crossentropy_exact<loom::bf16>(logits, targets, dloss);
+    expect_fused_crossentropy_exact<loom::f16>(logits, targets, dloss);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Float math helpers
 

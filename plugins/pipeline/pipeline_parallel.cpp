@@ -238,7 +238,7 @@ class PipelineSchedule final : public Schedule {
       const std::size_t first_event = events_.size();
       const double t_op = now();
       if (op.kind == 'F') {
-        loss_sum += forward(ctx, op.chunk, op.k);
+        loss_sum += forward(ctx, op.chunk, op.k, true);
         inflight_max = std::max(inflight_max, ++inflight);
       } else {
         backward(ctx, op.chunk, op.k, backwards++);
@@ -460,9 +460,13 @@ class PipelineSchedule final : public Schedule {
     bubble_expected_ = replay_ms > 0 ? 1.0 - compute_sum / (p_ * replay_ms) : 0.0;
   }
 
+  // d(step objective)/d(a micro-batch's mean loss)
+  float dloss(const StepContext& ctx) const { return ctx.loss_scale / static_cast<float>(m_); }
+
   void timed(const char* kind, int k, int chunk, double t0) { events_.push_back({kind, k, chunk, t0, now()}); }
 
-  double forward(StepContext& ctx, int c, int k) {
+  // `train`: a backward follows (the head's classifier makes its gradient with the loss).
+  double forward(StepContext& ctx, int c, int k, bool train = false) {
     GPT& model = ctx.model;
     const int slot = k % slots_[c];
     double t0 = now();
@@ -484,7 +488,8 @@ class PipelineSchedule final : public Schedule {
     t0 = now();
     inject_slowness(ctx.step);  // LOOM_INJECT_FAULT where=slow: a slow node's forward
     const double loss = model.forward_stage(slot, model.holds_embeddings(c) ? ctx.inputs.data() : nullptr, x_in,
-                                            model.holds_head(c) ? ctx.targets.data() : nullptr, ctx.rows_per_micro, c);
+                                            model.holds_head(c) ? ctx.targets.data() : nullptr, ctx.rows_per_micro, c,
+                                            train ? std::optional<float>(dloss(ctx)) : std::nullopt);
     ctx.times.forward += now() - t0;
     timed("forward", k, c, t0);
     if (!model.holds_head(c)) {
@@ -514,7 +519,7 @@ class PipelineSchedule final : public Schedule {
     }
     ctx.sync.begin_micro_batch(model, j, m_ * v_);
     t0 = now();
-    const float* dx = model.backward_stage(slot, ctx.loss_scale / static_cast<float>(m_), dout, c);
+    const float* dx = model.backward_stage(slot, dloss(ctx), dout, c);
     ctx.times.backward += now() - t0;
     timed("backward", k, c, t0);
     if (!model.holds_embeddings(c)) {

@@ -71,18 +71,16 @@ class TensorPartition final : public Partition {
   // partition's (BackendFace::crossentropy_backward with this rank's vocab_begin).
   void crossentropy_forward(BackendFace&, const BufferRef& losses, const BufferRef& probs, const BufferRef& logits,
                             const BufferRef& targets, int N, int Vl, int vocab_begin) override {
-    // Scratch through the back end and the ledger (communication buffers), grown to the largest N.
-    ensure_capacity(be_, row_max_buf_, "TensorPartition::row_max", DType::f32, N, Mem::comm);
-    ensure_capacity(be_, sum_exp_buf_, "TensorPartition::sum_exp", DType::f64, N, Mem::comm);
-    ensure_capacity(be_, target_logit_buf_, "TensorPartition::target_logit", DType::f64, N, Mem::comm);
-    const BufferRef row_max = row_max_buf_.ref().slice(0, N), sum_exp = sum_exp_buf_.ref().slice(0, N),
-                    target_logit = target_logit_buf_.ref().slice(0, N);
-    be_.crossentropy_row_max(row_max, logits, N, Vl);
-    tp_.all_reduce(row_max, ReduceOp::max);
-    be_.crossentropy_partial(probs, sum_exp, target_logit, logits, row_max, targets, N, Vl, vocab_begin);
-    tp_.all_reduce(sum_exp);
-    tp_.all_reduce(target_logit);
-    be_.crossentropy_finish(losses, probs, sum_exp, row_max, target_logit, N, Vl);
+    const Sums r = row_sums(probs, logits, targets, N, Vl, vocab_begin);
+    be_.crossentropy_finish(losses, probs, r.sum_exp, r.row_max, r.target_logit, N, Vl);
+  }
+  // The fused classifier: the same reductions, then the loss and its gradient in one pass from the
+  // logits (the partial pass writes no exponentials).
+  void crossentropy_fused(BackendFace&, const BufferRef& losses, const BufferRef& dlogits, const BufferRef& logits,
+                          const BufferRef& targets, float dloss, int N, int Vl, int vocab_begin) override {
+    const Sums r = row_sums({}, logits, targets, N, Vl, vocab_begin);
+    be_.crossentropy_finish_grad(losses, dlogits, logits, r.sum_exp, r.row_max, r.target_logit, targets, dloss, N, Vl,
+                                 vocab_begin);
   }
 
   // With sequence parallelism each rank's LayerNorm and row-parallel bias gradients cover only its
@@ -193,6 +191,26 @@ class TensorPartition final : public Partition {
   }
 
  private:
+  // The row maxima, sums of exponentials and target logits over the group, N values each (probs, when
+  // given, gets this rank's exponentials).
+  struct Sums {
+    BufferRef row_max, sum_exp, target_logit;
+  };
+  Sums row_sums(const BufferRef& probs, const BufferRef& logits, const BufferRef& targets, int N, int Vl,
+                int vocab_begin) {
+    // Scratch through the back end and the ledger (communication buffers), grown to the largest N.
+    ensure_capacity(be_, row_max_buf_, "TensorPartition::row_max", DType::f32, N, Mem::comm);
+    ensure_capacity(be_, sum_exp_buf_, "TensorPartition::sum_exp", DType::f64, N, Mem::comm);
+    ensure_capacity(be_, target_logit_buf_, "TensorPartition::target_logit", DType::f64, N, Mem::comm);
+    const Sums r{row_max_buf_.ref().slice(0, N), sum_exp_buf_.ref().slice(0, N), target_logit_buf_.ref().slice(0, N)};
+    be_.crossentropy_row_max(r.row_max, logits, N, Vl);
+    tp_.all_reduce(r.row_max, ReduceOp::max);
+    be_.crossentropy_partial(probs, r.sum_exp, r.target_logit, logits, r.row_max, targets, N, Vl, vocab_begin);
+    tp_.all_reduce(r.sum_exp);
+    tp_.all_reduce(r.target_logit);
+    return r;
+  }
+
   Communicator& tp_;
   BackendFace& be_;
   bool sp_;

@@ -476,6 +476,64 @@ TEST(CudaBackend, VocabularyParallelCrossEntropy) {
   EXPECT_LT(tw.err(probs), 1e-6) << "dlogits";
 }
 
+// The fused classifier through the back end: crossentropy_fused (in place over fp32 logits, or into a
+// bf16 table) and, vocabulary-parallel, crossentropy_partial without exponentials then
+// crossentropy_finish_grad, each the device's forward then backward bit for bit, and the host's to 1e-6.
+TEST(CudaBackend, FusedClassifierIsForwardThenBackward) {
+  REQUIRE_GPU();
+  Twins tw;
+  const int N = 29, V = 1000, vb = 1000;
+  const std::vector<float> lv = randn(std::size_t(N) * V, 10, 4.0f);
+  std::vector<std::int32_t> tgt(N), wide(N);
+  for (int i = 0; i < N; ++i) {
+    tgt[std::size_t(i)] = (i * 7919) % V;
+    wide[std::size_t(i)] = (i * 7919) % (3 * V);
+  }
+  const BufferRef targets_d = tw.both(tgt).second, wide_d = tw.both(wide).second;
+  const BufferRef targets_h = tw.both(tgt).first;
+  const auto bits16 = [&](const BufferRef& dev16) {
+    std::vector<std::uint16_t> v(std::size_t(dev16.count));
+    tw.dev->copy_to_host(v.data(), dev16);
+    return v;
+  };
+  const auto b16 = [&](std::int64_t n) { return tw.both(std::vector<loom::bf16>(std::size_t(n))).second; };
+  const float dloss = 0.37f;
+  // unfused on the device: forward in place, then the backward in place (fp32) and into bf16
+  auto probs = tw.make(lv), losses = tw.zeros(N);
+  tw.dev->crossentropy_forward(losses.d, probs.d, probs.d, targets_d, N, V);
+  const BufferRef dl16 = b16(std::int64_t(N) * V);
+  tw.dev->crossentropy_backward(dl16, probs.d, targets_d, dloss, N, V, 0);
+  tw.dev->crossentropy_backward(probs.d, probs.d, targets_d, dloss, N, V, 0);
+  // fused
+  auto table = tw.make(lv), logits = tw.make(lv), fl = tw.zeros(N), fl16 = tw.zeros(N);
+  tw.host->crossentropy_fused(fl.h, table.h, table.h, targets_h, dloss, N, V);
+  tw.dev->crossentropy_fused(fl.d, table.d, table.d, targets_d, dloss, N, V);
+  const BufferRef f16 = b16(std::int64_t(N) * V);
+  tw.dev->crossentropy_fused(fl16.d, f16, logits.d, targets_d, dloss, N, V);
+  EXPECT_EQ(tw.dev_of(fl), tw.dev_of(losses)) << "losses";
+  EXPECT_EQ(tw.dev_of(fl16), tw.dev_of(losses)) << "losses (bf16 dlogits)";
+  EXPECT_EQ(tw.dev_of(table), tw.dev_of(probs)) << "dlogits in place";
+  EXPECT_EQ(bits16(f16), bits16(dl16)) << "bf16 dlogits";
+  EXPECT_LT(tw.err(fl), 1e-6) << "losses against the host";
+  EXPECT_LT(tw.err(table), 1e-6) << "dlogits against the host";
+
+  // vocabulary-parallel
+  auto row_max = tw.zeros(N), e = tw.zeros(std::int64_t(N) * V), lt = tw.zeros(N), lg = tw.zeros(N);
+  auto [sh, sd] = tw.both(std::vector<double>(std::size_t(N), 0.0));
+  auto [gh, gd] = tw.both(std::vector<double>(std::size_t(N), 0.0));
+  auto [sh0, sd0] = tw.both(std::vector<double>(std::size_t(N), 0.0));
+  auto [gh0, gd0] = tw.both(std::vector<double>(std::size_t(N), 0.0));
+  tw.dev->crossentropy_row_max(row_max.d, logits.d, N, V);
+  tw.dev->crossentropy_partial(e.d, sd, gd, logits.d, row_max.d, wide_d, N, V, vb);
+  tw.dev->crossentropy_finish(lt.d, e.d, sd, row_max.d, gd, N, V);
+  tw.dev->crossentropy_backward(e.d, e.d, wide_d, dloss, N, V, vb);
+  tw.dev->crossentropy_partial({}, sd0, gd0, logits.d, row_max.d, wide_d, N, V, vb);
+  auto dg = tw.zeros(std::int64_t(N) * V);
+  tw.dev->crossentropy_finish_grad(lg.d, dg.d, logits.d, sd0, row_max.d, gd0, wide_d, dloss, N, V, vb);
+  EXPECT_EQ(tw.dev_of(lg), tw.dev_of(lt)) << "vocabulary-parallel losses";
+  EXPECT_EQ(tw.dev_of(dg), tw.dev_of(e)) << "vocabulary-parallel dlogits";
+}
+
 TEST(CudaBackend, AdamWAndReductions) {
   REQUIRE_GPU();
   Twins tw;

@@ -1,6 +1,7 @@
 // The vocabulary-parallel cross-entropy of the tensor plugin against the plain one: every rank holds
 // V/tp columns of the logits; losses (on every rank) and each rank's slice of the softmax and of the
-// gradient must match the single-rank kernel on the whole logits. Runs at 1, 2 and 4 ranks.
+// gradient must match the single-rank kernel on the whole logits, and the fused classifier the two
+// passes. Runs at 1, 2 and 4 ranks.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -84,6 +85,12 @@ TEST(VocabParallelCrossEntropy, MatchesPlainCrossEntropy) {
         EXPECT_NEAR(dlocal[l], dref[g], 1e-6) << "row " << r << " col " << begin + v;
       }
     }
+    // The fused classifier over the group: the same losses and this rank's gradient bit for bit, in
+    // place over this rank's logits.
+    std::vector<float> fused_losses(N), table = local;
+    part->crossentropy_fused(*backend, buf(fused_losses), buf(table), buf(table), buf(targets), 0.5f, N, Vl, begin);
+    EXPECT_EQ(fused_losses, losses);
+    EXPECT_EQ(table, dlocal);
   }
 }
 

@@ -599,6 +599,71 @@ TEST(LayerKernelsEmu, VocabularyParallelCrossEntropy) {
   EXPECT_LT(rel_err(from_bits<float>(got[5]), probs), 1e-6) << "dlogits";
 }
 
+// The fused classifier (crossentropy_fused; crossentropy_finish_grad after the vocabulary-parallel
+// reductions) is the device's forward then backward with the arithmetic unchanged: the same bits in every
+// schedule, with the row staged or not, four at a time or one, in place over the logits (fp32) or stored
+// as bf16/fp16.
+template <DType O>
+void check_fused_classifier() {
+  using E = layer::storage_t<O>;
+  struct Case {
+    int N, V;
+    std::size_t shared_limit;
+    const char* what;
+  };
+  for (const Case& c : {Case{3, 1500, 0, "row from memory, float4"}, Case{3, 1500, 1 << 20, "row staged, float4"},
+                        Case{3, 1001, 0, "row from memory, floats"}, Case{3, 1001, 1 << 20, "row staged, floats"}}) {
+    SCOPED_TRACE(std::string(c.what) + ", " + loom::dtype_name(O));
+    const int N = c.N, V = c.V, vb = V;  // vocabulary-parallel: this rank holds [V, 2V) of 3V
+    auto logits = randn(std::size_t(N) * V, 9, 4.0f);
+    for (int n = 0; n < N; ++n) logits[std::size_t(n) * V + std::size_t(n * 31 % V)] += 30.0f;
+    std::vector<std::int32_t> tgt(N), wide(N);
+    for (int i = 0; i < N; ++i) {
+      tgt[std::size_t(i)] = (i * 7919) % V;
+      wide[std::size_t(i)] = (i * 7919) % (3 * V);
+    }
+    const float dloss = 0.37f;
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+      std::vector<float> l(N), lf(N), p = logits, probs(logits.size());
+      std::vector<E> d(logits.size()), fused(logits.size());
+      layer::crossentropy_forward(launch, c.shared_limit, l.data(), probs.data(), logits.data(), tgt.data(), N, V);
+      layer::crossentropy_backward<O>(launch, d.data(), probs.data(), tgt.data(), dloss, N, V, 0);
+      layer::crossentropy_fused<O>(launch, c.shared_limit, lf.data(), fused.data(), logits.data(), tgt.data(), dloss, N,
+                                   V);
+      std::vector<float> lp(N), in_place = logits;  // fp32 in place over the logits, as the model's head
+      if constexpr (O == DType::f32)
+        layer::crossentropy_fused<O>(launch, c.shared_limit, lp.data(), in_place.data(), in_place.data(), tgt.data(),
+                                     dloss, N, V);
+      // vocabulary-parallel: _partial with and without the exponentials, then _finish + _backward or _finish_grad
+      std::vector<float> m(N), e = logits, lt(N), lg(N);
+      std::vector<double> s(N), t(N), s0(N), t0(N);
+      std::vector<E> dt(logits.size()), dg(logits.size());
+      layer::crossentropy_row_max(launch, m.data(), logits.data(), N, V);
+      layer::crossentropy_partial(launch, e.data(), s.data(), t.data(), logits.data(), m.data(), wide.data(), N, V, vb);
+      layer::crossentropy_finish(launch, lt.data(), e.data(), s.data(), m.data(), t.data(), N, V);
+      layer::crossentropy_backward<O>(launch, dt.data(), e.data(), wide.data(), dloss, N, V, vb);
+      layer::crossentropy_partial(launch, static_cast<float*>(nullptr), s0.data(), t0.data(), logits.data(), m.data(),
+                                  wide.data(), N, V, vb);
+      layer::crossentropy_finish_grad<O>(launch, lg.data(), dg.data(), logits.data(), s0.data(), m.data(), t0.data(),
+                                         wide.data(), dloss, N, V, vb);
+      return Bits{bits_of(l),  bits_of(lf), bits_of(d),  bits_of(fused), bits_of(lp), bits_of(in_place),
+                  bits_of(lt), bits_of(lg), bits_of(dt), bits_of(dg),    bits_of(s),  bits_of(s0)};
+    });
+    EXPECT_EQ(got[1], got[0]) << "fused losses";
+    EXPECT_EQ(got[3], got[2]) << "fused dlogits";
+    if (O == DType::f32) {
+      EXPECT_EQ(got[4], got[0]) << "fused losses, in place";
+      EXPECT_EQ(got[5], got[2]) << "fused dlogits, in place over the logits";
+    }
+    EXPECT_EQ(got[11], got[10]) << "the partial sums without the exponentials";
+    EXPECT_EQ(got[7], got[6]) << "vocabulary-parallel losses";
+    EXPECT_EQ(got[9], got[8]) << "vocabulary-parallel dlogits";
+  }
+}
+TEST(LayerKernelsEmu, FusedClassifierIsForwardThenBackwardBitForBit_f32) { check_fused_classifier<DType::f32>(); }
+TEST(LayerKernelsEmu, FusedClassifierIsForwardThenBackwardBitForBit_bf16) { check_fused_classifier<DType::bf16>(); }
+TEST(LayerKernelsEmu, FusedClassifierIsForwardThenBackwardBitForBit_f16) { check_fused_classifier<DType::f16>(); }
+
 TEST(LayerKernelsEmu, AdamWIsTheHostsBitForBit) {
   const std::int64_t n = 700;
   const auto p0 = randn(std::size_t(n), 1), m0 = randn(std::size_t(n), 2, 0.1f), g = randn(std::size_t(n), 4);
