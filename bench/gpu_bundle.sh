@@ -28,6 +28,7 @@ root=$stage/loom-gpu-bundle
 mkdir -p "$root/bin" "$root/lib"
 programs=("$build/loom" "$build/loom_cuda_tests" /usr/bin/mpiexec.hydra /usr/bin/hydra_pmi_proxy)
 [ ! -e "$build/loom_nccl_tests" ] || programs+=("$build/loom_nccl_tests")  # built where nccl.h was found
+[ ! -e "$build/bench/attention_gpu" ] || programs+=("$build/bench/attention_gpu")  # attention alone (bench/)
 cp "$build"/lib/*.so "$root/lib/"
 
 # Each program as NAME.real behind a wrapper NAME.

@@ -11,12 +11,13 @@
 # checks: loom_cuda_tests and loom_nccl_tests (every CUDA kernel against its host twin, the fused
 #   attention against the fp64 reference and the twin), regression/gpu_checks.py refusal,
 #   matches_host, decks, cuda_layouts and plan_memory (as `ctest -L gpu` runs them) -> OUTDIR/checks.log
-# bench: bench/gpu.py (GPT-2 124M in bf16 against PyTorch) with model.attention = unfused (PyTorch's
-#   attention written out) and flash (PyTorch's scaled_dot_product_attention),
-#   then 10 steps of each under LOOM_CUDA_PROFILE (GPU time per operation) -> OUTDIR/bench.log
-# all: every step of checks and bench in one call, what has never run on a GPU first (the kernel
-#   tests, flash's benchmark, matches_host), so that a lease that ends early has brought back the
-#   most -> OUTDIR/all.log
+# bench: bench/attention_gpu.py (attention alone: loom's flash, cuDNN's through loom, PyTorch's SDPA),
+#   bench/gpu.py (GPT-2 124M in bf16 against PyTorch) with model.attention = cudnn and flash (PyTorch's
+#   scaled_dot_product_attention) and unfused (PyTorch's attention written out), then 10 steps of each
+#   under LOOM_CUDA_PROFILE (GPU time per operation) -> OUTDIR/bench.log
+# all: every step of checks and bench in one call, what has never run on a GPU first (cuDNN's
+#   attention tests and benchmarks, matches_host, then the rest), so that a lease that ends early has
+#   brought back the most -> OUTDIR/all.log
 # smoke: CudaBackend.EncoderForwardAndBackward and regression/gpu_checks.py refusal -> OUTDIR/smoke.log
 #   (regression.gpu.bundle runs it on every CUDA build).
 # 'STEP ...': those steps, by the names in known_items below -> OUTDIR/steps.log. One is in no mode:
@@ -36,7 +37,7 @@ usage="usage: bash bench/gpu_session.sh BUNDLE.tar.xz OUTDIR checks|bench|all|sm
 bundle=${1:?$usage}
 out=${2:?$usage}
 what=${3:?$usage}
-known_items="cuda_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory bench_unfused bench_flash profile_unfused profile_flash smoke_kernel ncu_flash"
+known_items="cuda_tests cudnn_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory bench_unfused bench_flash bench_cudnn bench_attention profile_unfused profile_flash profile_cudnn smoke_kernel ncu_flash"
 case "$what" in
   checks|bench|all|smoke) ;;
   *)  # a list of steps by name, e.g. to run again the ones that failed
@@ -67,13 +68,14 @@ roots="/usr /opt $HOME"
 [ -z "$py" ] || roots="$roots $("$py" -c 'import site, sys; print(" ".join([sys.prefix] + site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null)"
 needed=$(readelf -d "$b/lib/libloom_cuda.so" | sed -n 's/.*(NEEDED).*\[\(lib\(cublas\|cudart\|nvJitLink\|nvrtc\)[^]]*\)\].*/\1/p')
 dirs=""
-for lib in $needed libnccl.so.2; do
+for lib in $needed libnccl.so.2 libcudnn.so.9; do
   found=$(ls /usr/local/cuda/lib64/$lib /usr/local/cuda/lib/$lib /usr/local/cuda/targets/x86_64-linux/lib/$lib 2>/dev/null | head -1)
   # shellcheck disable=SC2086
   [ -n "$found" ] || found=$(find $roots -name "$lib" 2>/dev/null | head -1)
   if [ -z "$found" ]; then
     echo "gpu_session: $lib not found on this node (under /usr/local/cuda, $roots)" | tee -a "$out/node.log" >&2
-    [ "$lib" = libnccl.so.2 ] || exit 2  # NCCL only matters to jobs across GPUs
+    # NCCL only matters to jobs across GPUs; cuDNN to model.attention = cudnn (refused without it, saying so)
+    [ "$lib" = libnccl.so.2 ] || [ "$lib" = libcudnn.so.9 ] || exit 2
     continue
   fi
   case ":$dirs:" in *":$(dirname "$found"):"*) ;; *) dirs="$dirs${dirs:+:}$(dirname "$found")" ;; esac
@@ -82,7 +84,7 @@ export LOOM_CUDA_LIB_DIRS=$dirs LOOM_PLUGIN_PATH=$b/lib PATH=$b/bin:$PATH
 {
   date -u
   nvidia-smi -L 2>&1
-  echo "CUDA libraries needed: $needed (and libnccl.so.2), from $LOOM_CUDA_LIB_DIRS"
+  echo "CUDA libraries needed: $needed (and libnccl.so.2, libcudnn.so.9), from $LOOM_CUDA_LIB_DIRS"
   echo "python3: $py ($("${py:-false}" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1))"
   "$b/bin/loom" --version 2>&1 | head -3
 } >> "$out/node.log" 2>&1
@@ -135,6 +137,12 @@ gpu_case() {  # gpu_case CASE: a case of regression/gpu_checks.py through the bu
 run_item() {
   case "$1" in
     cuda_tests) step loom_cuda_tests "$b/bin/loom_cuda_tests" ;;
+    cudnn_tests) step "loom_cuda_tests cudnn" "$b/bin/loom_cuda_tests" --gtest_filter='*Cudnn*' ;;
+    bench_attention)  # attention alone: loom's flash, cuDNN through loom, PyTorch's SDPA, same shapes
+      step "attention_gpu.py" "$py" bench/attention_gpu.py --bench "$b/bin/attention_gpu" ;;
+    bench_cudnn)
+      step "gpu.py cudnn" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" \
+        --set model.attention=cudnn --torch-attention sdpa --torch-compile ;;
     nccl_tests) if [ -e "$b/bin/loom_nccl_tests" ]; then step loom_nccl_tests "$b/bin/loom_nccl_tests"; fi ;;
     bench_unfused) step "gpu.py unfused" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" ;;
     bench_flash)
@@ -167,8 +175,8 @@ run_item() {
 }
 case "$what" in
   checks) items="cuda_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory" ;;
-  bench) items="bench_unfused bench_flash profile_unfused profile_flash" ;;
-  all) items="cuda_tests bench_flash matches_host refusal nccl_tests cuda_layouts decks plan_memory profile_flash bench_unfused profile_unfused" ;;
+  bench) items="bench_attention bench_cudnn bench_flash bench_unfused profile_cudnn profile_flash profile_unfused" ;;
+  all) items="cudnn_tests bench_attention bench_cudnn matches_host cuda_tests bench_flash refusal nccl_tests cuda_layouts decks plan_memory profile_cudnn profile_flash bench_unfused profile_unfused" ;;
   smoke) items="smoke_kernel refusal" ;;
   *) items=$what ;;
 esac

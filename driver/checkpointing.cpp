@@ -303,7 +303,7 @@ void Checkpointing::save(std::int64_t steps_done, nlohmann::json& record, const 
   st.optimizer_steps = s_.engine->optimizer().steps_taken();
   st.skipped_steps = st.step - st.optimizer_steps;
   st.seed = s_.seed;
-  st.deck = s_.deck.resolved_text();
+  st.deck = s_.recorded_deck();
   st.layout = s_.layout;
   st.data_step = steps_done + s_.data_offset;
   last_saved_ = steps_done;

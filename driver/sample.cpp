@@ -54,6 +54,8 @@ LoadedModel load_whole(const std::string& path, const char* command, int rows) {
   LoadedModel m;
   m.header = checkpoint_header(file);
   m.backend = make_host_backend(1);
+  // cuDNN's attention has the flash contract (bf16 operands, fp32 softmax): on the host, its twin.
+  if (m.header.model.attention == "cudnn") m.header.model.set_attention("flash");
   m.grid = std::make_unique<ProcessGrid>(MPI_COMM_WORLD, Layout{});
   m.model = std::make_unique<GPT>(m.header.model, *m.backend, rows);
   m.optimizer = std::make_unique<AdamW>(OptimizerConfig{}, *m.backend, m.model->params(), m.model->store().owned());
@@ -137,8 +139,8 @@ int command_sample(const SampleOptions& o) {
   }
   std::cerr << "loom sample: " << o.steps << " tokens from " << checkpoint_file(o.checkpoint) << " (step "
             << m.header.step << "; " << cfg.layers << " layers, d_model " << cfg.d_model << ", vocab " << V
-            << (cfg.flash_attention ? ", flash attention" : "") << "), temperature " << o.temperature << ", top-k "
-            << o.top_k << ", seed " << o.seed << "\n";
+            << (cfg.flash_attention ? ", " + cfg.attention + " attention" : std::string()) << "), temperature "
+            << o.temperature << ", top-k " << o.top_k << ", seed " << o.seed << "\n";
   if (bytes) {
     for (std::int32_t id : ids) std::cout << static_cast<char>(id);
     std::cout << "\n";

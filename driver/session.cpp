@@ -67,7 +67,7 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   m.seq_len = static_cast<int>(d.get_int("model.seq_len"));
   m.vocab = static_cast<int>(d.get_int("model.vocab"));
   m.recompute = d.get_bool("model.recompute");
-  m.flash_attention = d.get_string("model.attention") == "flash";
+  m.set_attention(d.get_string("model.attention"));  // auto: resolved once the back end is made
   m.validate();
 
   plan.global_batch = static_cast<int>(d.get_int("train.batch"));
@@ -326,9 +326,32 @@ void reserve_comm_scratch(ProcessGrid& grid, const StepPlan& plan) {
   }
 }
 
+void Session::resolve_attention() {
+  if (model_cfg.attention != "auto") return;
+  static const char* const kinds[] = {"unfused", "flash", "cudnn"};
+  attention_why = GPT::resolve_attention(model_cfg, *backend);
+  int mine = 0;
+  for (int k = 0; k < 3; ++k)
+    if (model_cfg.attention == kinds[k]) mine = k;
+  int agreed = mine;
+  MPI_Allreduce(&mine, &agreed, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (agreed != mine) {
+    model_cfg.set_attention(kinds[agreed]);
+    attention_why = std::string("another rank's device runs no faster kind than ") + kinds[agreed];
+  }
+}
+
+std::string Session::recorded_deck() const {
+  Deck d = deck;
+  if (deck.get_string("model.attention") != model_cfg.attention)
+    d.resolve("model.attention", model_cfg.attention, "auto: " + attention_why);
+  return d.resolved_text();
+}
+
 void Session::setup_collective() {
   backend = make_backend(deck.get_string("run.backend"), threads.threads, deck.get_string("run.tf32"),
                          deck.get_bool("run.share_gpu"), MPI_COMM_WORLD, &backend_choice);
+  resolve_attention();
   run_agreed([&] { GPT::check_attention(model_cfg, *backend); });  // a device may lack what another has
   check_device_memory();
   set_comm_timeout(deck.get_float("run.comm_timeout"));
@@ -431,7 +454,11 @@ std::string Session::banner() const {
   s << "  model   : GPT-2, " << model_cfg.layers << " layers, d_model " << model_cfg.d_model << ", " << model_cfg.heads
     << " heads, seq_len " << model_cfg.seq_len << ", vocab " << model_cfg.vocab << ", " << model->num_params()
     << " parameters" << (model_cfg.recompute ? ", recompute" : "")
-    << (model_cfg.flash_attention ? ", flash attention (bf16 operands, lse saved)" : "") << "\n";
+    << (model_cfg.flash_attention ? std::string(", ") + model_cfg.attention + " attention (bf16 operands, lse saved)"
+                                  : std::string())
+    << "\n";
+  if (!attention_why.empty())
+    s << "  attention: model.attention = auto -> " << model_cfg.attention << " (" << attention_why << ")\n";
   s << "  weights : "
     << (init_from.empty() ? "random (train.seed = " + std::to_string(seed) + ")"
                           : "model.init_from = " + init_from + " (llm.c model file)")

@@ -128,6 +128,12 @@ struct Session {
 
   void setup_local();
   void setup_collective();
+  // model.attention = auto, resolved by every rank for its device, then agreed (the lowest kind any
+  // rank can run: unfused < flash < cudnn), into model_cfg; attention_why says why, for the banner.
+  void resolve_attention();
+  std::string attention_why;
+  // The deck a checkpoint records: the resolved deck, with model.attention as the run resolved it.
+  std::string recorded_deck() const;
   // A cuda run without run.memory_limit, once every rank opened its device (collective).
   void check_device_memory();
 

@@ -183,10 +183,14 @@ GPTConfig recorded_model(hid_t file, const std::string& path, const std::string&
   if (cfg.layers > 100000 || params > 1e13)
     fail(path, "records a model of " + std::to_string(cfg.layers) + " layers and about " + std::to_string(params) +
                    " parameters: corrupt (beyond any model loom builds)");
-  // The attention kind is no tensor's shape, but the model's arithmetic: a flash run is sampled as it
-  // was trained (decks from before the key are unfused).
+  // The attention kind is no tensor's shape, but the model's arithmetic: a flash or cudnn run is
+  // sampled as it was trained (decks from before the key are unfused; a checkpoint records auto as the
+  // kind it resolved to).
   const auto attention = recorded.find("model.attention");
-  cfg.flash_attention = attention != recorded.end() && attention->second == "flash";
+  const std::string kind = attention == recorded.end() ? "unfused" : attention->second;
+  if (kind != "unfused" && kind != "flash" && kind != "cudnn")
+    fail(path, "records model.attention = " + kind + " (a checkpoint holds unfused, flash or cudnn)");
+  cfg.set_attention(kind);
   return cfg;
 }
 }  // namespace

@@ -41,13 +41,15 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("model.vocab", "256", 2, 1048576, "vocabulary size (256 for text:PATH bytes)"));
   schema.add(
       bool_key("model.recompute", "false", "recompute each block's activations in backward instead of keeping them"));
-  schema.add(choice_key("model.attention", "unfused", {"unfused", "flash"},
+  schema.add(choice_key("model.attention", "unfused", {"unfused", "flash", "cudnn", "auto"},
                         "attention kernels: unfused (scores and probabilities [T,T] per head in memory, "
-                        "products in the run's precision) or flash (fused, FlashAttention-2's tiling: saves "
+                        "products in the run's precision), flash (fused, FlashAttention-2's tiling: saves "
                         "each row's log-sum-exp instead of the probabilities and recomputes them in backward; "
                         "q, k, v, probabilities and their gradients as bf16 operands, fp32 softmax and "
                         "accumulation; head sizes 16, 32, 64, 128; the same arithmetic on the host and cuda "
-                        "back ends)"));
+                        "back ends), cudnn (cuDNN's fused flash attention on a CUDA device: the same contract "
+                        "as flash, bf16 operands, its own kernels) or auto (cudnn where the device and shape "
+                        "allow, else flash on a device, else unfused; the banner says which and why)"));
   schema.add(string_key("model.init_from", "",
                         "start from these weights instead of a random initialisation: an llm.c model file "
                         "(.bin, as llm.c's train_gpt2.py writes; `loom ckpt llmc` writes one from a checkpoint); "

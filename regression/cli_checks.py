@@ -12,6 +12,9 @@ mistyped command or option gets one line with the nearest word, not the whole us
             near nothing (`loom frobnicate`) gets no guess
   wait      ranks x threads beyond the CPUs: OMP_WAIT_POLICY=PASSIVE set by loom (banner, report.json);
             a caller's OMP_WAIT_POLICY kept; nothing changed within the CPUs
+  attention model.attention = auto resolved and said: on the host -> unfused, on the emulated device
+            (--emulated LIB) -> flash, not cudnn, with cuDNN's refusal in the banner; the checkpoint records
+            the kind run (`loom ckpt info`), and `loom plan` of a cuda run resolves it to cudnn
 Standard library only.
 """
 import argparse
@@ -120,13 +123,52 @@ def case_wait(args, failures):
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def case_attention(args, failures):
+    import shutil
+    import tempfile
+    runs = [("host", {}, ["--set", "run.backend=host"], "unfused", "the host back end")]
+    if args.emulated:
+        runs.append(("emulated device", {"LOOM_CUDA_BACKEND_LIBRARY": args.emulated}, ["--set", "run.backend=cuda"],
+                     "flash", "not cudnn: the emulated device runs no cuDNN"))
+    for where, env_add, sets, kind, why in runs:
+        run_dir = tempfile.mkdtemp(prefix="loom-attention-")
+        try:
+            env = dict(os.environ)
+            env.update(env_add)
+            argv = [args.loom, "run", DECK, "--set", "train.steps=1", "--set", "model.attention=auto",
+                    "--set", "checkpoint.every=1", "--set", "run.dir=" + run_dir] + sets
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+            print("$ loom run quickstart.deck --set model.attention=auto on the %s (exit %d)\n%s" %
+                  (where, p.returncode, "\n".join(l for l in p.stdout.splitlines() if "attention" in l)))
+            if p.returncode != 0:
+                failures.append("%s: exit %d: %s" % (where, p.returncode, (p.stdout + p.stderr)[-1500:]))
+                continue
+            line = "attention: model.attention = auto -> %s (%s" % (kind, why)
+            if line not in p.stdout:
+                failures.append("%s: the banner does not say %r" % (where, line))
+            with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+                ckpt = os.path.join(run_dir, "checkpoints", f.read().strip())
+            info = subprocess.run([args.loom, "ckpt", "info", ckpt], capture_output=True, text=True, timeout=120)
+            if "attention = %s" % kind not in info.stdout:
+                failures.append("%s: the checkpoint's deck does not record model.attention = %s:\n%s" %
+                                (where, kind, info.stdout[-1500:]))
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    gpu_deck = os.path.join(ROOT, "bench", "gpu.deck")
+    p = loom(args, ["plan", gpu_deck, "--cluster", "h100-sxm", "--set", "model.attention=auto", "--json"])
+    if p.returncode != 0 or '"attention": "cudnn"' not in p.stdout:
+        failures.append("loom plan of a cuda run with model.attention = auto did not plan cudnn")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True)
-    ap.add_argument("case", choices=["help", "mistyped", "wait"])
+    ap.add_argument("--emulated", default="", help="libloom_cuda_emu.so, for the attention case's device run")
+    ap.add_argument("case", choices=["help", "mistyped", "wait", "attention"])
     args = ap.parse_args()
     failures = []
-    {"help": case_help, "mistyped": case_mistyped, "wait": case_wait}[args.case](args, failures)
+    {"help": case_help, "mistyped": case_mistyped, "wait": case_wait, "attention": case_attention}[args.case](
+        args, failures)
     return common.finish(failures)
 
 

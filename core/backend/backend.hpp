@@ -61,6 +61,8 @@ class Backend : public BackendFace {
   struct AttentionShape {
     int B = 0, T = 0, NH = 0;  // NH: this rank's heads
     bool flash = false;
+    bool cudnn = false;  // the fused attention is cuDNN's (flash too)
+    int hs = 0;          // head size
   };
   virtual void plan_workspace(StepPlan& /*plan*/, const std::vector<MatmulCall>& /*calls*/,
                               const AttentionShape& /*attention*/) const {}
@@ -82,6 +84,14 @@ class Backend : public BackendFace {
     (void)hs;
     return "the " + name() + " back end has no fused attention";
   }
+  // model.attention = cudnn: cuDNN's fused flash attention, the same contract as the flash operations
+  // (out, lse [B,NH,T] each row's max + log sum of exp of the scaled scores, dqkv, dsum scratch), its
+  // kernels cuDNN's. cudnn_attention_refusal: why this back end cannot run it for sequence length T and
+  // head size hs (cuDNN missing, too old, no device, or it refuses the shape), empty when it can.
+  virtual std::string cudnn_attention_refusal(int T, int hs) const {
+    (void)T, (void)hs;
+    return "the " + name() + " back end has no cuDNN (cuDNN's attention runs on the cuda back end)";
+  }
   virtual void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) {
     (void)out, (void)lse, (void)qkv, (void)B, (void)T, (void)C, (void)NH;
     throw std::logic_error(flash_attention_refusal(C / NH));
@@ -90,6 +100,15 @@ class Backend : public BackendFace {
                                         BufferRef lse, int B, int T, int C, int NH) {
     (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B, (void)T;
     throw std::logic_error(flash_attention_refusal(C / NH));
+  }
+  virtual void attention_forward_cudnn(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) {
+    (void)out, (void)lse, (void)qkv, (void)B;
+    throw std::logic_error(cudnn_attention_refusal(T, C / NH));
+  }
+  virtual void attention_backward_cudnn(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
+                                        BufferRef lse, int B, int T, int C, int NH) {
+    (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B;
+    throw std::logic_error(cudnn_attention_refusal(T, C / NH));
   }
   // AdamW over many slices in one call (the optimizer's owned slices; a device updates them in a few
   // launches): each slice exactly as adamw_update with its own weight decay. The default calls
@@ -132,6 +151,16 @@ inline std::string flash_head_size_refusal(int hs) {
   return math::flash_head_size_supported(hs)
              ? std::string()
              : "head size " + std::to_string(hs) + " (the fused kernels take 16, 32, 64 or 128)";
+}
+
+// cuDNN's fused attention's shape rules for loom's use of it (bf16, causal, packed q, k, v): a head
+// size that is a multiple of 8 up to 128; empty when cuDNN takes the shape (it may still refuse it on a
+// device: the CUDA back end asks cuDNN itself).
+inline std::string cudnn_shape_refusal(int T, int hs) {
+  if (hs % 8 != 0 || hs > 128)
+    return "head size " + std::to_string(hs) + " (cuDNN's fused attention takes multiples of 8 up to 128)";
+  if (T < 1) return "sequence length " + std::to_string(T);
+  return "";
 }
 
 // The shape checks of Backend::matmul, for every back end: non-negative dimensions, a [M,K], b

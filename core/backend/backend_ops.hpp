@@ -120,6 +120,12 @@
 #define LOOM_BACKEND_DEFAULTED_OPS(OP)                                                                           \
   OP(void, attention_forward_flash, (BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH),  \
      (out, lse, qkv, B, T, C, NH))                                                                               \
+  OP(void, attention_forward_cudnn, (BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH),  \
+     (out, lse, qkv, B, T, C, NH))                                                                               \
+  OP(void, attention_backward_cudnn,                                                                             \
+     (BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv, BufferRef lse, int B, int T, \
+      int C, int NH),                                                                                            \
+     (dqkv, dsum, dout, out, qkv, lse, B, T, C, NH))                                                             \
   OP(void, attention_backward_flash,                                                                             \
      (BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv, BufferRef lse, int B, int T, \
       int C, int NH),                                                                                            \

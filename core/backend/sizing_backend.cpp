@@ -46,6 +46,10 @@ class SizingBackend final : public ForwardingBackend {
   std::string flash_attention_refusal(int hs) const override {
     return cuda_ ? flash_head_size_refusal(hs) : inner().flash_attention_refusal(hs);
   }
+  // A planned cuda run is assumed to have cuDNN; the shape rules are cuDNN's (cudnn_shape_refusal).
+  std::string cudnn_attention_refusal(int T, int hs) const override {
+    return cuda_ ? cudnn_shape_refusal(T, hs) : inner().cudnn_attention_refusal(T, hs);
+  }
 
  protected:
   // Every operation of the list (core/backend/backend_ops.hpp) is refused by name.

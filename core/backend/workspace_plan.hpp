@@ -32,6 +32,15 @@ enum Slot { kInp = 0, kWeight = 1, kDout = 2, kSlots = 3 };
 // fp32 (the fused attention needs none).
 inline std::int64_t attention_scratch_floats(int NH, int T) { return static_cast<std::int64_t>(NH) * T * T; }
 
+// cuDNN's attention (model.attention = cudnn, core/cuda/cuda_backend.cpp): bf16 staging of qkv [N,3C],
+// dout [N,C] and dqkv [N,3C], of out [N,C] unless the products' type is bf16 (the model then saves it in
+// bf16), and the fp32 dq accumulator [N,C]; made at the first attention and kept. N C = B T NH hs of this
+// rank. cuDNN's own plan workspace is asked of cuDNN on the device and is not in this sum.
+inline double cudnn_attention_bytes(DType matmul, const Backend::AttentionShape& a) {
+  const double NC = double(a.B) * a.T * a.NH * a.hs;
+  return 2.0 * (3 + 1 + 3) * NC + (matmul == DType::bf16 ? 0.0 : 2.0 * NC) + 4.0 * NC;
+}
+
 // The peak of the above together, in bytes, for a micro-batch's products in the order the model runs
 // them. The attention's scratch is made at the first attention backward, just before the first call
 // marked after_attention (the query-key-value product's backward), and stays: it adds to the slots
@@ -59,7 +68,9 @@ inline double workspace_bytes(DType matmul, const std::vector<Backend::MatmulCal
     if (c.backward) need(kInp, c.inp.type, NC);
   }
   peak = std::max(peak, have[0] + have[1] + have[2] + att);
-  return static_cast<double>(kCublasLtWorkspaceBytes) + peak;
+  // The slots only grow, so the staging cuDNN's attention keeps from the first forward adds to the peak.
+  const double cudnn = attention.cudnn ? cudnn_attention_bytes(matmul, attention) : 0.0;
+  return static_cast<double>(kCublasLtWorkspaceBytes) + peak + cudnn;
 }
 
 // Top-k selection's scratch over n elements (per block a histogram and counts: 2 MiB at most),

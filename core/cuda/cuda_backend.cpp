@@ -14,10 +14,12 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/backend/backend.hpp"
@@ -26,6 +28,10 @@
 #include "core/backend/workspace_plan.hpp"
 #ifdef LOOM_CUDA_NCCL
 #include "core/cuda/comm_nccl.hpp"
+#endif
+#ifdef LOOM_CUDA_CUDNN
+#include "core/cuda/cudnn_attention.hpp"
+namespace cudnn = loom::cuda::cudnn;
 #endif
 
 namespace loom {
@@ -106,6 +112,10 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
     if (profile_) report_times();
+#ifdef LOOM_CUDA_CUDNN
+    cudnn_plans_.clear();  // before their handle
+    if (cudnn_handle_) cudnn::destroy_handle(*cudnn::library(nullptr), cudnn_handle_);
+#endif
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (auto& [key, algo] : algos_) (void)algo;
     cublasLtDestroy(lt_);
@@ -193,6 +203,7 @@ class CudaBackend final : public Backend {
     synchronize();
     for (TypedBuffer& b : operands_) b = TypedBuffer();
     att_scratch_ = TypedBuffer();
+    for (TypedBuffer& b : cudnn_stage_) b = TypedBuffer();
   }
   TypedBuffer allocate(const std::string& label, DType type, std::int64_t count, Mem category) override {
     const std::size_t bytes = static_cast<std::size_t>(count) * dtype_size(type);
@@ -451,6 +462,106 @@ class CudaBackend final : public Backend {
     const std::int64_t NC = std::int64_t(B) * T * C;
     cuda::attention_forward_flash(output(out, NC, "attention_forward_flash"), dev<float>(lse, std::int64_t(B) * NH * T),
                                   dev<const float>(qkv, 3 * NC), B, T, C, NH, stream_);
+  }
+  // cuDNN's fused attention (core/cuda/cudnn_attention.hpp). Its graphs take bf16 q, k, v, out and dout
+  // and store bf16 gradients: the model's fp32 qkv, dout and dqkv go through bf16 staging (a cast each
+  // way, as the flash kernel rounds its operands), out too unless the model saved it in bf16. The
+  // statistics are the model's lse; the backward's row sums of dout * out its dsum.
+  std::string cudnn_attention_refusal(int T, int hs) const override {
+    if (std::string why = cudnn_shape_refusal(T, hs); !why.empty()) return why;
+#ifdef LOOM_CUDA_CUDNN
+    if (props_.major < 8)
+      return "device " + std::to_string(device_) + " has compute capability " + std::to_string(props_.major) + "." +
+             std::to_string(props_.minor) + "; cuDNN's fused attention needs 8.0 or newer";
+    if (props_.major < 9 && hs > 128)
+      return "head size " + std::to_string(hs) + ": cuDNN's fused backward takes at most 128 before Hopper";
+    const auto verdict = cudnn_verdicts_.find({T, hs});
+    if (verdict != cudnn_verdicts_.end()) return verdict->second;
+    std::string why;
+    if (cudnn::library(&why)) {
+      try {  // cuDNN's own answer for this device and shape: both plans for one sequence of one head
+        cudnn_plan(cudnn::Graph::Kind::forward, {1, T, 1, hs});
+        cudnn_plan(cudnn::Graph::Kind::backward, {1, T, 1, hs});
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+    }
+    cudnn_verdicts_[{T, hs}] = why;
+    return why;
+#elif defined(LOOM_CUDA_EMULATED)
+    return "the emulated device runs no cuDNN (cuDNN's kernels need a GPU; its fused path here is model.attention "
+           "= flash)";
+#else
+    return "libloom_cuda.so was built without cuDNN's headers (cudnn_graph.h: install cuDNN 9 and rebuild)";
+#endif
+  }
+  void attention_forward_cudnn(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
+#ifdef LOOM_CUDA_CUDNN
+    Timed timed(this, "attention_forward_cudnn", B * T, C, NH);
+    const int hs = C / NH;
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    const BufferRef o = output(out, NC, "attention_forward_cudnn");
+    float* stats = dev<float>(lse, std::int64_t(B) * NH * T);
+    std::uint16_t* q = cudnn_qkv16(qkv, NC);
+    const BufferRef o16 = o.type == DType::bf16 ? o : cudnn_stage(kStageOut, DType::bf16, NC);
+    const cudnn::Plan& plan = cudnn_plan(cudnn::Graph::Kind::forward, {B, T, NH, hs});
+    float scale = 1.0f / std::sqrt(static_cast<float>(hs)), fill = -INFINITY;
+    std::map<std::int64_t, void*> ptrs{{cudnn::kQ, q},         {cudnn::kK, q + C},     {cudnn::kV, q + 2 * C},
+                                       {cudnn::kO, o16.data},  {cudnn::kStats, stats}, {cudnn::kScale, &scale},
+                                       { cudnn::kFill, &fill }};
+    plan.execute(cudnn_handle_, ptrs, cudnn_workspace(plan));
+    if (o16.data != o.data) cuda::cast(o.data, o.type, o16.data, DType::bf16, NC, stream_);
+#else
+    (void)out, (void)lse, (void)qkv, (void)B;
+    throw std::logic_error(cudnn_attention_refusal(T, C / NH));
+#endif
+  }
+  void attention_backward_cudnn(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
+                                BufferRef lse, int B, int T, int C, int NH) override {
+#ifdef LOOM_CUDA_CUDNN
+    Timed timed(this, "attention_backward_cudnn", B * T, C, NH);
+    const int hs = C / NH;
+    const std::int64_t NC = std::int64_t(B) * T * C, rows = std::int64_t(B) * NH * T;
+    require_device(out, "attention_backward_cudnn", "out");
+    if (out.count < NC) refuse("attention_backward_cudnn: out holds " + std::to_string(out.count) + " elements");
+    float* dq32 = dev<float>(dqkv, 3 * NC);
+    float* softmax_sum = dev<float>(dsum, rows);
+    float* stats = dev<float>(lse, rows);
+    std::uint16_t* q = cudnn_qkv16(qkv, NC);
+    const BufferRef do16 = cudnn_stage(kStageDout, DType::bf16, NC);
+    cuda::cast(do16.data, DType::bf16, dev<const float>(dout, NC), DType::f32, NC, stream_);
+    BufferRef o16 = out;
+    if (out.type != DType::bf16) {
+      cuda_type(out.type, "attention_backward_cudnn");
+      o16 = cudnn_stage(kStageOut, DType::bf16, NC);
+      cuda::cast(o16.data, DType::bf16, out.data, out.type, NC, stream_);
+    }
+    const BufferRef dq16 = cudnn_stage(kStageDqkv, DType::bf16, 3 * NC);
+    const BufferRef accum = cudnn_stage(kStageAccum, DType::f32, NC);  // [B,NH,T,hs] fp32
+    const cudnn::Plan& plan = cudnn_plan(cudnn::Graph::Kind::backward, {B, T, NH, hs});
+    float scale = 1.0f / std::sqrt(static_cast<float>(hs)), fill = -INFINITY, one = 1.0f;
+    auto* dq = static_cast<std::uint16_t*>(dq16.data);
+    std::map<std::int64_t, void*> ptrs{{cudnn::kQ, q},
+                                       {cudnn::kK, q + C},
+                                       {cudnn::kV, q + 2 * C},
+                                       {cudnn::kO, o16.data},
+                                       {cudnn::kStats, stats},
+                                       {cudnn::kDO, do16.data},
+                                       {cudnn::kDQ, dq},
+                                       {cudnn::kDK, dq + C},
+                                       {cudnn::kDV, dq + 2 * C},
+                                       {cudnn::kScale, &scale},
+                                       {cudnn::kOne, &one},
+                                       {cudnn::kFill, &fill},
+                                       {cudnn::kSoftmaxSum, softmax_sum},
+                                       { cudnn::kDQAccum,
+                                         accum.data }};
+    plan.execute(cudnn_handle_, ptrs, cudnn_workspace(plan));
+    cuda::cast(dq32, DType::f32, dq16.data, DType::bf16, 3 * NC, stream_);
+#else
+    (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B;
+    throw std::logic_error(cudnn_attention_refusal(T, C / NH));
+#endif
   }
   void attention_backward_flash(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
                                 BufferRef lse, int B, int T, int C, int NH) override {
@@ -952,8 +1063,49 @@ class CudaBackend final : public Backend {
     return static_cast<std::int64_t>(workspace_.bytes() / sizeof(T));
   }
   std::array<TypedBuffer, cuda_plan::kSlots>
-      operands_;                // 16-bit (or widened) operands of one product: input, weight, gradient
-  TypedBuffer att_scratch_;     // [NH,T,T] attention-score gradients of one sequence
+      operands_;             // 16-bit (or widened) operands of one product: input, weight, gradient
+  TypedBuffer att_scratch_;  // [NH,T,T] attention-score gradients of one sequence
+  // cuDNN's attention: bf16 staging of qkv, out, dout and dqkv, the fp32 dq accumulator, cuDNN's workspace
+  // (cuda_plan::cudnn_attention_bytes plans them).
+  enum CudnnStage { kStageQkv, kStageOut, kStageDout, kStageDqkv, kStageAccum, kStageWorkspace, kCudnnStages };
+  std::array<TypedBuffer, kCudnnStages> cudnn_stage_;
+  BufferRef cudnn_stage(CudnnStage which, DType type, std::int64_t n) {
+    static const char* const labels[] = {"cuda.cudnn_qkv",  "cuda.cudnn_out",   "cuda.cudnn_dout",
+                                         "cuda.cudnn_dqkv", "cuda.cudnn_accum", "cuda.cudnn_workspace"};
+    TypedBuffer& buf = cudnn_stage_[static_cast<std::size_t>(which)];
+    ensure_capacity(*this, buf, labels[which], type, n, Mem::workspace);
+    return buf.ref().slice(0, n);
+  }
+#ifdef LOOM_CUDA_CUDNN
+  // Plans per (forward or backward, shape), made once on first use with the back end's handle.
+  const cudnn::Plan& cudnn_plan(cudnn::Graph::Kind kind, const cudnn::Shape& s) const {
+    auto key = std::make_pair(kind == cudnn::Graph::Kind::forward ? 0 : 1, s);
+    auto it = cudnn_plans_.find(key);
+    if (it != cudnn_plans_.end()) return *it->second;
+    std::string why;
+    const cudnn::Api* api = cudnn::library(&why);
+    if (!api) throw std::runtime_error(why);
+    if (!cudnn_handle_) {
+      check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+      cudnn_handle_ = cudnn::create_handle(*api, stream_);
+    }
+    auto plan = std::make_unique<cudnn::Plan>(*api, cudnn_handle_, std::make_unique<cudnn::Graph>(*api, kind, s));
+    return *cudnn_plans_.emplace(key, std::move(plan)).first->second;
+  }
+  // The model's fp32 qkv [N,3C] as cuDNN's bf16 q, k and v (one staging buffer, rounded as flash rounds it).
+  std::uint16_t* cudnn_qkv16(const BufferRef& qkv, std::int64_t NC) {
+    const BufferRef q16 = cudnn_stage(kStageQkv, DType::bf16, 3 * NC);
+    cuda::cast(q16.data, DType::bf16, dev<const float>(qkv, 3 * NC), DType::f32, 3 * NC, stream_);
+    return static_cast<std::uint16_t*>(q16.data);
+  }
+  void* cudnn_workspace(const cudnn::Plan& plan) {
+    if (plan.workspace_bytes() == 0) return nullptr;
+    return cudnn_stage(kStageWorkspace, DType::u8, plan.workspace_bytes()).data;
+  }
+  mutable void* cudnn_handle_ = nullptr;
+  mutable std::map<std::pair<int, cudnn::Shape>, std::unique_ptr<cudnn::Plan>> cudnn_plans_;
+  mutable std::map<std::pair<int, int>, std::string> cudnn_verdicts_;  // per (T, hs): why not, or ""
+#endif
   TypedBuffer reduce_scratch_;  // per-block partial sums of a reduction
   TypedBuffer topk_scratch_;    // top-k's histograms and counts (cuda_plan::topk_scratch_bytes)
   TypedBuffer norm_out_;        // reduction results on the device, copied back together

@@ -512,6 +512,15 @@ std::string Deck::get_string(const std::string& name) const {
 
 bool Deck::is_default(const std::string& name) const { return origin(name) == "default"; }
 
+void Deck::resolve(const std::string& name, const std::string& value, const std::string& origin) {
+  const KeySpec& spec = spec_of(schema_, name);
+  std::string normalized;
+  const std::string why = deck_text::check_value(spec, value, &normalized);
+  if (!why.empty()) throw std::logic_error("deck: resolve: " + why);
+  values_[name] = normalized;
+  origins_[name] = origin;
+}
+
 std::string Deck::origin(const std::string& name) const {
   spec_of(schema_, name);
   return origins_.at(name);

@@ -79,6 +79,9 @@ class Deck {
   std::string resolved_text() const;
   // name -> resolved textual value, for every declared key.
   std::map<std::string, std::string> values() const;
+  // A choice the run made for the deck (model.attention = auto -> the kind it runs): `value` replaces
+  // the key's, checked against the schema, and `origin` says why; what resolved_text then records.
+  void resolve(const std::string& name, const std::string& value, const std::string& origin);
 
  private:
   const DeckSchema* schema_ = nullptr;

@@ -28,16 +28,57 @@ void GPTConfig::validate() const {
   if (d_model % heads != 0)
     throw InputError("model.d_model = " + std::to_string(d_model) + " is not divisible by model.heads = " +
                      std::to_string(heads) + " (each head needs d_model/heads channels)");
-  if (flash_attention && !math::flash_head_size_supported(d_model / heads))
+  if (attention == "flash" && !math::flash_head_size_supported(d_model / heads))
     throw InputError(
         "model.attention = flash: head size model.d_model / model.heads = " + std::to_string(d_model / heads) +
         " is not one the fused kernels take (16, 32, 64 or 128); use model.attention = unfused");
 }
 
+void GPTConfig::set_attention(const std::string& kind) {
+  attention = kind;
+  flash_attention = kind == "flash" || kind == "cudnn";
+  attention_engine = kind == "cudnn" ? AttentionEngine::cudnn : AttentionEngine::loom;
+}
+
 void GPT::check_attention(const GPTConfig& cfg, const Backend& backend) {
+  if (cfg.attention == "auto")
+    throw std::logic_error("GPT: model.attention = auto not resolved (GPT::resolve_attention)");
   if (!cfg.flash_attention) return;
-  const std::string why = backend.flash_attention_refusal(cfg.d_model / cfg.heads);
+  const int hs = cfg.d_model / cfg.heads;
+  if (cfg.attention_engine == GPTConfig::AttentionEngine::cudnn) {
+    const std::string why = backend.cudnn_attention_refusal(cfg.seq_len, hs);
+    if (!why.empty())
+      throw InputError("model.attention = cudnn: " + why + "; use model.attention = flash, unfused or auto");
+    return;
+  }
+  const std::string why = backend.flash_attention_refusal(hs);
   if (!why.empty()) throw InputError("model.attention = flash: " + why + "; use model.attention = unfused");
+}
+
+std::string GPT::resolve_attention(GPTConfig& cfg, const Backend& backend) {
+  if (cfg.attention != "auto") return "";
+  const int hs = cfg.d_model / cfg.heads;
+  const std::string no_cudnn = backend.cudnn_attention_refusal(cfg.seq_len, hs);
+  if (no_cudnn.empty()) {
+    cfg.set_attention("cudnn");
+    return "cuDNN's fused attention takes this device and shape";
+  }
+  if (backend.space() == MemSpace::host) {
+    // The host's fused path is the device kernel's twin: it rounds q, k, v to bf16 whatever the run's
+    // precision. auto keeps the run's arithmetic; flash stays one key away (faster at long sequences).
+    cfg.set_attention("unfused");
+    return "the host back end: auto keeps attention in the run's precision; its flash path is the GPU kernel's "
+           "bf16 twin (model.attention = flash)";
+  }
+  const std::string no_flash = math::flash_head_size_supported(hs)
+                                   ? backend.flash_attention_refusal(hs)
+                                   : "head size " + std::to_string(hs) + " is not one loom's fused kernels take";
+  if (no_flash.empty()) {
+    cfg.set_attention("flash");
+    return "not cudnn: " + no_cudnn;
+  }
+  cfg.set_attention("unfused");
+  return "not cudnn: " + no_cudnn + "; not flash: " + no_flash;
 }
 
 GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage,
@@ -211,7 +252,9 @@ void GPT::plan_step(StepPlan& plan) const {
     calls.push_back(*it);
     calls.back().backward = true;
   }
-  be_.plan_workspace(plan, calls, {max_rows_, cfg_.seq_len, cfg_.heads / tp_, cfg_.flash_attention});
+  be_.plan_workspace(plan, calls,
+                     {max_rows_, cfg_.seq_len, cfg_.heads / tp_, cfg_.flash_attention,
+                      cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn, cfg_.d_model / cfg_.heads});
   part_->plan_step(plan, *this);
 }
 
@@ -503,7 +546,10 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   be_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
   be_.matmul_forward(a.qkv, input_of(a.ln1, s.full, N, C), w.mqkvw, w.qkvb, N, C, 3 * Cl);  // [N,3Cl]
   if (cfg_.flash_attention) {
-    be_.attention_forward_flash(a.atty, a.lse, a.qkv, B, T, Cl, NHl);  // [N,Cl]
+    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
+      be_.attention_forward_cudnn(a.atty, a.lse, a.qkv, B, T, Cl, NHl);  // [N,Cl]
+    else
+      be_.attention_forward_flash(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
   } else {
     const BufferRef out = a.atty.type == DType::f32 ? a.atty : s.full;
     be_.attention_forward(out, a.att, a.qkv, B, T, Cl, NHl);  // [N,Cl]
@@ -561,7 +607,10 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   be_.matmul_backward(s.datty, dw.projw, whole ? dw.projb : BufferRef(), dy, a.atty, w.mprojw, N, Cl, C);
   if (!whole) be_.bias_backward(dw.projb, dres, Nl, C);
   if (cfg_.flash_attention)
-    be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
+      be_.attention_backward_cudnn(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+    else
+      be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
   else
     be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
   be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, input_of(a.ln1, s.full, N, C), w.mqkvw, N, C, 3 * Cl);

@@ -26,11 +26,19 @@ struct GPTConfig {
   int seq_len = 64;        // T (also the number of learned positions)
   int vocab = 256;         // V
   bool recompute = false;  // keep only each block's input; recompute its activations in backward
-  // model.attention = flash: fused attention (Backend::attention_forward_flash), which saves each
-  // row's log-sum-exp instead of the [T,T] probabilities and rounds its operands to bf16.
+  // model.attention = flash or cudnn: fused attention, which saves each row's log-sum-exp instead of
+  // the [T,T] probabilities and rounds its operands to bf16; `attention_engine` says whose kernels
+  // (loom's: Backend::attention_forward_flash; cuDNN's: attention_forward_cudnn).
   bool flash_attention = false;
+  enum class AttentionEngine { loom, cudnn };
+  AttentionEngine attention_engine = AttentionEngine::loom;
+  // model.attention as the deck says it: "unfused", "flash", "cudnn", or "auto" (resolved by
+  // GPT::resolve_attention into the two fields above once the back end is known).
+  std::string attention = "unfused";
   // Throws InputError naming the deck keys when the shape is inconsistent.
   void validate() const;
+  // Sets attention, flash_attention and attention_engine for model.attention = `kind`.
+  void set_attention(const std::string& kind);
   // Forward FLOPs per token of one block (matrix products 24 C^2, attention 4 T C) and of the head
   // (the tied projection 2 C V; ln_f and the embedding lookup cost next to nothing): what pipeline
   // stages are balanced by and their schedule replayed with (the head of GPT-2 124M is ~4.5 blocks).
@@ -65,6 +73,10 @@ class GPT {
   // InputError naming model.attention when `backend` cannot run the configured attention (the
   // constructor checks it; a session checks it first, agreed over its ranks).
   static void check_attention(const GPTConfig& cfg, const Backend& backend);
+  // model.attention = auto: the kind `backend` runs fastest for cfg's shape (cudnn where it takes the
+  // shape, else flash on a device, else unfused), set into cfg; returns why, for the banner. Other
+  // kinds are left as they are (and "" returned).
+  static std::string resolve_attention(GPTConfig& cfg, const Backend& backend);
   Partition& partition() { return *part_; }
   ParamStore& store() { return *store_; }
   const ParamStore& store() const { return *store_; }

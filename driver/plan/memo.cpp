@@ -519,9 +519,8 @@ class Memo {
        << "exponentials lose accuracy fastest, and their activations are not what dominates memory;\n"
        << search_.memo_text("precision_stays", half_point) << "\n"
        << (chosen_.p.plan.model.flash_attention
-               ? std::string(
-                     "Attention is fused here (`model.attention = flash`): bf16 operands, no [batch, heads, T, T] "
-                     "matrices in memory; ") +
+               ? std::string("Attention is fused here (`model.attention = " + chosen_.p.plan.model.attention +
+                             "`): bf16 operands, no [batch, heads, T, T] matrices in memory; ") +
                      (priced_as_flash(chosen_.p.plan.model, cluster_)
                           ? "the time model below prices it at the cluster's measured fused-attention rate.\n\n"
                           : "the time model below prices it as the unfused kernels, as this cluster's description "

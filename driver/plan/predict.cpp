@@ -292,11 +292,26 @@ double predict_ranks(Prediction& p, const Deck& deck, int devices_per_node, cons
 }
 }  // namespace
 
+// model.attention = auto as a run of `backend` resolves it (GPT::resolve_attention): a planned cuda
+// run is assumed to have cuDNN, so cudnn where its shape rules allow, else flash, else unfused; on the
+// host, unfused.
+static void resolve_planned_attention(GPTConfig& m, const std::string& backend) {
+  if (m.attention != "auto") return;
+  const int hs = m.d_model / m.heads;
+  if (backend != "cuda")
+    m.set_attention("unfused");
+  else if (cudnn_shape_refusal(m.seq_len, hs).empty())
+    m.set_attention("cudnn");
+  else
+    m.set_attention(math::flash_head_size_supported(hs) ? "flash" : "unfused");
+}
+
 Prediction predict_memory(const Deck& deck, const StrategyRegistry& registry, const std::string& backend,
                           int devices_per_node, const std::vector<int>& ranks) {
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = backend;
+  resolve_planned_attention(p.plan.model, p.backend);
   predict_ranks(p, deck, devices_per_node, ranks.empty() ? ranks_to_build(p.plan.layout, false) : ranks);
   return p;
 }
@@ -305,6 +320,7 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = planned_backend(deck, cluster);
+  resolve_planned_attention(p.plan.model, p.backend);
   const double fpt = predict_ranks(p, deck, cluster.devices_per_node, ranks_to_build(p.plan.layout, every_rank));
   // The step waits for its slowest rank.
   TimePrediction slowest;
@@ -350,7 +366,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"run_s", p.time.step_s * static_cast<double>(p.steps)},
                       {"compute_ms", p.time.compute_s * 1e3},
                       {"attention_ms", p.time.attention_s * 1e3},
-                      {"attention", p.plan.model.flash_attention ? "flash" : "unfused"},
+                      {"attention", p.plan.model.attention},
                       {"attention_priced_as", priced_as_flash(p.plan.model, cluster) ? "flash" : "unfused"},
                       {"comm_ms", p.time.comm_s * 1e3},
                       {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
@@ -399,10 +415,11 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   if (t.sync_wait_s > 0) s << " + waits for the group's slowest rank " << t.sync_wait_s * 1e3 << " ms";
   s << "\n";
   if (p.plan.model.flash_attention)
-    s << (priced_as_flash(p.plan.model, cluster)
-              ? "  attention fused (model.attention = flash), at the cluster's flash_attention_tflops\n"
-              : "  attention fused (model.attention = flash), priced as the unfused kernels: the cluster gives no "
-                "flash_attention_tflops (loom plan --calibrate measures it)\n");
+    s << (priced_as_flash(p.plan.model, cluster) ? "  attention fused (model.attention = " + p.plan.model.attention +
+                                                       "), at the cluster's flash_attention_tflops\n"
+                                                 : "  attention fused (model.attention = " + p.plan.model.attention +
+                                                       "), priced as the unfused kernels: the cluster gives no "
+                                                       "flash_attention_tflops (loom plan --calibrate measures it)\n");
   if (t.stage_busy_s.size() > 1) {
     s << "  pipeline stages' forward + backward (each the slowest of its ranks):";
     for (std::size_t i = 0; i < t.stage_busy_s.size(); ++i) s << (i ? ", " : " ") << t.stage_busy_s[i] * 1e3 << " ms";

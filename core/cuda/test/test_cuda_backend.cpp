@@ -906,6 +906,80 @@ TEST(CudaBackend, FusedAttentionMatchesTheHostTwin) {
   }
 }
 
+// model.attention = cudnn: cuDNN's fused attention through the back end, held to the fp64 reference with
+// the flash path's bounds (out and lse 5e-3, dq and dk 1e-2, dv 5e-3 of the norm, on bf16-rounded
+// inputs), and to the host's flash twin with the same bounds (the two round at different points: cuDNN
+// its normalised probabilities, the twin its tiles'); the gaps are printed for the GPU logbook. fp32 and
+// bf16 saved outputs, head sizes 16, 64 and 128, T from 5 to 1024. Where cuDNN's attention is refused
+// (the emulated device, a device or library that lacks it) the refusal is what the back end says, and
+// calling it throws that reason.
+TEST(CudaBackend, CudnnAttentionMatchesTheReferenceAndTheFlashTwin) {
+  REQUIRE_GPU();
+  for (const auto& [B, T, C, NH, saved_type] :
+       std::vector<std::tuple<int, int, int, int, DType>>{{2, 80, 32, 2, DType::f32},
+                                                          {1, 130, 128, 2, DType::bf16},
+                                                          {1, 64, 256, 2, DType::f32},
+                                                          {2, 5, 128, 2, DType::bf16},
+                                                          {1, 1024, 128, 2, DType::bf16}}) {
+    Twins tw;
+    const std::string what =
+        "hs " + std::to_string(C / NH) + " T " + std::to_string(T) + " saved " + loom::dtype_name(saved_type);
+    const std::size_t n3 = std::size_t(B) * T * 3 * C, n = std::size_t(B) * T * C, nr = std::size_t(B) * NH * T;
+    const auto qkv_v = randn(n3, 41u + unsigned(T)), dout_v = randn(n, 42u + unsigned(T));
+    auto qkv = tw.make(qkv_v), dout = tw.make(dout_v);
+    auto out = tw.zeros(std::int64_t(n)), lse = tw.zeros(std::int64_t(nr)), dsum = tw.zeros(std::int64_t(nr));
+    auto dqkv = tw.make(std::vector<float>(n3, std::nanf("")));
+    const std::string why = tw.dev->cudnn_attention_refusal(T, C / NH);
+    if (!why.empty()) {
+      std::printf("cuDNN attention, %s: refused: %s\n", what.c_str(), why.c_str());
+      try {
+        tw.dev->attention_forward_cudnn(out.d, lse.d, qkv.d, B, T, C, NH);
+        ADD_FAILURE() << "a refused cuDNN attention ran";
+      } catch (const std::logic_error& e) {
+        EXPECT_EQ(std::string(e.what()), why);
+      }
+      continue;
+    }
+    auto saved_d = tw.dev->allocate("saved", saved_type, std::int64_t(n), Mem::workspace);
+    auto saved_h = tw.host->allocate("saved", saved_type, std::int64_t(n), Mem::workspace);
+    tw.dev->attention_forward_cudnn(saved_d.ref(), lse.d, qkv.d, B, T, C, NH);
+    tw.dev->cast(out.d, saved_d.ref());
+    tw.dev->attention_backward_cudnn(dqkv.d, dsum.d, dout.d, saved_d.ref(), qkv.d, lse.d, B, T, C, NH);
+    tw.dev->synchronize();
+    // the host's flash twin on the same inputs
+    tw.host->attention_forward_flash(out.h, lse.h, qkv.h, B, T, C, NH);
+    tw.host->cast(saved_h.ref(), out.h);
+    tw.host->attention_backward_flash(dqkv.h, dsum.h, dout.h, saved_h.ref(), qkv.h, lse.h, B, T, C, NH);
+    const auto ref =
+        loom::test::attention_reference(loom::test::bf16_rounded(qkv_v), loom::test::bf16_rounded(dout_v), B, T, C, NH);
+    const std::vector<float> out_d = tw.dev_of(out), lse_d = tw.dev_of(lse), dqkv_d = tw.dev_of(dqkv);
+    for (float x : dqkv_d) ASSERT_TRUE(std::isfinite(x)) << what << ": an element of dqkv not written or not finite";
+    const double bound[3] = {1e-2, 1e-2, 5e-3};
+    const char* name[3] = {"dq", "dk", "dv"};
+    double gap_ref[5] = {loom::test::relative_gap(out_d, ref.out), loom::test::relative_gap(lse_d, ref.lse), 0, 0, 0};
+    double gap_twin[5] = {tw.err(out), tw.err(lse), 0, 0, 0};
+    std::vector<bool> part(n3);
+    const std::vector<float> twin_f = tw.host_of(dqkv);
+    const std::vector<double> twin(twin_f.begin(), twin_f.end());
+    for (int p = 0; p < 3; ++p) {
+      for (std::size_t i = 0; i < n3; ++i) part[i] = int(i % (3 * std::size_t(C))) / C == p;
+      gap_ref[2 + p] = loom::test::relative_gap(dqkv_d, ref.dqkv, part);
+      gap_twin[2 + p] = loom::test::relative_gap(dqkv_d, twin, part);
+      EXPECT_LT(gap_ref[2 + p], bound[p]) << what << ": " << name[p] << " against the fp64 reference";
+      EXPECT_LT(gap_twin[2 + p], bound[p]) << what << ": " << name[p] << " against the host's flash twin";
+    }
+    EXPECT_LT(gap_ref[0], 5e-3) << what << ": out against the fp64 reference";
+    EXPECT_LT(gap_ref[1], 5e-3) << what << ": lse against the fp64 reference";
+    EXPECT_LT(gap_twin[0], 5e-3) << what << ": out against the host's flash twin";
+    EXPECT_LT(gap_twin[1], 5e-3) << what << ": lse against the host's flash twin";
+    std::printf(
+        "cuDNN attention, %s: from fp64 out %.2e lse %.2e dq %.2e dk %.2e dv %.2e; from the flash twin "
+        "out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
+        what.c_str(), gap_ref[0], gap_ref[1], gap_ref[2], gap_ref[3], gap_ref[4], gap_twin[0], gap_twin[1], gap_twin[2],
+        gap_twin[3], gap_twin[4]);
+  }
+}
+
 // The fused kernels load their tiles 4 floats at a time where qkv and dout are 16-byte aligned and
 // one at a time elsewhere (a slice of a buffer may be either): the same bits both ways.
 TEST(CudaBackend, FusedAttentionFromUnalignedInputsGivesTheSameBits) {
