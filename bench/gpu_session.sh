@@ -68,14 +68,15 @@ roots="/usr /opt $HOME"
 [ -z "$py" ] || roots="$roots $("$py" -c 'import site, sys; print(" ".join([sys.prefix] + site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null)"
 needed=$(readelf -d "$b/lib/libloom_cuda.so" | sed -n 's/.*(NEEDED).*\[\(lib\(cublas\|cudart\|nvJitLink\|nvrtc\)[^]]*\)\].*/\1/p')
 dirs=""
-for lib in $needed libnccl.so.2 libcudnn.so.9; do
+for lib in $needed libnccl.so.2 libcudnn.so.9 libnvrtc.so.13; do
   found=$(ls /usr/local/cuda/lib64/$lib /usr/local/cuda/lib/$lib /usr/local/cuda/targets/x86_64-linux/lib/$lib 2>/dev/null | head -1)
   # shellcheck disable=SC2086
   [ -n "$found" ] || found=$(find $roots -name "$lib" 2>/dev/null | head -1)
   if [ -z "$found" ]; then
     echo "gpu_session: $lib not found on this node (under /usr/local/cuda, $roots)" | tee -a "$out/node.log" >&2
-    # NCCL only matters to jobs across GPUs; cuDNN to model.attention = cudnn (refused without it, saying so)
-    [ "$lib" = libnccl.so.2 ] || [ "$lib" = libcudnn.so.9 ] || exit 2
+    # NCCL only matters to jobs across GPUs; cuDNN (and NVRTC, which its runtime-compiled engines load)
+    # to model.attention = cudnn (refused without them, saying so)
+    case "$lib" in libnccl.so.2|libcudnn.so.9|libnvrtc.so.13) ;; *) exit 2 ;; esac
     continue
   fi
   case ":$dirs:" in *":$(dirname "$found"):"*) ;; *) dirs="$dirs${dirs:+:}$(dirname "$found")" ;; esac
@@ -84,7 +85,8 @@ export LOOM_CUDA_LIB_DIRS=$dirs LOOM_PLUGIN_PATH=$b/lib PATH=$b/bin:$PATH
 {
   date -u
   nvidia-smi -L 2>&1
-  echo "CUDA libraries needed: $needed (and libnccl.so.2, libcudnn.so.9), from $LOOM_CUDA_LIB_DIRS"
+  echo "CUDA libraries needed: $needed (and libnccl.so.2, libcudnn.so.9, libnvrtc.so.13), from $LOOM_CUDA_LIB_DIRS"
+  LD_LIBRARY_PATH=$LOOM_CUDA_LIB_DIRS "${py:-false}" -c 'import ctypes; print("cuDNN", ctypes.CDLL("libcudnn.so.9").cudnnGetVersion())' 2>&1 | tail -1
   echo "python3: $py ($("${py:-false}" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1))"
   "$b/bin/loom" --version 2>&1 | head -3
 } >> "$out/node.log" 2>&1

@@ -159,7 +159,7 @@ inline std::string flash_head_size_refusal(int hs) {
 inline std::string cudnn_shape_refusal(int T, int hs) {
   if (hs % 8 != 0 || hs > 128)
     return "head size " + std::to_string(hs) + " (cuDNN's fused attention takes multiples of 8 up to 128)";
-  if (T < 1) return "sequence length " + std::to_string(T);
+  if (T < 2) return "sequence length " + std::to_string(T) + " (cuDNN's fused backward takes 2 or more)";
   return "";
 }
 

@@ -33,12 +33,13 @@ enum Slot { kInp = 0, kWeight = 1, kDout = 2, kSlots = 3 };
 inline std::int64_t attention_scratch_floats(int NH, int T) { return static_cast<std::int64_t>(NH) * T * T; }
 
 // cuDNN's attention (model.attention = cudnn, core/cuda/cuda_backend.cpp): bf16 staging of qkv [N,3C],
-// dout [N,C] and dqkv [N,3C], of out [N,C] unless the products' type is bf16 (the model then saves it in
-// bf16), and the fp32 dq accumulator [N,C]; made at the first attention and kept. N C = B T NH hs of this
-// rank. cuDNN's own plan workspace is asked of cuDNN on the device and is not in this sum.
+// dout [N,C] and dqkv [N,3C], and of out [N,C] unless the products' type is bf16 (the model then saves
+// it in bf16); made at the first attention and kept. N C = B T NH hs of this rank. cuDNN's own plan
+// workspace is asked of cuDNN on the device and is not in this sum (nor the staging of statistics that
+// a model buffer at an odd offset would need: the model's tables are aligned for every deck of inputs/).
 inline double cudnn_attention_bytes(DType matmul, const Backend::AttentionShape& a) {
   const double NC = double(a.B) * a.T * a.NH * a.hs;
-  return 2.0 * (3 + 1 + 3) * NC + (matmul == DType::bf16 ? 0.0 : 2.0 * NC) + 4.0 * NC;
+  return 2.0 * (3 + 1 + 3) * NC + (matmul == DType::bf16 ? 0.0 : 2.0 * NC);
 }
 
 // The peak of the above together, in bytes, for a micro-batch's products in the order the model runs

@@ -473,8 +473,6 @@ class CudaBackend final : public Backend {
     if (props_.major < 8)
       return "device " + std::to_string(device_) + " has compute capability " + std::to_string(props_.major) + "." +
              std::to_string(props_.minor) + "; cuDNN's fused attention needs 8.0 or newer";
-    if (props_.major < 9 && hs > 128)
-      return "head size " + std::to_string(hs) + ": cuDNN's fused backward takes at most 128 before Hopper";
     const auto verdict = cudnn_verdicts_.find({T, hs});
     if (verdict != cudnn_verdicts_.end()) return verdict->second;
     std::string why;
@@ -496,28 +494,33 @@ class CudaBackend final : public Backend {
 #endif
   }
   void attention_forward_cudnn(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
+    if (std::string why = cudnn_attention_refusal(T, C / NH); !why.empty()) throw std::logic_error(why);
 #ifdef LOOM_CUDA_CUDNN
     Timed timed(this, "attention_forward_cudnn", B * T, C, NH);
     const int hs = C / NH;
-    const std::int64_t NC = std::int64_t(B) * T * C;
+    const std::int64_t NC = std::int64_t(B) * T * C, rows = std::int64_t(B) * NH * T;
     const BufferRef o = output(out, NC, "attention_forward_cudnn");
-    float* stats = dev<float>(lse, std::int64_t(B) * NH * T);
+    float* lse_d = dev<float>(lse, rows);
+    // Every tensor of the graphs is declared 16-byte aligned: a model buffer that is not (a carved table
+    // at an odd offset) goes through aligned staging.
+    float* stats = aligned16(lse_d) ? lse_d : cudnn_stage(kStageStats, DType::f32, rows).as<float>();
     std::uint16_t* q = cudnn_qkv16(qkv, NC);
-    const BufferRef o16 = o.type == DType::bf16 ? o : cudnn_stage(kStageOut, DType::bf16, NC);
+    const BufferRef o16 = o.type == DType::bf16 && aligned16(o.data) ? o : cudnn_stage(kStageOut, DType::bf16, NC);
     const cudnn::Plan& plan = cudnn_plan(cudnn::Graph::Kind::forward, {B, T, NH, hs});
     float scale = 1.0f / std::sqrt(static_cast<float>(hs)), fill = -INFINITY;
-    std::map<std::int64_t, void*> ptrs{{cudnn::kQ, q},         {cudnn::kK, q + C},     {cudnn::kV, q + 2 * C},
-                                       {cudnn::kO, o16.data},  {cudnn::kStats, stats}, {cudnn::kScale, &scale},
-                                       { cudnn::kFill, &fill }};
+    std::map<std::int64_t, void*> ptrs{{cudnn::kQ, q},        {cudnn::kK, q + C},     {cudnn::kV, q + 2 * C},
+                                       {cudnn::kO, o16.data}, {cudnn::kStats, stats}, { cudnn::kScale, &scale }};
+    ptrs[cudnn::kFill] = &fill;
     plan.execute(cudnn_handle_, ptrs, cudnn_workspace(plan));
     if (o16.data != o.data) cuda::cast(o.data, o.type, o16.data, DType::bf16, NC, stream_);
+    if (stats != lse_d) copy_device(lse_d, stats, rows * 4);
 #else
     (void)out, (void)lse, (void)qkv, (void)B;
-    throw std::logic_error(cudnn_attention_refusal(T, C / NH));
 #endif
   }
   void attention_backward_cudnn(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
                                 BufferRef lse, int B, int T, int C, int NH) override {
+    if (std::string why = cudnn_attention_refusal(T, C / NH); !why.empty()) throw std::logic_error(why);
 #ifdef LOOM_CUDA_CUDNN
     Timed timed(this, "attention_backward_cudnn", B * T, C, NH);
     const int hs = C / NH;
@@ -525,42 +528,36 @@ class CudaBackend final : public Backend {
     require_device(out, "attention_backward_cudnn", "out");
     if (out.count < NC) refuse("attention_backward_cudnn: out holds " + std::to_string(out.count) + " elements");
     float* dq32 = dev<float>(dqkv, 3 * NC);
-    float* softmax_sum = dev<float>(dsum, rows);
-    float* stats = dev<float>(lse, rows);
+    float* dsum_d = dev<float>(dsum, rows);
+    float* lse_d = dev<float>(lse, rows);
+    float* softmax_sum = aligned16(dsum_d) ? dsum_d : cudnn_stage(kStageSum, DType::f32, rows).as<float>();
+    float* stats = lse_d;
+    if (!aligned16(lse_d)) {
+      stats = cudnn_stage(kStageStats, DType::f32, rows).as<float>();
+      copy_device(stats, lse_d, rows * 4);
+    }
     std::uint16_t* q = cudnn_qkv16(qkv, NC);
     const BufferRef do16 = cudnn_stage(kStageDout, DType::bf16, NC);
     cuda::cast(do16.data, DType::bf16, dev<const float>(dout, NC), DType::f32, NC, stream_);
     BufferRef o16 = out;
-    if (out.type != DType::bf16) {
+    if (out.type != DType::bf16 || !aligned16(out.data)) {
       cuda_type(out.type, "attention_backward_cudnn");
       o16 = cudnn_stage(kStageOut, DType::bf16, NC);
       cuda::cast(o16.data, DType::bf16, out.data, out.type, NC, stream_);
     }
     const BufferRef dq16 = cudnn_stage(kStageDqkv, DType::bf16, 3 * NC);
-    const BufferRef accum = cudnn_stage(kStageAccum, DType::f32, NC);  // [B,NH,T,hs] fp32
     const cudnn::Plan& plan = cudnn_plan(cudnn::Graph::Kind::backward, {B, T, NH, hs});
     float scale = 1.0f / std::sqrt(static_cast<float>(hs)), fill = -INFINITY, one = 1.0f;
     auto* dq = static_cast<std::uint16_t*>(dq16.data);
-    std::map<std::int64_t, void*> ptrs{{cudnn::kQ, q},
-                                       {cudnn::kK, q + C},
-                                       {cudnn::kV, q + 2 * C},
-                                       {cudnn::kO, o16.data},
-                                       {cudnn::kStats, stats},
-                                       {cudnn::kDO, do16.data},
-                                       {cudnn::kDQ, dq},
-                                       {cudnn::kDK, dq + C},
-                                       {cudnn::kDV, dq + 2 * C},
-                                       {cudnn::kScale, &scale},
-                                       {cudnn::kOne, &one},
-                                       {cudnn::kFill, &fill},
-                                       {cudnn::kSoftmaxSum, softmax_sum},
-                                       { cudnn::kDQAccum,
-                                         accum.data }};
+    std::map<std::int64_t, void*> ptrs{{cudnn::kQ, q},          {cudnn::kK, q + C},     {cudnn::kV, q + 2 * C},
+                                       {cudnn::kO, o16.data},   {cudnn::kStats, stats}, {cudnn::kDO, do16.data},
+                                       {cudnn::kDQ, dq},        {cudnn::kDK, dq + C},   {cudnn::kDV, dq + 2 * C},
+                                       {cudnn::kScale, &scale}, {cudnn::kOne, &one},    { cudnn::kFill, &fill }};
+    ptrs[cudnn::kSoftmaxSum] = softmax_sum;
     plan.execute(cudnn_handle_, ptrs, cudnn_workspace(plan));
     cuda::cast(dq32, DType::f32, dq16.data, DType::bf16, 3 * NC, stream_);
 #else
     (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B;
-    throw std::logic_error(cudnn_attention_refusal(T, C / NH));
 #endif
   }
   void attention_backward_flash(BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv,
@@ -1065,13 +1062,23 @@ class CudaBackend final : public Backend {
   std::array<TypedBuffer, cuda_plan::kSlots>
       operands_;             // 16-bit (or widened) operands of one product: input, weight, gradient
   TypedBuffer att_scratch_;  // [NH,T,T] attention-score gradients of one sequence
-  // cuDNN's attention: bf16 staging of qkv, out, dout and dqkv, the fp32 dq accumulator, cuDNN's workspace
-  // (cuda_plan::cudnn_attention_bytes plans them).
-  enum CudnnStage { kStageQkv, kStageOut, kStageDout, kStageDqkv, kStageAccum, kStageWorkspace, kCudnnStages };
+  // cuDNN's attention: bf16 staging of qkv, out, dout and dqkv, and cuDNN's workspace
+  // (cuda_plan::cudnn_attention_bytes plans the staging).
+  // (Stats and Sum: the statistics and row sums where the model's own are not 16-byte aligned.)
+  enum CudnnStage {
+    kStageQkv,
+    kStageOut,
+    kStageDout,
+    kStageDqkv,
+    kStageStats,
+    kStageSum,
+    kStageWorkspace,
+    kCudnnStages
+  };
   std::array<TypedBuffer, kCudnnStages> cudnn_stage_;
   BufferRef cudnn_stage(CudnnStage which, DType type, std::int64_t n) {
-    static const char* const labels[] = {"cuda.cudnn_qkv",  "cuda.cudnn_out",   "cuda.cudnn_dout",
-                                         "cuda.cudnn_dqkv", "cuda.cudnn_accum", "cuda.cudnn_workspace"};
+    static const char* const labels[] = {"cuda.cudnn_qkv",   "cuda.cudnn_out", "cuda.cudnn_dout",     "cuda.cudnn_dqkv",
+                                         "cuda.cudnn_stats", "cuda.cudnn_sum", "cuda.cudnn_workspace"};
     TypedBuffer& buf = cudnn_stage_[static_cast<std::size_t>(which)];
     ensure_capacity(*this, buf, labels[which], type, n, Mem::workspace);
     return buf.ref().slice(0, n);
@@ -1097,6 +1104,11 @@ class CudaBackend final : public Backend {
     const BufferRef q16 = cudnn_stage(kStageQkv, DType::bf16, 3 * NC);
     cuda::cast(q16.data, DType::bf16, dev<const float>(qkv, 3 * NC), DType::f32, 3 * NC, stream_);
     return static_cast<std::uint16_t*>(q16.data);
+  }
+  static bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+  void copy_device(void* dst, const void* src, std::int64_t bytes) {
+    check_cuda(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToDevice, stream_),
+               "cudaMemcpyAsync");
   }
   void* cudnn_workspace(const cudnn::Plan& plan) {
     if (plan.workspace_bytes() == 0) return nullptr;

@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 
 #include <cmath>
+#include <functional>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -85,11 +86,15 @@ const Api* library(std::string* why) {
       failure = file + ": " + missing + " (not cuDNN 9)";
       return;
     }
-    // cuDNN 9.10.0 and 9.10.1 build these graphs wrongly (the frontend refuses them too).
+    // The graphs are spelled as cudnn-frontend spells them for cuDNN 9.16 and newer; before, it adds a
+    // padding mask to the backward where T is not a multiple of 128 (9.15 and older), fills the mask
+    // with the lowest float instead of -inf (before 9.10) and zeroes dq's accumulator (before 9.6).
     const std::size_t v = a.get_version();
-    if (v < 90000 || (v / 100 == 910 && v % 100 <= 1)) {
+    if (v < kMinimumVersion) {
       failure = file + " is cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
-                std::to_string(v % 100) + "; its fused attention needs 9.0 or newer, not 9.10.0 or 9.10.1";
+                std::to_string(v % 100) +
+                "; loom builds cuDNN's attention graphs as cuDNN 9.16 and newer take them (point "
+                "LOOM_CUDNN_LIBRARY at a newer libcudnn.so.9)";
       return;
     }
     api = a;
@@ -119,15 +124,15 @@ void destroy_handle(const Api& api, void* handle) {
 // ---------------------------------------------------------------------------------------------
 // Graph
 
-std::int64_t Graph::dq_accum_bytes(const Shape& s) { return 4ll * s.B * s.NH * s.T * s.hs; }
+void Graph::fail(const std::string& what) const {
+  throw std::runtime_error("cuDNN attention " + std::string(kind_ == Kind::forward ? "forward" : "backward") +
+                           " graph (B " + std::to_string(shape_.B) + ", T " + std::to_string(shape_.T) + ", heads " +
+                           std::to_string(shape_.NH) + ", head size " + std::to_string(shape_.hs) + "): " + what);
+}
 
 void Graph::check(int status, const std::string& what) const {
   const auto st = static_cast<cudnnStatus_t>(status);
-  if (st != CUDNN_STATUS_SUCCESS)
-    throw std::runtime_error("cuDNN attention " + std::string(kind_ == Kind::forward ? "forward" : "backward") +
-                             " graph (B " + std::to_string(shape_.B) + ", T " + std::to_string(shape_.T) + ", heads " +
-                             std::to_string(shape_.NH) + ", head size " + std::to_string(shape_.hs) + "): " + what +
-                             ": " + message(api_, st));
+  if (st != CUDNN_STATUS_SUCCESS) fail(what + ": " + message(api_, st));
 }
 
 void* Graph::keep(void* d) {
@@ -159,8 +164,8 @@ struct Setter {
   keep(var);                                                         \
   std::string var##_error;                                           \
   const Setter var##_set{api_, var, what, &var##_error};
-#define LOOM_CUDNN_FINALIZE(var, what)                                         \
-  if (!var##_error.empty()) throw std::runtime_error("cuDNN: " + var##_error); \
+#define LOOM_CUDNN_FINALIZE(var, what)                      \
+  if (!var##_error.empty()) fail("setting " + var##_error); \
   check(api_.finalize(var), std::string("finalizing ") + (what));
 
 void* Graph::tensor(std::int64_t uid, int type, const std::int64_t* dims, const std::int64_t* strides, bool is_virtual,
@@ -319,8 +324,6 @@ Graph::Graph(const Api& api, Kind kind, const Shape& s) : api_(api), kind_(kind)
       void* unit = tensor(kOne, f32, one, one, false, true);
       void* fill = tensor(kFill, f32, one, one, false, true);
       void* softmax_sum = tensor(kSoftmaxSum, f32, rr, rr_str, false);
-      const std::int64_t acc_str[4] = {H * T * D, T * D, D, 1};
-      void* dq_accum = tensor(kDQAccum, f32, qkv_dims, acc_str, false);
       // D = rowsum(dO * O), through the statistics' scratch
       const std::int64_t do_o_str[4] = {H * T * D, T * D, H * D, 1};
       void* do_o = v(f32, o_dims, do_o_str);
@@ -351,14 +354,14 @@ Graph::Graph(const Api& api, Kind kind, const Shape& s) : api_(api), kind_(kind)
       pointwise(CUDNN_POINTWISE_MUL, dp_d, p, nullptr, pds);
       void* ds = v(f32, ss, ss_str);
       pointwise(CUDNN_POINTWISE_MUL, pds, scale, nullptr, ds);
-      // dK = dS^T Q; dQ = dS K, accumulated in fp32, then stored bf16
+      // dK = dS^T Q; dQ = dS K straight into dQ: the frontend's deterministic variant (llm.c's choice),
+      // with no fp32 accumulator that blocks would add into in any order, so a run repeats bit for bit
       void* dst = v(bf16, ss, sst_str);
       reshape(ds, dst);
       matmul(dst, q, dk);
       void* k = v(f32, qkv_dims, qkv_str);
       reshape(kt, k);
-      matmul(ds, k, dq_accum);
-      pointwise(CUDNN_POINTWISE_IDENTITY, dq_accum, nullptr, nullptr, dq);
+      matmul(ds, k, dq);
     }
   } catch (...) {
     for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) api_.destroy(static_cast<Desc>(*it));
@@ -382,6 +385,86 @@ void check_plan(const Api& api, cudnnStatus_t s, const std::string& what) {
 }
 }  // namespace
 
+namespace {
+// The operation graph of `graph` and cuDNN's heuristics (mode A) for it, finalized (`make` creates and
+// keeps each descriptor): on the device of `handle`, or, with no handle, on the one `device` describes.
+Desc heuristics(const Api& api, const Graph& graph, void* handle, Desc device,
+                const std::function<Desc(cudnnBackendDescriptorType_t, const char*)>& make) {
+  const char* kind = graph.kind() == Graph::Kind::forward ? "forward" : "backward";
+  Desc op_graph = make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "the operation graph");
+  const std::vector<void*>& ops = graph.ops();
+  check_plan(api,
+             api.set(op_graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                     static_cast<std::int64_t>(ops.size()), ops.data()),
+             "the operation graph's operations");
+  cudnnHandle_t h = static_cast<cudnnHandle_t>(handle);
+  if (h)
+    check_plan(api, api.set(op_graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h),
+               "the operation graph's handle");
+  check_plan(api, api.finalize(op_graph), std::string("the ") + kind + " operation graph");
+  Desc heur = make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "the engine heuristics");
+  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+  check_plan(api, api.set(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &op_graph),
+             "the heuristics' graph");
+  check_plan(api, api.set(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode), "the heuristics' mode");
+  if (device)
+    check_plan(api, api.set(heur, CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &device),
+               "the heuristics' device");
+  check_plan(api, api.finalize(heur), std::string("the heuristics of the ") + kind + " graph");
+  return heur;
+}
+}  // namespace
+
+Offer offered_engines(const Api& api, const Graph& graph, const std::string& device_json) {
+  if (api.get_version() < 90800)
+    throw std::runtime_error("cuDNN " + std::to_string(api.get_version()) +
+                             " cannot describe a device without one (device properties need 9.8)");
+  std::vector<Desc> owned;
+  struct Drop {
+    const Api& api;
+    std::vector<Desc>& d;
+    ~Drop() {
+      for (auto it = d.rbegin(); it != d.rend(); ++it) api.destroy(*it);
+    }
+  } drop{api, owned};
+  auto make = [&](cudnnBackendDescriptorType_t type, const char* what) {
+    Desc d = nullptr;
+    check_plan(api, api.create(type, &d), std::string("creating ") + what);
+    owned.push_back(d);
+    return d;
+  };
+  Desc device = make(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, "device properties");
+  check_plan(api,
+             api.set(device, CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR,
+                     static_cast<std::int64_t>(device_json.size()), device_json.data()),
+             "the device properties' JSON");
+  check_plan(api, api.finalize(device), "the device properties");
+  Desc heur = heuristics(api, graph, nullptr, device, make);
+  Offer offer;
+  check_plan(api,
+             api.get(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &offer.ranked, nullptr),
+             "counting the heuristics' engines");
+  std::vector<Desc> configs(static_cast<std::size_t>(offer.ranked));
+  for (Desc& c : configs) c = make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "an engine configuration");
+  std::int64_t returned = 0;
+  // Fails (and returns none) where the support checks cannot load the CUDA driver.
+  if (offer.ranked > 0 && api.get(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, offer.ranked,
+                                  &returned, configs.data()) != CUDNN_STATUS_SUCCESS)
+    returned = 0;
+  for (std::int64_t i = 0; i < returned; ++i) {
+    Desc engine = make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, "an engine");
+    std::int64_t n = 0, index = -1;
+    check_plan(api,
+               api.get(configs[static_cast<std::size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                       1, &n, &engine),
+               "an engine configuration's engine");
+    check_plan(api, api.get(engine, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index),
+               "an engine's index");
+    offer.engines.push_back(index);
+  }
+  return offer;
+}
+
 Plan::Plan(const Api& api, void* handle, std::unique_ptr<Graph> graph) : api_(api), graph_(std::move(graph)) {
   auto make = [&](cudnnBackendDescriptorType_t type, const char* what) {
     Desc d = nullptr;
@@ -395,24 +478,8 @@ Plan::Plan(const Api& api, void* handle, std::unique_ptr<Graph> graph) : api_(ap
   };
   const char* kind = graph_->kind() == Graph::Kind::forward ? "forward" : "backward";
   try {
-    Desc op_graph = make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "the operation graph");
     cudnnHandle_t h = static_cast<cudnnHandle_t>(handle);
-    const std::vector<void*>& ops = graph_->ops();
-    check_plan(api_,
-               api_.set(op_graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                        static_cast<std::int64_t>(ops.size()), ops.data()),
-               "the operation graph's operations");
-    check_plan(api_, api_.set(op_graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h),
-               "the operation graph's handle");
-    check_plan(api_, api_.finalize(op_graph), std::string("the ") + kind + " operation graph");
-
-    Desc heur = make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "the engine heuristics");
-    const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
-    check_plan(api_, api_.set(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &op_graph),
-               "the heuristics' graph");
-    check_plan(api_, api_.set(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode),
-               "the heuristics' mode");
-    check_plan(api_, api_.finalize(heur), std::string("the heuristics of the ") + kind + " graph");
+    Desc heur = heuristics(api_, *graph_, handle, nullptr, make);
     std::int64_t count = 0;
     check_plan(api_, api_.get(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr),
                "counting the heuristics' engines");

@@ -27,7 +27,7 @@ struct Shape {
 
 struct Api;  // the functions of libcudnn.so.9 this file calls
 // libcudnn.so.9, opened once (LOOM_CUDNN_LIBRARY names another file): null, and why, when it cannot be
-// (not found, a symbol missing, older than 9.0).
+// (not found, a symbol missing, older than kMinimumVersion).
 const Api* library(std::string* why);
 // cudnnGetVersion of the opened library (e.g. 91900 for 9.19.0).
 std::size_t version(const Api& api);
@@ -50,9 +50,6 @@ class Graph {
   std::size_t tensors() const { return tensors_.size(); }
   // The descriptors (cudnnBackendDescriptor_t) of the operations, in order.
   const std::vector<void*>& ops() const { return ops_; }
-  // The fp32 scratch the backward's graph reads and writes beside cuDNN's own workspace: the dq
-  // accumulator [B,NH,T,hs] (bytes); the forward's is 0.
-  static std::int64_t dq_accum_bytes(const Shape& s);
 
  private:
   friend class Plan;
@@ -64,6 +61,7 @@ class Graph {
   void* reshape(void* x, void* y);
   void* keep(void* d);  // owned until ~Graph
   void check(int status, const std::string& what) const;
+  [[noreturn]] void fail(const std::string& what) const;
 
   const Api& api_;
   Kind kind_;
@@ -72,6 +70,18 @@ class Graph {
   std::vector<void*> ops_;      // the operations, in the graph's order
   std::vector<void*> tensors_;  // the non-virtual tensors
 };
+
+// What cuDNN's heuristics (mode A) offer for `graph` on the device that `device_json` describes (a
+// serialized CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, cuDNN 9.8 or newer), with no handle and no GPU:
+// `ranked` engine configurations, of which cuDNN returns those that pass its support checks, by
+// engine (global index). Those checks load the CUDA driver: without one none passes (with the
+// toolkit's stub libcuda.so.1 standing in, they run). std::runtime_error when cuDNN cannot ask (the
+// JSON refused, a cuDNN before 9.8).
+struct Offer {
+  std::int64_t ranked = 0;
+  std::vector<std::int64_t> engines;
+};
+Offer offered_engines(const Api& api, const Graph& graph, const std::string& device_json);
 
 // A graph made runnable on one device: the operation graph (with the handle), the first engine
 // configuration cuDNN's heuristics rank that yields a plan, and the plan's workspace.
@@ -110,7 +120,9 @@ enum Uid : std::int64_t {
   kDV = 11,
   kOne = 12,         // by value: a host float, 1
   kSoftmaxSum = 13,  // fp32 [B,NH,T]: row sums of dO * O (the backward's D)
-  kDQAccum = 14,     // fp32 [B,NH,T,hs]: dq accumulated before its bf16 store
 };
+
+// The oldest cuDNN whose graphs these are (9.16.0): cudnn-frontend builds them so from 9.16 on.
+constexpr std::size_t kMinimumVersion = 91600;
 
 }  // namespace loom::cuda::cudnn
