@@ -24,12 +24,15 @@
   cuda_layouts  (label gpu) the same layouts on the CUDA back end, the ranks sharing the GPU
                 (run.share_gpu: device buffers through host copies and MPI, as NCCL refuses two ranks
                 on one GPU): the host's losses over 20 steps, fp32 within 1e-4 relative, 16-bit 2e-3;
-                flash attention 2e-3 (its bf16 operands); checkpoints cross over as in `fenced`,
-                within the same bounds.
+                flash attention 2e-3 (its bf16 operands); where cuDNN runs, model.attention = cudnn
+                on tp 2 (bf16) and pp 2 (recompute) against the host's flash twin, 5e-3; checkpoints
+                cross over as in `fenced`, within the same bounds.
   decks         (label gpu) every one-rank deck of inputs/ (quickstart, synthetic, bf16, fp16 with its
                 loss scaling, memory_saving with recompute and micro-batches, long_context with flash
                 attention), 30 steps with their evaluation and checkpoints on each back end: the same
-                losses, every step, within 1e-4 (fp32) or 2e-3 (16-bit, or flash attention) relative.
+                losses, every step, within 1e-4 (fp32) or 2e-3 (16-bit, or flash attention) relative;
+                where cuDNN runs, long_context with model.attention = cudnn against the host's flash
+                twin, 5e-3.
   plan_memory   (label gpu) `loom plan` of cuda decks against the CUDA back end's ledger, rank by rank and
                 category by category within 5% + 4 KiB (the workspace beyond cuBLASLt's 32 MiB): one rank
                 in each precision, with flash attention and with recompute; with a device per rank
@@ -197,15 +200,19 @@ def decks(args):
         return SKIP
     inputs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "inputs")
     runs = [(d, []) for d in ("quickstart", "synthetic", "bf16", "fp16", "memory_saving", "long_context")]
+    if cudnn_refused(c) is None:  # long_context with cuDNN's attention, the host running its flash twin
+        runs.append(("long_context", ["model.attention=cudnn"]))
     for deck, sets in runs:
         text = open(os.path.join(inputs, deck + ".deck")).read()
         tol = 2e-3 if re.search(r"dtype\s*=\s*(bf16|fp16)|attention\s*=\s*flash", text) else 1e-4
-        name = deck
+        tol = 5e-3 if sets else tol
+        name = deck + ("_cudnn" if sets else "")
         common = sets + ["train.steps=30", "train.log_every=1", "checkpoint.dir=" + os.path.join(c.dir, name + "_%s_ckpt")]
         path = os.path.abspath(os.path.join(inputs, deck + ".deck"))
         got = {}
         for backend in ("host", "cuda"):
             cmd_sets = [x.replace("%s", backend) for x in common] + ["run.backend=" + backend]
+            cmd_sets = host_sets(cmd_sets) if backend == "host" else cmd_sets
             _, rundir = c.loom(name + "_" + backend, 1, cmd_sets, deck=path)
             got[backend] = rows(rundir)
         lh = [r["loss"] for r in got["host"]]
@@ -254,15 +261,29 @@ LAYOUTS = [
 ]
 
 
-def layouts_on(c, backend, steps, extra, compare, only=None, env=None, tag="", banner=None):
-    """Each of LAYOUTS (or those named in `only`) trained on the host and on `backend` (its runs with
-    `env` added to the environment, named with `tag`, their banners matching `banner` if given);
-    compare(name, sets, host rows, device rows, steps) checks them."""
-    for name, ranks, sets in LAYOUTS:
+# model.attention = cudnn (head size 16): cuDNN's kernels against the host's flash twin, on a GPU where
+# cuDNN takes them (cuda_layouts adds them then; the host has no cuDNN, the emulated device neither).
+CUDNN_LAYOUTS = [
+    ("cudnn_tp2_bf16", 2, ["model.heads=2", "model.attention=cudnn", "parallel.tp=2", "precision.dtype=bf16"]),
+    ("cudnn_pp2_recompute", 2, ["model.heads=2", "model.attention=cudnn", "parallel.pp=2", "train.micro_batches=4",
+                                "model.recompute=true"]),
+]
+
+
+def host_sets(sets):
+    """What the host runs for a device's sets: model.attention = cudnn as its twin there, flash."""
+    return [x.replace("model.attention=cudnn", "model.attention=flash") for x in sets]
+
+
+def layouts_on(c, backend, steps, extra, compare, only=None, env=None, tag="", banner=None, more=()):
+    """Each of LAYOUTS (or those named in `only`), and `more`, trained on the host and on `backend` (its
+    runs with `env` added to the environment, named with `tag`, their banners matching `banner` if
+    given); compare(name, sets, host rows, device rows, steps) checks them."""
+    for name, ranks, sets in LAYOUTS + list(more):
         if only is not None and name not in only:
             continue
         common = sets + ["train.steps=%d" % steps, "train.log_every=1", "run.peak_tflops=1"]
-        _, host = c.loom(name + "_host", ranks, common + ["run.backend=host"])
+        _, host = c.loom(name + "_host", ranks, host_sets(common) + ["run.backend=host"])
         p, dev = c.loom(name + "_" + backend + tag, ranks, common + ["run.backend=" + backend] + extra, env=env)
         if banner:
             c.expect(p.stdout, [banner], name + tag + " banner")
@@ -324,6 +345,8 @@ def close_to_host(c, norms=False):
     def close(name, sets, host, dev, steps):
         sixteen = any(x.startswith("precision.dtype=") and not x.endswith("fp32") for x in sets)
         tol = 2e-3 if sixteen or "model.attention=flash" in sets else 1e-4
+        if "model.attention=cudnn" in sets:  # cuDNN against the host's flash twin: other rounding points
+            tol = 5e-3
         lh, ld = [r["loss"] for r in host], [r["loss"] for r in dev]
         gap = relative_gap(ld, lh)
         norm_gap = relative_gap([r.get("grad_norm", 0) for r in dev], [r.get("grad_norm", 0) for r in host])
@@ -351,7 +374,8 @@ def cuda_layouts(args):
     # 20 steps on a GPU; the emulated device's run in the suite (regression.gpu.emulated_layouts)
     # takes fewer (LOOM_GPU_CASE_STEPS), its kernels being the CPU's emulation of the device's.
     steps = int(os.environ.get("LOOM_GPU_CASE_STEPS", "20"))
-    layouts_on(c, "cuda", steps, ["run.share_gpu=true"], close)
+    cudnn = CUDNN_LAYOUTS if cudnn_refused(c) is None else []
+    layouts_on(c, "cuda", steps, ["run.share_gpu=true"], close, more=cudnn)
     crossover(c, "cuda", ["run.share_gpu=true"], steps,
               lambda name, sets, host, dev: close(name, sets, host, dev, steps - steps // 2))
     return c.done("cuda_layouts")
