@@ -270,6 +270,22 @@ Graph::Graph(const Api& api, Kind kind, const Shape& s) : api_(api), kind_(kind)
     auto v = [&](int type, const std::int64_t* dims, const std::int64_t* str) {
       return tensor(++next_virtual, type, dims, str, true);
     };
+    // An operation on the scores and its output, a virtual fp32 [B,H,T,T]; the bf16 transpose of scores.
+    auto scores_of = [&](int mode, void* x, void* b) {
+      void* y = v(f32, ss, ss_str);
+      pointwise(mode, x, b, nullptr, y);
+      return y;
+    };
+    auto product = [&](void* a, void* b) {
+      void* y = v(f32, ss, ss_str);
+      matmul(a, b, y);
+      return y;
+    };
+    auto transposed = [&](void* x) {
+      void* y = v(bf16, ss, sst_str);
+      reshape(x, y);
+      return y;
+    };
     // The causal mask as the frontend spells it before cuDNN 9.21: keep score (t, j) where t >= j, else
     // the fill (-inf).
     auto causal = [&](void* scores, void* fill) {
@@ -291,17 +307,13 @@ Graph::Graph(const Api& api, Kind kind, const Shape& s) : api_(api), kind_(kind)
       void* stats = tensor(kStats, f32, rr, rr_str, false);
       void* scale = tensor(kScale, f32, one, one, false, true);
       void* fill = tensor(kFill, f32, one, one, false, true);
-      void* s1 = v(f32, ss, ss_str);
-      matmul(q, kt, s1);  // q k^T
-      void* s2 = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_MUL, s1, scale, nullptr, s2);
+      void* s1 = product(q, kt);  // q k^T
+      void* s2 = scores_of(CUDNN_POINTWISE_MUL, s1, scale);
       void* s3 = causal(s2, fill);
       void* mx = v(f32, rr, rr_str);
       reduction(CUDNN_REDUCE_TENSOR_MAX, s3, mx);
-      void* shifted = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_SUB, s3, mx, nullptr, shifted);
-      void* e = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_EXP, shifted, nullptr, nullptr, e);
+      void* shifted = scores_of(CUDNN_POINTWISE_SUB, s3, mx);
+      void* e = scores_of(CUDNN_POINTWISE_EXP, shifted, nullptr);
       void* z = v(f32, rr, rr_str);
       reduction(CUDNN_REDUCE_TENSOR_ADD, e, z);
       void* logz = v(f32, rr, rr_str);
@@ -332,33 +344,21 @@ Graph::Graph(const Api& api, Kind kind, const Shape& s) : api_(api), kind_(kind)
       reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, rowsum);
       pointwise(CUDNN_POINTWISE_MUL, rowsum, unit, nullptr, softmax_sum);
       // P, recomputed from the statistics
-      void* s1 = v(f32, ss, ss_str);
-      matmul(q, kt, s1);
-      void* s2 = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_MUL, s1, scale, nullptr, s2);
-      void* s3 = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_SUB, s2, stats, nullptr, s3);
+      void* s1 = product(q, kt);
+      void* s2 = scores_of(CUDNN_POINTWISE_MUL, s1, scale);
+      void* s3 = scores_of(CUDNN_POINTWISE_SUB, s2, stats);
       void* masked = causal(s3, fill);
-      void* p = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_EXP, masked, nullptr, nullptr, p);
+      void* p = scores_of(CUDNN_POINTWISE_EXP, masked, nullptr);
       // dV = P^T dO
-      void* pt = v(bf16, ss, sst_str);
-      reshape(p, pt);
-      matmul(pt, d_o, dv);
+      matmul(transposed(p), d_o, dv);
       // dS = P * (dO V^T - D) * scale
-      void* dp = v(f32, ss, ss_str);
-      matmul(d_o, vt, dp);
-      void* dp_d = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_SUB, dp, softmax_sum, nullptr, dp_d);
-      void* pds = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_MUL, dp_d, p, nullptr, pds);
-      void* ds = v(f32, ss, ss_str);
-      pointwise(CUDNN_POINTWISE_MUL, pds, scale, nullptr, ds);
+      void* dp = product(d_o, vt);
+      void* dp_d = scores_of(CUDNN_POINTWISE_SUB, dp, softmax_sum);
+      void* pds = scores_of(CUDNN_POINTWISE_MUL, dp_d, p);
+      void* ds = scores_of(CUDNN_POINTWISE_MUL, pds, scale);
       // dK = dS^T Q; dQ = dS K straight into dQ: the frontend's deterministic variant (llm.c's choice),
       // with no fp32 accumulator that blocks would add into in any order, so a run repeats bit for bit
-      void* dst = v(bf16, ss, sst_str);
-      reshape(ds, dst);
-      matmul(dst, q, dk);
+      matmul(transposed(ds), q, dk);
       void* k = v(f32, qkv_dims, qkv_str);
       reshape(kt, k);
       matmul(ds, k, dq);
