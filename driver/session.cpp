@@ -68,6 +68,7 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   m.vocab = static_cast<int>(d.get_int("model.vocab"));
   m.recompute = d.get_bool("model.recompute");
   m.set_attention(d.get_string("model.attention"));  // auto: resolved once the back end is made
+  m.read_architecture(d.values());
   m.validate();
 
   plan.global_batch = static_cast<int>(d.get_int("train.batch"));

@@ -186,6 +186,7 @@ GPTConfig recorded_model(hid_t file, const std::string& path, const std::string&
   // The attention kind is no tensor's shape, but the model's arithmetic: a flash or cudnn run is
   // sampled as it was trained (decks from before the key are unfused; a checkpoint records auto as the
   // kind it resolved to).
+  cfg.read_architecture(recorded);  // model.arch and Llama's keys (absent before them: gpt2)
   const auto attention = recorded.find("model.attention");
   const std::string kind = attention == recorded.end() ? "unfused" : attention->second;
   if (kind != "unfused" && kind != "flash" && kind != "cudnn")
@@ -534,6 +535,11 @@ std::string model_mismatches(const GPTConfig& in_checkpoint, const GPTConfig& de
       mismatches += std::string(mismatches.empty() ? "" : "; ") + k.key + " = " + std::to_string(v) +
                     " in the checkpoint, " + std::to_string(here) + " in this deck";
   }
+  const auto ours = deck.architecture_values();
+  for (const auto& [key, value] : in_checkpoint.architecture_values())
+    if (ours.at(key) != value)
+      mismatches += std::string(mismatches.empty() ? "" : "; ") + key + " = " + value + " in the checkpoint, " +
+                    ours.at(key) + " in this deck";
   return mismatches;
 }
 

@@ -39,6 +39,20 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("model.heads", "4", 1, 1024, "attention heads per block (must divide d_model)"));
   schema.add(int_key("model.seq_len", "64", 1, 1048576, "context length in tokens"));
   schema.add(int_key("model.vocab", "256", 2, 1048576, "vocabulary size (256 for text:PATH bytes)"));
+  schema.add(choice_key("model.arch", "gpt2", {"gpt2", "llama"},
+                        "the block: gpt2 (LayerNorm with biases, learned positions, GELU MLP, tied head) or llama "
+                        "(RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied head "
+                        "by default)"));
+  schema.add(int_key("model.kv_heads", "0", 0, 1024,
+                     "llama: key/value heads, dividing model.heads (grouped-query attention; 1 = multi-query; "
+                     "0 = model.heads)"));
+  schema.add(int_key("model.ffn_hidden", "0", 0, 1048576,
+                     "llama: the SwiGLU MLP's width (0 = Llama's rounding of 8/3 d_model up to a multiple of "
+                     "256; gpt2: 4 d_model)"));
+  schema.add(float_key("model.norm_eps", "1e-5", 0, 1, "llama: RMSNorm's eps (gpt2's LayerNorm keeps 1e-5)"));
+  schema.add(float_key("model.rope_theta", "10000", 1, 1e12, "llama: the rotary embeddings' base"));
+  schema.add(choice_key("model.tie_embeddings", "auto", {"auto", "true", "false"},
+                        "whether the output layer is the token table: auto = gpt2 true, llama false (lm_head)"));
   schema.add(
       bool_key("model.recompute", "false", "recompute each block's activations in backward instead of keeping them"));
   schema.add(choice_key("model.attention", "unfused", {"unfused", "flash", "cudnn", "auto"},

@@ -7,8 +7,11 @@ Usage:
 
 Runs `loom export DECK OUT.h5` (one process), reads the initial weights and the batches loom
 trained on, and replays the same training in float64 PyTorch (regression/torch_gpt.py) with its own
-AdamW, clipping and schedule. Only the initial weights and the token batches are taken from loom;
-every other number is recomputed and compared with what loom recorded:
+AdamW, clipping and schedule. The architecture is the recorded deck's model.arch: gpt2 (also when
+absent) or llama (torch_gpt.Llama, shaped by model.kv_heads, ffn_hidden, norm_eps, rope_theta and
+tie_embeddings, each at its default when absent); the case header names it for llama. The
+tolerances below were derived and measured on GPT-2. Only the initial weights and the token batches
+are taken from loom; every other number is recomputed and compared with what loom recorded:
   loss       loss of every step                         vs /metrics/loss
   grads      every parameter's step-0 gradient          vs /grads/step0 (per tensor)
   grad_norm  global norm before clipping, every step    vs /metrics/grad_norm
@@ -244,6 +247,50 @@ def _deck_value(deck, section, key):
     return "?"
 
 
+# The [model] keys of the recorded deck that choose and shape the architecture, with their defaults
+# when the deck (or the key) is absent, as loom of before model.arch wrote it: torch_gpt.MODEL_DEFAULTS
+# (kv_heads 0 = heads, ffn_hidden 0 = torch_gpt.llama_ffn_hidden(d_model)).
+ARCH_INT_KEYS = ("kv_heads", "ffn_hidden")
+ARCH_FLOAT_KEYS = ("norm_eps", "rope_theta")
+
+
+def _arch_keys(path, deck):
+    """{arch, kv_heads, ffn_hidden, norm_eps, rope_theta, tie_embeddings} from the deck text; arch
+    'gpt2' when absent. For llama the defaults are resolved (kv_heads = heads etc. happen in
+    torch_gpt.llama_config; the values here are the deck's)."""
+    out = {}
+    for k, default in torch_gpt.MODEL_DEFAULTS.items():
+        v = _deck_value(deck, "model", k) if deck else "?"
+        if v in ("?", ""):
+            v = default
+        try:
+            if k in ARCH_INT_KEYS:
+                v = int(float(v))
+            elif k in ARCH_FLOAT_KEYS:
+                v = float(v)
+            elif k == "tie_embeddings":  # auto: gpt2's head is tied, llama's is not (arch is read first)
+                v = out["arch"] == "gpt2" if str(v).strip().lower() == "auto" else torch_gpt._flag(v)
+            else:
+                v = str(v).strip().lower()
+        except ValueError as e:
+            raise Malformed(f"{path}: deck model.{k} = '{v}': {e}")
+        out[k] = v
+    if out["arch"] not in torch_gpt.ARCHS:
+        raise Malformed(f"{path}: deck model.arch = '{out['arch']}' is none of {', '.join(torch_gpt.ARCHS)}")
+    return out
+
+
+def _arch_text(cfg):
+    """The case header's architecture words: '' for gpt2 (the header as before model.arch), else
+    'arch llama kv_heads KV ffn_hidden F norm_eps E rope_theta R tied|untied head '."""
+    if cfg.get("arch", "gpt2") == "gpt2":
+        return ""
+    lc = torch_gpt.llama_config(cfg)
+    return (f"arch {cfg['arch']} kv_heads {lc['kv_heads']} ffn_hidden {lc['ffn_hidden']} "
+            f"norm_eps {lc['norm_eps']:g} rope_theta {lc['rope_theta']:g} "
+            f"{'tied' if lc['tie_embeddings'] else 'untied'} head, ")
+
+
 def load_export(path):
     with h5py.File(path, "r") as f:
         cfg = {}
@@ -253,8 +300,9 @@ def load_export(path):
             v = _scalar(f.attrs[k])
             cfg[k] = int(v) if k in INT_ATTRS else (float(v) if k in FLOAT_ATTRS else str(v))
         cfg["loom_version"] = str(_scalar(f.attrs["loom_version"])) if "loom_version" in f.attrs else "?"
-        cfg["precision"] = (_deck_value(_scalar(f.attrs["deck"]), "precision", "dtype")
-                            if "deck" in f.attrs else "?")
+        deck = _scalar(f.attrs["deck"]) if "deck" in f.attrs else ""
+        cfg["precision"] = _deck_value(deck, "precision", "dtype") if deck else "?"
+        cfg.update(_arch_keys(path, deck))
         if cfg["schedule"] not in ("constant", "cosine"):
             raise Malformed(f"{path}: schedule '{cfg['schedule']}' is neither constant nor cosine")
         for g in ("params/init", "params/final", "grads/step0", "batches/inputs", "batches/targets",
@@ -281,8 +329,11 @@ def load_export(path):
     for k in ("loss", "lr", "grad_norm"):
         if data[k].shape != (S,):
             raise Malformed(f"{path}: /metrics/{k} has {data[k].shape[0]} entries, expected {S}")
-    names = torch_gpt.param_names(cfg["layers"])
-    ref = dict(torch_gpt.build_model(cfg).named_parameters())
+    names = torch_gpt.param_names(cfg)
+    try:
+        ref = dict(torch_gpt.build_model(cfg).named_parameters())
+    except (AssertionError, ValueError) as e:
+        raise Malformed(f"{path}: the recorded model cannot be built: {e}")
     for k in ("init", "final", "grads0"):
         got = set(data[k])
         if got != set(names):
@@ -494,7 +545,8 @@ def check_case(label, data, expect=None, dtype="fp32"):
     rows += rows_extra
     clip = cfg["grad_clip"]
     engaged = [s for s, n in enumerate(ref["grad_norm"]) if clip > 0 and torch_gpt.clip_coef(n, clip) < 1.0]
-    print(f"\ncase {label}: layers {cfg['layers']} d_model {cfg['d_model']} heads {cfg['heads']} "
+    print(f"\ncase {label}: {_arch_text(cfg)}layers {cfg['layers']} d_model {cfg['d_model']} "
+          f"heads {cfg['heads']} "
           f"seq_len {cfg['seq_len']} vocab {cfg['vocab']} batch {cfg['batch']}x{cfg['micro_batches']} "
           f"micro, {cfg['steps']} steps, {cfg['schedule']} lr {cfg['lr']:g}, loom {cfg['loom_version']}, "
           f"precision.dtype {cfg['precision']}")

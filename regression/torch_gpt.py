@@ -13,11 +13,24 @@ The contract (DESIGN.md and the oracle spec):
   optimizer   torch.optim.AdamW; weight decay only on parameters with dim >= 2.
   clipping    global L2 norm over all gradients, exactly torch.nn.utils.clip_grad_norm_; 0 = off.
   schedule    linear warm-up over `warmup` steps, then constant or cosine down to lr_min.
+  llama       model.arch = llama (build_model dispatches on cfg["arch"], default gpt2): the class Llama,
+              parameters wte.weight [V,C], blocks.{l}.{ln1, attn.q [NH*hs,C], attn.k [KV*hs,C],
+              attn.v [KV*hs,C], attn.proj [C,NH*hs], ln2, mlp.gate [F,C], mlp.up [F,C],
+              mlp.down [C,F]}.weight, ln_f.weight, lm_head.weight [V,C] unless tie_embeddings (then
+              the head is wte); no biases, no position table. x = wte[idx];
+              x += proj(attn(rope(q), rope(k), v)) on rmsnorm(x, ln1);
+              x += down(silu(gate(h)) * up(h)), h = rmsnorm(x, ln2); rmsnorm(x, ln_f); logits.
+              rmsnorm(x, w) = x / sqrt(mean(x^2) + norm_eps) * w; rotary on interleaved pairs
+              (2i, 2i+1) of each head, angle t * rope_theta^(-2i/hs) (t = position 0..T-1, float64);
+              grouped-query attention: query head g reads kv head g // (NH/KV); F = ffn_hidden, 0
+              meaning 256 * ceil(floor(8C/3) / 256) (llama_ffn_hidden).
   precision   set_operand_dtype(model, torch.bfloat16) emulates loom's precision.dtype = bf16 in any
               model dtype: every model matrix product (QKV, attention projection, MLP fc and proj,
-              the tied head; forward and both backward products) rounds its operands (input,
-              weight, output gradient) to bf16 and multiplies in the model's dtype; biases, bias
-              gradients and everything else stay unrounded. None (the default) is the plain path.
+              the tied head; Llama's q, k, v, proj, gate, up, down and head; forward and both
+              backward products) rounds its operands (input, weight, output gradient) to bf16 and
+              multiplies in the model's dtype; biases, bias gradients and everything else (attention
+              scores and att*v, norms, rotary, activations) stay unrounded. None (the default) is
+              the plain path.
 """
 import math
 
@@ -33,6 +46,10 @@ TRAIN_DEFAULTS = dict(
     batch=8, micro_batches=1, steps=1, warmup=0, lr=1e-3, lr_min=0.0, weight_decay=0.1,
     beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0, schedule="cosine",
 )
+# The architecture keys and their defaults (kv_heads 0 = heads, ffn_hidden 0 = llama_ffn_hidden).
+ARCHS = ("gpt2", "llama")
+MODEL_DEFAULTS = dict(arch="gpt2", kv_heads=0, ffn_hidden=0, norm_eps=1e-5, rope_theta=10000.0,
+                      tie_embeddings=False)
 
 
 def round_to(x, dtype):
@@ -180,29 +197,242 @@ class GPT(nn.Module):
         return logits, loss
 
 
+# ---------------------------------------------------------------------------------------------
+# Llama (model.arch = llama). Written from the contract in the module docstring; no Hugging Face.
+# ---------------------------------------------------------------------------------------------
+def llama_ffn_hidden(d_model, ffn_hidden=0):
+    """The SwiGLU width: ffn_hidden when > 0, else Llama's rounding of 2/3 of 4C up to a multiple of
+    256: 256 * ceil(floor(8C/3) / 256) (integer arithmetic)."""
+    if int(ffn_hidden) > 0:
+        return int(ffn_hidden)
+    h = (8 * int(d_model)) // 3
+    return 256 * ((h + 255) // 256)
+
+
+def rms_norm(x, weight, eps):
+    """x / sqrt(mean(x^2 over the last dim) + eps) * weight, in x's dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(seq_len, head_size, theta):
+    """cos, sin of the rotary angles t * theta^(-2i/hs), t = 0..seq_len-1, i = 0..hs/2-1: [T, hs/2],
+    computed in float64."""
+    assert head_size % 2 == 0, f"rotary needs an even head size, got {head_size}"
+    i = torch.arange(head_size // 2, dtype=torch.float64)
+    inv_freq = float(theta) ** (-2.0 * i / head_size)
+    angle = torch.arange(seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cos(angle), torch.sin(angle)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate the interleaved pairs (x[..., 2i], x[..., 2i+1]) of the last dim by the angles of
+    cos/sin [T, hs/2] (x: [..., T, hs]): (a, b) -> (a cos - b sin, a sin + b cos)."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+
+def gqa_attention(q, k, v, mask_add=None):
+    """Causal softmax(q k^T / sqrt(hs)) v with grouped-query heads: q [B, NH, T, hs], k and v
+    [B, KV, T, hs], NH % KV == 0; query head g reads kv head g // (NH / KV). mask_add: the additive
+    causal mask [>= T, >= T] (0 on and below the diagonal, -inf above); None builds one. Returns
+    [B, NH, T, hs]."""
+    B, NH, T, hs = q.shape
+    KV = k.shape[1]
+    assert NH % KV == 0, f"heads {NH} is not a multiple of kv_heads {KV}"
+    if KV != NH:
+        k = k.repeat_interleave(NH // KV, dim=1)  # index g holds kv head g // (NH/KV)
+        v = v.repeat_interleave(NH // KV, dim=1)
+    if mask_add is None:
+        mask_add = torch.zeros(T, T, dtype=q.dtype).masked_fill(
+            torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    att = torch.baddbmm(mask_add[:T, :T], q.reshape(B * NH, T, hs), k.reshape(B * NH, T, hs).transpose(1, 2),
+                        alpha=1.0 / math.sqrt(hs))
+    att = F.softmax(att, dim=-1)
+    return torch.bmm(att, v.reshape(B * NH, T, hs)).view(B, NH, T, hs)
+
+
+class LlamaAttention(nn.Module):
+    use_sdpa = False  # as CausalSelfAttention.use_sdpa (needs PyTorch 2.0)
+
+    def __init__(self, d_model, heads, kv_heads, seq_len, rope_theta):
+        super().__init__()
+        assert d_model % heads == 0, f"d_model {d_model} is not a multiple of heads {heads}"
+        assert heads % kv_heads == 0, f"heads {heads} is not a multiple of kv_heads {kv_heads}"
+        self.heads, self.kv_heads, self.hs = heads, kv_heads, d_model // heads
+        hs = self.hs
+        self.q = Linear(d_model, heads * hs, bias=False)
+        self.k = Linear(d_model, kv_heads * hs, bias=False)
+        self.v = Linear(d_model, kv_heads * hs, bias=False)
+        self.proj = Linear(heads * hs, d_model, bias=False)
+        cos, sin = rope_tables(seq_len, hs, rope_theta)
+        # Buffers follow the module's dtype (float64 tables rounded once to float32 for a float32 model).
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+        self.register_buffer("mask_add", torch.zeros(seq_len, seq_len).masked_fill(mask, float("-inf")),
+                             persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        NH, KV, hs = self.heads, self.kv_heads, self.hs
+        q = self.q(x).view(B, T, NH, hs).transpose(1, 2)  # [B, NH, T, hs]
+        k = self.k(x).view(B, T, KV, hs).transpose(1, 2)  # [B, KV, T, hs]
+        v = self.v(x).view(B, T, KV, hs).transpose(1, 2)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.use_sdpa:
+            rep = NH // KV
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               is_causal=True)
+        else:
+            y = gqa_attention(q, k, v, self.mask_add)
+        return self.proj(y.transpose(1, 2).reshape(B, T, NH * hs))  # heads concatenated
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model, hidden):
+        super().__init__()
+        self.gate = Linear(d_model, hidden, bias=False)
+        self.up = Linear(d_model, hidden, bias=False)
+        self.down = Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d_model, heads, kv_heads, seq_len, hidden, norm_eps, rope_theta):
+        super().__init__()
+        self.ln1 = RMSNorm(d_model, norm_eps)
+        self.attn = LlamaAttention(d_model, heads, kv_heads, seq_len, rope_theta)
+        self.ln2 = RMSNorm(d_model, norm_eps)
+        self.mlp = SwiGLU(d_model, hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class Llama(nn.Module):
+    """Llama: RMSNorm, rotary (interleaved pairs), grouped-query attention, SwiGLU, no biases; the head
+    is lm_head.weight, or wte.weight when tie_embeddings. named_parameters() is param_names' order."""
+    operand_dtype = None  # the head's; set_operand_dtype sets it with every Linear's
+
+    def __init__(self, layers, d_model, heads, seq_len, vocab, kv_heads=0, ffn_hidden=0, norm_eps=1e-5,
+                 rope_theta=10000.0, tie_embeddings=False):
+        super().__init__()
+        kv_heads = int(kv_heads) or heads
+        self.seq_len = seq_len
+        self.tie_embeddings = bool(tie_embeddings)
+        self.ffn_hidden = llama_ffn_hidden(d_model, ffn_hidden)
+        self.wte = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList([LlamaBlock(d_model, heads, kv_heads, seq_len, self.ffn_hidden, norm_eps,
+                                                rope_theta) for _ in range(layers)])
+        self.ln_f = RMSNorm(d_model, norm_eps)
+        self.lm_head = None if self.tie_embeddings else Linear(d_model, vocab, bias=False)
+        # Initial values; the oracle overwrites them with loom's.
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            else:
+                nn.init.ones_(p)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        assert T <= self.seq_len
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        logits = linear(x, head, None, self.operand_dtype)  # F.linear when operand_dtype is None
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+        return logits, loss
+
+
 def set_operand_dtype(model, dtype):
     """Round the operands of every model matrix product to `dtype` (torch.bfloat16 emulates loom's
     precision.dtype = bf16); None restores the plain products. Returns the model."""
     for m in model.modules():
-        if isinstance(m, (Linear, GPT)):
+        if isinstance(m, (Linear, GPT, Llama)):
             m.operand_dtype = dtype
     return model
 
 
 def _get(cfg, key):
+    defaults = TRAIN_DEFAULTS if key in TRAIN_DEFAULTS else MODEL_DEFAULTS
     if isinstance(cfg, dict):
-        return cfg[key] if key in cfg else TRAIN_DEFAULTS[key]
-    return getattr(cfg, key) if hasattr(cfg, key) else TRAIN_DEFAULTS[key]
+        return cfg[key] if key in cfg else defaults[key]
+    return getattr(cfg, key) if hasattr(cfg, key) else defaults[key]
+
+
+def _flag(v):
+    """A deck boolean (true/false, on/off, yes/no, 1/0; bool or int) as a bool."""
+    if isinstance(v, str):
+        t = v.strip().lower()
+        if t in ("true", "on", "yes", "1"):
+            return True
+        if t in ("false", "off", "no", "0", ""):
+            return False
+        raise ValueError(f"not a boolean: {v!r}")
+    return bool(v)
+
+
+def arch_of(cfg):
+    """cfg's model.arch ('gpt2' when absent); anything but gpt2 and llama is refused."""
+    arch = str(_get(cfg, "arch")).strip().lower()
+    if arch not in ARCHS:
+        raise ValueError(f"model.arch '{arch}' is none of {', '.join(ARCHS)}")
+    return arch
+
+
+def llama_config(cfg):
+    """The Llama keys of cfg with the defaults resolved: kv_heads (0 or absent: heads), ffn_hidden (0 or
+    absent: llama_ffn_hidden(d_model)), norm_eps, rope_theta, tie_embeddings."""
+    heads, d_model = int(_get(cfg, "heads")), int(_get(cfg, "d_model"))
+    return dict(kv_heads=int(_get(cfg, "kv_heads")) or heads,
+                ffn_hidden=llama_ffn_hidden(d_model, int(_get(cfg, "ffn_hidden"))),
+                norm_eps=float(_get(cfg, "norm_eps")), rope_theta=float(_get(cfg, "rope_theta")),
+                tie_embeddings=_flag(_get(cfg, "tie_embeddings")))
 
 
 def build_model(cfg, dtype=torch.float32):
-    """cfg: dict (or object) with layers, d_model, heads, seq_len, vocab."""
-    m = GPT(*(int(_get(cfg, k)) for k in MODEL_KEYS))
+    """cfg: dict (or object) with layers, d_model, heads, seq_len, vocab, and arch (absent: gpt2; llama
+    also reads kv_heads, ffn_hidden, norm_eps, rope_theta, tie_embeddings, see llama_config)."""
+    shape = [int(_get(cfg, k)) for k in MODEL_KEYS]
+    m = Llama(*shape, **llama_config(cfg)) if arch_of(cfg) == "llama" else GPT(*shape)
     return m.to(dtype)
 
 
-def param_names(layers):
-    """loom's parameter names in loom's order (identical to GPT.named_parameters())."""
+def param_names(cfg):
+    """loom's parameter names in loom's order (identical to build_model(cfg).named_parameters()).
+    cfg: the model config (dict or object, as build_model's); a bare int is GPT-2's layer count."""
+    if isinstance(cfg, int):
+        cfg = dict(layers=cfg)
+    layers = int(_get(cfg, "layers"))
+    if arch_of(cfg) == "llama":
+        names = ["wte.weight"]
+        for l in range(layers):
+            for sub in ("ln1.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.weight",
+                        "ln2.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"):
+                names.append(f"blocks.{l}.{sub}")
+        names.append("ln_f.weight")
+        if not llama_config(cfg)["tie_embeddings"]:
+            names.append("lm_head.weight")
+        return names
     names = ["wte.weight", "wpe.weight"]
     for l in range(layers):
         for sub in ("ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
@@ -241,7 +471,8 @@ def lr_at(step, cfg):
 
 
 def param_groups(model, weight_decay):
-    """Weight decay on every parameter of dim >= 2 (all matrices incl. wte and wpe), none on the rest."""
+    """Weight decay on every parameter of dim >= 2 (all matrices incl. wte and wpe, Llama's lm_head), none
+    on the rest (biases, LayerNorm and RMSNorm weights)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return [dict(params=decay, weight_decay=float(weight_decay)),

@@ -140,6 +140,12 @@ class Backend : public BackendFace {
   // dpre of gelu_bias_backward; dlogits of crossentropy_backward) may be fp32, bf16 or fp16: the kernel computes in
   // fp32 and rounds once on store, the bits of an fp32 output then cast (and gelu_bias_backward's dbias sums the fp32
   // values). Every other output and gradient is fp32.
+  // Llama's block (model.arch = llama): rmsnorm_* (out = inp / sqrt(mean(inp^2) + eps) * weight, rstd
+  // kept; the backward adds into dinp and dweight), rope_gqa_* (q [N,NH*hs], k and v [N,KV*hs] to the
+  // attention's qkv [N,3*NH*hs]: q and k turned by position n % T, query head h reading kv head
+  // (head0 + h) / group - kv0; the backward sums each kv head's readers, zero where none reads),
+  // swiglu_* (out = silu(gate) * up). rmsnorm_forward's out and swiglu's out, dgate and dup, products'
+  // operands, may be 16-bit, rounded once on store.
 #define LOOM_DECLARE_OP(ret, name, params, args) virtual ret name params = 0;
   LOOM_BACKEND_OPS(LOOM_DECLARE_OP)
 #undef LOOM_DECLARE_OP

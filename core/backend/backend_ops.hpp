@@ -112,7 +112,25 @@
   OP(void, adamw_update,                                                                                               \
      (BufferRef params, BufferRef m, BufferRef v, BufferRef grads, std::int64_t n, float lr, float beta1, float beta2, \
       float eps, float weight_decay, std::int64_t t),                                                                  \
-     (params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t))
+     (params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t))                                                 \
+  OP(void, rmsnorm_forward, (BufferRef out, BufferRef rstd, BufferRef inp, BufferRef weight, int N, int C, float eps), \
+     (out, rstd, inp, weight, N, C, eps))                                                                              \
+  OP(void, rmsnorm_backward,                                                                                           \
+     (BufferRef dinp, BufferRef dweight, BufferRef dout, BufferRef inp, BufferRef weight, BufferRef rstd, int N,       \
+      int C),                                                                                                          \
+     (dinp, dweight, dout, inp, weight, rstd, N, C))                                                                   \
+  OP(void, rope_gqa_forward,                                                                                           \
+     (BufferRef qkv, BufferRef q, BufferRef k, BufferRef v, int N, int T, int NH, int KV, int hs, int head0, int kv0,  \
+      int group, float theta),                                                                                         \
+     (qkv, q, k, v, N, T, NH, KV, hs, head0, kv0, group, theta))                                                       \
+  OP(void, rope_gqa_backward,                                                                                          \
+     (BufferRef dq, BufferRef dk, BufferRef dv, BufferRef dqkv, int N, int T, int NH, int KV, int hs, int head0,       \
+      int kv0, int group, float theta),                                                                                \
+     (dq, dk, dv, dqkv, N, T, NH, KV, hs, head0, kv0, group, theta))                                                   \
+  OP(void, swiglu_forward, (BufferRef out, BufferRef gate, BufferRef up, std::int64_t n), (out, gate, up, n))          \
+  OP(void, swiglu_backward,                                                                                            \
+     (BufferRef dgate, BufferRef dup, BufferRef dout, BufferRef gate, BufferRef up, std::int64_t n),                   \
+     (dgate, dup, dout, gate, up, n))
 
 // The same kind of operations with a default body in Backend (a back end overrides them where it can):
 // the fused attention (default: refused with flash_attention_refusal); AdamW over many slices

@@ -22,8 +22,9 @@ namespace loom {
 // 12: residual_layernorm_forward; 13: loom_cuda_device_memory; 14: matmul_forward_gelu,
 // gelu_bias_backward; 15: adamw_update_slices; 16: 16-bit outputs of the LayerNorm, GELU and fused
 // attention forwards and of gelu_bias_backward, a 16-bit dout of matmul_backward; 17: a 16-bit dlogits
-// of crossentropy_backward; 18: crossentropy_fused and crossentropy_finish_grad (the fused classifier).
-#define LOOM_CUDA_ABI_VERSION 18
+// of crossentropy_backward; 18: crossentropy_fused and crossentropy_finish_grad (the fused classifier);
+// 19: Llama's rmsnorm_*, rope_gqa_*, swiglu_*.
+#define LOOM_CUDA_ABI_VERSION 19
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

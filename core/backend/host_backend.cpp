@@ -110,6 +110,47 @@ class HostBackend final : public Backend {
   void bias_backward(BufferRef dbias, BufferRef dout, int N, int OC) override {
     k::bias_backward(dbias.as<float>(OC), dout.as<const float>(std::int64_t(N) * OC), N, OC);
   }
+  void rmsnorm_forward(BufferRef out, BufferRef rstd, BufferRef inp, BufferRef weight, int N, int C,
+                       float eps) override {
+    const std::int64_t NC = std::int64_t(N) * C;
+    with_output_type(out, "rmsnorm_forward", [&](auto o) {
+      k::rmsnorm_forward<float, float, decltype(o)>(out.as<decltype(o)>(NC), rstd.as<float>(N), inp.as<const float>(NC),
+                                                    weight.as<const float>(C), N, C, eps);
+    });
+  }
+  void rmsnorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dout, BufferRef inp, BufferRef weight,
+                        BufferRef rstd, int N, int C) override {
+    const std::int64_t NC = std::int64_t(N) * C;
+    k::rmsnorm_backward(dinp.as<float>(NC), dweight.as<float>(C), dout.as<const float>(NC), inp.as<const float>(NC),
+                        weight.as<const float>(C), rstd.as<const float>(N), N, C);
+  }
+  void rope_gqa_forward(BufferRef qkv, BufferRef q, BufferRef k, BufferRef v, int N, int T, int NH, int KV, int hs,
+                        int head0, int kv0, int group, float theta) override {
+    const std::int64_t C = std::int64_t(NH) * hs, CK = std::int64_t(KV) * hs;
+    k::rope_gqa_forward(qkv.as<float>(3 * N * C), q.as<const float>(N * C), k.as<const float>(N * CK),
+                        v.as<const float>(N * CK), N, T, NH, KV, hs, head0, kv0, group, theta);
+  }
+  void rope_gqa_backward(BufferRef dq, BufferRef dk, BufferRef dv, BufferRef dqkv, int N, int T, int NH, int KV, int hs,
+                         int head0, int kv0, int group, float theta) override {
+    const std::int64_t C = std::int64_t(NH) * hs, CK = std::int64_t(KV) * hs;
+    k::rope_gqa_backward(dq.as<float>(N * C), dk.as<float>(N * CK), dv.as<float>(N * CK),
+                         dqkv.as<const float>(3 * N * C), N, T, NH, KV, hs, head0, kv0, group, theta);
+  }
+  void swiglu_forward(BufferRef out, BufferRef gate, BufferRef up, std::int64_t n) override {
+    with_output_type(out, "swiglu_forward", [&](auto o) {
+      k::swiglu_forward<float, float, decltype(o)>(out.as<decltype(o)>(n), gate.as<const float>(n),
+                                                   up.as<const float>(n), n);
+    });
+  }
+  void swiglu_backward(BufferRef dgate, BufferRef dup, BufferRef dout, BufferRef gate, BufferRef up,
+                       std::int64_t n) override {
+    if (dgate.type != dup.type) refuse("swiglu_backward: dgate and dup of one type");
+    with_output_type(dgate, "swiglu_backward", [&](auto o) {
+      k::swiglu_backward<float, float, decltype(o)>(dgate.as<decltype(o)>(n), dup.as<decltype(o)>(n),
+                                                    dout.as<const float>(n), gate.as<const float>(n),
+                                                    up.as<const float>(n), n);
+    });
+  }
   void layernorm_forward(BufferRef out, BufferRef mean, BufferRef rstd, BufferRef inp, BufferRef weight, BufferRef bias,
                          int N, int C) override {
     const std::int64_t NC = std::int64_t(N) * C;

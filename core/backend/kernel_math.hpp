@@ -114,6 +114,63 @@ LOOM_HD inline Acc layernorm_dinp(Acc x, Acc mean, Acc rstd, Acc weight, Acc dou
   return (weight * dout - dnorm_mean - xhat * dnorm_norm_mean) * rstd;
 }
 
+// RMSNorm (Llama): rstd = 1 / sqrt(mean(x^2) + eps), out = x * rstd * weight. The backward needs the
+// row's mean of weight * dout * x (dnorm_x_mean): dx = (weight * dout - x * rstd^2 * dnorm_x_mean) * rstd.
+template <class Acc>
+LOOM_HD inline Acc rmsnorm_rstd(Acc mean_square, Acc eps) {
+  return Acc(1) / sqrt_k(mean_square + eps);
+}
+template <class Acc>
+LOOM_HD inline Acc rmsnorm_out(Acc x, Acc rstd, Acc weight) {
+  return x * rstd * weight;
+}
+template <class Acc>
+LOOM_HD inline Acc rmsnorm_dinp(Acc x, Acc rstd, Acc weight, Acc dout, Acc dnorm_x_mean) {
+  return (weight * dout - x * rstd * rstd * dnorm_x_mean) * rstd;
+}
+
+// SwiGLU (Llama's MLP): out = silu(gate) * up, silu(g) = g * sigmoid(g); and its two gradients.
+template <class Acc>
+LOOM_HD inline Acc sigmoid_k(Acc g) {
+  return Acc(1) / (Acc(1) + exp_k(-g));
+}
+template <class Acc>
+LOOM_HD inline Acc swiglu_forward(Acc gate, Acc up) {
+  return gate * sigmoid_k(gate) * up;
+}
+template <class Acc>
+LOOM_HD inline Acc swiglu_dgate(Acc gate, Acc up, Acc dout) {
+  const Acc s = sigmoid_k(gate);
+  return dout * up * s * (Acc(1) + gate * (Acc(1) - s));
+}
+template <class Acc>
+LOOM_HD inline Acc swiglu_dup(Acc gate, Acc dout) {
+  return dout * gate * sigmoid_k(gate);
+}
+
+// Rotary position embedding, the interleaved convention of Meta's Llama: pair i of a head (elements 2i
+// and 2i + 1) at sequence position t turns by t * theta^(-2i / hs). The angle, its cosine and sine are
+// computed in double and rounded once to Acc, so the host and a device take the same values.
+template <class Acc>
+LOOM_HD inline void rope_cos_sin(int t, int i, int hs, double theta, Acc& c, Acc& s) {
+  const double angle = static_cast<double>(t) * pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(hs));
+  c = static_cast<Acc>(cos(angle));
+  s = static_cast<Acc>(sin(angle));
+}
+// (a, b) turned forward, and the transpose of that turn (the backward: the same angle, the other way).
+template <class Acc>
+LOOM_HD inline void rope_turn(Acc& a, Acc& b, Acc c, Acc s) {
+  const Acc x = a * c - b * s, y = a * s + b * c;
+  a = x;
+  b = y;
+}
+template <class Acc>
+LOOM_HD inline void rope_turn_back(Acc& a, Acc& b, Acc c, Acc s) {
+  const Acc x = a * c + b * s, y = b * c - a * s;
+  a = x;
+  b = y;
+}
+
 // Softmax backward of one probability a with incoming gradient d, dot = sum_j a_j d_j over the row.
 template <class Acc>
 LOOM_HD inline Acc softmax_backward(Acc a, Acc d, Acc dot) {

@@ -899,4 +899,171 @@ void copy(T* dst, const T* src, std::int64_t n) {
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Llama's block (model.arch = llama): RMSNorm, rotary positions with grouped-query heads, SwiGLU.
+
+// RMSNorm over the last dimension: out = x / sqrt(mean(x^2) + eps) * weight, out stored as O (a 16-bit
+// O rounded once), rstd kept for the backward. A row's sum is lane_sum, as LayerNorm's.
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void rmsnorm_forward(O* out, Acc* rstd,              // [N,C], [N]
+                     const T* inp, const T* weight,  // [N,C], [C]
+                     int N, int C, nd<Acc> eps) {
+  Kokkos::parallel_for("RMSNorm::forward", Range(0, N), [=](int n) {
+    const T* x = inp + static_cast<std::int64_t>(n) * C;
+    O* o = out + static_cast<std::int64_t>(n) * C;
+    const Acc ms = rows::lane_sum<Acc>(C,
+                                       [&](int c) {
+                                         const Acc xc = to_acc<Acc>(x[c]);
+                                         return xc * xc;
+                                       }) /
+                   C;
+    const Acc r = math::rmsnorm_rstd(ms, eps);
+    for (int c = 0; c < C; ++c) o[c] = from_acc<O>(math::rmsnorm_out(to_acc<Acc>(x[c]), r, to_acc<Acc>(weight[c])));
+    rstd[n] = r;
+  });
+}
+
+// dinp += (it sits on the residual stream, as layernorm_backward's); dweight += sum over rows of
+// dout * x * rstd, by column blocks (each column adds its rows in row order).
+template <class T, class Acc = acc_type_t<T>>
+void rmsnorm_backward(T* dinp, T* dweight,                           // [N,C] (+=), [C] (+=)
+                      const T* dout, const T* inp, const T* weight,  // [N,C], [N,C], [C]
+                      const Acc* rstd,                               // [N]
+                      int N, int C) {
+  Kokkos::parallel_for("RMSNorm::backward", Range(0, N), [=](int n) {
+    const std::int64_t at = static_cast<std::int64_t>(n) * C;
+    const T *d = dout + at, *x = inp + at;
+    T* dx = dinp + at;
+    const Acc r = rstd[n];
+    const Acc dot =
+        rows::lane_sum<Acc>(C, [&](int c) { return to_acc<Acc>(weight[c]) * to_acc<Acc>(d[c]) * to_acc<Acc>(x[c]); }) /
+        C;
+    for (int c = 0; c < C; ++c)
+      dx[c] = from_acc<T>(to_acc<Acc>(dx[c]) +
+                          math::rmsnorm_dinp(to_acc<Acc>(x[c]), r, to_acc<Acc>(weight[c]), to_acc<Acc>(d[c]), dot));
+  });
+  for_column_blocks("RMSNorm::backward_dweight", C, [=](int c0, int c1) {
+    Acc acc[kColumns];
+    for (int c = c0; c < c1; ++c) acc[c - c0] = to_acc<Acc>(dweight[c]);
+    for (int n = 0; n < N; ++n) {
+      const std::int64_t at = static_cast<std::int64_t>(n) * C;
+      const Acc r = rstd[n];
+      for (int c = c0; c < c1; ++c) acc[c - c0] += to_acc<Acc>(dout[at + c]) * to_acc<Acc>(inp[at + c]) * r;
+    }
+    for (int c = c0; c < c1; ++c) dweight[c] = from_acc<T>(acc[c - c0]);
+  });
+}
+
+// GCC's vectoriser recognises a turn's (a c - b s, a s + b c) as a complex product and emits fused
+// multiply-adds for it whatever -ffp-contract says: a turn then rounds once, where the device (and
+// the source) round each product. Not in these kernels: they round as written.
+#pragma GCC push_options
+#pragma GCC optimize("no-tree-slp-vectorize", "no-tree-loop-vectorize")
+
+// The rotary turns of a [T, hs/2] table (math::rope_cos_sin), made once a call.
+template <class Acc>
+std::vector<Acc> rope_table(int Tn, int hs, double theta) {
+  std::vector<Acc> cs(static_cast<std::size_t>(Tn) * hs);
+  for (int t = 0; t < Tn; ++t)
+    for (int i = 0; i < hs / 2; ++i)
+      math::rope_cos_sin(t, i, hs, theta, cs[(static_cast<std::size_t>(t) * hs / 2 + i) * 2],
+                         cs[(static_cast<std::size_t>(t) * hs / 2 + i) * 2 + 1]);
+  return cs;
+}
+
+// Grouped-query attention's operands: q [N, NH*hs] (this rank's NH query heads), k and v [N, KV*hs]
+// (the KV kv heads it holds), rows of sequences of Tn tokens (position n % Tn). Out: qkv [N, 3*NH*hs]
+// as the attention kernels take it, q and k turned by their position (rope_turn) and each query
+// head's k and v copied in beside it: query head h (global head0 + h) reads kv head
+// (head0 + h) / group - kv0 of those held. Every element is written.
+template <class T, class Acc = acc_type_t<T>>
+void rope_gqa_forward(T* qkv,                              // [N, 3*NH*hs]
+                      const T* q, const T* k, const T* v,  // [N, NH*hs], [N, KV*hs], [N, KV*hs]
+                      int N, int Tn, int NH, int KV, int hs, int head0, int kv0, int group, double theta) {
+  const std::vector<Acc> table = rope_table<Acc>(Tn, hs, theta);
+  const Acc* cs = table.data();
+  const std::int64_t C = static_cast<std::int64_t>(NH) * hs, CK = static_cast<std::int64_t>(KV) * hs;
+  Kokkos::parallel_for("RoPE::forward", Range(0, N), [=](int n) {
+    const Acc* turn = cs + static_cast<std::int64_t>(n % Tn) * hs;
+    T* o = qkv + n * 3 * C;
+    for (int h = 0; h < NH; ++h) {
+      const int j = (head0 + h) / group - kv0;
+      const T* qh = q + n * C + static_cast<std::int64_t>(h) * hs;
+      const T* kh = k + n * CK + static_cast<std::int64_t>(j) * hs;
+      const T* vh = v + n * CK + static_cast<std::int64_t>(j) * hs;
+      T *oq = o + static_cast<std::int64_t>(h) * hs, *ok = oq + C, *ov = oq + 2 * C;
+      for (int i = 0; i < hs / 2; ++i) {
+        Acc a = to_acc<Acc>(qh[2 * i]), b = to_acc<Acc>(qh[2 * i + 1]);
+        math::rope_turn(a, b, turn[2 * i], turn[2 * i + 1]);
+        oq[2 * i] = from_acc<T>(a);
+        oq[2 * i + 1] = from_acc<T>(b);
+        a = to_acc<Acc>(kh[2 * i]);
+        b = to_acc<Acc>(kh[2 * i + 1]);
+        math::rope_turn(a, b, turn[2 * i], turn[2 * i + 1]);
+        ok[2 * i] = from_acc<T>(a);
+        ok[2 * i + 1] = from_acc<T>(b);
+      }
+      for (int e = 0; e < hs; ++e) ov[e] = vh[e];
+    }
+  });
+}
+
+// The backward: dq turned back; dk and dv of kv head j the sums, in query-head order, of the
+// gradients of the query heads that read it (turned back for k); zero for a held kv head none reads.
+template <class T, class Acc = acc_type_t<T>>
+void rope_gqa_backward(T* dq, T* dk, T* dv,  // [N, NH*hs], [N, KV*hs], [N, KV*hs] (=)
+                       const T* dqkv,        // [N, 3*NH*hs]
+                       int N, int Tn, int NH, int KV, int hs, int head0, int kv0, int group, double theta) {
+  const std::vector<Acc> table = rope_table<Acc>(Tn, hs, theta);
+  const Acc* cs = table.data();
+  const std::int64_t C = static_cast<std::int64_t>(NH) * hs, CK = static_cast<std::int64_t>(KV) * hs;
+  Kokkos::parallel_for("RoPE::backward", Range(0, N), [=](int n) {
+    const Acc* turn = cs + static_cast<std::int64_t>(n % Tn) * hs;
+    const T* g = dqkv + n * 3 * C;
+    for (std::int64_t e = 0; e < CK; ++e) dk[n * CK + e] = dv[n * CK + e] = from_acc<T>(Acc(0));
+    for (int h = 0; h < NH; ++h) {
+      const int j = (head0 + h) / group - kv0;
+      const T *gq = g + static_cast<std::int64_t>(h) * hs, *gk = gq + C, *gv = gq + 2 * C;
+      T* qh = dq + n * C + static_cast<std::int64_t>(h) * hs;
+      T* kh = dk + n * CK + static_cast<std::int64_t>(j) * hs;
+      T* vh = dv + n * CK + static_cast<std::int64_t>(j) * hs;
+      for (int i = 0; i < hs / 2; ++i) {
+        Acc a = to_acc<Acc>(gq[2 * i]), b = to_acc<Acc>(gq[2 * i + 1]);
+        math::rope_turn_back(a, b, turn[2 * i], turn[2 * i + 1]);
+        qh[2 * i] = from_acc<T>(a);
+        qh[2 * i + 1] = from_acc<T>(b);
+        a = to_acc<Acc>(gk[2 * i]);
+        b = to_acc<Acc>(gk[2 * i + 1]);
+        math::rope_turn_back(a, b, turn[2 * i], turn[2 * i + 1]);
+        kh[2 * i] = from_acc<T>(to_acc<Acc>(kh[2 * i]) + a);
+        kh[2 * i + 1] = from_acc<T>(to_acc<Acc>(kh[2 * i + 1]) + b);
+      }
+      for (int e = 0; e < hs; ++e) vh[e] = from_acc<T>(to_acc<Acc>(vh[e]) + to_acc<Acc>(gv[e]));
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+// out = silu(gate) * up, stored as O (the down product's operand: 16-bit under mixed precision).
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void swiglu_forward(O* out, const T* gate, const T* up, std::int64_t n) {  // [n], [n], [n]
+  for_chunks("SwiGLU::forward", n, [=](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i)
+      out[i] = from_acc<O>(math::swiglu_forward(to_acc<Acc>(gate[i]), to_acc<Acc>(up[i])));
+  });
+}
+
+// dgate, dup (=), stored as O (the gate and up products' dout: 16-bit under mixed precision).
+template <class T, class Acc = acc_type_t<T>, class O = T>
+void swiglu_backward(O* dgate, O* dup, const T* dout, const T* gate, const T* up, std::int64_t n) {
+  for_chunks("SwiGLU::backward", n, [=](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const Acc g = to_acc<Acc>(gate[i]), u = to_acc<Acc>(up[i]), d = to_acc<Acc>(dout[i]);
+      dgate[i] = from_acc<O>(math::swiglu_dgate(g, u, d));
+      dup[i] = from_acc<O>(math::swiglu_dup(g, d));
+    }
+  });
+}
+
 }  // namespace loom::kernels

@@ -284,6 +284,49 @@ class CudaBackend final : public Backend {
                              dev<const float>(mean, N), dev<const float>(rstd, N), N, C, workspace_scratch<float>(),
                              workspace_scratch_count<float>(), stream_);
   }
+  void rmsnorm_forward(BufferRef out, BufferRef rstd, BufferRef inp, BufferRef weight, int N, int C,
+                       float eps) override {
+    Timed timed(this, "rmsnorm_forward");
+    const std::int64_t NC = std::int64_t(N) * C;
+    const BufferRef o = output(out, NC, "rmsnorm_forward");
+    cuda::rmsnorm_forward(o.data, o.type, dev<float>(rstd, N), dev<const float>(inp, NC), dev<const float>(weight, C),
+                          N, C, eps, stream_);
+  }
+  void rmsnorm_backward(BufferRef dinp, BufferRef dweight, BufferRef dout, BufferRef inp, BufferRef weight,
+                        BufferRef rstd, int N, int C) override {
+    Timed timed(this, "rmsnorm_backward");
+    const std::int64_t NC = std::int64_t(N) * C;
+    cuda::rmsnorm_backward(dev<float>(dinp, NC), dev<float>(dweight, C), dev<const float>(dout, NC),
+                           dev<const float>(inp, NC), dev<const float>(weight, C), dev<const float>(rstd, N), N, C,
+                           workspace_scratch<float>(), workspace_scratch_count<float>(), stream_);
+  }
+  void rope_gqa_forward(BufferRef qkv, BufferRef q, BufferRef k, BufferRef v, int N, int T, int NH, int KV, int hs,
+                        int head0, int kv0, int group, float theta) override {
+    Timed timed(this, "rope_gqa_forward");
+    const std::int64_t C = std::int64_t(NH) * hs, CK = std::int64_t(KV) * hs;
+    cuda::rope_gqa_forward(dev<float>(qkv, 3 * N * C), dev<const float>(q, N * C), dev<const float>(k, N * CK),
+                           dev<const float>(v, N * CK), N, T, NH, KV, hs, head0, kv0, group, theta, stream_);
+  }
+  void rope_gqa_backward(BufferRef dq, BufferRef dk, BufferRef dv, BufferRef dqkv, int N, int T, int NH, int KV, int hs,
+                         int head0, int kv0, int group, float theta) override {
+    Timed timed(this, "rope_gqa_backward");
+    const std::int64_t C = std::int64_t(NH) * hs, CK = std::int64_t(KV) * hs;
+    cuda::rope_gqa_backward(dev<float>(dq, N * C), dev<float>(dk, N * CK), dev<float>(dv, N * CK),
+                            dev<const float>(dqkv, 3 * N * C), N, T, NH, KV, hs, head0, kv0, group, theta, stream_);
+  }
+  void swiglu_forward(BufferRef out, BufferRef gate, BufferRef up, std::int64_t n) override {
+    Timed timed(this, "swiglu_forward");
+    const BufferRef o = output(out, n, "swiglu_forward");
+    cuda::swiglu_forward(o.data, o.type, dev<const float>(gate, n), dev<const float>(up, n), n, stream_);
+  }
+  void swiglu_backward(BufferRef dgate, BufferRef dup, BufferRef dout, BufferRef gate, BufferRef up,
+                       std::int64_t n) override {
+    Timed timed(this, "swiglu_backward");
+    const BufferRef g = output(dgate, n, "swiglu_backward"), u = output(dup, n, "swiglu_backward");
+    if (g.type != u.type) throw std::invalid_argument("swiglu_backward: dgate and dup of one type");
+    cuda::swiglu_backward(g.data, u.data, g.type, dev<const float>(dout, n), dev<const float>(gate, n),
+                          dev<const float>(up, n), n, stream_);
+  }
   void bias_add(BufferRef out, BufferRef bias, int N, int OC) override {
     Timed timed(this, "bias_add");
     cuda::bias_add(dev<float>(out, std::int64_t(N) * OC), dev<const float>(bias, OC), N, OC, stream_);

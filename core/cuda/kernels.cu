@@ -130,6 +130,47 @@ void bias_backward_cast(float* dbias, void* copy, DType copy_type, const float* 
   });
 }
 
+void rmsnorm_forward(void* out, DType out_type, float* rstd, const float* inp, const float* weight, int N, int C,
+                     float eps, cudaStream_t stream) {
+  with_output_type(out_type, "rmsnorm_forward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::rmsnorm_forward<O>(OnStream{stream}, static_cast<layer::storage_t<O>*>(out), rstd, inp, weight, N, C, eps);
+  });
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int N, int C, float* scratch, std::int64_t scratch_floats,
+                      cudaStream_t stream) {
+  layer::rmsnorm_backward(OnStream{stream}, dinp, dweight, dout, inp, weight, rstd, N, C, scratch, scratch_floats);
+}
+
+void rope_gqa_forward(float* qkv, const float* q, const float* k, const float* v, int N, int T, int NH, int KV, int hs,
+                      int head0, int kv0, int group, float theta, cudaStream_t stream) {
+  layer::rope_gqa_forward(OnStream{stream}, qkv, q, k, v, N, T, NH, KV, hs, head0, kv0, group, theta);
+}
+
+void rope_gqa_backward(float* dq, float* dk, float* dv, const float* dqkv, int N, int T, int NH, int KV, int hs,
+                       int head0, int kv0, int group, float theta, cudaStream_t stream) {
+  layer::rope_gqa_backward(OnStream{stream}, dq, dk, dv, dqkv, N, T, NH, KV, hs, head0, kv0, group, theta);
+}
+
+void swiglu_forward(void* out, DType out_type, const float* gate, const float* up, std::int64_t n,
+                    cudaStream_t stream) {
+  with_output_type(out_type, "swiglu_forward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::swiglu_forward<O>(OnStream{stream}, static_cast<layer::storage_t<O>*>(out), gate, up, n);
+  });
+}
+
+void swiglu_backward(void* dgate, void* dup, DType type, const float* dout, const float* gate, const float* up,
+                     std::int64_t n, cudaStream_t stream) {
+  with_output_type(type, "swiglu_backward", [&](auto tag) {
+    constexpr DType O = decltype(tag)::value;
+    layer::swiglu_backward<O>(OnStream{stream}, static_cast<layer::storage_t<O>*>(dgate),
+                              static_cast<layer::storage_t<O>*>(dup), dout, gate, up, n);
+  });
+}
+
 void gelu_forward(void* out, DType out_type, const float* inp, std::int64_t n, cudaStream_t stream) {
   with_output_type(out_type, "gelu_forward", [&](auto tag) {
     constexpr DType O = decltype(tag)::value;

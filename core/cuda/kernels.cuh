@@ -189,6 +189,24 @@ void residual_forward(float* out,      // [n]
                       std::int64_t n, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
+// Llama's block (core/backend/backend.hpp says what each computes). out, dgate and dup stored as their
+// type (fp32, bf16 or fp16; rounded once).
+
+void rmsnorm_forward(void* out, DType out_type, float* rstd, const float* inp, const float* weight, int N, int C,
+                     float eps, cudaStream_t stream);
+// scratch: column sums' partials, C floats at least.
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int N, int C, float* scratch, std::int64_t scratch_floats,
+                      cudaStream_t stream);
+void rope_gqa_forward(float* qkv, const float* q, const float* k, const float* v, int N, int T, int NH, int KV, int hs,
+                      int head0, int kv0, int group, float theta, cudaStream_t stream);
+void rope_gqa_backward(float* dq, float* dk, float* dv, const float* dqkv, int N, int T, int NH, int KV, int hs,
+                       int head0, int kv0, int group, float theta, cudaStream_t stream);
+void swiglu_forward(void* out, DType out_type, const float* gate, const float* up, std::int64_t n, cudaStream_t stream);
+void swiglu_backward(void* dgate, void* dup, DType type, const float* dout, const float* gate, const float* up,
+                     std::int64_t n, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
 // Softmax + cross-entropy, fused. One block per row.
 
 // losses[n] = log(sum) + max - logits[n, target] (log-sum-exp form), probs = softmax(logits).

@@ -227,7 +227,8 @@ void encoder_backward(Launch&& launch, float* dwte, float* dwpe, const float* do
   const std::int64_t N = static_cast<std::int64_t>(B) * T;
   if (N <= 0 || C <= 0) return;
   const LaunchGeometry gp = rows_per_block_geometry(T, kThreads);
-  launch("encoder_backward_wpe_kernel", gp.blocks, gp.threads, 0, encoder_backward_wpe_kernel, dwpe, dout, B, T, C);
+  if (dwpe)  // none without learned positions (model.arch = llama)
+    launch("encoder_backward_wpe_kernel", gp.blocks, gp.threads, 0, encoder_backward_wpe_kernel, dwpe, dout, B, T, C);
   const LaunchGeometry gt = rows_per_warp_geometry(N, kThreads);
   launch("encoder_backward_wte_kernel", gt.blocks, gt.threads, 0, encoder_backward_wte_kernel, dwte, dout, inp,
          static_cast<int>(N), C, vocab_begin, vocab_end);
@@ -350,7 +351,8 @@ inline std::int64_t column_scratch_floats(int N, int OC, int sums) {
 // written on the way (gelu_bias: Backend::gelu_bias_backward; pre and dout read once, where
 // gelu_backward then bias_backward read dpre back); dout and xhat * dout (layernorm: the bias's
 // and the weight's gradients of Backend::layernorm_backward).
-enum class ColumnSum { bias, bias_cast, gelu_bias, layernorm };
+// x * rstd * dout (rmsnorm: the weight's gradient of Backend::rmsnorm_backward).
+enum class ColumnSum { bias, bias_cast, gelu_bias, layernorm, rmsnorm };
 
 // partials[chunk][s][OC]: s = 0 the sums of dout (or dpre), s = 1 (layernorm) those of xhat * dout.
 // dpre is stored as O; the sums add the fp32 values.
@@ -383,6 +385,7 @@ LOOM_KERNEL void LOOM_LAUNCH_BOUNDS(kColThreads) column_partials_kernel(float* p
           dpre[i] = Storage<O>::store(v);
         }
         if constexpr (Mode == ColumnSum::bias_cast) dpre[i] = Storage<O>::store(v);
+        if constexpr (Mode == ColumnSum::rmsnorm) v = x[i] * rstd[n] * v;
         a0 += v;
         if constexpr (Mode == ColumnSum::layernorm) a1 += (x[i] - mean[n]) * rstd[n] * v;
       }
@@ -684,6 +687,188 @@ void residual_forward(Launch&& launch, float* out, const float* a, const float* 
   if (n <= 0) return;
   launch_elementwise(launch, "residual_forward_kernel", n, aligned16(out) && aligned16(a) && aligned16(b),
                      residual_forward_kernel<true>, residual_forward_kernel<false>, out, a, b, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Llama's block: RMSNorm (one warp per row, as LayerNorm), rotary positions with grouped-query heads
+// (one thread per (row, query head)), SwiGLU (elementwise).
+
+template <DType O>
+LOOM_KERNEL void rmsnorm_forward_kernel(storage_t<O>* out,    // [N,C]
+                                        float* rstd,          // [N]
+                                        const float* inp,     // [N,C]
+                                        const float* weight,  // [C]
+                                        int N, int C, float eps) {
+  const int lane = lane_id();
+  for (std::int64_t n = global_warp(); n < N; n += grid_warps()) {
+    const float* x = inp + n * C;
+    float s = 0.0f;
+    for (int c = lane; c < C; c += kWarp) s += x[c] * x[c];
+    const float r = math::rmsnorm_rstd(warp_reduce(s, SumOp{}) / static_cast<float>(C), eps);
+    storage_t<O>* o = out + n * C;
+    for (int c = lane; c < C; c += kWarp) o[c] = Storage<O>::store(math::rmsnorm_out(x[c], r, weight[c]));
+    if (lane == 0) rstd[n] = r;
+  }
+}
+
+LOOM_KERNEL void rmsnorm_backward_dinp_kernel(float* dinp,          // [N,C] (+=)
+                                              const float* dout,    // [N,C]
+                                              const float* inp,     // [N,C]
+                                              const float* weight,  // [C]
+                                              const float* rstd,    // [N]
+                                              int N, int C) {
+  const int lane = lane_id();
+  for (std::int64_t n = global_warp(); n < N; n += grid_warps()) {
+    const float *d = dout + n * C, *x = inp + n * C;
+    float* dx = dinp + n * C;
+    float s = 0.0f;
+    for (int c = lane; c < C; c += kWarp) s += weight[c] * d[c] * x[c];
+    const float dot = warp_reduce(s, SumOp{}) / static_cast<float>(C), r = rstd[n];
+    for (int c = lane; c < C; c += kWarp) dx[c] += math::rmsnorm_dinp(x[c], r, weight[c], d[c], dot);
+  }
+}
+
+// One thread per (row n, query head h): its q and k turned, its kv head's k and v copied beside it.
+LOOM_KERNEL void rope_gqa_forward_kernel(float* qkv, const float* q, const float* k, const float* v, int N, int T,
+                                         int NH, int KV, int hs, int head0, int kv0, int group, float theta) {
+  const std::int64_t C = static_cast<std::int64_t>(NH) * hs, CK = static_cast<std::int64_t>(KV) * hs;
+  for (std::int64_t w = global_thread(); w < static_cast<std::int64_t>(N) * NH; w += grid_threads()) {
+    const std::int64_t n = w / NH;
+    const int h = static_cast<int>(w % NH), t = static_cast<int>(n % T), j = (head0 + h) / group - kv0;
+    const float* qh = q + n * C + static_cast<std::int64_t>(h) * hs;
+    const float* kh = k + n * CK + static_cast<std::int64_t>(j) * hs;
+    const float* vh = v + n * CK + static_cast<std::int64_t>(j) * hs;
+    float* oq = qkv + n * 3 * C + static_cast<std::int64_t>(h) * hs;
+    float *ok = oq + C, *ov = oq + 2 * C;
+    for (int i = 0; i < hs / 2; ++i) {
+      float c, s;
+      math::rope_cos_sin(t, i, hs, static_cast<double>(theta), c, s);
+      float a = qh[2 * i], b = qh[2 * i + 1];
+      math::rope_turn(a, b, c, s);
+      oq[2 * i] = a;
+      oq[2 * i + 1] = b;
+      a = kh[2 * i];
+      b = kh[2 * i + 1];
+      math::rope_turn(a, b, c, s);
+      ok[2 * i] = a;
+      ok[2 * i + 1] = b;
+    }
+    for (int e = 0; e < hs; ++e) ov[e] = vh[e];
+  }
+}
+
+// One thread per (row n, held kv head j): dk and dv of j summed over its readers in query-head order
+// (the host's order); one per (row, query head) for dq.
+LOOM_KERNEL void rope_gqa_backward_kernel(float* dq, float* dk, float* dv, const float* dqkv, int N, int T, int NH,
+                                          int KV, int hs, int head0, int kv0, int group, float theta) {
+  const std::int64_t C = static_cast<std::int64_t>(NH) * hs, CK = static_cast<std::int64_t>(KV) * hs;
+  const std::int64_t work_q = static_cast<std::int64_t>(N) * NH, work = work_q + static_cast<std::int64_t>(N) * KV;
+  for (std::int64_t w = global_thread(); w < work; w += grid_threads()) {
+    if (w < work_q) {
+      const std::int64_t n = w / NH;
+      const int h = static_cast<int>(w % NH), t = static_cast<int>(n % T);
+      const float* g = dqkv + n * 3 * C + static_cast<std::int64_t>(h) * hs;
+      float* o = dq + n * C + static_cast<std::int64_t>(h) * hs;
+      for (int i = 0; i < hs / 2; ++i) {
+        float c, s;
+        math::rope_cos_sin(t, i, hs, static_cast<double>(theta), c, s);
+        float a = g[2 * i], b = g[2 * i + 1];
+        math::rope_turn_back(a, b, c, s);
+        o[2 * i] = a;
+        o[2 * i + 1] = b;
+      }
+      continue;
+    }
+    const std::int64_t n = (w - work_q) / KV;
+    const int j = static_cast<int>((w - work_q) % KV), t = static_cast<int>(n % T);
+    float* ok = dk + n * CK + static_cast<std::int64_t>(j) * hs;
+    float* ov = dv + n * CK + static_cast<std::int64_t>(j) * hs;
+    for (int e = 0; e < hs; ++e) ok[e] = ov[e] = 0.0f;
+    for (int h = 0; h < NH; ++h) {
+      if ((head0 + h) / group - kv0 != j) continue;
+      const float* gk = dqkv + n * 3 * C + C + static_cast<std::int64_t>(h) * hs;
+      const float* gv = gk + C;
+      for (int i = 0; i < hs / 2; ++i) {
+        float c, s;
+        math::rope_cos_sin(t, i, hs, static_cast<double>(theta), c, s);
+        float a = gk[2 * i], b = gk[2 * i + 1];
+        math::rope_turn_back(a, b, c, s);
+        ok[2 * i] += a;
+        ok[2 * i + 1] += b;
+      }
+      for (int e = 0; e < hs; ++e) ov[e] += gv[e];
+    }
+  }
+}
+
+template <DType O>
+LOOM_KERNEL void swiglu_forward_kernel(storage_t<O>* out, const float* gate, const float* up, std::int64_t n) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads())
+    out[i] = Storage<O>::store(math::swiglu_forward(gate[i], up[i]));
+}
+
+template <DType O>
+LOOM_KERNEL void swiglu_backward_kernel(storage_t<O>* dgate, storage_t<O>* dup, const float* dout, const float* gate,
+                                        const float* up, std::int64_t n) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    dgate[i] = Storage<O>::store(math::swiglu_dgate(gate[i], up[i], dout[i]));
+    dup[i] = Storage<O>::store(math::swiglu_dup(gate[i], dout[i]));
+  }
+}
+
+template <DType O = DType::f32, class Launch>
+void rmsnorm_forward(Launch&& launch, storage_t<O>* out, float* rstd, const float* inp, const float* weight, int N,
+                     int C, float eps) {
+  if (N <= 0) return;
+  const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
+  launch("rmsnorm_forward_kernel", g.blocks, g.threads, 0, rmsnorm_forward_kernel<O>, out, rstd, inp, weight, N, C,
+         eps);
+}
+
+// scratch: column_sums' (the weight's partial sums), C floats at least.
+template <class Launch>
+void rmsnorm_backward(Launch&& launch, float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int N, int C, float* scratch,
+                      std::int64_t scratch_floats) {
+  if (N <= 0 || C <= 0) return;
+  const LaunchGeometry g = rows_per_warp_geometry(N, kThreads);
+  launch("rmsnorm_backward_dinp_kernel", g.blocks, g.threads, 0, rmsnorm_backward_dinp_kernel, dinp, dout, inp, weight,
+         rstd, N, C);
+  column_sums<ColumnSum::rmsnorm>(launch, "rmsnorm_backward_weight_kernel", dweight, nullptr, nullptr, dout, inp,
+                                  nullptr, rstd, N, C, scratch, scratch_floats);
+}
+
+template <class Launch>
+void rope_gqa_forward(Launch&& launch, float* qkv, const float* q, const float* k, const float* v, int N, int T, int NH,
+                      int KV, int hs, int head0, int kv0, int group, float theta) {
+  if (N <= 0 || NH <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(static_cast<std::int64_t>(N) * NH, kThreads);
+  launch("rope_gqa_forward_kernel", g.blocks, g.threads, 0, rope_gqa_forward_kernel, qkv, q, k, v, N, T, NH, KV, hs,
+         head0, kv0, group, theta);
+}
+
+template <class Launch>
+void rope_gqa_backward(Launch&& launch, float* dq, float* dk, float* dv, const float* dqkv, int N, int T, int NH,
+                       int KV, int hs, int head0, int kv0, int group, float theta) {
+  if (N <= 0 || NH <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(static_cast<std::int64_t>(N) * (NH + KV), kThreads);
+  launch("rope_gqa_backward_kernel", g.blocks, g.threads, 0, rope_gqa_backward_kernel, dq, dk, dv, dqkv, N, T, NH, KV,
+         hs, head0, kv0, group, theta);
+}
+
+template <DType O = DType::f32, class Launch>
+void swiglu_forward(Launch&& launch, storage_t<O>* out, const float* gate, const float* up, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("swiglu_forward_kernel", g.blocks, g.threads, 0, swiglu_forward_kernel<O>, out, gate, up, n);
+}
+
+template <DType O = DType::f32, class Launch>
+void swiglu_backward(Launch&& launch, storage_t<O>* dgate, storage_t<O>* dup, const float* dout, const float* gate,
+                     const float* up, std::int64_t n) {
+  if (n <= 0) return;
+  const LaunchGeometry g = elementwise_geometry(n, kThreads);
+  launch("swiglu_backward_kernel", g.blocks, g.threads, 0, swiglu_backward_kernel<O>, dgate, dup, dout, gate, up, n);
 }
 
 // ---------------------------------------------------------------------------------------------

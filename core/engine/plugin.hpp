@@ -49,7 +49,8 @@
 // ABI 18: every tensor of LOOM_FACE_OPS a typed BufferRef (no bare pointers; sum_squares and the float
 // overloads of scale and fill gone); Partition's operators on BufferRefs. ABI 19: the fused classifier
 // (LOOM_FACE_OPS crossentropy_fused and crossentropy_finish_grad, Partition::crossentropy_fused).
-#define LOOM_PLUGIN_ABI_VERSION 19
+// ABI 20: GPTConfig's architecture (model.arch = llama and its keys), GPT's Llama handles.
+#define LOOM_PLUGIN_ABI_VERSION 20
 
 extern "C" {
 struct loom_plugin_v1 {

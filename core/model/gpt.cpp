@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 #include "core/base/error.hpp"
@@ -17,9 +18,14 @@ namespace {
 constexpr const char* kBlockTensors[12] = {"ln1.weight",       "ln1.bias",       "attn.qkv.weight", "attn.qkv.bias",
                                            "attn.proj.weight", "attn.proj.bias", "ln2.weight",      "ln2.bias",
                                            "mlp.fc.weight",    "mlp.fc.bias",    "mlp.proj.weight", "mlp.proj.bias"};
-std::size_t block_tensor_index(const std::string& name) {
-  for (std::size_t i = 0; i < 12; ++i)
-    if (name == kBlockTensors[i]) return i;
+// Llama's, as GPT::LlamaParams lists them.
+constexpr const char* kLlamaTensors[9] = {"ln1.weight",      "attn.q.weight",    "attn.k.weight",
+                                          "attn.v.weight",   "attn.proj.weight", "ln2.weight",
+                                          "mlp.gate.weight", "mlp.up.weight",    "mlp.down.weight"};
+std::size_t block_tensor_index(const std::string& name, bool llama) {
+  const std::size_t n = llama ? 9 : 12;
+  for (std::size_t i = 0; i < n; ++i)
+    if (name == (llama ? kLlamaTensors[i] : kBlockTensors[i])) return i;
   throw std::logic_error("GPT: no block tensor named " + name);
 }
 }  // namespace
@@ -28,10 +34,85 @@ void GPTConfig::validate() const {
   if (d_model % heads != 0)
     throw InputError("model.d_model = " + std::to_string(d_model) + " is not divisible by model.heads = " +
                      std::to_string(heads) + " (each head needs d_model/heads channels)");
+  const auto n = [](double v) {
+    std::ostringstream o;
+    o << v;
+    return o.str();
+  };
+  if (!llama()) {  // GPT-2's block has none of Llama's choices: a key set otherwise is a mistake
+    if (kv_heads != 0 && kv_heads != heads)
+      throw InputError("model.kv_heads = " + std::to_string(kv_heads) +
+                       " needs model.arch = llama (GPT-2's heads each have their own k and v: leave it 0)");
+    if (ffn_hidden != 0 && ffn_hidden != 4 * d_model)
+      throw InputError("model.ffn_hidden = " + std::to_string(ffn_hidden) +
+                       " needs model.arch = llama (GPT-2's MLP is 4 x model.d_model = " + std::to_string(4 * d_model) +
+                       " wide: leave it 0)");
+    if (tie_embeddings == 0)
+      throw InputError("model.tie_embeddings = false needs model.arch = llama (GPT-2's head is its token table)");
+    if (norm_eps != 1e-5f)
+      throw InputError("model.norm_eps = " + n(norm_eps) +
+                       " needs model.arch = llama (GPT-2's LayerNorm keeps eps 1e-5: leave it 1e-5)");
+  } else {
+    if (heads % kv() != 0)
+      throw InputError("model.kv_heads = " + std::to_string(kv()) + " does not divide model.heads = " +
+                       std::to_string(heads) + " (each kv head serves heads / kv_heads query heads; 1 is multi-query)");
+    if (head_size() % 2 != 0)
+      throw InputError("model.d_model / model.heads = " + std::to_string(head_size()) +
+                       " is odd: rotary embeddings (model.arch = llama) turn pairs of a head's channels");
+    if (!(norm_eps > 0.0f)) throw InputError("model.norm_eps = " + n(norm_eps) + ": RMSNorm's eps must be above 0");
+    if (!(rope_theta > 1.0f))
+      throw InputError("model.rope_theta = " + n(rope_theta) + ": the rotary base must be above 1 (Llama: 10000)");
+  }
   if (attention == "flash" && !math::flash_head_size_supported(d_model / heads))
     throw InputError(
         "model.attention = flash: head size model.d_model / model.heads = " + std::to_string(d_model / heads) +
         " is not one the fused kernels take (16, 32, 64 or 128); use model.attention = unfused");
+}
+
+void GPTConfig::read_architecture(const std::map<std::string, std::string>& v) {
+  const auto get = [&](const char* key) {
+    const auto it = v.find(key);
+    return it == v.end() ? std::string() : it->second;
+  };
+  const auto number = [&](const char* key, double fallback) {
+    const std::string text = get(key);
+    if (text.empty()) return fallback;
+    char* end = nullptr;
+    const double x = std::strtod(text.c_str(), &end);
+    if (end == text.c_str() || *end != '\0' || !std::isfinite(x))
+      throw InputError(std::string(key) + " = " + text + " is not a number");
+    return x;
+  };
+  const std::string a = get("model.arch");
+  if (a.empty() || a == "gpt2")
+    arch = Arch::gpt2;
+  else if (a == "llama")
+    arch = Arch::llama;
+  else
+    throw InputError("model.arch = " + a + " is not gpt2 or llama");
+  kv_heads = static_cast<int>(number("model.kv_heads", 0));
+  ffn_hidden = static_cast<int>(number("model.ffn_hidden", 0));
+  norm_eps = static_cast<float>(number("model.norm_eps", 1e-5));
+  rope_theta = static_cast<float>(number("model.rope_theta", 10000));
+  const std::string tie = get("model.tie_embeddings");
+  if (tie.empty() || tie == "auto")
+    tie_embeddings = -1;
+  else if (tie == "true" || tie == "false")
+    tie_embeddings = tie == "true" ? 1 : 0;
+  else
+    throw InputError("model.tie_embeddings = " + tie + " is not auto, true or false");
+}
+
+std::map<std::string, std::string> GPTConfig::architecture_values() const {
+  std::ostringstream eps, theta;
+  eps << norm_eps;
+  theta << rope_theta;
+  return {{"model.arch", arch_name(arch)},
+          {"model.kv_heads", std::to_string(kv())},
+          {"model.ffn_hidden", std::to_string(ffn())},
+          {"model.norm_eps", eps.str()},
+          {"model.rope_theta", theta.str()},
+          {"model.tie_embeddings", tied() ? "true" : "false"}};
 }
 
 void GPTConfig::set_attention(const std::string& kind) {
@@ -116,33 +197,60 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     ParamInfo p;
     p.name = std::move(name);
     p.decay = shape.size() >= 2;
-    p.matmul_weight = p.decay && p.name != "wpe.weight";  // wte: the tied head's weight
+    // wte: the tied head's weight (an untied one only feeds the embedding lookup)
+    p.matmul_weight = p.decay && p.name != "wpe.weight" && (p.name != "wte.weight" || cfg.tied());
     p.shard = ShardDesc::make(std::move(shape), split, static_cast<int>(tp), tp_rank_);
-    p.sp_partial = sp_ && split == TpSplit::none && p.name != "wpe.weight";
+    // A replicated tensor whose gradient each tp rank has only in part, summed over the group
+    // (Partition::finish_grads): with sequence parallelism those seeing only this rank's rows; Llama's
+    // k and v replicated over a tp that does not divide the kv heads (each rank's query heads' share).
+    const bool kv = p.name.find(".attn.k.") != std::string::npos || p.name.find(".attn.v.") != std::string::npos;
+    p.sp_partial =
+        (sp_ && split == TpSplit::none && p.name != "wpe.weight") || (kv && split == TpSplit::none && tp > 1);
     p.init = init;
     p.init_std = std;
     all_params_.push_back(std::move(p));
   };
   using I = ParamInfo::Init;
   add("wte.weight", {V, C}, TpSplit::rows, I::normal, 0.02);
-  add("wpe.weight", {T, C}, TpSplit::none, I::normal, 0.02);
-  for (int l = 0; l < L; ++l) {
-    const std::string b = "blocks." + std::to_string(l) + ".";
-    add(b + "ln1.weight", {C}, TpSplit::none, I::ones, 0);
-    add(b + "ln1.bias", {C}, TpSplit::none, I::zeros, 0);
-    add(b + "attn.qkv.weight", {3 * C, C}, TpSplit::qkv_rows, I::normal, 0.02);
-    add(b + "attn.qkv.bias", {3 * C}, TpSplit::qkv_rows, I::zeros, 0);
-    add(b + "attn.proj.weight", {C, C}, TpSplit::cols, I::normal, resid_std);
-    add(b + "attn.proj.bias", {C}, TpSplit::none, I::zeros, 0);
-    add(b + "ln2.weight", {C}, TpSplit::none, I::ones, 0);
-    add(b + "ln2.bias", {C}, TpSplit::none, I::zeros, 0);
-    add(b + "mlp.fc.weight", {4 * C, C}, TpSplit::rows, I::normal, 0.02);
-    add(b + "mlp.fc.bias", {4 * C}, TpSplit::rows, I::zeros, 0);
-    add(b + "mlp.proj.weight", {C, 4 * C}, TpSplit::cols, I::normal, resid_std);
-    add(b + "mlp.proj.bias", {C}, TpSplit::none, I::zeros, 0);
+  if (cfg.llama()) {
+    // Llama: no positions table, no biases; kv heads split over tp where it divides them, else whole
+    // on every rank (their gradients summed over the group, sp_partial).
+    const std::int64_t CK = static_cast<std::int64_t>(cfg.kv()) * cfg.head_size(), F = cfg.ffn();
+    const TpSplit kv_split = cfg.kv() % tp == 0 ? TpSplit::rows : TpSplit::none;
+    for (int l = 0; l < L; ++l) {
+      const std::string b = "blocks." + std::to_string(l) + ".";
+      add(b + "ln1.weight", {C}, TpSplit::none, I::ones, 0);
+      add(b + "attn.q.weight", {C, C}, TpSplit::rows, I::normal, 0.02);
+      add(b + "attn.k.weight", {CK, C}, kv_split, I::normal, 0.02);
+      add(b + "attn.v.weight", {CK, C}, kv_split, I::normal, 0.02);
+      add(b + "attn.proj.weight", {C, C}, TpSplit::cols, I::normal, resid_std);
+      add(b + "ln2.weight", {C}, TpSplit::none, I::ones, 0);
+      add(b + "mlp.gate.weight", {F, C}, TpSplit::rows, I::normal, 0.02);
+      add(b + "mlp.up.weight", {F, C}, TpSplit::rows, I::normal, 0.02);
+      add(b + "mlp.down.weight", {C, F}, TpSplit::cols, I::normal, resid_std);
+    }
+    add("ln_f.weight", {C}, TpSplit::none, I::ones, 0);
+    if (!cfg.tied()) add("lm_head.weight", {V, C}, TpSplit::rows, I::normal, 0.02);
+  } else {
+    add("wpe.weight", {T, C}, TpSplit::none, I::normal, 0.02);
+    for (int l = 0; l < L; ++l) {
+      const std::string b = "blocks." + std::to_string(l) + ".";
+      add(b + "ln1.weight", {C}, TpSplit::none, I::ones, 0);
+      add(b + "ln1.bias", {C}, TpSplit::none, I::zeros, 0);
+      add(b + "attn.qkv.weight", {3 * C, C}, TpSplit::qkv_rows, I::normal, 0.02);
+      add(b + "attn.qkv.bias", {3 * C}, TpSplit::qkv_rows, I::zeros, 0);
+      add(b + "attn.proj.weight", {C, C}, TpSplit::cols, I::normal, resid_std);
+      add(b + "attn.proj.bias", {C}, TpSplit::none, I::zeros, 0);
+      add(b + "ln2.weight", {C}, TpSplit::none, I::ones, 0);
+      add(b + "ln2.bias", {C}, TpSplit::none, I::zeros, 0);
+      add(b + "mlp.fc.weight", {4 * C, C}, TpSplit::rows, I::normal, 0.02);
+      add(b + "mlp.fc.bias", {4 * C}, TpSplit::rows, I::zeros, 0);
+      add(b + "mlp.proj.weight", {C, 4 * C}, TpSplit::cols, I::normal, resid_std);
+      add(b + "mlp.proj.bias", {C}, TpSplit::none, I::zeros, 0);
+    }
+    add("ln_f.weight", {C}, TpSplit::none, I::ones, 0);
+    add("ln_f.bias", {C}, TpSplit::none, I::zeros, 0);
   }
-  add("ln_f.weight", {C}, TpSplit::none, I::ones, 0);
-  add("ln_f.bias", {C}, TpSplit::none, I::zeros, 0);
   // The first stage holds the embeddings, the last ln_f and the head, whose weight is wte (tied):
   // a last stage that is not also the first holds a shadow copy of wte, in its head unit.
   block_unit_.assign(static_cast<std::size_t>(L), -1);
@@ -182,22 +290,24 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
         held = hold(p, "blocks." + std::to_string(layer), false);
         block_unit_[static_cast<std::size_t>(layer)] = params_[static_cast<std::size_t>(held)].unit;
         block_tensors_[static_cast<std::size_t>(layer)]
-                      [block_tensor_index(n.substr(n.find('.', block_prefix.size()) + 1))] = held;
+                      [block_tensor_index(n.substr(n.find('.', block_prefix.size()) + 1), cfg.llama())] = held;
       }
     } else if (stage_.last()) {
       held = hold(p, "head", false);
-      (n == "ln_f.weight" ? lnfw_ : lnfb_) = held;
+      (n == "ln_f.weight" ? lnfw_ : n == "ln_f.bias" ? lnfb_ : head_w_) = held;  // head_w_: lm_head
     }
     if (held == -1) {
       p.offset = -1;
       p.shard = p.shard.cut(0, 0);  // the shape stays; no element of it is held here
     }
   }
-  if (wte_ == -2) wte_ = hold(all_params_.front(), "head", true);
-  if (wte_ >= 0) params_[static_cast<std::size_t>(wte_)].tied = stage_.count > 1;
+  // Untied (Llama's lm_head): a last stage that is not the first holds no wte.
+  if (wte_ == -2) wte_ = cfg.tied() ? hold(all_params_.front(), "head", true) : -1;
+  if (cfg.tied()) head_w_ = wte_;
+  if (wte_ >= 0) params_[static_cast<std::size_t>(wte_)].tied = stage_.count > 1 && cfg.tied();
   // The first stage's wte feeds only the embedding lookup (fp32) when another stage holds the head.
   if (wte_ >= 0 && !stage_.last()) params_[static_cast<std::size_t>(wte_)].matmul_weight = false;
-  emb_unit_ = stage_.first() ? params_[static_cast<std::size_t>(wpe_)].unit : -1;
+  emb_unit_ = stage_.first() ? params_[static_cast<std::size_t>(wte_)].unit : -1;
   head_unit_ = stage_.last() ? params_[static_cast<std::size_t>(lnfw_)].unit : -1;
   StoreContext sctx{backend, dp, dp_rank, tp_rank_};
   store_->build(sctx, params_, units_);
@@ -230,7 +340,8 @@ void GPT::plan_step(StepPlan& plan) const {
   const BlockActs a = carve_block(geom_, nullptr);
   const Scratch s = carve_scratch(geom_, nullptr);
   const Head h = carve_head(geom_, nullptr);
-  const int N = max_rows_ * cfg_.seq_len, C = cfg_.d_model, Cl = C / tp_, Fl = 4 * C / tp_;
+  const int N = max_rows_ * cfg_.seq_len, C = cfg_.d_model, Cl = C / tp_, Fl = cfg_.ffn() / tp_;
+  const int CKl = kv_local() * cfg_.head_size();
   auto full = [&](const BufferRef& saved, int cols) {  // input_of: gathered fp32 unless saved 16-bit
     return BufferRef(nullptr, saved.type, static_cast<std::int64_t>(N) * cols, be_.space());
   };
@@ -239,6 +350,16 @@ void GPT::plan_step(StepPlan& plan) const {
   std::vector<Call> fwd;
   for (const Stage::Chunk& c : stage_.chunks)
     for (int l = c.first_layer; l < c.end_layer; ++l) {
+      if (cfg_.llama()) {  // q, k, v; the projection; gate, up; down (every dout fp32 but gate's and up's)
+        fwd.push_back({false, full(a.ln1, C), weight(static_cast<std::int64_t>(Cl) * C), N, C, Cl, DType::f32, true});
+        fwd.push_back({false, full(a.ln1, C), weight(static_cast<std::int64_t>(CKl) * C), N, C, CKl});
+        fwd.push_back({false, full(a.ln1, C), weight(static_cast<std::int64_t>(CKl) * C), N, C, CKl});
+        fwd.push_back({false, full(a.atty, Cl), weight(static_cast<std::int64_t>(C) * Cl), N, Cl, C});
+        fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfch.type});
+        fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfcu.type});
+        fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
+        continue;
+      }
       fwd.push_back({false, full(a.ln1, C), weight(3ll * Cl * C), N, C, 3 * Cl, DType::f32, true});
       fwd.push_back({false, full(a.atty, Cl), weight(static_cast<std::int64_t>(C) * Cl), N, Cl, C});
       fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfch.type});
@@ -382,6 +503,27 @@ GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, int l, bool
   return w;
 }
 
+GPT::LlamaParams GPT::llama_params(const ParamStore::UnitView& view, int l, bool grads) const {
+  const std::array<int, 12>& h = block_tensors_[static_cast<std::size_t>(l)];
+  const std::vector<BufferRef>& t = grads ? view.grads : view.params;
+  BufferRef q[9];
+  for (std::size_t i = 0; i < 9; ++i) q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])];
+  LlamaParams w{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], {}, {}, {}, {}, {}, {}, {}};
+  if (!grads) {
+    w.mqw = matmul_operand(view, h[1]);
+    w.mkw = matmul_operand(view, h[2]);
+    w.mvw = matmul_operand(view, h[3]);
+    w.mprojw = matmul_operand(view, h[4]);
+    w.mgatew = matmul_operand(view, h[6]);
+    w.mupw = matmul_operand(view, h[7]);
+    w.mdownw = matmul_operand(view, h[8]);
+  }
+  return w;
+}
+
+int GPT::kv_local() const { return cfg_.kv() % tp_ == 0 ? cfg_.kv() / tp_ : cfg_.kv(); }
+int GPT::kv_head0() const { return cfg_.kv() % tp_ == 0 ? tp_rank_ * kv_local() : 0; }
+
 BufferRef GPT::matmul_operand(const ParamStore::UnitView& view, int param) const {
   const std::size_t k = static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(param)]);
   return k < view.compute.size() && !view.compute[k].empty() ? view.compute[k] : view.params[k];
@@ -413,14 +555,16 @@ struct Carver {
 
 GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
-  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = 4 * C / g.tp;
+  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp,
+                     Fl = g.cfg.ffn() / g.tp;
+  const bool llama = g.cfg.llama();
   Carver c{base, g.space};
   BlockActs a;
   // 16-bit copies of the products' inputs under mixed precision; ln1 and ln2 stay fp32 with
   // sequence parallelism, where their [Nl,C] pieces are gathered (in fp32) before each product.
   const DType mm = g.mm16, ln = g.sp ? DType::f32 : g.mm16;
   a.ln1 = c.take(ln, Nl * C);
-  a.ln1_mean = c.take(Nl);
+  if (!llama) a.ln1_mean = c.take(Nl);  // RMSNorm keeps only rstd
   a.ln1_rstd = c.take(Nl);
   a.qkv = c.take(N * 3 * Cl);
   // Unfused attention saves the probabilities, flash only each row's log-sum-exp.
@@ -431,9 +575,10 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   a.atty = c.take(mm, N * Cl);
   a.xmid = c.take(Nl * C);
   a.ln2 = c.take(ln, Nl * C);
-  a.ln2_mean = c.take(Nl);
+  if (!llama) a.ln2_mean = c.take(Nl);
   a.ln2_rstd = c.take(Nl);
   a.fch = c.take(N * Fl);
+  if (llama) a.fcu = c.take(N * Fl);
   a.fch_gelu = c.take(mm, N * Fl);
   a.floats = c.used;
   return a;
@@ -441,7 +586,8 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
 
 GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
-  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = 4 * C / g.tp;
+  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp,
+                     Fl = g.cfg.ffn() / g.tp;
   Carver c{base, g.space};
   Scratch s;
   s.full = c.take(N * C);
@@ -459,6 +605,14 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   s.datty = c.take(N * Cl);
   s.dfch = c.take(g.mm16, N * Fl);  // the fc product's dout only: in its type (gelu_bias_backward rounds it)
   s.dfch_gelu = c.take(N * Fl);
+  if (g.cfg.llama()) {
+    const std::int64_t CKl =
+        static_cast<std::int64_t>(g.cfg.kv() % g.tp == 0 ? g.cfg.kv() / g.tp : g.cfg.kv()) * g.cfg.head_size();
+    s.q = c.take(N * Cl);
+    s.k = c.take(N * CKl);
+    s.v = c.take(N * CKl);
+    s.dfcu = c.take(g.mm16, N * Fl);
+  }
   s.floats = c.used;
   return s;
 }
@@ -534,6 +688,7 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
                    : l + 1 < stage_.chunks[chunk].end_layer ? block_unit_[static_cast<std::size_t>(l + 1)]
                    : holds_head(chunk)                      ? head_unit_
                                                             : -1;
+  if (cfg_.llama()) return llama_block_forward(chunk, slot, l, B, next);
   const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), l, false);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
@@ -581,6 +736,7 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   const int next = l > stage_.chunks[chunk].first_layer ? block_unit_[static_cast<std::size_t>(l - 1)]
                    : holds_embeddings(chunk)            ? emb_unit_
                                                         : -1;
+  if (cfg_.llama()) return llama_block_backward(chunk, slot, l, B, next);
   const ParamStore::UnitView& view = store_->acquire(unit, ParamStore::Use::backward, next);
   const BlockParams w = block_params(view, l, false);
   const BlockParams dw = block_params(view, l, true);
@@ -620,6 +776,95 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   store_->release(unit, ParamStore::Use::backward);
 }
 
+// Llama's block: x + proj(attention(rope(q, k, v)(rmsnorm(x)))), then + down(silu(gate) * up)(rmsnorm(.)).
+// Column-parallel q, k, v, gate and up (k and v whole on every rank where tp does not divide the kv
+// heads), row-parallel proj and down, as GPT-2's block; no biases.
+void GPT::llama_block_forward(int chunk, int slot, int l, int B, int next) {
+  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N, hs = cfg_.head_size();
+  const int Cl = C / tp_, Fl = cfg_.ffn() / tp_, NHl = cfg_.heads / tp_, KVl = kv_local(), CKl = KVl * hs;
+  const std::int64_t NCl = static_cast<std::int64_t>(N) * Cl, NlC = static_cast<std::int64_t>(Nl) * C;
+  const int unit = block_unit_[static_cast<std::size_t>(l)];
+  const LlamaParams w = llama_params(store_->acquire(unit, ParamStore::Use::forward, next), l, false);
+  const BlockActs a = block_acts(chunk, slot, l);
+  const Scratch s = scratch();
+  const BufferRef x = residual(chunk, slot, l);
+  const BufferRef xout = residual(chunk, slot, l + 1);
+  be_.rmsnorm_forward(a.ln1, a.ln1_rstd, x, w.ln1w, Nl, C, cfg_.norm_eps);
+  const BufferRef in = input_of(a.ln1, s.full, N, C);
+  be_.matmul_forward(s.q, in, w.mqw, {}, N, C, Cl);
+  be_.matmul_forward(s.k, in, w.mkw, {}, N, C, CKl);
+  be_.matmul_forward(s.v, in, w.mvw, {}, N, C, CKl);
+  be_.rope_gqa_forward(a.qkv, s.q, s.k, s.v, N, T, NHl, KVl, hs, tp_rank_ * NHl, kv_head0(), cfg_.heads / cfg_.kv(),
+                       cfg_.rope_theta);
+  if (cfg_.flash_attention) {
+    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
+      be_.attention_forward_cudnn(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
+    else
+      be_.attention_forward_flash(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
+  } else {
+    const BufferRef out = a.atty.type == DType::f32 ? a.atty : s.full;  // s.full: free once `in` is used
+    be_.attention_forward(out, a.att, a.qkv, B, T, Cl, NHl);
+    if (out.data != a.atty.data) be_.cast(a.atty.slice(0, NCl), out.slice(0, NCl));
+  }
+  be_.matmul_forward(s.partial, a.atty, w.mprojw, {}, N, Cl, C);
+  be_.residual_forward(a.xmid, x, part_->reduce_partial(s.partial, s.local, N, C), NlC);
+  be_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.xmid, w.ln2w, Nl, C, cfg_.norm_eps);
+  const BufferRef in2 = input_of(a.ln2, s.full, N, C);
+  be_.matmul_forward(a.fch, in2, w.mgatew, {}, N, C, Fl);
+  be_.matmul_forward(a.fcu, in2, w.mupw, {}, N, C, Fl);
+  be_.swiglu_forward(a.fch_gelu, a.fch, a.fcu, static_cast<std::int64_t>(N) * Fl);
+  be_.matmul_forward(s.partial, a.fch_gelu, w.mdownw, {}, N, Fl, C);
+  be_.residual_forward(xout, a.xmid, part_->reduce_partial(s.partial, s.local, N, C), NlC);
+  store_->release(unit, ParamStore::Use::forward);
+}
+
+// s.dres: the gradient of the block's output on entry, of its input on return (RMSNorm's backward adds
+// into it, as LayerNorm's does). A sum of input gradients of several products (q, k, v; gate, up)
+// goes through s.dfull, free once the output projection's backward has read dy.
+void GPT::llama_block_backward(int chunk, int slot, int l, int B, int next) {
+  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N, hs = cfg_.head_size();
+  const int Cl = C / tp_, Fl = cfg_.ffn() / tp_, NHl = cfg_.heads / tp_, KVl = kv_local(), CKl = KVl * hs;
+  const std::int64_t NC = static_cast<std::int64_t>(N) * C;
+  const int unit = block_unit_[static_cast<std::size_t>(l)];
+  const ParamStore::UnitView& view = store_->acquire(unit, ParamStore::Use::backward, next);
+  const LlamaParams w = llama_params(view, l, false);
+  const LlamaParams dw = llama_params(view, l, true);
+  const BlockActs a = block_acts(chunk, slot, l);
+  const Scratch s = scratch();
+  const BufferRef& dres = s.dres;
+  // MLP
+  BufferRef dy = part_->grad_to_full(dres, s.dfull, N, C);
+  be_.matmul_backward(s.dfch_gelu, dw.downw, {}, dy, a.fch_gelu, w.mdownw, N, Fl, C);
+  be_.swiglu_backward(s.dfch, s.dfcu, s.dfch_gelu, a.fch, a.fcu, static_cast<std::int64_t>(N) * Fl);
+  const BufferRef in2 = input_of(a.ln2, s.full, N, C);
+  be_.matmul_backward(s.dpartial, dw.gatew, {}, s.dfch, in2, w.mgatew, N, C, Fl);
+  be_.matmul_backward(s.dfull, dw.upw, {}, s.dfcu, in2, w.mupw, N, C, Fl);
+  be_.residual_forward(s.dpartial, s.dpartial, s.dfull, NC);
+  const BufferRef dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
+  be_.rmsnorm_backward(dres, dw.ln2w, dln2, a.xmid, w.ln2w, a.ln2_rstd, Nl, C);  // d xmid
+  // attention
+  dy = part_->grad_to_full(dres, s.dfull, N, C);
+  be_.matmul_backward(s.datty, dw.projw, {}, dy, a.atty, w.mprojw, N, Cl, C);
+  if (cfg_.flash_attention)
+    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
+      be_.attention_backward_cudnn(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+    else
+      be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+  else
+    be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
+  be_.rope_gqa_backward(s.q, s.k, s.v, s.dqkv, N, T, NHl, KVl, hs, tp_rank_ * NHl, kv_head0(), cfg_.heads / cfg_.kv(),
+                        cfg_.rope_theta);
+  const BufferRef in = input_of(a.ln1, s.full, N, C);
+  be_.matmul_backward(s.dpartial, dw.qw, {}, s.q, in, w.mqw, N, C, Cl);
+  be_.matmul_backward(s.dfull, dw.kw, {}, s.k, in, w.mkw, N, C, CKl);
+  be_.residual_forward(s.dpartial, s.dpartial, s.dfull, NC);
+  be_.matmul_backward(s.dfull, dw.vw, {}, s.v, in, w.mvw, N, C, CKl);
+  be_.residual_forward(s.dpartial, s.dpartial, s.dfull, NC);
+  const BufferRef dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
+  be_.rmsnorm_backward(dres, dw.ln1w, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_rstd, Nl, C);  // d x
+  store_->release(unit, ParamStore::Use::backward);
+}
+
 double GPT::forward(const std::int32_t* inputs, const std::int32_t* targets, int B, std::optional<float> dloss) {
   if (!stage_.first() || !stage_.last()) throw std::logic_error("GPT::forward on a pipeline stage: use forward_stage");
   return forward_stage(0, inputs, nullptr, targets, B, 0, dloss);
@@ -646,9 +891,10 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
     be_.copy_from_host(inp, inputs);
     const ParamStore::UnitView& e =
         store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
-    const BufferRef& wte = tensor(e, wte_);  // [Vl,C] this rank's vocabulary rows
-    const BufferRef& wpe = tensor(e, wpe_);  // [T,C]
-    be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_, tp_rank_ == 0);
+    const BufferRef& wte = tensor(e, wte_);                           // [Vl,C] this rank's vocabulary rows
+    const BufferRef wpe = wpe_ >= 0 ? tensor(e, wpe_) : BufferRef();  // [T,C] (Llama: none)
+    be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_,
+                        tp_rank_ == 0 && wpe_ >= 0);
     store_->release(emb_unit_, ParamStore::Use::forward);
     be_.copy(residual(chunk, slot, l0), part_->reduce_partial(s.partial, s.local, N, C),
              static_cast<std::int64_t>(Nl) * C);
@@ -663,13 +909,16 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   if (!holds_head(chunk)) return 0.0;
 
   if (targets) be_.copy_from_host(tgt, targets);
-  const bool wte_apart = wte_unit() != head_unit_;  // the tied weight sits in the embeddings unit
+  const bool wte_apart = head_weight_unit() != head_unit_;  // the tied weight sits in the embeddings unit
   const ParamStore::UnitView& hv = store_->acquire(head_unit_, ParamStore::Use::forward, wte_apart ? emb_unit_ : -1);
-  const BufferRef wte = matmul_operand(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, wte_);
+  const BufferRef wte =
+      matmul_operand(wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::forward, -1) : hv, head_w_);
   const BufferRef& lnfw = tensor(hv, lnfw_);
-  const BufferRef& lnfb = tensor(hv, lnfb_);
   const Head h = head(slot);
-  be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, lnfb, Nl, C);
+  if (cfg_.llama())
+    be_.rmsnorm_forward(h.lnf, h.lnf_rstd, residual(chunk, slot, l1), lnfw, Nl, C, cfg_.norm_eps);
+  else
+    be_.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, residual(chunk, slot, l1), lnfw, tensor(hv, lnfb_), Nl, C);
   be_.matmul_forward(h.logits, input_of(h.lnf, s.full, N, C), wte, {}, N, C, vocab_local_);  // tied head: [N,Vl]
   slot_dloss_[static_cast<std::size_t>(slot)] = std::numeric_limits<float>::quiet_NaN();
   if (targets && dloss) {  // the fused classifier: the loss and its gradient, no probabilities
@@ -702,15 +951,14 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
       throw std::logic_error("GPT::backward: the forward held in slot " + std::to_string(slot) +
                              " had no targets, so no loss");
     const int next = l1 > l0 ? block_unit_[static_cast<std::size_t>(l1 - 1)] : -1;
-    const bool wte_apart = wte_unit() != head_unit_;
+    const bool wte_apart = head_weight_unit() != head_unit_;
     const ParamStore::UnitView& hv =
         store_->acquire(head_unit_, ParamStore::Use::backward, wte_apart ? emb_unit_ : next);
     const ParamStore::UnitView& wv = wte_apart ? store_->acquire(emb_unit_, ParamStore::Use::backward, next) : hv;
-    const BufferRef wte = matmul_operand(wv, wte_);
+    const BufferRef wte = matmul_operand(wv, head_w_);
     const BufferRef& lnfw = tensor(hv, lnfw_);
-    const BufferRef& dwte = tensor_grad(wv, wte_);
+    const BufferRef& dwte = tensor_grad(wv, head_w_);
     const BufferRef& dlnfw = tensor_grad(hv, lnfw_);
-    const BufferRef& dlnfb = tensor_grad(hv, lnfb_);
     const Head h = head(slot);
     const float fused = slot_dloss_[static_cast<std::size_t>(slot)];
     if (!std::isnan(fused)) {  // the forward made dlogits: it must have been told this backward's dloss
@@ -729,7 +977,11 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
     be_.matmul_backward(s.dpartial, dwte, {}, h.dlogits, input_of(h.lnf, s.full, N, C), wte, N, C, vocab_local_);
     const BufferRef dlnf = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);  // [Nl,C]
     be_.fill(s.dres.slice(0, static_cast<std::int64_t>(Nl) * C), 0.0);
-    be_.layernorm_backward(s.dres, dlnfw, dlnfb, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean, h.lnf_rstd, Nl, C);
+    if (cfg_.llama())
+      be_.rmsnorm_backward(s.dres, dlnfw, dlnf, residual(chunk, slot, l1), lnfw, h.lnf_rstd, Nl, C);
+    else
+      be_.layernorm_backward(s.dres, dlnfw, tensor_grad(hv, lnfb_), dlnf, residual(chunk, slot, l1), lnfw, h.lnf_mean,
+                             h.lnf_rstd, Nl, C);
     if (wte_apart) store_->release(emb_unit_, ParamStore::Use::backward);
     store_->release(head_unit_, ParamStore::Use::backward);
     if (grad_ready_) grad_ready_(head_unit_);  // ln_f, and the shadow of wte on a last stage
@@ -747,7 +999,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
 
   const ParamStore::UnitView& e = store_->acquire(emb_unit_, ParamStore::Use::backward, -1);
   const BufferRef& dwte = tensor_grad(e, wte_);
-  const BufferRef& dwpe = tensor_grad(e, wpe_);
+  const BufferRef dwpe = wpe_ >= 0 ? tensor_grad(e, wpe_) : BufferRef();
   const BufferRef demb = part_->grad_to_full(s.dres, s.dfull, N, C);  // [N,C]
   be_.encoder_backward(dwte, dwpe, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
   store_->release(emb_unit_, ParamStore::Use::backward);
@@ -766,7 +1018,7 @@ void GPT::zero_grad() { store_->zero_grads(); }
 
 double GPT::flops_per_token() const {
   const double L = cfg_.layers, C = cfg_.d_model, T = cfg_.seq_len, V = cfg_.vocab;
-  const double matmul_weights = L * 12.0 * C * C + V * C;
+  const double matmul_weights = L * cfg_.block_matmul_weights() + V * C;  // the head, tied or not
   return 6.0 * matmul_weights + 12.0 * L * T * C;
 }
 

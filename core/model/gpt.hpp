@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,12 +21,34 @@
 namespace loom {
 
 struct GPTConfig {
+  // model.arch: GPT-2's block (LayerNorm with biases, learned positions, GELU MLP, tied head) or
+  // Llama's (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases).
+  enum class Arch { gpt2, llama };
+  Arch arch = Arch::gpt2;
   int layers = 4;          // L
   int d_model = 128;       // C
   int heads = 4;           // NH
   int seq_len = 64;        // T (also the number of learned positions)
   int vocab = 256;         // V
   bool recompute = false;  // keep only each block's input; recompute its activations in backward
+  // Llama's keys (GPT-2 takes only their GPT-2 values): kv heads (0: heads), the MLP's width F (0: 4C
+  // for GPT-2, Llama's rounding of 8C/3 up to a multiple of 256), RMSNorm's eps, the rotary base, and
+  // whether the head is the token table (-1: GPT-2 yes, Llama no).
+  int kv_heads = 0;
+  int ffn_hidden = 0;
+  float norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  int tie_embeddings = -1;
+  bool llama() const { return arch == Arch::llama; }
+  int kv() const { return kv_heads > 0 ? kv_heads : heads; }
+  int ffn() const {
+    if (ffn_hidden > 0) return ffn_hidden;
+    if (!llama()) return 4 * d_model;
+    return (8 * d_model / 3 + 255) / 256 * 256;
+  }
+  bool tied() const { return tie_embeddings < 0 ? !llama() : tie_embeddings != 0; }
+  int head_size() const { return d_model / heads; }
+  static const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : "gpt2"; }
   // model.attention = flash or cudnn: fused attention, which saves each row's log-sum-exp instead of
   // the [T,T] probabilities and rounds its operands to bf16; `attention_engine` says whose kernels
   // (loom's: Backend::attention_forward_flash; cuDNN's: attention_forward_cudnn).
@@ -37,12 +60,23 @@ struct GPTConfig {
   std::string attention = "unfused";
   // Throws InputError naming the deck keys when the shape is inconsistent.
   void validate() const;
+  // model.arch and Llama's keys from their deck text (a key absent or empty: its default); InputError
+  // naming the key for a value that is not one.
+  void read_architecture(const std::map<std::string, std::string>& deck_values);
+  // The same keys as a deck writes them (what a checkpoint records and compares).
+  std::map<std::string, std::string> architecture_values() const;
   // Sets attention, flash_attention and attention_engine for model.attention = `kind`.
   void set_attention(const std::string& kind);
   // Forward FLOPs per token of one block (matrix products 24 C^2, attention 4 T C) and of the head
   // (the tied projection 2 C V; ln_f and the embedding lookup cost next to nothing): what pipeline
   // stages are balanced by and their schedule replayed with (the head of GPT-2 124M is ~4.5 blocks).
-  double block_flops() const { return 24.0 * d_model * d_model + 4.0 * seq_len * d_model; }
+  // Llama: q and the output projection 2 C^2, k and v 2 C KV hs, the SwiGLU MLP's three 3 C F.
+  double block_matmul_weights() const {
+    const double C = d_model, F = ffn();
+    if (!llama()) return 12.0 * C * C;
+    return 2.0 * C * C + 2.0 * C * kv() * head_size() + 3.0 * C * F;
+  }
+  double block_flops() const { return 2.0 * block_matmul_weights() + 4.0 * seq_len * d_model; }
   double head_flops() const { return 2.0 * d_model * vocab; }
   double head_in_blocks() const { return head_flops() / block_flops(); }
 };
@@ -181,6 +215,10 @@ class GPT {
     // The matrix products' weight operands: the store's 16-bit compute copies, else the fp32 weights.
     BufferRef mqkvw, mprojw, mfcw, mfcprojw;
   };
+  struct LlamaParams {  // Llama's block: the same, its own tensors
+    BufferRef ln1w, qw, kw, vw, projw, ln2w, gatew, upw, downw;
+    BufferRef mqw, mkw, mvw, mprojw, mgatew, mupw, mdownw;
+  };
   // What one block saves for its backward. The inputs of matrix products (ln1, atty, ln2, fch_gelu)
   // are saved in the products' 16-bit type under mixed precision (ln1 and ln2 only without sequence
   // parallelism, whose [Nl,C] pieces are gathered in fp32 before each product), else in fp32.
@@ -195,8 +233,9 @@ class GPT {
     BufferRef xmid;                // [Nl,C]  residual after attention
     BufferRef ln2;                 // [Nl,C]
     BufferRef ln2_mean, ln2_rstd;  // [Nl], [Nl]
-    BufferRef fch;                 // [N,Fl]
-    BufferRef fch_gelu;            // [N,Fl]
+    BufferRef fch;                 // [N,Fl]  (Llama: the gate)
+    BufferRef fcu;                 // [N,Fl]  Llama: the up projection (else empty)
+    BufferRef fch_gelu;            // [N,Fl]  (Llama: silu(gate) * up)
     std::int64_t floats;           // the whole table, in floats
   };
   struct Scratch {                            // not saved across kernels: forward temporaries and backward gradients
@@ -204,6 +243,8 @@ class GPT {
     BufferRef dres, dlocal, dfull, dpartial;  // [Nl,C] x2, [N,C] x2
     BufferRef dqkv, datty, dfch, dfch_gelu;   // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
     BufferRef datt, dsum;                     // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
+    BufferRef q, k, v;  // Llama: [N,Cl], [N,KVl*hs] x2: the products' q, k, v, then their gradients
+    BufferRef dfcu;     // Llama: [N,Fl] the up product's dout (dfch: the gate's)
     std::int64_t floats;
   };
   struct Head {
@@ -233,6 +274,12 @@ class GPT {
   // The block's tensors from the store's view of its unit.
   // Layer l's tensors in `view` (its unit's), found by their handles.
   BlockParams block_params(const ParamStore::UnitView& view, int l, bool grads) const;
+  LlamaParams llama_params(const ParamStore::UnitView& view, int l, bool grads) const;
+  void llama_block_forward(int chunk, int slot, int layer, int B, int next_unit);
+  void llama_block_backward(int chunk, int slot, int layer, int B, int next_unit);
+  // This rank's kv heads (Llama): KV/tp of them from kv_head0 when tp divides KV, else all KV (replicated).
+  int kv_local() const;
+  int kv_head0() const;
   // Tensor `param`'s operand in a matrix product: its 16-bit compute copy when the store has one.
   BufferRef matmul_operand(const ParamStore::UnitView& view, int param) const;
   // A saved activation as a product's operand, gathered to all N rows (Partition::to_full) when the
@@ -248,6 +295,8 @@ class GPT {
   BufferRef here(const float* p, std::int64_t n) const { return BufferRef(p, n, be_.space()); }
   // The unit holding the tied wte on this rank: the embeddings on the first stage, else the head.
   int wte_unit() const { return params_[static_cast<std::size_t>(wte_)].unit; }
+  // The unit holding the head's weight (the tied wte, or lm_head).
+  int head_weight_unit() const { return params_[static_cast<std::size_t>(head_w_)].unit; }
   BlockActs block_acts(int chunk, int slot, int layer) const;
   Scratch scratch() const;
   Head head(int slot) const;
@@ -271,6 +320,7 @@ class GPT {
   std::vector<int> layer_pos_;  // per layer of the model: its position among this rank's, or -1
   // Handles: indices into params_ (-1: not on this rank) and units_.
   int wte_ = -1, wpe_ = -1, lnfw_ = -1, lnfb_ = -1;
+  int head_w_ = -1;  // the head's weight: wte_ when tied, else lm_head.weight
   int emb_unit_ = -1, head_unit_ = -1;
   std::vector<int> block_unit_;                     // per layer of the model, -1 when not on this rank
   std::vector<std::array<int, 12>> block_tensors_;  // per layer: its tensors' handles, in BlockParams order

@@ -38,6 +38,10 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
   if (m.vocab % l.tp != 0)
     throw InputError("parallel.tp = " + s(l.tp) + " does not divide model.vocab = " + s(m.vocab) +
                      " (the token embedding is split by vocabulary); tp sizes that work: " + divisors(tp_ok));
+  if (m.ffn() % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide the MLP's width " + s(m.ffn()) +
+                     (m.llama() ? " (model.ffn_hidden)" : " (4 x model.d_model)") +
+                     "; tp sizes that work: " + divisors(std::gcd(tp_ok, static_cast<long>(m.ffn()))));
   if (l.pp > m.layers)
     throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
                      "; pp sizes that work: 1 .. " + s(m.layers));

@@ -1407,3 +1407,168 @@ TEST(Kernels, ColumnSumsAreTheSameBitsInAnyBlockWidth) {
   EXPECT_EQ(k::column_block_width(100, 8), k::kColumnQuantum);
   EXPECT_EQ(k::column_block_width(5000, 1), k::kColumns);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Llama's block: RMSNorm, rotary positions with grouped-query heads, SwiGLU (finite differences in
+// double; the float kernels against their double twins).
+
+namespace {
+struct RmsNormProblem {
+  Vec inp = randn(static_cast<std::size_t>(kN) * kC, 31, 1.5, 0.4);
+  Vec weight = randn(kC, 32, 0.5, 1.0);
+  Vec R = randn(static_cast<std::size_t>(kN) * kC, 33);
+  Vec out = Vec(static_cast<std::size_t>(kN) * kC), rstd = Vec(kN);
+  double loss() {
+    k::rmsnorm_forward(out.data(), rstd.data(), inp.data(), weight.data(), kN, kC, 1e-5);
+    return dot(out, R);
+  }
+  void grads(Vec& dinp, Vec& dw) {
+    loss();
+    dinp.assign(inp.size(), 0.0);
+    dw.assign(kC, 0.0);
+    k::rmsnorm_backward(dinp.data(), dw.data(), R.data(), inp.data(), weight.data(), rstd.data(), kN, kC);
+  }
+};
+
+// GQA shapes: 4 query heads of size 6 reading 2 kv heads (group 2), sequences of kT tokens.
+constexpr int kQH = 4, kKV = 2, kHS = 6;
+struct RopeProblem {
+  int NH = kQH, KV = kKV, head0 = 0, kv0 = 0, group = kQH / kKV;
+  Vec q = randn(static_cast<std::size_t>(kN) * kQH * kHS, 41);
+  Vec kk = randn(static_cast<std::size_t>(kN) * kKV * kHS, 42);
+  Vec v = randn(static_cast<std::size_t>(kN) * kKV * kHS, 43);
+  Vec R = randn(static_cast<std::size_t>(kN) * 3 * kQH * kHS, 44);
+  Vec qkv = Vec(static_cast<std::size_t>(kN) * 3 * kQH * kHS);
+  double loss() {
+    k::rope_gqa_forward(qkv.data(), q.data(), kk.data(), v.data(), kN, kT, NH, KV, kHS, head0, kv0, group, 50.0);
+    return dot(qkv, R);
+  }
+  void grads(Vec& dq, Vec& dk, Vec& dv) {
+    dq.assign(q.size(), 7.0);  // overwritten, not accumulated
+    dk.assign(kk.size(), 7.0);
+    dv.assign(v.size(), 7.0);
+    k::rope_gqa_backward(dq.data(), dk.data(), dv.data(), R.data(), kN, kT, NH, KV, kHS, head0, kv0, group, 50.0);
+  }
+};
+}  // namespace
+
+TEST(Kernels, RmsNormBackwardMatchesFiniteDifferences) {
+  RmsNormProblem p;
+  Vec dinp, dw;
+  p.grads(dinp, dw);
+  check_grad("rmsnorm dinp", p.inp, dinp, [&] { return p.loss(); });
+  check_grad("rmsnorm dweight", p.weight, dw, [&] { return p.loss(); });
+}
+
+TEST(Kernels, RmsNormNormalisesAndItsFloatKernelMatchesDouble) {
+  RmsNormProblem p;
+  p.loss();
+  for (int n = 0; n < kN; ++n) {  // out / weight has mean square 1 / (1 + eps / ms)
+    double ms = 0, ms_in = 0;
+    for (int c = 0; c < kC; ++c) {
+      const double y = p.out[n * kC + c] / p.weight[c], x = p.inp[n * kC + c];
+      ms += y * y / kC;
+      ms_in += x * x / kC;
+    }
+    EXPECT_NEAR(ms, ms_in / (ms_in + 1e-5), 1e-12) << "row " << n;
+  }
+  const FVec in = to_float(p.inp), w = to_float(p.weight);
+  FVec out(in.size()), rstd(kN);
+  k::rmsnorm_forward(out.data(), rstd.data(), in.data(), w.data(), kN, kC, 1e-5f);
+  RmsNormProblem d;
+  d.inp = rounded(p.inp);
+  d.weight = rounded(p.weight);
+  d.loss();
+  expect_float_close("rmsnorm out", out, d.out);
+}
+
+TEST(Kernels, RopeGqaBackwardMatchesFiniteDifferences) {
+  for (int KV : {kKV, 1, kQH}) {  // grouped, multi-query, one kv head per query head
+    RopeProblem p;
+    p.KV = KV;
+    p.group = kQH / KV;
+    p.kk = randn(static_cast<std::size_t>(kN) * KV * kHS, 42);
+    p.v = randn(static_cast<std::size_t>(kN) * KV * kHS, 43);
+    Vec dq, dk, dv;
+    p.grads(dq, dk, dv);
+    check_grad("rope_gqa dq", p.q, dq, [&] { return p.loss(); });
+    check_grad("rope_gqa dk", p.kk, dk, [&] { return p.loss(); });
+    check_grad("rope_gqa dv", p.v, dv, [&] { return p.loss(); });
+  }
+}
+
+// A tp rank's share: query heads 2-3 of 4 (head0 2) reading kv heads of 2 held whole (kv0 0, the
+// replicated case): kv head 0 has no reader here, so its gradient is zero; held split (one kv head,
+// kv0 1), the same rows as the whole problem's.
+TEST(Kernels, RopeGqaPlacesARanksHeads) {
+  RopeProblem whole;
+  whole.loss();
+  Vec dq, dk, dv;
+  whole.grads(dq, dk, dv);
+  const int hs = kHS, C = kQH * hs;
+  RopeProblem rep;  // replicated kv
+  rep.NH = 2;
+  rep.head0 = 2;
+  rep.q = Vec(static_cast<std::size_t>(kN) * 2 * hs);
+  for (int n = 0; n < kN; ++n)
+    for (int e = 0; e < 2 * hs; ++e) rep.q[n * 2 * hs + e] = whole.q[n * C + 2 * hs + e];
+  rep.qkv.assign(static_cast<std::size_t>(kN) * 3 * 2 * hs, 0.0);
+  k::rope_gqa_forward(rep.qkv.data(), rep.q.data(), rep.kk.data(), rep.v.data(), kN, kT, 2, kKV, hs, 2, 0, 2, 50.0);
+  for (int n = 0; n < kN; ++n)
+    for (int part = 0; part < 3; ++part)
+      for (int e = 0; e < 2 * hs; ++e)
+        EXPECT_EQ(rep.qkv[(n * 3 + part) * 2 * hs + e], whole.qkv[n * 3 * C + part * C + 2 * hs + e]);
+  Vec g(static_cast<std::size_t>(kN) * 3 * 2 * hs, 0.0);
+  for (int n = 0; n < kN; ++n)
+    for (int part = 0; part < 3; ++part)
+      for (int e = 0; e < 2 * hs; ++e) g[(n * 3 + part) * 2 * hs + e] = whole.R[n * 3 * C + part * C + 2 * hs + e];
+  Vec rq(static_cast<std::size_t>(kN) * 2 * hs), rk(rep.kk.size()), rv(rep.v.size());
+  k::rope_gqa_backward(rq.data(), rk.data(), rv.data(), g.data(), kN, kT, 2, kKV, hs, 2, 0, 2, 50.0);
+  for (int n = 0; n < kN; ++n)
+    for (int e = 0; e < hs; ++e) {
+      EXPECT_EQ(rk[n * 2 * hs + e], 0.0);  // kv head 0: read by query heads 0-1, not held here
+      EXPECT_EQ(rv[n * 2 * hs + e], 0.0);
+      EXPECT_EQ(rk[n * 2 * hs + hs + e], dk[n * 2 * hs + hs + e]);
+      EXPECT_EQ(rv[n * 2 * hs + hs + e], dv[n * 2 * hs + hs + e]);
+    }
+  // Split: this rank holds kv head 1 only (kv0 1).
+  Vec k1(static_cast<std::size_t>(kN) * hs), v1(k1.size()), qkv1(rep.qkv.size());
+  for (int n = 0; n < kN; ++n)
+    for (int e = 0; e < hs; ++e) {
+      k1[n * hs + e] = whole.kk[n * 2 * hs + hs + e];
+      v1[n * hs + e] = whole.v[n * 2 * hs + hs + e];
+    }
+  k::rope_gqa_forward(qkv1.data(), rep.q.data(), k1.data(), v1.data(), kN, kT, 2, 1, hs, 2, 1, 2, 50.0);
+  EXPECT_EQ(qkv1, rep.qkv);
+}
+
+TEST(Kernels, RopeAtPositionZeroIsTheIdentityAndKeepsNorms) {
+  RopeProblem p;
+  p.loss();
+  const int C = kQH * kHS;
+  for (int n = 0; n < kN; ++n)
+    for (int h = 0; h < kQH; ++h)
+      for (int i = 0; i < kHS / 2; ++i) {
+        const double a = p.q[n * C + h * kHS + 2 * i], b = p.q[n * C + h * kHS + 2 * i + 1];
+        const double x = p.qkv[n * 3 * C + h * kHS + 2 * i], y = p.qkv[n * 3 * C + h * kHS + 2 * i + 1];
+        if (n % kT == 0) {
+          EXPECT_EQ(x, a);
+          EXPECT_EQ(y, b);
+        }
+        EXPECT_NEAR(x * x + y * y, a * a + b * b, 1e-12 * (1 + a * a + b * b));
+      }
+}
+
+TEST(Kernels, SwigluBackwardMatchesFiniteDifferences) {
+  Vec gate = randn(40, 51, 2.0), up = randn(40, 52), R = randn(40, 53), out(40);
+  const auto loss = [&] {
+    k::swiglu_forward(out.data(), gate.data(), up.data(), 40);
+    return dot(out, R);
+  };
+  Vec dg(40, 7.0), du(40, 7.0);
+  k::swiglu_backward(dg.data(), du.data(), R.data(), gate.data(), up.data(), 40);
+  check_grad("swiglu dgate", gate, dg, loss);
+  check_grad("swiglu dup", up, du, loss);
+  loss();  // the checks above left their last perturbed evaluation in out
+  for (int i = 0; i < 40; ++i) EXPECT_NEAR(out[i], gate[i] / (1 + std::exp(-gate[i])) * up[i], 1e-14);
+}

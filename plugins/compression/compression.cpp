@@ -610,7 +610,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     const bool feedback = !residual_.empty();
     // With pipeline stages the last stage holds a shadow of wte whose gradient (the head's part)
     // differs from the first stage's (the embedding's): its state goes under "<name>#head".
-    const bool shadow_wte = model_.stage().count > 1;
+    const bool shadow_wte = model_.stage().count > 1 && model_.config().tied();
     auto local = [&](const std::string& name, bool head) {
       const int i = model_.param_index(name);
       if (i < 0 || model_.params()[static_cast<std::size_t>(i)].shadow != head) return -1;

@@ -171,7 +171,7 @@ class PipelineSchedule final : public Schedule {
         run_dir_(std::move(run_dir)),
         layers_(std::move(layers)) {
     const Stage& st = model.stage();
-    if (p_ > 1 && (first_ || last_))
+    if (p_ > 1 && (first_ || last_) && model.config().tied())
       tied_numel_ = model.params()[static_cast<std::size_t>(model.param_index("wte.weight"))].numel();
     bool takes_input = false, takes_gradient = false;
     for (int c = 0; c < v_; ++c) {
@@ -310,7 +310,7 @@ class PipelineSchedule final : public Schedule {
   // The tied embedding: the first stage's wte and the last stage's shadow of it (the head) each
   // hold part of the gradient. Both get first + last (the same sum, bit for bit, on both).
   void finish_grads(GPT& model) override {
-    if (p_ == 1 || (!first_ && !last_)) return;
+    if (p_ == 1 || (!first_ && !last_) || !model.config().tied()) return;  // an untied head: nothing shared
     const int index = model.param_index("wte.weight");  // the first stage's, or the last stage's shadow
     const ParamInfo& wte = model.params()[static_cast<std::size_t>(index)];
     const BufferRef g = model.grad_ref(index).slice(0, wte.numel());
@@ -335,12 +335,12 @@ class PipelineSchedule final : public Schedule {
     const std::size_t ops = order_.size();
     plan.ring_scratch(pp_.name(), {static_cast<double>(ring_all_reduce_scratch(
                                       static_cast<std::int64_t>(1 + (kStats + ops) * p_), p_, sizeof(double)))});
-    if (first_ || last_) plan.add_scratch(Mem::comm, static_cast<double>(tied_numel_) * sizeof(float));
+    if (tied_numel_ > 0) plan.add_scratch(Mem::comm, static_cast<double>(tied_numel_) * sizeof(float));
     double sends = 0;
     for (int c = 0; c < v_; ++c) sends += (c + 1 < v_ || !last_ ? 1 : 0) + (c > 0 || !first_ ? 1 : 0);
     plan.add_comm({pp_.name(), "stage-boundary activations and gradients", sends * m_ * boundary_ * 4.0, sends * m_,
                    false, true});
-    if (first_ || last_) plan.add_comm({pp_.name(), "tied wte gradient", tied_numel_ * 4.0, 1, false});
+    if (tied_numel_ > 0) plan.add_comm({pp_.name(), "tied wte gradient", tied_numel_ * 4.0, 1, false});
     std::vector<std::vector<double>> op_units(static_cast<std::size_t>(p_));
     plan.stage_units.assign(static_cast<std::size_t>(p_), 0.0);
     for (int s = 0; s < p_; ++s)

@@ -95,10 +95,12 @@ class TensorPartition final : public Partition {
     // elements on every tp rank (their layouts match).
     ParamStore& store = model.store();
     const auto& owned = store.owned();
-    if (sp_) {
-      std::int64_t total = 0;
-      for (const OwnedSlice& o : owned)
-        if (params[static_cast<std::size_t>(o.param)].sp_partial) total += o.size();
+    // (Also without sequence parallelism where tp does not divide Llama's kv heads: their whole k and v
+    // weights' gradients are each rank's query heads' share, marked sp_partial by the model.)
+    std::int64_t total = 0;
+    for (const OwnedSlice& o : owned)
+      if (params[static_cast<std::size_t>(o.param)].sp_partial) total += o.size();
+    if (total > 0) {
       ensure_capacity(be_, pack_buf_, "TensorPartition::sp_grad_pack", DType::f32, total, Mem::comm);
       const BufferRef pack = pack_buf_.ref();
       std::int64_t at = 0;
@@ -163,13 +165,15 @@ class TensorPartition final : public Partition {
       const double gathers = ops + m * (model.stage().last() ? 1.0 : 0.0);  // the head's lnf gather
       plan.add_comm({tp_.name(), "sequence-parallel all-gathers and reduce-scatters",
                      (ops + gathers) * ring_all_gather_bytes(N * C * 4.0, n), (ops + gathers) * (n - 1), false, true});
-      std::int64_t partial = 0;
-      for (const OwnedSlice& o : model.store().owned())
-        if (model.params()[static_cast<std::size_t>(o.param)].sp_partial) partial += o.size();
+    }
+    std::int64_t partial = 0;  // finish_grads' sum of the gradients each rank holds only a share of
+    for (const OwnedSlice& o : model.store().owned())
+      if (model.params()[static_cast<std::size_t>(o.param)].sp_partial) partial += o.size();
+    if (partial > 0) {
       plan.add_scratch(Mem::comm, static_cast<double>(partial) * sizeof(float));
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(partial, n, sizeof(float))));
-      plan.add_comm({tp_.name(), "sequence-parallel gradient sum", ring_all_reduce_bytes(partial * 4.0, n),
-                     2.0 * (n - 1), false});
+      plan.add_comm({tp_.name(), sp_ ? "sequence-parallel gradient sum" : "replicated kv heads' gradient sum",
+                     ring_all_reduce_bytes(partial * 4.0, n), 2.0 * (n - 1), false});
     }
     if (model.stage().last()) {
       plan.add_scratch(Mem::comm, N * 4.0 + 2 * N * 8.0);

@@ -902,3 +902,89 @@ TEST(LayerKernelsEmu, Int8CompressionIsTheHostsBitForBit) {
 }
 
 }  // namespace
+
+// Llama's block: RMSNorm (a warp's tree per row: within the GPU test's bound), the rotary GQA gather
+// and its backward (per element and summed in query-head order, as the host: bit for bit), SwiGLU
+// (the shared per-element code: bit for bit, and rounded once to a 16-bit output).
+TEST(LayerKernelsEmu, RmsNormForwardAndBackward) {
+  const int N = 19, C = 37;
+  const auto inp = randn(std::size_t(N) * C, 11, 2.0f), w = randn(C, 12), dout = randn(std::size_t(N) * C, 13);
+  const auto dinp0 = randn(std::size_t(N) * C, 14), dw0 = randn(C, 15);
+  std::vector<float> out(std::size_t(N) * C), rstd(N);
+  loom::kernels::rmsnorm_forward(out.data(), rstd.data(), inp.data(), w.data(), N, C, 1e-5f);
+  std::vector<float> dinp = dinp0, dw = dw0;
+  loom::kernels::rmsnorm_backward(dinp.data(), dw.data(), dout.data(), inp.data(), w.data(), rstd.data(), N, C);
+  const Bits fwd = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<float> o(out.size()), r(N);
+    layer::rmsnorm_forward(launch, o.data(), r.data(), inp.data(), w.data(), N, C, 1e-5f);
+    return Bits{bits_of(o), bits_of(r)};
+  });
+  EXPECT_LT(rel_err(from_bits<float>(fwd[0]), out), 1e-5);
+  EXPECT_LT(rel_err(from_bits<float>(fwd[1]), rstd), 1e-5);
+  const Bits bwd = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<float> di = dinp0, dwk = dw0, scratch(std::size_t(layer::column_scratch_floats(N, C, 1)));
+    layer::rmsnorm_backward(launch, di.data(), dwk.data(), dout.data(), inp.data(), w.data(), rstd.data(), N, C,
+                            scratch.data(), std::int64_t(scratch.size()));
+    return Bits{bits_of(di), bits_of(dwk)};
+  });
+  EXPECT_LT(rel_err(from_bits<float>(bwd[0]), dinp), 1e-5);
+  EXPECT_LT(rel_err(from_bits<float>(bwd[1]), dw), 1e-5);
+}
+
+TEST(LayerKernelsEmu, RopeGqaIsTheHostsBitForBit) {
+  const int T = 7, N = 2 * T, hs = 8;
+  // (query heads, kv heads held, first query head, first kv head, group): one rank's whole model,
+  // grouped and multi-query; a tp rank's share with its kv heads split, and with them replicated.
+  const int cases[][5] = {{4, 2, 0, 0, 2}, {4, 1, 0, 0, 4}, {2, 1, 2, 1, 2}, {2, 2, 2, 0, 2}};
+  for (const auto& c : cases) {
+    const int NH = c[0], KV = c[1], head0 = c[2], kv0 = c[3], group = c[4];
+    const auto q = randn(std::size_t(N) * NH * hs, 21), k = randn(std::size_t(N) * KV * hs, 22),
+               v = randn(std::size_t(N) * KV * hs, 23), g = randn(std::size_t(N) * 3 * NH * hs, 24);
+    std::vector<float> qkv(g.size()), dq(q.size()), dk(k.size()), dv(v.size());
+    loom::kernels::rope_gqa_forward(qkv.data(), q.data(), k.data(), v.data(), N, T, NH, KV, hs, head0, kv0, group,
+                                    500.0);
+    loom::kernels::rope_gqa_backward(dq.data(), dk.data(), dv.data(), g.data(), N, T, NH, KV, hs, head0, kv0, group,
+                                     500.0);
+    const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+      std::vector<float> o(qkv.size(), 9.0f), a(dq.size(), 9.0f), b(dk.size(), 9.0f), e(dv.size(), 9.0f);
+      layer::rope_gqa_forward(launch, o.data(), q.data(), k.data(), v.data(), N, T, NH, KV, hs, head0, kv0, group,
+                              500.0f);
+      layer::rope_gqa_backward(launch, a.data(), b.data(), e.data(), g.data(), N, T, NH, KV, hs, head0, kv0, group,
+                               500.0f);
+      return Bits{bits_of(o), bits_of(a), bits_of(b), bits_of(e)};
+    });
+    EXPECT_EQ(got[0], bits_of(qkv)) << "NH " << NH << " KV " << KV;
+    EXPECT_EQ(got[1], bits_of(dq)) << "NH " << NH << " KV " << KV;
+    EXPECT_EQ(got[2], bits_of(dk)) << "NH " << NH << " KV " << KV;
+    EXPECT_EQ(got[3], bits_of(dv)) << "NH " << NH << " KV " << KV;
+  }
+}
+
+TEST(LayerKernelsEmu, SwigluIsTheHostsBitForBit) {
+  const std::int64_t n = 1001;
+  const auto gate = randn(n, 31, 3.0f), up = randn(n, 32), dout = randn(n, 33);
+  std::vector<float> out(n), dg(n), du(n);
+  loom::kernels::swiglu_forward(out.data(), gate.data(), up.data(), n);
+  loom::kernels::swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n);
+  const Bits got = in_every_schedule([&](const OnEmulator& launch) {
+    std::vector<float> o(n), a(n), b(n);
+    std::vector<std::uint16_t> o16(n), a16(n), b16(n);
+    layer::swiglu_forward(launch, o.data(), gate.data(), up.data(), n);
+    layer::swiglu_backward(launch, a.data(), b.data(), dout.data(), gate.data(), up.data(), n);
+    layer::swiglu_forward<DType::bf16>(launch, o16.data(), gate.data(), up.data(), n);
+    layer::swiglu_backward<DType::bf16>(launch, a16.data(), b16.data(), dout.data(), gate.data(), up.data(), n);
+    return Bits{bits_of(o), bits_of(a), bits_of(b), bits_of(o16), bits_of(a16), bits_of(b16)};
+  });
+  EXPECT_EQ(got[0], bits_of(out));
+  EXPECT_EQ(got[1], bits_of(dg));
+  EXPECT_EQ(got[2], bits_of(du));
+  std::vector<std::uint16_t> o16(n), a16(n), b16(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    o16[i] = loom::math::bf16_bits(out[i]);
+    a16[i] = loom::math::bf16_bits(dg[i]);
+    b16[i] = loom::math::bf16_bits(du[i]);
+  }
+  EXPECT_EQ(got[3], bits_of(o16));
+  EXPECT_EQ(got[4], bits_of(a16));
+  EXPECT_EQ(got[5], bits_of(b16));
+}
