@@ -115,6 +115,12 @@ def torch_cfg(deck):
     cfg = {k.split(".")[1]: int(deck[k]) for k in need_int}
     cfg.update({k.split(".")[1]: float(deck[k]) for k in need_float})
     cfg["schedule"] = deck["train.schedule"]
+    # Llama's block (--set model.arch=llama ...): torch_gpt builds the same architecture.
+    for k in ("arch", "kv_heads", "ffn_hidden", "norm_eps", "rope_theta", "tie_embeddings"):
+        if "model." + k in deck:
+            cfg[k] = deck["model." + k]
+    if cfg.get("tie_embeddings") == "auto":
+        cfg["tie_embeddings"] = "true" if cfg.get("arch", "gpt2") == "gpt2" else "false"
     return cfg
 
 

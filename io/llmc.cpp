@@ -136,6 +136,9 @@ LlmcModel read_llmc_model(const std::string& path) {
 }
 
 void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::string& path) {
+  if (cfg.llama())
+    throw InputError("model.init_from = " + quote_path(path) +
+                     ": an llm.c model file holds GPT-2's block, and this deck's model.arch = llama");
   std::string bad;
   auto differ = [&](const char* key, int deck, const char* field, int file) {
     if (deck != file)
@@ -167,6 +170,10 @@ LlmcModel read_init_from(const std::string& path, const GPTConfig& cfg) {
 
 void write_llmc_model(const std::string& path, const GPTConfig& cfg,
                       const std::function<const std::vector<float>&(const std::string& name)>& tensor) {
+  if (cfg.llama())
+    throw InputError(
+        quote_path(path) +
+        ": llm.c's model file holds GPT-2's block only; this checkpoint's model.arch = " + "llama has no llm.c layout");
   const std::int64_t C = cfg.d_model, V = cfg.vocab, T = cfg.seq_len;
   const std::int64_t Vp = (V + 127) / 128 * 128;
   std::int32_t h[256] = {};

@@ -18,6 +18,10 @@ CASE is one of:
   layout_zero3_dp4_to_dp1, layout_dp2_to_zero2_dp4, layout_zero2_dp2_to_zero3_dp4 (ZeRO on either side)
                      saved on one layout, resumed on another: the same model continues (losses within
                      the cross-layout tolerance of the uninterrupted run)
+  bitwise_llama_zero3_dp2, layout_llama_tp2_to_pp2  the same for Llama's block (model.arch = llama,
+                     kv_heads 1: whole on every tp rank)
+  refuse_other_arch  a Llama checkpoint resumed by a GPT-2 deck, or with other kv heads: exit status 2,
+                     both values named
   refuse_missing_latest  checkpoint.resume = latest with no `latest` in checkpoint.dir: exit status 2,
                      the path named (a damaged or foreign file's refusals are the C++ test's,
                      io/test_mpi/test_checkpoint.cpp, mpi.checkpoint.np*)
@@ -45,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 DECK = common.small_deck(steps=8)
+LLAMA = ["model.arch=llama", "model.kv_heads=1"]  # Llama's block, multi-query
 CROSS_LAYOUT_TOL = 1e-5  # relative, per step: reduction order is the only difference between layouts
 
 
@@ -76,11 +81,14 @@ def main():
         "layout_zero3_dp4_to_dp1": ((4, ["parallel.dp=4", "zero.stage=3"]), (1, [])),
         "layout_dp2_to_zero2_dp4": ((2, ["parallel.dp=2"]), (4, ["parallel.dp=4", "zero.stage=2"])),
         "layout_zero2_dp2_to_zero3_dp4": ((2, ["parallel.dp=2", "zero.stage=2"]), (4, ["parallel.dp=4", "zero.stage=3"])),
+        # Llama multi-query: its kv head whole on both tp ranks when saved, on one pipeline stage when resumed.
+        "layout_llama_tp2_to_pp2": ((2, LLAMA + ["parallel.tp=2"]), (2, LLAMA + ["parallel.pp=2", "train.micro_batches=2"])),
     }
     bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"],
                "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"],
                "bitwise_zero2_dp2": ["parallel.dp=2", "zero.stage=2"],
-               "bitwise_zero3_dp2": ["parallel.dp=2", "zero.stage=3"]}
+               "bitwise_zero3_dp2": ["parallel.dp=2", "zero.stage=3"],
+               "bitwise_llama_zero3_dp2": LLAMA + ["parallel.dp=2", "zero.stage=3"]}
     if name in bitwise:
         ref, ckpt = saved(c, 2, bitwise[name])
         c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])
@@ -90,6 +98,13 @@ def main():
         ref, ckpt = saved(c, r0, s0)
         c.loom("resumed", r1, s1 + ["checkpoint.resume=" + ckpt])
         c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, CROSS_LAYOUT_TOL)
+    elif name == "refuse_other_arch":
+        # A Llama checkpoint is not a GPT-2 one (nor the reverse): refused before step 1, naming both.
+        _, ckpt = saved(c, 1, LLAMA)
+        p, _ = c.loom("refused", 1, ["checkpoint.resume=" + ckpt], expect=2)
+        c.expect_error(p, [r"model\.arch = llama in the checkpoint, gpt2 in this deck"])
+        p, _ = c.loom("refused_kv", 1, LLAMA[:1] + ["model.kv_heads=2", "checkpoint.resume=" + ckpt], expect=2)
+        c.expect_error(p, [r"model\.kv_heads = 1 in the checkpoint, 2 in this deck"])
     elif name == "refuse_missing_latest":
         # (The file format's refusals, of a damaged or foreign file, are io/test_mpi/test_checkpoint.cpp's.)
         _, ckpt = saved(c, 1, [])

@@ -132,6 +132,26 @@ inline BlockCounts block_counts(double N, double Nl, double C, double tp) {
   return b;
 }
 
+// Llama's block (model.arch = llama), as GPT::llama_block_forward / _backward run it: seven products
+// (q [C,C/tp], k and v [C,CK] with CK the kv width this rank holds, the projection, gate and up
+// [C,F/tp], down) forward, fourteen backward; RMSNorm counted as LayerNorm; the rotary gather reads q, k
+// and v and writes qkv (8 B per [N,3C/tp] element each way); SwiGLU reads gate and up and writes
+// out (12 B per [N,F/tp] element), its backward reads three and writes two (20 B); three adds of
+// input gradients of products [N,C] backward.
+inline BlockCounts llama_block_counts(double N, double Nl, double C, double tp, double CK, double F) {
+  BlockCounts b;
+  b.matmul_flops_fwd = 2.0 * N * (2.0 * C * C / tp + 2.0 * C * CK + 3.0 * C * F / tp);
+  b.matmul_flops_bwd = 2.0 * b.matmul_flops_fwd;
+  b.gemms_fwd = 7;
+  b.gemms_bwd = 14;
+  using KB = KernelBytes;
+  b.elementwise_bytes_fwd =
+      2 * KB::layernorm_fwd * Nl * C + 8 * N * 3 * C / tp + 12 * N * F / tp + 2 * KB::residual * Nl * C;
+  b.elementwise_bytes_bwd = 2 * KB::layernorm_bwd * Nl * C + 8 * N * 3 * C / tp + 20 * N * F / tp +
+                            3 * KB::residual * N * C + 2 * KB::copy * Nl * C;
+  return b;
+}
+
 // The optimizer's pass per step, as the engine runs it: the gradients zeroed (4 B per gradient element
 // held), then per element this rank updates: their squared norm (read 4 B), the clip's scale (read and
 // write 4 B each; counted, as the early steps clip) and AdamW (read p, g, m, v; write p, m, v: 28 B).

@@ -91,7 +91,9 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   const bool last = r.last, first = r.first, sp = r.sequence_parallel;
   const double Nl = sp ? N / tp : N;
   const double recompute = m.recompute ? 1.0 : 0.0;
-  const BlockCounts b = block_counts(N, Nl, C, tp);
+  const double kv_held = m.kv() % l.tp == 0 ? m.kv() / tp : m.kv();  // Llama's kv heads on a rank
+  const BlockCounts b =
+      m.llama() ? llama_block_counts(N, Nl, C, tp, kv_held * m.head_size(), m.ffn()) : block_counts(N, Nl, C, tp);
   // Products: 2 flops per multiply-add, backward twice the forward; the head's [N,C]x[C,V/tp] once
   // forward (one GEMM), twice backward (two).
   const double head_mm = last ? 2.0 * N * V * C / tp : 0.0;
