@@ -678,10 +678,36 @@ void GPT::check_slot(int chunk, int slot, const char* what) const {
 
 GPT::Scratch GPT::scratch() const { return carve_scratch(geom_, scratch_buf_.data<float>()); }
 
+// The block's attention on its saved qkv, by the configured kind: a.atty (and a.att or a.lse) from a.qkv.
+// The unfused kernel's output, a product's, goes through fp32 scratch (s.full, free once the gathered
+// ln1 has been read by the q, k, v products) when atty is saved 16-bit.
+void GPT::attention(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl) {
+  if (cfg_.flash_attention) {
+    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
+      be_.attention_forward_cudnn(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
+    else
+      be_.attention_forward_flash(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
+    return;
+  }
+  const std::int64_t NCl = static_cast<std::int64_t>(B) * T * Cl;
+  const BufferRef out = a.atty.type == DType::f32 ? a.atty : s.full;
+  be_.attention_forward(out, a.att, a.qkv, B, T, Cl, NHl);
+  if (out.data != a.atty.data) be_.cast(a.atty.slice(0, NCl), out.slice(0, NCl));
+}
+
+// s.dqkv from s.datty, the gradient of the attention's output.
+void GPT::attention_backward(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl) {
+  if (!cfg_.flash_attention)
+    be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
+  else if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
+    be_.attention_backward_cudnn(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+  else
+    be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+}
+
 void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
-  const std::int64_t NCl = static_cast<std::int64_t>(N) * Cl;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   // Next: the following block's forward, or (recomputing in backward) this block's backward.
   const int next = recompute                                ? unit
@@ -700,16 +726,7 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   // product's, which goes through fp32 scratch (s.full, free once the gathered ln1 is used).
   be_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1w, w.ln1b, Nl, C);
   be_.matmul_forward(a.qkv, input_of(a.ln1, s.full, N, C), w.mqkvw, w.qkvb, N, C, 3 * Cl);  // [N,3Cl]
-  if (cfg_.flash_attention) {
-    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
-      be_.attention_forward_cudnn(a.atty, a.lse, a.qkv, B, T, Cl, NHl);  // [N,Cl]
-    else
-      be_.attention_forward_flash(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
-  } else {
-    const BufferRef out = a.atty.type == DType::f32 ? a.atty : s.full;
-    be_.attention_forward(out, a.att, a.qkv, B, T, Cl, NHl);  // [N,Cl]
-    if (out.data != a.atty.data) be_.cast(a.atty.slice(0, NCl), out.slice(0, NCl));
-  }
+  attention(a, s, B, T, Cl, NHl);                                                           // [N,Cl]
   // Without tensor parallelism the row-parallel layers' sums are whole at once: their biases go into
   // the product (cuBLASLt's epilogue on a GPU; the host adds them after it, as bias_add would).
   const bool whole = part_->size() == 1;
@@ -762,13 +779,7 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   dy = part_->grad_to_full(dres, s.dfull, N, C);
   be_.matmul_backward(s.datty, dw.projw, whole ? dw.projb : BufferRef(), dy, a.atty, w.mprojw, N, Cl, C);
   if (!whole) be_.bias_backward(dw.projb, dres, Nl, C);
-  if (cfg_.flash_attention)
-    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
-      be_.attention_backward_cudnn(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
-    else
-      be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
-  else
-    be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
+  attention_backward(a, s, B, T, Cl, NHl);
   be_.matmul_backward(s.dpartial, dw.qkvw, dw.qkvb, s.dqkv, input_of(a.ln1, s.full, N, C), w.mqkvw, N, C, 3 * Cl);
   const BufferRef dln1 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);
   be_.layernorm_backward(dres, dw.ln1w, dw.ln1b, dln1, residual(chunk, slot, l), w.ln1w, a.ln1_mean, a.ln1_rstd, Nl,
@@ -782,7 +793,7 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
 void GPT::llama_block_forward(int chunk, int slot, int l, int B, int next) {
   const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N, hs = cfg_.head_size();
   const int Cl = C / tp_, Fl = cfg_.ffn() / tp_, NHl = cfg_.heads / tp_, KVl = kv_local(), CKl = KVl * hs;
-  const std::int64_t NCl = static_cast<std::int64_t>(N) * Cl, NlC = static_cast<std::int64_t>(Nl) * C;
+  const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   const LlamaParams w = llama_params(store_->acquire(unit, ParamStore::Use::forward, next), l, false);
   const BlockActs a = block_acts(chunk, slot, l);
@@ -796,16 +807,7 @@ void GPT::llama_block_forward(int chunk, int slot, int l, int B, int next) {
   be_.matmul_forward(s.v, in, w.mvw, {}, N, C, CKl);
   be_.rope_gqa_forward(a.qkv, s.q, s.k, s.v, N, T, NHl, KVl, hs, tp_rank_ * NHl, kv_head0(), cfg_.heads / cfg_.kv(),
                        cfg_.rope_theta);
-  if (cfg_.flash_attention) {
-    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
-      be_.attention_forward_cudnn(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
-    else
-      be_.attention_forward_flash(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
-  } else {
-    const BufferRef out = a.atty.type == DType::f32 ? a.atty : s.full;  // s.full: free once `in` is used
-    be_.attention_forward(out, a.att, a.qkv, B, T, Cl, NHl);
-    if (out.data != a.atty.data) be_.cast(a.atty.slice(0, NCl), out.slice(0, NCl));
-  }
+  attention(a, s, B, T, Cl, NHl);
   be_.matmul_forward(s.partial, a.atty, w.mprojw, {}, N, Cl, C);
   be_.residual_forward(a.xmid, x, part_->reduce_partial(s.partial, s.local, N, C), NlC);
   be_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.xmid, w.ln2w, Nl, C, cfg_.norm_eps);
@@ -845,13 +847,7 @@ void GPT::llama_block_backward(int chunk, int slot, int l, int B, int next) {
   // attention
   dy = part_->grad_to_full(dres, s.dfull, N, C);
   be_.matmul_backward(s.datty, dw.projw, {}, dy, a.atty, w.mprojw, N, Cl, C);
-  if (cfg_.flash_attention)
-    if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
-      be_.attention_backward_cudnn(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
-    else
-      be_.attention_backward_flash(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
-  else
-    be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
+  attention_backward(a, s, B, T, Cl, NHl);
   be_.rope_gqa_backward(s.q, s.k, s.v, s.dqkv, N, T, NHl, KVl, hs, tp_rank_ * NHl, kv_head0(), cfg_.heads / cfg_.kv(),
                         cfg_.rope_theta);
   const BufferRef in = input_of(a.ln1, s.full, N, C);

@@ -275,6 +275,8 @@ class GPT {
   // Layer l's tensors in `view` (its unit's), found by their handles.
   BlockParams block_params(const ParamStore::UnitView& view, int l, bool grads) const;
   LlamaParams llama_params(const ParamStore::UnitView& view, int l, bool grads) const;
+  void attention(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl);
+  void attention_backward(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl);
   void llama_block_forward(int chunk, int slot, int layer, int B, int next_unit);
   void llama_block_backward(int chunk, int slot, int layer, int B, int next_unit);
   // This rank's kv heads (Llama): KV/tp of them from kv_head0 when tp divides KV, else all KV (replicated).
