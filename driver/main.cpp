@@ -57,6 +57,9 @@ const char* kUsage =
     "  ckpt llmc CKPT OUT.bin\n"
     "                 write a checkpoint's weights as an llm.c model file (train_gpt2.c reads it; a deck's\n"
     "                 model.init_from reads it back)\n"
+    "  ckpt hf CKPT DIR\n"
+    "                 write a Llama checkpoint (model.arch = llama) as Hugging Face's LlamaForCausalLM files,\n"
+    "                 DIR/model.safetensors and DIR/config.json (model.init_from = DIR reads them back)\n"
     "  sample CKPT [--prompt TEXT | --tokens IDS] [--steps N] [--temperature T] [--top-k K] [--seed S]\n"
     "              [--tokenizer FILE]\n"
     "                 generate from a checkpoint (file, or checkpoint directory: its latest): text for the byte\n"
@@ -291,9 +294,10 @@ int list_plugins(const StrategyRegistry& registry, int rank) {
 
 int ckpt(const Args& a, int rank) {
   if (a.positional.size() == 3 && a.positional[0] == "llmc") return command_ckpt_llmc(a.positional[1], a.positional[2]);
+  if (a.positional.size() == 3 && a.positional[0] == "hf") return command_ckpt_hf(a.positional[1], a.positional[2]);
   if (a.positional.size() == 2 && a.positional[0] == "verify") return command_ckpt_verify(a.positional[1]);
   if (a.positional.size() != 2 || a.positional[0] != "info")
-    usage_error("ckpt", "expects info FILE, verify FILE|DIR or llmc CKPT OUT.bin");
+    usage_error("ckpt", "expects info FILE, verify FILE|DIR, llmc CKPT OUT.bin or hf CKPT DIR");
   if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
   return 0;
 }

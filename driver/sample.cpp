@@ -20,6 +20,7 @@
 #include "driver/commands.hpp"
 #include "io/util.hpp"
 #include "io/checkpoint.hpp"
+#include "io/hf.hpp"
 #include "io/llmc.hpp"
 
 namespace loom {
@@ -189,6 +190,30 @@ int command_ckpt_llmc(const std::string& checkpoint, const std::string& out) {
             << model.config().vocab << " (padded to " << (model.config().vocab + 127) / 128 * 128 << "), max_seq_len "
             << model.config().seq_len << ", from step " << m.header.step << " of " << checkpoint_file(checkpoint)
             << "\n";
+  return 0;
+}
+
+// loom ckpt hf CKPT DIR: Hugging Face's LlamaForCausalLM files (io/hf.hpp) from a checkpoint.
+int command_ckpt_hf(const std::string& checkpoint, const std::string& dir) {
+  std::error_code ec;
+  if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec))
+    throw InputError("ckpt hf: DIR " + quote_path(dir) +
+                     " is a file; name a folder (made if missing) for model.safetensors and config.json");
+  LoadedModel m = load_whole(checkpoint, "ckpt hf", 1);
+  GPT& model = *m.model;
+  std::map<std::string, std::vector<float>> whole;
+  for (std::size_t i = 0; i < model.params().size(); ++i) {
+    const ParamInfo& p = model.params()[i];
+    const float* w = model.param_ref(static_cast<int>(i)).as<float>();
+    whole[p.name].assign(w, w + p.numel());
+  }
+  write_hf_llama(dir, model.config(),
+                 [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });
+  const GPTConfig& c = model.config();
+  std::cout << "wrote " << dir << "/{model.safetensors,config.json}: LlamaForCausalLM (fp32), " << c.layers
+            << " layers, hidden_size " << c.d_model << ", " << c.heads << " heads, " << c.kv() << " kv heads, "
+            << "intermediate_size " << c.ffn() << ", vocab " << c.vocab << (c.tied() ? ", tied" : "") << ", from step "
+            << m.header.step << " of " << checkpoint_file(checkpoint) << "\n";
   return 0;
 }
 

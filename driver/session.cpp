@@ -1,5 +1,6 @@
 #include "driver/session.hpp"
 
+#include <filesystem>
 #include <mpi.h>
 
 #include <algorithm>
@@ -461,8 +462,10 @@ std::string Session::banner() const {
   if (!attention_why.empty())
     s << "  attention: model.attention = auto -> " << model_cfg.attention << " (" << attention_why << ")\n";
   s << "  weights : "
-    << (init_from.empty() ? "random (train.seed = " + std::to_string(seed) + ")"
-                          : "model.init_from = " + init_from + " (llm.c model file)")
+    << (init_from.empty()
+            ? "random (train.seed = " + std::to_string(seed) + ")"
+            : "model.init_from = " + init_from +
+                  (std::filesystem::is_directory(init_from) ? " (Hugging Face Llama files)" : " (llm.c model file)"))
     << (deck.get_string("checkpoint.resume").empty() ? "" : ", unless checkpoint.resume loads a checkpoint") << "\n";
   s << "  data    : " << train_data->describe() << "\n";
   if (val_owned) s << "  val     : " << val_owned->describe() << "\n";

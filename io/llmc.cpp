@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "core/base/error.hpp"
+#include "io/hf.hpp"
 #include "io/util.hpp"
 
 namespace loom {
@@ -158,6 +159,19 @@ void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::strin
 }
 
 LlmcModel read_init_from(const std::string& path, const GPTConfig& cfg) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {  // Hugging Face's Llama files (io/hf.hpp)
+    HfModel hf;
+    try {
+      hf = read_hf_llama(path);
+    } catch (const InputError& e) {
+      throw InputError(std::string("model.init_from: ") + e.what());
+    }
+    check_hf_model(hf, cfg, path);
+    LlmcModel m;
+    m.tensors = std::move(hf.tensors);
+    return m;
+  }
   LlmcModel m;
   try {
     m = read_llmc_model(path);
