@@ -182,7 +182,8 @@ def matches_host(args):
     # step 1.36e-07.)
     against_host(c, [("tiny_fp32", [], 1e-6, 1e-6), ("wider_fp32", WIDER, 1e-4, 1e-5),
                      ("tiny_bf16", ["precision.dtype=bf16"], 1e-3, 1e-4),
-                     ("wider_flash", WIDER + ["model.attention=flash"], 5e-3, 1e-4)])
+                     ("wider_flash", WIDER + ["model.attention=flash"], 5e-3, 1e-4),
+                     ("tiny_llama_fp32", ["model.arch=llama", "model.kv_heads=2"], 1e-6, 1e-6)])
     # cudnn: cuDNN's kernels against the host's flash twin, with the flash path's 5e-3 over 20 steps;
     # cuDNN rounds its normalised probabilities to bf16 where the twin rounds its tiles', so the first
     # step is held to 1e-3 (not yet measured on a GPU), and the cuda run resumes the host's checkpoint.
@@ -199,7 +200,7 @@ def decks(args):
     if c is None:
         return SKIP
     inputs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "inputs")
-    runs = [(d, []) for d in ("quickstart", "synthetic", "bf16", "fp16", "memory_saving", "long_context")]
+    runs = [(d, []) for d in ("quickstart", "synthetic", "bf16", "fp16", "memory_saving", "long_context", "llama")]
     if cudnn_refused(c) is None:  # long_context with cuDNN's attention, the host running its flash twin
         runs.append(("long_context", ["model.attention=cudnn"]))
     for deck, sets in runs:
@@ -258,6 +259,11 @@ LAYOUTS = [
     ("flash_tp2_bf16", 2, ["model.heads=2", "model.attention=flash", "parallel.tp=2", "precision.dtype=bf16"]),
     ("flash_pp2_recompute", 2, ["model.heads=2", "model.attention=flash", "parallel.pp=2", "train.micro_batches=4",
                                 "model.recompute=true"]),
+    # Llama's block (RMSNorm, rotary GQA, SwiGLU kernels): multi-query on tp 2 (the kv head whole on both
+    # ranks, its gradient summed), and flash attention on a bf16 pipeline.
+    ("llama_tp2_mqa", 2, ["model.arch=llama", "model.kv_heads=1", "parallel.tp=2"]),
+    ("llama_flash_pp2_bf16", 2, ["model.arch=llama", "model.heads=2", "model.kv_heads=1", "model.attention=flash",
+                                 "parallel.pp=2", "train.micro_batches=4", "precision.dtype=bf16"]),
 ]
 
 
