@@ -60,6 +60,13 @@ const char* kUsage =
     "  ckpt hf CKPT DIR\n"
     "                 write a Llama checkpoint (model.arch = llama) as Hugging Face's LlamaForCausalLM files,\n"
     "                 DIR/model.safetensors and DIR/config.json (model.init_from = DIR reads them back)\n"
+    "  data prepare --input GLOB [--input GLOB ...] | --input-list FILE --out DIR [--vocab N] [--model-type "
+    "bpe|unigram]\n"
+    "               [--tokenizer FILE.model] [--val-fraction F] [--shard-tokens N] [--threads N] [--verify] "
+    "[--overwrite]\n"
+    "                 text files (UTF-8) to token shards: train a SentencePiece tokenizer (or use the given one),\n"
+    "                 encode in parallel (ranks x threads), write train/val shards in llm.c's format and\n"
+    "                 DIR/manifest.json; a rerun on the same inputs does nothing, an interrupted one resumes\n"
     "  sample CKPT [--prompt TEXT | --tokens IDS] [--steps N] [--temperature T] [--top-k K] [--seed S]\n"
     "              [--tokenizer FILE]\n"
     "                 generate from a checkpoint (file, or checkpoint directory: its latest): text for the byte\n"
@@ -113,6 +120,7 @@ std::string read_more(const std::string& command) {
       {"export", "docs/tests.md (the PyTorch oracle)"},
       {"ckpt", "docs/checkpoints.md, docs/trained-model.md"},
       {"sample", "docs/trained-model.md"},
+      {"data", "docs/data.md"},
       {"plan", "docs/planning.md"},
       {"keys", "README.md \"Decks\""},
       {"plugins", "docs/install-and-plugins.md"}};
@@ -336,6 +344,7 @@ std::function<int(const std::vector<std::string>&, int)> with_args(const char* n
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {
       {"sample", [](const std::vector<std::string>& rest, int) { return command_sample(parse_sample(rest)); }},
+      {"data", [](const std::vector<std::string>& rest, int) { return command_data(rest); }},
       {"plan",
        [](const std::vector<std::string>& rest, int) {
          auto l = load_strategies();

@@ -6,10 +6,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
+
+#include <nlohmann/json.hpp>
 
 #include "core/base/rng.hpp"
 #include "io/util.hpp"
@@ -19,7 +22,8 @@ namespace loom {
 namespace {
 
 constexpr std::int32_t kShardMagic = 20240520;
-constexpr std::int32_t kShardVersion = 1;
+constexpr std::int32_t kShardVersion = 1;    // uint16 tokens (llm.c's)
+constexpr std::int32_t kShardVersion32 = 2;  // uint32 tokens (loom's, for vocabularies above 65,536)
 constexpr std::int64_t kHeaderInts = 256;
 constexpr std::int64_t kHeaderBytes = kHeaderInts * 4;
 
@@ -181,8 +185,9 @@ std::int32_t le32(const unsigned char* p) {
                                    (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24));
 }
 
-// Appends the tokens of one llm.c shard to `toks`.
-void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std::uint16_t>& toks) {
+// Appends the tokens of one shard (version 1: uint16, llm.c's; version 2: uint32, loom's) to `toks`.
+template <class Tok>
+void read_shard(const DataConfig& cfg, const std::string& path, std::vector<Tok>& toks) {
   const std::string what = cfg.key + " tokens file " + quote_path(path);
   require_regular_file(path, cfg.key + " tokens file");
   std::ifstream in(path, std::ios::binary);
@@ -203,44 +208,69 @@ void read_shard(const DataConfig& cfg, const std::string& path, std::vector<std:
     throw InputError(what + ": bad magic at byte offset 0: expected " + std::to_string(kShardMagic) + ", found " +
                      std::to_string(magic) + " (not an llm.c token shard?)");
   }
-  if (version != kShardVersion) {
+  if (version != kShardVersion && version != kShardVersion32) {
     throw InputError(what + ": unsupported version at byte offset 4: expected " + std::to_string(kShardVersion) +
-                     ", found " + std::to_string(version));
+                     " (uint16 tokens, llm.c's) or " + std::to_string(kShardVersion32) +
+                     " (uint32 tokens, loom's), found " + std::to_string(version));
   }
+  const std::int64_t width = version == kShardVersion ? 2 : 4;
   if (count < 0) {
     throw InputError(what + ": bad token count at byte offset 8: " + std::to_string(count));
   }
   if (count == 0) throw InputError(what + ": empty: the header at byte offset 8 promises 0 tokens");
   const std::int64_t n = count;
-  const std::int64_t held = (size - kHeaderBytes) / 2;
+  const std::int64_t held = (size - kHeaderBytes) / width;
   if (held < n) {
     throw InputError(what + ": truncated at byte offset " + std::to_string(size) + ": the header promises " +
-                     std::to_string(n) + " tokens (" + std::to_string(kHeaderBytes + 2 * n) +
+                     std::to_string(n) + " tokens (" + std::to_string(kHeaderBytes + width * n) +
                      " bytes), the file holds " + std::to_string(held) + " (" + std::to_string(size) + " bytes)");
   }
   // Like llm.c, refuse any size other than the header's: extra bytes mean a wrong count or two
   // shards run together, and reading only the counted tokens would hide it.
-  if (size != kHeaderBytes + 2 * n) {
-    const bool odd = (size - kHeaderBytes) % 2 != 0;
+  if (size != kHeaderBytes + width * n) {
+    const bool odd = (size - kHeaderBytes) % width != 0;
     throw InputError(what + ": longer than its header says: the token count at byte offset 8 promises " +
-                     std::to_string(n) + " tokens (" + std::to_string(kHeaderBytes + 2 * n) + " bytes), the file has " +
-                     std::to_string(size) + " bytes, which hold " + std::to_string(held) + (odd ? ".5" : "") +
-                     " tokens");
+                     std::to_string(n) + " tokens (" + std::to_string(kHeaderBytes + width * n) +
+                     " bytes), the file has " + std::to_string(size) + " bytes, which hold " + std::to_string(held) +
+                     (odd ? " and a part" : "") + " tokens");
   }
-  std::vector<unsigned char> raw(static_cast<std::size_t>(2 * n));
+  std::vector<unsigned char> raw(static_cast<std::size_t>(width * n));
   if (!in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size())))
     throw InputError(what + ": cannot read the tokens (" + std::strerror(errno) + ")");
   const std::size_t base = toks.size();
   toks.resize(base + static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) {
-    const auto id = static_cast<std::uint16_t>(raw[2 * i] | (raw[2 * i + 1] << 8));
-    if (static_cast<int>(id) >= cfg.vocab) {
+    const unsigned char* p = raw.data() + width * i;
+    const std::uint32_t id =
+        width == 2 ? static_cast<std::uint32_t>(p[0] | (p[1] << 8)) : static_cast<std::uint32_t>(le32(p));
+    if (id >= static_cast<std::uint32_t>(cfg.vocab)) {
       throw InputError(what + ": token " + std::to_string(i) + " at byte offset " +
-                       std::to_string(kHeaderBytes + 2 * i) + " has id " + std::to_string(id) +
+                       std::to_string(kHeaderBytes + width * i) + " has id " + std::to_string(id) +
                        ", not below model.vocab = " + std::to_string(cfg.vocab));
     }
-    toks[base + static_cast<std::size_t>(i)] = id;
+    toks[base + static_cast<std::size_t>(i)] = static_cast<Tok>(id);
   }
+}
+
+// A manifest.json beside the shards (`loom data prepare` writes one) names their tokenizer: its
+// vocabulary must fit model.vocab before step 1, not as an index error later.
+void check_manifest_vocab(const DataConfig& cfg, const std::string& shard) {
+  namespace fs = std::filesystem;
+  const fs::path manifest = fs::path(shard).parent_path() / "manifest.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(manifest, ec)) return;
+  nlohmann::json m;
+  try {
+    m = nlohmann::json::parse(read_file(manifest.string(), cfg.key + " manifest"));
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(cfg.key + " manifest " + quote_path(manifest.string()) + ": not valid JSON (" + e.what() + ")");
+  }
+  const auto tok = m.find("tokenizer");
+  if (tok == m.end() || !tok->is_object() || !tok->contains("vocab") || !(*tok)["vocab"].is_number_integer())
+    throw InputError(cfg.key + " manifest " + quote_path(manifest.string()) +
+                     ": has no tokenizer.vocab (not written by loom data prepare?)");
+  check_vocab(cfg.vocab, (*tok)["vocab"].get<int>(),
+              "the tokenizer of " + quote_path(manifest.string()) + " (data.source's manifest)");
 }
 
 std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& pattern) {
@@ -258,14 +288,22 @@ std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& p
     throw InputError(what + ": the pattern " + quote_path(pattern) + " cannot be expanded (glob error " +
                      std::to_string(rc) + ")");
   std::sort(files.begin(), files.end());
-  std::vector<std::uint16_t> toks;
-  for (const auto& f : files) read_shard(cfg, f, toks);
+  check_manifest_vocab(cfg, files[0]);
   std::string desc_what = what;
   if (files.size() == 1) desc_what = cfg.key + " tokens file " + quote_path(files[0]);
   std::ostringstream header;
-  header << "tokens:" << escape_value(pattern) << " (" << files.size() << (files.size() == 1 ? " file, " : " files, ")
-         << toks.size() << " tokens";
-  return std::make_unique<StreamDataset<std::uint16_t>>(cfg, std::move(toks), desc_what, header.str());
+  header << "tokens:" << escape_value(pattern) << " (" << files.size() << (files.size() == 1 ? " file, " : " files, ");
+  // 16-bit storage whenever the vocabulary allows: the loader's memory is the tokens'.
+  if (cfg.vocab <= 65536) {
+    std::vector<std::uint16_t> toks;
+    for (const auto& f : files) read_shard(cfg, f, toks);
+    header << toks.size() << " tokens";
+    return std::make_unique<StreamDataset<std::uint16_t>>(cfg, std::move(toks), desc_what, header.str());
+  }
+  std::vector<std::uint32_t> toks;
+  for (const auto& f : files) read_shard(cfg, f, toks);
+  header << toks.size() << " tokens";
+  return std::make_unique<StreamDataset<std::uint32_t>>(cfg, std::move(toks), desc_what, header.str());
 }
 
 }  // namespace
@@ -290,6 +328,34 @@ std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg) {
   }
   throw InputError(cfg.key + " = " + quote_path(src) +
                    ": unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
+}
+
+void check_vocab(int model_vocab, int tokenizer_vocab, const std::string& what) {
+  const int padded = (tokenizer_vocab + 127) / 128 * 128;
+  if (model_vocab >= tokenizer_vocab && model_vocab <= padded) return;
+  throw InputError("model.vocab = " + std::to_string(model_vocab) + " does not match " + what + ", which has " +
+                   std::to_string(tokenizer_vocab) + " tokens: set model.vocab = " + std::to_string(tokenizer_vocab) +
+                   (padded != tokenizer_vocab
+                        ? " (or up to " + std::to_string(padded) + ", padded to a multiple of 128)"
+                        : std::string()));
+}
+
+void write_token_shard(const std::string& path, const std::vector<std::int32_t>& tokens, int vocab) {
+  const bool wide = vocab > 65536;
+  std::vector<std::int32_t> header(kHeaderInts, 0);
+  header[0] = kShardMagic;
+  header[1] = wide ? kShardVersion32 : kShardVersion;
+  header[2] = static_cast<std::int32_t>(tokens.size());
+  std::string bytes(static_cast<std::size_t>(kHeaderBytes) + tokens.size() * (wide ? 4 : 2), '\0');
+  auto put = [&bytes](std::size_t at, std::uint32_t v, int width) {
+    for (int b = 0; b < width; ++b) bytes[at + static_cast<std::size_t>(b)] = static_cast<char>((v >> (8 * b)) & 0xff);
+  };
+  for (std::size_t i = 0; i < header.size(); ++i) put(4 * i, static_cast<std::uint32_t>(header[i]), 4);
+  const int width = wide ? 4 : 2;
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    put(static_cast<std::size_t>(kHeaderBytes) + static_cast<std::size_t>(width) * i,
+        static_cast<std::uint32_t>(tokens[i]), width);
+  write_file_atomically(path, bytes, "token shard");
 }
 
 void load_batch(const Dataset& ds, Split split, std::int64_t step, std::int64_t first_row, int rows, int seq_len,

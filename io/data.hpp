@@ -7,8 +7,10 @@
 //   synthetic    a first-order Markov chain over the vocabulary with a known conditional entropy,
 //                so the best achievable loss is known (best_loss()).
 //   text:PATH    the bytes of a file (vocabulary 256).
-//   tokens:GLOB  binary shards in llm.c's layout: 256 int32 header (magic 20240520, version 1,
-//                token count), then uint16 tokens; files in sorted glob order, concatenated.
+//   tokens:GLOB  binary shards in llm.c's layout: 256 int32 header (magic 20240520, version, token
+//                count), then the tokens: version 1 uint16 (llm.c's), version 2 uint32 (loom's, for a
+//                vocabulary above 65,536); files in sorted glob order, concatenated. A manifest.json
+//                beside them (`loom data prepare`) has its tokenizer's vocabulary checked (check_vocab).
 // A held-out split (the last data.val_fraction of the token stream) gives the validation loss.
 #include <cstdint>
 #include <memory>
@@ -52,6 +54,13 @@ class Dataset {
 // a token id >= cfg.vocab, too few tokens for one sequence of seq_len + 1 in either split, an
 // unknown source kind.
 std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg);
+
+// model.vocab must hold every id of a tokenizer of `tokenizer_vocab` tokens and not be larger than
+// that padded to a multiple of 128 (Megatron's padding); else InputError naming `what` and the
+// valid values.
+void check_vocab(int model_vocab, int tokenizer_vocab, const std::string& what);
+// Writes a shard (version 1 when vocab <= 65,536, else version 2) through path.tmp and a rename.
+void write_token_shard(const std::string& path, const std::vector<std::int32_t>& tokens, int vocab);
 
 // A batch of `rows` samples of a step: inputs[r*T + t] and targets[r*T + t], int32.
 struct Batch {

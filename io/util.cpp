@@ -68,4 +68,26 @@ std::string read_file(const std::string& path, const std::string& what) {
   return ss.str();
 }
 
+void write_file_atomically(const std::string& path, const std::string& bytes, const std::string& what) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw InputError(what + " " + quote_path(tmp) + ": cannot be created (" + std::strerror(errno) + ")");
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) {
+      const std::string reason = std::strerror(errno);
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      throw InputError(what + " " + quote_path(tmp) + ": writing " + std::to_string(bytes.size()) + " bytes failed (" +
+                       reason + "); " + quote_path(path) + " is left as it was");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec)
+    throw InputError(what + " " + quote_path(path) + ": cannot be replaced by " + quote_path(tmp) + " (" +
+                     ec.message() + ")");
+}
+
 }  // namespace loom

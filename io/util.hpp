@@ -15,4 +15,8 @@ void require_regular_file(const std::string& path, const std::string& what);
 // for a `latest` that is not a regular file, is empty, or names anything but a file of `dir` itself
 // (a path that leaves it, such as ../../outside/ckpt-00000004.h5).
 std::string read_latest_name(const std::string& dir);
+// Writes `bytes` to path.tmp, then renames it over `path`, so a reader never sees half a file and an
+// earlier `path` survives a failed write (a full disk). Throws InputError naming `what`, the path and
+// the reason.
+void write_file_atomically(const std::string& path, const std::string& bytes, const std::string& what);
 }  // namespace loom
