@@ -37,6 +37,10 @@ int command_plan_deck(const PlanOptions& options, const StrategyRegistry& regist
                       const ClusterSpec& cluster);
 int command_ckpt_llmc(const std::string& checkpoint, const std::string& out);  // loom ckpt llmc CKPT OUT.bin
 int command_ckpt_hf(const std::string& checkpoint, const std::string& dir);    // loom ckpt hf CKPT DIR
-int command_data(const std::vector<std::string>& rest);                        // loom data prepare [options]
-int command_ckpt_verify(const std::string& path);                              // loom ckpt verify FILE|DIR
+// A checkpoint file, or a checkpoint directory's `latest` (InputError when it has none).
+std::string checkpoint_file(const std::string& path);
+// loom eval CKPT [--data SOURCE] [--batches N] [--set k=v] [--json]
+int command_eval(const std::vector<std::string>& rest, const StrategyRegistry& registry, const DeckSchema& schema);
+int command_data(const std::vector<std::string>& rest);  // loom data prepare [options]
+int command_ckpt_verify(const std::string& path);        // loom ckpt verify FILE|DIR
 }  // namespace loom

@@ -67,6 +67,9 @@ const char* kUsage =
     "                 text files (UTF-8) to token shards: train a SentencePiece tokenizer (or use the given one),\n"
     "                 encode in parallel (ranks x threads), write train/val shards in llm.c's format and\n"
     "                 DIR/manifest.json; a rerun on the same inputs does nothing, an interrupted one resumes\n"
+    "  eval CKPT [--data SOURCE] [--batches N] [--set section.key=value ...] [--json]\n"
+    "                 a checkpoint's loss, perplexity and bits per byte on held-out data (default: its run's),\n"
+    "                 at any layout (mpirun -n 4 loom eval CKPT --set parallel.dp=4): the run's validation figure\n"
     "  sample CKPT [--prompt TEXT | --tokens IDS] [--steps N] [--temperature T] [--top-k K] [--seed S]\n"
     "              [--tokenizer FILE]\n"
     "                 generate from a checkpoint (file, or checkpoint directory: its latest): text for the byte\n"
@@ -121,6 +124,7 @@ std::string read_more(const std::string& command) {
       {"ckpt", "docs/checkpoints.md, docs/trained-model.md"},
       {"sample", "docs/trained-model.md"},
       {"data", "docs/data.md"},
+      {"eval", "docs/data.md"},
       {"plan", "docs/planning.md"},
       {"keys", "README.md \"Decks\""},
       {"plugins", "docs/install-and-plugins.md"}};
@@ -345,6 +349,11 @@ const std::vector<Command>& commands() {
   static const std::vector<Command> table = {
       {"sample", [](const std::vector<std::string>& rest, int) { return command_sample(parse_sample(rest)); }},
       {"data", [](const std::vector<std::string>& rest, int) { return command_data(rest); }},
+      {"eval",
+       [](const std::vector<std::string>& rest, int) {
+         auto l = load_strategies();
+         return command_eval(rest, l->registry, l->schema);
+       }},
       {"plan",
        [](const std::vector<std::string>& rest, int) {
          auto l = load_strategies();

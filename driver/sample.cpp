@@ -35,7 +35,8 @@ struct LoadedModel {
   std::unique_ptr<AdamW> optimizer;  // load_checkpoint reads the optimizer state too (and checks it)
 };
 
-// A checkpoint file, or a checkpoint directory (its `latest`).
+}  // namespace
+
 std::string checkpoint_file(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_directory(path, ec)) return path;
@@ -45,6 +46,8 @@ std::string checkpoint_file(const std::string& path) {
                      " is a directory without a `latest` checkpoint: name a checkpoint file (ckpt-*.h5)");
   return path + "/" + name;
 }
+
+namespace {
 
 LoadedModel load_whole(const std::string& path, const char* command, int rows) {
   int world = 1;

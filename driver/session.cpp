@@ -16,7 +16,9 @@
 #include "core/backend/blas_core.hpp"
 #include "core/backend/wait_policy.hpp"
 #include "driver/memory_check.hpp"
+#include "io/data.hpp"
 #include "io/llmc.hpp"
+#include "io/tokenizer.hpp"
 #include "io/report.hpp"
 #include "io/threads.hpp"
 #include "loom/build_info.hpp"
@@ -121,6 +123,27 @@ gemm::Impl gemm_impl_from_deck(const Deck& d) {
   }
 }
 
+namespace {
+void open_tokenizer(const Deck& d, const GPTConfig& model, DeckData& data) {
+  const std::string key = d.get_string("data.tokenizer");
+  const std::string val_source = d.get_string("data.val_source"), source = d.get_string("data.source");
+  std::string path = key, what = "data.tokenizer " + quote_path(key);
+  if (path.empty()) path = manifest_tokenizer(val_source.empty() ? source : val_source);
+  if (path.empty() && !val_source.empty()) path = manifest_tokenizer(source);
+  if (key.empty() && !path.empty()) what = "the tokenizer " + quote_path(path) + " its manifest.json names";
+  if (!path.empty()) {
+    const auto tok = Tokenizer::load(path, key.empty() ? "the manifest's tokenizer" : "data.tokenizer");
+    check_vocab(model.vocab, tok->vocab(), what);
+    data.tokenizer = path;
+    data.token_bytes = tok->token_bytes();
+    return;
+  }
+  // Bytes as tokens (text:PATH): every id a byte.
+  if ((val_source.empty() ? source : val_source).rfind("text:", 0) == 0)
+    data.token_bytes.assign(static_cast<std::size_t>(model.vocab), 1);
+}
+}  // namespace
+
 DeckData open_deck_data(const Deck& d, const GPTConfig& model) {
   DataConfig dc;
   dc.source = d.get_string("data.source");
@@ -140,6 +163,7 @@ DeckData open_deck_data(const Deck& d, const GPTConfig& model) {
     vc.seed = dc.seed ^ 0x5eed5eedULL;
     data.val = open_dataset(vc);
   }
+  open_tokenizer(d, model, data);
   return data;
 }
 
@@ -180,6 +204,7 @@ void Session::setup_local() {
 
   data_source = d.get_string("data.source");
   DeckData data = open_deck_data(d, model_cfg);
+  tokenizer = data.tokenizer;
   train_data = std::move(data.train);
   val_owned = std::move(data.val);
   if (val_owned) {
@@ -189,6 +214,21 @@ void Session::setup_local() {
     val_data = train_data.get();
     val_split = Split::val;
   }
+  if (val_data && !data.token_bytes.empty()) val_tokens_per_byte = measure_val_bytes(data.token_bytes);
+}
+
+// The targets of evaluate()'s samples: batches 0 .. eval_batches-1, rows 0 .. global_batch-1 of each.
+double Session::measure_val_bytes(const std::vector<int>& token_bytes) const {
+  const int T = model_cfg.seq_len;
+  std::vector<std::int32_t> buf(static_cast<std::size_t>(T) + 1);
+  double bytes = 0, tokens = 0;
+  for (int e = 0; e < eval_batches; ++e)
+    for (int r = 0; r < global_batch; ++r) {
+      val_data->sample(val_split, e, r, buf.data());
+      for (int t = 1; t <= T; ++t) bytes += token_bytes[static_cast<std::size_t>(buf[static_cast<std::size_t>(t)])];
+      tokens += T;
+    }
+  return bytes > 0 ? tokens / bytes : 0;
 }
 
 PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const StrategyInfo*>& strategies,
@@ -469,6 +509,10 @@ std::string Session::banner() const {
     << (deck.get_string("checkpoint.resume").empty() ? "" : ", unless checkpoint.resume loads a checkpoint") << "\n";
   s << "  data    : " << train_data->describe() << "\n";
   if (val_owned) s << "  val     : " << val_owned->describe() << "\n";
+  if (!tokenizer.empty())
+    s << "  tokens  : SentencePiece " << tokenizer
+      << " (validation reports bits per byte: " << (val_tokens_per_byte > 0 ? 1 / val_tokens_per_byte : 0)
+      << " bytes of text per token)\n";
   if (auto best = train_data->best_loss()) s << "  best possible loss: " << *best << " nats/token\n";
   s << "  batch   : " << global_batch << " sequences = dp " << layout.dp << " x " << engine_cfg.micro_batches
     << " micro-batch" << (engine_cfg.micro_batches == 1 ? "" : "es") << " x " << engine_cfg.rows_per_micro

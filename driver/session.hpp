@@ -37,8 +37,13 @@ LayoutPlan plan_layout(const Deck& deck, const StrategyRegistry& registry, int w
 // The datasets a run of the deck trains and validates on, opened (and so checked) as the run opens
 // them: data.source, and data.val_source when given (else `val` is null). Throws InputError naming
 // the key and the file.
+// The tokenizer (data.tokenizer, else the manifest of the validation shards or data.source's) is
+// loaded and model.vocab checked against it; `token_bytes` gives each id's bytes of text (bits per
+// byte), empty when unknown (synthetic data, shards without a tokenizer).
 struct DeckData {
   std::unique_ptr<Dataset> train, val;
+  std::string tokenizer;
+  std::vector<int> token_bytes;
 };
 DeckData open_deck_data(const Deck& deck, const GPTConfig& model);
 
@@ -82,6 +87,7 @@ void check_training_keys(const Deck& deck);
 struct Session {
   // Validates the layout and opens the data; throws InputError naming deck keys or files.
   Session(const Deck& deck, const StrategyRegistry& registry);
+  double measure_val_bytes(const std::vector<int>& token_bytes) const;
 
   const Deck& deck;
   GPTConfig model_cfg;
@@ -101,8 +107,12 @@ struct Session {
   std::unique_ptr<Backend> backend;
   BackendChoice backend_choice;  // run.backend: what was asked for, what this rank got, its device
   std::unique_ptr<Dataset> train_data;
-  std::unique_ptr<Dataset> val_owned;    // data.val_source, when given
-  const Dataset* val_data = nullptr;     // null when there is no validation split
+  std::unique_ptr<Dataset> val_owned;  // data.val_source, when given
+  const Dataset* val_data = nullptr;   // null when there is no validation split
+  std::string tokenizer;               // the data's SentencePiece model, when known (DeckData)
+  // Validation tokens per byte of text they stand for, over exactly the samples evaluate() reads
+  // (0: unknown): bits per byte = loss * this / ln 2.
+  double val_tokens_per_byte = 0;
   Split val_split = Split::val;          // which split of val_data holds the validation tokens
   std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
   std::unique_ptr<ParamStore> store;     // null: the model's own flat store

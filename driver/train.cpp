@@ -215,6 +215,8 @@ class TrainingRun {
                 const std::vector<std::pair<std::string, double>>& report, const std::optional<double>& val,
                 const nlohmann::json& saved);
   void check_the_end();
+  // Bits per byte of a validation loss (nats/token): byte and subword models compared.
+  double bits_per_byte(double loss) const { return loss * s_.val_tokens_per_byte / std::log(2.0); }
   std::vector<double> gather_rank_peaks();
   nlohmann::json summary_json(const std::vector<double>& all_peaks, const std::map<std::string, double>& means);
   void write_report(const nlohmann::json& summary);
@@ -530,6 +532,7 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
                 100.0 * comm.wait / st.seconds, comm.t_min * 1e3, comm.t_max * 1e3);
   std::printf("%s", s_.engine->schedule().step_line(report).c_str());
   if (val) std::printf(" | val %.4f", *val);
+  if (val && s_.val_tokens_per_byte > 0) std::printf(" (%.4f bits/byte)", bits_per_byte(*val));
   if (st.nonfinite) std::printf(" | update skipped");
   if (!st.skip_reason.empty()) std::printf(" | update skipped: %s", st.skip_reason.c_str());
   if (spike_) std::printf(" (z %.1f / %.1f)", spike_->loss_z, spike_->norm_z);
@@ -565,7 +568,11 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
                         {"step_ms_min", comm.t_min * 1e3},
                         {"step_ms_max", comm.t_max * 1e3}};
   for (const auto& [k, v] : report) rec[k] = v;
-  if (val) rec["val_loss"] = *val;
+  if (val) {
+    rec["val_loss"] = *val;
+    rec["val_ppl"] = std::exp(*val);
+    if (s_.val_tokens_per_byte > 0) rec["val_bpb"] = bits_per_byte(*val);
+  }
   if (st.nonfinite) rec["skipped"] = true;
   if (!st.skip_reason.empty()) {
     rec["skipped"] = true;
@@ -684,6 +691,7 @@ nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks,
     summary["precision"] = precision;
   }
   if (t.last_val) summary["final_val_loss"] = *t.last_val;
+  if (t.last_val && s_.val_tokens_per_byte > 0) summary["final_val_bpb"] = bits_per_byte(*t.last_val);
   if (auto best = s_.train_data->best_loss()) summary["best_possible_loss"] = *best;
   return summary;
 }
@@ -731,6 +739,7 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
               t.redone ? (", " + std::to_string(t.redone) + " of them again after rollbacks").c_str() : "",
               t.train_time, t.last_loss);
   if (t.last_val) std::printf(" | val loss %.4f", *t.last_val);
+  if (t.last_val && s_.val_tokens_per_byte > 0) std::printf(" (%.4f bits/byte)", bits_per_byte(*t.last_val));
   if (auto best = s_.train_data->best_loss()) std::printf(" | best possible %.4f", *best);
   std::printf("\n         %lld parameters (%lld on rank 0)",
               static_cast<long long>(summary["parameters"].get<std::int64_t>()),

@@ -252,25 +252,44 @@ void read_shard(const DataConfig& cfg, const std::string& path, std::vector<Tok>
   }
 }
 
-// A manifest.json beside the shards (`loom data prepare` writes one) names their tokenizer: its
-// vocabulary must fit model.vocab before step 1, not as an index error later.
-void check_manifest_vocab(const DataConfig& cfg, const std::string& shard) {
+// The manifest.json beside a shard, parsed, or null when there is none.
+nlohmann::json read_manifest(const std::string& shard, const std::string& key) {
   namespace fs = std::filesystem;
   const fs::path manifest = fs::path(shard).parent_path() / "manifest.json";
   std::error_code ec;
-  if (!fs::is_regular_file(manifest, ec)) return;
+  if (!fs::is_regular_file(manifest, ec)) return nullptr;
   nlohmann::json m;
   try {
-    m = nlohmann::json::parse(read_file(manifest.string(), cfg.key + " manifest"));
+    m = nlohmann::json::parse(read_file(manifest.string(), key + " manifest"));
   } catch (const nlohmann::json::exception& e) {
-    throw InputError(cfg.key + " manifest " + quote_path(manifest.string()) + ": not valid JSON (" + e.what() + ")");
+    throw InputError(key + " manifest " + quote_path(manifest.string()) + ": not valid JSON (" + e.what() + ")");
   }
   const auto tok = m.find("tokenizer");
-  if (tok == m.end() || !tok->is_object() || !tok->contains("vocab") || !(*tok)["vocab"].is_number_integer())
-    throw InputError(cfg.key + " manifest " + quote_path(manifest.string()) +
-                     ": has no tokenizer.vocab (not written by loom data prepare?)");
-  check_vocab(cfg.vocab, (*tok)["vocab"].get<int>(),
-              "the tokenizer of " + quote_path(manifest.string()) + " (data.source's manifest)");
+  if (!m.is_object() || tok == m.end() || !tok->is_object() || !tok->contains("vocab") ||
+      !(*tok)["vocab"].is_number_integer() || !tok->contains("file") || !(*tok)["file"].is_string())
+    throw InputError(key + " manifest " + quote_path(manifest.string()) +
+                     ": has no tokenizer.vocab and tokenizer.file (not written by loom data prepare?)");
+  m["path"] = manifest.string();
+  return m;
+}
+
+// A manifest.json beside the shards (`loom data prepare` writes one) names their tokenizer: its
+// vocabulary must fit model.vocab before step 1, not as an index error later.
+void check_manifest_vocab(const DataConfig& cfg, const std::string& shard) {
+  const nlohmann::json m = read_manifest(shard, cfg.key);
+  if (m.is_null()) return;
+  check_vocab(cfg.vocab, m["tokenizer"]["vocab"].get<int>(),
+              "the tokenizer of " + quote_path(m["path"].get<std::string>()) + " (" + cfg.key + "'s manifest)");
+}
+
+std::vector<std::string> glob_files(const std::string& pattern) {
+  glob_t g{};
+  std::vector<std::string> files;
+  if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
+    for (std::size_t i = 0; i < g.gl_pathc; ++i) files.emplace_back(g.gl_pathv[i]);
+  globfree(&g);
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
 std::unique_ptr<Dataset> open_tokens(const DataConfig& cfg, const std::string& pattern) {
@@ -328,6 +347,15 @@ std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg) {
   }
   throw InputError(cfg.key + " = " + quote_path(src) +
                    ": unknown source; valid forms are synthetic, text:PATH, tokens:GLOB");
+}
+
+std::string manifest_tokenizer(const std::string& source) {
+  if (source.rfind("tokens:", 0) != 0) return "";
+  const auto files = glob_files(source.substr(7));
+  if (files.empty()) return "";
+  const nlohmann::json m = read_manifest(files[0], "data.source");
+  if (m.is_null()) return "";
+  return (std::filesystem::path(files[0]).parent_path() / m["tokenizer"]["file"].get<std::string>()).string();
 }
 
 void check_vocab(int model_vocab, int tokenizer_vocab, const std::string& what) {

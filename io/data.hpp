@@ -59,6 +59,9 @@ std::unique_ptr<Dataset> open_dataset(const DataConfig& cfg);
 // that padded to a multiple of 128 (Megatron's padding); else InputError naming `what` and the
 // valid values.
 void check_vocab(int model_vocab, int tokenizer_vocab, const std::string& what);
+// The tokenizer a source's shards come with: for tokens:GLOB whose first file has a manifest.json
+// beside it, the manifest's tokenizer file (resolved against that folder); else "".
+std::string manifest_tokenizer(const std::string& source);
 // Writes a shard (version 1 when vocab <= 65,536, else version 2) through path.tmp and a rename.
 void write_token_shard(const std::string& path, const std::vector<std::int32_t>& tokens, int vocab);
 

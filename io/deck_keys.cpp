@@ -74,7 +74,7 @@ void add_core_keys(DeckSchema& schema) {
   // data
   schema.add(string_key("data.source", "synthetic",
                         "training data: synthetic (Markov chain), text:PATH (bytes of a file) or "
-                        "tokens:GLOB (llm.c uint16 shards)",
+                        "tokens:GLOB (llm.c shards: uint16, or uint32 version 2; `loom data prepare` writes them)",
                         check_source));
   schema.add(float_key("data.val_fraction", "0.1", 0.0, 0.9,
                        "share of the token stream held out for validation (text/tokens)"));
@@ -84,6 +84,10 @@ void add_core_keys(DeckSchema& schema) {
                         "optional separate validation source, same syntax as data.source; empty = "
                         "held-out split of data.source",
                         check_val_source));
+  schema.add(string_key("data.tokenizer", "",
+                        "SentencePiece .model of the data's tokens: model.vocab is checked against it before step 1 "
+                        "and validation reports bits per byte; empty = the one a manifest.json beside the "
+                        "tokens: shards names (`loom data prepare`), if any"));
 
   // train
   schema.add(int_key("train.steps", "100", 1, 1e12, "optimizer steps to run"));
