@@ -36,7 +36,8 @@ int command_plan(const PlanOptions& options, const StrategyRegistry& registry, c
 int command_plan_deck(const PlanOptions& options, const StrategyRegistry& registry, const DeckSchema& schema,
                       const ClusterSpec& cluster);
 int command_ckpt_llmc(const std::string& checkpoint, const std::string& out);  // loom ckpt llmc CKPT OUT.bin
-int command_ckpt_hf(const std::string& checkpoint, const std::string& dir);    // loom ckpt hf CKPT DIR
+// loom ckpt hf CKPT DIR [--tokenizer FILE.model] (tokenizer: "" for none)
+int command_ckpt_hf(const std::string& checkpoint, const std::string& dir, const std::string& tokenizer);
 // A checkpoint file, or a checkpoint directory's `latest` (InputError when it has none).
 std::string checkpoint_file(const std::string& path);
 // loom eval CKPT [--data SOURCE] [--batches N] [--set k=v] [--json]

@@ -57,13 +57,13 @@ const char* kUsage =
     "  ckpt llmc CKPT OUT.bin\n"
     "                 write a checkpoint's weights as an llm.c model file (train_gpt2.c reads it; a deck's\n"
     "                 model.init_from reads it back)\n"
-    "  ckpt hf CKPT DIR\n"
-    "                 write a Llama checkpoint (model.arch = llama) as Hugging Face's LlamaForCausalLM files,\n"
-    "                 DIR/model.safetensors and DIR/config.json (model.init_from = DIR reads them back)\n"
-    "  data prepare --input GLOB [--input GLOB ...] | --input-list FILE --out DIR [--vocab N] [--model-type "
-    "bpe|unigram]\n"
-    "               [--tokenizer FILE.model] [--val-fraction F] [--shard-tokens N] [--threads N] [--verify] "
-    "[--overwrite]\n"
+    "  ckpt hf CKPT DIR [--tokenizer FILE.model]\n"
+    "                 write a checkpoint as Hugging Face's files, DIR/model.safetensors and DIR/config.json\n"
+    "                 (GPT2LMHeadModel, or LlamaForCausalLM for model.arch = llama; model.init_from = DIR\n"
+    "                 reads them back); --tokenizer copies a SentencePiece model to DIR/tokenizer.model\n"
+    "  data prepare --input GLOB [--input GLOB ...] | --input-list FILE --out DIR [--vocab N]\n"
+    "               [--model-type bpe|unigram] [--tokenizer FILE.model] [--val-fraction F] [--shard-tokens N]\n"
+    "               [--threads N] [--verify] [--overwrite]\n"
     "                 text files (UTF-8) to token shards: train a SentencePiece tokenizer (or use the given one),\n"
     "                 encode in parallel (ranks x threads), write train/val shards in llm.c's format and\n"
     "                 DIR/manifest.json; a rerun on the same inputs does nothing, an interrupted one resumes\n"
@@ -306,12 +306,34 @@ int list_plugins(const StrategyRegistry& registry, int rank) {
 
 int ckpt(const Args& a, int rank) {
   if (a.positional.size() == 3 && a.positional[0] == "llmc") return command_ckpt_llmc(a.positional[1], a.positional[2]);
-  if (a.positional.size() == 3 && a.positional[0] == "hf") return command_ckpt_hf(a.positional[1], a.positional[2]);
   if (a.positional.size() == 2 && a.positional[0] == "verify") return command_ckpt_verify(a.positional[1]);
   if (a.positional.size() != 2 || a.positional[0] != "info")
     usage_error("ckpt", "expects info FILE, verify FILE|DIR, llmc CKPT OUT.bin or hf CKPT DIR");
   if (rank == 0) std::cout << checkpoint_info(a.positional[1]);
   return 0;
+}
+
+// loom ckpt hf CKPT DIR [--tokenizer FILE.model]: its own option (the other ckpt commands take none).
+int ckpt_hf(const std::vector<std::string>& rest) {
+  std::vector<std::string> operands;
+  std::string tokenizer;
+  po::options_description opts("loom ckpt hf options");
+  opts.add_options()("tokenizer", po::value(&tokenizer), "SentencePiece model (*.model) to copy beside the files")(
+      "operands", po::value(&operands), "");
+  po::positional_options_description pos;
+  pos.add("operands", -1);
+  po::variables_map vm;
+  try {
+    const std::vector<std::string> args(rest.begin() + 1, rest.end());
+    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    option_error("ckpt", e, opts);
+  }
+  if (operands.size() != 2)
+    usage_error("ckpt",
+                "hf expects CKPT DIR [--tokenizer FILE.model] (got " + std::to_string(operands.size()) + " operands)");
+  return command_ckpt_hf(operands[0], operands[1], tokenizer);
 }
 
 // A job that trains checks LOOM_INJECT_FAULT first: a fault that would never fire proves nothing.
@@ -362,8 +384,12 @@ const std::vector<Command>& commands() {
       {"plugins",
        with_args(
            "plugins", [](const Args&, Loaded& l, int rank) { return list_plugins(l.registry, rank); }, false)},
-      {"ckpt", with_args(
-                   "ckpt", [](const Args& a, Loaded&, int rank) { return ckpt(a, rank); }, false)},
+      {"ckpt",
+       [](const std::vector<std::string>& rest, int rank) {
+         if (!rest.empty() && rest[0] == "hf") return ckpt_hf(rest);
+         return with_args(
+             "ckpt", [](const Args& a, Loaded&, int r) { return ckpt(a, r); }, false)(rest, rank);
+       }},
       {"keys",
        [](const std::vector<std::string>& rest, int rank) {
          // --markdown: the reference page docs/keys.md is (regression.docs.keys holds them equal).

@@ -196,27 +196,34 @@ int command_ckpt_llmc(const std::string& checkpoint, const std::string& out) {
   return 0;
 }
 
-// loom ckpt hf CKPT DIR: Hugging Face's LlamaForCausalLM files (io/hf.hpp) from a checkpoint.
-int command_ckpt_hf(const std::string& checkpoint, const std::string& dir) {
+// loom ckpt hf CKPT DIR [--tokenizer FILE.model]: Hugging Face's files (io/hf.hpp) from a checkpoint.
+int command_ckpt_hf(const std::string& checkpoint, const std::string& dir, const std::string& tokenizer) {
   std::error_code ec;
   if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec))
     throw InputError("ckpt hf: DIR " + quote_path(dir) +
                      " is a file; name a folder (made if missing) for model.safetensors and config.json");
   LoadedModel m = load_whole(checkpoint, "ckpt hf", 1);
   GPT& model = *m.model;
+  const GPTConfig& c = model.config();
+  // The tokenizer first: a file that is not one stops the command before anything is written.
+  const std::string tokenizer_line = tokenizer.empty() ? "" : write_hf_tokenizer(dir, tokenizer, c);
   std::map<std::string, std::vector<float>> whole;
   for (std::size_t i = 0; i < model.params().size(); ++i) {
     const ParamInfo& p = model.params()[i];
     const float* w = model.param_ref(static_cast<int>(i)).as<float>();
     whole[p.name].assign(w, w + p.numel());
   }
-  write_hf_llama(dir, model.config(),
-                 [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });
-  const GPTConfig& c = model.config();
-  std::cout << "wrote " << dir << "/{model.safetensors,config.json}: LlamaForCausalLM (fp32), " << c.layers
-            << " layers, hidden_size " << c.d_model << ", " << c.heads << " heads, " << c.kv() << " kv heads, "
-            << "intermediate_size " << c.ffn() << ", vocab " << c.vocab << (c.tied() ? ", tied" : "") << ", from step "
-            << m.header.step << " of " << checkpoint_file(checkpoint) << "\n";
+  write_hf_model(dir, c, [&](const std::string& name) -> const std::vector<float>& { return whole.at(name); });
+  std::cout << "wrote " << dir << "/{model.safetensors,config.json}: ";
+  if (c.llama())
+    std::cout << "LlamaForCausalLM (fp32), " << c.layers << " layers, hidden_size " << c.d_model << ", " << c.heads
+              << " heads, " << c.kv() << " kv heads, intermediate_size " << c.ffn() << ", vocab " << c.vocab
+              << (c.tied() ? ", tied" : "");
+  else
+    std::cout << "GPT2LMHeadModel (fp32), " << c.layers << " layers, n_embd " << c.d_model << ", " << c.heads
+              << " heads, n_positions " << c.seq_len << ", vocab " << c.vocab << ", tied";
+  std::cout << ", from step " << m.header.step << " of " << checkpoint_file(checkpoint) << "\n";
+  if (!tokenizer_line.empty()) std::cout << "wrote " << dir << "/" << tokenizer_line << "\n";
   return 0;
 }
 

@@ -502,10 +502,11 @@ std::string Session::banner() const {
   if (!attention_why.empty())
     s << "  attention: model.attention = auto -> " << model_cfg.attention << " (" << attention_why << ")\n";
   s << "  weights : "
-    << (init_from.empty()
-            ? "random (train.seed = " + std::to_string(seed) + ")"
-            : "model.init_from = " + init_from +
-                  (std::filesystem::is_directory(init_from) ? " (Hugging Face Llama files)" : " (llm.c model file)"))
+    << (init_from.empty() ? "random (train.seed = " + std::to_string(seed) + ")"
+                          : "model.init_from = " + init_from +
+                                (!std::filesystem::is_directory(init_from) ? " (llm.c model file)"
+                                 : model_cfg.llama()                       ? " (Hugging Face Llama files)"
+                                                                           : " (Hugging Face GPT-2 files)"))
     << (deck.get_string("checkpoint.resume").empty() ? "" : ", unless checkpoint.resume loads a checkpoint") << "\n";
   s << "  data    : " << train_data->describe() << "\n";
   if (val_owned) s << "  val     : " << val_owned->describe() << "\n";

@@ -67,8 +67,8 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(string_key("model.init_from", "",
                         "start from these weights instead of a random initialisation: an llm.c model file "
                         "(.bin, as llm.c's train_gpt2.py writes; `loom ckpt llmc` writes one from a checkpoint), "
-                        "or for model.arch = llama a folder of Hugging Face's Llama files (config.json, "
-                        "model.safetensors; `loom ckpt hf` writes one); its shape must be the deck's model.* "
+                        "or a folder of Hugging Face's GPT-2 or Llama files (config.json, model.safetensors; "
+                        "`loom ckpt hf` writes one); its shape must be the deck's model.* "
                         "(checkpoint.resume, when it loads, wins)"));
 
   // data

@@ -160,10 +160,10 @@ void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::strin
 
 LlmcModel read_init_from(const std::string& path, const GPTConfig& cfg) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {  // Hugging Face's Llama files (io/hf.hpp)
+  if (std::filesystem::is_directory(path, ec)) {  // Hugging Face's files (io/hf.hpp)
     HfModel hf;
     try {
-      hf = read_hf_llama(path);
+      hf = read_hf_model(path);
     } catch (const InputError& e) {
       throw InputError(std::string("model.init_from: ") + e.what());
     }

@@ -37,7 +37,7 @@ LlmcModel read_llmc_model(const std::string& path);
 // llm.c does for a shorter sequence).
 void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::string& path);
 // model.init_from: the file read and checked against the deck's model, errors naming the key. A
-// directory is Hugging Face's Llama files (io/hf.hpp: config.json, model.safetensors), read the same way.
+// directory is Hugging Face's files (io/hf.hpp: config.json, model.safetensors), read the same way.
 LlmcModel read_init_from(const std::string& path, const GPTConfig& cfg);
 // Writes `cfg`'s model as a version-3 (fp32) file: max_seq_len = seq_len, the vocabulary padded to a
 // multiple of 128 with zero rows (as llm.c's train_gpt2.py does). `tensor(name)` gives each whole
