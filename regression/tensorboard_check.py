@@ -19,6 +19,9 @@ CASE is one of:
   resume           6 steps with checkpoints every 2, then resumed from step 2's for 8 steps: a second event
                    file whose START drops the first file's steps 3..6; the merged steps 1..8 equal
                    metrics.jsonl
+  rollback         a loss spike at step 31 (bad data injected, train.on_spike = rollback) rolled back to
+                   step 28: the file holds steps 29..31 twice, and its START at 29 drops the undone ones
+                   as metrics.jsonl sets their rows aside
   defects          the check fails on planted defects of a good run's files: one byte of a row event's
                    data changed (data CRC mismatch naming the record and offset), one byte of a length
                    (length CRC mismatch), a file cut short, a metrics value changed, a scalar the
@@ -300,6 +303,21 @@ def case_resume(c, name):
     c.failures += failures
 
 
+def case_rollback(c, name):
+    sets = ["train.steps=60", "train.eval_batches=16", "checkpoint.every=4", "checkpoint.keep=2",
+            "train.spike_window=16", "train.on_spike=rollback", "train.spike_skip_batches=3"]
+    p, rundir = c.loom("run", 1, ON + sets, env={"LOOM_INJECT_FAULT": "rank=0,step=30,where=bad_data"})
+    c.expect(p.stdout, [r"loss spike at step 31: rolled back to step 28"], "stdout")
+    undone = [r["step"] for r in common.rows(rundir, "metrics.jsonl.superseded")]
+    written = [decode_event(body)["step"] for path in event_files(rundir) for i, _, body in records(path) if i > 0]
+    print("metrics.jsonl.superseded: steps %s; event steps written (START included): %d" % (undone, len(written)))
+    c.check(undone == [29, 30, 31], "steps set aside by the rollback: %s, expected 29, 30, 31" % undone)
+    c.check(all(written.count(s) >= 2 for s in undone), "the undone steps were not written twice")
+    failures = compare(rundir)
+    report(rundir, failures)
+    c.failures += failures
+
+
 def expect_defect(c, rundir, what, pattern):
     failures = compare(rundir)
     print("planted %s: %s" % (what, failures[:2]))
@@ -345,7 +363,7 @@ def case_defects(c, name):
     c.check(not compare(good), "the unplanted run fails: %s" % compare(good)[:3])
 
 
-CASES = {"val_np1": case_val, "val_dp2": case_val, "resume": case_resume, "defects": case_defects}
+CASES = {"val_np1": case_val, "val_dp2": case_val, "resume": case_resume, "rollback": case_rollback, "defects": case_defects}
 
 
 def main():
