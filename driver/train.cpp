@@ -28,6 +28,7 @@
 #include "driver/spikes.hpp"
 #include "driver/stragglers.hpp"
 #include "io/report.hpp"
+#include "io/tensorboard.hpp"
 
 namespace loom {
 namespace {
@@ -204,6 +205,7 @@ class TrainingRun {
  private:
   void lock_directories();
   void open_metrics();
+  void open_tensorboard();
   void measure_peak();
   StepComm read_comm(const StepStats& st);
   void watch_spikes();
@@ -241,6 +243,7 @@ class TrainingRun {
   std::unique_ptr<DirLock> run_lock_, checkpoint_lock_;
   bool writing_ = false;
   MetricsFile metrics_;
+  TensorBoardWriter tensorboard_;  // run.tensorboard: the metrics rows again, as TensorBoard reads them
   std::int64_t start_step_ = 0;
   double t_init_ = 0, t_loop_ = 0;
   double tokens_per_step_ = 0, flops_per_token_ = 0, peak_flops_ = 0;
@@ -314,12 +317,21 @@ void TrainingRun::open_metrics() {
                                                     : "checkpoint.resume = auto found no checkpoint to continue")
                 << ": moved the earlier run's results in " << s_.run_dir << " aside to *.earlier (" << moved.size()
                 << " file(s))" << std::endl;
-    return metrics_.start(path);
-  }
-  const int aside = metrics_.resume(path, start_step_);
-  if (aside > 0)
+    metrics_.start(path);
+  } else if (const int aside = metrics_.resume(path, start_step_); aside > 0) {
     std::cout << "metrics: " << aside << " row(s) past step " << start_step_ << " from the earlier run moved to "
               << path << ".superseded; " << path << " continues from step " << start_step_ + 1 << std::endl;
+  }
+  open_tensorboard();
+}
+
+// run.tensorboard: a new event file for each run and each resume, beside metrics.jsonl; TensorBoard
+// reads every file of run.dir as one run.
+void TrainingRun::open_tensorboard() {
+  if (!io_ || !deck_.get_bool("run.tensorboard")) return;
+  tensorboard_.open(s_.run_dir, start_step_ + 1);
+  std::cout << "  events  : " << tensorboard_.path() << " (run.tensorboard; tensorboard --logdir " << s_.run_dir << ")"
+            << std::endl;
 }
 
 // MFU is measured against every rank's peak: run.peak_tflops, or the matrix-product rate each rank
@@ -478,7 +490,8 @@ std::int64_t TrainingRun::roll_back(std::int64_t step) {
               << " draws batch " << next_batch + 1 << " (rollback " << rollbacks_in_row_
               << " since the last checkpoint, train.max_rollbacks = " << deck_.get_int("train.max_rollbacks") << ")"
               << std::endl;
-    metrics_.resume(s_.run_dir + "/metrics.jsonl", at);  // the undone steps' rows go to .superseded
+    metrics_.resume(s_.run_dir + "/metrics.jsonl", at);           // the undone steps' rows go to .superseded
+    if (tensorboard_.is_open()) tensorboard_.restart_at(at + 1);  // TensorBoard drops the undone steps
   }
   return at;
 }
@@ -582,6 +595,7 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
   if (spike_) rec["spike"] = spikes_.back();
   if (rolled_back_from_ >= 0) rec["rolled_back_from"] = rolled_back_from_;
   metrics_.write(rec);
+  if (tensorboard_.is_open()) tensorboard_.write_row(step + 1, rec);
 }
 
 // A run that trained to the end must end with finite weights and a finite validation loss.

@@ -165,6 +165,10 @@ void add_core_keys(DeckSchema& schema) {
                       "a fresh run may replace an earlier run's checkpoints in checkpoint.dir (removed at start) "
                       "and its results in run.dir (metrics.jsonl, summary.json, report.json: moved to *.earlier); "
                       "otherwise such a run is refused"));
+  schema.add(bool_key("run.tensorboard", "false",
+                      "rank 0 also writes the metrics.jsonl rows as a TensorBoard event file in run.dir "
+                      "(events.out.tfevents.<unix seconds>.<host>; a new file per run and per resume): "
+                      "tensorboard --logdir <run.dir>"));
   schema.add(float_key("run.straggler_factor", "0", 0, 1e6,
                        "name a rank whose busy time per step (its step time less its waits at collectives) is "
                        "more than this many times the other ranks' median, with its host and the phase it is "
