@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -157,6 +158,14 @@ std::vector<std::string> earlier_results(const std::string& run_dir) {
   std::error_code ec;
   for (const char* name : {"metrics.jsonl", "summary.json", "report.json"})
     if (std::filesystem::exists(run_dir + "/" + name, ec)) found.push_back(name);
+  // run.tensorboard's event files go aside with the rows they repeat.
+  std::vector<std::string> events;
+  for (const auto& e : std::filesystem::directory_iterator(run_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("events.out.tfevents.", 0) == 0 && n.find(".earlier") == std::string::npos) events.push_back(n);
+  }
+  std::sort(events.begin(), events.end());
+  found.insert(found.end(), events.begin(), events.end());
   return found;
 }
 std::string joined(const std::vector<std::string>& names) {
