@@ -73,7 +73,8 @@ const char* kUsage =
     "  sample CKPT [--prompt TEXT | --tokens IDS] [--steps N] [--temperature T] [--top-k K] [--seed S]\n"
     "              [--tokenizer FILE]\n"
     "                 generate from a checkpoint (file, or checkpoint directory: its latest): text for the byte\n"
-    "                 vocabulary, else token ids (decoded with an llm.c tokenizer file when given)\n"
+    "                 vocabulary or with a SentencePiece model (--tokenizer, else the run's data.tokenizer),\n"
+    "                 else token ids (decoded with an llm.c tokenizer file when given)\n"
     "  plan DECK [--cluster FILE|PRESET] [--set section.key=value ...] [--json]\n"
     "                 predict the deck's memory per rank (by the ledger's categories) and step time on a\n"
     "                 machine before the job runs\n"
@@ -195,14 +196,15 @@ void need_positional(const Args& a, std::size_t n, const char* what) {
 SampleOptions parse_sample(const std::vector<std::string>& rest) {
   SampleOptions o;
   po::options_description opts("loom sample options");
-  opts.add_options()("prompt", po::value(&o.prompt), "text to continue (byte vocabulary)")(
+  opts.add_options()("prompt", po::value(&o.prompt), "text to continue (byte vocabulary, or encoded by the tokenizer)")(
       "tokens", po::value(&o.tokens), "token ids to continue, comma-separated")(
       "steps", po::value(&o.steps)->default_value(o.steps), "tokens to generate")(
       "temperature", po::value(&o.temperature)->default_value(o.temperature), "0: greedy")(
       "top-k", po::value(&o.top_k)->default_value(o.top_k), "sample among the k most likely (0: all)")(
       "seed", po::value(&o.seed)->default_value(o.seed), "random seed")(
-      "tokenizer", po::value(&o.tokenizer), "llm.c tokenizer file to decode ids with")("checkpoint",
-                                                                                       po::value(&o.checkpoint), "");
+      "tokenizer", po::value(&o.tokenizer),
+      "SentencePiece .model (encodes --prompt, decodes) or llm.c tokenizer file (decodes)")(
+      "checkpoint", po::value(&o.checkpoint), "");
   po::positional_options_description pos;
   pos.add("checkpoint", 1);
   po::variables_map vm;

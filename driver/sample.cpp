@@ -21,7 +21,9 @@
 #include "io/util.hpp"
 #include "io/checkpoint.hpp"
 #include "io/hf.hpp"
+#include "io/data.hpp"
 #include "io/llmc.hpp"
+#include "io/tokenizer.hpp"
 
 namespace loom {
 namespace {
@@ -85,6 +87,71 @@ std::vector<std::int32_t> parse_ids(const std::string& text, int vocab) {
   return ids;
 }
 
+// Text to ids and back for `loom sample`: the bytes of a byte vocabulary, a SentencePiece model
+// (--tokenizer FILE.model, else the one the checkpoint's run trained with: data.tokenizer or its
+// shards' manifest), llm.c's tokenizer file (decoding only), or the ids themselves.
+class TextCodec {
+ public:
+  TextCodec(const std::string& option, const CheckpointState& header, int V) : V_(V) {
+    std::string path = option, what = "--tokenizer";
+    if (path.empty()) {  // the run's own, if its files are still there
+      const auto deck = resolved_deck_values(header.deck);
+      const auto get = [&deck](const char* k) { return deck.count(k) ? deck.at(k) : std::string(); };
+      path = get("data.tokenizer");
+      if (path.empty()) path = manifest_tokenizer(get("data.source"));
+      what = "the run's data.tokenizer";
+      std::error_code ec;
+      if (!path.empty() && !std::filesystem::exists(path, ec)) path.clear();
+    }
+    if (path.empty()) return;
+    if (is_llmc_tokenizer(path)) {
+      llmc_ = read_llmc_tokenizer(path);
+      if (static_cast<int>(llmc_.size()) < V)
+        throw InputError(what + " " + quote_path(path) + " has " + std::to_string(llmc_.size()) +
+                         " tokens; the checkpoint's model.vocab is " + std::to_string(V));
+      return;
+    }
+    spm_ = Tokenizer::load(path, what);
+    check_vocab(V, spm_->vocab(), what + " " + quote_path(path) + " (the checkpoint's model.vocab)");
+  }
+  std::vector<std::int32_t> encode(const std::string& text) const {
+    if (spm_) return spm_->encode(text);
+    if (V_ == 256 && llmc_.empty()) return {text.begin(), text.end()};
+    throw InputError(
+        "--prompt needs a tokenizer to encode the text: the byte vocabulary (model.vocab = 256) or a "
+        "SentencePiece model (--tokenizer FILE.model); this checkpoint's model.vocab is " +
+        std::to_string(V_) + " and no SentencePiece model is known: give one, or token ids with --tokens");
+  }
+  std::string decode(const std::vector<std::int32_t>& ids, std::size_t prompt_len) const {
+    std::string out;
+    if (spm_) {
+      std::vector<std::int32_t> known;  // ids past the tokenizer's (a padded vocabulary) are dropped
+      for (std::int32_t id : ids)
+        if (id < spm_->vocab()) known.push_back(id);
+      return spm_->decode(known);
+    }
+    if (!llmc_.empty()) {
+      for (std::int32_t id : ids) out += llmc_[static_cast<std::size_t>(id)];
+      return out;
+    }
+    if (V_ == 256) return std::string(ids.begin(), ids.end());
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      out += (i ? (i == prompt_len ? " | " : " ") : "") + std::to_string(ids[i]);
+    return out;
+  }
+  int eos() const { return spm_ ? spm_->eos_id() : -1; }
+
+ private:
+  static bool is_llmc_tokenizer(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::uint32_t magic = 0;
+    return in.read(reinterpret_cast<char*>(&magic), 4) && magic == static_cast<std::uint32_t>(kLlmcTokenizerMagic);
+  }
+  int V_;
+  std::unique_ptr<Tokenizer> spm_;
+  std::vector<std::string> llmc_;
+};
+
 }  // namespace
 
 int command_sample(const SampleOptions& o) {
@@ -92,26 +159,17 @@ int command_sample(const SampleOptions& o) {
   GPT& model = *m.model;
   const GPTConfig& cfg = model.config();
   const int T = cfg.seq_len, V = cfg.vocab;
-  const bool bytes = V == 256 && o.tokenizer.empty();  // the byte vocabulary of text:PATH data
-  std::vector<std::string> tokenizer;
-  if (!o.tokenizer.empty()) {
-    tokenizer = read_llmc_tokenizer(o.tokenizer);
-    if (static_cast<int>(tokenizer.size()) < V)
-      throw InputError("--tokenizer " + quote_path(o.tokenizer) + " has " + std::to_string(tokenizer.size()) +
-                       " tokens; the checkpoint's model.vocab is " + std::to_string(V));
-  }
+  const TextCodec codec(o.tokenizer, m.header, V);
   if (!o.prompt.empty() && !o.tokens.empty()) throw InputError("loom sample: give --prompt or --tokens, not both");
   std::vector<std::int32_t> ids;
   if (!o.tokens.empty()) {
     ids = parse_ids(o.tokens, V);
   } else if (!o.prompt.empty()) {
-    if (V != 256)
-      throw InputError("--prompt needs the byte vocabulary (model.vocab = 256); this checkpoint's model.vocab is " +
-                       std::to_string(V) + ": give token ids with --tokens");
-    for (unsigned char c : o.prompt) ids.push_back(c);
+    ids = codec.encode(o.prompt);
   } else {
-    // A newline for bytes; GPT-2's end-of-text token (llm.c starts there) for its vocabulary; else token 0.
-    ids.push_back(V == 256 ? '\n' : V == 50257 ? 50256 : 0);
+    // A newline for bytes; GPT-2's end-of-text token (llm.c starts there) for its vocabulary; else
+    // the tokenizer's end of document (what a prepared document follows), else token 0.
+    ids.push_back(V == 256 ? '\n' : V == 50257 ? 50256 : codec.eos() >= 0 ? codec.eos() : 0);
   }
   const std::size_t prompt_len = ids.size();
   std::mt19937_64 gen(o.seed);
@@ -145,16 +203,7 @@ int command_sample(const SampleOptions& o) {
             << m.header.step << "; " << cfg.layers << " layers, d_model " << cfg.d_model << ", vocab " << V
             << (cfg.flash_attention ? ", " + cfg.attention + " attention" : std::string()) << "), temperature "
             << o.temperature << ", top-k " << o.top_k << ", seed " << o.seed << "\n";
-  if (bytes) {
-    for (std::int32_t id : ids) std::cout << static_cast<char>(id);
-    std::cout << "\n";
-  } else if (!tokenizer.empty()) {
-    for (std::int32_t id : ids) std::cout << tokenizer[static_cast<std::size_t>(id)];
-    std::cout << "\n";
-  } else {
-    for (std::size_t i = 0; i < ids.size(); ++i) std::cout << (i ? (i == prompt_len ? " | " : " ") : "") << ids[i];
-    std::cout << "\n";
-  }
+  std::cout << codec.decode(ids, prompt_len) << "\n";
   return 0;
 }
 
