@@ -1,10 +1,11 @@
 // `loom eval CKPT --data SOURCE`: a checkpoint's loss, perplexity and bits per byte on held-out
-// data, at any layout. The run is rebuilt from the deck the checkpoint records, with --data as its
-// validation source (and data source, so the training files need not exist), then the checkpoint is
-// loaded as a resume loads it and Engine::evaluate runs: the same samples and the same figure as the
-// run's own periodic validation on that data.
+// data, at any layout (data parallel over the job's ranks unless --set parallel.* says otherwise). The run is rebuilt
+// from the deck the checkpoint records, with --data as its validation source (and data source, so the training files
+// need not exist), then the checkpoint is loaded as a resume loads it and Engine::evaluate runs: the same samples and
+// the same figure as the run's own periodic validation on that data.
 #include <mpi.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cmath>
 #include <cstdio>
@@ -57,6 +58,11 @@ EvalOptions parse_eval(const std::vector<std::string>& rest) {
 // The checkpoint's own deck, made an evaluation: no training, no checkpoints, no init file.
 Deck eval_deck(const EvalOptions& o, const std::string& file, const CheckpointState& header, const DeckSchema& schema) {
   std::vector<std::string> sets = {"checkpoint.resume=", "model.init_from="};
+  // The layout is this job's: data parallel over its ranks, unless --set gives one.
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (std::none_of(o.sets.begin(), o.sets.end(), [](const std::string& kv) { return kv.rfind("parallel.", 0) == 0; }))
+    sets.insert(sets.end(), {"parallel.dp=" + std::to_string(world), "parallel.tp=1", "parallel.pp=1"});
   if (!o.data.empty()) {
     sets.push_back("data.source=" + o.data);
     sets.push_back("data.val_source=" + o.data);
