@@ -15,8 +15,9 @@ Usage:
   2. Scaling: loom's own encode time (its `encode:` line, the slowest rank) at 1 rank x 1 thread, 2 ranks x
      1 thread and 1 rank x 2 threads, medians, and the speed-ups over 1 x 1 (a 2-core machine tops at 2).
   3. Training, one rank: tokens/s of inputs/quickstart.deck's model at model.vocab = 4096 and seq_len 128
-     on the shards (tokens:) and on the text's bytes (text:, the same vocabulary size), 40 steps, median
-     over the rounds of summary.json's tokens_per_s, and shards / text.
+     on the shards (tokens:) and on the text's bytes (text:, the same vocabulary size), 60 steps, median
+     over the rounds of summary.json's tokens_per_s, and shards / text; and the loader's own time a step
+     (metrics.jsonl's times_ms.data, mean over the steps after the first), where the two can differ.
 A benchmark, not a test: exit 0 when every part ran, whatever the ratios. One JSON line ends the output.
 """
 import argparse
@@ -76,6 +77,7 @@ def main():
     spm, loom_s = [], []
     scale = {"1x1": [], "2x1": [], "1x2": []}
     train = {"tokens": [], "text": []}
+    data_ms = {"tokens": [], "text": []}
     for r in range(a.rounds):
         order = ["spm", "loom"] if r % 2 == 0 else ["loom", "spm"]
         for who in order:
@@ -98,17 +100,20 @@ def main():
                   ["--set", "data.source=text:" + text]
             rd = os.path.join(a.workdir, "train-%s-%d" % (kind, r))
             run([loom, "run", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "inputs",
-                                           "quickstart.deck"), "--set", "run.dir=" + rd, "--set", "train.steps=40",
+                                           "quickstart.deck"), "--set", "run.dir=" + rd, "--set", "train.steps=60",
                  "--set", "model.vocab=4096", "--set", "model.seq_len=128", "--set", "train.eval_every=0",
                  "--set", "run.threads=1"] + src, env=env1)
             train[kind].append(json.load(open(rd + "/summary.json"))["tokens_per_s"])
+            rows = [json.loads(l) for l in open(rd + "/metrics.jsonl")]
+            data_ms[kind].append(statistics.mean(r["times_ms"]["data"] for r in rows[1:]))
     med = statistics.median
     res = {"machine": platform.processor() or platform.machine(), "text_mb": round(mb, 3),
            "spm_encode_s": spm, "loom_prepare_s": loom_s,
            "spm_mb_s": mb / med(spm), "loom_mb_s": mb / med(loom_s), "loom_over_spm": med(spm) / med(loom_s),
            "encode_s": scale, "speedup_2_ranks": med(scale["1x1"]) / med(scale["2x1"]),
            "speedup_2_threads": med(scale["1x1"]) / med(scale["1x2"]),
-           "train_tokens_per_s": train, "shards_over_text": med(train["tokens"]) / med(train["text"])}
+           "train_tokens_per_s": train, "shards_over_text": med(train["tokens"]) / med(train["text"]),
+           "data_ms_per_step": data_ms}
     print("text: %.1f MB (%d files of Python's documentation sources); tokenizer: BPE 4096" % (mb, len(files)))
     print("encode, one core:   spm_encode %.2f MB/s (median %.2f s) | loom data prepare %.2f MB/s (median "
           "%.2f s, the whole command) | loom / spm_encode = %.2fx" % (res["spm_mb_s"], med(spm), res["loom_mb_s"],
@@ -116,8 +121,10 @@ def main():
     print("encode scaling:     1 rank x 1 thread %.2f s | 2 ranks x 1 thread %.2f s (%.2fx) | 1 rank x 2 threads "
           "%.2f s (%.2fx)" % (med(scale["1x1"]), med(scale["2x1"]), res["speedup_2_ranks"], med(scale["1x2"]),
                               res["speedup_2_threads"]))
-    print("training, 1 rank:   shards %.0f tokens/s | text bytes %.0f tokens/s | shards / text = %.3f" %
-          (med(train["tokens"]), med(train["text"]), res["shards_over_text"]))
+    print("training, 1 rank:   shards %.0f tokens/s | text bytes %.0f tokens/s | shards / text = %.3f | the "
+          "loader's time a step: shards %.3f ms, text %.3f ms" % (med(train["tokens"]), med(train["text"]),
+                                                                 res["shards_over_text"], med(data_ms["tokens"]),
+                                                                 med(data_ms["text"])))
     print(json.dumps(res))
 
 

@@ -493,11 +493,12 @@ EncodeStats encode(const Options& o, const Scan& s, const Tokenizer& tok, std::u
   std::mutex error_m;
   const double t0 = Progress::now();
   auto work = [&] {
+    Tokenizer::LineCache cache;
     for (std::size_t k; (k = next++) < todo.size();) {
       try {
         const Chunk& c = s.chunks[todo[k]];
         const std::string text = read_range(s.inputs[static_cast<std::size_t>(c.file)].path, c.offset, c.length);
-        std::vector<std::int32_t> ids = tok.encode(text);
+        std::vector<std::int32_t> ids = tok.encode(text, &cache);
         if (o.verify && tok.decode(ids) != text) ++mismatched;
         if (c.ends_file && tok.eos_id() >= 0) ids.push_back(tok.eos_id());
         write_chunk_cache(chunk_path(o.out, todo[k]), c.hash, tok_hash, ids);

@@ -59,7 +59,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_bytes(const std::string& model, const
 int Tokenizer::vocab() const { return sp_->GetPieceSize(); }
 int Tokenizer::eos_id() const { return sp_->eos_id(); }
 
-std::vector<std::int32_t> Tokenizer::encode(std::string_view text) const {
+std::vector<std::int32_t> Tokenizer::encode(std::string_view text, LineCache* cache) const {
   std::vector<std::int32_t> out;
   std::vector<int> ids;
   auto piece = [&](std::string_view t) {
@@ -78,7 +78,24 @@ std::vector<std::int32_t> Tokenizer::encode(std::string_view text) const {
   for (std::size_t at = 0; at < text.size();) {
     std::size_t nl = text.find('\n', at);
     if (nl == std::string_view::npos) nl = text.size();
-    if (nl > at) piece(text.substr(at, nl - at));
+    const std::string_view line = text.substr(at, nl - at);
+    // Short lines are the ones that repeat; the cache stops growing at 64 MiB of keys.
+    if (cache && !line.empty() && line.size() <= 128) {
+      const auto hit = cache->ids.find(std::string(line));
+      if (hit != cache->ids.end()) {
+        out.insert(out.end(), hit->second.begin(), hit->second.end());
+      } else {
+        const std::size_t before = out.size();
+        piece(line);
+        if (cache->bytes < (64u << 20)) {
+          cache->ids.emplace(std::string(line),
+                             std::vector<std::int32_t>(out.begin() + static_cast<std::ptrdiff_t>(before), out.end()));
+          cache->bytes += line.size() + 4 * (out.size() - before) + 64;
+        }
+      }
+    } else if (!line.empty()) {
+      piece(line);
+    }
     if (nl < text.size()) out.push_back(newline);
     at = nl + 1;
   }
