@@ -640,13 +640,12 @@ json manifest(const Options& o, const json& scan_j, const json& opts, const Toke
         {"model.vocab", tok.vocab()}}}};
 }
 
-int default_threads(int ranks) {
+int default_threads() {
   MPI_Comm node;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   int local = 1;
   MPI_Comm_size(node, &local);
   MPI_Comm_free(&node);
-  (void)ranks;
   return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local);
 }
 
@@ -691,7 +690,7 @@ int prepare(const Options& o) {
   int rank = 0, ranks = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  const int threads = o.threads > 0 ? o.threads : default_threads(ranks);
+  const int threads = o.threads > 0 ? o.threads : default_threads();
   Scan s;
   json scan_j, opts;
   if (scan_stage(o, rank, s, scan_j, opts)) {

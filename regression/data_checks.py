@@ -2,7 +2,8 @@
 """`loom data prepare`, tokenizers, `loom eval` and `loom sample --prompt`, checked from outside.
 
 Cases (each its own folder under --workdir; text from Debian's python3.11-doc reStructuredText sources):
-  roundtrip      prepare (SentencePiece BPE trained here) at 1 rank x 2 threads and at 2 ranks x 1 thread:
+  roundtrip      prepare (SentencePiece BPE trained here) at 1 rank x 2 threads and at 2 ranks x 1 thread (and a
+                 unigram model, --verify):
                  the same shards byte for byte; the shards read by this script's own reader (header,
                  counts, ids below the vocabulary, the manifest's counts and sizes); the train shard
                  decoded by SentencePiece's own spm_decode is the inputs' text byte for byte; and the ids
@@ -60,6 +61,8 @@ def check_roundtrip(args, work, failures):
     a, b = work + "/a", work + "/b"
     prepare(args, a, ["--threads", "2", "--val-fraction", "0", "--verify"], failures=failures)
     prepare(args, b, ["--threads", "1", "--val-fraction", "0"], ranks=2, failures=failures)
+    # A unigram model, byte-exact on the same text (--verify decodes every chunk).
+    prepare(args, work + "/unigram", ["--model-type", "unigram", "--vocab", "1200", "--verify"], failures=failures)
     for name in ["train_000000.bin", "manifest.json"]:
         if not os.path.exists(os.path.join(a, name)):
             failures.append("%s missing" % name)
