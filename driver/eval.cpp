@@ -116,8 +116,9 @@ int command_eval(const std::vector<std::string>& rest, const StrategyRegistry& r
     std::printf("%.6f bits/byte", bpb);
   else
     std::printf("bits/byte unknown (no tokenizer: set data.tokenizer)");
-  std::printf(" | %.0f tokens (%d batches of %d x %d) | dp %d x tp %d x pp %d\n", tokens, s.eval_batches,
-              s.global_batch, s.model_cfg.seq_len, s.layout.dp, s.layout.tp, s.layout.pp);
+  std::printf(" | %.0f tokens (%d batch%s of %d x %d) | dp %d x tp %d x pp %d\n", tokens, s.eval_batches,
+              s.eval_batches == 1 ? "" : "es", s.global_batch, s.model_cfg.seq_len, s.layout.dp, s.layout.tp,
+              s.layout.pp);
   return 0;
 }
 

@@ -328,7 +328,7 @@ void on_rank0(int rank, const std::function<void()>& f) {
     }
   }
   bcast_string(err);
-  if (!err.empty()) throw InputError(err);
+  if (!err.empty()) throw AlikeOnEveryRank(err);  // every rank has it: printed once, status 2
 }
 
 // Progress of the encoding, on rank 0: a bar redrawn in place on a terminal, a line per tenth
@@ -370,6 +370,9 @@ class Progress {
   int tenths_ = 0;
   double t0_;
 };
+
+// What a cached chunk's tokens depend on: its text, and whether it ends its file (the eos).
+std::uint64_t cache_key(const Chunk& c) { return c.ends_file ? rng::mix64(c.hash ^ 0xe05) : c.hash; }
 
 std::string chunk_path(const std::string& out, std::size_t i) {
   char b[32];
@@ -422,8 +425,11 @@ std::function<bool(std::string&)> training_lines(const Scan& s) {
       }
       std::size_t nl = st->text.find('\n', st->at);
       if (nl == std::string::npos) nl = st->text.size();
-      line.assign(st->text, st->at, nl - st->at);
-      st->at = nl + 1;
+      // SentencePiece skips lines over its max_sentence_length (4192 bytes): long ones go in pieces.
+      std::size_t end = std::min(nl, st->at + 4000);
+      while (end < nl && (static_cast<unsigned char>(st->text[end]) & 0xc0) == 0x80) --end;
+      line.assign(st->text, st->at, end - st->at);
+      st->at = end == nl ? nl + 1 : end;
       if (!line.empty()) return true;
     }
   };
@@ -477,7 +483,7 @@ EncodeStats encode(const Options& o, const Scan& s, const Tokenizer& tok, std::u
   std::int64_t todo_bytes = 0;
   for (std::size_t i = static_cast<std::size_t>(rank); i < s.chunks.size(); i += static_cast<std::size_t>(ranks)) {
     ++st.chunks;
-    if (read_chunk_cache(chunk_path(o.out, i), s.chunks[i].hash, tok_hash, nullptr)) {
+    if (read_chunk_cache(chunk_path(o.out, i), cache_key(s.chunks[i]), tok_hash, nullptr)) {
       ++st.cached;
       continue;
     }
@@ -497,11 +503,16 @@ EncodeStats encode(const Options& o, const Scan& s, const Tokenizer& tok, std::u
     for (std::size_t k; (k = next++) < todo.size();) {
       try {
         const Chunk& c = s.chunks[todo[k]];
-        const std::string text = read_range(s.inputs[static_cast<std::size_t>(c.file)].path, c.offset, c.length);
+        const std::string& path = s.inputs[static_cast<std::size_t>(c.file)].path;
+        const std::string text = read_range(path, c.offset, c.length);
+        if (hash_bytes(text.data(), text.size()) != c.hash)
+          throw InputError("--input " + quote_path(path) + " changed while it was prepared (bytes " +
+                           std::to_string(c.offset) + " .. " + std::to_string(c.offset + c.length) +
+                           " differ from the scan); run again on a file that stays as it is");
         std::vector<std::int32_t> ids = tok.encode(text, &cache);
         if (o.verify && tok.decode(ids) != text) ++mismatched;
         if (c.ends_file && tok.eos_id() >= 0) ids.push_back(tok.eos_id());
-        write_chunk_cache(chunk_path(o.out, todo[k]), c.hash, tok_hash, ids);
+        write_chunk_cache(chunk_path(o.out, todo[k]), cache_key(c), tok_hash, ids);
         progress.add(c.length);
         if (stop_after >= 0 && ++done >= stop_after) std::_Exit(137);
       } catch (const std::exception& e) {
@@ -532,7 +543,7 @@ void agree(const std::string& error, int rank, int ranks) {
   MPI_Bcast(&n, 1, MPI_LONG_LONG, first, MPI_COMM_WORLD);
   msg.resize(static_cast<std::size_t>(n));
   MPI_Bcast(msg.data(), static_cast<int>(n), MPI_CHAR, first, MPI_COMM_WORLD);
-  throw InputError(msg);
+  throw AlikeOnEveryRank(msg);
 }
 
 struct SplitOut {
@@ -559,7 +570,7 @@ SplitOut assemble(const Options& o, const Scan& s, bool val, std::uint64_t tok_h
   for (std::size_t i = 0; i < s.chunks.size(); ++i) {
     const Chunk& c = s.chunks[i];
     if (c.val != val) continue;
-    if (!read_chunk_cache(chunk_path(o.out, i), c.hash, tok_hash, &ids))
+    if (!read_chunk_cache(chunk_path(o.out, i), cache_key(c), tok_hash, &ids))
       throw InputError("loom data prepare: the encoded chunk " + chunk_path(o.out, i) +
                        " is missing or damaged; run the command again (it encodes what is missing)");
     ++out.chunks;
@@ -604,6 +615,8 @@ bool up_to_date(const Options& o, const json& scan_j, const json& opts) {
   return true;
 }
 
+// Every train_*.bin and val_*.bin in OUT, and the manifest: the deck's globs must see this
+// preparation's shards alone.
 void remove_earlier(const Options& o) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(o.out, ec)) {
@@ -612,6 +625,14 @@ void remove_earlier(const Options& o) {
       fs::remove(e.path(), ec);
   }
   fs::remove(o.out + "/manifest.json", ec);
+}
+
+json deck_lines(const std::string& dir, int vocab, bool val) {
+  json d = {{"data.source", "tokens:" + dir + "/train_*.bin"},
+            {"data.tokenizer", dir + "/tokenizer.model"},
+            {"model.vocab", vocab}};
+  if (val) d["data.val_source"] = "tokens:" + dir + "/val_*.bin";
+  return d;
 }
 
 json manifest(const Options& o, const json& scan_j, const json& opts, const Tokenizer& tok, std::uint64_t tok_hash,
@@ -673,7 +694,6 @@ bool scan_stage(const Options& o, int rank, Scan& s, json& scan_j, json& opts) {
     fs::create_directories(o.out + "/.prepare", ec);
     if (ec) throw InputError("--out " + quote_path(o.out) + ": cannot be created (" + ec.message() + ")");
     const bool done = up_to_date(o, scan_j, opts);
-    if (!done && fs::exists(o.out + "/manifest.json", ec)) remove_earlier(o);  // --overwrite
     blob = json{{"scan", scan_j}, {"opts", opts}, {"done", done}}.dump();
   });
   bcast_string(blob);
@@ -699,8 +719,17 @@ int prepare(const Options& o) {
                 << "options): nothing to do\n";
     return 0;
   }
-  on_rank0(rank, [&] { make_tokenizer(o, s, opts, threads); });
-  const std::string model_bytes = read_file(o.out + "/tokenizer.model", "tokenizer");
+  // The tokenizer is kept for these options and these training chunks only.
+  std::uint64_t train_digest = 0;
+  for (const Chunk& c : s.chunks)
+    if (!c.val) train_digest = rng::mix64(train_digest ^ c.hash);
+  const json spec = {{"options", opts}, {"training_chunks", hex(train_digest)}};
+  std::string model_bytes;
+  on_rank0(rank, [&] {
+    make_tokenizer(o, s, spec, threads);
+    model_bytes = read_file(o.out + "/tokenizer.model", "tokenizer");
+  });
+  bcast_string(model_bytes);  // every rank the same model, whatever its view of the file system
   const auto tok = Tokenizer::from_bytes(model_bytes, "tokenizer");
   const std::uint64_t tok_hash = hash_bytes(model_bytes.data(), model_bytes.size());
   EncodeStats st;
@@ -716,15 +745,17 @@ int prepare(const Options& o) {
   double slowest = st.seconds;
   MPI_Allreduce(MPI_IN_PLACE, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   if (sums[2] > 0)  // the sums are every rank's: each throws the same error
-    throw InputError("--verify: " + std::to_string(sums[2]) +
-                     " chunk(s) do not decode to their text: the tokenizer is not byte-exact on this text (a given "
-                     "--tokenizer that normalises, or text holding U+2581)");
+    throw AlikeOnEveryRank(
+        "--verify: " + std::to_string(sums[2]) +
+        " chunk(s) do not decode to their text: the tokenizer is not byte-exact on this text (a given "
+        "--tokenizer that normalises, or text holding U+2581)");
   on_rank0(rank, [&] {
     if (sums[1] > 0)
       std::printf("encode: resumed: %lld of %lld chunks were encoded already\n", static_cast<long long>(sums[1]),
                   static_cast<long long>(sums[3]));
     std::printf("encode: %.1f MB in %.2f s: %.2f MB/s on %d rank(s) x %d thread(s)%s\n", sums[0] / 1e6, slowest,
                 slowest > 0 ? sums[0] / 1e6 / slowest : 0.0, ranks, threads, o.verify ? ", each chunk verified" : "");
+    remove_earlier(o);  // an earlier preparation's shards (--overwrite, a crash): only now that this one is encoded
     const SplitOut train = assemble(o, s, false, tok_hash, tok->vocab());
     const SplitOut val = assemble(o, s, true, tok_hash, tok->vocab());
     const json m = manifest(o, scan_j, opts, *tok, tok_hash, train, val, o.verify);
@@ -736,9 +767,10 @@ int prepare(const Options& o) {
         o.out.c_str(), static_cast<long long>(train.tokens), train.shards.size(), static_cast<long long>(val.tokens),
         val.shards.size(),
         static_cast<double>(train.text_bytes + val.text_bytes) / static_cast<double>(train.tokens + val.tokens));
-    std::cout << "deck:  data.source = " << m["deck"]["data.source"].get<std::string>()
-              << "\n       data.val_source = " << m["deck"]["data.val_source"].get<std::string>()
-              << "\n       data.tokenizer = " << m["deck"]["data.tokenizer"].get<std::string>()
+    std::cout << "deck:  data.source = " << m["deck"]["data.source"].get<std::string>() << "\n";
+    if (m["deck"].contains("data.val_source"))
+      std::cout << "       data.val_source = " << m["deck"]["data.val_source"].get<std::string>() << "\n";
+    std::cout << "       data.tokenizer = " << m["deck"]["data.tokenizer"].get<std::string>()
               << "\n       model.vocab = " << tok->vocab() << "\n";
   });
   return 0;

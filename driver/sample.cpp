@@ -116,7 +116,11 @@ class TextCodec {
   }
   std::vector<std::int32_t> encode(const std::string& text) const {
     if (spm_) return spm_->encode(text);
-    if (V_ == 256 && llmc_.empty()) return {text.begin(), text.end()};
+    if (V_ == 256 && llmc_.empty()) {
+      std::vector<std::int32_t> ids;
+      for (unsigned char c : text) ids.push_back(c);  // bytes 0..255, never a negative char
+      return ids;
+    }
     throw InputError(
         "--prompt needs a tokenizer to encode the text: the byte vocabulary (model.vocab = 256) or a "
         "SentencePiece model (--tokenizer FILE.model); this checkpoint's model.vocab is " +

@@ -131,11 +131,18 @@ void open_tokenizer(const Deck& d, const GPTConfig& model, DeckData& data) {
   if (path.empty()) path = manifest_tokenizer(val_source.empty() ? source : val_source);
   if (path.empty() && !val_source.empty()) path = manifest_tokenizer(source);
   if (key.empty() && !path.empty()) what = "the tokenizer " + quote_path(path) + " its manifest.json names";
+  const std::string& validated = val_source.empty() ? source : val_source;
+  if (!key.empty() && validated.rfind("tokens:", 0) != 0)
+    throw InputError("data.tokenizer = " + quote_path(key) +
+                     " names the tokenizer of tokens: shards, but the data is " + quote_value(validated) + " (" +
+                     (val_source.empty() ? "data.source" : "data.val_source") +
+                     "); leave data.tokenizer empty, or train on tokens:GLOB (loom data prepare writes them)");
   if (!path.empty()) {
     const auto tok = Tokenizer::load(path, key.empty() ? "the manifest's tokenizer" : "data.tokenizer");
     check_vocab(model.vocab, tok->vocab(), what);
     data.tokenizer = path;
     data.token_bytes = tok->token_bytes();
+    data.token_bytes.resize(static_cast<std::size_t>(model.vocab), 0);  // padded ids stand for no text
     return;
   }
   // Bytes as tokens (text:PATH): every id a byte.

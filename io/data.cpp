@@ -228,11 +228,12 @@ void read_shard(const DataConfig& cfg, const std::string& path, std::vector<Tok>
   // Like llm.c, refuse any size other than the header's: extra bytes mean a wrong count or two
   // shards run together, and reading only the counted tokens would hide it.
   if (size != kHeaderBytes + width * n) {
-    const bool odd = (size - kHeaderBytes) % width != 0;
+    const std::int64_t part = (size - kHeaderBytes) % width;  // bytes of a token cut short
+    const std::string frac = part == 0 ? "" : width == 2 ? ".5" : part == 1 ? ".25" : part == 2 ? ".5" : ".75";
     throw InputError(what + ": longer than its header says: the token count at byte offset 8 promises " +
                      std::to_string(n) + " tokens (" + std::to_string(kHeaderBytes + width * n) +
                      " bytes), the file has " + std::to_string(size) + " bytes, which hold " + std::to_string(held) +
-                     (odd ? " and a part" : "") + " tokens");
+                     frac + " tokens");
   }
   std::vector<unsigned char> raw(static_cast<std::size_t>(width * n));
   if (!in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size())))
@@ -362,10 +363,12 @@ void check_vocab(int model_vocab, int tokenizer_vocab, const std::string& what) 
   const int padded = (tokenizer_vocab + 127) / 128 * 128;
   if (model_vocab >= tokenizer_vocab && model_vocab <= padded) return;
   throw InputError("model.vocab = " + std::to_string(model_vocab) + " does not match " + what + ", which has " +
-                   std::to_string(tokenizer_vocab) + " tokens: set model.vocab = " + std::to_string(tokenizer_vocab) +
+                   std::to_string(tokenizer_vocab) + " tokens: the model's vocabulary must be the tokenizer's " +
+                   std::to_string(tokenizer_vocab) +
                    (padded != tokenizer_vocab
                         ? " (or up to " + std::to_string(padded) + ", padded to a multiple of 128)"
-                        : std::string()));
+                        : std::string()) +
+                   "; set model.vocab so, or use data and a tokenizer of the model's vocabulary");
 }
 
 void write_token_shard(const std::string& path, const std::vector<std::int32_t>& tokens, int vocab) {

@@ -156,12 +156,16 @@ std::string train_tokenizer(const TokenizerTraining& o, const std::function<bool
                                                              {"num_threads", std::to_string(o.threads)},
                                                              {"minloglevel", "1"}};
   sentencepiece::SetRandomGeneratorSeed(o.seed);
-  LineSource lines(next_line);
+  std::uint64_t count = 0;
+  const std::function<bool(std::string&)> counted = [&](std::string& line) { return next_line(line) && ++count; };
+  LineSource lines(counted);
   std::string model;
   const auto st = sentencepiece::SentencePieceTrainer::Train(args, &lines, &model);
+  if (count == 0) throw InputError("--input: the training chunks hold no line of text to train a tokenizer on");
   if (!st.ok())
     throw InputError("training the SentencePiece " + o.model_type + " model of vocabulary " + std::to_string(o.vocab) +
-                     " failed: " + st.ToString());
+                     " failed: " + st.ToString() +
+                     " (loom trains with character_coverage 0.9995 and byte fallback: give another --vocab)");
   return model;
 }
 

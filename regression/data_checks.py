@@ -9,7 +9,8 @@ Cases (each its own folder under --workdir; text from Debian's python3.11-doc re
                  decoded by SentencePiece's own spm_decode is the inputs' text byte for byte; and the ids
                  with loom's newline pieces left out are spm_encode's ids line by line.
   noop_resume    a rerun on the same inputs does nothing (files untouched); a run killed after 2 chunks
-                 (LOOM_PREPARE_STOP_AFTER, exit 137) resumes and ends with the uninterrupted run's shards.
+                 (LOOM_PREPARE_STOP_AFTER, exit 137) resumes and ends with the uninterrupted run's shards;
+                 one killed on part of the inputs keeps nothing when rerun on all (nor a stray shard).
   refusals       non-UTF-8 input (file and byte offset), a missing input, a --tokenizer that is not a
                  model, other options over a finished folder, a shard of a wrong header, a deck whose
                  model.vocab is not the manifest's or data.tokenizer's: each exit 2 naming file and key.
@@ -119,6 +120,19 @@ def check_noop_resume(args, work, failures):
     for f in ["train_000000.bin", "val_000000.bin", "tokenizer.model"]:
         if open(a + "/" + f, "rb").read() != open(b + "/" + f, "rb").read():
             failures.append("%s differs between the resumed and the uninterrupted run" % f)
+    # Killed on a part of the inputs, resumed on all of them: nothing of the part's is kept (its
+    # tokenizer trained on other text), and an earlier stray shard does not outlive the run.
+    c = work + "/c"
+    prepare(args, c, ["--threads", "1"], expect=137, failures=failures, env=env,
+            inputs=(DOCS + "/tutorial/c*.txt",))
+    os.makedirs(c, exist_ok=True)
+    shutil.copy(a + "/train_000000.bin", c + "/train_000009.bin")
+    p = prepare(args, c, ["--threads", "1"], failures=failures)
+    if "already" in p.stdout or os.path.exists(c + "/train_000009.bin"):
+        failures.append("a run on other inputs kept the killed run's work or a stray shard: " + p.stdout[-400:])
+    for f in ["train_000000.bin", "val_000000.bin", "tokenizer.model"]:
+        if open(a + "/" + f, "rb").read() != open(c + "/" + f, "rb").read():
+            failures.append("%s differs from the uninterrupted run after a killed run on other inputs" % f)
 
 
 def refused(args, failures, cmd, *needles, env=None):

@@ -459,7 +459,7 @@ TEST(DataTokens, RefusesWrongVersion) {
   const auto msg = input_error([&] { open_dataset(tokens_cfg(p.string())); });
   EXPECT_HAS(msg, p.string());
   EXPECT_HAS(msg, "offset 4");
-  EXPECT_HAS(msg, "expected 1, found 7");
+  EXPECT_HAS(msg, "expected 1 (uint16 tokens, llm.c's) or 2 (uint32 tokens, loom's), found 7");
 }
 
 TEST(DataTokens, RefusesTruncatedTokens) {
