@@ -12,7 +12,7 @@ packages=(
   libtrilinos-kokkos-dev
   libopenblas-dev libdnnl-dev
   nlohmann-json3-dev
-  libsentencepiece-dev sentencepiece python3.11-doc
+  libsentencepiece-dev sentencepiece python3-sentencepiece python3.11-doc
   googletest libgtest-dev libbenchmark-dev
   python3-torch python3-h5py python3-numpy
   jube python3-matplotlib

@@ -53,6 +53,9 @@ std::unique_ptr<Tokenizer> Tokenizer::from_bytes(const std::string& model, const
   if (!st.ok())
     throw InputError("not a SentencePiece model (.model) file: " + st.ToString() + " (" + what +
                      " takes the .model file `loom data prepare` or spm_train writes)");
+  // add_dummy_prefix (not readable without the model's protobuf schema): "x" encodes with a space mark.
+  std::vector<std::string> pieces;
+  t->dummy_prefix_ = t->sp_->Encode("x", &pieces).ok() && !pieces.empty() && pieces[0].rfind(kSpaceMark, 0) == 0;
   return t;
 }
 
@@ -68,9 +71,10 @@ std::vector<std::int32_t> Tokenizer::encode(std::string_view text, LineCache* ca
     out.insert(out.end(), ids.begin(), ids.end());
   };
   // Line by line, each newline its byte piece: SentencePiece's encoder slows down on long inputs
-  // (3x on 1 MB), and the model was trained on lines. A model without byte pieces takes it whole.
+  // (3x on 1 MB), and the model was trained on lines. A model without byte pieces, or one that adds
+  // a leading space mark to each input (Llama's), takes it whole: per line it would add one a line.
   const int newline = sp_->PieceToId("<0x0A>");
-  if (newline == sp_->unk_id() || !sp_->IsByte(newline)) {
+  if (newline == sp_->unk_id() || !sp_->IsByte(newline) || dummy_prefix_) {
     piece(text);
     return out;
   }

@@ -48,6 +48,7 @@ class Tokenizer {
  private:
   Tokenizer();
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  bool dummy_prefix_ = false;  // the model puts a space mark before its input (add_dummy_prefix)
 };
 
 struct TokenizerTraining {

@@ -3,7 +3,8 @@
 
 Cases (each its own folder under --workdir; text from Debian's python3.11-doc reStructuredText sources):
   roundtrip      prepare (SentencePiece BPE trained here) at 1 rank x 2 threads and at 2 ranks x 1 thread (and a
-                 unigram model, --verify):
+                 unigram model, --verify; and a given spm_train model that adds a dummy prefix, whose ids
+                 are Python's sentencepiece's for each file whole):
                  the same shards byte for byte; the shards read by this script's own reader (header,
                  counts, ids below the vocabulary, the manifest's counts and sizes); the train shard
                  decoded by SentencePiece's own spm_decode is the inputs' text byte for byte; and the ids
@@ -64,6 +65,30 @@ def check_roundtrip(args, work, failures):
     prepare(args, b, ["--threads", "1", "--val-fraction", "0"], ranks=2, failures=failures)
     # A unigram model, byte-exact on the same text (--verify decodes every chunk).
     prepare(args, work + "/unigram", ["--model-type", "unigram", "--vocab", "1200", "--verify"], failures=failures)
+    # A given model that puts a space mark before each input (add_dummy_prefix, as Llama's does),
+    # trained by SentencePiece's own spm_train: loom encodes the text whole, so it decodes back.
+    files = sorted(glob.glob(TUTORIAL))
+    run_noting(["spm_train", "--input=" + ",".join(files), "--model_prefix=" + work + "/dummy", "--vocab_size=800",
+                "--normalization_rule_name=identity", "--add_dummy_prefix=true", "--byte_fallback=true",
+                "--remove_extra_whitespaces=false",
+                "--minloglevel=1"], failures)
+    prepare(args, work + "/given", ["--tokenizer", work + "/dummy.model", "--verify", "--val-fraction", "0"],
+            failures=failures)
+    # Its ids are SentencePiece's own for each file whole (Python's sentencepiece, /usr/bin/python3),
+    # then the end of document: per line, each line would begin with a space mark the text lacks.
+    oracle = ("import sentencepiece as s, sys, json; p = s.SentencePieceProcessor(model_file=sys.argv[1]); "
+              "print(json.dumps([i for f in sys.argv[2:] for i in p.encode(open(f, encoding='utf-8', newline='')"
+              ".read()) + [p.eos_id()]]))")
+    p = subprocess.run(["/usr/bin/python3", "-c", oracle, work + "/dummy.model"] + files, capture_output=True, text=True)
+    if p.returncode != 0:
+        failures.append("python3-sentencepiece: " + p.stderr[-300:])
+    else:
+        theirs = json.loads(p.stdout)
+        ours = read_shard(work + "/given/train_000000.bin")[1] if os.path.exists(work + "/given/train_000000.bin") else []
+        print("a model with add_dummy_prefix: loom %d ids, SentencePiece on each file whole %d ids, equal: %s" %
+              (len(ours), len(theirs), ours == theirs))
+        if ours != theirs:
+            failures.append("a given model with add_dummy_prefix: loom's ids are not SentencePiece's for the whole text")
     for name in ["train_000000.bin", "manifest.json"]:
         if not os.path.exists(os.path.join(a, name)):
             failures.append("%s missing" % name)

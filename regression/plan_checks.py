@@ -159,12 +159,26 @@ def start_step(args, deck, sets):
     return int(keys["start_step"]) if keys.get("method") == "powersgd" else 0
 
 
+def prepared_data(args, deck, where):
+    """For a deck whose opening comment prepares its data (`build/loom data prepare ...`), that line run
+    in `where` (once; regression/deck_prepare.py), which is returned: the deck runs there. Else None."""
+    if "build/loom data prepare" not in open(deck).read():
+        return None
+    if not os.path.exists(os.path.join(where, "done")):
+        run([sys.executable, os.path.join(ROOT, "regression", "deck_prepare.py"), "--loom", os.path.abspath(args.loom), "--deck", deck,
+             "--workdir", where])
+        open(os.path.join(where, "done"), "w").close()
+    return where
+
+
 def memory_vs_ledger(args, d, failures):
     import json
     cases = [(os.path.basename(p)[:-5], p, deck_ranks(p), []) for p in
              sorted(os.path.join(ROOT, "inputs", f) for f in os.listdir(os.path.join(ROOT, "inputs")) if f.endswith(".deck"))]
     worst, pools = [], []
+    here = os.getcwd()
     for tag, deck, ranks, sets in cases + LAYOUTS:
+        os.chdir(prepared_data(args, deck, os.path.join(d, tag + "-data")) or here)
         run_dir = os.path.join(d, tag)
         over = sets + ["train.steps=%d" % (2 + start_step(args, deck, sets)), "train.eval_every=0", "train.log_every=1", "run.dir=" + run_dir,
                        "run.overwrite=true", "checkpoint.dir=" + os.path.join(run_dir, "ckpt"), "checkpoint.every=0"]
@@ -192,6 +206,7 @@ def memory_vs_ledger(args, d, failures):
                 if abs(gap) > 0.05 * m[c] + 4096:
                     failures.append("%s rank %d %s: predicted %d bytes, measured %d (%+.1f%%)" %
                                     (tag, r, c, p[c], m[c], 100 * gap / max(m[c], 1)))
+    os.chdir(here)
     worst.sort(reverse=True)
     print("largest relative gaps (predicted vs the ledger's peak, per rank and category):")
     for rel, tag, r, c, p, m in worst[:12]:
