@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""loom's CUDA back end against PyTorch on one GPU: GPT-2 124M (bench/gpu.deck), bf16 products.
+"""loom's CUDA back end against PyTorch on one GPU: GPT-2 124M (bench/gpu.deck), bf16 products; with
+--set model.arch=llama (and the Llama keys), the Llama block of the same width, depth and heads.
 
 Usage (on a machine with a GPU):
   /usr/bin/python3 bench/gpu.py --loom build/loom [--steps N] [--peak-tflops P] [--batch B] [--set KEY=VALUE]
@@ -14,7 +15,9 @@ Usage (on a machine with a GPU):
      A100 312, H100 SXM / H200 989.4 TFLOP/s, NVIDIA's datasheets), the ratio loom / PyTorch, and
      llm.c's figure for reference (about 60% MFU on A100, from its README; not measured here).
 A benchmark, not a test: exit 0 when both parts ran, 1 otherwise; no GPU: exit 77 saying so.
---set of the model's shape and of train.* reach both: loom's run and PyTorch's model and optimizer.
+--set of the model's shape and of train.* reach both: loom's run and PyTorch's model and optimizer; so
+do model.arch and the Llama keys (kv_heads, ffn_hidden, norm_eps, rope_theta, tie_embeddings), PyTorch
+running regression/torch_gpt.py's Llama (issue 46: Llama's MFU beside GPT-2's).
 
 --smoke runs all of it where there is no GPU, to check the script, not to measure: a small model
 (SMOKE_SETS), loom's cuda back end on the emulated device (LOOM_CUDA_BACKEND_LIBRARY =
@@ -48,15 +51,28 @@ def deck_values(path, sets):
         section, _, name = key.partition(".")
         if section == "model" and name in model:
             model[name] = int(value)
+        elif section == "model" and name in ARCH_KEYS:
+            model[name] = value
         elif section == "train":
             train[name] = value
     return model, train
 
 
+ARCH_KEYS = ("arch", "kv_heads", "ffn_hidden", "norm_eps", "rope_theta", "tie_embeddings")
+
+
 def flops_per_token(m):
-    """loom's count (GPT::flops_per_token): 6 x matrix weights + attention's 12 L T C."""
+    """loom's count (GPT::flops_per_token): 6 x matrix weights + attention's 12 L T C. A Llama block's
+    weights: q and the output C^2 each, k and v C x (kv_heads x head size) each, gate, up, down C x F."""
     L, C, T, V = m["layers"], m["d_model"], m["seq_len"], m["vocab"]
-    return 6.0 * (L * 12.0 * C * C + V * C) + 12.0 * L * T * C
+    if m.get("arch", "gpt2") == "llama":
+        import torch_gpt
+        cfg = torch_gpt.llama_config(m)
+        ck = cfg["kv_heads"] * (C // m["heads"])
+        block = 2.0 * C * C + 2.0 * C * ck + 3.0 * C * cfg["ffn_hidden"]
+    else:
+        block = 12.0 * C * C
+    return 6.0 * (L * block + V * C) + 12.0 * L * T * C
 
 
 def run_loom(args, model, batch):
@@ -90,6 +106,7 @@ def run_torch(args, model, train, batch, compiled=False):
             raise RuntimeError("--torch-attention sdpa: torch %s has no scaled_dot_product_attention (PyTorch 2.0 "
                                "or newer)" % torch.__version__)
         torch_gpt.CausalSelfAttention.use_sdpa = True
+        torch_gpt.LlamaAttention.use_sdpa = True
     net = torch_gpt.build_model(model).to(dev)
     fwd = torch.compile(net) if compiled else net
     opt = torch_gpt.make_optimizer(net, train, **({"fused": True} if kind == "cuda" else {}))
@@ -173,10 +190,12 @@ def main():
     model, train = deck_values(os.path.join(HERE, "gpu.deck"), args.set)
     batch = args.batch or int(train["batch"])
     fpt = flops_per_token(model)
-    print("device: %s, dense bf16 peak %.1f TFLOP/s; GPT-2 %d layers, d %d, T %d, vocab %d; batch %d; %.3g FLOP/token"
-          % (name, args.peak_tflops, model["layers"], model["d_model"], model["seq_len"], model["vocab"], batch, fpt))
+    arch = "Llama" if model.get("arch", "gpt2") == "llama" else "GPT-2"
+    print("device: %s, dense bf16 peak %.1f TFLOP/s; %s %d layers, d %d, T %d, vocab %d; batch %d; %.3g FLOP/token"
+          % (name, args.peak_tflops, arch, model["layers"], model["d_model"], model["seq_len"], model["vocab"], batch,
+             fpt))
     s = run_loom(args, model, batch)
-    out = {"device": name, "peak_tflops": args.peak_tflops, "batch": batch, "steps": args.steps}
+    out = {"device": name, "peak_tflops": args.peak_tflops, "batch": batch, "steps": args.steps, "arch": arch}
     ok = s is not None
     if s and abs(s["model_flops_per_token"] - fpt) > 1e-9 * fpt:  # PyTorch's model is not loom's
         print("loom's run counts %.6g FLOP/token, this script's model %.6g: the two models differ" % (s["model_flops_per_token"], fpt))

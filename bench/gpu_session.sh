@@ -13,7 +13,8 @@
 #   matches_host, decks, cuda_layouts and plan_memory (as `ctest -L gpu` runs them) -> OUTDIR/checks.log
 # bench: bench/attention_gpu.py (attention alone: loom's flash, cuDNN's through loom, PyTorch's SDPA),
 #   bench/gpu.py (GPT-2 124M in bf16 against PyTorch) with model.attention = cudnn and flash (PyTorch's
-#   scaled_dot_product_attention) and unfused (PyTorch's attention written out), then 10 steps of each
+#   scaled_dot_product_attention) and unfused (PyTorch's attention written out), the Llama block of the
+#   same shape with flash (bench_llama: its MFU beside GPT-2's), then 10 steps of each
 #   under LOOM_CUDA_PROFILE (GPU time per operation) -> OUTDIR/bench.log
 # all: every step of checks and bench in one call, what has never run on a GPU first (cuDNN's
 #   attention tests and benchmarks, matches_host, then the rest), so that a lease that ends early has
@@ -37,7 +38,7 @@ usage="usage: bash bench/gpu_session.sh BUNDLE.tar.xz OUTDIR checks|bench|all|sm
 bundle=${1:?$usage}
 out=${2:?$usage}
 what=${3:?$usage}
-known_items="cuda_tests cudnn_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory bench_unfused bench_flash bench_cudnn bench_attention profile_unfused profile_flash profile_cudnn smoke_kernel ncu_flash"
+known_items="cuda_tests cudnn_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory bench_unfused bench_flash bench_llama bench_cudnn bench_attention profile_unfused profile_flash profile_cudnn smoke_kernel ncu_flash"
 case "$what" in
   checks|bench|all|smoke) ;;
   *)  # a list of steps by name, e.g. to run again the ones that failed
@@ -150,6 +151,9 @@ run_item() {
     bench_flash)
       step "gpu.py flash" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" \
         --set model.attention=flash --torch-attention sdpa --torch-compile ;;
+    bench_llama)  # issue 46: the Llama block at GPT-2 124M's width, depth and heads, beside bench_flash's GPT-2
+      step "gpu.py llama flash" "$py" bench/gpu.py --loom "$b/bin/loom" --workdir "$work/gpu-bench" \
+        --set model.arch=llama --set model.attention=flash --torch-attention sdpa ;;
     profile_*)
       local a=${1#profile_}
       step "profile $a" env LOOM_CUDA_PROFILE=1 "$b/bin/loom" run bench/gpu.deck --set train.steps=10 \
@@ -177,8 +181,8 @@ run_item() {
 }
 case "$what" in
   checks) items="cuda_tests nccl_tests refusal matches_host decks cuda_layouts plan_memory" ;;
-  bench) items="bench_attention bench_cudnn bench_flash bench_unfused profile_cudnn profile_flash profile_unfused" ;;
-  all) items="cudnn_tests bench_attention bench_cudnn matches_host cuda_tests bench_flash refusal nccl_tests cuda_layouts decks plan_memory profile_cudnn profile_flash bench_unfused profile_unfused" ;;
+  bench) items="bench_attention bench_cudnn bench_flash bench_llama bench_unfused profile_cudnn profile_flash profile_unfused" ;;
+  all) items="cudnn_tests bench_attention bench_cudnn matches_host cuda_tests bench_flash bench_llama refusal nccl_tests cuda_layouts decks plan_memory profile_cudnn profile_flash bench_unfused profile_unfused" ;;
   smoke) items="smoke_kernel refusal" ;;
   *) items=$what ;;
 esac
