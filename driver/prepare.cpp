@@ -173,7 +173,8 @@ Options parse(const std::vector<std::string>& rest) {
   if (o.shard_tokens < 1024 || o.shard_tokens > 2000000000)
     bad("--shard-tokens " + std::to_string(o.shard_tokens) + " is not in 1024 .. 2000000000");
   if (o.chunk_bytes < 4096) bad("--chunk-bytes " + std::to_string(o.chunk_bytes) + " is below 4096");
-  if (o.threads < 0) bad("--threads " + std::to_string(o.threads) + " is negative (0: the cores / the ranks)");
+  if (o.threads < 0 || o.threads > 1024)
+    bad("--threads " + std::to_string(o.threads) + " is not in 0 .. 1024 (0: the node's cores over its ranks)");
   if (o.model_type != "bpe" && o.model_type != "unigram")
     bad("--model-type " + quote_value(o.model_type) + ": valid values are bpe, unigram");
   return o;
@@ -601,12 +602,25 @@ bool up_to_date(const Options& o, const json& scan_j, const json& opts) {
     throw InputError("--out " + quote_path(o.out) + ": its manifest.json cannot be read (" + e.what() +
                      "); remove it or give --overwrite");
   }
-  const bool same = m.value("format", "") == kFormat && m["inputs"] == scan_j["inputs"] && m["options"] == opts;
-  if (!same) {
+  // What differs, named: the format, the inputs (their number, or the first that differs), an option.
+  std::string diff;
+  if (m.value("format", "") != kFormat) diff = "format " + m.value("format", std::string("(none)"));
+  const json& was = m.contains("inputs") ? m["inputs"] : json::array();
+  const json& now = scan_j["inputs"];
+  if (diff.empty() && was.size() != now.size())
+    diff = std::to_string(was.size()) + " input file(s) then, " + std::to_string(now.size()) + " now";
+  for (std::size_t i = 0; diff.empty() && i < now.size(); ++i)
+    if (was[i] != now[i]) diff = "input " + now[i]["path"].get<std::string>() + " (then " + was[i].dump() + ")";
+  if (diff.empty() && m.contains("options") && m["options"] != opts)
+    for (const auto& [k, v] : opts.items())
+      if (diff.empty() && (!m["options"].contains(k) || m["options"][k] != v))
+        diff = "option " + k + " = " + v.dump() + " (then " +
+               (m["options"].contains(k) ? m["options"][k].dump() : "unset") + ")";
+  if (!diff.empty()) {
     if (o.overwrite) return false;
     throw InputError("--out " + quote_path(o.out) +
-                     " holds a finished preparation of other inputs or options (its manifest.json); give "
-                     "--overwrite to replace it, or another --out");
+                     " holds a finished preparation of other inputs or options (its manifest.json; first difference: " +
+                     diff + "); give --overwrite to replace it, or another --out");
   }
   for (const char* split : {"train", "val"})
     for (const auto& sh : m["splits"][split]["shards"])
@@ -679,6 +693,9 @@ bool scan_stage(const Options& o, int rank, Scan& s, json& scan_j, json& opts) {
       const std::string b = read_file(o.tokenizer, "--tokenizer");
       given_hash = hex(hash_bytes(b.data(), b.size()));
     }
+    std::error_code ec;  // a bad --out is said before the inputs are read
+    fs::create_directories(o.out + "/.prepare", ec);
+    if (ec) throw InputError("--out " + quote_path(o.out) + ": cannot be created (" + ec.message() + ")");
     const double t0 = Progress::now();
     s = scan(o);
     scan_j = scan_json(s);
@@ -690,9 +707,6 @@ bool scan_stage(const Options& o, int rank, Scan& s, json& scan_j, json& opts) {
         bytes / 1e6, s.chunks.size(),
         static_cast<std::size_t>(std::count_if(s.chunks.begin(), s.chunks.end(), [](auto& c) { return c.val; })),
         Progress::now() - t0);
-    std::error_code ec;
-    fs::create_directories(o.out + "/.prepare", ec);
-    if (ec) throw InputError("--out " + quote_path(o.out) + ": cannot be created (" + ec.message() + ")");
     const bool done = up_to_date(o, scan_j, opts);
     blob = json{{"scan", scan_j}, {"opts", opts}, {"done", done}}.dump();
   });

@@ -265,11 +265,14 @@ nlohmann::json read_manifest(const std::string& shard, const std::string& key) {
   } catch (const nlohmann::json::exception& e) {
     throw InputError(key + " manifest " + quote_path(manifest.string()) + ": not valid JSON (" + e.what() + ")");
   }
+  const auto format = m.is_object() ? m.find("format") : m.end();
+  if (format == m.end() || !format->is_string() || format->get<std::string>().rfind("loom data prepare", 0) != 0)
+    return nullptr;  // another tool's manifest: not loom's to read
   const auto tok = m.find("tokenizer");
-  if (!m.is_object() || tok == m.end() || !tok->is_object() || !tok->contains("vocab") ||
-      !(*tok)["vocab"].is_number_integer() || !tok->contains("file") || !(*tok)["file"].is_string())
+  if (tok == m.end() || !tok->is_object() || !tok->contains("vocab") || !(*tok)["vocab"].is_number_integer() ||
+      !tok->contains("file") || !(*tok)["file"].is_string())
     throw InputError(key + " manifest " + quote_path(manifest.string()) +
-                     ": has no tokenizer.vocab and tokenizer.file (not written by loom data prepare?)");
+                     ": has no tokenizer.vocab and tokenizer.file (damaged? run loom data prepare again)");
   m["path"] = manifest.string();
   return m;
 }

@@ -74,8 +74,8 @@ void write_file_atomically(const std::string& path, const std::string& bytes, co
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw InputError(what + " " + quote_path(tmp) + ": cannot be created (" + std::strerror(errno) + ")");
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
+    out.close();  // a full disk may show only here
+    if (out.fail()) {
       const std::string reason = std::strerror(errno);
       std::error_code ec;
       std::filesystem::remove(tmp, ec);

@@ -190,7 +190,7 @@ def check_refusals(args, work, failures):
     good = work + "/good"
     prepare(args, good, ["--threads", "1"], failures=failures)
     refused(args, failures, [args.loom, "data", "prepare", "--input", TUTORIAL, "--out", good, "--vocab", "900"],
-            good, "other inputs or options", "--overwrite")
+            good, "other inputs or options", "first difference: option tokenizer", "--overwrite")
     # A deck against the manifest's tokenizer, and against data.tokenizer.
     refused(args, failures, deck_args(args, work + "/r1", good, ["model.vocab=2000"]),
             "model.vocab = 2000", "manifest.json", "1000 tokens")
