@@ -479,21 +479,21 @@ struct EncodeStats {
 // This rank's chunks (i % ranks == rank), `threads` at a time; cached chunks are skipped.
 EncodeStats encode(const Options& o, const Scan& s, const Tokenizer& tok, std::uint64_t tok_hash, int rank, int ranks,
                    int threads) {
-  std::vector<std::size_t> todo;
+  std::vector<std::size_t> pending;
   EncodeStats st;
-  std::int64_t todo_bytes = 0;
+  std::int64_t pending_bytes = 0;
   for (std::size_t i = static_cast<std::size_t>(rank); i < s.chunks.size(); i += static_cast<std::size_t>(ranks)) {
     ++st.chunks;
     if (read_chunk_cache(chunk_path(o.out, i), cache_key(s.chunks[i]), tok_hash, nullptr)) {
       ++st.cached;
       continue;
     }
-    todo.push_back(i);
-    todo_bytes += s.chunks[i].length;
+    pending.push_back(i);
+    pending_bytes += s.chunks[i].length;
   }
   const char* stop_env = std::getenv("LOOM_PREPARE_STOP_AFTER");  // tests: a run killed after N chunks
   const long stop_after = stop_env ? std::atol(stop_env) : -1;
-  Progress progress(todo_bytes, rank == 0);
+  Progress progress(pending_bytes, rank == 0);
   std::atomic<std::size_t> next{0};
   std::atomic<std::int64_t> mismatched{0}, done{0};
   std::string error;
@@ -501,9 +501,9 @@ EncodeStats encode(const Options& o, const Scan& s, const Tokenizer& tok, std::u
   const double t0 = Progress::now();
   auto work = [&] {
     Tokenizer::LineCache cache;
-    for (std::size_t k; (k = next++) < todo.size();) {
+    for (std::size_t k; (k = next++) < pending.size();) {
       try {
-        const Chunk& c = s.chunks[todo[k]];
+        const Chunk& c = s.chunks[pending[k]];
         const std::string& path = s.inputs[static_cast<std::size_t>(c.file)].path;
         const std::string text = read_range(path, c.offset, c.length);
         if (hash_bytes(text.data(), text.size()) != c.hash)
@@ -513,13 +513,13 @@ EncodeStats encode(const Options& o, const Scan& s, const Tokenizer& tok, std::u
         std::vector<std::int32_t> ids = tok.encode(text, &cache);
         if (o.verify && tok.decode(ids) != text) ++mismatched;
         if (c.ends_file && tok.eos_id() >= 0) ids.push_back(tok.eos_id());
-        write_chunk_cache(chunk_path(o.out, todo[k]), cache_key(c), tok_hash, ids);
+        write_chunk_cache(chunk_path(o.out, pending[k]), cache_key(c), tok_hash, ids);
         progress.add(c.length);
         if (stop_after >= 0 && ++done >= stop_after) std::_Exit(137);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(error_m);
         if (error.empty()) error = e.what();
-        next = todo.size();
+        next = pending.size();
       }
     }
   };
@@ -529,7 +529,7 @@ EncodeStats encode(const Options& o, const Scan& s, const Tokenizer& tok, std::u
   for (auto& t : pool) t.join();
   if (!error.empty()) throw InputError("rank " + std::to_string(rank) + ": " + error);
   st.seconds = Progress::now() - t0;
-  st.bytes = todo_bytes;
+  st.bytes = pending_bytes;
   st.mismatched = mismatched;
   return st;
 }

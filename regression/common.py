@@ -52,6 +52,36 @@ def run_noting(cmd, failures, expect=0, timeout=600, **kw):
     return p
 
 
+# The small GPT-2 the weight-file checks (llmc_checks.py, hf_gpt2_checks.py) train, export and reload.
+SMALL_GPT2_DECK = """[model]
+layers = 2
+d_model = 64
+heads = 4
+seq_len = 32
+vocab = 200
+[data]
+source = synthetic
+[train]
+steps = 1
+batch = 4
+seed = 7
+eval_every = 0
+"""
+
+
+def run_checked(cmd, expect=0, env=None, **kw):
+    """Runs cmd (printed first) on one thread each of OpenMP and OpenBLAS, capturing its output; an exit
+    other than `expect` (None: any) shows the output's tail and ends the script with FAIL."""
+    print("$ " + " ".join(cmd), flush=True)
+    e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    e.update(env or {})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=e, **kw)
+    if expect is not None and p.returncode != expect:
+        sys.stdout.write(p.stdout[-3000:] + p.stderr[-3000:])
+        raise SystemExit("FAIL: exit %d, expected %d: %s" % (p.returncode, expect, " ".join(cmd)))
+    return p
+
+
 def finish(failures):
     """The exit status of a script that collected `failures`, after saying FAIL (each) or OK."""
     if failures:

@@ -39,31 +39,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
 
-DECK = """[model]
-layers = 2
-d_model = 64
-heads = 4
-seq_len = 32
-vocab = 200
-[data]
-source = synthetic
-[train]
-steps = 1
-batch = 4
-seed = 7
-eval_every = 0
-"""
+DECK = common.SMALL_GPT2_DECK
 TOLERANCE = 1e-5  # float32 loom against the float64 forward: ~1e-7 seen; a layout's reduction order too
 
 
-def run(cmd, expect=0):
-    print("$ " + " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
-    if expect is not None and p.returncode != expect:
-        sys.stdout.write(p.stdout[-3000:] + p.stderr[-3000:])
-        raise SystemExit("FAIL: exit %d, expected %d: %s" % (p.returncode, expect, " ".join(cmd)))
-    return p
+run = common.run_checked
 
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -50,14 +50,7 @@ eval_every = 0
 """
 
 
-def run(cmd, expect=0):
-    print("$ " + " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
-    if expect is not None and p.returncode != expect:
-        sys.stdout.write(p.stdout[-3000:] + p.stderr[-3000:])
-        raise SystemExit("FAIL: exit %d, expected %d: %s" % (p.returncode, expect, " ".join(cmd)))
-    return p
+run = common.run_checked
 
 
 def read_safetensors(path):

@@ -37,20 +37,7 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 import torch_gpt  # noqa: E402
 
-DECK = """[model]
-layers = 2
-d_model = 64
-heads = 4
-seq_len = 32
-vocab = 200
-[data]
-source = synthetic
-[train]
-steps = 1
-batch = 4
-seed = 7
-eval_every = 0
-"""
+DECK = common.SMALL_GPT2_DECK
 REPO = os.path.dirname(HERE)
 QUICKSTART = os.path.join(REPO, "inputs", "quickstart.deck")
 GPL = "/usr/share/common-licenses/GPL-3"
@@ -82,15 +69,7 @@ def write_llmc(model, cfg, path, bf16=False):
         f.write(sd["ln_f.bias"].tobytes())
 
 
-def run(cmd, expect=0, env=None, **kw):
-    print("$ " + " ".join(cmd), flush=True)
-    e = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    e.update(env or {})
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=e, **kw)
-    if expect is not None and p.returncode != expect:
-        sys.stdout.write(p.stdout[-3000:] + p.stderr[-3000:])
-        raise SystemExit("FAIL: exit %d, expected %d: %s" % (p.returncode, expect, " ".join(cmd)))
-    return p
+run = common.run_checked
 
 
 def first_loss(rundir):
