@@ -120,6 +120,21 @@ class BackendFace {
   //                     = j and value NaN (so every rank's sum is non-finite)
   //   topk_scatter_add  x[index[j]] += value[j], j < k (distinct indices: one rank's selection)
   //   topk_clear        x[index[j]] = 0, j < k (error feedback keeps what was not sent)
+  // Ring attention (plugins/context, DESIGN.md "Context parallelism"; core/backend/ring_attention_host.hpp):
+  //   attention_ring_forward   merges the attention of queries [q_begin, T) of each sequence of qkv
+  //                     [B,T,3C] to keys and values [0, kv_rows) of the block kv [B,T,2C] (k then v) into
+  //                     the running out [B,T,C] and lse [B,NH,T] (fp32) by the online softmax; a row
+  //                     not yet reached holds lse = -1e30 and a finite out; causal: key j hidden from
+  //                     query t < j (local indices)
+  //   attention_ring_backward  given the final out (fp32, bf16 or fp16) and lse, adds the block's
+  //                     gradients into the q columns of dqkv's rows [q_begin, T) and into dkv's rows
+  //                     [0, kv_rows); dsum [B,NH,T] scratch
+  //   bf16: the products' operands rounded to bf16 first, as flash attention's.
+  //   copy_rows         fp32 rows: dst[r * dst_ld + c] = src[r * src_ld + c], r < rows, c < cols
+  // ring_attention_refusal: why this back end cannot run them, empty when it can.
+  virtual std::string ring_attention_refusal() const {
+    return "the " + name() + " back end has no ring attention (context parallelism)";
+  }
 #define LOOM_DECLARE_OP(ret, name, params, args) virtual ret name params = 0;
   LOOM_FACE_OPS(LOOM_DECLARE_OP)
 #undef LOOM_DECLARE_OP

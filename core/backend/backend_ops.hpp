@@ -67,7 +67,18 @@
   OP(void, topk_select, (BufferRef index, BufferRef value, BufferRef x, std::int64_t n, std::int64_t k),              \
      (index, value, x, n, k))                                                                                         \
   OP(void, topk_scatter_add, (BufferRef x, BufferRef index, BufferRef value, std::int64_t k), (x, index, value, k))   \
-  OP(void, topk_clear, (BufferRef x, BufferRef index, std::int64_t k), (x, index, k))
+  OP(void, topk_clear, (BufferRef x, BufferRef index, std::int64_t k), (x, index, k))                                 \
+  OP(void, attention_ring_forward,                                                                                    \
+     (BufferRef out, BufferRef lse, BufferRef qkv, BufferRef kv, int B, int T, int C, int NH, int q_begin,            \
+      int kv_rows, bool causal, bool bf16),                                                                           \
+     (out, lse, qkv, kv, B, T, C, NH, q_begin, kv_rows, causal, bf16))                                                \
+  OP(void, attention_ring_backward,                                                                                   \
+     (BufferRef dqkv, BufferRef dkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv, BufferRef kv,      \
+      BufferRef lse, int B, int T, int C, int NH, int q_begin, int kv_rows, bool causal, bool bf16),                  \
+     (dqkv, dkv, dsum, dout, out, qkv, kv, lse, B, T, C, NH, q_begin, kv_rows, causal, bf16))                         \
+  OP(void, copy_rows,                                                                                                 \
+     (BufferRef dst, BufferRef src, std::int64_t rows, std::int64_t cols, std::int64_t dst_ld, std::int64_t src_ld),  \
+     (dst, src, rows, cols, dst_ld, src_ld))
 
 #define LOOM_BACKEND_OPS(OP)                                                                                           \
   OP(void, encoder_forward,                                                                                            \

@@ -23,8 +23,9 @@ namespace loom {
 // gelu_bias_backward; 15: adamw_update_slices; 16: 16-bit outputs of the LayerNorm, GELU and fused
 // attention forwards and of gelu_bias_backward, a 16-bit dout of matmul_backward; 17: a 16-bit dlogits
 // of crossentropy_backward; 18: crossentropy_fused and crossentropy_finish_grad (the fused classifier);
-// 19: Llama's rmsnorm_*, rope_gqa_*, swiglu_*.
-#define LOOM_CUDA_ABI_VERSION 19
+// 19: Llama's rmsnorm_*, rope_gqa_*, swiglu_*; 20: ring attention (attention_ring_*, copy_rows,
+// ring_attention_refusal) in the face.
+#define LOOM_CUDA_ABI_VERSION 20
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

@@ -66,6 +66,7 @@ class ForwardingBackend : public Backend {
   bool ring_scratch_pools() const override { return inner_->ring_scratch_pools(); }
   std::string flash_attention_refusal(int hs) const override { return inner_->flash_attention_refusal(hs); }
   std::string cudnn_attention_refusal(int T, int hs) const override { return inner_->cudnn_attention_refusal(T, hs); }
+  std::string ring_attention_refusal() const override { return inner_->ring_attention_refusal(); }
   std::int64_t topk_scratch_bytes(std::int64_t n) const override { return inner_->topk_scratch_bytes(n); }
 
 #define LOOM_FORWARD_OP(ret, name, params, args)                                           \

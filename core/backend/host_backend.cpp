@@ -18,6 +18,7 @@
 #include "core/backend/host_isa.hpp"
 #include "core/backend/flash_attention_host.hpp"
 #include "core/backend/kernels.hpp"
+#include "core/backend/ring_attention_host.hpp"
 
 extern "C" char* openblas_get_config(void) __attribute__((weak));
 
@@ -282,6 +283,36 @@ class HostBackend final : public Backend {
       else
         k::flash::attention_backward(dq, ds, d, static_cast<const OutT*>(out.data), x, l, B, T, C, NH);
     });
+  }
+  std::string ring_attention_refusal() const override { return ""; }
+  void attention_ring_forward(BufferRef out, BufferRef lse, BufferRef qkv, BufferRef kv, int B, int T, int C, int NH,
+                              int q_begin, int kv_rows, bool causal, bool bf16) override {
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    k::ring::forward(out.as<float>(NC), lse.as<float>(std::int64_t(B) * NH * T), qkv.as<const float>(3 * NC),
+                     kv.as<const float>(2 * NC), B, T, C, NH, q_begin, kv_rows, causal, bf16);
+  }
+  void attention_ring_backward(BufferRef dqkv, BufferRef dkv, BufferRef dsum, BufferRef dout, BufferRef out,
+                               BufferRef qkv, BufferRef kv, BufferRef lse, int B, int T, int C, int NH, int q_begin,
+                               int kv_rows, bool causal, bool bf16) override {
+    require_host(out, "attention_ring_backward", "out");
+    const std::int64_t NC = std::int64_t(B) * T * C, rows = std::int64_t(B) * NH * T;
+    if (out.count < NC) refuse("attention_ring_backward: out holds " + std::to_string(out.count) + " elements");
+    with_float_type(out.type, "attention_ring_backward", [&](auto t) {
+      using OutT = decltype(t);
+      if constexpr (std::is_same_v<OutT, double>)
+        refuse("attention_ring_backward: the saved output must be fp32, bf16 or fp16");
+      else
+        k::ring::backward(dqkv.as<float>(3 * NC), dkv.as<float>(2 * NC), dsum.as<float>(rows), dout.as<const float>(NC),
+                          static_cast<const OutT*>(out.data), qkv.as<const float>(3 * NC), kv.as<const float>(2 * NC),
+                          lse.as<const float>(rows), B, T, C, NH, q_begin, kv_rows, causal, bf16);
+    });
+  }
+  void copy_rows(BufferRef dst, BufferRef src, std::int64_t rows, std::int64_t cols, std::int64_t dst_ld,
+                 std::int64_t src_ld) override {
+    if (rows <= 0) return;
+    float* d = dst.as<float>((rows - 1) * dst_ld + cols);
+    const float* s = src.as<const float>((rows - 1) * src_ld + cols);
+    for (std::int64_t r = 0; r < rows; ++r) std::copy(s + r * src_ld, s + r * src_ld + cols, d + r * dst_ld);
   }
   void gelu_forward(BufferRef out, BufferRef inp, std::int64_t n) override {
     k::gelu_forward(out.as<float>(n), inp.as<const float>(n), n);

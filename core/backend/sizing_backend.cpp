@@ -50,6 +50,8 @@ class SizingBackend final : public ForwardingBackend {
   std::string cudnn_attention_refusal(int T, int hs) const override {
     return cuda_ ? cudnn_shape_refusal(T, hs) : inner().cudnn_attention_refusal(T, hs);
   }
+  // A planned cuda run has the CUDA back end's ring attention.
+  std::string ring_attention_refusal() const override { return cuda_ ? "" : inner().ring_attention_refusal(); }
 
  protected:
   // Every operation of the list (core/backend/backend_ops.hpp) is refused by name.

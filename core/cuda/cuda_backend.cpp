@@ -500,6 +500,36 @@ class CudaBackend final : public Backend {
              std::to_string(props_.sharedMemPerBlockOptin);
     return {};
   }
+  // Ring attention (context parallelism): core/cuda/ring_attention.cuh, the host's
+  // core/backend/ring_attention_host.hpp on the device (one warp per row, no atomics; any head size).
+  std::string ring_attention_refusal() const override { return ""; }
+  void attention_ring_forward(BufferRef out, BufferRef lse, BufferRef qkv, BufferRef kv, int B, int T, int C, int NH,
+                              int q_begin, int kv_rows, bool causal, bool bf16) override {
+    Timed timed(this, "attention_ring_forward", B * T, C, NH);
+    const std::int64_t NC = std::int64_t(B) * T * C;
+    cuda::attention_ring_forward(dev<float>(out, NC), dev<float>(lse, std::int64_t(B) * NH * T),
+                                 dev<const float>(qkv, 3 * NC), dev<const float>(kv, 2 * NC), B, T, C, NH, q_begin,
+                                 kv_rows, causal, bf16, stream_);
+  }
+  void attention_ring_backward(BufferRef dqkv, BufferRef dkv, BufferRef dsum, BufferRef dout, BufferRef out,
+                               BufferRef qkv, BufferRef kv, BufferRef lse, int B, int T, int C, int NH, int q_begin,
+                               int kv_rows, bool causal, bool bf16) override {
+    Timed timed(this, "attention_ring_backward", B * T, C, NH);
+    const std::int64_t NC = std::int64_t(B) * T * C, rows = std::int64_t(B) * NH * T;
+    require_device(out, "attention_ring_backward", "out");
+    if (out.count < NC) refuse("attention_ring_backward: out holds " + std::to_string(out.count) + " elements");
+    cuda::attention_ring_backward(dev<float>(dqkv, 3 * NC), dev<float>(dkv, 2 * NC), dev<float>(dsum, rows),
+                                  dev<const float>(dout, NC), out, dev<const float>(qkv, 3 * NC),
+                                  dev<const float>(kv, 2 * NC), dev<const float>(lse, rows), B, T, C, NH, q_begin,
+                                  kv_rows, causal, bf16, stream_);
+  }
+  void copy_rows(BufferRef dst, BufferRef src, std::int64_t rows, std::int64_t cols, std::int64_t dst_ld,
+                 std::int64_t src_ld) override {
+    Timed timed(this, "copy_rows");
+    if (rows <= 0) return;
+    cuda::copy_rows(dev<float>(dst, (rows - 1) * dst_ld + cols), dev<const float>(src, (rows - 1) * src_ld + cols),
+                    rows, cols, dst_ld, src_ld, stream_);
+  }
   void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
     Timed timed(this, "attention_forward_flash", B * T, C, NH);
     const std::int64_t NC = std::int64_t(B) * T * C;

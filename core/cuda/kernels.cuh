@@ -21,8 +21,9 @@
 // (never on the device), so the same inputs give the same bits on every run.
 //
 // This header is plain C++ (g++ can include it with the CUDA include directory on its path). The
-// kernels themselves are in core/cuda/layer_kernels.cuh, core/cuda/flash_attention.cuh and
-// core/cuda/topk.cuh, which a CPU unit test also runs through the CUDA emulator (core/cuda/emu/).
+// kernels themselves are in core/cuda/layer_kernels.cuh, core/cuda/flash_attention.cuh,
+// core/cuda/ring_attention.cuh and core/cuda/topk.cuh, which a CPU unit test also runs through the
+// CUDA emulator (core/cuda/emu/).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -156,6 +157,33 @@ void attention_backward_flash(float* dqkv,        // [B,T,3C] (=)
                               const float* qkv,   // [B,T,3C]
                               const float* lse,   // [B,NH,T]
                               int B, int T, int C, int NH, cudaStream_t stream);
+
+// Ring attention (context parallelism; core/cuda/ring_attention.cuh, the twin of
+// core/backend/ring_attention_host.hpp): Backend::attention_ring_forward merges the attention of queries
+// [q_begin, T) to the block's keys and values [0, kv_rows) (causal: key j hidden from query t < j) into
+// the running out and lse (a row not yet reached holds lse = -1e30); attention_ring_backward, given the
+// final out and lse, adds the block's gradients into dqkv's q columns (rows [q_begin, T)) and dkv's rows
+// [0, kv_rows). bf16: the products' operands rounded to bf16 first. One warp per row, no atomics; any
+// head size. Throws std::invalid_argument unless C % NH == 0, 0 <= q_begin <= T, 0 <= kv_rows <= T.
+void attention_ring_forward(float* out,        // [B,T,C] (merged)
+                            float* lse,        // [B,NH,T] (merged)
+                            const float* qkv,  // [B,T,3C]
+                            const float* kv,   // [B,T,2C]: k, then v
+                            int B, int T, int C, int NH, int q_begin, int kv_rows, bool causal, bool bf16,
+                            cudaStream_t stream);
+void attention_ring_backward(float* dqkv,        // [B,T,3C] q columns (+=)
+                             float* dkv,         // [B,T,2C] (+=)
+                             float* dsum,        // [B,NH,T] scratch
+                             const float* dout,  // [B,T,C]
+                             BufferRef out,      // [B,T,C] fp32, bf16 or fp16
+                             const float* qkv,   // [B,T,3C]
+                             const float* kv,    // [B,T,2C]
+                             const float* lse,   // [B,NH,T]
+                             int B, int T, int C, int NH, int q_begin, int kv_rows, bool causal, bool bf16,
+                             cudaStream_t stream);
+// dst[r * dst_ld + c] = src[r * src_ld + c] for r < rows, c < cols (fp32).
+void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t dst_ld,
+               std::int64_t src_ld, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // GELU (tanh approximation) and the residual add, elementwise.

@@ -50,7 +50,8 @@
 // overloads of scale and fill gone); Partition's operators on BufferRefs. ABI 19: the fused classifier
 // (LOOM_FACE_OPS crossentropy_fused and crossentropy_finish_grad, Partition::crossentropy_fused).
 // ABI 20: GPTConfig's architecture (model.arch = llama and its keys), GPT's Llama handles.
-#define LOOM_PLUGIN_ABI_VERSION 20
+// ABI 21: ring attention in LOOM_FACE_OPS (attention_ring_*, copy_rows, ring_attention_refusal).
+#define LOOM_PLUGIN_ABI_VERSION 21
 
 extern "C" {
 struct loom_plugin_v1 {

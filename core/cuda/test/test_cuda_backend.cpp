@@ -1032,3 +1032,99 @@ TEST(CudaBackend, FusedAttentionFromUnalignedInputsGivesTheSameBits) {
   EXPECT_EQ(std::memcmp(aligned.data(), unaligned.data(), aligned.size() * sizeof(float)), 0)
       << "the fused attention from inputs one float off 16-byte alignment differs from the aligned run";
 }
+
+// Ring attention (context parallelism) through the Backend interface on both back ends: one rank's two
+// ring steps, the forward merging two blocks of keys and values into a running (out, lse) that starts
+// empty, the backward adding both blocks' gradients from the host's final (out, lse) on both sides (a
+// saved 16-bit output rounded from two forwards would differ where a rounding tips); queries from
+// q_begin, blocks of kv_rows keys, causal or not, bf16 operands or fp32, the saved output fp32, bf16 or
+// fp16, head sizes 4 to 128. The device's kernels (core/cuda/ring_attention.cuh) against the host's twin
+// (core/backend/ring_attention_host.hpp): the same arithmetic with sums in another order, within kTol of
+// the norm with fp32 operands; with bf16 operands a sum's order now and then tips a rounding of a
+// probability or a score gradient by 2^-8 of it: 1e-4 (the emulator's test, RingAttentionEmu, measures
+// a few 1e-6 of the norm and holds the largest element to 5e-4 of the largest).
+TEST(CudaBackend, RingAttentionMatchesTheHost) {
+  REQUIRE_GPU();
+  struct Case {
+    int B, T, C, NH, q_begin, kv1, kv2;
+    bool causal, bf16;
+    DType saved;
+  };
+  for (const Case& c : std::vector<Case>{{2, 70, 64, 2, 0, 70, 45, true, false, DType::f32},
+                                         {1, 67, 96, 2, 13, 50, 67, false, true, DType::bf16},
+                                         {2, 33, 16, 4, 5, 33, 20, true, true, DType::f16},
+                                         {1, 130, 256, 2, 70, 130, 64, true, false, DType::bf16}}) {
+    Twins tw;
+    ASSERT_EQ(tw.dev->ring_attention_refusal(), "");
+    const int B = c.B, T = c.T, C = c.C, NH = c.NH;
+    const std::size_t n = std::size_t(B) * T * C, nr = std::size_t(B) * NH * T;
+    const std::string what = "B " + std::to_string(B) + " T " + std::to_string(T) + " hs " + std::to_string(C / NH) +
+                             " q_begin " + std::to_string(c.q_begin) + (c.causal ? " causal" : " full") +
+                             (c.bf16 ? " bf16" : " fp32") + " saved " + loom::dtype_name(c.saved);
+    const unsigned seed = 51u + unsigned(T);
+    auto qkv = tw.make(randn(3 * n, seed, 1.5f)), kv1 = tw.make(randn(2 * n, seed + 1, 1.5f)),
+         kv2 = tw.make(randn(2 * n, seed + 2, 1.5f));
+    auto out = tw.make(randn(n, seed + 3)), lse = tw.make(std::vector<float>(nr, -1e30f));
+    tw.host->attention_ring_forward(out.h, lse.h, qkv.h, kv1.h, B, T, C, NH, c.q_begin, c.kv1, c.causal, c.bf16);
+    tw.dev->attention_ring_forward(out.d, lse.d, qkv.d, kv1.d, B, T, C, NH, c.q_begin, c.kv1, c.causal, c.bf16);
+    // lse over the rows reached, [q_begin, T) (the others hold -1e30, on the device too).
+    const auto lse_err = [&] {
+      const std::vector<float> on_dev = tw.dev_of(lse), on_host = tw.host_of(lse);
+      std::vector<float> d, h;
+      for (std::size_t r = 0; r < nr; ++r)
+        if (int(r % std::size_t(T)) >= c.q_begin) {
+          d.push_back(on_dev[r]);
+          h.push_back(on_host[r]);
+        } else {
+          EXPECT_EQ(on_dev[r], -1e30f) << what << ": lse row " << r << " is not reached";
+        }
+      return rel_err(d, h);
+    };
+    EXPECT_LT(tw.err(out), c.bf16 ? 1e-4 : kTol) << what << ": out after one block";
+    EXPECT_LT(lse_err(), kTol) << what << ": lse after one block";
+    tw.host->attention_ring_forward(out.h, lse.h, qkv.h, kv2.h, B, T, C, NH, c.q_begin, c.kv2, false, c.bf16);
+    tw.dev->attention_ring_forward(out.d, lse.d, qkv.d, kv2.d, B, T, C, NH, c.q_begin, c.kv2, false, c.bf16);
+    const double out_err = tw.err(out), lse_gap = lse_err();
+    EXPECT_LT(out_err, c.bf16 ? 1e-4 : kTol) << what << ": out";
+    EXPECT_LT(lse_gap, kTol) << what << ": lse";
+    // The backward from the host's final output and lse on both sides.
+    auto out_f = tw.make(tw.host_of(out)), lse_f = tw.make(tw.host_of(lse));
+    auto saved_h = tw.host->allocate("saved", c.saved, std::int64_t(n), Mem::workspace);
+    auto saved_d = tw.dev->allocate("saved", c.saved, std::int64_t(n), Mem::workspace);
+    tw.host->cast(saved_h.ref(), out_f.h);
+    tw.dev->cast(saved_d.ref(), out_f.d);
+    auto dout = tw.make(randn(n, seed + 4)), dqkv = tw.make(randn(3 * n, seed + 5));
+    auto dkv1 = tw.make(randn(2 * n, seed + 6)), dkv2 = tw.make(randn(2 * n, seed + 7)), dsum = tw.zeros(nr);
+    tw.host->attention_ring_backward(dqkv.h, dkv1.h, dsum.h, dout.h, saved_h.ref(), qkv.h, kv1.h, lse_f.h, B, T, C, NH,
+                                     c.q_begin, c.kv1, c.causal, c.bf16);
+    tw.dev->attention_ring_backward(dqkv.d, dkv1.d, dsum.d, dout.d, saved_d.ref(), qkv.d, kv1.d, lse_f.d, B, T, C, NH,
+                                    c.q_begin, c.kv1, c.causal, c.bf16);
+    tw.host->attention_ring_backward(dqkv.h, dkv2.h, dsum.h, dout.h, saved_h.ref(), qkv.h, kv2.h, lse_f.h, B, T, C, NH,
+                                     c.q_begin, c.kv2, false, c.bf16);
+    tw.dev->attention_ring_backward(dqkv.d, dkv2.d, dsum.d, dout.d, saved_d.ref(), qkv.d, kv2.d, lse_f.d, B, T, C, NH,
+                                    c.q_begin, c.kv2, false, c.bf16);
+    tw.dev->synchronize();
+    const double bound = c.bf16 ? 1e-4 : kTol;
+    EXPECT_LT(tw.err(dqkv), bound) << what << ": dqkv";
+    EXPECT_LT(tw.err(dkv1), bound) << what << ": dkv of the first block";
+    EXPECT_LT(tw.err(dkv2), bound) << what << ": dkv of the second block";
+    EXPECT_LT(tw.err(dsum), kTol) << what << ": dsum";
+    std::printf("ring attention, %s: device against the host: out %.2e lse %.2e dqkv %.2e dkv %.2e %.2e dsum %.2e\n",
+                what.c_str(), out_err, lse_gap, tw.err(dqkv), tw.err(dkv1), tw.err(dkv2), tw.err(dsum));
+  }
+}
+
+// copy_rows: a strided block of fp32 rows, bit for bit, nothing else of dst touched.
+TEST(CudaBackend, CopyRowsIsTheHosts) {
+  REQUIRE_GPU();
+  Twins tw;
+  const std::int64_t rows = 37, cols = 45, dst_ld = 64, src_ld = 50;
+  auto src = tw.make(randn(std::size_t(rows * src_ld), 61)), dst = tw.make(randn(std::size_t(rows * dst_ld), 62));
+  tw.host->copy_rows(dst.h, src.h, rows, cols, dst_ld, src_ld);
+  tw.dev->copy_rows(dst.d, src.d, rows, cols, dst_ld, src_ld);
+  EXPECT_EQ(tw.dev_of(dst), tw.host_of(dst));
+  // a slice: the last row ends at the buffer's end
+  tw.host->copy_rows(dst.h.slice(3, dst.n - 3), src.h.slice(1, src.n - 1), rows - 1, cols, dst_ld, src_ld);
+  tw.dev->copy_rows(dst.d.slice(3, dst.n - 3), src.d.slice(1, src.n - 1), rows - 1, cols, dst_ld, src_ld);
+  EXPECT_EQ(tw.dev_of(dst), tw.host_of(dst));
+}
