@@ -143,10 +143,10 @@ int command_check(const Deck& deck, const StrategyRegistry& registry, int rank) 
     throw_if_out_of_memory(deck, registry, memory);
   });
   if (rank == 0)
-    std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout dp " << plan.layout.dp << " x tp "
-              << plan.layout.tp << " x pp " << plan.layout.pp << " = " << plan.layout.ranks() << " ranks; "
-              << threads.threads << " BLAS thread" << (threads.threads == 1 ? "" : "s") << " per rank; checkpoints in "
-              << dir << ")\n# " << memory.text << "\n";
+    std::cout << deck.resolved_text() << "# deck OK: " << deck.path() << " (layout " << plan.layout.describe() << " = "
+              << plan.layout.ranks() << " ranks; " << threads.threads << " BLAS thread"
+              << (threads.threads == 1 ? "" : "s") << " per rank; checkpoints in " << dir << ")\n# " << memory.text
+              << "\n";
   return 0;
 }
 

@@ -218,9 +218,8 @@ std::int64_t Checkpointing::resume() {
     throw DeckError("checkpoint " + quote_path(path) + " is at step " + std::to_string(st.step) +
                     ", and train.steps = " + std::to_string(s_.steps) + ": nothing left to train (raise train.steps)");
   if (world_rank() != 0) return st.step;
-  std::cout << "resumed from " << path << " at step " << st.step << " (written by dp " << st.layout.dp << " x tp "
-            << st.layout.tp << " x pp " << st.layout.pp << "; read " << load_bytes_ / 1e6 << " MB in " << load_seconds_
-            << " s)" << std::endl;
+  std::cout << "resumed from " << path << " at step " << st.step << " (written by " << st.layout.describe() << "; read "
+            << load_bytes_ / 1e6 << " MB in " << load_seconds_ << " s)" << std::endl;
   if (s_.data_offset > 0)
     std::cout << "resume: step " << st.step + 1 << " draws global batch " << st.data_step + 1 << " (" << s_.data_offset
               << " batch(es) skipped by rollbacks after loss spikes)" << std::endl;
@@ -245,9 +244,8 @@ std::int64_t Checkpointing::resume() {
   }
   if (order_keys.empty())
     std::cout << "resume: data order: step " << st.step + 1 << " draws global batch " << st.data_step + 1
-              << ", the one the run that wrote the checkpoint (dp " << st.layout.dp << " x tp " << st.layout.tp
-              << " x pp " << st.layout.pp << ") would have drawn next: the order does not depend on the layout"
-              << std::endl;
+              << ", the one the run that wrote the checkpoint (" << st.layout.describe()
+              << ") would have drawn next: the order does not depend on the layout" << std::endl;
   else
     std::cout << "resume: data order: NOT the run's that wrote the checkpoint: from step " << st.step + 1
               << " on the global batches differ from those it would have drawn (" << order_keys << ")" << std::endl;

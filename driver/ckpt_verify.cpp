@@ -33,8 +33,8 @@ std::string megabytes(std::int64_t bytes) {
 bool report(const std::string& file, const CheckpointVerdict& v) {
   std::cout << "checkpoint " << quote_path(file) << ": ";
   if (v.step >= 0)
-    std::cout << "step " << v.step << ", written at dp " << v.layout.dp << " x tp " << v.layout.tp << " x pp "
-              << v.layout.pp << ", " << v.tensors << " tensors (" << megabytes(v.bytes) << ") read: ";
+    std::cout << "step " << v.step << ", written at " << v.layout.describe() << ", " << v.tensors << " tensors ("
+              << megabytes(v.bytes) << ") read: ";
   if (v.problems.empty()) {
     std::cout << "intact\n";
     return true;

@@ -62,7 +62,8 @@ Deck eval_deck(const EvalOptions& o, const std::string& file, const CheckpointSt
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   if (std::none_of(o.sets.begin(), o.sets.end(), [](const std::string& kv) { return kv.rfind("parallel.", 0) == 0; }))
-    sets.insert(sets.end(), {"parallel.dp=" + std::to_string(world), "parallel.tp=1", "parallel.pp=1"});
+    sets.insert(sets.end(),
+                {"parallel.dp=" + std::to_string(world), "parallel.tp=1", "parallel.pp=1", "parallel.cp=1"});
   if (!o.data.empty()) {
     sets.push_back("data.source=" + o.data);
     sets.push_back("data.val_source=" + o.data);
@@ -97,14 +98,15 @@ int command_eval(const std::vector<std::string>& rest, const StrategyRegistry& r
   const std::string source =
       deck.get_string(deck.get_string("data.val_source").empty() ? "data.source" : "data.val_source");
   if (o.json) {
-    nlohmann::json j = {{"checkpoint", file},
-                        {"step", header.step},
-                        {"data", source},
-                        {"loss", loss},
-                        {"perplexity", std::exp(loss)},
-                        {"tokens", tokens},
-                        {"batches", s.eval_batches},
-                        {"layout", {{"dp", s.layout.dp}, {"tp", s.layout.tp}, {"pp", s.layout.pp}}}};
+    nlohmann::json j = {
+        {"checkpoint", file},
+        {"step", header.step},
+        {"data", source},
+        {"loss", loss},
+        {"perplexity", std::exp(loss)},
+        {"tokens", tokens},
+        {"batches", s.eval_batches},
+        {"layout", {{"dp", s.layout.dp}, {"tp", s.layout.tp}, {"pp", s.layout.pp}, {"cp", s.layout.cp}}}};
     if (bpb >= 0) j["bits_per_byte"] = bpb;
     std::cout << j.dump() << "\n";
     return 0;
@@ -116,9 +118,8 @@ int command_eval(const std::vector<std::string>& rest, const StrategyRegistry& r
     std::printf("%.6f bits/byte", bpb);
   else
     std::printf("bits/byte unknown (no tokenizer: set data.tokenizer)");
-  std::printf(" | %.0f tokens (%d batch%s of %d x %d) | dp %d x tp %d x pp %d\n", tokens, s.eval_batches,
-              s.eval_batches == 1 ? "" : "es", s.global_batch, s.model_cfg.seq_len, s.layout.dp, s.layout.tp,
-              s.layout.pp);
+  std::printf(" | %.0f tokens (%d batch%s of %d x %d) | %s\n", tokens, s.eval_batches, s.eval_batches == 1 ? "" : "es",
+              s.global_batch, s.model_cfg.seq_len, s.layout.describe().c_str());
   return 0;
 }
 

@@ -7,8 +7,8 @@ namespace loom {
 
 std::string NonFiniteAt::describe() const {
   std::ostringstream s;
-  s << kind << " " << tensor << " (" << value << " on rank " << rank << ": dp " << dp << ", tp " << tp << ", pp " << pp
-    << ")";
+  s << kind << " " << tensor << " (" << value << " on rank " << rank << ": dp " << dp
+    << (cps > 1 ? ", cp " + std::to_string(cp) : std::string()) << ", tp " << tp << ", pp " << pp << ")";
   return s.str();
 }
 
@@ -104,6 +104,8 @@ std::optional<NonFiniteAt> find_nonfinite(ProcessGrid& grid, const GPT& model,
   at.tp = c.tp;
   at.dp = c.dp;
   at.pp = c.pp;
+  at.cp = c.cp;
+  at.cps = l.cp;
   return at;
 }
 

@@ -16,12 +16,12 @@
 namespace loom {
 
 struct NonFiniteAt {
-  std::string kind;    // "gradient", "parameter", "AdamW first moment", ...
-  std::string tensor;  // the parameter's global name
-  float value = 0;     // the first non-finite value (nan, inf or -inf)
-  int rank = -1;       // the world rank that holds it (the lowest one, if several do)
-  int dp = 0, tp = 0, pp = 0;
-  std::string describe() const;  // "gradient blocks.0.attn.qkv.weight (nan on rank 1: dp 1, tp 0, pp 0)"
+  std::string kind;                             // "gradient", "parameter", "AdamW first moment", ...
+  std::string tensor;                           // the parameter's global name
+  float value = 0;                              // the first non-finite value (nan, inf or -inf)
+  int rank = -1;                                // the world rank that holds it (the lowest one, if several do)
+  int dp = 0, tp = 0, pp = 0, cp = 0, cps = 1;  // cps: parallel.cp (the cp coordinate is named where > 1)
+  std::string describe() const;                 // "gradient blocks.0.attn.qkv.weight (nan on rank 1: dp 1, tp 0, pp 0)"
 };
 
 // A kind of per-tensor data to search: `of(i)` is this rank's part of tensor i of the model's

@@ -79,6 +79,7 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   plan.layout.dp = static_cast<int>(d.get_int("parallel.dp"));
   plan.layout.tp = static_cast<int>(d.get_int("parallel.tp"));
   plan.layout.pp = static_cast<int>(d.get_int("parallel.pp"));
+  plan.layout.cp = static_cast<int>(d.get_int("parallel.cp"));
   check_layout(plan.layout, world < 0 ? plan.layout.ranks() : world, m, plan.global_batch, plan.micro_batches);
   plan.rows_per_rank = plan.global_batch / plan.layout.dp;
   plan.rows_per_micro = plan.rows_per_rank / plan.micro_batches;
@@ -248,6 +249,7 @@ PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const Str
     auto used = [&](Role role) { return fills_role(strategies, *strategy, role); };
     if (strategy->make_precision && used(Role::precision)) backend.set_precision(strategy->make_precision(pctx));
     if (strategy->make_partition && used(Role::partition)) r.partition = strategy->make_partition(pctx);
+    if (strategy->make_context && used(Role::context)) r.context = strategy->make_context(pctx);
     if (strategy->assign_stage && used(Role::stage)) r.stage = strategy->assign_stage(pctx);
     if (strategy->make_store && used(Role::store)) r.store = strategy->make_store(pctx);
   }
@@ -379,6 +381,12 @@ void Session::resolve_attention() {
   if (model_cfg.attention != "auto") return;
   static const char* const kinds[] = {"unfused", "flash", "cudnn"};
   attention_why = GPT::resolve_attention(model_cfg, *backend);
+  if (layout.cp > 1 && model_cfg.attention == "cudnn") {  // cuDNN's kernels cannot take part in the ring
+    const bool flash = backend->flash_attention_refusal(model_cfg.head_size()).empty();
+    model_cfg.set_attention(flash ? "flash" : "unfused");
+    attention_why = std::string(flash ? "flash" : "unfused") +
+                    ": cuDNN's attention cannot ring (parallel.cp = " + std::to_string(layout.cp) + ")";
+  }
   int mine = 0;
   for (int k = 0; k < 3; ++k)
     if (model_cfg.attention == kinds[k]) mine = k;
@@ -410,9 +418,10 @@ void Session::setup_collective() {
   });
   PreModelRoles pre = make_pre_model_roles(deck, strategies, *grid, *backend, model_cfg);
   partition = std::move(pre.partition);
+  context = std::move(pre.context);
   store = std::move(pre.store);
   model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), pre.stage, store.get(),
-                                layout.dp, grid->dp_rank());
+                                layout.replicas(), grid->replica_rank(), context.get());
   model->init_weights(seed);
   if (!init_from.empty()) {
     // Every rank reads the file and takes its own elements; a bad file is refused alike everywhere.
@@ -438,11 +447,26 @@ void Session::setup_collective() {
   contributes(&engine->grad_sync());
   for (Reducer* r = reducer.get(); r; r = r->inner()) contributes(r);
 
-  // Each dp rank reads only its rows of every global batch: rows [dp_i * rows_per_rank, ...).
+  set_batch_functions();
+}
+
+void Session::set_batch_functions() {
+  // Each dp rank reads only its rows of every global batch: rows [dp_i * rows_per_rank, ...); each
+  // context rank keeps its tokens of them (model->context()).
   const int T = model_cfg.seq_len;
   const std::int64_t row0 = static_cast<std::int64_t>(grid->dp_rank()) * rows_per_rank;
-  train_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
-                                  std::vector<std::int32_t>& tgt) {
+  const ContextSplit& ctx = model->context();
+  auto local = [&ctx, T](std::vector<std::int32_t>& v, int rows) {
+    if (ctx.size() == 1) return;
+    const int Tl = ctx.local_tokens(T);
+    std::vector<std::int32_t> mine(static_cast<std::size_t>(rows) * Tl);
+    for (int r = 0; r < rows; ++r)
+      for (int t = 0; t < Tl; ++t)
+        mine[static_cast<std::size_t>(r) * Tl + t] = v[static_cast<std::size_t>(r) * T + ctx.position(t, T)];
+    v = std::move(mine);
+  };
+  train_batches = [this, T, row0, local](std::int64_t step, std::int64_t first_row, int rows,
+                                         std::vector<std::int32_t>& in, std::vector<std::int32_t>& tgt) {
     if (inject_fault("data", step))
       throw InputError("data.source = " + quote_path(data_source) +
                        ": cannot be read on this rank (injected by LOOM_INJECT_FAULT)");
@@ -460,15 +484,19 @@ void Session::setup_collective() {
         mix(static_cast<std::uint32_t>(tgt[static_cast<std::size_t>(r) * T + T - 1]));
         step_rows_[row0 + first_row + r] = h ^ static_cast<std::uint64_t>(row0 + first_row + r) * 0x9e3779b97f4a7c15ull;
       }
+    local(in, rows);
+    local(tgt, rows);
   };
-  counts_rows_ = grid->tp_rank() == 0 && grid->pp_rank() == 0;
+  counts_rows_ = grid->tp_rank() == 0 && grid->pp_rank() == 0 && grid->cp_rank() == 0;
   if (val_data) {
-    val_batches = [this, T, row0](std::int64_t step, std::int64_t first_row, int rows, std::vector<std::int32_t>& in,
-                                  std::vector<std::int32_t>& tgt) {
+    val_batches = [this, T, row0, local](std::int64_t step, std::int64_t first_row, int rows,
+                                         std::vector<std::int32_t>& in, std::vector<std::int32_t>& tgt) {
       Batch b;
       load_batch(*val_data, val_split, step, row0 + first_row, rows, T, b);
       in = std::move(b.inputs);
       tgt = std::move(b.targets);
+      local(in, rows);
+      local(tgt, rows);
     };
   }
 }
@@ -524,7 +552,11 @@ std::string Session::banner() const {
   if (auto best = train_data->best_loss()) s << "  best possible loss: " << *best << " nats/token\n";
   s << "  batch   : " << global_batch << " sequences = dp " << layout.dp << " x " << engine_cfg.micro_batches
     << " micro-batch" << (engine_cfg.micro_batches == 1 ? "" : "es") << " x " << engine_cfg.rows_per_micro
-    << " sequences per rank\n";
+    << " sequences per rank"
+    << (layout.cp > 1 ? ", each split over cp " + std::to_string(layout.cp) + " ranks (" +
+                            std::to_string(model_cfg.seq_len / layout.cp) + " tokens a rank)"
+                      : std::string())
+    << "\n";
   for (const auto& line : registry.log) s << "  " << line << "\n";
   for (const StrategyInfo* st : strategies)
     s << "  strategy: " << st->name << " " << st->version << " (" << st->origin << "): " << st->description << "\n";

@@ -54,7 +54,8 @@ gemm::Impl gemm_impl_from_deck(const Deck& deck);
 // The roles decided before the model (its precision, tp split, layers, store), by the strategies
 // whose claims settled each (check_role_claims). Sets the precision on `backend`.
 struct PreModelRoles {
-  std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
+  std::unique_ptr<Partition> partition;   // null: whole weights (the core's default)
+  std::unique_ptr<ContextSplit> context;  // null: whole sequences (the core's default)
   Stage stage;
   std::unique_ptr<ParamStore> store;  // null: the model's own flat store
 };
@@ -113,9 +114,10 @@ struct Session {
   // Validation tokens per byte of text they stand for, over exactly the samples evaluate() reads
   // (0: unknown): bits per byte = loss * this / ln 2.
   double val_tokens_per_byte = 0;
-  Split val_split = Split::val;          // which split of val_data holds the validation tokens
-  std::unique_ptr<Partition> partition;  // null: whole weights (the core's default)
-  std::unique_ptr<ParamStore> store;     // null: the model's own flat store
+  Split val_split = Split::val;           // which split of val_data holds the validation tokens
+  std::unique_ptr<Partition> partition;   // null: whole weights (the core's default)
+  std::unique_ptr<ContextSplit> context;  // null: whole sequences (the core's default)
+  std::unique_ptr<ParamStore> store;      // null: the model's own flat store
   std::unique_ptr<GPT> model;
   std::unique_ptr<Reducer> reducer;  // the composed gradient reducer (wrappers outermost), if any
   std::unique_ptr<Engine> engine;
@@ -138,6 +140,7 @@ struct Session {
 
   void setup_local();
   void setup_collective();
+  void set_batch_functions();  // train_batches, val_batches: this rank's rows, and its tokens of them
   // model.attention = auto, resolved by every rank for its device, then agreed (the lowest kind any
   // rank can run: unfused < flash < cudnn), into model_cfg; attention_why says why, for the banner.
   void resolve_attention();

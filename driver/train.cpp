@@ -208,6 +208,8 @@ class TrainingRun {
   void open_tensorboard();
   void measure_peak();
   StepComm read_comm(const StepStats& st);
+  std::vector<std::pair<std::string, double>> role_reports();
+  std::int64_t whole_model_params() const;
   void watch_spikes();
   void judge_step(std::int64_t step, const StepStats& st);
   void judge_spike(std::int64_t step);
@@ -349,6 +351,25 @@ void TrainingRun::measure_peak() {
         "  link    : EMULATED, %g Gbit/s per rank, %g us per message (run.emulate_link_gbps): every send "
         "waits its turn on it\n",
         link_gbit_per_s(), 1e6 * link_latency_s());
+}
+
+// What the roles report of the last step (gradient sync, partition, context, schedule), in that order.
+std::vector<std::pair<std::string, double>> TrainingRun::role_reports() {
+  auto report = s_.engine->grad_sync().step_report();
+  for (auto& kv : s_.model->partition().step_report()) report.push_back(kv);
+  for (auto& kv : s_.model->context().step_report()) report.push_back(kv);
+  for (auto& kv : s_.engine->schedule().step_report()) report.push_back(kv);
+  return report;
+}
+
+std::int64_t TrainingRun::whole_model_params() const {
+  std::int64_t total = 0;
+  for (const ParamInfo& p : s_.model->all_params()) {
+    std::int64_t n = 1;
+    for (auto d : p.shape()) n *= d;
+    total += n;
+  }
+  return total;
 }
 
 StepComm TrainingRun::read_comm(const StepStats& st) {
@@ -632,35 +653,31 @@ nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks,
                                          const std::map<std::string, double>& means) {
   const RunTotals& t = totals_;
   const double tps = tokens_per_step_ / t.mean_step();
-  std::int64_t model_params = 0;
-  for (const ParamInfo& p : s_.model->all_params()) {
-    std::int64_t n = 1;
-    for (auto d : p.shape()) n *= d;
-    model_params += n;
-  }
-  nlohmann::json summary = {{"status", status()},
-                            {"exit_status", exit_status()},
-                            {"steps", s_.steps},
-                            {"start_step", start_step_},
-                            {"steps_run", t.steps_run},
-                            {"skipped_steps", t.skipped_total},
-                            {"checkpoint", checkpoints_.summary()},
-                            {"time_s", now() - t_start_},
-                            {"train_time_s", t.train_time},
-                            {"eval_time_s", t.eval_time},
-                            {"tokens_per_s", tps},
-                            {"model_flops_per_token", flops_per_token_},
-                            {"tflops", tps * flops_per_token_ / 1e12},
-                            {"mfu", tps * flops_per_token_ / peak_flops_},
-                            {"peak_tflops", peak_flops_ / 1e12},
-                            {"peak_source", peak_source_},
-                            {"final_loss", t.last_loss},
-                            {"parameters", model_params},
-                            {"parameters_rank0", s_.model->num_params()},
-                            {"mem_peak_bytes", memory_json(t.peak_bytes, t.peak_total)},
-                            {"ranks", world_},
-                            {"layout", {{"dp", s_.layout.dp}, {"tp", s_.layout.tp}, {"pp", s_.layout.pp}}},
-                            {"comm_wait_share", t.train_time > 0 ? t.wait_total / t.train_time : 0.0}};
+  const std::int64_t model_params = whole_model_params();
+  nlohmann::json summary = {
+      {"status", status()},
+      {"exit_status", exit_status()},
+      {"steps", s_.steps},
+      {"start_step", start_step_},
+      {"steps_run", t.steps_run},
+      {"skipped_steps", t.skipped_total},
+      {"checkpoint", checkpoints_.summary()},
+      {"time_s", now() - t_start_},
+      {"train_time_s", t.train_time},
+      {"eval_time_s", t.eval_time},
+      {"tokens_per_s", tps},
+      {"model_flops_per_token", flops_per_token_},
+      {"tflops", tps * flops_per_token_ / 1e12},
+      {"mfu", tps * flops_per_token_ / peak_flops_},
+      {"peak_tflops", peak_flops_ / 1e12},
+      {"peak_source", peak_source_},
+      {"final_loss", t.last_loss},
+      {"parameters", model_params},
+      {"parameters_rank0", s_.model->num_params()},
+      {"mem_peak_bytes", memory_json(t.peak_bytes, t.peak_total)},
+      {"ranks", world_},
+      {"layout", {{"dp", s_.layout.dp}, {"tp", s_.layout.tp}, {"pp", s_.layout.pp}, {"cp", s_.layout.cp}}},
+      {"comm_wait_share", t.train_time > 0 ? t.wait_total / t.train_time : 0.0}};
   nlohmann::json by_rank = nlohmann::json::array(), pools_by_rank = nlohmann::json::array();
   const std::size_t per_rank = kMemCategories + 3;
   for (int r = 0; r < world_; ++r) {
@@ -847,15 +864,14 @@ int TrainingRun::run() {
   for (std::int64_t step = start_step_; step < s_.steps; ++step) {
     const double t_step = now();
     for (auto* g : groups_) g->reset_stats();
+    s_.model->context().begin_step();
     const StepStats st = s_.engine->train_step(step, s_.train_batches);
     const StepComm comm = read_comm(st);
     stragglers_->add(st, comm.wait);
     const nlohmann::json slow = stragglers_->check(step + 1);  // collective, every run.straggler_every steps
     if (io_)
       for (const auto& s : slow) std::cout << "loom: warning: slow rank: " << StragglerWatch::describe(s) << std::endl;
-    auto report = s_.engine->grad_sync().step_report();
-    for (auto& kv : s_.model->partition().step_report()) report.push_back(kv);
-    for (auto& kv : s_.engine->schedule().step_report()) report.push_back(kv);
+    const auto report = role_reports();
     totals_.add(st, report, step > start_step_);
     judge_step(step, st);
     std::optional<double> val;

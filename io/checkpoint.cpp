@@ -411,6 +411,7 @@ std::string write_checkpoint_image(const std::string& path, MPI_Comm comm, const
   write_attr(file.id, "layout_dp", H5T_NATIVE_INT64, dp);
   write_attr(file.id, "layout_tp", H5T_NATIVE_INT64, tp);
   write_attr(file.id, "layout_pp", H5T_NATIVE_INT64, pp);
+  write_attr(file.id, "layout_cp", H5T_NATIVE_INT64, static_cast<std::int64_t>(state.layout.cp));
   write_attr_string(file.id, "generator",
                     "counter-based (seed, name, index) for weights; (seed, split, step, row) for data");
   write_attr_string(file.id, "deck", state.deck);
@@ -616,6 +617,10 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   st.layout.dp = static_cast<int>(dp);
   st.layout.tp = static_cast<int>(tp);
   st.layout.pp = static_cast<int>(pp);
+  std::int64_t cp = 1;  // written since context parallelism; before it, 1
+  if (read_attr_i64(file, "layout_cp", cp) && (cp < 1 || cp > 1000000))
+    fail(path, "records the layout cp " + std::to_string(cp) + ": corrupt (at least 1)");
+  st.layout.cp = static_cast<int>(cp);
   if (!read_attr_i64(file, "skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // written before skipping existed
   st.model = recorded_model(file, path, st.deck);
   if (st.model.d_model % st.model.heads != 0)
@@ -738,7 +743,9 @@ std::string checkpoint_info(const std::string& path) {
   std::int64_t dp = 0, tp = 0, pp = 0;
   if (read_attr_i64(file.id, "layout_dp", dp) && read_attr_i64(file.id, "layout_tp", tp) &&
       read_attr_i64(file.id, "layout_pp", pp))
-    out << "  layout: dp " << dp << " x tp " << tp << " x pp " << pp << "\n";
+    out << "  layout: dp " << dp
+        << (read_attr_i64(file.id, "layout_cp", v) && v > 1 ? " x cp " + std::to_string(v) : "") << " x tp " << tp
+        << " x pp " << pp << "\n";
   double scale = 0;
   if (read_attr_f64(file.id, "loss_scale", scale)) out << "  loss_scale: " << scale << "\n";
   out << "  tensors:\n";

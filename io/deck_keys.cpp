@@ -137,6 +137,9 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("parallel.dp", "1", 1, 1e6, "data-parallel degree"));
   schema.add(int_key("parallel.tp", "1", 1, 1e6, "tensor-parallel degree"));
   schema.add(int_key("parallel.pp", "1", 1, 1e6, "pipeline-parallel degree (stages)"));
+  schema.add(
+      int_key("parallel.cp", "1", 1, 1e6,
+              "context-parallel degree: each rank holds seq_len / cp tokens of every sequence (ring attention)"));
 
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));

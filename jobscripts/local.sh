@@ -25,7 +25,7 @@ else
   echo "jobscripts/local.sh: no loom: not $here/build/loom, not $here/../../bin/loom, none on PATH; set LOOM" >&2
   exit 2
 fi
-# The layout is dp x tp x pp: ask loom for the resolved deck (with the overrides) and multiply.
+# The layout is dp x cp x tp x pp: ask loom for the resolved deck (with the overrides) and multiply.
 resolved=$("$loom" check "$deck" "$@")
 section_get() {  # section key
   echo "$resolved" | awk -v s="[$1]" -v k="$2" '
@@ -33,9 +33,10 @@ section_get() {  # section key
     in_s && $1 == k {print $3; exit}'
 }
 dp=$(section_get parallel dp); tp=$(section_get parallel tp); pp=$(section_get parallel pp)
-ranks=${RANKS:-$((dp * tp * pp))}
+cp=$(section_get parallel cp)
+ranks=${RANKS:-$((dp * ${cp:-1} * tp * pp))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-echo "jobscripts/local.sh: $ranks ranks (dp $dp x tp $tp x pp $pp) of $loom"
+echo "jobscripts/local.sh: $ranks ranks (dp $dp x cp ${cp:-1} x tp $tp x pp $pp) of $loom"
 # MPIRUN_NP_FLAG / MPIRUN_PREFLAGS: the launcher's rank-count flag and flags before the program (CTest
 # passes CMake's MPIEXEC_NUMPROC_FLAG and MPIEXEC_PREFLAGS).
 # shellcheck disable=SC2086

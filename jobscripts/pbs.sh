@@ -3,7 +3,7 @@
 #   qsub -l select=2:ncpus=4:mpiprocs=4 -v DECK=inputs/data_parallel.deck,SETS="--set parallel.dp=8" jobscripts/pbs.sh
 # A chain of jobs, each going on from the previous one's checkpoint when it was interrupted:
 #   id=$(qsub -v DECK=... jobscripts/pbs.sh); qsub -W depend=afternotok:$id -v DECK=... jobscripts/pbs.sh
-# The deck's parallel.dp x tp x pp must equal the number of MPI processes PBS grants.
+# The deck's parallel.dp x cp x tp x pp must equal the number of MPI processes PBS grants.
 #
 # Defaults, each only when neither SETS nor (for the checkpoint keys) the deck gives the key:
 #   run.dir            runs/RUN_NAME/pbs-JOBID (per job)

@@ -83,12 +83,17 @@ def main():
         "layout_zero2_dp2_to_zero3_dp4": ((2, ["parallel.dp=2", "zero.stage=2"]), (4, ["parallel.dp=4", "zero.stage=3"])),
         # Llama multi-query: its kv head whole on both tp ranks when saved, on one pipeline stage when resumed.
         "layout_llama_tp2_to_pp2": ((2, LLAMA + ["parallel.tp=2"]), (2, LLAMA + ["parallel.pp=2", "train.micro_batches=2"])),
+        # Context parallelism: the weights are whole on every cp rank, so its checkpoints are dp's.
+        "layout_cp2_to_cp1": ((2, ["parallel.cp=2"]), (1, [])),
+        "layout_cp2_dp2_to_dp4": ((4, ["parallel.cp=2", "parallel.dp=2"]), (4, ["parallel.dp=4"])),
+        "layout_zero3_cp2_to_cp4": ((2, ["parallel.cp=2", "zero.stage=3"]), (4, ["parallel.cp=4"])),
     }
     bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"],
                "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"],
                "bitwise_zero2_dp2": ["parallel.dp=2", "zero.stage=2"],
                "bitwise_zero3_dp2": ["parallel.dp=2", "zero.stage=3"],
-               "bitwise_llama_zero3_dp2": LLAMA + ["parallel.dp=2", "zero.stage=3"]}
+               "bitwise_llama_zero3_dp2": LLAMA + ["parallel.dp=2", "zero.stage=3"],
+               "bitwise_cp2": ["parallel.cp=2"]}
     if name in bitwise:
         ref, ckpt = saved(c, 2, bitwise[name])
         c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])

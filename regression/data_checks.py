@@ -16,7 +16,7 @@ Cases (each its own folder under --workdir; text from Debian's python3.11-doc re
                  model, other options over a finished folder, a shard of a wrong header, a deck whose
                  model.vocab is not the manifest's or data.tokenizer's: each exit 2 naming file and key.
   eval           a run on prepared shards with validation; `loom eval` of its last checkpoint at 1 rank
-                 and at dp 2 and tp 2 gives the run's own final validation loss and bits per byte; bits per
+                 and at dp 2, tp 2 and cp 2 gives the run's own final validation loss and bits per byte; bits per
                  byte = loss x tokens / bytes / ln 2 with the bytes counted here from the shards' pieces.
   sample         `loom sample --prompt` encodes with the run's tokenizer: the output begins with the prompt.
   wide           a version-2 shard (uint32 ids) written by this script trains a model of vocabulary 70,000;
@@ -241,7 +241,8 @@ def check_eval(args, work, failures):
                                                                                      b_loss / math.log(2)))
     if abs(b_bpb - b_loss / math.log(2)) > 1e-12 * b_bpb:
         failures.append("bytes: bits per byte %.12f is not loss / ln 2 = %.12f" % (b_bpb, b_loss / math.log(2)))
-    for ranks, layout in [(1, []), (2, ["--set", "parallel.dp=2"]), (2, ["--set", "parallel.tp=2"])]:
+    for ranks, layout in [(1, []), (2, ["--set", "parallel.dp=2"]), (2, ["--set", "parallel.tp=2"]),
+                          (2, ["--set", "parallel.cp=2", "--set", "parallel.dp=1"])]:
         p = run_noting(launch_prefix(args, ranks) + [args.loom, "eval", run + "/checkpoints", "--json"] + layout,
                        failures)
         try:

@@ -259,6 +259,10 @@ LAYOUTS = [
     ("flash_tp2_bf16", 2, ["model.heads=2", "model.attention=flash", "parallel.tp=2", "precision.dtype=bf16"]),
     ("flash_pp2_recompute", 2, ["model.heads=2", "model.attention=flash", "parallel.pp=2", "train.micro_batches=4",
                                 "model.recompute=true"]),
+    # Context parallelism: the ring's kernels (attention_ring_*, copy_rows) with fp32 operands, and with
+    # flash's bf16 ones under bf16 products.
+    ("cp2", 2, ["parallel.cp=2"]),
+    ("flash_cp2_bf16", 2, ["model.heads=2", "model.attention=flash", "parallel.cp=2", "precision.dtype=bf16"]),
     # Llama's block (RMSNorm, rotary GQA, SwiGLU kernels): multi-query on tp 2 (the kv head whole on both
     # ranks, its gradient summed), and flash attention on a bf16 pipeline.
     ("llama_tp2_mqa", 2, ["model.arch=llama", "model.kv_heads=1", "parallel.tp=2"]),

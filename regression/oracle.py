@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import torch_gpt  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -504,8 +505,8 @@ def print_table(rows):
               f"{'PASS' if ok else 'FAIL'}")
 
 
-def run_loom(loom, deck, out, sets, log):
-    cmd = [loom, "export", deck, out] + [a for s in sets for a in ("--set", s)]
+def run_loom(loom, deck, out, sets, log, launch=()):
+    cmd = list(launch) + [loom, "export", deck, out] + [a for s in sets for a in ("--set", s)]
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.time()
     with open(log, "w") as f:
@@ -568,6 +569,9 @@ def main():
     ap.add_argument("--workdir", default="build/oracle")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--single", action="store_true", help="run case A only")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="launch loom export on this many ranks (a context-parallel ring: --set parallel.cp=N)")
+    common.add_launcher_arguments(ap)
     ap.add_argument("--h5", help="check this export file instead of running loom")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="fp32 (default): loom's plain path against float64; bf16: loom with "
@@ -616,7 +620,7 @@ def main():
                     os.remove(out)
                 sets = ([] if user_sets_run_dir else [f"run.dir={os.path.join(work, 'run-' + tag)}"])
                 run_loom(loom, deck, out, sets + dtype_sets + args.sets + extra,
-                         os.path.join(work, f"export_{tag}.log"))
+                         os.path.join(work, f"export_{tag}.log"), common.launch_prefix(args, args.ranks))
                 return load_export(out)
 
             data_a = export("A", [])

@@ -117,6 +117,9 @@ LAYOUTS = [
     ("bf16_zero3", SYN, 2, ["parallel.dp=2", "zero.stage=3", "precision.dtype=bf16"]),
     ("recompute_micro", SYN, 1, ["model.recompute=true", "train.micro_batches=2"]),
     ("dp2_tp2", SYN, 4, ["parallel.dp=2", "parallel.tp=2"]),
+    # Context parallelism: the ring's blocks (comm) and running output (workspace), ZeRO over dp x cp.
+    ("cp2", SYN, 2, ["parallel.cp=2"]),
+    ("cp2_zero3_bf16", SYN, 2, ["parallel.cp=2", "zero.stage=3", "precision.dtype=bf16"]),
     ("dp2_pp2", SYN, 4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batches=2"]),
     ("bf16_zero1_dp2_pp2", SYN, 4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batches=2", "zero.stage=1",
                                     "precision.dtype=bf16"]),
@@ -136,7 +139,7 @@ LAYOUTS = [
 def deck_ranks(path):
     text = open(path).read()
     n = 1
-    for key in ("dp", "tp", "pp"):
+    for key in ("dp", "tp", "pp", "cp"):
         m = re.search(r"^\s*%s\s*=\s*(\d+)" % key, text, re.M)
         if m:
             n *= int(m.group(1))

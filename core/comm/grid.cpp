@@ -59,14 +59,17 @@ std::unique_ptr<ProcessGrid> ProcessGrid::planned(const Layout& layout, int rank
   g->tp_i_ = at.tp;
   g->dp_i_ = at.dp;
   g->pp_i_ = at.pp;
+  g->cp_i_ = at.cp;
   g->world_ = std::make_unique<PlannedCommunicator>("world", rank, layout.ranks());
   g->tp_ = std::make_unique<PlannedCommunicator>("tp", g->tp_i_, layout.tp);
-  g->dp_ = std::make_unique<PlannedCommunicator>("dp", g->dp_i_, layout.dp);
+  g->dp_ = std::make_unique<PlannedCommunicator>("dp", g->replica_rank(), layout.replicas());
   g->pp_ = std::make_unique<PlannedCommunicator>("pp", g->pp_i_, layout.pp);
+  g->cp_ = std::make_unique<PlannedCommunicator>("cp", g->cp_i_, layout.cp);
   g->node_ = rank / std::max(per_node, 1);
   g->nodes_ = (layout.ranks() + std::max(per_node, 1) - 1) / std::max(per_node, 1);
-  g->description_ = "planned grid: rank " + std::to_string(rank) + " of dp " + std::to_string(layout.dp) + " x tp " +
-                    std::to_string(layout.tp) + " x pp " + std::to_string(layout.pp) + "\n";
+  g->description_ = "planned grid: rank " + std::to_string(rank) + " of dp " + std::to_string(layout.dp) +
+                    (layout.cp > 1 ? " x cp " + std::to_string(layout.cp) : "") + " x tp " + std::to_string(layout.tp) +
+                    " x pp " + std::to_string(layout.pp) + "\n";
   return g;
 }
 
@@ -78,18 +81,24 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout, const CommFactory
   tp_i_ = at.tp;
   dp_i_ = at.dp;
   pp_i_ = at.pp;
+  cp_i_ = at.cp;
+  const int replica = replica_rank(), replicas = layout.replicas();
 
   world_ = make(world, "world");
   MPI_Comm c;
-  // tp group: same (pp, dp), ordered by tp; dp group: same (pp, tp); pp group: same (dp, tp).
-  MPI_Comm_split(world, pp_i_ * layout.dp + dp_i_, tp_i_, &c);
+  // tp group: same (pp, dp, cp), ordered by tp; dp (gradient) group: same (pp, tp), ordered by dp
+  // then cp; pp group: same (dp, cp, tp); cp ring: same (pp, dp, tp), ordered by cp.
+  MPI_Comm_split(world, pp_i_ * replicas + replica, tp_i_, &c);
   tp_ = make(c, "tp");
   MPI_Comm_free(&c);
-  MPI_Comm_split(world, pp_i_ * layout.tp + tp_i_, dp_i_, &c);
+  MPI_Comm_split(world, pp_i_ * layout.tp + tp_i_, replica, &c);
   dp_ = make(c, "dp");
   MPI_Comm_free(&c);
-  MPI_Comm_split(world, dp_i_ * layout.tp + tp_i_, pp_i_, &c);
+  MPI_Comm_split(world, replica * layout.tp + tp_i_, pp_i_, &c);
   pp_ = make(c, "pp");
+  MPI_Comm_free(&c);
+  MPI_Comm_split(world, (pp_i_ * layout.dp + dp_i_) * layout.tp + tp_i_, cp_i_, &c);
+  cp_ = make(c, "cp");
   MPI_Comm_free(&c);
 
   // Node boundaries: ranks that share memory form a node, named by its lowest world rank.
@@ -108,26 +117,30 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout, const CommFactory
   node_ = node_index[leader];
 
   std::ostringstream d;
-  d << "process grid: " << size << " rank" << (size == 1 ? "" : "s") << " = dp " << layout.dp << " x tp " << layout.tp
-    << " x pp " << layout.pp << " on " << nodes_ << " node" << (nodes_ == 1 ? "" : "s")
-    << " (rank = (pp_i * dp + dp_i) * tp + tp_i)\n";
+  const bool cp = layout.cp > 1;
+  d << "process grid: " << size << " rank" << (size == 1 ? "" : "s") << " = dp " << layout.dp
+    << (cp ? " x cp " + std::to_string(layout.cp) : "") << " x tp " << layout.tp << " x pp " << layout.pp << " on "
+    << nodes_ << " node" << (nodes_ == 1 ? "" : "s")
+    << (cp ? " (rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i)\n" : " (rank = (pp_i * dp + dp_i) * tp + tp_i)\n");
   for (int p = 0; p < layout.pp; ++p) {
     if (layout.pp > 1) d << "  stage pp " << p << ":\n";
-    for (int q = 0; q < layout.dp; ++q) {
-      d << "    dp " << q << ": ";
-      for (int t = 0; t < layout.tp; ++t) {
-        const int r = layout.rank_of(q, t, p);
-        d << (t ? "  " : "") << "rank " << r << " [node " << node_index[leaders[r]] << "]";
-      }
-      d << "\n";
-      const int first_node = node_index[leaders[layout.rank_of(q, 0, p)]];
-      for (int t = 1; t < layout.tp; ++t)
-        if (node_index[leaders[layout.rank_of(q, t, p)]] != first_node) {
-          d << "    warning: the tp group of dp " << q << (layout.pp > 1 ? ", pp " + std::to_string(p) : "")
-            << " spans nodes: its all-reduces cross the network on every layer\n";
-          break;
+    for (int q = 0; q < layout.dp; ++q)
+      for (int x = 0; x < layout.cp; ++x) {
+        d << "    dp " << q << (cp ? " cp " + std::to_string(x) : "") << ": ";
+        for (int t = 0; t < layout.tp; ++t) {
+          const int r = layout.rank_of(q, t, p, x);
+          d << (t ? "  " : "") << "rank " << r << " [node " << node_index[leaders[r]] << "]";
         }
-    }
+        d << "\n";
+        const int first_node = node_index[leaders[layout.rank_of(q, 0, p, x)]];
+        for (int t = 1; t < layout.tp; ++t)
+          if (node_index[leaders[layout.rank_of(q, t, p, x)]] != first_node) {
+            d << "    warning: the tp group of dp " << q << (cp ? ", cp " + std::to_string(x) : "")
+              << (layout.pp > 1 ? ", pp " + std::to_string(p) : "")
+              << " spans nodes: its all-reduces cross the network on every layer\n";
+            break;
+          }
+      }
   }
   description_ = d.str();
 }

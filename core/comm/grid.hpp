@@ -1,8 +1,12 @@
 #pragma once
-// The process grid (DESIGN.md): world = dp x tp x pp, tp fastest, then dp, then pp:
-//   rank = (pp_i * dp + dp_i) * tp + tp_i
+// The process grid (DESIGN.md): world = dp x cp x tp x pp, tp fastest, then cp, then dp, then pp
+// (Megatron-Core's order):
+//   rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
 // so a tensor-parallel group is a set of neighbouring ranks and lands inside one node under the
-// usual block placement. The world is split once into the tp, dp and pp communicators.
+// usual block placement, and a context-parallel ring is the next closest. The world is split once
+// into the tp, cp, dp and pp communicators. The dp communicator is the gradient group: the dp x cp
+// ranks that hold the same weights (context-parallel ranks see other tokens of the same rows, so
+// their gradients are summed as data-parallel ranks' are); data rows are split by dp_rank() alone.
 #include <mpi.h>
 
 #include <functional>
@@ -15,14 +19,23 @@
 namespace loom {
 
 struct Layout {
-  int dp = 1, tp = 1, pp = 1;
-  int ranks() const { return dp * tp * pp; }
-  int rank_of(int dp_i, int tp_i, int pp_i) const { return (pp_i * dp + dp_i) * tp + tp_i; }
+  int dp = 1, tp = 1, pp = 1, cp = 1;
+  int ranks() const { return dp * cp * tp * pp; }
+  // The ranks that hold the same weights and sum their gradients: dp x cp.
+  int replicas() const { return dp * cp; }
+  int rank_of(int dp_i, int tp_i, int pp_i, int cp_i = 0) const { return ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i; }
   // A rank's place in each group: the inverse of rank_of, the one place the order is decoded.
   struct Coords {
-    int dp = 0, tp = 0, pp = 0;
+    int dp = 0, tp = 0, pp = 0, cp = 0;
   };
-  Coords coords_of(int rank) const { return {(rank / tp) % dp, rank % tp, rank / (tp * dp)}; }
+  // "dp 2 x tp 2 x pp 1", with " x cp N" after dp where cp > 1.
+  std::string describe() const {
+    return "dp " + std::to_string(dp) + (cp > 1 ? " x cp " + std::to_string(cp) : "") + " x tp " + std::to_string(tp) +
+           " x pp " + std::to_string(pp);
+  }
+  Coords coords_of(int rank) const {
+    return {(rank / (tp * cp)) % dp, rank % tp, rank / (tp * cp * dp), (rank / tp) % cp};
+  }
 };
 
 // "1, 2, 4, 8": the divisors of n, for messages that say which sizes would work.
@@ -44,13 +57,17 @@ class ProcessGrid {
   int dp_rank() const { return dp_i_; }
   int tp_rank() const { return tp_i_; }
   int pp_rank() const { return pp_i_; }
+  int cp_rank() const { return cp_i_; }
+  // This rank's place in the gradient group (dp()): dp_rank() * cp + cp_rank().
+  int replica_rank() const { return dp_i_ * layout_.cp + cp_i_; }
   int node() const { return node_; }  // index of this rank's node (shared-memory domain)
   int nodes() const { return nodes_; }
   Communicator& world() { return *world_; }
   Communicator& dp() { return *dp_; }
   Communicator& tp() { return *tp_; }
   Communicator& pp() { return *pp_; }
-  std::vector<Communicator*> groups() { return {dp_.get(), tp_.get(), pp_.get()}; }
+  Communicator& cp() { return *cp_; }  // the context-parallel ring, ordered by cp_rank()
+  std::vector<Communicator*> groups() { return {dp_.get(), tp_.get(), pp_.get(), cp_.get()}; }
   // The grid as text (every rank's coordinates and node), with a warning line for each tp group
   // that spans nodes. Same on every rank.
   const std::string& describe() const { return description_; }
@@ -58,8 +75,8 @@ class ProcessGrid {
  private:
   ProcessGrid() = default;
   Layout layout_;
-  int rank_ = 0, dp_i_ = 0, tp_i_ = 0, pp_i_ = 0, node_ = 0, nodes_ = 1;
-  std::unique_ptr<Communicator> world_, dp_, tp_, pp_;
+  int rank_ = 0, dp_i_ = 0, tp_i_ = 0, pp_i_ = 0, cp_i_ = 0, node_ = 0, nodes_ = 1;
+  std::unique_ptr<Communicator> world_, dp_, tp_, pp_, cp_;
   std::string description_;
 };
 

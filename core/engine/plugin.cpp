@@ -37,6 +37,7 @@ void StrategyRegistry::add(const loom_plugin_v1& plugin, const std::string& orig
   if (info.assign_stage) factories.push_back(Role::stage);
   if (info.make_store) factories.push_back(Role::store);
   if (info.make_precision) factories.push_back(Role::precision);
+  if (info.make_context) factories.push_back(Role::context);
   check_filled_roles(info, factories);
   strategies_.emplace(name, std::move(info));
 }
@@ -103,9 +104,13 @@ void discover_plugins(StrategyRegistry& registry, const std::vector<std::string>
 
 std::vector<std::pair<std::string, std::string>> layout_strategies(const Layout& l) {
   std::vector<std::pair<std::string, std::string>> wanted;
-  if (l.dp > 1) wanted.push_back({"data", "parallel.dp = " + std::to_string(l.dp)});
+  // Gradients are summed over dp x cp: context-parallel ranks need the data strategy's sync too.
+  if (l.replicas() > 1)
+    wanted.push_back({"data", l.dp > 1 ? "parallel.dp = " + std::to_string(l.dp)
+                                       : "parallel.cp = " + std::to_string(l.cp) + " (gradients summed over cp)"});
   if (l.tp > 1) wanted.push_back({"tensor", "parallel.tp = " + std::to_string(l.tp)});
   if (l.pp > 1) wanted.push_back({"pipeline", "parallel.pp = " + std::to_string(l.pp)});
+  if (l.cp > 1) wanted.push_back({"context", "parallel.cp = " + std::to_string(l.cp)});
   return wanted;
 }
 
@@ -166,6 +171,8 @@ const char* role_name(Role r) {
       return "checkpoint state";
     case Role::progress:
       return "progress hook";
+    case Role::context:
+      return "context";
     case Role::count_:
       break;
   }

@@ -50,7 +50,8 @@
 // overloads of scale and fill gone); Partition's operators on BufferRefs. ABI 19: the fused classifier
 // (LOOM_FACE_OPS crossentropy_fused and crossentropy_finish_grad, Partition::crossentropy_fused).
 // ABI 20: GPTConfig's architecture (model.arch = llama and its keys), GPT's Llama handles.
-// ABI 21: ring attention in LOOM_FACE_OPS (attention_ring_*, copy_rows, ring_attention_refusal).
+// ABI 21: the context axis (Layout::cp, ProcessGrid::cp, the dp communicator over dp x cp), the context
+// role (ContextSplit, StrategyInfo::make_context), ring attention in LOOM_FACE_OPS.
 #define LOOM_PLUGIN_ABI_VERSION 21
 
 extern "C" {
@@ -92,6 +93,7 @@ enum class Role : int {
   precision,      // StrategyInfo::make_precision: the element type of the matrix products' operands
   checkpoint,     // Roles::checkpoint_parts: state kept outside the role objects, saved with checkpoints; any number
   progress,       // Roles::progress: what the model calls between kernels so that messages in flight advance
+  context,        // StrategyInfo::make_context: which tokens of each sequence a rank holds, its ring attention
   count_
 };
 inline constexpr int kRoles = static_cast<int>(Role::count_);
@@ -178,6 +180,9 @@ struct StrategyInfo {
   // Optional: the precision of the run's compute, set on the back end before the model is built (at
   // most one strategy fills it).
   std::function<Precision(PartitionContext&)> make_precision;
+  // Optional: the context role (core/model/context.hpp), created before the model (at most one
+  // strategy fills it): the split of each sequence over parallel.cp ranks and its attention.
+  std::function<std::unique_ptr<ContextSplit>(PartitionContext&)> make_context;
   // The other roles, once the model exists.
   std::function<void(StrategyContext&, Roles&)> create;
   // Optional: what it adds to `loom plan`'s layout search and memo (its keys worth searching, its

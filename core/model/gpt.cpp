@@ -163,7 +163,7 @@ std::string GPT::resolve_attention(GPTConfig& cfg, const Backend& backend) {
 }
 
 GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage,
-         ParamStore* store, int dp, int dp_rank)
+         ParamStore* store, int dp, int dp_rank, ContextSplit* context)
     : cfg_(cfg),
       be_(backend),
       part_(partition ? partition : &default_partition_),
@@ -172,6 +172,12 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       stage_(stage),
       store_(store ? store : &own_store_) {
   cfg_.validate();
+  if (context) ctx_ = context;
+  T_ = ctx_->local_tokens(cfg_.seq_len);
+  if (ctx_->size() > 1) {
+    if (std::string why = be_.ring_attention_refusal(); !why.empty())
+      throw InputError("parallel.cp = " + std::to_string(ctx_->size()) + ": " + why);
+  }
   check_attention(cfg_, be_);
   if (stage_.chunks.empty()) stage_.chunks.push_back({0, cfg.layers, 1});
   layer_pos_.assign(static_cast<std::size_t>(cfg.layers), -1);
@@ -313,8 +319,9 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   store_->build(sctx, params_, units_);
 
   // Activations, sized by activation_sizes (what `loom plan` predicts with, too).
-  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space()};
-  const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_);
+  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space(), ctx_->size()};
+  const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_, ctx_->size());
+  if (ctx_->size() > 1) ctx_->prepare(be_, max_rows_, T_, cfg_.d_model / tp_, cfg_.heads / tp_, cfg_.flash_attention);
   residual0_ = a.residual_first;
   acts0_ = a.block_first;
   for (const Stage::Chunk& c : stage_.chunks) {
@@ -340,7 +347,7 @@ void GPT::plan_step(StepPlan& plan) const {
   const BlockActs a = carve_block(geom_, nullptr);
   const Scratch s = carve_scratch(geom_, nullptr);
   const Head h = carve_head(geom_, nullptr);
-  const int N = max_rows_ * cfg_.seq_len, C = cfg_.d_model, Cl = C / tp_, Fl = cfg_.ffn() / tp_;
+  const int N = max_rows_ * T_, C = cfg_.d_model, Cl = C / tp_, Fl = cfg_.ffn() / tp_;
   const int CKl = kv_local() * cfg_.head_size();
   auto full = [&](const BufferRef& saved, int cols) {  // input_of: gathered fp32 unless saved 16-bit
     return BufferRef(nullptr, saved.type, static_cast<std::int64_t>(N) * cols, be_.space());
@@ -374,19 +381,22 @@ void GPT::plan_step(StepPlan& plan) const {
     calls.back().backward = true;
   }
   be_.plan_workspace(plan, calls,
-                     {max_rows_, cfg_.seq_len, cfg_.heads / tp_, cfg_.flash_attention,
+                     {max_rows_, T_, cfg_.heads / tp_, cfg_.flash_attention,
                       cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn, cfg_.d_model / cfg_.heads});
   part_->plan_step(plan, *this);
+  int layers = 0;
+  for (const Stage::Chunk& c : stage_.chunks) layers += c.end_layer - c.first_layer;
+  ctx_->plan_step(plan, layers, plan.micro_batches, cfg_.recompute);
 }
 
 GPT::ActivationSizes GPT::activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage_in, int max_rows,
-                                           DType mm16) {
+                                           DType mm16, int cp) {
   // Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one set per slot
   // (in-flight micro-batch) of each chunk.
   Stage stage = stage_in;
   if (stage.chunks.empty()) stage.chunks.push_back({0, cfg.layers, 1});
-  const Geometry g{cfg, tp, sp, max_rows, mm16};
-  const std::int64_t N = static_cast<std::int64_t>(max_rows) * cfg.seq_len, Nl = sp ? N / tp : N, C = cfg.d_model;
+  const Geometry g{cfg, tp, sp, max_rows, mm16, MemSpace::host, cp};
+  const std::int64_t N = static_cast<std::int64_t>(max_rows) * g.T(), Nl = sp ? N / tp : N, C = cfg.d_model;
   ActivationSizes a;
   a.block_table_floats = carve_block(g, nullptr).floats;
   a.head_table_floats = carve_head(g, nullptr).floats;
@@ -554,9 +564,8 @@ struct Carver {
 }  // namespace
 
 GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
-  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
-  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp,
-                     Fl = g.cfg.ffn() / g.tp;
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.T(), Nl = g.sp ? N / g.tp : N;
+  const std::int64_t C = g.cfg.d_model, T = g.T(), NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = g.cfg.ffn() / g.tp;
   const bool llama = g.cfg.llama();
   Carver c{base, g.space};
   BlockActs a;
@@ -568,7 +577,7 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   a.ln1_rstd = c.take(Nl);
   a.qkv = c.take(N * 3 * Cl);
   // Unfused attention saves the probabilities, flash only each row's log-sum-exp.
-  if (g.cfg.flash_attention)
+  if (g.cfg.flash_attention || g.cp > 1)  // the ring keeps each row's log-sum-exp too
     a.lse = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T);
   else
     a.att = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T * T);
@@ -585,9 +594,8 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
 }
 
 GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
-  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
-  const std::int64_t C = g.cfg.d_model, T = g.cfg.seq_len, NHl = g.cfg.heads / g.tp, Cl = C / g.tp,
-                     Fl = g.cfg.ffn() / g.tp;
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.T(), Nl = g.sp ? N / g.tp : N;
+  const std::int64_t C = g.cfg.d_model, T = g.T(), NHl = g.cfg.heads / g.tp, Cl = C / g.tp, Fl = g.cfg.ffn() / g.tp;
   Carver c{base, g.space};
   Scratch s;
   s.full = c.take(N * C);
@@ -598,10 +606,14 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   s.dfull = c.take(N * C);
   s.dpartial = c.take(N * C);
   s.dqkv = c.take(N * 3 * Cl);
-  if (g.cfg.flash_attention)
+  if (g.cp > 1) {  // the ring's own scratch is the context role's; the positions of this rank's tokens
+    s.pos = c.take(T * C);
+    s.dpos = c.take(T * C);
+  } else if (g.cfg.flash_attention) {
     s.dsum = c.take(static_cast<std::int64_t>(g.max_rows) * NHl * T);
-  else
+  } else {
     s.datt = c.take(T * T);
+  }
   s.datty = c.take(N * Cl);
   s.dfch = c.take(g.mm16, N * Fl);  // the fc product's dout only: in its type (gelu_bias_backward rounds it)
   s.dfch_gelu = c.take(N * Fl);
@@ -618,7 +630,7 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
 }
 
 GPT::Head GPT::carve_head(const Geometry& g, float* base) {
-  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Nl = g.sp ? N / g.tp : N;
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.T(), Nl = g.sp ? N / g.tp : N;
   const std::int64_t Vl = g.cfg.vocab / g.tp;
   Carver c{base, g.space};
   Head h;
@@ -639,7 +651,7 @@ GPT::Head GPT::carve_head(const Geometry& g, float* base) {
 // writes, which the fused classifier turns into the slot's 16-bit dlogits (or the unfused forward into
 // probabilities, which that slot's backward reads); none in fp32.
 std::int64_t GPT::head_logits_floats(const Geometry& g) {
-  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.cfg.seq_len, Vl = g.cfg.vocab / g.tp;
+  const std::int64_t N = static_cast<std::int64_t>(g.max_rows) * g.T(), Vl = g.cfg.vocab / g.tp;
   return g.mm16 == DType::f32 ? 0 : N * Vl;
 }
 
@@ -653,7 +665,7 @@ GPT::BlockActs GPT::block_acts(int chunk, int slot, int layer) const {
 }
 
 BufferRef GPT::residual(int chunk, int slot, int layer) const {
-  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * cfg_.seq_len, Nl = sp_ ? N / tp_ : N;
+  const std::int64_t N = static_cast<std::int64_t>(max_rows_) * T_, Nl = sp_ ? N / tp_ : N;
   const Stage::Chunk& c = stage_.chunks[chunk];
   const std::int64_t index =
       residual0_[chunk] + static_cast<std::int64_t>(slot) * (c.end_layer - c.first_layer + 1) + layer - c.first_layer;
@@ -661,7 +673,7 @@ BufferRef GPT::residual(int chunk, int slot, int layer) const {
 }
 
 std::int64_t GPT::stage_boundary_floats(int B) const {
-  const std::int64_t N = static_cast<std::int64_t>(B) * cfg_.seq_len;
+  const std::int64_t N = static_cast<std::int64_t>(B) * T_;
   return (sp_ ? N / tp_ : N) * cfg_.d_model;
 }
 
@@ -682,6 +694,7 @@ GPT::Scratch GPT::scratch() const { return carve_scratch(geom_, scratch_buf_.dat
 // The unfused kernel's output, a product's, goes through fp32 scratch (s.full, free once the gathered
 // ln1 has been read by the q, k, v products) when atty is saved 16-bit.
 void GPT::attention(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl) {
+  if (ctx_->size() > 1) return ctx_->attention_forward(be_, a.atty, a.lse, a.qkv, B, T, Cl, NHl);
   if (cfg_.flash_attention) {
     if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
       be_.attention_forward_cudnn(a.atty, a.lse, a.qkv, B, T, Cl, NHl);
@@ -697,7 +710,9 @@ void GPT::attention(const BlockActs& a, const Scratch& s, int B, int T, int Cl, 
 
 // s.dqkv from s.datty, the gradient of the attention's output.
 void GPT::attention_backward(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl) {
-  if (!cfg_.flash_attention)
+  if (ctx_->size() > 1)
+    ctx_->attention_backward(be_, s.dqkv, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
+  else if (!cfg_.flash_attention)
     be_.attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, B, T, Cl, NHl);
   else if (cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn)
     be_.attention_backward_cudnn(s.dqkv, s.dsum, s.datty, a.atty, a.qkv, a.lse, B, T, Cl, NHl);
@@ -706,7 +721,7 @@ void GPT::attention_backward(const BlockActs& a, const Scratch& s, int B, int T,
 }
 
 void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
-  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int T = T_, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
   // Next: the following block's forward, or (recomputing in backward) this block's backward.
@@ -746,7 +761,7 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
 
 // s.dres [Nl,C]: gradient of the block's output on entry, of its input on return.
 void GPT::block_backward(int chunk, int slot, int l, int B) {
-  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int T = T_, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int Cl = C / tp_, Fl = 4 * C / tp_, NHl = cfg_.heads / tp_;
   if (cfg_.recompute) block_forward(chunk, slot, l, B, true);  // rebuild this block's activations from its saved input
   const int unit = block_unit_[static_cast<std::size_t>(l)];
@@ -791,7 +806,7 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
 // Column-parallel q, k, v, gate and up (k and v whole on every rank where tp does not divide the kv
 // heads), row-parallel proj and down, as GPT-2's block; no biases.
 void GPT::llama_block_forward(int chunk, int slot, int l, int B, int next) {
-  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N, hs = cfg_.head_size();
+  const int T = T_, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N, hs = cfg_.head_size();
   const int Cl = C / tp_, Fl = cfg_.ffn() / tp_, NHl = cfg_.heads / tp_, KVl = kv_local(), CKl = KVl * hs;
   const std::int64_t NlC = static_cast<std::int64_t>(Nl) * C;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
@@ -824,7 +839,7 @@ void GPT::llama_block_forward(int chunk, int slot, int l, int B, int next) {
 // into it, as LayerNorm's does). A sum of input gradients of several products (q, k, v; gate, up)
 // goes through s.dfull, free once the output projection's backward has read dy.
 void GPT::llama_block_backward(int chunk, int slot, int l, int B, int next) {
-  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N, hs = cfg_.head_size();
+  const int T = T_, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N, hs = cfg_.head_size();
   const int Cl = C / tp_, Fl = cfg_.ffn() / tp_, NHl = cfg_.heads / tp_, KVl = kv_local(), CKl = KVl * hs;
   const std::int64_t NC = static_cast<std::int64_t>(N) * C;
   const int unit = block_unit_[static_cast<std::size_t>(l)];
@@ -875,7 +890,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   check_slot(chunk, slot, "forward");
   slot_rows_[chunk][slot] = B;
   slot_scored_[chunk][slot] = targets != nullptr;
-  const int T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int T = T_, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
   const std::int64_t rows = static_cast<std::int64_t>(max_rows_) * T;
   const BufferRef inp = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows, N);
@@ -887,8 +902,15 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
     be_.copy_from_host(inp, inputs);
     const ParamStore::UnitView& e =
         store_->acquire(emb_unit_, ParamStore::Use::forward, block_unit_[static_cast<std::size_t>(l0)]);
-    const BufferRef& wte = tensor(e, wte_);                           // [Vl,C] this rank's vocabulary rows
-    const BufferRef wpe = wpe_ >= 0 ? tensor(e, wpe_) : BufferRef();  // [T,C] (Llama: none)
+    const BufferRef& wte = tensor(e, wte_);                     // [Vl,C] this rank's vocabulary rows
+    BufferRef wpe = wpe_ >= 0 ? tensor(e, wpe_) : BufferRef();  // [T,C] (Llama: none)
+    if (wpe_ >= 0 && ctx_->size() > 1) {  // this rank's two chunks of positions, in its local order
+      for (int half = 0; half < 2; ++half) {
+        const std::int64_t rows = T / 2, first = ctx_->position(half * T / 2, cfg_.seq_len);
+        be_.copy(s.pos.slice(half * rows * C, rows * C), wpe.slice(first * C, rows * C), rows * C);
+      }
+      wpe = s.pos;
+    }
     be_.encoder_forward(s.partial, inp, wte, wpe, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_,
                         tp_rank_ == 0 && wpe_ >= 0);
     store_->release(emb_unit_, ParamStore::Use::forward);
@@ -935,7 +957,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   if (slot_rows_[chunk][slot] == 0)
     throw std::logic_error("GPT::backward: no forward held in slot " + std::to_string(slot) + " of chunk " +
                            std::to_string(chunk));
-  const int B = slot_rows_[chunk][slot], T = cfg_.seq_len, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
+  const int B = slot_rows_[chunk][slot], T = T_, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
   const std::int64_t rows = static_cast<std::int64_t>(max_rows_) * T;
   const BufferRef inp = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows, N);
@@ -997,7 +1019,16 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   const BufferRef& dwte = tensor_grad(e, wte_);
   const BufferRef dwpe = wpe_ >= 0 ? tensor_grad(e, wpe_) : BufferRef();
   const BufferRef demb = part_->grad_to_full(s.dres, s.dfull, N, C);  // [N,C]
-  be_.encoder_backward(dwte, dwpe, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
+  if (dwpe.data && ctx_->size() > 1) {  // the local positions' gradient, added into their rows of dwpe
+    be_.fill(s.dpos, 0.0);
+    be_.encoder_backward(dwte, s.dpos, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t rows = T / 2, first = ctx_->position(half * T / 2, cfg_.seq_len);
+      be_.axpy(dwpe.slice(first * C, rows * C), 1.0f, s.dpos.slice(half * rows * C, rows * C), rows * C);
+    }
+  } else {
+    be_.encoder_backward(dwte, dwpe, demb, inp, B, T, C, vocab_begin_, vocab_begin_ + vocab_local_);
+  }
   store_->release(emb_unit_, ParamStore::Use::backward);
   if (grad_ready_) grad_ready_(emb_unit_);  // wte (tied head included), wpe
   return nullptr;

@@ -16,6 +16,7 @@
 #include "core/backend/backend.hpp"
 #include "core/base/buffer.hpp"
 #include "core/model/param_store.hpp"
+#include "core/model/context.hpp"
 #include "core/model/partition.hpp"
 
 namespace loom {
@@ -101,9 +102,11 @@ class GPT {
   // allocates for each chunk of its stage the activations of that chunk's activation_slots
   // micro-batches of up to `max_rows` rows. `partition` decides the tp shards (default: whole),
   // `stage` the layers (default: all), `store` where parameters and gradients live (default: a flat
-  // store the model owns); `dp`, `dp_rank` place this rank in its data-parallel group (ownership).
+  // store the model owns); `dp`, `dp_rank` place this rank in its gradient group (ownership: the dp x
+  // cp ranks holding the same weights); `context` which tokens of each sequence it holds (default:
+  // all; core/model/context.hpp), so that every activation below has seq_len / cp tokens a row.
   GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {},
-      ParamStore* store = nullptr, int dp = 1, int dp_rank = 0);
+      ParamStore* store = nullptr, int dp = 1, int dp_rank = 0, ContextSplit* context = nullptr);
   // InputError naming model.attention when `backend` cannot run the configured attention (the
   // constructor checks it; a session checks it first, agreed over its ranks).
   static void check_attention(const GPTConfig& cfg, const Backend& backend);
@@ -172,7 +175,10 @@ class GPT {
     std::int64_t workspace_bytes() const { return 4 * token_ints; }
   };
   static ActivationSizes activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage, int max_rows,
-                                          DType mm16);
+                                          DType mm16, int cp = 1);
+  // Tokens of each sequence this rank holds (seq_len / cp) and the context role.
+  int local_tokens() const { return T_; }
+  ContextSplit& context() { return *ctx_; }
 
   // The same for chunk `chunk` of a pipeline stage, on the activations of slot `slot` (one
   // in-flight micro-batch). inputs [B,T] (chunk 0 of the first stage), x_in [Nl,C] the previous
@@ -243,6 +249,7 @@ class GPT {
     BufferRef dres, dlocal, dfull, dpartial;  // [Nl,C] x2, [N,C] x2
     BufferRef dqkv, datty, dfch, dfch_gelu;   // [N,3Cl], [N,Cl], [N,Fl], [N,Fl]
     BufferRef datt, dsum;                     // [T,T] unfused; [B,NHl,T] flash: rowsum(dout * out)
+    BufferRef pos, dpos;                      // [T,C] context parallel: this rank's position rows, their gradient
     BufferRef q, k, v;  // Llama: [N,Cl], [N,KVl*hs] x2: the products' q, k, v, then their gradients
     BufferRef dfcu;     // Llama: [N,Fl] the up product's dout (dfch: the gate's)
     std::int64_t floats;
@@ -265,6 +272,8 @@ class GPT {
     int max_rows = 1;
     DType mm16 = DType::f32;
     MemSpace space = MemSpace::host;  // where the tables live (the back end's space)
+    int cp = 1;                       // context ranks: each holds T() = seq_len / cp tokens of a sequence
+    std::int64_t T() const { return cfg.seq_len / cp; }
   };
   // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
   static BlockActs carve_block(const Geometry& g, float* base);
@@ -312,6 +321,9 @@ class GPT {
   GPTConfig cfg_;
   Backend& be_;
   Partition default_partition_;
+  ContextSplit default_context_;
+  ContextSplit* ctx_ = &default_context_;
+  int T_ = 0;  // local tokens of a sequence
   Partition* part_;
   int tp_ = 1, tp_rank_ = 0;
   bool sp_ = false;

@@ -13,14 +13,40 @@ std::string s(long v) { return std::to_string(v); }
 
 }  // namespace
 
+void check_context_layout(const Layout& l, const GPTConfig& m) {
+  if (l.cp < 1) throw InputError("parallel.cp = " + s(l.cp) + " must be at least 1");
+  if (l.cp == 1) return;
+  // Each rank holds chunks i and 2cp-1-i of every sequence (the causal load balance).
+  if (m.seq_len % (2 * l.cp) != 0) {
+    std::string fit;
+    for (int c = 1; 2 * c <= m.seq_len; ++c)
+      if (m.seq_len % (2 * c) == 0) fit += (fit.empty() ? "" : ", ") + s(c);
+    throw InputError("parallel.cp = " + s(l.cp) + " does not split model.seq_len = " + s(m.seq_len) +
+                     " into 2 x cp = " + s(2 * l.cp) + " chunks (each rank holds chunks i and 2cp-1-i); cp sizes " +
+                     "that work: " + fit);
+  }
+  if (m.llama())
+    throw InputError("parallel.cp = " + s(l.cp) + " with model.arch = llama: rotary positions are not yet given " +
+                     "their global positions under context parallelism; use model.arch = gpt2, or parallel.cp = 1");
+  if (m.attention == "cudnn")
+    throw InputError("parallel.cp = " + s(l.cp) + " with model.attention = cudnn: cuDNN's attention cannot take " +
+                     "part in the ring (it neither merges a running output nor attends to another rank's keys); " +
+                     "use model.attention = unfused, flash or auto, or parallel.cp = 1");
+}
+
 void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int micro) {
   if (l.ranks() != world) {
     std::ostringstream msg;
-    msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = " << l.ranks()
-        << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s") << "; either launch with mpirun -n "
+    if (l.cp > 1)
+      msg << "parallel.dp x parallel.cp x parallel.tp x parallel.pp = " << l.dp << " x " << l.cp << " x " << l.tp
+          << " x " << l.pp << " = " << l.ranks();
+    else
+      msg << "parallel.dp x parallel.tp x parallel.pp = " << l.dp << " x " << l.tp << " x " << l.pp << " = "
+          << l.ranks();
+    msg << ", but the job has " << world << " MPI rank" << (world == 1 ? "" : "s") << "; either launch with mpirun -n "
         << l.ranks() << ", or choose a layout whose product is " << world;
     // Suggest the dp that fills the job with the deck's tp and pp, when the batch splits over it.
-    const int tp_pp = l.tp * l.pp;
+    const int tp_pp = l.tp * l.pp * l.cp;
     if (world % tp_pp == 0) {
       const int dp_fit = world / tp_pp;
       if (batch % (dp_fit * micro) == 0) msg << " (e.g. parallel.dp = " << dp_fit << ")";
@@ -45,6 +71,7 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
   if (l.pp > m.layers)
     throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
                      "; pp sizes that work: 1 .. " + s(m.layers));
+  check_context_layout(l, m);
   if (batch % (l.dp * micro) != 0) {
     std::ostringstream msg;
     msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp

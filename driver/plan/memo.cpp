@@ -42,21 +42,24 @@ std::string group_name(const std::string& g) {
   if (g == "dp") return "data parallel (dp)";
   if (g == "tp") return "tensor parallel (tp)";
   if (g == "pp") return "pipeline (pp)";
+  if (g == "cp") return "context parallel ring (cp)";
   return g;
 }
 
 // How many ranks a group has.
 int group_size(const std::string& g, const Variant& v) {
-  if (g == "dp") return v.dp;
+  if (g == "dp") return v.dp * v.cp;  // the gradient group: dp x cp
   if (g == "tp") return v.tp;
   if (g == "pp") return v.pp;
-  return v.dp * v.tp * v.pp;
+  if (g == "cp") return v.cp;
+  return v.dp * v.cp * v.tp * v.pp;
 }
 bool group_inside_node(const std::string& g, const Variant& v, int per_node) {
   Layout l;
   l.dp = v.dp;
   l.tp = v.tp;
   l.pp = v.pp;
+  l.cp = v.cp;
   return group_in_node(g, l, per_node);
 }
 
@@ -326,14 +329,19 @@ class Memo {
     for (const auto& [g, k] : comm_by_group(chosen_, cluster_)) {
       s_ << "| " << group_name(g) << " | " << group_size(g, v) << " | " << link(g, v) << " | " << k.list() << " | "
          << fixed(k.bytes / (1 << 20), 1) << " | " << fixed(k.messages, 0) << " | " << ms(k.seconds) << " | "
-         << (k.overlapped ? "yes, bucket by bucket" : "no") << " |\n";
+         << (g == "cp" ? (chosen_.p.time.ring_hidden_behind_s > 0 ? "the blocks, behind the attention of the hop before"
+                                                                  : "no")
+             : k.overlapped ? "yes, bucket by bucket"
+                            : "no")
+         << " |\n";
     }
     const TimePrediction& t = chosen_.p.time;
     s_ << "\nOf " << ms(t.comm_s) << " of messages, " << ms(t.comm_exposed_s) << " are exposed (not hidden behind "
        << "compute); compute is " << ms(t.compute_s) << ".\n\n";
-    s_ << "Gradients are summed over the " << v.dp
-       << " data-parallel replicas so that every replica takes the same step";
-    if (v.dp > 1) {
+    s_ << "Gradients are summed over the " << v.dp * v.cp << " data-parallel replicas"
+       << (v.cp > 1 ? " (dp x cp: context-parallel ranks hold the same weights)" : "")
+       << " so that every replica takes the same step";
+    if (v.dp * v.cp > 1) {
       const std::string sync = search_.memo_text("dp_sync", chosen_point());
       s_ << ": "
          << (sync.empty() ? "each bucket of gradients is all-reduced as soon as backward has finished it" : sync)
@@ -360,13 +368,14 @@ class Memo {
     const Variant& v = chosen_.v;
     const int per_node = cluster_.devices_per_node;
     small_devices_ = o_.devices > per_node ? per_node : 0;
-    if (small_devices_ == 0 || (v.tp * v.pp) > small_devices_ || small_devices_ % (v.tp * v.pp) != 0) {
-      s_ << "(No one-node comparison: the chosen tp x pp = " << v.tp * v.pp << " does not fit in one node of "
-         << per_node << " devices, or the job is one node.)\n\n";
+    const int model_split = v.tp * v.pp * v.cp;  // what dp multiplies
+    if (small_devices_ == 0 || model_split > small_devices_ || small_devices_ % model_split != 0) {
+      s_ << "(No one-node comparison: the chosen " << (v.cp > 1 ? "cp x tp x pp = " : "tp x pp = ") << model_split
+         << " does not fit in one node of " << per_node << " devices, or the job is one node.)\n\n";
       return;
     }
     Variant sv = v;
-    sv.dp = small_devices_ / (v.tp * v.pp);
+    sv.dp = small_devices_ / model_split;
     // Keep the sequences per micro-batch: the same activations per micro-batch, more micro-batches.
     const int rows_small = chosen_.p.plan.global_batch / sv.dp;
     sv.micro = std::max(1, rows_small / std::max(1, chosen_.p.plan.rows_per_micro));
@@ -392,9 +401,10 @@ class Memo {
         if (g == "dp") dp_s = sec;
       const double speedup = ref > 0 ? c.p.time.tokens_per_s / ref : 1.0;
       s_ << "| " << devices << " | " << c.v.describe() << (c.fits ? "" : " (" + fits_text(c) + ")") << " | "
-         << (c.v.dp > 1 ? link("dp", c.v) : "none") << " | " << ms(dp_s) << " | " << ms(c.p.time.comm_exposed_s)
-         << " | " << ms(c.p.time.step_s) << " | " << fixed(c.p.time.tokens_per_s, 0) << " | " << fixed(speedup, 2)
-         << "x | " << (scaling ? pct(speedup * small_devices_ / devices) : std::string("(same size)")) << " |\n";
+         << (c.v.dp * c.v.cp > 1 ? link("dp", c.v) : "none") << " | " << ms(dp_s) << " | "
+         << ms(c.p.time.comm_exposed_s) << " | " << ms(c.p.time.step_s) << " | " << fixed(c.p.time.tokens_per_s, 0)
+         << " | " << fixed(speedup, 2) << "x | "
+         << (scaling ? pct(speedup * small_devices_ / devices) : std::string("(same size)")) << " |\n";
     };
     const double ref = have_small_ ? small_.p.time.tokens_per_s : 0;
     scale_row(small_devices_, small_, ref, true);
@@ -402,8 +412,8 @@ class Memo {
     const bool other_best = !best_small.empty() && best_small.front().fits && best_small.front().built &&
                             best_small.front().v.describe() != small_.v.describe();
     if (other_best) scale_row(small_devices_, best_small.front(), ref, false);
-    s_ << "\n(" << small_devices_ << " devices: the chosen tp x pp with dp = " << sv.dp
-       << "; the last row, when present, is the "
+    s_ << "\n(" << small_devices_ << " devices: the chosen " << (v.cp > 1 ? "cp x tp x pp" : "tp x pp")
+       << " with dp = " << sv.dp << "; the last row, when present, is the "
        << "search's best layout for one node. Scaling efficiency: speed-up / " << o_.devices / small_devices_
        << ".)\n\n";
     if (other_best && chosen_.built) {
@@ -568,7 +578,8 @@ class Memo {
     if (bubble_s > 0) losses.push_back({"bubble", bubble_s});
     for (const auto& [g, sec] : exposed_by_group) losses.push_back({g, sec});
     // Every dp rank updates all it holds where no strategy splits the state (Prediction::zero_stage).
-    if (chosen_.p.zero_stage == 0 && chosen_.v.dp > 1) losses.push_back({"optimizer", chosen_.p.time.optimizer_s});
+    if (chosen_.p.zero_stage == 0 && chosen_.v.dp * chosen_.v.cp > 1)
+      losses.push_back({"optimizer", chosen_.p.time.optimizer_s});
     std::sort(losses.begin(), losses.end(), [](const Loss& a, const Loss& b) { return a.seconds > b.seconds; });
     return losses;
   }

@@ -41,9 +41,10 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std:
     r.dp_rank = grid->dp_rank();
     r.tp_rank = grid->tp_rank();
     r.pp_rank = grid->pp_rank();
+    r.cp_rank = grid->cp_rank();
     PreModelRoles pre = make_pre_model_roles(deck, plan.strategies, *grid, *be, plan.model);
-    GPT model(plan.model, *be, plan.rows_per_micro, pre.partition.get(), pre.stage, pre.store.get(), plan.layout.dp,
-              grid->dp_rank());
+    GPT model(plan.model, *be, plan.rows_per_micro, pre.partition.get(), pre.stage, pre.store.get(),
+              plan.layout.replicas(), grid->replica_rank(), pre.context.get());
     AssembledRoles roles = assemble_roles(deck, plan.strategies, *grid, model, *be, ec, false);
     Engine engine(ec, model, *be, std::move(roles.engine));
     const std::array<double, kMemCategories> built = ledger_now();
@@ -85,8 +86,9 @@ double matmul_peak(const ClusterSpec& c, const std::string& precision) { return 
 void predict_compute(const Prediction& p, const RankPrediction& r, const ClusterSpec& c, TimePrediction& t) {
   const GPTConfig& m = p.plan.model;
   const Layout& l = p.plan.layout;
-  const double tp = l.tp, C = m.d_model, T = m.seq_len, V = m.vocab;
-  const double rows = p.plan.rows_per_micro, N = rows * T, mb = p.plan.micro_batches;
+  const double tp = l.tp, C = m.d_model, T = m.seq_len, V = m.vocab, cp = l.cp;
+  // Context parallelism: each rank holds T / cp tokens of a row, and 1/cp of its causal attention.
+  const double rows = p.plan.rows_per_micro, N = rows * T / cp, mb = p.plan.micro_batches;
   const double layers_here = r.layers;
   const bool last = r.last, first = r.first, sp = r.sequence_parallel;
   const double Nl = sp ? N / tp : N;
@@ -105,7 +107,7 @@ void predict_compute(const Prediction& p, const RankPrediction& r, const Cluster
   // products (its backward makes the scores again: 5), at its own rate where the cluster measured it.
   const bool flash = priced_as_flash(m, c);
   const double att_share = 1.0 + recompute * (flash ? 2.0 / 7.0 : 1.0 / 3.0);
-  const double att_flops = mb * layers_here * attention_flops(rows, T, C / tp) * att_share;
+  const double att_flops = mb * layers_here * attention_flops(rows, T, C / tp) * att_share / cp;
   const double att_heads = mb * layers_here * rows * (m.heads / tp) * att_share;
   // Element-wise: the blocks' (block_counts), the head's LayerNorm and cross-entropy over its logits,
   // the embedding's lookup and gradient.
@@ -153,7 +155,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t = TimePrediction();
   predict_compute(p, r, c, t);
   // Messages: ring volume over the group's link, plus its latency per message.
-  double overlapped = 0, exposed = 0;
+  double overlapped = 0, exposed = 0, ring = 0;
   std::map<std::string, double> by_group, exposed_by, overlapped_by;
   bool syncs_in_step = false;
   for (const CommCost& k : r.step.comm) {
@@ -164,13 +166,23 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
     const double s = k.bytes / bw + k.messages * lat;
     const bool hides = comm_hides(k, l, c);
     by_group[k.group] += s;
+    if (k.overlapped && k.group == "cp") ring += s;  // the ring's blocks: travelling while a hop computes
+    if (hides && k.group == "cp") continue;          // priced against the attention below
     (hides ? overlapped : exposed) += s;
     (hides ? overlapped_by : exposed_by)[k.group] += s;
   }
+  // cp - 1 of the cp hops' attention (the last has nothing more to receive) hide the block transfers,
+  // where the links move them without the cores (comm_hides); otherwise they are exposed, above.
+  t.ring_s = ring;
+  const bool ring_hides = ring > 0 && comm_hides(CommCost{"cp", "", 0, 0, true, true}, l, c);
+  t.ring_hidden_behind_s = ring_hides ? t.attention_s * (l.cp - 1) / l.cp : 0.0;
+  const double ring_exposed = ring_hides ? std::max(0.0, ring - t.ring_hidden_behind_s) : 0.0;
+  exposed += ring_exposed;
+  if (ring > 0) exposed_by["cp"] += ring_exposed;
   // Overlapped messages hide behind the last micro-batch's backward (about 2/3 of its compute).
   const double backward_last = (t.compute_s - t.optimizer_s) / mb * 2.0 / 3.0;
   const double unhidden = std::max(0.0, overlapped - backward_last);
-  t.comm_s = overlapped + exposed;
+  t.comm_s = overlapped + exposed + (ring_hides ? ring - ring_exposed : 0.0);
   t.comm_exposed_s = exposed + unhidden;
   t.comm_by_group.assign(by_group.begin(), by_group.end());
   // Each group's exposed part: its messages that do not overlap, and its share of what overlap leaves.
@@ -240,8 +252,10 @@ bool group_in_node(const std::string& group, const Layout& l, int per_node) {
   int span = l.ranks();
   if (group == "tp")
     span = l.tp;
-  else if (group == "dp")
-    span = l.tp * l.dp;
+  else if (group == "cp")
+    span = l.tp * l.cp;
+  else if (group == "dp")  // the gradient group: dp x cp
+    span = l.tp * l.cp * l.dp;
   return span <= per_node;
 }
 
@@ -265,6 +279,7 @@ std::vector<int> ranks_to_build(const Layout& l, bool every_rank) {
     const Layout::Coords at = l.coords_of(rank);
     if (!every_rank && at.tp != 0 && at.tp != l.tp - 1) continue;
     if (!every_rank && at.dp != 0 && at.dp != l.dp - 1) continue;
+    if (!every_rank && at.cp != 0 && at.cp != l.cp - 1) continue;
     ranks.push_back(rank);
   }
   return ranks;
@@ -297,12 +312,12 @@ double predict_ranks(Prediction& p, const Deck& deck, int devices_per_node, cons
 // model.attention = auto as a run of `backend` resolves it (GPT::resolve_attention): a planned cuda
 // run is assumed to have cuDNN, so cudnn where its shape rules allow, else flash, else unfused; on the
 // host, unfused.
-static void resolve_planned_attention(GPTConfig& m, const std::string& backend) {
+static void resolve_planned_attention(GPTConfig& m, const std::string& backend, int cp) {
   if (m.attention != "auto") return;
   const int hs = m.d_model / m.heads;
   if (backend != "cuda")
     m.set_attention("unfused");
-  else if (cudnn_shape_refusal(m.seq_len, hs).empty())
+  else if (cp == 1 && cudnn_shape_refusal(m.seq_len, hs).empty())  // cuDNN's cannot ring
     m.set_attention("cudnn");
   else
     m.set_attention(math::flash_head_size_supported(hs) ? "flash" : "unfused");
@@ -313,7 +328,7 @@ Prediction predict_memory(const Deck& deck, const StrategyRegistry& registry, co
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = backend;
-  resolve_planned_attention(p.plan.model, p.backend);
+  resolve_planned_attention(p.plan.model, p.backend, p.plan.layout.cp);
   predict_ranks(p, deck, devices_per_node, ranks.empty() ? ranks_to_build(p.plan.layout, false) : ranks);
   return p;
 }
@@ -322,7 +337,7 @@ Prediction predict(const Deck& deck, const StrategyRegistry& registry, const Clu
   Prediction p;
   p.plan = plan_layout(deck, registry, -1);
   p.backend = planned_backend(deck, cluster);
-  resolve_planned_attention(p.plan.model, p.backend);
+  resolve_planned_attention(p.plan.model, p.backend, p.plan.layout.cp);
   const double fpt = predict_ranks(p, deck, cluster.devices_per_node, ranks_to_build(p.plan.layout, every_rank));
   // The step waits for its slowest rank.
   TimePrediction slowest;
@@ -352,7 +367,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
   nlohmann::json stage_ms = nlohmann::json::array();
   for (double sec : p.time.stage_busy_s) stage_ms.push_back(sec * 1e3);
   const Layout& l = p.plan.layout;
-  nlohmann::json j = {{"layout", {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}}},
+  nlohmann::json j = {{"layout", {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"cp", l.cp}}},
                       {"micro_batches", p.plan.micro_batches},
                       {"precision", p.precision},
                       {"backend", p.backend},
@@ -373,6 +388,8 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"comm_ms", p.time.comm_s * 1e3},
                       {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
                       {"sync_wait_ms", p.time.sync_wait_s * 1e3},
+                      {"ring_ms", p.time.ring_s * 1e3},
+                      {"ring_hidden_behind_ms", p.time.ring_hidden_behind_s * 1e3},
                       {"bubble", p.time.bubble},
                       {"stage_busy_ms", stage_ms},
                       {"stage_units", p.time.stage_units},
@@ -385,18 +402,19 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
 std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster) {
   std::ostringstream s;
   const Layout& l = p.plan.layout;
-  s << "plan: dp " << l.dp << " x tp " << l.tp << " x pp " << l.pp << " = " << l.ranks() << " device(s), "
-    << p.plan.micro_batches << " micro-batch(es) of " << p.plan.rows_per_micro << " sequence(s), " << p.precision
+  s << "plan: " << l.describe() << " = " << l.ranks() << " device(s), " << p.plan.micro_batches
+    << " micro-batch(es) of " << p.plan.rows_per_micro << " sequence(s), " << p.precision
     << (p.zero_stage ? ", ZeRO stage " + std::to_string(p.zero_stage) : std::string())
     << (p.plan.model.recompute ? ", recompute" : "") << ", " << p.backend << " back end\n  on " << cluster.name << "\n";
   s << "memory per rank (the ledger's categories; built = allocated when the run is set up, step = taken during a "
        "step):\n";
-  s << "  rank  coords(dp,tp,pp)";
+  s << (l.cp > 1 ? "  rank  coords(dp,cp,tp,pp)" : "  rank  coords(dp,tp,pp)");
   for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mem_name(static_cast<Mem>(i));
   s << std::setw(13) << "total"
     << "\n";
   for (const RankPrediction& r : p.ranks) {
-    s << "  " << std::setw(4) << r.rank << "  (" << r.dp_rank << "," << r.tp_rank << "," << r.pp_rank << ")          ";
+    s << "  " << std::setw(4) << r.rank << "  (" << r.dp_rank << ","
+      << (l.cp > 1 ? std::to_string(r.cp_rank) + "," : std::string()) << r.tp_rank << "," << r.pp_rank << ")          ";
     for (int i = 0; i < kMemCategories; ++i) s << std::setw(13) << mib_or_gib(r.peak[static_cast<std::size_t>(i)]);
     s << std::setw(13) << mib_or_gib(r.total) << "\n";
   }
@@ -422,6 +440,17 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
                                                  : "  attention fused (model.attention = " + p.plan.model.attention +
                                                        "), priced as the unfused kernels: the cluster gives no "
                                                        "flash_attention_tflops (loom plan --calibrate measures it)\n");
+  if (l.cp > 1)
+    s << "  context parallel: a ring of " << l.cp << " ranks; its key/value blocks take " << t.ring_s * 1e3
+      << " ms a step on the links, ";
+  if (l.cp > 1 && t.ring_hidden_behind_s > 0)
+    s << "against " << t.ring_hidden_behind_s * 1e3 << " ms of attention they travel behind ("
+      << (t.ring_s <= t.ring_hidden_behind_s ? "hidden" : "not all hidden") << ")";
+  else if (l.cp > 1)
+    s << "exposed (on this cluster in-node messages are copied by the cores that compute)";
+  if (l.cp > 1)
+    s << "; each rank holds " << p.plan.model.seq_len / l.cp << " of " << p.plan.model.seq_len
+      << " tokens of a sequence\n";
   if (t.stage_busy_s.size() > 1) {
     s << "  pipeline stages' forward + backward (each the slowest of its ranks):";
     for (std::size_t i = 0; i < t.stage_busy_s.size(); ++i) s << (i ? ", " : " ") << t.stage_busy_s[i] * 1e3 << " ms";

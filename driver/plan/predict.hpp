@@ -15,7 +15,7 @@
 namespace loom {
 
 struct RankPrediction {
-  int rank = 0, dp_rank = 0, tp_rank = 0, pp_rank = 0;
+  int rank = 0, dp_rank = 0, tp_rank = 0, pp_rank = 0, cp_rank = 0;
   std::array<double, kMemCategories> built{}, scratch{}, peak{};  // bytes; peak = built + scratch
   double total = 0;
   std::int64_t params_held = 0;  // parameter elements on this rank
@@ -32,7 +32,9 @@ struct TimePrediction {
   double strategies_s = 0;  // the strategies' own host passes (StepPlan::host_bytes), their copies (host_copy_bytes),
                             // their back-end passes (backend_bytes)
   double comm_s = 0, comm_exposed_s = 0;  // all of it, and what does not hide behind compute
-  double sync_wait_s = 0;                 // waits for the slowest rank of a group at in-step synchronisations
+  // Context parallelism: the ring's key/value block transfers, and the attention compute they hide behind.
+  double ring_s = 0, ring_hidden_behind_s = 0;
+  double sync_wait_s = 0;  // waits for the slowest rank of a group at in-step synchronisations
   double bubble = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
   std::vector<double> stage_busy_s;  // per pipeline stage, its slowest rank's forward + backward compute
   std::vector<double> stage_units;   // per stage, its work in the replay's units (StepPlan::stage_units)

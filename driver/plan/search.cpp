@@ -71,13 +71,15 @@ void Variant::set(const std::string& key, const std::string& value) {
 std::vector<std::string> Variant::sets() const {
   std::vector<std::string> s = {"parallel.dp=" + std::to_string(dp), "parallel.tp=" + std::to_string(tp),
                                 "parallel.pp=" + std::to_string(pp), "train.micro_batches=" + std::to_string(micro)};
+  if (cp > 1 || cp_searched) s.push_back("parallel.cp=" + std::to_string(cp));
   for (const auto& [key, value] : settings) s.push_back(key + "=" + value);
   s.insert(s.end(), extra.begin(), extra.end());
   return s;
 }
 
 std::string Variant::layout() const {
-  return "dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " + std::to_string(pp);
+  return "dp " + std::to_string(dp) + (cp > 1 ? " x cp " + std::to_string(cp) : "") + " x tp " + std::to_string(tp) +
+         " x pp " + std::to_string(pp);
 }
 
 std::string Variant::describe() const {
@@ -96,6 +98,7 @@ PlanPoint Variant::point(const Deck* deck) const {
   p.layout.dp = dp;
   p.layout.tp = tp;
   p.layout.pp = pp;
+  p.layout.cp = cp;
   p.micro = micro;
   p.settings.insert(settings.begin(), settings.end());
   p.deck = deck;
@@ -197,6 +200,11 @@ bool faster(const Candidate& a, const Candidate& b) {
 std::vector<Candidate> PlanSearch::run(int devices) const {
   const Deck base = load_deck(schema, deck_path, deck_sets);
   const int batch = static_cast<int>(base.get_int("train.batch"));
+  // Context parallelism is searched where sequences are long (kSearchCpFrom tokens, where Megatron-Core
+  // and torchtitan turn it on) or where the deck already asks for it; each cp must cut seq_len into
+  // 2 x cp chunks.
+  const int seq_len = static_cast<int>(base.get_int("model.seq_len"));
+  const bool search_cp = seq_len >= kSearchCpFrom || base.get_int("parallel.cp") > 1;
   std::vector<Candidate> out;
   // Every value of every dimension, outer dimensions first; one that has no values at a layout
   // leaves the deck's own.
@@ -216,20 +224,24 @@ std::vector<Candidate> PlanSearch::run(int devices) const {
     }
   };
   for (int tp : divisors_of(devices))
-    for (int pp : divisors_of(devices / tp)) {
-      const int dp = devices / tp / pp;
-      Variant v;
-      v.dims = &dims;
-      v.dp = dp;
-      v.tp = tp;
-      v.pp = pp;
-      // A layout whose batch does not split over dp is one rejection, not one per micro-batch count.
-      std::vector<int> micros = batch % dp == 0 ? divisors_of(batch / dp) : std::vector<int>{1};
-      for (int micro : micros) {
-        v.micro = micro;
-        enumerate(0, v);
+    for (int pp : divisors_of(devices / tp))
+      for (int cp : divisors_of(devices / tp / pp)) {
+        if (cp > 1 && (!search_cp || seq_len % (2 * cp) != 0)) continue;
+        const int dp = devices / tp / pp / cp;
+        Variant v;
+        v.dims = &dims;
+        v.dp = dp;
+        v.tp = tp;
+        v.pp = pp;
+        v.cp = cp;
+        v.cp_searched = search_cp;
+        // A layout whose batch does not split over dp is one rejection, not one per micro-batch count.
+        std::vector<int> micros = batch % dp == 0 ? divisors_of(batch / dp) : std::vector<int>{1};
+        for (int micro : micros) {
+          v.micro = micro;
+          enumerate(0, v);
+        }
       }
-    }
   // Fitting ones first, fastest first; then the rest as enumerated.
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
     if (a.fits != b.fits) return a.fits;
@@ -253,12 +265,19 @@ namespace {
 
 // One line per dp x tp x pp: its best fitting variant, or why none fits (the smallest shortfall of
 // memory, else the reason the layout cannot be built).
+bool any_cp(const std::vector<Candidate>& all) {
+  for (const Candidate& c : all)
+    if (c.v.cp > 1) return true;
+  return false;
+}
+
 std::string layout_table(const std::vector<Candidate>& all) {
-  std::map<std::tuple<int, int, int>, std::vector<const Candidate*>> by_layout;
-  for (const Candidate& c : all) by_layout[{c.v.tp, c.v.pp, c.v.dp}].push_back(&c);
+  std::map<std::tuple<int, int, int, int>, std::vector<const Candidate*>> by_layout;
+  for (const Candidate& c : all) by_layout[{c.v.tp, c.v.pp, c.v.cp, c.v.dp}].push_back(&c);
+  const bool cp = any_cp(all);  // a cp column only where the search tried context parallelism
   std::ostringstream s;
   s << "every layout, its fastest variant that fits or why none does:\n";
-  s << "     dp   tp   pp  variants fit  tokens/s   best variant, or why none fits\n";
+  s << "     dp" << (cp ? "   cp" : "") << "   tp   pp  variants fit  tokens/s   best variant, or why none fits\n";
   for (const auto& [key, list] : by_layout) {
     const Candidate& first = *list.front();
     int fit = 0;
@@ -272,8 +291,9 @@ std::string layout_table(const std::vector<Candidate>& all) {
         closest = c;
       }
     }
-    s << "  " << std::setw(5) << first.v.dp << std::setw(5) << first.v.tp << std::setw(5) << first.v.pp << std::setw(9)
-      << list.size() << std::setw(5) << fit;
+    s << "  " << std::setw(5) << first.v.dp;
+    if (cp) s << std::setw(5) << first.v.cp;
+    s << std::setw(5) << first.v.tp << std::setw(5) << first.v.pp << std::setw(9) << list.size() << std::setw(5) << fit;
     if (best) {
       s << std::setw(10) << fixed(best->p.time.tokens_per_s, 0) << "   " << best->v.describe() << "\n";
     } else if (closest) {
@@ -296,11 +316,12 @@ std::string cell(const PlanDimension& d, const Variant& v) {
   return value;
 }
 
-std::string candidate_row(int index, const Candidate& c, const std::vector<const PlanDimension*>& columns) {
+std::string candidate_row(int index, const Candidate& c, const std::vector<const PlanDimension*>& columns, bool cp) {
   std::ostringstream s;
   const Variant& v = c.v;
-  s << "  " << std::setw(3) << index << std::setw(5) << v.dp << std::setw(4) << v.tp << std::setw(4) << v.pp
-    << std::setw(5) << v.micro;
+  s << "  " << std::setw(3) << index << std::setw(5) << v.dp;
+  if (cp) s << std::setw(4) << v.cp;
+  s << std::setw(4) << v.tp << std::setw(4) << v.pp << std::setw(5) << v.micro;
   for (const PlanDimension* d : columns) s << std::setw(d->width) << cell(*d, v);
   if (!c.built) return s.str() + "   " + c.reason + "\n";
   const TimePrediction& t = c.p.time;
@@ -315,9 +336,9 @@ std::string candidate_row(int index, const Candidate& c, const std::vector<const
   return s.str() + "\n";
 }
 
-std::string row_header(const std::vector<const PlanDimension*>& columns) {
+std::string row_header(const std::vector<const PlanDimension*>& columns, bool cp) {
   std::ostringstream s;
-  s << "    #   dp  tp  pp   mb";
+  s << "    #   dp" << (cp ? "  cp" : "") << "  tp  pp   mb";
   for (const PlanDimension* d : columns) s << std::setw(d->width) << d->column;
   s << "     memory   step ms   tokens/s  MFU% bubble exposed ms\n";
   return s.str();
@@ -342,7 +363,8 @@ std::string describe_search(const PlanSearch& search, const std::vector<Candidat
                             bool every) {
   const ClusterSpec& cluster = search.cluster;
   const std::vector<const PlanDimension*> columns = search.columns();
-  const std::string header = row_header(columns);
+  const bool cp = any_cp(all);
+  const std::string header = row_header(columns, cp);
   std::ostringstream s;
   int fit = 0, built = 0;
   for (const Candidate& c : all) {
@@ -361,8 +383,9 @@ std::string describe_search(const PlanSearch& search, const std::vector<Candidat
     s << "the fastest that fit, by predicted tokens/s (mb: micro-batches; memory: the largest rank's peak):\n"
       << header;
     const int c = chosen_index(all, cluster.device_memory_bytes);
-    for (int i = 0; i < std::min(top, fit); ++i) s << candidate_row(i + 1, all[static_cast<std::size_t>(i)], columns);
-    if (c >= std::min(top, fit)) s << candidate_row(c + 1, all[static_cast<std::size_t>(c)], columns);
+    for (int i = 0; i < std::min(top, fit); ++i)
+      s << candidate_row(i + 1, all[static_cast<std::size_t>(i)], columns, cp);
+    if (c >= std::min(top, fit)) s << candidate_row(c + 1, all[static_cast<std::size_t>(c)], columns, cp);
     const Candidate& chosen = all[static_cast<std::size_t>(c)];
     s << "chosen: #" << c + 1 << " " << chosen.v.describe();
     if (c > 0)
@@ -374,7 +397,7 @@ std::string describe_search(const PlanSearch& search, const std::vector<Candidat
   }
   if (every) {
     s << "every candidate:\n" << header;
-    for (std::size_t i = 0; i < all.size(); ++i) s << candidate_row(static_cast<int>(i + 1), all[i], columns);
+    for (std::size_t i = 0; i < all.size(); ++i) s << candidate_row(static_cast<int>(i + 1), all[i], columns, cp);
   }
   return s.str();
 }
@@ -385,6 +408,7 @@ std::string search_json(const PlanSearch& search, const std::vector<Candidate>& 
   nlohmann::json list = nlohmann::json::array();
   for (const Candidate& c : all) {
     nlohmann::json j = {{"dp", c.v.dp},
+                        {"cp", c.v.cp},
                         {"tp", c.v.tp},
                         {"pp", c.v.pp},
                         {"micro_batches", c.v.micro},

@@ -15,7 +15,8 @@ struct PlanOptions;
 
 // One point of the search: what it sets in the deck.
 struct Variant {
-  int dp = 1, tp = 1, pp = 1, micro = 1;
+  int dp = 1, tp = 1, pp = 1, micro = 1, cp = 1;
+  bool cp_searched = false;  // the search varies parallel.cp: sets() then names it even at 1
   // Each search dimension's deck key and value, in the search's nest order (PlanDimension::nest).
   std::vector<std::pair<std::string, std::string>> settings;
   std::vector<std::string> extra;                              // further deck overrides (the memo's what-ifs)
@@ -24,13 +25,13 @@ struct Variant {
   void set(const std::string& key, const std::string& value);  // in its nest place
   bool recompute() const { return get(kRecomputeKey) == "true"; }
   std::vector<std::string> sets() const;  // the deck overrides that express it
-  std::string layout() const;             // "dp 4 x tp 8 x pp 1"
+  std::string layout() const;             // "dp 4 x tp 8 x pp 1" ("dp 2 x cp 2 x tp 8 x pp 1")
   std::string describe() const;           // + micro-batches and each dimension's words, in column order
   PlanPoint point(const Deck* deck) const;
   // Search dimensions set to other than their plain (first) value at this layout.
   int departures = 0;
   // What a user takes on with it: those departures, and model parallelism (tp, pp) beyond dp.
-  int strategies() const { return departures + (tp > 1) + (pp > 1); }
+  int strategies() const { return departures + (tp > 1) + (pp > 1) + (cp > 1); }
   static constexpr const char* kRecomputeKey = "model.recompute";
 };
 
@@ -75,6 +76,8 @@ struct PlanSearch {
 // does not count (ZeRO-3 + bf16 is not worth 4% on a model of a million parameters); the headroom
 // keeps the simpler choice from trading it for a device filled to the last GiB. -1 when none fits.
 inline constexpr double kSimplerWithin = 0.10;
+// Sequences of at least this many tokens get context parallelism (parallel.cp) in the search.
+inline constexpr int kSearchCpFrom = 8192;
 inline constexpr double kSimplerHeadroom = 0.10;
 int chosen_index(const std::vector<Candidate>& all, double device_bytes);
 

@@ -673,8 +673,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
           "  compression: the checkpoint holds no compression state: error-feedback residuals start from zero\n");
     else if (static_cast<int>(dp->second) != dp_.size())
       std::printf(
-          "  compression: the checkpoint was written at parallel.dp = %d: error-feedback residuals (one per dp "
-          "rank) start from zero at parallel.dp = %d%s\n",
+          "  compression: the checkpoint was written at %d data-parallel ranks (dp x cp): error-feedback residuals "
+          "(one per rank) start from zero at %d%s\n",
           static_cast<int>(dp->second), dp_.size(),
           cfg_.method == Method::powersgd && q_continues ? "; PowerSGD's Q continues" : "");
   }
@@ -775,9 +775,10 @@ void register_compression(void* p) {
     const std::string m = deck.get_string("compression.method");
     if (m == "none") return "";
     const std::string setting = "compression.method = " + m;
-    if (layout.dp < 2)
+    if (layout.replicas() < 2)
       throw InputError(setting + " compresses the data-parallel gradient collective, and parallel.dp = " +
-                       std::to_string(layout.dp) + " has none: set parallel.dp > 1, or compression.method = none");
+                       std::to_string(layout.dp) + " has none: set parallel.dp > 1, or compression.method = none" +
+                       " (it runs over dp x cp)");
     const Method method = method_of(m);
     if ((method == Method::int8 || method == Method::topk || method == Method::powersgd) && layout.tp > 1)
       throw InputError(setting + " with parallel.tp = " + std::to_string(layout.tp) +
@@ -787,8 +788,8 @@ void register_compression(void* p) {
                        " would drop or round a tp-replicated tensor (LayerNorm, biases) "
                        "differently on each tp rank and the replicas would drift apart; use fp16 or bf16 with "
                        "tensor parallelism, or parallel.tp = 1");
-    if (method == Method::int8 && compress::int8_levels(layout.dp) < 1)
-      throw InputError(setting + " at parallel.dp = " + std::to_string(layout.dp) +
+    if (method == Method::int8 && compress::int8_levels(layout.replicas()) < 1)
+      throw InputError(setting + " at parallel.dp x parallel.cp = " + std::to_string(layout.replicas()) +
                        ": the int8 sum of that many "
                        "ranks cannot be held without overflow (at most 127 ranks); use fp16, bf16, topk or powersgd");
     return setting;

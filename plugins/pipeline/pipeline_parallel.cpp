@@ -572,7 +572,8 @@ class PipelineSchedule final : public Schedule {
     const int rank = grid_.rank();
     std::ostringstream meta;
     meta << (trace_text_.empty() ? "" : ",\n") << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << rank
-         << ",\"args\":{\"name\":\"rank " << rank << ": stage " << i_ << " (dp " << grid_.dp_rank() << ", tp "
+         << ",\"args\":{\"name\":\"rank " << rank << ": stage " << i_ << " (dp " << grid_.dp_rank()
+         << (grid_.layout().cp > 1 ? ", cp " + std::to_string(grid_.cp_rank()) : std::string()) << ", tp "
          << grid_.tp_rank() << ")\"}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" << rank
          << ",\"args\":{\"sort_index\":" << rank << "}}";
     const std::string mine = trace_text_ + meta.str();

@@ -146,7 +146,7 @@ class TensorPartition final : public Partition {
   void plan_step(StepPlan& plan, const GPT& model) const override {
     const int n = tp_.size();
     if (n == 1) return;
-    const double N = static_cast<double>(model.max_rows()) * model.config().seq_len, C = model.config().d_model;
+    const double N = static_cast<double>(model.max_rows()) * model.local_tokens(), C = model.config().d_model;
     const std::int64_t NC = static_cast<std::int64_t>(N * C);
     const double m = plan.micro_batches;
     int layers = 0;
@@ -253,10 +253,11 @@ void register_tensor(void* p) {
   info.check = [](const LayoutContext& ctx) {
     // heads, d_model and vocab divisibility is the core's layout check; sequence parallelism also
     // splits the rows of every micro-batch.
-    const long rows = static_cast<long>(ctx.rows_per_micro) * ctx.model.seq_len;
+    const long rows = static_cast<long>(ctx.rows_per_micro) * ctx.model.seq_len / ctx.layout.cp;
     if (ctx.deck.get_bool("tensor.sequence_parallel") && rows % ctx.layout.tp != 0)
       throw InputError("tensor.sequence_parallel = true splits the " + std::to_string(rows) +
-                       " tokens of a micro-batch (micro-batch rows x model.seq_len) over parallel.tp = " +
+                       " tokens of a micro-batch on a rank (micro-batch rows x model.seq_len / parallel.cp) over "
+                       "parallel.tp = " +
                        std::to_string(ctx.layout.tp) +
                        ", which does not divide them; tp sizes that do: " + divisors(rows));
   };

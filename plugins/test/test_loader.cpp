@@ -71,9 +71,10 @@ TEST(PluginLoader, RefusesUnknownNameListingAvailable) {
   auto r = load_all();
   const auto msg = error_of(r, {{"nosuch", "run.plugins = nosuch"}});
   EXPECT_NE(msg.find("run.plugins = nosuch needs strategy plugin 'nosuch'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("available: compression, countreducer, data, exclusive, local, mixed_precision, pipeline, "
-                     "syncclash, tensor, undeclared, zero"),
-            std::string::npos)
+  EXPECT_NE(
+      msg.find("available: compression, context, countreducer, data, exclusive, local, mixed_precision, pipeline, "
+               "syncclash, tensor, undeclared, zero"),
+      std::string::npos)
       << msg;
 }
 

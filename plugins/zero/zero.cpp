@@ -273,7 +273,7 @@ PlanTerms zero_plan_terms() {
   PlanTerms t;
   PlanDimension d("zero.stage", "ZeRO stage", "zero", 5, "zero_stage", PlanDimension::Json::integer, "", 20, 20);
   d.values = [](const PlanPoint& p) -> std::vector<std::string> {
-    if (p.layout.dp < 2) return {"0"};
+    if (p.layout.replicas() < 2) return {"0"};
     if (p.layout.pp > 1) return {"0", "1"};
     return {"0", "1", "2", "3"};
   };
@@ -282,7 +282,7 @@ PlanTerms zero_plan_terms() {
     std::vector<std::pair<std::string, std::string>> rows;
     const int stage = std::stoi(p.setting("zero.stage").empty() ? "0" : p.setting("zero.stage"));
     if (stage) rows.push_back({"no ZeRO", "0"});
-    if (p.layout.dp > 1 && stage < (p.layout.pp > 1 ? 1 : 3))
+    if (p.layout.replicas() > 1 && stage < (p.layout.pp > 1 ? 1 : 3))
       rows.push_back({"ZeRO stage " + std::to_string(stage + 1), std::to_string(stage + 1)});
     return rows;
   };
@@ -290,9 +290,10 @@ PlanTerms zero_plan_terms() {
   t.memo = [](const std::string& topic, const PlanPoint& p) -> std::string {
     const std::string stage = p.setting("zero.stage");
     if (stage.empty() || stage == "0") return "";
-    const std::string dp = std::to_string(p.layout.dp);
+    const std::string dp = std::to_string(p.layout.replicas());
     if (topic == "split")
-      return "- **ZeRO stage " + stage + " over the " + dp + " data-parallel ranks** shards " +
+      return "- **ZeRO stage " + stage + " over the " + dp + " data-parallel ranks" +
+             (p.layout.cp > 1 ? std::string(" (dp x cp)") : std::string()) + "** shards " +
              (stage == "1"   ? "the optimizer state (AdamW's m and v"
               : stage == "2" ? "the optimizer state and the gradients (m, v, gradients"
                              : "the optimizer state, gradients and parameters (m, v, gradients, weights") +
@@ -335,9 +336,10 @@ void register_zero(void* p) {
     const std::int64_t stage = deck.get_int("zero.stage");
     if (stage == 0) return "";
     const std::string setting = "zero.stage = " + std::to_string(stage);
-    if (layout.dp < 2)
-      throw InputError(setting + " shards model state over the data-parallel ranks, but parallel.dp = " +
-                       std::to_string(layout.dp) + "; set parallel.dp > 1, or zero.stage = 0");
+    if (layout.replicas() < 2)
+      throw InputError(setting + " shards model state over the data-parallel ranks (dp x cp), but parallel.dp = " +
+                       std::to_string(layout.dp) + " and parallel.cp = " + std::to_string(layout.cp) +
+                       "; set parallel.dp > 1 (or parallel.cp > 1), or zero.stage = 0");
     if (stage > 1 && layout.pp > 1)
       throw InputError(setting + " with parallel.pp = " + std::to_string(layout.pp) +
                        " is refused (as DeepSpeed refuses ZeRO-2 and -3 with pipeline parallelism): every "
