@@ -204,8 +204,9 @@ def main():
             return c.done(name)
         if name.endswith("to_dp4"):
             p, resumed = c.loom("resumed_dp4", 4, ["parallel.dp=4"] + METHOD_SETS[method] + ["checkpoint.resume=" + ckpt])
-            c.expect(p.stdout, [r"compression: the checkpoint was written at parallel\.dp = 2: error-feedback residuals "
-                                r"\(one per dp rank\) start from zero at parallel\.dp = 4"], "the note on another dp size")
+            c.expect(p.stdout, [r"compression: the checkpoint was written at 2 data-parallel ranks \(dp x cp\): "
+                                r"error-feedback residuals \(one per rank\) start from zero at 4"],
+                     "the note on another dp size")
             c.check([r["step"] for r in common.rows(resumed)] == [5, 6, 7, 8], "the dp 4 run did not go on from step 5")
             return c.done(name)
         _, resumed = c.loom("resumed", ranks, sets + ["checkpoint.resume=" + ckpt])
