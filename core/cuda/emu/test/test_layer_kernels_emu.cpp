@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/cuda/emu/cuda_emu.hpp"
+#include "core/cuda/emu/test/emulated_launch.hpp"
 #include "core/cuda/layer_kernels.cuh"
 #include "core/backend/kernels.hpp"
 #include "core/test/tensors.hpp"
@@ -28,20 +29,7 @@ namespace emu = loom::cuda_emu;
 namespace layer = loom::cuda::layer;
 using loom::DType;
 
-// layer_kernels.cuh's `launch`, through the emulator. With max_blocks, a grid of at most that many
-// blocks: every kernel loops over its rows, columns or elements (grid-stride), so it must give the
-// same bits from a grid too small for its work, as on a device where the work outgrows the grid's
-// cap. Not the reductions': their grid is their partition, which the finishing kernel reads whole.
-struct OnEmulator {
-  unsigned max_blocks = 0;  // 0: the grid the geometry asks for
-  template <class Kernel, class... Args>
-  void operator()(const char* name, unsigned blocks, unsigned threads, std::size_t shared, Kernel kernel,
-                  Args... args) const {
-    const bool partition = std::string(name).rfind("reduce_", 0) == 0;
-    if (max_blocks > 0 && !partition && blocks > max_blocks) blocks = max_blocks;
-    emu::launch(emu::dim3(blocks), emu::dim3(threads), shared, [&] { kernel(args...); });
-  }
-};
+using loom::cuda_emu::testing::OnEmulator;
 
 using loom::testing::randn;
 using loom::testing::rel_err;
@@ -67,31 +55,10 @@ std::vector<unsigned char> bits_of(const std::vector<T>& v) {
   return b;
 }
 
-// Runs `run` (fresh inputs, the emulated operation through the launcher it is given, its outputs'
-// bits) under every schedule, and once more on a grid of one block, expects the same bits from each,
-// and returns the first's.
+// The emulated operation's outputs' bits under every schedule and on one block (emulated_launch.hpp).
 using Bits = std::vector<std::vector<unsigned char>>;
 Bits in_every_schedule(const std::function<Bits(const OnEmulator&)>& run) {
-  struct Restore {
-    ~Restore() { emu::set_schedule(emu::Schedule::sweep); }
-  } restore;
-  const std::pair<emu::Schedule, unsigned> schedules[] = {{emu::Schedule::sweep, 0},
-                                                          {emu::Schedule::warps_ascending, 0},
-                                                          {emu::Schedule::warps_descending, 0},
-                                                          {emu::Schedule::warps_random, 7}};
-  Bits first;
-  for (const auto& [schedule, seed] : schedules) {
-    emu::set_schedule(schedule, seed);
-    Bits got = run(OnEmulator{});
-    if (first.empty())
-      first = got;
-    else
-      EXPECT_EQ(got, first) << "the result depends on the order of the threads (" << emu::schedule_name(schedule)
-                            << ")";
-  }
-  emu::set_schedule(emu::Schedule::sweep);
-  EXPECT_EQ(run(OnEmulator{1}), first) << "the result depends on the grid's size (one block, looping)";
-  return first;
+  return loom::cuda_emu::testing::in_every_schedule(run, std::equal_to<Bits>());
 }
 
 template <class T>

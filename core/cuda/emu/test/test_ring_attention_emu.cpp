@@ -28,6 +28,7 @@
 
 #include "core/backend/ring_attention_host.hpp"
 #include "core/cuda/emu/cuda_emu.hpp"
+#include "core/cuda/emu/test/emulated_launch.hpp"
 #include "core/cuda/ring_attention.cuh"
 #include "core/test/tensors.hpp"
 
@@ -38,17 +39,7 @@ namespace ring = loom::cuda::ring;
 namespace host = loom::kernels::ring;
 using loom::testing::randn;
 
-// ring_attention.cuh's `launch`, through the emulator; with max_blocks, a grid of at most that many
-// blocks (the kernels loop over their rows: the same bits from any grid).
-struct OnEmulator {
-  unsigned max_blocks = 0;  // 0: the grid the geometry asks for
-  template <class Kernel, class... Args>
-  void operator()(const char*, unsigned blocks, unsigned threads, std::size_t shared, Kernel kernel,
-                  Args... args) const {
-    if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
-    emu::launch(emu::dim3(blocks), emu::dim3(threads), shared, [&] { kernel(args...); });
-  }
-};
+using loom::cuda_emu::testing::OnEmulator;
 
 using Tensors = std::vector<std::vector<float>>;
 
@@ -60,30 +51,9 @@ bool same_bits(const Tensors& a, const Tensors& b) {
   return true;
 }
 
-// Runs `run` (the emulated operations through the launcher it is given, from fresh copies of the
-// inputs) under every schedule and once on a grid of one block; expects the same bits from each and
-// returns the first's.
+// The operations' outputs under every schedule and on one block, bit for bit (emulated_launch.hpp).
 Tensors in_every_schedule(const std::function<Tensors(const OnEmulator&)>& run, const std::string& what) {
-  struct Restore {
-    ~Restore() { emu::set_schedule(emu::Schedule::sweep); }
-  } restore;
-  const std::pair<emu::Schedule, unsigned> schedules[] = {{emu::Schedule::sweep, 0},
-                                                          {emu::Schedule::warps_ascending, 0},
-                                                          {emu::Schedule::warps_descending, 0},
-                                                          {emu::Schedule::warps_random, 7}};
-  Tensors first;
-  for (const auto& [schedule, seed] : schedules) {
-    emu::set_schedule(schedule, seed);
-    Tensors got = run(OnEmulator{});
-    if (first.empty())
-      first = got;
-    else
-      EXPECT_TRUE(same_bits(got, first)) << what << ": the result depends on the order of the threads ("
-                                         << emu::schedule_name(schedule) << ")";
-  }
-  emu::set_schedule(emu::Schedule::sweep);
-  EXPECT_TRUE(same_bits(run(OnEmulator{1}), first)) << what << ": the result depends on the grid's size";
-  return first;
+  return loom::cuda_emu::testing::in_every_schedule(run, same_bits, what);
 }
 
 // max |got - want| / max |want| (the gap the bounds above state), and whether it holds.
