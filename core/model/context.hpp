@@ -38,8 +38,10 @@ class ContextSplit {
   int position(int t, int T) const { return context_position(t, T, size(), rank()); }
 
   // Called once by the model before any step, with its largest shapes, so the ring's buffers are
-  // allocated (and priced by `loom plan`) at set-up: `bf16` the operands' rounding (flash).
-  virtual void prepare(BackendFace& /*be*/, int /*max_rows*/, int /*Tl*/, int /*Cl*/, int /*NHl*/, bool /*bf16*/) {}
+  // allocated (and priced by `loom plan`) at set-up: `bf16` the operands' rounding (flash); `out16`
+  // whether the attention's output is saved 16-bit (then the ring merges into fp32 scratch first).
+  virtual void prepare(BackendFace& /*be*/, int /*max_rows*/, int /*Tl*/, int /*Cl*/, int /*NHl*/, bool /*bf16*/,
+                       bool /*out16*/) {}
   // Attention over the whole sequence for this rank's queries (size() > 1 only): out [B,Tl,Cl] (fp32,
   // bf16 or fp16), lse [B,NHl,Tl] (saved for the backward), from qkv [B,Tl,3Cl]; causal by global
   // position. The backward writes dqkv [B,Tl,3Cl] (=), out being the forward's.

@@ -321,7 +321,8 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   // Activations, sized by activation_sizes (what `loom plan` predicts with, too).
   geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space(), ctx_->size()};
   const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_, ctx_->size());
-  if (ctx_->size() > 1) ctx_->prepare(be_, max_rows_, T_, cfg_.d_model / tp_, cfg_.heads / tp_, cfg_.flash_attention);
+  if (ctx_->size() > 1)
+    ctx_->prepare(be_, max_rows_, T_, cfg_.d_model / tp_, cfg_.heads / tp_, cfg_.flash_attention, mm16_ != DType::f32);
   residual0_ = a.residual_first;
   acts0_ = a.block_first;
   for (const Stage::Chunk& c : stage_.chunks) {

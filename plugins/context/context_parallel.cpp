@@ -45,13 +45,14 @@ class RingContext final : public ContextSplit {
   int size() const override { return ring_.size(); }
   int rank() const override { return ring_.rank(); }
 
-  void prepare(BackendFace& be, int max_rows, int Tl, int Cl, int NHl, bool bf16) override {
+  void prepare(BackendFace& be, int max_rows, int Tl, int Cl, int NHl, bool bf16, bool out16) override {
     const std::int64_t block = static_cast<std::int64_t>(max_rows) * Tl * 2 * Cl;
     for (int i = 0; i < 2; ++i) {
       kv_[i] = be.allocate("context::kv_block", DType::f32, block, Mem::comm);
       dkv_[i] = be.allocate("context::dkv_block", DType::f32, block, Mem::comm);
     }
-    out_ = be.allocate("context::out", DType::f32, static_cast<std::int64_t>(max_rows) * Tl * Cl, Mem::workspace);
+    if (out16)  // an fp32 output is merged into in place
+      out_ = be.allocate("context::out", DType::f32, static_cast<std::int64_t>(max_rows) * Tl * Cl, Mem::workspace);
     dsum_ = be.allocate("context::dsum", DType::f32, static_cast<std::int64_t>(max_rows) * NHl * Tl, Mem::workspace);
     bf16_ = bf16;
     block_bytes_ = static_cast<double>(Tl) * 2 * Cl * 4;  // a block's bytes per row
