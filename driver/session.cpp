@@ -72,6 +72,8 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   m.recompute = d.get_bool("model.recompute");
   m.set_attention(d.get_string("model.attention"));  // auto: resolved once the back end is made
   m.read_architecture(d.values());
+  m.moe_aux_loss = d.get_float("train.moe_aux_loss");
+  m.moe_z_loss = d.get_float("train.moe_z_loss");
   m.validate();
 
   plan.global_batch = static_cast<int>(d.get_int("train.batch"));

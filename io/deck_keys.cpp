@@ -53,6 +53,19 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(float_key("model.rope_theta", "10000", 1, 1e12, "llama: the rotary embeddings' base"));
   schema.add(choice_key("model.tie_embeddings", "auto", {"auto", "true", "false"},
                         "whether the output layer is the token table: auto = gpt2 true, llama false (lm_head)"));
+  schema.add(int_key("model.experts", "0", 0, 4096,
+                     "mixture of experts: this many expert MLPs and a router replace the MLP of every "
+                     "model.moe_every-th block (0 = dense; gpt2 blocks)"));
+  schema.add(int_key("model.moe_every", "1", 1, 1024,
+                     "with model.experts: blocks l with (l + 1) % moe_every == 0 have experts (1 = every block, "
+                     "2 = every other, as Switch and GShard)"));
+  schema.add(int_key("model.experts_per_token", "2", 1, 64,
+                     "with model.experts: the experts each token goes to (top-k of the router's softmax, their "
+                     "probabilities renormalised over the k)"));
+  schema.add(float_key("model.expert_capacity", "0", 0, 1e6,
+                       "with model.experts: capacity factor; an expert takes at most ceil(factor x seq_len x k / "
+                       "experts) of a sequence's tokens (first choices first, then in token order), the rest "
+                       "dropped (they pass through the residual, counted); 0 = dropless"));
   schema.add(
       bool_key("model.recompute", "false", "recompute each block's activations in backward instead of keeping them"));
   schema.add(choice_key("model.attention", "unfused", {"unfused", "flash", "cudnn", "auto"},
@@ -102,6 +115,12 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(float_key("train.beta1", "0.9", 0, 0.999999, "AdamW first-moment decay"));
   schema.add(float_key("train.beta2", "0.95", 0, 0.999999, "AdamW second-moment decay"));
   schema.add(float_key("train.eps", "1e-8", 0, 1, "AdamW epsilon"));
+  schema.add(float_key("train.moe_aux_loss", "0.01", 0, 100,
+                       "with model.experts: weight of each expert block's load-balancing loss (Switch/GShard's "
+                       "E x sum_e f_e P_e, per sequence) in the objective; reported as moe_aux"));
+  schema.add(float_key("train.moe_z_loss", "0.001", 0, 100,
+                       "with model.experts: weight of each expert block's router z-loss (mean "
+                       "logsumexp(logits)^2, ST-MoE) in the objective; reported as moe_z"));
   schema.add(float_key("train.grad_clip", "1.0", 0, 1e6, "clip the global gradient norm to this (0 = no clipping)"));
   schema.add(int_key("train.seed", "1337", 0, 9.2e18, "seed of initialization and data order"));
   schema.add(int_key("train.eval_every", "0", 0, 1e12, "steps between validation evaluations (0 = only at the end)"));

@@ -110,6 +110,28 @@ class Backend : public BackendFace {
     (void)dqkv, (void)dsum, (void)dout, (void)out, (void)qkv, (void)lse, (void)B;
     throw std::logic_error(cudnn_attention_refusal(T, C / NH));
   }
+  // Mixture of experts (core/model/moe.cpp): an expert's rows of a token table and back. rows [n] int32
+  // names the token row of each of the expert's rows, distinct within a call; scale [n] fp32 (may be
+  // empty) each row's gate. x, y, out [.., C].
+  //   rows_gather       out[i,:] = scale[i] * x[rows[i],:] (x and out fp32; without scale any one type)
+  //   rows_scatter_add  out[rows[i],:] += scale[i] * y[i,:] (fp32)
+  //   rows_dot          out[i] = sum_c x[rows[i],c] * y[i,c] (fp32; the sum in lane_sum's order)
+  // expert_rows_refusal: why this back end cannot run them, empty when it can.
+  virtual std::string expert_rows_refusal() const {
+    return "the " + name() + " back end has no expert row operations (mixture of experts)";
+  }
+  virtual void rows_gather(BufferRef out, BufferRef x, BufferRef rows, BufferRef scale, int n, int C) {
+    (void)out, (void)x, (void)rows, (void)scale, (void)n, (void)C;
+    throw std::logic_error(expert_rows_refusal());
+  }
+  virtual void rows_scatter_add(BufferRef out, BufferRef y, BufferRef rows, BufferRef scale, int n, int C) {
+    (void)out, (void)y, (void)rows, (void)scale, (void)n, (void)C;
+    throw std::logic_error(expert_rows_refusal());
+  }
+  virtual void rows_dot(BufferRef out, BufferRef x, BufferRef rows, BufferRef y, int n, int C) {
+    (void)out, (void)x, (void)rows, (void)y, (void)n, (void)C;
+    throw std::logic_error(expert_rows_refusal());
+  }
   // AdamW over many slices in one call (the optimizer's owned slices; a device updates them in a few
   // launches): each slice exactly as adamw_update with its own weight decay. The default calls
   // adamw_update slice by slice.

@@ -67,6 +67,7 @@ class ForwardingBackend : public Backend {
   std::string flash_attention_refusal(int hs) const override { return inner_->flash_attention_refusal(hs); }
   std::string cudnn_attention_refusal(int T, int hs) const override { return inner_->cudnn_attention_refusal(T, hs); }
   std::string ring_attention_refusal() const override { return inner_->ring_attention_refusal(); }
+  std::string expert_rows_refusal() const override { return inner_->expert_rows_refusal(); }
   std::int64_t topk_scratch_bytes(std::int64_t n) const override { return inner_->topk_scratch_bytes(n); }
 
 #define LOOM_FORWARD_OP(ret, name, params, args)                                           \

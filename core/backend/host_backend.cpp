@@ -285,6 +285,33 @@ class HostBackend final : public Backend {
     });
   }
   std::string ring_attention_refusal() const override { return ""; }
+  std::string expert_rows_refusal() const override { return ""; }
+  void rows_gather(BufferRef out, BufferRef x, BufferRef rows, BufferRef scale, int n, int C) override {
+    if (n <= 0) return;
+    const std::int32_t* r = rows.as<const std::int32_t>(n);
+    const std::int64_t nC = std::int64_t(n) * C;
+    if (!scale.empty()) {
+      k::rows_gather(out.as<float>(nC), x.as<const float>(), r, scale.as<const float>(n), n, C);
+      return;
+    }
+    if (out.type != x.type)
+      refuse(std::string("rows_gather: out is ") + dtype_name(out.type) + ", x " + dtype_name(x.type) +
+             " (a gather without scale keeps the type)");
+    with_float_type(x.type, "rows_gather", [&](auto t) {
+      using T = decltype(t);
+      k::rows_gather(out.as<T>(nC), x.as<const T>(), r, nullptr, n, C);
+    });
+  }
+  void rows_scatter_add(BufferRef out, BufferRef y, BufferRef rows, BufferRef scale, int n, int C) override {
+    if (n <= 0) return;
+    k::rows_scatter_add(out.as<float>(), y.as<const float>(std::int64_t(n) * C), rows.as<const std::int32_t>(n),
+                        scale.empty() ? nullptr : scale.as<const float>(n), n, C);
+  }
+  void rows_dot(BufferRef out, BufferRef x, BufferRef rows, BufferRef y, int n, int C) override {
+    if (n <= 0) return;
+    k::rows_dot(out.as<float>(n), x.as<const float>(), rows.as<const std::int32_t>(n),
+                y.as<const float>(std::int64_t(n) * C), n, C);
+  }
   void attention_ring_forward(BufferRef out, BufferRef lse, BufferRef qkv, BufferRef kv, int B, int T, int C, int NH,
                               int q_begin, int kv_rows, bool causal, bool bf16) override {
     const std::int64_t NC = std::int64_t(B) * T * C;

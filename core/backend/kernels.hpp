@@ -1066,4 +1066,39 @@ void swiglu_backward(O* dgate, O* dup, const T* dout, const T* gate, const T* up
   });
 }
 
+// Mixture of experts (Backend::rows_gather and its pair): an expert's rows of a token table and back,
+// one row a task; rows distinct within a call, so no two tasks write one element.
+template <class T>
+void rows_gather(T* out, const T* x, const std::int32_t* rows, const float* scale, int n, int C) {
+  Kokkos::parallel_for("Experts::gather", Range(0, n), [=](int i) {
+    const T* src = x + static_cast<std::int64_t>(rows[i]) * C;
+    T* dst = out + static_cast<std::int64_t>(i) * C;
+    if constexpr (std::is_same_v<T, float>) {
+      if (scale) {
+        const float g = scale[i];
+        for (int c = 0; c < C; ++c) dst[c] = g * src[c];
+        return;
+      }
+    }
+    for (int c = 0; c < C; ++c) dst[c] = src[c];
+  });
+}
+
+inline void rows_scatter_add(float* out, const float* y, const std::int32_t* rows, const float* scale, int n, int C) {
+  Kokkos::parallel_for("Experts::scatter_add", Range(0, n), [=](int i) {
+    float* dst = out + static_cast<std::int64_t>(rows[i]) * C;
+    const float* src = y + static_cast<std::int64_t>(i) * C;
+    const float g = scale ? scale[i] : 1.0f;
+    for (int c = 0; c < C; ++c) dst[c] = dst[c] + g * src[c];
+  });
+}
+
+inline void rows_dot(float* out, const float* x, const std::int32_t* rows, const float* y, int n, int C) {
+  Kokkos::parallel_for("Experts::dot", Range(0, n), [=](int i) {
+    const float* a = x + static_cast<std::int64_t>(rows[i]) * C;
+    const float* b = y + static_cast<std::int64_t>(i) * C;
+    out[i] = lane_sum<float>(C, [&](int c) { return a[c] * b[c]; });
+  });
+}
+
 }  // namespace loom::kernels

@@ -52,6 +52,8 @@ class SizingBackend final : public ForwardingBackend {
   }
   // A planned cuda run has the CUDA back end's ring attention.
   std::string ring_attention_refusal() const override { return cuda_ ? "" : inner().ring_attention_refusal(); }
+  // A planned cuda run has the CUDA back end's expert row kernels.
+  std::string expert_rows_refusal() const override { return cuda_ ? "" : inner().expert_rows_refusal(); }
 
  protected:
   // Every operation of the list (core/backend/backend_ops.hpp) is refused by name.

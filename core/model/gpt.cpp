@@ -22,10 +22,20 @@ constexpr const char* kBlockTensors[12] = {"ln1.weight",       "ln1.bias",      
 constexpr const char* kLlamaTensors[9] = {"ln1.weight",      "attn.q.weight",    "attn.k.weight",
                                           "attn.v.weight",   "attn.proj.weight", "ln2.weight",
                                           "mlp.gate.weight", "mlp.up.weight",    "mlp.down.weight"};
+// A block with experts: the router at 12, expert e's four tensors from 13 + 4e (core/model/moe.cpp).
+constexpr const char* kExpertTensors[4] = {"fc.weight", "fc.bias", "proj.weight", "proj.bias"};
 std::size_t block_tensor_index(const std::string& name, bool llama) {
   const std::size_t n = llama ? 9 : 12;
   for (std::size_t i = 0; i < n; ++i)
     if (name == (llama ? kLlamaTensors[i] : kBlockTensors[i])) return i;
+  if (name == "mlp.router.weight") return 12;
+  const std::string experts = "mlp.experts.";
+  if (name.compare(0, experts.size(), experts) == 0) {
+    const std::size_t dot = name.find('.', experts.size());
+    const std::size_t e = std::stoul(name.substr(experts.size(), dot - experts.size()));
+    for (std::size_t j = 0; j < 4; ++j)
+      if (name.compare(dot + 1, std::string::npos, kExpertTensors[j]) == 0) return 13 + 4 * e + j;
+  }
   throw std::logic_error("GPT: no block tensor named " + name);
 }
 }  // namespace
@@ -63,6 +73,18 @@ void GPTConfig::validate() const {
     if (!(rope_theta > 1.0f))
       throw InputError("model.rope_theta = " + n(rope_theta) + ": the rotary base must be above 1 (Llama: 10000)");
   }
+  if (experts > 0) {
+    const std::string E = std::to_string(experts);
+    if (llama())
+      throw InputError("model.experts = " + E +
+                       " with model.arch = llama: experts replace GPT-2's GELU MLP only (use model.arch = gpt2)");
+    if (experts_per_token < 1 || experts_per_token > experts)
+      throw InputError("model.experts_per_token = " + std::to_string(experts_per_token) +
+                       " is not between 1 and model.experts = " + E + " (a token goes to that many distinct experts)");
+    if (moe_every < 1 || moe_every > layers)
+      throw InputError("model.moe_every = " + std::to_string(moe_every) + " is not between 1 and model.layers = " +
+                       std::to_string(layers) + " (every moe_every-th block has experts)");
+  }
   if (attention == "flash" && !math::flash_head_size_supported(d_model / heads))
     throw InputError(
         "model.attention = flash: head size model.d_model / model.heads = " + std::to_string(d_model / heads) +
@@ -94,6 +116,10 @@ void GPTConfig::read_architecture(const std::map<std::string, std::string>& v) {
   ffn_hidden = static_cast<int>(number("model.ffn_hidden", 0));
   norm_eps = static_cast<float>(number("model.norm_eps", 1e-5));
   rope_theta = static_cast<float>(number("model.rope_theta", 10000));
+  experts = static_cast<int>(number("model.experts", 0));
+  moe_every = static_cast<int>(number("model.moe_every", 1));
+  experts_per_token = static_cast<int>(number("model.experts_per_token", 2));
+  expert_capacity = number("model.expert_capacity", 0);
   const std::string tie = get("model.tie_embeddings");
   if (tie.empty() || tie == "auto")
     tie_embeddings = -1;
@@ -112,7 +138,10 @@ std::map<std::string, std::string> GPTConfig::architecture_values() const {
           {"model.ffn_hidden", std::to_string(ffn())},
           {"model.norm_eps", eps.str()},
           {"model.rope_theta", theta.str()},
-          {"model.tie_embeddings", tied() ? "true" : "false"}};
+          {"model.tie_embeddings", tied() ? "true" : "false"},
+          {"model.experts", std::to_string(experts)},
+          {"model.moe_every", std::to_string(experts > 0 ? moe_every : 1)},
+          {"model.experts_per_token", std::to_string(experts > 0 ? experts_per_token : 2)}};
 }
 
 void GPTConfig::set_attention(const std::string& kind) {
@@ -179,6 +208,10 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       throw InputError("parallel.cp = " + std::to_string(ctx_->size()) + ": " + why);
   }
   check_attention(cfg_, be_);
+  if (cfg_.experts > 0) {
+    if (std::string why = be_.expert_rows_refusal(); !why.empty())
+      throw InputError("model.experts = " + std::to_string(cfg_.experts) + ": " + why);
+  }
   if (stage_.chunks.empty()) stage_.chunks.push_back({0, cfg.layers, 1});
   layer_pos_.assign(static_cast<std::size_t>(cfg.layers), -1);
   int held = 0, prev_end = 0;
@@ -210,8 +243,10 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     // (Partition::finish_grads): with sequence parallelism those seeing only this rank's rows; Llama's
     // k and v replicated over a tp that does not divide the kv heads (each rank's query heads' share).
     const bool kv = p.name.find(".attn.k.") != std::string::npos || p.name.find(".attn.v.") != std::string::npos;
-    p.sp_partial =
-        (sp_ && split == TpSplit::none && p.name != "wpe.weight") || (kv && split == TpSplit::none && tp > 1);
+    // The router and the experts' proj biases are not: every tp rank computes them from every token.
+    const bool expert = p.name.find(".mlp.router.") != std::string::npos || p.name.find(".mlp.experts.") != std::string::npos;
+    p.sp_partial = (sp_ && split == TpSplit::none && p.name != "wpe.weight" && !expert) ||
+                   (kv && split == TpSplit::none && tp > 1);
     p.init = init;
     p.init_std = std;
     all_params_.push_back(std::move(p));
@@ -249,6 +284,17 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       add(b + "attn.proj.bias", {C}, TpSplit::none, I::zeros, 0);
       add(b + "ln2.weight", {C}, TpSplit::none, I::ones, 0);
       add(b + "ln2.bias", {C}, TpSplit::none, I::zeros, 0);
+      if (cfg.moe_layer(l)) {  // the router, then each expert's MLP as the dense one, by global index
+        add(b + "mlp.router.weight", {cfg.experts, C}, TpSplit::none, I::normal, 0.02);
+        for (int e = 0; e < cfg.experts; ++e) {
+          const std::string x = b + "mlp.experts." + std::to_string(e) + ".";
+          add(x + "fc.weight", {4 * C, C}, TpSplit::rows, I::normal, 0.02);
+          add(x + "fc.bias", {4 * C}, TpSplit::rows, I::zeros, 0);
+          add(x + "proj.weight", {C, 4 * C}, TpSplit::cols, I::normal, resid_std);
+          add(x + "proj.bias", {C}, TpSplit::none, I::zeros, 0);
+        }
+        continue;
+      }
       add(b + "mlp.fc.weight", {4 * C, C}, TpSplit::rows, I::normal, 0.02);
       add(b + "mlp.fc.bias", {4 * C}, TpSplit::rows, I::zeros, 0);
       add(b + "mlp.proj.weight", {C, 4 * C}, TpSplit::cols, I::normal, resid_std);
@@ -260,7 +306,8 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   // The first stage holds the embeddings, the last ln_f and the head, whose weight is wte (tied):
   // a last stage that is not also the first holds a shadow copy of wte, in its head unit.
   block_unit_.assign(static_cast<std::size_t>(L), -1);
-  block_tensors_.assign(static_cast<std::size_t>(L), {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1});
+  block_tensors_.assign(static_cast<std::size_t>(L),
+                        std::vector<int>(13 + 4 * static_cast<std::size_t>(std::max(cfg.experts, 0)), -1));
   auto unit_of = [&](const std::string& name) -> int {
     for (std::size_t u = 0; u < units_.size(); ++u)
       if (units_[u].name == name) return static_cast<int>(u);
@@ -325,6 +372,13 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     ctx_->prepare(be_, max_rows_, T_, cfg_.d_model / tp_, cfg_.heads / tp_, cfg_.flash_attention, mm16_ != DType::f32);
   residual0_ = a.residual_first;
   acts0_ = a.block_first;
+  if (cfg_.experts > 0) {
+    std::size_t routings = 0;
+    for (const Stage::Chunk& c : stage_.chunks)
+      routings += static_cast<std::size_t>(c.activation_slots) * static_cast<std::size_t>(c.end_layer - c.first_layer);
+    routing_.resize(routings);
+  }
+  reset_moe_stats();
   for (const Stage::Chunk& c : stage_.chunks) {
     slot_rows_.emplace_back(static_cast<std::size_t>(c.activation_slots), 0);
     slot_scored_.emplace_back(static_cast<std::size_t>(c.activation_slots), false);
@@ -500,22 +554,23 @@ const float* GPT::logits() const {
 }
 
 GPT::BlockParams GPT::block_params(const ParamStore::UnitView& view, int l, bool grads) const {
-  const std::array<int, 12>& h = block_tensors_[static_cast<std::size_t>(l)];
+  const std::vector<int>& h = block_tensors_[static_cast<std::size_t>(l)];
   const std::vector<BufferRef>& t = grads ? view.grads : view.params;
-  BufferRef q[12];
-  for (std::size_t i = 0; i < 12; ++i) q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])];
+  BufferRef q[12];  // a block with experts has no mlp.* tensors (-1): empty
+  for (std::size_t i = 0; i < 12; ++i)
+    if (h[i] >= 0) q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])];
   BlockParams w{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], {}, {}, {}, {}};
   if (!grads) {
     w.mqkvw = matmul_operand(view, h[2]);
     w.mprojw = matmul_operand(view, h[4]);
-    w.mfcw = matmul_operand(view, h[8]);
-    w.mfcprojw = matmul_operand(view, h[10]);
+    if (h[8] >= 0) w.mfcw = matmul_operand(view, h[8]);
+    if (h[10] >= 0) w.mfcprojw = matmul_operand(view, h[10]);
   }
   return w;
 }
 
 GPT::LlamaParams GPT::llama_params(const ParamStore::UnitView& view, int l, bool grads) const {
-  const std::array<int, 12>& h = block_tensors_[static_cast<std::size_t>(l)];
+  const std::vector<int>& h = block_tensors_[static_cast<std::size_t>(l)];
   const std::vector<BufferRef>& t = grads ? view.grads : view.params;
   BufferRef q[9];
   for (std::size_t i = 0; i < 9; ++i) q[i] = t[static_cast<std::size_t>(pos_in_unit_[static_cast<std::size_t>(h[i])])];
@@ -587,9 +642,15 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   a.ln2 = c.take(ln, Nl * C);
   if (!llama) a.ln2_mean = c.take(Nl);
   a.ln2_rstd = c.take(Nl);
-  a.fch = c.take(N * Fl);
+  const std::int64_t Nk = N * g.cfg.top_k();  // with experts: every expert row, k a token
+  a.fch = c.take(Nk * Fl);
   if (llama) a.fcu = c.take(N * Fl);
-  a.fch_gelu = c.take(mm, N * Fl);
+  a.fch_gelu = c.take(mm, Nk * Fl);
+  if (g.cfg.experts > 0) {
+    a.moe_y = c.take(Nk * C);
+    a.moe_rows = c.take(DType::i32, Nk);
+    a.moe_gates = c.take(Nk);
+  }
   a.floats = c.used;
   return a;
 }
@@ -625,6 +686,12 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
     s.k = c.take(N * CKl);
     s.v = c.take(N * CKl);
     s.dfcu = c.take(g.mm16, N * Fl);
+  }
+  if (g.cfg.experts > 0) {
+    s.moe_x = c.take(N * C);
+    s.moe_dy = c.take(N * C);
+    s.router = c.take(N * g.cfg.experts);
+    s.dgate = c.take(N * g.cfg.top_k());
   }
   s.floats = c.used;
   return s;
@@ -731,7 +798,8 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
                    : holds_head(chunk)                      ? head_unit_
                                                             : -1;
   if (cfg_.llama()) return llama_block_forward(chunk, slot, l, B, next);
-  const BlockParams w = block_params(store_->acquire(unit, ParamStore::Use::forward, next), l, false);
+  const ParamStore::UnitView& view = store_->acquire(unit, ParamStore::Use::forward, next);
+  const BlockParams w = block_params(view, l, false);
   const BlockActs a = block_acts(chunk, slot, l);
   const Scratch s = scratch();
   const BufferRef x = residual(chunk, slot, l);         // [Nl,C] block input
@@ -751,6 +819,12 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   if (!whole) be_.bias_add(y, w.projb, Nl, C);
   // MLP: column-parallel fc (this rank's share of 4C), row-parallel projection, on ln2(xmid = x + y)
   be_.residual_layernorm_forward(a.xmid, a.ln2, a.ln2_mean, a.ln2_rstd, x, y, w.ln2w, w.ln2b, Nl, C);
+  if (cfg_.moe_layer(l)) {  // the experts' gated sum (biases inside), in s.partial
+    moe_forward(view, a, s, chunk, slot, l, N, recompute);
+    be_.residual_forward(xout, a.xmid, part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
+    store_->release(unit, ParamStore::Use::forward);
+    return;
+  }
   be_.matmul_forward_gelu(a.fch_gelu, a.fch, input_of(a.ln2, s.full, N, C), w.mfcw, w.fcb, N, C,
                           Fl);  // [N,Fl] gelu(fch), fch
   be_.matmul_forward(s.partial, a.fch_gelu, w.mfcprojw, whole ? w.fcprojb : BufferRef(), N, Fl, C);  // [N,C]
@@ -785,10 +859,15 @@ void GPT::block_backward(int chunk, int slot, int l, int B) {
   // product's backward (with the rounded copy of dy on the same pass); with it, from this rank's rows.
   const bool whole = part_->size() == 1;
   BufferRef dy = part_->grad_to_full(dres, s.dfull, N, C);  // [N,C]
-  be_.matmul_backward(s.dfch_gelu, dw.fcprojw, whole ? dw.fcprojb : BufferRef(), dy, a.fch_gelu, w.mfcprojw, N, Fl, C);
-  if (!whole) be_.bias_backward(dw.fcprojb, dres, Nl, C);
-  be_.gelu_bias_backward(s.dfch, dw.fcb, a.fch, s.dfch_gelu, N, Fl);
-  be_.matmul_backward(s.dpartial, dw.fcw, {}, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
+  if (cfg_.moe_layer(l)) {
+    moe_backward(view, a, s, dy, chunk, slot, l, N);
+  } else {
+    be_.matmul_backward(s.dfch_gelu, dw.fcprojw, whole ? dw.fcprojb : BufferRef(), dy, a.fch_gelu, w.mfcprojw, N, Fl,
+                        C);
+    if (!whole) be_.bias_backward(dw.fcprojb, dres, Nl, C);
+    be_.gelu_bias_backward(s.dfch, dw.fcb, a.fch, s.dfch_gelu, N, Fl);
+    be_.matmul_backward(s.dpartial, dw.fcw, {}, s.dfch, input_of(a.ln2, s.full, N, C), w.mfcw, N, C, Fl);
+  }
   const BufferRef dln2 = part_->reduce_partial_grad(s.dpartial, s.dlocal, N, C);                        // [Nl,C]
   be_.layernorm_backward(dres, dw.ln2w, dw.ln2b, dln2, a.xmid, w.ln2w, a.ln2_mean, a.ln2_rstd, Nl, C);  // d xmid
   // attention, in reverse: xmid = x + proj(attention(qkv(ln1(x))))
@@ -891,6 +970,7 @@ double GPT::forward_stage(int slot, const std::int32_t* inputs, const float* x_i
   check_slot(chunk, slot, "forward");
   slot_rows_[chunk][slot] = B;
   slot_scored_[chunk][slot] = targets != nullptr;
+  training_forward_ = dloss.has_value();
   const int T = T_, C = cfg_.d_model, N = B * T, Nl = sp_ ? N / tp_ : N;
   const int l0 = stage_.chunks[chunk].first_layer, l1 = stage_.chunks[chunk].end_layer;
   const std::int64_t rows = static_cast<std::int64_t>(max_rows_) * T;
@@ -964,6 +1044,8 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   const BufferRef inp = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows, N);
   const BufferRef tgt = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows + rows, N);
   const Scratch s = scratch();
+  backward_dloss_ = dloss;  // the experts' auxiliary losses are scaled as the loss is
+  training_forward_ = false;  // a recomputed forward is not counted again
 
   if (holds_head(chunk)) {
     if (!slot_scored_[chunk][slot])
@@ -1046,7 +1128,7 @@ void GPT::zero_grad() { store_->zero_grads(); }
 
 double GPT::flops_per_token() const {
   const double L = cfg_.layers, C = cfg_.d_model, T = cfg_.seq_len, V = cfg_.vocab;
-  const double matmul_weights = L * cfg_.block_matmul_weights() + V * C;  // the head, tied or not
+  const double matmul_weights = cfg_.blocks_matmul_weights() + V * C;  // the head, tied or not; experts active
   return 6.0 * matmul_weights + 12.0 * L * T * C;
 }
 

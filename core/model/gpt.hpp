@@ -17,6 +17,7 @@
 #include "core/base/buffer.hpp"
 #include "core/model/param_store.hpp"
 #include "core/model/context.hpp"
+#include "core/model/moe.hpp"
 #include "core/model/partition.hpp"
 
 namespace loom {
@@ -48,6 +49,15 @@ struct GPTConfig {
     return (8 * d_model / 3 + 255) / 256 * 256;
   }
   bool tied() const { return tie_embeddings < 0 ? !llama() : tie_embeddings != 0; }
+  // Mixture of experts (core/model/moe.hpp): model.experts E expert MLPs and a router replace the MLP of
+  // every model.moe_every-th block (0 experts: dense); each token goes to model.experts_per_token of them;
+  // model.expert_capacity is the capacity factor (0: dropless); the objective adds train.moe_aux_loss x
+  // the load-balancing loss and train.moe_z_loss x the router z-loss of each such block.
+  int experts = 0, moe_every = 1, experts_per_token = 2;
+  double expert_capacity = 0, moe_aux_loss = 0.01, moe_z_loss = 0.001;
+  bool moe_layer(int l) const { return experts > 0 && (l + 1) % moe_every == 0; }
+  int moe_layers() const { return experts > 0 ? layers / moe_every : 0; }
+  int top_k() const { return experts > 0 ? experts_per_token : 1; }
   int head_size() const { return d_model / heads; }
   static const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : "gpt2"; }
   // model.attention = flash or cudnn: fused attention, which saves each row's log-sum-exp instead of
@@ -78,6 +88,14 @@ struct GPTConfig {
     return 2.0 * C * C + 2.0 * C * kv() * head_size() + 3.0 * C * F;
   }
   double block_flops() const { return 2.0 * block_matmul_weights() + 4.0 * seq_len * d_model; }
+  // The matrix weights of every block a token passes through: a block with experts counts its router
+  // and the k experts the token reaches (`active`) or all E of them; a dense block its MLP.
+  double blocks_matmul_weights(bool active = true) const {
+    const double C = d_model, F = ffn(), attention = block_matmul_weights() - 8.0 * C * C;
+    const double expert_blocks = moe_layers(), dense = layers - expert_blocks;
+    const double per_expert = 2.0 * C * F, n = active ? top_k() : experts;
+    return dense * block_matmul_weights() + expert_blocks * (attention + experts * C + n * per_expert);
+  }
   double head_flops() const { return 2.0 * d_model * vocab; }
   double head_in_blocks() const { return head_flops() / block_flops(); }
 };
@@ -180,6 +198,16 @@ class GPT {
   int local_tokens() const { return T_; }
   ContextSplit& context() { return *ctx_; }
 
+  // Mixture of experts: what the training forwards since the last reset routed (evaluation's are not
+  // counted), summed over this rank's blocks with experts and micro-batches.
+  struct MoeStats {
+    std::vector<double> routed;  // [layers * experts]: assignments routed to each expert of each layer
+    double dropped = 0, assignments = 0;  // over capacity; all
+    double aux = 0, z = 0, calls = 0;     // the auxiliary losses summed over calls (block and micro-batch)
+  };
+  const MoeStats& moe_stats() const { return moe_stats_; }
+  void reset_moe_stats();
+
   // The same for chunk `chunk` of a pipeline stage, on the activations of slot `slot` (one
   // in-flight micro-batch). inputs [B,T] (chunk 0 of the first stage), x_in [Nl,C] the previous
   // chunk's output (elsewhere), targets [B,T] (the last chunk of the last stage). Returns the mean
@@ -242,6 +270,9 @@ class GPT {
     BufferRef fch;                 // [N,Fl]  (Llama: the gate)
     BufferRef fcu;                 // [N,Fl]  Llama: the up projection (else empty)
     BufferRef fch_gelu;            // [N,Fl]  (Llama: silu(gate) * up)
+    // With experts fch and fch_gelu are [N*k,Fl], the experts' rows one after the other, and:
+    BufferRef moe_y;                  // [N*k,C] each expert row's output (this rank's partial sum under tp)
+    BufferRef moe_rows, moe_gates;    // [N*k] int32 the token of each expert row, fp32 its gate
     std::int64_t floats;           // the whole table, in floats
   };
   struct Scratch {                            // not saved across kernels: forward temporaries and backward gradients
@@ -252,6 +283,9 @@ class GPT {
     BufferRef pos, dpos;                      // [T,C] context parallel: this rank's position rows, their gradient
     BufferRef q, k, v;  // Llama: [N,Cl], [N,KVl*hs] x2: the products' q, k, v, then their gradients
     BufferRef dfcu;     // Llama: [N,Fl] the up product's dout (dfch: the gate's)
+    // Experts: an expert's gathered input (any type) and output gradient [N,C]; the router's logits
+    // (then their gradient) [N,E]; the gates' gradient [N*k].
+    BufferRef moe_x, moe_dy, router, dgate;
     std::int64_t floats;
   };
   struct Head {
@@ -287,6 +321,14 @@ class GPT {
   void attention(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl);
   void attention_backward(const BlockActs& a, const Scratch& s, int B, int T, int Cl, int NHl);
   void llama_block_forward(int chunk, int slot, int layer, int B, int next_unit);
+  // A block's experts (core/model/moe.cpp): forward from the block's ln2 to the partial sum of the
+  // experts' outputs in s.partial (the caller reduces it), backward from dy [N,C] to ln2's partial
+  // gradient in s.dpartial.
+  void moe_forward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, int chunk, int slot, int l,
+                   int N, bool recompute);
+  void moe_backward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, const BufferRef& dy,
+                    int chunk, int slot, int l, int N);
+  std::size_t routing_index(int chunk, int slot, int layer) const;
   void llama_block_backward(int chunk, int slot, int layer, int B, int next_unit);
   // This rank's kv heads (Llama): KV/tp of them from kv_head0 when tp divides KV, else all KV (replicated).
   int kv_local() const;
@@ -337,7 +379,9 @@ class GPT {
   int head_w_ = -1;  // the head's weight: wte_ when tied, else lm_head.weight
   int emb_unit_ = -1, head_unit_ = -1;
   std::vector<int> block_unit_;                     // per layer of the model, -1 when not on this rank
-  std::vector<std::array<int, 12>> block_tensors_;  // per layer: its tensors' handles, in BlockParams order
+  // per layer: its tensors' handles, in BlockParams order (-1: none), then the router's and each expert's
+  // fc.weight, fc.bias, proj.weight, proj.bias (core/model/moe.cpp)
+  std::vector<std::vector<int>> block_tensors_;
   std::vector<int> pos_in_unit_;                    // per tensor: its position in its unit
   std::vector<Unit> units_;
   FlatParamStore own_store_;
@@ -363,6 +407,10 @@ class GPT {
   std::int64_t head_logits_at_ = 0;  // where in head_buf_ the shared fp32 logits are (mixed precision)
   TypedBuffer scratch_buf_;          // forward tmp and backward gradients of activations
   TypedBuffer tokens_buf_;           // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
+  std::vector<MoeRouting> routing_;       // per chunk, slot and layer: the last forward's routing
+  MoeStats moe_stats_;
+  bool training_forward_ = false;  // the forward running was given dloss (its routing is counted)
+  float backward_dloss_ = 0;        // the backward running's dloss (the experts' auxiliary losses' scale)
   std::function<void(int)> grad_ready_;
   std::function<void()> progress_;
 };

@@ -53,6 +53,10 @@ class Partition {
     return dpartial;
   }
 
+  // A small fp32 vector each rank holds a partial sum of (an expert row's gate gradient, summed over
+  // the experts' split inner dimension), summed over the group in place.
+  virtual void sum_over_group(const BufferRef& /*x*/) {}
+
   // Cross-entropy over logits whose vocabulary is split: this rank holds columns
   // [vocab_begin, vocab_begin + Vl) of every row. losses [N] (every rank gets every row's loss),
   // probs [N, Vl] (this rank's slice of the softmax), targets [N] int32.

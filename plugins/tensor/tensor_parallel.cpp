@@ -53,6 +53,7 @@ class TensorPartition final : public Partition {
   BufferRef grad_to_full(const BufferRef& dlocal, const BufferRef& dfull, std::int64_t rows, int C) override {
     return to_full(dlocal, dfull, rows, C);  // the backward of a reduce-scatter is an all-gather
   }
+  void sum_over_group(const BufferRef& x) override { tp_.all_reduce(x); }
   BufferRef reduce_partial_grad(const BufferRef& dpartial, const BufferRef& dlocal, std::int64_t rows, int C) override {
     // The partition sees no step number: it counts steps by finish_grads, and the first backward
     // collective after one is the step's first micro-batch (evaluation runs no backward).
@@ -181,6 +182,15 @@ class TensorPartition final : public Partition {
       plan.add_comm({tp_.name(), "vocabulary-parallel cross-entropy",
                      m * (ring_all_reduce_bytes(N * 4.0, n) + 2 * ring_all_reduce_bytes(N * 8.0, n)), m * 6.0 * (n - 1),
                      false, true});
+    }
+    int expert_layers = 0;  // each block with experts sums its N*k gate gradients once per backward
+    for (const Stage::Chunk& c : model.stage().chunks)
+      for (int l = c.first_layer; l < c.end_layer; ++l) expert_layers += model.config().moe_layer(l) ? 1 : 0;
+    if (expert_layers > 0) {
+      const std::int64_t gates = static_cast<std::int64_t>(N) * model.config().top_k();
+      scratch.push_back(static_cast<double>(ring_all_reduce_scratch(gates, n, sizeof(float))));
+      plan.add_comm({tp_.name(), "experts' gate-gradient sums", m * expert_layers * ring_all_reduce_bytes(gates * 4.0, n),
+                     m * expert_layers * 2.0 * (n - 1), false, true});
     }
     for (double s : scratch) plan.ring_scratch(tp_.name(), {s});  // one at a time
     // The replica hash of finish_grads: each replicated parameter and gradient hashed (read, 4 bytes
