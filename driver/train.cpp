@@ -26,6 +26,7 @@
 #include "driver/run_dir.hpp"
 #include "driver/session.hpp"
 #include "driver/spikes.hpp"
+#include "driver/experts_report.hpp"
 #include "driver/stragglers.hpp"
 #include "io/report.hpp"
 #include "io/tensorboard.hpp"
@@ -265,6 +266,8 @@ class TrainingRun {
   nlohmann::json carried_ = nlohmann::json::object();  // for the next metrics row (the same on every rank)
   std::unique_ptr<StragglerWatch> stragglers_;         // run.straggler_factor
   double step_wall_ = 0;  // the last step's time with its evaluation and checkpoint (metrics wall_ms)
+  ExpertsStep experts_;    // the last step's routing (model.experts)
+  nlohmann::json last_load_ = nlohmann::json::array();
 };
 
 // The spike detector judges each step between the gradient norm and the update (a norm-phase hook,
@@ -353,12 +356,16 @@ void TrainingRun::measure_peak() {
         link_gbit_per_s(), 1e6 * link_latency_s());
 }
 
-// What the roles report of the last step (gradient sync, partition, context, schedule), in that order.
+// What the roles report of the last step (gradient sync, partition, context, schedule), in that order,
+// then the experts' routing (the model's).
 std::vector<std::pair<std::string, double>> TrainingRun::role_reports() {
   auto report = s_.engine->grad_sync().step_report();
   for (auto& kv : s_.model->partition().step_report()) report.push_back(kv);
   for (auto& kv : s_.model->context().step_report()) report.push_back(kv);
   for (auto& kv : s_.engine->schedule().step_report()) report.push_back(kv);
+  experts_ = gather_experts_step(s_.grid->world(), *s_.model);  // collective, with experts
+  if (experts_.on()) last_load_ = experts_.load;
+  for (auto& kv : experts_.scalars) report.push_back(kv);
   return report;
 }
 
@@ -565,6 +572,7 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
     std::printf(" | comm %s, wait %.0f%% | step min/max %.1f/%.1f ms", format_bytes(comm.bytes).c_str(),
                 100.0 * comm.wait / st.seconds, comm.t_min * 1e3, comm.t_max * 1e3);
   std::printf("%s", s_.engine->schedule().step_line(report).c_str());
+  std::printf("%s", experts_step_line(experts_).c_str());
   if (val) std::printf(" | val %.4f", *val);
   if (val && s_.val_tokens_per_byte > 0) std::printf(" (%.4f bits/byte)", bits_per_byte(*val));
   if (st.nonfinite) std::printf(" | update skipped");
@@ -602,6 +610,7 @@ void TrainingRun::log_step(std::int64_t step, const StepStats& st, const StepCom
                         {"step_ms_min", comm.t_min * 1e3},
                         {"step_ms_max", comm.t_max * 1e3}};
   for (const auto& [k, v] : report) rec[k] = v;
+  if (experts_.on()) rec["moe_load"] = experts_.load;
   if (val) {
     rec["val_loss"] = *val;
     rec["val_ppl"] = std::exp(*val);
@@ -722,6 +731,7 @@ nlohmann::json TrainingRun::summary_json(const std::vector<double>& all_peaks,
     summary["precision"] = precision;
   }
   if (t.last_val) summary["final_val_loss"] = *t.last_val;
+  if (!last_load_.empty()) summary["moe_load_last"] = last_load_;
   if (t.last_val && s_.val_tokens_per_byte > 0) summary["final_val_bpb"] = bits_per_byte(*t.last_val);
   if (auto best = s_.train_data->best_loss()) summary["best_possible_loss"] = *best;
   return summary;
@@ -822,6 +832,8 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
         at(Mem::workspace).c_str(), scale_note.c_str());
   }
   for (const std::string& line : s_.engine->schedule().summary_lines(means)) std::printf("         %s\n", line.c_str());
+  for (const std::string& line : experts_summary_lines(s_.model->config(), means, last_load_))
+    std::printf("         %s\n", line.c_str());
   if (stragglers_->on())
     for (const auto& r : stragglers_->summary())
       std::printf(

@@ -251,8 +251,9 @@ def _deck_value(deck, section, key):
 # The [model] keys of the recorded deck that choose and shape the architecture, with their defaults
 # when the deck (or the key) is absent, as loom of before model.arch wrote it: torch_gpt.MODEL_DEFAULTS
 # (kv_heads 0 = heads, ffn_hidden 0 = torch_gpt.llama_ffn_hidden(d_model)).
-ARCH_INT_KEYS = ("kv_heads", "ffn_hidden")
-ARCH_FLOAT_KEYS = ("norm_eps", "rope_theta")
+ARCH_INT_KEYS = ("kv_heads", "ffn_hidden", "experts", "moe_every", "experts_per_token")
+ARCH_FLOAT_KEYS = ("norm_eps", "rope_theta", "expert_capacity", "moe_aux_loss", "moe_z_loss")
+TRAIN_SECTION_KEYS = ("moe_aux_loss", "moe_z_loss")  # read from [train]
 
 
 def _arch_keys(path, deck):
@@ -261,7 +262,7 @@ def _arch_keys(path, deck):
     torch_gpt.llama_config; the values here are the deck's)."""
     out = {}
     for k, default in torch_gpt.MODEL_DEFAULTS.items():
-        v = _deck_value(deck, "model", k) if deck else "?"
+        v = _deck_value(deck, "train" if k in TRAIN_SECTION_KEYS else "model", k) if deck else "?"
         if v in ("?", ""):
             v = default
         try:
@@ -284,6 +285,9 @@ def _arch_keys(path, deck):
 def _arch_text(cfg):
     """The case header's architecture words: '' for gpt2 (the header as before model.arch), else
     'arch llama kv_heads KV ffn_hidden F norm_eps E rope_theta R tied|untied head '."""
+    if cfg.get("experts", 0):
+        return (f"{cfg['experts']} experts top-{cfg['experts_per_token']} every {cfg['moe_every']} block(s), "
+                f"capacity {cfg['expert_capacity']:g}, aux {cfg['moe_aux_loss']:g} z {cfg['moe_z_loss']:g}, ")
     if cfg.get("arch", "gpt2") == "gpt2":
         return ""
     lc = torch_gpt.llama_config(cfg)
@@ -375,7 +379,8 @@ def reference(data, dtype=torch.float64, operand_dtype=None, autocast=None):
         else:
             with torch.autocast("cpu", dtype=autocast):
                 _, loss = model(inp, tgt)
-        loss.backward()
+        # the experts' auxiliary losses are per-sequence and per-token means too
+        (loss + getattr(model, "aux_objective", 0.0)).backward()
         if s == 0:
             grads0 = {n: p.grad.detach().double().numpy().copy() for n, p in model.named_parameters()}
         for n, p in model.named_parameters():

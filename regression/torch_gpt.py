@@ -24,6 +24,16 @@ The contract (DESIGN.md and the oracle spec):
               (2i, 2i+1) of each head, angle t * rope_theta^(-2i/hs) (t = position 0..T-1, float64);
               grouped-query attention: query head g reads kv head g // (NH/KV); F = ffn_hidden, 0
               meaning 256 * ceil(floor(8C/3) / 256) (llama_ffn_hidden).
+  experts     model.experts = E > 0 (gpt2 only): blocks l with (l + 1) % moe_every == 0 replace mlp by
+              MoE: mlp.router.weight [E,C] (no bias), mlp.experts.{e}.{fc,proj} each an MLP. probs =
+              softmax(x Wr^T); each token's k = experts_per_token largest (ties: the lower index),
+              gates = those probabilities over their sum; per sequence, expert e keeps at most
+              ceil(expert_capacity * T * k / E) assignments (0: all), first choices before second, each
+              in token order; out = sum over kept (gate * expert(x)). The objective adds, per such
+              block, moe_aux_loss * mean over sequences of E * sum_e f_e P_e (f_e: the share of the
+              sequence's T*k choices that picked e, dropped or not; P_e: its mean probability) and
+              moe_z_loss * mean over tokens of logsumexp(logits)^2 (model.aux_objective after a forward;
+              the returned loss stays the cross-entropy).
   precision   set_operand_dtype(model, torch.bfloat16) emulates loom's precision.dtype = bf16 in any
               model dtype: every model matrix product (QKV, attention projection, MLP fc and proj,
               the tied head; Llama's q, k, v, proj, gate, up, down and head; forward and both
@@ -49,7 +59,9 @@ TRAIN_DEFAULTS = dict(
 # The architecture keys and their defaults (kv_heads 0 = heads, ffn_hidden 0 = llama_ffn_hidden).
 ARCHS = ("gpt2", "llama")
 MODEL_DEFAULTS = dict(arch="gpt2", kv_heads=0, ffn_hidden=0, norm_eps=1e-5, rope_theta=10000.0,
-                      tie_embeddings=False)
+                      tie_embeddings=False, experts=0, moe_every=1, experts_per_token=2, expert_capacity=0.0,
+                      moe_aux_loss=0.01, moe_z_loss=0.001)
+MOE_KEYS = ("experts", "moe_every", "experts_per_token", "expert_capacity", "moe_aux_loss", "moe_z_loss")
 
 
 def round_to(x, dtype):
@@ -146,13 +158,51 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))
 
 
+class MoE(nn.Module):
+    """The experts of a block (the module docstring's contract), written from it: every expert runs on
+    every token and is weighted by its gate (0 where the token did not pick it or it was dropped)."""
+
+    def __init__(self, d_model, experts, k, capacity, aux_weight, z_weight):
+        super().__init__()
+        self.router = Linear(d_model, experts, bias=False)
+        self.experts = nn.ModuleList([MLP(d_model) for _ in range(experts)])
+        self.k, self.capacity, self.aux_weight, self.z_weight = int(k), float(capacity), aux_weight, z_weight
+        self.aux = self.z = self.objective = None
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        E, k = len(self.experts), self.k
+        logits = self.router(x)  # [B, T, E]
+        probs = F.softmax(logits, dim=-1)
+        # the k largest, ties to the lower index (a stable descending sort keeps index order among ties)
+        order = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[..., :k]  # [B, T, k]
+        chosen = probs.gather(-1, order)
+        gates = chosen / chosen.sum(-1, keepdim=True)
+        onehot = F.one_hot(order, E).to(x.dtype)  # [B, T, k, E]
+        kept = torch.ones(B, T, k, dtype=x.dtype)
+        if self.capacity > 0:
+            cap = math.ceil(self.capacity * T * k / E)
+            queue = onehot.permute(0, 2, 1, 3).reshape(B, k * T, E)  # first choices first, in token order
+            place = (queue.cumsum(1) - queue).reshape(B, k, T, E).permute(0, 2, 1, 3)  # earlier takers of e
+            kept = ((place * onehot).sum(-1) < cap).to(x.dtype)
+        f = onehot.sum((1, 2)) / (T * k)  # [B, E]
+        self.aux = (E * (f * probs.mean(1)).sum(-1)).mean()
+        self.z = (torch.logsumexp(logits, dim=-1) ** 2).mean()
+        self.objective = self.aux_weight * self.aux + self.z_weight * self.z
+        weight = (gates * kept).unsqueeze(-1) * onehot  # [B, T, k, E]
+        out = 0
+        for e, expert in enumerate(self.experts):
+            out = out + weight[..., e].sum(-1, keepdim=True) * expert(x)
+        return out
+
+
 class Block(nn.Module):
-    def __init__(self, d_model, heads, seq_len):
+    def __init__(self, d_model, heads, seq_len, moe=None):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model, eps=1e-5)
         self.attn = CausalSelfAttention(d_model, heads, seq_len)
         self.ln2 = nn.LayerNorm(d_model, eps=1e-5)
-        self.mlp = MLP(d_model)
+        self.mlp = MoE(d_model, **moe) if moe else MLP(d_model)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -163,12 +213,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     operand_dtype = None  # the tied head's; set_operand_dtype sets it with every Linear's
 
-    def __init__(self, layers, d_model, heads, seq_len, vocab):
+    def __init__(self, layers, d_model, heads, seq_len, vocab, moe=None, moe_every=1):
         super().__init__()
         self.seq_len = seq_len
         self.wte = nn.Embedding(vocab, d_model)
         self.wpe = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList([Block(d_model, heads, seq_len) for _ in range(layers)])
+        self.blocks = nn.ModuleList([Block(d_model, heads, seq_len, moe if (l + 1) % moe_every == 0 else None)
+                                     for l in range(layers)])
         self.ln_f = nn.LayerNorm(d_model, eps=1e-5)
         # GPT-2 style initial values; the oracle overwrites them with loom's.
         for name, p in self.named_parameters():
@@ -187,6 +238,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
+        # the experts' auxiliary losses (0 without experts): what the objective adds to the loss
+        self.aux_objective = sum((b.mlp.objective for b in self.blocks if isinstance(b.mlp, MoE)), 0.0)
         if self.operand_dtype is None:
             logits = x @ self.wte.weight.t()
         else:
@@ -409,11 +462,21 @@ def llama_config(cfg):
                 tie_embeddings=_flag(_get(cfg, "tie_embeddings")))
 
 
+def moe_config(cfg):
+    """GPT's keyword arguments for cfg's experts: {} when model.experts is 0."""
+    if int(_get(cfg, "experts")) == 0:
+        return {}
+    return dict(moe=dict(experts=int(_get(cfg, "experts")), k=int(_get(cfg, "experts_per_token")),
+                         capacity=float(_get(cfg, "expert_capacity")), aux_weight=float(_get(cfg, "moe_aux_loss")),
+                         z_weight=float(_get(cfg, "moe_z_loss"))),
+                moe_every=int(_get(cfg, "moe_every")))
+
+
 def build_model(cfg, dtype=torch.float32):
     """cfg: dict (or object) with layers, d_model, heads, seq_len, vocab, and arch (absent: gpt2; llama
     also reads kv_heads, ffn_hidden, norm_eps, rope_theta, tie_embeddings, see llama_config)."""
     shape = [int(_get(cfg, k)) for k in MODEL_KEYS]
-    m = Llama(*shape, **llama_config(cfg)) if arch_of(cfg) == "llama" else GPT(*shape)
+    m = Llama(*shape, **llama_config(cfg)) if arch_of(cfg) == "llama" else GPT(*shape, **moe_config(cfg))
     return m.to(dtype)
 
 
@@ -434,10 +497,14 @@ def param_names(cfg):
             names.append("lm_head.weight")
         return names
     names = ["wte.weight", "wpe.weight"]
+    E, every = int(_get(cfg, "experts")), int(_get(cfg, "moe_every"))
     for l in range(layers):
+        mlp = ("mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight", "mlp.proj.bias")
+        if E > 0 and (l + 1) % every == 0:
+            mlp = ("mlp.router.weight",) + tuple(f"mlp.experts.{e}.{t}" for e in range(E)
+                                                  for t in ("fc.weight", "fc.bias", "proj.weight", "proj.bias"))
         for sub in ("ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
-                    "attn.proj.bias", "ln2.weight", "ln2.bias", "mlp.fc.weight", "mlp.fc.bias",
-                    "mlp.proj.weight", "mlp.proj.bias"):
+                    "attn.proj.bias", "ln2.weight", "ln2.bias") + mlp:
             names.append(f"blocks.{l}.{sub}")
     names += ["ln_f.weight", "ln_f.bias"]
     return names
@@ -540,7 +607,7 @@ def train_step(model, opt, inputs, targets, step, cfg, micro_batches=1):
     total = 0.0
     for i in range(micro_batches):
         _, loss = model(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
-        (loss / micro_batches).backward()
+        ((loss + getattr(model, "aux_objective", 0.0)) / micro_batches).backward()
         total += float(loss.detach()) / micro_batches
     norm = clip_grad_norm(model.parameters(), float(_get(cfg, "grad_clip")))
     lr = lr_at(step, cfg)

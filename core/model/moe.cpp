@@ -12,6 +12,11 @@
 namespace loom {
 
 MoeRouting moe_route(const float* logits, int N, int T, int E, int k, double capacity_factor) {
+  const std::vector<double> l(logits, logits + static_cast<std::size_t>(N) * E);
+  return moe_route(l.data(), N, T, E, k, capacity_factor);
+}
+
+MoeRouting moe_route(const double* logits, int N, int T, int E, int k, double capacity_factor) {
   if (N % T != 0 || k < 1 || k > E) throw std::logic_error("moe_route: bad shape");
   MoeRouting r;
   r.N = N, r.T = T, r.E = E, r.k = k;
@@ -26,9 +31,9 @@ MoeRouting moe_route(const float* logits, int N, int T, int E, int k, double cap
   r.routed.assign(static_cast<std::size_t>(E), 0);
   double z = 0;
   for (int t = 0; t < N; ++t) {
-    const float* l = logits + static_cast<std::size_t>(t) * E;
+    const double* l = logits + static_cast<std::size_t>(t) * E;
     double mx = -std::numeric_limits<double>::infinity();
-    for (int e = 0; e < E; ++e) mx = std::max(mx, static_cast<double>(l[e]));
+    for (int e = 0; e < E; ++e) mx = std::max(mx, l[e]);
     double sum = 0;
     for (int e = 0; e < E; ++e) sum += std::exp(l[e] - mx);
     const double lse = mx + std::log(sum);

@@ -34,6 +34,7 @@ struct MoeRouting {
 
 // Routes N tokens (N/T sequences of T) given the router's logits [N,E]; capacity_factor 0: dropless.
 MoeRouting moe_route(const float* logits, int N, int T, int E, int k, double capacity_factor);
+MoeRouting moe_route(const double* logits, int N, int T, int E, int k, double capacity_factor);
 
 // The gradient of the router's logits, dlogits [N,E], from the gradient of each kept assignment's gate
 // (dgate [assignments], in `rows` order) and the auxiliary losses' weights: the objective is
