@@ -543,11 +543,16 @@ def check_case(label, data, expect=None, dtype="fp32"):
         ref = reference(data, operand_dtype=torch.bfloat16)
         plain = reference(data)
         t1 = time.time()
-        auto = reference(data, dtype=torch.float32, autocast=torch.bfloat16)
-        rows = (compare(data, ref, TOLS["bf16_emulated"], "emulated: ", plain=plain)
-                + compare(data, auto, TOLS["bf16_autocast"], "autocast: "))
+        rows = compare(data, ref, TOLS["bf16_emulated"], "emulated: ", plain=plain)
         took = (f"references: emulated and plain (float64 torch, with and without bf16 operands) took "
-                f"{t1 - t0:.1f} s, autocast (float32 torch, bf16 autocast) {time.time() - t1:.1f} s")
+                f"{t1 - t0:.1f} s")
+        if cfg.get("experts", 0):  # autocast rounds the router's logits to bf16: another routing, another model
+            took += ("; autocast not compared: it rounds the router's logits to bf16, so near-tie routing "
+                     "decisions can go otherwise than on loom's fp32 logits (another model, not a rounding)")
+        else:
+            auto = reference(data, dtype=torch.float32, autocast=torch.bfloat16)
+            rows += compare(data, auto, TOLS["bf16_autocast"], "autocast: ")
+            took += f", autocast (float32 torch, bf16 autocast) {time.time() - t1:.1f} s"
     rows += rows_extra
     clip = cfg["grad_clip"]
     engaged = [s for s, n in enumerate(ref["grad_norm"]) if clip > 0 and torch_gpt.clip_coef(n, clip) < 1.0]

@@ -29,7 +29,8 @@ A case records its deck lines and what to check, LAMMPS-style:
      "error"    the run must fail with exit status "exit" and stderr matching every regex in "stderr"
   "epsilon":  {"base": e, "scale": {"loss": s, "val_loss": s}}: tolerance for a quantity is
               base * scale[quantity] relative to the reference (|a - b| <= eps * max(1, |b|));
-              "same_as" also compares the per-step gradient norm when the scale names "grad_norm".
+              "same_as" also compares the per-step gradient norm when the scale names "grad_norm", and
+              with "same_routing": true every step's expert load (moe_load) exactly.
 Standard library only: runs with any python3.
 """
 import argparse
@@ -104,7 +105,8 @@ def run_loom(args, case, workdir, tag, sets, ranks=None):
 def curve(records):
     loss = [r["loss"] for r in records]
     val = [r["val_loss"] for r in records if "val_loss" in r]
-    return {"loss": loss, "val_loss": val[-1] if val else None, "grad_norm": [r.get("grad_norm") for r in records]}
+    return {"loss": loss, "val_loss": val[-1] if val else None, "grad_norm": [r.get("grad_norm") for r in records],
+            "moe_load": [r.get("moe_load") for r in records]}
 
 
 def tolerance(case, quantity):
@@ -133,6 +135,15 @@ def compare(case, got, ref):
         print("gradient norm: worst relative error %.3g (tolerance %.3g)" % (max(errs), tn))
         failures += ["step %d: gradient norm %.10g, reference %.10g (rel. error %.3g > %.3g)" % (i + 1, a, b, e, tn)
                      for i, (a, b, e) in enumerate(zip(got["grad_norm"], ref["grad_norm"], errs)) if e > tn]
+    if case.get("same_routing"):  # model.experts: every step's routed share of each expert, exactly
+        if not any(ref.get("moe_load", [])):
+            failures.append("the reference run reports no expert load (moe_load): the case has no experts")
+        steps = [i + 1 for i, (a, b) in enumerate(zip(got.get("moe_load", []), ref.get("moe_load", []))) if a != b]
+        print("routing: %d of %d steps route every token as the reference does" % (len(ref["loss"]) - len(steps),
+                                                                                  len(ref["loss"])))
+        if steps:
+            failures.append("the experts' load differs from the reference's on steps %s: other routing decisions" %
+                            steps[:5])
     if ref.get("val_loss") is not None:
         tv = tolerance(case, "val_loss")
         if got.get("val_loss") is None:

@@ -28,6 +28,10 @@ void check_context_layout(const Layout& l, const GPTConfig& m) {
   if (m.llama())
     throw InputError("parallel.cp = " + s(l.cp) + " with model.arch = llama: rotary positions are not yet given " +
                      "their global positions under context parallelism; use model.arch = gpt2, or parallel.cp = 1");
+  if (m.experts > 0)
+    throw InputError("parallel.cp = " + s(l.cp) + " with model.experts = " + s(m.experts) +
+                     ": the experts' capacity and load-balancing loss are per sequence, and a cp rank holds only " +
+                     "part of each; use parallel.cp = 1 (or parallel.dp for more ranks)");
   if (m.attention == "cudnn")
     throw InputError("parallel.cp = " + s(l.cp) + " with model.attention = cudnn: cuDNN's attention cannot take " +
                      "part in the ring (it neither merges a running output nor attends to another rank's keys); " +
