@@ -235,6 +235,10 @@ std::vector<float> permute_rotary_rows(const std::vector<float>& w, int heads, i
 
 void write_hf_model(const std::string& dir, const GPTConfig& cfg,
                     const std::function<const std::vector<float>&(const std::string& name)>& tensor) {
+  if (cfg.experts > 0)
+    throw InputError(quote_path(dir) + ": this checkpoint's model.experts = " + std::to_string(cfg.experts) +
+                     ": no Hugging Face class holds GPT-2 blocks with experts (GPT2LMHeadModel's MLP is dense); "
+                     "the checkpoint itself is loom's file of them");
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (!std::filesystem::is_directory(dir, ec)) throw InputError("cannot make the folder " + quote_path(dir));
@@ -298,6 +302,10 @@ HfModel read_hf_model(const std::string& dir) {
 }
 
 void check_hf_model(const HfModel& m, const GPTConfig& deck, const std::string& dir) {
+  if (deck.experts > 0)
+    throw InputError("model.init_from = " + quote_path(dir) + " with model.experts = " + std::to_string(deck.experts) +
+                     ": Hugging Face's " + family(deck) + " files hold a dense MLP, not experts (start from a loom "
+                     "checkpoint, or model.experts = 0)");
   if (deck.arch != m.cfg.arch)
     throw InputError("model.init_from = " + quote_path(dir) + " holds a Hugging Face " + family(m.cfg) +
                      " (model_type " + GPTConfig::arch_name(m.cfg.arch) + "); this deck's model.arch = " +

@@ -140,6 +140,9 @@ void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::strin
   if (cfg.llama())
     throw InputError("model.init_from = " + quote_path(path) +
                      ": an llm.c model file holds GPT-2's block, and this deck's model.arch = llama");
+  if (cfg.experts > 0)
+    throw InputError("model.init_from = " + quote_path(path) + ": an llm.c model file holds a dense GPT-2, and this "
+                     "deck's model.experts = " + std::to_string(cfg.experts));
   std::string bad;
   auto differ = [&](const char* key, int deck, const char* field, int file) {
     if (deck != file)
@@ -184,6 +187,9 @@ LlmcModel read_init_from(const std::string& path, const GPTConfig& cfg) {
 
 void write_llmc_model(const std::string& path, const GPTConfig& cfg,
                       const std::function<const std::vector<float>&(const std::string& name)>& tensor) {
+  if (cfg.experts > 0)
+    throw InputError(quote_path(path) + ": llm.c's model file holds a dense GPT-2; this checkpoint's model.experts = " +
+                     std::to_string(cfg.experts) + " has no llm.c layout");
   if (cfg.llama())
     throw InputError(
         quote_path(path) +

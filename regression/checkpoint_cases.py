@@ -20,8 +20,10 @@ CASE is one of:
                      the cross-layout tolerance of the uninterrupted run)
   bitwise_llama_zero3_dp2, layout_llama_tp2_to_pp2  the same for Llama's block (model.arch = llama,
                      kv_heads 1: whole on every tp rank)
-  refuse_other_arch  a Llama checkpoint resumed by a GPT-2 deck, or with other kv heads: exit status 2,
-                     both values named
+  bitwise_moe_zero3_dp2, layout_moe_tp2_to_pp2_dp2  the same with 4 experts in every block (the
+                     routing follows the weights: the same routing after the restart)
+  refuse_other_arch  a Llama checkpoint resumed by a GPT-2 deck, or with other kv heads, or one with 4
+                     experts by a deck with 8: exit status 2, both values named
   refuse_missing_latest  checkpoint.resume = latest with no `latest` in checkpoint.dir: exit status 2,
                      the path named (a damaged or foreign file's refusals are the C++ test's,
                      io/test_mpi/test_checkpoint.cpp, mpi.checkpoint.np*)
@@ -50,6 +52,7 @@ import common  # noqa: E402
 
 DECK = common.small_deck(steps=8)
 LLAMA = ["model.arch=llama", "model.kv_heads=1"]  # Llama's block, multi-query
+MOE = ["model.experts=4", "model.expert_capacity=1.25"]  # 4 experts top-2 in every block
 CROSS_LAYOUT_TOL = 1e-5  # relative, per step: reduction order is the only difference between layouts
 
 
@@ -87,13 +90,17 @@ def main():
         "layout_cp2_to_cp1": ((2, ["parallel.cp=2"]), (1, [])),
         "layout_cp2_dp2_to_dp4": ((4, ["parallel.cp=2", "parallel.dp=2"]), (4, ["parallel.dp=4"])),
         "layout_zero3_cp2_to_cp4": ((2, ["parallel.cp=2", "zero.stage=3"]), (4, ["parallel.cp=4"])),
+        # Experts by global index (blocks.<l>.mlp.experts.<e>.*): split over tp, then on pipeline stages.
+        "layout_moe_tp2_to_pp2_dp2": ((2, MOE + ["parallel.tp=2"]),
+                                      (4, MOE + ["parallel.pp=2", "parallel.dp=2", "train.micro_batches=2"])),
     }
     bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"],
                "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"],
                "bitwise_zero2_dp2": ["parallel.dp=2", "zero.stage=2"],
                "bitwise_zero3_dp2": ["parallel.dp=2", "zero.stage=3"],
                "bitwise_llama_zero3_dp2": LLAMA + ["parallel.dp=2", "zero.stage=3"],
-               "bitwise_cp2": ["parallel.cp=2"]}
+               "bitwise_cp2": ["parallel.cp=2"],
+               "bitwise_moe_zero3_dp2": MOE + ["parallel.dp=2", "zero.stage=3"]}
     if name in bitwise:
         ref, ckpt = saved(c, 2, bitwise[name])
         c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])
@@ -110,6 +117,10 @@ def main():
         c.expect_error(p, [r"model\.arch = llama in the checkpoint, gpt2 in this deck"])
         p, _ = c.loom("refused_kv", 1, LLAMA[:1] + ["model.kv_heads=2", "checkpoint.resume=" + ckpt], expect=2)
         c.expect_error(p, [r"model\.kv_heads = 1 in the checkpoint, 2 in this deck"])
+        # Experts: another count of experts is another model.
+        _, ckpt = saved(c, 1, MOE, tag="moe")
+        p, _ = c.loom("refused_experts", 1, ["model.experts=8", "checkpoint.resume=" + ckpt], expect=2)
+        c.expect_error(p, [r"model\.experts = 4 in the checkpoint, 8 in this deck"])
     elif name == "refuse_missing_latest":
         # (The file format's refusals, of a damaged or foreign file, are io/test_mpi/test_checkpoint.cpp's.)
         _, ckpt = saved(c, 1, [])
