@@ -120,6 +120,9 @@ LAYOUTS = [
     # Context parallelism: the ring's blocks (comm) and running output (workspace), ZeRO over dp x cp.
     ("cp2", SYN, 2, ["parallel.cp=2"]),
     ("cp2_zero3_bf16", SYN, 2, ["parallel.cp=2", "zero.stage=3", "precision.dtype=bf16"]),
+    # Experts: their tables (N*k rows), the router's, and tp's gate-gradient sum.
+    ("moe_tp2_bf16", SYN, 2, ["parallel.tp=2", "model.experts=4", "precision.dtype=bf16"]),
+    ("moe_zero3_dp2", SYN, 2, ["parallel.dp=2", "zero.stage=3", "model.experts=4", "model.moe_every=2"]),
     ("dp2_pp2", SYN, 4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batches=2"]),
     ("bf16_zero1_dp2_pp2", SYN, 4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batches=2", "zero.stage=1",
                                     "precision.dtype=bf16"]),

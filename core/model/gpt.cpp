@@ -424,8 +424,15 @@ void GPT::plan_step(StepPlan& plan) const {
       }
       fwd.push_back({false, full(a.ln1, C), weight(3ll * Cl * C), N, C, 3 * Cl, DType::f32, true});
       fwd.push_back({false, full(a.atty, Cl), weight(static_cast<std::int64_t>(C) * Cl), N, Cl, C});
-      fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfch.type});
-      fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
+      // Experts: the router's product, then the experts' N*k rows, priced as k products of N rows (an
+      // expert takes at most every token once, so none is larger).
+      const int mlps = cfg_.moe_layer(l) ? cfg_.top_k() : 1;
+      if (cfg_.moe_layer(l))
+        fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(cfg_.experts) * C), N, C, cfg_.experts});
+      for (int e = 0; e < mlps; ++e) {
+        fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfch.type});
+        fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
+      }
     }
   if (stage_.last())
     fwd.push_back(
@@ -1126,10 +1133,6 @@ GPT::Head GPT::head(int slot) const {
 
 void GPT::zero_grad() { store_->zero_grads(); }
 
-double GPT::flops_per_token() const {
-  const double L = cfg_.layers, C = cfg_.d_model, T = cfg_.seq_len, V = cfg_.vocab;
-  const double matmul_weights = cfg_.blocks_matmul_weights() + V * C;  // the head, tied or not; experts active
-  return 6.0 * matmul_weights + 12.0 * L * T * C;
-}
+double GPT::flops_per_token() const { return cfg_.flops_per_token(); }
 
 }  // namespace loom

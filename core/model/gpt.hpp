@@ -97,6 +97,14 @@ struct GPTConfig {
     return dense * block_matmul_weights() + expert_blocks * (attention + experts * C + n * per_expert);
   }
   double head_flops() const { return 2.0 * d_model * vocab; }
+  // Model FLOPs per trained token (GPT::flops_per_token): with experts, those a token's k experts do
+  // (`active`) or what all E would.
+  double flops_per_token(bool active = true) const {
+    const double matmul_weights = blocks_matmul_weights(active) + static_cast<double>(vocab) * d_model;
+    return 6.0 * matmul_weights + 12.0 * layers * static_cast<double>(seq_len) * d_model;
+  }
+  // Parameters of one expert (fc and proj with their biases) and of the whole model's experts.
+  double expert_params() const { return 2.0 * d_model * ffn() + ffn() + d_model; }
   double head_in_blocks() const { return head_flops() / block_flops(); }
 };
 

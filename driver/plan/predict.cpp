@@ -451,6 +451,14 @@ std::string describe_prediction(const Prediction& p, const ClusterSpec& cluster)
   if (l.cp > 1)
     s << "; each rank holds " << p.plan.model.seq_len / l.cp << " of " << p.plan.model.seq_len
       << " tokens of a sequence\n";
+  const GPTConfig& m = p.plan.model;
+  if (m.experts > 0) {
+    const double all = m.moe_layers() * m.experts * m.expert_params(), active = all * m.top_k() / m.experts;
+    s << std::setprecision(3) << "  experts: " << m.experts << " per block in " << m.moe_layers() << " of " << m.layers
+      << " blocks, top-" << m.top_k() << ": of their " << all / 1e6 << " M parameters " << active / 1e6
+      << " M reach a token; MFU counts what a token's experts compute: " << m.flops_per_token(true) / 1e6
+      << " MFLOP a token (all experts: " << m.flops_per_token(false) / 1e6 << ")\n";
+  }
   if (t.stage_busy_s.size() > 1) {
     s << "  pipeline stages' forward + backward (each the slowest of its ranks):";
     for (std::size_t i = 0; i < t.stage_busy_s.size(); ++i) s << (i ? ", " : " ") << t.stage_busy_s[i] * 1e3 << " ms";

@@ -351,6 +351,7 @@ double ShardedStore::gathered_bytes() const {
 void ShardedStore::plan_step(StepPlan& plan) const {
   const int n = dp_.size();
   std::int64_t emb = 0, most = 0, emb16 = 0, most16 = 0;  // elements; 16: the units' compute copies
+  std::vector<std::int64_t> sizes;                          // the other units', in model order
   for (std::size_t u = 0; u < units_.size(); ++u) {
     const std::int64_t size = unit_hi_[u] - unit_lo_[u];
     const std::int64_t copy = copies_.active() ? copies_.elements(static_cast<int>(u)) : 0;
@@ -360,17 +361,31 @@ void ShardedStore::plan_step(StepPlan& plan) const {
     } else {
       most = std::max(most, size);
       most16 = std::max(most16, copy);
+      sizes.push_back(size);
     }
   }
+  // Units held at once are neighbours in model order (the one in use and those fetched ahead); a slot
+  // serves units of up to twice its size, so units of one size share slots and a small unit beside a
+  // large one (a dense block beside one with experts) takes a small slot: the largest sum of `k`
+  // neighbours, which is k x most when the units are alike.
+  const auto window = [&](std::size_t k) {
+    std::int64_t best = 0;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      std::int64_t sum = 0;
+      for (std::size_t j = i; j < std::min(sizes.size(), i + k); ++j) sum += sizes[j];
+      best = std::max(best, sum);
+    }
+    return best;
+  };
   // Stage 3 makes a unit's compute copy when the model acquires it and drops it at release
   // (ComputeCopies, not resident): one unit's at a time.
   if (stage_ == 3 && copies_.active())
     plan.add_scratch(Mem::params, static_cast<double>(dtype_size(be_->precision().matmul)) *
                                       static_cast<double>(std::max(emb16, most16)));
-  plan.add_scratch(Mem::grads, 4.0 * static_cast<double>(emb + 2 * most));
+  plan.add_scratch(Mem::grads, 4.0 * static_cast<double>(emb + window(2)));
   const double m = plan.micro_batches;
   if (stage_ == 3) {
-    plan.add_scratch(Mem::params, 4.0 * static_cast<double>(emb + (1 + depth_) * most));
+    plan.add_scratch(Mem::params, 4.0 * static_cast<double>(emb + window(1 + static_cast<std::size_t>(depth_))));
     plan.add_comm({dp_.name(), "parameter all-gathers (forward and backward, every micro-batch)",
                    2.0 * m * ring_all_gather_bytes(4.0 * static_cast<double>(sharded_), n),
                    2.0 * m * static_cast<double>(units_.size()) * (n - 1), true, true});
