@@ -62,6 +62,9 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(int_key("model.experts_per_token", "2", 1, 64,
                      "with model.experts: the experts each token goes to (top-k of the router's softmax, their "
                      "probabilities renormalised over the k)"));
+  schema.add(int_key("model.moe_ffn_hidden", "0", 0, 1048576,
+                     "with model.experts: an expert MLP's width (0 = the dense MLP's, 4 x d_model); narrower, "
+                     "finer experts (DeepSeekMoE's) keep a token's active parameters as experts multiply"));
   schema.add(float_key("model.expert_capacity", "0", 0, 1e6,
                        "with model.experts: capacity factor; an expert takes at most ceil(factor x seq_len x k / "
                        "experts) of a sequence's tokens (first choices first, then in token order), the rest "

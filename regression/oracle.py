@@ -251,7 +251,7 @@ def _deck_value(deck, section, key):
 # The [model] keys of the recorded deck that choose and shape the architecture, with their defaults
 # when the deck (or the key) is absent, as loom of before model.arch wrote it: torch_gpt.MODEL_DEFAULTS
 # (kv_heads 0 = heads, ffn_hidden 0 = torch_gpt.llama_ffn_hidden(d_model)).
-ARCH_INT_KEYS = ("kv_heads", "ffn_hidden", "experts", "moe_every", "experts_per_token")
+ARCH_INT_KEYS = ("kv_heads", "ffn_hidden", "experts", "moe_every", "experts_per_token", "moe_ffn_hidden")
 ARCH_FLOAT_KEYS = ("norm_eps", "rope_theta", "expert_capacity", "moe_aux_loss", "moe_z_loss")
 TRAIN_SECTION_KEYS = ("moe_aux_loss", "moe_z_loss")  # read from [train]
 
@@ -287,6 +287,7 @@ def _arch_text(cfg):
     'arch llama kv_heads KV ffn_hidden F norm_eps E rope_theta R tied|untied head '."""
     if cfg.get("experts", 0):
         return (f"{cfg['experts']} experts top-{cfg['experts_per_token']} every {cfg['moe_every']} block(s), "
+                f"width {cfg['moe_ffn_hidden'] or 4 * cfg['d_model']}, "
                 f"capacity {cfg['expert_capacity']:g}, aux {cfg['moe_aux_loss']:g} z {cfg['moe_z_loss']:g}, ")
     if cfg.get("arch", "gpt2") == "gpt2":
         return ""

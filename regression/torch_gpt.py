@@ -30,7 +30,7 @@ The contract (DESIGN.md and the oracle spec):
               gates = those probabilities over their sum; per sequence, expert e keeps at most
               ceil(expert_capacity * T * k / E) assignments (0: all), first choices before second, each
               in token order; out = sum over kept (gate * expert(x)). The objective adds, per such
-              block, moe_aux_loss * mean over sequences of E * sum_e f_e P_e (f_e: the share of the
+              block (each expert's MLP moe_ffn_hidden wide, 0: 4C), moe_aux_loss * mean over sequences of E * sum_e f_e P_e (f_e: the share of the
               sequence's T*k choices that picked e, dropped or not; P_e: its mean probability) and
               moe_z_loss * mean over tokens of logsumexp(logits)^2 (model.aux_objective after a forward;
               the returned loss stays the cross-entropy).
@@ -60,8 +60,9 @@ TRAIN_DEFAULTS = dict(
 ARCHS = ("gpt2", "llama")
 MODEL_DEFAULTS = dict(arch="gpt2", kv_heads=0, ffn_hidden=0, norm_eps=1e-5, rope_theta=10000.0,
                       tie_embeddings=False, experts=0, moe_every=1, experts_per_token=2, expert_capacity=0.0,
-                      moe_aux_loss=0.01, moe_z_loss=0.001)
-MOE_KEYS = ("experts", "moe_every", "experts_per_token", "expert_capacity", "moe_aux_loss", "moe_z_loss")
+                      moe_aux_loss=0.01, moe_z_loss=0.001, moe_ffn_hidden=0)
+MOE_KEYS = ("experts", "moe_every", "experts_per_token", "expert_capacity", "moe_aux_loss", "moe_z_loss",
+            "moe_ffn_hidden")
 
 
 def round_to(x, dtype):
@@ -148,11 +149,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model):
+    def __init__(self, d_model, hidden=0):
         super().__init__()
-        self.fc = Linear(d_model, 4 * d_model)
+        hidden = hidden or 4 * d_model
+        self.fc = Linear(d_model, hidden)
         self.act = nn.GELU(approximate="tanh")
-        self.proj = Linear(4 * d_model, d_model)
+        self.proj = Linear(hidden, d_model)
 
     def forward(self, x):
         return self.proj(self.act(self.fc(x)))
@@ -162,10 +164,10 @@ class MoE(nn.Module):
     """The experts of a block (the module docstring's contract), written from it: every expert runs on
     every token and is weighted by its gate (0 where the token did not pick it or it was dropped)."""
 
-    def __init__(self, d_model, experts, k, capacity, aux_weight, z_weight):
+    def __init__(self, d_model, experts, k, capacity, aux_weight, z_weight, hidden=0):
         super().__init__()
         self.router = Linear(d_model, experts, bias=False)
-        self.experts = nn.ModuleList([MLP(d_model) for _ in range(experts)])
+        self.experts = nn.ModuleList([MLP(d_model, hidden) for _ in range(experts)])
         self.k, self.capacity, self.aux_weight, self.z_weight = int(k), float(capacity), aux_weight, z_weight
         self.aux = self.z = self.objective = None
 
@@ -468,7 +470,7 @@ def moe_config(cfg):
         return {}
     return dict(moe=dict(experts=int(_get(cfg, "experts")), k=int(_get(cfg, "experts_per_token")),
                          capacity=float(_get(cfg, "expert_capacity")), aux_weight=float(_get(cfg, "moe_aux_loss")),
-                         z_weight=float(_get(cfg, "moe_z_loss"))),
+                         z_weight=float(_get(cfg, "moe_z_loss")), hidden=int(_get(cfg, "moe_ffn_hidden"))),
                 moe_every=int(_get(cfg, "moe_every")))
 
 

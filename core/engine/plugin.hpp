@@ -52,7 +52,9 @@
 // ABI 20: GPTConfig's architecture (model.arch = llama and its keys), GPT's Llama handles.
 // ABI 21: the context axis (Layout::cp, ProcessGrid::cp, the dp communicator over dp x cp), the context
 // role (ContextSplit, StrategyInfo::make_context), ring attention in LOOM_FACE_OPS.
-#define LOOM_PLUGIN_ABI_VERSION 21
+// ABI 22: mixture of experts: GPTConfig's experts, moe_every, experts_per_token, expert_capacity and the
+// auxiliary losses' weights; GPT's routing state; Partition::sum_over_group.
+#define LOOM_PLUGIN_ABI_VERSION 22
 
 extern "C" {
 struct loom_plugin_v1 {

@@ -81,6 +81,8 @@ void GPTConfig::validate() const {
     if (experts_per_token < 1 || experts_per_token > experts)
       throw InputError("model.experts_per_token = " + std::to_string(experts_per_token) +
                        " is not between 1 and model.experts = " + E + " (a token goes to that many distinct experts)");
+    if (moe_ffn_hidden < 0)
+      throw InputError("model.moe_ffn_hidden = " + std::to_string(moe_ffn_hidden) + " is negative (0: the dense MLP's width)");
     if (moe_every < 1 || moe_every > layers)
       throw InputError("model.moe_every = " + std::to_string(moe_every) + " is not between 1 and model.layers = " +
                        std::to_string(layers) + " (every moe_every-th block has experts)");
@@ -119,6 +121,7 @@ void GPTConfig::read_architecture(const std::map<std::string, std::string>& v) {
   experts = static_cast<int>(number("model.experts", 0));
   moe_every = static_cast<int>(number("model.moe_every", 1));
   experts_per_token = static_cast<int>(number("model.experts_per_token", 2));
+  moe_ffn_hidden = static_cast<int>(number("model.moe_ffn_hidden", 0));
   expert_capacity = number("model.expert_capacity", 0);
   const std::string tie = get("model.tie_embeddings");
   if (tie.empty() || tie == "auto")
@@ -141,7 +144,8 @@ std::map<std::string, std::string> GPTConfig::architecture_values() const {
           {"model.tie_embeddings", tied() ? "true" : "false"},
           {"model.experts", std::to_string(experts)},
           {"model.moe_every", std::to_string(experts > 0 ? moe_every : 1)},
-          {"model.experts_per_token", std::to_string(experts > 0 ? experts_per_token : 2)}};
+          {"model.experts_per_token", std::to_string(experts > 0 ? experts_per_token : 2)},
+          {"model.moe_ffn_hidden", std::to_string(experts > 0 ? expert_ffn() : 0)}};
 }
 
 void GPTConfig::set_attention(const std::string& kind) {
@@ -288,9 +292,10 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
         add(b + "mlp.router.weight", {cfg.experts, C}, TpSplit::none, I::normal, 0.02);
         for (int e = 0; e < cfg.experts; ++e) {
           const std::string x = b + "mlp.experts." + std::to_string(e) + ".";
-          add(x + "fc.weight", {4 * C, C}, TpSplit::rows, I::normal, 0.02);
-          add(x + "fc.bias", {4 * C}, TpSplit::rows, I::zeros, 0);
-          add(x + "proj.weight", {C, 4 * C}, TpSplit::cols, I::normal, resid_std);
+          const std::int64_t FE = cfg.expert_ffn();
+          add(x + "fc.weight", {FE, C}, TpSplit::rows, I::normal, 0.02);
+          add(x + "fc.bias", {FE}, TpSplit::rows, I::zeros, 0);
+          add(x + "proj.weight", {C, FE}, TpSplit::cols, I::normal, resid_std);
           add(x + "proj.bias", {C}, TpSplit::none, I::zeros, 0);
         }
         continue;
@@ -429,9 +434,10 @@ void GPT::plan_step(StepPlan& plan) const {
       const int mlps = cfg_.moe_layer(l) ? cfg_.top_k() : 1;
       if (cfg_.moe_layer(l))
         fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(cfg_.experts) * C), N, C, cfg_.experts});
+      const int F = cfg_.moe_layer(l) ? cfg_.expert_ffn() / tp_ : Fl;
       for (int e = 0; e < mlps; ++e) {
-        fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(Fl) * C), N, C, Fl, s.dfch.type});
-        fwd.push_back({false, full(a.fch_gelu, Fl), weight(static_cast<std::int64_t>(C) * Fl), N, Fl, C});
+        fwd.push_back({false, full(a.ln2, C), weight(static_cast<std::int64_t>(F) * C), N, C, F, s.dfch.type});
+        fwd.push_back({false, full(a.fch_gelu, F), weight(static_cast<std::int64_t>(C) * F), N, F, C});
       }
     }
   if (stage_.last())
@@ -649,11 +655,13 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   a.ln2 = c.take(ln, Nl * C);
   if (!llama) a.ln2_mean = c.take(Nl);
   a.ln2_rstd = c.take(Nl);
-  const std::int64_t Nk = N * g.cfg.top_k();  // with experts: every expert row, k a token
-  a.fch = c.take(Nk * Fl);
+  // with experts: every expert row, k a token, as wide as an expert
+  const std::int64_t hidden = std::max(N * Fl, N * g.cfg.top_k() * (g.cfg.expert_ffn() / g.tp));
+  a.fch = c.take(hidden);
   if (llama) a.fcu = c.take(N * Fl);
-  a.fch_gelu = c.take(mm, Nk * Fl);
+  a.fch_gelu = c.take(mm, hidden);
   if (g.cfg.experts > 0) {
+    const std::int64_t Nk = N * g.cfg.top_k();
     a.moe_y = c.take(Nk * C);
     a.moe_rows = c.take(DType::i32, Nk);
     a.moe_gates = c.take(Nk);
@@ -684,8 +692,10 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
     s.datt = c.take(T * T);
   }
   s.datty = c.take(N * Cl);
-  s.dfch = c.take(g.mm16, N * Fl);  // the fc product's dout only: in its type (gelu_bias_backward rounds it)
-  s.dfch_gelu = c.take(N * Fl);
+  // (an expert's rows are at most N, each as wide as an expert)
+  const std::int64_t hidden = std::max(N * Fl, g.cfg.experts > 0 ? N * (g.cfg.expert_ffn() / g.tp) : 0);
+  s.dfch = c.take(g.mm16, hidden);  // the fc product's dout only: in its type (gelu_bias_backward rounds it)
+  s.dfch_gelu = c.take(hidden);
   if (g.cfg.llama()) {
     const std::int64_t CKl =
         static_cast<std::int64_t>(g.cfg.kv() % g.tp == 0 ? g.cfg.kv() / g.tp : g.cfg.kv()) * g.cfg.head_size();

@@ -53,11 +53,14 @@ struct GPTConfig {
   // every model.moe_every-th block (0 experts: dense); each token goes to model.experts_per_token of them;
   // model.expert_capacity is the capacity factor (0: dropless); the objective adds train.moe_aux_loss x
   // the load-balancing loss and train.moe_z_loss x the router z-loss of each such block.
-  int experts = 0, moe_every = 1, experts_per_token = 2;
+  // model.moe_ffn_hidden: an expert MLP's width (0: the dense MLP's; narrower experts, as DeepSeekMoE's
+  // fine-grained ones, keep a token's active parameters while the experts multiply).
+  int experts = 0, moe_every = 1, experts_per_token = 2, moe_ffn_hidden = 0;
   double expert_capacity = 0, moe_aux_loss = 0.01, moe_z_loss = 0.001;
   bool moe_layer(int l) const { return experts > 0 && (l + 1) % moe_every == 0; }
   int moe_layers() const { return experts > 0 ? layers / moe_every : 0; }
   int top_k() const { return experts > 0 ? experts_per_token : 1; }
+  int expert_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn(); }
   int head_size() const { return d_model / heads; }
   static const char* arch_name(Arch a) { return a == Arch::llama ? "llama" : "gpt2"; }
   // model.attention = flash or cudnn: fused attention, which saves each row's log-sum-exp instead of
@@ -93,7 +96,7 @@ struct GPTConfig {
   double blocks_matmul_weights(bool active = true) const {
     const double C = d_model, F = ffn(), attention = block_matmul_weights() - 8.0 * C * C;
     const double expert_blocks = moe_layers(), dense = layers - expert_blocks;
-    const double per_expert = 2.0 * C * F, n = active ? top_k() : experts;
+    const double per_expert = 2.0 * C * expert_ffn(), n = active ? top_k() : experts;
     return dense * block_matmul_weights() + expert_blocks * (attention + experts * C + n * per_expert);
   }
   double head_flops() const { return 2.0 * d_model * vocab; }
@@ -104,7 +107,7 @@ struct GPTConfig {
     return 6.0 * matmul_weights + 12.0 * layers * static_cast<double>(seq_len) * d_model;
   }
   // Parameters of one expert (fc and proj with their biases) and of the whole model's experts.
-  double expert_params() const { return 2.0 * d_model * ffn() + ffn() + d_model; }
+  double expert_params() const { return 2.0 * d_model * expert_ffn() + expert_ffn() + d_model; }
   double head_in_blocks() const { return head_flops() / block_flops(); }
 };
 

@@ -72,6 +72,10 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
     throw InputError("parallel.tp = " + s(l.tp) + " does not divide the MLP's width " + s(m.ffn()) +
                      (m.llama() ? " (model.ffn_hidden)" : " (4 x model.d_model)") +
                      "; tp sizes that work: " + divisors(std::gcd(tp_ok, static_cast<long>(m.ffn()))));
+  if (m.experts > 0 && m.expert_ffn() % l.tp != 0)
+    throw InputError("parallel.tp = " + s(l.tp) + " does not divide an expert's width " + s(m.expert_ffn()) +
+                     " (model.moe_ffn_hidden); tp sizes that work: " +
+                     divisors(std::gcd(tp_ok, static_cast<long>(m.expert_ffn()))));
   if (l.pp > m.layers)
     throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
                      "; pp sizes that work: 1 .. " + s(m.layers));

@@ -151,7 +151,7 @@ void GPT::reset_moe_stats() {
 // fch_gelu), its output (moe_y), its token and gate; the router's probabilities stay on the host.
 void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, int chunk, int slot,
                       int l, int N, bool recompute) {
-  const int C = cfg_.d_model, E = cfg_.experts, k = cfg_.top_k(), Fl = cfg_.ffn() / tp_;
+  const int C = cfg_.d_model, E = cfg_.experts, k = cfg_.top_k(), Fl = cfg_.expert_ffn() / tp_;
   const std::vector<int>& h = block_tensors_[static_cast<std::size_t>(l)];
   const BufferRef in = input_of(a.ln2, s.full, N, C);  // [N,C] every token of the micro-batch
   be_.matmul_forward(s.router, in, matmul_operand(view, h[12]), {}, N, C, E);
@@ -198,7 +198,7 @@ void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, cons
 // on the host and its input gradient (tp rank 0 adds it: every rank computes the same).
 void GPT::moe_backward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, const BufferRef& dy,
                        int chunk, int slot, int l, int N) {
-  const int C = cfg_.d_model, E = cfg_.experts, Fl = cfg_.ffn() / tp_;
+  const int C = cfg_.d_model, E = cfg_.experts, Fl = cfg_.expert_ffn() / tp_;
   const std::int64_t NC = static_cast<std::int64_t>(N) * C;
   const std::vector<int>& h = block_tensors_[static_cast<std::size_t>(l)];
   const MoeRouting& r = routing_[routing_index(chunk, slot, l)];
