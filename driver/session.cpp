@@ -82,6 +82,7 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
   plan.layout.tp = static_cast<int>(d.get_int("parallel.tp"));
   plan.layout.pp = static_cast<int>(d.get_int("parallel.pp"));
   plan.layout.cp = static_cast<int>(d.get_int("parallel.cp"));
+  plan.layout.ep = static_cast<int>(d.get_int("parallel.ep"));
   check_layout(plan.layout, world < 0 ? plan.layout.ranks() : world, m, plan.global_batch, plan.micro_batches);
   plan.rows_per_rank = plan.global_batch / plan.layout.dp;
   plan.rows_per_micro = plan.rows_per_rank / plan.micro_batches;
@@ -252,6 +253,7 @@ PreModelRoles make_pre_model_roles(const Deck& deck, const std::vector<const Str
     if (strategy->make_precision && used(Role::precision)) backend.set_precision(strategy->make_precision(pctx));
     if (strategy->make_partition && used(Role::partition)) r.partition = strategy->make_partition(pctx);
     if (strategy->make_context && used(Role::context)) r.context = strategy->make_context(pctx);
+    if (strategy->make_experts && used(Role::experts)) r.experts = strategy->make_experts(pctx);
     if (strategy->assign_stage && used(Role::stage)) r.stage = strategy->assign_stage(pctx);
     if (strategy->make_store && used(Role::store)) r.store = strategy->make_store(pctx);
   }
@@ -421,9 +423,10 @@ void Session::setup_collective() {
   PreModelRoles pre = make_pre_model_roles(deck, strategies, *grid, *backend, model_cfg);
   partition = std::move(pre.partition);
   context = std::move(pre.context);
+  experts = std::move(pre.experts);
   store = std::move(pre.store);
   model = std::make_unique<GPT>(model_cfg, *backend, engine_cfg.rows_per_micro, partition.get(), pre.stage, store.get(),
-                                layout.replicas(), grid->replica_rank(), context.get());
+                                layout.replicas(), grid->replica_rank(), context.get(), experts.get());
   model->init_weights(seed);
   if (!init_from.empty()) {
     // Every rank reads the file and takes its own elements; a bad file is refused alike everywhere.

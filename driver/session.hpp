@@ -56,6 +56,7 @@ gemm::Impl gemm_impl_from_deck(const Deck& deck);
 struct PreModelRoles {
   std::unique_ptr<Partition> partition;   // null: whole weights (the core's default)
   std::unique_ptr<ContextSplit> context;  // null: whole sequences (the core's default)
+  std::unique_ptr<ExpertSplit> experts;   // null: every expert on every rank (the core's default)
   Stage stage;
   std::unique_ptr<ParamStore> store;  // null: the model's own flat store
 };
@@ -117,6 +118,7 @@ struct Session {
   Split val_split = Split::val;           // which split of val_data holds the validation tokens
   std::unique_ptr<Partition> partition;   // null: whole weights (the core's default)
   std::unique_ptr<ContextSplit> context;  // null: whole sequences (the core's default)
+  std::unique_ptr<ExpertSplit> experts;   // null: every expert on every rank (the core's default)
   std::unique_ptr<ParamStore> store;      // null: the model's own flat store
   std::unique_ptr<GPT> model;
   std::unique_ptr<Reducer> reducer;  // the composed gradient reducer (wrappers outermost), if any

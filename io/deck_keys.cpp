@@ -162,6 +162,9 @@ void add_core_keys(DeckSchema& schema) {
   schema.add(
       int_key("parallel.cp", "1", 1, 1e6,
               "context-parallel degree: each rank holds seq_len / cp tokens of every sequence (ring attention)"));
+  schema.add(int_key("parallel.ep", "1", 1, 1e6,
+                     "expert-parallel degree (model.experts): the experts split over groups of ep data-parallel "
+                     "ranks, tokens sent to their experts' ranks and back (all-to-all); ep divides parallel.dp"));
 
   // run
   schema.add(string_key("run.dir", "runs/loom", "directory for the run's outputs (metrics, checkpoints, report)"));

@@ -20,6 +20,9 @@ namespace loom {
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1, cp = 1;
+  // Expert parallelism: the gradient group's replicas in groups of ep consecutive ones, each holding
+  // 1/ep of the experts (not an axis of the world: ep divides dp).
+  int ep = 1;
   int ranks() const { return dp * cp * tp * pp; }
   // The ranks that hold the same weights and sum their gradients: dp x cp.
   int replicas() const { return dp * cp; }
@@ -60,6 +63,11 @@ class ProcessGrid {
   int cp_rank() const { return cp_i_; }
   // This rank's place in the gradient group (dp()): dp_rank() * cp + cp_rank().
   int replica_rank() const { return dp_i_ * layout_.cp + cp_i_; }
+  // Expert parallelism: this rank's place in its ep group (replica_rank() % ep), whose ranks hold
+  // different experts and exchange tokens, and in its expert-data group (the replicas with the same
+  // ep rank, replica_rank() / ep), whose ranks hold the same experts and sum their gradients.
+  int ep_rank() const { return replica_rank() % layout_.ep; }
+  int edp_rank() const { return replica_rank() / layout_.ep; }
   int node() const { return node_; }  // index of this rank's node (shared-memory domain)
   int nodes() const { return nodes_; }
   Communicator& world() { return *world_; }
@@ -67,7 +75,9 @@ class ProcessGrid {
   Communicator& tp() { return *tp_; }
   Communicator& pp() { return *pp_; }
   Communicator& cp() { return *cp_; }  // the context-parallel ring, ordered by cp_rank()
-  std::vector<Communicator*> groups() { return {dp_.get(), tp_.get(), pp_.get(), cp_.get()}; }
+  Communicator& ep() { return *ep_; }    // the expert-parallel group, ordered by ep_rank()
+  Communicator& edp() { return *edp_; }  // the ranks holding the same experts, ordered by edp_rank()
+  std::vector<Communicator*> groups() { return {dp_.get(), tp_.get(), pp_.get(), cp_.get(), ep_.get(), edp_.get()}; }
   // The grid as text (every rank's coordinates and node), with a warning line for each tp group
   // that spans nodes. Same on every rank.
   const std::string& describe() const { return description_; }
@@ -76,7 +86,7 @@ class ProcessGrid {
   ProcessGrid() = default;
   Layout layout_;
   int rank_ = 0, dp_i_ = 0, tp_i_ = 0, pp_i_ = 0, cp_i_ = 0, node_ = 0, nodes_ = 1;
-  std::unique_ptr<Communicator> world_, dp_, tp_, pp_, cp_;
+  std::unique_ptr<Communicator> world_, dp_, tp_, pp_, cp_, ep_, edp_;
   std::string description_;
 };
 

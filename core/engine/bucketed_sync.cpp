@@ -27,6 +27,13 @@ BucketedGradSync::BucketedGradSync(Communicator& dp, BackendFace& backend, GPT& 
     cur = Bucket{};
   };
   for (int p : order) {
+    // An expert's tensor held by some replicas only (parallel.ep > 1) is summed over those, by the
+    // experts role (ExpertSplit::finish_grads), not here.
+    if (params[static_cast<std::size_t>(p)].expert) {
+      close();
+      lo_ptr = nullptr;
+      continue;
+    }
     const float* g = model.grad_ref(p).as<float>();
     const std::int64_t n = params[static_cast<std::size_t>(p)].numel();
     const bool whole = plan.whole && plan.whole(p);
@@ -89,6 +96,7 @@ void BucketedGradSync::begin_micro_batch(GPT&, int k, int m) {
 void BucketedGradSync::grads_ready(GPT& model, int unit) {
   if (!last_micro_ || !overlap_ || dp_.size() == 1) return;
   for (int p : model.units()[static_cast<std::size_t>(unit)].params) {
+    if (bucket_of_[static_cast<std::size_t>(p)] < 0) continue;  // an expert's (ExpertSplit::finish_grads)
     Bucket& b = buckets_[static_cast<std::size_t>(bucket_of_[static_cast<std::size_t>(p)])];
     if (--b.pending == 0) start(b);
   }

@@ -140,6 +140,7 @@ StepStats Engine::train_step(std::int64_t step, const BatchFn& fetch,
   be_.synchronize();
   double t1 = now();
   sync_->finish(model_);
+  model_.experts().finish_grads(model_);  // the experts' gradients, over the ranks holding them (ep > 1)
   model_.partition().finish_grads(model_);
   schedule_->finish_grads(model_);
   s.loss = sync_->mean_over_replicas(s.local_loss);

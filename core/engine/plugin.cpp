@@ -38,6 +38,7 @@ void StrategyRegistry::add(const loom_plugin_v1& plugin, const std::string& orig
   if (info.make_store) factories.push_back(Role::store);
   if (info.make_precision) factories.push_back(Role::precision);
   if (info.make_context) factories.push_back(Role::context);
+  if (info.make_experts) factories.push_back(Role::experts);
   check_filled_roles(info, factories);
   strategies_.emplace(name, std::move(info));
 }
@@ -111,6 +112,7 @@ std::vector<std::pair<std::string, std::string>> layout_strategies(const Layout&
   if (l.tp > 1) wanted.push_back({"tensor", "parallel.tp = " + std::to_string(l.tp)});
   if (l.pp > 1) wanted.push_back({"pipeline", "parallel.pp = " + std::to_string(l.pp)});
   if (l.cp > 1) wanted.push_back({"context", "parallel.cp = " + std::to_string(l.cp)});
+  if (l.ep > 1) wanted.push_back({"expert", "parallel.ep = " + std::to_string(l.ep)});
   return wanted;
 }
 
@@ -173,6 +175,8 @@ const char* role_name(Role r) {
       return "progress hook";
     case Role::context:
       return "context";
+    case Role::experts:
+      return "experts";
     case Role::count_:
       break;
   }

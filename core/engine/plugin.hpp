@@ -96,6 +96,7 @@ enum class Role : int {
   checkpoint,     // Roles::checkpoint_parts: state kept outside the role objects, saved with checkpoints; any number
   progress,       // Roles::progress: what the model calls between kernels so that messages in flight advance
   context,        // StrategyInfo::make_context: which tokens of each sequence a rank holds, its ring attention
+  experts,        // StrategyInfo::make_experts: which experts a rank holds, how tokens reach them
   count_
 };
 inline constexpr int kRoles = static_cast<int>(Role::count_);
@@ -185,6 +186,9 @@ struct StrategyInfo {
   // Optional: the context role (core/model/context.hpp), created before the model (at most one
   // strategy fills it): the split of each sequence over parallel.cp ranks and its attention.
   std::function<std::unique_ptr<ContextSplit>(PartitionContext&)> make_context;
+  // Optional: the experts role (core/model/experts.hpp), created before the model (at most one strategy
+  // fills it): the split of the experts over parallel.ep ranks and the exchange of tokens.
+  std::function<std::unique_ptr<ExpertSplit>(PartitionContext&)> make_experts;
   // The other roles, once the model exists.
   std::function<void(StrategyContext&, Roles&)> create;
   // Optional: what it adds to `loom plan`'s layout search and memo (its keys worth searching, its

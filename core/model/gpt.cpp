@@ -196,7 +196,7 @@ std::string GPT::resolve_attention(GPTConfig& cfg, const Backend& backend) {
 }
 
 GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition, const Stage& stage,
-         ParamStore* store, int dp, int dp_rank, ContextSplit* context)
+         ParamStore* store, int dp, int dp_rank, ContextSplit* context, ExpertSplit* experts)
     : cfg_(cfg),
       be_(backend),
       part_(partition ? partition : &default_partition_),
@@ -206,6 +206,10 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       store_(store ? store : &own_store_) {
   cfg_.validate();
   if (context) ctx_ = context;
+  if (experts) ep_ = experts;
+  if (ep_->size() > 1 && (cfg_.experts <= 0 || cfg_.experts % ep_->size() != 0))
+    throw std::logic_error("GPT: " + std::to_string(cfg_.experts) + " experts over " + std::to_string(ep_->size()) +
+                           " expert-parallel ranks (check_layout refuses this)");
   T_ = ctx_->local_tokens(cfg_.seq_len);
   if (ctx_->size() > 1) {
     if (std::string why = be_.ring_attention_refusal(); !why.empty())
@@ -253,6 +257,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
                    (kv && split == TpSplit::none && tp > 1);
     p.init = init;
     p.init_std = std;
+    p.expert = ep_->size() > 1 && p.name.find(".mlp.experts.") != std::string::npos;
     all_params_.push_back(std::move(p));
   };
   using I = ParamInfo::Init;
@@ -344,7 +349,11 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
       if (stage_.first()) held = wpe_ = hold(p, "embeddings", false);
     } else if (n.compare(0, block_prefix.size(), block_prefix) == 0) {
       const int layer = std::stoi(n.substr(block_prefix.size()));
-      if (layer_pos_[static_cast<std::size_t>(layer)] >= 0) {
+      // An expert of another expert-parallel rank is not held here.
+      const std::size_t ex = n.find(".mlp.experts.");
+      const int expert = ex == std::string::npos ? -1 : std::stoi(n.substr(ex + 13));
+      const bool mine = expert < 0 || (expert >= ep_->first(cfg.experts) && expert < ep_->end(cfg.experts));
+      if (layer_pos_[static_cast<std::size_t>(layer)] >= 0 && mine) {
         held = hold(p, "blocks." + std::to_string(layer), false);
         block_unit_[static_cast<std::size_t>(layer)] = params_[static_cast<std::size_t>(held)].unit;
         block_tensors_[static_cast<std::size_t>(layer)]
@@ -367,12 +376,12 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   if (wte_ >= 0 && !stage_.last()) params_[static_cast<std::size_t>(wte_)].matmul_weight = false;
   emb_unit_ = stage_.first() ? params_[static_cast<std::size_t>(wte_)].unit : -1;
   head_unit_ = stage_.last() ? params_[static_cast<std::size_t>(lnfw_)].unit : -1;
-  StoreContext sctx{backend, dp, dp_rank, tp_rank_};
+  StoreContext sctx{backend, dp, dp_rank, tp_rank_, ep_->size()};
   store_->build(sctx, params_, units_);
 
   // Activations, sized by activation_sizes (what `loom plan` predicts with, too).
-  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space(), ctx_->size()};
-  const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_, ctx_->size());
+  geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space(), ctx_->size(), ep_->size()};
+  const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_, ctx_->size(), ep_->size());
   if (ctx_->size() > 1)
     ctx_->prepare(be_, max_rows_, T_, cfg_.d_model / tp_, cfg_.heads / tp_, cfg_.flash_attention, mm16_ != DType::f32);
   residual0_ = a.residual_first;
@@ -458,12 +467,12 @@ void GPT::plan_step(StepPlan& plan) const {
 }
 
 GPT::ActivationSizes GPT::activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage_in, int max_rows,
-                                           DType mm16, int cp) {
+                                           DType mm16, int cp, int ep) {
   // Rows: N of a micro-batch, Nl on this rank (N/tp with sequence parallelism); one set per slot
   // (in-flight micro-batch) of each chunk.
   Stage stage = stage_in;
   if (stage.chunks.empty()) stage.chunks.push_back({0, cfg.layers, 1});
-  const Geometry g{cfg, tp, sp, max_rows, mm16, MemSpace::host, cp};
+  const Geometry g{cfg, tp, sp, max_rows, mm16, MemSpace::host, cp, ep};
   const std::int64_t N = static_cast<std::int64_t>(max_rows) * g.T(), Nl = sp ? N / tp : N, C = cfg.d_model;
   ActivationSizes a;
   a.block_table_floats = carve_block(g, nullptr).floats;
@@ -655,8 +664,8 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
   a.ln2 = c.take(ln, Nl * C);
   if (!llama) a.ln2_mean = c.take(Nl);
   a.ln2_rstd = c.take(Nl);
-  // with experts: every expert row, k a token, as wide as an expert
-  const std::int64_t hidden = std::max(N * Fl, N * g.cfg.top_k() * (g.cfg.expert_ffn() / g.tp));
+  // with experts: every expert row (k a token; with ep, what this rank's experts receive), as wide as an expert
+  const std::int64_t hidden = std::max(N * Fl, g.expert_rows() * (g.cfg.expert_ffn() / g.tp));
   a.fch = c.take(hidden);
   if (llama) a.fcu = c.take(N * Fl);
   a.fch_gelu = c.take(mm, hidden);
@@ -665,6 +674,11 @@ GPT::BlockActs GPT::carve_block(const Geometry& g, float* base) {
     a.moe_y = c.take(Nk * C);
     a.moe_rows = c.take(DType::i32, Nk);
     a.moe_gates = c.take(Nk);
+    if (g.ep > 1) {
+      a.moe_x = c.take(ln, g.expert_rows() * C);
+      a.moe_perm = c.take(DType::i32, g.expert_rows());
+      a.moe_inv = c.take(DType::i32, g.expert_rows());
+    }
   }
   a.floats = c.used;
   return a;
@@ -693,7 +707,7 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   }
   s.datty = c.take(N * Cl);
   // (an expert's rows are at most N, each as wide as an expert)
-  const std::int64_t hidden = std::max(N * Fl, g.cfg.experts > 0 ? N * (g.cfg.expert_ffn() / g.tp) : 0);
+  const std::int64_t hidden = std::max(N * Fl, g.cfg.experts > 0 ? g.rows_per_expert() * (g.cfg.expert_ffn() / g.tp) : 0);
   s.dfch = c.take(g.mm16, hidden);  // the fc product's dout only: in its type (gelu_bias_backward rounds it)
   s.dfch_gelu = c.take(hidden);
   if (g.cfg.llama()) {
@@ -706,9 +720,14 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   }
   if (g.cfg.experts > 0) {
     s.moe_x = c.take(N * C);
-    s.moe_dy = c.take(N * C);
+    s.moe_dy = c.take(std::max(N, g.ep > 1 ? g.expert_rows() : N) * C);
     s.router = c.take(N * g.cfg.experts);
     s.dgate = c.take(N * g.cfg.top_k());
+    if (g.ep > 1) {
+      const std::int64_t rows = std::max(N * g.cfg.top_k(), g.expert_rows());
+      s.moe_send = c.take(rows * C);
+      s.moe_recv = c.take(rows * C);
+    }
   }
   s.floats = c.used;
   return s;

@@ -17,6 +17,7 @@
 #include "core/base/buffer.hpp"
 #include "core/model/param_store.hpp"
 #include "core/model/context.hpp"
+#include "core/model/experts.hpp"
 #include "core/model/moe.hpp"
 #include "core/model/partition.hpp"
 
@@ -135,7 +136,8 @@ class GPT {
   // cp ranks holding the same weights); `context` which tokens of each sequence it holds (default:
   // all; core/model/context.hpp), so that every activation below has seq_len / cp tokens a row.
   GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partition = nullptr, const Stage& stage = {},
-      ParamStore* store = nullptr, int dp = 1, int dp_rank = 0, ContextSplit* context = nullptr);
+      ParamStore* store = nullptr, int dp = 1, int dp_rank = 0, ContextSplit* context = nullptr,
+      ExpertSplit* experts = nullptr);
   // InputError naming model.attention when `backend` cannot run the configured attention (the
   // constructor checks it; a session checks it first, agreed over its ranks).
   static void check_attention(const GPTConfig& cfg, const Backend& backend);
@@ -204,10 +206,13 @@ class GPT {
     std::int64_t workspace_bytes() const { return 4 * token_ints; }
   };
   static ActivationSizes activation_sizes(const GPTConfig& cfg, int tp, bool sp, const Stage& stage, int max_rows,
-                                          DType mm16, int cp = 1);
+                                          DType mm16, int cp = 1, int ep = 1);
   // Tokens of each sequence this rank holds (seq_len / cp) and the context role.
   int local_tokens() const { return T_; }
   ContextSplit& context() { return *ctx_; }
+  // Which experts this rank holds and how tokens reach them (core/model/experts.hpp).
+  ExpertSplit& experts() { return *ep_; }
+  const ExpertSplit& experts() const { return *ep_; }
 
   // Mixture of experts: what the training forwards since the last reset routed (evaluation's are not
   // counted), summed over this rank's blocks with experts and micro-batches.
@@ -284,6 +289,10 @@ class GPT {
     // With experts fch and fch_gelu are [N*k,Fl], the experts' rows one after the other, and:
     BufferRef moe_y;                  // [N*k,C] each expert row's output (this rank's partial sum under tp)
     BufferRef moe_rows, moe_gates;    // [N*k] int32 the token of each expert row, fp32 its gate
+    // Expert parallelism (ep > 1): the rows this rank's experts received, expert by expert (fch and
+    // fch_gelu then hold theirs), and the order between the exchange's (source-major) and theirs.
+    BufferRef moe_x;                  // [R,C] R: Geometry::expert_rows()
+    BufferRef moe_perm, moe_inv;      // [R] int32: expert-major row j is received row perm[j]; inv the inverse
     std::int64_t floats;           // the whole table, in floats
   };
   struct Scratch {                            // not saved across kernels: forward temporaries and backward gradients
@@ -297,6 +306,7 @@ class GPT {
     // Experts: an expert's gathered input (any type) and output gradient [N,C]; the router's logits
     // (then their gradient) [N,E]; the gates' gradient [N*k].
     BufferRef moe_x, moe_dy, router, dgate;
+    BufferRef moe_send, moe_recv;  // ep > 1: the exchange's rows [max(N*k, R), C]
     std::int64_t floats;
   };
   struct Head {
@@ -318,7 +328,13 @@ class GPT {
     DType mm16 = DType::f32;
     MemSpace space = MemSpace::host;  // where the tables live (the back end's space)
     int cp = 1;                       // context ranks: each holds T() = seq_len / cp tokens of a sequence
+    int ep = 1;                       // expert-parallel ranks: each holds experts / ep of a block's
     std::int64_t T() const { return cfg.seq_len / cp; }
+    // The rows a rank's experts can receive in a block: k of each of the group's N tokens, no more than
+    // every token once per expert, nor (with a capacity) the capacity of each sequence.
+    std::int64_t expert_rows() const;
+    // The most rows one expert can take.
+    std::int64_t rows_per_expert() const;
   };
   // Each activation table carved from `base` (null: only sized; `floats` says how much it takes).
   static BlockActs carve_block(const Geometry& g, float* base);
@@ -339,6 +355,17 @@ class GPT {
                    int N, bool recompute);
   void moe_backward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, const BufferRef& dy,
                     int chunk, int slot, int l, int N);
+  void moe_dispatch(MoeRouting& r, const BlockActs& a, const Scratch& s, const BufferRef& in);
+  void moe_return(const MoeRouting& r, const BlockActs& a, const Scratch& s, const BufferRef& rows,
+                  const BufferRef& out, int C);
+  std::vector<std::int64_t> send_rows(const MoeRouting& r) const;  // to each ep rank (ep > 1)
+  std::vector<std::int64_t> recv_rows(const MoeRouting& r) const;  // from each ep rank
+  // The local experts' MLPs on rows x [R,C] expert by expert (`rows[e]` of them, from the block's
+  // saved tables at their offset), forward into y [R,C] (fp32), or backward from dy [R,C] into dx [R,C].
+  void experts_forward(const ParamStore::UnitView& view, const BlockActs& a, int l, const std::vector<int>& begin,
+                       const BufferRef& x, const BufferRef& y);
+  void experts_backward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, int l,
+                        const std::vector<int>& begin, const BufferRef& x, const BufferRef& dy, const BufferRef& dx);
   std::size_t routing_index(int chunk, int slot, int layer) const;
   void llama_block_backward(int chunk, int slot, int layer, int B, int next_unit);
   // This rank's kv heads (Llama): KV/tp of them from kv_head0 when tp divides KV, else all KV (replicated).
@@ -376,6 +403,8 @@ class GPT {
   Partition default_partition_;
   ContextSplit default_context_;
   ContextSplit* ctx_ = &default_context_;
+  ExpertSplit default_experts_;
+  ExpertSplit* ep_ = &default_experts_;
   int T_ = 0;  // local tokens of a sequence
   Partition* part_;
   int tp_ = 1, tp_rank_ = 0;

@@ -80,6 +80,19 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
     throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
                      "; pp sizes that work: 1 .. " + s(m.layers));
   check_context_layout(l, m);
+  if (l.ep < 1) throw InputError("parallel.ep = " + s(l.ep) + " must be at least 1");
+  if (l.ep > 1) {
+    if (m.experts == 0)
+      throw InputError("parallel.ep = " + s(l.ep) + " splits experts over ranks, and model.experts = 0: set model.experts");
+    if (l.replicas() % l.ep != 0)
+      throw InputError("parallel.ep = " + s(l.ep) + " does not divide parallel.dp = " + s(l.dp) +
+                       " (the experts split over groups of ep data-parallel ranks); ep sizes that work: " +
+                       divisors(l.replicas()));
+    if (m.experts % l.ep != 0)
+      throw InputError("parallel.ep = " + s(l.ep) + " does not divide model.experts = " + s(m.experts) +
+                       " (each expert-parallel rank holds experts / ep of them); ep sizes that work: " +
+                       divisors(std::gcd(static_cast<long>(m.experts), static_cast<long>(l.replicas()))));
+  }
   if (batch % (l.dp * micro) != 0) {
     std::ostringstream msg;
     msg << "train.batch = " << batch << " does not split into parallel.dp = " << l.dp

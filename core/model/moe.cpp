@@ -145,10 +145,30 @@ void GPT::reset_moe_stats() {
   moe_stats_.routed.assign(static_cast<std::size_t>(cfg_.layers) * std::max(cfg_.experts, 0), 0.0);
 }
 
+std::int64_t GPT::Geometry::expert_rows() const {
+  const std::int64_t N = static_cast<std::int64_t>(max_rows) * T(), k = cfg.top_k();
+  if (cfg.experts <= 0 || ep <= 1) return N * k;
+  return static_cast<std::int64_t>(cfg.experts / ep) * rows_per_expert();
+}
+
+std::int64_t GPT::Geometry::rows_per_expert() const {
+  const std::int64_t N = static_cast<std::int64_t>(max_rows) * T();
+  if (cfg.experts <= 0 || ep <= 1) return N;
+  std::int64_t rows = ep * N;  // every token of the group once
+  if (cfg.expert_capacity > 0) {
+    const std::int64_t cap =
+        static_cast<std::int64_t>(std::ceil(cfg.expert_capacity * cfg.seq_len * cfg.top_k() / cfg.experts));
+    rows = std::min(rows, cap * max_rows * ep);  // its capacity in each of the group's sequences
+  }
+  return rows;
+}
+
 // The experts of block l on its ln2: route on the host, then expert by expert gather its rows, its MLP
 // (fc with GELU, proj; proj's bias added by tp rank 0 alone, as the sum over the group has it once) and
 // add its gated output into s.partial [N,C]. Saved: each expert row's GELU input and output (fch,
 // fch_gelu), its output (moe_y), its token and gate; the router's probabilities stay on the host.
+// With ep > 1 the rows go to the ranks holding their experts and the outputs come back
+// (moe_forward_ep).
 void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, int chunk, int slot,
                       int l, int N, bool recompute) {
   const int C = cfg_.d_model, E = cfg_.experts, k = cfg_.top_k(), Fl = cfg_.expert_ffn() / tp_;
@@ -174,28 +194,140 @@ void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, cons
     st.calls += 1;
   }
   be_.fill(s.partial.slice(0, static_cast<std::int64_t>(N) * C), 0.0);
-  const BufferRef x(s.moe_x.data, in.type, s.moe_x.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
-                    s.moe_x.space);
-  for (int e = 0; e < E; ++e) {
+  if (ep_->size() > 1) {
+    moe_dispatch(r, a, s, in);
+    experts_forward(view, a, l, r.local, a.moe_x, s.moe_recv);
+    moe_return(r, a, s, s.moe_recv, a.moe_y, C);
+  } else {
+    const BufferRef x(s.moe_x.data, in.type, s.moe_x.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
+                      s.moe_x.space);
+    for (int e = 0; e < E; ++e) {
+      const int b = r.begin[e], n = r.begin[e + 1] - b;
+      if (n == 0) continue;
+      const int* w = &h[13 + 4 * static_cast<std::size_t>(e)];
+      const BufferRef pre = a.fch.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
+      const BufferRef act = a.fch_gelu.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
+      const BufferRef y = a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C);
+      be_.rows_gather(x, in, a.moe_rows.slice(b, n), {}, n, C);
+      be_.matmul_forward_gelu(act, pre, x, matmul_operand(view, w[0]), tensor(view, w[1]), n, C, Fl);
+      be_.matmul_forward(y, act, matmul_operand(view, w[2]), tp_rank_ == 0 ? tensor(view, w[3]) : BufferRef(), n, Fl,
+                         C);
+    }
+  }
+  for (int e = 0; e < E; ++e) {  // expert by expert: a token's rows within one call are distinct
     const int b = r.begin[e], n = r.begin[e + 1] - b;
+    if (n > 0)
+      be_.rows_scatter_add(s.partial, a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C),
+                           a.moe_rows.slice(b, n), a.moe_gates.slice(b, n), n, C);
+  }
+}
+
+// ep > 1, forward: every rank's kept rows for every expert (the exchange's counts), this rank's experts'
+// rows expert by expert (r.local) and the permutation between that order and the exchange's (rank by
+// rank, each rank's rows expert by expert); then this rank's rows of `in` go to their experts' ranks and
+// the rows for its experts arrive, saved expert by expert in a.moe_x.
+void GPT::moe_dispatch(MoeRouting& r, const BlockActs& a, const Scratch& s, const BufferRef& in) {
+  const int P = ep_->size(), E = cfg_.experts, El = E / P, e0 = ep_->first(E), C = cfg_.d_model;
+  std::vector<std::int64_t> mine(static_cast<std::size_t>(E));
+  for (int e = 0; e < E; ++e) mine[e] = r.begin[e + 1] - r.begin[e];
+  ep_->exchange_counts(mine, r.all_counts);
+  const auto count = [&](int q, int e) { return r.all_counts[static_cast<std::size_t>(q) * E + e]; };
+  r.local.assign(static_cast<std::size_t>(El) + 1, 0);
+  for (int i = 0; i < El; ++i) {
+    std::int64_t n = 0;
+    for (int q = 0; q < P; ++q) n += count(q, e0 + i);
+    r.local[i + 1] = r.local[i] + static_cast<int>(n);
+  }
+  const int R = r.local[El];
+  if (R > geom_.expert_rows())
+    throw std::logic_error("GPT: " + std::to_string(R) + " rows for this rank's experts, tables for " +
+                           std::to_string(geom_.expert_rows()));
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(R)), inv(static_cast<std::size_t>(R));
+  std::int64_t from = 0;  // the first row from rank q in the exchange's order
+  std::vector<std::int64_t> next(r.local.begin(), r.local.end() - 1);
+  for (int q = 0; q < P; ++q)
+    for (int i = 0; i < El; ++i)
+      for (std::int64_t j = 0; j < count(q, e0 + i); ++j, ++from) {
+        perm[static_cast<std::size_t>(next[i])] = static_cast<std::int32_t>(from);
+        inv[static_cast<std::size_t>(from)] = static_cast<std::int32_t>(next[i]++);
+      }
+  if (R > 0) {
+    be_.copy_from_host(a.moe_perm.slice(0, R), perm.data());
+    be_.copy_from_host(a.moe_inv.slice(0, R), inv.data());
+  }
+  const int A = r.assignments();
+  const BufferRef send(s.moe_send.data, in.type, s.moe_send.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
+                       s.moe_send.space);
+  const BufferRef recv(s.moe_recv.data, in.type, s.moe_recv.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
+                       s.moe_recv.space);
+  be_.rows_gather(send, in, a.moe_rows, {}, A, C);
+  ep_->exchange(be_, send, send_rows(r), recv, recv_rows(r), C);
+  be_.rows_gather(a.moe_x, recv, a.moe_perm, {}, R, C);
+}
+
+// ep > 1: rows [R,C] of this rank's experts, expert by expert (fp32, in `rows`), back to the ranks whose
+// tokens they are, arriving in `out` [A,C] in this rank's kept order (s.moe_send the staging).
+void GPT::moe_return(const MoeRouting& r, const BlockActs& a, const Scratch& s, const BufferRef& rows,
+                     const BufferRef& out, int C) {
+  const int R = r.local.back();
+  be_.rows_gather(s.moe_send, rows, a.moe_inv, {}, R, C);
+  ep_->exchange(be_, s.moe_send, recv_rows(r), out, send_rows(r), C);
+}
+
+std::vector<std::int64_t> GPT::send_rows(const MoeRouting& r) const {
+  const int P = ep_->size(), E = cfg_.experts, El = E / P;
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(P), 0);
+  for (int e = 0; e < E; ++e) rows[static_cast<std::size_t>(e / El)] += r.begin[e + 1] - r.begin[e];
+  return rows;
+}
+
+std::vector<std::int64_t> GPT::recv_rows(const MoeRouting& r) const {
+  const int P = ep_->size(), E = cfg_.experts, El = E / P, e0 = ep_->first(E);
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(P), 0);
+  for (int q = 0; q < P; ++q)
+    for (int i = 0; i < El; ++i) rows[static_cast<std::size_t>(q)] += r.all_counts[static_cast<std::size_t>(q) * E + e0 + i];
+  return rows;
+}
+
+void GPT::experts_forward(const ParamStore::UnitView& view, const BlockActs& a, int l, const std::vector<int>& begin,
+                          const BufferRef& x, const BufferRef& y) {
+  const int C = cfg_.d_model, Fl = cfg_.expert_ffn() / tp_, e0 = ep_->first(cfg_.experts);
+  const std::vector<int>& h = block_tensors_[static_cast<std::size_t>(l)];
+  for (std::size_t i = 0; i + 1 < begin.size(); ++i) {
+    const std::int64_t b = begin[i], n = begin[i + 1] - b;
     if (n == 0) continue;
-    const int* w = &h[13 + 4 * static_cast<std::size_t>(e)];
-    const BufferRef rows = a.moe_rows.slice(b, n), gates = a.moe_gates.slice(b, n);
-    const BufferRef pre = a.fch.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-    const BufferRef act = a.fch_gelu.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-    const BufferRef y = a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C);
-    be_.rows_gather(x, in, rows, {}, n, C);
-    be_.matmul_forward_gelu(act, pre, x, matmul_operand(view, w[0]), tensor(view, w[1]), n, C, Fl);
-    be_.matmul_forward(y, act, matmul_operand(view, w[2]), tp_rank_ == 0 ? tensor(view, w[3]) : BufferRef(), n, Fl,
-                       C);
-    be_.rows_scatter_add(s.partial, y, rows, gates, n, C);
+    const int* w = &h[13 + 4 * (static_cast<std::size_t>(e0) + i)];
+    const BufferRef act = a.fch_gelu.slice(b * Fl, n * Fl);
+    be_.matmul_forward_gelu(act, a.fch.slice(b * Fl, n * Fl), x.slice(b * C, n * C), matmul_operand(view, w[0]),
+                            tensor(view, w[1]), static_cast<int>(n), C, Fl);
+    be_.matmul_forward(y.slice(b * C, n * C), act, matmul_operand(view, w[2]),
+                       tp_rank_ == 0 ? tensor(view, w[3]) : BufferRef(), static_cast<int>(n), Fl, C);
+  }
+}
+
+void GPT::experts_backward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, int l,
+                           const std::vector<int>& begin, const BufferRef& x, const BufferRef& dy,
+                           const BufferRef& dx) {
+  const int C = cfg_.d_model, Fl = cfg_.expert_ffn() / tp_, e0 = ep_->first(cfg_.experts);
+  const std::vector<int>& h = block_tensors_[static_cast<std::size_t>(l)];
+  for (std::size_t i = 0; i + 1 < begin.size(); ++i) {
+    const std::int64_t b = begin[i], n = begin[i + 1] - b;
+    if (n == 0) continue;
+    const int* w = &h[13 + 4 * (static_cast<std::size_t>(e0) + i)];
+    const int rows = static_cast<int>(n);
+    be_.matmul_backward(s.dfch_gelu, tensor_grad(view, w[2]), tensor_grad(view, w[3]), dy.slice(b * C, n * C),
+                        a.fch_gelu.slice(b * Fl, n * Fl), matmul_operand(view, w[2]), rows, Fl, C);
+    be_.gelu_bias_backward(s.dfch, tensor_grad(view, w[1]), a.fch.slice(b * Fl, n * Fl), s.dfch_gelu, rows, Fl);
+    be_.matmul_backward(dx.slice(b * C, n * C), tensor_grad(view, w[0]), {}, s.dfch, x.slice(b * C, n * C),
+                        matmul_operand(view, w[0]), rows, C, Fl);
   }
 }
 
 // dy [N,C] the gradient of the experts' summed output (every token's). Expert by expert: its gates'
 // gradient (dot of dy with its saved output; a partial sum under tp, summed over the group after), its
 // MLP's backward on the gated dy, its input gradient added into s.dpartial; then the router's backward
-// on the host and its input gradient (tp rank 0 adds it: every rank computes the same).
+// on the host and its input gradient (tp rank 0 adds it: every rank computes the same). With ep > 1
+// the gated dy goes to the experts' ranks and their input gradient comes back.
 void GPT::moe_backward(const ParamStore::UnitView& view, const BlockActs& a, const Scratch& s, const BufferRef& dy,
                        int chunk, int slot, int l, int N) {
   const int C = cfg_.d_model, E = cfg_.experts, Fl = cfg_.expert_ffn() / tp_;
@@ -203,27 +335,42 @@ void GPT::moe_backward(const ParamStore::UnitView& view, const BlockActs& a, con
   const std::vector<int>& h = block_tensors_[static_cast<std::size_t>(l)];
   const MoeRouting& r = routing_[routing_index(chunk, slot, l)];
   const BufferRef in = input_of(a.ln2, s.full, N, C);
-  const BufferRef x(s.moe_x.data, in.type, s.moe_x.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
-                    s.moe_x.space);
   be_.fill(s.dpartial.slice(0, NC), 0.0);
-  for (int e = 0; e < E; ++e) {
-    const int b = r.begin[e], n = r.begin[e + 1] - b;
-    if (n == 0) continue;
-    const int* w = &h[13 + 4 * static_cast<std::size_t>(e)];
-    const BufferRef rows = a.moe_rows.slice(b, n), gates = a.moe_gates.slice(b, n);
-    const BufferRef pre = a.fch.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-    const BufferRef act = a.fch_gelu.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-    const BufferRef y = a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C);
-    be_.rows_dot(s.dgate.slice(b, n), dy, rows, y, n, C);
-    be_.rows_gather(s.moe_dy, dy, rows, gates, n, C);  // d y_e = gate * dy
-    be_.matmul_backward(s.dfch_gelu, tensor_grad(view, w[2]), tensor_grad(view, w[3]), s.moe_dy, act,
-                        matmul_operand(view, w[2]), n, Fl, C);
-    be_.gelu_bias_backward(s.dfch, tensor_grad(view, w[1]), pre, s.dfch_gelu, n, Fl);
-    be_.rows_gather(x, in, rows, {}, n, C);
-    be_.matmul_backward(s.partial, tensor_grad(view, w[0]), {}, s.dfch, x, matmul_operand(view, w[0]), n, C, Fl);
-    be_.rows_scatter_add(s.dpartial, s.partial, rows, {}, n, C);
-  }
   const int A = r.assignments();
+  if (ep_->size() > 1) {
+    be_.rows_dot(s.dgate, dy, a.moe_rows, a.moe_y, A, C);
+    be_.rows_gather(s.moe_send, dy, a.moe_rows, a.moe_gates, A, C);  // d y = gate * dy, to the experts
+    ep_->exchange(be_, s.moe_send, send_rows(r), s.moe_recv, recv_rows(r), C);
+    be_.rows_gather(s.moe_dy, s.moe_recv, a.moe_perm, {}, r.local.back(), C);
+    experts_backward(view, a, s, l, r.local, a.moe_x, s.moe_dy, s.moe_recv);
+    moe_return(r, a, s, s.moe_recv, s.moe_dy, C);  // each row's input gradient, home
+    for (int e = 0; e < E; ++e) {
+      const int b = r.begin[e], n = r.begin[e + 1] - b;
+      if (n > 0)
+        be_.rows_scatter_add(s.dpartial, s.moe_dy.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C),
+                             a.moe_rows.slice(b, n), {}, n, C);
+    }
+  } else {
+    const BufferRef x(s.moe_x.data, in.type, s.moe_x.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
+                      s.moe_x.space);
+    for (int e = 0; e < E; ++e) {
+      const int b = r.begin[e], n = r.begin[e + 1] - b;
+      if (n == 0) continue;
+      const int* w = &h[13 + 4 * static_cast<std::size_t>(e)];
+      const BufferRef rows = a.moe_rows.slice(b, n), gates = a.moe_gates.slice(b, n);
+      const BufferRef pre = a.fch.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
+      const BufferRef act = a.fch_gelu.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
+      const BufferRef y = a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C);
+      be_.rows_dot(s.dgate.slice(b, n), dy, rows, y, n, C);
+      be_.rows_gather(s.moe_dy, dy, rows, gates, n, C);  // d y_e = gate * dy
+      be_.matmul_backward(s.dfch_gelu, tensor_grad(view, w[2]), tensor_grad(view, w[3]), s.moe_dy, act,
+                          matmul_operand(view, w[2]), n, Fl, C);
+      be_.gelu_bias_backward(s.dfch, tensor_grad(view, w[1]), pre, s.dfch_gelu, n, Fl);
+      be_.rows_gather(x, in, rows, {}, n, C);
+      be_.matmul_backward(s.partial, tensor_grad(view, w[0]), {}, s.dfch, x, matmul_operand(view, w[0]), n, C, Fl);
+      be_.rows_scatter_add(s.dpartial, s.partial, rows, {}, n, C);
+    }
+  }
   std::vector<float> dgate(static_cast<std::size_t>(A)), dlogits(static_cast<std::size_t>(N) * E);
   if (A > 0) {
     part_->sum_over_group(s.dgate.slice(0, A));

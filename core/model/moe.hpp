@@ -29,6 +29,10 @@ struct MoeRouting {
   std::vector<std::int64_t> routed;      // [E] assignments routed to e, kept or not
   std::int64_t dropped = 0;              // assignments over capacity
   double aux = 0, z = 0;                 // the load-balancing loss and the z-loss of these tokens
+  // Expert parallelism: every rank's kept rows for every expert [ep, E] (ExpertSplit::exchange_counts),
+  // and this rank's experts' rows, expert by expert: local expert i's are [local[i], local[i+1]).
+  std::vector<std::int64_t> all_counts;
+  std::vector<int> local;
   int assignments() const { return begin.empty() ? 0 : begin.back(); }
 };
 

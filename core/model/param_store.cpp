@@ -6,7 +6,10 @@ bool tp_primary(const ParamInfo& p, const StoreContext& ctx) {
   return !p.shadow && (p.split() != TpSplit::none || ctx.tp_rank == 0);
 }
 
-bool default_primary(const ParamInfo& p, const StoreContext& ctx) { return ctx.dp_rank == 0 && tp_primary(p, ctx); }
+bool default_primary(const ParamInfo& p, const StoreContext& ctx) {
+  // An expert's tensor is held by every ep-th replica: the first of them (edp rank 0) owns it.
+  return (p.expert ? ctx.dp_rank < ctx.ep : ctx.dp_rank == 0) && tp_primary(p, ctx);
+}
 
 void ComputeCopies::build(BackendFace& backend, const std::vector<ParamInfo>& params, const std::vector<Unit>& units,
                           bool resident) {

@@ -42,6 +42,8 @@ struct ParamInfo {
   bool decay = false;          // AdamW weight decay applies (matrices)
   bool matmul_weight = false;  // a weight of the model's matrix products: under 16-bit precision
                                // the store hands out a 16-bit compute copy of it (UnitView::compute)
+  bool expert = false;  // an expert's, held by the ranks of one expert-parallel rank (parallel.ep > 1): its
+                        // replicas are the edp group, which sums its gradient (ExpertSplit::finish_grads)
   Init init = Init::zeros;
   double init_std = 0.0;  // for Init::normal
 };
@@ -67,6 +69,7 @@ struct StoreContext {
   BackendFace& backend;
   int dp = 1, dp_rank = 0;  // the data-parallel group
   int tp_rank = 0;          // a tensor replicated over the tp group is owned by tp rank 0
+  int ep = 1;               // an expert's tensor (ParamInfo::expert) is owned by the first ep replicas' holder
 };
 
 class ParamStore {

@@ -44,7 +44,7 @@ RankPrediction predict_rank(const Deck& deck, const LayoutPlan& plan, const std:
     r.cp_rank = grid->cp_rank();
     PreModelRoles pre = make_pre_model_roles(deck, plan.strategies, *grid, *be, plan.model);
     GPT model(plan.model, *be, plan.rows_per_micro, pre.partition.get(), pre.stage, pre.store.get(),
-              plan.layout.replicas(), grid->replica_rank(), pre.context.get());
+              plan.layout.replicas(), grid->replica_rank(), pre.context.get(), pre.experts.get());
     AssembledRoles roles = assemble_roles(deck, plan.strategies, *grid, model, *be, ec, false);
     Engine engine(ec, model, *be, std::move(roles.engine));
     const std::array<double, kMemCategories> built = ledger_now();

@@ -340,6 +340,10 @@ void register_zero(void* p) {
       throw InputError(setting + " shards model state over the data-parallel ranks (dp x cp), but parallel.dp = " +
                        std::to_string(layout.dp) + " and parallel.cp = " + std::to_string(layout.cp) +
                        "; set parallel.dp > 1 (or parallel.cp > 1), or zero.stage = 0");
+    if (layout.ep > 1)
+      throw InputError(setting + " with parallel.ep = " + std::to_string(layout.ep) +
+                       ": ZeRO does not yet shard the experts' state within the ranks that hold them (the "
+                       "experts differ between ep ranks); use zero.stage = 0 with parallel.ep > 1, or parallel.ep = 1");
     if (stage > 1 && layout.pp > 1)
       throw InputError(setting + " with parallel.pp = " + std::to_string(layout.pp) +
                        " is refused (as DeepSpeed refuses ZeRO-2 and -3 with pipeline parallelism): every "

@@ -1,0 +1,152 @@
+// The `expert` strategy plugin (libloom_expert.so): expert parallelism. Asked for by parallel.ep > 1.
+// The gradient group's replicas form groups of ep consecutive ones (the grid's ep communicator); rank q
+// of a group holds experts [q E/ep, (q+1) E/ep) of every block with experts, and the replicas with the
+// same ep rank (the grid's edp communicator, dp/ep ranks) hold the same experts (core/model/experts.hpp).
+// Each rank routes its own tokens (the router is a dense weight, on every rank), then per block:
+//
+//   forward   each rank's kept rows go to the ranks of their experts and come back as the experts'
+//             outputs: two all-to-alls of uneven counts (the counts first: an all-gather of E numbers);
+//   backward  the gated output gradients go to the experts, their input gradients come back: two more.
+//
+// The exchange is pairwise sends and receives through the ep communicator (typed buffers, watched
+// waits, bytes counted); a rank's own rows are copied. The experts' gradients are summed over the edp
+// group after the step's backward and divided by the replicas, as the gradient sync does for the dense
+// weights (which it reduces over dp as before, leaving the experts' to this role).
+// Bytes a rank sends per block and micro-batch: the rows it sends to other ranks and those it returns,
+// each C values (fp32; the forward's input in the products' 16-bit type when ln2 is saved so), twice.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/base/clock.hpp"
+#include "core/base/error.hpp"
+#include "core/engine/plan_terms.hpp"
+#include "core/engine/plugin.hpp"
+#include "core/model/experts.hpp"
+
+namespace loom {
+namespace {
+
+constexpr int kTagRows = 330;
+
+class ExpertParallel final : public ExpertSplit {
+ public:
+  ExpertParallel(Communicator& ep, Communicator& edp, int replicas) : ep_(ep), edp_(edp), replicas_(replicas) {}
+  std::string name() const override {
+    return "expert parallel over ep " + std::to_string(size()) + " (each rank 1/" + std::to_string(size()) +
+           " of the experts; tokens exchanged all-to-all; expert gradients summed over " +
+           std::to_string(edp_.size()) + " rank" + (edp_.size() == 1 ? "" : "s") + ")";
+  }
+  int size() const override { return ep_.size(); }
+  int rank() const override { return ep_.rank(); }
+
+  void exchange_counts(const std::vector<std::int64_t>& counts, std::vector<std::int64_t>& all) override {
+    all.assign(counts.size() * static_cast<std::size_t>(size()), 0);
+    ep_.all_gather(BufferRef(counts.data(), static_cast<std::int64_t>(counts.size())),
+                   BufferRef(all.data(), static_cast<std::int64_t>(all.size())));
+  }
+
+  void exchange(BackendFace& be, const BufferRef& send, const std::vector<std::int64_t>& send_rows,
+                const BufferRef& recv, const std::vector<std::int64_t>& recv_rows, int cols) override {
+    const int n = size(), me = rank();
+    std::vector<std::int64_t> so(static_cast<std::size_t>(n) + 1, 0), ro(static_cast<std::size_t>(n) + 1, 0);
+    for (int q = 0; q < n; ++q) {
+      so[q + 1] = so[q] + send_rows[q] * cols;
+      ro[q + 1] = ro[q] + recv_rows[q] * cols;
+    }
+    std::vector<CommRequestPtr> reqs;
+    for (int q = 0; q < n; ++q)
+      if (q != me && recv_rows[q] > 0) reqs.push_back(ep_.recv_async(recv.slice(ro[q], ro[q + 1] - ro[q]), q, kTagRows));
+    for (int q = 0; q < n; ++q)
+      if (q != me && send_rows[q] > 0) {
+        reqs.push_back(ep_.send_async(send.slice(so[q], so[q + 1] - so[q]), q, kTagRows));
+        formula_bytes_ += static_cast<double>(so[q + 1] - so[q]) * static_cast<double>(dtype_size(send.type));
+      }
+    if (send_rows[me] != recv_rows[me])
+      throw std::logic_error("expert plugin: " + std::to_string(send_rows[me]) + " rows to itself, " +
+                             std::to_string(recv_rows[me]) + " expected");
+    if (send_rows[me] > 0)
+      be.cast(recv.slice(ro[me], ro[me + 1] - ro[me]), send.slice(so[me], so[me + 1] - so[me]));
+    for (auto& r : reqs) r->wait();
+    ++exchanges_;
+  }
+
+  void finish_grads(GPT& model) override {
+    const double t0 = now();
+    for (std::size_t i = 0; i < model.params().size(); ++i) {
+      const ParamInfo& p = model.params()[i];
+      if (!p.expert || p.numel() == 0) continue;
+      const BufferRef g = model.grad_ref(static_cast<int>(i));
+      if (edp_.size() > 1) edp_.all_reduce(g);
+      model.backend().scale(g, 1.0 / replicas_);
+    }
+    grad_s_ += now() - t0;
+  }
+
+  void begin_step() override { formula_bytes_ = 0, exchanges_ = 0, grad_s_ = 0; }
+  std::vector<std::pair<std::string, double>> step_report() override {
+    const CommStats& cs = ep_.stats();
+    const int send = static_cast<int>(CommOp::send), gather = static_cast<int>(CommOp::all_gather);
+    return {{"ep_alltoall_bytes", static_cast<double>(cs.bytes_sent[send])},
+            {"ep_alltoall_formula_bytes", formula_bytes_},
+            {"ep_count_bytes", static_cast<double>(cs.bytes_sent[gather])},
+            {"ep_alltoall_wait_ms", 1e3 * cs.total_wait()},
+            {"ep_expert_grads_ms", 1e3 * grad_s_},
+            {"ep_exchanges", static_cast<double>(exchanges_)}};
+  }
+
+  // Per block with experts and micro-batch, priced at balanced routing: each exchange sends (ep-1)/ep of
+  // N k rows of C values; four exchanges (two with a recomputed forward's more), and the counts.
+  void plan_step(StepPlan& plan, const GPT& model) const override {
+    const GPTConfig& m = model.config();
+    int blocks = 0;
+    for (const Stage::Chunk& c : model.stage().chunks)
+      for (int l = c.first_layer; l < c.end_layer; ++l) blocks += m.moe_layer(l) ? 1 : 0;
+    const int n = size();
+    if (blocks == 0 || n == 1) return;
+    const double rows = static_cast<double>(model.max_rows()) * model.local_tokens() * m.top_k() * (n - 1) / n;
+    const double exchanges = plan.micro_batches * blocks * (m.recompute ? 6.0 : 4.0);
+    plan.add_comm({ep_.name(), "experts' all-to-all (balanced routing)", exchanges * rows * m.d_model * 4.0,
+                   exchanges * (n - 1), false, true});
+    plan.add_comm({ep_.name(), "experts' row counts", plan.micro_batches * blocks * (m.recompute ? 2.0 : 1.0) *
+                                                          ring_all_gather_bytes(8.0 * m.experts * n, n),
+                   plan.micro_batches * blocks * (n - 1.0), false, true});
+    std::int64_t largest = 0, all = 0;
+    for (const ParamInfo& p : model.params())
+      if (p.expert) largest = std::max(largest, p.numel()), all += p.numel();
+    const int g = edp_.size();
+    if (g > 1) {
+      plan.ring_scratch(edp_.name(), {static_cast<double>(ring_all_reduce_scratch(largest, g, sizeof(float)))});
+      plan.add_comm({edp_.name(), "experts' gradient all-reduce", ring_all_reduce_bytes(4.0 * all, g),
+                     2.0 * (g - 1), false});
+    }
+  }
+
+ private:
+  Communicator& ep_;
+  Communicator& edp_;
+  int replicas_;
+  double formula_bytes_ = 0, grad_s_ = 0;
+  int exchanges_ = 0;
+};
+
+void register_expert(void* p) {
+  auto& info = *static_cast<StrategyInfo*>(p);
+  info.claims = {{Role::experts, Claim::provides, ""}};
+  info.make_experts = [](PartitionContext& ctx) -> std::unique_ptr<ExpertSplit> {
+    return std::make_unique<ExpertParallel>(ctx.grid.ep(), ctx.grid.edp(), ctx.grid.layout().replicas());
+  };
+  info.create = [](StrategyContext&, Roles&) {};
+}
+
+}  // namespace
+}  // namespace loom
+
+extern "C" const loom_plugin_v1* loom_plugin_entry(void) {
+  static const loom_plugin_v1 plugin = {LOOM_PLUGIN_ABI_VERSION, "expert", "0.1.0",
+                                        "expert parallelism: a block's experts split over ranks, tokens exchanged",
+                                        loom::register_expert};
+  return &plugin;
+}
