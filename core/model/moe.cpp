@@ -52,9 +52,8 @@ MoeRouting moe_route(const float* logits, int N, int T, int E, int k, double cap
   }
   r.z = z / N;
   // Capacity per sequence: first choices first, each in token order.
-  const std::int64_t cap =
-      capacity_factor > 0 ? static_cast<std::int64_t>(std::ceil(capacity_factor * T * k / E))
-                          : std::numeric_limits<std::int64_t>::max();
+  const std::int64_t cap = capacity_factor > 0 ? static_cast<std::int64_t>(std::ceil(capacity_factor * T * k / E))
+                                               : std::numeric_limits<std::int64_t>::max();
   std::vector<std::int64_t> used(static_cast<std::size_t>(E));
   std::vector<int> count(static_cast<std::size_t>(E), 0);
   double aux = 0;
@@ -181,8 +180,7 @@ void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, cons
     const BufferRef y = a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C);
     be_.rows_gather(x, in, rows, {}, n, C);
     be_.matmul_forward_gelu(act, pre, x, matmul_operand(view, w[0]), tensor(view, w[1]), n, C, Fl);
-    be_.matmul_forward(y, act, matmul_operand(view, w[2]), tp_rank_ == 0 ? tensor(view, w[3]) : BufferRef(), n, Fl,
-                       C);
+    be_.matmul_forward(y, act, matmul_operand(view, w[2]), tp_rank_ == 0 ? tensor(view, w[3]) : BufferRef(), n, Fl, C);
     be_.rows_scatter_add(s.partial, y, rows, gates, n, C);
   }
 }
