@@ -57,8 +57,9 @@ std::vector<std::string> experts_summary_lines(const GPTConfig& cfg, const std::
                 "experts: %d per block in %d of %d blocks, top-%d, %s; mean over steps: load-balancing loss %.4f "
                 "(1 = balanced), z-loss %.4g, %.2f%% of assignments dropped, busiest expert %.2fx its fair share",
                 cfg.experts, cfg.moe_layers(), cfg.layers, cfg.top_k(),
-                cfg.expert_capacity > 0 ? ("capacity factor " + std::to_string(cfg.expert_capacity).substr(0, 4)).c_str()
-                                        : "dropless",
+                cfg.expert_capacity > 0
+                    ? ("capacity factor " + std::to_string(cfg.expert_capacity).substr(0, 4)).c_str()
+                    : "dropless",
                 means.at("moe_aux"), means.at("moe_z"), 100.0 * means.at("moe_dropped"), means.at("moe_load_max"));
   lines.push_back(line);
   int b = 0;

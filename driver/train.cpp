@@ -266,7 +266,7 @@ class TrainingRun {
   nlohmann::json carried_ = nlohmann::json::object();  // for the next metrics row (the same on every rank)
   std::unique_ptr<StragglerWatch> stragglers_;         // run.straggler_factor
   double step_wall_ = 0;  // the last step's time with its evaluation and checkpoint (metrics wall_ms)
-  ExpertsStep experts_;    // the last step's routing (model.experts)
+  ExpertsStep experts_;   // the last step's routing (model.experts)
   nlohmann::json last_load_ = nlohmann::json::array();
 };
 

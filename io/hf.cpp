@@ -304,7 +304,8 @@ HfModel read_hf_model(const std::string& dir) {
 void check_hf_model(const HfModel& m, const GPTConfig& deck, const std::string& dir) {
   if (deck.experts > 0)
     throw InputError("model.init_from = " + quote_path(dir) + " with model.experts = " + std::to_string(deck.experts) +
-                     ": Hugging Face's " + family(deck) + " files hold a dense MLP, not experts (start from a loom "
+                     ": Hugging Face's " + family(deck) +
+                     " files hold a dense MLP, not experts (start from a loom "
                      "checkpoint, or model.experts = 0)");
   if (deck.arch != m.cfg.arch)
     throw InputError("model.init_from = " + quote_path(dir) + " holds a Hugging Face " + family(m.cfg) +

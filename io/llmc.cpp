@@ -141,8 +141,10 @@ void check_llmc_model(const LlmcModel& m, const GPTConfig& cfg, const std::strin
     throw InputError("model.init_from = " + quote_path(path) +
                      ": an llm.c model file holds GPT-2's block, and this deck's model.arch = llama");
   if (cfg.experts > 0)
-    throw InputError("model.init_from = " + quote_path(path) + ": an llm.c model file holds a dense GPT-2, and this "
-                     "deck's model.experts = " + std::to_string(cfg.experts));
+    throw InputError("model.init_from = " + quote_path(path) +
+                     ": an llm.c model file holds a dense GPT-2, and this "
+                     "deck's model.experts = " +
+                     std::to_string(cfg.experts));
   std::string bad;
   auto differ = [&](const char* key, int deck, const char* field, int file) {
     if (deck != file)

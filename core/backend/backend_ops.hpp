@@ -146,27 +146,26 @@
 // The same kind of operations with a default body in Backend (a back end overrides them where it can):
 // the fused attention (default: refused with flash_attention_refusal); the experts' row operations
 // (default: refused with expert_rows_refusal); AdamW over many slices (default: adamw_update per slice).
-#define LOOM_BACKEND_DEFAULTED_OPS(OP)                                                                           \
-  OP(void, attention_forward_flash, (BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH),  \
-     (out, lse, qkv, B, T, C, NH))                                                                               \
-  OP(void, attention_forward_cudnn, (BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH),  \
-     (out, lse, qkv, B, T, C, NH))                                                                               \
-  OP(void, attention_backward_cudnn,                                                                             \
-     (BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv, BufferRef lse, int B, int T, \
-      int C, int NH),                                                                                            \
-     (dqkv, dsum, dout, out, qkv, lse, B, T, C, NH))                                                             \
-  OP(void, attention_backward_flash,                                                                             \
-     (BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv, BufferRef lse, int B, int T, \
-      int C, int NH),                                                                                            \
-     (dqkv, dsum, dout, out, qkv, lse, B, T, C, NH))                                                             \
-  OP(void, rows_gather, (BufferRef out, BufferRef x, BufferRef rows, BufferRef scale, int n, int C),              \
-     (out, x, rows, scale, n, C))                                                                                \
-  OP(void, rows_scatter_add, (BufferRef out, BufferRef y, BufferRef rows, BufferRef scale, int n, int C),        \
-     (out, y, rows, scale, n, C))                                                                                \
-  OP(void, rows_dot, (BufferRef out, BufferRef x, BufferRef rows, BufferRef y, int n, int C),                    \
-     (out, x, rows, y, n, C))                                                                                    \
-  OP(void, adamw_update_slices,                                                                                  \
-     (const std::vector<AdamWSlice>& slices, float lr, float beta1, float beta2, float eps, std::int64_t t),     \
+#define LOOM_BACKEND_DEFAULTED_OPS(OP)                                                                                 \
+  OP(void, attention_forward_flash, (BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH),        \
+     (out, lse, qkv, B, T, C, NH))                                                                                     \
+  OP(void, attention_forward_cudnn, (BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH),        \
+     (out, lse, qkv, B, T, C, NH))                                                                                     \
+  OP(void, attention_backward_cudnn,                                                                                   \
+     (BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv, BufferRef lse, int B, int T,       \
+      int C, int NH),                                                                                                  \
+     (dqkv, dsum, dout, out, qkv, lse, B, T, C, NH))                                                                   \
+  OP(void, attention_backward_flash,                                                                                   \
+     (BufferRef dqkv, BufferRef dsum, BufferRef dout, BufferRef out, BufferRef qkv, BufferRef lse, int B, int T,       \
+      int C, int NH),                                                                                                  \
+     (dqkv, dsum, dout, out, qkv, lse, B, T, C, NH))                                                                   \
+  OP(void, rows_gather, (BufferRef out, BufferRef x, BufferRef rows, BufferRef scale, int n, int C),                   \
+     (out, x, rows, scale, n, C))                                                                                      \
+  OP(void, rows_scatter_add, (BufferRef out, BufferRef y, BufferRef rows, BufferRef scale, int n, int C),              \
+     (out, y, rows, scale, n, C))                                                                                      \
+  OP(void, rows_dot, (BufferRef out, BufferRef x, BufferRef rows, BufferRef y, int n, int C), (out, x, rows, y, n, C)) \
+  OP(void, adamw_update_slices,                                                                                        \
+     (const std::vector<AdamWSlice>& slices, float lr, float beta1, float beta2, float eps, std::int64_t t),           \
      (slices, lr, beta1, beta2, eps, t))
 // clang-format on
 

@@ -24,8 +24,9 @@ namespace loom {
 // attention forwards and of gelu_bias_backward, a 16-bit dout of matmul_backward; 17: a 16-bit dlogits
 // of crossentropy_backward; 18: crossentropy_fused and crossentropy_finish_grad (the fused classifier);
 // 19: Llama's rmsnorm_*, rope_gqa_*, swiglu_*; 20: ring attention (attention_ring_*, copy_rows,
-// ring_attention_refusal) in the face.
-#define LOOM_CUDA_ABI_VERSION 20
+// ring_attention_refusal) in the face; 21: mixture of experts' rows_gather, rows_scatter_add, rows_dot
+// and expert_rows_refusal on the device.
+#define LOOM_CUDA_ABI_VERSION 21
 #define LOOM_CUDA_LIBRARY "libloom_cuda.so"
 extern "C" {
 // LOOM_CUDA_ABI_VERSION of the loom the library was built against.

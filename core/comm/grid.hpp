@@ -74,7 +74,7 @@ class ProcessGrid {
   Communicator& dp() { return *dp_; }
   Communicator& tp() { return *tp_; }
   Communicator& pp() { return *pp_; }
-  Communicator& cp() { return *cp_; }  // the context-parallel ring, ordered by cp_rank()
+  Communicator& cp() { return *cp_; }    // the context-parallel ring, ordered by cp_rank()
   Communicator& ep() { return *ep_; }    // the expert-parallel group, ordered by ep_rank()
   Communicator& edp() { return *edp_; }  // the ranks holding the same experts, ordered by edp_rank()
   std::vector<Communicator*> groups() { return {dp_.get(), tp_.get(), pp_.get(), cp_.get(), ep_.get(), edp_.get()}; }

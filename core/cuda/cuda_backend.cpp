@@ -530,6 +530,41 @@ class CudaBackend final : public Backend {
     cuda::copy_rows(dev<float>(dst, (rows - 1) * dst_ld + cols), dev<const float>(src, (rows - 1) * src_ld + cols),
                     rows, cols, dst_ld, src_ld, stream_);
   }
+  // Mixture of experts' row operations: core/cuda/expert_rows.cuh, the host's kernels bit for bit (one
+  // thread an element; rows_dot half a warp a row, in lane_sum's order; no atomics).
+  std::string expert_rows_refusal() const override { return ""; }
+  void rows_gather(BufferRef out, BufferRef x, BufferRef rows, BufferRef scale, int n, int C) override {
+    Timed timed(this, "rows_gather", n, C);
+    if (n <= 0) return;
+    const std::int32_t* r = dev<const std::int32_t>(rows, n);
+    const std::int64_t nC = std::int64_t(n) * C;
+    if (!scale.empty()) {
+      cuda::rows_gather(dev<float>(out, nC), dev<const float>(x, C), DType::f32, r, dev<const float>(scale, n), n, C,
+                        stream_);
+      return;
+    }
+    if (out.type != x.type)
+      refuse(std::string("rows_gather: out is ") + dtype_name(out.type) + ", x " + dtype_name(x.type) +
+             " (a gather without scale keeps the type)");
+    const BufferRef o = output(out, nC, "rows_gather");
+    require_device(x, "rows_gather", "x");
+    if (x.count < C)
+      refuse("rows_gather: x holds " + std::to_string(x.count) + " elements, a row of " + std::to_string(C) +
+             " needed");
+    cuda::rows_gather(o.data, x.data, o.type, r, nullptr, n, C, stream_);
+  }
+  void rows_scatter_add(BufferRef out, BufferRef y, BufferRef rows, BufferRef scale, int n, int C) override {
+    Timed timed(this, "rows_scatter_add", n, C);
+    if (n <= 0) return;
+    cuda::rows_scatter_add(dev<float>(out, C), dev<const float>(y, std::int64_t(n) * C),
+                           dev<const std::int32_t>(rows, n), dev_optional<const float>(scale, n), n, C, stream_);
+  }
+  void rows_dot(BufferRef out, BufferRef x, BufferRef rows, BufferRef y, int n, int C) override {
+    Timed timed(this, "rows_dot", n, C);
+    if (n <= 0) return;
+    cuda::rows_dot(dev<float>(out, n), dev<const float>(x, C), dev<const std::int32_t>(rows, n),
+                   dev<const float>(y, std::int64_t(n) * C), n, C, stream_);
+  }
   void attention_forward_flash(BufferRef out, BufferRef lse, BufferRef qkv, int B, int T, int C, int NH) override {
     Timed timed(this, "attention_forward_flash", B * T, C, NH);
     const std::int64_t NC = std::int64_t(B) * T * C;

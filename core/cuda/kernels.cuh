@@ -22,8 +22,8 @@
 //
 // This header is plain C++ (g++ can include it with the CUDA include directory on its path). The
 // kernels themselves are in core/cuda/layer_kernels.cuh, core/cuda/flash_attention.cuh,
-// core/cuda/ring_attention.cuh and core/cuda/topk.cuh, which a CPU unit test also runs through the
-// CUDA emulator (core/cuda/emu/).
+// core/cuda/ring_attention.cuh, core/cuda/expert_rows.cuh and core/cuda/topk.cuh, which a CPU unit test
+// also runs through the CUDA emulator (core/cuda/emu/).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -184,6 +184,30 @@ void attention_ring_backward(float* dqkv,        // [B,T,3C] q columns (+=)
 // dst[r * dst_ld + c] = src[r * src_ld + c] for r < rows, c < cols (fp32).
 void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t dst_ld,
                std::int64_t src_ld, cudaStream_t stream);
+
+// Mixture of experts (core/cuda/expert_rows.cuh, the twins of the host's rows_* kernels in
+// core/backend/kernels.hpp): an expert's rows of a token table and back. rows [n] names the token row of
+// each of the expert's rows, distinct within a call (so no two threads write one element: no atomics);
+// scale [n] is each row's gate, nullptr for none. Each gives the host's bits: gather and scatter_add one
+// thread an element; rows_dot half a warp a row, summed in lane_sum's order. Throws std::invalid_argument
+// for a negative n or C, and (rows_gather) for a scale with rows other than fp32, or a type other than
+// fp32, fp64, bf16 or fp16.
+void rows_gather(void* out,                 // [n,C] of type (=)
+                 const void* x,             // [.., C] of type
+                 DType type,                // out's and x's
+                 const std::int32_t* rows,  // [n]
+                 const float* scale,        // [n] or nullptr (then any type; with it fp32)
+                 int n, int C, cudaStream_t stream);
+void rows_scatter_add(float* out,                // [.., C] rows[i] (+= scale[i] * y[i])
+                      const float* y,            // [n,C]
+                      const std::int32_t* rows,  // [n]
+                      const float* scale,        // [n] or nullptr (1)
+                      int n, int C, cudaStream_t stream);
+void rows_dot(float* out,                // [n] (=)
+              const float* x,            // [.., C]
+              const std::int32_t* rows,  // [n]
+              const float* y,            // [n,C]
+              int n, int C, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // GELU (tanh approximation) and the residual add, elementwise.

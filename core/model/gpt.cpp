@@ -82,7 +82,8 @@ void GPTConfig::validate() const {
       throw InputError("model.experts_per_token = " + std::to_string(experts_per_token) +
                        " is not between 1 and model.experts = " + E + " (a token goes to that many distinct experts)");
     if (moe_ffn_hidden < 0)
-      throw InputError("model.moe_ffn_hidden = " + std::to_string(moe_ffn_hidden) + " is negative (0: the dense MLP's width)");
+      throw InputError("model.moe_ffn_hidden = " + std::to_string(moe_ffn_hidden) +
+                       " is negative (0: the dense MLP's width)");
     if (moe_every < 1 || moe_every > layers)
       throw InputError("model.moe_every = " + std::to_string(moe_every) + " is not between 1 and model.layers = " +
                        std::to_string(layers) + " (every moe_every-th block has experts)");
@@ -252,7 +253,8 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
     // k and v replicated over a tp that does not divide the kv heads (each rank's query heads' share).
     const bool kv = p.name.find(".attn.k.") != std::string::npos || p.name.find(".attn.v.") != std::string::npos;
     // The router and the experts' proj biases are not: every tp rank computes them from every token.
-    const bool expert = p.name.find(".mlp.router.") != std::string::npos || p.name.find(".mlp.experts.") != std::string::npos;
+    const bool expert =
+        p.name.find(".mlp.router.") != std::string::npos || p.name.find(".mlp.experts.") != std::string::npos;
     p.sp_partial = (sp_ && split == TpSplit::none && p.name != "wpe.weight" && !expert) ||
                    (kv && split == TpSplit::none && tp > 1);
     p.init = init;
@@ -707,7 +709,8 @@ GPT::Scratch GPT::carve_scratch(const Geometry& g, float* base) {
   }
   s.datty = c.take(N * Cl);
   // (an expert's rows are at most N, each as wide as an expert)
-  const std::int64_t hidden = std::max(N * Fl, g.cfg.experts > 0 ? g.rows_per_expert() * (g.cfg.expert_ffn() / g.tp) : 0);
+  const std::int64_t hidden =
+      std::max(N * Fl, g.cfg.experts > 0 ? g.rows_per_expert() * (g.cfg.expert_ffn() / g.tp) : 0);
   s.dfch = c.take(g.mm16, hidden);  // the fc product's dout only: in its type (gelu_bias_backward rounds it)
   s.dfch_gelu = c.take(hidden);
   if (g.cfg.llama()) {
@@ -857,7 +860,8 @@ void GPT::block_forward(int chunk, int slot, int l, int B, bool recompute) {
   be_.residual_layernorm_forward(a.xmid, a.ln2, a.ln2_mean, a.ln2_rstd, x, y, w.ln2w, w.ln2b, Nl, C);
   if (cfg_.moe_layer(l)) {  // the experts' gated sum (biases inside), in s.partial
     moe_forward(view, a, s, chunk, slot, l, N, recompute);
-    be_.residual_forward(xout, a.xmid, part_->reduce_partial(s.partial, s.local, N, C), static_cast<std::int64_t>(Nl) * C);
+    be_.residual_forward(xout, a.xmid, part_->reduce_partial(s.partial, s.local, N, C),
+                         static_cast<std::int64_t>(Nl) * C);
     store_->release(unit, ParamStore::Use::forward);
     return;
   }
@@ -1080,7 +1084,7 @@ const float* GPT::backward_stage(int slot, float dloss, const float* dout, int c
   const BufferRef inp = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows, N);
   const BufferRef tgt = tokens_buf_.ref().slice(static_cast<std::int64_t>(slot) * 2 * rows + rows, N);
   const Scratch s = scratch();
-  backward_dloss_ = dloss;  // the experts' auxiliary losses are scaled as the loss is
+  backward_dloss_ = dloss;    // the experts' auxiliary losses are scaled as the loss is
   training_forward_ = false;  // a recomputed forward is not counted again
 
   if (holds_head(chunk)) {

@@ -217,7 +217,7 @@ class GPT {
   // Mixture of experts: what the training forwards since the last reset routed (evaluation's are not
   // counted), summed over this rank's blocks with experts and micro-batches.
   struct MoeStats {
-    std::vector<double> routed;  // [layers * experts]: assignments routed to each expert of each layer
+    std::vector<double> routed;           // [layers * experts]: assignments routed to each expert of each layer
     double dropped = 0, assignments = 0;  // over capacity; all
     double aux = 0, z = 0, calls = 0;     // the auxiliary losses summed over calls (block and micro-batch)
   };
@@ -287,13 +287,19 @@ class GPT {
     BufferRef fcu;                 // [N,Fl]  Llama: the up projection (else empty)
     BufferRef fch_gelu;            // [N,Fl]  (Llama: silu(gate) * up)
     // With experts fch and fch_gelu are [N*k,Fl], the experts' rows one after the other, and:
-    BufferRef moe_y;                  // [N*k,C] each expert row's output (this rank's partial sum under tp)
-    BufferRef moe_rows, moe_gates;    // [N*k] int32 the token of each expert row, fp32 its gate
+<<<<<<< HEAD
+    BufferRef moe_y;                // [N*k,C] each expert row's output (this rank's partial sum under tp)
+    BufferRef moe_rows, moe_gates;  // [N*k] int32 the token of each expert row, fp32 its gate
     // Expert parallelism (ep > 1): the rows this rank's experts received, expert by expert (fch and
     // fch_gelu then hold theirs), and the order between the exchange's (source-major) and theirs.
-    BufferRef moe_x;                  // [R,C] R: Geometry::expert_rows()
-    BufferRef moe_perm, moe_inv;      // [R] int32: expert-major row j is received row perm[j]; inv the inverse
-    std::int64_t floats;           // the whole table, in floats
+    BufferRef moe_x;              // [R,C] R: Geometry::expert_rows()
+    BufferRef moe_perm, moe_inv;  // [R] int32: expert-major row j is received row perm[j]; inv the inverse
+    std::int64_t floats;          // the whole table, in floats
+=======
+    BufferRef moe_y;                // [N*k,C] each expert row's output (this rank's partial sum under tp)
+    BufferRef moe_rows, moe_gates;  // [N*k] int32 the token of each expert row, fp32 its gate
+    std::int64_t floats;            // the whole table, in floats
+>>>>>>> moe-cuda
   };
   struct Scratch {                            // not saved across kernels: forward temporaries and backward gradients
     BufferRef full, partial, local;           // [N,C], [N,C], [Nl,C]
@@ -418,11 +424,11 @@ class GPT {
   int wte_ = -1, wpe_ = -1, lnfw_ = -1, lnfb_ = -1;
   int head_w_ = -1;  // the head's weight: wte_ when tied, else lm_head.weight
   int emb_unit_ = -1, head_unit_ = -1;
-  std::vector<int> block_unit_;                     // per layer of the model, -1 when not on this rank
+  std::vector<int> block_unit_;  // per layer of the model, -1 when not on this rank
   // per layer: its tensors' handles, in BlockParams order (-1: none), then the router's and each expert's
   // fc.weight, fc.bias, proj.weight, proj.bias (core/model/moe.cpp)
   std::vector<std::vector<int>> block_tensors_;
-  std::vector<int> pos_in_unit_;                    // per tensor: its position in its unit
+  std::vector<int> pos_in_unit_;  // per tensor: its position in its unit
   std::vector<Unit> units_;
   FlatParamStore own_store_;
   ParamStore* store_ = nullptr;
@@ -447,10 +453,10 @@ class GPT {
   std::int64_t head_logits_at_ = 0;  // where in head_buf_ the shared fp32 logits are (mixed precision)
   TypedBuffer scratch_buf_;          // forward tmp and backward gradients of activations
   TypedBuffer tokens_buf_;           // int32 [max slots, 2, N] inputs (chunk 0's slots), targets (last chunk's)
-  std::vector<MoeRouting> routing_;       // per chunk, slot and layer: the last forward's routing
+  std::vector<MoeRouting> routing_;  // per chunk, slot and layer: the last forward's routing
   MoeStats moe_stats_;
   bool training_forward_ = false;  // the forward running was given dloss (its routing is counted)
-  float backward_dloss_ = 0;        // the backward running's dloss (the experts' auxiliary losses' scale)
+  float backward_dloss_ = 0;       // the backward running's dloss (the experts' auxiliary losses' scale)
   std::function<void(int)> grad_ready_;
   std::function<void()> progress_;
 };

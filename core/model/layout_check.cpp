@@ -73,9 +73,9 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
                      (m.llama() ? " (model.ffn_hidden)" : " (4 x model.d_model)") +
                      "; tp sizes that work: " + divisors(std::gcd(tp_ok, static_cast<long>(m.ffn()))));
   if (m.experts > 0 && m.expert_ffn() % l.tp != 0)
-    throw InputError("parallel.tp = " + s(l.tp) + " does not divide an expert's width " + s(m.expert_ffn()) +
-                     " (model.moe_ffn_hidden); tp sizes that work: " +
-                     divisors(std::gcd(tp_ok, static_cast<long>(m.expert_ffn()))));
+    throw InputError(
+        "parallel.tp = " + s(l.tp) + " does not divide an expert's width " + s(m.expert_ffn()) +
+        " (model.moe_ffn_hidden); tp sizes that work: " + divisors(std::gcd(tp_ok, static_cast<long>(m.expert_ffn()))));
   if (l.pp > m.layers)
     throw InputError("parallel.pp = " + s(l.pp) + " is more stages than model.layers = " + s(m.layers) +
                      "; pp sizes that work: 1 .. " + s(m.layers));
@@ -83,11 +83,12 @@ void check_layout(const Layout& l, int world, const GPTConfig& m, int batch, int
   if (l.ep < 1) throw InputError("parallel.ep = " + s(l.ep) + " must be at least 1");
   if (l.ep > 1) {
     if (m.experts == 0)
-      throw InputError("parallel.ep = " + s(l.ep) + " splits experts over ranks, and model.experts = 0: set model.experts");
+      throw InputError("parallel.ep = " + s(l.ep) +
+                       " splits experts over ranks, and model.experts = 0: set model.experts");
     if (l.replicas() % l.ep != 0)
-      throw InputError("parallel.ep = " + s(l.ep) + " does not divide parallel.dp = " + s(l.dp) +
-                       " (the experts split over groups of ep data-parallel ranks); ep sizes that work: " +
-                       divisors(l.replicas()));
+      throw InputError(
+          "parallel.ep = " + s(l.ep) + " does not divide parallel.dp = " + s(l.dp) +
+          " (the experts split over groups of ep data-parallel ranks); ep sizes that work: " + divisors(l.replicas()));
     if (m.experts % l.ep != 0)
       throw InputError("parallel.ep = " + s(l.ep) + " does not divide model.experts = " + s(m.experts) +
                        " (each expert-parallel rank holds experts / ep of them); ep sizes that work: " +

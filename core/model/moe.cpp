@@ -57,9 +57,8 @@ MoeRouting moe_route(const double* logits, int N, int T, int E, int k, double ca
   }
   r.z = z / N;
   // Capacity per sequence: first choices first, each in token order.
-  const std::int64_t cap =
-      capacity_factor > 0 ? static_cast<std::int64_t>(std::ceil(capacity_factor * T * k / E))
-                          : std::numeric_limits<std::int64_t>::max();
+  const std::int64_t cap = capacity_factor > 0 ? static_cast<std::int64_t>(std::ceil(capacity_factor * T * k / E))
+                                               : std::numeric_limits<std::int64_t>::max();
   std::vector<std::int64_t> used(static_cast<std::size_t>(E));
   std::vector<int> count(static_cast<std::size_t>(E), 0);
   double aux = 0;
@@ -285,7 +284,8 @@ std::vector<std::int64_t> GPT::recv_rows(const MoeRouting& r) const {
   const int P = ep_->size(), E = cfg_.experts, El = E / P, e0 = ep_->first(E);
   std::vector<std::int64_t> rows(static_cast<std::size_t>(P), 0);
   for (int q = 0; q < P; ++q)
-    for (int i = 0; i < El; ++i) rows[static_cast<std::size_t>(q)] += r.all_counts[static_cast<std::size_t>(q) * E + e0 + i];
+    for (int i = 0; i < El; ++i)
+      rows[static_cast<std::size_t>(q)] += r.all_counts[static_cast<std::size_t>(q) * E + e0 + i];
   return rows;
 }
 
@@ -347,7 +347,8 @@ void GPT::moe_backward(const ParamStore::UnitView& view, const BlockActs& a, con
     for (int e = 0; e < E; ++e) {
       const int b = r.begin[e], n = r.begin[e + 1] - b;
       if (n > 0)
-        be_.rows_scatter_add(s.dpartial, s.moe_dy.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C),
+        be_.rows_scatter_add(s.dpartial,
+                             s.moe_dy.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C),
                              a.moe_rows.slice(b, n), {}, n, C);
     }
   } else {

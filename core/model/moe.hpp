@@ -22,13 +22,13 @@ struct MoeRouting {
   std::vector<char> kept;          // [N,k] within the expert's capacity
   std::vector<double> share;       // [N/T, E] f: share of each sequence's N*k assignments routed to e
   // The kept assignments, by expert: expert e's are [begin[e], begin[e+1]), in token order.
-  std::vector<int> begin;                // [E+1]
-  std::vector<std::int32_t> rows;        // [kept] the token row
-  std::vector<float> row_gate;           // [kept] its gate
-  std::vector<int> slot;                 // [kept] its place t*k + j in choice/gate
-  std::vector<std::int64_t> routed;      // [E] assignments routed to e, kept or not
-  std::int64_t dropped = 0;              // assignments over capacity
-  double aux = 0, z = 0;                 // the load-balancing loss and the z-loss of these tokens
+  std::vector<int> begin;            // [E+1]
+  std::vector<std::int32_t> rows;    // [kept] the token row
+  std::vector<float> row_gate;       // [kept] its gate
+  std::vector<int> slot;             // [kept] its place t*k + j in choice/gate
+  std::vector<std::int64_t> routed;  // [E] assignments routed to e, kept or not
+  std::int64_t dropped = 0;          // assignments over capacity
+  double aux = 0, z = 0;             // the load-balancing loss and the z-loss of these tokens
   // Expert parallelism: every rank's kept rows for every expert [ep, E] (ExpertSplit::exchange_counts),
   // and this rank's experts' rows, expert by expert: local expert i's are [local[i], local[i+1]).
   std::vector<std::int64_t> all_counts;

@@ -42,8 +42,8 @@ struct ParamInfo {
   bool decay = false;          // AdamW weight decay applies (matrices)
   bool matmul_weight = false;  // a weight of the model's matrix products: under 16-bit precision
                                // the store hands out a 16-bit compute copy of it (UnitView::compute)
-  bool expert = false;  // an expert's, held by the ranks of one expert-parallel rank (parallel.ep > 1): its
-                        // replicas are the edp group, which sums its gradient (ExpertSplit::finish_grads)
+  bool expert = false;         // an expert's, held by the ranks of one expert-parallel rank (parallel.ep > 1): its
+                               // replicas are the edp group, which sums its gradient (ExpertSplit::finish_grads)
   Init init = Init::zeros;
   double init_std = 0.0;  // for Init::normal
 };

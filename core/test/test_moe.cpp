@@ -61,8 +61,8 @@ void check_router_gradient(int N, int T, int E, int k, double capacity) {
 }
 
 TEST(Moe, RouterBackwardMatchesFiniteDifferences) {
-  check_router_gradient(16, 8, 4, 2, 0.0);  // dropless, top-2
-  check_router_gradient(16, 8, 4, 1, 0.0);  // top-1: the gate is 1, the gradient the auxiliary losses'
+  check_router_gradient(16, 8, 4, 2, 0.0);   // dropless, top-2
+  check_router_gradient(16, 8, 4, 1, 0.0);   // top-1: the gate is 1, the gradient the auxiliary losses'
   check_router_gradient(24, 12, 6, 3, 1.0);  // capacity: dropped assignments get no gate gradient
 }
 
@@ -71,7 +71,7 @@ TEST(Moe, RoutingFollowsItsContract) {
   const int N = 8, T = 4, E = 4, k = 2;
   std::vector<double> logits(static_cast<std::size_t>(N) * E, 0.0);
   for (int t = 0; t < N; ++t) {
-    logits[t * E + 2] = 1.0;  // every token's first choice is 2; the rest tie, so the second is 0
+    logits[t * E + 2] = 1.0;              // every token's first choice is 2; the rest tie, so the second is 0
     if (t == 5) logits[t * E + 3] = 0.5;  // but token 5's second is 3
   }
   const MoeRouting r = moe_route(logits.data(), N, T, E, k, 0.5);
@@ -116,7 +116,8 @@ TEST(Moe, AuxiliaryLossesHaveTheirTextbookValues) {
 TEST(Moe, RowOperationsAreTheirLoops) {
   auto be = make_host_backend(1);
   const int N = 7, C = 37, n = 4;
-  const std::vector<double> xd = randoms(static_cast<std::size_t>(N) * C, 1), yd = randoms(static_cast<std::size_t>(n) * C, 2);
+  const std::vector<double> xd = randoms(static_cast<std::size_t>(N) * C, 1),
+                            yd = randoms(static_cast<std::size_t>(n) * C, 2);
   std::vector<float> x(xd.begin(), xd.end()), y(yd.begin(), yd.end());
   const std::vector<std::int32_t> rows = {5, 0, 3, 6};
   const std::vector<float> gate = {0.5f, -1.25f, 2.0f, 0.375f};

@@ -36,8 +36,8 @@ class ExpertParallel final : public ExpertSplit {
   ExpertParallel(Communicator& ep, Communicator& edp, int replicas) : ep_(ep), edp_(edp), replicas_(replicas) {}
   std::string name() const override {
     return "expert parallel over ep " + std::to_string(size()) + " (each rank 1/" + std::to_string(size()) +
-           " of the experts; tokens exchanged all-to-all; expert gradients summed over " +
-           std::to_string(edp_.size()) + " rank" + (edp_.size() == 1 ? "" : "s") + ")";
+           " of the experts; tokens exchanged all-to-all; expert gradients summed over " + std::to_string(edp_.size()) +
+           " rank" + (edp_.size() == 1 ? "" : "s") + ")";
   }
   int size() const override { return ep_.size(); }
   int rank() const override { return ep_.rank(); }
@@ -58,7 +58,8 @@ class ExpertParallel final : public ExpertSplit {
     }
     std::vector<CommRequestPtr> reqs;
     for (int q = 0; q < n; ++q)
-      if (q != me && recv_rows[q] > 0) reqs.push_back(ep_.recv_async(recv.slice(ro[q], ro[q + 1] - ro[q]), q, kTagRows));
+      if (q != me && recv_rows[q] > 0)
+        reqs.push_back(ep_.recv_async(recv.slice(ro[q], ro[q + 1] - ro[q]), q, kTagRows));
     for (int q = 0; q < n; ++q)
       if (q != me && send_rows[q] > 0) {
         reqs.push_back(ep_.send_async(send.slice(so[q], so[q + 1] - so[q]), q, kTagRows));
@@ -67,8 +68,7 @@ class ExpertParallel final : public ExpertSplit {
     if (send_rows[me] != recv_rows[me])
       throw std::logic_error("expert plugin: " + std::to_string(send_rows[me]) + " rows to itself, " +
                              std::to_string(recv_rows[me]) + " expected");
-    if (send_rows[me] > 0)
-      be.cast(recv.slice(ro[me], ro[me + 1] - ro[me]), send.slice(so[me], so[me + 1] - so[me]));
+    if (send_rows[me] > 0) be.cast(recv.slice(ro[me], ro[me + 1] - ro[me]), send.slice(so[me], so[me + 1] - so[me]));
     for (auto& r : reqs) r->wait();
     ++exchanges_;
   }
@@ -110,17 +110,18 @@ class ExpertParallel final : public ExpertSplit {
     const double exchanges = plan.micro_batches * blocks * (m.recompute ? 6.0 : 4.0);
     plan.add_comm({ep_.name(), "experts' all-to-all (balanced routing)", exchanges * rows * m.d_model * 4.0,
                    exchanges * (n - 1), false, true});
-    plan.add_comm({ep_.name(), "experts' row counts", plan.micro_batches * blocks * (m.recompute ? 2.0 : 1.0) *
-                                                          ring_all_gather_bytes(8.0 * m.experts * n, n),
-                   plan.micro_batches * blocks * (n - 1.0), false, true});
+    plan.add_comm(
+        {ep_.name(), "experts' row counts",
+         plan.micro_batches * blocks * (m.recompute ? 2.0 : 1.0) * ring_all_gather_bytes(8.0 * m.experts * n, n),
+         plan.micro_batches * blocks * (n - 1.0), false, true});
     std::int64_t largest = 0, all = 0;
     for (const ParamInfo& p : model.params())
       if (p.expert) largest = std::max(largest, p.numel()), all += p.numel();
     const int g = edp_.size();
     if (g > 1) {
       plan.ring_scratch(edp_.name(), {static_cast<double>(ring_all_reduce_scratch(largest, g, sizeof(float)))});
-      plan.add_comm({edp_.name(), "experts' gradient all-reduce", ring_all_reduce_bytes(4.0 * all, g),
-                     2.0 * (g - 1), false});
+      plan.add_comm(
+          {edp_.name(), "experts' gradient all-reduce", ring_all_reduce_bytes(4.0 * all, g), 2.0 * (g - 1), false});
     }
   }
 

@@ -189,8 +189,9 @@ class TensorPartition final : public Partition {
     if (expert_layers > 0) {
       const std::int64_t gates = static_cast<std::int64_t>(N) * model.config().top_k();
       scratch.push_back(static_cast<double>(ring_all_reduce_scratch(gates, n, sizeof(float))));
-      plan.add_comm({tp_.name(), "experts' gate-gradient sums", m * expert_layers * ring_all_reduce_bytes(gates * 4.0, n),
-                     m * expert_layers * 2.0 * (n - 1), false, true});
+      plan.add_comm({tp_.name(), "experts' gate-gradient sums",
+                     m * expert_layers * ring_all_reduce_bytes(gates * 4.0, n), m * expert_layers * 2.0 * (n - 1),
+                     false, true});
     }
     for (double s : scratch) plan.ring_scratch(tp_.name(), {s});  // one at a time
     // The replica hash of finish_grads: each replicated parameter and gradient hashed (read, 4 bytes

@@ -351,7 +351,7 @@ double ShardedStore::gathered_bytes() const {
 void ShardedStore::plan_step(StepPlan& plan) const {
   const int n = dp_.size();
   std::int64_t emb = 0, most = 0, emb16 = 0, most16 = 0;  // elements; 16: the units' compute copies
-  std::vector<std::int64_t> sizes;                          // the other units', in model order
+  std::vector<std::int64_t> sizes;                        // the other units', in model order
   for (std::size_t u = 0; u < units_.size(); ++u) {
     const std::int64_t size = unit_hi_[u] - unit_lo_[u];
     const std::int64_t copy = copies_.active() ? copies_.elements(static_cast<int>(u)) : 0;

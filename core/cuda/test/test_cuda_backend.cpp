@@ -1128,3 +1128,54 @@ TEST(CudaBackend, CopyRowsIsTheHosts) {
   tw.dev->copy_rows(dst.d.slice(3, dst.n - 3), src.d.slice(1, src.n - 1), rows - 1, cols, dst_ld, src_ld);
   EXPECT_EQ(tw.dev_of(dst), tw.host_of(dst));
 }
+
+// Mixture of experts' row operations (core/cuda/expert_rows.cuh), bit for bit the host's: the gathers (a
+// plain one of every type, a scaled one of fp32), the scatter-add with and without gates, and rows_dot,
+// whose sums follow lane_sum's order; a gather that would change the type is refused.
+TEST(CudaBackend, ExpertRowsAreTheHosts) {
+  REQUIRE_GPU();
+  Twins tw;
+  EXPECT_EQ(tw.dev->expert_rows_refusal(), "");
+  const int table = 150, n = 67, C = 83;  // an odd n: a warp's second half-warp without a row
+  std::vector<std::int32_t> rows(table);
+  for (int i = 0; i < table; ++i) rows[std::size_t(i)] = i;
+  std::shuffle(rows.begin(), rows.end(), std::mt19937(71));
+  rows.resize(std::size_t(n));
+  auto [rh, rd] = tw.both(rows);
+  auto x = tw.make(randn(std::size_t(table) * C, 72)), y = tw.make(randn(std::size_t(n) * C, 73));
+  auto gate = tw.make(randn(std::size_t(n), 74));
+  const BufferRef none;
+  // A plain gather of each type (its values rounded from the same fp32 ones on both sides).
+  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+    TypedBuffer hx = tw.host->allocate("hx", t, x.n, Mem::workspace),
+                dx = tw.dev->allocate("dx", t, x.n, Mem::workspace);
+    TypedBuffer ho = tw.host->allocate("ho", t, std::int64_t(n) * C, Mem::workspace),
+                dout = tw.dev->allocate("do", t, std::int64_t(n) * C, Mem::workspace);
+    tw.host->cast(hx.ref(), x.h);
+    tw.dev->copy_from_host(dx.ref(), hx.ref().data);
+    tw.host->rows_gather(ho.ref(), hx.ref(), rh, none, n, C);
+    tw.dev->rows_gather(dout.ref(), dx.ref(), rd, none, n, C);
+    std::vector<unsigned char> got(ho.ref().bytes());
+    tw.dev->copy_to_host(got.data(), dout.ref());
+    EXPECT_EQ(std::memcmp(got.data(), ho.ref().data, got.size()), 0) << "plain gather of " << loom::dtype_name(t);
+    if (t != DType::f32) {
+      TypedBuffer o32 = tw.dev->allocate("o32", DType::f32, std::int64_t(n) * C, Mem::workspace);
+      EXPECT_THROW(tw.dev->rows_gather(o32.ref(), dx.ref(), rd, none, n, C), std::invalid_argument)
+          << "a gather without scale keeps the type: " << loom::dtype_name(t) << " into fp32";
+    }
+  }
+  auto out = tw.zeros(std::int64_t(n) * C);
+  tw.host->rows_gather(out.h, x.h, rh, gate.h, n, C);
+  tw.dev->rows_gather(out.d, x.d, rd, gate.d, n, C);
+  EXPECT_EQ(tw.dev_of(out), tw.host_of(out)) << "scaled gather";
+  for (const bool scaled : {true, false}) {
+    auto acc = tw.make(randn(std::size_t(table) * C, scaled ? 75 : 76));
+    tw.host->rows_scatter_add(acc.h, y.h, rh, scaled ? gate.h : none, n, C);
+    tw.dev->rows_scatter_add(acc.d, y.d, rd, scaled ? gate.d : none, n, C);
+    EXPECT_EQ(tw.dev_of(acc), tw.host_of(acc)) << "scatter_add, " << (scaled ? "gated" : "no gates");
+  }
+  auto dot = tw.make(std::vector<float>(std::size_t(n), 7.0f));
+  tw.host->rows_dot(dot.h, x.h, rh, y.h, n, C);
+  tw.dev->rows_dot(dot.d, x.d, rd, y.d, n, C);
+  EXPECT_EQ(tw.dev_of(dot), tw.host_of(dot)) << "rows_dot: lane_sum's order";
+}
