@@ -287,7 +287,6 @@ class GPT {
     BufferRef fcu;                 // [N,Fl]  Llama: the up projection (else empty)
     BufferRef fch_gelu;            // [N,Fl]  (Llama: silu(gate) * up)
     // With experts fch and fch_gelu are [N*k,Fl], the experts' rows one after the other, and:
-<<<<<<< HEAD
     BufferRef moe_y;                // [N*k,C] each expert row's output (this rank's partial sum under tp)
     BufferRef moe_rows, moe_gates;  // [N*k] int32 the token of each expert row, fp32 its gate
     // Expert parallelism (ep > 1): the rows this rank's experts received, expert by expert (fch and
@@ -295,11 +294,6 @@ class GPT {
     BufferRef moe_x;              // [R,C] R: Geometry::expert_rows()
     BufferRef moe_perm, moe_inv;  // [R] int32: expert-major row j is received row perm[j]; inv the inverse
     std::int64_t floats;          // the whole table, in floats
-=======
-    BufferRef moe_y;                // [N*k,C] each expert row's output (this rank's partial sum under tp)
-    BufferRef moe_rows, moe_gates;  // [N*k] int32 the token of each expert row, fp32 its gate
-    std::int64_t floats;            // the whole table, in floats
->>>>>>> moe-cuda
   };
   struct Scratch {                            // not saved across kernels: forward temporaries and backward gradients
     BufferRef full, partial, local;           // [N,C], [N,C], [Nl,C]
