@@ -362,6 +362,7 @@ std::vector<std::pair<std::string, double>> TrainingRun::role_reports() {
   auto report = s_.engine->grad_sync().step_report();
   for (auto& kv : s_.model->partition().step_report()) report.push_back(kv);
   for (auto& kv : s_.model->context().step_report()) report.push_back(kv);
+  for (auto& kv : s_.model->experts().step_report()) report.push_back(kv);
   for (auto& kv : s_.engine->schedule().step_report()) report.push_back(kv);
   experts_ = gather_experts_step(s_.grid->world(), *s_.model);  // collective, with experts
   if (experts_.on()) last_load_ = experts_.load;
@@ -832,7 +833,7 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
         at(Mem::workspace).c_str(), scale_note.c_str());
   }
   for (const std::string& line : s_.engine->schedule().summary_lines(means)) std::printf("         %s\n", line.c_str());
-  for (const std::string& line : experts_summary_lines(s_.model->config(), means, last_load_))
+  for (const std::string& line : experts_summary_lines(s_.model->config(), means, last_load_, t.mean_step()))
     std::printf("         %s\n", line.c_str());
   if (stragglers_->on())
     for (const auto& r : stragglers_->summary())
@@ -877,6 +878,7 @@ int TrainingRun::run() {
     const double t_step = now();
     for (auto* g : groups_) g->reset_stats();
     s_.model->context().begin_step();
+    s_.model->experts().begin_step();
     const StepStats st = s_.engine->train_step(step, s_.train_batches);
     const StepComm comm = read_comm(st);
     stragglers_->add(st, comm.wait);

@@ -4,7 +4,10 @@
     loom_plot.py RUN_DIR... [-o OUTDIR]
         OUTDIR/loss.png: the training loss against step of each run (metrics.jsonl), and its
         validation loss where the run has one (dashed, markers), one colour per run, labelled by
-        the run directory's name.
+        the run directory's name. For runs with experts (model.experts; metrics' moe_load) also
+        OUTDIR/expert_load.png: per run, each expert's share of its block's assignments times the
+        experts (1 = its fair share; the mean over blocks solid, the busiest block's dotted) against
+        step, and the share of assignments dropped over capacity.
     loom_plot.py --sweep RESULT.csv --x KEY [-o OUTDIR]
         RESULT.csv: the CSV table `jube result` writes for jobscripts/sweep.xml (or a JUBE run
         directory, e.g. sweep_runs/000000, after `jube result -a sweep_runs`). One PNG per numeric
@@ -183,6 +186,37 @@ def plot_runs(dirs, outdir):
     fig.tight_layout()
     os.makedirs(outdir, exist_ok=True)
     out = os.path.join(outdir, "loss.png")
+    fig.savefig(out)
+    plt.close(fig)
+    print("wrote " + out)
+    plot_expert_load([(d, rows, label) for (d, rows), label in zip(runs, labels_for(dirs))], outdir, plt)
+
+
+def plot_expert_load(runs, outdir, plt):
+    """OUTDIR/expert_load.png for the runs whose metrics carry moe_load ([blocks][experts] shares)."""
+    runs = [(d, [r for r in rows if r.get("moe_load") and "step" in r], label) for d, rows, label in runs]
+    runs = [r for r in runs if r[1]]
+    if not runs:
+        return
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 3.2 * len(runs)), dpi=110, squeeze=False)
+    for ax, (d, rows, label) in zip(axes[:, 0], runs):
+        steps = [r["step"] for r in rows]
+        E = len(rows[0]["moe_load"][0])
+        for e in range(E):
+            mean = [E * sum(b[e] for b in r["moe_load"]) / len(r["moe_load"]) for r in rows]
+            worst = [E * max(b[e] for b in r["moe_load"]) for r in rows]
+            line, = ax.plot(steps, mean, "-", linewidth=1.2, label="expert %d" % e)
+            ax.plot(steps, worst, ":", color=line.get_color(), linewidth=0.8)
+        ax.axhline(1.0, color="0.3", linestyle="--", linewidth=0.8)
+        drop = [100.0 * r.get("moe_dropped", 0.0) for r in rows]
+        ax.set_title("%s: expert load x %d experts (1 = fair share; dotted: busiest block), %.1f%% dropped on "
+                     "average" % (label, E, sum(drop) / len(drop)), fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("load / fair share")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, ncol=min(E, 8))
+    fig.tight_layout()
+    out = os.path.join(outdir, "expert_load.png")
     fig.savefig(out)
     plt.close(fig)
     print("wrote " + out)

@@ -22,6 +22,8 @@ CASE is one of:
                      kv_heads 1: whole on every tp rank)
   bitwise_moe_zero3_dp2, layout_moe_tp2_to_pp2_dp2  the same with 4 experts in every block (the
                      routing follows the weights: the same routing after the restart)
+  bitwise_moe_ep2, layout_moe_ep2_to_ep4, layout_moe_ep4_to_ep1  experts split over ep ranks (each
+                     writes the experts it holds, by global index), resumed on the same or another split
   refuse_other_arch  a Llama checkpoint resumed by a GPT-2 deck, or with other kv heads, or one with 4
                      experts by a deck with 8: exit status 2, both values named
   refuse_missing_latest  checkpoint.resume = latest with no `latest` in checkpoint.dir: exit status 2,
@@ -93,6 +95,9 @@ def main():
         # Experts by global index (blocks.<l>.mlp.experts.<e>.*): split over tp, then on pipeline stages.
         "layout_moe_tp2_to_pp2_dp2": ((2, MOE + ["parallel.tp=2"]),
                                       (4, MOE + ["parallel.pp=2", "parallel.dp=2", "train.micro_batches=2"])),
+        # Expert parallelism: each ep rank writes its experts; read back on another split of them.
+        "layout_moe_ep2_to_ep4": ((2, MOE + ["parallel.dp=2", "parallel.ep=2"]), (4, MOE + ["parallel.dp=4", "parallel.ep=4"])),
+        "layout_moe_ep4_to_ep1": ((4, MOE + ["parallel.dp=4", "parallel.ep=4"]), (1, MOE)),
     }
     bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"],
                "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"],
@@ -100,7 +105,8 @@ def main():
                "bitwise_zero3_dp2": ["parallel.dp=2", "zero.stage=3"],
                "bitwise_llama_zero3_dp2": LLAMA + ["parallel.dp=2", "zero.stage=3"],
                "bitwise_cp2": ["parallel.cp=2"],
-               "bitwise_moe_zero3_dp2": MOE + ["parallel.dp=2", "zero.stage=3"]}
+               "bitwise_moe_zero3_dp2": MOE + ["parallel.dp=2", "zero.stage=3"],
+               "bitwise_moe_ep2": MOE + ["parallel.dp=2", "parallel.ep=2"]}
     if name in bitwise:
         ref, ckpt = saved(c, 2, bitwise[name])
         c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])

@@ -14,7 +14,8 @@ CASE is one of:
       on 2 ranks), and the pretty table has the same 4 rows.
   plot_runs
       two 6-step runs (lr 1e-3 and 4e-3); `loom_plot.py RUN RUN -o OUT` writes OUT/loss.png, a PNG
-      (signature, IHDR) of at least 400 x 300 pixels and 10 KiB to 2 MiB; a missing run directory and
+      (signature, IHDR) of at least 400 x 300 pixels and 10 KiB to 2 MiB, and no expert_load.png; a run
+      with 4 experts gets OUT/expert_load.png (the same checks) as well; a missing run directory and
       one without metrics.jsonl are refused with exit status 2, naming the path.
   plot_sweep
       the sweep of jube_sweep (run again here); `loom_plot.py --sweep CSV --x train.lr` writes one PNG
@@ -202,6 +203,13 @@ def main():
         print(p.stdout + p.stderr)
         c.check(p.returncode == 0, "loom plot RUN RUN: exit status %d" % p.returncode)
         check_png(c, os.path.join(out, "loss.png"))
+        c.check(not os.path.exists(os.path.join(out, "expert_load.png")), "expert_load.png written for runs without experts")
+        # A run with experts gets the experts' load over steps too.
+        _, m = c.loom("moe", 1, ["model.experts=4", "model.expert_capacity=1.0"])
+        p = run([c.args.loom, "plot", m, "-o", out + "-moe"])
+        print(p.stdout + p.stderr)
+        c.check(p.returncode == 0, "loom plot MOE_RUN: exit status %d" % p.returncode)
+        check_png(c, os.path.join(out + "-moe", "expert_load.png"))
         missing = os.path.join(c.dir, "no-such-run")
         expect_refusal(c, [PLOT, a, missing, "-o", out], missing, "a missing run directory")
         empty = os.path.join(c.dir, "empty-run")

@@ -14,6 +14,8 @@
 // weights (which it reduces over dp as before, leaving the experts' to this role).
 // Bytes a rank sends per block and micro-batch: the rows it sends to other ranks and those it returns,
 // each C values (fp32; the forward's input in the products' 16-bit type when ln2 is saved so), twice.
+// Each step every rank compares what its communicator counted with that formula for its routed counts
+// (ep_alltoall_bytes, ep_alltoall_formula_bytes, ep_ranks_off_formula: regression/ep_checks.py).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -86,10 +88,15 @@ class ExpertParallel final : public ExpertSplit {
   }
 
   void begin_step() override { formula_bytes_ = 0, exchanges_ = 0, grad_s_ = 0; }
+  // Collective over the ep group (every rank reports every step): how many of its ranks sent other
+  // than the formula for their routed counts says.
   std::vector<std::pair<std::string, double>> step_report() override {
     const CommStats& cs = ep_.stats();
     const int send = static_cast<int>(CommOp::send), gather = static_cast<int>(CommOp::all_gather);
+    double off = static_cast<double>(cs.bytes_sent[send]) != formula_bytes_ ? 1.0 : 0.0;
+    ep_.all_reduce(&off, 1);
     return {{"ep_alltoall_bytes", static_cast<double>(cs.bytes_sent[send])},
+            {"ep_ranks_off_formula", off},
             {"ep_alltoall_formula_bytes", formula_bytes_},
             {"ep_count_bytes", static_cast<double>(cs.bytes_sent[gather])},
             {"ep_alltoall_wait_ms", 1e3 * cs.total_wait()},
