@@ -140,6 +140,33 @@ class ExpertParallel final : public ExpertSplit {
   int exchanges_ = 0;
 };
 
+// `loom plan`: parallel.ep searched where the model has experts (each divisor of dp that divides them),
+// and the memo's sentence about the split.
+PlanTerms expert_plan_terms() {
+  PlanTerms t;
+  PlanDimension d("parallel.ep", "expert parallelism", "ep", 4, "ep", PlanDimension::Json::integer, "1", 10, 10);
+  d.values = [](const PlanPoint& p) -> std::vector<std::string> {
+    const std::int64_t E = p.deck ? p.deck->get_int("model.experts") : 0;
+    if (E <= 0) return {};
+    std::vector<std::string> v;
+    for (int n = 1; n <= p.layout.replicas(); ++n)
+      if (p.layout.replicas() % n == 0 && E % n == 0) v.push_back(std::to_string(n));
+    return v;
+  };
+  d.describe = [](const std::string& v) { return v == "1" ? std::string() : "experts over ep " + v; };
+  t.dimensions.push_back(d);
+  t.memo = [](const std::string& topic, const PlanPoint& p) -> std::string {
+    const std::string ep = p.setting("parallel.ep");
+    if (topic != "split" || ep.empty() || ep == "1" || !p.deck) return "";
+    const std::int64_t E = p.deck->get_int("model.experts"), n = std::stoll(ep);
+    return "- **Expert parallelism over " + ep + " ranks** keeps " + std::to_string(E / n) + " of the " +
+           std::to_string(E) + " experts of every block on each rank; tokens travel to their experts' ranks and " +
+           "back by all-to-all (four exchanges a block and micro-batch), and each expert's gradient is summed " +
+           "over the " + std::to_string(p.layout.replicas() / n) + " rank(s) holding it.\n";
+  };
+  return t;
+}
+
 void register_expert(void* p) {
   auto& info = *static_cast<StrategyInfo*>(p);
   info.claims = {{Role::experts, Claim::provides, ""}};
@@ -147,6 +174,7 @@ void register_expert(void* p) {
     return std::make_unique<ExpertParallel>(ctx.grid.ep(), ctx.grid.edp(), ctx.grid.layout().replicas());
   };
   info.create = [](StrategyContext&, Roles&) {};
+  info.plan = expert_plan_terms();
 }
 
 }  // namespace

@@ -274,6 +274,8 @@ PlanTerms zero_plan_terms() {
   PlanDimension d("zero.stage", "ZeRO stage", "zero", 5, "zero_stage", PlanDimension::Json::integer, "", 20, 20);
   d.values = [](const PlanPoint& p) -> std::vector<std::string> {
     if (p.layout.replicas() < 2) return {"0"};
+    const std::string ep = p.setting("parallel.ep");  // ZeRO does not yet shard experts split over ep
+    if (!ep.empty() && ep != "1") return {"0"};
     if (p.layout.pp > 1) return {"0", "1"};
     return {"0", "1", "2", "3"};
   };
