@@ -48,7 +48,8 @@ std::string experts_step_line(const ExpertsStep& e) {
   return line;
 }
 
-std::vector<std::string> experts_summary_lines(const GPTConfig& cfg, const std::map<std::string, double>& means,
+std::vector<std::string> experts_summary_lines(const GPTConfig& cfg, const ExpertSplit& experts,
+                                               const std::map<std::string, double>& means,
                                                const nlohmann::json& last_load, double step_s) {
   std::vector<std::string> lines;
   if (cfg.experts <= 0 || !means.count("moe_aux")) return lines;
@@ -62,15 +63,7 @@ std::vector<std::string> experts_summary_lines(const GPTConfig& cfg, const std::
                     : "dropless",
                 means.at("moe_aux"), means.at("moe_z"), 100.0 * means.at("moe_dropped"), means.at("moe_load_max"));
   lines.push_back(line);
-  if (means.count("ep_alltoall_bytes") && step_s > 0) {
-    const double wait = 1e-3 * means.at("ep_alltoall_wait_ms");
-    std::snprintf(line, sizeof line,
-                  "expert parallel: the all-to-all sends %.3g MB a step per rank and waits %.1f ms of a %.1f ms step "
-                  "(%.1f%%); the experts' gradient sum %.1f ms",
-                  means.at("ep_alltoall_bytes") / 1e6, 1e3 * wait, 1e3 * step_s, 100.0 * wait / step_s,
-                  means.at("ep_expert_grads_ms"));
-    lines.push_back(line);
-  }
+  for (const std::string& l : experts.summary_lines(means, step_s)) lines.push_back(l);
   int b = 0;
   for (int l = 0; l < cfg.layers && b < static_cast<int>(last_load.size()); ++l) {
     if (!cfg.moe_layer(l)) continue;

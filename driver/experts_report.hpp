@@ -24,10 +24,10 @@ struct ExpertsStep {
 ExpertsStep gather_experts_step(Communicator& world, GPT& model);
 // " | moe aux 1.003 z 0.41 drop 1.2% max load 1.35x"
 std::string experts_step_line(const ExpertsStep& e);
-// The summary's lines from the run's means of the scalars and the last step's load; with expert
-// parallelism (the expert plugin's ep_* numbers among the means) the all-to-all's share of a step of
-// `step_s` seconds.
-std::vector<std::string> experts_summary_lines(const GPTConfig& cfg, const std::map<std::string, double>& means,
+// The summary's lines from the run's means of the scalars and the last step's load, with the experts
+// role's own (ExpertSplit::summary_lines: expert parallelism's all-to-all against a step of `step_s`).
+std::vector<std::string> experts_summary_lines(const GPTConfig& cfg, const ExpertSplit& experts,
+                                               const std::map<std::string, double>& means,
                                                const nlohmann::json& last_load, double step_s);
 
 }  // namespace loom

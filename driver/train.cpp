@@ -833,7 +833,8 @@ void TrainingRun::print_summary(const nlohmann::json& summary, const std::map<st
         at(Mem::workspace).c_str(), scale_note.c_str());
   }
   for (const std::string& line : s_.engine->schedule().summary_lines(means)) std::printf("         %s\n", line.c_str());
-  for (const std::string& line : experts_summary_lines(s_.model->config(), means, last_load_, t.mean_step()))
+  for (const std::string& line :
+       experts_summary_lines(s_.model->config(), s_.model->experts(), means, last_load_, t.mean_step()))
     std::printf("         %s\n", line.c_str());
   if (stragglers_->on())
     for (const auto& r : stragglers_->summary())

@@ -5,6 +5,7 @@
 // gradient group (rank q of an ep group holds experts [q E/ep, (q+1) E/ep)) and exchanges token rows
 // between them (all-to-all, uneven counts) through the grid's ep communicator.
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,11 @@ class ExpertSplit {
   // Called by the run before each training step, so step_report covers the step.
   virtual void begin_step() {}
   virtual std::vector<std::pair<std::string, double>> step_report() { return {}; }
+  // The summary's lines from the run's means of every role's step_report values and the mean step time.
+  virtual std::vector<std::string> summary_lines(const std::map<std::string, double>& /*means*/,
+                                                 double /*step_s*/) const {
+    return {};
+  }
   // `loom plan`: the scratch and bytes of a step (core/comm/step_plan.hpp).
   virtual void plan_step(StepPlan& /*plan*/, const GPT& /*model*/) const {}
 };

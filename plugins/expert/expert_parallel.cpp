@@ -17,6 +17,8 @@
 // Each step every rank compares what its communicator counted with that formula for its routed counts
 // (ep_alltoall_bytes, ep_alltoall_formula_bytes, ep_ranks_off_formula: regression/ep_checks.py).
 #include <cstdint>
+#include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -102,6 +104,18 @@ class ExpertParallel final : public ExpertSplit {
             {"ep_alltoall_wait_ms", 1e3 * cs.total_wait()},
             {"ep_expert_grads_ms", 1e3 * grad_s_},
             {"ep_exchanges", static_cast<double>(exchanges_)}};
+  }
+
+  std::vector<std::string> summary_lines(const std::map<std::string, double>& means, double step_s) const override {
+    if (!means.count("ep_alltoall_bytes") || step_s <= 0) return {};
+    const double wait = 1e-3 * means.at("ep_alltoall_wait_ms");
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "expert parallel: the all-to-all sends %.3g MB a step per rank and waits %.1f ms of a %.1f ms step "
+                  "(%.1f%%); the experts' gradient sum %.1f ms",
+                  means.at("ep_alltoall_bytes") / 1e6, 1e3 * wait, 1e3 * step_s, 100.0 * wait / step_s,
+                  means.at("ep_expert_grads_ms"));
+    return {line};
   }
 
   // Per block with experts and micro-batch, priced at balanced routing: each exchange sends (ep-1)/ep of
