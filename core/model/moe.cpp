@@ -10,6 +10,12 @@
 #include "core/model/gpt.hpp"
 
 namespace loom {
+namespace {
+// A scratch table of fp32 slots seen as elements of type t (a 16-bit one holds twice as many).
+BufferRef retyped(const BufferRef& floats, DType t) {
+  return BufferRef(floats.data, t, floats.count * 4 / static_cast<std::int64_t>(dtype_size(t)), floats.space);
+}
+}  // namespace
 
 MoeRouting moe_route(const float* logits, int N, int T, int E, int k, double capacity_factor) {
   const std::vector<double> l(logits, logits + static_cast<std::size_t>(N) * E);
@@ -198,8 +204,7 @@ void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, cons
     experts_forward(view, a, l, r.local, a.moe_x, s.moe_recv);
     moe_return(r, a, s, s.moe_recv, a.moe_y, C);
   } else {
-    const BufferRef x(s.moe_x.data, in.type, s.moe_x.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
-                      s.moe_x.space);
+    const BufferRef x = retyped(s.moe_x, in.type);
     for (int e = 0; e < E; ++e) {
       const int b = r.begin[e], n = r.begin[e + 1] - b;
       if (n == 0) continue;
@@ -255,10 +260,8 @@ void GPT::moe_dispatch(MoeRouting& r, const BlockActs& a, const Scratch& s, cons
     be_.copy_from_host(a.moe_inv.slice(0, R), inv.data());
   }
   const int A = r.assignments();
-  const BufferRef send(s.moe_send.data, in.type, s.moe_send.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
-                       s.moe_send.space);
-  const BufferRef recv(s.moe_recv.data, in.type, s.moe_recv.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
-                       s.moe_recv.space);
+  const BufferRef send = retyped(s.moe_send, in.type);
+  const BufferRef recv = retyped(s.moe_recv, in.type);
   be_.rows_gather(send, in, a.moe_rows, {}, A, C);
   ep_->exchange(be_, send, send_rows(r), recv, recv_rows(r), C);
   be_.rows_gather(a.moe_x, recv, a.moe_perm, {}, R, C);
@@ -352,8 +355,7 @@ void GPT::moe_backward(const ParamStore::UnitView& view, const BlockActs& a, con
                              a.moe_rows.slice(b, n), {}, n, C);
     }
   } else {
-    const BufferRef x(s.moe_x.data, in.type, s.moe_x.count * 4 / static_cast<std::int64_t>(dtype_size(in.type)),
-                      s.moe_x.space);
+    const BufferRef x = retyped(s.moe_x, in.type);
     for (int e = 0; e < E; ++e) {
       const int b = r.begin[e], n = r.begin[e + 1] - b;
       if (n == 0) continue;
