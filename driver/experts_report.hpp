@@ -1,7 +1,7 @@
 #pragma once
 // What the experts did in a step (model.experts; DESIGN.md "Mixture of experts"): every rank's routed
-// counts and auxiliary losses summed over the world (tp ranks route the same tokens: counted once), as
-// one process would count them, for the step line, metrics.jsonl and the summary.
+// counts and auxiliary losses summed over the world, as shares and means (tp ranks route the same
+// tokens: counted tp times over, which ratios cancel), for the step line, metrics.jsonl and the summary.
 #include <string>
 #include <utility>
 #include <vector>

@@ -67,7 +67,7 @@ void add_core_keys(DeckSchema& schema) {
                      "finer experts (DeepSeekMoE's) keep a token's active parameters as experts multiply"));
   schema.add(float_key("model.expert_capacity", "0", 0, 1e6,
                        "with model.experts: capacity factor; an expert takes at most ceil(factor x seq_len x k / "
-                       "experts) of a sequence's tokens (first choices first, then in token order), the rest "
+                       "experts) of a sequence's tokens (in token order: causal), the rest "
                        "dropped (they pass through the residual, counted); 0 = dropless"));
   schema.add(
       bool_key("model.recompute", "false", "recompute each block's activations in backward instead of keeping them"));

@@ -16,7 +16,8 @@
   fenced        (every machine) every strategy's device path without a GPU: each layout of LAYOUTS (data,
                 tensor with and without sequence parallelism, the three pipeline schedules, ZeRO 1-3,
                 bf16, fp16 with loss scaling, int8, top-k and PowerSGD compression, int8 on ZeRO-2's pieces,
-                flash attention with bf16 on tp 2 and with recompute on pp 2; 2 and 4 ranks) on
+                flash attention with bf16 on tp 2 and with recompute on pp 2, experts over ep 2 and on tp 2;
+                2 and 4 ranks) on
                 run.backend = fenced, whose tensors the host cannot touch and whose communicators stage
                 device buffers through host copies: the host's losses and gradient norms, bit for bit;
                 and checkpoints cross over (CROSSOVER layouts): each back end resumes the other's
@@ -263,6 +264,11 @@ LAYOUTS = [
     # flash's bf16 ones under bf16 products.
     ("cp2", 2, ["parallel.cp=2"]),
     ("flash_cp2_bf16", 2, ["model.heads=2", "model.attention=flash", "parallel.cp=2", "precision.dtype=bf16"]),
+    # Experts (the expert row kernels, the router's host round trip): 4 experts over ep 2 in bf16 (the
+    # all-to-all of device rows), and on tp 2 (each expert split; the gate gradients summed over tp).
+    ("moe_ep2_bf16", 2, ["model.experts=4", "model.expert_capacity=1.25", "parallel.dp=2", "parallel.ep=2",
+                         "precision.dtype=bf16"]),
+    ("moe_tp2", 2, ["model.experts=4", "parallel.tp=2"]),
     # Llama's block (RMSNorm, rotary GQA, SwiGLU kernels): multi-query on tp 2 (the kv head whole on both
     # ranks, its gradient summed), and flash attention on a bf16 pipeline.
     ("llama_tp2_mqa", 2, ["model.arch=llama", "model.kv_heads=1", "parallel.tp=2"]),

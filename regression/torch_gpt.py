@@ -28,8 +28,8 @@ The contract (DESIGN.md and the oracle spec):
               MoE: mlp.router.weight [E,C] (no bias), mlp.experts.{e}.{fc,proj} each an MLP. probs =
               softmax(x Wr^T); each token's k = experts_per_token largest (ties: the lower index),
               gates = those probabilities over their sum; per sequence, expert e keeps at most
-              ceil(expert_capacity * T * k / E) assignments (0: all), first choices before second, each
-              in token order; out = sum over kept (gate * expert(x)). The objective adds, per such
+              ceil(expert_capacity * T * k / E) assignments (0: all), taken in token order, each token's
+              choices in the router's order (causal: a token's routing never depends on later tokens); out = sum over kept (gate * expert(x)). The objective adds, per such
               block (each expert's MLP moe_ffn_hidden wide, 0: 4C), moe_aux_loss * mean over sequences of E * sum_e f_e P_e (f_e: the share of the
               sequence's T*k choices that picked e, dropped or not; P_e: its mean probability) and
               moe_z_loss * mean over tokens of logsumexp(logits)^2 (model.aux_objective after a forward;
@@ -184,8 +184,8 @@ class MoE(nn.Module):
         kept = torch.ones(B, T, k, dtype=x.dtype)
         if self.capacity > 0:
             cap = math.ceil(self.capacity * T * k / E)
-            queue = onehot.permute(0, 2, 1, 3).reshape(B, k * T, E)  # first choices first, in token order
-            place = (queue.cumsum(1) - queue).reshape(B, k, T, E).permute(0, 2, 1, 3)  # earlier takers of e
+            queue = onehot.reshape(B, T * k, E)  # in token order, each token's choices in the router's order
+            place = (queue.cumsum(1) - queue).reshape(B, T, k, E)  # earlier takers of e
             kept = ((place * onehot).sum(-1) < cap).to(x.dtype)
         f = onehot.sum((1, 2)) / (T * k)  # [B, E]
         self.aux = (E * (f * probs.mean(1)).sum(-1)).mean()

@@ -66,7 +66,8 @@ std::unique_ptr<ProcessGrid> ProcessGrid::planned(const Layout& layout, int rank
   g->pp_ = std::make_unique<PlannedCommunicator>("pp", g->pp_i_, layout.pp);
   g->cp_ = std::make_unique<PlannedCommunicator>("cp", g->cp_i_, layout.cp);
   g->ep_ = std::make_unique<PlannedCommunicator>("ep", g->ep_rank(), layout.ep);
-  g->edp_ = std::make_unique<PlannedCommunicator>("edp", g->edp_rank(), layout.replicas() / layout.ep);
+  g->edp_ = std::make_unique<PlannedCommunicator>("edp", layout.ep > 1 ? g->edp_rank() : 0,
+                                                  layout.ep > 1 ? layout.replicas() / layout.ep : 1);
   g->node_ = rank / std::max(per_node, 1);
   g->nodes_ = (layout.ranks() + std::max(per_node, 1) - 1) / std::max(per_node, 1);
   g->description_ = "planned grid: rank " + std::to_string(rank) + " of dp " + std::to_string(layout.dp) +
@@ -103,13 +104,19 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const Layout& layout, const CommFactory
   cp_ = make(c, "cp");
   MPI_Comm_free(&c);
   // ep group: the same (pp, tp) and replica / ep, ordered by ep rank; edp: the same (pp, tp) and ep rank.
-  const int groups = replicas / layout.ep;
-  MPI_Comm_split(world, (pp_i_ * layout.tp + tp_i_) * groups + edp_rank(), ep_rank(), &c);
-  ep_ = make(c, "ep");
-  MPI_Comm_free(&c);
-  MPI_Comm_split(world, (pp_i_ * layout.tp + tp_i_) * layout.ep + ep_rank(), edp_rank(), &c);
-  edp_ = make(c, "edp");
-  MPI_Comm_free(&c);
+  // Without expert parallelism neither exists (stand-ins of one rank that refuse to communicate).
+  if (layout.ep > 1) {
+    const int groups = replicas / layout.ep;
+    MPI_Comm_split(world, (pp_i_ * layout.tp + tp_i_) * groups + edp_rank(), ep_rank(), &c);
+    ep_ = make(c, "ep");
+    MPI_Comm_free(&c);
+    MPI_Comm_split(world, (pp_i_ * layout.tp + tp_i_) * layout.ep + ep_rank(), edp_rank(), &c);
+    edp_ = make(c, "edp");
+    MPI_Comm_free(&c);
+  } else {
+    ep_ = std::make_unique<PlannedCommunicator>("ep", 0, 1);
+    edp_ = std::make_unique<PlannedCommunicator>("edp", 0, 1);
+  }
 
   // Node boundaries: ranks that share memory form a node, named by its lowest world rank.
   MPI_Comm local;

@@ -77,6 +77,7 @@ class ProcessGrid {
   Communicator& cp() { return *cp_; }    // the context-parallel ring, ordered by cp_rank()
   Communicator& ep() { return *ep_; }    // the expert-parallel group, ordered by ep_rank()
   Communicator& edp() { return *edp_; }  // the ranks holding the same experts, ordered by edp_rank()
+  // (ep and edp are made only when layout().ep > 1; otherwise one-rank stand-ins that refuse to communicate)
   std::vector<Communicator*> groups() { return {dp_.get(), tp_.get(), pp_.get(), cp_.get(), ep_.get(), edp_.get()}; }
   // The grid as text (every rank's coordinates and node), with a warning line for each tp group
   // that spans nodes. Same on every rank.

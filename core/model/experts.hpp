@@ -30,9 +30,9 @@ class ExpertSplit {
   // (size() > 1 only) Every rank's `counts` (E values: the rows it sends to each expert) to every rank
   // of the group: all [size, E], rank-major.
   virtual void exchange_counts(const std::vector<std::int64_t>& /*counts*/, std::vector<std::int64_t>& /*all*/) {}
-  // (size() > 1 only) All-to-all of rows of `cols` fp32 values: send_rows[q] rows of `send`, in rank
-  // order, go to rank q; recv_rows[q] rows arrive from rank q into `recv`, in rank order. A rank's own
-  // rows are copied.
+  // (size() > 1 only) All-to-all of rows of `cols` values of send's type (fp32, or the products' 16-bit
+  // type for the forward's inputs): send_rows[q] rows of `send`, in rank order, go to rank q;
+  // recv_rows[q] rows arrive from rank q into `recv`, in rank order. A rank's own rows are copied.
   virtual void exchange(BackendFace& /*be*/, const BufferRef& /*send*/, const std::vector<std::int64_t>& /*send_rows*/,
                         const BufferRef& /*recv*/, const std::vector<std::int64_t>& /*recv_rows*/, int /*cols*/) {}
   // After the step's backward (the engine's grads_final, after gradient sync): the experts' gradients

@@ -95,7 +95,7 @@ struct GPTConfig {
   // The matrix weights of every block a token passes through: a block with experts counts its router
   // and the k experts the token reaches (`active`) or all E of them; a dense block its MLP.
   double blocks_matmul_weights(bool active = true) const {
-    const double C = d_model, F = ffn(), attention = block_matmul_weights() - 8.0 * C * C;
+    const double C = d_model, attention = block_matmul_weights() - 8.0 * C * C;  // GPT-2: experts refuse llama
     const double expert_blocks = moe_layers(), dense = layers - expert_blocks;
     const double per_expert = 2.0 * C * expert_ffn(), n = active ? top_k() : experts;
     return dense * block_matmul_weights() + expert_blocks * (attention + experts * C + n * per_expert);
@@ -146,6 +146,7 @@ class GPT {
   // kinds are left as they are (and "" returned).
   static std::string resolve_attention(GPTConfig& cfg, const Backend& backend);
   Partition& partition() { return *part_; }
+  const Partition& partition() const { return *part_; }
   ParamStore& store() { return *store_; }
   const ParamStore& store() const { return *store_; }
   // The units this rank holds ("embeddings", "blocks.<l>", "head"), each listing its tensors.

@@ -62,7 +62,9 @@ MoeRouting moe_route(const double* logits, int N, int T, int E, int k, double ca
     for (int j = 0; j < k; ++j) r.gate[static_cast<std::size_t>(t) * k + j] = p[c[j]] / Z;
   }
   r.z = z / N;
-  // Capacity per sequence: first choices first, each in token order.
+  // Capacity per sequence, in token order (each token's choices in the router's order): whether a token
+  // keeps an expert depends on the tokens before it only, so routing is causal as attention is, and a
+  // forward on a prefix (`loom sample`) routes it as training does.
   const std::int64_t cap = capacity_factor > 0 ? static_cast<std::int64_t>(std::ceil(capacity_factor * T * k / E))
                                                : std::numeric_limits<std::int64_t>::max();
   std::vector<std::int64_t> used(static_cast<std::size_t>(E));
@@ -70,8 +72,8 @@ MoeRouting moe_route(const double* logits, int N, int T, int E, int k, double ca
   double aux = 0;
   for (int s = 0; s < S; ++s) {
     std::fill(used.begin(), used.end(), 0);
-    for (int j = 0; j < k; ++j)
-      for (int t = s * T; t < (s + 1) * T; ++t) {
+    for (int t = s * T; t < (s + 1) * T; ++t)
+      for (int j = 0; j < k; ++j) {
         const std::size_t a = static_cast<std::size_t>(t) * k + j;
         const int e = r.choice[a];
         ++r.routed[static_cast<std::size_t>(e)];
@@ -153,7 +155,9 @@ void GPT::reset_moe_stats() {
 std::int64_t GPT::Geometry::expert_rows() const {
   const std::int64_t N = static_cast<std::int64_t>(max_rows) * T(), k = cfg.top_k();
   if (cfg.experts <= 0 || ep <= 1) return N * k;
-  return static_cast<std::int64_t>(cfg.experts / ep) * rows_per_expert();
+  // each of the group's ep N tokens sends at most min(k, E/ep) of its k distinct experts here
+  const std::int64_t El = cfg.experts / ep;
+  return std::min(ep * N * std::min(k, El), El * rows_per_expert());
 }
 
 std::int64_t GPT::Geometry::rows_per_expert() const {

@@ -4,7 +4,8 @@
 // the k experts of highest softmax probability, weighted by those probabilities renormalised over the k.
 // Everything that groups tokens is per sequence (T tokens), so it is the same whichever rank holds which
 // sequences: the capacity an expert has (ceil(capacity_factor * T * k / E) assignments of a sequence,
-// first choices first, then in token order; 0: dropless), and the load-balancing loss (Switch/GShard's
+// taken in token order, each token's choices in the router's order, so that routing is causal; 0:
+// dropless), and the load-balancing loss (Switch/GShard's
 // E * sum_e f_e P_e, f_e the share of the sequence's assignments routed to e, P_e its mean probability,
 // averaged over sequences: DeepSeek-V3's sequence-wise form). The router z-loss is the mean over tokens
 // of logsumexp(logits)^2 (ST-MoE).

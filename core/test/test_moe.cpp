@@ -74,14 +74,16 @@ TEST(Moe, RoutingFollowsItsContract) {
     logits[t * E + 2] = 1.0;              // every token's first choice is 2; the rest tie, so the second is 0
     if (t == 5) logits[t * E + 3] = 0.5;  // but token 5's second is 3
   }
+  logits[1 * E + 0] = 2.0;  // and token 1's first is 0, its second 2
   const MoeRouting r = moe_route(logits.data(), N, T, E, k, 0.5);
   for (int t = 0; t < N; ++t) {
-    EXPECT_EQ(r.choice[t * k], 2);
-    EXPECT_EQ(r.choice[t * k + 1], t == 5 ? 3 : 0) << "ties go to the lower index";
+    EXPECT_EQ(r.choice[t * k], t == 1 ? 0 : 2);
+    EXPECT_EQ(r.choice[t * k + 1], t == 5 ? 3 : t == 1 ? 2 : 0) << "ties go to the lower index";
     EXPECT_NEAR(r.gate[t * k] + r.gate[t * k + 1], 1.0, 1e-15);
   }
-  // Capacity 1 per expert and sequence, first choices first, in token order: tokens 0 and 4 keep expert 2;
-  // the second choices: token 0 keeps expert 0 in sequence 0, token 4 in sequence 1 (token 5's 3 too).
+  // Capacity 1 per expert and sequence, in token order: token 0 keeps both its experts (2, then 0), so
+  // token 1's first choice, 0, is full although it is a first choice (causal: what token 1 keeps depends
+  // on token 0, never on token 2); in sequence 1 token 4 keeps 2 and 0, token 5 its second, 3.
   for (int t = 0; t < N; ++t) {
     EXPECT_EQ(r.kept[t * k], t % T == 0) << "token " << t;
     EXPECT_EQ(r.kept[t * k + 1], t == 0 || t == 4 || t == 5) << "token " << t;

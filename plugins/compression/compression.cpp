@@ -126,6 +126,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
                 (cfg.method == Method::int8 || cfg.method == Method::topk || cfg.method == Method::powersgd);
     for (std::size_t i = 0; i < model.params().size(); ++i) {
       const ParamInfo& p = model.params()[i];
+      if (p.expert) continue;  // an expert's under parallel.ep > 1: summed by the experts role, never here
       if (feedback_)
         residual_[static_cast<int>(i)] =
             be_.allocate("compression::residual." + p.name, DType::f32, p.numel(), Mem::comm);
@@ -701,12 +702,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
 };
 
 // Whether every dp rank holds the same parameters: a hash of this rank's whole tensors compared over
-// dp (the largest and the smallest agree). -1 when the store keeps some tensors only in part.
+// dp (the largest and the smallest agree). -1 when the store keeps some tensors only in part. Experts
+// split over ep ranks (ParamInfo::expert) differ between dp ranks by design: not hashed.
 double replicas_identical(GPT& model, Communicator& dp) {
   ParamStore& store = model.store();
   std::uint64_t h = 0xcbf29ce484222325ULL;
   std::vector<unsigned char> copy;
   for (int i = 0; i < static_cast<int>(model.params().size()); ++i) {
+    if (model.params()[static_cast<std::size_t>(i)].expert) continue;
     const BufferRef p = store.param(i);
     if (p.empty() && model.params()[static_cast<std::size_t>(i)].numel() > 0) return -1;
     h = hash_tensor(model.backend(), p, copy, h);

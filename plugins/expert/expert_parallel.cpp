@@ -128,9 +128,15 @@ class ExpertParallel final : public ExpertSplit {
     const int n = size();
     if (blocks == 0 || n == 1) return;
     const double rows = static_cast<double>(model.max_rows()) * model.local_tokens() * m.top_k() * (n - 1) / n;
-    const double exchanges = plan.micro_batches * blocks * (m.recompute ? 6.0 : 4.0);
-    plan.add_comm({ep_.name(), "experts' all-to-all (balanced routing)", exchanges * rows * m.d_model * 4.0,
-                   exchanges * (n - 1), false, true});
+    const double forwards = plan.micro_batches * blocks * (m.recompute ? 2.0 : 1.0);
+    // The forward's inputs travel in their saved type (the products' 16-bit one unless sequence
+    // parallelism gathers them in fp32); outputs and gradients in fp32.
+    const DType mm = model.backend().precision().matmul;
+    const double in_bytes = mm != DType::f32 && !model.partition().sequence_parallel() ? dtype_size(mm) : 4.0;
+    const double bytes =
+        forwards * rows * m.d_model * (in_bytes + 4.0) + plan.micro_batches * blocks * 2.0 * rows * m.d_model * 4.0;
+    const double exchanges = forwards * 2.0 + plan.micro_batches * blocks * 2.0;
+    plan.add_comm({ep_.name(), "experts' all-to-all (balanced routing)", bytes, exchanges * (n - 1), false, true});
     plan.add_comm(
         {ep_.name(), "experts' row counts",
          plan.micro_batches * blocks * (m.recompute ? 2.0 : 1.0) * ring_all_gather_bytes(8.0 * m.experts * n, n),
