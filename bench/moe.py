@@ -130,7 +130,7 @@ def main():
     vs_ceiling, ep_tps, ceiling, share = rounds[len(rounds) // 2]
     mean = lambda key: statistics.mean(s[key] for s in moe)  # noqa: E731
     print()
-    print("mixture of experts, inputs/moe.deck (8 experts top-2 of half width, capacity 1.25) on %s (%.1f MB), "
+    print("mixture of experts, inputs/moe.deck (8 experts top-2 of half width, dropless) on %s (%.1f MB), "
           "%d steps, %d seeds" % (os.path.basename(text), os.path.getsize(text) / 1e6, args.steps, args.seeds))
     print("  %-58s %8.4f (spread %.4f)" % ("dense: mean final validation loss", statistics.mean(dv), spread(dv)))
     print("  %-58s %8.4f (spread %.4f)" % ("MoE:   mean final validation loss", statistics.mean(mv), spread(mv)))
@@ -140,7 +140,7 @@ def main():
                                  sum(m < d for m, d in zip(mv, dv)), len(dv)))
     print("  %-58s %8.4f" % ("MoE load-balancing loss (1 = balanced), mean", mean("moe_aux")))
     print("  %-58s %8.4f" % ("MoE z-loss, mean", mean("moe_z")))
-    print("  %-58s %7.2f%%" % ("MoE assignments dropped (capacity 1.25), mean", 100 * mean("moe_dropped")))
+    print("  %-58s %7.2f%%" % ("MoE assignments dropped (the deck's capacity), mean", 100 * mean("moe_dropped")))
     print("  %-58s %8.3f" % ("MoE busiest expert / its fair share, mean over steps", mean("moe_load_max")))
     print("  %-58s %8.3f   (target <= 1.3: %s; seeds: %s)" % (
         "MoE step / dense step (tokens/s ratio, median of seeds)", step_ratio,
