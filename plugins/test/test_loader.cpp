@@ -72,8 +72,9 @@ TEST(PluginLoader, RefusesUnknownNameListingAvailable) {
   const auto msg = error_of(r, {{"nosuch", "run.plugins = nosuch"}});
   EXPECT_NE(msg.find("run.plugins = nosuch needs strategy plugin 'nosuch'"), std::string::npos) << msg;
   EXPECT_NE(
-      msg.find("available: compression, context, countreducer, data, exclusive, expert, local, mixed_precision, pipeline, "
-               "syncclash, tensor, undeclared, zero"),
+      msg.find(
+          "available: compression, context, countreducer, data, exclusive, expert, local, mixed_precision, pipeline, "
+          "syncclash, tensor, undeclared, zero"),
       std::string::npos)
       << msg;
 }
