@@ -11,6 +11,10 @@
 
 namespace loom {
 namespace {
+// Rows [b, b + n) of a table of rows `width` wide (an expert's rows of the block's tables).
+BufferRef rows_of(const BufferRef& table, std::int64_t b, std::int64_t n, std::int64_t width) {
+  return table.slice(b * width, n * width);
+}
 // A scratch table of fp32 slots seen as elements of type t (a 16-bit one holds twice as many).
 BufferRef retyped(const BufferRef& floats, DType t) {
   return BufferRef(floats.data, t, floats.count * 4 / static_cast<std::int64_t>(dtype_size(t)), floats.space);
@@ -213,9 +217,9 @@ void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, cons
       const int b = r.begin[e], n = r.begin[e + 1] - b;
       if (n == 0) continue;
       const int* w = &h[13 + 4 * static_cast<std::size_t>(e)];
-      const BufferRef pre = a.fch.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-      const BufferRef act = a.fch_gelu.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-      const BufferRef y = a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C);
+      const BufferRef pre = rows_of(a.fch, b, n, Fl);
+      const BufferRef act = rows_of(a.fch_gelu, b, n, Fl);
+      const BufferRef y = rows_of(a.moe_y, b, n, C);
       be_.rows_gather(x, in, a.moe_rows.slice(b, n), {}, n, C);
       be_.matmul_forward_gelu(act, pre, x, matmul_operand(view, w[0]), tensor(view, w[1]), n, C, Fl);
       be_.matmul_forward(y, act, matmul_operand(view, w[2]), tp_rank_ == 0 ? tensor(view, w[3]) : BufferRef(), n, Fl,
@@ -225,8 +229,7 @@ void GPT::moe_forward(const ParamStore::UnitView& view, const BlockActs& a, cons
   for (int e = 0; e < E; ++e) {  // expert by expert: a token's rows within one call are distinct
     const int b = r.begin[e], n = r.begin[e + 1] - b;
     if (n > 0)
-      be_.rows_scatter_add(s.partial, a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C),
-                           a.moe_rows.slice(b, n), a.moe_gates.slice(b, n), n, C);
+      be_.rows_scatter_add(s.partial, rows_of(a.moe_y, b, n, C), a.moe_rows.slice(b, n), a.moe_gates.slice(b, n), n, C);
   }
 }
 
@@ -304,10 +307,10 @@ void GPT::experts_forward(const ParamStore::UnitView& view, const BlockActs& a, 
     const std::int64_t b = begin[i], n = begin[i + 1] - b;
     if (n == 0) continue;
     const int* w = &h[13 + 4 * (static_cast<std::size_t>(e0) + i)];
-    const BufferRef act = a.fch_gelu.slice(b * Fl, n * Fl);
-    be_.matmul_forward_gelu(act, a.fch.slice(b * Fl, n * Fl), x.slice(b * C, n * C), matmul_operand(view, w[0]),
+    const BufferRef act = rows_of(a.fch_gelu, b, n, Fl);
+    be_.matmul_forward_gelu(act, rows_of(a.fch, b, n, Fl), rows_of(x, b, n, C), matmul_operand(view, w[0]),
                             tensor(view, w[1]), static_cast<int>(n), C, Fl);
-    be_.matmul_forward(y.slice(b * C, n * C), act, matmul_operand(view, w[2]),
+    be_.matmul_forward(rows_of(y, b, n, C), act, matmul_operand(view, w[2]),
                        tp_rank_ == 0 ? tensor(view, w[3]) : BufferRef(), static_cast<int>(n), Fl, C);
   }
 }
@@ -322,10 +325,10 @@ void GPT::experts_backward(const ParamStore::UnitView& view, const BlockActs& a,
     if (n == 0) continue;
     const int* w = &h[13 + 4 * (static_cast<std::size_t>(e0) + i)];
     const int rows = static_cast<int>(n);
-    be_.matmul_backward(s.dfch_gelu, tensor_grad(view, w[2]), tensor_grad(view, w[3]), dy.slice(b * C, n * C),
-                        a.fch_gelu.slice(b * Fl, n * Fl), matmul_operand(view, w[2]), rows, Fl, C);
-    be_.gelu_bias_backward(s.dfch, tensor_grad(view, w[1]), a.fch.slice(b * Fl, n * Fl), s.dfch_gelu, rows, Fl);
-    be_.matmul_backward(dx.slice(b * C, n * C), tensor_grad(view, w[0]), {}, s.dfch, x.slice(b * C, n * C),
+    be_.matmul_backward(s.dfch_gelu, tensor_grad(view, w[2]), tensor_grad(view, w[3]), rows_of(dy, b, n, C),
+                        rows_of(a.fch_gelu, b, n, Fl), matmul_operand(view, w[2]), rows, Fl, C);
+    be_.gelu_bias_backward(s.dfch, tensor_grad(view, w[1]), rows_of(a.fch, b, n, Fl), s.dfch_gelu, rows, Fl);
+    be_.matmul_backward(rows_of(dx, b, n, C), tensor_grad(view, w[0]), {}, s.dfch, rows_of(x, b, n, C),
                         matmul_operand(view, w[0]), rows, C, Fl);
   }
 }
@@ -353,10 +356,7 @@ void GPT::moe_backward(const ParamStore::UnitView& view, const BlockActs& a, con
     moe_return(r, a, s, s.moe_recv, s.moe_dy, C);  // each row's input gradient, home
     for (int e = 0; e < E; ++e) {
       const int b = r.begin[e], n = r.begin[e + 1] - b;
-      if (n > 0)
-        be_.rows_scatter_add(s.dpartial,
-                             s.moe_dy.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C),
-                             a.moe_rows.slice(b, n), {}, n, C);
+      if (n > 0) be_.rows_scatter_add(s.dpartial, rows_of(s.moe_dy, b, n, C), a.moe_rows.slice(b, n), {}, n, C);
     }
   } else {
     const BufferRef x = retyped(s.moe_x, in.type);
@@ -365,9 +365,9 @@ void GPT::moe_backward(const ParamStore::UnitView& view, const BlockActs& a, con
       if (n == 0) continue;
       const int* w = &h[13 + 4 * static_cast<std::size_t>(e)];
       const BufferRef rows = a.moe_rows.slice(b, n), gates = a.moe_gates.slice(b, n);
-      const BufferRef pre = a.fch.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-      const BufferRef act = a.fch_gelu.slice(static_cast<std::int64_t>(b) * Fl, static_cast<std::int64_t>(n) * Fl);
-      const BufferRef y = a.moe_y.slice(static_cast<std::int64_t>(b) * C, static_cast<std::int64_t>(n) * C);
+      const BufferRef pre = rows_of(a.fch, b, n, Fl);
+      const BufferRef act = rows_of(a.fch_gelu, b, n, Fl);
+      const BufferRef y = rows_of(a.moe_y, b, n, C);
       be_.rows_dot(s.dgate.slice(b, n), dy, rows, y, n, C);
       be_.rows_gather(s.moe_dy, dy, rows, gates, n, C);  // d y_e = gate * dy
       be_.matmul_backward(s.dfch_gelu, tensor_grad(view, w[2]), tensor_grad(view, w[3]), s.moe_dy, act,
