@@ -641,14 +641,6 @@ void remove_earlier(const Options& o) {
   fs::remove(o.out + "/manifest.json", ec);
 }
 
-json deck_lines(const std::string& dir, int vocab, bool val) {
-  json d = {{"data.source", "tokens:" + dir + "/train_*.bin"},
-            {"data.tokenizer", dir + "/tokenizer.model"},
-            {"model.vocab", vocab}};
-  if (val) d["data.val_source"] = "tokens:" + dir + "/val_*.bin";
-  return d;
-}
-
 json manifest(const Options& o, const json& scan_j, const json& opts, const Tokenizer& tok, std::uint64_t tok_hash,
               const SplitOut& train, const SplitOut& val, bool verified) {
   auto split = [](const SplitOut& x) {
