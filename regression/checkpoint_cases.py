@@ -24,6 +24,8 @@ CASE is one of:
                      routing follows the weights: the same routing after the restart)
   bitwise_moe_ep2, layout_moe_ep2_to_ep4, layout_moe_ep4_to_ep1  experts split over ep ranks (each
                      writes the experts it holds, by global index), resumed on the same or another split
+  bitwise_moe_ep2_zero1_dp4, layout_moe_ep2_zero1_dp4_to_ep4  the same under ZeRO-1 at dp 4 (each rank
+                     writes its share: of the dense tensors over dp, of its experts over their 2 holders)
   refuse_other_arch  a Llama checkpoint resumed by a GPT-2 deck, or with other kv heads, or one with 4
                      experts by a deck with 8: exit status 2, both values named
   refuse_missing_latest  checkpoint.resume = latest with no `latest` in checkpoint.dir: exit status 2,
@@ -98,6 +100,9 @@ def main():
         # Expert parallelism: each ep rank writes its experts; read back on another split of them.
         "layout_moe_ep2_to_ep4": ((2, MOE + ["parallel.dp=2", "parallel.ep=2"]), (4, MOE + ["parallel.dp=4", "parallel.ep=4"])),
         "layout_moe_ep4_to_ep1": ((4, MOE + ["parallel.dp=4", "parallel.ep=4"]), (1, MOE)),
+        # ZeRO-1 with experts: each rank writes its share, dense over dp, an expert's over its holders.
+        "layout_moe_ep2_zero1_dp4_to_ep4": ((4, MOE + ["parallel.dp=4", "parallel.ep=2", "zero.stage=1"]),
+                                            (4, MOE + ["parallel.dp=4", "parallel.ep=4"])),
     }
     bitwise = {"bitwise_dp2": ["parallel.dp=2"], "bitwise_pp2": ["parallel.pp=2", "train.micro_batches=2"],
                "bitwise_zero1_dp2": ["parallel.dp=2", "zero.stage=1"],
@@ -106,10 +111,12 @@ def main():
                "bitwise_llama_zero3_dp2": LLAMA + ["parallel.dp=2", "zero.stage=3"],
                "bitwise_cp2": ["parallel.cp=2"],
                "bitwise_moe_zero3_dp2": MOE + ["parallel.dp=2", "zero.stage=3"],
-               "bitwise_moe_ep2": MOE + ["parallel.dp=2", "parallel.ep=2"]}
+               "bitwise_moe_ep2": MOE + ["parallel.dp=2", "parallel.ep=2"],
+               "bitwise_moe_ep2_zero1_dp4": MOE + ["parallel.dp=4", "parallel.ep=2", "zero.stage=1"]}
     if name in bitwise:
-        ref, ckpt = saved(c, 2, bitwise[name])
-        c.loom("resumed", 2, bitwise[name] + ["checkpoint.resume=" + ckpt])
+        ranks = 4 if "dp=4" in " ".join(bitwise[name]) else 2
+        ref, ckpt = saved(c, ranks, bitwise[name])
+        c.loom("resumed", ranks, bitwise[name] + ["checkpoint.resume=" + ckpt])
         c.compare(c.losses(os.path.join(c.dir, "resumed")), ref, 0.0)
     elif name in layouts:
         (r0, s0), (r1, s1) = layouts[name]

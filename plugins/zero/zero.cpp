@@ -10,7 +10,9 @@
 // on its owner; each rank steps its share, and the refresh phase all-gathers the updated shares
 // (uneven counts) into every rank's parameters. Traffic: reduce-scatter (N-1)/N M + all-gather
 // (N-1)/N M, the 2(N-1)/N M of an all-reduce. A tied embedding (wte with pp > 1), whose gradient
-// another stage adds to after sync, is all-reduced whole.
+// another stage adds to after sync, is all-reduced whole. With parallel.ep > 1 an expert's tensors
+// are sharded over the ranks holding that expert (edp) instead, and refreshed over them; their
+// gradients are summed by the experts role (ExpertSplit::finish_grads), which stage 1 keeps whole.
 // Stages 2 and 3 (gradients, then parameters too, kept only as shares): zero_sharded.hpp.
 #include <map>
 #include <algorithm>
@@ -29,23 +31,27 @@
 namespace loom {
 namespace {
 
-// Stage 1's store: the flat buffers, each rank owning one contiguous share of them. Under 16-bit
-// precision the fp32 masters are sharded too (DeepSpeed's bf16 ZeRO-1, Megatron's distributed
-// optimizer): the block matrices' fp32 values exist only for this rank's share (master_), beside one
+// Stage 1's store: the flat buffers, each rank owning one contiguous share of each run of them. Under
+// 16-bit precision the fp32 masters are sharded too (DeepSpeed's bf16 ZeRO-1, Megatron's distributed
+// optimizer): the block matrices' fp32 values exist only for this rank's shares (master_), beside one
 // whole 16-bit copy of the flat range (params16_, all-gathered in refresh); the tensors the model
 // reads in fp32 (LayerNorm, biases, positions, wte) stay whole on every rank (wparams_), but each
-// rank updates only their elements in its share of the flat range, as it does the matrices', so
-// their AdamW state is sharded too, and refresh all-gathers the updated fp32 elements (wcounts_: each
-// rank's elements of them, one run of wparams_). Gradients stay whole, as stage 1 keeps them.
+// rank updates only their elements in its shares of the flat range, as it does the matrices', so
+// their AdamW state is sharded too, and refresh all-gathers the updated fp32 elements (per run, each
+// rank's elements of them are one run of wparams_). Gradients stay whole, as stage 1 keeps them.
+// Runs: with parallel.ep > 1 an expert's tensors are held by the ranks of one edp group only (the
+// other ep ranks hold other experts in the same places), so the flat range is cut into runs of dense
+// tensors, sharded over dp, and runs of experts' tensors, sharded over edp; with ep = 1, one run.
 class ZeroStore final : public FlatParamStore {
  public:
-  explicit ZeroStore(Communicator& dp) : dp_(dp) {}
+  ZeroStore(Communicator& dp, Communicator& edp) : dp_(dp), edp_(edp) {}
   std::string name() const override {
-    return "ZeRO stage 1 (flat parameters and gradients; optimizer state of 1/" + std::to_string(dp_.size()) +
-           " of them per rank" +
-           (masters16_ ? "; fp32 masters 1/" + std::to_string(dp_.size()) + ", a whole 16-bit copy all-gathered"
-                       : std::string()) +
-           ")";
+    const std::string n = std::to_string(dp_.size());
+    const std::string experts =
+        expert_elements_ > 0 ? " (the experts' 1/" + std::to_string(edp_.size()) + ", over the ranks holding them)"
+                             : "";
+    return "ZeRO stage 1 (flat parameters and gradients; optimizer state of 1/" + n + " of them per rank" + experts +
+           (masters16_ ? "; fp32 masters 1/" + n + ", a whole 16-bit copy all-gathered" : std::string()) + ")";
   }
   void build(const StoreContext& ctx, const std::vector<ParamInfo>& params, const std::vector<Unit>& units) override {
     masters16_ = ctx.backend.precision().matmul != DType::f32;
@@ -83,34 +89,22 @@ class ZeroStore final : public FlatParamStore {
         }
       dirty16_ = true;
     }
-    counts_ = shard_counts(local_numel(), dp_.size());
-    offsets_ = shard_offsets(counts_);
-    lo_ = offsets_[static_cast<std::size_t>(dp_.rank())];
-    const std::int64_t hi = offsets_[static_cast<std::size_t>(dp_.rank()) + 1];
-    if (masters16_) {
-      master_ = be_->allocate("ZeroStore::master_share", DType::f32, hi - lo_, Mem::master);
-      // Each rank's elements of the whole tensors: one run of wparams_, as both follow model order.
-      wcounts_.assign(counts_.size(), 0);
-      std::int64_t last_end = 0;
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        if (!whole_of_[i]) continue;
-        const ParamInfo& p = params[i];
-        if (p.offset < last_end) throw std::logic_error("ZeRO store: whole tensors out of model order");
-        last_end = p.offset + p.numel();
-        for (std::size_t q = 0; q < counts_.size(); ++q)
-          wcounts_[q] +=
-              std::max<std::int64_t>(0, std::min(last_end, offsets_[q + 1]) - std::max(p.offset, offsets_[q]));
-      }
-    }
+    cut_runs(params);
     owned_.clear();
     for (int i = 0; i < static_cast<int>(params.size()); ++i) {
       const ParamInfo& p = params[static_cast<std::size_t>(i)];
-      const std::int64_t a = std::max(p.offset, lo_), b = std::min(p.offset + p.numel(), hi);
-      // Primary: this dp rank alone owns these elements (within its tp group and stage, tp_primary).
+      if (run_of_[static_cast<std::size_t>(i)] < 0) continue;
+      const Run& r = runs_[static_cast<std::size_t>(run_of_[static_cast<std::size_t>(i)])];
+      const std::int64_t a = std::max(p.offset, r.lo), b = std::min(p.offset + p.numel(), r.hi);
+      // Primary: this rank alone owns these elements in its group (within its tp group and stage,
+      // tp_primary); an expert's group is the only one holding it.
       if (a < b) owned_.push_back({i, a - p.offset, b - p.offset, tp_primary(p, ctx)});
     }
   }
   std::int64_t local_numel() const override { return masters16_ ? flat_ : FlatParamStore::local_numel(); }
+  std::int64_t expert_elements() const { return expert_elements_; }
+  int expert_group() const { return edp_.size(); }
+  double expert_gather_bytes() const { return expert_gather_bytes_; }
   BufferRef param(int i) override {
     if (!masters16_) return FlatParamStore::param(i);
     const std::size_t k = static_cast<std::size_t>(i);
@@ -120,7 +114,8 @@ class ZeroStore final : public FlatParamStore {
     if (!masters16_) return FlatParamStore::owned_param(o);
     const std::size_t k = static_cast<std::size_t>(o.param);
     if (whole_of_[k]) return wparams_.ref().slice(wat_[k] + o.begin, o.size());
-    return master_.ref().slice(info_[k].offset + o.begin - lo_, o.size());
+    const Run& r = runs_[static_cast<std::size_t>(run_of_[k])];
+    return master_.ref().slice(r.master_at + info_[k].offset + o.begin - r.lo, o.size());
   }
   const UnitView& acquire(int unit, Use use, int next) override {
     if (!masters16_) return FlatParamStore::acquire(unit, use, next);
@@ -140,42 +135,126 @@ class ZeroStore final : public FlatParamStore {
     FlatParamStore::params_written();
     dirty16_ = masters16_;
   }
-  // Every rank's updated share into every rank's parameters (16-bit copies with sharded masters, and
-  // the fp32 whole tensors' elements). `loom plan`: the refresh phase's all-gathers (no scratch).
+  // Every rank's updated shares into every rank's parameters (16-bit copies with sharded masters, and
+  // the fp32 whole tensors' elements), run by run over its group. `loom plan`: the refresh phase's
+  // all-gathers (no scratch).
   void plan_step(StepPlan& plan) const override {
-    const int n = dp_.size();
     const double elem = masters16_ ? dtype_size(be_->precision().matmul) : sizeof(float);
-    plan.add_comm({dp_.name(), "parameter all-gather (refresh)",
-                   ring_all_gather_bytes(static_cast<double>(local_numel()) * elem, n), n - 1.0, false});
-    if (masters16_ && wparams_.count() > 0)
-      plan.add_comm({dp_.name(), "fp32 whole tensors' all-gather (refresh)",
-                     ring_all_gather_bytes(static_cast<double>(wparams_.count()) * sizeof(float), n), n - 1.0, false});
+    for (const bool experts : {false, true}) {
+      Communicator& g = experts ? edp_ : dp_;
+      const int n = g.size();
+      double flat = 0, whole = 0, runs = 0;
+      for (const Run& r : runs_)
+        if (r.expert == experts && n > 1) {
+          flat += static_cast<double>(r.end - r.begin);
+          for (std::int64_t c : r.wcounts) whole += static_cast<double>(c);
+          runs += 1;
+        }
+      if (runs == 0) continue;
+      const std::string what = experts ? "experts' parameter all-gather (refresh)" : "parameter all-gather (refresh)";
+      plan.add_comm({g.name(), what, ring_all_gather_bytes(flat * elem, n), runs * (n - 1.0), false});
+      if (masters16_ && whole > 0)
+        plan.add_comm(
+            {g.name(),
+             experts ? "experts' fp32 whole tensors' all-gather (refresh)" : "fp32 whole tensors' all-gather (refresh)",
+             ring_all_gather_bytes(whole * sizeof(float), n), runs * (n - 1.0), false});
+    }
   }
   void refresh() override {
+    const CommStats edp_before = edp_.stats();
     if (masters16_) {
       refresh16();
-      const std::vector<std::int64_t> at = shard_offsets(wcounts_);
-      const std::size_t r = static_cast<std::size_t>(dp_.rank());
-      dp_.all_gather(wparams_.ref().slice(at[r], wcounts_[r]), wparams_.ref(), wcounts_);
+      for (const Run& r : runs_) {
+        if (r.group->size() < 2) continue;
+        const std::vector<std::int64_t> at = shard_offsets(r.wcounts);
+        const std::size_t q = static_cast<std::size_t>(r.group->rank());
+        r.group->all_gather(wparams_.ref().slice(r.wbegin + at[q], r.wcounts[q]),
+                            wparams_.ref().slice(r.wbegin, at.back()), r.wcounts);
+      }
     } else {
-      const std::size_t r = static_cast<std::size_t>(dp_.rank());
-      dp_.all_gather(params_.ref().slice(offsets_[r], counts_[r]), params_.ref(), counts_);
+      gather_runs(params_.ref());
     }
+    const int k = static_cast<int>(CommOp::all_gather);
+    expert_gather_bytes_ = static_cast<double>(edp_.stats().bytes_sent[k] - edp_before.bytes_sent[k]);
     FlatParamStore::refresh();  // compute copies are stale
   }
   // The elements of `b` (a run of the flat gradient buffer, found by its first tensor's offset in
-  // it) in each rank's share.
+  // it; dense tensors only, as the buckets stop at experts') in each dp rank's share.
   std::vector<std::int64_t> rank_counts(const GradBucket& b) const {
     const GradBucket::Tensor& first = b.tensors.front();
     const std::int64_t s = info_[static_cast<std::size_t>(first.param)].offset + first.begin - first.offset;
     const std::int64_t e = s + b.data.count;
-    std::vector<std::int64_t> c(counts_.size());
-    for (std::size_t q = 0; q < counts_.size(); ++q)
-      c[q] = std::max<std::int64_t>(0, std::min(e, offsets_[q + 1]) - std::max(s, offsets_[q]));
+    const Run& r = runs_.at(static_cast<std::size_t>(run_of_.at(static_cast<std::size_t>(first.param))));
+    if (r.expert || e > r.end) throw std::logic_error("ZeRO store: a gradient bucket outside one dense run");
+    std::vector<std::int64_t> c(r.counts.size());
+    for (std::size_t q = 0; q < r.counts.size(); ++q)
+      c[q] = std::max<std::int64_t>(0, std::min(e, r.begin + r.offsets[q + 1]) - std::max(s, r.begin + r.offsets[q]));
     return c;
   }
 
  private:
+  // A run of the flat range (dense tensors or experts') and its shares over its group.
+  struct Run {
+    std::int64_t begin = 0, end = 0;
+    bool expert = false;
+    Communicator* group = nullptr;
+    std::vector<std::int64_t> counts, offsets;  // per rank of group; offsets from begin
+    std::int64_t lo = 0, hi = 0;                // this rank's share, in the flat range
+    std::int64_t master_at = 0;                 // (16-bit) where that share starts in master_
+    std::int64_t wbegin = 0;                    // (16-bit) the run's whole tensors' first element in wparams_
+    std::vector<std::int64_t> wcounts;          // (16-bit) per rank of group: its elements of them
+  };
+
+  void cut_runs(const std::vector<ParamInfo>& params) {
+    runs_.clear();
+    run_of_.assign(params.size(), -1);
+    expert_elements_ = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const ParamInfo& p = params[i];
+      if (p.numel() == 0) continue;
+      if (!runs_.empty() && p.offset != runs_.back().end)
+        throw std::logic_error("ZeRO store: tensors not contiguous in model order");
+      if (runs_.empty() || runs_.back().expert != p.expert) {
+        runs_.emplace_back();
+        runs_.back().begin = runs_.back().end = p.offset;
+        runs_.back().expert = p.expert;
+        runs_.back().group = p.expert ? &edp_ : &dp_;
+      }
+      runs_.back().end += p.numel();
+      run_of_[i] = static_cast<int>(runs_.size()) - 1;
+      if (p.expert) expert_elements_ += p.numel();
+    }
+    std::int64_t master = 0, whole = 0;
+    for (Run& r : runs_) {
+      r.counts = shard_counts(r.end - r.begin, r.group->size());
+      r.offsets = shard_offsets(r.counts);
+      const std::size_t q = static_cast<std::size_t>(r.group->rank());
+      r.lo = r.begin + r.offsets[q];
+      r.hi = r.begin + r.offsets[q + 1];
+      r.master_at = master;
+      master += r.hi - r.lo;
+      if (!masters16_) continue;
+      // Each rank's elements of the run's whole tensors: one run of wparams_, as both follow model order.
+      r.wbegin = whole;
+      r.wcounts.assign(r.counts.size(), 0);
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        const ParamInfo& p = params[i];
+        if (!whole_of_[i] || p.numel() == 0 || p.offset < r.begin || p.offset >= r.end) continue;
+        if (wat_[i] != whole) throw std::logic_error("ZeRO store: whole tensors out of model order");
+        whole += p.numel();
+        for (std::size_t k = 0; k < r.counts.size(); ++k)
+          r.wcounts[k] += std::max<std::int64_t>(0, std::min(p.offset + p.numel(), r.begin + r.offsets[k + 1]) -
+                                                        std::max(p.offset, r.begin + r.offsets[k]));
+      }
+    }
+    if (masters16_) master_ = be_->allocate("ZeroStore::master_share", DType::f32, master, Mem::master);
+  }
+  // Each run's shares into every rank of its group, in place in `flat` (a buffer of the flat range).
+  void gather_runs(const BufferRef& flat) {
+    for (const Run& r : runs_)
+      if (r.group->size() > 1)
+        r.group->all_gather(flat.slice(r.lo, r.hi - r.lo), flat.slice(r.begin, r.end - r.begin), r.counts);
+  }
   // The owned matrices' masters rounded into their place in the 16-bit copy, then a 16-bit
   // all-gather of the shares (the positions of whole tensors in it are never read).
   void refresh16() {
@@ -183,17 +262,18 @@ class ZeroStore final : public FlatParamStore {
       if (!whole_of_[static_cast<std::size_t>(o.param)])
         be_->cast(params16_.ref().slice(info_[static_cast<std::size_t>(o.param)].offset + o.begin, o.size()),
                   owned_param(o));
-    const std::size_t r = static_cast<std::size_t>(dp_.rank());
-    dp_.all_gather(params16_.ref().slice(offsets_[r], counts_[r]), params16_.ref(), counts_);
+    gather_runs(params16_.ref());
     dirty16_ = false;
   }
   const std::vector<int>& unit_params(int unit) const { return units_of_.at(static_cast<std::size_t>(unit)); }
 
-  Communicator& dp_;
-  std::vector<std::int64_t> counts_, offsets_;
-  std::vector<std::int64_t> wcounts_;  // per rank: its elements of the whole tensors (16-bit precision)
+  Communicator &dp_, &edp_;
+  std::vector<Run> runs_;
+  std::vector<int> run_of_;  // per tensor: its run, -1 for an empty one
+  std::int64_t expert_elements_ = 0;
+  double expert_gather_bytes_ = 0;  // the last refresh's, on the edp group
   bool masters16_ = false, dirty16_ = false;
-  std::int64_t flat_ = 0, lo_ = 0;
+  std::int64_t flat_ = 0;
   std::vector<bool> whole_of_;
   std::vector<std::int64_t> wat_;  // per tensor kept whole: its offset in wparams_
   TypedBuffer wparams_, master_, params16_;
@@ -237,6 +317,7 @@ class ZeroSync final : public BucketedGradSync {
       : BucketedGradSync(dp, be, model, bucket_mb, overlap,
                          BucketPlan{[&model](int p) { return model.params()[static_cast<std::size_t>(p)].tied; },
                                     [&store](const GradBucket& b) { return store.rank_counts(b); }, 2}),
+        store_(store),
         params_bytes_(static_cast<double>(model.store().local_numel()) * sizeof(float)) {}
   std::string name() const override { return "ZeRO stage 1: " + BucketedGradSync::name(); }
   void begin_micro_batch(GPT& model, int k, int m) override {
@@ -249,7 +330,9 @@ class ZeroSync final : public BucketedGradSync {
   // Measured per step: bytes this rank sent to reduce the gradients (reduce-scatter, and all-reduce
   // of tensors kept whole) and to gather the parameters, and the model state, against the textbook.
   std::vector<std::pair<std::string, double>> step_report() const override {
-    auto r = zero_step_report(1, dp_, before_, params_bytes_ / sizeof(float));
+    auto r = zero_step_report(
+        1, dp_, before_, params_bytes_ / sizeof(float),
+        {static_cast<double>(store_.expert_elements()), store_.expert_group(), store_.expert_gather_bytes()});
     append_reducer_report(r);
     return r;
   }
@@ -262,6 +345,7 @@ class ZeroSync final : public BucketedGradSync {
   }
 
  private:
+  const ZeroStore& store_;
   double params_bytes_;
   CommStats before_;
   std::int64_t step_ = 0;  // steps of this run, for LOOM_INJECT_FAULT where=plugin
@@ -274,9 +358,8 @@ PlanTerms zero_plan_terms() {
   PlanDimension d("zero.stage", "ZeRO stage", "zero", 5, "zero_stage", PlanDimension::Json::integer, "", 20, 20);
   d.values = [](const PlanPoint& p) -> std::vector<std::string> {
     if (p.layout.replicas() < 2) return {"0"};
-    const std::string ep = p.setting("parallel.ep");  // ZeRO does not yet shard experts split over ep
-    if (!ep.empty() && ep != "1") return {"0"};
-    if (p.layout.pp > 1) return {"0", "1"};
+    const std::string ep = p.setting("parallel.ep");  // ZeRO-2 and -3 do not yet shard experts split over ep
+    if (p.layout.pp > 1 || (!ep.empty() && ep != "1")) return {"0", "1"};
     return {"0", "1", "2", "3"};
   };
   d.describe = [](const std::string& v) { return v == "0" ? std::string() : "ZeRO " + v; };
@@ -284,7 +367,8 @@ PlanTerms zero_plan_terms() {
     std::vector<std::pair<std::string, std::string>> rows;
     const int stage = std::stoi(p.setting("zero.stage").empty() ? "0" : p.setting("zero.stage"));
     if (stage) rows.push_back({"no ZeRO", "0"});
-    if (p.layout.replicas() > 1 && stage < (p.layout.pp > 1 ? 1 : 3))
+    const std::string ep = p.setting("parallel.ep");
+    if (p.layout.replicas() > 1 && stage < (p.layout.pp > 1 || (!ep.empty() && ep != "1") ? 1 : 3))
       rows.push_back({"ZeRO stage " + std::to_string(stage + 1), std::to_string(stage + 1)});
     return rows;
   };
@@ -342,10 +426,12 @@ void register_zero(void* p) {
       throw InputError(setting + " shards model state over the data-parallel ranks (dp x cp), but parallel.dp = " +
                        std::to_string(layout.dp) + " and parallel.cp = " + std::to_string(layout.cp) +
                        "; set parallel.dp > 1 (or parallel.cp > 1), or zero.stage = 0");
-    if (layout.ep > 1)
+    if (stage > 1 && layout.ep > 1)
       throw InputError(setting + " with parallel.ep = " + std::to_string(layout.ep) +
-                       ": ZeRO does not yet shard the experts' state within the ranks that hold them (the "
-                       "experts differ between ep ranks); use zero.stage = 0 with parallel.ep > 1, or parallel.ep = 1");
+                       " is refused: ZeRO-2 and -3 do not yet shard the experts' gradients and parameters within "
+                       "the ranks that hold them (the experts differ between ep ranks). Valid with parallel.ep > 1: "
+                       "zero.stage = 0 or 1 (stage 1 shards the optimizer state and fp32 masters, the dense "
+                       "tensors' over dp and each expert's over the ranks holding it)");
     if (stage > 1 && layout.pp > 1)
       throw InputError(setting + " with parallel.pp = " + std::to_string(layout.pp) +
                        " is refused (as DeepSpeed refuses ZeRO-2 and -3 with pipeline parallelism): every "
@@ -361,7 +447,7 @@ void register_zero(void* p) {
   };
   info.make_store = [](PartitionContext& ctx) -> std::unique_ptr<ParamStore> {
     const std::int64_t stage = ctx.deck.get_int("zero.stage");
-    if (stage == 1) return std::make_unique<ZeroStore>(ctx.grid.dp());
+    if (stage == 1) return std::make_unique<ZeroStore>(ctx.grid.dp(), ctx.grid.edp());
     return std::make_unique<ShardedStore>(ctx.grid.dp(), static_cast<int>(stage),
                                           ctx.deck.get_int("zero.param_persistence_threshold"),
                                           static_cast<int>(ctx.deck.get_int("zero.prefetch_depth")));

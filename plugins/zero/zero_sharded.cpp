@@ -578,16 +578,18 @@ void ShardedSync::finish(GPT&) {
 }
 
 std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Communicator& dp, const CommStats& before,
-                                                             double P) {
+                                                             double P, const ZeroExperts& experts) {
   const CommStats& now = dp.stats();
   auto sent = [&](CommOp op) {
     const int k = static_cast<int>(op);
     return static_cast<double>(now.bytes_sent[k] - before.bytes_sent[k]);
   };
   const double rs = sent(CommOp::reduce_scatter), ag = sent(CommOp::all_gather), ar = sent(CommOp::all_reduce);
-  const double N = dp.size(), M = 4 * P;
-  const double textbook = (stage == 3 ? 3.0 : 2.0) * (N - 1) / N * M;
-  const double textbook_state = stage == 3 ? 16 * P / N : stage == 2 ? 4 * P + 12 * P / N : 8 * P + 8 * P / N;
+  const double N = dp.size(), Pe = experts.elements, Pd = P - Pe, Ne = experts.group;
+  const double textbook = (stage == 3 ? 3.0 : 2.0) * (N - 1) / N * 4 * Pd + (Ne - 1) / Ne * 4 * Pe;
+  const double textbook_state = stage == 3   ? 16 * P / N
+                                : stage == 2 ? 4 * P + 12 * P / N
+                                             : 8 * P + 8 * Pd / N + 8 * Pe / Ne;
   const Ledger& ledger = Ledger::global();
   // Mixed precision files the fp32 parameters as master weights and their 16-bit copies as params.
   const double state = static_cast<double>(ledger.current(Mem::params) + ledger.current(Mem::master) +
@@ -597,7 +599,10 @@ std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Co
           {"zero_all_gather_bytes", ag},
           {"zero_all_reduce_bytes", ar},
           {"zero_textbook_bytes", textbook},
-          {"zero_ratio", textbook > 0 ? (rs + ag + ar) / textbook : 0.0},
+          {"zero_ratio", textbook > 0 ? (rs + ag + ar + experts.gather_bytes) / textbook : 0.0},
+          {"zero_expert_elements", Pe},
+          {"zero_expert_group", Ne},
+          {"zero_expert_all_gather_bytes", experts.gather_bytes},
           {"zero_state_bytes", state},
           {"zero_state_textbook_bytes", textbook_state},
           {"zero_comm_scratch_bytes", static_cast<double>(ledger.peak(Mem::comm))}};
@@ -609,8 +614,12 @@ std::string zero_summary_line(const std::map<std::string, double>& means) {
     return it == means.end() ? 0.0 : it->second;
   };
   const int stage = static_cast<int>(mean("zero_stage"));
-  const char* bytes_formula = stage == 3 ? "3(N-1)/N*M" : "2(N-1)/N*M";
-  const char* state_formula = stage == 3 ? "16P/N" : stage == 2 ? "4P + 4P/N + 8P/N" : "4P + 4P + 8P/N";
+  const bool experts = mean("zero_expert_elements") > 0;  // stage 1 with parallel.ep > 1
+  const char* bytes_formula = stage == 3 ? "3(N-1)/N*M" : experts ? "2(N-1)/N*Md + (Ne-1)/Ne*Me" : "2(N-1)/N*M";
+  const char* state_formula = stage == 3   ? "16P/N"
+                              : stage == 2 ? "4P + 4P/N + 8P/N"
+                              : experts    ? "4P + 4P + 8Pd/N + 8Pe/Ne"
+                                           : "4P + 4P + 8P/N";
   std::string added = "the collectives' scratch, " + format_bytes(mean("zero_comm_scratch_bytes"));
   if (mean("zero_grad_staging_bytes") > 0)
     added += "; gradient staging, " + format_bytes(mean("zero_grad_staging_bytes"));

@@ -47,8 +47,17 @@ namespace loom {
 // against the textbook volume (stage 1 and 2: 2(N-1)/N M, stage 3: 3(N-1)/N M, M = 4P bytes), the
 // ledger's model state (parameters + gradients + AdamW) against the textbook (4P + 4P + 8P/N,
 // 4P + 4P/N + 8P/N, 16P/N), and the collectives' scratch.
+// Stage 1 with parallel.ep > 1: `experts` of the P elements are experts' tensors, sharded over the
+// `expert_group` ranks holding them (Ne), whose refresh all-gather sent `expert_gather_bytes`; the
+// textbooks become 2(N-1)/N Md + (Ne-1)/Ne Me (the experts' gradients are the experts role's) and
+// 8P + 8Pd/N + 8Pe/Ne.
+struct ZeroExperts {
+  double elements = 0;
+  int group = 1;
+  double gather_bytes = 0;
+};
 std::vector<std::pair<std::string, double>> zero_step_report(int stage, const Communicator& dp, const CommStats& before,
-                                                             double params);
+                                                             double params, const ZeroExperts& experts = {});
 // The summary's line from those reports' means: the bytes and the model state against the textbook,
 // and what loom adds to it.
 std::string zero_summary_line(const std::map<std::string, double>& means);
