@@ -376,6 +376,9 @@ void reserve_comm_scratch(ProcessGrid& grid, const StepPlan& plan) {
                       : group == "dp"  ? &grid.dp()
                       : group == "tp"  ? &grid.tp()
                       : group == "pp"  ? &grid.pp()
+                      : group == "cp"  ? &grid.cp()
+                      : group == "ep"  ? &grid.ep()
+                      : group == "edp" ? &grid.edp()
                                        : nullptr;
     if (c && c->name() == group) c->reserve_scratch(classes);
   }

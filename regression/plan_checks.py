@@ -124,6 +124,9 @@ LAYOUTS = [
     ("moe_tp2_bf16", SYN, 2, ["parallel.tp=2", "model.experts=4", "precision.dtype=bf16"]),
     ("moe_zero3_dp2", SYN, 2, ["parallel.dp=2", "zero.stage=3", "model.experts=4", "model.moe_every=2"]),
     ("moe_ep2_bf16", SYN, 2, ["parallel.dp=2", "parallel.ep=2", "model.experts=4", "precision.dtype=bf16"]),
+    # ZeRO-1 with experts: the dense tensors' masters and AdamW state over dp 4, the experts' over 2.
+    ("moe_ep2_zero1_bf16_dp4", SYN, 4, ["parallel.dp=4", "parallel.ep=2", "zero.stage=1", "model.experts=4",
+                                        "precision.dtype=bf16"]),
     ("dp2_pp2", SYN, 4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batches=2"]),
     ("bf16_zero1_dp2_pp2", SYN, 4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batches=2", "zero.stage=1",
                                     "precision.dtype=bf16"]),

@@ -463,6 +463,7 @@ void GPT::plan_step(StepPlan& plan) const {
                      {max_rows_, T_, cfg_.heads / tp_, cfg_.flash_attention,
                       cfg_.attention_engine == GPTConfig::AttentionEngine::cudnn, cfg_.d_model / cfg_.heads});
   part_->plan_step(plan, *this);
+  ep_->plan_step(plan, *this);  // the experts' all-to-all and their gradients' sum (parallel.ep > 1)
   int layers = 0;
   for (const Stage::Chunk& c : stage_.chunks) layers += c.end_layer - c.first_layer;
   ctx_->plan_step(plan, layers, plan.micro_batches, cfg_.recompute);

@@ -156,7 +156,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   predict_compute(p, r, c, t);
   // Messages: ring volume over the group's link, plus its latency per message.
   double overlapped = 0, exposed = 0, ring = 0;
-  std::map<std::string, double> by_group, exposed_by, overlapped_by;
+  std::map<std::string, double> by_group, exposed_by, overlapped_by, bytes_by;
   bool syncs_in_step = false;
   for (const CommCost& k : r.step.comm) {
     syncs_in_step = syncs_in_step || k.in_step;
@@ -166,6 +166,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
     const double s = k.bytes / bw + k.messages * lat;
     const bool hides = comm_hides(k, l, c);
     by_group[k.group] += s;
+    bytes_by[k.group] += k.bytes;
     if (k.overlapped && k.group == "cp") ring += s;  // the ring's blocks: travelling while a hop computes
     if (hides && k.group == "cp") continue;          // priced against the attention below
     (hides ? overlapped : exposed) += s;
@@ -185,6 +186,7 @@ void predict_time(Prediction& p, const RankPrediction& r, const ClusterSpec& c, 
   t.comm_s = overlapped + exposed + (ring_hides ? ring - ring_exposed : 0.0);
   t.comm_exposed_s = exposed + unhidden;
   t.comm_by_group.assign(by_group.begin(), by_group.end());
+  t.comm_bytes_by_group.assign(bytes_by.begin(), bytes_by.end());
   // Each group's exposed part: its messages that do not overlap, and its share of what overlap leaves.
   for (const auto& [g, sec] : overlapped_by) exposed_by[g] += sec / overlapped * unhidden;
   t.comm_exposed_by_group.assign(exposed_by.begin(), exposed_by.end());
@@ -364,6 +366,8 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
   };
   nlohmann::json by_rank = nlohmann::json::array();
   for (const RankPrediction& r : p.ranks) by_rank.push_back(mem(r.peak, r.total));
+  nlohmann::json comm_bytes = nlohmann::json::object();
+  for (const auto& [g, bytes] : p.time.comm_bytes_by_group) comm_bytes[g] = bytes;
   nlohmann::json stage_ms = nlohmann::json::array();
   for (double sec : p.time.stage_busy_s) stage_ms.push_back(sec * 1e3);
   const Layout& l = p.plan.layout;
@@ -387,6 +391,7 @@ std::string prediction_json(const Prediction& p, const ClusterSpec& cluster) {
                       {"attention_priced_as", priced_as_flash(p.plan.model, cluster) ? "flash" : "unfused"},
                       {"comm_ms", p.time.comm_s * 1e3},
                       {"comm_exposed_ms", p.time.comm_exposed_s * 1e3},
+                      {"comm_bytes_by_group", comm_bytes},
                       {"sync_wait_ms", p.time.sync_wait_s * 1e3},
                       {"ring_ms", p.time.ring_s * 1e3},
                       {"ring_hidden_behind_ms", p.time.ring_hidden_behind_s * 1e3},

@@ -41,6 +41,7 @@ struct TimePrediction {
   double pipeline_span_s = 0;        // the schedule's replay at those times (0 without a pipeline)
   std::vector<std::pair<std::string, double>> comm_by_group;          // seconds per group
   std::vector<std::pair<std::string, double>> comm_exposed_by_group;  // of which not hidden, per group
+  std::vector<std::pair<std::string, double>> comm_bytes_by_group;    // bytes the rank sends a step, per group
 };
 
 struct Prediction {

@@ -141,12 +141,15 @@ class ExpertParallel final : public ExpertSplit {
         {ep_.name(), "experts' row counts",
          plan.micro_batches * blocks * (m.recompute ? 2.0 : 1.0) * ring_all_gather_bytes(8.0 * m.experts * n, n),
          plan.micro_batches * blocks * (n - 1.0), false, true});
-    std::int64_t largest = 0, all = 0;
+    std::int64_t all = 0;
     for (const ParamInfo& p : model.params())
-      if (p.expert) largest = std::max(largest, p.numel()), all += p.numel();
+      if (p.expert) all += p.numel();
     const int g = edp_.size();
     if (g > 1) {
-      plan.ring_scratch(edp_.name(), {static_cast<double>(ring_all_reduce_scratch(largest, g, sizeof(float)))});
+      // One tensor's all-reduce at a time, but the pool keeps a buffer of each size class used.
+      for (const ParamInfo& p : model.params())
+        if (p.expert)
+          plan.ring_scratch(edp_.name(), {static_cast<double>(ring_all_reduce_scratch(p.numel(), g, sizeof(float)))});
       plan.add_comm(
           {edp_.name(), "experts' gradient all-reduce", ring_all_reduce_bytes(4.0 * all, g), 2.0 * (g - 1), false});
     }
