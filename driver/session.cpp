@@ -107,11 +107,10 @@ LayoutPlan plan_layout(const Deck& d, const StrategyRegistry& registry, int worl
     }
   if (wanted.empty()) wanted.push_back({"local", "one replica"});
   plan.strategies = resolve_strategies(registry, wanted);
-  RunTraits traits;
   for (const StrategyInfo* strategy : plan.strategies)
-    if (strategy->traits) strategy->traits(d, traits);
+    if (strategy->traits) strategy->traits(d, plan.traits);
   for (const StrategyInfo* strategy : plan.strategies)
-    if (strategy->check) strategy->check(LayoutContext{d, l, m, plan.rows_per_micro, traits});
+    if (strategy->check) strategy->check(LayoutContext{d, l, m, plan.rows_per_micro, plan.traits});
   return plan;
 }
 
@@ -199,6 +198,10 @@ void Session::setup_local() {
   o.steps = steps;
   o.weight_decay = d.get_float("train.weight_decay");
   o.beta1 = d.get_float("train.beta1");
+  if (!plan.traits.first_moment_off_by.empty()) {  // a strategy applies the momentum itself, or masks it
+    o.beta1 = 0;
+    o.first_moment_off_by = plan.traits.first_moment_off_by;
+  }
   o.beta2 = d.get_float("train.beta2");
   o.eps = d.get_float("train.eps");
   o.grad_clip = d.get_float("train.grad_clip");

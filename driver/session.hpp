@@ -31,6 +31,7 @@ struct LayoutPlan {
   Layout layout;
   int global_batch = 0, micro_batches = 1, rows_per_rank = 0, rows_per_micro = 0;
   std::vector<const StrategyInfo*> strategies;
+  RunTraits traits;  // what the strategies said (StrategyInfo::traits)
 };
 LayoutPlan plan_layout(const Deck& deck, const StrategyRegistry& registry, int world);
 

@@ -6,7 +6,8 @@ replicas every step, and the final loss on the learning deck against uncompresse
 
 CASE is one of:
   bytes_fp16_dp2, bytes_bf16_dp2, bytes_int8_dp2, bytes_topk_dp2, bytes_powersgd_dp2, bytes_int8_dp4,
-  bytes_int8_zero2_dp2, bytes_bf16_zero3_dp2, bytes_topk_zero1_dp2, bytes_powersgd_zero1_dp2
+  bytes_int8_zero2_dp2, bytes_bf16_zero3_dp2, bytes_topk_zero1_dp2, bytes_powersgd_zero1_dp2,
+  bytes_topkwarmup_dp2, bytes_topkwarmup_zero1_dp2
       6 steps of the small deck; every step: the bytes this rank sent on the dp group during the
       gradient sync (compression_bytes) equal the method's formula (compression_formula_bytes) plus the
       loss's one-double all-reduce, 2(N-1)/N x 8 bytes, and nothing more; every dp rank holds the same
@@ -16,7 +17,9 @@ CASE is one of:
         fp16, bf16  half of the fp32 collective's bytes
         int8        2(N-1)/N 4 ceil(n/chunk) (the chunks' shared steps, an fp32 max all-reduce) + the
                     int8 collective's (N-1)/N n or 2(N-1)/N n
-        topk        (N-1) 8k, k = ceil(ratio n): every rank's (int32 index, fp32 value) pairs all-gathered
+        topk        (N-1) 8k, k = ceil(ratio n): every rank's (int32 index, fp32 value) pairs all-gathered;
+                    with compression.warmup_steps = W (topkwarmup: 6) the ratio of step t (from 0) is
+                    ratio^(t/W), and the bucket's plain fp32 sum where pairs would cost as much
         powersgd    2(N-1)/N 4 (u + r sum(n_i + m_i)): the uncompressed tensors (u elements) and the
                     factors P [n_i, r] and Q [m_i, r] of each compressed matrix; the first
                     compression.start_step steps are plain fp32 (ratio 1, no matrix compressed)
@@ -25,18 +28,24 @@ CASE is one of:
       whole copy to compare: compression_replicas_identical is -1); bytes_topk_zero1_dp2 and
       bytes_powersgd_zero1_dp2 replace ZeRO-1's reduce-scatter, (N-1)/N 4n, by the method's sum (each
       rank keeps its share of it).
-  learning_fp16, learning_bf16, learning_int8, learning_powersgd, learning_topk
+  learning_fp16, learning_bf16, learning_int8, learning_powersgd, learning_topk, learning_topkwarmup
       the learning deck (150 steps) at dp 2 against the same run uncompressed: the final validation
       loss within the method's margin (relative): fp16, bf16 0.5%; int8 1%; PowerSGD rank 4 (from
-      step 11) 5%. Top-k keeping 1% reaches 11.3% above uncompressed at this length (the residual
-      holds back most of each step's gradient; 2% reaches 3.5%, 5% 1.5%), so its margin is 15%;
+      step 11) 5%. Top-k keeping 1% with error feedback alone (learning_topk: momentum correction
+      and local clipping off) reaches 11.3% above uncompressed at this length (the residual holds
+      back most of each step's gradient; 2% reaches 3.5%, 5% 1.5%), so its margin is 15%;
       learning_topk and learning_powersgd also run without error feedback and require it to help:
       that run must end at least 3x further from uncompressed (measured 38.3% and 12.8%).
+      learning_topkwarmup: top-k with its defaults (momentum correction, local clipping) and a
+      30-step sparsity warm-up, within 5%, and at most a third of the gap of top-k without them.
   restart_int8_dp2, restart_topk_dp2, restart_powersgd_dp2
       saved at step 4 of 8 and resumed on the same layout: the error-feedback residuals (each rank's
       row of /plugins/compression/residual_dp2/<name>) and PowerSGD's Q come back, so steps 5..8 log
       bit for bit the losses of the uninterrupted run; without them (the same run resumed from a
       checkpoint written by uncompressed training at step 4 would differ) the case would fail
+  restart_topkwarmup_dp2
+      the same with a 6-step sparsity warm-up, resumed mid-warm-up (top-k's defaults checkpoint
+      momentum correction's velocity too: leaving it out fails restart_topk_dp2)
   restart_topk_dp2_to_dp4
       a top-k checkpoint from dp 2 resumed at dp 4: the run says the residuals start from zero and
       trains on
@@ -80,10 +89,18 @@ METHOD_SETS = {
     "bf16": ["compression.method=bf16"],
     "int8": ["compression.method=int8"],
     "topk": ["compression.method=topk", "compression.ratio=0.01"],
+    # Sparsity warm-up over 6 steps at dp 2: step 1 summed whole (fraction 1), then 0.01^(t/6) as pairs
+    # (0.46, 0.22, ...), 0.01 from step 7; a restart at step 4 resumes mid-warm-up.
+    "topkwarmup": ["compression.method=topk", "compression.ratio=0.01", "compression.warmup_steps=6"],
     "powersgd": ["compression.method=powersgd", "compression.rank=4", "compression.start_step=2"],
 }
-LEARN_SETS = dict(METHOD_SETS, powersgd=["compression.method=powersgd", "compression.rank=4", "compression.start_step=10"])
-MARGIN = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.05, "topk": 0.15}
+# Top-k as it was (every technique off: error feedback alone), and with its defaults (momentum
+# correction, local clipping) and a sparsity warm-up.
+TOPK_PLAIN = ["compression.momentum_correction=false", "compression.local_clip=0"]
+LEARN_SETS = dict(METHOD_SETS, powersgd=["compression.method=powersgd", "compression.rank=4", "compression.start_step=10"],
+                  topk=METHOD_SETS["topk"] + TOPK_PLAIN,
+                  topkwarmup=["compression.method=topk", "compression.ratio=0.01", "compression.warmup_steps=30"])
+MARGIN = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.05, "topk": 0.15, "topkwarmup": 0.05}
 
 
 def learning_deck():
@@ -115,6 +132,18 @@ def bytes_case(c, method, ranks, extra):
                                                                     "none (plain fp32 first)" if plain else "some"))
             if plain:
                 c.check(abs(r["compression_formula_ratio"] - 1) < 1e-12, "step %d: not plain fp32" % r["step"])
+    if method == "topkwarmup":  # whole at step 1, pairs of a falling fraction, then plain top-k's 0.02
+        ratios = [r["compression_formula_ratio"] for r in rows]
+        print("formula ratios by step: %s" % ["%.4f" % x for x in ratios])
+        c.check(abs(ratios[0] - 1) < 1e-12, "step 1 was not summed whole: formula ratio %r" % ratios[0])
+        # Pairs: 8k bytes against the fp32 sum's 2 (N-1)/N 4n = 4n at dp 2 (ZeRO's reduce-scatter: 2n);
+        # summed whole wherever pairs would cost as much.
+        factor = 4 if extra else 2
+        for t in range(1, len(ratios)):
+            want = factor * 0.01 ** (min(t, 6) / 6.0)
+            want = 1.0 if want >= 1 else want
+            c.check(abs(ratios[t] - want) <= 0.01 * want + 1e-3, "step %d: formula ratio %.4f, the warm-up's %d x 0.01^(%d/6) = %.4f"
+                    % (t + 1, ratios[t], factor, t, want))
     want_ratio = {"fp16": 0.5, "bf16": 0.5}.get(method)
     if want_ratio:
         c.check(all(abs(r["compression_formula_ratio"] - want_ratio) < 1e-12 for r in rows), "the 16-bit formula is not half")
@@ -144,6 +173,11 @@ def main():
               % (method, got, base, 100 * gap, 100 * MARGIN[method], common.rows(run)[-1]["compression_ratio"]))
         c.check(abs(gap) <= MARGIN[method], "%s ends %.2f%% from uncompressed, margin %.1f%%" % (method, 100 * gap, 100 * MARGIN[method]))
         c.check(all(r.get("compression_replicas_identical") == 1 for r in common.rows(run)), "the dp ranks' parameters differed")
+        if method == "topkwarmup":  # the techniques must be what closes the gap
+            _, plain = c.loom("topk_plain", 2, ["parallel.dp=2"] + METHOD_SETS["topk"] + TOPK_PLAIN)
+            plain_gap = common.summary(plain)["final_val_loss"] / base - 1
+            print("top-k without the techniques: %+.2f%%" % (100 * plain_gap))
+            c.check(plain_gap >= 3 * gap, "the techniques did not help: %.2f%% with them, %.2f%% without" % (100 * gap, 100 * plain_gap))
         if method in ("topk", "powersgd"):
             _, raw = c.loom(method + "_no_feedback", 2, ["parallel.dp=2"] + LEARN_SETS[method] + ["compression.error_feedback=false"])
             raw_gap = common.summary(raw)["final_val_loss"] / base - 1

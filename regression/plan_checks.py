@@ -134,6 +134,8 @@ LAYOUTS = [
                                  "precision.dtype=bf16", "train.micro_batches=2"]),
     ("int8_dp2", SYN, 2, ["parallel.dp=2", "compression.method=int8"]),
     ("topk_dp2", SYN, 2, ["parallel.dp=2", "compression.method=topk"]),
+    # The sparsity warm-up: the whole sum's ring scratch, and pairs' buffers for its largest fraction.
+    ("topk_warmup_dp2", SYN, 2, ["parallel.dp=2", "compression.method=topk", "compression.warmup_steps=4"]),
     # int8 on ZeRO-2's pieces: per-tensor residuals beside each piece's scratch, every micro-batch.
     ("int8_zero2_micro2", SYN, 2, ["parallel.dp=2", "zero.stage=2", "compression.method=int8", "train.micro_batches=2"]),
     # Several buckets (data_parallel.bucket_mb): PowerSGD's all-reduces complete within each bucket's reduction,

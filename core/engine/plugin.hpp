@@ -54,7 +54,9 @@
 // role (ContextSplit, StrategyInfo::make_context), ring attention in LOOM_FACE_OPS.
 // ABI 22: mixture of experts: GPTConfig's experts, moe_every, experts_per_token, expert_capacity and the
 // auxiliary losses' weights; GPT's routing state; Partition::sum_over_group.
-#define LOOM_PLUGIN_ABI_VERSION 22
+// ABI 23: RunTraits::first_moment_off_by and OptimizerConfig::first_moment_off_by (top-k compression's
+// momentum masking turns AdamW's first moment off).
+#define LOOM_PLUGIN_ABI_VERSION 23
 
 extern "C" {
 struct loom_plugin_v1 {
@@ -140,6 +142,7 @@ struct RunTraits {
   std::string grads_scattered_by;     // gradients reduce-scattered in pieces every micro-batch (ZeRO-2 and -3)
   std::string dynamic_loss_scale_by;  // a loss scale that moves during the run (fp16's dynamic scaling)
   std::string reduce_dtype_by;        // the gradient collective in a type narrower than fp32
+  std::string first_moment_off_by;    // AdamW runs without its first moment (beta1 = 0): the setting that asks
 };
 
 // What a strategy may check before any work (every rank alike, no communication).

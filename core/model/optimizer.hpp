@@ -16,7 +16,8 @@ struct OptimizerConfig {
   std::string schedule = "cosine";  // constant | cosine
   std::int64_t warmup = 0, steps = 1;
   double weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double grad_clip = 1.0;  // 0: no clipping
+  double grad_clip = 1.0;           // 0: no clipping
+  std::string first_moment_off_by;  // the setting that set beta1 to 0 over train.beta1 (said in the name)
 };
 
 // Learning rate of step s (0-based): linear warm-up over `warmup` steps to lr, then constant or a
@@ -67,7 +68,11 @@ class AdamW final : public Optimizer {
       : AdamW(cfg, backend) {
     build(params, owned);
   }
-  std::string name() const override { return "AdamW"; }
+  std::string name() const override {
+    return cfg_.first_moment_off_by.empty()
+               ? "AdamW"
+               : "AdamW without its first moment (beta1 = 0: " + cfg_.first_moment_off_by + ")";
+  }
   void build(const std::vector<ParamInfo>& params, const std::vector<OwnedSlice>& owned) override;
   void step(ParamStore& store, double lr) override;
   std::int64_t steps_taken() const override { return t_; }

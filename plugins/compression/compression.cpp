@@ -16,7 +16,14 @@
 //               dropped stays in the rank's residual for the next step.
 //   topk        error feedback added, the compression.ratio largest |x| of each bucket kept, (index,
 //               value) pairs all-gathered from every rank and added into a zeroed bucket in rank order
-//               (the same sum on every rank); what was not sent stays in the residual.
+//               (the same sum on every rank); what was not sent stays in the residual. With
+//               compression.warmup_steps = W the fraction kept falls from 1 at step 1 to the ratio at
+//               step W + 1, exponentially (Deep Gradient Compression's sparsity warm-up); while it is
+//               1/N or more, pairs would cost more than the sum, so the bucket (residual included) is
+//               reduced whole by the wrapped reducer. compression.momentum_masking (AdamW without its
+//               first moment) and compression.momentum_correction (the momentum accumulated here, per
+//               rank, and masked where sent) are Deep Gradient Compression's momentum techniques adapted
+//               to AdamW; compression.local_clip clips each rank's bucket before it is accumulated.
 //   powersgd    Vogels et al. / PyTorch's powerSGD_hook: for each matrix of the bucket worth
 //               compressing at rank r (compression.min_compression_rate), M = gradient + residual,
 //               P = M Q (Q warm-started from the last step), all-reduce P, orthonormalise its columns,
@@ -73,6 +80,10 @@ struct Config {
   std::int64_t chunk = 1024;
   bool error_feedback = true;
   bool warm_start = true;
+  std::int64_t warmup_steps = 0;    // topk: sparsity warm-up
+  bool momentum_correction = true;  // topk: the compressor's velocity, masked where sent (DGC)
+  double momentum = 0.9;            // its factor: train.beta1
+  double local_clip = 1;            // topk: each rank's bucket clipped before accumulation (DGC)
   std::uint64_t seed = 0;
 };
 
@@ -130,6 +141,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       if (feedback_)
         residual_[static_cast<int>(i)] =
             be_.allocate("compression::residual." + p.name, DType::f32, p.numel(), Mem::comm);
+      if (velocity_on()) {
+        velocity_[static_cast<int>(i)] =
+            be_.allocate("compression::velocity." + p.name, DType::f32, p.numel(), Mem::comm);  // zeroed, as residuals
+      }
+      if (cfg.method == Method::topk) clip_elements_ += p.numel();
       if (cfg.method == Method::powersgd && compressed(p)) {
         q_[static_cast<int>(i)] =
             be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape()[1] * cfg.rank, Mem::comm);
@@ -142,7 +158,13 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     s << cfg_.method_name;
     if (cfg_.method == Method::int8)
       s << " (chunks of " << cfg_.chunk << ", " << compress::int8_levels(dp_.size()) << " levels)";
-    if (cfg_.method == Method::topk) s << " (ratio " << cfg_.ratio << ")";
+    if (cfg_.method == Method::topk) {
+      s << " (ratio " << cfg_.ratio
+        << (cfg_.warmup_steps > 0 ? ", from 1 over " + std::to_string(cfg_.warmup_steps) + " steps" : std::string());
+      if (velocity_on()) s << ", momentum correction " << cfg_.momentum;
+      if (cfg_.local_clip > 0) s << ", local clipping at " << cfg_.local_clip;
+      s << ")";
+    }
     if (cfg_.method == Method::powersgd) s << " (rank " << cfg_.rank << ", from step " << cfg_.start_step + 1 << ")";
     if (cfg_.method == Method::int8 || cfg_.method == Method::topk || cfg_.method == Method::powersgd)
       s << (cfg_.error_feedback ? ", error feedback" : ", no error feedback");
@@ -175,8 +197,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   void after_norm(const StepState& st) {
     if (std::isfinite(st.sq_norm) && std::isfinite(st.loss) && st.skip_reason.empty() && !st.nonfinite) return;
     for (auto& [i, r] : residual_) be_.fill(r.ref(), 0.0);
-    for (auto& [k, s] : state_)
+    for (auto& [i, u] : velocity_) be_.fill(u.ref(), 0.0);
+    for (auto& [k, s] : state_) {
       if (!s.residual.empty()) be_.fill(s.residual.ref(), 0.0);
+      if (!s.velocity.empty()) be_.fill(s.velocity.ref(), 0.0);
+    }
     for (auto& [i, q] : q_) init_q(i, 0);
     ++resets_;
   }
@@ -198,7 +223,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         req = int8(b, fp32_factor);
         break;
       case Method::topk:
-        req = topk(b);
+        req = topk(b, fp32_factor);
         break;
       case Method::powersgd:
         req = powersgd(b, fp32_factor);
@@ -223,8 +248,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // (gather_residual: the largest such bucket's, added once by plan_step), else the bucket's own.
     const bool shared = feedback_ && has_residuals(b);
     const double residual = feedback_ && !shared ? 4.0 * static_cast<double>(n) : 0.0;  // State::residual
+    const bool shared_velocity = velocity_on() && has_state(b, velocity_);              // and the velocity's, likewise
     const auto share = [&] {
-      if (shared) planned_shared_residual_ = std::max(planned_shared_residual_, n);
+      if (shared || shared_velocity) planned_shared_residual_ = std::max(planned_shared_residual_, n);
     };
     // Passes per element, by the code below (reads and writes, 4 bytes a float, 1 an int8): error
     // feedback gathers the residuals into the bucket's (8), adds them (12) and scatters them back
@@ -252,10 +278,19 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         return s;
       }
       case Method::topk: {
-        const std::int64_t k = compress::top_k_count(n, cfg_.ratio);
+        BucketScratch dense;
+        if (cfg_.warmup_steps > 0) {  // the warm-up's whole sums: their scratch stays, not their messages
+          const std::size_t messages = plan.comm.size();
+          dense = inner_->plan_bucket(plan, b, w);
+          plan.comm.resize(messages);
+        }
+        // The send and receive buffers grow to the warm-up's largest k that travels as pairs.
+        const double fp32_factor = b.rank_counts.empty() ? 2.0 * (N - 1) / N : (N - 1.0) / N;
+        const std::int64_t k = compress::top_k_count(n, std::max(cfg_.ratio, largest_sparse_ratio(fp32_factor)));
         planned_topk_scratch_ = std::max(planned_topk_scratch_, be_.topk_scratch_bytes(n));  // the back end's, kept
         const double bytes = 8.0 * static_cast<double>(k);                                   // indices, values
         plan.add_scratch(Mem::comm, residual + bytes + bytes * N);                           // send, recv
+        if (velocity_on() && !shared_velocity) plan.add_scratch(Mem::comm, 4.0 * static_cast<double>(n));
         share();
         plan.add_comm({dp_.name(), w + " all-gather", ring_all_gather_bytes(bytes * N, N), N - 1.0, false});
         // The back end's passes: the selection's reads of x (the host's finiteness, histogram,
@@ -264,7 +299,10 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         // feedback); the sum cleared (4) before each rank's k pairs are added (read 8, x 8).
         plan.backend_bytes +=
             elems * (fb + 20 + (feedback_ ? 8 : 0) + 4) + bytes * (feedback_ ? 2 : 1) + 2.0 * bytes * N;
-        return {};
+        // Momentum correction: the velocity gathered (8), scaled (8), the gradient added (12), copied
+        // into the bucket (8) and scattered back (8); local clipping: the norm (4) and the scaling (8).
+        plan.backend_bytes += elems * ((velocity_on() ? 44 : 0) + (cfg_.local_clip > 0 ? 12 : 0));
+        return dense;
       }
       case Method::powersgd: {
         BucketScratch s;
@@ -306,7 +344,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // and stops at the first the store keeps only in part.
   void plan_step(StepPlan& plan) const override {
     // After every bucket's plan_bucket (the planner's order): the shared error-feedback scratch.
-    plan.add_scratch(Mem::comm, 4.0 * static_cast<double>(planned_shared_residual_));
+    plan.add_scratch(Mem::comm, (velocity_on() ? 8.0 : 4.0) * static_cast<double>(planned_shared_residual_));
     planned_shared_residual_ = 0;
     plan.add_scratch(Mem::workspace, static_cast<double>(planned_topk_scratch_));
     planned_topk_scratch_ = 0;
@@ -355,7 +393,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // bucket's only copy).
   struct State {
     std::int64_t count = -1;
-    TypedBuffer residual, absmax, q, send, recv, packed;
+    TypedBuffer residual, absmax, q, send, recv, packed, velocity;
   };
   State& state(const GradBucket& b) {
     State& s =
@@ -376,31 +414,49 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   BufferRef gather_residual(const GradBucket& b, State& s) {
     if (!feedback_) return {};
     if (!has_residuals(b)) return s.residual.ref();
-    const std::int64_t n = b.data.count;
-    if (shared_residual_.count() < n) {
-      shared_residual_ = TypedBuffer();  // released first: the ledger's peak is the largest bucket's, as planned
-      shared_residual_ = be_.allocate("compression::bucket_residual", DType::f32, n, Mem::comm);
+    return gather_state(b, residual_, shared_residual_, "compression::bucket_residual");
+  }
+  // Momentum correction's velocity for bucket b, the same way (a bucket without listed tensors keeps
+  // its own, from zero).
+  BufferRef gather_velocity(const GradBucket& b, State& s) {
+    if (has_state(b, velocity_)) return gather_state(b, velocity_, shared_velocity_, "compression::bucket_velocity");
+    if (s.velocity.empty()) {
+      s.velocity = be_.allocate("compression::bucket_velocity", DType::f32, b.data.count, Mem::comm);
+      be_.fill(s.velocity.ref(), 0.0);
     }
-    const BufferRef e = shared_residual_.ref().slice(0, n);
+    return s.velocity.ref();
+  }
+  // The parts of per-tensor state `by` that bucket b holds, into `shared` (grown to the largest bucket).
+  BufferRef gather_state(const GradBucket& b, std::map<int, TypedBuffer>& by, TypedBuffer& shared, const char* label) {
+    const std::int64_t n = b.data.count;
+    if (shared.count() < n) {
+      shared = TypedBuffer();  // released first: the ledger's peak is the largest bucket's, as planned
+      shared = be_.allocate(label, DType::f32, n, Mem::comm);
+    }
+    const BufferRef e = shared.ref().slice(0, n);
     std::int64_t covered = 0;
     for (const GradBucket::Tensor& t : b.tensors) covered += t.count;
-    if (covered != n) be_.fill(e, 0.0);  // elements of no listed tensor: no feedback (zero), as a bucket's own
+    if (covered != n) be_.fill(e, 0.0);  // elements of no listed tensor: no state (zero), as a bucket's own
     for (const GradBucket::Tensor& t : b.tensors)
-      be_.copy(e.slice(t.offset, t.count), residual_.at(t.param).ref().slice(t.begin, t.count), t.count);
+      be_.copy(e.slice(t.offset, t.count), by.at(t.param).ref().slice(t.begin, t.count), t.count);
     return e;
   }
   // After the method wrote the bucket's new residual into e: back into the per-tensor residuals.
   void keep_residual(const GradBucket& b, const BufferRef& e) {
-    if (e.empty() || !has_residuals(b)) return;
-    for (const GradBucket::Tensor& t : b.tensors)
-      be_.copy(residual_.at(t.param).ref().slice(t.begin, t.count), e.slice(t.offset, t.count), t.count);
+    if (!e.empty() && has_residuals(b)) keep_state(b, residual_, e);
   }
-  bool has_residuals(const GradBucket& b) const {
+  void keep_state(const GradBucket& b, std::map<int, TypedBuffer>& by, const BufferRef& e) {
+    for (const GradBucket::Tensor& t : b.tensors)
+      be_.copy(by.at(t.param).ref().slice(t.begin, t.count), e.slice(t.offset, t.count), t.count);
+  }
+  bool has_residuals(const GradBucket& b) const { return has_state(b, residual_); }
+  bool has_state(const GradBucket& b, const std::map<int, TypedBuffer>& by) const {
     if (b.tensors.empty()) return false;
     for (const GradBucket::Tensor& t : b.tensors)
-      if (!residual_.count(t.param) || t.begin + t.count > residual_.at(t.param).count()) return false;
+      if (!by.count(t.param) || t.begin + t.count > by.at(t.param).count()) return false;
     return true;
   }
+  bool velocity_on() const { return cfg_.method == Method::topk && cfg_.momentum_correction; }
   void add_residual(const BufferRef& e, const BufferRef& x, std::int64_t n) {
     if (!e.empty()) be_.residual_forward(x, x, e, n);  // x += residual
   }
@@ -440,13 +496,62 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     });
   }
 
-  CommRequestPtr topk(const GradBucket& b) {
+  // The fraction of a bucket top-k sends at `step` (from 0, as StepState counts): compression.ratio,
+  // or during the sparsity warm-up ratio^(step / W), from 1 at the first step to the ratio at step W
+  // (step W + 1 in the run's messages).
+  double ratio_at(std::int64_t step) const {
+    if (cfg_.warmup_steps <= 0 || step >= cfg_.warmup_steps) return cfg_.ratio;
+    return std::pow(cfg_.ratio,
+                    static_cast<double>(std::max<std::int64_t>(step, 0)) / static_cast<double>(cfg_.warmup_steps));
+  }
+  // Pairs cost 8k (N - 1) bytes a rank, the wrapped reducer's fp32 sum fp32_factor 4n (an
+  // all-reduce's 2 (N - 1) / N, ZeRO's reduce-scatter's (N - 1) / N): from the fraction where pairs
+  // cost as much (1/N, 1/2N) the sum is sent.
+  bool dense_at(double ratio, double fp32_factor) const { return 8.0 * ratio * (dp_.size() - 1) >= 4.0 * fp32_factor; }
+  // The warm-up's largest fraction that travels as pairs (0 without a warm-up).
+  double largest_sparse_ratio(double fp32_factor) const {
+    double most = 0;
+    for (std::int64_t t = 0; t <= cfg_.warmup_steps; ++t)
+      if (!dense_at(ratio_at(t), fp32_factor)) most = std::max(most, ratio_at(t));
+    return most;
+  }
+
+  CommRequestPtr topk(const GradBucket& b, double fp32_factor) {
     const int N = dp_.size();
-    const std::int64_t n = b.data.count, k = compress::top_k_count(n, cfg_.ratio);
+    const double ratio = ratio_at(step_);
+    const std::int64_t n = b.data.count, k = compress::top_k_count(n, ratio);
     State& s = state(b);
     const BufferRef x = b.data;
+    if (cfg_.local_clip > 0) {  // DGC: each rank's share of the clipping threshold, before accumulating
+      const double most = cfg_.local_clip * std::sqrt(static_cast<double>(n) /
+                                                      static_cast<double>(std::max<std::int64_t>(clip_elements_, n)) /
+                                                      static_cast<double>(N));
+      const NormCheck c = be_.sq_norm_check({x});
+      if (c.all_finite && c.sum_squares > most * most) be_.scale(x, most / std::sqrt(c.sum_squares));
+    }
+    // Momentum correction: u = momentum u + (1 - momentum) g, accumulated by the error feedback in
+    // place of the gradient (AdamW, without its first moment, takes what arrives as its momentum).
+    BufferRef u;
+    if (velocity_on()) {
+      u = gather_velocity(b, s);
+      be_.scale(u, cfg_.momentum);
+      be_.axpy(u, static_cast<float>(1.0 - cfg_.momentum), x, n);
+      be_.copy(x, u, n);
+    }
     const BufferRef e = gather_residual(b, s);
     add_residual(e, x, n);
+    if (dense_at(ratio, fp32_factor)) {  // the warm-up's first steps: the whole bucket, residual included, is sent
+      if (!e.empty()) {
+        be_.fill(e, 0.0);
+        keep_residual(b, e);
+      }
+      if (!u.empty()) {  // masked everywhere: every element was sent
+        be_.fill(u, 0.0);
+        if (has_state(b, velocity_)) keep_state(b, velocity_, u);
+      }
+      formula_ += fp32_factor * 4 * static_cast<double>(n);
+      return inner_->reduce_async(b);
+    }
     const std::int64_t bytes = 8 * k;  // k int32 indices, then k fp32 values
     ensure_capacity(be_, s.send, "compression::topk_send", DType::u8, bytes, Mem::comm);
     ensure_capacity(be_, s.recv, "compression::topk_recv", DType::u8, bytes * N, Mem::comm);
@@ -460,6 +565,10 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       be_.copy(e, x, n);
       be_.topk_clear(e, idx, k);
       keep_residual(b, e);
+    }
+    if (!u.empty()) {  // momentum-factor masking: the velocity of what was sent starts again
+      be_.topk_clear(u, idx, k);
+      if (has_state(b, velocity_)) keep_state(b, velocity_, u);
     }
     formula_ += static_cast<double>(N - 1) * static_cast<double>(bytes);
     std::uint8_t* recv = s.recv.data<std::uint8_t>();
@@ -619,19 +728,22 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     };
     auto add = [&](const ParamInfo& whole, const std::string& suffix, int i) {
       const std::int64_t n = whole.shard.full_numel();
-      if (feedback) {
+      // Per rank, one row each: the error-feedback residual and momentum correction's velocity.
+      auto rows = [&](const char* kind, const std::map<int, TypedBuffer>& by) {
         CheckpointTensor t;
-        t.path = "/plugins/compression/residual_dp" + std::to_string(N) + "/" + whole.name + suffix;
+        t.path = "/plugins/compression/" + std::string(kind) + "_dp" + std::to_string(N) + "/" + whole.name + suffix;
         t.shard = ShardDesc::make({N, n}, TpSplit::none, 1, 0);
-        if (i >= 0 && residual_.count(i)) {
+        if (i >= 0 && by.count(i)) {
           t.shard = t.shard.cut(r * n, (r + 1) * n);
-          t.data = residual_.at(i).ref();
+          t.data = by.at(i).ref();
           t.holds = true;
           t.primary_end = n;  // the rank's own row
         }
         t.required = false;
         out.push_back(std::move(t));
-      }
+      };
+      if (feedback) rows("residual", residual_);
+      if (!velocity_.empty()) rows("velocity", velocity_);
       if (cfg_.method == Method::powersgd && whole.shape().size() == 2 &&
           compress::worth_compressing(whole.shape()[0], whole.shape()[1], cfg_.rank, cfg_.min_rate)) {
         CheckpointTensor t;
@@ -675,8 +787,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     else if (static_cast<int>(dp->second) != dp_.size())
       std::printf(
           "  compression: the checkpoint was written at %d data-parallel ranks (dp x cp): error-feedback residuals "
-          "(one per rank) start from zero at %d%s\n",
-          static_cast<int>(dp->second), dp_.size(),
+          "(one per rank) start from zero at %d%s%s\n",
+          static_cast<int>(dp->second), dp_.size(), velocity_.empty() ? "" : ", and so do the velocities",
           cfg_.method == Method::powersgd && q_continues ? "; PowerSGD's Q continues" : "");
   }
 
@@ -691,7 +803,10 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   std::map<std::pair<int, std::int64_t>, State>
       state_;                                         // by (first tensor, its begin); (-1 - index, 0) without tensors
   std::map<int, TypedBuffer> residual_, q_;           // by parameter index
+  std::map<int, TypedBuffer> velocity_;               // momentum correction's, by parameter index
+  std::int64_t clip_elements_ = 0;                    // local clipping: the elements the reducer sees
   TypedBuffer shared_residual_;                       // error feedback's bucket-sized scratch (gather_residual)
+  TypedBuffer shared_velocity_;                       // momentum correction's (gather_velocity)
   mutable std::int64_t planned_shared_residual_ = 0;  // `loom plan`: its elements, the largest bucket's so far
   mutable std::int64_t planned_topk_scratch_ = 0;     // `loom plan`: the back end's selection scratch, likewise
   std::int64_t step_ = 0;
@@ -724,6 +839,10 @@ double replicas_identical(GPT& model, Communicator& dp) {
 const std::map<std::string, std::vector<std::string>>& method_keys() {
   static const std::map<std::string, std::vector<std::string>> keys = {
       {"compression.ratio", {"topk"}},
+      {"compression.warmup_steps", {"topk"}},
+      {"compression.momentum_masking", {"topk"}},
+      {"compression.momentum_correction", {"topk"}},
+      {"compression.local_clip", {"topk"}},
       {"compression.rank", {"powersgd"}},
       {"compression.start_step", {"powersgd"}},
       {"compression.min_compression_rate", {"powersgd"}},
@@ -757,6 +876,22 @@ void register_compression(void* p) {
                                  "magnitudes, error feedback), powersgd (low-rank, error feedback)"));
   info.keys.push_back(float_key("compression.ratio", "0.01", 1e-6, 1,
                                 "topk: the fraction of each bucket's elements sent (largest |gradient + residual|)"));
+  info.keys.push_back(int_key("compression.warmup_steps", "0", 0, 1e12,
+                              "topk: sparsity warm-up (Deep Gradient Compression's): the fraction sent falls "
+                              "exponentially from all of each bucket at step 1 to compression.ratio at step "
+                              "warmup_steps + 1; while it is 1/dp or more the bucket is summed whole (0: the ratio "
+                              "from the start)"));
+  info.keys.push_back(bool_key("compression.momentum_masking", "false",
+                               "topk: AdamW without its first moment (beta1 = 0), so that an arrival (the sum of "
+                               "many steps' gradients) moves its elements once, not again for the steps after it: "
+                               "DGC's momentum-factor masking adapted to AdamW"));
+  info.keys.push_back(bool_key("compression.momentum_correction", "true",
+                               "topk: each rank accumulates the momentum, u = beta1 u + (1 - beta1) g (train.beta1), "
+                               "in place of the gradient, and clears it where sent; AdamW then runs without its "
+                               "first moment: DGC's momentum correction and masking adapted to AdamW"));
+  info.keys.push_back(float_key("compression.local_clip", "1", 0, 1e12,
+                                "topk: each rank's bucket clipped to L2 norm local_clip x sqrt(bucket share of the "
+                                "elements / dp) before it is accumulated (DGC's local gradient clipping; 0: off)"));
   info.keys.push_back(int_key("compression.rank", "1", 1, 1024,
                               "powersgd: the rank of each matrix's approximation (PyTorch matrix_approximation_rank)"));
   info.keys.push_back(int_key("compression.start_step", "1000", 0, 1e12,
@@ -798,6 +933,14 @@ void register_compression(void* p) {
     return setting;
   };
   // What the other strategies of the run do to the gradient collective (RunTraits), against the method.
+  // Top-k's momentum techniques take AdamW's first moment off (the session sets beta1 = 0 and says why).
+  info.traits = [](const Deck& deck, RunTraits& traits) {
+    if (deck.get_string("compression.method") != "topk") return;
+    if (deck.get_bool("compression.momentum_correction"))
+      traits.first_moment_off_by = "compression.momentum_correction = true";
+    else if (deck.get_bool("compression.momentum_masking"))
+      traits.first_moment_off_by = "compression.momentum_masking = true";
+  };
   info.check = [](const LayoutContext& ctx) {
     const std::string m = ctx.deck.get_string("compression.method");
     const Method method = method_of(m);
@@ -839,6 +982,10 @@ void register_compression(void* p) {
     cfg.chunk = ctx.deck.get_int("compression.int8_chunk");
     cfg.error_feedback = ctx.deck.get_bool("compression.error_feedback");
     cfg.warm_start = ctx.deck.get_bool("compression.warm_start");
+    cfg.warmup_steps = ctx.deck.get_int("compression.warmup_steps");
+    cfg.momentum_correction = ctx.deck.get_bool("compression.momentum_correction");
+    cfg.momentum = ctx.deck.get_float("train.beta1");
+    cfg.local_clip = ctx.deck.get_float("compression.local_clip");
     cfg.seed = static_cast<std::uint64_t>(ctx.deck.get_int("train.seed"));
     auto made = std::make_shared<CompressingReducer*>(nullptr);
     Communicator& dp = ctx.grid.dp();
