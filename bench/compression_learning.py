@@ -14,11 +14,14 @@ for the gradients over the whole run against the uncompressed collective's. It p
 configuration, the mean gap over the seeds with its spread (min .. max) and the bytes ratio, and
 the uncompressed runs' own spread over seeds; then one JSON line with everything.
 
-Configurations: none, fp16, int8, powersgd (rank 2, from step 11); top-k at ratio 0.01 as it was
+Configurations: none, fp16, int8, powersgd (rank 2, from step 11; and with train.beta1 = 0); top-k at ratio 0.01 as it was
 (topk_plain: every technique off), with each technique alone (compression.warmup_steps = 60,
 momentum_masking, momentum_correction, local_clip = 1), with its defaults (momentum correction and
-local clipping), and with the warm-up added to masking and to the defaults. Standard library only. A
-benchmark, not a test.
+local clipping), and with the warm-up added to masking and to the defaults. Then the peer: the same model
+in PyTorch under DistributedDataParallel, uncompressed and with PyTorch's powerSGD_hook (rank 2, from
+step 11), through bench/torch_ddp_compression.py with --torch-python (default /usr/bin/python3; --no-torch
+skips it): its gap to its own uncompressed runs, seed by seed (its data sampler is not loom's). Standard
+library only here. A benchmark, not a test.
 """
 import argparse
 import json
@@ -62,6 +65,8 @@ CONFIGS = [
     ("fp16", ["compression.method=fp16"]),
     ("int8", ["compression.method=int8"]),
     ("powersgd_r2", ["compression.method=powersgd", "compression.rank=2", "compression.start_step=10"]),
+    ("powersgd_r2+beta1_0", ["compression.method=powersgd", "compression.rank=2", "compression.start_step=10",
+                             "train.beta1=0"]),
     ("topk_plain", TOPK + PLAIN),
     ("topk+warmup", TOPK + PLAIN + ["compression.warmup_steps=60"]),
     ("topk+masking", TOPK + PLAIN + ["compression.momentum_masking=true"]),
@@ -99,6 +104,8 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--only", nargs="*", help="configurations to run besides none (default: all)")
     ap.add_argument("--workdir", default="build/bench-compression-learning")
+    ap.add_argument("--torch-python", default="/usr/bin/python3")
+    ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     texts = {"gpl3": "/usr/share/common-licenses/GPL-3", "pydocs": default_text(args.workdir)}
@@ -112,6 +119,18 @@ def main():
             for seed in range(1, args.seeds + 1):
                 results.setdefault(name, {}).setdefault(tag, {})[seed] = run(args, deck, tag, seed, sets)
                 print("%s %s seed %d: %s" % (name, tag, seed, results[name][tag][seed]), flush=True)
+    peer = {}
+    if not args.no_torch:
+        for name, text in texts.items():
+            for seed in range(1, args.seeds + 1):
+                cmd = [args.torch_python, os.path.join(HERE, "torch_ddp_compression.py"), "--text", text, "--seed",
+                       str(seed), "--steps", str(args.steps), "--workdir", os.path.join(args.workdir, "torch")]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode != 0:
+                    sys.stderr.write(p.stdout[-2000:] + p.stderr[-2000:])
+                    sys.exit("the PyTorch peer failed: " + " ".join(cmd))
+                peer.setdefault(name, {})[seed] = json.loads(p.stdout.strip().splitlines()[-1])
+                print("%s pytorch seed %d: %s" % (name, seed, peer[name][seed]), flush=True)
     print("\nGPT-2 2 x 64 at dp 2, %d steps, %d seeds: mean of the last 20 steps' loss against uncompressed, same seed"
           % (args.steps, args.seeds))
     for name, by in results.items():
@@ -127,7 +146,13 @@ def main():
             ratio = statistics.mean(r["bytes_ratio"] for r in runs.values())
             print("    %-22s %+9.2f%% %8.2f%% .. %+6.2f%% %12.4f"
                   % (tag, 100 * statistics.mean(gaps), 100 * min(gaps), 100 * max(gaps), ratio))
-    print(json.dumps({"steps": args.steps, "seeds": args.seeds, "results": results}))
+        if name in peer:
+            gaps = [r["powersgd_r2"] / r["none"] - 1 for r in peer[name].values()]
+            base = [r["none"] for r in peer[name].values()]
+            print("    %-22s %+9.2f%% %8.2f%% .. %+6.2f%%   (PyTorch's own uncompressed: %.4f)"
+                  % ("pytorch powerSGD r2", 100 * statistics.mean(gaps), 100 * min(gaps), 100 * max(gaps),
+                     statistics.mean(base)))
+    print(json.dumps({"steps": args.steps, "seeds": args.seeds, "results": results, "pytorch": peer}))
     return 0
 
 
