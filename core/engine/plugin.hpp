@@ -55,7 +55,7 @@
 // ABI 22: mixture of experts: GPTConfig's experts, moe_every, experts_per_token, expert_capacity and the
 // auxiliary losses' weights; GPT's routing state; Partition::sum_over_group.
 // ABI 23: RunTraits::first_moment_off_by and OptimizerConfig::first_moment_off_by (top-k compression's
-// momentum masking turns AdamW's first moment off).
+// momentum masking turns AdamW's first moment off); RunTraits::loss_scaled_by.
 #define LOOM_PLUGIN_ABI_VERSION 23
 
 extern "C" {
@@ -143,6 +143,7 @@ struct RunTraits {
   std::string dynamic_loss_scale_by;  // a loss scale that moves during the run (fp16's dynamic scaling)
   std::string reduce_dtype_by;        // the gradient collective in a type narrower than fp32
   std::string first_moment_off_by;    // AdamW runs without its first moment (beta1 = 0): the setting that asks
+  std::string loss_scaled_by;         // gradients reach the reducer multiplied by a loss scale (fp16)
 };
 
 // What a strategy may check before any work (every rank alike, no communication).

@@ -245,6 +245,8 @@ void register_mixed_precision(void* p) {
   info.traits = [](const Deck& deck, RunTraits& traits) {
     if (deck.get_string("precision.dtype") == "fp16" && deck.get_float("precision.loss_scale") <= 0)
       traits.dynamic_loss_scale_by = "precision.dtype = fp16 with dynamic loss scaling";
+    if (deck.get_string("precision.dtype") == "fp16" && deck.get_float("precision.loss_scale") != 1)
+      traits.loss_scaled_by = "precision.dtype = fp16 with its loss scaling";
     if (deck.get_string("precision.reduce_dtype") != "fp32")
       traits.reduce_dtype_by = "precision.reduce_dtype = " + deck.get_string("precision.reduce_dtype");
   };
