@@ -14,13 +14,16 @@ for the gradients over the whole run against the uncompressed collective's. It p
 configuration, the mean gap over the seeds with its spread (min .. max) and the bytes ratio, and
 the uncompressed runs' own spread over seeds; then one JSON line with everything.
 
-Configurations: none, fp16, int8, powersgd (rank 2, from step 11; and with train.beta1 = 0); top-k at ratio 0.01 as it was
+Configurations: none, fp16, int8, powersgd (rank 2, from step 11, the vocabulary table at its default
+rank 8; with it at rank 2 as PyTorch's hook has it, and at 16; from step 41; and with train.beta1 = 0
+and 0.5); top-k at ratio 0.01 as it was
 (topk_plain: every technique off), with each technique alone (compression.warmup_steps = 60,
 momentum_masking, momentum_correction, local_clip = 1), with its defaults (momentum correction and
 local clipping), and with the warm-up added to masking and to the defaults. Then the peer: the same model
 in PyTorch under DistributedDataParallel, uncompressed and with PyTorch's powerSGD_hook (rank 2, from
 step 11), through bench/torch_ddp_compression.py with --torch-python (default /usr/bin/python3; --no-torch
-skips it): its gap to its own uncompressed runs, seed by seed (its data sampler is not loom's). Standard
+skips it): its gap to its own uncompressed runs, seed by seed (its data sampler is not loom's).
+--arch llama trains Llama blocks (untied output layer) instead, loom only. Standard
 library only here. A benchmark, not a test.
 """
 import argparse
@@ -57,6 +60,7 @@ log_every = 1
 dp = 2
 """
 TOPK = ["compression.method=topk", "compression.ratio=0.01"]
+POWERSGD = ["compression.method=powersgd", "compression.rank=2", "compression.start_step=10"]
 # Today's top-k, then each technique alone, then the defaults and all together.
 PLAIN = ["compression.warmup_steps=0", "compression.momentum_masking=false", "compression.momentum_correction=false",
          "compression.local_clip=0"]
@@ -64,9 +68,12 @@ CONFIGS = [
     ("none", []),
     ("fp16", ["compression.method=fp16"]),
     ("int8", ["compression.method=int8"]),
-    ("powersgd_r2", ["compression.method=powersgd", "compression.rank=2", "compression.start_step=10"]),
-    ("powersgd_r2+beta1_0", ["compression.method=powersgd", "compression.rank=2", "compression.start_step=10",
-                             "train.beta1=0"]),
+    ("powersgd_r2", POWERSGD),
+    ("powersgd_r2+emb_r2", POWERSGD + ["compression.embedding_rank=2"]),
+    ("powersgd_r2+emb_r16", POWERSGD + ["compression.embedding_rank=16"]),
+    ("powersgd_r2+start_40", POWERSGD + ["compression.start_step=40"]),
+    ("powersgd_r2+beta1_0", POWERSGD + ["train.beta1=0"]),
+    ("powersgd_r2+beta1_0.5", POWERSGD + ["train.beta1=0.5"]),
     ("topk_plain", TOPK + PLAIN),
     ("topk+warmup", TOPK + PLAIN + ["compression.warmup_steps=60"]),
     ("topk+masking", TOPK + PLAIN + ["compression.momentum_masking=true"]),
@@ -106,21 +113,22 @@ def main():
     ap.add_argument("--workdir", default="build/bench-compression-learning")
     ap.add_argument("--torch-python", default="/usr/bin/python3")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     texts = {"gpl3": "/usr/share/common-licenses/GPL-3", "pydocs": default_text(args.workdir)}
     configs = [c for c in CONFIGS if c[0] == "none" or not args.only or c[0] in args.only]
     results = {}
     for name, text in texts.items():
-        deck = os.path.join(args.workdir, name + ".deck")
+        deck = os.path.join(args.workdir, name + ("" if args.arch == "gpt2" else "-" + args.arch) + ".deck")
         with open(deck, "w") as f:
-            f.write(DECK.format(text=text, steps=args.steps))
+            f.write(DECK.format(text=text, steps=args.steps).replace("[model]\n", "[model]\narch = %s\n" % args.arch))
         for tag, sets in configs:
             for seed in range(1, args.seeds + 1):
                 results.setdefault(name, {}).setdefault(tag, {})[seed] = run(args, deck, tag, seed, sets)
                 print("%s %s seed %d: %s" % (name, tag, seed, results[name][tag][seed]), flush=True)
     peer = {}
-    if not args.no_torch:
+    if not args.no_torch and args.arch == "gpt2":
         for name, text in texts.items():
             for seed in range(1, args.seeds + 1):
                 cmd = [args.torch_python, os.path.join(HERE, "torch_ddp_compression.py"), "--text", text, "--seed",
@@ -131,8 +139,8 @@ def main():
                     sys.exit("the PyTorch peer failed: " + " ".join(cmd))
                 peer.setdefault(name, {})[seed] = json.loads(p.stdout.strip().splitlines()[-1])
                 print("%s pytorch seed %d: %s" % (name, seed, peer[name][seed]), flush=True)
-    print("\nGPT-2 2 x 64 at dp 2, %d steps, %d seeds: mean of the last 20 steps' loss against uncompressed, same seed"
-          % (args.steps, args.seeds))
+    print("\n%s 2 x 64 at dp 2, %d steps, %d seeds: mean of the last 20 steps' loss against uncompressed, same seed"
+          % ({"gpt2": "GPT-2", "llama": "Llama"}[args.arch], args.steps, args.seeds))
     for name, by in results.items():
         base = {s: r["loss"] for s, r in by["none"].items()}
         vals = list(base.values())

@@ -29,7 +29,9 @@
 //               P = M Q (Q warm-started from the last step), all-reduce P, orthonormalise its columns,
 //               Q = M^T P, all-reduce Q; the sum is approximated by P Q^T and each rank keeps
 //               M - P Q^T / N as its residual. Vectors and matrices not worth it are all-reduced in
-//               fp32, and so is every bucket for the first compression.start_step steps.
+//               fp32, and so is every bucket for the first compression.start_step steps. The
+//               vocabulary tables (wte, lm_head) are approximated at compression.embedding_rank
+//               (4 r unless set): their gradients are far from low-rank.
 //
 // Every method leaves every dp rank with the same sum, so every rank ends the step with the same
 // parameters: a refresh-phase hook hashes them and compares over dp every step
@@ -75,6 +77,7 @@ struct Config {
   std::string method_name;
   double ratio = 0.01;
   int rank = 1;
+  int embedding_rank = 4;  // powersgd: the vocabulary tables' rank (compression.embedding_rank; 0 = 4 rank)
   std::int64_t start_step = 1000;
   double min_rate = 2;
   std::int64_t chunk = 1024;
@@ -148,7 +151,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       if (cfg.method == Method::topk) clip_elements_ += p.numel();
       if (cfg.method == Method::powersgd && compressed(p)) {
         q_[static_cast<int>(i)] =
-            be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape()[1] * cfg.rank, Mem::comm);
+            be_.allocate("compression::powersgd_q." + p.name, DType::f32, p.local_shape()[1] * rank_of(p), Mem::comm);
         init_q(static_cast<int>(i), 0);
       }
     }
@@ -165,7 +168,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       if (cfg_.local_clip > 0) s << ", local clipping at " << cfg_.local_clip;
       s << ")";
     }
-    if (cfg_.method == Method::powersgd) s << " (rank " << cfg_.rank << ", from step " << cfg_.start_step + 1 << ")";
+    if (cfg_.method == Method::powersgd)
+      s << " (rank " << cfg_.rank << ", vocabulary tables rank " << cfg_.embedding_rank << ", from step "
+        << cfg_.start_step + 1 << ")";
     if (cfg_.method == Method::int8 || cfg_.method == Method::topk || cfg_.method == Method::powersgd)
       s << (cfg_.error_feedback ? ", error feedback" : ", no error feedback");
     return s.str() + " around " + inner_->name();
@@ -320,7 +325,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
         const double p = static_cast<double>(split.p_total);
         plan.backend_bytes +=
             elems * fb + mats * (12 + (feedback_ ? 20 : 0)) + 16.0 * static_cast<double>(split.plain_total);
-        plan.host_bytes += 8.0 * p * (cfg_.rank + 1);
+        for (const PowerSgdSplit::Mat& a : split.mats)
+          plan.host_bytes += 8.0 * static_cast<double>(a.n * a.r) * (a.r + 1);
         plan.host_copy_bytes += 8.0 * p;
         plan.add_scratch(Mem::comm,
                          residual + 4.0 * static_cast<double>(split.plain_total + split.p_total + split.q_total));
@@ -463,7 +469,14 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   }
   bool compressed(const ParamInfo& p) const {
     return p.local_shape().size() == 2 &&
-           compress::worth_compressing(p.local_shape()[0], p.local_shape()[1], cfg_.rank, cfg_.min_rate);
+           compress::worth_compressing(p.local_shape()[0], p.local_shape()[1], rank_of(p), cfg_.min_rate);
+  }
+  // A matrix's PowerSGD rank. The vocabulary tables (the token table, tied to the output layer or not,
+  // and an untied output layer) get their own: their gradient, the sum over every token of an outer
+  // product with its row (and its softmax's row), is far from low-rank, and at the blocks' rank they
+  // carried most of the loss PowerSGD cost (docs/parallel.md, "PowerSGD's vocabulary tables").
+  int rank_of(const ParamInfo& p) const {
+    return p.name == "wte.weight" || p.name == "lm_head.weight" ? cfg_.embedding_rank : cfg_.rank;
   }
 
   CommRequestPtr int8(const GradBucket& b, double fp32_factor) {
@@ -622,6 +635,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     struct Mat {
       const GradBucket::Tensor* t;
       std::int64_t n, m, p_at, q_at;
+      int r;  // its rank (rank_of)
     };
     std::vector<Mat> mats;
     std::vector<const GradBucket::Tensor*> plain;
@@ -629,10 +643,11 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   };
   PowerSgdSplit powersgd_split(const GradBucket& b) const {
     PowerSgdSplit s;
-    const int r = cfg_.rank;
     for (const GradBucket::Tensor& t : b.tensors) {
-      if (t.count == model_.params()[static_cast<std::size_t>(t.param)].numel() && q_.count(t.param)) {
-        s.mats.push_back({&t, t.shape[0], t.shape[1], s.p_total, s.q_total});
+      const ParamInfo& p = model_.params()[static_cast<std::size_t>(t.param)];
+      if (t.count == p.numel() && q_.count(t.param)) {
+        const int r = rank_of(p);
+        s.mats.push_back({&t, t.shape[0], t.shape[1], s.p_total, s.q_total, r});
         s.p_total += t.shape[0] * r;
         s.q_total += t.shape[1] * r;
       } else {
@@ -652,7 +667,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       be_.copy_to_host(p_host_.data(), P);
     }
     float* h = device ? p_host_.data() : P.as<float>();
-    for (const PowerSgdSplit::Mat& a : mats) compress::orthogonalize(h + a.p_at, static_cast<int>(a.n), cfg_.rank);
+    for (const PowerSgdSplit::Mat& a : mats) compress::orthogonalize(h + a.p_at, static_cast<int>(a.n), a.r);
     if (device) be_.copy_from_host(P, p_host_.data());
   }
 
@@ -664,7 +679,6 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     }
     State& s = state(b);
     const BufferRef x = b.data;
-    const int r = cfg_.rank;
     using Mat = PowerSgdSplit::Mat;
     const PowerSgdSplit split = powersgd_split(b);
     const std::vector<PowerSgdSplit::Mat>& mats = split.mats;
@@ -697,25 +711,25 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     // The matrices, P, Q and the residuals are the back end's: each a slice of its buffer.
     const auto M_of = [&](const Mat& a) { return x.slice(a.t->offset, a.n * a.m); };
     const auto e_of = [&](const Mat& a) { return e.slice(a.t->offset, a.n * a.m); };
-    const auto P_of = [&](const Mat& a) { return P.slice(a.p_at, a.n * r); };
+    const auto P_of = [&](const Mat& a) { return P.slice(a.p_at, a.n * a.r); };
     for (const Mat& a : mats) {  // M = g + e (kept in the residual buffer), P = M Q
       const BufferRef M = M_of(a);
       if (!e.empty()) be_.residual_forward(M, M, e_of(a), a.n * a.m);
-      be_.matmul(P_of(a), M, BufferRef(q_of(*a.t), a.m * r, be_.space()), static_cast<int>(a.n), r,
+      be_.matmul(P_of(a), M, BufferRef(q_of(*a.t), a.m * a.r, be_.space()), static_cast<int>(a.n), a.r,
                  static_cast<int>(a.m), false, false);
     }
     dp_.all_reduce(P, ReduceOp::sum);
     orthogonalize_all(mats, P);
     for (const Mat& a : mats)  // Q = M^T P
-      be_.matmul(Qs.slice(a.q_at, a.m * r), M_of(a), P_of(a), static_cast<int>(a.m), r, static_cast<int>(a.n), true,
+      be_.matmul(Qs.slice(a.q_at, a.m * a.r), M_of(a), P_of(a), static_cast<int>(a.m), a.r, static_cast<int>(a.n), true,
                  false);
     dp_.all_reduce(Qs, ReduceOp::sum);
     for (const Mat& a : mats) {  // the sum ~ P Q^T; residual = M - P Q^T / N
       const BufferRef M = M_of(a);
-      const BufferRef q = q_.at(a.t->param).ref().slice(0, a.m * r);
-      be_.copy(q, Qs.slice(a.q_at, a.m * r), a.m * r);  // warm start
+      const BufferRef q = q_.at(a.t->param).ref().slice(0, a.m * a.r);
+      be_.copy(q, Qs.slice(a.q_at, a.m * a.r), a.m * a.r);  // warm start
       if (!e.empty()) be_.copy(e_of(a), M, a.n * a.m);
-      be_.matmul(M, P_of(a), q, static_cast<int>(a.n), static_cast<int>(a.m), r, false, true);
+      be_.matmul(M, P_of(a), q, static_cast<int>(a.n), static_cast<int>(a.m), a.r, false, true);
       if (!e.empty()) be_.axpy(e_of(a), -1.0f / static_cast<float>(N), M, a.n * a.m);  // e = M - P Q^T / N
     }
     keep_residual(b, e);
@@ -757,11 +771,12 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       };
       if (feedback) rows("residual", residual_);
       if (!velocity_.empty()) rows("velocity", velocity_);
+      const int rank = rank_of(whole);
       if (cfg_.method == Method::powersgd && whole.shape().size() == 2 &&
-          compress::worth_compressing(whole.shape()[0], whole.shape()[1], cfg_.rank, cfg_.min_rate)) {
+          compress::worth_compressing(whole.shape()[0], whole.shape()[1], rank, cfg_.min_rate)) {
         CheckpointTensor t;
-        t.path = "/plugins/compression/q_rank" + std::to_string(cfg_.rank) + "/" + whole.name + suffix;
-        t.shard = ShardDesc::make({whole.shape()[1], cfg_.rank}, TpSplit::none, 1, 0);
+        t.path = "/plugins/compression/q_rank" + std::to_string(rank) + "/" + whole.name + suffix;
+        t.shard = ShardDesc::make({whole.shape()[1], rank}, TpSplit::none, 1, 0);
         if (i >= 0 && q_.count(i)) {
           t.data = q_.at(i).ref();
           t.holds = true;
@@ -779,13 +794,18 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   }
   std::map<std::string, double> checkpoint_attributes() const override {
     std::map<std::string, double> a{{"compression_dp", static_cast<double>(dp_.size())}};
-    if (cfg_.method == Method::powersgd) a["compression_powersgd_rank"] = cfg_.rank;
+    if (cfg_.method == Method::powersgd) {
+      a["compression_powersgd_rank"] = cfg_.rank;
+      a["compression_powersgd_embedding_rank"] = cfg_.embedding_rank;
+    }
     return a;
   }
   void restore_attributes(const std::map<std::string, double>& found) override {
     const auto dp = found.find("compression_dp");
     // Q's datasets name their rank (q_rank<r>): at another compression.rank none is found and Q keeps
     // its initial draw, which a user who changed the rank on resume should be told.
+    // Likewise the vocabulary tables' at another compression.embedding_rank (a checkpoint written before
+    // that key held them at compression.rank).
     const auto q_rank = found.find("compression_powersgd_rank");
     const bool q_continues = q_rank == found.end() || static_cast<int>(q_rank->second) == cfg_.rank;
     if (say_ && !q_continues)
@@ -793,6 +813,15 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
           "  compression: the checkpoint's PowerSGD Q has compression.rank = %d: at compression.rank = %d "
           "Q starts from its initial draw\n",
           static_cast<int>(q_rank->second), cfg_.rank);
+    if (say_ && q_rank != found.end() && cfg_.method == Method::powersgd) {
+      const auto e = found.find("compression_powersgd_embedding_rank");
+      const int was = e == found.end() ? static_cast<int>(q_rank->second) : static_cast<int>(e->second);
+      if (was != cfg_.embedding_rank)
+        std::printf(
+            "  compression: the checkpoint's PowerSGD Q of the vocabulary tables has rank %d: at "
+            "compression.embedding_rank = %d their Q starts from its initial draw\n",
+            was, cfg_.embedding_rank);
+    }
     if (residual_.empty() || !say_) return;
     if (dp == found.end())
       std::printf(
@@ -857,6 +886,7 @@ const std::map<std::string, std::vector<std::string>>& method_keys() {
       {"compression.momentum_correction", {"topk"}},
       {"compression.local_clip", {"topk"}},
       {"compression.rank", {"powersgd"}},
+      {"compression.embedding_rank", {"powersgd"}},
       {"compression.start_step", {"powersgd"}},
       {"compression.min_compression_rate", {"powersgd"}},
       {"compression.warm_start", {"powersgd"}},
@@ -906,7 +936,12 @@ void register_compression(void* p) {
                                 "topk: each rank's bucket clipped to L2 norm local_clip x sqrt(bucket share of the "
                                 "elements / dp) before it is accumulated (DGC's local gradient clipping; 0: off)"));
   info.keys.push_back(int_key("compression.rank", "1", 1, 1024,
-                              "powersgd: the rank of each matrix's approximation (PyTorch matrix_approximation_rank)"));
+                              "powersgd: the rank of each matrix's approximation (PyTorch matrix_approximation_rank); "
+                              "the vocabulary tables' is compression.embedding_rank"));
+  info.keys.push_back(int_key("compression.embedding_rank", "0", 0, 1024,
+                              "powersgd: the rank of the vocabulary tables (the token table and an untied output "
+                              "layer), whose gradients are far from low-rank (0: 4 x compression.rank; "
+                              "compression.rank: as PyTorch's hook)"));
   info.keys.push_back(int_key("compression.start_step", "1000", 0, 1e12,
                               "powersgd: steps reduced in plain fp32 before compression starts (PyTorch "
                               "start_powerSGD_iter)"));
@@ -1009,6 +1044,8 @@ void register_compression(void* p) {
     cfg.method = method_of(cfg.method_name);
     cfg.ratio = ctx.deck.get_float("compression.ratio");
     cfg.rank = static_cast<int>(ctx.deck.get_int("compression.rank"));
+    cfg.embedding_rank = static_cast<int>(ctx.deck.get_int("compression.embedding_rank"));
+    if (cfg.embedding_rank == 0) cfg.embedding_rank = 4 * cfg.rank;
     cfg.start_step = ctx.deck.get_int("compression.start_step");
     cfg.min_rate = ctx.deck.get_float("compression.min_compression_rate");
     cfg.chunk = ctx.deck.get_int("compression.int8_chunk");
