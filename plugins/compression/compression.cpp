@@ -77,7 +77,7 @@ struct Config {
   std::string method_name;
   double ratio = 0.01;
   int rank = 1;
-  int embedding_rank = 4;  // powersgd: the vocabulary tables' rank (compression.embedding_rank; 0 = 4 rank)
+  int embedding_rank = 0;  // powersgd: the vocabulary tables' rank (compression.embedding_rank; 0: rank_for)
   std::int64_t start_step = 1000;
   double min_rate = 2;
   std::int64_t chunk = 1024;
@@ -169,8 +169,9 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
       s << ")";
     }
     if (cfg_.method == Method::powersgd)
-      s << " (rank " << cfg_.rank << ", vocabulary tables rank " << cfg_.embedding_rank << ", from step "
-        << cfg_.start_step + 1 << ")";
+      s << " (rank " << cfg_.rank << ", vocabulary tables "
+        << (vocabulary_rank() > 0 ? "rank " + std::to_string(vocabulary_rank()) : std::string("uncompressed"))
+        << ", from step " << cfg_.start_step + 1 << ")";
     if (cfg_.method == Method::int8 || cfg_.method == Method::topk || cfg_.method == Method::powersgd)
       s << (cfg_.error_feedback ? ", error feedback" : ", no error feedback");
     return s.str() + " around " + inner_->name();
@@ -475,8 +476,28 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
   // and an untied output layer) get their own: their gradient, the sum over every token of an outer
   // product with its row (and its softmax's row), is far from low-rank, and at the blocks' rank they
   // carried most of the loss PowerSGD cost (docs/parallel.md, "PowerSGD's vocabulary tables").
-  int rank_of(const ParamInfo& p) const {
-    return p.name == "wte.weight" || p.name == "lm_head.weight" ? cfg_.embedding_rank : cfg_.rank;
+  int rank_of(const ParamInfo& p) const { return rank_for(p.name, p.local_shape()); }
+  int rank_for(const std::string& name, const std::vector<std::int64_t>& shape) const {
+    if (shape.size() != 2) return cfg_.rank;
+    const std::int64_t n = shape[0], m = shape[1];
+    int r = cfg_.rank;
+    if (name == "wte.weight" || name == "lm_head.weight") {
+      r = cfg_.embedding_rank;
+      if (r == 0) {  // 4 x the blocks', lowered (not below theirs) to a rank still worth compressing
+        r = 4 * cfg_.rank;
+        while (r > cfg_.rank && !compress::worth_compressing(n, m, r, cfg_.min_rate)) --r;
+      }
+    }
+    return static_cast<int>(std::min<std::int64_t>(r, std::min(n, m)));  // PyTorch's hook: min(n, m, rank)
+  }
+  // The token table's rank, 0 where it is not compressed (the untied output layer has its shape).
+  int vocabulary_rank() const {
+    for (const ParamInfo& p : model_.all_params())
+      if (p.name == "wte.weight") {
+        const int r = rank_for(p.name, p.shape());
+        return compress::worth_compressing(p.shape()[0], p.shape()[1], r, cfg_.min_rate) ? r : 0;
+      }
+    return 0;
   }
 
   CommRequestPtr int8(const GradBucket& b, double fp32_factor) {
@@ -796,7 +817,7 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     std::map<std::string, double> a{{"compression_dp", static_cast<double>(dp_.size())}};
     if (cfg_.method == Method::powersgd) {
       a["compression_powersgd_rank"] = cfg_.rank;
-      a["compression_powersgd_embedding_rank"] = cfg_.embedding_rank;
+      a["compression_powersgd_embedding_rank"] = vocabulary_rank();
     }
     return a;
   }
@@ -813,14 +834,22 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
           "  compression: the checkpoint's PowerSGD Q has compression.rank = %d: at compression.rank = %d "
           "Q starts from its initial draw\n",
           static_cast<int>(q_rank->second), cfg_.rank);
-    if (say_ && q_rank != found.end() && cfg_.method == Method::powersgd) {
+    bool tables_continue = true;
+    if (q_rank != found.end() && cfg_.method == Method::powersgd && vocabulary_rank() > 0) {
       const auto e = found.find("compression_powersgd_embedding_rank");
-      const int was = e == found.end() ? static_cast<int>(q_rank->second) : static_cast<int>(e->second);
-      if (was != cfg_.embedding_rank)
+      const int was =
+          e != found.end() ? static_cast<int>(e->second) : old_vocabulary_rank(static_cast<int>(q_rank->second));
+      tables_continue = was == vocabulary_rank();
+      if (say_ && !tables_continue && was > 0)
         std::printf(
-            "  compression: the checkpoint's PowerSGD Q of the vocabulary tables has rank %d: at "
-            "compression.embedding_rank = %d their Q starts from its initial draw\n",
-            was, cfg_.embedding_rank);
+            "  compression: the checkpoint's PowerSGD Q of the vocabulary tables has rank %d: at rank %d "
+            "(compression.embedding_rank) their Q starts from its initial draw\n",
+            was, vocabulary_rank());
+      else if (say_ && !tables_continue)
+        std::printf(
+            "  compression: the checkpoint holds no PowerSGD Q of the vocabulary tables (sent uncompressed): at "
+            "rank %d (compression.embedding_rank) their Q starts from its initial draw\n",
+            vocabulary_rank());
     }
     if (residual_.empty() || !say_) return;
     if (dp == found.end())
@@ -831,7 +860,17 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
           "  compression: the checkpoint was written at %d data-parallel ranks (dp x cp): error-feedback residuals "
           "(one per rank) start from zero at %d%s%s\n",
           static_cast<int>(dp->second), dp_.size(), velocity_.empty() ? "" : ", and so do the velocities",
-          cfg_.method == Method::powersgd && q_continues ? "; PowerSGD's Q continues" : "");
+          cfg_.method == Method::powersgd && q_continues && tables_continue ? "; PowerSGD's Q continues" : "");
+  }
+  // A checkpoint written before compression.embedding_rank held the token table at compression.rank
+  // (0: not worth compressing there).
+  int old_vocabulary_rank(int rank) const {
+    for (const ParamInfo& p : model_.all_params())
+      if (p.name == "wte.weight") {
+        const int r = static_cast<int>(std::min<std::int64_t>(rank, std::min(p.shape()[0], p.shape()[1])));
+        return compress::worth_compressing(p.shape()[0], p.shape()[1], r, cfg_.min_rate) ? r : 0;
+      }
+    return 0;
   }
 
  private:
@@ -940,7 +979,8 @@ void register_compression(void* p) {
                               "the vocabulary tables' is compression.embedding_rank"));
   info.keys.push_back(int_key("compression.embedding_rank", "0", 0, 1024,
                               "powersgd: the rank of the vocabulary tables (the token table and an untied output "
-                              "layer), whose gradients are far from low-rank (0: 4 x compression.rank; "
+                              "layer), whose gradients are far from low-rank (0: 4 x compression.rank, lowered to "
+                              "the largest rank still worth compressing, not below compression.rank; "
                               "compression.rank: as PyTorch's hook)"));
   info.keys.push_back(int_key("compression.start_step", "1000", 0, 1e12,
                               "powersgd: steps reduced in plain fp32 before compression starts (PyTorch "
@@ -1045,7 +1085,6 @@ void register_compression(void* p) {
     cfg.ratio = ctx.deck.get_float("compression.ratio");
     cfg.rank = static_cast<int>(ctx.deck.get_int("compression.rank"));
     cfg.embedding_rank = static_cast<int>(ctx.deck.get_int("compression.embedding_rank"));
-    if (cfg.embedding_rank == 0) cfg.embedding_rank = 4 * cfg.rank;
     cfg.start_step = ctx.deck.get_int("compression.start_step");
     cfg.min_rate = ctx.deck.get_float("compression.min_compression_rate");
     cfg.chunk = ctx.deck.get_int("compression.int8_chunk");
