@@ -173,30 +173,17 @@ def bytes_case(c, method, ranks, extra):
         c.check(all(abs(r["compression_formula_ratio"] - want_ratio) < 1e-12 for r in rows), "the 16-bit formula is not half")
 
 
-TEXT_DECK = """[model]
-layers = 2
-d_model = 64
-heads = 4
-seq_len = 64
-vocab = 256
-[data]
-source = text:/usr/share/common-licenses/GPL-3
-val_fraction = 0.1
-[train]
-steps = 300
-batch = 16
-lr = 1e-3
-lr_min = 1e-4
-schedule = cosine
-warmup = 20
-eval_every = 0
-log_every = 1
-"""
+def learning_benchmark():
+    """bench/compression_learning.py (the learning benchmark): its deck and PowerSGD's settings."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import compression_learning  # noqa: E402
+    return compression_learning
 
 
 def powersgd_vocabulary(args, name):
-    c = common.Case(args, name, TEXT_DECK)
-    psgd = ["compression.method=powersgd", "compression.rank=2", "compression.start_step=10"]
+    bench = learning_benchmark()
+    c = common.Case(args, name, bench.DECK.format(text="/usr/share/common-licenses/GPL-3", steps=300))
+    psgd = bench.POWERSGD  # rank 2 from step 11
     configs = {"none": [], "default": psgd, "vocab_rank2": psgd + ["compression.embedding_rank=2"]}
     gaps = {"default": [], "vocab_rank2": []}
     for seed in (1, 2, 3):
