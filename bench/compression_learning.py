@@ -16,7 +16,7 @@ the uncompressed runs' own spread over seeds; then one JSON line with everything
 
 Configurations: none, fp16, int8, powersgd (rank 2, from step 11, the vocabulary table at its default
 rank 8; with it at rank 2 as PyTorch's hook has it, and at 16; from step 41; and with train.beta1 = 0
-and 0.5); top-k at ratio 0.01 as it was
+and 0.5, and uncompressed with those, to tell the optimizer's part from compression's); top-k at ratio 0.01 as it was
 (topk_plain: every technique off), with each technique alone (compression.warmup_steps = 60,
 momentum_masking, momentum_correction, local_clip = 1), with its defaults (momentum correction and
 local clipping), and with the warm-up added to masking and to the defaults. Then the peer: the same model
@@ -74,6 +74,9 @@ CONFIGS = [
     ("powersgd_r2+start_40", POWERSGD + ["compression.start_step=40"]),
     ("powersgd_r2+beta1_0", POWERSGD + ["train.beta1=0"]),
     ("powersgd_r2+beta1_0.5", POWERSGD + ["train.beta1=0.5"]),
+    # The same optimizer changes uncompressed: what they do to training itself.
+    ("none+beta1_0", ["train.beta1=0"]),
+    ("none+beta1_0.5", ["train.beta1=0.5"]),
     ("topk_plain", TOPK + PLAIN),
     ("topk+warmup", TOPK + PLAIN + ["compression.warmup_steps=60"]),
     ("topk+masking", TOPK + PLAIN + ["compression.momentum_masking=true"]),
