@@ -31,7 +31,7 @@
 //               M - P Q^T / N as its residual. Vectors and matrices not worth it are all-reduced in
 //               fp32, and so is every bucket for the first compression.start_step steps. The
 //               vocabulary tables (wte, lm_head) are approximated at compression.embedding_rank
-//               (4 r unless set): their gradients are far from low-rank.
+//               (unless set, 4 r where still worth it): their gradients are far from low-rank.
 //
 // Every method leaves every dp rank with the same sum, so every rank ends the step with the same
 // parameters: a refresh-phase hook hashes them and compares over dp every step
@@ -491,11 +491,16 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     return static_cast<int>(std::min<std::int64_t>(r, std::min(n, m)));  // PyTorch's hook: min(n, m, rank)
   }
   // The token table's rank, 0 where it is not compressed (the untied output layer has its shape).
-  int vocabulary_rank() const {
+  int vocabulary_rank() const { return table_rank(0); }
+  // The whole token table's rank at compression.rank `rank` (0: this run's rank_for), capped at
+  // min(n, m); 0 where that is not worth compressing.
+  int table_rank(int rank) const {
     for (const ParamInfo& p : model_.all_params())
       if (p.name == "wte.weight") {
-        const int r = rank_for(p.name, p.shape());
-        return compress::worth_compressing(p.shape()[0], p.shape()[1], r, cfg_.min_rate) ? r : 0;
+        const std::int64_t n = p.shape()[0], m = p.shape()[1];
+        const int r =
+            rank > 0 ? static_cast<int>(std::min<std::int64_t>(rank, std::min(n, m))) : rank_for(p.name, p.shape());
+        return compress::worth_compressing(n, m, r, cfg_.min_rate) ? r : 0;
       }
     return 0;
   }
@@ -837,8 +842,8 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
     bool tables_continue = true;
     if (q_rank != found.end() && cfg_.method == Method::powersgd && vocabulary_rank() > 0) {
       const auto e = found.find("compression_powersgd_embedding_rank");
-      const int was =
-          e != found.end() ? static_cast<int>(e->second) : old_vocabulary_rank(static_cast<int>(q_rank->second));
+      // A checkpoint written before compression.embedding_rank held the table at compression.rank.
+      const int was = e != found.end() ? static_cast<int>(e->second) : table_rank(static_cast<int>(q_rank->second));
       tables_continue = was == vocabulary_rank();
       if (say_ && !tables_continue && was > 0)
         std::printf(
@@ -861,16 +866,6 @@ class CompressingReducer final : public Reducer, public CheckpointContributor {
           "(one per rank) start from zero at %d%s%s\n",
           static_cast<int>(dp->second), dp_.size(), velocity_.empty() ? "" : ", and so do the velocities",
           cfg_.method == Method::powersgd && q_continues && tables_continue ? "; PowerSGD's Q continues" : "");
-  }
-  // A checkpoint written before compression.embedding_rank held the token table at compression.rank
-  // (0: not worth compressing there).
-  int old_vocabulary_rank(int rank) const {
-    for (const ParamInfo& p : model_.all_params())
-      if (p.name == "wte.weight") {
-        const int r = static_cast<int>(std::min<std::int64_t>(rank, std::min(p.shape()[0], p.shape()[1])));
-        return compress::worth_compressing(p.shape()[0], p.shape()[1], r, cfg_.min_rate) ? r : 0;
-      }
-    return 0;
   }
 
  private:
