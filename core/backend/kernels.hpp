@@ -91,6 +91,7 @@ namespace rows {
 }  // namespace rows
 using rows::kColumnQuantum;
 using rows::kColumns;
+using rows::lane_max;
 using rows::lane_sum;
 template <class T, class Acc>
 inline constexpr bool fp32_v = std::is_same_v<T, float>&& std::is_same_v<Acc, float>;
@@ -511,8 +512,7 @@ void crossentropy_forward(Acc* losses, T* probs,                         // [N],
     const Acc target_logit = to_acc<Acc>(l[targets[n]]);  // before p overwrites l (the model's in-place head)
     if constexpr (std::is_same_v<T, Acc>) {
       // The plain loops, as before the types were split (the form the compiler vectorises best).
-      T mx = l[0];
-      for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+      const T mx = lane_max<T>(V, [&](int v) { return l[v]; });
       for (int v = 0; v < V; ++v) p[v] = exp_k(l[v] - mx);
       const T sum = lane_sum<T>(V, [&](int v) { return p[v]; });
       const T inv = T(1) / sum;
@@ -520,11 +520,7 @@ void crossentropy_forward(Acc* losses, T* probs,                         // [N],
       // log-sum-exp form: exact even when the target's probability underflows
       losses[n] = std::log(sum) + mx - target_logit;
     } else {  // the sum of the unrounded exponentials; each probability rounded once
-      Acc mx = to_acc<Acc>(l[0]);
-      for (int v = 1; v < V; ++v) {
-        const Acc lv = to_acc<Acc>(l[v]);
-        mx = lv > mx ? lv : mx;
-      }
+      const Acc mx = lane_max<Acc>(V, [&](int v) { return to_acc<Acc>(l[v]); });
       const Acc sum = lane_sum<Acc>(V, [&](int v) { return exp_k(to_acc<Acc>(l[v]) - mx); });
       const Acc inv = Acc(1) / sum;
       for (int v = 0; v < V; ++v) p[v] = from_acc<T>(exp_k(to_acc<Acc>(l[v]) - mx) * inv);
@@ -549,8 +545,7 @@ void crossentropy_fused(Acc* losses, O* dlogits,                       // [N], [
     O* d = dlogits + static_cast<std::int64_t>(n) * V;
     const int tgt = targets[n];
     const Acc target_logit = l[tgt];  // before d overwrites l
-    T mx = l[0];
-    for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+    const T mx = lane_max<T>(V, [&](int v) { return l[v]; });
     if constexpr (std::is_same_v<O, T>) {
       for (int v = 0; v < V; ++v) d[v] = exp_k(l[v] - mx);
       const T sum = lane_sum<T>(V, [&](int v) { return d[v]; });
@@ -592,9 +587,7 @@ inline void crossentropy_row_max(float* row_max,       // [N]
                                  int N, int V) {
   Kokkos::parallel_for("CrossEntropy::row_max", Range(0, N), [=](int n) {
     const float* l = logits + static_cast<std::int64_t>(n) * V;
-    float mx = l[0];
-    for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
-    row_max[n] = mx;
+    row_max[n] = lane_max<float>(V, [&](int v) { return l[v]; });
   });
 }
 // probs null: only the sums (crossentropy_finish_grad recomputes each exponential, the same float).

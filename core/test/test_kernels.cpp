@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -1335,6 +1336,34 @@ void fused_mlp_equals_unfused() {
 
 TEST(FusedKernels, MatmulGeluEqualsMatmulThenGelu_f32) { fused_mlp_equals_unfused<float>(); }
 TEST(FusedKernels, MatmulGeluEqualsMatmulThenGelu_bf16) { fused_mlp_equals_unfused<loom::bf16>(); }
+
+// A row's maximum (the causal softmax, the cross-entropy's rows) by lane_max: the serial loop's value
+// and NaN rule, bit for bit, at every length around the lanes' width, for all-negative rows, a NaN
+// first or later, infinities.
+TEST(Kernels, RowMaximaAreTheSerialLoops) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  int rows = 0;
+  for (int n = 1; n <= 70; ++n)
+    for (int pattern = 0; pattern < 6; ++pattern) {
+      FVec x = to_float(randn(std::size_t(n), 400 + n * 7 + pattern, 3.0, pattern == 1 ? -20.0 : 0.0));
+      const std::size_t at = std::size_t(n * 5 + pattern) % x.size();
+      if (pattern == 2) x[0] = nan;
+      if (pattern == 3) x[at] = nan;
+      if (pattern == 4) x[at] = inf;
+      if (pattern == 5) x[at] = -inf;
+      float serial = x[0];
+      for (int i = 1; i < n; ++i) serial = x[i] > serial ? x[i] : serial;
+      const float lanes = k::lane_max<float>(n, [&](int i) { return x[i]; });
+      EXPECT_EQ(0, std::memcmp(&serial, &lanes, sizeof serial))
+          << "n " << n << " pattern " << pattern << ": serial " << serial << ", lanes " << lanes;
+      const double wide = k::lane_max<double>(n, [&](int i) { return static_cast<double>(x[i]); });
+      if (!std::isnan(serial)) {
+        EXPECT_EQ(static_cast<double>(serial), wide) << "n " << n;
+      }
+      ++rows;
+    }
+  EXPECT_EQ(rows, 420);
+}
 
 // The parameter gradients summed over rows (LayerNorm's dweight and dbias, dbias, the embedding
 // rows) run by column blocks, rows in order: the same bits as one row after the other into the
