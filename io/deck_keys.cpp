@@ -73,7 +73,8 @@ void add_core_keys(DeckSchema& schema) {
       bool_key("model.recompute", "false", "recompute each block's activations in backward instead of keeping them"));
   schema.add(choice_key("model.attention", "unfused", {"unfused", "flash", "cudnn", "auto"},
                         "attention kernels: unfused (scores and probabilities [T,T] per head in memory, "
-                        "products in the run's precision), flash (fused, FlashAttention-2's tiling: saves "
+                        "products with bf16 operands in a bf16 run on the host, else fp32), flash (fused, "
+                        "FlashAttention-2's tiling: saves "
                         "each row's log-sum-exp instead of the probabilities and recomputes them in backward; "
                         "q, k, v, probabilities and their gradients as bf16 operands, fp32 softmax and "
                         "accumulation; head sizes 16, 32, 64, 128; the same arithmetic on the host and cuda "

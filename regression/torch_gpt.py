@@ -38,9 +38,11 @@ The contract (DESIGN.md and the oracle spec):
               model dtype: every model matrix product (QKV, attention projection, MLP fc and proj,
               the tied head; Llama's q, k, v, proj, gate, up, down and head; forward and both
               backward products) rounds its operands (input, weight, output gradient) to bf16 and
-              multiplies in the model's dtype; biases, bias gradients and everything else (attention
-              scores and att*v, norms, rotary, activations) stay unrounded. None (the default) is
-              the plain path.
+              multiplies in the model's dtype; so do the attention's two products written out
+              (q k^T and att v, their operands q, k, v, the probabilities, the output's gradient and
+              the scores' gradient rounded: loom's unfused attention in a bf16 run on the host);
+              biases, bias gradients and everything else (scores and softmax, norms, rotary,
+              activations) stay unrounded. None (the default) is the plain path.
 """
 import math
 
@@ -96,6 +98,43 @@ class _RoundedOperandsLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+class _RoundedOperandsBmm(torch.autograd.Function):
+    """y = alpha * r(a) @ r(b) over a batch, r = round_to(., dtype); backward da = alpha * r(dy) r(b)^T,
+    db = alpha * r(a)^T r(dy): loom's unfused attention products in a bf16 run (host back end), the
+    scale applied to the product as its output scale, not to a rounded operand."""
+
+    @staticmethod
+    def forward(ctx, a, b, alpha, dtype):
+        ar, br = round_to(a, dtype), round_to(b, dtype)
+        ctx.save_for_backward(ar, br)
+        ctx.alpha, ctx.dtype = alpha, dtype
+        return alpha * torch.bmm(ar, br)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ar, br = ctx.saved_tensors
+        dyr = round_to(dy, ctx.dtype)
+        return ctx.alpha * torch.bmm(dyr, br.transpose(1, 2)), ctx.alpha * torch.bmm(ar.transpose(1, 2), dyr), None, None
+
+
+def bmm(a, b, alpha=1.0, operand_dtype=None):
+    """alpha * a @ b over a batch; with operand_dtype, loom's rounded-operand product."""
+    if operand_dtype is None:
+        return alpha * torch.bmm(a, b) if alpha != 1.0 else torch.bmm(a, b)
+    return _RoundedOperandsBmm.apply(a, b, alpha, operand_dtype)
+
+
+def causal_attention(q, k, v, mask_add, operand_dtype=None):
+    """softmax(q k^T / sqrt(hs) + mask) v over [batch, T, hs] tensors, the two products through bmm:
+    plain (the score product fused with the mask by baddbmm), or with loom's rounded operands."""
+    T, hs = q.shape[1], q.shape[2]
+    if operand_dtype is None:
+        att = torch.baddbmm(mask_add[:T, :T], q, k.transpose(1, 2), alpha=1.0 / math.sqrt(hs))
+    else:
+        att = mask_add[:T, :T] + bmm(q, k.transpose(1, 2), 1.0 / math.sqrt(hs), operand_dtype)
+    return bmm(F.softmax(att, dim=-1), v, 1.0, operand_dtype)
+
+
 def linear(x, weight, bias=None, operand_dtype=None):
     """x @ weight.T (+ bias); with operand_dtype, loom's rounded-operand product."""
     if operand_dtype is None:
@@ -115,6 +154,7 @@ class CausalSelfAttention(nn.Module):
     # True: F.scaled_dot_product_attention(is_causal=True) (PyTorch 2.0 on; fused flash kernels on a
     # GPU, the peer of loom's model.attention = flash); False: the scores written out, as loom's unfused.
     use_sdpa = False
+    operand_dtype = None  # the written-out products'; set_operand_dtype sets it with every Linear's
 
     def __init__(self, d_model, heads, seq_len):
         super().__init__()
@@ -142,9 +182,8 @@ class CausalSelfAttention(nn.Module):
         q = qkv[0].reshape(B * NH, T, hs)
         k = qkv[1].reshape(B * NH, T, hs)
         v = qkv[2].reshape(B * NH, T, hs)
-        att = torch.baddbmm(self.mask_add[:T, :T], q, k.transpose(1, 2), alpha=1.0 / math.sqrt(hs))
-        att = F.softmax(att, dim=-1)
-        y = torch.bmm(att, v).view(B, NH, T, hs).transpose(1, 2).reshape(B, T, C)  # heads concatenated
+        y = causal_attention(q, k, v, self.mask_add, self.operand_dtype)
+        y = y.view(B, NH, T, hs).transpose(1, 2).reshape(B, T, C)  # heads concatenated
         return self.proj(y)
 
 
@@ -296,7 +335,7 @@ def apply_rotary(x, cos, sin):
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
 
 
-def gqa_attention(q, k, v, mask_add=None):
+def gqa_attention(q, k, v, mask_add=None, operand_dtype=None):
     """Causal softmax(q k^T / sqrt(hs)) v with grouped-query heads: q [B, NH, T, hs], k and v
     [B, KV, T, hs], NH % KV == 0; query head g reads kv head g // (NH / KV). mask_add: the additive
     causal mask [>= T, >= T] (0 on and below the diagonal, -inf above); None builds one. Returns
@@ -310,14 +349,14 @@ def gqa_attention(q, k, v, mask_add=None):
     if mask_add is None:
         mask_add = torch.zeros(T, T, dtype=q.dtype).masked_fill(
             torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    att = torch.baddbmm(mask_add[:T, :T], q.reshape(B * NH, T, hs), k.reshape(B * NH, T, hs).transpose(1, 2),
-                        alpha=1.0 / math.sqrt(hs))
-    att = F.softmax(att, dim=-1)
-    return torch.bmm(att, v.reshape(B * NH, T, hs)).view(B, NH, T, hs)
+    y = causal_attention(q.reshape(B * NH, T, hs), k.reshape(B * NH, T, hs), v.reshape(B * NH, T, hs), mask_add,
+                         operand_dtype)
+    return y.view(B, NH, T, hs)
 
 
 class LlamaAttention(nn.Module):
     use_sdpa = False  # as CausalSelfAttention.use_sdpa (needs PyTorch 2.0)
+    operand_dtype = None  # as CausalSelfAttention.operand_dtype
 
     def __init__(self, d_model, heads, kv_heads, seq_len, rope_theta):
         super().__init__()
@@ -350,7 +389,7 @@ class LlamaAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                is_causal=True)
         else:
-            y = gqa_attention(q, k, v, self.mask_add)
+            y = gqa_attention(q, k, v, self.mask_add, self.operand_dtype)
         return self.proj(y.transpose(1, 2).reshape(B, T, NH * hs))  # heads concatenated
 
 
@@ -422,7 +461,7 @@ def set_operand_dtype(model, dtype):
     """Round the operands of every model matrix product to `dtype` (torch.bfloat16 emulates loom's
     precision.dtype = bf16); None restores the plain products. Returns the model."""
     for m in model.modules():
-        if isinstance(m, (Linear, GPT, Llama)):
+        if isinstance(m, (Linear, GPT, Llama, CausalSelfAttention, LlamaAttention)):
             m.operand_dtype = dtype
     return model
 

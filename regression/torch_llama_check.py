@@ -49,10 +49,10 @@ def half_rotary(x, cos, sin):
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
-def modulo_gqa(q, k, v, mask_add=None):
+def modulo_gqa(q, k, v, mask_add=None, operand_dtype=None):
     """Planted defect: query head g reads kv head g % kv_heads."""
     rep = q.shape[1] // k.shape[1]
-    return GOOD["gqa_attention"](q, k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1), mask_add)
+    return GOOD["gqa_attention"](q, k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1), mask_add, operand_dtype)
 
 
 def eps_outside(x, weight, eps):

@@ -246,12 +246,21 @@ class HostBackend final : public Backend {
   }
   void attention_forward(BufferRef out, BufferRef att, BufferRef qkv, int B, int T, int C, int NH) override {
     const std::int64_t NC = std::int64_t(B) * T * C;
+    if (precision_.matmul == DType::bf16)  // bf16 products, as every other product of the run
+      return k::attention_forward_bf16(out.as<float>(NC), att.as<float>(std::int64_t(B) * NH * T * T),
+                                       qkv.as<const float>(3 * NC), slot16(0, 3 * NC),
+                                       slot16(1, 2 * std::int64_t(T) * T), B, T, C, NH);
     k::attention_forward(out.as<float>(NC), att.as<float>(std::int64_t(B) * NH * T * T), qkv.as<const float>(3 * NC), B,
                          T, C, NH);
   }
   void attention_backward(BufferRef dqkv, BufferRef datt, BufferRef dout, BufferRef qkv, BufferRef att, int B, int T,
                           int C, int NH) override {
     const std::int64_t NC = std::int64_t(B) * T * C;
+    if (precision_.matmul == DType::bf16)
+      return k::attention_backward_bf16(dqkv.as<float>(3 * NC), datt.as<float>(std::int64_t(T) * T),
+                                        dout.as<const float>(NC), qkv.as<const float>(3 * NC),
+                                        att.as<const float>(std::int64_t(B) * NH * T * T), slot16(0, 3 * NC),
+                                        slot16(2, NC), slot16(1, 2 * std::int64_t(T) * T), B, T, C, NH);
     // datt: one head's [T,T] at a time
     k::attention_backward(dqkv.as<float>(3 * NC), datt.as<float>(std::int64_t(T) * T), dout.as<const float>(NC),
                           qkv.as<const float>(3 * NC), att.as<const float>(std::int64_t(B) * NH * T * T), B, T, C, NH);
@@ -543,7 +552,8 @@ class HostBackend final : public Backend {
 
   // The operand slots a micro-batch's products grow, as operand16 grows them: a bf16 operand needs
   // none; ensure_capacity makes the larger buffer before it frees the smaller.
-  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls, const AttentionShape&) const override {
+  void plan_workspace(StepPlan& plan, const std::vector<MatmulCall>& calls,
+                      const AttentionShape& attention) const override {
     if (precision_.matmul == DType::f32) return;
     const double elem = precision_.matmul == DType::bf16 ? 2.0 : 4.0;
     std::array<double, 3> have{};
@@ -553,11 +563,26 @@ class HostBackend final : public Backend {
       peak = std::max(peak, have[0] + have[1] + have[2] + n * elem);
       have[static_cast<std::size_t>(slot)] = n * elem;
     };
+    // The unfused attention of a bf16 run rounds its operands into the same slots, after the q, k, v
+    // products' forward and before their backward: qkv [rows, 3 NH hs] in 0, a head's probabilities and
+    // score gradients [2, T, T] in 1, dout [rows, NH hs] in 2.
+    const bool att16 = precision_.matmul == DType::bf16 && !attention.flash && attention.NH > 0;
+    const double rows = double(attention.B) * attention.T, width = double(attention.NH) * attention.hs,
+                 TT = double(attention.T) * attention.T;
     for (const MatmulCall& c : calls) {
       const double NC = double(c.N) * c.C, WC = double(c.OC) * c.C;
+      if (att16 && c.after_attention && c.backward) {
+        need(0, DType::f32, rows * 3 * width);
+        need(1, DType::f32, 2 * TT);
+        need(2, DType::f32, rows * width);
+      }
       if (!c.backward) {
         need(0, c.inp.type, NC);
         need(1, c.weight.type, WC);
+        if (att16 && c.after_attention) {
+          need(0, DType::f32, rows * 3 * width);
+          need(1, DType::f32, 2 * TT);
+        }
       } else {
         need(0, c.dout, double(c.N) * c.OC);
         need(1, c.weight.type, WC);
@@ -602,6 +627,12 @@ class HostBackend final : public Backend {
     }
     round_fp16(buf.data<float>(), in, n);
     return buf.data<float>();
+  }
+  // Operand slot `slot` as n bf16 elements (the unfused attention's rounded operands in a bf16 run).
+  bf16* slot16(int slot, std::int64_t n) {
+    TypedBuffer& buf = operands_[static_cast<std::size_t>(slot)];
+    ensure_capacity(*this, buf, "Backend::matmul_operand" + std::to_string(slot), DType::bf16, n, Mem::workspace);
+    return buf.data<bf16>();
   }
   // dbias += dout's column sums, and dout [N,OC] rounded to bf16 into operand slot 0 (what operand16
   // would make of it), in one pass; the slot's data.

@@ -883,6 +883,73 @@ void cast(D* dst, const S* src, std::int64_t n) {
   });
 }
 
+// The same attention with bf16 products (fp32 accumulation) for a run whose matrix products are bf16:
+// q, k, v, the probabilities, dout and the score gradients rounded to bf16 as the products' operands,
+// as PyTorch's autocast and the device's fused kernels round them; scores, softmax and its backward,
+// the saved probabilities and every output in fp32. qkv16 [B,T,3C], dout16 [B,T,C] and p16 [2,T,T]
+// are the caller's scratch.
+inline void attention_forward_bf16(float* out, float* att,                    // [B,T,C], [B,NH,T,T]
+                                   const float* qkv, bf16* qkv16, bf16* p16,  // [B,T,3C], [B,T,3C], [T,T]
+                                   int B, int Tn, int C, int NH) {
+  const int hs = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const isa::RowKernels* rk = &isa::active();
+  const std::int64_t TT = static_cast<std::int64_t>(Tn) * Tn;
+  cast(qkv16, qkv, static_cast<std::int64_t>(B) * Tn * C3);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < NH; ++h) {
+      const bf16* q = qkv16 + static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
+      float* a = att + (static_cast<std::int64_t>(b) * NH + h) * TT;
+      gemm::gemm_bf16(false, true, Tn, Tn, hs, scale, q, C3, q + C, C3, 0.0f, a, Tn);  // scores = q k^T / sqrt(hs)
+      Kokkos::parallel_for("Attention::softmax_forward", Range(0, Tn), [=](int t) {
+        float* row = a + static_cast<std::int64_t>(t) * Tn;
+        row_loop<float, float>(rk, &isa::RowKernels::softmax_causal_row, rows::softmax_causal_row<float, float>, row, t,
+                               Tn);
+        rk->cast_bf16_span(p16 + static_cast<std::int64_t>(t) * Tn, row, 0, Tn);  // rounded while the row is in cache
+      });
+      gemm::gemm_bf16(false, false, Tn, hs, Tn, 1.0f, p16, Tn, q + 2 * C, C3, 0.0f,
+                      out + static_cast<std::int64_t>(b) * Tn * C + h * hs, C);  // out_h = att v
+    }
+  }
+}
+
+inline void attention_backward_bf16(float* dqkv, float* datt,              // [B,T,3C] (=), [T,T] scratch
+                                    const float* dout, const float* qkv,   // [B,T,C], [B,T,3C]
+                                    const float* att,                      // [B,NH,T,T]
+                                    bf16* qkv16, bf16* dout16, bf16* p16,  // [B,T,3C], [B,T,C], [2,T,T]
+                                    int B, int Tn, int C, int NH) {
+  const int hs = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const isa::RowKernels* rk = &isa::active();
+  const std::int64_t TT = static_cast<std::int64_t>(Tn) * Tn;
+  cast(qkv16, qkv, static_cast<std::int64_t>(B) * Tn * C3);
+  cast(dout16, dout, static_cast<std::int64_t>(B) * Tn * C);
+  bf16* ds16 = p16 + TT;
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < NH; ++h) {
+      const std::int64_t base = static_cast<std::int64_t>(b) * Tn * C3 + h * hs;
+      const bf16* q = qkv16 + base;
+      const bf16* k = q + C;
+      const bf16* v = q + 2 * C;
+      float* dq = dqkv + base;
+      const float* a = att + (static_cast<std::int64_t>(b) * NH + h) * TT;
+      const bf16* d = dout16 + static_cast<std::int64_t>(b) * Tn * C + h * hs;
+      gemm::gemm_bf16(false, true, Tn, Tn, hs, 1.0f, d, C, v, C3, 0.0f, datt, Tn);  // datt = dout v^T
+      // the softmax backward in place, each row's probabilities and score gradients rounded beside it
+      Kokkos::parallel_for("Attention::softmax_backward", Range(0, Tn), [=](int t) {
+        const std::int64_t at = static_cast<std::int64_t>(t) * Tn;
+        row_loop<float, float>(rk, &isa::RowKernels::softmax_causal_backward_row,
+                               rows::softmax_causal_backward_row<float, float>, datt + at, a + at, t, Tn);
+        rk->cast_bf16_span(p16 + at, a + at, 0, Tn);
+        rk->cast_bf16_span(ds16 + at, datt + at, 0, Tn);
+      });
+      gemm::gemm_bf16(true, false, Tn, hs, Tn, 1.0f, p16, Tn, d, C, 0.0f, dq + 2 * C, C3);  // dv = att^T dout
+      gemm::gemm_bf16(false, false, Tn, hs, Tn, scale, ds16, Tn, k, C3, 0.0f, dq, C3);      // dq = ds k / sqrt(hs)
+      gemm::gemm_bf16(true, false, Tn, hs, Tn, scale, ds16, Tn, q, C3, 0.0f, dq + C, C3);   // dk = ds^T q / sqrt(hs)
+    }
+  }
+}
+
 template <class T>
 void copy(T* dst, const T* src, std::int64_t n) {
   for_chunks("Copy", n, [=](std::int64_t begin, std::int64_t end) {

@@ -392,6 +392,88 @@ TEST(Kernels, AttentionBackwardMatchesFiniteDifferences) {
   for (std::size_t i = 0; i < dqkv.size(); ++i) EXPECT_EQ(dqkv2[i], dqkv[i]) << i;
 }
 
+// The unfused attention of a bf16 run (attention_forward_bf16 / attention_backward_bf16): the two
+// products of each direction take bf16-rounded operands (q, k, v; the probabilities; dout; the score
+// gradients) and accumulate in fp32, the softmax and its backward in fp32. Held to a float64 replay of
+// exactly those roundings (tight: only an operand whose fp32 value sits on a rounding boundary may tip),
+// and shown to differ from the unrounded attention by the bf16 effect, many times that bound.
+namespace {
+double rel_gap(const FVec& a, const Vec& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / den);
+}
+double r16(double x) { return loom::to_float(loom::to_bf16(static_cast<float>(x))); }
+}  // namespace
+
+TEST(Kernels, Bf16AttentionRoundsItsProductsOperands) {
+  const int B = 2, T = 37, C = 64, NH = 2, hs = C / NH, C3 = 3 * C;
+  const std::size_t NC = std::size_t(B) * T * C, TT = std::size_t(T) * T;
+  const FVec qkv = to_float(randn(3 * NC, 501, 1.5)), dout = to_float(randn(NC, 502));
+  FVec out(NC), att(std::size_t(B) * NH * TT), dqkv(3 * NC, 1e3f), datt(TT, -7.0f);
+  std::vector<loom::bf16> qkv16(3 * NC), dout16(NC), p16(2 * TT);
+  k::attention_forward_bf16(out.data(), att.data(), qkv.data(), qkv16.data(), p16.data(), B, T, C, NH);
+  k::attention_backward_bf16(dqkv.data(), datt.data(), dout.data(), qkv.data(), att.data(), qkv16.data(), dout16.data(),
+                             p16.data(), B, T, C, NH);
+  // float64 replays: `round` true rounds the products' operands as the kernels do, false is plain.
+  for (bool round : {true, false}) {
+    auto r = [&](double x) { return round ? r16(x) : x; };
+    Vec eo(NC, 0.0), edqkv(3 * NC, 0.0);
+    const double scale = 1.0 / std::sqrt(double(hs));
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < NH; ++h) {
+        auto at = [&](int t, int part, int d) { return std::size_t(b * T + t) * C3 + part * C + h * hs + d; };
+        std::vector<Vec> P(T, Vec(T, 0.0)), dS(T, Vec(T, 0.0));
+        for (int t = 0; t < T; ++t) {
+          double mx = -1e300, z = 0;
+          for (int j = 0; j <= t; ++j) {
+            double d = 0;
+            for (int x = 0; x < hs; ++x) d += r(qkv[at(t, 0, x)]) * r(qkv[at(j, 1, x)]);
+            P[t][j] = d * scale;
+            mx = std::max(mx, P[t][j]);
+          }
+          for (int j = 0; j <= t; ++j) z += (P[t][j] = std::exp(P[t][j] - mx));
+          for (int j = 0; j <= t; ++j) P[t][j] /= z;
+          for (int x = 0; x < hs; ++x) {
+            double o = 0;
+            for (int j = 0; j <= t; ++j) o += r(P[t][j]) * r(qkv[at(j, 2, x)]);
+            eo[std::size_t(b * T + t) * C + h * hs + x] = o;
+          }
+        }
+        auto dout_at = [&](int t, int x) { return r(dout[std::size_t(b * T + t) * C + h * hs + x]); };
+        for (int t = 0; t < T; ++t) {
+          Vec dp(t + 1, 0.0);
+          double dot = 0;
+          for (int j = 0; j <= t; ++j) {
+            for (int x = 0; x < hs; ++x) dp[j] += dout_at(t, x) * r(qkv[at(j, 2, x)]);
+            dot += P[t][j] * dp[j];
+          }
+          for (int j = 0; j <= t; ++j) dS[t][j] = P[t][j] * (dp[j] - dot);
+        }
+        for (int t = 0; t < T; ++t)
+          for (int x = 0; x < hs; ++x)
+            for (int j = 0; j <= t; ++j) {
+              edqkv[at(t, 0, x)] += scale * r(dS[t][j]) * r(qkv[at(j, 1, x)]);  // dq
+              edqkv[at(j, 1, x)] += scale * r(dS[t][j]) * r(qkv[at(t, 0, x)]);  // dk
+              edqkv[at(j, 2, x)] += r(P[t][j]) * dout_at(t, x);                 // dv
+            }
+      }
+    const double go = rel_gap(out, eo), gd = rel_gap(dqkv, edqkv);
+    std::printf("bf16 attention against the float64 replay %s: out %.3g, dqkv %.3g\n",
+                round ? "with its roundings" : "without roundings", go, gd);
+    if (round) {
+      EXPECT_LT(go, 1e-4);
+      EXPECT_LT(gd, 1e-4);
+    } else {  // the bf16 effect: what the rounded replay explains
+      EXPECT_GT(go, 1e-3);
+      EXPECT_GT(gd, 1e-3);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // GELU
 
