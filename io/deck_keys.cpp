@@ -71,16 +71,17 @@ void add_core_keys(DeckSchema& schema) {
                        "dropped (they pass through the residual, counted); 0 = dropless"));
   schema.add(
       bool_key("model.recompute", "false", "recompute each block's activations in backward instead of keeping them"));
-  schema.add(choice_key("model.attention", "unfused", {"unfused", "flash", "cudnn", "auto"},
-                        "attention kernels: unfused (scores and probabilities [T,T] per head in memory, "
-                        "products with bf16 operands in a bf16 run on the host, else fp32), flash (fused, "
-                        "FlashAttention-2's tiling: saves "
-                        "each row's log-sum-exp instead of the probabilities and recomputes them in backward; "
-                        "q, k, v, probabilities and their gradients as bf16 operands, fp32 softmax and "
-                        "accumulation; head sizes 16, 32, 64, 128; the same arithmetic on the host and cuda "
-                        "back ends), cudnn (cuDNN's fused flash attention on a CUDA device: the same contract "
-                        "as flash, bf16 operands, its own kernels) or auto (cudnn where the device and shape "
-                        "allow, else flash on a device, else unfused; the banner says which and why)"));
+  schema.add(choice_key(
+      "model.attention", "unfused", {"unfused", "flash", "cudnn", "auto"},
+      "attention kernels: unfused (scores and probabilities [T,T] per head in memory, "
+      "products with bf16 operands in a bf16 run on the host back end or under cp, else fp32), flash (fused, "
+      "FlashAttention-2's tiling: saves "
+      "each row's log-sum-exp instead of the probabilities and recomputes them in backward; "
+      "q, k, v, probabilities and their gradients as bf16 operands, fp32 softmax and "
+      "accumulation; head sizes 16, 32, 64, 128; the same arithmetic on the host and cuda "
+      "back ends), cudnn (cuDNN's fused flash attention on a CUDA device: the same contract "
+      "as flash, bf16 operands, its own kernels) or auto (cudnn where the device and shape "
+      "allow, else flash on a device, else unfused; the banner says which and why)"));
   schema.add(string_key("model.init_from", "",
                         "start from these weights instead of a random initialisation: an llm.c model file "
                         "(.bin, as llm.c's train_gpt2.py writes; `loom ckpt llmc` writes one from a checkpoint), "

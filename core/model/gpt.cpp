@@ -384,8 +384,11 @@ GPT::GPT(const GPTConfig& cfg, Backend& backend, int max_rows, Partition* partit
   // Activations, sized by activation_sizes (what `loom plan` predicts with, too).
   geom_ = {cfg_, tp_, sp_, max_rows_, mm16_, be_.space(), ctx_->size(), ep_->size()};
   const ActivationSizes a = activation_sizes(cfg_, tp_, sp_, stage_, max_rows_, mm16_, ctx_->size(), ep_->size());
+  // The ring rounds its blocks' operands to bf16 for flash, and for unfused in a bf16 run (as the host's
+  // unfused kernels do at one rank).
   if (ctx_->size() > 1)
-    ctx_->prepare(be_, max_rows_, T_, cfg_.d_model / tp_, cfg_.heads / tp_, cfg_.flash_attention, mm16_ != DType::f32);
+    ctx_->prepare(be_, max_rows_, T_, cfg_.d_model / tp_, cfg_.heads / tp_,
+                  cfg_.flash_attention || mm16_ == DType::bf16, mm16_ != DType::f32);
   residual0_ = a.residual_first;
   acts0_ = a.block_first;
   if (cfg_.experts > 0) {

@@ -735,6 +735,37 @@ void check_fused_casts(DType type) {
 TEST(Backend, Bf16OutputsOfFusedProducersAreTheirFp32OutputsCast) { check_fused_casts<bf16>(DType::bf16); }
 TEST(Backend, Fp16OutputsOfFusedProducersAreTheirFp32OutputsCast) { check_fused_casts<f16>(DType::f16); }
 
+// A bf16 run's unfused attention through the back end is kernels::attention_*_bf16 bit for bit (its
+// operands rounded in the back end's slots), an fp32 run's the fp32 kernels', and fp16 keeps fp32.
+TEST(Backend, UnfusedAttentionTakesBf16OperandsInABf16Run) {
+  const int B = 2, T = 24, C = 32, NH = 2;
+  const std::int64_t NC = std::int64_t(B) * T * C, BTT = std::int64_t(B) * NH * T * T, TT = std::int64_t(T) * T;
+  const auto qkv = as<float>(randn(3 * NC, 61, 1.5)), dout = as<float>(randn(NC, 62));
+  auto run = [&](DType precision, std::vector<float>& out, std::vector<float>& dqkv) {
+    auto be = host();
+    if (precision != DType::f32) be->set_precision({precision});
+    std::vector<float> att(BTT), datt(TT);
+    out.assign(NC, 0.0f);
+    dqkv.assign(3 * NC, 0.0f);
+    be->attention_forward(buf(out), buf(att), buf(qkv), B, T, C, NH);
+    be->attention_backward(buf(dqkv), buf(datt), buf(dout), buf(qkv), buf(att), B, T, C, NH);
+  };
+  std::vector<float> out16, dqkv16, out32, dqkv32, outh, dqkvh;
+  run(DType::bf16, out16, dqkv16);
+  run(DType::f32, out32, dqkv32);
+  run(DType::f16, outh, dqkvh);
+  std::vector<float> att(BTT), datt(TT), want_out(NC), want_dqkv(3 * NC);
+  std::vector<bf16> qkv16(3 * NC), dout16(NC), p16(2 * TT);
+  loom::kernels::attention_forward_bf16(want_out.data(), att.data(), qkv.data(), qkv16.data(), p16.data(), B, T, C, NH);
+  loom::kernels::attention_backward_bf16(want_dqkv.data(), datt.data(), dout.data(), qkv.data(), att.data(),
+                                         qkv16.data(), dout16.data(), p16.data(), B, T, C, NH);
+  EXPECT_EQ(0, std::memcmp(out16.data(), want_out.data(), NC * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dqkv16.data(), want_dqkv.data(), 3 * NC * sizeof(float)));
+  EXPECT_NE(0, std::memcmp(out16.data(), out32.data(), NC * sizeof(float)));  // the rounding shows
+  EXPECT_EQ(0, std::memcmp(outh.data(), out32.data(), NC * sizeof(float)));   // fp16: fp32 attention
+  EXPECT_EQ(0, std::memcmp(dqkvh.data(), dqkv32.data(), 3 * NC * sizeof(float)));
+}
+
 TEST(Backend, PrecisionRefusesNon16BitTypes) {
   auto be = host();
   EXPECT_THROW(be->set_precision({DType::i8}), std::invalid_argument);
