@@ -117,22 +117,16 @@ class _RoundedOperandsBmm(torch.autograd.Function):
         return ctx.alpha * torch.bmm(dyr, br.transpose(1, 2)), ctx.alpha * torch.bmm(ar.transpose(1, 2), dyr), None, None
 
 
-def bmm(a, b, alpha=1.0, operand_dtype=None):
-    """alpha * a @ b over a batch; with operand_dtype, loom's rounded-operand product."""
-    if operand_dtype is None:
-        return alpha * torch.bmm(a, b) if alpha != 1.0 else torch.bmm(a, b)
-    return _RoundedOperandsBmm.apply(a, b, alpha, operand_dtype)
-
-
 def causal_attention(q, k, v, mask_add, operand_dtype=None):
-    """softmax(q k^T / sqrt(hs) + mask) v over [batch, T, hs] tensors, the two products through bmm:
-    plain (the score product fused with the mask by baddbmm), or with loom's rounded operands."""
+    """softmax(q k^T / sqrt(hs) + mask) v over [batch, T, hs] tensors: plain (the score product fused
+    with the mask by baddbmm), or with loom's rounded operands in both products."""
     T, hs = q.shape[1], q.shape[2]
     if operand_dtype is None:
         att = torch.baddbmm(mask_add[:T, :T], q, k.transpose(1, 2), alpha=1.0 / math.sqrt(hs))
-    else:
-        att = mask_add[:T, :T] + bmm(q, k.transpose(1, 2), 1.0 / math.sqrt(hs), operand_dtype)
-    return bmm(F.softmax(att, dim=-1), v, 1.0, operand_dtype)
+        return torch.bmm(F.softmax(att, dim=-1), v)
+    rounded = _RoundedOperandsBmm.apply
+    att = mask_add[:T, :T] + rounded(q, k.transpose(1, 2), 1.0 / math.sqrt(hs), operand_dtype)
+    return rounded(F.softmax(att, dim=-1), v, 1.0, operand_dtype)
 
 
 def linear(x, weight, bias=None, operand_dtype=None):
